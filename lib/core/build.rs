@@ -1,0 +1,68 @@
+//! Compiles the C++ autograd shim (csrc/) against the libtorch that tch-rs links, checks that
+//! libtorch is the 2.11 series, and passes its location on to binary crates.
+
+#[path = "build/link_args.rs"]
+mod link_args;
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+const SUPPORTED_TORCH_SERIES: &str = "2.11.";
+
+fn main() {
+    println!("cargo:rerun-if-changed=csrc/shim.cpp");
+    println!("cargo:rerun-if-changed=csrc/shim.h");
+    println!("cargo:rerun-if-changed=build/link_args.rs");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+
+    let lib_dir = PathBuf::from(
+        env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports the libtorch lib directory"),
+    );
+    let root = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    check_torch_version(&root);
+
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .std("c++17")
+        .include(root.join("include"))
+        .include(root.join("include/torch/csrc/api/include"))
+        .define(
+            "_GLIBCXX_USE_CXX11_ABI",
+            env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into()).as_str(),
+        )
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        // libtorch's headers are not warning-clean; the shim itself is small and reviewed.
+        .warnings(false)
+        .file("csrc/shim.cpp")
+        .compile("megatron_shim");
+
+    println!("cargo:libtorch_lib={}", lib_dir.display());
+    link_args::emit(&lib_dir);
+}
+
+/// The libtorch version from a python wheel (`version.py`) or a C++ distribution
+/// (`build-version`). torch-sys only checks the latter, and a mismatched libtorch otherwise
+/// surfaces as hundreds of undefined symbols.
+fn check_torch_version(root: &Path) {
+    let version = fs::read_to_string(root.join("build-version"))
+        .ok()
+        .or_else(|| {
+            let py = fs::read_to_string(root.join("version.py")).ok()?;
+            let line = py.lines().find(|l| l.starts_with("__version__"))?;
+            Some(line.split('\'').nth(1)?.to_string())
+        });
+    match version {
+        Some(v) if v.trim().starts_with(SUPPORTED_TORCH_SERIES) => {}
+        Some(v) => panic!(
+            "megatron-rs needs libtorch {SUPPORTED_TORCH_SERIES}x but {} is {}; run scripts/setup.sh",
+            root.display(),
+            v.trim()
+        ),
+        None => println!(
+            "cargo:warning=could not read the libtorch version under {}",
+            root.display()
+        ),
+    }
+}

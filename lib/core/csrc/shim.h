@@ -1,0 +1,74 @@
+// C ABI of the megatron-rs autograd shim. Tensors cross the boundary as `at::Tensor*`,
+// the same representation tch-rs uses for its `C_tensor` (torch::Tensor is at::Tensor), so Rust can wrap them directly.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+#include <ATen/core/Tensor.h>
+typedef at::Tensor* mrs_tensor;
+extern "C" {
+#else
+typedef void* mrs_tensor;
+#endif
+
+// Collects what a Rust callback produces: output tensors, tensors saved for backward, and an
+// error message when the callback fails.
+typedef struct mrs_sink mrs_sink;
+
+enum mrs_sink_slot {
+  MRS_SINK_OUTPUT = 0,  // forward outputs, or backward's gradients (one per forward input)
+  MRS_SINK_SAVED = 1,   // tensors saved for backward (ctx->save_for_backward)
+};
+
+// Pushes a tensor (copied by reference count); a null tensor pushes an undefined tensor, which in
+// backward means "no gradient for this input".
+void mrs_sink_push(mrs_sink* sink, int slot, const mrs_tensor tensor);
+void mrs_sink_set_error(mrs_sink* sink, const char* message);
+
+// The Rust side of a custom autograd function. Tensors handed to a callback are newly
+// allocated handles that the callback owns. A callback returns 0 on success; on failure it
+// sets the sink's error and returns non-zero.
+typedef struct {
+  int (*forward)(void* state, const mrs_tensor* inputs, size_t n_inputs, mrs_sink* sink);
+  int (*backward)(void* state, const mrs_tensor* grad_outputs, size_t n_grads,
+                  const mrs_tensor* saved, size_t n_saved, mrs_sink* sink);
+  void (*drop)(void* state);
+} mrs_function_vtable;
+
+// Every entry point returns NULL on success or a malloc'd error message that the caller frees
+// with mrs_free_string.
+void mrs_free_string(char* string);
+
+// Applies a custom function. Ownership of `state` passes to the autograd graph: `vtable->drop`
+// runs exactly once, when the graph node is freed (or at once if applying fails). On success
+// `*outputs` is a malloc'd array of `*n_outputs` tensor handles owned by the caller; free the
+// array itself with mrs_free_array.
+char* mrs_function_apply(const mrs_function_vtable* vtable, void* state, const mrs_tensor* inputs,
+                         size_t n_inputs, mrs_tensor** outputs, size_t* n_outputs);
+void mrs_free_array(void* array);
+
+// torch::autograd::backward with explicit output gradients (null entries = implicit ones for
+// scalar outputs).
+char* mrs_backward(const mrs_tensor* tensors, const mrs_tensor* grad_tensors, size_t n,
+                   int retain_graph, int create_graph);
+
+// torch::autograd::grad: writes one handle per input to `grads_out` (null where unused and
+// allow_unused is set).
+char* mrs_grad(const mrs_tensor* outputs, const mrs_tensor* grad_outputs, size_t n_outputs,
+               const mrs_tensor* inputs, size_t n_inputs, int retain_graph, int create_graph,
+               int allow_unused, mrs_tensor* grads_out);
+
+// State of the default random generator of a device (device_index < 0: the CPU generator), as a
+// uint8 tensor, and restoring it. Used to replay dropout exactly when recomputing activations.
+char* mrs_rng_get_state(int device_index, mrs_tensor* state_out);
+char* mrs_rng_set_state(int device_index, const mrs_tensor state);
+
+// ATen's build configuration (compiler, CUDA, cuDNN, NCCL versions, CPU capability) as a
+// malloc'd string, freed with mrs_free_string.
+char* mrs_build_config(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,83 @@
+//! Declarations of the C ABI in csrc/shim.h.
+
+use std::os::raw::{c_char, c_int, c_void};
+use torch_sys::C_tensor;
+
+pub type TensorHandle = *mut C_tensor;
+
+/// Opaque C++ collector of callback results (`mrs_sink`).
+#[repr(C)]
+pub struct Sink {
+    _opaque: [u8; 0],
+}
+
+pub const SINK_OUTPUT: c_int = 0;
+pub const SINK_SAVED: c_int = 1;
+
+pub type ForwardCallback =
+    unsafe extern "C" fn(state: *mut c_void, inputs: *const TensorHandle, n: usize, sink: *mut Sink) -> c_int;
+pub type BackwardCallback = unsafe extern "C" fn(
+    state: *mut c_void,
+    grad_outputs: *const TensorHandle,
+    n_grads: usize,
+    saved: *const TensorHandle,
+    n_saved: usize,
+    sink: *mut Sink,
+) -> c_int;
+pub type DropCallback = unsafe extern "C" fn(state: *mut c_void);
+
+#[repr(C)]
+pub struct FunctionVtable {
+    pub forward: ForwardCallback,
+    pub backward: BackwardCallback,
+    pub drop: DropCallback,
+}
+
+extern "C" {
+    pub fn mrs_sink_push(sink: *mut Sink, slot: c_int, tensor: TensorHandle);
+    pub fn mrs_sink_set_error(sink: *mut Sink, message: *const c_char);
+    pub fn mrs_free_string(string: *mut c_char);
+    pub fn mrs_free_array(array: *mut c_void);
+    pub fn mrs_function_apply(
+        vtable: *const FunctionVtable,
+        state: *mut c_void,
+        inputs: *const TensorHandle,
+        n_inputs: usize,
+        outputs: *mut *mut TensorHandle,
+        n_outputs: *mut usize,
+    ) -> *mut c_char;
+    pub fn mrs_backward(
+        tensors: *const TensorHandle,
+        grad_tensors: *const TensorHandle,
+        n: usize,
+        retain_graph: c_int,
+        create_graph: c_int,
+    ) -> *mut c_char;
+    pub fn mrs_grad(
+        outputs: *const TensorHandle,
+        grad_outputs: *const TensorHandle,
+        n_outputs: usize,
+        inputs: *const TensorHandle,
+        n_inputs: usize,
+        retain_graph: c_int,
+        create_graph: c_int,
+        allow_unused: c_int,
+        grads_out: *mut TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_rng_get_state(device_index: c_int, state_out: *mut TensorHandle) -> *mut c_char;
+    pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
+    pub fn mrs_build_config() -> *mut c_char;
+}
+
+/// A borrowed tch tensor as a shim handle (the shim copies it by reference count).
+pub fn handle(tensor: &tch::Tensor) -> TensorHandle {
+    tensor.as_ptr() as TensorHandle
+}
+
+/// Takes ownership of handles the shim allocated for us.
+///
+/// # Safety
+/// `handles` must point to `n` handles allocated by the shim and not owned by anyone else.
+pub unsafe fn take_handles(handles: *const TensorHandle, n: usize) -> Vec<tch::Tensor> {
+    (0..n).map(|i| unsafe { tch::Tensor::from_ptr(*handles.add(i)) }).collect()
+}

@@ -1,0 +1,59 @@
+//! What the linked libtorch offers on this machine, and a self-test of the pieces training needs.
+
+pub mod self_test;
+
+use crate::autograd::ffi;
+use tch::{Cuda, Device};
+
+/// libtorch's own description of its build: compiler, CUDA, cuDNN and NCCL versions, CPU
+/// capability.
+pub fn build_config() -> String {
+    // SAFETY: returns a malloc'd NUL-terminated string that we free.
+    unsafe {
+        let raw = ffi::mrs_build_config();
+        let text = std::ffi::CStr::from_ptr(raw).to_string_lossy().into_owned();
+        ffi::mrs_free_string(raw);
+        text
+    }
+}
+
+/// The CUDA devices libtorch can use, in index order (empty on a CPU-only machine).
+pub fn cuda_devices() -> Vec<Device> {
+    if !Cuda::is_available() {
+        return Vec::new();
+    }
+    (0..Cuda::device_count() as usize).map(Device::Cuda).collect()
+}
+
+/// The device to run on by default: the first GPU when there is one, else the CPU.
+pub fn default_device() -> Device {
+    cuda_devices().first().copied().unwrap_or(Device::Cpu)
+}
+
+/// Path of a shared library this process has loaded whose file name starts with `name`
+/// (e.g. `libnccl.so`), read from /proc/self/maps. Shows which libtorch and NCCL a binary
+/// really runs with, whatever LD_LIBRARY_PATH and rpath say.
+pub fn loaded_library(name: &str) -> Option<std::path::PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| {
+            std::path::Path::new(path)
+                .file_name()
+                .and_then(|f| f.to_str())
+                .is_some_and(|f| f.starts_with(name))
+        })
+        .map(std::path::PathBuf::from)
+}
+
+/// Version of the libtorch this process runs with, read next to the loaded `libtorch_cpu.so`
+/// (`version.py` of a python wheel, `build-version` of a C++ distribution).
+pub fn libtorch_version() -> Option<String> {
+    let root = loaded_library("libtorch_cpu.so")?.parent()?.parent()?.to_path_buf();
+    if let Ok(version) = std::fs::read_to_string(root.join("build-version")) {
+        return Some(version.trim().to_string());
+    }
+    let py = std::fs::read_to_string(root.join("version.py")).ok()?;
+    let line = py.lines().find(|l| l.starts_with("__version__"))?;
+    Some(line.split('\'').nth(1)?.to_string())
+}

@@ -1,0 +1,62 @@
+//! Helpers for end-to-end tests: locate the workspace's built binaries and the shared
+//! reference material, and run binaries the way a user would.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The workspace root (the directory holding the top-level Cargo.toml).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives inside the workspace")
+        .to_path_buf()
+}
+
+/// `../shared` beside the checkout: vocabularies, corpora and Megatron goldens, read in place.
+pub fn shared_dir() -> PathBuf {
+    let dir = std::env::var_os("MEGATRON_RS_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("../shared"));
+    assert!(
+        dir.is_dir(),
+        "reference material not found at {} (set MEGATRON_RS_SHARED)",
+        dir.display()
+    );
+    dir
+}
+
+/// Path of a workspace binary built in the same profile as the running test.
+/// `scripts/test.sh` builds every binary before the tests run.
+pub fn bin_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test-exe> -> target/<profile>/<name>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable sits in target/<profile>/deps");
+    let path = profile_dir.join(name);
+    assert!(
+        path.is_file(),
+        "binary {} not built; run `cargo build --workspace --bins` (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+/// A command for a workspace binary.
+pub fn bin(name: &str) -> Command {
+    Command::new(bin_path(name))
+}
+
+/// Runs a command and returns its output, failing the test with stderr if it did not succeed.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("failed to start {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
