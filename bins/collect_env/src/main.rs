@@ -1,6 +1,7 @@
 //! `collect_env`: what this machine offers megatron-rs (like `python -m torch.utils.collect_env`),
 //! and with `--self-test` a check that every device runs bf16 matmul, SDPA and the autograd shim.
 
+use anyhow::ensure;
 use clap::Parser;
 use megatron_core::runtime::{self, self_test};
 use std::process::ExitCode;
@@ -20,6 +21,10 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    megatron_cli::run(|| report(&args))
+}
+
+fn report(args: &Args) -> anyhow::Result<()> {
     let gpus = runtime::cuda_devices();
     let location = |name: &str| {
         runtime::loaded_library(name).map_or_else(|| "not loaded".to_string(), |p| p.display().to_string())
@@ -38,7 +43,7 @@ fn main() -> ExitCode {
         println!("libtorch build configuration:\n{}", runtime::build_config());
     }
     if !args.self_test {
-        return ExitCode::SUCCESS;
+        return Ok(());
     }
 
     let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(gpus).collect();
@@ -62,5 +67,6 @@ fn main() -> ExitCode {
         }
     }
     println!("self-test: {passed} passed, {failed} failed on {} device(s)", devices.len());
-    if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    ensure!(failed == 0, "{failed} self-test check(s) failed");
+    Ok(())
 }

@@ -1,0 +1,84 @@
+//! Conventions every megatron-rs binary follows, so that scripts can rely on them:
+//!
+//! * exit code 0 on success, 1 on a runtime error, 2 on a usage error (clap's own code for bad
+//!   flags, which every binary parses with clap);
+//! * a runtime error prints one `error: ...` line to stderr with its whole context chain, e.g.
+//!   `error: reading corpus.jsonl: line 12: missing key "text"`;
+//! * writing into a closed pipe (`| head`) ends the program quietly, like other Unix tools;
+//! * long work draws an indicatif progress bar on stderr (only when stderr is a terminal) and ends
+//!   with a one-line summary on stdout.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Exit code of a runtime error.
+pub const EXIT_RUNTIME_ERROR: u8 = 1;
+
+/// Runs a binary's body and turns its outcome into the exit code and message convention.
+pub fn run(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
+    restore_default_sigpipe();
+    match body() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(EXIT_RUNTIME_ERROR)
+        }
+    }
+}
+
+/// Rust ignores SIGPIPE, which turns `tool | head` into a panic on the next print; the default
+/// action ends the process quietly as shell pipelines expect.
+fn restore_default_sigpipe() {
+    // SAFETY: setting a signal disposition to its default has no preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+/// A progress bar over `total` units of work (`unit` names them, e.g. "docs"), with rate and ETA.
+pub fn progress_bar(total: u64, unit: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{elapsed_precise}} [{{wide_bar}}] {{human_pos}}/{{human_len}} {unit} ({{per_sec}}, ETA {{eta}}) {{msg}}"
+        ))
+        .expect("static template is valid")
+        .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// A spinner for work of unknown size (a stream from stdin, say), counting `unit`s with their rate.
+pub fn spinner(unit: &str) -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template(&format!("{{spinner}} {{elapsed_precise}} {{human_pos}} {unit} ({{per_sec}}) {{msg}}"))
+            .expect("static template is valid"),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runtime_errors_exit_with_one() {
+        assert_eq!(run(|| Ok(())), ExitCode::SUCCESS);
+        assert_eq!(run(|| anyhow::bail!("disk full")), ExitCode::from(1));
+    }
+
+    #[test]
+    fn bars_count_their_work() {
+        let bar = progress_bar(10, "docs");
+        bar.inc(4);
+        assert_eq!(bar.position(), 4);
+        assert_eq!(bar.length(), Some(10));
+        let spin = spinner("docs");
+        spin.inc(3);
+        assert_eq!(spin.position(), 3);
+    }
+}
