@@ -5,8 +5,16 @@ use anyhow::Result;
 use megatron_core::autograd::{self, gradcheck::gradcheck, CustomFunction, SavedTensors};
 use megatron_core::rng::RngSnapshot;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use tch::{Device, Kind, Tensor};
+
+/// libtorch's default generator is process-global and the test harness runs tests on parallel
+/// threads: a test drawing random numbers would shift another's dropout replay. Every test here
+/// holds this lock.
+fn serial() -> MutexGuard<'static, ()> {
+    static GENERATOR: Mutex<()> = Mutex::new(());
+    GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn input(shape: &[i64]) -> Tensor {
     Tensor::randn(shape, (Kind::Double, Device::Cpu)).set_requires_grad(true)
@@ -60,6 +68,7 @@ impl CustomFunction for CopyToRegion {
 
 #[test]
 fn custom_function_gradient_matches_finite_differences() -> Result<()> {
+    let _serial = serial();
     tch::manual_seed(0);
     let x = input(&[3, 4]);
     let y = &autograd::apply(XSinX, &[&x])?[0];
@@ -69,6 +78,7 @@ fn custom_function_gradient_matches_finite_differences() -> Result<()> {
 
 #[test]
 fn several_inputs_and_outputs_match_finite_differences() -> Result<()> {
+    let _serial = serial();
     tch::manual_seed(1);
     let inputs = [input(&[5]), input(&[5])];
     gradcheck(|xs| Ok(autograd::apply(ProductAndSum, &[&xs[0], &xs[1]])?), &inputs, 1e-6, 1e-7, 1e-6)
@@ -76,6 +86,7 @@ fn several_inputs_and_outputs_match_finite_differences() -> Result<()> {
 
 #[test]
 fn gradcheck_rejects_a_wrong_backward() {
+    let _serial = serial();
     struct WrongBackward;
     impl CustomFunction for WrongBackward {
         fn forward(&mut self, inputs: &[Tensor], _: &mut SavedTensors) -> Result<Vec<Tensor>> {
@@ -93,6 +104,7 @@ fn gradcheck_rejects_a_wrong_backward() {
 
 #[test]
 fn region_backward_reaches_earlier_layers_through_the_graph() -> Result<()> {
+    let _serial = serial();
     tch::manual_seed(3);
     let w = input(&[4, 4]);
     let x = Tensor::randn([2, 4], (Kind::Double, Device::Cpu));
@@ -107,6 +119,7 @@ fn region_backward_reaches_earlier_layers_through_the_graph() -> Result<()> {
 
 #[test]
 fn backward_with_explicit_output_gradient_accumulates_into_leaves() -> Result<()> {
+    let _serial = serial();
     tch::manual_seed(4);
     let w = input(&[3, 5]);
     let x = Tensor::randn([5, 2], (Kind::Double, Device::Cpu));
@@ -122,6 +135,7 @@ fn backward_with_explicit_output_gradient_accumulates_into_leaves() -> Result<()
 
 #[test]
 fn grad_reports_unused_inputs_as_none() -> Result<()> {
+    let _serial = serial();
     let a = input(&[3]);
     let unused = input(&[3]);
     let y = a.square();
@@ -133,6 +147,7 @@ fn grad_reports_unused_inputs_as_none() -> Result<()> {
 
 #[test]
 fn callback_errors_and_panics_become_errors() {
+    let _serial = serial();
     struct Failing {
         panic: bool,
     }
@@ -157,6 +172,7 @@ fn callback_errors_and_panics_become_errors() {
 
 #[test]
 fn wrong_gradient_count_is_an_error() {
+    let _serial = serial();
     struct TooFew;
     impl CustomFunction for TooFew {
         fn forward(&mut self, inputs: &[Tensor], _: &mut SavedTensors) -> Result<Vec<Tensor>> {
@@ -174,6 +190,7 @@ fn wrong_gradient_count_is_an_error() {
 
 #[test]
 fn rust_state_is_dropped_exactly_once_when_the_graph_goes() -> Result<()> {
+    let _serial = serial();
     struct Counted(Arc<AtomicUsize>);
     impl Drop for Counted {
         fn drop(&mut self) {
@@ -204,6 +221,7 @@ fn rust_state_is_dropped_exactly_once_when_the_graph_goes() -> Result<()> {
 
 #[test]
 fn checkpoint_gives_the_gradients_of_the_plain_block_dropout_included() -> Result<()> {
+    let _serial = serial();
     let w1 = input(&[6, 8]);
     let w2 = input(&[8, 6]);
     let x = Tensor::randn([4, 6], (Kind::Double, Device::Cpu)).set_requires_grad(true);
@@ -239,6 +257,7 @@ fn checkpoint_gives_the_gradients_of_the_plain_block_dropout_included() -> Resul
 
 #[test]
 fn rng_snapshot_replays_random_numbers() -> Result<()> {
+    let _serial = serial();
     tch::manual_seed(7);
     let snapshot = RngSnapshot::capture([Device::Cpu])?;
     let first = Tensor::rand([16], (Kind::Float, Device::Cpu));

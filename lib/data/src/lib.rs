@@ -6,3 +6,6 @@ pub mod indexed;
 pub mod blend;
 pub mod gpt;
 pub mod openwebtext;
+pub mod tokenizer;
+pub mod sentence;
+pub mod preprocess;

@@ -1,0 +1,16 @@
+//! Blending several datasets by weight: `--data-path` parsing, per-member sample budgets,
+//! blending indices, the blended dataset and the per-split builder.
+
+mod budget;
+mod builder;
+mod data_path;
+mod dataset;
+mod indices;
+mod weights;
+
+pub use budget::samples_per_dataset;
+pub use builder::{build_gpt_datasets, DataSources, OpenSource, SplitDataset};
+pub use data_path::Blend;
+pub use dataset::{BlendWeights, BlendedDataset};
+pub use indices::{build_blending_indices, build_exhaustive_blending_indices, BlendingIndices};
+pub use weights::{normalize, numpy_sum};

@@ -1,0 +1,41 @@
+use std::path::PathBuf;
+
+/// Why an indexed dataset could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a Megatron index file: {reason}")]
+    Foreign { path: PathBuf, reason: String },
+    #[error("{path}: unsupported index version {version} (only version 1 exists)")]
+    Version { path: PathBuf, version: u64 },
+    #[error("unknown dtype code {0} (valid codes are 1..=8)")]
+    UnknownDType(u8),
+    #[error("{path}: corrupt index: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("{path}: size mismatch: {reason}")]
+    Size { path: PathBuf, reason: String },
+    #[error("token id {value} does not fit the dataset dtype {dtype}")]
+    TokenOutOfRange { value: i64, dtype: super::DType },
+    #[error("cannot append {other}: its dtype {found} differs from {expected}")]
+    DTypeMismatch {
+        other: PathBuf,
+        expected: super::DType,
+        found: super::DType,
+    },
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl IndexError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        IndexError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

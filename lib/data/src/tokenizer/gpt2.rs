@@ -1,0 +1,270 @@
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::path::Path;
+use std::sync::Mutex;
+
+use regex::Regex;
+
+use super::{Tokenizer, TokenizerError};
+
+/// GPT-2's pre-tokenization pattern without its `\s+(?!\S)` look-ahead branch, which the
+/// `regex` crate cannot express; `Gpt2Bpe::pieces` restores that branch's effect.
+const PRETOKENIZE: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+const CACHE_SHARDS: usize = 64;
+const CACHE_SHARD_LIMIT: usize = 1 << 14;
+
+/// Megatron's legacy `GPT2BPETokenizer`: byte-level BPE from `vocab.json` + `merges.txt`.
+pub struct Gpt2Bpe {
+    pattern: Regex,
+    /// Internal symbol id of each byte's printable stand-in character.
+    byte_symbol: [u32; 256],
+    /// (left, right) symbol pair -> (merge rank, merged symbol).
+    merges: HashMap<(u32, u32), (u32, u32)>,
+    /// Vocabulary id of each internal symbol (0 when the vocabulary lacks it, as Megatron does).
+    symbol_token: Vec<u32>,
+    vocab_size: usize,
+    eod: u32,
+    cache: Vec<Mutex<HashMap<String, Vec<u32>>>>,
+}
+
+/// GPT-2's reversible map from bytes to printable characters.
+fn bytes_to_unicode() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut extra = 0u32;
+    for b in 0..=255u32 {
+        let printable =
+            (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+        table[b as usize] = if printable {
+            char::from_u32(b).unwrap()
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra).unwrap()
+        };
+    }
+    table
+}
+
+struct Interner {
+    ids: HashMap<String, u32>,
+    names: Vec<String>,
+}
+
+impl Interner {
+    fn id(&mut self, s: &str) -> u32 {
+        if let Some(&id) = self.ids.get(s) {
+            return id;
+        }
+        let id = self.names.len() as u32;
+        self.ids.insert(s.to_string(), id);
+        self.names.push(s.to_string());
+        id
+    }
+}
+
+impl Gpt2Bpe {
+    pub fn from_files(vocab_file: &Path, merge_file: &Path) -> Result<Self, TokenizerError> {
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|e| TokenizerError::File {
+                path: p.into(),
+                reason: e.to_string(),
+            })
+        };
+        let vocab: HashMap<String, u32> =
+            serde_json::from_str(&read(vocab_file)?).map_err(|e| TokenizerError::File {
+                path: vocab_file.into(),
+                reason: format!("not a JSON object of token -> id: {e}"),
+            })?;
+        Self::new(vocab, &read(merge_file)?).map_err(|reason| TokenizerError::File {
+            path: vocab_file.into(),
+            reason,
+        })
+    }
+
+    /// `merges` is the merges file's text. Like Megatron, the first line (the version header)
+    /// and the last line (expected to be empty, after the final newline) are skipped.
+    pub fn new(vocab: HashMap<String, u32>, merges: &str) -> Result<Self, String> {
+        let eod = *vocab
+            .get("<|endoftext|>")
+            .ok_or("the vocabulary has no <|endoftext|> token")?;
+        let mut interner = Interner {
+            ids: HashMap::new(),
+            names: Vec::new(),
+        };
+        let byte_chars = bytes_to_unicode();
+        let mut byte_symbol = [0u32; 256];
+        for (b, c) in byte_chars.iter().enumerate() {
+            byte_symbol[b] = interner.id(&c.to_string());
+        }
+        let lines: Vec<&str> = merges.split('\n').collect();
+        let body = if lines.len() >= 2 {
+            &lines[1..lines.len() - 1]
+        } else {
+            &[][..]
+        };
+        let mut merge_map = HashMap::new();
+        for (rank, line) in body.iter().enumerate() {
+            let parts: Vec<&str> = line.split_whitespace().collect();
+            if let [left, right] = parts[..] {
+                let pair = (interner.id(left), interner.id(right));
+                let merged = interner.id(&format!("{left}{right}"));
+                merge_map.insert(pair, (rank as u32, merged));
+            }
+        }
+        let symbol_token = interner
+            .names
+            .iter()
+            .map(|s| vocab.get(s).copied().unwrap_or(0))
+            .collect();
+        Ok(Gpt2Bpe {
+            pattern: Regex::new(PRETOKENIZE).expect("valid pattern"),
+            byte_symbol,
+            merges: merge_map,
+            symbol_token,
+            vocab_size: vocab.len(),
+            eod,
+            cache: (0..CACHE_SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+        })
+    }
+
+    /// Splits text exactly like GPT-2's pattern, including `\s+(?!\S)`: a whitespace run
+    /// followed by text gives up its last character, which then starts the next piece.
+    fn pieces<'t>(&self, text: &'t str, mut emit: impl FnMut(&'t str)) {
+        let mut pos = 0;
+        while let Some(m) = self.pattern.find_at(text, pos) {
+            let piece = m.as_str();
+            let is_space_run = piece.chars().next().is_some_and(char::is_whitespace)
+                && m.end() < text.len()
+                && !piece.chars().any(|c| !c.is_whitespace());
+            if is_space_run && piece.chars().count() > 1 {
+                let last = piece.char_indices().last().unwrap().0;
+                emit(&piece[..last]);
+                pos = m.start() + last;
+            } else {
+                emit(piece);
+                pos = m.end();
+            }
+        }
+    }
+
+    fn bpe(&self, piece: &str, out: &mut Vec<u32>) {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        piece.hash(&mut hasher);
+        let shard = &self.cache[hasher.finish() as usize % CACHE_SHARDS];
+        if let Some(ids) = shard.lock().unwrap().get(piece) {
+            out.extend_from_slice(ids);
+            return;
+        }
+        let mut word: Vec<u32> = piece
+            .bytes()
+            .map(|b| self.byte_symbol[b as usize])
+            .collect();
+        while word.len() > 1 {
+            let best = word
+                .windows(2)
+                .filter_map(|w| {
+                    self.merges
+                        .get(&(w[0], w[1]))
+                        .map(|&(rank, merged)| (rank, w[0], w[1], merged))
+                })
+                .min_by_key(|&(rank, ..)| rank);
+            let Some((_, left, right, merged)) = best else {
+                break;
+            };
+            let mut next = Vec::with_capacity(word.len());
+            let mut i = 0;
+            while i < word.len() {
+                if i + 1 < word.len() && word[i] == left && word[i + 1] == right {
+                    next.push(merged);
+                    i += 2;
+                } else {
+                    next.push(word[i]);
+                    i += 1;
+                }
+            }
+            word = next;
+        }
+        let ids: Vec<u32> = word
+            .iter()
+            .map(|&s| self.symbol_token[s as usize])
+            .collect();
+        out.extend_from_slice(&ids);
+        let mut shard = shard.lock().unwrap();
+        if shard.len() >= CACHE_SHARD_LIMIT {
+            shard.clear();
+        }
+        shard.insert(piece.to_string(), ids);
+    }
+}
+
+impl Tokenizer for Gpt2Bpe {
+    fn tokenize_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+        self.pieces(text, |piece| self.bpe(piece, out));
+        Ok(())
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn eod(&self) -> Option<u32> {
+        Some(self.eod)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces(text: &str) -> Vec<String> {
+        let vocab = HashMap::from([("<|endoftext|>".to_string(), 0)]);
+        let t = Gpt2Bpe::new(vocab, "#version\n\n").unwrap();
+        let mut v = Vec::new();
+        t.pieces(text, |p| v.push(p.to_string()));
+        v
+    }
+
+    #[test]
+    fn pretokenizer_reproduces_the_lookahead_branch() {
+        assert_eq!(pieces("Hello   world"), ["Hello", "  ", " world"]);
+        assert_eq!(pieces("a\n\nb"), ["a", "\n", "\n", "b"]);
+        assert_eq!(pieces("a \nb"), ["a", " ", "\n", "b"]);
+        assert_eq!(pieces("end  "), ["end", "  "]);
+        assert_eq!(pieces("it's 42!"), ["it", "'s", " 42", "!"]);
+        assert_eq!(pieces("x  's"), ["x", " ", " '", "s"]);
+    }
+
+    #[test]
+    fn byte_table_is_a_bijection_onto_printables() {
+        let t = bytes_to_unicode();
+        assert_eq!(t[b'!' as usize], '!');
+        assert_eq!(t[b' ' as usize], 'Ġ');
+        assert_eq!(t[b'\n' as usize], 'Ċ');
+        let distinct: std::collections::HashSet<char> = t.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
+    }
+}
+
+#[cfg(test)]
+mod vocabulary_tests {
+    use super::*;
+
+    #[test]
+    fn megatron_reference_ids() {
+        let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
+        let t = Gpt2Bpe::from_files(
+            &shared.join("gpt2-vocab.json"),
+            &shared.join("gpt2-merges.txt"),
+        )
+        .unwrap();
+        // The ids Megatron's tokenizer unit test expects for this text.
+        assert_eq!(
+            t.tokenize("hi how are you?").unwrap(),
+            [5303, 703, 389, 345, 30]
+        );
+        assert_eq!((t.vocab_size(), t.eod()), (50257, Some(50256)));
+        // <|endoftext|> inside text is ordinary text for the classic tokenizer.
+        assert_ne!(t.tokenize("<|endoftext|>").unwrap(), [50256]);
+    }
+}

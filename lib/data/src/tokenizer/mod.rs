@@ -1,0 +1,50 @@
+//! Tokenizers behind one trait, with the ids Megatron's classic (pre-2026) tokenizers produce.
+//!
+//! GPT-2 BPE and BERT WordPiece are implemented here so that their legacy quirks (merges-file
+//! parsing, unknown-id fallback, BERT's added `[BOS]`/`[EOS]`) match Megatron exactly;
+//! `HuggingFaceTokenizer` loads any `tokenizer.json` through the `tokenizers` crate.
+
+mod bert;
+mod build;
+mod gpt2;
+mod huggingface;
+mod null;
+
+pub use bert::BertWordPiece;
+pub use build::{build_tokenizer, TokenizerConfig, TokenizerType};
+pub use gpt2::Gpt2Bpe;
+pub use huggingface::HuggingFace;
+pub use null::NullTokenizer;
+
+/// Why a tokenizer could not be built or could not encode a text.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("{path}: {reason}")]
+    File {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Encode(String),
+}
+
+/// Turns text into token ids.
+pub trait Tokenizer: Send + Sync {
+    /// Appends the ids of `text` to `out`.
+    fn tokenize_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError>;
+
+    /// The ids of `text`.
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut out = Vec::new();
+        self.tokenize_into(text, &mut out)?;
+        Ok(out)
+    }
+
+    /// Unpadded vocabulary size as Megatron reports it (it picks the `.bin` dtype).
+    fn vocab_size(&self) -> usize;
+
+    /// End-of-document id appended by `--append-eod`, if the tokenizer has one.
+    fn eod(&self) -> Option<u32>;
+}
