@@ -2,7 +2,7 @@
 //! arrays, written so that a killed run never leaves a set that looks complete.
 
 mod npy;
-mod python_json;
+pub(crate) mod python_json;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -67,6 +67,8 @@ impl JsonObject {
     }
 }
 
+pub use crate::cache::python_json::python_float_repr;
+
 fn write_value(value: &JsonValue, out: &mut String) {
     match value {
         JsonValue::Null => out.push_str("null"),
@@ -123,40 +125,6 @@ pub fn write_string(s: &str, out: &mut String) {
         }
     }
     out.push('"');
-}
-
-/// Python's `repr(float)`: shortest round-trip digits, positional for exponents in
-/// [-4, 16), otherwise scientific with a signed two-digit-minimum exponent.
-pub fn python_float_repr(f: f64) -> String {
-    if f.is_nan() {
-        return "NaN".to_string();
-    }
-    if f.is_infinite() {
-        return if f > 0.0 { "Infinity" } else { "-Infinity" }.to_string();
-    }
-    let sci = format!("{f:e}");
-    let (mantissa, exp) = sci.split_once('e').expect("`{:e}` always has an exponent");
-    let exp: i32 = exp.parse().expect("`{:e}` exponent is an integer");
-    let (sign, mantissa) = match mantissa.strip_prefix('-') {
-        Some(m) => ("-", m),
-        None => ("", mantissa),
-    };
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    if (-4..16).contains(&exp) {
-        let point = exp + 1;
-        let body = if point <= 0 {
-            format!("0.{}{}", "0".repeat((-point) as usize), digits)
-        } else if point as usize >= digits.len() {
-            format!("{}{}.0", digits, "0".repeat(point as usize - digits.len()))
-        } else {
-            let (int, frac) = digits.split_at(point as usize);
-            format!("{int}.{frac}")
-        };
-        format!("{sign}{body}")
-    } else {
-        let exp_sign = if exp < 0 { '-' } else { '+' };
-        format!("{sign}{mantissa}e{exp_sign}{:02}", exp.abs())
-    }
 }
 
 impl<'de> Deserialize<'de> for JsonValue {
