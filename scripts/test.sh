@@ -6,6 +6,21 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 scripts/setup.sh
 
+# Python references the tests run (TensorBoard reading our event files), kept in .venv. When
+# set-up took torch from elsewhere there is no .venv yet: the one made here sees python3's
+# packages, so a later set-up, which prefers an existing .venv, still finds the same torch.
+if [ ! -x .venv/bin/python ]; then
+  echo "test: creating .venv for the test requirements" >&2
+  python3 -m venv --system-site-packages .venv \
+    || { echo "test: error: python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
+fi
+if ! .venv/bin/python -c 'import tensorboard, numpy' 2>/dev/null; then
+  echo "test: installing scripts/test-requirements.txt into .venv" >&2
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt \
+    || { echo "test: error: pip could not install scripts/test-requirements.txt into .venv" >&2; exit 1; }
+fi
+export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
+
 # The data crate and the data tools must never pull in libtorch.
 if cargo tree --locked -p megatron-data -e normal,build --prefix none | grep -Eq '^(tch|torch-sys) '; then
   echo "test: error: megatron-data depends on libtorch" >&2

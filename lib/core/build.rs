@@ -13,6 +13,7 @@ const SUPPORTED_TORCH_SERIES: &str = "2.11.";
 fn main() {
     println!("cargo:rerun-if-changed=csrc/shim.cpp");
     println!("cargo:rerun-if-changed=csrc/shim.h");
+    println!("cargo:rerun-if-changed=csrc/multi_tensor.cpp");
     println!("cargo:rerun-if-changed=build/link_args.rs");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
 
@@ -36,6 +37,7 @@ fn main() {
         // libtorch's headers are not warning-clean; the shim itself is small and reviewed.
         .warnings(false)
         .file("csrc/shim.cpp")
+        .file("csrc/multi_tensor.cpp")
         .compile("megatron_shim");
 
     println!("cargo:libtorch_lib={}", lib_dir.display());

@@ -7,15 +7,12 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use megatron_data::blend::{build_gpt_datasets, Blend, DataSources, SplitDataset};
+use megatron_data::blend::{build_gpt_datasets, DataPathFlags, DataSources, SplitDataset};
 use megatron_data::gpt::{
     GptDataset, GptDatasetConfig, IndexOrigin, SampleOptions, Split, SplitMatrix, TokenSource,
     TokenizerGeneration, TokenizerIdentity,
 };
 use megatron_data::indexed::IndexedDataset;
-
-/// Megatron's `--split` when only `--data-path` is given.
-const DEFAULT_SPLIT: &str = "969, 30, 1";
 
 #[derive(Args)]
 pub struct SamplesArgs {
@@ -147,50 +144,16 @@ pub fn run(args: &SamplesArgs) -> Result<()> {
 }
 
 fn data_sources(args: &SamplesArgs) -> Result<(DataSources, Option<String>)> {
-    let per_split_lists = [
-        &args.train_data_path,
-        &args.valid_data_path,
-        &args.test_data_path,
-    ];
-    let per_split =
-        per_split_lists.iter().any(|l| !l.is_empty()) || args.per_split_data_args_path.is_some();
-    let blend = !args.data_path.is_empty() || args.data_args_path.is_some();
-    match (blend, per_split) {
-        (true, true) => bail!("--data-path and per-split data paths are mutually exclusive"),
-        (false, false) => bail!("give --data-path (or --data-args-path) or per-split data paths"),
-        (true, false) => {
-            let blend = match &args.data_args_path {
-                Some(path) => Blend::from_args_file(path)?,
-                None => Blend::parse(&args.data_path).context("parsing --data-path")?,
-            };
-            let split = args.split.clone().unwrap_or_else(|| {
-                eprintln!("warning: --split not given, using \"{DEFAULT_SPLIT}\" like Megatron");
-                DEFAULT_SPLIT.to_string()
-            });
-            Ok((DataSources::Blend(blend), Some(split)))
-        }
-        (false, true) => {
-            if args.split.is_some() {
-                bail!("--split cannot be combined with per-split data paths");
-            }
-            let blends = match &args.per_split_data_args_path {
-                Some(path) => Blend::per_split_from_json(path)?,
-                None => {
-                    let parse = |list: &Vec<String>, flag: &str| -> Result<Option<Blend>> {
-                        (!list.is_empty())
-                            .then(|| Blend::parse(list).with_context(|| format!("parsing {flag}")))
-                            .transpose()
-                    };
-                    [
-                        parse(&args.train_data_path, "--train-data-path")?,
-                        parse(&args.valid_data_path, "--valid-data-path")?,
-                        parse(&args.test_data_path, "--test-data-path")?,
-                    ]
-                }
-            };
-            Ok((DataSources::PerSplit(blends), None))
-        }
+    DataPathFlags {
+        data_path: args.data_path.clone(),
+        data_args_path: args.data_args_path.clone(),
+        train_data_path: args.train_data_path.clone(),
+        valid_data_path: args.valid_data_path.clone(),
+        test_data_path: args.test_data_path.clone(),
+        per_split_data_args_path: args.per_split_data_args_path.clone(),
+        split: args.split.clone(),
     }
+    .sources()
 }
 
 fn parse_sizes(text: Option<&str>) -> Result<[Option<u64>; 3]> {

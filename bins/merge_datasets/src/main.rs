@@ -11,7 +11,7 @@ use megatron_data::indexed::{merge_datasets, prefixes_in_directory, IndexedDatas
 /// order of the file names, like Megatron's tools/merge_datasets.py. The result is
 /// byte-identical to preprocessing the concatenated inputs in one run.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(version, about, long_about = None, args_override_self = true)]
 struct Args {
     /// Directory holding the .bin/.idx pairs to merge (sub-directories are ignored).
     #[arg(long)]

@@ -16,7 +16,7 @@ use megatron_data::tokenizer::{build_tokenizer, TokenizerConfig, TokenizerType};
 /// tools/preprocess_data.py. Unlike Megatron, --split-sentences needs a single run (no
 /// intermediate `_ss` file is written).
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(version, about, long_about = None, args_override_self = true)]
 struct Args {
     /// Input JSONL: files, glob patterns, or `-` for standard input; gzip and zstd input is
     /// detected and decompressed. Lines are processed in the order given.

@@ -69,6 +69,28 @@ char* mrs_rng_set_state(int device_index, const mrs_tensor state);
 // malloc'd string, freed with mrs_free_string.
 char* mrs_build_config(void);
 
+// Multi-tensor kernels (csrc/multi_tensor.cpp). Each list argument is `n` handles.
+// AdamW step with decoupled weight decay over parameters of one device and dtype; increments
+// every `steps` entry (a float scalar tensor) first, as torch.optim.AdamW(fused=True) does.
+char* mrs_fused_adamw(const mrs_tensor* params, const mrs_tensor* grads,
+                      const mrs_tensor* exp_avgs, const mrs_tensor* exp_avg_sqs,
+                      const mrs_tensor* steps, size_t n, double lr, double beta1, double beta2,
+                      double weight_decay, double eps);
+// sqrt(sum of squared L2 norms) of all tensors, as a float32 scalar tensor.
+char* mrs_foreach_total_norm(const mrs_tensor* tensors, size_t n, mrs_tensor* norm_out);
+// tensors[i] *= factor (a scalar tensor), in place.
+char* mrs_foreach_mul_(const mrs_tensor* tensors, size_t n, const mrs_tensor factor);
+// targets[i] += sources[i], in place (sources are converted to the target dtype).
+char* mrs_foreach_add_(const mrs_tensor* targets, const mrs_tensor* sources, size_t n);
+// targets[i].copy_(sources[i]).
+char* mrs_foreach_copy_(const mrs_tensor* targets, const mrs_tensor* sources, size_t n);
+char* mrs_foreach_zero_(const mrs_tensor* tensors, size_t n);
+// tensors[i] *= inv_scale; sets found_inf (float scalar) to 1 if any value is inf or NaN.
+char* mrs_unscale_and_check_finite(const mrs_tensor* tensors, size_t n, const mrs_tensor found_inf,
+                                   const mrs_tensor inv_scale);
+// torch.use_deterministic_algorithms(enabled) and cuDNN's deterministic/benchmark switches.
+char* mrs_set_deterministic(int enabled);
+
 #ifdef __cplusplus
 }
 #endif

@@ -7,3 +7,13 @@ pub mod rng;
 pub mod runtime;
 
 pub use error::TorchError;
+pub mod model;
+pub mod ops;
+pub mod parallel;
+pub mod optim;
+pub mod checkpoint;
+pub mod args;
+pub mod loader;
+pub mod metrics;
+pub mod training;
+pub mod inference;

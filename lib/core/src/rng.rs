@@ -20,6 +20,16 @@ impl GeneratorState {
         Ok(Self { device, state: unsafe { Tensor::from_ptr(handle) } })
     }
 
+    /// The generator state as a uint8 tensor (what checkpoints store).
+    pub fn tensor(&self) -> &Tensor {
+        &self.state
+    }
+
+    /// A state previously taken from the generator of `device`.
+    pub fn from_tensor(device: Device, state: Tensor) -> Self {
+        Self { device, state }
+    }
+
     pub fn restore(&self) -> Result<(), TorchError> {
         // SAFETY: the handle is live for the call; the generator copies the state.
         crate::error::check(unsafe { ffi::mrs_rng_set_state(device_index(self.device), ffi::handle(&self.state)) })

@@ -67,6 +67,31 @@ extern "C" {
     pub fn mrs_rng_get_state(device_index: c_int, state_out: *mut TensorHandle) -> *mut c_char;
     pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
     pub fn mrs_build_config() -> *mut c_char;
+    pub fn mrs_fused_adamw(
+        params: *const TensorHandle,
+        grads: *const TensorHandle,
+        exp_avgs: *const TensorHandle,
+        exp_avg_sqs: *const TensorHandle,
+        steps: *const TensorHandle,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> *mut c_char;
+    pub fn mrs_foreach_total_norm(tensors: *const TensorHandle, n: usize, norm_out: *mut TensorHandle) -> *mut c_char;
+    pub fn mrs_foreach_mul_(tensors: *const TensorHandle, n: usize, factor: TensorHandle) -> *mut c_char;
+    pub fn mrs_foreach_add_(targets: *const TensorHandle, sources: *const TensorHandle, n: usize) -> *mut c_char;
+    pub fn mrs_foreach_copy_(targets: *const TensorHandle, sources: *const TensorHandle, n: usize) -> *mut c_char;
+    pub fn mrs_foreach_zero_(tensors: *const TensorHandle, n: usize) -> *mut c_char;
+    pub fn mrs_unscale_and_check_finite(
+        tensors: *const TensorHandle,
+        n: usize,
+        found_inf: TensorHandle,
+        inv_scale: TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_set_deterministic(enabled: c_int) -> *mut c_char;
 }
 
 /// A borrowed tch tensor as a shim handle (the shim copies it by reference count).

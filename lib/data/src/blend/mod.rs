@@ -4,11 +4,13 @@
 mod budget;
 mod builder;
 mod data_path;
+mod flags;
 mod dataset;
 mod indices;
 mod weights;
 
 pub use budget::samples_per_dataset;
+pub use flags::{DataPathFlags, DEFAULT_SPLIT};
 pub use builder::{build_gpt_datasets, DataSources, OpenSource, SplitDataset};
 pub use data_path::Blend;
 pub use dataset::{BlendWeights, BlendedDataset};

@@ -1,8 +1,15 @@
-//! numpy's legacy `RandomState` stream (MT19937), reproduced draw for draw so that shuffles
-//! seeded like Megatron's come out in exactly the same order.
+//! numpy's random streams, reproduced draw for draw: the legacy `RandomState` (MT19937) that
+//! Megatron's shuffles use, and `default_rng` (PCG64 seeded through `SeedSequence`) behind its
+//! mock dataset.
 
+mod generator;
 mod mt19937;
+mod pcg64;
 mod random_state;
+mod seed_sequence;
 
+pub use generator::Generator;
 pub use mt19937::Mt19937;
+pub use pcg64::Pcg64;
 pub use random_state::RandomState;
+pub use seed_sequence::SeedSequence;

@@ -19,6 +19,8 @@ const MAX_WORD_CHARS: usize = 200;
 /// based BERT tokenizers produce.
 pub struct BertWordPiece {
     vocab: HashMap<String, u32>,
+    /// The token of each id, for decoding.
+    tokens: Vec<Option<String>>,
     lower_case: bool,
     unk: u32,
     cls: u32,
@@ -82,6 +84,7 @@ impl BertWordPiece {
         };
         Ok(BertWordPiece {
             vocab_size: vocab.len(),
+            tokens: invert(&vocab),
             vocab,
             lower_case,
             unk,
@@ -250,6 +253,30 @@ impl Tokenizer for BertWordPiece {
     fn eod(&self) -> Option<u32> {
         Some(self.eod)
     }
+
+    /// Megatron's `decode`: tokens joined by spaces, `##` continuations glued on.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let tokens = ids
+            .iter()
+            .map(|&id| {
+                self.tokens
+                    .get(id as usize)
+                    .and_then(Option::as_deref)
+                    .ok_or_else(|| super::unknown_id(id, self.vocab_size))
+            })
+            .collect::<Result<Vec<&str>, _>>()?;
+        Ok(tokens.join(" ").replace(" ##", "").trim().to_string())
+    }
+}
+
+/// The token of each id of `vocab` (ids without a token stay `None`).
+pub(super) fn invert(vocab: &HashMap<String, u32>) -> Vec<Option<String>> {
+    let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+    let mut tokens = vec![None; size];
+    for (token, &id) in vocab {
+        tokens[id as usize] = Some(token.clone());
+    }
+    tokens
 }
 
 #[cfg(test)]
@@ -266,6 +293,8 @@ mod tests {
         assert_eq!(t.tokenize("Café unknown").unwrap(), [12, 1]);
         assert_eq!(t.vocab_size(), 15);
         assert_eq!(t.eod(), Some(14));
+        assert_eq!(t.detokenize(&[5, 6, 7, 9, 8]).unwrap(), "unaffable , hello");
+        assert!(t.detokenize(&[15]).is_err());
     }
 
     #[test]

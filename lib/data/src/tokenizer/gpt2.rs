@@ -24,6 +24,10 @@ pub struct Gpt2Bpe {
     symbol_token: Vec<u32>,
     vocab_size: usize,
     eod: u32,
+    /// The token of each id, for decoding.
+    tokens: Vec<Option<String>>,
+    /// The byte behind each printable stand-in character of the byte table.
+    char_byte: HashMap<char, u8>,
     cache: Vec<Mutex<HashMap<String, Vec<u32>>>>,
 }
 
@@ -122,6 +126,8 @@ impl Gpt2Bpe {
             symbol_token,
             vocab_size: vocab.len(),
             eod,
+            tokens: super::bert::invert(&vocab),
+            char_byte: byte_chars.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect(),
             cache: (0..CACHE_SHARDS)
                 .map(|_| Mutex::new(HashMap::new()))
                 .collect(),
@@ -211,6 +217,27 @@ impl Tokenizer for Gpt2Bpe {
     fn eod(&self) -> Option<u32> {
         Some(self.eod)
     }
+
+    /// Megatron's `decode`: the tokens' characters mapped back to bytes, decoded as UTF-8
+    /// with replacement characters.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            let token = self
+                .tokens
+                .get(id as usize)
+                .and_then(Option::as_deref)
+                .ok_or_else(|| super::unknown_id(id, self.vocab_size))?;
+            for c in token.chars() {
+                match self.char_byte.get(&c) {
+                    Some(&b) => bytes.push(b),
+                    // Tokens outside the byte alphabet (added specials) decode as their UTF-8.
+                    None => bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
 }
 
 #[cfg(test)]
@@ -266,5 +293,12 @@ mod vocabulary_tests {
         assert_eq!((t.vocab_size(), t.eod()), (50257, Some(50256)));
         // <|endoftext|> inside text is ordinary text for the classic tokenizer.
         assert_ne!(t.tokenize("<|endoftext|>").unwrap(), [50256]);
+        let text = "Héllo  wörld,\n\tit's 42 — ok 😀";
+        assert_eq!(t.detokenize(&t.tokenize(text).unwrap()).unwrap(), text);
+        assert_eq!(t.detokenize(&[50256]).unwrap(), "<|endoftext|>");
+        // Half of a multi-byte character decodes to the replacement character.
+        let smile = t.tokenize("😀").unwrap();
+        assert!(smile.len() > 1);
+        assert_eq!(t.detokenize(&smile[..1]).unwrap(), "\u{fffd}");
     }
 }

@@ -81,4 +81,12 @@ impl Tokenizer for HuggingFace {
     fn eod(&self) -> Option<u32> {
         self.eod
     }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let size = self.vocab_size();
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= size) {
+            return Err(super::unknown_id(id, size));
+        }
+        self.inner.decode(ids, false).map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
 }

@@ -9,12 +9,14 @@ mod build;
 mod gpt2;
 mod huggingface;
 mod null;
+mod train;
 
 pub use bert::BertWordPiece;
 pub use build::{build_tokenizer, TokenizerConfig, TokenizerType};
 pub use gpt2::Gpt2Bpe;
 pub use huggingface::HuggingFace;
 pub use null::NullTokenizer;
+pub use train::{read_texts, train_byte_level_bpe, BpeTrainingOptions, TrainError, TrainedBpe, END_OF_TEXT};
 
 /// Why a tokenizer could not be built or could not encode a text.
 #[derive(Debug, thiserror::Error)]
@@ -47,4 +49,12 @@ pub trait Tokenizer: Send + Sync {
 
     /// End-of-document id appended by `--append-eod`, if the tokenizer has one.
     fn eod(&self) -> Option<u32>;
+
+    /// The text of `ids`, as Megatron's `detokenize` gives it (bytes that are not valid
+    /// UTF-8 become U+FFFD, like Python's `errors='replace'`). Unknown ids are an error.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError>;
+}
+
+fn unknown_id(id: u32, vocab_size: usize) -> TokenizerError {
+    TokenizerError::Encode(format!("token id {id} is outside the vocabulary of {vocab_size} tokens"))
 }

@@ -38,6 +38,13 @@ impl Tokenizer for NullTokenizer {
     fn eod(&self) -> Option<u32> {
         Some(self.vocab_size)
     }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        if let Some(&id) = ids.iter().find(|&&id| id > self.vocab_size) {
+            return Err(super::unknown_id(id, self.vocab_size()));
+        }
+        Ok(ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))
+    }
 }
 
 #[cfg(test)]
@@ -52,5 +59,7 @@ mod tests {
         assert!(t.tokenize("1 two").is_err());
         assert!(t.tokenize("101").is_err());
         assert_eq!((t.vocab_size(), t.eod()), (101, Some(100)));
+        assert_eq!(t.detokenize(&[1, 2, 100]).unwrap(), "1 2 100");
+        assert!(t.detokenize(&[101]).is_err());
     }
 }

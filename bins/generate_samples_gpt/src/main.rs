@@ -1,0 +1,112 @@
+//! `generate_samples_gpt`: continue prompts with a trained GPT (Megatron's
+//! `tools/generate_samples_gpt.py`). The architecture comes from the checkpoint metadata; only
+//! the tokenizer flags are needed.
+
+use std::io::{BufRead, BufWriter, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use megatron_core::args::TokenizerArgs;
+use megatron_core::inference::{generate, load_gpt_for_inference, Sampling};
+use megatron_core::training::resolve_device;
+use megatron_data::tokenizer::build_tokenizer;
+use tch::Kind;
+
+/// Continue prompts with a GPT checkpoint: `--prompt` texts, or one prompt per line of
+/// `--sample-input-file`; each continuation is printed (or written to `--sample-output-file`
+/// as JSON lines).
+#[derive(Parser)]
+#[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
+struct Cli {
+    /// Checkpoint directory (the iteration its tracker names is used).
+    #[arg(long)]
+    load: PathBuf,
+    #[command(flatten)]
+    tokenizer: TokenizerArgs,
+    /// A prompt; repeat for several.
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// A file with one prompt per line.
+    #[arg(long)]
+    sample_input_file: Option<PathBuf>,
+    /// Write {"prompt", "text"} JSON lines here instead of printing.
+    #[arg(long)]
+    sample_output_file: Option<PathBuf>,
+    /// Tokens to generate per prompt.
+    #[arg(long, default_value_t = 64)]
+    out_seq_length: usize,
+    /// Always take the most likely token.
+    #[arg(long)]
+    greedy: bool,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    /// Sample among the k most likely tokens (0: off).
+    #[arg(long = "top_k", alias = "top-k", default_value_t = 0)]
+    top_k: i64,
+    /// Sample among the most likely tokens reaching probability p (0: off).
+    #[arg(long = "top_p", alias = "top-p", default_value_t = 0.0)]
+    top_p: f64,
+    /// Seed of the sampling generator.
+    #[arg(long, default_value_t = 1234)]
+    seed: i64,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    megatron_cli::run(|| run(&cli))
+}
+
+fn run(cli: &Cli) -> Result<()> {
+    let mut prompts = cli.prompt.clone();
+    if let Some(path) = &cli.sample_input_file {
+        let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        for line in std::io::BufReader::new(file).lines() {
+            let line = line.with_context(|| format!("reading {}", path.display()))?;
+            if !line.trim().is_empty() {
+                prompts.push(line);
+            }
+        }
+    }
+    if prompts.is_empty() {
+        bail!("give --prompt or --sample-input-file");
+    }
+    let device = resolve_device(&cli.device)?;
+    let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
+    let model = load_gpt_for_inference(&cli.load, device, Kind::Float)?;
+    if tokenizer.vocab_size() as i64 != model.config.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the checkpoint was trained with {}",
+            tokenizer.vocab_size(),
+            model.config.vocab_size
+        );
+    }
+    let sampling = Sampling { greedy: cli.greedy, temperature: cli.temperature, top_k: cli.top_k, top_p: cli.top_p };
+    tch::manual_seed(cli.seed);
+    let stop = tokenizer.eod().map(i64::from);
+    let mut output: Box<dyn Write> = match &cli.sample_output_file {
+        Some(path) => Box::new(BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?)),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let mut generated = 0;
+    for prompt in &prompts {
+        let ids: Vec<i64> = tokenizer.tokenize(prompt)?.into_iter().map(i64::from).collect();
+        let tokens = generate(&model, &ids, cli.out_seq_length, sampling, stop)?;
+        let continuation: Vec<u32> = tokens[ids.len()..].iter().filter(|&&t| Some(t) != stop).map(|&t| t as u32).collect();
+        generated += continuation.len();
+        let text = tokenizer.detokenize(&continuation)?;
+        if cli.sample_output_file.is_some() {
+            writeln!(output, "{}", serde_json::json!({"prompt": prompt, "text": text}))?;
+        } else {
+            writeln!(output, "{prompt}{text}\n")?;
+        }
+    }
+    output.flush()?;
+    eprintln!("generate_samples_gpt: {} prompts, {generated} tokens generated", prompts.len());
+    Ok(())
+}

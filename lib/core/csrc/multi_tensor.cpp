@@ -1,0 +1,115 @@
+// Multi-tensor ("foreach") kernels and the fused AdamW step that tch-rs does not bind: the
+// optimizer and gradient clipping launch one kernel per tensor list instead of one per tensor.
+#include "shim.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+char* copy_message(const char* message) {
+  size_t size = std::strlen(message) + 1;
+  char* out = static_cast<char*>(std::malloc(size));
+  std::memcpy(out, message, size);
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return copy_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return copy_message(e.what());
+  } catch (...) {
+    return copy_message("unknown C++ exception");
+  }
+}
+
+std::vector<at::Tensor> tensors_of(const mrs_tensor* handles, size_t n) {
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(n);
+  for (size_t i = 0; i < n; ++i) tensors.push_back(*handles[i]);
+  return tensors;
+}
+
+}  // namespace
+
+extern "C" {
+
+char* mrs_fused_adamw(const mrs_tensor* params, const mrs_tensor* grads,
+                      const mrs_tensor* exp_avgs, const mrs_tensor* exp_avg_sqs,
+                      const mrs_tensor* steps, size_t n, double lr, double beta1, double beta2,
+                      double weight_decay, double eps) {
+  return guarded([&] {
+    if (n == 0) return;
+    auto step_list = tensors_of(steps, n);
+    at::_foreach_add_(step_list, 1);
+    at::_fused_adamw_(tensors_of(params, n), tensors_of(grads, n), tensors_of(exp_avgs, n),
+                      tensors_of(exp_avg_sqs, n), {}, step_list, lr, beta1, beta2, weight_decay,
+                      eps, /*amsgrad=*/false, /*maximize=*/false, std::nullopt, std::nullopt);
+  });
+}
+
+char* mrs_foreach_total_norm(const mrs_tensor* tensors, size_t n, mrs_tensor* norm_out) {
+  return guarded([&] {
+    auto list = tensors_of(tensors, n);
+    auto norms = at::_foreach_norm(list, 2);
+    auto squares = at::stack(norms).to(at::kFloat).pow(2).sum();
+    *norm_out = new at::Tensor(squares.sqrt());
+  });
+}
+
+char* mrs_foreach_mul_(const mrs_tensor* tensors, size_t n, const mrs_tensor factor) {
+  return guarded([&] {
+    auto list = tensors_of(tensors, n);
+    at::_foreach_mul_(list, *factor);
+  });
+}
+
+char* mrs_foreach_add_(const mrs_tensor* targets, const mrs_tensor* sources, size_t n) {
+  return guarded([&] {
+    auto target_list = tensors_of(targets, n);
+    at::_foreach_add_(target_list, tensors_of(sources, n));
+  });
+}
+
+char* mrs_foreach_copy_(const mrs_tensor* targets, const mrs_tensor* sources, size_t n) {
+  return guarded([&] {
+    auto target_list = tensors_of(targets, n);
+    at::_foreach_copy_(target_list, tensors_of(sources, n));
+  });
+}
+
+char* mrs_foreach_zero_(const mrs_tensor* tensors, size_t n) {
+  return guarded([&] {
+    auto list = tensors_of(tensors, n);
+    at::_foreach_zero_(list);
+  });
+}
+
+char* mrs_unscale_and_check_finite(const mrs_tensor* tensors, size_t n, const mrs_tensor found_inf,
+                                   const mrs_tensor inv_scale) {
+  return guarded([&] {
+    auto list = tensors_of(tensors, n);
+    auto found = *found_inf;
+    at::_amp_foreach_non_finite_check_and_unscale_(list, found, *inv_scale);
+  });
+}
+
+char* mrs_set_deterministic(int enabled) {
+  return guarded([&] {
+    at::globalContext().setDeterministicAlgorithms(enabled != 0, /*warn_only=*/false);
+    at::globalContext().setDeterministicCuDNN(enabled != 0);
+    at::globalContext().setBenchmarkCuDNN(false);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,39 @@
+//! Checkpoint flags (spec §4.8, §5).
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct CheckpointArgs {
+    /// Directory to save checkpoints to.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Directory to resume from (the iteration its tracker file names).
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Save every N iterations.
+    #[arg(long)]
+    pub save_interval: Option<u64>,
+    /// Do not save optimizer state.
+    #[arg(long)]
+    pub no_save_optim: bool,
+    /// Do not save random generator states.
+    #[arg(long)]
+    pub no_save_rng: bool,
+    /// Do not load optimizer state.
+    #[arg(long)]
+    pub no_load_optim: bool,
+    /// Do not load random generator states.
+    #[arg(long)]
+    pub no_load_rng: bool,
+    /// Load model weights only and start at iteration 0.
+    #[arg(long)]
+    pub finetune: bool,
+    /// Weights to start from (as --finetune) when --load has no checkpoint.
+    #[arg(long)]
+    pub pretrained_checkpoint: Option<PathBuf>,
+    /// Fail instead of starting from scratch when --load has no checkpoint.
+    #[arg(long)]
+    pub exit_on_missing_checkpoint: bool,
+}

@@ -1,0 +1,104 @@
+//! Data and tokenizer flags (spec megatron-data §4).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use megatron_data::blend::DataPathFlags;
+use megatron_data::tokenizer::{TokenizerConfig, TokenizerType};
+
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct DataArgs {
+    /// Dataset prefixes, optionally weighted: `A`, `A B`, or `0.3 A 0.7 B`.
+    #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX")]
+    pub data_path: Vec<String>,
+    /// File whose whitespace-separated words are the --data-path list.
+    #[arg(long)]
+    pub data_args_path: Option<PathBuf>,
+    /// Train-split prefixes (per-split mode).
+    #[arg(long, num_args = 1..)]
+    pub train_data_path: Vec<String>,
+    /// Validation-split prefixes (per-split mode).
+    #[arg(long, num_args = 1..)]
+    pub valid_data_path: Vec<String>,
+    /// Test-split prefixes (per-split mode).
+    #[arg(long, num_args = 1..)]
+    pub test_data_path: Vec<String>,
+    /// JSON {"train": [...], "valid": [...], "test": [...]} (per-split mode).
+    #[arg(long)]
+    pub per_split_data_args_path: Option<PathBuf>,
+    /// Train/valid/test proportions, e.g. 949,50,1 [default: 969, 30, 1].
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Synthetic data (Megatron's mock GPT dataset) instead of --data-path.
+    #[arg(long)]
+    pub mock_data: bool,
+    /// Where to cache the sample indices [default: beside each dataset].
+    #[arg(long)]
+    pub data_cache_path: Option<PathBuf>,
+    /// Restart position ids after every end-of-document token.
+    #[arg(long)]
+    pub reset_position_ids: bool,
+    /// Do not attend across end-of-document tokens.
+    #[arg(long)]
+    pub reset_attention_mask: bool,
+    /// No loss on the token after an end-of-document token.
+    #[arg(long)]
+    pub eod_mask_loss: bool,
+    /// Batches prepared ahead by the background loader.
+    #[arg(long, default_value_t = 2)]
+    pub num_workers: usize,
+    /// Accepted for compatibility: single (the only sampler).
+    #[arg(long, default_value = "single")]
+    pub dataloader_type: String,
+}
+
+impl DataArgs {
+    pub fn path_flags(&self) -> DataPathFlags {
+        DataPathFlags {
+            data_path: self.data_path.clone(),
+            data_args_path: self.data_args_path.clone(),
+            train_data_path: self.train_data_path.clone(),
+            valid_data_path: self.valid_data_path.clone(),
+            test_data_path: self.test_data_path.clone(),
+            per_split_data_args_path: self.per_split_data_args_path.clone(),
+            split: self.split.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct TokenizerArgs {
+    /// GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer or
+    /// NullTokenizer.
+    #[arg(long, default_value = "GPT2BPETokenizer")]
+    pub tokenizer_type: String,
+    /// Vocabulary file (GPT-2 encoder JSON or BERT vocab.txt).
+    #[arg(long)]
+    pub vocab_file: Option<PathBuf>,
+    /// GPT-2 BPE merges file.
+    #[arg(long)]
+    pub merge_file: Option<PathBuf>,
+    /// HuggingFace tokenizer.json or directory.
+    #[arg(long)]
+    pub tokenizer_model: Option<PathBuf>,
+    /// Vocabulary size of the NullTokenizer.
+    #[arg(long)]
+    pub vocab_size: Option<u32>,
+    /// Name index caches like Megatron's legacy tokenizers (up to core_v0.14).
+    #[arg(long)]
+    pub legacy_tokenizer: bool,
+}
+
+impl TokenizerArgs {
+    pub fn config(&self) -> anyhow::Result<TokenizerConfig> {
+        let kind: TokenizerType = self.tokenizer_type.parse().map_err(anyhow::Error::msg)?;
+        Ok(TokenizerConfig {
+            kind,
+            vocab_file: self.vocab_file.clone(),
+            merge_file: self.merge_file.clone(),
+            tokenizer_model: self.tokenizer_model.clone(),
+            vocab_size: self.vocab_size,
+            include_special_tokens: true,
+        })
+    }
+}

@@ -1,0 +1,30 @@
+//! Logging flags (spec §4.8).
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct LoggingArgs {
+    /// Print the training log line every N iterations.
+    #[arg(long, default_value_t = 100)]
+    pub log_interval: u64,
+    /// Write TensorBoard event files here (and metrics.jsonl, unless --metrics-file).
+    #[arg(long)]
+    pub tensorboard_dir: Option<PathBuf>,
+    /// Write TensorBoard scalars every N iterations.
+    #[arg(long, default_value_t = 1)]
+    pub tensorboard_log_interval: u64,
+    /// Add Megatron's throughput field (TFLOP/s per GPU) to the log line.
+    #[arg(long)]
+    pub log_throughput: bool,
+    /// Add the L2 norm of the parameters to the log line.
+    #[arg(long)]
+    pub log_params_norm: bool,
+    /// JSON-lines file of per-iteration metrics [default: TENSORBOARD_DIR/metrics.jsonl].
+    #[arg(long)]
+    pub metrics_file: Option<PathBuf>,
+    /// Accepted for compatibility (timers are not broken down).
+    #[arg(long)]
+    pub timing_log_level: Option<u32>,
+}

@@ -1,0 +1,38 @@
+//! Megatron's command-line flags, shared by the pretraining binaries (same names, same
+//! defaults as Megatron's `arguments.py`, core_v0.13). Each group is a clap `Args` struct the
+//! binaries flatten into their parser.
+
+mod checkpointing;
+mod data;
+mod logging;
+mod model;
+mod training;
+
+pub use checkpointing::CheckpointArgs;
+pub use data::{DataArgs, TokenizerArgs};
+pub use logging::LoggingArgs;
+pub use model::ModelArgs;
+pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
+
+/// Every flag of `pretrain_gpt`.
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
+pub struct GptPretrainArgs {
+    #[command(flatten, next_help_heading = "Model")]
+    pub model: ModelArgs,
+    #[command(flatten, next_help_heading = "Training")]
+    pub training: TrainingArgs,
+    #[command(flatten, next_help_heading = "Optimizer and schedule")]
+    pub optimizer: OptimizerArgs,
+    #[command(flatten, next_help_heading = "Mixed precision")]
+    pub precision: MixedPrecisionArgs,
+    #[command(flatten, next_help_heading = "Activation recomputation")]
+    pub recompute: RecomputeArgs,
+    #[command(flatten, next_help_heading = "Checkpoints")]
+    pub checkpoint: CheckpointArgs,
+    #[command(flatten, next_help_heading = "Data")]
+    pub data: DataArgs,
+    #[command(flatten, next_help_heading = "Tokenizer")]
+    pub tokenizer: TokenizerArgs,
+    #[command(flatten, next_help_heading = "Logging")]
+    pub logging: LoggingArgs,
+}

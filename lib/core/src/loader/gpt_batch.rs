@@ -1,0 +1,65 @@
+//! A micro-batch of GPT samples as tensors.
+
+use megatron_data::gpt::GptSample;
+use tch::{Device, Kind, Tensor};
+
+use crate::model::AttentionMask;
+
+pub struct GptBatch {
+    /// `[b, s]` int64.
+    pub tokens: Tensor,
+    pub labels: Tensor,
+    /// `[b, s]` float32.
+    pub loss_mask: Tensor,
+    pub position_ids: Tensor,
+    /// `[b, 1, s, s]` booleans (`true` = masked) when the dataset builds masks, else `None`
+    /// (causal).
+    pub attention_mask: Option<Tensor>,
+}
+
+impl GptBatch {
+    pub fn collate(samples: &[GptSample]) -> GptBatch {
+        let b = samples.len() as i64;
+        let s = samples.first().map_or(0, |x| x.tokens.len()) as i64;
+        let stack_i64 = |get: fn(&GptSample) -> &Vec<i64>| {
+            let flat: Vec<i64> = samples.iter().flat_map(|x| get(x).iter().copied()).collect();
+            Tensor::from_slice(&flat).view([b, s])
+        };
+        let loss_mask: Vec<f32> = samples.iter().flat_map(|x| x.loss_mask.iter().copied()).collect();
+        let attention_mask = samples.first().and_then(|x| x.attention_mask.as_ref()).map(|_| {
+            let flat: Vec<bool> =
+                samples.iter().flat_map(|x| x.attention_mask.as_ref().expect("every sample has a mask").iter().copied()).collect();
+            Tensor::from_slice(&flat).view([b, 1, s, s])
+        });
+        GptBatch {
+            tokens: stack_i64(|x| &x.tokens),
+            labels: stack_i64(|x| &x.labels),
+            loss_mask: Tensor::from_slice(&loss_mask).view([b, s]),
+            position_ids: stack_i64(|x| &x.position_ids),
+            attention_mask,
+        }
+    }
+
+    pub fn to_device(&self, device: Device) -> GptBatch {
+        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
+        GptBatch {
+            tokens: move_(&self.tokens),
+            labels: move_(&self.labels),
+            loss_mask: move_(&self.loss_mask),
+            position_ids: move_(&self.position_ids),
+            attention_mask: self.attention_mask.as_ref().map(move_),
+        }
+    }
+
+    pub fn mask(&self) -> AttentionMask {
+        match &self.attention_mask {
+            Some(mask) => AttentionMask::Explicit(mask.shallow_clone()),
+            None => AttentionMask::Causal,
+        }
+    }
+
+    /// Tokens that count towards the loss.
+    pub fn num_tokens(&self) -> Tensor {
+        self.loss_mask.sum(Kind::Float)
+    }
+}

@@ -1,0 +1,9 @@
+//! From GPT datasets to device batches: Megatron's pretraining sampler order (consecutive
+//! global batches from the consumed-sample count, each data-parallel rank taking its slice),
+//! collation into tensors, and a background thread so the device never waits for data.
+
+mod background;
+mod gpt_batch;
+
+pub use background::{BatchLoader, SamplerPosition};
+pub use gpt_batch::GptBatch;

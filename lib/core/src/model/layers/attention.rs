@@ -1,0 +1,123 @@
+//! Self-attention with the fused QKV projection in Megatron's per-group layout and
+//! libtorch's `scaled_dot_product_attention` (flash attention on GPUs) as the core.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tch::Tensor;
+
+use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::rope::RotaryTables;
+use super::NamedTensors;
+use crate::autograd::checkpoint;
+use crate::model::config::GptConfig;
+use crate::model::param::Initializer;
+use crate::parallel::Communicator;
+
+/// Which positions a query may attend to.
+pub enum AttentionMask {
+    /// Lower-triangular: the common case, served by the fused causal kernels.
+    Causal,
+    /// `[b or 1, 1, s, s]` booleans, `true` = masked out (Megatron's convention), e.g. with
+    /// `--reset-attention-mask`.
+    Explicit(Tensor),
+}
+
+impl Clone for AttentionMask {
+    fn clone(&self) -> AttentionMask {
+        match self {
+            AttentionMask::Causal => AttentionMask::Causal,
+            AttentionMask::Explicit(mask) => AttentionMask::Explicit(mask.shallow_clone()),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct SelfAttention {
+    pub linear_qkv: ColumnParallelLinear,
+    pub linear_proj: RowParallelLinear,
+    local_heads: i64,
+    local_groups: i64,
+    head_dim: i64,
+    dropout: f64,
+}
+
+impl SelfAttention {
+    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, group: Arc<dyn Communicator>) -> Self {
+        let t = init.tensor_parallel_size;
+        let h = config.hidden_size;
+        let projection = config.num_attention_heads * config.kv_channels;
+        let qkv_bias = config.add_bias_linear || config.add_qkv_bias;
+        SelfAttention {
+            linear_qkv: ColumnParallelLinear::new(init, h, config.qkv_width(), qkv_bias, config.init_method_std, group.clone()),
+            linear_proj: RowParallelLinear::new(init, projection, h, config.add_bias_linear, output_std, group),
+            local_heads: config.num_attention_heads / t,
+            local_groups: config.num_query_groups / t,
+            head_dim: config.kv_channels,
+            dropout: config.attention_dropout,
+        }
+    }
+
+    /// `[s, b, h]` → `[s, b, h]`. `recompute_core` recomputes the attention core in backward
+    /// instead of keeping its activations (`--recompute-activations`).
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        mask: &AttentionMask,
+        rotary: Option<&RotaryTables>,
+        train: bool,
+        recompute_core: bool,
+    ) -> Result<Tensor> {
+        let (s, b) = (hidden.size()[0], hidden.size()[1]);
+        let (n, g, d) = (self.local_heads, self.local_groups, self.head_dim);
+        let per_group = n / g;
+        let qkv = self.linear_qkv.forward(hidden)?.view([s, b, g, (per_group + 2) * d]);
+        let parts = qkv.split_with_sizes([per_group * d, d, d], -1);
+        let mut query = parts[0].reshape([s, b, n, d]);
+        let mut key = parts[1].shallow_clone();
+        let value = &parts[2];
+        if let Some(tables) = rotary {
+            query = tables.apply(&query);
+            key = tables.apply(&key);
+        }
+        // [s, b, heads, d] → [b, heads, s, d] for SDPA.
+        let query = query.permute([1, 2, 0, 3]);
+        let mut key = key.permute([1, 2, 0, 3]);
+        let mut value = value.permute([1, 2, 0, 3]);
+        if per_group > 1 {
+            key = key.repeat_interleave_self_int(per_group, 1, None);
+            value = value.repeat_interleave_self_int(per_group, 1, None);
+        }
+        let dropout = if train { self.dropout } else { 0.0 };
+        let context = if recompute_core {
+            let mask = mask.clone();
+            checkpoint(
+                move |inputs: &[Tensor]| Ok(vec![core_attention(&inputs[0], &inputs[1], &inputs[2], &mask, dropout)]),
+                &[&query, &key, &value],
+            )?
+            .remove(0)
+        } else {
+            core_attention(&query, &key, &value, mask, dropout)
+        };
+        let context = context.permute([2, 0, 1, 3]).reshape([s, b, n * d]);
+        self.linear_proj.forward(&context)
+    }
+
+    pub fn named_tensors(&self, out: &mut NamedTensors) {
+        self.linear_qkv.named_tensors(&mut out.scope("linear_qkv"));
+        self.linear_proj.named_tensors(&mut out.scope("linear_proj"));
+    }
+}
+
+fn core_attention(query: &Tensor, key: &Tensor, value: &Tensor, mask: &AttentionMask, dropout: f64) -> Tensor {
+    match mask {
+        AttentionMask::Causal => {
+            Tensor::scaled_dot_product_attention::<&Tensor>(query, key, value, None, dropout, true, None, false)
+        }
+        AttentionMask::Explicit(masked) => {
+            // SDPA's boolean masks mean "may attend", the opposite of Megatron's.
+            let allowed = masked.logical_not();
+            Tensor::scaled_dot_product_attention(query, key, value, Some(&allowed), dropout, false, None, false)
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! The transformer MLP: fc1 (column-parallel), activation, fc2 (row-parallel).
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tch::Tensor;
+
+use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::NamedTensors;
+use crate::model::config::{Activation, GptConfig};
+use crate::model::param::Initializer;
+use crate::parallel::Communicator;
+
+#[derive(Clone)]
+pub struct Mlp {
+    pub linear_fc1: ColumnParallelLinear,
+    pub linear_fc2: RowParallelLinear,
+    activation: Activation,
+}
+
+impl Mlp {
+    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, group: Arc<dyn Communicator>) -> Self {
+        let h = config.hidden_size;
+        let bias = config.add_bias_linear;
+        Mlp {
+            linear_fc1: ColumnParallelLinear::new(init, h, config.fc1_width(), bias, config.init_method_std, group.clone()),
+            linear_fc2: RowParallelLinear::new(init, config.ffn_hidden_size, h, bias, output_std, group),
+            activation: config.activation,
+        }
+    }
+
+    pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let intermediate = self.linear_fc1.forward(hidden)?;
+        let activated = match self.activation {
+            Activation::GeluTanh => intermediate.gelu("tanh"),
+            Activation::GeluErf => intermediate.gelu("none"),
+            // Each rank's fc1 output is [gate_r; up_r] (spec §2.1), so halving locally is right.
+            Activation::Swiglu => {
+                let halves = intermediate.chunk(2, -1);
+                halves[0].silu() * &halves[1]
+            }
+            Activation::SquaredRelu => intermediate.relu().square(),
+        };
+        self.linear_fc2.forward(&activated)
+    }
+
+    pub fn named_tensors(&self, out: &mut NamedTensors) {
+        self.linear_fc1.named_tensors(&mut out.scope("linear_fc1"));
+        self.linear_fc2.named_tensors(&mut out.scope("linear_fc2"));
+    }
+}

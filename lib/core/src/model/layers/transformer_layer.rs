@@ -1,0 +1,72 @@
+//! One pre-LN transformer layer (spec §1.1).
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tch::Tensor;
+
+use super::attention::{AttentionMask, SelfAttention};
+use super::mlp::Mlp;
+use super::norm::Norm;
+use super::rope::RotaryTables;
+use super::NamedTensors;
+use crate::model::config::GptConfig;
+use crate::model::param::Initializer;
+use crate::parallel::Communicator;
+
+#[derive(Clone)]
+pub struct TransformerLayer {
+    pub input_layernorm: Norm,
+    pub self_attention: SelfAttention,
+    pub pre_mlp_layernorm: Norm,
+    pub mlp: Mlp,
+    hidden_dropout: f64,
+    residual_from_norm: bool,
+}
+
+impl TransformerLayer {
+    pub fn new(init: &Initializer, config: &GptConfig, group: Arc<dyn Communicator>) -> Self {
+        // Output projections are scaled by 1/sqrt(2L) (Megatron's "scaled init").
+        let output_std = config.init_method_std / (2.0 * config.num_layers as f64).sqrt();
+        let norm = || {
+            Norm::new(init, config.normalization, config.hidden_size, config.norm_epsilon, config.apply_layernorm_1p)
+        };
+        let input_layernorm = norm();
+        let self_attention = SelfAttention::new(init, config, output_std, group.clone());
+        let pre_mlp_layernorm = norm();
+        let mlp = Mlp::new(init, config, output_std, group);
+        TransformerLayer {
+            input_layernorm,
+            self_attention,
+            pre_mlp_layernorm,
+            mlp,
+            hidden_dropout: config.hidden_dropout,
+            residual_from_norm: config.apply_residual_connection_post_layernorm,
+        }
+    }
+
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        mask: &AttentionMask,
+        rotary: Option<&RotaryTables>,
+        train: bool,
+        recompute_core_attention: bool,
+    ) -> Result<Tensor> {
+        let normed = self.input_layernorm.forward(hidden);
+        let attention = self.self_attention.forward(&normed, mask, rotary, train, recompute_core_attention)?;
+        let residual = if self.residual_from_norm { &normed } else { hidden };
+        let hidden = residual + attention.dropout(self.hidden_dropout, train);
+        let normed = self.pre_mlp_layernorm.forward(&hidden);
+        let mlp = self.mlp.forward(&normed)?;
+        let residual = if self.residual_from_norm { &normed } else { &hidden };
+        Ok(residual + mlp.dropout(self.hidden_dropout, train))
+    }
+
+    pub fn named_tensors(&self, out: &mut NamedTensors) {
+        self.input_layernorm.named_tensors(&mut out.scope("input_layernorm"));
+        self.self_attention.named_tensors(&mut out.scope("self_attention"));
+        self.pre_mlp_layernorm.named_tensors(&mut out.scope("pre_mlp_layernorm"));
+        self.mlp.named_tensors(&mut out.scope("mlp"));
+    }
+}

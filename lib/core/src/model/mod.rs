@@ -1,0 +1,14 @@
+//! Megatron's GPT in libtorch: configuration, tensor-parallel-aware layers, the model, its loss,
+//! and the mapping from HuggingFace checkpoints.
+
+pub mod config;
+pub mod cross_entropy;
+pub mod gpt;
+pub mod hf;
+pub mod layers;
+pub mod param;
+
+pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType};
+pub use cross_entropy::cross_entropy;
+pub use gpt::{GptModel, ModelOptions, Recompute, RecomputeMethod};
+pub use layers::AttentionMask;

@@ -1,0 +1,11 @@
+//! Megatron's mixed-precision optimizer (spec §4.3–4.5): float32 main parameters and gradient
+//! accumulators beside the model's (possibly half-precision) parameters, weight-decay groups,
+//! global-norm clipping, and Adam/AdamW or SGD steps.
+
+mod groups;
+mod mixed_precision;
+mod state;
+
+pub use groups::{excluded_from_weight_decay, ParamGroup};
+pub use mixed_precision::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome};
+pub use state::OptimizerTensors;

@@ -1,0 +1,105 @@
+//! The train/valid/test datasets of a GPT run, sized as Megatron sizes them (spec §4.1).
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use megatron_data::blend::{build_gpt_datasets, SplitDataset};
+use megatron_data::cache::PyJson;
+use megatron_data::gpt::{
+    GptDataset, GptDatasetConfig, MockTokenSource, SampleOptions, Split, SplitMatrix, TokenSource, TokenizerGeneration,
+    TokenizerIdentity,
+};
+use megatron_data::indexed::IndexedDataset;
+
+use crate::args::{DataArgs, TokenizerArgs};
+
+/// Megatron's split for `--mock-data`.
+const MOCK_SPLIT: &str = "1,1,1";
+
+pub struct SplitDatasets {
+    pub train: Option<Arc<SplitDataset>>,
+    pub valid: Option<Arc<SplitDataset>>,
+    pub test: Option<Arc<SplitDataset>>,
+}
+
+pub struct DatasetRequest<'a> {
+    pub data: &'a DataArgs,
+    pub tokenizer: &'a TokenizerArgs,
+    pub seq_length: usize,
+    pub seed: u64,
+    /// Samples wanted per split (train, valid, test).
+    pub sizes: [u64; 3],
+    pub eod: i64,
+    pub vocab_size: usize,
+}
+
+pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
+    let data = request.data;
+    let sample = SampleOptions {
+        eod_token: request.eod,
+        pad_token: -1,
+        reset_position_ids: data.reset_position_ids,
+        reset_attention_mask: data.reset_attention_mask,
+        eod_mask_loss: data.eod_mask_loss,
+        // Causal masks are built by the attention kernel; explicit ones only when documents
+        // must not see each other.
+        create_attention_mask: data.reset_attention_mask,
+    };
+    let generation = if request.tokenizer.legacy_tokenizer { TokenizerGeneration::Legacy } else { TokenizerGeneration::Current };
+    let path_string = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.to_string_lossy().into_owned());
+    let identity = TokenizerIdentity::from_flags(
+        &request.tokenizer.tokenizer_type,
+        path_string(&request.tokenizer.vocab_file).as_deref(),
+        path_string(&request.tokenizer.merge_file).as_deref(),
+        generation,
+    );
+    let tokenizer = match identity {
+        Ok(identity) => identity,
+        // Mock data without --data-cache-path keeps its indices in memory: the description is
+        // never hashed into a file name, so any tokenizer will do.
+        Err(_) if data.mock_data && data.data_cache_path.is_none() => TokenizerIdentity(PyJson::Map(vec![(
+            "class".to_string(),
+            PyJson::str(request.tokenizer.tokenizer_type.as_str()),
+        )])),
+        Err(e) => return Err(e),
+    };
+    let sizes = request.sizes.map(Some);
+    let config_for = |split: Option<String>| -> Result<Arc<GptDatasetConfig>> {
+        Ok(Arc::new(GptDatasetConfig {
+            random_seed: u32::try_from(request.seed).context("--seed must fit in 32 bits (numpy's limit)")?,
+            sequence_length: request.seq_length,
+            split_matrix: split.as_deref().map(SplitMatrix::parse).transpose()?,
+            split,
+            path_to_cache: data.data_cache_path.clone(),
+            tokenizer: tokenizer.clone(),
+            add_extra_token_to_sequence: true,
+            drop_last_partial_validation_sequence: true,
+            mid_level_dataset_surplus: 0.005,
+            sample: sample.clone(),
+        }))
+    };
+
+    let built: [Option<SplitDataset>; 3] = if data.mock_data {
+        let config = config_for(Some(MOCK_SPLIT.to_string()))?;
+        let source: Arc<dyn TokenSource> = Arc::new(MockTokenSource::new(request.vocab_size, request.eod));
+        let matrix = config.split_matrix.clone().expect("the mock split parses");
+        let documents = source.sequence_lengths().len();
+        let mut out: [Option<SplitDataset>; 3] = [None, None, None];
+        for split in Split::ALL {
+            if let Some(bookend) = matrix.get(split) {
+                let dataset =
+                    GptDataset::new(source.clone(), None, bookend.range(documents), sizes[split.index()], split, config.clone())?;
+                out[split.index()] = Some(SplitDataset::Single(dataset));
+            }
+        }
+        out
+    } else {
+        let (sources, split) = data.path_flags().sources()?;
+        let config = config_for(split)?;
+        let open = |prefix: &str| -> Result<Arc<dyn TokenSource>> { Ok(Arc::new(IndexedDataset::open(prefix)?)) };
+        build_gpt_datasets(&sources, sizes, config, &open)?
+    };
+    let [train, valid, test] = built;
+    let keep = |d: Option<SplitDataset>| d.filter(|d| !d.is_empty()).map(Arc::new);
+    Ok(SplitDatasets { train: keep(train), valid: keep(valid), test: keep(test) })
+}

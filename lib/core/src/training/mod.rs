@@ -1,0 +1,18 @@
+//! Training: the arithmetic of Megatron's loop (schedules, batch ramp-up, loss scaling, FLOPs,
+//! log lines) and `pretrain_gpt` itself, with its data, checkpoint and device glue.
+
+mod checkpointing;
+mod datasets;
+mod device;
+pub mod flops;
+pub mod log_line;
+pub mod loss_scale;
+pub mod lr_schedule;
+pub mod microbatches;
+mod pretrain_gpt;
+pub mod python_format;
+mod signals;
+
+pub use checkpointing::Progress;
+pub use device::resolve_device;
+pub use pretrain_gpt::{pretrain_gpt, TrainingSummary};

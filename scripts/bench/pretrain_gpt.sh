@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Training speed of our pretrain_gpt against a plain PyTorch eager reference of the same model
+# (scripts/bench/reference_gpt.py: SDPA attention, fused AdamW, bf16 autocast), one after the
+# other on the same GPU: ms/iter, tokens/s, TFLOP/s, MFU and peak GPU memory (nvidia-smi,
+# sampled every 100 ms, for both), then the speed ratio.
+#
+# Default shape: GPT-345M (24 layers, hidden 1024, 16 heads, seq 1024), micro batch 8, global
+# batch 64, bf16, dropout 0.1, synthetic data (--mock-data with a GPT-2-sized vocabulary).
+#
+# Environment (all optional):
+#   PRETRAIN_GPT=path     the binary to time [default: target/release/pretrain_gpt, built here]
+#   PYTHON=python3        a python with torch 2.11 (CUDA) for the reference and the library path
+#   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
+#   TORCH_COMPILE=0       1 adds a torch.compile reference row
+#   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+ITERS="${ITERS:-30}"
+if [[ -z "${PRETRAIN_GPT:-}" ]]; then
+    (cd "$ROOT" && cargo build --release --quiet -p pretrain_gpt)
+    PRETRAIN_GPT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_gpt"
+fi
+# shellcheck source=../torch-env.sh
+source "$ROOT/scripts/torch-env.sh" "$PYTHON"
+SCRATCH="$(mktemp -d -t pretrain-bench.XXXXXX)"
+SAMPLER=""
+trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
+
+# --mock-data never tokenizes text; a GPT-2-sized vocabulary (256 byte symbols, filler tokens,
+# <|endoftext|> last) gives the GPT-2 vocabulary size, 50257, without shipping GPT-2's files.
+"$PYTHON" - "$SCRATCH" <<'PY'
+import json, sys
+def byte_symbols():
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = [b for b in range(256) if b not in keep]
+    return [chr(b) for b in keep] + [chr(256 + i) for i in range(len(extra))]
+tokens = byte_symbols()
+tokens += [f"<filler{i}>" for i in range(50256 - len(tokens))] + ["<|endoftext|>"]
+json.dump({t: i for i, t in enumerate(tokens)}, open(f"{sys.argv[1]}/vocab.json", "w"))
+open(f"{sys.argv[1]}/merges.txt", "w").write("#version: 0.2\n")
+PY
+
+SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 64 --bf16)
+# shellcheck disable=SC2206
+EXTRA=(${EXTRA_FLAGS:-})
+
+# Runs "$@" while sampling GPU memory; prints the peak (MiB) on fd 3.
+with_memory_peak() {
+    local log="$SCRATCH/memory.$RANDOM"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 100 >"$log" &
+    SAMPLER=$!
+    "$@"
+    kill "$SAMPLER" 2>/dev/null || true
+    wait "$SAMPLER" 2>/dev/null || true
+    SAMPLER=""
+    sort -n "$log" | tail -1 >&3
+}
+
+echo "== ours: $PRETRAIN_GPT" >&2
+exec 3>"$SCRATCH/ours.mem"
+with_memory_peak "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
+    --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
+    --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput >"$SCRATCH/ours.log"
+exec 3>&-
+cat "$SCRATCH/ours.log" >&2
+
+echo "== reference: PyTorch eager" >&2
+exec 3>"$SCRATCH/eager.mem"
+with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
+    --train-iters "$ITERS" --log-interval 10 >"$SCRATCH/eager.json"
+exec 3>&-
+cat "$SCRATCH/eager.json" >&2
+REFERENCES=("$SCRATCH/eager.json")
+if [[ "${TORCH_COMPILE:-0}" == 1 ]]; then
+    echo "== reference: torch.compile" >&2
+    exec 3>"$SCRATCH/compile.mem"
+    with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
+        --train-iters "$ITERS" --log-interval 10 --torch-compile >"$SCRATCH/compile.json"
+    exec 3>&-
+    REFERENCES+=("$SCRATCH/compile.json")
+fi
+
+"$PYTHON" - "$SCRATCH" "${REFERENCES[@]}" <<'PY'
+import json, re, sys, os
+scratch, references = sys.argv[1], sys.argv[2:]
+log = open(os.path.join(scratch, "ours.log")).read().splitlines()
+lines = [l for l in log if " iteration " in l and "elapsed time per iteration" in l]
+last = lines[-1]
+field = lambda name: float(re.search(re.escape(name) + r": ([0-9.]+)", last).group(1))
+mem = lambda name: float(open(os.path.join(scratch, name + ".mem")).read().strip() or "nan")
+ours = {"impl": "megatron-rs", "ms_per_iter": field("elapsed time per iteration (ms)"),
+        "tokens_per_s": field("tokens per second"), "tflops_per_gpu": field("throughput per GPU (TFLOP/s/GPU)"),
+        "mfu": field("MFU") / 100 if "MFU:" in last else None, "peak_gpu_memory_mib": mem("ours")}
+rows = [ours]
+for path in references:
+    ref = json.loads(open(path).read().strip().splitlines()[-1])
+    name = "eager" if ref["impl"] == "pytorch-eager" else "compile"
+    rows.append({"impl": ref["impl"], "ms_per_iter": ref["ms_per_iter"], "tokens_per_s": ref["tokens_per_s"],
+                 "tflops_per_gpu": ref["tflops_per_gpu"], "mfu": ref["mfu"], "peak_gpu_memory_mib": mem(name)})
+print(f"{'impl':<16}{'ms/iter':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak MiB':>10}{'speed vs ours':>15}")
+for row in rows:
+    ratio = row["tokens_per_s"] / ours["tokens_per_s"]
+    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    print(f"{row['impl']:<16}{row['ms_per_iter']:>10.1f}{row['tokens_per_s']:>12.0f}{row['tflops_per_gpu']:>10.1f}"
+          f"{mfu:>8}{row['peak_gpu_memory_mib']:>10.0f}{ratio:>15.3f}")
+print(json.dumps({"rows": rows}))
+PY
