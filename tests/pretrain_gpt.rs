@@ -196,3 +196,35 @@ fn bad_flags_and_inputs_are_named() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/corpus"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn sigterm_saves_and_exits_cleanly() {
+    let corpus = bundled_corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("ckpt");
+    let mut child = pretrain(&corpus, &["--train-iters", "100000", "--log-interval", "1"])
+        .args(["--save", path_str(&save), "--save-interval", "100000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("iteration        3/") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() > 0, "training stopped early");
+    }
+    // SAFETY: plain kill(2) of our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}: {rest}");
+    let stopped: u64 = rest
+        .lines()
+        .find_map(|l| l.strip_prefix("exiting at iteration ")?.strip_suffix(" (signal)")?.parse().ok())
+        .unwrap_or_else(|| panic!("no exit line in {rest}"));
+    let tracked = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap();
+    assert_eq!(tracked.trim(), stopped.to_string());
+    assert!(save.join(format!("iter_{stopped:07}/mp_rank_00/model.safetensors")).exists());
+}
