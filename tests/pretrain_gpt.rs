@@ -144,7 +144,7 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
     while Instant::now() < deadline && !caught {
         let staging = std::fs::read_dir(&save).ok().into_iter().flatten().flatten().any(|entry| {
             let name = entry.file_name().to_string_lossy().into_owned();
-            name.starts_with(".iter_") && name.contains(".tmp-") && entry.path().join("mp_rank_00").exists()
+            name.starts_with(".iter_") && name.ends_with(".tmp") && entry.path().join("mp_rank_00").exists()
         });
         if staging && save.join("latest_checkpointed_iteration.txt").exists() {
             child.kill().unwrap();

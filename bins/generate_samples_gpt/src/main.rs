@@ -76,7 +76,7 @@ fn run(cli: &Cli) -> Result<()> {
     if prompts.is_empty() {
         bail!("give --prompt or --sample-input-file");
     }
-    let device = resolve_device(&cli.device)?;
+    let device = resolve_device(&cli.device, 0)?;
     let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
     let model = load_gpt_for_inference(&cli.load, device, Kind::Float)?;
     if tokenizer.vocab_size() as i64 != model.config.vocab_size {

@@ -4,7 +4,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::training::pretrain_gpt;
+use megatron_core::parallel::ParallelState;
+use megatron_core::training::{pretrain_gpt, resolve_device, Runtime};
 
 /// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU or the CPU.
 ///
@@ -21,7 +22,8 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        let summary = pretrain_gpt(&cli.args)?;
+        let runtime = Runtime { parallel: ParallelState::single(), device: resolve_device(&cli.args.training.device, 0)? };
+        let summary = pretrain_gpt(&cli.args, &runtime)?;
         let loss = summary.last_lm_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
         let validation = summary.validation_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
         let checkpoint = summary.last_checkpoint.as_ref().map_or("none".to_string(), |p| p.display().to_string());

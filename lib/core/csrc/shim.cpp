@@ -2,6 +2,7 @@
 // are Rust callbacks, backward with explicit output gradients, and generator state access.
 #include "shim.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Version.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -173,6 +174,23 @@ char* mrs_rng_set_state(int device_index, const mrs_tensor state) {
     auto generator = default_generator(device_index);
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(*state);
+  });
+}
+
+char* mrs_rng_manual_seed(int device_index, uint64_t seed) {
+  return protect([&] {
+    auto generator = default_generator(device_index);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(seed);
+  });
+}
+
+char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double std, uint64_t seed,
+                        mrs_tensor* out) {
+  return protect([&] {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+    std::vector<int64_t> sizes(shape, shape + ndim);
+    *out = new at::Tensor(at::normal(mean, std, sizes, generator, at::TensorOptions().dtype(at::kFloat)));
   });
 }
 

@@ -64,6 +64,13 @@ char* mrs_grad(const mrs_tensor* outputs, const mrs_tensor* grad_outputs, size_t
 // uint8 tensor, and restoring it. Used to replay dropout exactly when recomputing activations.
 char* mrs_rng_get_state(int device_index, mrs_tensor* state_out);
 char* mrs_rng_set_state(int device_index, const mrs_tensor state);
+// Reseeds the default generator of a device (device_index < 0: the CPU).
+char* mrs_rng_manual_seed(int device_index, uint64_t seed);
+
+// A float32 CPU tensor of N(mean, std) values drawn from a fresh generator seeded with `seed`:
+// the same values on every thread, process and device for the same seed.
+char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double std, uint64_t seed,
+                        mrs_tensor* out);
 
 // ATen's build configuration (compiler, CUDA, cuDNN, NCCL versions, CPU capability) as a
 // malloc'd string, freed with mrs_free_string.

@@ -52,7 +52,7 @@ fn load(case: &str) -> Fixture {
     }
     let flags = Flags::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
     let gpt = flags.model.gpt_config(vocab_size).unwrap();
-    let options = ModelOptions { params_dtype: Kind::Float, device: Device::Cpu, recompute: Recompute::None };
+    let options = ModelOptions { params_dtype: Kind::Float, device: Device::Cpu, recompute: Recompute::None, seed: 1234 };
     let model = GptModel::new(gpt, options, &ParallelState::single()).unwrap();
     let (hf_state, _) = read_tensors(&dir.join("model.safetensors"), Device::Cpu).unwrap();
     let (io, _) = read_tensors(&dir.join("io.safetensors"), Device::Cpu).unwrap();

@@ -6,12 +6,14 @@ mod checkpointing;
 mod data;
 mod logging;
 mod model;
+mod parallel;
 mod training;
 
 pub use checkpointing::CheckpointArgs;
 pub use data::{DataArgs, TokenizerArgs};
 pub use logging::LoggingArgs;
 pub use model::ModelArgs;
+pub use parallel::ParallelArgs;
 pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
 
 /// Every flag of `pretrain_gpt`.
@@ -21,6 +23,8 @@ pub struct GptPretrainArgs {
     pub model: ModelArgs,
     #[command(flatten, next_help_heading = "Training")]
     pub training: TrainingArgs,
+    #[command(flatten, next_help_heading = "Parallelism")]
+    pub parallel: ParallelArgs,
     #[command(flatten, next_help_heading = "Optimizer and schedule")]
     pub optimizer: OptimizerArgs,
     #[command(flatten, next_help_heading = "Mixed precision")]

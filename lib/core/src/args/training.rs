@@ -51,29 +51,10 @@ pub struct TrainingArgs {
     /// Only evaluate (validation and test) the loaded model.
     #[arg(long)]
     pub skip_train: bool,
-    /// Accepted for compatibility: a value of 1 (multi-GPU runs use the parallelism flags).
-    #[arg(long, default_value_t = 1)]
-    pub tensor_model_parallel_size: usize,
-    /// Accepted for compatibility: a value of 1.
-    #[arg(long, default_value_t = 1)]
-    pub pipeline_model_parallel_size: usize,
-    /// Where to train: auto (the first CUDA device if any, else the CPU), cpu, cuda or cuda:N.
+    /// Where to train: auto (this rank's CUDA device if there is one, else the CPU), cpu, cuda
+    /// or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
-}
-
-impl TrainingArgs {
-    pub fn check_parallel_sizes(&self) -> Result<()> {
-        if self.tensor_model_parallel_size != 1 || self.pipeline_model_parallel_size != 1 {
-            bail!(
-                "--tensor-model-parallel-size {} --pipeline-model-parallel-size {}: this build trains on one \
-                 device; model parallelism arrives with the NCCL communicators",
-                self.tensor_model_parallel_size,
-                self.pipeline_model_parallel_size
-            );
-        }
-        Ok(())
-    }
 }
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
@@ -171,7 +152,7 @@ pub struct MixedPrecisionArgs {
     /// Overflows tolerated before the dynamic scale halves.
     #[arg(long, default_value_t = 2)]
     pub hysteresis: u64,
-    /// Accepted for compatibility: gradients always accumulate in float32.
+    /// Accepted for compatibility: gradients always accumulate and are reduced in float32.
     #[arg(long)]
     pub accumulate_allreduce_grads_in_fp32: bool,
 }

@@ -66,7 +66,9 @@ extern "C" {
     ) -> *mut c_char;
     pub fn mrs_rng_get_state(device_index: c_int, state_out: *mut TensorHandle) -> *mut c_char;
     pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
+    pub fn mrs_rng_manual_seed(device_index: c_int, seed: u64) -> *mut c_char;
     pub fn mrs_build_config() -> *mut c_char;
+    pub fn mrs_seeded_normal(shape: *const i64, ndim: usize, mean: f64, std: f64, seed: u64, out: *mut TensorHandle) -> *mut c_char;
     pub fn mrs_fused_adamw(
         params: *const TensorHandle,
         grads: *const TensorHandle,

@@ -23,7 +23,17 @@ pub struct CheckpointMetadata {
     pub params_dtype: String,
     pub tensor_model_parallel_size: usize,
     pub pipeline_model_parallel_size: usize,
+    /// Model chunks per pipeline rank (virtual pipeline stages); 1 without interleaving.
+    pub virtual_pipeline_stages: usize,
+    /// `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`: with the
+    /// sizes above they say which global layers each `mp_rank_TT_PPP` holds.
+    #[serde(default)]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    #[serde(default)]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
     pub data_parallel_size: usize,
+    /// The optimizer state is sharded over the data-parallel ranks (`--use-distributed-optimizer`).
+    pub distributed_optimizer: bool,
     pub consumed_train_samples: u64,
     pub consumed_valid_samples: u64,
     pub num_floating_point_operations_so_far: f64,
@@ -39,6 +49,19 @@ pub struct CheckpointMetadata {
 }
 
 impl CheckpointMetadata {
+    /// `TP=2 PP=2 (2 virtual stages) DP=4, distributed optimizer`.
+    pub fn describe_layout(&self) -> String {
+        let mut text = format!("TP={} PP={}", self.tensor_model_parallel_size, self.pipeline_model_parallel_size);
+        if self.virtual_pipeline_stages > 1 {
+            text.push_str(&format!(" ({} virtual stages)", self.virtual_pipeline_stages));
+        }
+        text.push_str(&format!(" DP={}", self.data_parallel_size));
+        if self.distributed_optimizer {
+            text.push_str(", distributed optimizer");
+        }
+        text
+    }
+
     pub fn read(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let metadata: CheckpointMetadata =

@@ -1,4 +1,7 @@
-//! Saving and loading whole checkpoints.
+//! Writing and reading checkpoints, one rank's files at a time. A save goes to a staging
+//! directory that every rank writes into; rank 0 renames it into place once all are done and
+//! only then moves the tracker, so a job killed at any moment leaves the previous checkpoint
+//! loadable.
 
 use std::collections::HashMap;
 use std::fs;
@@ -7,51 +10,61 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
-use super::layout::{iteration_directory, read_tracker, sync_directory, write_tracker, TrackedCheckpoint};
+use super::layout::{iteration_directory, read_tracker, sync_directory, write_tracker, TrackedCheckpoint, TRACKER_FILE};
 use super::metadata::CheckpointMetadata;
 use super::tensor_file::{read_tensors, write_tensors};
 
-const METADATA_FILE: &str = "metadata.json";
-const MODEL_FILE: &str = "model.safetensors";
-const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-const RNG_FILE: &str = "rng.safetensors";
+pub const METADATA_FILE: &str = "metadata.json";
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const RNG_FILE: &str = "rng.safetensors";
 
-/// What one rank contributes to a checkpoint.
-pub struct CheckpointParts {
-    pub rank_directory: String,
-    pub model: Vec<(String, Tensor)>,
-    pub optimizer: Option<Vec<(String, Tensor)>>,
-    pub rng: Option<Vec<(String, Tensor)>>,
+/// `optimizer.safetensors`, or with the distributed optimizer one file per data-parallel rank
+/// (`optimizer_dp001.safetensors`).
+pub fn optimizer_file(sharded_data_rank: Option<usize>) -> String {
+    match sharded_data_rank {
+        Some(rank) => format!("optimizer_dp{rank:03}.safetensors"),
+        None => "optimizer.safetensors".to_string(),
+    }
 }
 
-/// Writes the checkpoint of `metadata.iteration` under `root` and then points the tracker at
-/// it. The iteration directory appears only once complete; an existing one is replaced.
-pub fn save_checkpoint(root: &Path, metadata: &CheckpointMetadata, parts: &CheckpointParts) -> Result<PathBuf> {
-    fs::create_dir_all(root).with_context(|| format!("creating checkpoint directory {}", root.display()))?;
-    let target = iteration_directory(root, metadata.iteration);
+/// Where the ranks write the checkpoint of `iteration` before it is committed.
+pub fn staging_directory(root: &Path, iteration: u64) -> PathBuf {
+    let target = iteration_directory(root, iteration);
     let name = target.file_name().expect("iteration directories have a name").to_string_lossy().into_owned();
+    root.join(format!(".{name}.tmp"))
+}
+
+/// Run by one rank before the others write: creates the staging directory, clearing what an
+/// interrupted save left behind.
+pub fn begin_save(root: &Path, iteration: u64) -> Result<PathBuf> {
+    fs::create_dir_all(root).with_context(|| format!("creating checkpoint directory {}", root.display()))?;
     remove_abandoned_staging(root)?;
-    let staging = root.join(format!(".{name}.tmp-{}", std::process::id()));
-    let rank_dir = staging.join(&parts.rank_directory);
-    fs::create_dir_all(&rank_dir).with_context(|| format!("creating {}", rank_dir.display()))?;
+    let staging = staging_directory(root, iteration);
+    fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
+    Ok(staging)
+}
 
+/// Writes one file of a rank's part of the checkpoint (`staging/rank_dir/file`), durably.
+pub fn write_rank_file(staging: &Path, rank_dir: &str, file: &str, tensors: &[(String, Tensor)]) -> Result<()> {
+    let directory = staging.join(rank_dir);
+    fs::create_dir_all(&directory).with_context(|| format!("creating {}", directory.display()))?;
     let header = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_tensors(&rank_dir.join(MODEL_FILE), &parts.model, header.clone())?;
-    if let Some(optimizer) = &parts.optimizer {
-        write_tensors(&rank_dir.join(OPTIMIZER_FILE), optimizer, header.clone())?;
-    }
-    if let Some(rng) = &parts.rng {
-        write_tensors(&rank_dir.join(RNG_FILE), rng, header)?;
-    }
-    let metadata_path = staging.join(METADATA_FILE);
-    fs::write(&metadata_path, serde_json::to_string_pretty(metadata)?)
-        .with_context(|| format!("writing {}", metadata_path.display()))?;
-    fs::File::open(&metadata_path)?.sync_all()?;
-    sync_directory(&rank_dir)?;
-    sync_directory(&staging)?;
+    write_tensors(&directory.join(file), tensors, header)?;
+    sync_directory(&directory)
+}
 
+/// Run by one rank once every rank has written: adds the metadata, renames the staging
+/// directory into place (replacing an older save of the same iteration) and points the
+/// tracker at it.
+pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf> {
+    let staging = staging_directory(root, metadata.iteration);
+    let metadata_path = staging.join(METADATA_FILE);
+    fs::write(&metadata_path, serde_json::to_string_pretty(metadata)?).with_context(|| format!("writing {}", metadata_path.display()))?;
+    fs::File::open(&metadata_path)?.sync_all()?;
+    sync_directory(&staging)?;
+    let target = iteration_directory(root, metadata.iteration);
     if target.exists() {
-        let retired = root.join(format!(".{name}.old-{}", std::process::id()));
+        let retired = root.join(format!(".{}.old", target.file_name().expect("named").to_string_lossy()));
         fs::rename(&target, &retired)?;
         fs::rename(&staging, &target)?;
         fs::remove_dir_all(&retired)?;
@@ -68,32 +81,23 @@ pub fn save_checkpoint(root: &Path, metadata: &CheckpointMetadata, parts: &Check
 fn remove_abandoned_staging(root: &Path) -> Result<()> {
     for entry in fs::read_dir(root)?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(".iter_") && (name.contains(".tmp-") || name.contains(".old-")) {
+        if name.starts_with(".iter_") && (name.ends_with(".tmp") || name.ends_with(".old")) {
             fs::remove_dir_all(entry.path()).with_context(|| format!("removing abandoned {}", entry.path().display()))?;
         }
     }
     Ok(())
 }
 
-/// Which parts of a checkpoint to read (`--no-load-optim`, `--no-load-rng`, `--finetune`).
-#[derive(Debug, Clone, Copy)]
-pub struct LoadOptions {
-    pub optimizer: bool,
-    pub rng: bool,
-}
-
-pub struct LoadedCheckpoint {
+/// A committed checkpoint, found through the tracker.
+pub struct CheckpointDirectory {
     pub directory: PathBuf,
     pub metadata: CheckpointMetadata,
     /// The tracker said `release`: weights only, training restarts at iteration 0.
     pub release: bool,
-    pub model: HashMap<String, Tensor>,
-    pub optimizer: Option<HashMap<String, Tensor>>,
-    pub rng: Option<HashMap<String, Tensor>>,
 }
 
-/// Loads the checkpoint the tracker under `root` names; `None` when there is none.
-pub fn load_checkpoint(root: &Path, rank_directory: &str, device: Device, options: LoadOptions) -> Result<Option<LoadedCheckpoint>> {
+/// The checkpoint the tracker under `root` names; `None` when there is none.
+pub fn find_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
     let Some(tracked) = read_tracker(root)? else {
         return Ok(None);
     };
@@ -101,43 +105,39 @@ pub fn load_checkpoint(root: &Path, rank_directory: &str, device: Device, option
     if !directory.is_dir() {
         bail!(
             "{} names {} but {} does not exist",
-            root.join(super::layout::TRACKER_FILE).display(),
+            root.join(TRACKER_FILE).display(),
             directory.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
             directory.display()
         );
     }
     let metadata = CheckpointMetadata::read(&directory.join(METADATA_FILE))?;
-    let rank_dir = directory.join(rank_directory);
-    if !rank_dir.is_dir() {
-        let present: Vec<String> = fs::read_dir(&directory)?
-            .filter_map(|e| e.ok())
-            .filter(|e| e.path().is_dir())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        bail!(
-            "{} has no {rank_directory} (it holds {}; saved with tensor/pipeline parallel sizes {}/{})",
-            directory.display(),
-            present.join(", "),
-            metadata.tensor_model_parallel_size,
-            metadata.pipeline_model_parallel_size
-        );
-    }
-    let (model, _) = read_tensors(&rank_dir.join(MODEL_FILE), device)?;
-    let optional = |wanted: bool, file: &str| -> Result<Option<HashMap<String, Tensor>>> {
-        let path = rank_dir.join(file);
-        if !wanted || !path.exists() {
+    Ok(Some(CheckpointDirectory { directory, metadata, release: tracked == TrackedCheckpoint::Release }))
+}
+
+impl CheckpointDirectory {
+    /// Reads `rank_dir/file` onto `device`; `None` when the file is absent (e.g. a checkpoint
+    /// saved with `--no-save-optim`). A missing rank directory is an error naming the layout the
+    /// checkpoint was saved with.
+    pub fn read(&self, rank_dir: &str, file: &str, device: Device) -> Result<Option<HashMap<String, Tensor>>> {
+        let directory = self.directory.join(rank_dir);
+        if !directory.is_dir() {
+            let mut present: Vec<String> = fs::read_dir(&self.directory)?
+                .flatten()
+                .filter(|e| e.path().is_dir())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            present.sort();
+            bail!(
+                "{} has no {rank_dir} (it holds {}; saved with {})",
+                self.directory.display(),
+                present.join(", "),
+                self.metadata.describe_layout()
+            );
+        }
+        let path = directory.join(file);
+        if !path.exists() {
             return Ok(None);
         }
         Ok(Some(read_tensors(&path, device)?.0))
-    };
-    let optimizer = optional(options.optimizer, OPTIMIZER_FILE)?;
-    let rng = optional(options.rng, RNG_FILE)?;
-    Ok(Some(LoadedCheckpoint {
-        directory,
-        metadata,
-        release: tracked == TrackedCheckpoint::Release,
-        model,
-        optimizer,
-        rng,
-    }))
+    }
 }

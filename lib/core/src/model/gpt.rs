@@ -1,17 +1,26 @@
 //! Megatron's GPT (spec §1.3): embeddings, the transformer stack, the final norm and the
-//! (tied or untied) output projection, with Megatron-core state-dict names.
+//! (tied or untied) output projection, with Megatron-core state-dict names. A `GptModel` is one
+//! pipeline chunk: the whole model without pipeline parallelism, else a block of layers with
+//! the embeddings on the first stage and the head on the last.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::ops::Range;
 
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::config::{GptConfig, PositionEmbeddingType};
-use super::layers::{AttentionMask, NamedTensors, Norm, RotaryEmbedding, RotaryTables, TransformerLayer, VocabParallelEmbedding};
+use super::layers::{
+    AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, RotaryEmbedding, RotaryTables, TensorParallel,
+    TransformerLayer, VocabParallelEmbedding,
+};
 use super::param::{Initializer, Param};
 use crate::autograd::checkpoint;
-use crate::parallel::{copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, Communicator, ParallelState};
+use crate::parallel::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region, ParallelState,
+};
+use crate::rng::with_model_parallel_rng;
 
 /// `--recompute-granularity full --recompute-method ...`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,63 +40,125 @@ pub enum Recompute {
     Full { method: RecomputeMethod, num_layers: usize },
 }
 
-/// How the model is materialised: parameter dtype, device and recompute policy.
+/// How the model is materialised: parameter dtype, device, recompute policy and the seed its
+/// weights are drawn with.
 #[derive(Debug, Clone, Copy)]
 pub struct ModelOptions {
     pub params_dtype: Kind,
     pub device: Device,
     pub recompute: Recompute,
+    pub seed: u64,
+}
+
+/// Which part of the model a chunk holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkSpec {
+    /// The chunk has the embeddings (first pipeline stage, first virtual chunk).
+    pub pre_process: bool,
+    /// The chunk has the final norm and the output layer (last stage, last virtual chunk).
+    pub post_process: bool,
+    /// Global indices of its transformer layers.
+    pub layers: Range<usize>,
+}
+
+impl ChunkSpec {
+    pub fn whole(num_layers: usize) -> Self {
+        ChunkSpec { pre_process: true, post_process: true, layers: 0..num_layers }
+    }
+}
+
+/// What a chunk consumes: token ids on the first stage, the previous stage's hidden states
+/// (`[s, b, h]`, `[s/t, b, h]` with sequence parallelism) elsewhere.
+pub enum ChunkInput<'a> {
+    Tokens { tokens: &'a Tensor, position_ids: &'a Tensor },
+    Hidden(&'a Tensor),
+}
+
+/// The output projection of a post-process chunk.
+enum OutputWeight {
+    /// Tied, and the word embeddings are in this chunk.
+    WordEmbeddings,
+    /// The untied `output_layer`, or the last stage's copy of the tied word embeddings.
+    Own { weight: Param, shared_embedding: bool },
 }
 
 pub struct GptModel {
     pub config: GptConfig,
-    pub word_embeddings: VocabParallelEmbedding,
+    pub spec: ChunkSpec,
+    pub word_embeddings: Option<VocabParallelEmbedding>,
     pub position_embeddings: Option<Param>,
     pub layers: Vec<TransformerLayer>,
-    pub final_layernorm: Norm,
-    /// The untied output projection `[V/t, h]`; `None` when tied to the word embeddings.
-    pub output_layer: Option<Param>,
+    pub final_layernorm: Option<Norm>,
+    output: Option<OutputWeight>,
     rotary: Option<RotaryEmbedding>,
     options: ModelOptions,
-    tensor_group: Arc<dyn Communicator>,
+    parallel: TensorParallel,
 }
 
 impl GptModel {
-    /// Builds and initialises the model; draws follow Megatron's construction order, so the
-    /// seed fixes the weights independently of device and tensor-parallel size.
+    /// The whole model on one pipeline stage.
     pub fn new(config: GptConfig, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
+        let spec = ChunkSpec::whole(config.num_layers);
+        Self::new_chunk(config, options, parallel, spec)
+    }
+
+    /// Builds and initialises one chunk. Every weight is drawn from the seed and its global name
+    /// (see [`Initializer`]), so any layout of the same model holds the same weights.
+    pub fn new_chunk(config: GptConfig, options: ModelOptions, parallel: &ParallelState, spec: ChunkSpec) -> Result<Self> {
         let tp = parallel.tensor_parallel_size() as i64;
         config.validate(tp)?;
-        let group = parallel.tensor.clone();
-        let init = Initializer {
-            dtype: options.params_dtype,
-            device: options.device,
-            tensor_parallel_rank: parallel.tensor_parallel_rank() as i64,
-            tensor_parallel_size: tp,
-        };
+        ensure!(spec.layers.end <= config.num_layers, "chunk layers {:?} beyond --num-layers {}", spec.layers, config.num_layers);
+        let tensor_parallel = TensorParallel { group: parallel.tensor.clone(), sequence_parallel: parallel.sequence_parallel };
+        let init = Initializer::new(options.params_dtype, options.device, parallel.tensor_parallel_rank() as i64, tp, options.seed);
         let h = config.hidden_size;
         let std = config.init_method_std;
         let padded_vocab = config.padded_vocab_size(tp);
-        let word_embeddings = VocabParallelEmbedding::new(&init, padded_vocab, h, std, group.clone());
-        let position_embeddings = (config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute)
-            .then(|| init.normal(&[config.max_position_embeddings, h], std));
-        let layers = (0..config.num_layers).map(|_| TransformerLayer::new(&init, &config, group.clone())).collect();
-        let final_layernorm = Norm::new(&init, config.normalization, h, config.norm_epsilon, config.apply_layernorm_1p);
-        let output_layer = config
-            .untie_embeddings_and_output_weights
-            .then(|| init.normal_partitioned(&[padded_vocab, h], std, 0));
+        let embedding = init.scope("embedding");
+        let word_embeddings = spec
+            .pre_process
+            .then(|| VocabParallelEmbedding::new(&embedding.scope("word_embeddings"), padded_vocab, h, std, parallel.tensor.clone()));
+        let position_embeddings = (spec.pre_process && config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute)
+            .then(|| embedding.scope("position_embeddings").normal("weight", &[config.max_position_embeddings, h], std));
+        let layers = spec
+            .layers
+            .clone()
+            .map(|global| TransformerLayer::new(&init.scope(&format!("decoder.layers.{global}")), &config, tensor_parallel.clone()))
+            .collect();
+        let final_layernorm = spec.post_process.then(|| {
+            Norm::new(
+                &init.scope("decoder.final_layernorm"),
+                config.normalization,
+                h,
+                config.norm_epsilon,
+                config.apply_layernorm_1p,
+                parallel.sequence_parallel,
+            )
+        });
+        let output = spec.post_process.then(|| {
+            if config.untie_embeddings_and_output_weights {
+                OutputWeight::Own { weight: init.scope("output_layer").normal_partitioned("weight", &[padded_vocab, h], std, 0), shared_embedding: false }
+            } else if spec.pre_process {
+                OutputWeight::WordEmbeddings
+            } else {
+                // Megatron zero-fills this copy and all-reduces it with the first stage's; drawing
+                // it under the word embeddings' name gives the same values directly.
+                let weight = embedding.scope("word_embeddings").normal_partitioned("weight", &[padded_vocab, h], std, 0);
+                OutputWeight::Own { weight, shared_embedding: true }
+            }
+        });
         let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope)
             .then(|| RotaryEmbedding::new(config.rotary_dim(), config.rotary_base));
         Ok(GptModel {
             config,
+            spec,
             word_embeddings,
             position_embeddings,
             layers,
             final_layernorm,
-            output_layer,
+            output,
             rotary,
             options,
-            tensor_group: group,
+            parallel: tensor_parallel,
         })
     }
 
@@ -95,23 +166,50 @@ impl GptModel {
         &self.options
     }
 
-    /// `tokens`, `position_ids`: `[b, s]`. Returns this rank's logits `[s, b, V/t]`.
+    /// `tokens`, `position_ids`: `[b, s]`. Returns this rank's logits `[s, b, V/t]`; the chunk
+    /// must hold the whole model.
     pub fn forward(&self, tokens: &Tensor, position_ids: &Tensor, mask: &AttentionMask, train: bool) -> Result<Tensor> {
-        let hidden = self.embed(tokens, position_ids, train)?;
-        let rotary = self.rotary.as_ref().map(|r| r.tables(0, tokens.size()[1], tokens.device()));
-        let hidden = self.run_layers(hidden, mask, rotary.as_ref(), train)?;
-        let hidden = self.final_layernorm.forward(&hidden);
-        self.logits(&hidden)
+        ensure!(self.spec.pre_process && self.spec.post_process, "forward needs the whole model; this is a pipeline chunk");
+        self.forward_chunk(ChunkInput::Tokens { tokens, position_ids }, mask, train)
+    }
+
+    /// Runs this chunk: logits `[s, b, V/t]` from a post-process chunk, hidden states for the
+    /// next stage otherwise.
+    pub fn forward_chunk(&self, input: ChunkInput, mask: &AttentionMask, train: bool) -> Result<Tensor> {
+        let hidden = match input {
+            ChunkInput::Tokens { tokens, position_ids } => {
+                ensure!(self.spec.pre_process, "token input for a chunk without embeddings");
+                self.embed(tokens, position_ids, train)?
+            }
+            ChunkInput::Hidden(hidden) => {
+                ensure!(!self.spec.pre_process, "hidden-state input for the chunk with the embeddings");
+                hidden.shallow_clone()
+            }
+        };
+        let sequence = hidden.size()[0] * if self.parallel.sequence_parallel { self.parallel.group.size() as i64 } else { 1 };
+        let rotary = self.rotary.as_ref().map(|r| r.tables(0, sequence, hidden.device()));
+        // With sequence parallelism every dropout in the stack acts on per-rank slices, so the
+        // stack runs on the model-parallel stream (spec §3.2).
+        let hidden = if self.parallel.sequence_parallel {
+            with_model_parallel_rng(hidden.device(), || self.run_layers(hidden, mask, rotary.as_ref(), train))??
+        } else {
+            self.run_layers(hidden, mask, rotary.as_ref(), train)?
+        };
+        match &self.final_layernorm {
+            Some(norm) => self.logits(&norm.forward(&hidden)),
+            None => Ok(hidden),
+        }
     }
 
     /// Like [`forward`](Self::forward) but with the full vocabulary gathered from every rank.
     pub fn forward_full_logits(&self, tokens: &Tensor, position_ids: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
         let logits = self.forward(tokens, position_ids, mask, false)?;
-        gather_from_tensor_parallel_region(&logits, &self.tensor_group)
+        gather_from_tensor_parallel_region(&logits, &self.parallel.group)
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {
-        let mut embedded = self.word_embeddings.forward(tokens)?;
+        let word_embeddings = self.word_embeddings.as_ref().expect("pre-process chunks have word embeddings");
+        let mut embedded = word_embeddings.forward(tokens)?;
         if let Some(positions) = &self.position_embeddings {
             ensure!(
                 tokens.size()[1] <= self.config.max_position_embeddings,
@@ -121,7 +219,12 @@ impl GptModel {
             );
             embedded = embedded + Tensor::embedding(positions, position_ids, -1, false, false);
         }
-        Ok(embedded.transpose(0, 1).contiguous().dropout(self.config.hidden_dropout, train))
+        let embedded = embedded.transpose(0, 1).contiguous();
+        if self.parallel.sequence_parallel {
+            let embedded = scatter_to_sequence_parallel_region(&embedded, &self.parallel.group)?;
+            return Ok(with_model_parallel_rng(embedded.device(), || embedded.dropout(self.config.hidden_dropout, train))?);
+        }
+        Ok(embedded.dropout(self.config.hidden_dropout, train))
     }
 
     fn run_layers(&self, mut hidden: Tensor, mask: &AttentionMask, rotary: Option<&RotaryTables>, train: bool) -> Result<Tensor> {
@@ -167,25 +270,43 @@ impl GptModel {
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let weight = self.output_layer.as_ref().unwrap_or(&self.word_embeddings.weight);
-        let hidden = copy_to_tensor_parallel_region(hidden, &self.tensor_group)?;
+        let weight = match self.output.as_ref().expect("post-process chunks have an output layer") {
+            OutputWeight::WordEmbeddings => &self.word_embeddings.as_ref().expect("tied to this chunk's embeddings").weight,
+            OutputWeight::Own { weight, .. } => weight,
+        };
+        let group = &self.parallel.group;
+        let hidden = if self.parallel.sequence_parallel {
+            gather_from_sequence_parallel_region(hidden, group, true)?
+        } else {
+            copy_to_tensor_parallel_region(hidden, group)?
+        };
         Ok(hidden.linear::<&Tensor>(weight, None))
     }
 
-    /// Every parameter under its Megatron-core name, in construction order.
-    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+    /// Every parameter of this chunk under its Megatron-core name (layer indices local to the
+    /// chunk, as in Megatron's checkpoints), in construction order.
+    pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();
         let mut names = NamedTensors::new(&mut out);
-        names.push("embedding.word_embeddings.weight", &self.word_embeddings.weight);
+        let sharded = ParamAttributes { tensor_parallel: true, ..Default::default() };
+        // Tied embeddings split over two stages exist on both: the first stage's and the last
+        // stage's copy get their gradients summed.
+        let tied_elsewhere = !self.config.untie_embeddings_and_output_weights && !(self.spec.pre_process && self.spec.post_process);
+        if let Some(word) = &self.word_embeddings {
+            names.push("embedding.word_embeddings.weight", &word.weight, ParamAttributes { tied_across_stages: tied_elsewhere, ..sharded });
+        }
         if let Some(positions) = &self.position_embeddings {
-            names.push("embedding.position_embeddings.weight", positions);
+            names.push("embedding.position_embeddings.weight", positions, ParamAttributes::default());
         }
         for (i, layer) in self.layers.iter().enumerate() {
             layer.named_tensors(&mut names.scope(&format!("decoder.layers.{i}")));
         }
-        self.final_layernorm.named_tensors(&mut names.scope("decoder.final_layernorm"));
-        if let Some(output) = &self.output_layer {
-            names.push("output_layer.weight", output);
+        if let Some(norm) = &self.final_layernorm {
+            norm.named_tensors(&mut names.scope("decoder.final_layernorm"));
+        }
+        if let Some(OutputWeight::Own { weight, shared_embedding }) = &self.output {
+            let attributes = ParamAttributes { shared_embedding: *shared_embedding, tied_across_stages: *shared_embedding, ..sharded };
+            names.push("output_layer.weight", weight, attributes);
         }
         out
     }
@@ -195,28 +316,29 @@ impl GptModel {
     /// checkpoint of another architecture fails loudly instead of half-loading.
     pub fn load_parameters(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
         let parameters = self.named_parameters();
-        let mut unknown: Vec<&String> = tensors.keys().filter(|k| !parameters.iter().any(|(n, _)| n == *k)).collect();
+        let mut unknown: Vec<&String> = tensors.keys().filter(|k| !parameters.iter().any(|p| &p.name == *k)).collect();
         if !unknown.is_empty() {
             unknown.sort();
             bail!("unexpected tensors for this model: {}", join_names(&unknown));
         }
         tch::no_grad(|| -> Result<()> {
-            for (name, parameter) in &parameters {
+            for parameter in &parameters {
+                let name = &parameter.name;
                 let source = tensors.get(name).with_context(|| format!("missing tensor {name}"))?;
                 ensure!(
-                    source.size() == parameter.size(),
+                    source.size() == parameter.tensor.size(),
                     "tensor {name}: shape {:?} but the model expects {:?}",
                     source.size(),
-                    parameter.size()
+                    parameter.tensor.size()
                 );
-                parameter.shallow_clone().copy_(source);
+                parameter.tensor.shallow_clone().copy_(source);
             }
             Ok(())
         })
     }
 
     pub fn parameter_count(&self) -> i64 {
-        self.named_parameters().iter().map(|(_, t)| t.numel() as i64).sum()
+        self.named_parameters().iter().map(|p| p.tensor.numel() as i64).sum()
     }
 }
 

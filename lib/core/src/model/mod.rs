@@ -7,8 +7,10 @@ pub mod gpt;
 pub mod hf;
 pub mod layers;
 pub mod param;
+pub mod partition;
 
 pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType};
 pub use cross_entropy::cross_entropy;
-pub use gpt::{GptModel, ModelOptions, Recompute, RecomputeMethod};
-pub use layers::AttentionMask;
+pub use gpt::{ChunkInput, ChunkSpec, GptModel, ModelOptions, Recompute, RecomputeMethod};
+pub use layers::{AttentionMask, NamedParameter, ParamAttributes};
+pub use partition::PipelineSplit;

@@ -4,6 +4,8 @@ use std::ops::Deref;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::autograd::ffi;
+
 /// A parameter tensor. Cloning is shallow: clones share storage and gradient, which lets a
 /// recomputed block own its layers while the model keeps them too.
 pub struct Param(Tensor);
@@ -34,31 +36,53 @@ impl Deref for Param {
 }
 
 /// Creates parameters the way Megatron does with `--use-cpu-initialization`: every draw is made
-/// in float32 from the CPU generator over the *full* weight, in module construction order, and
-/// a tensor-parallel rank keeps its slice. The same seed therefore gives the same model for any
-/// tensor-parallel size (spec §3.2), and the same model on CPU and GPU.
-#[derive(Debug, Clone, Copy)]
+/// in float32 on the CPU over the *full* weight, and a tensor-parallel rank keeps its slice.
+///
+/// Each parameter draws from its own generator, seeded by the run's seed and the parameter's
+/// global name (`decoder.layers.7.mlp.linear_fc1.weight`, with the global layer number). So the
+/// same seed gives the same model for any tensor- or pipeline-parallel layout, on CPU and GPU,
+/// whatever order the ranks build their layers in.
+#[derive(Debug, Clone)]
 pub struct Initializer {
     pub dtype: Kind,
     pub device: Device,
     pub tensor_parallel_rank: i64,
     pub tensor_parallel_size: i64,
+    pub seed: u64,
+    prefix: String,
 }
 
 impl Initializer {
-    fn place(&self, tensor: Tensor) -> Param {
-        Param::new(tensor.to_kind(self.dtype).to_device(self.device))
+    pub fn new(dtype: Kind, device: Device, tensor_parallel_rank: i64, tensor_parallel_size: i64, seed: u64) -> Self {
+        Initializer { dtype, device, tensor_parallel_rank, tensor_parallel_size, seed, prefix: String::new() }
+    }
+
+    /// An initializer whose parameter names start with `name.`.
+    pub fn scope(&self, name: &str) -> Initializer {
+        Initializer { prefix: format!("{}{name}.", self.prefix), ..self.clone() }
     }
 
     /// N(0, std) over the whole `shape`.
-    pub fn normal(&self, shape: &[i64], std: f64) -> Param {
-        self.place(full_normal(shape, std))
+    pub fn normal(&self, name: &str, shape: &[i64], std: f64) -> Param {
+        self.place(self.full_normal(name, shape, std))
     }
 
     /// N(0, std) drawn over the full `shape`, keeping this rank's slice along `dim`.
-    pub fn normal_partitioned(&self, shape: &[i64], std: f64, dim: usize) -> Param {
-        let full = full_normal(shape, std);
-        self.place(self.slice(&full, dim))
+    pub fn normal_partitioned(&self, name: &str, shape: &[i64], std: f64, dim: usize) -> Param {
+        self.normal_partitioned_strided(name, shape, std, dim, 1)
+    }
+
+    /// Like [`normal_partitioned`](Self::normal_partitioned), with the full weight cut into
+    /// `t · stride` pieces along `dim` of which rank r keeps pieces `r, r + t, …` (Megatron's
+    /// `stride`): SwiGLU's fc1 `[gate; up]` gives rank r `[gate_r; up_r]`.
+    pub fn normal_partitioned_strided(&self, name: &str, shape: &[i64], std: f64, dim: usize, stride: i64) -> Param {
+        let full = self.full_normal(name, shape, std);
+        let pieces = self.tensor_parallel_size * stride;
+        let width = full.size()[dim] / pieces;
+        let kept: Vec<Tensor> = (0..stride)
+            .map(|s| full.narrow(dim as i64, (s * self.tensor_parallel_size + self.tensor_parallel_rank) * width, width))
+            .collect();
+        self.place(Tensor::cat(&kept, dim as i64))
     }
 
     pub fn constant(&self, shape: &[i64], value: f64) -> Param {
@@ -72,14 +96,65 @@ impl Initializer {
         self.constant(&local, value)
     }
 
-    fn slice(&self, full: &Tensor, dim: usize) -> Tensor {
-        let width = full.size()[dim] / self.tensor_parallel_size;
-        full.narrow(dim as i64, self.tensor_parallel_rank * width, width).contiguous()
+    fn place(&self, tensor: Tensor) -> Param {
+        Param::new(tensor.contiguous().to_kind(self.dtype).to_device(self.device))
+    }
+
+    fn full_normal(&self, name: &str, shape: &[i64], std: f64) -> Tensor {
+        seeded_normal(shape, std, parameter_seed(self.seed, &format!("{}{name}", self.prefix)))
     }
 }
 
-fn full_normal(shape: &[i64], std: f64) -> Tensor {
-    let mut tensor = Tensor::empty(shape, (Kind::Float, Device::Cpu));
-    let _ = tensor.normal_(0.0, std);
-    tensor
+/// The generator seed of the parameter `name`: FNV-1a over the run's seed and the name.
+pub fn parameter_seed(seed: u64, name: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in seed.to_le_bytes().iter().chain(name.as_bytes()) {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // libtorch's CPU generator keeps 32 bits of its seed; fold the hash so all of it counts.
+    (hash ^ (hash >> 32)) & 0xffff_ffff
+}
+
+/// N(0, std) float32 values from a generator seeded with `seed` (not the global one).
+fn seeded_normal(shape: &[i64], std: f64, seed: u64) -> Tensor {
+    let mut handle: ffi::TensorHandle = std::ptr::null_mut();
+    // SAFETY: `shape` is live for the call; on success the shim writes a fresh handle we own.
+    crate::error::check(unsafe { ffi::mrs_seeded_normal(shape.as_ptr(), shape.len(), 0.0, std, seed, &mut handle) })
+        .expect("drawing from a CPU generator cannot fail");
+    unsafe { Tensor::from_ptr(handle) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn initializer(rank: i64, size: i64) -> Initializer {
+        Initializer::new(Kind::Float, Device::Cpu, rank, size, 1234).scope("decoder.layers.3")
+    }
+
+    #[test]
+    fn draws_depend_on_seed_and_name_only() {
+        let a = initializer(0, 1).normal("w", &[4, 3], 1.0);
+        let b = initializer(0, 1).normal("w", &[4, 3], 1.0);
+        let other = initializer(0, 1).normal("v", &[4, 3], 1.0);
+        assert!(a.equal(&b));
+        assert!(!a.equal(&other));
+        let reseeded = Initializer::new(Kind::Float, Device::Cpu, 0, 1, 99).scope("decoder.layers.3").normal("w", &[4, 3], 1.0);
+        assert!(!a.equal(&reseeded));
+        assert!((a.std(false).double_value(&[]) - 1.0).abs() < 0.8);
+    }
+
+    #[test]
+    fn tensor_parallel_shards_concatenate_to_the_full_weight() {
+        let full = initializer(0, 1).normal("w", &[8, 6], 0.02);
+        let rows: Vec<Tensor> = (0..2).map(|r| initializer(r, 2).normal_partitioned("w", &[8, 6], 0.02, 0).tensor().shallow_clone()).collect();
+        assert!(Tensor::cat(&rows, 0).equal(&full));
+        let columns: Vec<Tensor> = (0..2).map(|r| initializer(r, 2).normal_partitioned("w", &[8, 6], 0.02, 1).tensor().shallow_clone()).collect();
+        assert!(Tensor::cat(&columns, 1).equal(&full));
+        // Stride 2 over [gate; up]: rank r holds [gate_r; up_r].
+        let strided = initializer(1, 2).normal_partitioned_strided("w", &[8, 6], 0.02, 0, 2);
+        let expected = Tensor::cat(&[full.narrow(0, 2, 2), full.narrow(0, 6, 2)], 0);
+        assert!(strided.equal(&expected));
+    }
 }

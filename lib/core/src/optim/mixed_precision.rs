@@ -1,13 +1,22 @@
-//! The optimizer step with float32 main parameters and gradient accumulators.
+//! The optimizer step with float32 main parameters and gradients over the flat buffers of
+//! [`BufferLayout`], including what Megatron's `finalize_model_grads` does first: data-parallel
+//! gradient reduction (all-reduce, or reduce-scatter for the distributed optimizer), the tied
+//! embedding gradients over the first and last stage, and the sequence-parallel norm gradients
+//! over the tensor-parallel group.
 
 use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Kind, Tensor};
 
+use super::buffer::{BufferLayout, ParamShape, Segment};
 use super::groups::ParamGroup;
-use super::state::OptimizerTensors;
+use crate::model::NamedParameter;
 use crate::ops::{self, AdamwHyper};
+use crate::parallel::{Communicator, ParallelState, ReduceOp};
+
+/// Megatron's default `--ddp-bucket-size`: 40M elements.
+pub const DEFAULT_BUCKET_SIZE: usize = 40_000_000;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum OptimizerKind {
@@ -22,6 +31,11 @@ pub struct OptimizerSettings {
     pub kind: OptimizerKind,
     /// `--clip-grad`; 0 disables clipping.
     pub clip_grad: f64,
+    /// `--use-distributed-optimizer`: main parameters and optimizer state sharded over the
+    /// data-parallel group.
+    pub distributed: bool,
+    /// Elements per data-parallel communication bucket (`--ddp-bucket-size`).
+    pub bucket_size: usize,
 }
 
 /// What one optimizer step did.
@@ -34,64 +48,117 @@ pub struct StepOutcome {
 }
 
 enum Moments {
-    Adam { exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor },
+    Adam { exp_avg: Tensor, exp_avg_sq: Tensor, steps: Vec<Tensor> },
     Sgd { momentum: Option<Tensor> },
 }
 
-struct Entry {
-    name: String,
-    model: Tensor,
-    /// Float32 master weights; the model parameter itself when that is float32.
-    main: Tensor,
-    main_grad: Tensor,
-    group: ParamGroup,
-    moments: Moments,
-}
-
 pub struct MixedPrecisionOptimizer {
-    entries: Vec<Entry>,
     settings: OptimizerSettings,
+    parallel: ParallelState,
+    layout: BufferLayout,
+    /// Whether the shards are slices of the data-parallel group (distributed optimizer).
+    sharded: bool,
+    /// The model's parameters in slot order; each is a view into `param_buffer`.
+    params: Vec<Tensor>,
+    param_buffer: Tensor,
+    grad_buffer: Tensor,
+    /// Float32 main parameters of this rank's shards; `param_buffer` itself for float32 models
+    /// without sharding.
+    main: Tensor,
+    main_is_params: bool,
+    moments: Moments,
+    /// Slots whose gradients are summed over the embedding group (the tied word embeddings on
+    /// the first and last stage).
+    embedding_slots: Vec<usize>,
 }
 
 impl MixedPrecisionOptimizer {
-    /// `parameters`: the model's parameters under their state-dict names.
-    pub fn new(parameters: Vec<(String, Tensor)>, settings: OptimizerSettings) -> Self {
-        let entries = parameters
-            .into_iter()
-            .map(|(name, model)| {
-                let main = tch::no_grad(|| {
-                    if model.kind() == Kind::Float {
-                        model.shallow_clone()
-                    } else {
-                        model.detach().to_kind(Kind::Float)
-                    }
-                });
-                let main_grad = main.zeros_like();
-                let moments = match settings.kind {
-                    OptimizerKind::Adam { .. } => Moments::Adam {
-                        exp_avg: main.zeros_like(),
-                        exp_avg_sq: main.zeros_like(),
-                        step: Tensor::zeros([], (Kind::Float, main.device())),
-                    },
-                    OptimizerKind::Sgd { .. } => Moments::Sgd { momentum: None },
-                };
-                let group = ParamGroup::of(&name, &model.size());
-                Entry { name, model, main, main_grad, group, moments }
-            })
+    /// Takes the model's parameters (all of one dtype and device) and moves them into one flat
+    /// buffer, each parameter becoming a view of it.
+    pub fn new(parameters: Vec<NamedParameter>, settings: OptimizerSettings, parallel: &ParallelState) -> Result<Self> {
+        let first = parameters.first().context("the optimizer has no parameters")?;
+        let (dtype, device) = (first.tensor.kind(), first.tensor.device());
+        ensure!(
+            parameters.iter().all(|p| p.tensor.kind() == dtype && p.tensor.device() == device),
+            "all parameters must share one dtype and device"
+        );
+        let data = &parallel.data;
+        let sharded = settings.distributed && data.size() > 1;
+        let shapes: Vec<ParamShape> =
+            parameters.iter().map(|p| ParamShape { name: &p.name, shape: p.tensor.size(), attributes: p.attributes }).collect();
+        let layout = BufferLayout::new(&shapes, settings.bucket_size.max(1), data.rank(), data.size(), sharded);
+        let by_name: HashMap<&str, &NamedParameter> = parameters.iter().map(|p| (p.name.as_str(), p)).collect();
+        let param_buffer = Tensor::zeros([layout.len as i64], (dtype, device));
+        let mut params = Vec::with_capacity(layout.slots.len());
+        tch::no_grad(|| {
+            for slot in &layout.slots {
+                let mut param = by_name[slot.name.as_str()].tensor.shallow_clone();
+                let view = param_buffer.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice());
+                view.shallow_clone().copy_(&param);
+                param.set_data(&view);
+                params.push(param);
+            }
+        });
+        let grad_buffer = Tensor::zeros([layout.len as i64], (Kind::Float, device));
+        let main_is_params = dtype == Kind::Float && !sharded;
+        let main = if main_is_params {
+            param_buffer.shallow_clone()
+        } else {
+            let shards: Vec<Tensor> = layout
+                .buckets
+                .iter()
+                .map(|b| param_buffer.narrow(0, b.shard.start as i64, b.shard.len() as i64))
+                .collect();
+            Tensor::cat(&shards, 0).to_kind(Kind::Float)
+        };
+        let moments = match settings.kind {
+            OptimizerKind::Adam { .. } => Moments::Adam {
+                exp_avg: main.zeros_like(),
+                exp_avg_sq: main.zeros_like(),
+                steps: layout.segments.iter().map(|_| Tensor::zeros([], (Kind::Float, device))).collect(),
+            },
+            OptimizerKind::Sgd { .. } => Moments::Sgd { momentum: None },
+        };
+        let embedding_slots = layout
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.attributes.tied_across_stages)
+            .map(|(i, _)| i)
             .collect();
-        MixedPrecisionOptimizer { entries, settings }
+        Ok(MixedPrecisionOptimizer {
+            settings,
+            parallel: parallel.clone(),
+            layout,
+            sharded,
+            params,
+            param_buffer,
+            grad_buffer,
+            main,
+            main_is_params,
+            moments,
+            embedding_slots,
+        })
     }
 
-    /// After a micro-batch's backward: adds the parameters' gradients into the float32
-    /// accumulators and clears them, so accumulation over micro-batches happens in float32
-    /// whatever the parameter dtype (Megatron's `main_grad`).
+    fn grad_view(&self, range: &std::ops::Range<usize>) -> Tensor {
+        self.grad_buffer.narrow(0, range.start as i64, range.len() as i64)
+    }
+
+    fn main_view(&self, segment: &Segment) -> Tensor {
+        self.main.narrow(0, segment.shard.start as i64, segment.shard.len() as i64)
+    }
+
+    /// After a micro-batch's backward: adds the parameters' gradients into the float32 buffer
+    /// and clears them, so accumulation over micro-batches happens in float32 whatever the
+    /// parameter dtype (Megatron's `main_grad`).
     pub fn accumulate_grads(&mut self) -> Result<()> {
         let mut targets = Vec::new();
         let mut grads = Vec::new();
-        for entry in &self.entries {
-            let grad = entry.model.grad();
+        for (slot, param) in self.layout.slots.iter().zip(&self.params) {
+            let grad = param.grad();
             if grad.defined() {
-                targets.push(entry.main_grad.shallow_clone());
+                targets.push(self.grad_view(&slot.range).view(slot.shape.as_slice()));
                 grads.push(grad);
             }
         }
@@ -102,140 +169,249 @@ impl MixedPrecisionOptimizer {
         Ok(())
     }
 
-    /// Unscales (fp16), checks, clips and applies the accumulated gradients, then clears them.
-    /// `loss_scale` is the fp16 scaler's current scale (`None` for bf16/fp32).
+    /// Megatron's `finalize_model_grads`: data-parallel reduction, then the tied embeddings'
+    /// gradients over the embedding group and the sequence-parallel ones over the tensor group.
+    fn finalize_grads(&self) -> Result<()> {
+        let data = &self.parallel.data;
+        if data.size() > 1 {
+            let scale = 1.0 / data.size() as f64;
+            for bucket in &self.layout.buckets {
+                let view = self.grad_view(&bucket.range);
+                let _ = view.shallow_clone().g_mul_scalar_(scale);
+                if self.sharded {
+                    let reduced = data.reduce_scatter(&view, 0).context("reduce-scatter of gradients")?;
+                    self.grad_view(&bucket.shard).copy_(&reduced);
+                } else {
+                    data.all_reduce(&view, ReduceOp::Sum).context("all-reduce of gradients")?;
+                }
+            }
+        }
+        let embedding: Vec<Tensor> = self.embedding_slots.iter().map(|&i| self.grad_view(&self.layout.slots[i].range)).collect();
+        all_reduce_coalesced(&self.parallel.embedding, &embedding).context("all-reduce of tied embedding gradients")?;
+        if self.parallel.sequence_parallel {
+            let replicated: Vec<Tensor> = self
+                .layout
+                .slots
+                .iter()
+                .filter(|s| s.attributes.sequence_parallel)
+                .map(|s| self.grad_view(&s.range))
+                .collect();
+            all_reduce_coalesced(&self.parallel.tensor, &replicated).context("all-reduce of sequence-parallel gradients")?;
+        }
+        Ok(())
+    }
+
+    /// Groups that hold pieces of one gradient: the model-parallel ranks, and with the
+    /// distributed optimizer the data-parallel ones.
+    fn reduce_over_replica(&self, value: &Tensor, op: ReduceOp) -> Result<()> {
+        self.parallel.model.all_reduce(value, op)?;
+        if self.sharded {
+            self.parallel.data.all_reduce(value, op)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a segment's elements count once in norms: replicated parameters are counted on
+    /// tensor-parallel rank 0 only, and the last stage's copy of the embeddings never.
+    fn counted(&self, segment: &Segment) -> bool {
+        let attributes = self.layout.slots[segment.slot].attributes;
+        !attributes.shared_embedding && (attributes.tensor_parallel || self.parallel.tensor_parallel_rank() == 0)
+    }
+
+    /// Sum of squares of `views` over the whole replica, as a square root.
+    fn global_norm(&self, views: &[Tensor]) -> Result<Tensor> {
+        let refs: Vec<&Tensor> = views.iter().collect();
+        let device = self.grad_buffer.device();
+        let squared = ops::total_norm(&refs)?.to_device(device).square();
+        self.reduce_over_replica(&squared, ReduceOp::Sum)?;
+        Ok(squared.sqrt())
+    }
+
+    /// Reduces, unscales (fp16), checks, clips and applies the accumulated gradients, then
+    /// clears them. `loss_scale` is the fp16 scaler's current scale (`None` for bf16/fp32).
     pub fn step(&mut self, lr: f64, weight_decay: f64, loss_scale: Option<f32>) -> Result<StepOutcome> {
-        let grads: Vec<&Tensor> = self.entries.iter().map(|e| &e.main_grad).collect();
-        let device = self.entries.first().map(|e| e.main.device()).context("the optimizer has no parameters")?;
+        self.finalize_grads()?;
+        let device = self.grad_buffer.device();
+        let segments = self.layout.segments.clone();
+        let grads: Vec<Tensor> = segments.iter().map(|s| self.grad_view(&s.buffer)).collect();
+        let grad_refs: Vec<&Tensor> = grads.iter().collect();
         if let Some(scale) = loss_scale {
             let found_inf = Tensor::zeros([], (Kind::Float, device));
             let inverse = Tensor::from(1.0 / scale).to_device(device);
-            ops::unscale_and_check_finite(&grads, &found_inf, &inverse)?;
+            ops::unscale_and_check_finite(&grad_refs, &found_inf, &inverse)?;
+            self.reduce_over_replica(&found_inf, ReduceOp::Max)?;
             if found_inf.double_value(&[]) > 0.0 {
-                self.zero_main_grads()?;
+                self.zero_grads()?;
                 return Ok(StepOutcome { skipped: true, grad_norm: None });
             }
         }
-        let norm = ops::total_norm(&grads)?;
+        let counted: Vec<Tensor> = segments.iter().zip(&grads).filter(|(s, _)| self.counted(s)).map(|(_, g)| g.shallow_clone()).collect();
+        let norm = self.global_norm(&counted)?;
         let grad_norm = norm.double_value(&[]);
         if self.settings.clip_grad > 0.0 {
             // Megatron scales only when the coefficient is below one; multiplying by exactly
             // 1.0 is the identity, so clamping keeps that without a branch on the host.
             let coefficient = (Tensor::from(self.settings.clip_grad as f32).to_device(device) / (norm + 1e-6)).clamp_max(1.0);
-            ops::foreach_mul_(&grads, &coefficient)?;
+            ops::foreach_mul_(&grad_refs, &coefficient)?;
         }
         match self.settings.kind {
             OptimizerKind::Adam { beta1, beta2, eps } => {
                 for group in [ParamGroup::Decayed, ParamGroup::NotDecayed] {
                     let decay = if group == ParamGroup::Decayed { weight_decay } else { 0.0 };
-                    self.adam_step(group, AdamwHyper { lr, beta1, beta2, eps, weight_decay: decay })?;
+                    self.adam_step(&segments, group, AdamwHyper { lr, beta1, beta2, eps, weight_decay: decay })?;
                 }
             }
-            OptimizerKind::Sgd { momentum } => self.sgd_step(lr, weight_decay, momentum),
+            OptimizerKind::Sgd { momentum } => self.sgd_step(&segments, lr, weight_decay, momentum),
         }
-        self.copy_main_to_model()?;
-        self.zero_main_grads()?;
+        self.publish_main_params()?;
+        self.zero_grads()?;
         Ok(StepOutcome { skipped: false, grad_norm: Some(grad_norm) })
     }
 
-    fn adam_step(&mut self, group: ParamGroup, hyper: AdamwHyper) -> Result<()> {
-        let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs, mut steps) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for entry in self.entries.iter().filter(|e| e.group == group) {
-            let Moments::Adam { exp_avg, exp_avg_sq, step } = &entry.moments else {
-                bail!("parameter {} has no Adam state", entry.name);
-            };
-            params.push(&entry.main);
-            grads.push(&entry.main_grad);
-            exp_avgs.push(exp_avg);
-            exp_avg_sqs.push(exp_avg_sq);
-            steps.push(step);
-        }
-        tch::no_grad(|| ops::fused_adamw(&params, &grads, &exp_avgs, &exp_avg_sqs, &steps, hyper))?;
+    fn adam_step(&self, segments: &[Segment], group: ParamGroup, hyper: AdamwHyper) -> Result<()> {
+        let Moments::Adam { exp_avg, exp_avg_sq, steps } = &self.moments else {
+            bail!("the optimizer has no Adam state");
+        };
+        let chosen: Vec<usize> = (0..segments.len()).filter(|&i| self.layout.slots[segments[i].slot].group == group).collect();
+        let shard = |t: &Tensor, s: &Segment| t.narrow(0, s.shard.start as i64, s.shard.len() as i64);
+        let params: Vec<Tensor> = chosen.iter().map(|&i| self.main_view(&segments[i])).collect();
+        let grads: Vec<Tensor> = chosen.iter().map(|&i| self.grad_view(&segments[i].buffer)).collect();
+        let m: Vec<Tensor> = chosen.iter().map(|&i| shard(exp_avg, &segments[i])).collect();
+        let v: Vec<Tensor> = chosen.iter().map(|&i| shard(exp_avg_sq, &segments[i])).collect();
+        let s: Vec<&Tensor> = chosen.iter().map(|&i| &steps[i]).collect();
+        let (p, g, m, v): (Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>) =
+            (params.iter().collect(), grads.iter().collect(), m.iter().collect(), v.iter().collect());
+        tch::no_grad(|| ops::fused_adamw(&p, &g, &m, &v, &s, hyper))?;
         Ok(())
     }
 
-    fn sgd_step(&mut self, lr: f64, weight_decay: f64, momentum: f64) {
+    fn sgd_step(&mut self, segments: &[Segment], lr: f64, weight_decay: f64, momentum: f64) {
+        let mut buffer = match &mut self.moments {
+            Moments::Sgd { momentum: buffer } => buffer.take(),
+            Moments::Adam { .. } => None,
+        };
+        if momentum != 0.0 && buffer.is_none() {
+            buffer = Some(self.main.zeros_like());
+        }
         tch::no_grad(|| {
-            for entry in &mut self.entries {
-                let decay = if entry.group == ParamGroup::Decayed { weight_decay } else { 0.0 };
-                let mut direction = if decay != 0.0 { &entry.main_grad + &entry.main * decay } else { entry.main_grad.copy() };
-                if momentum != 0.0 {
-                    let Moments::Sgd { momentum: buffer } = &mut entry.moments else { continue };
-                    direction = match buffer.take() {
-                        None => direction,
-                        Some(previous) => previous * momentum + direction,
-                    };
-                    *buffer = Some(direction.shallow_clone());
+            for segment in segments {
+                let decay = if self.layout.slots[segment.slot].group == ParamGroup::Decayed { weight_decay } else { 0.0 };
+                let main = self.main_view(segment);
+                let grad = self.grad_view(&segment.buffer);
+                let mut direction = if decay != 0.0 { &grad + &main * decay } else { grad.copy() };
+                if let Some(buffer) = &buffer {
+                    // From a zero velocity the first step takes the gradient itself, as
+                    // torch.optim.SGD does.
+                    let velocity = buffer.narrow(0, segment.shard.start as i64, segment.shard.len() as i64);
+                    let updated = &velocity * momentum + &direction;
+                    velocity.shallow_clone().copy_(&updated);
+                    direction = updated;
                 }
-                let _ = entry.main.g_sub_(&(direction * lr));
+                let _ = main.shallow_clone().g_sub_(&(direction * lr));
             }
         });
+        self.moments = Moments::Sgd { momentum: buffer };
     }
 
-    fn copy_main_to_model(&self) -> Result<()> {
-        let (models, mains): (Vec<&Tensor>, Vec<&Tensor>) = self
-            .entries
-            .iter()
-            .filter(|e| e.model.kind() != Kind::Float)
-            .map(|e| (&e.model, &e.main))
-            .unzip();
-        tch::no_grad(|| ops::foreach_copy_(&models, &mains))?;
-        Ok(())
-    }
-
-    fn zero_main_grads(&self) -> Result<()> {
-        let grads: Vec<&Tensor> = self.entries.iter().map(|e| &e.main_grad).collect();
-        ops::foreach_zero_(&grads)?;
-        Ok(())
-    }
-
-    /// Float32 master weights and optimizer moments, for checkpoints.
-    pub fn state_tensors(&self) -> OptimizerTensors {
-        let mut out = Vec::new();
-        for entry in &self.entries {
-            out.push((format!("main.{}", entry.name), entry.main.shallow_clone()));
-            match &entry.moments {
-                Moments::Adam { exp_avg, exp_avg_sq, step } => {
-                    out.push((format!("exp_avg.{}", entry.name), exp_avg.shallow_clone()));
-                    out.push((format!("exp_avg_sq.{}", entry.name), exp_avg_sq.shallow_clone()));
-                    out.push((format!("step.{}", entry.name), step.shallow_clone()));
-                }
-                Moments::Sgd { momentum: Some(buffer) } => {
-                    out.push((format!("momentum.{}", entry.name), buffer.shallow_clone()));
-                }
-                Moments::Sgd { momentum: None } => {}
+    /// Writes the updated main parameters into the model's buffer and, with the distributed
+    /// optimizer, all-gathers every rank's shard.
+    fn publish_main_params(&self) -> Result<()> {
+        if !self.main_is_params {
+            let (targets, sources): (Vec<Tensor>, Vec<Tensor>) = self
+                .layout
+                .segments
+                .iter()
+                .map(|s| (self.param_buffer.narrow(0, s.buffer.start as i64, s.buffer.len() as i64), self.main_view(s)))
+                .unzip();
+            let (t, s): (Vec<&Tensor>, Vec<&Tensor>) = (targets.iter().collect(), sources.iter().collect());
+            tch::no_grad(|| ops::foreach_copy_(&t, &s))?;
+        }
+        if self.sharded {
+            for bucket in &self.layout.buckets {
+                let shard = self.param_buffer.narrow(0, bucket.shard.start as i64, bucket.shard.len() as i64);
+                let gathered = self.parallel.data.all_gather(&shard, 0).context("all-gather of parameters")?;
+                tch::no_grad(|| self.param_buffer.narrow(0, bucket.range.start as i64, bucket.range.len() as i64).copy_(&gathered));
             }
+        }
+        Ok(())
+    }
+
+    fn zero_grads(&self) -> Result<()> {
+        tch::no_grad(|| {
+            let _ = self.grad_buffer.shallow_clone().zero_();
+        });
+        Ok(())
+    }
+
+    /// The L2 norm of the parameters over the whole model (`--log-params-norm`).
+    pub fn params_norm(&self) -> Result<f64> {
+        let views: Vec<Tensor> = self.layout.segments.iter().filter(|s| self.counted(s)).map(|s| self.main_view(s)).collect();
+        Ok(self.global_norm(&views)?.double_value(&[]))
+    }
+
+    /// This rank's optimizer state for checkpoints: the float32 main parameters and moments of
+    /// its shards (the whole buffer without the distributed optimizer).
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("main".to_string(), self.main.shallow_clone())];
+        match &self.moments {
+            Moments::Adam { exp_avg, exp_avg_sq, steps } => {
+                out.push(("exp_avg".to_string(), exp_avg.shallow_clone()));
+                out.push(("exp_avg_sq".to_string(), exp_avg_sq.shallow_clone()));
+                if let Some(step) = steps.first() {
+                    out.push(("step".to_string(), step.shallow_clone()));
+                }
+            }
+            Moments::Sgd { momentum: Some(buffer) } => out.push(("momentum".to_string(), buffer.shallow_clone())),
+            Moments::Sgd { momentum: None } => {}
         }
         out
     }
 
-    /// Restores [`state_tensors`](Self::state_tensors) and re-derives the model parameters
-    /// from the master weights (so a half-precision model resumes from the exact fp32 values).
+    /// Restores [`state_tensors`](Self::state_tensors) and re-derives the model parameters from
+    /// the main parameters, so a half-precision model resumes from the exact float32 values.
     pub fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        let get = |key: String| -> Result<&Tensor> {
-            tensors.get(&key).with_context(|| format!("optimizer state has no tensor {key}"))
-        };
+        let get = |key: &str| -> Result<&Tensor> { tensors.get(key).with_context(|| format!("optimizer state has no tensor {key}")) };
+        let expected = self.main.size();
+        let main = get("main")?;
+        ensure!(
+            main.size() == expected,
+            "optimizer state holds {:?} elements but this model and layout need {:?} (was it saved with other parallel sizes?)",
+            main.size(),
+            expected
+        );
         tch::no_grad(|| -> Result<()> {
-            for entry in &mut self.entries {
-                let main = get(format!("main.{}", entry.name))?;
-                ensure!(main.size() == entry.main.size(), "optimizer tensor main.{}: shape mismatch", entry.name);
-                entry.main.copy_(main);
-                match &mut entry.moments {
-                    Moments::Adam { exp_avg, exp_avg_sq, step } => {
-                        exp_avg.copy_(get(format!("exp_avg.{}", entry.name))?);
-                        exp_avg_sq.copy_(get(format!("exp_avg_sq.{}", entry.name))?);
-                        step.copy_(get(format!("step.{}", entry.name))?);
+            self.main.shallow_clone().copy_(main);
+            match &mut self.moments {
+                Moments::Adam { exp_avg, exp_avg_sq, steps } => {
+                    exp_avg.copy_(get("exp_avg")?);
+                    exp_avg_sq.copy_(get("exp_avg_sq")?);
+                    let step = get("step")?;
+                    for s in steps.iter_mut() {
+                        s.copy_(step);
                     }
-                    Moments::Sgd { momentum } => {
-                        *momentum = tensors
-                            .get(&format!("momentum.{}", entry.name))
-                            .map(|t| t.to_kind(Kind::Float).to_device(entry.main.device()));
-                    }
+                }
+                Moments::Sgd { momentum } => {
+                    *momentum = tensors.get("momentum").map(|t| t.to_kind(Kind::Float).to_device(self.main.device()));
                 }
             }
             Ok(())
         })?;
-        self.copy_main_to_model()
+        self.publish_main_params()
     }
+}
+
+/// Sums `tensors` over `group` with one collective (they are flattened into one buffer).
+fn all_reduce_coalesced(group: &std::sync::Arc<dyn Communicator>, tensors: &[Tensor]) -> Result<()> {
+    if group.size() == 1 || tensors.is_empty() {
+        return Ok(());
+    }
+    let flat = Tensor::cat(&tensors.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
+    group.all_reduce(&flat, ReduceOp::Sum)?;
+    let mut offset = 0;
+    for tensor in tensors {
+        let n = tensor.numel() as i64;
+        tensor.shallow_clone().copy_(&flat.narrow(0, offset, n).view_as(tensor));
+        offset += n;
+    }
+    Ok(())
 }

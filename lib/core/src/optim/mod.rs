@@ -2,10 +2,10 @@
 //! accumulators beside the model's (possibly half-precision) parameters, weight-decay groups,
 //! global-norm clipping, and Adam/AdamW or SGD steps.
 
+mod buffer;
 mod groups;
 mod mixed_precision;
-mod state;
 
 pub use groups::{excluded_from_weight_decay, ParamGroup};
-pub use mixed_precision::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome};
-pub use state::OptimizerTensors;
+pub use buffer::BufferLayout;
+pub use mixed_precision::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE};

@@ -10,6 +10,13 @@ pub enum ReduceOp {
     Max,
 }
 
+/// One half of a point-to-point transfer; peers are ranks within the group. A receive writes
+/// into `buffer`, whose shape and dtype the receiver knows in advance (as in Megatron).
+pub enum P2pOp<'a> {
+    Send { tensor: &'a Tensor, peer: usize },
+    Recv { buffer: &'a Tensor, peer: usize },
+}
+
 /// A process group. Collectives are called by every rank of the group in the same order.
 pub trait Communicator: Send + Sync {
     fn rank(&self) -> usize;
@@ -23,6 +30,9 @@ pub trait Communicator: Send + Sync {
     /// Overwrites `tensor` with the root rank's values.
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()>;
     fn barrier(&self) -> Result<()>;
+    /// Runs sends and receives as one batch (NCCL's grouped send/recv): it returns when all of
+    /// them are done, and cannot deadlock against a peer whose batch holds the matching halves.
+    fn exchange(&self, ops: &[P2pOp]) -> Result<()>;
 }
 
 /// A group of one: every collective leaves the data as it is.
@@ -56,6 +66,11 @@ impl Communicator for SingleRank {
     }
 
     fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn exchange(&self, ops: &[P2pOp]) -> Result<()> {
+        anyhow::ensure!(ops.is_empty(), "point-to-point transfer in a group of one");
         Ok(())
     }
 }

@@ -6,26 +6,86 @@
 //! `t = 1`, not a separate implementation.
 
 mod communicator;
+mod layout;
 mod regions;
+mod threads;
 
-pub use communicator::{Communicator, ReduceOp, SingleRank};
-pub use regions::{copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region};
+pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
+pub use layout::{Coordinates, GroupKind, ParallelLayout};
+pub use regions::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+};
+pub use threads::ThreadWorld;
 
 use std::sync::Arc;
+
+use anyhow::Result;
 
 /// The groups of one rank (Megatron's `parallel_state`).
 #[derive(Clone)]
 pub struct ParallelState {
+    pub layout: ParallelLayout,
+    /// This rank's index in the world.
+    pub rank: usize,
     pub tensor: Arc<dyn Communicator>,
     pub pipeline: Arc<dyn Communicator>,
     pub data: Arc<dyn Communicator>,
+    /// Tensor × pipeline: reductions over one model replica (gradient norm, overflow flag).
+    pub model: Arc<dyn Communicator>,
+    /// First and last pipeline stage, for the tied word embeddings.
+    pub embedding: Arc<dyn Communicator>,
+    pub world: Arc<dyn Communicator>,
+    /// `--sequence-parallel` (only meaningful with tensor parallelism).
+    pub sequence_parallel: bool,
 }
 
 impl ParallelState {
     /// One process, one GPU (or the CPU): every group has a single rank.
     pub fn single() -> Self {
         let single: Arc<dyn Communicator> = Arc::new(SingleRank);
-        ParallelState { tensor: single.clone(), pipeline: single.clone(), data: single }
+        ParallelState {
+            layout: ParallelLayout::single(),
+            rank: 0,
+            tensor: single.clone(),
+            pipeline: single.clone(),
+            data: single.clone(),
+            model: single.clone(),
+            embedding: single.clone(),
+            world: single,
+            sequence_parallel: false,
+        }
+    }
+
+    /// The state of `rank` in `layout`, with each group's communicator made by `group`
+    /// (called with the group's kind and its world ranks, in the same order on every rank).
+    pub fn build(
+        layout: ParallelLayout,
+        rank: usize,
+        sequence_parallel: bool,
+        mut group: impl FnMut(GroupKind, &[usize]) -> Result<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
+        let mut make = |kind: GroupKind| group(kind, &layout.group(kind, rank));
+        Ok(ParallelState {
+            layout,
+            rank,
+            tensor: make(GroupKind::Tensor)?,
+            pipeline: make(GroupKind::Pipeline)?,
+            data: make(GroupKind::Data)?,
+            model: make(GroupKind::Model)?,
+            embedding: make(GroupKind::Embedding)?,
+            world: make(GroupKind::World)?,
+            sequence_parallel: sequence_parallel && layout.tensor > 1,
+        })
+    }
+
+    /// The state of `rank` in a world of threads.
+    pub fn threads(world: &ThreadWorld, layout: ParallelLayout, rank: usize, sequence_parallel: bool) -> Result<Self> {
+        Self::build(layout, rank, sequence_parallel, |kind, members| world.group(kind.name(), members, rank))
+    }
+
+    pub fn coordinates(&self) -> Coordinates {
+        self.layout.coordinates(self.rank)
     }
 
     pub fn tensor_parallel_size(&self) -> usize {
@@ -36,11 +96,32 @@ impl ParallelState {
         self.tensor.rank()
     }
 
+    pub fn pipeline_parallel_size(&self) -> usize {
+        self.pipeline.size()
+    }
+
+    pub fn pipeline_parallel_rank(&self) -> usize {
+        self.pipeline.rank()
+    }
+
+    pub fn is_first_stage(&self) -> bool {
+        self.pipeline.rank() == 0
+    }
+
+    pub fn is_last_stage(&self) -> bool {
+        self.pipeline.rank() + 1 == self.pipeline.size()
+    }
+
     pub fn data_parallel_size(&self) -> usize {
         self.data.size()
     }
 
     pub fn world_size(&self) -> usize {
-        self.tensor.size() * self.pipeline.size() * self.data.size()
+        self.layout.world_size
+    }
+
+    /// Megatron prints the training log on the last rank (last stage, which has the loss).
+    pub fn is_logging_rank(&self) -> bool {
+        self.rank + 1 == self.world_size()
     }
 }

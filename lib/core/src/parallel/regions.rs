@@ -38,6 +38,94 @@ pub fn gather_from_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Commun
     Ok(single(apply(GatherFromRegion(group.clone()), &[input])?))
 }
 
+/// Sequence parallelism (spec §2.2): keep this rank's slice of the sequence (dimension 0)
+/// forward, all-gather the gradient backward. After the embedding.
+pub fn scatter_to_sequence_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(input.shallow_clone());
+    }
+    Ok(single(apply(ScatterToSequence(group.clone()), &[input])?))
+}
+
+/// All-gather along the sequence forward; backward reduce-scatters the gradient when the
+/// consumer is tensor-parallel (a column-parallel linear: every rank's gradient is partial) and
+/// otherwise keeps this rank's slice.
+pub fn gather_from_sequence_parallel_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+    tensor_parallel_output_grad: bool,
+) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(input.shallow_clone());
+    }
+    Ok(single(apply(GatherFromSequence { group: group.clone(), tensor_parallel_output_grad }, &[input])?))
+}
+
+/// Reduce-scatter along the sequence forward (output of a row-parallel linear), all-gather of
+/// the gradient backward.
+pub fn reduce_scatter_to_sequence_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(input.shallow_clone());
+    }
+    Ok(single(apply(ReduceScatterToSequence(group.clone()), &[input])?))
+}
+
+/// This rank's slice of `tensor` along dimension 0.
+fn sequence_slice(tensor: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+    let length = tensor.size()[0];
+    anyhow::ensure!(
+        length % group.size() as i64 == 0,
+        "sequence parallelism: sequence length {length} is not divisible by the tensor-parallel size {}",
+        group.size()
+    );
+    let width = length / group.size() as i64;
+    Ok(tensor.narrow(0, group.rank() as i64 * width, width).contiguous())
+}
+
+struct ScatterToSequence(Arc<dyn Communicator>);
+
+impl CustomFunction for ScatterToSequence {
+    fn forward(&mut self, inputs: &[Tensor], _saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        Ok(vec![sequence_slice(&inputs[0], &self.0)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor], _saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(self.0.all_gather(&grads[0].contiguous(), 0)?)])
+    }
+}
+
+struct GatherFromSequence {
+    group: Arc<dyn Communicator>,
+    tensor_parallel_output_grad: bool,
+}
+
+impl CustomFunction for GatherFromSequence {
+    fn forward(&mut self, inputs: &[Tensor], _saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        Ok(vec![self.group.all_gather(&inputs[0].contiguous(), 0)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor], _saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let grad = grads[0].contiguous();
+        Ok(vec![Some(if self.tensor_parallel_output_grad {
+            self.group.reduce_scatter(&grad, 0)?
+        } else {
+            sequence_slice(&grad, &self.group)?
+        })])
+    }
+}
+
+struct ReduceScatterToSequence(Arc<dyn Communicator>);
+
+impl CustomFunction for ReduceScatterToSequence {
+    fn forward(&mut self, inputs: &[Tensor], _saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        Ok(vec![self.0.reduce_scatter(&inputs[0].contiguous(), 0)?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor], _saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(self.0.all_gather(&grads[0].contiguous(), 0)?)])
+    }
+}
+
 struct CopyToRegion(Arc<dyn Communicator>);
 
 impl CustomFunction for CopyToRegion {

@@ -1,16 +1,21 @@
-//! A training run's state to and from checkpoints.
+//! A training run's state to and from checkpoints, every rank writing and reading its part.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
-use tch::{Device, Kind};
+use anyhow::{bail, ensure, Context, Result};
+use tch::{Device, Kind, Tensor};
 
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
-use crate::checkpoint::{load_checkpoint, rank_directory_name, save_checkpoint, CheckpointMetadata, CheckpointParts, LoadOptions, CHECKPOINT_FORMAT};
-use crate::model::GptModel;
+use crate::checkpoint::{
+    begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file, rank_directory_name, write_rank_file,
+    CheckpointDirectory, CheckpointMetadata, CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
+};
+use crate::model::{GptConfig, GptModel, PipelineSplit};
 use crate::optim::MixedPrecisionOptimizer;
-use crate::rng::GeneratorState;
+use crate::parallel::ParallelState;
+use crate::rng::{model_parallel_rng_state, set_model_parallel_rng_state, GeneratorState};
 
 /// Megatron's current `checkpoint_version` (per-head QKV layout).
 const CHECKPOINT_VERSION: f64 = 3.0;
@@ -32,59 +37,135 @@ pub fn dtype_name(kind: Kind) -> &'static str {
     }
 }
 
-fn rank_directory() -> String {
-    rank_directory_name(0, 0, 1)
+/// This rank's directory: `mp_rank_TT` or `mp_rank_TT_PPP`.
+fn rank_directory(parallel: &ParallelState) -> String {
+    let c = parallel.coordinates();
+    rank_directory_name(c.tensor, c.pipeline, parallel.layout.pipeline)
+}
+
+/// With virtual pipeline stages the chunks' tensors are prefixed `model0.`, `model1.`, …,
+/// as Megatron keys them.
+fn chunk_prefix(chunk: usize, chunks: usize) -> String {
+    if chunks == 1 {
+        String::new()
+    } else {
+        format!("model{chunk}.")
+    }
+}
+
+/// Every tensor of this rank's model chunks under its checkpoint name.
+pub fn model_tensors(chunks: &[GptModel]) -> Vec<(String, Tensor)> {
+    chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(c, chunk)| {
+            let prefix = chunk_prefix(c, chunks.len());
+            chunk.named_parameters().into_iter().map(move |p| (format!("{prefix}{}", p.name), p.tensor.detach()))
+        })
+        .collect()
+}
+
+fn load_model_tensors(chunks: &[GptModel], mut tensors: HashMap<String, Tensor>) -> Result<()> {
+    for (c, chunk) in chunks.iter().enumerate() {
+        let prefix = chunk_prefix(c, chunks.len());
+        let mine: HashMap<String, Tensor> = if prefix.is_empty() {
+            std::mem::take(&mut tensors)
+        } else {
+            let keys: Vec<String> = tensors.keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
+            keys.into_iter().map(|k| (k[prefix.len()..].to_string(), tensors.remove(&k).expect("listed"))).collect()
+        };
+        chunk.load_parameters(&mine).with_context(|| format!("model chunk {c}"))?;
+    }
+    ensure!(tensors.is_empty(), "tensors for no model chunk: {:?}", tensors.keys().take(5).collect::<Vec<_>>());
+    Ok(())
 }
 
 pub struct SaveRequest<'a> {
     pub root: &'a Path,
     pub progress: Progress,
-    pub model: &'a GptModel,
+    pub chunks: &'a [GptModel],
+    /// How the layers are spread over the pipeline, recorded so tools can merge the ranks.
+    pub split: PipelineSplit,
     pub optimizer: Option<(&'a MixedPrecisionOptimizer, &'a str)>,
+    pub distributed_optimizer: bool,
     pub scheduler: &'a OptimizerParamScheduler,
     pub scaler: &'a LossScaler,
     pub save_rng: bool,
     pub args: serde_json::Value,
+    pub parallel: &'a ParallelState,
 }
 
+fn rng_tensors(device: Device) -> Result<Vec<(String, Tensor)>> {
+    let mut states = vec![("cpu_rng_state".to_string(), GeneratorState::capture(Device::Cpu)?.tensor().copy())];
+    if device.is_cuda() {
+        states.push(("cuda_rng_state".to_string(), GeneratorState::capture(device)?.tensor().copy()));
+    }
+    if let Some(state) = model_parallel_rng_state() {
+        states.push(("model_parallel_rng_state".to_string(), state));
+    }
+    Ok(states)
+}
+
+/// Saves the checkpoint of `request.progress.iteration`; every rank calls it. Data-parallel
+/// rank 0 of each model-parallel rank writes the model, RNG and (unsharded) optimizer state;
+/// with the distributed optimizer every rank writes its shard. Rank 0 commits.
 pub fn save(request: SaveRequest) -> Result<PathBuf> {
-    let device = request.model.options().device;
-    let rng = request
-        .save_rng
-        .then(|| -> Result<Vec<(String, tch::Tensor)>> {
-            let mut states = vec![("cpu_rng_state".to_string(), GeneratorState::capture(Device::Cpu)?.tensor().copy())];
-            if device.is_cuda() {
-                states.push(("cuda_rng_state".to_string(), GeneratorState::capture(device)?.tensor().copy()));
-            }
-            Ok(states)
-        })
-        .transpose()?;
-    let metadata = CheckpointMetadata {
-        format: CHECKPOINT_FORMAT.to_string(),
-        checkpoint_version: CHECKPOINT_VERSION,
-        iteration: request.progress.iteration,
-        model_type: "GPT".to_string(),
-        model: serde_json::to_value(&request.model.config)?,
-        params_dtype: dtype_name(request.model.options().params_dtype).to_string(),
-        tensor_model_parallel_size: 1,
-        pipeline_model_parallel_size: 1,
-        data_parallel_size: 1,
-        consumed_train_samples: request.progress.consumed_train_samples,
-        consumed_valid_samples: request.progress.consumed_valid_samples,
-        num_floating_point_operations_so_far: request.progress.floating_point_operations,
-        opt_param_scheduler: Some(serde_json::to_value(request.scheduler.state())?),
-        grad_scaler: request.scaler.state().map(serde_json::to_value).transpose()?,
-        optimizer: request.optimizer.map(|(_, name)| name.to_string()),
-        has_rng_state: rng.is_some(),
-        args: request.args,
-    };
-    let parts = CheckpointParts {
-        rank_directory: rank_directory(),
-        model: request.model.named_parameters().into_iter().map(|(n, t)| (n, t.detach())).collect(),
-        optimizer: request.optimizer.map(|(optimizer, _)| optimizer.state_tensors()),
-        rng,
-    };
-    save_checkpoint(request.root, &metadata, &parts)
+    let parallel = request.parallel;
+    let world = &parallel.world;
+    let chunk = &request.chunks[0];
+    let device = chunk.options().device;
+    let iteration = request.progress.iteration;
+    world.barrier()?;
+    if parallel.rank == 0 {
+        begin_save(request.root, iteration)?;
+    }
+    world.barrier()?;
+    let staging = crate::checkpoint::staging_directory(request.root, iteration);
+    let rank_dir = rank_directory(parallel);
+    let data_rank = parallel.data.rank();
+    if data_rank == 0 {
+        write_rank_file(&staging, &rank_dir, MODEL_FILE, &model_tensors(request.chunks))?;
+        if request.save_rng {
+            write_rank_file(&staging, &rank_dir, RNG_FILE, &rng_tensors(device)?)?;
+        }
+    }
+    if let Some((optimizer, _)) = request.optimizer {
+        let sharded = request.distributed_optimizer && parallel.data_parallel_size() > 1;
+        if sharded || data_rank == 0 {
+            let file = optimizer_file(sharded.then_some(data_rank));
+            write_rank_file(&staging, &rank_dir, &file, &optimizer.state_tensors())?;
+        }
+    }
+    world.barrier()?;
+    if parallel.rank == 0 {
+        let layout = parallel.layout;
+        let metadata = CheckpointMetadata {
+            format: CHECKPOINT_FORMAT.to_string(),
+            checkpoint_version: CHECKPOINT_VERSION,
+            iteration,
+            model_type: "GPT".to_string(),
+            model: serde_json::to_value(&chunk.config)?,
+            params_dtype: dtype_name(chunk.options().params_dtype).to_string(),
+            tensor_model_parallel_size: layout.tensor,
+            pipeline_model_parallel_size: layout.pipeline,
+            virtual_pipeline_stages: request.chunks.len(),
+            decoder_first_pipeline_num_layers: request.split.first_stage_layers,
+            decoder_last_pipeline_num_layers: request.split.last_stage_layers,
+            data_parallel_size: layout.data,
+            distributed_optimizer: request.distributed_optimizer,
+            consumed_train_samples: request.progress.consumed_train_samples,
+            consumed_valid_samples: request.progress.consumed_valid_samples,
+            num_floating_point_operations_so_far: request.progress.floating_point_operations,
+            opt_param_scheduler: Some(serde_json::to_value(request.scheduler.state())?),
+            grad_scaler: request.scaler.state().map(serde_json::to_value).transpose()?,
+            optimizer: request.optimizer.map(|(_, name)| name.to_string()),
+            has_rng_state: request.save_rng,
+            args: request.args,
+        };
+        finish_save(request.root, &metadata)?;
+    }
+    world.barrier()?;
+    Ok(iteration_directory(request.root, iteration))
 }
 
 /// What resuming restored.
@@ -102,28 +183,42 @@ pub struct LoadRequest<'a> {
     pub scheduler_policy: SchedulerLoadPolicy,
 }
 
-/// Loads the model weights of the checkpoint under `request.root` into `model`, and returns
-/// the rest for [`restore_training_state`] once the optimizer exists.
-pub fn load_weights(request: &LoadRequest, model: &GptModel) -> Result<Option<crate::checkpoint::LoadedCheckpoint>> {
-    let device = model.options().device;
-    let options = LoadOptions { optimizer: request.load_optimizer && !request.finetune, rng: request.load_rng && !request.finetune };
-    let Some(checkpoint) = load_checkpoint(request.root, &rank_directory(), device, options)? else {
+/// Loads this rank's model weights from the checkpoint under `request.root` into `chunks`,
+/// after checking that the checkpoint has the same architecture and model-parallel layout.
+/// Returns the checkpoint for [`restore_training_state`] once the optimizer exists.
+pub fn load_weights(request: &LoadRequest, chunks: &[GptModel], parallel: &ParallelState) -> Result<Option<CheckpointDirectory>> {
+    let Some(found) = find_checkpoint(request.root)? else {
         return Ok(None);
     };
-    let saved: crate::model::GptConfig = serde_json::from_value(checkpoint.metadata.model.clone())
-        .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
+    let model = &chunks[0];
+    let saved: GptConfig = serde_json::from_value(found.metadata.model.clone())
+        .with_context(|| format!("{}: model metadata", found.directory.display()))?;
     if saved != model.config {
+        bail!("{} was saved with a different architecture: {}", found.directory.display(), config_differences(&saved, &model.config));
+    }
+    let metadata = &found.metadata;
+    let layout = parallel.layout;
+    if (metadata.tensor_model_parallel_size, metadata.pipeline_model_parallel_size, metadata.virtual_pipeline_stages)
+        != (layout.tensor, layout.pipeline, chunks.len())
+    {
         bail!(
-            "{} was saved with a different architecture: {}",
-            checkpoint.directory.display(),
-            config_differences(&saved, &model.config)
+            "{} was saved with {} but this run uses TP={} PP={}{}; the model-parallel layout must match to load it",
+            found.directory.display(),
+            metadata.describe_layout(),
+            layout.tensor,
+            layout.pipeline,
+            if chunks.len() > 1 { format!(" ({} virtual stages)", chunks.len()) } else { String::new() }
         );
     }
-    model.load_parameters(&checkpoint.model).with_context(|| format!("loading {}", checkpoint.directory.display()))?;
-    Ok(Some(checkpoint))
+    let rank_dir = rank_directory(parallel);
+    let tensors = found
+        .read(&rank_dir, MODEL_FILE, model.options().device)?
+        .with_context(|| format!("{} has no {rank_dir}/{MODEL_FILE}", found.directory.display()))?;
+    load_model_tensors(chunks, tensors).with_context(|| format!("loading {}", found.directory.display()))?;
+    Ok(Some(found))
 }
 
-fn config_differences(saved: &crate::model::GptConfig, ours: &crate::model::GptConfig) -> String {
+fn config_differences(saved: &GptConfig, ours: &GptConfig) -> String {
     let (saved, ours) = (serde_json::to_value(saved).unwrap_or_default(), serde_json::to_value(ours).unwrap_or_default());
     let (Some(saved), Some(ours)) = (saved.as_object(), ours.as_object()) else {
         return String::new();
@@ -138,22 +233,24 @@ fn config_differences(saved: &crate::model::GptConfig, ours: &crate::model::GptC
 
 pub struct TrainingState<'a> {
     pub optimizer: &'a mut MixedPrecisionOptimizer,
+    pub distributed_optimizer: bool,
     pub scheduler: &'a mut OptimizerParamScheduler,
     pub scaler: &'a mut LossScaler,
 }
 
-/// Restores counters, optimizer, scheduler, loss scaler and generators from a loaded checkpoint.
+/// Restores counters, optimizer, scheduler, loss scaler and generators from a checkpoint.
 pub fn restore_training_state(
-    checkpoint: crate::checkpoint::LoadedCheckpoint,
+    found: CheckpointDirectory,
     request: &LoadRequest,
     state: TrainingState,
+    parallel: &ParallelState,
     device: Device,
 ) -> Result<Resumed> {
-    let directory = checkpoint.directory.clone();
-    if request.finetune || checkpoint.release {
+    let directory = found.directory.clone();
+    if request.finetune || found.release {
         return Ok(Resumed::Weights { directory });
     }
-    let metadata = &checkpoint.metadata;
+    let metadata = &found.metadata;
     if let Some(scheduler) = &metadata.opt_param_scheduler {
         let saved: SchedulerState = serde_json::from_value(scheduler.clone()).context("checkpoint scheduler state")?;
         state.scheduler.load_state(&saved, request.scheduler_policy).with_context(|| format!("resuming {}", directory.display()))?;
@@ -162,15 +259,35 @@ pub fn restore_training_state(
         let saved: LossScalerState = serde_json::from_value(scaler.clone()).context("checkpoint loss scaler state")?;
         state.scaler.load_state(&saved)?;
     }
-    if let Some(tensors) = &checkpoint.optimizer {
-        state.optimizer.load_state_tensors(tensors).with_context(|| format!("optimizer state of {}", directory.display()))?;
-    }
-    if let Some(rng) = &checkpoint.rng {
-        if let Some(cpu) = rng.get("cpu_rng_state") {
-            GeneratorState::from_tensor(Device::Cpu, cpu.to_device(Device::Cpu)).restore()?;
+    let rank_dir = rank_directory(parallel);
+    if request.load_optimizer {
+        let sharded = state.distributed_optimizer && parallel.data_parallel_size() > 1;
+        let saved_sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
+        if metadata.optimizer.is_some() && (sharded, sharded.then_some(metadata.data_parallel_size)) != (saved_sharded, sharded.then_some(parallel.data_parallel_size())) {
+            bail!(
+                "{}: the optimizer state was saved with {} but this run uses DP={}{}; pass --no-load-optim to start the optimizer afresh",
+                directory.display(),
+                metadata.describe_layout(),
+                parallel.data_parallel_size(),
+                if state.distributed_optimizer { ", distributed optimizer" } else { "" }
+            );
         }
-        if let (Some(cuda), true) = (rng.get("cuda_rng_state"), device.is_cuda()) {
-            GeneratorState::from_tensor(device, cuda.to_device(Device::Cpu)).restore()?;
+        let file = optimizer_file(sharded.then(|| parallel.data.rank()));
+        if let Some(tensors) = found.read(&rank_dir, &file, device)? {
+            state.optimizer.load_state_tensors(&tensors).with_context(|| format!("optimizer state of {}", directory.display()))?;
+        }
+    }
+    if request.load_rng {
+        if let Some(rng) = found.read(&rank_dir, RNG_FILE, Device::Cpu)? {
+            if let Some(cpu) = rng.get("cpu_rng_state") {
+                GeneratorState::from_tensor(Device::Cpu, cpu.shallow_clone()).restore()?;
+            }
+            if let (Some(cuda), true) = (rng.get("cuda_rng_state"), device.is_cuda()) {
+                GeneratorState::from_tensor(device, cuda.shallow_clone()).restore()?;
+            }
+            if let (Some(state), true) = (rng.get("model_parallel_rng_state"), device.is_cuda()) {
+                set_model_parallel_rng_state(device, state.shallow_clone());
+            }
         }
     }
     Ok(Resumed::Full {

@@ -1,5 +1,6 @@
-//! Training: the arithmetic of Megatron's loop (schedules, batch ramp-up, loss scaling, FLOPs,
-//! log lines) and `pretrain_gpt` itself, with its data, checkpoint and device glue.
+//! Training: the arithmetic of Megatron's loop (LR schedules, batch ramp-up, loss scaling,
+//! FLOPs, log lines), the pipeline schedules, and `pretrain_gpt` itself with its data,
+//! checkpoint and device glue.
 
 mod checkpointing;
 mod datasets;
@@ -11,8 +12,10 @@ pub mod lr_schedule;
 pub mod microbatches;
 mod pretrain_gpt;
 pub mod python_format;
+pub mod schedules;
 mod signals;
+mod stage;
 
-pub use checkpointing::Progress;
+pub use checkpointing::{model_tensors, Progress};
 pub use device::resolve_device;
-pub use pretrain_gpt::{pretrain_gpt, TrainingSummary};
+pub use pretrain_gpt::{pretrain_gpt, Runtime, TrainingSummary};

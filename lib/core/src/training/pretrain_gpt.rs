@@ -1,30 +1,41 @@
-//! `pretrain_gpt`: Megatron's `pretrain()` for GPT on one device — set-up from the flags,
-//! resume, the iteration loop with micro-batch accumulation, evaluation, logging, checkpoints
-//! and the exit conditions (spec §4).
+//! `pretrain_gpt`: Megatron's `pretrain()` for GPT on one rank of a (possibly single-rank)
+//! tensor × pipeline × data-parallel job — set-up from the flags, resume, the iteration loop
+//! over the pipeline schedule, evaluation, logging, checkpoints and the exit conditions
+//! (spec §4).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use megatron_data::tokenizer::build_tokenizer;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
 use super::datasets::{build_datasets, DatasetRequest, SplitDatasets};
-use super::device::{peak_tflops_of, resolve_device};
+use super::device::peak_tflops_of;
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
 use super::loss_scale::{LossScaleFlags, LossScaler};
 use super::lr_schedule::{LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy, WdIncrStyle, WsdDecayStyle};
 use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
+use crate::model::PipelineSplit;
+use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::signals::{exit_requested, install_exit_handler};
+use super::stage::{GptStage, LossTotals};
 use crate::args::GptPretrainArgs;
-use crate::loader::{BatchLoader, SamplerPosition};
+use crate::loader::{BatchLoader, GptBatch, SamplerPosition};
 use crate::metrics::TrainingMetrics;
-use crate::model::{cross_entropy, Activation, GptConfig, GptModel, ModelOptions};
-use crate::optim::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings};
-use crate::parallel::ParallelState;
+use crate::model::{Activation, GptConfig, GptModel, ModelOptions};
+use crate::optim::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE};
+use crate::parallel::{ParallelState, ReduceOp};
+use crate::rng;
+
+/// Where a rank runs: its groups and its device.
+pub struct Runtime {
+    pub parallel: ParallelState,
+    pub device: Device,
+}
 
 /// How a run ended, for the binary's one-line summary.
 #[derive(Debug, Clone)]
@@ -51,7 +62,8 @@ struct IntervalStats {
 
 struct Run<'a> {
     args: &'a GptPretrainArgs,
-    model: GptModel,
+    chunks: Vec<GptModel>,
+    split: PipelineSplit,
     optimizer: MixedPrecisionOptimizer,
     scheduler: OptimizerParamScheduler,
     scaler: LossScaler,
@@ -60,33 +72,67 @@ struct Run<'a> {
     progress: Progress,
     train_iters: u64,
     device: Device,
+    activation: ActivationSpec,
     flops: FlopsModel,
     peak_tflops: Option<f64>,
-    metrics: TrainingMetrics,
+    metrics: Option<TrainingMetrics>,
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
 }
 
-pub fn pretrain_gpt(args: &GptPretrainArgs) -> Result<TrainingSummary> {
+pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<TrainingSummary> {
     let started = Instant::now();
     install_exit_handler();
-    args.training.check_parallel_sizes()?;
-    let device = resolve_device(&args.training.device)?;
+    let parallel = runtime.parallel.clone();
+    let device = runtime.device;
+    let layout = parallel.layout;
+    ensure!(
+        (layout.tensor, layout.pipeline) == (args.parallel.tensor_model_parallel_size, args.parallel.pipeline_model_parallel_size),
+        "the job's layout {} does not match the flags' --tensor-model-parallel-size {} --pipeline-model-parallel-size {}",
+        layout.describe(),
+        args.parallel.tensor_model_parallel_size,
+        args.parallel.pipeline_model_parallel_size
+    );
+    if args.parallel.sequence_parallel && layout.tensor == 1 {
+        eprintln!("warning: --sequence-parallel has no effect without tensor parallelism");
+    }
     let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
     let vocab_size = tokenizer.vocab_size();
     let eod = tokenizer.eod().context("the tokenizer has no end-of-document token, which GPT training needs")?;
 
-    tch::manual_seed(args.training.seed as i64);
+    // Megatron's seeds (spec §3.2): offset by the pipeline stage, and a per-tensor-rank stream
+    // for dropout on split tensors.
+    let coordinates = parallel.coordinates();
+    let seed = args.training.seed + 100 * coordinates.pipeline as u64;
+    tch::manual_seed(seed as i64);
+    rng::manual_seed(device, seed)?;
+    rng::seed_model_parallel_rng(device, seed + 2718 + coordinates.tensor as u64)?;
     if args.training.deterministic_mode {
         crate::ops::set_deterministic(true)?;
     }
     let config = args.model.gpt_config(vocab_size as i64)?;
-    let options = ModelOptions { params_dtype: args.precision.params_dtype(), device, recompute: args.recompute.recompute()? };
-    let parallel = ParallelState::single();
-    let model = GptModel::new(config.clone(), options, &parallel)?;
+    let options = ModelOptions {
+        params_dtype: args.precision.params_dtype(),
+        device,
+        recompute: args.recompute.recompute()?,
+        seed: args.training.seed,
+    };
+    let virtual_stages = args.parallel.virtual_stages(config.num_layers)?;
+    let split = PipelineSplit {
+        num_layers: config.num_layers,
+        stages: layout.pipeline,
+        chunks: virtual_stages,
+        first_stage_layers: args.parallel.decoder_first_pipeline_num_layers,
+        last_stage_layers: args.parallel.decoder_last_pipeline_num_layers,
+    };
+    let chunks = split
+        .chunks_of(coordinates.pipeline)?
+        .into_iter()
+        .map(|spec| GptModel::new_chunk(config.clone(), options, &parallel, spec))
+        .collect::<Result<Vec<_>>>()?;
 
     let micro_batch_size = args.training.micro_batch_size;
-    let data_parallel_size = parallel.data_parallel_size() as u64;
+    let data_parallel_size = layout.data as u64;
     let global_batch_size = args.training.global_batch_size.unwrap_or(micro_batch_size * data_parallel_size);
     let rampup = args.training.rampup_batch_size.as_deref().map(BatchRampup::from_flag_values).transpose()?;
     let batches = MicrobatchCalculator::new(
@@ -119,12 +165,12 @@ pub fn pretrain_gpt(args: &GptPretrainArgs) -> Result<TrainingSummary> {
     let load_request = load_request(args)?;
     let mut loaded = None;
     if let Some(request) = &load_request {
-        loaded = checkpointing::load_weights(request, &model)?;
+        loaded = checkpointing::load_weights(request, &chunks, &parallel)?;
     }
     let pretrained = match (&loaded, &args.checkpoint.pretrained_checkpoint) {
         (None, Some(path)) => {
             let request = LoadRequest { root: path, finetune: true, load_optimizer: false, load_rng: false, scheduler_policy: SchedulerLoadPolicy::RequireMatch };
-            let found = checkpointing::load_weights(&request, &model)?;
+            let found = checkpointing::load_weights(&request, &chunks, &parallel)?;
             Some(found.with_context(|| format!("--pretrained-checkpoint {} holds no checkpoint", path.display()))?.directory)
         }
         _ => None,
@@ -133,45 +179,70 @@ pub fn pretrain_gpt(args: &GptPretrainArgs) -> Result<TrainingSummary> {
         bail!("--exit-on-missing-checkpoint: no checkpoint under {:?}", args.checkpoint.load);
     }
 
-    let optimizer = MixedPrecisionOptimizer::new(model.named_parameters(), optimizer_settings(args)?);
+    let parameters = chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(c, chunk)| {
+            chunk.named_parameters().into_iter().map(move |mut p| {
+                if virtual_stages > 1 {
+                    p.name = format!("model{c}.{}", p.name);
+                }
+                p
+            })
+        })
+        .collect();
+    let optimizer = MixedPrecisionOptimizer::new(parameters, optimizer_settings(args, layout.data)?, &parallel)?;
+    let logging_rank = parallel.is_logging_rank();
     let metrics_path = args.logging.metrics_file.clone().or_else(|| args.logging.tensorboard_dir.as_ref().map(|d| d.join("metrics.jsonl")));
+    let metrics = logging_rank
+        .then(|| TrainingMetrics::new(args.logging.tensorboard_dir.as_deref(), metrics_path.as_deref()))
+        .transpose()?;
+    let sequence = args.model.seq_length / if parallel.sequence_parallel { layout.tensor as i64 } else { 1 };
     let mut run = Run {
         args,
-        model,
+        chunks,
+        split,
         optimizer,
         scheduler,
         scaler,
         batches,
-        parallel,
+        parallel: parallel.clone(),
         progress: Progress::default(),
         train_iters,
         device,
+        activation: ActivationSpec {
+            shape: vec![sequence, micro_batch_size as i64, config.hidden_size],
+            kind: options.params_dtype,
+            device,
+        },
         flops: flops_model(&config, args.model.seq_length),
         peak_tflops: peak_tflops_of(device),
-        metrics: TrainingMetrics::new(args.logging.tensorboard_dir.as_deref(), metrics_path.as_deref())?,
+        metrics,
         args_json: serde_json::to_value(args)?,
         last_checkpoint: None,
     };
-    if let (Some(checkpoint), Some(request)) = (loaded, &load_request) {
-        let state = TrainingState { optimizer: &mut run.optimizer, scheduler: &mut run.scheduler, scaler: &mut run.scaler };
-        match checkpointing::restore_training_state(checkpoint, request, state, device)? {
+    if let (Some(found), Some(request)) = (loaded, &load_request) {
+        let state = TrainingState {
+            optimizer: &mut run.optimizer,
+            distributed_optimizer: args.parallel.use_distributed_optimizer,
+            scheduler: &mut run.scheduler,
+            scaler: &mut run.scaler,
+        };
+        match checkpointing::restore_training_state(found, request, state, &parallel, device)? {
             Resumed::Full { directory, progress } => {
-                println!("loaded checkpoint {} at iteration {}", directory.display(), progress.iteration);
+                run.print_rank0(&format!("loaded checkpoint {} at iteration {}", directory.display(), progress.iteration));
                 run.progress = progress;
             }
-            Resumed::Weights { directory } => println!("loaded weights from {} (starting at iteration 0)", directory.display()),
+            Resumed::Weights { directory } => {
+                run.print_rank0(&format!("loaded weights from {} (starting at iteration 0)", directory.display()))
+            }
         }
     }
     if let Some(directory) = pretrained {
-        println!("loaded pretrained weights from {}", directory.display());
+        run.print_rank0(&format!("loaded pretrained weights from {}", directory.display()));
     }
     run.batches.update(run.progress.consumed_train_samples, false)?;
-    println!(
-        "> GPT model: {} parameters, padded vocab {} (from {vocab_size}), {} on {device:?}",
-        run.model.parameter_count(),
-        config.padded_vocab_size(1),
-        checkpointing::dtype_name(options.params_dtype)
-    );
+    run.print_model_summary(&config, vocab_size)?;
 
     let datasets = build_datasets(&DatasetRequest {
         data: &args.data,
@@ -186,6 +257,47 @@ pub fn pretrain_gpt(args: &GptPretrainArgs) -> Result<TrainingSummary> {
 }
 
 impl Run<'_> {
+    fn print_rank0(&self, message: &str) {
+        if self.parallel.rank == 0 {
+            println!("{message}");
+        }
+    }
+
+    /// Megatron's parameter-count line, over all stages (the last stage's copy of the tied
+    /// embeddings counted once).
+    fn print_model_summary(&self, config: &GptConfig, vocab_size: usize) -> Result<()> {
+        let local: i64 = self
+            .chunks
+            .iter()
+            .flat_map(|c| c.named_parameters())
+            .filter(|p| !p.attributes.shared_embedding)
+            .map(|p| p.tensor.numel() as i64)
+            .sum();
+        let counts = Tensor::from_slice(&[local as f64]).to_device(self.device);
+        // Each tensor-parallel rank holds different parameters: sum over the model group.
+        self.parallel.model.all_reduce(&counts, ReduceOp::Sum)?;
+        let total = counts.double_value(&[0]) as i64;
+        let replicated: i64 = self
+            .chunks
+            .iter()
+            .flat_map(|c| c.named_parameters())
+            .filter(|p| !p.attributes.tensor_parallel && !p.attributes.shared_embedding)
+            .map(|p| p.tensor.numel() as i64)
+            .sum();
+        let replicated_total = Tensor::from_slice(&[replicated as f64]).to_device(self.device);
+        self.parallel.pipeline.all_reduce(&replicated_total, ReduceOp::Sum)?;
+        let duplicates = (self.parallel.tensor_parallel_size() as i64 - 1) * replicated_total.double_value(&[0]) as i64;
+        self.print_rank0(&format!(
+            "> GPT model: {} parameters, padded vocab {} (from {vocab_size}), {} on {:?}, {}",
+            total - duplicates,
+            config.padded_vocab_size(self.parallel.tensor_parallel_size() as i64),
+            checkpointing::dtype_name(self.chunks[0].options().params_dtype),
+            self.device,
+            self.parallel.layout.describe()
+        ));
+        Ok(())
+    }
+
     fn train_and_evaluate(&mut self, datasets: &SplitDatasets, started: Instant) -> Result<TrainingSummary> {
         let mut summary = TrainingSummary {
             iterations: self.progress.iteration,
@@ -196,9 +308,7 @@ impl Run<'_> {
             exit_reason: "finished",
             seconds: 0.0,
         };
-        let mut valid_loader = datasets.valid.as_ref().map(|d| {
-            self.loader(d.clone(), "valid", self.progress.consumed_valid_samples)
-        });
+        let mut valid_loader = datasets.valid.as_ref().map(|d| self.loader(d.clone(), "valid", self.progress.consumed_valid_samples));
         if !self.args.training.skip_train && self.progress.iteration < self.train_iters {
             let train = datasets.train.clone().context("the training split is empty")?;
             let mut train_loader = self.loader(train, "train", self.progress.consumed_train_samples);
@@ -268,6 +378,7 @@ impl Run<'_> {
                     ("learning-rate", self.scheduler.lr()),
                     ("batch-size", global_batch as f64),
                     ("loss-scale", self.scaler.scale() as f64),
+                    ("world-size", self.parallel.world_size() as f64),
                     ("iteration-time", iteration_started.elapsed().as_secs_f64()),
                 ];
                 if !outcome.skipped {
@@ -276,10 +387,12 @@ impl Run<'_> {
                 if let Some(norm) = outcome.grad_norm {
                     scalars.push(("grad-norm", norm));
                 }
-                self.metrics.record_iteration(iteration, self.progress.consumed_train_samples, &scalars)?;
+                if let Some(metrics) = self.metrics.as_mut() {
+                    metrics.record_iteration(iteration, self.progress.consumed_train_samples, &scalars)?;
+                }
             }
             if iteration % logging.log_interval.max(1) == 0 {
-                self.print_log_line(&mut interval, global_batch, outcome.grad_norm);
+                self.print_log_line(&mut interval, global_batch, outcome.grad_norm)?;
             }
             if let Some(loader) = valid.as_deref_mut() {
                 if self.args.training.eval_interval > 0 && iteration % self.args.training.eval_interval == 0 {
@@ -294,20 +407,12 @@ impl Run<'_> {
                     saved_now = true;
                 }
             }
-            let reason = if exit_requested() {
-                Some("signal")
-            } else if self.args.training.exit_duration_in_mins.is_some_and(|m| started.elapsed().as_secs_f64() / 60.0 > m) {
-                Some("exit-duration-in-mins")
-            } else if self.args.training.exit_interval.is_some_and(|n| n > 0 && iteration % n == 0) {
-                Some("exit-interval")
-            } else {
-                None
-            };
+            let reason = self.exit_reason(iteration, started)?;
             if let Some(reason) = reason {
                 if checkpoint.save.is_some() && !saved_now {
                     self.save()?;
                 }
-                println!("exiting at iteration {iteration} ({reason})");
+                self.print_rank0(&format!("exiting at iteration {iteration} ({reason})"));
                 return Ok(reason);
             }
             if self.progress.iteration == self.train_iters && checkpoint.save.is_some() && !saved_now {
@@ -317,28 +422,61 @@ impl Run<'_> {
         Ok("finished")
     }
 
-    /// One iteration: forward/backward over the micro-batches, then the optimizer step.
-    /// Returns the iteration's `lm loss` (Σ loss / Σ tokens over its micro-batches).
-    fn train_step(&mut self, loader: &mut BatchLoader) -> Result<(f64, crate::optim::StepOutcome)> {
-        let microbatches = self.batches.num_microbatches();
-        let scale = self.scaler.scale() as f64;
-        let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
-        let mut token_sum = Tensor::zeros([], (Kind::Float, self.device));
-        for _ in 0..microbatches {
-            let batch = loader.next_batch()?.to_device(self.device);
-            let logits = self.model.forward(&batch.tokens, &batch.position_ids, &batch.mask(), true)?;
-            let losses = cross_entropy(&logits, &batch.labels, &self.parallel.tensor)?;
-            let masked_sum = (losses * &batch.loss_mask).sum(Kind::Float);
-            let tokens = batch.num_tokens();
-            // Megatron divides each micro-batch's loss by its token count and by the number of
-            // micro-batches before backward.
-            let loss = &masked_sum / tokens.clamp_min(1.0) / microbatches as f64;
-            (loss * scale).backward();
-            self.optimizer.accumulate_grads()?;
-            loss_sum += masked_sum.detach();
-            token_sum += tokens;
+    /// Megatron's exit checks, agreed by all ranks: a signal on any rank, the longest elapsed
+    /// time, or the exit interval.
+    fn exit_reason(&self, iteration: u64, started: Instant) -> Result<Option<&'static str>> {
+        let flags = Tensor::from_slice(&[f64::from(u8::from(exit_requested())), started.elapsed().as_secs_f64() / 60.0]);
+        if self.parallel.world_size() > 1 {
+            let flags_on_device = flags.to_device(self.device);
+            self.parallel.world.all_reduce(&flags_on_device, ReduceOp::Max)?;
+            flags.shallow_clone().copy_(&flags_on_device);
         }
-        let lm_loss = (loss_sum / token_sum.clamp_min(1.0)).double_value(&[]);
+        let (signal, minutes) = (flags.double_value(&[0]) > 0.0, flags.double_value(&[1]));
+        Ok(if signal {
+            Some("signal")
+        } else if self.args.training.exit_duration_in_mins.is_some_and(|m| minutes > m) {
+            Some("exit-duration-in-mins")
+        } else if self.args.training.exit_interval.is_some_and(|n| n > 0 && iteration % n == 0) {
+            Some("exit-interval")
+        } else {
+            None
+        })
+    }
+
+    fn next_microbatches(&self, loader: &mut BatchLoader, count: u64) -> Result<Vec<GptBatch>> {
+        (0..count).map(|_| Ok(loader.next_batch()?.to_device(self.device))).collect()
+    }
+
+    fn schedule_shape(&self, microbatches: u64, forward_only: bool) -> ScheduleShape {
+        ScheduleShape {
+            microbatches: microbatches as usize,
+            chunks: self.chunks.len(),
+            group_size: self
+                .args
+                .parallel
+                .microbatch_group_size_per_virtual_pipeline_stage
+                .unwrap_or(self.parallel.pipeline_parallel_size()),
+            forward_only,
+        }
+    }
+
+    /// One iteration: forward/backward over the micro-batches through the pipeline schedule,
+    /// then the optimizer step. Returns the iteration's `lm loss` (Σ loss / Σ tokens over its
+    /// micro-batches and data-parallel ranks).
+    fn train_step(&mut self, loader: &mut BatchLoader) -> Result<(f64, StepOutcome)> {
+        let microbatches = self.batches.num_microbatches();
+        let batches = self.next_microbatches(loader, microbatches)?;
+        let shape = self.schedule_shape(microbatches, false);
+        let mut stage = GptStage {
+            chunks: &self.chunks,
+            batches: &batches,
+            parallel: &self.parallel,
+            optimizer: Some(&mut self.optimizer),
+            loss_scale: self.scaler.scale() as f64,
+            totals: LossTotals::new(self.device),
+        };
+        forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
+        let lm_loss = stage.totals.reduce(&self.parallel)?;
         let fp16 = self.args.precision.fp16;
         if !fp16 && !lm_loss.is_finite() {
             bail!(self.nan_message("loss", lm_loss));
@@ -371,7 +509,8 @@ impl Run<'_> {
         format!("{what} is {value} at iteration {}; stopping ({kept})", self.progress.iteration + 1)
     }
 
-    fn print_log_line(&mut self, interval: &mut IntervalStats, global_batch: u64, grad_norm: Option<f64>) {
+    fn print_log_line(&mut self, interval: &mut IntervalStats, global_batch: u64, grad_norm: Option<f64>) -> Result<()> {
+        let params_norm = if self.args.logging.log_params_norm { Some(self.optimizer.params_norm()?) } else { None };
         let elapsed = interval.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
         let per_iteration = elapsed / interval.iterations.max(1) as f64;
         let world = self.parallel.world_size() as f64;
@@ -397,20 +536,17 @@ impl Run<'_> {
             loss_scale: self.scaler.scale() as f64,
             grad_norm,
             num_zeros: None,
-            params_norm: self.args.logging.log_params_norm.then(|| self.params_norm()),
+            params_norm,
             skipped_iterations: interval.skipped,
             nan_iterations: interval.nan,
             tokens_per_second: Some(tokens_per_second),
             mfu_percent: self.peak_tflops.map(|peak| 100.0 * tflops / peak),
         };
-        println!("{}", format_iteration_line(&log));
+        if self.parallel.is_logging_rank() {
+            println!("{}", format_iteration_line(&log));
+        }
         *interval = IntervalStats { started: Some(Instant::now()), ..Default::default() };
-    }
-
-    fn params_norm(&self) -> f64 {
-        let parameters = self.model.named_parameters();
-        let tensors: Vec<&Tensor> = parameters.iter().map(|(_, t)| t).collect();
-        crate::ops::total_norm(&tensors).map_or(f64::NAN, |n| n.double_value(&[]))
+        Ok(())
     }
 
     /// `--eval-iters` global batches of the validation split, forward only; advances the
@@ -419,26 +555,35 @@ impl Run<'_> {
         let loss = self.evaluate_without_counting(loader, label)?;
         self.progress.consumed_valid_samples += self.args.training.eval_iters * self.batches.current_global_batch_size();
         if record {
-            self.metrics.record_eval(self.progress.iteration, self.progress.consumed_train_samples, &[("lm loss", loss)])?;
+            if let Some(metrics) = self.metrics.as_mut() {
+                metrics.record_eval(self.progress.iteration, self.progress.consumed_train_samples, &[("lm loss", loss)])?;
+            }
         }
         Ok(loss)
     }
 
     fn evaluate_without_counting(&mut self, loader: &mut BatchLoader, label: &str) -> Result<f64> {
         let microbatches = self.batches.num_microbatches();
-        let (mut loss_sum, mut tokens) = (0.0, 0.0);
-        tch::no_grad(|| -> Result<()> {
-            for _ in 0..self.args.training.eval_iters * microbatches {
-                let batch = loader.next_batch()?.to_device(self.device);
-                let logits = self.model.forward(&batch.tokens, &batch.position_ids, &batch.mask(), false)?;
-                let losses = cross_entropy(&logits, &batch.labels, &self.parallel.tensor)?;
-                loss_sum += (losses * &batch.loss_mask).sum(Kind::Float).double_value(&[]);
-                tokens += batch.num_tokens().double_value(&[]);
-            }
-            Ok(())
-        })?;
-        let loss = loss_sum / tokens.max(1.0);
-        println!("{}", format_eval_block(label, &[("lm loss".to_string(), loss)]));
+        let mut totals = LossTotals::new(self.device);
+        for _ in 0..self.args.training.eval_iters {
+            let batches = self.next_microbatches(loader, microbatches)?;
+            let shape = self.schedule_shape(microbatches, true);
+            let mut stage = GptStage {
+                chunks: &self.chunks,
+                batches: &batches,
+                parallel: &self.parallel,
+                optimizer: None,
+                loss_scale: 1.0,
+                totals: LossTotals::new(self.device),
+            };
+            tch::no_grad(|| forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape))?;
+            totals.loss += &stage.totals.loss;
+            totals.tokens += &stage.totals.tokens;
+        }
+        let loss = totals.reduce(&self.parallel)?;
+        if self.parallel.is_logging_rank() {
+            println!("{}", format_eval_block(label, &[("lm loss".to_string(), loss)]));
+        }
         Ok(loss)
     }
 
@@ -449,19 +594,22 @@ impl Run<'_> {
         let directory = checkpointing::save(SaveRequest {
             root,
             progress: self.progress,
-            model: &self.model,
+            chunks: &self.chunks,
+            split: self.split,
             optimizer: (!self.args.checkpoint.no_save_optim).then_some((&self.optimizer, optimizer_name)),
+            distributed_optimizer: self.args.parallel.use_distributed_optimizer,
             scheduler: &self.scheduler,
             scaler: &self.scaler,
             save_rng: !self.args.checkpoint.no_save_rng,
             args: self.args_json.clone(),
+            parallel: &self.parallel,
         })?;
-        println!(
+        self.print_rank0(&format!(
             "  successfully saved checkpoint from iteration {:7} to {} [ {:.1} ms ]",
             self.progress.iteration,
             root.display(),
             started.elapsed().as_secs_f64() * 1000.0
-        );
+        ));
         self.last_checkpoint = Some(directory);
         Ok(())
     }
@@ -514,14 +662,15 @@ fn schedule_flags(args: &GptPretrainArgs, global_batch_size: u64) -> Result<Sche
     })
 }
 
-fn optimizer_settings(args: &GptPretrainArgs) -> Result<OptimizerSettings> {
+fn optimizer_settings(args: &GptPretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {
     let o = &args.optimizer;
     let kind = match o.optimizer.as_str() {
         "adam" => OptimizerKind::Adam { beta1: o.adam_beta1, beta2: o.adam_beta2, eps: o.adam_eps },
         "sgd" => OptimizerKind::Sgd { momentum: o.sgd_momentum },
         other => bail!("--optimizer {other:?}: expected adam or sgd"),
     };
-    Ok(OptimizerSettings { kind, clip_grad: o.clip_grad })
+    let bucket_size = args.parallel.ddp_bucket_size.unwrap_or_else(|| DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size));
+    Ok(OptimizerSettings { kind, clip_grad: o.clip_grad, distributed: args.parallel.use_distributed_optimizer, bucket_size })
 }
 
 /// Megatron's requested sample counts: train, `(iters // eval_interval + 1) · eval_iters · gbs`

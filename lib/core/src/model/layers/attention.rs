@@ -1,18 +1,16 @@
 //! Self-attention with the fused QKV projection in Megatron's per-group layout and
 //! libtorch's `scaled_dot_product_attention` (flash attention on GPUs) as the core.
 
-use std::sync::Arc;
-
 use anyhow::Result;
 use tch::Tensor;
 
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::rope::RotaryTables;
-use super::NamedTensors;
+use super::{NamedTensors, TensorParallel};
 use crate::autograd::checkpoint;
 use crate::model::config::GptConfig;
 use crate::model::param::Initializer;
-use crate::parallel::Communicator;
+use crate::rng::with_model_parallel_rng;
 
 /// Which positions a query may attend to.
 pub enum AttentionMask {
@@ -40,21 +38,35 @@ pub struct SelfAttention {
     local_groups: i64,
     head_dim: i64,
     dropout: f64,
+    /// Attention probabilities of different heads live on different tensor-parallel ranks, so
+    /// their dropout draws from the per-rank model-parallel stream; with sequence parallelism
+    /// the whole layer stack already runs inside it.
+    fork_dropout_rng: bool,
 }
 
 impl SelfAttention {
-    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, group: Arc<dyn Communicator>) -> Self {
+    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, parallel: TensorParallel) -> Self {
         let t = init.tensor_parallel_size;
         let h = config.hidden_size;
         let projection = config.num_attention_heads * config.kv_channels;
         let qkv_bias = config.add_bias_linear || config.add_qkv_bias;
+        let fork_dropout_rng = !parallel.sequence_parallel;
         SelfAttention {
-            linear_qkv: ColumnParallelLinear::new(init, h, config.qkv_width(), qkv_bias, config.init_method_std, group.clone()),
-            linear_proj: RowParallelLinear::new(init, projection, h, config.add_bias_linear, output_std, group),
+            linear_qkv: ColumnParallelLinear::new(
+                &init.scope("linear_qkv"),
+                h,
+                config.qkv_width(),
+                qkv_bias,
+                config.init_method_std,
+                1,
+                parallel.clone(),
+            ),
+            linear_proj: RowParallelLinear::new(&init.scope("linear_proj"), projection, h, config.add_bias_linear, output_std, parallel),
             local_heads: config.num_attention_heads / t,
             local_groups: config.num_query_groups / t,
             head_dim: config.kv_channels,
             dropout: config.attention_dropout,
+            fork_dropout_rng,
         }
     }
 
@@ -89,15 +101,16 @@ impl SelfAttention {
             value = value.repeat_interleave_self_int(per_group, 1, None);
         }
         let dropout = if train { self.dropout } else { 0.0 };
+        let fork = self.fork_dropout_rng && dropout > 0.0;
         let context = if recompute_core {
             let mask = mask.clone();
             checkpoint(
-                move |inputs: &[Tensor]| Ok(vec![core_attention(&inputs[0], &inputs[1], &inputs[2], &mask, dropout)]),
+                move |inputs: &[Tensor]| Ok(vec![core_attention(&inputs[0], &inputs[1], &inputs[2], &mask, dropout, fork)?]),
                 &[&query, &key, &value],
             )?
             .remove(0)
         } else {
-            core_attention(&query, &key, &value, mask, dropout)
+            core_attention(&query, &key, &value, mask, dropout, fork)?
         };
         let context = context.permute([2, 0, 1, 3]).reshape([s, b, n * d]);
         self.linear_proj.forward(&context)
@@ -109,7 +122,14 @@ impl SelfAttention {
     }
 }
 
-fn core_attention(query: &Tensor, key: &Tensor, value: &Tensor, mask: &AttentionMask, dropout: f64) -> Tensor {
+fn core_attention(query: &Tensor, key: &Tensor, value: &Tensor, mask: &AttentionMask, dropout: f64, fork_rng: bool) -> Result<Tensor> {
+    if fork_rng {
+        return Ok(with_model_parallel_rng(query.device(), || sdpa(query, key, value, mask, dropout))?);
+    }
+    Ok(sdpa(query, key, value, mask, dropout))
+}
+
+fn sdpa(query: &Tensor, key: &Tensor, value: &Tensor, mask: &AttentionMask, dropout: f64) -> Tensor {
     match mask {
         AttentionMask::Causal => {
             Tensor::scaled_dot_product_attention::<&Tensor>(query, key, value, None, dropout, true, None, false)

@@ -1,65 +1,88 @@
-//! Column- and row-parallel linears (spec §2.1). Weights are `[out, in]` like `nn.Linear`.
-
-use std::sync::Arc;
+//! Column- and row-parallel linears (spec §2.1, §2.2). Weights are `[out, in]` like `nn.Linear`.
 
 use anyhow::Result;
 use tch::Tensor;
 
-use super::NamedTensors;
+use super::{NamedTensors, ParamAttributes, TensorParallel};
 use crate::model::param::{Initializer, Param};
-use crate::parallel::{copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, Communicator};
+use crate::parallel::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+};
+
+const SHARDED: ParamAttributes = ParamAttributes { tensor_parallel: true, ..ParamAttributes::REPLICATED };
 
 /// Splits the output dimension: rank r holds rows `[r·out/t, (r+1)·out/t)` and their bias.
 #[derive(Clone)]
 pub struct ColumnParallelLinear {
     pub weight: Param,
     pub bias: Option<Param>,
-    group: Arc<dyn Communicator>,
+    parallel: TensorParallel,
 }
 
 impl ColumnParallelLinear {
-    pub fn new(init: &Initializer, input: i64, output: i64, bias: bool, std: f64, group: Arc<dyn Communicator>) -> Self {
-        let weight = init.normal_partitioned(&[output, input], std, 0);
+    /// `stride` 2 partitions a `[gate; up]` weight so each rank holds `[gate_r; up_r]`.
+    pub fn new(
+        init: &Initializer,
+        input: i64,
+        output: i64,
+        bias: bool,
+        std: f64,
+        stride: i64,
+        parallel: TensorParallel,
+    ) -> Self {
+        let weight = init.normal_partitioned_strided("weight", &[output, input], std, 0, stride);
         let bias = bias.then(|| init.constant_partitioned(&[output], 0.0));
-        ColumnParallelLinear { weight, bias, group }
+        ColumnParallelLinear { weight, bias, parallel }
     }
 
-    /// `x · Wᵀ + b` on this rank's output slice.
+    /// `x · Wᵀ + b` on this rank's output slice. With sequence parallelism the input arrives
+    /// split along the sequence and is gathered first.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let input = copy_to_tensor_parallel_region(input, &self.group)?;
+        let input = if self.parallel.sequence_parallel {
+            gather_from_sequence_parallel_region(input, &self.parallel.group, true)?
+        } else {
+            copy_to_tensor_parallel_region(input, &self.parallel.group)?
+        };
         Ok(input.linear(&*self.weight, self.bias.as_deref()))
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        out.push("weight", &self.weight);
+        out.push("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
-            out.push("bias", bias);
+            out.push("bias", bias, SHARDED);
         }
     }
 }
 
 /// Splits the input dimension: rank r holds columns `[r·in/t, (r+1)·in/t)`; the partial
-/// products are summed across the group and the (replicated) bias is added after the sum.
+/// products are summed across the group (reduce-scattered along the sequence with sequence
+/// parallelism) and the replicated bias is added after the sum.
 #[derive(Clone)]
 pub struct RowParallelLinear {
     pub weight: Param,
     pub bias: Option<Param>,
-    group: Arc<dyn Communicator>,
+    parallel: TensorParallel,
 }
 
 impl RowParallelLinear {
-    pub fn new(init: &Initializer, input: i64, output: i64, bias: bool, std: f64, group: Arc<dyn Communicator>) -> Self {
-        let weight = init.normal_partitioned(&[output, input], std, 1);
+    pub fn new(init: &Initializer, input: i64, output: i64, bias: bool, std: f64, parallel: TensorParallel) -> Self {
+        let weight = init.normal_partitioned("weight", &[output, input], std, 1);
         let bias = bias.then(|| init.constant(&[output], 0.0));
-        RowParallelLinear { weight, bias, group }
+        RowParallelLinear { weight, bias, parallel }
     }
 
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        if self.group.size() == 1 {
+        let group = &self.parallel.group;
+        if group.size() == 1 {
             return Ok(input.linear(&*self.weight, self.bias.as_deref()));
         }
         let partial = input.linear::<&Tensor>(&self.weight, None);
-        let output = reduce_from_tensor_parallel_region(&partial, &self.group)?;
+        let output = if self.parallel.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(&partial, group)?
+        } else {
+            reduce_from_tensor_parallel_region(&partial, group)?
+        };
         Ok(match &self.bias {
             Some(bias) => output + &**bias,
             None => output,
@@ -67,9 +90,10 @@ impl RowParallelLinear {
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        out.push("weight", &self.weight);
+        out.push("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
-            out.push("bias", bias);
+            let attributes = ParamAttributes { sequence_parallel: self.parallel.sequence_parallel, ..Default::default() };
+            out.push("bias", bias, attributes);
         }
     }
 }

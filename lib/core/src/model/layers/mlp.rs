@@ -1,15 +1,12 @@
 //! The transformer MLP: fc1 (column-parallel), activation, fc2 (row-parallel).
 
-use std::sync::Arc;
-
 use anyhow::Result;
 use tch::Tensor;
 
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
-use super::NamedTensors;
+use super::{NamedTensors, TensorParallel};
 use crate::model::config::{Activation, GptConfig};
 use crate::model::param::Initializer;
-use crate::parallel::Communicator;
 
 #[derive(Clone)]
 pub struct Mlp {
@@ -19,12 +16,22 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, group: Arc<dyn Communicator>) -> Self {
+    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, parallel: TensorParallel) -> Self {
         let h = config.hidden_size;
         let bias = config.add_bias_linear;
+        // SwiGLU's fc1 is [gate; up]; stride 2 gives each rank [gate_r; up_r] (spec §2.1).
+        let stride = if config.activation == Activation::Swiglu { 2 } else { 1 };
         Mlp {
-            linear_fc1: ColumnParallelLinear::new(init, h, config.fc1_width(), bias, config.init_method_std, group.clone()),
-            linear_fc2: RowParallelLinear::new(init, config.ffn_hidden_size, h, bias, output_std, group),
+            linear_fc1: ColumnParallelLinear::new(
+                &init.scope("linear_fc1"),
+                h,
+                config.fc1_width(),
+                bias,
+                config.init_method_std,
+                stride,
+                parallel.clone(),
+            ),
+            linear_fc2: RowParallelLinear::new(&init.scope("linear_fc2"), config.ffn_hidden_size, h, bias, output_std, parallel),
             activation: config.activation,
         }
     }
@@ -34,7 +41,6 @@ impl Mlp {
         let activated = match self.activation {
             Activation::GeluTanh => intermediate.gelu("tanh"),
             Activation::GeluErf => intermediate.gelu("none"),
-            // Each rank's fc1 output is [gate_r; up_r] (spec §2.1), so halving locally is right.
             Activation::Swiglu => {
                 let halves = intermediate.chunk(2, -1);
                 halves[0].silu() * &halves[1]

@@ -17,21 +17,63 @@ pub use norm::Norm;
 pub use rope::{RotaryEmbedding, RotaryTables};
 pub use transformer_layer::TransformerLayer;
 
+use std::sync::Arc;
+
 use tch::Tensor;
 
-/// Collects `(name, tensor)` pairs under Megatron's state-dict names.
+use crate::parallel::Communicator;
+
+/// What a layer needs to know about tensor parallelism.
+#[derive(Clone)]
+pub struct TensorParallel {
+    pub group: Arc<dyn Communicator>,
+    /// `--sequence-parallel`: activations outside the tensor-parallel regions are split along
+    /// the sequence.
+    pub sequence_parallel: bool,
+}
+
+/// How a parameter is shared across ranks, which decides how its gradient is synchronised and
+/// whether it counts in the gradient norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ParamAttributes {
+    /// Each tensor-parallel rank holds a different slice.
+    pub tensor_parallel: bool,
+    /// Replicated over the tensor-parallel group, but with sequence parallelism each rank only
+    /// sees its slice of the sequence: gradients are summed over the group.
+    pub sequence_parallel: bool,
+    /// The last pipeline stage's copy of the tied word embeddings: left out of norms.
+    pub shared_embedding: bool,
+    /// The tied word embeddings held by both the first and the last pipeline stage: their
+    /// gradients are summed over the embedding group.
+    pub tied_across_stages: bool,
+}
+
+impl ParamAttributes {
+    /// An ordinary parameter, identical on every tensor-parallel rank.
+    pub const REPLICATED: ParamAttributes =
+        ParamAttributes { tensor_parallel: false, sequence_parallel: false, shared_embedding: false, tied_across_stages: false };
+}
+
+/// A parameter under its Megatron state-dict name.
+pub struct NamedParameter {
+    pub name: String,
+    pub tensor: Tensor,
+    pub attributes: ParamAttributes,
+}
+
+/// Collects parameters under Megatron's state-dict names.
 pub struct NamedTensors<'a> {
     prefix: String,
-    out: &'a mut Vec<(String, Tensor)>,
+    out: &'a mut Vec<NamedParameter>,
 }
 
 impl<'a> NamedTensors<'a> {
-    pub fn new(out: &'a mut Vec<(String, Tensor)>) -> Self {
+    pub fn new(out: &'a mut Vec<NamedParameter>) -> Self {
         NamedTensors { prefix: String::new(), out }
     }
 
-    pub fn push(&mut self, name: &str, tensor: &Tensor) {
-        self.out.push((format!("{}{name}", self.prefix), tensor.shallow_clone()));
+    pub fn push(&mut self, name: &str, tensor: &Tensor, attributes: ParamAttributes) {
+        self.out.push(NamedParameter { name: format!("{}{name}", self.prefix), tensor: tensor.shallow_clone(), attributes });
     }
 
     /// A collector whose names start with `prefix.`.

@@ -2,7 +2,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::NamedTensors;
+use super::{NamedTensors, ParamAttributes};
 use crate::model::config::Normalization;
 use crate::model::param::{Initializer, Param};
 
@@ -14,13 +14,15 @@ pub struct Norm {
     eps: f64,
     /// `--apply-layernorm-1p`: the stored weight is zero-centred, gamma = 1 + w.
     one_plus: bool,
+    /// The norm runs on sequence-parallel activations: its gradients are partial sums.
+    sequence_parallel: bool,
 }
 
 impl Norm {
-    pub fn new(init: &Initializer, kind: Normalization, hidden: i64, eps: f64, one_plus: bool) -> Self {
+    pub fn new(init: &Initializer, kind: Normalization, hidden: i64, eps: f64, one_plus: bool, sequence_parallel: bool) -> Self {
         let weight = init.constant(&[hidden], if one_plus { 0.0 } else { 1.0 });
         let bias = (kind == Normalization::LayerNorm).then(|| init.constant(&[hidden], 0.0));
-        Norm { kind, weight, bias, eps, one_plus }
+        Norm { kind, weight, bias, eps, one_plus, sequence_parallel }
     }
 
     pub fn forward(&self, input: &Tensor) -> Tensor {
@@ -38,9 +40,10 @@ impl Norm {
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        out.push("weight", &self.weight);
+        let attributes = ParamAttributes { sequence_parallel: self.sequence_parallel, ..Default::default() };
+        out.push("weight", &self.weight, attributes);
         if let Some(bias) = &self.bias {
-            out.push("bias", bias);
+            out.push("bias", bias, attributes);
         }
     }
 }

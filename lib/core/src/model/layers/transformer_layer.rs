@@ -1,7 +1,5 @@
 //! One pre-LN transformer layer (spec §1.1).
 
-use std::sync::Arc;
-
 use anyhow::Result;
 use tch::Tensor;
 
@@ -9,10 +7,9 @@ use super::attention::{AttentionMask, SelfAttention};
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::rope::RotaryTables;
-use super::NamedTensors;
+use super::{NamedTensors, TensorParallel};
 use crate::model::config::GptConfig;
 use crate::model::param::Initializer;
-use crate::parallel::Communicator;
 
 #[derive(Clone)]
 pub struct TransformerLayer {
@@ -25,16 +22,24 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayer {
-    pub fn new(init: &Initializer, config: &GptConfig, group: Arc<dyn Communicator>) -> Self {
+    /// `init` is scoped to the layer's global name (`decoder.layers.<global index>`).
+    pub fn new(init: &Initializer, config: &GptConfig, parallel: TensorParallel) -> Self {
         // Output projections are scaled by 1/sqrt(2L) (Megatron's "scaled init").
         let output_std = config.init_method_std / (2.0 * config.num_layers as f64).sqrt();
-        let norm = || {
-            Norm::new(init, config.normalization, config.hidden_size, config.norm_epsilon, config.apply_layernorm_1p)
+        let norm = |name: &str| {
+            Norm::new(
+                &init.scope(name),
+                config.normalization,
+                config.hidden_size,
+                config.norm_epsilon,
+                config.apply_layernorm_1p,
+                parallel.sequence_parallel,
+            )
         };
-        let input_layernorm = norm();
-        let self_attention = SelfAttention::new(init, config, output_std, group.clone());
-        let pre_mlp_layernorm = norm();
-        let mlp = Mlp::new(init, config, output_std, group);
+        let input_layernorm = norm("input_layernorm");
+        let self_attention = SelfAttention::new(&init.scope("self_attention"), config, output_std, parallel.clone());
+        let pre_mlp_layernorm = norm("pre_mlp_layernorm");
+        let mlp = Mlp::new(&init.scope("mlp"), config, output_std, parallel);
         TransformerLayer {
             input_layernorm,
             self_attention,

@@ -1,0 +1,80 @@
+//! Model- and data-parallelism flags (spec §2, §4.6, §8).
+
+use clap::Args;
+
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct ParallelArgs {
+    /// Tensor-parallel size: attention heads, MLP columns and the vocabulary are split over this
+    /// many GPUs.
+    #[arg(long, default_value_t = 1)]
+    pub tensor_model_parallel_size: usize,
+    /// Pipeline-parallel size: the layers are split into this many stages.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline_model_parallel_size: usize,
+    /// Split activations outside the tensor-parallel regions along the sequence (needs tensor
+    /// parallelism).
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Layers per virtual pipeline stage (interleaved 1F1B schedule).
+    #[arg(long)]
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// Virtual pipeline stages per pipeline rank (interleaved 1F1B schedule).
+    #[arg(long)]
+    pub num_virtual_stages_per_pipeline_rank: Option<usize>,
+    /// Consecutive micro-batches a virtual stage runs before switching chunks [default: the
+    /// pipeline size].
+    #[arg(long)]
+    pub microbatch_group_size_per_virtual_pipeline_stage: Option<usize>,
+    /// Layers on the first pipeline stage (the rest split evenly).
+    #[arg(long)]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    /// Layers on the last pipeline stage (the rest split evenly).
+    #[arg(long)]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
+    /// Shard the float32 main parameters and optimizer state over the data-parallel group
+    /// (gradients reduce-scattered, parameters all-gathered).
+    #[arg(long)]
+    pub use_distributed_optimizer: bool,
+    /// Reduce gradient buckets while the last micro-batch's backward runs.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
+    /// All-gather the distributed optimizer's updated parameters bucket by bucket, overlapped
+    /// with the next forward.
+    #[arg(long)]
+    pub overlap_param_gather: bool,
+    /// Elements per data-parallel communication bucket [default: max(40M, 1M × data-parallel
+    /// size)].
+    #[arg(long)]
+    pub ddp_bucket_size: Option<usize>,
+    /// nccl (GPUs) or gloo (CPU processes, over TCP).
+    #[arg(long, default_value = "nccl")]
+    pub distributed_backend: String,
+    /// Minutes a rank waits for the others (rendezvous and collectives) before giving up.
+    #[arg(long, default_value_t = 10.0)]
+    pub distributed_timeout_minutes: f64,
+    /// This process's GPU on its node [default: $LOCAL_RANK].
+    #[arg(long)]
+    pub local_rank: Option<usize>,
+}
+
+impl ParallelArgs {
+    /// Model chunks per pipeline rank.
+    pub fn virtual_stages(&self, num_layers: usize) -> anyhow::Result<usize> {
+        let p = self.pipeline_model_parallel_size;
+        match (self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank) {
+            (Some(_), Some(_)) => anyhow::bail!(
+                "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
+            ),
+            (Some(per_stage), None) => {
+                anyhow::ensure!(
+                    per_stage > 0 && num_layers % (p * per_stage) == 0,
+                    "--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {p} × \
+                     --num-layers-per-virtual-pipeline-stage {per_stage}"
+                );
+                Ok(num_layers / (p * per_stage))
+            }
+            (None, Some(chunks)) => Ok(chunks.max(1)),
+            (None, None) => Ok(1),
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Where each rank sits in the tensor × data × pipeline grid, and which ranks form each group,
+//! in Megatron's default `tp-cp-ep-dp-pp` order (spec §8): the tensor-parallel rank varies
+//! fastest, then the data-parallel rank, then the pipeline stage.
+
+use anyhow::{ensure, Result};
+use serde::{Deserialize, Serialize};
+
+/// The parallel sizes of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParallelLayout {
+    pub world_size: usize,
+    pub tensor: usize,
+    pub pipeline: usize,
+    pub data: usize,
+}
+
+/// One rank's coordinates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Coordinates {
+    pub tensor: usize,
+    pub data: usize,
+    pub pipeline: usize,
+}
+
+/// The kinds of process group a rank belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupKind {
+    Tensor,
+    Data,
+    Pipeline,
+    /// Tensor × pipeline: the ranks that together hold one replica of the model.
+    Model,
+    /// The first and last stage of a pipeline (same tensor and data rank), which share the
+    /// tied word embeddings.
+    Embedding,
+    World,
+}
+
+impl GroupKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupKind::Tensor => "tensor",
+            GroupKind::Data => "data",
+            GroupKind::Pipeline => "pipeline",
+            GroupKind::Model => "model",
+            GroupKind::Embedding => "embedding",
+            GroupKind::World => "world",
+        }
+    }
+}
+
+impl ParallelLayout {
+    /// `--tensor-model-parallel-size t --pipeline-model-parallel-size p` over `world_size` ranks;
+    /// the data-parallel size is what remains.
+    pub fn new(world_size: usize, tensor: usize, pipeline: usize) -> Result<Self> {
+        ensure!(tensor > 0 && pipeline > 0, "parallel sizes must be positive");
+        let model = tensor * pipeline;
+        ensure!(
+            world_size % model == 0,
+            "world size {world_size} is not divisible by --tensor-model-parallel-size {tensor} × \
+             --pipeline-model-parallel-size {pipeline}"
+        );
+        Ok(ParallelLayout { world_size, tensor, pipeline, data: world_size / model })
+    }
+
+    pub fn single() -> Self {
+        ParallelLayout { world_size: 1, tensor: 1, pipeline: 1, data: 1 }
+    }
+
+    pub fn coordinates(&self, rank: usize) -> Coordinates {
+        Coordinates {
+            tensor: rank % self.tensor,
+            data: rank / self.tensor % self.data,
+            pipeline: rank / (self.tensor * self.data),
+        }
+    }
+
+    pub fn rank_of(&self, c: Coordinates) -> usize {
+        c.tensor + self.tensor * (c.data + self.data * c.pipeline)
+    }
+
+    /// The ranks of `rank`'s group of `kind`, in group-rank order.
+    pub fn group(&self, kind: GroupKind, rank: usize) -> Vec<usize> {
+        let c = self.coordinates(rank);
+        match kind {
+            GroupKind::Tensor => (0..self.tensor).map(|tensor| self.rank_of(Coordinates { tensor, ..c })).collect(),
+            GroupKind::Data => (0..self.data).map(|data| self.rank_of(Coordinates { data, ..c })).collect(),
+            GroupKind::Pipeline => (0..self.pipeline).map(|pipeline| self.rank_of(Coordinates { pipeline, ..c })).collect(),
+            GroupKind::Model => (0..self.pipeline)
+                .flat_map(|pipeline| (0..self.tensor).map(move |tensor| Coordinates { tensor, pipeline, ..c }))
+                .map(|c| self.rank_of(c))
+                .collect(),
+            GroupKind::Embedding => {
+                let pipeline = self.group(GroupKind::Pipeline, rank);
+                let (first, last) = (pipeline[0], pipeline[pipeline.len() - 1]);
+                if first == last {
+                    vec![first]
+                } else {
+                    vec![first, last]
+                }
+            }
+            GroupKind::World => (0..self.world_size).collect(),
+        }
+    }
+
+    /// Every distinct group of `kind`, each in group-rank order, ordered by its first rank.
+    pub fn all_groups(&self, kind: GroupKind) -> Vec<Vec<usize>> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for rank in 0..self.world_size {
+            let group = self.group(kind, rank);
+            if !groups.contains(&group) {
+                groups.push(group);
+            }
+        }
+        groups.sort_by_key(|g| g[0]);
+        groups
+    }
+
+    /// `t2-p2-d2`, for messages and file names.
+    pub fn describe(&self) -> String {
+        format!("TP={} PP={} DP={}", self.tensor, self.pipeline, self.data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_follow_megatrons_rank_order() {
+        // Spec §8: world 8, t=2, p=2, dp=2.
+        let layout = ParallelLayout::new(8, 2, 2).unwrap();
+        assert_eq!(layout.data, 2);
+        assert_eq!(layout.all_groups(GroupKind::Tensor), [[0, 1], [2, 3], [4, 5], [6, 7]]);
+        assert_eq!(layout.all_groups(GroupKind::Data), [[0, 2], [1, 3], [4, 6], [5, 7]]);
+        assert_eq!(layout.all_groups(GroupKind::Pipeline), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(layout.all_groups(GroupKind::Model), [[0, 1, 4, 5], [2, 3, 6, 7]]);
+        assert_eq!(layout.all_groups(GroupKind::Embedding), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+        assert_eq!(layout.coordinates(6), Coordinates { tensor: 0, data: 1, pipeline: 1 });
+        for rank in 0..8 {
+            assert_eq!(layout.rank_of(layout.coordinates(rank)), rank);
+        }
+    }
+
+    #[test]
+    fn sizes_must_divide_the_world() {
+        assert!(ParallelLayout::new(6, 4, 1).unwrap_err().to_string().contains("not divisible"));
+        let single = ParallelLayout::new(1, 1, 1).unwrap();
+        assert_eq!(single, ParallelLayout::single());
+        assert_eq!(single.all_groups(GroupKind::Embedding), [[0]]);
+    }
+}
