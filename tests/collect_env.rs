@@ -7,10 +7,21 @@ use megatron_e2e::{bin, run_ok};
 fn self_test_passes_and_reports_the_loaded_libtorch() {
     let out = run_ok(bin("collect_env").arg("--self-test"));
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let libtorch_line = stdout.lines().find(|l| l.starts_with("libtorch: ")).expect("libtorch line");
-    assert!(libtorch_line.starts_with("libtorch: 2.11."), "{libtorch_line}");
+    let libtorch_line = stdout
+        .lines()
+        .find(|l| l.starts_with("libtorch: "))
+        .expect("libtorch line");
+    assert!(
+        libtorch_line.starts_with("libtorch: 2.11."),
+        "{libtorch_line}"
+    );
     assert!(libtorch_line.contains("libtorch_cpu.so"), "{libtorch_line}");
-    for check in ["bf16 matmul", "bf16 SDPA forward+backward", "autograd shim", "recompute with dropout"] {
+    for check in [
+        "bf16 matmul",
+        "bf16 SDPA forward+backward",
+        "autograd shim",
+        "recompute with dropout",
+    ] {
         let line = stdout
             .lines()
             .find(|l| l.trim_start().starts_with("cpu") && l.contains(check))

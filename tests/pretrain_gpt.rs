@@ -21,26 +21,76 @@ fn bundled_corpus() -> Corpus {
     let dir = tempfile::tempdir().unwrap();
     let vocab = data.join("quickstart-vocab.json");
     let merges = data.join("quickstart-merges.txt");
-    run_ok(bin("preprocess_data").args(["--input"]).arg(data.join("corpus.jsonl")).arg("--output-prefix").arg(dir.path().join("corpus")).args([
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--append-eod",
-        "--workers",
-        "1",
-        "--vocab-file",
-    ]).arg(&vocab).arg("--merge-file").arg(&merges));
+    run_ok(
+        bin("preprocess_data")
+            .args(["--input"])
+            .arg(data.join("corpus.jsonl"))
+            .arg("--output-prefix")
+            .arg(dir.path().join("corpus"))
+            .args([
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--append-eod",
+                "--workers",
+                "1",
+                "--vocab-file",
+            ])
+            .arg(&vocab)
+            .arg("--merge-file")
+            .arg(&merges),
+    );
     let prefix = dir.path().join("corpus_text_document");
-    Corpus { _dir: dir, prefix, vocab, merges }
+    Corpus {
+        _dir: dir,
+        prefix,
+        vocab,
+        merges,
+    }
 }
 
 /// A tiny GPT on the corpus; `extra` adds or overrides flags.
 fn pretrain(corpus: &Corpus, extra: &[&str]) -> Command {
     let mut command = bin("pretrain_gpt");
     command
-        .args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"])
-        .args(["--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4"])
-        .args(["--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--split", "98,2,0", "--log-interval", "5"])
-        .args(["--eval-interval", "1000", "--eval-iters", "1", "--device", "cpu", "--deterministic-mode"])
+        .args([
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+        ])
+        .args([
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--min-lr",
+            "3e-4",
+        ])
+        .args([
+            "--lr-decay-style",
+            "cosine",
+            "--lr-warmup-iters",
+            "2",
+            "--split",
+            "98,2,0",
+            "--log-interval",
+            "5",
+        ])
+        .args([
+            "--eval-interval",
+            "1000",
+            "--eval-iters",
+            "1",
+            "--device",
+            "cpu",
+            "--deterministic-mode",
+        ])
         .arg("--data-path")
         .arg(&corpus.prefix)
         .arg("--vocab-file")
@@ -61,7 +111,10 @@ fn losses(metrics: &Path) -> Vec<(u64, String)> {
             if record.get("split").is_some() {
                 return None;
             }
-            Some((record["iteration"].as_u64().unwrap(), record.get("lm loss")?.to_string()))
+            Some((
+                record["iteration"].as_u64().unwrap(),
+                record.get("lm loss")?.to_string(),
+            ))
         })
         .collect()
 }
@@ -75,11 +128,28 @@ fn a_tiny_gpt_learns_the_bundled_corpus() {
     let corpus = bundled_corpus();
     let dir = tempfile::tempdir().unwrap();
     let metrics = dir.path().join("metrics.jsonl");
-    let flags = ["--hidden-size", "64", "--seq-length", "64", "--lr", "1e-2", "--min-lr", "1e-3", "--train-iters", "100"];
+    let flags = [
+        "--hidden-size",
+        "64",
+        "--seq-length",
+        "64",
+        "--lr",
+        "1e-2",
+        "--min-lr",
+        "1e-3",
+        "--train-iters",
+        "100",
+    ];
     let out = run_ok(pretrain(&corpus, &flags).args(["--metrics-file", path_str(&metrics)]));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("iteration      100/     100 | consumed samples:          800 |"), "{stdout}");
-    let values: Vec<f64> = losses(&metrics).iter().map(|(_, v)| v.parse().unwrap()).collect();
+    assert!(
+        stdout.contains("iteration      100/     100 | consumed samples:          800 |"),
+        "{stdout}"
+    );
+    let values: Vec<f64> = losses(&metrics)
+        .iter()
+        .map(|(_, v)| v.parse().unwrap())
+        .collect();
     assert_eq!(values.len(), 100);
     let first: f64 = values[..3].iter().sum::<f64>() / 3.0;
     let last: f64 = values[95..].iter().sum::<f64>() / 5.0;
@@ -97,7 +167,12 @@ fn resuming_is_bitwise_identical_to_an_uninterrupted_run() {
     let common = ["--train-iters", "6", "--save-interval", "3"];
 
     let straight_metrics = dir.path().join("straight.jsonl");
-    run_ok(pretrain(&corpus, &common).args(["--save", path_str(&straight), "--metrics-file", path_str(&straight_metrics)]));
+    run_ok(pretrain(&corpus, &common).args([
+        "--save",
+        path_str(&straight),
+        "--metrics-file",
+        path_str(&straight_metrics),
+    ]));
 
     let resumed_metrics = dir.path().join("resumed.jsonl");
     let first = run_ok(pretrain(&corpus, &common).args([
@@ -120,9 +195,17 @@ fn resuming_is_bitwise_identical_to_an_uninterrupted_run() {
     assert!(String::from_utf8_lossy(&second.stdout).contains("at iteration 3"));
 
     assert_eq!(losses(&straight_metrics), losses(&resumed_metrics));
-    for file in ["model.safetensors", "optimizer.safetensors", "rng.safetensors"] {
-        let read = |root: &Path| std::fs::read(root.join("iter_0000006/mp_rank_00").join(file)).unwrap();
-        assert!(read(&straight) == read(&resumed), "{file} differs between the straight and the resumed run");
+    for file in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng.safetensors",
+    ] {
+        let read =
+            |root: &Path| std::fs::read(root.join("iter_0000006/mp_rank_00").join(file)).unwrap();
+        assert!(
+            read(&straight) == read(&resumed),
+            "{file} differs between the straight and the resumed run"
+        );
     }
 }
 
@@ -132,7 +215,14 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let save = dir.path().join("ckpt");
     // A wider model makes every save long enough to be caught in the middle.
-    let schedule = ["--hidden-size", "256", "--train-iters", "1000", "--save-interval", "1"];
+    let schedule = [
+        "--hidden-size",
+        "256",
+        "--train-iters",
+        "1000",
+        "--save-interval",
+        "1",
+    ];
     let mut child = pretrain(&corpus, &schedule)
         .args(["--save", path_str(&save)])
         .stdout(Stdio::null())
@@ -142,10 +232,17 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut caught = false;
     while Instant::now() < deadline && !caught {
-        let staging = std::fs::read_dir(&save).ok().into_iter().flatten().flatten().any(|entry| {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            name.starts_with(".iter_") && name.ends_with(".tmp") && entry.path().join("mp_rank_00").exists()
-        });
+        let staging = std::fs::read_dir(&save)
+            .ok()
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                name.starts_with(".iter_")
+                    && name.ends_with(".tmp")
+                    && entry.path().join("mp_rank_00").exists()
+            });
         if staging && save.join("latest_checkpointed_iteration.txt").exists() {
             child.kill().unwrap();
             caught = true;
@@ -156,7 +253,11 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
     child.wait().unwrap();
     assert!(caught, "never saw a save in progress");
 
-    let tracked: u64 = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap().trim().parse().unwrap();
+    let tracked: u64 = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let resumed = run_ok(pretrain(&corpus, &schedule).args([
         "--exit-interval",
         &(tracked + 1).to_string(),
@@ -166,27 +267,65 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
         path_str(&save),
     ]));
     let stdout = String::from_utf8_lossy(&resumed.stdout);
-    assert!(stdout.contains(&format!("at iteration {tracked}")), "{stdout}");
+    assert!(
+        stdout.contains(&format!("at iteration {tracked}")),
+        "{stdout}"
+    );
     let leftovers: Vec<String> = std::fs::read_dir(&save)
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with('.'))
         .collect();
-    assert!(leftovers.is_empty(), "staging directories left behind: {leftovers:?}");
+    assert!(
+        leftovers.is_empty(),
+        "staging directories left behind: {leftovers:?}"
+    );
 }
 
 #[test]
 fn bad_flags_and_inputs_are_named() {
     let corpus = bundled_corpus();
-    let out = pretrain(&corpus, &["--train-iters", "2", "--lr-decay-style", "wiggly"]).output().unwrap();
+    let out = pretrain(
+        &corpus,
+        &["--train-iters", "2", "--lr-decay-style", "wiggly"],
+    )
+    .output()
+    .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("wiggly"));
-    let out = pretrain(&corpus, &["--train-iters", "2", "--num-attention-heads", "5"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--num-attention-heads"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = pretrain(
+        &corpus,
+        &["--train-iters", "2", "--num-attention-heads", "5"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--num-attention-heads"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = bin("pretrain_gpt")
-        .args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8"])
-        .args(["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--data-path", "/nonexistent/corpus"])
+        .args([
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "8",
+            "--num-attention-heads",
+            "2",
+            "--seq-length",
+            "8",
+        ])
+        .args([
+            "--micro-batch-size",
+            "1",
+            "--lr",
+            "1e-3",
+            "--train-iters",
+            "1",
+            "--data-path",
+            "/nonexistent/corpus",
+        ])
         .arg("--vocab-file")
         .arg(&corpus.vocab)
         .arg("--merge-file")
@@ -194,7 +333,11 @@ fn bad_flags_and_inputs_are_named() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/corpus"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("/nonexistent/corpus"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -212,19 +355,32 @@ fn sigterm_saves_and_exits_cleanly() {
     let mut line = String::new();
     while !line.contains("iteration        3/") {
         line.clear();
-        assert!(std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() > 0, "training stopped early");
+        assert!(
+            std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() > 0,
+            "training stopped early"
+        );
     }
     // SAFETY: plain kill(2) of our own child.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) },
+        0
+    );
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}: {rest}");
     let stopped: u64 = rest
         .lines()
-        .find_map(|l| l.strip_prefix("exiting at iteration ")?.strip_suffix(" (signal)")?.parse().ok())
+        .find_map(|l| {
+            l.strip_prefix("exiting at iteration ")?
+                .strip_suffix(" (signal)")?
+                .parse()
+                .ok()
+        })
         .unwrap_or_else(|| panic!("no exit line in {rest}"));
     let tracked = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap();
     assert_eq!(tracked.trim(), stopped.to_string());
-    assert!(save.join(format!("iter_{stopped:07}/mp_rank_00/model.safetensors")).exists());
+    assert!(save
+        .join(format!("iter_{stopped:07}/mp_rank_00/model.safetensors"))
+        .exists());
 }

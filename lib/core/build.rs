@@ -20,7 +20,10 @@ fn main() {
     let lib_dir = PathBuf::from(
         env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports the libtorch lib directory"),
     );
-    let root = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let root = lib_dir
+        .parent()
+        .expect("libtorch lib dir has a parent")
+        .to_path_buf();
     check_torch_version(&root);
 
     cc::Build::new()
@@ -31,7 +34,9 @@ fn main() {
         .include(root.join("include/torch/csrc/api/include"))
         .define(
             "_GLIBCXX_USE_CXX11_ABI",
-            env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into()).as_str(),
+            env::var("LIBTORCH_CXX11_ABI")
+                .unwrap_or_else(|_| "1".into())
+                .as_str(),
         )
         .define("GLOG_USE_GLOG_EXPORT", None)
         // libtorch's headers are not warning-clean; the shim itself is small and reviewed.

@@ -50,7 +50,9 @@ pub fn bin(name: &str) -> Command {
 
 /// Runs a command and returns its output, failing the test with stderr if it did not succeed.
 pub fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("failed to start {cmd:?}: {e}"));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("failed to start {cmd:?}: {e}"));
     assert!(
         out.status.success(),
         "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",

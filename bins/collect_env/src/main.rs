@@ -8,7 +8,10 @@ use std::process::ExitCode;
 use tch::Device;
 
 #[derive(Parser)]
-#[command(version, about = "Report libtorch, CUDA devices and NCCL as megatron-rs sees them")]
+#[command(
+    version,
+    about = "Report libtorch, CUDA devices and NCCL as megatron-rs sees them"
+)]
 struct Args {
     /// Run bf16 matmul, bf16 scaled-dot-product attention forward+backward and the autograd
     /// shim on the CPU and on every CUDA device, comparing each with an fp32 reference.
@@ -27,17 +30,33 @@ fn main() -> ExitCode {
 fn report(args: &Args) -> anyhow::Result<()> {
     let gpus = runtime::cuda_devices();
     let location = |name: &str| {
-        runtime::loaded_library(name).map_or_else(|| "not loaded".to_string(), |p| p.display().to_string())
+        runtime::loaded_library(name)
+            .map_or_else(|| "not loaded".to_string(), |p| p.display().to_string())
     };
     println!("megatron-rs {}", env!("CARGO_PKG_VERSION"));
-    println!("libtorch: {} ({})", runtime::libtorch_version().unwrap_or_else(|| "unknown version".into()), location("libtorch_cpu.so"));
+    println!(
+        "libtorch: {} ({})",
+        runtime::libtorch_version().unwrap_or_else(|| "unknown version".into()),
+        location("libtorch_cpu.so")
+    );
     println!("libtorch_cuda: {}", location("libtorch_cuda.so"));
     println!("NCCL: {}", location("libnccl.so"));
     println!("CPU threads: {}", tch::get_num_threads());
     println!(
         "CUDA: {} device(s){}",
         gpus.len(),
-        if gpus.is_empty() { String::new() } else { format!(", cuDNN {}", if tch::Cuda::cudnn_is_available() { "available" } else { "unavailable" }) }
+        if gpus.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", cuDNN {}",
+                if tch::Cuda::cudnn_is_available() {
+                    "available"
+                } else {
+                    "unavailable"
+                }
+            )
+        }
     );
     if args.build_config {
         println!("libtorch build configuration:\n{}", runtime::build_config());
@@ -66,7 +85,10 @@ fn report(args: &Args) -> anyhow::Result<()> {
             }
         }
     }
-    println!("self-test: {passed} passed, {failed} failed on {} device(s)", devices.len());
+    println!(
+        "self-test: {passed} passed, {failed} failed on {} device(s)",
+        devices.len()
+    );
     ensure!(failed == 0, "{failed} self-test check(s) failed");
     Ok(())
 }

@@ -65,7 +65,8 @@ fn main() -> ExitCode {
 fn run(cli: &Cli) -> Result<()> {
     let mut prompts = cli.prompt.clone();
     if let Some(path) = &cli.sample_input_file {
-        let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
         for line in std::io::BufReader::new(file).lines() {
             let line = line.with_context(|| format!("reading {}", path.display()))?;
             if !line.trim().is_empty() {
@@ -86,27 +87,49 @@ fn run(cli: &Cli) -> Result<()> {
             model.config.vocab_size
         );
     }
-    let sampling = Sampling { greedy: cli.greedy, temperature: cli.temperature, top_k: cli.top_k, top_p: cli.top_p };
+    let sampling = Sampling {
+        greedy: cli.greedy,
+        temperature: cli.temperature,
+        top_k: cli.top_k,
+        top_p: cli.top_p,
+    };
     tch::manual_seed(cli.seed);
     let stop = tokenizer.eod().map(i64::from);
     let mut output: Box<dyn Write> = match &cli.sample_output_file {
-        Some(path) => Box::new(BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?)),
+        Some(path) => Box::new(BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        )),
         None => Box::new(std::io::stdout().lock()),
     };
     let mut generated = 0;
     for prompt in &prompts {
-        let ids: Vec<i64> = tokenizer.tokenize(prompt)?.into_iter().map(i64::from).collect();
+        let ids: Vec<i64> = tokenizer
+            .tokenize(prompt)?
+            .into_iter()
+            .map(i64::from)
+            .collect();
         let tokens = generate(&model, &ids, cli.out_seq_length, sampling, stop)?;
-        let continuation: Vec<u32> = tokens[ids.len()..].iter().filter(|&&t| Some(t) != stop).map(|&t| t as u32).collect();
+        let continuation: Vec<u32> = tokens[ids.len()..]
+            .iter()
+            .filter(|&&t| Some(t) != stop)
+            .map(|&t| t as u32)
+            .collect();
         generated += continuation.len();
         let text = tokenizer.detokenize(&continuation)?;
         if cli.sample_output_file.is_some() {
-            writeln!(output, "{}", serde_json::json!({"prompt": prompt, "text": text}))?;
+            writeln!(
+                output,
+                "{}",
+                serde_json::json!({"prompt": prompt, "text": text})
+            )?;
         } else {
             writeln!(output, "{prompt}{text}\n")?;
         }
     }
     output.flush()?;
-    eprintln!("generate_samples_gpt: {} prompts, {generated} tokens generated", prompts.len());
+    eprintln!(
+        "generate_samples_gpt: {} prompts, {generated} tokens generated",
+        prompts.len()
+    );
     Ok(())
 }

@@ -22,11 +22,21 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        let runtime = Runtime { parallel: ParallelState::single(), device: resolve_device(&cli.args.training.device, 0)? };
+        let runtime = Runtime {
+            parallel: ParallelState::single(),
+            device: resolve_device(&cli.args.training.device, 0)?,
+        };
         let summary = pretrain_gpt(&cli.args, &runtime)?;
-        let loss = summary.last_lm_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
-        let validation = summary.validation_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
-        let checkpoint = summary.last_checkpoint.as_ref().map_or("none".to_string(), |p| p.display().to_string());
+        let loss = summary
+            .last_lm_loss
+            .map_or("-".to_string(), |l| format!("{l:.4}"));
+        let validation = summary
+            .validation_loss
+            .map_or("-".to_string(), |l| format!("{l:.4}"));
+        let checkpoint = summary
+            .last_checkpoint
+            .as_ref()
+            .map_or("none".to_string(), |p| p.display().to_string());
         println!(
             "pretrain_gpt: {} iterations, {} samples, lm loss {loss}, validation loss {validation}, checkpoint {checkpoint}, \
              {:.1} s ({})",

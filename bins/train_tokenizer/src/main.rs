@@ -34,14 +34,21 @@ struct Args {
 }
 
 fn run(args: Args) -> Result<()> {
-    ensure!(args.vocab_size > 256, "--vocab-size {} leaves no room for <|endoftext|> beside the 256 bytes", args.vocab_size);
+    ensure!(
+        args.vocab_size > 256,
+        "--vocab-size {} leaves no room for <|endoftext|> beside the 256 bytes",
+        args.vocab_size
+    );
     let inputs = expand_inputs(&args.input)?;
     let spinner = megatron_cli::spinner("documents");
     spinner.set_message("reading");
     let texts = read_texts(&inputs, &args.json_keys)?;
     spinner.set_position(texts.len() as u64);
     spinner.set_message("training");
-    let options = BpeTrainingOptions { vocab_size: args.vocab_size, min_frequency: args.min_frequency };
+    let options = BpeTrainingOptions {
+        vocab_size: args.vocab_size,
+        min_frequency: args.min_frequency,
+    };
     let trained = train_byte_level_bpe(&texts, &options, &args.output_prefix)
         .with_context(|| format!("training a tokenizer for {}", args.output_prefix.display()))?;
     spinner.finish_and_clear();

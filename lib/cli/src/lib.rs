@@ -54,8 +54,10 @@ pub fn progress_bar(total: u64, unit: &str) -> ProgressBar {
 pub fn spinner(unit: &str) -> ProgressBar {
     let bar = ProgressBar::new_spinner();
     bar.set_style(
-        ProgressStyle::with_template(&format!("{{spinner}} {{elapsed_precise}} {{human_pos}} {unit} ({{per_sec}}) {{msg}}"))
-            .expect("static template is valid"),
+        ProgressStyle::with_template(&format!(
+            "{{spinner}} {{elapsed_precise}} {{human_pos}} {unit} ({{per_sec}}) {{msg}}"
+        ))
+        .expect("static template is valid"),
     );
     bar.enable_steady_tick(Duration::from_millis(200));
     bar

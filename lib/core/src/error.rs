@@ -11,7 +11,9 @@ pub(crate) fn check(error: *mut std::os::raw::c_char) -> Result<(), TorchError> 
         return Ok(());
     }
     // SAFETY: the shim returns NUL-terminated strings from malloc, owned by us.
-    let message = unsafe { std::ffi::CStr::from_ptr(error) }.to_string_lossy().into_owned();
+    let message = unsafe { std::ffi::CStr::from_ptr(error) }
+        .to_string_lossy()
+        .into_owned();
     unsafe { crate::autograd::ffi::mrs_free_string(error) };
     Err(TorchError(message))
 }

@@ -20,7 +20,10 @@ impl GeneratorState {
         let mut handle: ffi::TensorHandle = std::ptr::null_mut();
         // SAFETY: on success the shim writes a fresh handle we own.
         crate::error::check(unsafe { ffi::mrs_rng_get_state(device_index(device), &mut handle) })?;
-        Ok(Self { device, state: unsafe { Tensor::from_ptr(handle) } })
+        Ok(Self {
+            device,
+            state: unsafe { Tensor::from_ptr(handle) },
+        })
     }
 
     /// The generator state as a uint8 tensor (what checkpoints store).
@@ -35,13 +38,18 @@ impl GeneratorState {
 
     pub fn restore(&self) -> Result<(), TorchError> {
         // SAFETY: the handle is live for the call; the generator copies the state.
-        crate::error::check(unsafe { ffi::mrs_rng_set_state(device_index(self.device), ffi::handle(&self.state)) })
+        crate::error::check(unsafe {
+            ffi::mrs_rng_set_state(device_index(self.device), ffi::handle(&self.state))
+        })
     }
 }
 
 impl Clone for GeneratorState {
     fn clone(&self) -> Self {
-        GeneratorState { device: self.device, state: self.state.copy() }
+        GeneratorState {
+            device: self.device,
+            state: self.state.copy(),
+        }
     }
 }
 
@@ -66,8 +74,14 @@ impl RngSnapshot {
                 wanted.push(device);
             }
         }
-        let defaults = wanted.into_iter().map(GeneratorState::capture).collect::<Result<_, _>>()?;
-        Ok(RngSnapshot { defaults, model_parallel: MODEL_PARALLEL.lock().unwrap().clone() })
+        let defaults = wanted
+            .into_iter()
+            .map(GeneratorState::capture)
+            .collect::<Result<_, _>>()?;
+        Ok(RngSnapshot {
+            defaults,
+            model_parallel: MODEL_PARALLEL.lock().unwrap().clone(),
+        })
     }
 
     pub fn restore(&self) -> Result<(), TorchError> {
@@ -100,7 +114,11 @@ pub fn seed_model_parallel_rng(device: Device, seed: u64) -> Result<(), TorchErr
 
 /// The model-parallel stream's state, for checkpoints.
 pub fn model_parallel_rng_state() -> Option<Tensor> {
-    MODEL_PARALLEL.lock().unwrap().as_ref().map(|s| s.state.copy())
+    MODEL_PARALLEL
+        .lock()
+        .unwrap()
+        .as_ref()
+        .map(|s| s.state.copy())
 }
 
 /// Restores a state from [`model_parallel_rng_state`].
@@ -111,7 +129,10 @@ pub fn set_model_parallel_rng_state(device: Device, state: Tensor) {
 /// Runs `body` with `device`'s default generator swapped for the model-parallel stream
 /// (Megatron's `get_cuda_rng_tracker().fork()`); the advanced stream is kept for next time.
 /// Without a seeded stream (CPU, or before seeding) `body` runs as is.
-pub fn with_model_parallel_rng<T>(device: Device, body: impl FnOnce() -> T) -> Result<T, TorchError> {
+pub fn with_model_parallel_rng<T>(
+    device: Device,
+    body: impl FnOnce() -> T,
+) -> Result<T, TorchError> {
     let tracked = MODEL_PARALLEL.lock().unwrap().clone();
     let Some(tracked) = tracked.filter(|t| t.device == device) else {
         return Ok(body());

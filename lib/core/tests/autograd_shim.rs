@@ -13,7 +13,9 @@ use tch::{Device, Kind, Tensor};
 /// holds this lock.
 fn serial() -> MutexGuard<'static, ()> {
     static GENERATOR: Mutex<()> = Mutex::new(());
-    GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    GENERATOR
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn input(shape: &[i64]) -> Tensor {
@@ -47,7 +49,10 @@ impl CustomFunction for ProductAndSum {
     fn backward(&mut self, grads: &[Tensor], saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let (a, b) = (&saved[0], &saved[1]);
         let (g_prod, g_sum) = (&grads[0], &grads[1]);
-        Ok(vec![Some(g_prod * b + g_sum), Some(g_prod * a + g_sum * 2.0)])
+        Ok(vec![
+            Some(g_prod * b + g_sum),
+            Some(g_prod * a + g_sum * 2.0),
+        ])
     }
 }
 
@@ -72,8 +77,17 @@ fn custom_function_gradient_matches_finite_differences() -> Result<()> {
     tch::manual_seed(0);
     let x = input(&[3, 4]);
     let y = &autograd::apply(XSinX, &[&x])?[0];
-    assert!(y.allclose(&(&x * x.sin()), 1e-12, 1e-12, false), "forward value");
-    gradcheck(|xs| Ok(autograd::apply(XSinX, &[&xs[0]])?), &[x], 1e-6, 1e-7, 1e-6)
+    assert!(
+        y.allclose(&(&x * x.sin()), 1e-12, 1e-12, false),
+        "forward value"
+    );
+    gradcheck(
+        |xs| Ok(autograd::apply(XSinX, &[&xs[0]])?),
+        &[x],
+        1e-6,
+        1e-7,
+        1e-6,
+    )
 }
 
 #[test]
@@ -81,7 +95,13 @@ fn several_inputs_and_outputs_match_finite_differences() -> Result<()> {
     let _serial = serial();
     tch::manual_seed(1);
     let inputs = [input(&[5]), input(&[5])];
-    gradcheck(|xs| Ok(autograd::apply(ProductAndSum, &[&xs[0], &xs[1]])?), &inputs, 1e-6, 1e-7, 1e-6)
+    gradcheck(
+        |xs| Ok(autograd::apply(ProductAndSum, &[&xs[0], &xs[1]])?),
+        &inputs,
+        1e-6,
+        1e-7,
+        1e-6,
+    )
 }
 
 #[test]
@@ -97,8 +117,16 @@ fn gradcheck_rejects_a_wrong_backward() {
         }
     }
     tch::manual_seed(2);
-    let result = gradcheck(|xs| Ok(autograd::apply(WrongBackward, &[&xs[0]])?), &[input(&[4])], 1e-6, 1e-7, 1e-6);
-    let message = result.expect_err("a wrong backward must be caught").to_string();
+    let result = gradcheck(
+        |xs| Ok(autograd::apply(WrongBackward, &[&xs[0]])?),
+        &[input(&[4])],
+        1e-6,
+        1e-7,
+        1e-6,
+    );
+    let message = result
+        .expect_err("a wrong backward must be caught")
+        .to_string();
     assert!(message.contains("gradient mismatch"), "{message}");
 }
 
@@ -112,7 +140,10 @@ fn region_backward_reaches_earlier_layers_through_the_graph() -> Result<()> {
     let copied = &autograd::apply(CopyToRegion { ranks: 3.0 }, &[&hidden])?[0];
     copied.sum(Kind::Double).backward();
     // d(sum(x W))/dW = x^T 1, scaled by the region's backward.
-    let expected = x.transpose(0, 1).matmul(&Tensor::ones([2, 4], (Kind::Double, Device::Cpu))) * 3.0;
+    let expected = x
+        .transpose(0, 1)
+        .matmul(&Tensor::ones([2, 4], (Kind::Double, Device::Cpu)))
+        * 3.0;
     assert!(w.grad().allclose(&expected, 1e-12, 1e-12, false));
     Ok(())
 }
@@ -126,10 +157,14 @@ fn backward_with_explicit_output_gradient_accumulates_into_leaves() -> Result<()
     let y = w.matmul(&x);
     let g = Tensor::randn([3, 2], (Kind::Double, Device::Cpu));
     autograd::backward(&[&y], &[&g], true)?;
-    assert!(w.grad().allclose(&g.matmul(&x.transpose(0, 1)), 1e-12, 1e-12, false));
+    assert!(w
+        .grad()
+        .allclose(&g.matmul(&x.transpose(0, 1)), 1e-12, 1e-12, false));
     // A second backward through the retained graph accumulates.
     autograd::backward(&[&y], &[&g], false)?;
-    assert!(w.grad().allclose(&(g.matmul(&x.transpose(0, 1)) * 2.0), 1e-12, 1e-12, false));
+    assert!(w
+        .grad()
+        .allclose(&(g.matmul(&x.transpose(0, 1)) * 2.0), 1e-12, 1e-12, false));
     Ok(())
 }
 
@@ -140,7 +175,10 @@ fn grad_reports_unused_inputs_as_none() -> Result<()> {
     let unused = input(&[3]);
     let y = a.square();
     let grads = autograd::grad(&[&y], &[&y.ones_like()], &[&a, &unused], false, false)?;
-    assert!(grads[0].as_ref().unwrap().allclose(&(&a * 2.0), 1e-12, 1e-12, false));
+    assert!(grads[0]
+        .as_ref()
+        .unwrap()
+        .allclose(&(&a * 2.0), 1e-12, 1e-12, false));
     assert!(grads[1].is_none());
     Ok(())
 }
@@ -162,7 +200,10 @@ fn callback_errors_and_panics_become_errors() {
             anyhow::bail!("reduce-scatter timed out")
         }
     }
-    for (panic, expected) in [(false, "reduce-scatter timed out"), (true, "stage 3 lost its peer")] {
+    for (panic, expected) in [
+        (false, "reduce-scatter timed out"),
+        (true, "stage 3 lost its peer"),
+    ] {
         let x = input(&[2]);
         let y = &autograd::apply(Failing { panic }, &[&x]).unwrap()[0];
         let err = autograd::backward(&[y], &[&y.ones_like()], false).unwrap_err();
@@ -208,13 +249,21 @@ fn rust_state_is_dropped_exactly_once_when_the_graph_goes() -> Result<()> {
     let drops = Arc::new(AtomicUsize::new(0));
     let x = input(&[2]);
     let y = autograd::apply(Counted(drops.clone()), &[&x])?;
-    assert_eq!(drops.load(Ordering::SeqCst), 0, "the graph still holds the function");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        0,
+        "the graph still holds the function"
+    );
     drop(y);
     assert_eq!(drops.load(Ordering::SeqCst), 1);
 
     let untracked = x.detach();
     let y = autograd::apply(Counted(drops.clone()), &[&untracked])?;
-    assert_eq!(drops.load(Ordering::SeqCst), 2, "no graph is recorded without requires_grad");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        2,
+        "no graph is recorded without requires_grad"
+    );
     assert!(!y[0].requires_grad());
     Ok(())
 }
@@ -247,10 +296,19 @@ fn checkpoint_gives_the_gradients_of_the_plain_block_dropout_included() -> Resul
     let y = &autograd::checkpoint(block(&w1, &w2), &[&x])?[0];
     // Draw random numbers between forward and backward: recompute must not depend on them.
     let _ = Tensor::rand([100], (Kind::Float, Device::Cpu));
-    assert!(y.allclose(y_ref, 0.0, 0.0, false), "checkpointed forward equals the plain forward");
+    assert!(
+        y.allclose(y_ref, 0.0, 0.0, false),
+        "checkpointed forward equals the plain forward"
+    );
     autograd::backward(&[y], &[&upstream], false)?;
-    for (name, (t, expected)) in ["x", "w1", "w2"].iter().zip([&x, &w1, &w2].iter().zip(&reference)) {
-        assert!(t.grad().allclose(expected, 1e-12, 1e-12, false), "gradient of {name}");
+    for (name, (t, expected)) in ["x", "w1", "w2"]
+        .iter()
+        .zip([&x, &w1, &w2].iter().zip(&reference))
+    {
+        assert!(
+            t.grad().allclose(expected, 1e-12, 1e-12, false),
+            "gradient of {name}"
+        );
     }
     Ok(())
 }

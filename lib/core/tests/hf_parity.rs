@@ -26,13 +26,16 @@ struct Fixture {
 }
 
 fn fixture_dir(case: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/parity").join(case)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/parity")
+        .join(case)
 }
 
 /// Builds the model from the fixture's Megatron flags, exactly as `pretrain_gpt` parses them.
 fn load(case: &str) -> Fixture {
     let dir = fixture_dir(case);
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let args = config["megatron_args"].as_object().unwrap();
     let mut argv = vec!["test".to_string()];
     let mut vocab_size = 0;
@@ -52,22 +55,41 @@ fn load(case: &str) -> Fixture {
     }
     let flags = Flags::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
     let gpt = flags.model.gpt_config(vocab_size).unwrap();
-    let options = ModelOptions { params_dtype: Kind::Float, device: Device::Cpu, recompute: Recompute::None, seed: 1234 };
+    let options = ModelOptions {
+        params_dtype: Kind::Float,
+        device: Device::Cpu,
+        recompute: Recompute::None,
+        seed: 1234,
+    };
     let model = GptModel::new(gpt, options, &ParallelState::single()).unwrap();
     let (hf_state, _) = read_tensors(&dir.join("model.safetensors"), Device::Cpu).unwrap();
     let (io, _) = read_tensors(&dir.join("io.safetensors"), Device::Cpu).unwrap();
-    Fixture { model, hf_state, input_ids: io["input_ids"].shallow_clone(), logits: io["logits"].shallow_clone() }
+    Fixture {
+        model,
+        hf_state,
+        input_ids: io["input_ids"].shallow_clone(),
+        logits: io["logits"].shallow_clone(),
+    }
 }
 
 /// Max |ours - reference| over the true vocabulary, logits as `[b, s, V]`.
 fn max_logit_difference(fixture: &Fixture) -> f64 {
     let (b, s) = (fixture.input_ids.size()[0], fixture.input_ids.size()[1]);
-    let positions = Tensor::arange(s, (Kind::Int64, Device::Cpu)).unsqueeze(0).expand([b, s], false);
-    let logits = tch::no_grad(|| fixture.model.forward_full_logits(&fixture.input_ids, &positions, &AttentionMask::Causal))
-        .unwrap()
-        .transpose(0, 1);
+    let positions = Tensor::arange(s, (Kind::Int64, Device::Cpu))
+        .unsqueeze(0)
+        .expand([b, s], false);
+    let logits = tch::no_grad(|| {
+        fixture
+            .model
+            .forward_full_logits(&fixture.input_ids, &positions, &AttentionMask::Causal)
+    })
+    .unwrap()
+    .transpose(0, 1);
     let vocab = fixture.logits.size()[2];
-    (logits.narrow(2, 0, vocab) - &fixture.logits).abs().max().double_value(&[])
+    (logits.narrow(2, 0, vocab) - &fixture.logits)
+        .abs()
+        .max()
+        .double_value(&[])
 }
 
 #[test]
@@ -97,7 +119,10 @@ fn a_wrong_layout_is_caught() {
     let fixture = load("gpt2");
     let mut state = hf::gpt2_to_megatron(&fixture.hf_state, &fixture.model.config).unwrap();
     let c_attn = &fixture.hf_state["transformer.h.0.attn.c_attn.weight"];
-    state.insert("decoder.layers.0.self_attention.linear_qkv.weight".into(), c_attn.tr().contiguous());
+    state.insert(
+        "decoder.layers.0.self_attention.linear_qkv.weight".into(),
+        c_attn.tr().contiguous(),
+    );
     fixture.model.load_parameters(&state).unwrap();
     assert!(max_logit_difference(&fixture) > 1e-3);
 }
@@ -107,10 +132,27 @@ fn missing_and_unknown_tensors_are_named() {
     let fixture = load("gpt2");
     let mut state = hf::gpt2_to_megatron(&fixture.hf_state, &fixture.model.config).unwrap();
     state.remove("decoder.final_layernorm.bias");
-    let error = fixture.model.load_parameters(&state).unwrap_err().to_string();
+    let error = fixture
+        .model
+        .load_parameters(&state)
+        .unwrap_err()
+        .to_string();
     assert!(error.contains("decoder.final_layernorm.bias"), "{error}");
-    state.insert("decoder.final_layernorm.bias".into(), Tensor::zeros([64], (Kind::Float, Device::Cpu)));
-    state.insert("decoder.layers.9.mlp.linear_fc1.weight".into(), Tensor::zeros([1], (Kind::Float, Device::Cpu)));
-    let error = fixture.model.load_parameters(&state).unwrap_err().to_string();
-    assert!(error.contains("decoder.layers.9.mlp.linear_fc1.weight"), "{error}");
+    state.insert(
+        "decoder.final_layernorm.bias".into(),
+        Tensor::zeros([64], (Kind::Float, Device::Cpu)),
+    );
+    state.insert(
+        "decoder.layers.9.mlp.linear_fc1.weight".into(),
+        Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+    );
+    let error = fixture
+        .model
+        .load_parameters(&state)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("decoder.layers.9.mlp.linear_fc1.weight"),
+        "{error}"
+    );
 }

@@ -119,7 +119,11 @@ impl ModelArgs {
             self.hidden_size,
             self.num_attention_heads
         );
-        let num_query_groups = if self.group_query_attention { self.num_query_groups } else { self.num_attention_heads };
+        let num_query_groups = if self.group_query_attention {
+            self.num_query_groups
+        } else {
+            self.num_attention_heads
+        };
         let ffn_hidden_size = self.ffn_hidden_size.unwrap_or(if self.swiglu {
             (4 * self.hidden_size * 2 / 3) / 64 * 64
         } else {
@@ -140,7 +144,9 @@ impl ModelArgs {
             hidden_size: self.hidden_size,
             num_attention_heads: self.num_attention_heads,
             num_query_groups,
-            kv_channels: self.kv_channels.unwrap_or(self.hidden_size / self.num_attention_heads),
+            kv_channels: self
+                .kv_channels
+                .unwrap_or(self.hidden_size / self.num_attention_heads),
             ffn_hidden_size,
             max_position_embeddings,
             vocab_size,

@@ -199,10 +199,18 @@ impl RecomputeArgs {
                     Some("uniform") => RecomputeMethod::Uniform,
                     Some("block") => RecomputeMethod::Block,
                     Some(other) => bail!("--recompute-method {other:?}: expected uniform or block"),
-                    None => bail!("--recompute-granularity full needs --recompute-method uniform or block"),
+                    None => bail!(
+                        "--recompute-granularity full needs --recompute-method uniform or block"
+                    ),
                 };
-                ensure!(self.recompute_num_layers > 0, "--recompute-num-layers must be positive");
-                Ok(Recompute::Full { method, num_layers: self.recompute_num_layers })
+                ensure!(
+                    self.recompute_num_layers > 0,
+                    "--recompute-num-layers must be positive"
+                );
+                Ok(Recompute::Full {
+                    method,
+                    num_layers: self.recompute_num_layers,
+                })
             }
             other => bail!("--recompute-granularity {other:?}: expected full or selective"),
         }

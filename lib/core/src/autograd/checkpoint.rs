@@ -14,7 +14,14 @@ pub fn checkpoint<F>(block: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>, TorchE
 where
     F: FnMut(&[Tensor]) -> anyhow::Result<Vec<Tensor>> + Send + 'static,
 {
-    apply(Recompute { block, rng: None, input_requires_grad: Vec::new() }, inputs)
+    apply(
+        Recompute {
+            block,
+            rng: None,
+            input_requires_grad: Vec::new(),
+        },
+        inputs,
+    )
 }
 
 struct Recompute<F> {
@@ -27,7 +34,11 @@ impl<F> CustomFunction for Recompute<F>
 where
     F: FnMut(&[Tensor]) -> anyhow::Result<Vec<Tensor>> + Send + 'static,
 {
-    fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> anyhow::Result<Vec<Tensor>> {
+    fn forward(
+        &mut self,
+        inputs: &[Tensor],
+        saved: &mut SavedTensors,
+    ) -> anyhow::Result<Vec<Tensor>> {
         self.rng = Some(RngSnapshot::capture(inputs.iter().map(Tensor::device))?);
         self.input_requires_grad = inputs.iter().map(Tensor::requires_grad).collect();
         for input in inputs {
@@ -36,7 +47,11 @@ where
         (self.block)(inputs)
     }
 
-    fn backward(&mut self, grad_outputs: &[Tensor], saved: &[Tensor]) -> anyhow::Result<Vec<Option<Tensor>>> {
+    fn backward(
+        &mut self,
+        grad_outputs: &[Tensor],
+        saved: &[Tensor],
+    ) -> anyhow::Result<Vec<Option<Tensor>>> {
         let inputs: Vec<Tensor> = saved
             .iter()
             .zip(&self.input_requires_grad)

@@ -7,13 +7,23 @@ use tch::Tensor;
 /// Backpropagates from `tensors` with the given output gradients (`torch.autograd.backward`),
 /// accumulating into the `.grad` of the leaves. A pipeline stage uses this to continue the
 /// backward pass from the gradient its successor sent.
-pub fn backward(tensors: &[&Tensor], grad_tensors: &[&Tensor], retain_graph: bool) -> Result<(), TorchError> {
+pub fn backward(
+    tensors: &[&Tensor],
+    grad_tensors: &[&Tensor],
+    retain_graph: bool,
+) -> Result<(), TorchError> {
     assert_eq!(tensors.len(), grad_tensors.len(), "one gradient per tensor");
     let tensors: Vec<TensorHandle> = tensors.iter().map(|t| ffi::handle(t)).collect();
     let grads: Vec<TensorHandle> = grad_tensors.iter().map(|t| ffi::handle(t)).collect();
     // SAFETY: both arrays hold `len` live handles for the duration of the call.
     crate::error::check(unsafe {
-        ffi::mrs_backward(tensors.as_ptr(), grads.as_ptr(), tensors.len(), retain_graph.into(), 0)
+        ffi::mrs_backward(
+            tensors.as_ptr(),
+            grads.as_ptr(),
+            tensors.len(),
+            retain_graph.into(),
+            0,
+        )
     })
 }
 

@@ -14,8 +14,12 @@ pub struct Sink {
 pub const SINK_OUTPUT: c_int = 0;
 pub const SINK_SAVED: c_int = 1;
 
-pub type ForwardCallback =
-    unsafe extern "C" fn(state: *mut c_void, inputs: *const TensorHandle, n: usize, sink: *mut Sink) -> c_int;
+pub type ForwardCallback = unsafe extern "C" fn(
+    state: *mut c_void,
+    inputs: *const TensorHandle,
+    n: usize,
+    sink: *mut Sink,
+) -> c_int;
 pub type BackwardCallback = unsafe extern "C" fn(
     state: *mut c_void,
     grad_outputs: *const TensorHandle,
@@ -68,7 +72,14 @@ extern "C" {
     pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
     pub fn mrs_rng_manual_seed(device_index: c_int, seed: u64) -> *mut c_char;
     pub fn mrs_build_config() -> *mut c_char;
-    pub fn mrs_seeded_normal(shape: *const i64, ndim: usize, mean: f64, std: f64, seed: u64, out: *mut TensorHandle) -> *mut c_char;
+    pub fn mrs_seeded_normal(
+        shape: *const i64,
+        ndim: usize,
+        mean: f64,
+        std: f64,
+        seed: u64,
+        out: *mut TensorHandle,
+    ) -> *mut c_char;
     pub fn mrs_fused_adamw(
         params: *const TensorHandle,
         grads: *const TensorHandle,
@@ -82,10 +93,26 @@ extern "C" {
         weight_decay: f64,
         eps: f64,
     ) -> *mut c_char;
-    pub fn mrs_foreach_total_norm(tensors: *const TensorHandle, n: usize, norm_out: *mut TensorHandle) -> *mut c_char;
-    pub fn mrs_foreach_mul_(tensors: *const TensorHandle, n: usize, factor: TensorHandle) -> *mut c_char;
-    pub fn mrs_foreach_add_(targets: *const TensorHandle, sources: *const TensorHandle, n: usize) -> *mut c_char;
-    pub fn mrs_foreach_copy_(targets: *const TensorHandle, sources: *const TensorHandle, n: usize) -> *mut c_char;
+    pub fn mrs_foreach_total_norm(
+        tensors: *const TensorHandle,
+        n: usize,
+        norm_out: *mut TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_foreach_mul_(
+        tensors: *const TensorHandle,
+        n: usize,
+        factor: TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_foreach_add_(
+        targets: *const TensorHandle,
+        sources: *const TensorHandle,
+        n: usize,
+    ) -> *mut c_char;
+    pub fn mrs_foreach_copy_(
+        targets: *const TensorHandle,
+        sources: *const TensorHandle,
+        n: usize,
+    ) -> *mut c_char;
     pub fn mrs_foreach_zero_(tensors: *const TensorHandle, n: usize) -> *mut c_char;
     pub fn mrs_unscale_and_check_finite(
         tensors: *const TensorHandle,
@@ -106,5 +133,7 @@ pub fn handle(tensor: &tch::Tensor) -> TensorHandle {
 /// # Safety
 /// `handles` must point to `n` handles allocated by the shim and not owned by anyone else.
 pub unsafe fn take_handles(handles: *const TensorHandle, n: usize) -> Vec<tch::Tensor> {
-    (0..n).map(|i| unsafe { tch::Tensor::from_ptr(*handles.add(i)) }).collect()
+    (0..n)
+        .map(|i| unsafe { tch::Tensor::from_ptr(*handles.add(i)) })
+        .collect()
 }

@@ -21,11 +21,19 @@ use tch::Tensor;
 /// in `self` would make a reference cycle between the output and its own graph node.
 pub trait CustomFunction: Send + 'static {
     /// Computes the outputs; runs with gradient recording disabled.
-    fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> anyhow::Result<Vec<Tensor>>;
+    fn forward(
+        &mut self,
+        inputs: &[Tensor],
+        saved: &mut SavedTensors,
+    ) -> anyhow::Result<Vec<Tensor>>;
 
     /// Given the gradients of the loss with respect to each output, returns one gradient per
     /// forward input (`None` where an input gets no gradient). `saved` holds what forward saved.
-    fn backward(&mut self, grad_outputs: &[Tensor], saved: &[Tensor]) -> anyhow::Result<Vec<Option<Tensor>>>;
+    fn backward(
+        &mut self,
+        grad_outputs: &[Tensor],
+        saved: &[Tensor],
+    ) -> anyhow::Result<Vec<Option<Tensor>>>;
 }
 
 /// Tensors a [`CustomFunction::forward`] keeps for its backward (`ctx->save_for_backward`).
@@ -42,7 +50,10 @@ impl SavedTensors {
 
 /// Applies `function` to `inputs`, recording it in the autograd graph when gradients are enabled
 /// and an input requires grad.
-pub fn apply<F: CustomFunction>(function: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>, TorchError> {
+pub fn apply<F: CustomFunction>(
+    function: F,
+    inputs: &[&Tensor],
+) -> Result<Vec<Tensor>, TorchError> {
     let state = Box::into_raw(Box::new(function)).cast::<c_void>();
     let handles: Vec<TensorHandle> = inputs.iter().map(|t| ffi::handle(t)).collect();
     let mut outputs: *mut TensorHandle = std::ptr::null_mut();
@@ -74,13 +85,20 @@ impl<F: CustomFunction> Trampolines<F> {
     };
     const VTABLE_REF: &'static FunctionVtable = &Self::VTABLE;
 
-    unsafe extern "C" fn forward(state: *mut c_void, inputs: *const TensorHandle, n: usize, sink: *mut Sink) -> c_int {
+    unsafe extern "C" fn forward(
+        state: *mut c_void,
+        inputs: *const TensorHandle,
+        n: usize,
+        sink: *mut Sink,
+    ) -> c_int {
         let inputs = unsafe { ffi::take_handles(inputs, n) };
         let function = unsafe { &mut *state.cast::<F>() };
         let mut saved = SavedTensors { sink };
-        report(sink, catch_unwind(AssertUnwindSafe(|| function.forward(&inputs, &mut saved))), |outputs| {
-            outputs.iter().map(|t| ffi::handle(t)).collect()
-        })
+        report(
+            sink,
+            catch_unwind(AssertUnwindSafe(|| function.forward(&inputs, &mut saved))),
+            |outputs| outputs.iter().map(|t| ffi::handle(t)).collect(),
+        )
     }
 
     unsafe extern "C" fn backward(
@@ -94,12 +112,18 @@ impl<F: CustomFunction> Trampolines<F> {
         let grad_outputs = unsafe { ffi::take_handles(grad_outputs, n_grads) };
         let saved = unsafe { ffi::take_handles(saved, n_saved) };
         let function = unsafe { &mut *state.cast::<F>() };
-        report(sink, catch_unwind(AssertUnwindSafe(|| function.backward(&grad_outputs, &saved))), |grads| {
-            grads
-                .iter()
-                .map(|g| g.as_ref().map_or(std::ptr::null_mut(), ffi::handle))
-                .collect()
-        })
+        report(
+            sink,
+            catch_unwind(AssertUnwindSafe(|| {
+                function.backward(&grad_outputs, &saved)
+            })),
+            |grads| {
+                grads
+                    .iter()
+                    .map(|g| g.as_ref().map_or(std::ptr::null_mut(), ffi::handle))
+                    .collect()
+            },
+        )
     }
 
     unsafe extern "C" fn drop(state: *mut c_void) {

@@ -20,15 +20,24 @@ where
         }
     }
     let outputs = f(inputs)?;
-    let weights: Vec<Tensor> = outputs.iter().map(|o| Tensor::randn_like(&o.detach())).collect();
+    let weights: Vec<Tensor> = outputs
+        .iter()
+        .map(|o| Tensor::randn_like(&o.detach()))
+        .collect();
     let probe = |xs: &[Tensor]| -> Result<f64> {
         let outs = tch::no_grad(|| f(xs))?;
-        Ok(outs.iter().zip(&weights).map(|(o, w)| (o * w).sum(Kind::Double).double_value(&[])).sum())
+        Ok(outs
+            .iter()
+            .zip(&weights)
+            .map(|(o, w)| (o * w).sum(Kind::Double).double_value(&[]))
+            .sum())
     };
 
     let out_refs: Vec<&Tensor> = outputs.iter().collect();
     let weight_refs: Vec<&Tensor> = weights.iter().collect();
-    let checked: Vec<usize> = (0..inputs.len()).filter(|&i| inputs[i].requires_grad()).collect();
+    let checked: Vec<usize> = (0..inputs.len())
+        .filter(|&i| inputs[i].requires_grad())
+        .collect();
     let checked_refs: Vec<&Tensor> = checked.iter().map(|&i| &inputs[i]).collect();
     let analytic = grad(&out_refs, &weight_refs, &checked_refs, false, false)?;
 

@@ -31,7 +31,11 @@ pub fn iteration_directory(root: &Path, iteration: u64) -> PathBuf {
 }
 
 /// `mp_rank_00` without pipeline parallelism, `mp_rank_01_003` with it.
-pub fn rank_directory_name(tensor_rank: usize, pipeline_rank: usize, pipeline_size: usize) -> String {
+pub fn rank_directory_name(
+    tensor_rank: usize,
+    pipeline_rank: usize,
+    pipeline_size: usize,
+) -> String {
     if pipeline_size == 1 {
         format!("mp_rank_{tensor_rank:02}")
     } else {
@@ -53,7 +57,10 @@ pub fn read_tracker(root: &Path) -> Result<Option<TrackedCheckpoint>> {
     }
     match text.parse::<u64>() {
         Ok(iteration) => Ok(Some(TrackedCheckpoint::Iteration(iteration))),
-        Err(_) => bail!("{}: expected an iteration number or \"release\", found {text:?}", path.display()),
+        Err(_) => bail!(
+            "{}: expected an iteration number or \"release\", found {text:?}",
+            path.display()
+        ),
     }
 }
 
@@ -61,15 +68,19 @@ pub fn read_tracker(root: &Path) -> Result<Option<TrackedCheckpoint>> {
 pub fn write_tracker(root: &Path, iteration: u64) -> Result<()> {
     let path = root.join(TRACKER_FILE);
     let temporary = root.join(format!(".{TRACKER_FILE}.tmp-{}", std::process::id()));
-    fs::write(&temporary, iteration.to_string()).with_context(|| format!("writing {}", temporary.display()))?;
+    fs::write(&temporary, iteration.to_string())
+        .with_context(|| format!("writing {}", temporary.display()))?;
     fs::File::open(&temporary)?.sync_all()?;
-    fs::rename(&temporary, &path).with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
+    fs::rename(&temporary, &path)
+        .with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
     sync_directory(root)
 }
 
 /// Makes renames inside `dir` durable.
 pub fn sync_directory(dir: &Path) -> Result<()> {
-    fs::File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing directory {}", dir.display()))
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
 #[cfg(test)]
@@ -78,16 +89,28 @@ mod tests {
 
     #[test]
     fn names_and_tracker_follow_megatron() {
-        assert_eq!(iteration_directory(Path::new("ckpt"), 500), Path::new("ckpt/iter_0000500"));
+        assert_eq!(
+            iteration_directory(Path::new("ckpt"), 500),
+            Path::new("ckpt/iter_0000500")
+        );
         assert_eq!(rank_directory_name(0, 0, 1), "mp_rank_00");
         assert_eq!(rank_directory_name(1, 3, 4), "mp_rank_01_003");
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(read_tracker(dir.path()).unwrap(), None);
         write_tracker(dir.path(), 42).unwrap();
-        assert_eq!(read_tracker(dir.path()).unwrap(), Some(TrackedCheckpoint::Iteration(42)));
+        assert_eq!(
+            read_tracker(dir.path()).unwrap(),
+            Some(TrackedCheckpoint::Iteration(42))
+        );
         fs::write(dir.path().join(TRACKER_FILE), "release\n").unwrap();
-        assert_eq!(read_tracker(dir.path()).unwrap(), Some(TrackedCheckpoint::Release));
+        assert_eq!(
+            read_tracker(dir.path()).unwrap(),
+            Some(TrackedCheckpoint::Release)
+        );
         fs::write(dir.path().join(TRACKER_FILE), "soon").unwrap();
-        assert!(read_tracker(dir.path()).unwrap_err().to_string().contains("soon"));
+        assert!(read_tracker(dir.path())
+            .unwrap_err()
+            .to_string()
+            .contains("soon"));
     }
 }

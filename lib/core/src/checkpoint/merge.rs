@@ -24,13 +24,24 @@ pub enum TensorSplit {
 
 /// The split of the tensor named `name` (Megatron-core name, layer index included).
 pub fn tensor_split(name: &str, config: &GptConfig) -> TensorSplit {
-    let leaf = name.rsplit_once(".layers.").map(|(_, rest)| rest.split_once('.').map_or(rest, |(_, leaf)| leaf)).unwrap_or(name);
+    let leaf = name
+        .rsplit_once(".layers.")
+        .map(|(_, rest)| rest.split_once('.').map_or(rest, |(_, leaf)| leaf))
+        .unwrap_or(name);
     match leaf {
-        "self_attention.linear_qkv.weight" | "self_attention.linear_qkv.bias" => TensorSplit::Rows { stride: 1 },
-        "mlp.linear_fc1.weight" | "mlp.linear_fc1.bias" => {
-            TensorSplit::Rows { stride: if config.activation == Activation::Swiglu { 2 } else { 1 } }
+        "self_attention.linear_qkv.weight" | "self_attention.linear_qkv.bias" => {
+            TensorSplit::Rows { stride: 1 }
         }
-        "embedding.word_embeddings.weight" | "output_layer.weight" => TensorSplit::Rows { stride: 1 },
+        "mlp.linear_fc1.weight" | "mlp.linear_fc1.bias" => TensorSplit::Rows {
+            stride: if config.activation == Activation::Swiglu {
+                2
+            } else {
+                1
+            },
+        },
+        "embedding.word_embeddings.weight" | "output_layer.weight" => {
+            TensorSplit::Rows { stride: 1 }
+        }
         "self_attention.linear_proj.weight" | "mlp.linear_fc2.weight" => TensorSplit::Columns,
         _ => TensorSplit::Replicated,
     }
@@ -43,7 +54,9 @@ pub fn join_shards(shards: &[Tensor], split: TensorSplit) -> Tensor {
         TensorSplit::Columns => Tensor::cat(shards, 1),
         TensorSplit::Rows { stride } => {
             let parts: Vec<Vec<Tensor>> = shards.iter().map(|s| s.chunk(stride, 0)).collect();
-            let ordered: Vec<Tensor> = (0..stride as usize).flat_map(|p| parts.iter().map(move |r| r[p].shallow_clone())).collect();
+            let ordered: Vec<Tensor> = (0..stride as usize)
+                .flat_map(|p| parts.iter().map(move |r| r[p].shallow_clone()))
+                .collect();
             Tensor::cat(&ordered, 0)
         }
     }
@@ -55,22 +68,36 @@ fn globalize_layer(name: &str, first_layer: usize) -> Result<String> {
     let Some(rest) = name.strip_prefix(PREFIX) else {
         return Ok(name.to_string());
     };
-    let (index, leaf) = rest.split_once('.').with_context(|| format!("malformed layer tensor name {name}"))?;
-    let index: usize = index.parse().with_context(|| format!("malformed layer index in {name}"))?;
+    let (index, leaf) = rest
+        .split_once('.')
+        .with_context(|| format!("malformed layer tensor name {name}"))?;
+    let index: usize = index
+        .parse()
+        .with_context(|| format!("malformed layer index in {name}"))?;
     Ok(format!("{PREFIX}{}.{leaf}", first_layer + index))
 }
 
 /// The model tensors of every rank of `checkpoint`, merged into the names and shapes of a
 /// TP=1, PP=1 model of the same architecture (the vocabulary padded for one rank). The last
 /// stage's copy of tied embeddings is dropped: it equals the first stage's.
-pub fn merge_model_parallel_ranks(checkpoint: &CheckpointDirectory, device: Device) -> Result<HashMap<String, Tensor>> {
+pub fn merge_model_parallel_ranks(
+    checkpoint: &CheckpointDirectory,
+    device: Device,
+) -> Result<HashMap<String, Tensor>> {
     let metadata = &checkpoint.metadata;
     if metadata.model_type != "GPT" {
-        bail!("{}: merging {} checkpoints is not supported, only GPT", checkpoint.directory.display(), metadata.model_type);
+        bail!(
+            "{}: merging {} checkpoints is not supported, only GPT",
+            checkpoint.directory.display(),
+            metadata.model_type
+        );
     }
     let config: GptConfig = serde_json::from_value(metadata.model.clone())
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
-    let (tensor_size, pipeline_size) = (metadata.tensor_model_parallel_size, metadata.pipeline_model_parallel_size);
+    let (tensor_size, pipeline_size) = (
+        metadata.tensor_model_parallel_size,
+        metadata.pipeline_model_parallel_size,
+    );
     let split = PipelineSplit {
         num_layers: config.num_layers,
         stages: pipeline_size,
@@ -86,7 +113,12 @@ pub fn merge_model_parallel_ranks(checkpoint: &CheckpointDirectory, device: Devi
             let rank_dir = rank_directory_name(tensor_rank, stage, pipeline_size);
             let tensors = checkpoint
                 .read(&rank_dir, MODEL_FILE, device)?
-                .with_context(|| format!("{}/{rank_dir} has no {MODEL_FILE}", checkpoint.directory.display()))?;
+                .with_context(|| {
+                    format!(
+                        "{}/{rank_dir} has no {MODEL_FILE}",
+                        checkpoint.directory.display()
+                    )
+                })?;
             for (name, tensor) in tensors {
                 let (chunk, local) = match (chunks.len(), name.strip_prefix("model")) {
                     (1, _) => (0, name.as_str()),
@@ -96,11 +128,19 @@ pub fn merge_model_parallel_ranks(checkpoint: &CheckpointDirectory, device: Devi
                     }
                     _ => bail!("{rank_dir}: tensor {name} has no model chunk prefix but the checkpoint has virtual stages"),
                 };
-                let spec = chunks.get(chunk).with_context(|| format!("{rank_dir}: tensor {name} names chunk {chunk} of {}", chunks.len()))?;
+                let spec = chunks.get(chunk).with_context(|| {
+                    format!(
+                        "{rank_dir}: tensor {name} names chunk {chunk} of {}",
+                        chunks.len()
+                    )
+                })?;
                 if tied && local == "output_layer.weight" {
                     continue;
                 }
-                shards.entry(globalize_layer(local, spec.layers.start)?).or_default().push(tensor);
+                shards
+                    .entry(globalize_layer(local, spec.layers.start)?)
+                    .or_default()
+                    .push(tensor);
             }
         }
     }
@@ -133,7 +173,10 @@ mod tests {
         let rank0 = Tensor::from_slice(&[1.0f32, 10.0]).view([2, 1]);
         let rank1 = Tensor::from_slice(&[2.0f32, 20.0]).view([2, 1]);
         let joined = join_shards(&[rank0, rank1], TensorSplit::Rows { stride: 2 });
-        assert_eq!(Vec::<f32>::try_from(joined.view([-1])).unwrap(), vec![1.0, 2.0, 10.0, 20.0]);
+        assert_eq!(
+            Vec::<f32>::try_from(joined.view([-1])).unwrap(),
+            vec![1.0, 2.0, 10.0, 20.0]
+        );
     }
 
     #[test]
@@ -142,13 +185,22 @@ mod tests {
         let b = Tensor::from_slice(&[3.0f32, 4.0]).view([2, 1]);
         let joined = join_shards(&[a, b], TensorSplit::Columns);
         assert_eq!(joined.size(), vec![2, 2]);
-        assert_eq!(Vec::<f32>::try_from(joined.view([-1])).unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
+        assert_eq!(
+            Vec::<f32>::try_from(joined.view([-1])).unwrap(),
+            vec![1.0, 3.0, 2.0, 4.0]
+        );
     }
 
     #[test]
     fn layer_names_become_global() {
-        assert_eq!(globalize_layer("decoder.layers.1.mlp.linear_fc1.weight", 4).unwrap(), "decoder.layers.5.mlp.linear_fc1.weight");
-        assert_eq!(globalize_layer("decoder.final_layernorm.weight", 4).unwrap(), "decoder.final_layernorm.weight");
+        assert_eq!(
+            globalize_layer("decoder.layers.1.mlp.linear_fc1.weight", 4).unwrap(),
+            "decoder.layers.5.mlp.linear_fc1.weight"
+        );
+        assert_eq!(
+            globalize_layer("decoder.final_layernorm.weight", 4).unwrap(),
+            "decoder.final_layernorm.weight"
+        );
         assert!(globalize_layer("decoder.layers.x.mlp", 0).is_err());
     }
 }

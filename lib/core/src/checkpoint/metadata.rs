@@ -51,9 +51,15 @@ pub struct CheckpointMetadata {
 impl CheckpointMetadata {
     /// `TP=2 PP=2 (2 virtual stages) DP=4, distributed optimizer`.
     pub fn describe_layout(&self) -> String {
-        let mut text = format!("TP={} PP={}", self.tensor_model_parallel_size, self.pipeline_model_parallel_size);
+        let mut text = format!(
+            "TP={} PP={}",
+            self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        );
         if self.virtual_pipeline_stages > 1 {
-            text.push_str(&format!(" ({} virtual stages)", self.virtual_pipeline_stages));
+            text.push_str(&format!(
+                " ({} virtual stages)",
+                self.virtual_pipeline_stages
+            ));
         }
         text.push_str(&format!(" DP={}", self.data_parallel_size));
         if self.distributed_optimizer {
@@ -63,11 +69,16 @@ impl CheckpointMetadata {
     }
 
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let metadata: CheckpointMetadata =
-            serde_json::from_str(&text).with_context(|| format!("{}: invalid checkpoint metadata", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let metadata: CheckpointMetadata = serde_json::from_str(&text)
+            .with_context(|| format!("{}: invalid checkpoint metadata", path.display()))?;
         if metadata.format != CHECKPOINT_FORMAT {
-            bail!("{}: format {:?} is not {CHECKPOINT_FORMAT:?}", path.display(), metadata.format);
+            bail!(
+                "{}: format {:?} is not {CHECKPOINT_FORMAT:?}",
+                path.display(),
+                metadata.format
+            );
         }
         Ok(metadata)
     }

@@ -17,11 +17,14 @@ mod metadata;
 mod store;
 mod tensor_file;
 
-pub use layout::{iteration_directory, rank_directory_name, read_tracker, write_tracker, TrackedCheckpoint, TRACKER_FILE};
+pub use layout::{
+    iteration_directory, rank_directory_name, read_tracker, write_tracker, TrackedCheckpoint,
+    TRACKER_FILE,
+};
 pub use merge::{join_shards, merge_model_parallel_ranks, tensor_split, TensorSplit};
 pub use metadata::{CheckpointMetadata, CHECKPOINT_FORMAT};
 pub use store::{
-    begin_save, find_checkpoint, finish_save, optimizer_file, staging_directory, write_rank_file, CheckpointDirectory, METADATA_FILE,
-    MODEL_FILE, RNG_FILE,
+    begin_save, find_checkpoint, finish_save, optimizer_file, staging_directory, write_rank_file,
+    CheckpointDirectory, METADATA_FILE, MODEL_FILE, RNG_FILE,
 };
 pub use tensor_file::{read_tensors, write_tensors};

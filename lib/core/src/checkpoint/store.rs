@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
-use super::layout::{iteration_directory, read_tracker, sync_directory, write_tracker, TrackedCheckpoint, TRACKER_FILE};
+use super::layout::{
+    iteration_directory, read_tracker, sync_directory, write_tracker, TrackedCheckpoint,
+    TRACKER_FILE,
+};
 use super::metadata::CheckpointMetadata;
 use super::tensor_file::{read_tensors, write_tensors};
 
@@ -30,14 +33,19 @@ pub fn optimizer_file(sharded_data_rank: Option<usize>) -> String {
 /// Where the ranks write the checkpoint of `iteration` before it is committed.
 pub fn staging_directory(root: &Path, iteration: u64) -> PathBuf {
     let target = iteration_directory(root, iteration);
-    let name = target.file_name().expect("iteration directories have a name").to_string_lossy().into_owned();
+    let name = target
+        .file_name()
+        .expect("iteration directories have a name")
+        .to_string_lossy()
+        .into_owned();
     root.join(format!(".{name}.tmp"))
 }
 
 /// Run by one rank before the others write: creates the staging directory, clearing what an
 /// interrupted save left behind.
 pub fn begin_save(root: &Path, iteration: u64) -> Result<PathBuf> {
-    fs::create_dir_all(root).with_context(|| format!("creating checkpoint directory {}", root.display()))?;
+    fs::create_dir_all(root)
+        .with_context(|| format!("creating checkpoint directory {}", root.display()))?;
     remove_abandoned_staging(root)?;
     let staging = staging_directory(root, iteration);
     fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
@@ -45,7 +53,12 @@ pub fn begin_save(root: &Path, iteration: u64) -> Result<PathBuf> {
 }
 
 /// Writes one file of a rank's part of the checkpoint (`staging/rank_dir/file`), durably.
-pub fn write_rank_file(staging: &Path, rank_dir: &str, file: &str, tensors: &[(String, Tensor)]) -> Result<()> {
+pub fn write_rank_file(
+    staging: &Path,
+    rank_dir: &str,
+    file: &str,
+    tensors: &[(String, Tensor)],
+) -> Result<()> {
     let directory = staging.join(rank_dir);
     fs::create_dir_all(&directory).with_context(|| format!("creating {}", directory.display()))?;
     let header = HashMap::from([("format".to_string(), "pt".to_string())]);
@@ -59,17 +72,22 @@ pub fn write_rank_file(staging: &Path, rank_dir: &str, file: &str, tensors: &[(S
 pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf> {
     let staging = staging_directory(root, metadata.iteration);
     let metadata_path = staging.join(METADATA_FILE);
-    fs::write(&metadata_path, serde_json::to_string_pretty(metadata)?).with_context(|| format!("writing {}", metadata_path.display()))?;
+    fs::write(&metadata_path, serde_json::to_string_pretty(metadata)?)
+        .with_context(|| format!("writing {}", metadata_path.display()))?;
     fs::File::open(&metadata_path)?.sync_all()?;
     sync_directory(&staging)?;
     let target = iteration_directory(root, metadata.iteration);
     if target.exists() {
-        let retired = root.join(format!(".{}.old", target.file_name().expect("named").to_string_lossy()));
+        let retired = root.join(format!(
+            ".{}.old",
+            target.file_name().expect("named").to_string_lossy()
+        ));
         fs::rename(&target, &retired)?;
         fs::rename(&staging, &target)?;
         fs::remove_dir_all(&retired)?;
     } else {
-        fs::rename(&staging, &target).with_context(|| format!("renaming {} to {}", staging.display(), target.display()))?;
+        fs::rename(&staging, &target)
+            .with_context(|| format!("renaming {} to {}", staging.display(), target.display()))?;
     }
     sync_directory(root)?;
     write_tracker(root, metadata.iteration)?;
@@ -82,7 +100,8 @@ fn remove_abandoned_staging(root: &Path) -> Result<()> {
     for entry in fs::read_dir(root)?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(".iter_") && (name.ends_with(".tmp") || name.ends_with(".old")) {
-            fs::remove_dir_all(entry.path()).with_context(|| format!("removing abandoned {}", entry.path().display()))?;
+            fs::remove_dir_all(entry.path())
+                .with_context(|| format!("removing abandoned {}", entry.path().display()))?;
         }
     }
     Ok(())
@@ -106,19 +125,31 @@ pub fn find_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
         bail!(
             "{} names {} but {} does not exist",
             root.join(TRACKER_FILE).display(),
-            directory.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            directory
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
             directory.display()
         );
     }
     let metadata = CheckpointMetadata::read(&directory.join(METADATA_FILE))?;
-    Ok(Some(CheckpointDirectory { directory, metadata, release: tracked == TrackedCheckpoint::Release }))
+    Ok(Some(CheckpointDirectory {
+        directory,
+        metadata,
+        release: tracked == TrackedCheckpoint::Release,
+    }))
 }
 
 impl CheckpointDirectory {
     /// Reads `rank_dir/file` onto `device`; `None` when the file is absent (e.g. a checkpoint
     /// saved with `--no-save-optim`). A missing rank directory is an error naming the layout the
     /// checkpoint was saved with.
-    pub fn read(&self, rank_dir: &str, file: &str, device: Device) -> Result<Option<HashMap<String, Tensor>>> {
+    pub fn read(
+        &self,
+        rank_dir: &str,
+        file: &str,
+        device: Device,
+    ) -> Result<Option<HashMap<String, Tensor>>> {
         let directory = self.directory.join(rank_dir);
         if !directory.is_dir() {
             let mut present: Vec<String> = fs::read_dir(&self.directory)?

@@ -49,7 +49,11 @@ impl HostTensor {
         let dtype = dtype_of(tensor.kind())?;
         let tensor = tensor.detach().to_device(Device::Cpu).contiguous();
         let shape = tensor.size().iter().map(|&d| d as usize).collect();
-        Ok(HostTensor { tensor, dtype, shape })
+        Ok(HostTensor {
+            tensor,
+            dtype,
+            shape,
+        })
     }
 }
 
@@ -64,7 +68,9 @@ impl View for &HostTensor {
 
     fn data(&self) -> Cow<'_, [u8]> {
         // SAFETY: the tensor is contiguous on the CPU and outlives the borrow.
-        Cow::Borrowed(unsafe { std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.data_len()) })
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.data_len())
+        })
     }
 
     fn data_len(&self) -> usize {
@@ -73,28 +79,46 @@ impl View for &HostTensor {
 }
 
 /// Writes `tensors` with string `metadata` in the safetensors header.
-pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<()> {
+pub fn write_tensors(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
     let host: Vec<(String, HostTensor)> = tensors
         .iter()
-        .map(|(name, t)| Ok((name.clone(), HostTensor::new(t).with_context(|| format!("tensor {name}"))?)))
+        .map(|(name, t)| {
+            Ok((
+                name.clone(),
+                HostTensor::new(t).with_context(|| format!("tensor {name}"))?,
+            ))
+        })
         .collect::<Result<_>>()?;
     let views = host.iter().map(|(name, t)| (name.as_str(), t));
     safetensors::tensor::serialize_to_file(views, &Some(metadata), path)
         .with_context(|| format!("writing {}", path.display()))?;
-    File::open(path)?.sync_all().with_context(|| format!("syncing {}", path.display()))
+    File::open(path)?
+        .sync_all()
+        .with_context(|| format!("syncing {}", path.display()))
 }
 
 /// Reads every tensor of a safetensors file onto `device`, with the header's metadata.
-pub fn read_tensors(path: &Path, device: Device) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
+pub fn read_tensors(
+    path: &Path,
+    device: Device,
+) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     // SAFETY: checkpoint files are not modified while a run reads them.
-    let bytes = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
-    let (_, header) = SafeTensors::read_metadata(&bytes).with_context(|| format!("{}: not a safetensors file", path.display()))?;
+    let bytes = unsafe { memmap2::Mmap::map(&file) }
+        .with_context(|| format!("mapping {}", path.display()))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .with_context(|| format!("{}: not a safetensors file", path.display()))?;
     let metadata = header.metadata().clone().unwrap_or_default();
-    let file_tensors = SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt safetensors file", path.display()))?;
+    let file_tensors = SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("{}: corrupt safetensors file", path.display()))?;
     let mut out = HashMap::new();
     for (name, view) in file_tensors.tensors() {
-        let kind = kind_of(view.dtype()).with_context(|| format!("{}: tensor {name}", path.display()))?;
+        let kind =
+            kind_of(view.dtype()).with_context(|| format!("{}: tensor {name}", path.display()))?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         let tensor = Tensor::from_data_size(view.data(), &shape, kind).to_device(device);
         out.insert(name, tensor);
@@ -114,8 +138,16 @@ mod tests {
         let b = Tensor::from_slice(&[1.5f32, -2.0]).to_kind(Kind::BFloat16);
         let c = Tensor::from_slice(&[7i64]);
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        write_tensors(&path, &[("a".into(), a.transpose(0, 1)), ("b".into(), b.shallow_clone()), ("c".into(), c)], metadata)
-            .unwrap();
+        write_tensors(
+            &path,
+            &[
+                ("a".into(), a.transpose(0, 1)),
+                ("b".into(), b.shallow_clone()),
+                ("c".into(), c),
+            ],
+            metadata,
+        )
+        .unwrap();
         let (read, meta) = read_tensors(&path, Device::Cpu).unwrap();
         assert_eq!(meta["format"], "pt");
         assert!(read["a"].equal(&a.transpose(0, 1).contiguous()));

@@ -14,16 +14,30 @@ use crate::parallel::ParallelState;
 /// parallelism is merged into one model.
 pub fn load_gpt_for_inference(root: &Path, device: Device, dtype: Kind) -> Result<GptModel> {
     let Some(checkpoint) = find_checkpoint(root)? else {
-        bail!("{} holds no checkpoint (no latest_checkpointed_iteration.txt)", root.display());
+        bail!(
+            "{} holds no checkpoint (no latest_checkpointed_iteration.txt)",
+            root.display()
+        );
     };
     if checkpoint.metadata.model_type != "GPT" {
-        bail!("{} holds a {} model, not a GPT", checkpoint.directory.display(), checkpoint.metadata.model_type);
+        bail!(
+            "{} holds a {} model, not a GPT",
+            checkpoint.directory.display(),
+            checkpoint.metadata.model_type
+        );
     }
     let config: GptConfig = serde_json::from_value(checkpoint.metadata.model.clone())
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
     let tensors = merge_model_parallel_ranks(&checkpoint, Device::Cpu)?;
-    let options = ModelOptions { params_dtype: dtype, device, recompute: Recompute::None, seed: 0 };
+    let options = ModelOptions {
+        params_dtype: dtype,
+        device,
+        recompute: Recompute::None,
+        seed: 0,
+    };
     let model = GptModel::new(config, options, &ParallelState::single())?;
-    model.load_parameters(&tensors).with_context(|| format!("loading {}", checkpoint.directory.display()))?;
+    model
+        .load_parameters(&tensors)
+        .with_context(|| format!("loading {}", checkpoint.directory.display()))?;
     Ok(model)
 }

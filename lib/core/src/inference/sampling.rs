@@ -35,7 +35,13 @@ impl Sampling {
 /// Extends `prompt` by up to `tokens_to_generate` tokens, stopping after `stop_token`; the
 /// context is cut to the model's maximum length from the left. Uses the default generator of
 /// the model's device (seed it for reproducible samples).
-pub fn generate(model: &GptModel, prompt: &[i64], tokens_to_generate: usize, sampling: Sampling, stop_token: Option<i64>) -> Result<Vec<i64>> {
+pub fn generate(
+    model: &GptModel,
+    prompt: &[i64],
+    tokens_to_generate: usize,
+    sampling: Sampling,
+    stop_token: Option<i64>,
+) -> Result<Vec<i64>> {
     sampling.validate()?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -48,9 +54,14 @@ pub fn generate(model: &GptModel, prompt: &[i64], tokens_to_generate: usize, sam
         for _ in 0..tokens_to_generate {
             let context = &tokens[tokens.len().saturating_sub(window)..];
             let input = Tensor::from_slice(context).to_device(device).unsqueeze(0);
-            let positions = Tensor::arange(context.len() as i64, (Kind::Int64, device)).unsqueeze(0);
+            let positions =
+                Tensor::arange(context.len() as i64, (Kind::Int64, device)).unsqueeze(0);
             let logits = model.forward_full_logits(&input, &positions, &AttentionMask::Causal)?;
-            let last = logits.get(-1).get(0).narrow(0, 0, true_vocab).to_kind(Kind::Float);
+            let last = logits
+                .get(-1)
+                .get(0)
+                .narrow(0, 0, true_vocab)
+                .to_kind(Kind::Float);
             let next = pick(&last, sampling);
             tokens.push(next);
             if Some(next) == stop_token {
@@ -80,7 +91,11 @@ fn pick(logits: &Tensor, sampling: Sampling) -> i64 {
         let drop = drop_sorted.zeros_like().scatter(0, &order, &drop_sorted);
         logits = logits.masked_fill(&drop, f64::NEG_INFINITY);
     }
-    logits.softmax(0, Kind::Float).to_device(Device::Cpu).multinomial(1, false).int64_value(&[0])
+    logits
+        .softmax(0, Kind::Float)
+        .to_device(Device::Cpu)
+        .multinomial(1, false)
+        .int64_value(&[0])
 }
 
 #[cfg(test)]
@@ -93,15 +108,37 @@ mod tests {
         let logits = Tensor::from_slice(&[0.5f32, 0.3, 0.15, 0.05]).log();
         tch::manual_seed(3);
         for sampling in [
-            Sampling { greedy: false, temperature: 1.0, top_k: 2, top_p: 0.0 },
-            Sampling { greedy: false, temperature: 1.0, top_k: 0, top_p: 0.7 },
+            Sampling {
+                greedy: false,
+                temperature: 1.0,
+                top_k: 2,
+                top_p: 0.0,
+            },
+            Sampling {
+                greedy: false,
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.7,
+            },
         ] {
             let picks: Vec<i64> = (0..200).map(|_| pick(&logits, sampling)).collect();
             assert!(picks.iter().all(|&t| t < 2), "{sampling:?}: {picks:?}");
             assert!(picks.contains(&0) && picks.contains(&1));
         }
-        let greedy = Sampling { greedy: true, temperature: 1.0, top_k: 0, top_p: 0.0 };
+        let greedy = Sampling {
+            greedy: true,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.0,
+        };
         assert_eq!(pick(&logits, greedy), 0);
-        assert!(Sampling { greedy: false, temperature: 1.0, top_k: 2, top_p: 0.5 }.validate().is_err());
+        assert!(Sampling {
+            greedy: false,
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 0.5
+        }
+        .validate()
+        .is_err());
     }
 }

@@ -28,7 +28,12 @@ pub struct SamplerPosition {
 impl BatchLoader {
     /// `prefetch` micro-batches are kept ready. Reading past the end of the dataset is an
     /// error naming the split (the datasets are sized for the whole run, as in Megatron).
-    pub fn spawn(dataset: Arc<SplitDataset>, split_name: &'static str, position: SamplerPosition, prefetch: usize) -> Self {
+    pub fn spawn(
+        dataset: Arc<SplitDataset>,
+        split_name: &'static str,
+        position: SamplerPosition,
+        prefetch: usize,
+    ) -> Self {
         let (sender, receiver) = sync_channel(prefetch.max(1));
         let worker = std::thread::Builder::new()
             .name(format!("{split_name}-loader"))
@@ -45,7 +50,8 @@ impl BatchLoader {
                             end - 1
                         ))
                     } else {
-                        let samples: Vec<_> = (first..end).map(|i| dataset.get(i as usize).1).collect();
+                        let samples: Vec<_> =
+                            (first..end).map(|i| dataset.get(i as usize).1).collect();
                         Ok(GptBatch::collate(&samples))
                     };
                     let failed = batch.is_err();
@@ -56,11 +62,16 @@ impl BatchLoader {
                 }
             })
             .expect("spawning the data loader thread");
-        BatchLoader { receiver, worker: Some(worker) }
+        BatchLoader {
+            receiver,
+            worker: Some(worker),
+        }
     }
 
     pub fn next_batch(&mut self) -> Result<GptBatch> {
-        self.receiver.recv().map_err(|_| anyhow!("the data loader stopped"))?
+        self.receiver
+            .recv()
+            .map_err(|_| anyhow!("the data loader stopped"))?
     }
 }
 

@@ -22,15 +22,32 @@ impl GptBatch {
         let b = samples.len() as i64;
         let s = samples.first().map_or(0, |x| x.tokens.len()) as i64;
         let stack_i64 = |get: fn(&GptSample) -> &Vec<i64>| {
-            let flat: Vec<i64> = samples.iter().flat_map(|x| get(x).iter().copied()).collect();
+            let flat: Vec<i64> = samples
+                .iter()
+                .flat_map(|x| get(x).iter().copied())
+                .collect();
             Tensor::from_slice(&flat).view([b, s])
         };
-        let loss_mask: Vec<f32> = samples.iter().flat_map(|x| x.loss_mask.iter().copied()).collect();
-        let attention_mask = samples.first().and_then(|x| x.attention_mask.as_ref()).map(|_| {
-            let flat: Vec<bool> =
-                samples.iter().flat_map(|x| x.attention_mask.as_ref().expect("every sample has a mask").iter().copied()).collect();
-            Tensor::from_slice(&flat).view([b, 1, s, s])
-        });
+        let loss_mask: Vec<f32> = samples
+            .iter()
+            .flat_map(|x| x.loss_mask.iter().copied())
+            .collect();
+        let attention_mask = samples
+            .first()
+            .and_then(|x| x.attention_mask.as_ref())
+            .map(|_| {
+                let flat: Vec<bool> = samples
+                    .iter()
+                    .flat_map(|x| {
+                        x.attention_mask
+                            .as_ref()
+                            .expect("every sample has a mask")
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                Tensor::from_slice(&flat).view([b, 1, s, s])
+            });
         GptBatch {
             tokens: stack_i64(|x| &x.tokens),
             labels: stack_i64(|x| &x.labels),

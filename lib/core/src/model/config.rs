@@ -19,7 +19,9 @@ impl PositionEmbeddingType {
             "learned_absolute" => Self::LearnedAbsolute,
             "rope" => Self::Rope,
             "none" => Self::None,
-            other => bail!("--position-embedding-type {other:?}: expected learned_absolute, rope or none"),
+            other => bail!(
+                "--position-embedding-type {other:?}: expected learned_absolute, rope or none"
+            ),
         })
     }
 }
@@ -54,7 +56,13 @@ pub enum Activation {
 impl Activation {
     /// Megatron's choice from `--swiglu`, `--squared-relu`, `--openai-gelu`, `--onnx-safe`,
     /// `--no-bias-gelu-fusion` and `--disable-bias-linear` (which turns the fusion off).
-    pub fn from_flags(swiglu: bool, squared_relu: bool, openai_gelu: bool, bias_gelu_fusion: bool, add_bias_linear: bool) -> Self {
+    pub fn from_flags(
+        swiglu: bool,
+        squared_relu: bool,
+        openai_gelu: bool,
+        bias_gelu_fusion: bool,
+        add_bias_linear: bool,
+    ) -> Self {
         if swiglu {
             Self::Swiglu
         } else if squared_relu {
@@ -140,14 +148,21 @@ impl GptConfig {
             "--num-query-groups {} must be a multiple of --tensor-model-parallel-size {tensor_parallel_size}",
             self.num_query_groups
         );
-        ensure!(self.ffn_hidden_size % tensor_parallel_size == 0, "--ffn-hidden-size must be a multiple of the TP size");
+        ensure!(
+            self.ffn_hidden_size % tensor_parallel_size == 0,
+            "--ffn-hidden-size must be a multiple of the TP size"
+        );
         ensure!(self.vocab_size > 0, "the tokenizer has an empty vocabulary");
         if self.position_embedding_type == PositionEmbeddingType::Rope {
             let rotary = self.rotary_dim();
-            ensure!(rotary > 0 && rotary % 2 == 0, "--rotary-percent gives an odd or empty rotary dimension {rotary}");
+            ensure!(
+                rotary > 0 && rotary % 2 == 0,
+                "--rotary-percent gives an odd or empty rotary dimension {rotary}"
+            );
         }
         ensure!(
-            (0.0..1.0).contains(&self.hidden_dropout) && (0.0..1.0).contains(&self.attention_dropout),
+            (0.0..1.0).contains(&self.hidden_dropout)
+                && (0.0..1.0).contains(&self.attention_dropout),
             "dropout probabilities must be in [0, 1)"
         );
         Ok(())
@@ -199,9 +214,21 @@ pub(crate) mod tests {
 
     #[test]
     fn gelu_flavour_follows_the_fusion_flags() {
-        assert_eq!(Activation::from_flags(false, false, false, true, true), Activation::GeluTanh);
-        assert_eq!(Activation::from_flags(false, false, false, true, false), Activation::GeluErf);
-        assert_eq!(Activation::from_flags(false, false, false, false, true), Activation::GeluErf);
-        assert_eq!(Activation::from_flags(true, false, false, true, true), Activation::Swiglu);
+        assert_eq!(
+            Activation::from_flags(false, false, false, true, true),
+            Activation::GeluTanh
+        );
+        assert_eq!(
+            Activation::from_flags(false, false, false, true, false),
+            Activation::GeluErf
+        );
+        assert_eq!(
+            Activation::from_flags(false, false, false, false, true),
+            Activation::GeluErf
+        );
+        assert_eq!(
+            Activation::from_flags(true, false, false, true, true),
+            Activation::Swiglu
+        );
     }
 }

@@ -9,21 +9,39 @@ use crate::autograd::{apply, CustomFunction, SavedTensors};
 use crate::parallel::{Communicator, ReduceOp};
 
 /// Per-token loss `[b, s]` (float32) from logits `[s, b, V/t]` and labels `[b, s]`.
-pub fn cross_entropy(logits: &Tensor, labels: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn cross_entropy(
+    logits: &Tensor,
+    labels: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     if group.size() == 1 {
         // One fused log-softmax pass; the float32 result is what Megatron's upcast computes.
         let log_probs = logits.log_softmax(-1, Kind::Float);
         let target = labels.transpose(0, 1).unsqueeze(-1);
-        return Ok(log_probs.gather(-1, &target, false).squeeze_dim(-1).neg().transpose(0, 1));
+        return Ok(log_probs
+            .gather(-1, &target, false)
+            .squeeze_dim(-1)
+            .neg()
+            .transpose(0, 1));
     }
     vocab_parallel_cross_entropy(logits, labels, group)
 }
 
 /// Megatron's vocab-parallel cross entropy (spec §2.3): each rank holds a slice of the
 /// vocabulary; the max, the target logit and the partition function are reduced across ranks.
-pub fn vocab_parallel_cross_entropy(logits: &Tensor, labels: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn vocab_parallel_cross_entropy(
+    logits: &Tensor,
+    labels: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     let target = labels.transpose(0, 1).contiguous();
-    let loss = apply(VocabParallelCrossEntropy { group: group.clone() }, &[logits, &target])?.remove(0);
+    let loss = apply(
+        VocabParallelCrossEntropy {
+            group: group.clone(),
+        },
+        &[logits, &target],
+    )?
+    .remove(0);
     Ok(loss.transpose(0, 1))
 }
 
@@ -34,7 +52,10 @@ struct VocabParallelCrossEntropy {
 impl CustomFunction for VocabParallelCrossEntropy {
     fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
         let (logits, target) = (&inputs[0], &inputs[1]);
-        let local_vocab = *logits.size().last().expect("logits have a vocabulary dimension");
+        let local_vocab = *logits
+            .size()
+            .last()
+            .expect("logits have a vocabulary dimension");
         let vocab_start = self.group.rank() as i64 * local_vocab;
         let z = logits.to_kind(Kind::Float);
         let (max, _) = z.max_dim(-1, true);
@@ -44,7 +65,10 @@ impl CustomFunction for VocabParallelCrossEntropy {
         let local_target = target - vocab_start;
         let outside = local_target.lt(0).logical_or(&local_target.ge(local_vocab));
         let local_target = local_target.masked_fill(&outside, 0);
-        let target_logit = z.gather(-1, &local_target.unsqueeze(-1), false).squeeze_dim(-1).masked_fill(&outside, 0.0);
+        let target_logit = z
+            .gather(-1, &local_target.unsqueeze(-1), false)
+            .squeeze_dim(-1)
+            .masked_fill(&outside, 0.0);
         self.group.all_reduce(&target_logit, ReduceOp::Sum)?;
 
         let exp = z.exp();
@@ -62,7 +86,9 @@ impl CustomFunction for VocabParallelCrossEntropy {
     fn backward(&mut self, grads: &[Tensor], saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let (softmax, local_target, outside) = (&saved[0], &saved[1], &saved[2]);
         let inside = outside.logical_not().to_kind(Kind::Float).unsqueeze(-1);
-        let one_hot = softmax.zeros_like().scatter(-1, &local_target.unsqueeze(-1), &inside);
+        let one_hot = softmax
+            .zeros_like()
+            .scatter(-1, &local_target.unsqueeze(-1), &inside);
         let grad = (softmax - one_hot) * grads[0].unsqueeze(-1);
         Ok(vec![Some(grad), None])
     }
@@ -83,14 +109,26 @@ mod tests {
         let weights = Tensor::randn([2, 3], (Kind::Float, Device::Cpu));
 
         let fast = cross_entropy(&logits, &labels, &group).unwrap();
-        let fast_grad = Tensor::run_backward(&[(&fast * &weights).sum(Kind::Float)], &[&logits], false, false).remove(0);
+        let fast_grad = Tensor::run_backward(
+            &[(&fast * &weights).sum(Kind::Float)],
+            &[&logits],
+            false,
+            false,
+        )
+        .remove(0);
         let parallel = vocab_parallel_cross_entropy(&logits, &labels, &group).unwrap();
-        let parallel_grad =
-            Tensor::run_backward(&[(&parallel * &weights).sum(Kind::Float)], &[&logits], false, false).remove(0);
+        let parallel_grad = Tensor::run_backward(
+            &[(&parallel * &weights).sum(Kind::Float)],
+            &[&logits],
+            false,
+            false,
+        )
+        .remove(0);
 
         // Reference by definition: logsumexp(z) - z[label].
         let z = logits.detach().to_kind(Kind::Float).transpose(0, 1);
-        let reference = z.logsumexp([-1], false) - z.gather(-1, &labels.unsqueeze(-1), false).squeeze_dim(-1);
+        let reference =
+            z.logsumexp([-1], false) - z.gather(-1, &labels.unsqueeze(-1), false).squeeze_dim(-1);
         assert!(fast.allclose(&reference, 1e-5, 1e-6, false));
         assert!(parallel.allclose(&reference, 1e-5, 1e-6, false));
         assert!(fast_grad.allclose(&parallel_grad, 1e-5, 1e-6, false));

@@ -11,14 +11,14 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
-    AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, RotaryEmbedding, RotaryTables, TensorParallel,
-    TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, RotaryEmbedding,
+    RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
 use super::param::{Initializer, Param};
 use crate::autograd::checkpoint;
 use crate::parallel::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-    scatter_to_sequence_parallel_region, ParallelState,
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region, ParallelState,
 };
 use crate::rng::with_model_parallel_rng;
 
@@ -37,7 +37,10 @@ pub enum Recompute {
     None,
     /// `--recompute-activations`: the attention core only.
     Selective,
-    Full { method: RecomputeMethod, num_layers: usize },
+    Full {
+        method: RecomputeMethod,
+        num_layers: usize,
+    },
 }
 
 /// How the model is materialised: parameter dtype, device, recompute policy and the seed its
@@ -63,14 +66,21 @@ pub struct ChunkSpec {
 
 impl ChunkSpec {
     pub fn whole(num_layers: usize) -> Self {
-        ChunkSpec { pre_process: true, post_process: true, layers: 0..num_layers }
+        ChunkSpec {
+            pre_process: true,
+            post_process: true,
+            layers: 0..num_layers,
+        }
     }
 }
 
 /// What a chunk consumes: token ids on the first stage, the previous stage's hidden states
 /// (`[s, b, h]`, `[s/t, b, h]` with sequence parallelism) elsewhere.
 pub enum ChunkInput<'a> {
-    Tokens { tokens: &'a Tensor, position_ids: &'a Tensor },
+    Tokens {
+        tokens: &'a Tensor,
+        position_ids: &'a Tensor,
+    },
     Hidden(&'a Tensor),
 }
 
@@ -79,7 +89,10 @@ enum OutputWeight {
     /// Tied, and the word embeddings are in this chunk.
     WordEmbeddings,
     /// The untied `output_layer`, or the last stage's copy of the tied word embeddings.
-    Own { weight: Param, shared_embedding: bool },
+    Own {
+        weight: Param,
+        shared_embedding: bool,
+    },
 }
 
 pub struct GptModel {
@@ -104,25 +117,63 @@ impl GptModel {
 
     /// Builds and initialises one chunk. Every weight is drawn from the seed and its global name
     /// (see [`Initializer`]), so any layout of the same model holds the same weights.
-    pub fn new_chunk(config: GptConfig, options: ModelOptions, parallel: &ParallelState, spec: ChunkSpec) -> Result<Self> {
+    pub fn new_chunk(
+        config: GptConfig,
+        options: ModelOptions,
+        parallel: &ParallelState,
+        spec: ChunkSpec,
+    ) -> Result<Self> {
         let tp = parallel.tensor_parallel_size() as i64;
         config.validate(tp)?;
-        ensure!(spec.layers.end <= config.num_layers, "chunk layers {:?} beyond --num-layers {}", spec.layers, config.num_layers);
-        let tensor_parallel = TensorParallel { group: parallel.tensor.clone(), sequence_parallel: parallel.sequence_parallel };
-        let init = Initializer::new(options.params_dtype, options.device, parallel.tensor_parallel_rank() as i64, tp, options.seed);
+        ensure!(
+            spec.layers.end <= config.num_layers,
+            "chunk layers {:?} beyond --num-layers {}",
+            spec.layers,
+            config.num_layers
+        );
+        let tensor_parallel = TensorParallel {
+            group: parallel.tensor.clone(),
+            sequence_parallel: parallel.sequence_parallel,
+        };
+        let init = Initializer::new(
+            options.params_dtype,
+            options.device,
+            parallel.tensor_parallel_rank() as i64,
+            tp,
+            options.seed,
+        );
         let h = config.hidden_size;
         let std = config.init_method_std;
         let padded_vocab = config.padded_vocab_size(tp);
         let embedding = init.scope("embedding");
-        let word_embeddings = spec
-            .pre_process
-            .then(|| VocabParallelEmbedding::new(&embedding.scope("word_embeddings"), padded_vocab, h, std, parallel.tensor.clone()));
-        let position_embeddings = (spec.pre_process && config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute)
-            .then(|| embedding.scope("position_embeddings").normal("weight", &[config.max_position_embeddings, h], std));
+        let word_embeddings = spec.pre_process.then(|| {
+            VocabParallelEmbedding::new(
+                &embedding.scope("word_embeddings"),
+                padded_vocab,
+                h,
+                std,
+                parallel.tensor.clone(),
+            )
+        });
+        let position_embeddings = (spec.pre_process
+            && config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute)
+            .then(|| {
+                embedding.scope("position_embeddings").normal(
+                    "weight",
+                    &[config.max_position_embeddings, h],
+                    std,
+                )
+            });
         let layers = spec
             .layers
             .clone()
-            .map(|global| TransformerLayer::new(&init.scope(&format!("decoder.layers.{global}")), &config, tensor_parallel.clone()))
+            .map(|global| {
+                TransformerLayer::new(
+                    &init.scope(&format!("decoder.layers.{global}")),
+                    &config,
+                    tensor_parallel.clone(),
+                )
+            })
             .collect();
         let final_layernorm = spec.post_process.then(|| {
             Norm::new(
@@ -136,14 +187,30 @@ impl GptModel {
         });
         let output = spec.post_process.then(|| {
             if config.untie_embeddings_and_output_weights {
-                OutputWeight::Own { weight: init.scope("output_layer").normal_partitioned("weight", &[padded_vocab, h], std, 0), shared_embedding: false }
+                OutputWeight::Own {
+                    weight: init.scope("output_layer").normal_partitioned(
+                        "weight",
+                        &[padded_vocab, h],
+                        std,
+                        0,
+                    ),
+                    shared_embedding: false,
+                }
             } else if spec.pre_process {
                 OutputWeight::WordEmbeddings
             } else {
                 // Megatron zero-fills this copy and all-reduces it with the first stage's; drawing
                 // it under the word embeddings' name gives the same values directly.
-                let weight = embedding.scope("word_embeddings").normal_partitioned("weight", &[padded_vocab, h], std, 0);
-                OutputWeight::Own { weight, shared_embedding: true }
+                let weight = embedding.scope("word_embeddings").normal_partitioned(
+                    "weight",
+                    &[padded_vocab, h],
+                    std,
+                    0,
+                );
+                OutputWeight::Own {
+                    weight,
+                    shared_embedding: true,
+                }
             }
         });
         let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope)
@@ -168,30 +235,70 @@ impl GptModel {
 
     /// `tokens`, `position_ids`: `[b, s]`. Returns this rank's logits `[s, b, V/t]`; the chunk
     /// must hold the whole model.
-    pub fn forward(&self, tokens: &Tensor, position_ids: &Tensor, mask: &AttentionMask, train: bool) -> Result<Tensor> {
-        ensure!(self.spec.pre_process && self.spec.post_process, "forward needs the whole model; this is a pipeline chunk");
-        self.forward_chunk(ChunkInput::Tokens { tokens, position_ids }, mask, train)
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        position_ids: &Tensor,
+        mask: &AttentionMask,
+        train: bool,
+    ) -> Result<Tensor> {
+        ensure!(
+            self.spec.pre_process && self.spec.post_process,
+            "forward needs the whole model; this is a pipeline chunk"
+        );
+        self.forward_chunk(
+            ChunkInput::Tokens {
+                tokens,
+                position_ids,
+            },
+            mask,
+            train,
+        )
     }
 
     /// Runs this chunk: logits `[s, b, V/t]` from a post-process chunk, hidden states for the
     /// next stage otherwise.
-    pub fn forward_chunk(&self, input: ChunkInput, mask: &AttentionMask, train: bool) -> Result<Tensor> {
+    pub fn forward_chunk(
+        &self,
+        input: ChunkInput,
+        mask: &AttentionMask,
+        train: bool,
+    ) -> Result<Tensor> {
         let hidden = match input {
-            ChunkInput::Tokens { tokens, position_ids } => {
-                ensure!(self.spec.pre_process, "token input for a chunk without embeddings");
+            ChunkInput::Tokens {
+                tokens,
+                position_ids,
+            } => {
+                ensure!(
+                    self.spec.pre_process,
+                    "token input for a chunk without embeddings"
+                );
                 self.embed(tokens, position_ids, train)?
             }
             ChunkInput::Hidden(hidden) => {
-                ensure!(!self.spec.pre_process, "hidden-state input for the chunk with the embeddings");
+                ensure!(
+                    !self.spec.pre_process,
+                    "hidden-state input for the chunk with the embeddings"
+                );
                 hidden.shallow_clone()
             }
         };
-        let sequence = hidden.size()[0] * if self.parallel.sequence_parallel { self.parallel.group.size() as i64 } else { 1 };
-        let rotary = self.rotary.as_ref().map(|r| r.tables(0, sequence, hidden.device()));
+        let sequence = hidden.size()[0]
+            * if self.parallel.sequence_parallel {
+                self.parallel.group.size() as i64
+            } else {
+                1
+            };
+        let rotary = self
+            .rotary
+            .as_ref()
+            .map(|r| r.tables(0, sequence, hidden.device()));
         // With sequence parallelism every dropout in the stack acts on per-rank slices, so the
         // stack runs on the model-parallel stream (spec §3.2).
         let hidden = if self.parallel.sequence_parallel {
-            with_model_parallel_rng(hidden.device(), || self.run_layers(hidden, mask, rotary.as_ref(), train))??
+            with_model_parallel_rng(hidden.device(), || {
+                self.run_layers(hidden, mask, rotary.as_ref(), train)
+            })??
         } else {
             self.run_layers(hidden, mask, rotary.as_ref(), train)?
         };
@@ -202,13 +309,21 @@ impl GptModel {
     }
 
     /// Like [`forward`](Self::forward) but with the full vocabulary gathered from every rank.
-    pub fn forward_full_logits(&self, tokens: &Tensor, position_ids: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
+    pub fn forward_full_logits(
+        &self,
+        tokens: &Tensor,
+        position_ids: &Tensor,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
         let logits = self.forward(tokens, position_ids, mask, false)?;
         gather_from_tensor_parallel_region(&logits, &self.parallel.group)
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {
-        let word_embeddings = self.word_embeddings.as_ref().expect("pre-process chunks have word embeddings");
+        let word_embeddings = self
+            .word_embeddings
+            .as_ref()
+            .expect("pre-process chunks have word embeddings");
         let mut embedded = word_embeddings.forward(tokens)?;
         if let Some(positions) = &self.position_embeddings {
             ensure!(
@@ -222,12 +337,20 @@ impl GptModel {
         let embedded = embedded.transpose(0, 1).contiguous();
         if self.parallel.sequence_parallel {
             let embedded = scatter_to_sequence_parallel_region(&embedded, &self.parallel.group)?;
-            return Ok(with_model_parallel_rng(embedded.device(), || embedded.dropout(self.config.hidden_dropout, train))?);
+            return Ok(with_model_parallel_rng(embedded.device(), || {
+                embedded.dropout(self.config.hidden_dropout, train)
+            })?);
         }
         Ok(embedded.dropout(self.config.hidden_dropout, train))
     }
 
-    fn run_layers(&self, mut hidden: Tensor, mask: &AttentionMask, rotary: Option<&RotaryTables>, train: bool) -> Result<Tensor> {
+    fn run_layers(
+        &self,
+        mut hidden: Tensor,
+        mask: &AttentionMask,
+        rotary: Option<&RotaryTables>,
+        train: bool,
+    ) -> Result<Tensor> {
         let selective = self.options.recompute == Recompute::Selective;
         let Recompute::Full { method, num_layers } = self.options.recompute else {
             for layer in &self.layers {
@@ -270,8 +393,18 @@ impl GptModel {
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let weight = match self.output.as_ref().expect("post-process chunks have an output layer") {
-            OutputWeight::WordEmbeddings => &self.word_embeddings.as_ref().expect("tied to this chunk's embeddings").weight,
+        let weight = match self
+            .output
+            .as_ref()
+            .expect("post-process chunks have an output layer")
+        {
+            OutputWeight::WordEmbeddings => {
+                &self
+                    .word_embeddings
+                    .as_ref()
+                    .expect("tied to this chunk's embeddings")
+                    .weight
+            }
             OutputWeight::Own { weight, .. } => weight,
         };
         let group = &self.parallel.group;
@@ -288,15 +421,30 @@ impl GptModel {
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();
         let mut names = NamedTensors::new(&mut out);
-        let sharded = ParamAttributes { tensor_parallel: true, ..Default::default() };
+        let sharded = ParamAttributes {
+            tensor_parallel: true,
+            ..Default::default()
+        };
         // Tied embeddings split over two stages exist on both: the first stage's and the last
         // stage's copy get their gradients summed.
-        let tied_elsewhere = !self.config.untie_embeddings_and_output_weights && !(self.spec.pre_process && self.spec.post_process);
+        let tied_elsewhere = !self.config.untie_embeddings_and_output_weights
+            && !(self.spec.pre_process && self.spec.post_process);
         if let Some(word) = &self.word_embeddings {
-            names.push("embedding.word_embeddings.weight", &word.weight, ParamAttributes { tied_across_stages: tied_elsewhere, ..sharded });
+            names.push(
+                "embedding.word_embeddings.weight",
+                &word.weight,
+                ParamAttributes {
+                    tied_across_stages: tied_elsewhere,
+                    ..sharded
+                },
+            );
         }
         if let Some(positions) = &self.position_embeddings {
-            names.push("embedding.position_embeddings.weight", positions, ParamAttributes::default());
+            names.push(
+                "embedding.position_embeddings.weight",
+                positions,
+                ParamAttributes::default(),
+            );
         }
         for (i, layer) in self.layers.iter().enumerate() {
             layer.named_tensors(&mut names.scope(&format!("decoder.layers.{i}")));
@@ -304,8 +452,16 @@ impl GptModel {
         if let Some(norm) = &self.final_layernorm {
             norm.named_tensors(&mut names.scope("decoder.final_layernorm"));
         }
-        if let Some(OutputWeight::Own { weight, shared_embedding }) = &self.output {
-            let attributes = ParamAttributes { shared_embedding: *shared_embedding, tied_across_stages: *shared_embedding, ..sharded };
+        if let Some(OutputWeight::Own {
+            weight,
+            shared_embedding,
+        }) = &self.output
+        {
+            let attributes = ParamAttributes {
+                shared_embedding: *shared_embedding,
+                tied_across_stages: *shared_embedding,
+                ..sharded
+            };
             names.push("output_layer.weight", weight, attributes);
         }
         out
@@ -316,15 +472,23 @@ impl GptModel {
     /// checkpoint of another architecture fails loudly instead of half-loading.
     pub fn load_parameters(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
         let parameters = self.named_parameters();
-        let mut unknown: Vec<&String> = tensors.keys().filter(|k| !parameters.iter().any(|p| &p.name == *k)).collect();
+        let mut unknown: Vec<&String> = tensors
+            .keys()
+            .filter(|k| !parameters.iter().any(|p| &p.name == *k))
+            .collect();
         if !unknown.is_empty() {
             unknown.sort();
-            bail!("unexpected tensors for this model: {}", join_names(&unknown));
+            bail!(
+                "unexpected tensors for this model: {}",
+                join_names(&unknown)
+            );
         }
         tch::no_grad(|| -> Result<()> {
             for parameter in &parameters {
                 let name = &parameter.name;
-                let source = tensors.get(name).with_context(|| format!("missing tensor {name}"))?;
+                let source = tensors
+                    .get(name)
+                    .with_context(|| format!("missing tensor {name}"))?;
                 ensure!(
                     source.size() == parameter.tensor.size(),
                     "tensor {name}: shape {:?} but the model expects {:?}",
@@ -338,13 +502,21 @@ impl GptModel {
     }
 
     pub fn parameter_count(&self) -> i64 {
-        self.named_parameters().iter().map(|p| p.tensor.numel() as i64).sum()
+        self.named_parameters()
+            .iter()
+            .map(|p| p.tensor.numel() as i64)
+            .sum()
     }
 }
 
 fn join_names(names: &[&String]) -> String {
     const SHOWN: usize = 8;
-    let mut text = names.iter().take(SHOWN).map(|s| s.as_str()).collect::<Vec<_>>().join(", ");
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .map(|s| s.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
     if names.len() > SHOWN {
         text.push_str(&format!(" and {} more", names.len() - SHOWN));
     }

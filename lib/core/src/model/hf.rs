@@ -11,7 +11,9 @@ use super::config::GptConfig;
 type StateDict = HashMap<String, Tensor>;
 
 fn take<'a>(state: &'a StateDict, name: &str) -> Result<&'a Tensor> {
-    state.get(name).with_context(|| format!("HuggingFace checkpoint has no tensor {name}"))
+    state
+        .get(name)
+        .with_context(|| format!("HuggingFace checkpoint has no tensor {name}"))
 }
 
 /// Pads the vocabulary rows to Megatron's padded size by repeating the last row, as Megatron's
@@ -21,18 +23,27 @@ fn pad_vocab(table: &Tensor, padded: i64) -> Tensor {
     if rows >= padded {
         return table.narrow(0, 0, padded);
     }
-    let last = table.narrow(0, rows - 1, 1).expand([padded - rows, table.size()[1]], false);
+    let last = table
+        .narrow(0, rows - 1, 1)
+        .expand([padded - rows, table.size()[1]], false);
     Tensor::cat(&[table, &last], 0)
 }
 
 /// GPT-2's fused `c_attn` (Conv1D `[h, 3h]`, q|k|v blocks) → Megatron's `[n, 3, d]` rows.
 fn gpt2_qkv_weight(c_attn: &Tensor, heads: i64, head_dim: i64) -> Tensor {
     let hidden = c_attn.size()[0];
-    c_attn.tr().contiguous().view([3, heads, head_dim, hidden]).permute([1, 0, 2, 3]).reshape([3 * heads * head_dim, hidden])
+    c_attn
+        .tr()
+        .contiguous()
+        .view([3, heads, head_dim, hidden])
+        .permute([1, 0, 2, 3])
+        .reshape([3 * heads * head_dim, hidden])
 }
 
 fn gpt2_qkv_bias(bias: &Tensor, heads: i64, head_dim: i64) -> Tensor {
-    bias.view([3, heads, head_dim]).permute([1, 0, 2]).reshape([3 * heads * head_dim])
+    bias.view([3, heads, head_dim])
+        .permute([1, 0, 2])
+        .reshape([3 * heads * head_dim])
 }
 
 pub fn gpt2_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict> {
@@ -42,33 +53,72 @@ pub fn gpt2_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict>
     let mut put = |name: String, tensor: Tensor| {
         out.insert(name, tensor.contiguous());
     };
-    put("embedding.word_embeddings.weight".into(), pad_vocab(take(hf, "transformer.wte.weight")?, padded));
-    put("embedding.position_embeddings.weight".into(), take(hf, "transformer.wpe.weight")?.shallow_clone());
+    put(
+        "embedding.word_embeddings.weight".into(),
+        pad_vocab(take(hf, "transformer.wte.weight")?, padded),
+    );
+    put(
+        "embedding.position_embeddings.weight".into(),
+        take(hf, "transformer.wpe.weight")?.shallow_clone(),
+    );
     for i in 0..config.num_layers {
         let hf_layer = |name: &str| take(hf, &format!("transformer.h.{i}.{name}"));
         let ours = |name: &str| format!("decoder.layers.{i}.{name}");
         for (hf_norm, norm) in [("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")] {
-            put(ours(&format!("{norm}.weight")), hf_layer(&format!("{hf_norm}.weight"))?.shallow_clone());
-            put(ours(&format!("{norm}.bias")), hf_layer(&format!("{hf_norm}.bias"))?.shallow_clone());
+            put(
+                ours(&format!("{norm}.weight")),
+                hf_layer(&format!("{hf_norm}.weight"))?.shallow_clone(),
+            );
+            put(
+                ours(&format!("{norm}.bias")),
+                hf_layer(&format!("{hf_norm}.bias"))?.shallow_clone(),
+            );
         }
-        put(ours("self_attention.linear_qkv.weight"), gpt2_qkv_weight(hf_layer("attn.c_attn.weight")?, n, d));
-        put(ours("self_attention.linear_qkv.bias"), gpt2_qkv_bias(hf_layer("attn.c_attn.bias")?, n, d));
+        put(
+            ours("self_attention.linear_qkv.weight"),
+            gpt2_qkv_weight(hf_layer("attn.c_attn.weight")?, n, d),
+        );
+        put(
+            ours("self_attention.linear_qkv.bias"),
+            gpt2_qkv_bias(hf_layer("attn.c_attn.bias")?, n, d),
+        );
         // Conv1D stores [in, out]; Megatron's linears are [out, in].
-        for (hf_linear, linear) in
-            [("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"), ("mlp.c_proj", "mlp.linear_fc2")]
-        {
-            put(ours(&format!("{linear}.weight")), hf_layer(&format!("{hf_linear}.weight"))?.tr());
-            put(ours(&format!("{linear}.bias")), hf_layer(&format!("{hf_linear}.bias"))?.shallow_clone());
+        for (hf_linear, linear) in [
+            ("attn.c_proj", "self_attention.linear_proj"),
+            ("mlp.c_fc", "mlp.linear_fc1"),
+            ("mlp.c_proj", "mlp.linear_fc2"),
+        ] {
+            put(
+                ours(&format!("{linear}.weight")),
+                hf_layer(&format!("{hf_linear}.weight"))?.tr(),
+            );
+            put(
+                ours(&format!("{linear}.bias")),
+                hf_layer(&format!("{hf_linear}.bias"))?.shallow_clone(),
+            );
         }
     }
-    put("decoder.final_layernorm.weight".into(), take(hf, "transformer.ln_f.weight")?.shallow_clone());
-    put("decoder.final_layernorm.bias".into(), take(hf, "transformer.ln_f.bias")?.shallow_clone());
+    put(
+        "decoder.final_layernorm.weight".into(),
+        take(hf, "transformer.ln_f.weight")?.shallow_clone(),
+    );
+    put(
+        "decoder.final_layernorm.bias".into(),
+        take(hf, "transformer.ln_f.bias")?.shallow_clone(),
+    );
     Ok(out)
 }
 
 /// Llama's separate q/k/v projections → Megatron's per-group `[q heads of the group; k; v]`
 /// rows. HF stores q and k already in the rotate-half layout Megatron's RoPE uses.
-fn llama_qkv_weight(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64, groups: i64, head_dim: i64) -> Tensor {
+fn llama_qkv_weight(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: i64,
+    groups: i64,
+    head_dim: i64,
+) -> Tensor {
     let hidden = q.size()[1];
     let per_group = heads / groups;
     let q = q.view([groups, per_group * head_dim, hidden]);
@@ -78,18 +128,31 @@ fn llama_qkv_weight(q: &Tensor, k: &Tensor, v: &Tensor, heads: i64, groups: i64,
 }
 
 pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict> {
-    let (n, g, d) = (config.num_attention_heads, config.num_query_groups, config.kv_channels);
+    let (n, g, d) = (
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+    );
     let padded = config.padded_vocab_size(1);
     let mut out = StateDict::new();
     let mut put = |name: String, tensor: Tensor| {
         out.insert(name, tensor.contiguous());
     };
-    put("embedding.word_embeddings.weight".into(), pad_vocab(take(hf, "model.embed_tokens.weight")?, padded));
+    put(
+        "embedding.word_embeddings.weight".into(),
+        pad_vocab(take(hf, "model.embed_tokens.weight")?, padded),
+    );
     for i in 0..config.num_layers {
         let hf_layer = |name: &str| take(hf, &format!("model.layers.{i}.{name}"));
         let ours = |name: &str| format!("decoder.layers.{i}.{name}");
-        put(ours("input_layernorm.weight"), hf_layer("input_layernorm.weight")?.shallow_clone());
-        put(ours("pre_mlp_layernorm.weight"), hf_layer("post_attention_layernorm.weight")?.shallow_clone());
+        put(
+            ours("input_layernorm.weight"),
+            hf_layer("input_layernorm.weight")?.shallow_clone(),
+        );
+        put(
+            ours("pre_mlp_layernorm.weight"),
+            hf_layer("post_attention_layernorm.weight")?.shallow_clone(),
+        );
         let qkv = llama_qkv_weight(
             hf_layer("self_attn.q_proj.weight")?,
             hf_layer("self_attn.k_proj.weight")?,
@@ -99,12 +162,30 @@ pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict
             d,
         );
         put(ours("self_attention.linear_qkv.weight"), qkv);
-        put(ours("self_attention.linear_proj.weight"), hf_layer("self_attn.o_proj.weight")?.shallow_clone());
-        let fc1 = Tensor::cat(&[hf_layer("mlp.gate_proj.weight")?, hf_layer("mlp.up_proj.weight")?], 0);
+        put(
+            ours("self_attention.linear_proj.weight"),
+            hf_layer("self_attn.o_proj.weight")?.shallow_clone(),
+        );
+        let fc1 = Tensor::cat(
+            &[
+                hf_layer("mlp.gate_proj.weight")?,
+                hf_layer("mlp.up_proj.weight")?,
+            ],
+            0,
+        );
         put(ours("mlp.linear_fc1.weight"), fc1);
-        put(ours("mlp.linear_fc2.weight"), hf_layer("mlp.down_proj.weight")?.shallow_clone());
+        put(
+            ours("mlp.linear_fc2.weight"),
+            hf_layer("mlp.down_proj.weight")?.shallow_clone(),
+        );
     }
-    put("decoder.final_layernorm.weight".into(), take(hf, "model.norm.weight")?.shallow_clone());
-    put("output_layer.weight".into(), pad_vocab(take(hf, "lm_head.weight")?, padded));
+    put(
+        "decoder.final_layernorm.weight".into(),
+        take(hf, "model.norm.weight")?.shallow_clone(),
+    );
+    put(
+        "output_layer.weight".into(),
+        pad_vocab(take(hf, "lm_head.weight")?, padded),
+    );
     Ok(out)
 }

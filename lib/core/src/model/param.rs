@@ -53,13 +53,29 @@ pub struct Initializer {
 }
 
 impl Initializer {
-    pub fn new(dtype: Kind, device: Device, tensor_parallel_rank: i64, tensor_parallel_size: i64, seed: u64) -> Self {
-        Initializer { dtype, device, tensor_parallel_rank, tensor_parallel_size, seed, prefix: String::new() }
+    pub fn new(
+        dtype: Kind,
+        device: Device,
+        tensor_parallel_rank: i64,
+        tensor_parallel_size: i64,
+        seed: u64,
+    ) -> Self {
+        Initializer {
+            dtype,
+            device,
+            tensor_parallel_rank,
+            tensor_parallel_size,
+            seed,
+            prefix: String::new(),
+        }
     }
 
     /// An initializer whose parameter names start with `name.`.
     pub fn scope(&self, name: &str) -> Initializer {
-        Initializer { prefix: format!("{}{name}.", self.prefix), ..self.clone() }
+        Initializer {
+            prefix: format!("{}{name}.", self.prefix),
+            ..self.clone()
+        }
     }
 
     /// N(0, std) over the whole `shape`.
@@ -75,12 +91,25 @@ impl Initializer {
     /// Like [`normal_partitioned`](Self::normal_partitioned), with the full weight cut into
     /// `t · stride` pieces along `dim` of which rank r keeps pieces `r, r + t, …` (Megatron's
     /// `stride`): SwiGLU's fc1 `[gate; up]` gives rank r `[gate_r; up_r]`.
-    pub fn normal_partitioned_strided(&self, name: &str, shape: &[i64], std: f64, dim: usize, stride: i64) -> Param {
+    pub fn normal_partitioned_strided(
+        &self,
+        name: &str,
+        shape: &[i64],
+        std: f64,
+        dim: usize,
+        stride: i64,
+    ) -> Param {
         let full = self.full_normal(name, shape, std);
         let pieces = self.tensor_parallel_size * stride;
         let width = full.size()[dim] / pieces;
         let kept: Vec<Tensor> = (0..stride)
-            .map(|s| full.narrow(dim as i64, (s * self.tensor_parallel_size + self.tensor_parallel_rank) * width, width))
+            .map(|s| {
+                full.narrow(
+                    dim as i64,
+                    (s * self.tensor_parallel_size + self.tensor_parallel_rank) * width,
+                    width,
+                )
+            })
             .collect();
         self.place(Tensor::cat(&kept, dim as i64))
     }
@@ -97,11 +126,20 @@ impl Initializer {
     }
 
     fn place(&self, tensor: Tensor) -> Param {
-        Param::new(tensor.contiguous().to_kind(self.dtype).to_device(self.device))
+        Param::new(
+            tensor
+                .contiguous()
+                .to_kind(self.dtype)
+                .to_device(self.device),
+        )
     }
 
     fn full_normal(&self, name: &str, shape: &[i64], std: f64) -> Tensor {
-        seeded_normal(shape, std, parameter_seed(self.seed, &format!("{}{name}", self.prefix)))
+        seeded_normal(
+            shape,
+            std,
+            parameter_seed(self.seed, &format!("{}{name}", self.prefix)),
+        )
     }
 }
 
@@ -120,8 +158,10 @@ pub fn parameter_seed(seed: u64, name: &str) -> u64 {
 fn seeded_normal(shape: &[i64], std: f64, seed: u64) -> Tensor {
     let mut handle: ffi::TensorHandle = std::ptr::null_mut();
     // SAFETY: `shape` is live for the call; on success the shim writes a fresh handle we own.
-    crate::error::check(unsafe { ffi::mrs_seeded_normal(shape.as_ptr(), shape.len(), 0.0, std, seed, &mut handle) })
-        .expect("drawing from a CPU generator cannot fail");
+    crate::error::check(unsafe {
+        ffi::mrs_seeded_normal(shape.as_ptr(), shape.len(), 0.0, std, seed, &mut handle)
+    })
+    .expect("drawing from a CPU generator cannot fail");
     unsafe { Tensor::from_ptr(handle) }
 }
 
@@ -140,7 +180,9 @@ mod tests {
         let other = initializer(0, 1).normal("v", &[4, 3], 1.0);
         assert!(a.equal(&b));
         assert!(!a.equal(&other));
-        let reseeded = Initializer::new(Kind::Float, Device::Cpu, 0, 1, 99).scope("decoder.layers.3").normal("w", &[4, 3], 1.0);
+        let reseeded = Initializer::new(Kind::Float, Device::Cpu, 0, 1, 99)
+            .scope("decoder.layers.3")
+            .normal("w", &[4, 3], 1.0);
         assert!(!a.equal(&reseeded));
         assert!((a.std(false).double_value(&[]) - 1.0).abs() < 0.8);
     }
@@ -148,9 +190,23 @@ mod tests {
     #[test]
     fn tensor_parallel_shards_concatenate_to_the_full_weight() {
         let full = initializer(0, 1).normal("w", &[8, 6], 0.02);
-        let rows: Vec<Tensor> = (0..2).map(|r| initializer(r, 2).normal_partitioned("w", &[8, 6], 0.02, 0).tensor().shallow_clone()).collect();
+        let rows: Vec<Tensor> = (0..2)
+            .map(|r| {
+                initializer(r, 2)
+                    .normal_partitioned("w", &[8, 6], 0.02, 0)
+                    .tensor()
+                    .shallow_clone()
+            })
+            .collect();
         assert!(Tensor::cat(&rows, 0).equal(&full));
-        let columns: Vec<Tensor> = (0..2).map(|r| initializer(r, 2).normal_partitioned("w", &[8, 6], 0.02, 1).tensor().shallow_clone()).collect();
+        let columns: Vec<Tensor> = (0..2)
+            .map(|r| {
+                initializer(r, 2)
+                    .normal_partitioned("w", &[8, 6], 0.02, 1)
+                    .tensor()
+                    .shallow_clone()
+            })
+            .collect();
         assert!(Tensor::cat(&columns, 1).equal(&full));
         // Stride 2 over [gate; up]: rank r holds [gate_r; up_r].
         let strided = initializer(1, 2).normal_partitioned_strided("w", &[8, 6], 0.02, 0, 2);

@@ -61,14 +61,24 @@ impl PipelineSplit {
         ensure!(stage < p, "pipeline stage {stage} of {p}");
         if v == 1 {
             let range = self.stage_ranges()?.swap_remove(stage);
-            ensure!(!range.is_empty(), "pipeline stage {stage} would hold no layers");
-            return Ok(vec![ChunkSpec { pre_process: stage == 0, post_process: stage == p - 1, layers: range }]);
+            ensure!(
+                !range.is_empty(),
+                "pipeline stage {stage} would hold no layers"
+            );
+            return Ok(vec![ChunkSpec {
+                pre_process: stage == 0,
+                post_process: stage == p - 1,
+                layers: range,
+            }]);
         }
         ensure!(
             self.first_stage_layers.is_none() && self.last_stage_layers.is_none(),
             "--decoder-first/last-pipeline-num-layers cannot be combined with virtual pipeline stages"
         );
-        ensure!(p > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1");
+        ensure!(
+            p > 1,
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1"
+        );
         ensure!(
             self.num_layers % (p * v) == 0,
             "--num-layers {} is not divisible by {p} stages × {v} virtual stages",
@@ -78,7 +88,11 @@ impl PipelineSplit {
         Ok((0..v)
             .map(|c| {
                 let index = c * p + stage;
-                ChunkSpec { pre_process: index == 0, post_process: index == p * v - 1, layers: index * block..(index + 1) * block }
+                ChunkSpec {
+                    pre_process: index == 0,
+                    post_process: index == p * v - 1,
+                    layers: index * block..(index + 1) * block,
+                }
             })
             .collect())
     }
@@ -89,11 +103,22 @@ mod tests {
     use super::*;
 
     fn split(num_layers: usize, stages: usize, chunks: usize) -> PipelineSplit {
-        PipelineSplit { num_layers, stages, chunks, first_stage_layers: None, last_stage_layers: None }
+        PipelineSplit {
+            num_layers,
+            stages,
+            chunks,
+            first_stage_layers: None,
+            last_stage_layers: None,
+        }
     }
 
     fn layers(split: &PipelineSplit, stage: usize) -> Vec<Range<usize>> {
-        split.chunks_of(stage).unwrap().into_iter().map(|c| c.layers).collect()
+        split
+            .chunks_of(stage)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.layers)
+            .collect()
     }
 
     #[test]
@@ -107,14 +132,30 @@ mod tests {
         assert_eq!(layers(&virtual_split, 1), [2..4, 6..8]);
         let chunks = virtual_split.chunks_of(1).unwrap();
         assert!(!chunks[0].pre_process && !chunks[0].post_process && chunks[1].post_process);
-        assert!(split(8, 3, 1).chunks_of(0).unwrap_err().to_string().contains("does not split evenly"));
+        assert!(split(8, 3, 1)
+            .chunks_of(0)
+            .unwrap_err()
+            .to_string()
+            .contains("does not split evenly"));
     }
 
     #[test]
     fn uneven_first_and_last_stages() {
-        let uneven = PipelineSplit { num_layers: 10, stages: 4, chunks: 1, first_stage_layers: Some(1), last_stage_layers: Some(3) };
-        assert_eq!((0..4).map(|s| layers(&uneven, s)).collect::<Vec<_>>(), [vec![0..1], vec![1..4], vec![4..7], vec![7..10]]);
-        let bad = PipelineSplit { first_stage_layers: Some(2), ..uneven };
+        let uneven = PipelineSplit {
+            num_layers: 10,
+            stages: 4,
+            chunks: 1,
+            first_stage_layers: Some(1),
+            last_stage_layers: Some(3),
+        };
+        assert_eq!(
+            (0..4).map(|s| layers(&uneven, s)).collect::<Vec<_>>(),
+            [vec![0..1], vec![1..4], vec![4..7], vec![7..10]]
+        );
+        let bad = PipelineSplit {
+            first_stage_layers: Some(2),
+            ..uneven
+        };
         assert!(bad.chunks_of(0).is_err());
     }
 }

@@ -3,6 +3,6 @@
 pub mod multi_tensor;
 
 pub use multi_tensor::{
-    foreach_add_, foreach_copy_, foreach_mul_, foreach_zero_, fused_adamw, set_deterministic, total_norm,
-    unscale_and_check_finite, AdamwHyper,
+    foreach_add_, foreach_copy_, foreach_mul_, foreach_zero_, fused_adamw, set_deterministic,
+    total_norm, unscale_and_check_finite, AdamwHyper,
 };

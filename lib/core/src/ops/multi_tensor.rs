@@ -15,7 +15,9 @@ fn same_length(what: &str, lengths: &[usize]) -> Result<(), TorchError> {
     if lengths.windows(2).all(|w| w[0] == w[1]) {
         Ok(())
     } else {
-        Err(TorchError(format!("{what}: tensor lists of different lengths {lengths:?}")))
+        Err(TorchError(format!(
+            "{what}: tensor lists of different lengths {lengths:?}"
+        )))
     }
 }
 
@@ -41,9 +43,21 @@ pub fn fused_adamw(
 ) -> Result<(), TorchError> {
     same_length(
         "fused_adamw",
-        &[params.len(), grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()],
+        &[
+            params.len(),
+            grads.len(),
+            exp_avgs.len(),
+            exp_avg_sqs.len(),
+            steps.len(),
+        ],
     )?;
-    let (p, g, m, v, s) = (handles(params), handles(grads), handles(exp_avgs), handles(exp_avg_sqs), handles(steps));
+    let (p, g, m, v, s) = (
+        handles(params),
+        handles(grads),
+        handles(exp_avgs),
+        handles(exp_avg_sqs),
+        handles(steps),
+    );
     // SAFETY: every handle borrows a live tensor for the duration of the call.
     check(unsafe {
         ffi::mrs_fused_adamw(
@@ -118,14 +132,23 @@ pub fn foreach_zero_(tensors: &[&Tensor]) -> Result<(), TorchError> {
 
 /// Multiplies every tensor by `inv_scale` and sets `found_inf` (a float32 scalar, expected 0)
 /// to 1 when any value is infinite or NaN: the fp16 loss scaler's overflow check.
-pub fn unscale_and_check_finite(tensors: &[&Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<(), TorchError> {
+pub fn unscale_and_check_finite(
+    tensors: &[&Tensor],
+    found_inf: &Tensor,
+    inv_scale: &Tensor,
+) -> Result<(), TorchError> {
     if tensors.is_empty() {
         return Ok(());
     }
     let list = handles(tensors);
     // SAFETY: borrowed handles, live for the call.
     check(unsafe {
-        ffi::mrs_unscale_and_check_finite(list.as_ptr(), list.len(), ffi::handle(found_inf), ffi::handle(inv_scale))
+        ffi::mrs_unscale_and_check_finite(
+            list.as_ptr(),
+            list.len(),
+            ffi::handle(found_inf),
+            ffi::handle(inv_scale),
+        )
     })
 }
 
@@ -150,7 +173,13 @@ mod tests {
         let grad = Tensor::from_slice(&[0.1f32, 0.2, -0.3]);
         let (m, v) = (param.zeros_like(), param.zeros_like());
         let step = Tensor::zeros([], (Kind::Float, Device::Cpu));
-        let hyper = AdamwHyper { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+        let hyper = AdamwHyper {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let expected_first = {
             // Step 1: m = 0.1 g, v = 0.001 g^2, bias corrections 0.1 and 0.001 cancel them.
             let decayed = &param * (1.0 - hyper.lr * hyper.weight_decay);

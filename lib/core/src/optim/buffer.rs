@@ -62,7 +62,13 @@ impl BufferLayout {
     /// Lays out `params` (in model order) for data-parallel rank `rank` of `size`; buckets hold
     /// at least `bucket_size` elements (the last may hold fewer). With `sharded` false every
     /// rank's shard is the whole bucket (the non-distributed optimizer).
-    pub fn new(params: &[ParamShape], bucket_size: usize, rank: usize, size: usize, sharded: bool) -> Self {
+    pub fn new(
+        params: &[ParamShape],
+        bucket_size: usize,
+        rank: usize,
+        size: usize,
+        sharded: bool,
+    ) -> Self {
         let mut slots = Vec::with_capacity(params.len());
         let mut buckets = Vec::new();
         let mut offset = 0;
@@ -71,8 +77,25 @@ impl BufferLayout {
             let multiple = if sharded { size * SHARD_ALIGNMENT } else { 1 };
             len.div_ceil(multiple) * multiple
         };
+        let mut close =
+            |offset: &mut usize, bucket_start: &mut usize, buckets: &mut Vec<Bucket>| {
+                let end = *bucket_start + pad(*offset - *bucket_start);
+                buckets.push(Bucket {
+                    range: *bucket_start..end,
+                    shard: 0..0,
+                });
+                *offset = end;
+                *bucket_start = end;
+            };
         for (i, param) in params.iter().enumerate().rev() {
             let numel = param.shape.iter().product::<i64>() as usize;
+            // The two stages' copies of tied embeddings are summed after the data-parallel
+            // reduction; in a bucket of their own both copies are sharded alike (Megatron
+            // does the same with the distributed optimizer).
+            let alone = sharded && param.attributes.tied_across_stages;
+            if alone && offset > bucket_start {
+                close(&mut offset, &mut bucket_start, &mut buckets);
+            }
             slots.push(Slot {
                 name: param.name.to_string(),
                 shape: param.shape.clone(),
@@ -81,15 +104,16 @@ impl BufferLayout {
                 attributes: param.attributes,
             });
             offset += numel;
-            if offset - bucket_start >= bucket_size || i == 0 {
-                let end = bucket_start + pad(offset - bucket_start);
-                buckets.push(Bucket { range: bucket_start..end, shard: 0..0 });
-                offset = end;
-                bucket_start = end;
+            if alone || offset - bucket_start >= bucket_size || i == 0 {
+                close(&mut offset, &mut bucket_start, &mut buckets);
             }
         }
         for bucket in &mut buckets {
-            let width = if sharded { bucket.range.len() / size } else { bucket.range.len() };
+            let width = if sharded {
+                bucket.range.len() / size
+            } else {
+                bucket.range.len()
+            };
             let start = bucket.range.start + if sharded { rank * width } else { 0 };
             bucket.shard = start..start + width;
         }
@@ -101,12 +125,22 @@ impl BufferLayout {
                 let end = slot.range.end.min(bucket.shard.end);
                 if start < end {
                     let in_shard = shard_offset + (start - bucket.shard.start);
-                    segments.push(Segment { slot: index, buffer: start..end, shard: in_shard..in_shard + (end - start) });
+                    segments.push(Segment {
+                        slot: index,
+                        buffer: start..end,
+                        shard: in_shard..in_shard + (end - start),
+                    });
                 }
             }
             shard_offset += bucket.shard.len();
         }
-        BufferLayout { slots, buckets, len: offset, shard_len: shard_offset, segments }
+        BufferLayout {
+            slots,
+            buckets,
+            len: offset,
+            shard_len: shard_offset,
+            segments,
+        }
     }
 
     /// The slot of the parameter `name`.
@@ -120,10 +154,19 @@ mod tests {
     use super::*;
 
     fn params() -> Vec<ParamShape<'static>> {
-        [("a.weight", vec![10, 10]), ("a.bias", vec![10]), ("b.weight", vec![300]), ("c.weight", vec![7, 3])]
-            .into_iter()
-            .map(|(name, shape)| ParamShape { name, shape, attributes: ParamAttributes::default() })
-            .collect()
+        [
+            ("a.weight", vec![10, 10]),
+            ("a.bias", vec![10]),
+            ("b.weight", vec![300]),
+            ("c.weight", vec![7, 3]),
+        ]
+        .into_iter()
+        .map(|(name, shape)| ParamShape {
+            name,
+            shape,
+            attributes: ParamAttributes::default(),
+        })
+        .collect()
     }
 
     #[test]
@@ -132,7 +175,14 @@ mod tests {
         let order: Vec<&str> = layout.slots.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(order, ["c.weight", "b.weight", "a.bias", "a.weight"]);
         // c (21) + b (300) reach 250 → first bucket; a.bias + a.weight form the second.
-        assert_eq!(layout.buckets.iter().map(|b| b.range.clone()).collect::<Vec<_>>(), [0..321, 321..431]);
+        assert_eq!(
+            layout
+                .buckets
+                .iter()
+                .map(|b| b.range.clone())
+                .collect::<Vec<_>>(),
+            [0..321, 321..431]
+        );
         assert_eq!(layout.shard_len, 431);
         assert_eq!(layout.segments.len(), 4);
         assert_eq!(layout.slot("a.bias").unwrap().group, ParamGroup::NotDecayed);
@@ -141,7 +191,9 @@ mod tests {
     #[test]
     fn shards_split_every_bucket_evenly_and_cover_each_parameter_once() {
         let size = 2;
-        let layouts: Vec<BufferLayout> = (0..size).map(|rank| BufferLayout::new(&params(), 250, rank, size, true)).collect();
+        let layouts: Vec<BufferLayout> = (0..size)
+            .map(|rank| BufferLayout::new(&params(), 250, rank, size, true))
+            .collect();
         for layout in &layouts {
             for bucket in &layout.buckets {
                 assert_eq!(bucket.range.len() % (size * SHARD_ALIGNMENT), 0);
@@ -152,13 +204,52 @@ mod tests {
         for layout in &layouts {
             for segment in &layout.segments {
                 let slot = &layout.slots[segment.slot];
-                assert!(slot.range.start <= segment.buffer.start && segment.buffer.end <= slot.range.end);
+                assert!(
+                    slot.range.start <= segment.buffer.start
+                        && segment.buffer.end <= slot.range.end
+                );
                 assert_eq!(segment.buffer.len(), segment.shard.len());
-                covered[segment.buffer.clone()].iter_mut().for_each(|c| *c += 1);
+                covered[segment.buffer.clone()]
+                    .iter_mut()
+                    .for_each(|c| *c += 1);
             }
         }
         for slot in &layouts[0].slots {
-            assert!(covered[slot.range.clone()].iter().all(|&c| c == 1), "{} covered unevenly", slot.name);
+            assert!(
+                covered[slot.range.clone()].iter().all(|&c| c == 1),
+                "{} covered unevenly",
+                slot.name
+            );
         }
+    }
+
+    #[test]
+    fn tied_embeddings_get_a_bucket_of_their_own_when_sharded() {
+        let mut params = params();
+        params[2].attributes.tied_across_stages = true;
+        let layout = BufferLayout::new(&params, 10_000, 1, 2, true);
+        let b = layout.slot("b.weight").unwrap();
+        let alone: Vec<&Bucket> = layout
+            .buckets
+            .iter()
+            .filter(|k| k.range.start <= b.range.start && b.range.end <= k.range.end)
+            .collect();
+        assert_eq!(alone.len(), 1);
+        assert_eq!(
+            alone[0].range.start, b.range.start,
+            "b.weight starts its bucket"
+        );
+        assert_eq!(
+            alone[0].range.len(),
+            300usize.div_ceil(2 * SHARD_ALIGNMENT) * 2 * SHARD_ALIGNMENT
+        );
+        assert_eq!(layout.buckets.len(), 3);
+        // Unsharded, the big bucket size keeps everything together.
+        assert_eq!(
+            BufferLayout::new(&params, 10_000, 1, 2, false)
+                .buckets
+                .len(),
+            1
+        );
     }
 }

@@ -27,9 +27,21 @@ mod tests {
 
     #[test]
     fn biases_and_vectors_are_not_decayed() {
-        assert_eq!(ParamGroup::of("decoder.layers.0.mlp.linear_fc1.bias", &[16]), ParamGroup::NotDecayed);
-        assert_eq!(ParamGroup::of("decoder.final_layernorm.weight", &[8]), ParamGroup::NotDecayed);
-        assert_eq!(ParamGroup::of("decoder.layers.0.mlp.linear_fc1.weight", &[16, 8]), ParamGroup::Decayed);
-        assert_eq!(ParamGroup::of("embedding.word_embeddings.weight", &[128, 8]), ParamGroup::Decayed);
+        assert_eq!(
+            ParamGroup::of("decoder.layers.0.mlp.linear_fc1.bias", &[16]),
+            ParamGroup::NotDecayed
+        );
+        assert_eq!(
+            ParamGroup::of("decoder.final_layernorm.weight", &[8]),
+            ParamGroup::NotDecayed
+        );
+        assert_eq!(
+            ParamGroup::of("decoder.layers.0.mlp.linear_fc1.weight", &[16, 8]),
+            ParamGroup::Decayed
+        );
+        assert_eq!(
+            ParamGroup::of("embedding.word_embeddings.weight", &[128, 8]),
+            ParamGroup::Decayed
+        );
     }
 }

@@ -48,8 +48,14 @@ pub struct StepOutcome {
 }
 
 enum Moments {
-    Adam { exp_avg: Tensor, exp_avg_sq: Tensor, steps: Vec<Tensor> },
-    Sgd { momentum: Option<Tensor> },
+    Adam {
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        steps: Vec<Tensor>,
+    },
+    Sgd {
+        momentum: Option<Tensor>,
+    },
 }
 
 pub struct MixedPrecisionOptimizer {
@@ -75,25 +81,48 @@ pub struct MixedPrecisionOptimizer {
 impl MixedPrecisionOptimizer {
     /// Takes the model's parameters (all of one dtype and device) and moves them into one flat
     /// buffer, each parameter becoming a view of it.
-    pub fn new(parameters: Vec<NamedParameter>, settings: OptimizerSettings, parallel: &ParallelState) -> Result<Self> {
-        let first = parameters.first().context("the optimizer has no parameters")?;
+    pub fn new(
+        parameters: Vec<NamedParameter>,
+        settings: OptimizerSettings,
+        parallel: &ParallelState,
+    ) -> Result<Self> {
+        let first = parameters
+            .first()
+            .context("the optimizer has no parameters")?;
         let (dtype, device) = (first.tensor.kind(), first.tensor.device());
         ensure!(
-            parameters.iter().all(|p| p.tensor.kind() == dtype && p.tensor.device() == device),
+            parameters
+                .iter()
+                .all(|p| p.tensor.kind() == dtype && p.tensor.device() == device),
             "all parameters must share one dtype and device"
         );
         let data = &parallel.data;
         let sharded = settings.distributed && data.size() > 1;
-        let shapes: Vec<ParamShape> =
-            parameters.iter().map(|p| ParamShape { name: &p.name, shape: p.tensor.size(), attributes: p.attributes }).collect();
-        let layout = BufferLayout::new(&shapes, settings.bucket_size.max(1), data.rank(), data.size(), sharded);
-        let by_name: HashMap<&str, &NamedParameter> = parameters.iter().map(|p| (p.name.as_str(), p)).collect();
+        let shapes: Vec<ParamShape> = parameters
+            .iter()
+            .map(|p| ParamShape {
+                name: &p.name,
+                shape: p.tensor.size(),
+                attributes: p.attributes,
+            })
+            .collect();
+        let layout = BufferLayout::new(
+            &shapes,
+            settings.bucket_size.max(1),
+            data.rank(),
+            data.size(),
+            sharded,
+        );
+        let by_name: HashMap<&str, &NamedParameter> =
+            parameters.iter().map(|p| (p.name.as_str(), p)).collect();
         let param_buffer = Tensor::zeros([layout.len as i64], (dtype, device));
         let mut params = Vec::with_capacity(layout.slots.len());
         tch::no_grad(|| {
             for slot in &layout.slots {
                 let mut param = by_name[slot.name.as_str()].tensor.shallow_clone();
-                let view = param_buffer.narrow(0, slot.range.start as i64, slot.range.len() as i64).view(slot.shape.as_slice());
+                let view = param_buffer
+                    .narrow(0, slot.range.start as i64, slot.range.len() as i64)
+                    .view(slot.shape.as_slice());
                 view.shallow_clone().copy_(&param);
                 param.set_data(&view);
                 params.push(param);
@@ -115,7 +144,11 @@ impl MixedPrecisionOptimizer {
             OptimizerKind::Adam { .. } => Moments::Adam {
                 exp_avg: main.zeros_like(),
                 exp_avg_sq: main.zeros_like(),
-                steps: layout.segments.iter().map(|_| Tensor::zeros([], (Kind::Float, device))).collect(),
+                steps: layout
+                    .segments
+                    .iter()
+                    .map(|_| Tensor::zeros([], (Kind::Float, device)))
+                    .collect(),
             },
             OptimizerKind::Sgd { .. } => Moments::Sgd { momentum: None },
         };
@@ -142,11 +175,13 @@ impl MixedPrecisionOptimizer {
     }
 
     fn grad_view(&self, range: &std::ops::Range<usize>) -> Tensor {
-        self.grad_buffer.narrow(0, range.start as i64, range.len() as i64)
+        self.grad_buffer
+            .narrow(0, range.start as i64, range.len() as i64)
     }
 
     fn main_view(&self, segment: &Segment) -> Tensor {
-        self.main.narrow(0, segment.shard.start as i64, segment.shard.len() as i64)
+        self.main
+            .narrow(0, segment.shard.start as i64, segment.shard.len() as i64)
     }
 
     /// After a micro-batch's backward: adds the parameters' gradients into the float32 buffer
@@ -179,15 +214,23 @@ impl MixedPrecisionOptimizer {
                 let view = self.grad_view(&bucket.range);
                 let _ = view.shallow_clone().g_mul_scalar_(scale);
                 if self.sharded {
-                    let reduced = data.reduce_scatter(&view, 0).context("reduce-scatter of gradients")?;
+                    let reduced = data
+                        .reduce_scatter(&view, 0)
+                        .context("reduce-scatter of gradients")?;
                     self.grad_view(&bucket.shard).copy_(&reduced);
                 } else {
-                    data.all_reduce(&view, ReduceOp::Sum).context("all-reduce of gradients")?;
+                    data.all_reduce(&view, ReduceOp::Sum)
+                        .context("all-reduce of gradients")?;
                 }
             }
         }
-        let embedding: Vec<Tensor> = self.embedding_slots.iter().map(|&i| self.grad_view(&self.layout.slots[i].range)).collect();
-        all_reduce_coalesced(&self.parallel.embedding, &embedding).context("all-reduce of tied embedding gradients")?;
+        let embedding: Vec<Tensor> = self
+            .embedding_slots
+            .iter()
+            .map(|&i| self.grad_view(&self.layout.slots[i].range))
+            .collect();
+        all_reduce_coalesced(&self.parallel.embedding, &embedding)
+            .context("all-reduce of tied embedding gradients")?;
         if self.parallel.sequence_parallel {
             let replicated: Vec<Tensor> = self
                 .layout
@@ -196,7 +239,8 @@ impl MixedPrecisionOptimizer {
                 .filter(|s| s.attributes.sequence_parallel)
                 .map(|s| self.grad_view(&s.range))
                 .collect();
-            all_reduce_coalesced(&self.parallel.tensor, &replicated).context("all-reduce of sequence-parallel gradients")?;
+            all_reduce_coalesced(&self.parallel.tensor, &replicated)
+                .context("all-reduce of sequence-parallel gradients")?;
         }
         Ok(())
     }
@@ -215,7 +259,8 @@ impl MixedPrecisionOptimizer {
     /// tensor-parallel rank 0 only, and the last stage's copy of the embeddings never.
     fn counted(&self, segment: &Segment) -> bool {
         let attributes = self.layout.slots[segment.slot].attributes;
-        !attributes.shared_embedding && (attributes.tensor_parallel || self.parallel.tensor_parallel_rank() == 0)
+        !attributes.shared_embedding
+            && (attributes.tensor_parallel || self.parallel.tensor_parallel_rank() == 0)
     }
 
     /// Sum of squares of `views` over the whole replica, as a square root.
@@ -229,7 +274,12 @@ impl MixedPrecisionOptimizer {
 
     /// Reduces, unscales (fp16), checks, clips and applies the accumulated gradients, then
     /// clears them. `loss_scale` is the fp16 scaler's current scale (`None` for bf16/fp32).
-    pub fn step(&mut self, lr: f64, weight_decay: f64, loss_scale: Option<f32>) -> Result<StepOutcome> {
+    pub fn step(
+        &mut self,
+        lr: f64,
+        weight_decay: f64,
+        loss_scale: Option<f32>,
+    ) -> Result<StepOutcome> {
         self.finalize_grads()?;
         let device = self.grad_buffer.device();
         let segments = self.layout.segments.clone();
@@ -242,45 +292,96 @@ impl MixedPrecisionOptimizer {
             self.reduce_over_replica(&found_inf, ReduceOp::Max)?;
             if found_inf.double_value(&[]) > 0.0 {
                 self.zero_grads()?;
-                return Ok(StepOutcome { skipped: true, grad_norm: None });
+                return Ok(StepOutcome {
+                    skipped: true,
+                    grad_norm: None,
+                });
             }
         }
-        let counted: Vec<Tensor> = segments.iter().zip(&grads).filter(|(s, _)| self.counted(s)).map(|(_, g)| g.shallow_clone()).collect();
+        let counted: Vec<Tensor> = segments
+            .iter()
+            .zip(&grads)
+            .filter(|(s, _)| self.counted(s))
+            .map(|(_, g)| g.shallow_clone())
+            .collect();
         let norm = self.global_norm(&counted)?;
         let grad_norm = norm.double_value(&[]);
         if self.settings.clip_grad > 0.0 {
             // Megatron scales only when the coefficient is below one; multiplying by exactly
             // 1.0 is the identity, so clamping keeps that without a branch on the host.
-            let coefficient = (Tensor::from(self.settings.clip_grad as f32).to_device(device) / (norm + 1e-6)).clamp_max(1.0);
+            let coefficient = (Tensor::from(self.settings.clip_grad as f32).to_device(device)
+                / (norm + 1e-6))
+                .clamp_max(1.0);
             ops::foreach_mul_(&grad_refs, &coefficient)?;
         }
         match self.settings.kind {
             OptimizerKind::Adam { beta1, beta2, eps } => {
                 for group in [ParamGroup::Decayed, ParamGroup::NotDecayed] {
-                    let decay = if group == ParamGroup::Decayed { weight_decay } else { 0.0 };
-                    self.adam_step(&segments, group, AdamwHyper { lr, beta1, beta2, eps, weight_decay: decay })?;
+                    let decay = if group == ParamGroup::Decayed {
+                        weight_decay
+                    } else {
+                        0.0
+                    };
+                    self.adam_step(
+                        &segments,
+                        group,
+                        AdamwHyper {
+                            lr,
+                            beta1,
+                            beta2,
+                            eps,
+                            weight_decay: decay,
+                        },
+                    )?;
                 }
             }
             OptimizerKind::Sgd { momentum } => self.sgd_step(&segments, lr, weight_decay, momentum),
         }
         self.publish_main_params()?;
         self.zero_grads()?;
-        Ok(StepOutcome { skipped: false, grad_norm: Some(grad_norm) })
+        Ok(StepOutcome {
+            skipped: false,
+            grad_norm: Some(grad_norm),
+        })
     }
 
     fn adam_step(&self, segments: &[Segment], group: ParamGroup, hyper: AdamwHyper) -> Result<()> {
-        let Moments::Adam { exp_avg, exp_avg_sq, steps } = &self.moments else {
+        let Moments::Adam {
+            exp_avg,
+            exp_avg_sq,
+            steps,
+        } = &self.moments
+        else {
             bail!("the optimizer has no Adam state");
         };
-        let chosen: Vec<usize> = (0..segments.len()).filter(|&i| self.layout.slots[segments[i].slot].group == group).collect();
-        let shard = |t: &Tensor, s: &Segment| t.narrow(0, s.shard.start as i64, s.shard.len() as i64);
-        let params: Vec<Tensor> = chosen.iter().map(|&i| self.main_view(&segments[i])).collect();
-        let grads: Vec<Tensor> = chosen.iter().map(|&i| self.grad_view(&segments[i].buffer)).collect();
-        let m: Vec<Tensor> = chosen.iter().map(|&i| shard(exp_avg, &segments[i])).collect();
-        let v: Vec<Tensor> = chosen.iter().map(|&i| shard(exp_avg_sq, &segments[i])).collect();
+        let chosen: Vec<usize> = (0..segments.len())
+            .filter(|&i| self.layout.slots[segments[i].slot].group == group)
+            .collect();
+        let shard =
+            |t: &Tensor, s: &Segment| t.narrow(0, s.shard.start as i64, s.shard.len() as i64);
+        let params: Vec<Tensor> = chosen
+            .iter()
+            .map(|&i| self.main_view(&segments[i]))
+            .collect();
+        let grads: Vec<Tensor> = chosen
+            .iter()
+            .map(|&i| self.grad_view(&segments[i].buffer))
+            .collect();
+        let m: Vec<Tensor> = chosen
+            .iter()
+            .map(|&i| shard(exp_avg, &segments[i]))
+            .collect();
+        let v: Vec<Tensor> = chosen
+            .iter()
+            .map(|&i| shard(exp_avg_sq, &segments[i]))
+            .collect();
         let s: Vec<&Tensor> = chosen.iter().map(|&i| &steps[i]).collect();
-        let (p, g, m, v): (Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>) =
-            (params.iter().collect(), grads.iter().collect(), m.iter().collect(), v.iter().collect());
+        let (p, g, m, v): (Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>) = (
+            params.iter().collect(),
+            grads.iter().collect(),
+            m.iter().collect(),
+            v.iter().collect(),
+        );
         tch::no_grad(|| ops::fused_adamw(&p, &g, &m, &v, &s, hyper))?;
         Ok(())
     }
@@ -295,14 +396,23 @@ impl MixedPrecisionOptimizer {
         }
         tch::no_grad(|| {
             for segment in segments {
-                let decay = if self.layout.slots[segment.slot].group == ParamGroup::Decayed { weight_decay } else { 0.0 };
+                let decay = if self.layout.slots[segment.slot].group == ParamGroup::Decayed {
+                    weight_decay
+                } else {
+                    0.0
+                };
                 let main = self.main_view(segment);
                 let grad = self.grad_view(&segment.buffer);
-                let mut direction = if decay != 0.0 { &grad + &main * decay } else { grad.copy() };
+                let mut direction = if decay != 0.0 {
+                    &grad + &main * decay
+                } else {
+                    grad.copy()
+                };
                 if let Some(buffer) = &buffer {
                     // From a zero velocity the first step takes the gradient itself, as
                     // torch.optim.SGD does.
-                    let velocity = buffer.narrow(0, segment.shard.start as i64, segment.shard.len() as i64);
+                    let velocity =
+                        buffer.narrow(0, segment.shard.start as i64, segment.shard.len() as i64);
                     let updated = &velocity * momentum + &direction;
                     velocity.shallow_clone().copy_(&updated);
                     direction = updated;
@@ -321,16 +431,35 @@ impl MixedPrecisionOptimizer {
                 .layout
                 .segments
                 .iter()
-                .map(|s| (self.param_buffer.narrow(0, s.buffer.start as i64, s.buffer.len() as i64), self.main_view(s)))
+                .map(|s| {
+                    (
+                        self.param_buffer
+                            .narrow(0, s.buffer.start as i64, s.buffer.len() as i64),
+                        self.main_view(s),
+                    )
+                })
                 .unzip();
-            let (t, s): (Vec<&Tensor>, Vec<&Tensor>) = (targets.iter().collect(), sources.iter().collect());
+            let (t, s): (Vec<&Tensor>, Vec<&Tensor>) =
+                (targets.iter().collect(), sources.iter().collect());
             tch::no_grad(|| ops::foreach_copy_(&t, &s))?;
         }
         if self.sharded {
             for bucket in &self.layout.buckets {
-                let shard = self.param_buffer.narrow(0, bucket.shard.start as i64, bucket.shard.len() as i64);
-                let gathered = self.parallel.data.all_gather(&shard, 0).context("all-gather of parameters")?;
-                tch::no_grad(|| self.param_buffer.narrow(0, bucket.range.start as i64, bucket.range.len() as i64).copy_(&gathered));
+                let shard = self.param_buffer.narrow(
+                    0,
+                    bucket.shard.start as i64,
+                    bucket.shard.len() as i64,
+                );
+                let gathered = self
+                    .parallel
+                    .data
+                    .all_gather(&shard, 0)
+                    .context("all-gather of parameters")?;
+                tch::no_grad(|| {
+                    self.param_buffer
+                        .narrow(0, bucket.range.start as i64, bucket.range.len() as i64)
+                        .copy_(&gathered)
+                });
             }
         }
         Ok(())
@@ -345,7 +474,13 @@ impl MixedPrecisionOptimizer {
 
     /// The L2 norm of the parameters over the whole model (`--log-params-norm`).
     pub fn params_norm(&self) -> Result<f64> {
-        let views: Vec<Tensor> = self.layout.segments.iter().filter(|s| self.counted(s)).map(|s| self.main_view(s)).collect();
+        let views: Vec<Tensor> = self
+            .layout
+            .segments
+            .iter()
+            .filter(|s| self.counted(s))
+            .map(|s| self.main_view(s))
+            .collect();
         Ok(self.global_norm(&views)?.double_value(&[]))
     }
 
@@ -354,14 +489,20 @@ impl MixedPrecisionOptimizer {
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![("main".to_string(), self.main.shallow_clone())];
         match &self.moments {
-            Moments::Adam { exp_avg, exp_avg_sq, steps } => {
+            Moments::Adam {
+                exp_avg,
+                exp_avg_sq,
+                steps,
+            } => {
                 out.push(("exp_avg".to_string(), exp_avg.shallow_clone()));
                 out.push(("exp_avg_sq".to_string(), exp_avg_sq.shallow_clone()));
                 if let Some(step) = steps.first() {
                     out.push(("step".to_string(), step.shallow_clone()));
                 }
             }
-            Moments::Sgd { momentum: Some(buffer) } => out.push(("momentum".to_string(), buffer.shallow_clone())),
+            Moments::Sgd {
+                momentum: Some(buffer),
+            } => out.push(("momentum".to_string(), buffer.shallow_clone())),
             Moments::Sgd { momentum: None } => {}
         }
         out
@@ -370,7 +511,11 @@ impl MixedPrecisionOptimizer {
     /// Restores [`state_tensors`](Self::state_tensors) and re-derives the model parameters from
     /// the main parameters, so a half-precision model resumes from the exact float32 values.
     pub fn load_state_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        let get = |key: &str| -> Result<&Tensor> { tensors.get(key).with_context(|| format!("optimizer state has no tensor {key}")) };
+        let get = |key: &str| -> Result<&Tensor> {
+            tensors
+                .get(key)
+                .with_context(|| format!("optimizer state has no tensor {key}"))
+        };
         let expected = self.main.size();
         let main = get("main")?;
         ensure!(
@@ -382,7 +527,11 @@ impl MixedPrecisionOptimizer {
         tch::no_grad(|| -> Result<()> {
             self.main.shallow_clone().copy_(main);
             match &mut self.moments {
-                Moments::Adam { exp_avg, exp_avg_sq, steps } => {
+                Moments::Adam {
+                    exp_avg,
+                    exp_avg_sq,
+                    steps,
+                } => {
                     exp_avg.copy_(get("exp_avg")?);
                     exp_avg_sq.copy_(get("exp_avg_sq")?);
                     let step = get("step")?;
@@ -391,7 +540,9 @@ impl MixedPrecisionOptimizer {
                     }
                 }
                 Moments::Sgd { momentum } => {
-                    *momentum = tensors.get("momentum").map(|t| t.to_kind(Kind::Float).to_device(self.main.device()));
+                    *momentum = tensors
+                        .get("momentum")
+                        .map(|t| t.to_kind(Kind::Float).to_device(self.main.device()));
                 }
             }
             Ok(())
@@ -401,16 +552,24 @@ impl MixedPrecisionOptimizer {
 }
 
 /// Sums `tensors` over `group` with one collective (they are flattened into one buffer).
-fn all_reduce_coalesced(group: &std::sync::Arc<dyn Communicator>, tensors: &[Tensor]) -> Result<()> {
+fn all_reduce_coalesced(
+    group: &std::sync::Arc<dyn Communicator>,
+    tensors: &[Tensor],
+) -> Result<()> {
     if group.size() == 1 || tensors.is_empty() {
         return Ok(());
     }
-    let flat = Tensor::cat(&tensors.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
+    let flat = Tensor::cat(
+        &tensors.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(),
+        0,
+    );
     group.all_reduce(&flat, ReduceOp::Sum)?;
     let mut offset = 0;
     for tensor in tensors {
         let n = tensor.numel() as i64;
-        tensor.shallow_clone().copy_(&flat.narrow(0, offset, n).view_as(tensor));
+        tensor
+            .shallow_clone()
+            .copy_(&flat.narrow(0, offset, n).view_as(tensor));
         offset += n;
     }
     Ok(())

@@ -6,6 +6,8 @@ mod buffer;
 mod groups;
 mod mixed_precision;
 
-pub use groups::{excluded_from_weight_decay, ParamGroup};
 pub use buffer::BufferLayout;
-pub use mixed_precision::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE};
+pub use groups::{excluded_from_weight_decay, ParamGroup};
+pub use mixed_precision::{
+    MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,
+};

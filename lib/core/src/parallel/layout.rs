@@ -53,18 +53,31 @@ impl ParallelLayout {
     /// `--tensor-model-parallel-size t --pipeline-model-parallel-size p` over `world_size` ranks;
     /// the data-parallel size is what remains.
     pub fn new(world_size: usize, tensor: usize, pipeline: usize) -> Result<Self> {
-        ensure!(tensor > 0 && pipeline > 0, "parallel sizes must be positive");
+        ensure!(
+            tensor > 0 && pipeline > 0,
+            "parallel sizes must be positive"
+        );
         let model = tensor * pipeline;
         ensure!(
             world_size % model == 0,
             "world size {world_size} is not divisible by --tensor-model-parallel-size {tensor} × \
              --pipeline-model-parallel-size {pipeline}"
         );
-        Ok(ParallelLayout { world_size, tensor, pipeline, data: world_size / model })
+        Ok(ParallelLayout {
+            world_size,
+            tensor,
+            pipeline,
+            data: world_size / model,
+        })
     }
 
     pub fn single() -> Self {
-        ParallelLayout { world_size: 1, tensor: 1, pipeline: 1, data: 1 }
+        ParallelLayout {
+            world_size: 1,
+            tensor: 1,
+            pipeline: 1,
+            data: 1,
+        }
     }
 
     pub fn coordinates(&self, rank: usize) -> Coordinates {
@@ -83,11 +96,23 @@ impl ParallelLayout {
     pub fn group(&self, kind: GroupKind, rank: usize) -> Vec<usize> {
         let c = self.coordinates(rank);
         match kind {
-            GroupKind::Tensor => (0..self.tensor).map(|tensor| self.rank_of(Coordinates { tensor, ..c })).collect(),
-            GroupKind::Data => (0..self.data).map(|data| self.rank_of(Coordinates { data, ..c })).collect(),
-            GroupKind::Pipeline => (0..self.pipeline).map(|pipeline| self.rank_of(Coordinates { pipeline, ..c })).collect(),
+            GroupKind::Tensor => (0..self.tensor)
+                .map(|tensor| self.rank_of(Coordinates { tensor, ..c }))
+                .collect(),
+            GroupKind::Data => (0..self.data)
+                .map(|data| self.rank_of(Coordinates { data, ..c }))
+                .collect(),
+            GroupKind::Pipeline => (0..self.pipeline)
+                .map(|pipeline| self.rank_of(Coordinates { pipeline, ..c }))
+                .collect(),
             GroupKind::Model => (0..self.pipeline)
-                .flat_map(|pipeline| (0..self.tensor).map(move |tensor| Coordinates { tensor, pipeline, ..c }))
+                .flat_map(|pipeline| {
+                    (0..self.tensor).map(move |tensor| Coordinates {
+                        tensor,
+                        pipeline,
+                        ..c
+                    })
+                })
                 .map(|c| self.rank_of(c))
                 .collect(),
             GroupKind::Embedding => {
@@ -131,12 +156,34 @@ mod tests {
         // Spec §8: world 8, t=2, p=2, dp=2.
         let layout = ParallelLayout::new(8, 2, 2).unwrap();
         assert_eq!(layout.data, 2);
-        assert_eq!(layout.all_groups(GroupKind::Tensor), [[0, 1], [2, 3], [4, 5], [6, 7]]);
-        assert_eq!(layout.all_groups(GroupKind::Data), [[0, 2], [1, 3], [4, 6], [5, 7]]);
-        assert_eq!(layout.all_groups(GroupKind::Pipeline), [[0, 4], [1, 5], [2, 6], [3, 7]]);
-        assert_eq!(layout.all_groups(GroupKind::Model), [[0, 1, 4, 5], [2, 3, 6, 7]]);
-        assert_eq!(layout.all_groups(GroupKind::Embedding), [[0, 4], [1, 5], [2, 6], [3, 7]]);
-        assert_eq!(layout.coordinates(6), Coordinates { tensor: 0, data: 1, pipeline: 1 });
+        assert_eq!(
+            layout.all_groups(GroupKind::Tensor),
+            [[0, 1], [2, 3], [4, 5], [6, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Data),
+            [[0, 2], [1, 3], [4, 6], [5, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Pipeline),
+            [[0, 4], [1, 5], [2, 6], [3, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Model),
+            [[0, 1, 4, 5], [2, 3, 6, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Embedding),
+            [[0, 4], [1, 5], [2, 6], [3, 7]]
+        );
+        assert_eq!(
+            layout.coordinates(6),
+            Coordinates {
+                tensor: 0,
+                data: 1,
+                pipeline: 1
+            }
+        );
         for rank in 0..8 {
             assert_eq!(layout.rank_of(layout.coordinates(rank)), rank);
         }
@@ -144,7 +191,10 @@ mod tests {
 
     #[test]
     fn sizes_must_divide_the_world() {
-        assert!(ParallelLayout::new(6, 4, 1).unwrap_err().to_string().contains("not divisible"));
+        assert!(ParallelLayout::new(6, 4, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("not divisible"));
         let single = ParallelLayout::new(1, 1, 1).unwrap();
         assert_eq!(single, ParallelLayout::single());
         assert_eq!(single.all_groups(GroupKind::Embedding), [[0]]);

@@ -13,8 +13,9 @@ mod threads;
 pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
 pub use layout::{Coordinates, GroupKind, ParallelLayout};
 pub use regions::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 pub use threads::ThreadWorld;
 
@@ -80,8 +81,15 @@ impl ParallelState {
     }
 
     /// The state of `rank` in a world of threads.
-    pub fn threads(world: &ThreadWorld, layout: ParallelLayout, rank: usize, sequence_parallel: bool) -> Result<Self> {
-        Self::build(layout, rank, sequence_parallel, |kind, members| world.group(kind.name(), members, rank))
+    pub fn threads(
+        world: &ThreadWorld,
+        layout: ParallelLayout,
+        rank: usize,
+        sequence_parallel: bool,
+    ) -> Result<Self> {
+        Self::build(layout, rank, sequence_parallel, |kind, members| {
+            world.group(kind.name(), members, rank)
+        })
     }
 
     pub fn coordinates(&self) -> Coordinates {

@@ -14,7 +14,10 @@ fn single(outputs: Vec<Tensor>) -> Tensor {
 }
 
 /// Identity forward, all-reduce of the gradient backward (input of a column-parallel linear).
-pub fn copy_to_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn copy_to_tensor_parallel_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     if group.size() == 1 {
         return Ok(input.shallow_clone());
     }
@@ -22,7 +25,10 @@ pub fn copy_to_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Communicat
 }
 
 /// All-reduce forward, identity backward (output of a row-parallel linear).
-pub fn reduce_from_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn reduce_from_tensor_parallel_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     if group.size() == 1 {
         return Ok(input.shallow_clone());
     }
@@ -31,7 +37,10 @@ pub fn reduce_from_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Commun
 
 /// All-gather along the last dimension forward, keep this rank's slice backward (logits with
 /// `parallel_output = false`).
-pub fn gather_from_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn gather_from_tensor_parallel_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     if group.size() == 1 {
         return Ok(input.shallow_clone());
     }
@@ -40,7 +49,10 @@ pub fn gather_from_tensor_parallel_region(input: &Tensor, group: &Arc<dyn Commun
 
 /// Sequence parallelism (spec §2.2): keep this rank's slice of the sequence (dimension 0)
 /// forward, all-gather the gradient backward. After the embedding.
-pub fn scatter_to_sequence_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn scatter_to_sequence_parallel_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     if group.size() == 1 {
         return Ok(input.shallow_clone());
     }
@@ -58,16 +70,28 @@ pub fn gather_from_sequence_parallel_region(
     if group.size() == 1 {
         return Ok(input.shallow_clone());
     }
-    Ok(single(apply(GatherFromSequence { group: group.clone(), tensor_parallel_output_grad }, &[input])?))
+    Ok(single(apply(
+        GatherFromSequence {
+            group: group.clone(),
+            tensor_parallel_output_grad,
+        },
+        &[input],
+    )?))
 }
 
 /// Reduce-scatter along the sequence forward (output of a row-parallel linear), all-gather of
 /// the gradient backward.
-pub fn reduce_scatter_to_sequence_parallel_region(input: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tensor> {
+pub fn reduce_scatter_to_sequence_parallel_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
     if group.size() == 1 {
         return Ok(input.shallow_clone());
     }
-    Ok(single(apply(ReduceScatterToSequence(group.clone()), &[input])?))
+    Ok(single(apply(
+        ReduceScatterToSequence(group.clone()),
+        &[input],
+    )?))
 }
 
 /// This rank's slice of `tensor` along dimension 0.
@@ -79,7 +103,9 @@ fn sequence_slice(tensor: &Tensor, group: &Arc<dyn Communicator>) -> Result<Tens
         group.size()
     );
     let width = length / group.size() as i64;
-    Ok(tensor.narrow(0, group.rank() as i64 * width, width).contiguous())
+    Ok(tensor
+        .narrow(0, group.rank() as i64 * width, width)
+        .contiguous())
 }
 
 struct ScatterToSequence(Arc<dyn Communicator>);
@@ -166,6 +192,9 @@ impl CustomFunction for GatherFromRegion {
         let grad = &grads[0];
         let last = grad.dim() as i64 - 1;
         let width = grad.size()[last as usize] / self.0.size() as i64;
-        Ok(vec![Some(grad.narrow(last, self.0.rank() as i64 * width, width).contiguous())])
+        Ok(vec![Some(
+            grad.narrow(last, self.0.rank() as i64 * width, width)
+                .contiguous(),
+        )])
     }
 }

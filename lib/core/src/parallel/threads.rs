@@ -64,8 +64,16 @@ impl ThreadWorld {
 
     /// `rank`'s communicator for the group of world ranks `members` (which must contain it);
     /// every member asking for the same list gets the same group.
-    pub fn group(&self, label: &str, members: &[usize], rank: usize) -> Result<Arc<dyn Communicator>> {
-        let position = members.iter().position(|&m| m == rank).with_context(|| format!("rank {rank} is not in {label} group {members:?}"))?;
+    pub fn group(
+        &self,
+        label: &str,
+        members: &[usize],
+        rank: usize,
+    ) -> Result<Arc<dyn Communicator>> {
+        let position = members
+            .iter()
+            .position(|&m| m == rank)
+            .with_context(|| format!("rank {rank} is not in {label} group {members:?}"))?;
         let state = self
             .shared
             .groups
@@ -88,7 +96,11 @@ impl ThreadWorld {
                 })
             })
             .clone();
-        Ok(Arc::new(ThreadGroup { world: self.shared.clone(), state, position }))
+        Ok(Arc::new(ThreadGroup {
+            world: self.shared.clone(),
+            state,
+            position,
+        }))
     }
 
     /// Marks the world failed: every rank blocked in (or later entering) a collective gets an
@@ -120,8 +132,11 @@ impl ThreadWorld {
             let handles: Vec<_> = (0..self.size())
                 .map(|rank| {
                     scope.spawn(move || {
-                        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(rank)))
-                            .unwrap_or_else(|panic| Err(anyhow!("panicked: {}", panic_message(&panic))));
+                        let outcome =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(rank)))
+                                .unwrap_or_else(|panic| {
+                                    Err(anyhow!("panicked: {}", panic_message(&panic)))
+                                });
                         if let Err(e) = &outcome {
                             self.fail(rank, &format!("{e:#}"));
                         }
@@ -129,7 +144,10 @@ impl ThreadWorld {
                     })
                 })
                 .collect();
-            let outcomes: Vec<Result<T>> = handles.into_iter().map(|h| h.join().expect("rank threads catch panics")).collect();
+            let outcomes: Vec<Result<T>> = handles
+                .into_iter()
+                .map(|h| h.join().expect("rank threads catch panics"))
+                .collect();
             let first_failure = self.shared.failure.lock().unwrap().clone();
             let mut results = Vec::with_capacity(outcomes.len());
             for (rank, outcome) in outcomes.into_iter().enumerate() {
@@ -201,12 +219,23 @@ impl ThreadGroup {
         let started = Instant::now();
         let members = state.members.clone();
         let missing = |round: &Round| {
-            let ranks: Vec<usize> =
-                round.contributions.iter().zip(&members).filter(|(c, _)| c.is_none()).map(|(_, &m)| m).collect();
+            let ranks: Vec<usize> = round
+                .contributions
+                .iter()
+                .zip(&members)
+                .filter(|(c, _)| c.is_none())
+                .map(|(_, &m)| m)
+                .collect();
             format!("ranks {ranks:?}")
         };
         let round = state.round.lock().unwrap();
-        let mut round = self.wait(round, &state.round_changed, started, |r| r.collecting, |_| "the previous collective to finish".into())?;
+        let mut round = self.wait(
+            round,
+            &state.round_changed,
+            started,
+            |r| r.collecting,
+            |_| "the previous collective to finish".into(),
+        )?;
         match &round.operation {
             Some(other) if *other != operation => bail!(
                 "{} group: rank {} called {operation} while others called {other}",
@@ -220,8 +249,18 @@ impl ThreadGroup {
             round.collecting = false;
             state.round_changed.notify_all();
         }
-        let mut round = self.wait(round, &state.round_changed, started, |r| !r.collecting, missing)?;
-        let all: Vec<Tensor> = round.contributions.iter().map(|c| c.as_ref().expect("all arrived").shallow_clone()).collect();
+        let mut round = self.wait(
+            round,
+            &state.round_changed,
+            started,
+            |r| !r.collecting,
+            missing,
+        )?;
+        let all: Vec<Tensor> = round
+            .contributions
+            .iter()
+            .map(|c| c.as_ref().expect("all arrived").shallow_clone())
+            .collect();
         round.departed += 1;
         if round.departed == state.members.len() {
             round.contributions.iter_mut().for_each(|c| *c = None);
@@ -253,11 +292,16 @@ impl Communicator for ThreadGroup {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
-        let all = self.collective(format!("all_reduce({op:?}, {:?})", tensor.size()), host_copy(tensor))?;
-        let reduced = all[1..].iter().fold(all[0].shallow_clone(), |acc, t| match op {
-            ReduceOp::Sum => acc + t,
-            ReduceOp::Max => acc.maximum(t),
-        });
+        let all = self.collective(
+            format!("all_reduce({op:?}, {:?})", tensor.size()),
+            host_copy(tensor),
+        )?;
+        let reduced = all[1..]
+            .iter()
+            .fold(all[0].shallow_clone(), |acc, t| match op {
+                ReduceOp::Sum => acc + t,
+                ReduceOp::Max => acc.maximum(t),
+            });
         write_into(tensor, &reduced);
         Ok(())
     }
@@ -269,27 +313,46 @@ impl Communicator for ThreadGroup {
 
     fn reduce_scatter(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
         let size = tensor.size();
-        let dim_index = if dim < 0 { size.len() as i64 + dim } else { dim } as usize;
+        let dim_index = if dim < 0 {
+            size.len() as i64 + dim
+        } else {
+            dim
+        } as usize;
         ensure!(
             size[dim_index] % self.size() as i64 == 0,
             "reduce_scatter: dimension {dim} of {size:?} is not divisible by the group size {}",
             self.size()
         );
-        let all = self.collective(format!("reduce_scatter({size:?}, dim {dim})"), host_copy(tensor))?;
-        let sum = all[1..].iter().fold(all[0].shallow_clone(), |acc, t| acc + t);
+        let all = self.collective(
+            format!("reduce_scatter({size:?}, dim {dim})"),
+            host_copy(tensor),
+        )?;
+        let sum = all[1..]
+            .iter()
+            .fold(all[0].shallow_clone(), |acc, t| acc + t);
         let width = size[dim_index] / self.size() as i64;
-        Ok(sum.narrow(dim, self.position as i64 * width, width).contiguous().to_device(tensor.device()))
+        Ok(sum
+            .narrow(dim, self.position as i64 * width, width)
+            .contiguous()
+            .to_device(tensor.device()))
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
-        ensure!(root < self.size(), "broadcast from rank {root} in a group of {}", self.size());
+        ensure!(
+            root < self.size(),
+            "broadcast from rank {root} in a group of {}",
+            self.size()
+        );
         let all = self.collective(format!("broadcast(root {root})"), host_copy(tensor))?;
         write_into(tensor, &all[root]);
         Ok(())
     }
 
     fn barrier(&self) -> Result<()> {
-        self.collective("barrier".into(), Tensor::zeros([0], (tch::Kind::Float, Device::Cpu)))?;
+        self.collective(
+            "barrier".into(),
+            Tensor::zeros([0], (tch::Kind::Float, Device::Cpu)),
+        )?;
         Ok(())
     }
 
@@ -297,16 +360,26 @@ impl Communicator for ThreadGroup {
         let state = &self.state;
         for op in ops {
             if let P2pOp::Send { tensor, peer } = op {
-                ensure!(*peer < self.size(), "send to rank {peer} in a group of {}", self.size());
+                ensure!(
+                    *peer < self.size(),
+                    "send to rank {peer} in a group of {}",
+                    self.size()
+                );
                 let mut mail = state.mail.lock().unwrap();
-                mail.entry((self.position, *peer)).or_default().push_back(host_copy(tensor));
+                mail.entry((self.position, *peer))
+                    .or_default()
+                    .push_back(host_copy(tensor));
                 state.mail_arrived.notify_all();
             }
         }
         let started = Instant::now();
         for op in ops {
             if let P2pOp::Recv { buffer, peer } = op {
-                ensure!(*peer < self.size(), "receive from rank {peer} in a group of {}", self.size());
+                ensure!(
+                    *peer < self.size(),
+                    "receive from rank {peer} in a group of {}",
+                    self.size()
+                );
                 let key = (*peer, self.position);
                 let mail = state.mail.lock().unwrap();
                 let from = state.members[*peer];
@@ -317,7 +390,10 @@ impl Communicator for ThreadGroup {
                     |m| m.get(&key).is_some_and(|q| !q.is_empty()),
                     |_| format!("a message from rank {from}"),
                 )?;
-                let message = mail.get_mut(&key).and_then(VecDeque::pop_front).expect("waited for it");
+                let message = mail
+                    .get_mut(&key)
+                    .and_then(VecDeque::pop_front)
+                    .expect("waited for it");
                 drop(mail);
                 ensure!(
                     message.size() == buffer.size(),
@@ -353,11 +429,18 @@ mod tests {
                 let m = Tensor::from_slice(&[rank as f32, -(rank as f32)]);
                 group.all_reduce(&m, ReduceOp::Max)?;
                 let gathered = group.all_gather(&Tensor::from_slice(&[rank as i64]), 0)?;
-                let scattered = group.reduce_scatter(&Tensor::ones([6], (Kind::Float, Device::Cpu)), 0)?;
+                let scattered =
+                    group.reduce_scatter(&Tensor::ones([6], (Kind::Float, Device::Cpu)), 0)?;
                 let b = Tensor::from_slice(&[rank as f32]);
                 group.broadcast(&b, 2)?;
                 group.barrier()?;
-                Ok((Vec::<f32>::try_from(&x)?, Vec::<f32>::try_from(&m)?, Vec::<i64>::try_from(&gathered)?, Vec::<f32>::try_from(&scattered)?, b.double_value(&[0])))
+                Ok((
+                    Vec::<f32>::try_from(&x)?,
+                    Vec::<f32>::try_from(&m)?,
+                    Vec::<i64>::try_from(&gathered)?,
+                    Vec::<f32>::try_from(&scattered)?,
+                    b.double_value(&[0]),
+                ))
             })
             .unwrap();
         for (x, m, gathered, scattered, b) in results {
@@ -380,7 +463,16 @@ mod tests {
                 let peer = 1 - group.rank();
                 let mine = Tensor::from_slice(&[rank as f32; 2]);
                 let buffer = Tensor::zeros([2], (Kind::Float, Device::Cpu));
-                group.exchange(&[P2pOp::Send { tensor: &mine, peer }, P2pOp::Recv { buffer: &buffer, peer }])?;
+                group.exchange(&[
+                    P2pOp::Send {
+                        tensor: &mine,
+                        peer,
+                    },
+                    P2pOp::Recv {
+                        buffer: &buffer,
+                        peer,
+                    },
+                ])?;
                 Ok(buffer.double_value(&[0]))
             })
             .unwrap();
@@ -418,7 +510,10 @@ mod tests {
             })
             .unwrap_err()
             .to_string();
-        assert!(error.contains("timed out") && error.contains("ranks [1]"), "{error}");
+        assert!(
+            error.contains("timed out") && error.contains("ranks [1]"),
+            "{error}"
+        );
     }
 
     #[test]

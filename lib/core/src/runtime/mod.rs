@@ -22,7 +22,9 @@ pub fn cuda_devices() -> Vec<Device> {
     if !Cuda::is_available() {
         return Vec::new();
     }
-    (0..Cuda::device_count() as usize).map(Device::Cuda).collect()
+    (0..Cuda::device_count() as usize)
+        .map(Device::Cuda)
+        .collect()
 }
 
 /// The device to run on by default: the first GPU when there is one, else the CPU.
@@ -49,7 +51,10 @@ pub fn loaded_library(name: &str) -> Option<std::path::PathBuf> {
 /// Version of the libtorch this process runs with, read next to the loaded `libtorch_cpu.so`
 /// (`version.py` of a python wheel, `build-version` of a C++ distribution).
 pub fn libtorch_version() -> Option<String> {
-    let root = loaded_library("libtorch_cpu.so")?.parent()?.parent()?.to_path_buf();
+    let root = loaded_library("libtorch_cpu.so")?
+        .parent()?
+        .parent()?
+        .to_path_buf();
     if let Ok(version) = std::fs::read_to_string(root.join("build-version")) {
         return Some(version.trim().to_string());
     }

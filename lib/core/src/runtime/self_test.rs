@@ -22,12 +22,18 @@ pub fn run(device: Device) -> Vec<CheckResult> {
     ];
     checks
         .into_iter()
-        .map(|(name, check)| CheckResult { name, outcome: check(device) })
+        .map(|(name, check)| CheckResult {
+            name,
+            outcome: check(device),
+        })
         .collect()
 }
 
 fn max_relative_error(got: &Tensor, want: &Tensor) -> f64 {
-    let diff = (got.to_kind(Kind::Float) - want.to_kind(Kind::Float)).abs().max().double_value(&[]);
+    let diff = (got.to_kind(Kind::Float) - want.to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[]);
     diff / want.abs().max().double_value(&[]).max(f64::MIN_POSITIVE)
 }
 
@@ -37,7 +43,10 @@ fn bf16_matmul(device: Device) -> Result<String> {
     let got = a.to_kind(Kind::BFloat16).matmul(&b.to_kind(Kind::BFloat16));
     ensure!(got.kind() == Kind::BFloat16, "result is {:?}", got.kind());
     let error = max_relative_error(&got, &a.matmul(&b));
-    ensure!(error < 2e-2, "bf16 matmul differs from fp32 by {error:.3e} (relative)");
+    ensure!(
+        error < 2e-2,
+        "bf16 matmul differs from fp32 by {error:.3e} (relative)"
+    );
     Ok(format!("max rel. error {error:.1e}"))
 }
 
@@ -47,7 +56,10 @@ fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
     let scale = 1.0 / (q.size()[3] as f64).sqrt();
     let scores = q.matmul(&k.transpose(-2, -1)) * scale;
     let future = Tensor::ones([seq, seq], (Kind::Bool, q.device())).triu(1);
-    scores.masked_fill(&future, f64::NEG_INFINITY).softmax(-1, Kind::Float).matmul(v)
+    scores
+        .masked_fill(&future, f64::NEG_INFINITY)
+        .softmax(-1, Kind::Float)
+        .matmul(v)
 }
 
 fn bf16_attention(device: Device) -> Result<String> {
@@ -65,15 +77,27 @@ fn bf16_attention(device: Device) -> Result<String> {
     );
     autograd::backward(&[&out], &[&upstream.to_kind(Kind::BFloat16)], false)?;
 
-    let ref_leaves: Vec<Tensor> = [&q, &k, &v].iter().map(|t| t.detach().set_requires_grad(true)).collect();
+    let ref_leaves: Vec<Tensor> = [&q, &k, &v]
+        .iter()
+        .map(|t| t.detach().set_requires_grad(true))
+        .collect();
     let want = reference_attention(&ref_leaves[0], &ref_leaves[1], &ref_leaves[2]);
     autograd::backward(&[&want], &[&upstream], false)?;
 
     let mut worst = max_relative_error(&out, &want);
-    ensure!(worst < 3e-2, "SDPA output differs from fp32 attention by {worst:.3e}");
-    for (name, (got, want)) in ["dq", "dk", "dv"].iter().zip(leaves.iter().zip(&ref_leaves)) {
+    ensure!(
+        worst < 3e-2,
+        "SDPA output differs from fp32 attention by {worst:.3e}"
+    );
+    for (name, (got, want)) in ["dq", "dk", "dv"]
+        .iter()
+        .zip(leaves.iter().zip(&ref_leaves))
+    {
         let error = max_relative_error(&got.grad(), &want.grad());
-        ensure!(error < 5e-2, "SDPA {name} differs from fp32 attention by {error:.3e}");
+        ensure!(
+            error < 5e-2,
+            "SDPA {name} differs from fp32 attention by {error:.3e}"
+        );
         worst = worst.max(error);
     }
     Ok(format!("max rel. error {worst:.1e}"))
@@ -98,7 +122,10 @@ fn shim_round_trip(device: Device) -> Result<String> {
     let upstream = Tensor::randn([1024], (Kind::Float, device));
     autograd::backward(&[y], &[&upstream], false)?;
     let error = max_relative_error(&x.grad(), &(&upstream * 2.0));
-    ensure!(error == 0.0, "custom backward gave a gradient off by {error:.3e}");
+    ensure!(
+        error == 0.0,
+        "custom backward gave a gradient off by {error:.3e}"
+    );
     Ok("custom function forward/backward ok".into())
 }
 
@@ -110,7 +137,9 @@ fn recompute_with_dropout(device: Device) -> Result<String> {
     let upstream = Tensor::randn([32, 64], (Kind::Float, device));
     let block = |w: &Tensor| {
         let w = w.shallow_clone();
-        move |xs: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![xs[0].matmul(&w).dropout(0.5, true)]) }
+        move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            Ok(vec![xs[0].matmul(&w).dropout(0.5, true)])
+        }
     };
     let seed = 1234;
     tch::manual_seed(seed);
@@ -124,8 +153,13 @@ fn recompute_with_dropout(device: Device) -> Result<String> {
     let recomputed = &autograd::checkpoint(block(&w), &[&x])?[0];
     let _ = Tensor::rand([1024], (Kind::Float, device));
     autograd::backward(&[recomputed], &[&upstream], false)?;
-    ensure!(recomputed.equal(plain), "checkpointed forward differs from the plain forward");
+    ensure!(
+        recomputed.equal(plain),
+        "checkpointed forward differs from the plain forward"
+    );
     let error = max_relative_error(&w.grad(), &dw).max(max_relative_error(&x.grad(), &dx));
     ensure!(error < 1e-5, "recomputed gradients differ by {error:.3e}");
-    Ok(format!("gradients equal to the plain block (max rel. error {error:.1e})"))
+    Ok(format!(
+        "gradients equal to the plain block (max rel. error {error:.1e})"
+    ))
 }

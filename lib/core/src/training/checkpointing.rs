@@ -9,8 +9,9 @@ use tch::{Device, Kind, Tensor};
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
 use crate::checkpoint::{
-    begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file, rank_directory_name, write_rank_file,
-    CheckpointDirectory, CheckpointMetadata, CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
+    begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file,
+    rank_directory_name, write_rank_file, CheckpointDirectory, CheckpointMetadata,
+    CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
 };
 use crate::model::{GptConfig, GptModel, PipelineSplit};
 use crate::optim::MixedPrecisionOptimizer;
@@ -60,7 +61,10 @@ pub fn model_tensors(chunks: &[GptModel]) -> Vec<(String, Tensor)> {
         .enumerate()
         .flat_map(|(c, chunk)| {
             let prefix = chunk_prefix(c, chunks.len());
-            chunk.named_parameters().into_iter().map(move |p| (format!("{prefix}{}", p.name), p.tensor.detach()))
+            chunk
+                .named_parameters()
+                .into_iter()
+                .map(move |p| (format!("{prefix}{}", p.name), p.tensor.detach()))
         })
         .collect()
 }
@@ -71,12 +75,29 @@ fn load_model_tensors(chunks: &[GptModel], mut tensors: HashMap<String, Tensor>)
         let mine: HashMap<String, Tensor> = if prefix.is_empty() {
             std::mem::take(&mut tensors)
         } else {
-            let keys: Vec<String> = tensors.keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
-            keys.into_iter().map(|k| (k[prefix.len()..].to_string(), tensors.remove(&k).expect("listed"))).collect()
+            let keys: Vec<String> = tensors
+                .keys()
+                .filter(|k| k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            keys.into_iter()
+                .map(|k| {
+                    (
+                        k[prefix.len()..].to_string(),
+                        tensors.remove(&k).expect("listed"),
+                    )
+                })
+                .collect()
         };
-        chunk.load_parameters(&mine).with_context(|| format!("model chunk {c}"))?;
+        chunk
+            .load_parameters(&mine)
+            .with_context(|| format!("model chunk {c}"))?;
     }
-    ensure!(tensors.is_empty(), "tensors for no model chunk: {:?}", tensors.keys().take(5).collect::<Vec<_>>());
+    ensure!(
+        tensors.is_empty(),
+        "tensors for no model chunk: {:?}",
+        tensors.keys().take(5).collect::<Vec<_>>()
+    );
     Ok(())
 }
 
@@ -96,9 +117,15 @@ pub struct SaveRequest<'a> {
 }
 
 fn rng_tensors(device: Device) -> Result<Vec<(String, Tensor)>> {
-    let mut states = vec![("cpu_rng_state".to_string(), GeneratorState::capture(Device::Cpu)?.tensor().copy())];
+    let mut states = vec![(
+        "cpu_rng_state".to_string(),
+        GeneratorState::capture(Device::Cpu)?.tensor().copy(),
+    )];
     if device.is_cuda() {
-        states.push(("cuda_rng_state".to_string(), GeneratorState::capture(device)?.tensor().copy()));
+        states.push((
+            "cuda_rng_state".to_string(),
+            GeneratorState::capture(device)?.tensor().copy(),
+        ));
     }
     if let Some(state) = model_parallel_rng_state() {
         states.push(("model_parallel_rng_state".to_string(), state));
@@ -124,7 +151,12 @@ pub fn save(request: SaveRequest) -> Result<PathBuf> {
     let rank_dir = rank_directory(parallel);
     let data_rank = parallel.data.rank();
     if data_rank == 0 {
-        write_rank_file(&staging, &rank_dir, MODEL_FILE, &model_tensors(request.chunks))?;
+        write_rank_file(
+            &staging,
+            &rank_dir,
+            MODEL_FILE,
+            &model_tensors(request.chunks),
+        )?;
         if request.save_rng {
             write_rank_file(&staging, &rank_dir, RNG_FILE, &rng_tensors(device)?)?;
         }
@@ -157,7 +189,11 @@ pub fn save(request: SaveRequest) -> Result<PathBuf> {
             consumed_valid_samples: request.progress.consumed_valid_samples,
             num_floating_point_operations_so_far: request.progress.floating_point_operations,
             opt_param_scheduler: Some(serde_json::to_value(request.scheduler.state())?),
-            grad_scaler: request.scaler.state().map(serde_json::to_value).transpose()?,
+            grad_scaler: request
+                .scaler
+                .state()
+                .map(serde_json::to_value)
+                .transpose()?,
             optimizer: request.optimizer.map(|(_, name)| name.to_string()),
             has_rng_state: request.save_rng,
             args: request.args,
@@ -172,7 +208,10 @@ pub fn save(request: SaveRequest) -> Result<PathBuf> {
 pub enum Resumed {
     /// Weights only (`--finetune`, `--pretrained-checkpoint`, or a `release` checkpoint).
     Weights { directory: PathBuf },
-    Full { directory: PathBuf, progress: Progress },
+    Full {
+        directory: PathBuf,
+        progress: Progress,
+    },
 }
 
 pub struct LoadRequest<'a> {
@@ -186,7 +225,11 @@ pub struct LoadRequest<'a> {
 /// Loads this rank's model weights from the checkpoint under `request.root` into `chunks`,
 /// after checking that the checkpoint has the same architecture and model-parallel layout.
 /// Returns the checkpoint for [`restore_training_state`] once the optimizer exists.
-pub fn load_weights(request: &LoadRequest, chunks: &[GptModel], parallel: &ParallelState) -> Result<Option<CheckpointDirectory>> {
+pub fn load_weights(
+    request: &LoadRequest,
+    chunks: &[GptModel],
+    parallel: &ParallelState,
+) -> Result<Option<CheckpointDirectory>> {
     let Some(found) = find_checkpoint(request.root)? else {
         return Ok(None);
     };
@@ -194,12 +237,19 @@ pub fn load_weights(request: &LoadRequest, chunks: &[GptModel], parallel: &Paral
     let saved: GptConfig = serde_json::from_value(found.metadata.model.clone())
         .with_context(|| format!("{}: model metadata", found.directory.display()))?;
     if saved != model.config {
-        bail!("{} was saved with a different architecture: {}", found.directory.display(), config_differences(&saved, &model.config));
+        bail!(
+            "{} was saved with a different architecture: {}",
+            found.directory.display(),
+            config_differences(&saved, &model.config)
+        );
     }
     let metadata = &found.metadata;
     let layout = parallel.layout;
-    if (metadata.tensor_model_parallel_size, metadata.pipeline_model_parallel_size, metadata.virtual_pipeline_stages)
-        != (layout.tensor, layout.pipeline, chunks.len())
+    if (
+        metadata.tensor_model_parallel_size,
+        metadata.pipeline_model_parallel_size,
+        metadata.virtual_pipeline_stages,
+    ) != (layout.tensor, layout.pipeline, chunks.len())
     {
         bail!(
             "{} was saved with {} but this run uses TP={} PP={}{}; the model-parallel layout must match to load it",
@@ -213,20 +263,34 @@ pub fn load_weights(request: &LoadRequest, chunks: &[GptModel], parallel: &Paral
     let rank_dir = rank_directory(parallel);
     let tensors = found
         .read(&rank_dir, MODEL_FILE, model.options().device)?
-        .with_context(|| format!("{} has no {rank_dir}/{MODEL_FILE}", found.directory.display()))?;
-    load_model_tensors(chunks, tensors).with_context(|| format!("loading {}", found.directory.display()))?;
+        .with_context(|| {
+            format!(
+                "{} has no {rank_dir}/{MODEL_FILE}",
+                found.directory.display()
+            )
+        })?;
+    load_model_tensors(chunks, tensors)
+        .with_context(|| format!("loading {}", found.directory.display()))?;
     Ok(Some(found))
 }
 
 fn config_differences(saved: &GptConfig, ours: &GptConfig) -> String {
-    let (saved, ours) = (serde_json::to_value(saved).unwrap_or_default(), serde_json::to_value(ours).unwrap_or_default());
+    let (saved, ours) = (
+        serde_json::to_value(saved).unwrap_or_default(),
+        serde_json::to_value(ours).unwrap_or_default(),
+    );
     let (Some(saved), Some(ours)) = (saved.as_object(), ours.as_object()) else {
         return String::new();
     };
     saved
         .iter()
         .filter(|(k, v)| ours.get(*k) != Some(v))
-        .map(|(k, v)| format!("{k} = {v} in the checkpoint, {} now", ours.get(k).cloned().unwrap_or_default()))
+        .map(|(k, v)| {
+            format!(
+                "{k} = {v} in the checkpoint, {} now",
+                ours.get(k).cloned().unwrap_or_default()
+            )
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -252,18 +316,29 @@ pub fn restore_training_state(
     }
     let metadata = &found.metadata;
     if let Some(scheduler) = &metadata.opt_param_scheduler {
-        let saved: SchedulerState = serde_json::from_value(scheduler.clone()).context("checkpoint scheduler state")?;
-        state.scheduler.load_state(&saved, request.scheduler_policy).with_context(|| format!("resuming {}", directory.display()))?;
+        let saved: SchedulerState =
+            serde_json::from_value(scheduler.clone()).context("checkpoint scheduler state")?;
+        state
+            .scheduler
+            .load_state(&saved, request.scheduler_policy)
+            .with_context(|| format!("resuming {}", directory.display()))?;
     }
     if let (Some(scaler), true) = (&metadata.grad_scaler, state.scaler.is_dynamic()) {
-        let saved: LossScalerState = serde_json::from_value(scaler.clone()).context("checkpoint loss scaler state")?;
+        let saved: LossScalerState =
+            serde_json::from_value(scaler.clone()).context("checkpoint loss scaler state")?;
         state.scaler.load_state(&saved)?;
     }
     let rank_dir = rank_directory(parallel);
     if request.load_optimizer {
         let sharded = state.distributed_optimizer && parallel.data_parallel_size() > 1;
         let saved_sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
-        if metadata.optimizer.is_some() && (sharded, sharded.then_some(metadata.data_parallel_size)) != (saved_sharded, sharded.then_some(parallel.data_parallel_size())) {
+        if metadata.optimizer.is_some()
+            && (sharded, sharded.then_some(metadata.data_parallel_size))
+                != (
+                    saved_sharded,
+                    sharded.then_some(parallel.data_parallel_size()),
+                )
+        {
             bail!(
                 "{}: the optimizer state was saved with {} but this run uses DP={}{}; pass --no-load-optim to start the optimizer afresh",
                 directory.display(),
@@ -274,7 +349,10 @@ pub fn restore_training_state(
         }
         let file = optimizer_file(sharded.then(|| parallel.data.rank()));
         if let Some(tensors) = found.read(&rank_dir, &file, device)? {
-            state.optimizer.load_state_tensors(&tensors).with_context(|| format!("optimizer state of {}", directory.display()))?;
+            state
+                .optimizer
+                .load_state_tensors(&tensors)
+                .with_context(|| format!("optimizer state of {}", directory.display()))?;
         }
     }
     if request.load_rng {

@@ -6,8 +6,8 @@ use anyhow::{Context, Result};
 use megatron_data::blend::{build_gpt_datasets, SplitDataset};
 use megatron_data::cache::PyJson;
 use megatron_data::gpt::{
-    GptDataset, GptDatasetConfig, MockTokenSource, SampleOptions, Split, SplitMatrix, TokenSource, TokenizerGeneration,
-    TokenizerIdentity,
+    GptDataset, GptDatasetConfig, MockTokenSource, SampleOptions, Split, SplitMatrix, TokenSource,
+    TokenizerGeneration, TokenizerIdentity,
 };
 use megatron_data::indexed::IndexedDataset;
 
@@ -45,8 +45,13 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
         // must not see each other.
         create_attention_mask: data.reset_attention_mask,
     };
-    let generation = if request.tokenizer.legacy_tokenizer { TokenizerGeneration::Legacy } else { TokenizerGeneration::Current };
-    let path_string = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.to_string_lossy().into_owned());
+    let generation = if request.tokenizer.legacy_tokenizer {
+        TokenizerGeneration::Legacy
+    } else {
+        TokenizerGeneration::Current
+    };
+    let path_string =
+        |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.to_string_lossy().into_owned());
     let identity = TokenizerIdentity::from_flags(
         &request.tokenizer.tokenizer_type,
         path_string(&request.tokenizer.vocab_file).as_deref(),
@@ -57,16 +62,19 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
         Ok(identity) => identity,
         // Mock data without --data-cache-path keeps its indices in memory: the description is
         // never hashed into a file name, so any tokenizer will do.
-        Err(_) if data.mock_data && data.data_cache_path.is_none() => TokenizerIdentity(PyJson::Map(vec![(
-            "class".to_string(),
-            PyJson::str(request.tokenizer.tokenizer_type.as_str()),
-        )])),
+        Err(_) if data.mock_data && data.data_cache_path.is_none() => {
+            TokenizerIdentity(PyJson::Map(vec![(
+                "class".to_string(),
+                PyJson::str(request.tokenizer.tokenizer_type.as_str()),
+            )]))
+        }
         Err(e) => return Err(e),
     };
     let sizes = request.sizes.map(Some);
     let config_for = |split: Option<String>| -> Result<Arc<GptDatasetConfig>> {
         Ok(Arc::new(GptDatasetConfig {
-            random_seed: u32::try_from(request.seed).context("--seed must fit in 32 bits (numpy's limit)")?,
+            random_seed: u32::try_from(request.seed)
+                .context("--seed must fit in 32 bits (numpy's limit)")?,
             sequence_length: request.seq_length,
             split_matrix: split.as_deref().map(SplitMatrix::parse).transpose()?,
             split,
@@ -81,14 +89,21 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
 
     let built: [Option<SplitDataset>; 3] = if data.mock_data {
         let config = config_for(Some(MOCK_SPLIT.to_string()))?;
-        let source: Arc<dyn TokenSource> = Arc::new(MockTokenSource::new(request.vocab_size, request.eod));
+        let source: Arc<dyn TokenSource> =
+            Arc::new(MockTokenSource::new(request.vocab_size, request.eod));
         let matrix = config.split_matrix.clone().expect("the mock split parses");
         let documents = source.sequence_lengths().len();
         let mut out: [Option<SplitDataset>; 3] = [None, None, None];
         for split in Split::ALL {
             if let Some(bookend) = matrix.get(split) {
-                let dataset =
-                    GptDataset::new(source.clone(), None, bookend.range(documents), sizes[split.index()], split, config.clone())?;
+                let dataset = GptDataset::new(
+                    source.clone(),
+                    None,
+                    bookend.range(documents),
+                    sizes[split.index()],
+                    split,
+                    config.clone(),
+                )?;
                 out[split.index()] = Some(SplitDataset::Single(dataset));
             }
         }
@@ -96,10 +111,16 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
     } else {
         let (sources, split) = data.path_flags().sources()?;
         let config = config_for(split)?;
-        let open = |prefix: &str| -> Result<Arc<dyn TokenSource>> { Ok(Arc::new(IndexedDataset::open(prefix)?)) };
+        let open = |prefix: &str| -> Result<Arc<dyn TokenSource>> {
+            Ok(Arc::new(IndexedDataset::open(prefix)?))
+        };
         build_gpt_datasets(&sources, sizes, config, &open)?
     };
     let [train, valid, test] = built;
     let keep = |d: Option<SplitDataset>| d.filter(|d| !d.is_empty()).map(Arc::new);
-    Ok(SplitDatasets { train: keep(train), valid: keep(valid), test: keep(test) })
+    Ok(SplitDatasets {
+        train: keep(train),
+        valid: keep(valid),
+        test: keep(test),
+    })
 }

@@ -21,7 +21,9 @@ pub fn resolve_device(name: &str, local_rank: usize) -> Result<Device> {
         "cuda" if cuda_count > 0 => local(),
         cuda if cuda.starts_with("cuda") => {
             let index: usize = match cuda.strip_prefix("cuda:") {
-                Some(index) => index.parse().with_context(|| format!("--device {cuda}: bad device index"))?,
+                Some(index) => index
+                    .parse()
+                    .with_context(|| format!("--device {cuda}: bad device index"))?,
                 None => 0,
             };
             if index >= cuda_count {
@@ -39,7 +41,11 @@ pub fn peak_tflops_of(device: Device) -> Option<f64> {
         return None;
     };
     let output = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=name", "--format=csv,noheader", &format!("--id={index}")])
+        .args([
+            "--query-gpu=name",
+            "--format=csv,noheader",
+            &format!("--id={index}"),
+        ])
         .output()
         .ok()?;
     let name = String::from_utf8_lossy(&output.stdout).trim().to_string();

@@ -17,17 +17,22 @@ use super::device::peak_tflops_of;
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
 use super::loss_scale::{LossScaleFlags, LossScaler};
-use super::lr_schedule::{LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy, WdIncrStyle, WsdDecayStyle};
+use super::lr_schedule::{
+    LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy,
+    WdIncrStyle, WsdDecayStyle,
+};
 use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
-use crate::model::PipelineSplit;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::signals::{exit_requested, install_exit_handler};
 use super::stage::{GptStage, LossTotals};
 use crate::args::GptPretrainArgs;
 use crate::loader::{BatchLoader, GptBatch, SamplerPosition};
 use crate::metrics::TrainingMetrics;
+use crate::model::PipelineSplit;
 use crate::model::{Activation, GptConfig, GptModel, ModelOptions};
-use crate::optim::{MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE};
+use crate::optim::{
+    MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,
+};
 use crate::parallel::{ParallelState, ReduceOp};
 use crate::rng;
 
@@ -98,7 +103,9 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     }
     let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
     let vocab_size = tokenizer.vocab_size();
-    let eod = tokenizer.eod().context("the tokenizer has no end-of-document token, which GPT training needs")?;
+    let eod = tokenizer
+        .eod()
+        .context("the tokenizer has no end-of-document token, which GPT training needs")?;
 
     // Megatron's seeds (spec §3.2): offset by the pipeline stage, and a per-tensor-rank stream
     // for dropout on split tensors.
@@ -133,8 +140,16 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
 
     let micro_batch_size = args.training.micro_batch_size;
     let data_parallel_size = layout.data as u64;
-    let global_batch_size = args.training.global_batch_size.unwrap_or(micro_batch_size * data_parallel_size);
-    let rampup = args.training.rampup_batch_size.as_deref().map(BatchRampup::from_flag_values).transpose()?;
+    let global_batch_size = args
+        .training
+        .global_batch_size
+        .unwrap_or(micro_batch_size * data_parallel_size);
+    let rampup = args
+        .training
+        .rampup_batch_size
+        .as_deref()
+        .map(BatchRampup::from_flag_values)
+        .transpose()?;
     let batches = MicrobatchCalculator::new(
         global_batch_size,
         micro_batch_size,
@@ -144,7 +159,9 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     )?;
     let train_iters = match (args.training.train_iters, args.training.train_samples) {
         (Some(iters), None) => iters,
-        (None, Some(samples)) => train_iters_from_samples(samples, global_batch_size, rampup.as_ref())?,
+        (None, Some(samples)) => {
+            train_iters_from_samples(samples, global_batch_size, rampup.as_ref())?
+        }
         (Some(_), Some(_)) => bail!("give only one of --train-iters and --train-samples"),
         (None, None) if args.training.skip_train => 0,
         (None, None) => bail!("give --train-iters or --train-samples"),
@@ -152,7 +169,10 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     if rampup.is_some() && args.training.train_samples.is_none() {
         bail!("--rampup-batch-size needs sample-based training (--train-samples)");
     }
-    let scheduler = OptimizerParamScheduler::new(SchedulerConfig::from_flags(&schedule_flags(args, global_batch_size)?)?)?;
+    let scheduler = OptimizerParamScheduler::new(SchedulerConfig::from_flags(&schedule_flags(
+        args,
+        global_batch_size,
+    )?)?)?;
     let scaler = LossScaler::from_flags(&LossScaleFlags {
         fp16: args.precision.fp16,
         loss_scale: args.precision.loss_scale,
@@ -169,14 +189,32 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     }
     let pretrained = match (&loaded, &args.checkpoint.pretrained_checkpoint) {
         (None, Some(path)) => {
-            let request = LoadRequest { root: path, finetune: true, load_optimizer: false, load_rng: false, scheduler_policy: SchedulerLoadPolicy::RequireMatch };
+            let request = LoadRequest {
+                root: path,
+                finetune: true,
+                load_optimizer: false,
+                load_rng: false,
+                scheduler_policy: SchedulerLoadPolicy::RequireMatch,
+            };
             let found = checkpointing::load_weights(&request, &chunks, &parallel)?;
-            Some(found.with_context(|| format!("--pretrained-checkpoint {} holds no checkpoint", path.display()))?.directory)
+            Some(
+                found
+                    .with_context(|| {
+                        format!(
+                            "--pretrained-checkpoint {} holds no checkpoint",
+                            path.display()
+                        )
+                    })?
+                    .directory,
+            )
         }
         _ => None,
     };
     if loaded.is_none() && pretrained.is_none() && args.checkpoint.exit_on_missing_checkpoint {
-        bail!("--exit-on-missing-checkpoint: no checkpoint under {:?}", args.checkpoint.load);
+        bail!(
+            "--exit-on-missing-checkpoint: no checkpoint under {:?}",
+            args.checkpoint.load
+        );
     }
 
     let parameters = chunks
@@ -191,13 +229,32 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
             })
         })
         .collect();
-    let optimizer = MixedPrecisionOptimizer::new(parameters, optimizer_settings(args, layout.data)?, &parallel)?;
+    let optimizer = MixedPrecisionOptimizer::new(
+        parameters,
+        optimizer_settings(args, layout.data)?,
+        &parallel,
+    )?;
     let logging_rank = parallel.is_logging_rank();
-    let metrics_path = args.logging.metrics_file.clone().or_else(|| args.logging.tensorboard_dir.as_ref().map(|d| d.join("metrics.jsonl")));
+    let metrics_path = args.logging.metrics_file.clone().or_else(|| {
+        args.logging
+            .tensorboard_dir
+            .as_ref()
+            .map(|d| d.join("metrics.jsonl"))
+    });
     let metrics = logging_rank
-        .then(|| TrainingMetrics::new(args.logging.tensorboard_dir.as_deref(), metrics_path.as_deref()))
+        .then(|| {
+            TrainingMetrics::new(
+                args.logging.tensorboard_dir.as_deref(),
+                metrics_path.as_deref(),
+            )
+        })
         .transpose()?;
-    let sequence = args.model.seq_length / if parallel.sequence_parallel { layout.tensor as i64 } else { 1 };
+    let sequence = args.model.seq_length
+        / if parallel.sequence_parallel {
+            layout.tensor as i64
+        } else {
+            1
+        };
     let mut run = Run {
         args,
         chunks,
@@ -229,19 +286,31 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
             scaler: &mut run.scaler,
         };
         match checkpointing::restore_training_state(found, request, state, &parallel, device)? {
-            Resumed::Full { directory, progress } => {
-                run.print_rank0(&format!("loaded checkpoint {} at iteration {}", directory.display(), progress.iteration));
+            Resumed::Full {
+                directory,
+                progress,
+            } => {
+                run.print_rank0(&format!(
+                    "loaded checkpoint {} at iteration {}",
+                    directory.display(),
+                    progress.iteration
+                ));
                 run.progress = progress;
             }
-            Resumed::Weights { directory } => {
-                run.print_rank0(&format!("loaded weights from {} (starting at iteration 0)", directory.display()))
-            }
+            Resumed::Weights { directory } => run.print_rank0(&format!(
+                "loaded weights from {} (starting at iteration 0)",
+                directory.display()
+            )),
         }
     }
     if let Some(directory) = pretrained {
-        run.print_rank0(&format!("loaded pretrained weights from {}", directory.display()));
+        run.print_rank0(&format!(
+            "loaded pretrained weights from {}",
+            directory.display()
+        ));
     }
-    run.batches.update(run.progress.consumed_train_samples, false)?;
+    run.batches
+        .update(run.progress.consumed_train_samples, false)?;
     run.print_model_summary(&config, vocab_size)?;
 
     let datasets = build_datasets(&DatasetRequest {
@@ -285,8 +354,11 @@ impl Run<'_> {
             .map(|p| p.tensor.numel() as i64)
             .sum();
         let replicated_total = Tensor::from_slice(&[replicated as f64]).to_device(self.device);
-        self.parallel.pipeline.all_reduce(&replicated_total, ReduceOp::Sum)?;
-        let duplicates = (self.parallel.tensor_parallel_size() as i64 - 1) * replicated_total.double_value(&[0]) as i64;
+        self.parallel
+            .pipeline
+            .all_reduce(&replicated_total, ReduceOp::Sum)?;
+        let duplicates = (self.parallel.tensor_parallel_size() as i64 - 1)
+            * replicated_total.double_value(&[0]) as i64;
         self.print_rank0(&format!(
             "> GPT model: {} parameters, padded vocab {} (from {vocab_size}), {} on {:?}, {}",
             total - duplicates,
@@ -298,7 +370,11 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn train_and_evaluate(&mut self, datasets: &SplitDatasets, started: Instant) -> Result<TrainingSummary> {
+    fn train_and_evaluate(
+        &mut self,
+        datasets: &SplitDatasets,
+        started: Instant,
+    ) -> Result<TrainingSummary> {
         let mut summary = TrainingSummary {
             iterations: self.progress.iteration,
             consumed_samples: self.progress.consumed_train_samples,
@@ -308,18 +384,32 @@ impl Run<'_> {
             exit_reason: "finished",
             seconds: 0.0,
         };
-        let mut valid_loader = datasets.valid.as_ref().map(|d| self.loader(d.clone(), "valid", self.progress.consumed_valid_samples));
+        let mut valid_loader = datasets
+            .valid
+            .as_ref()
+            .map(|d| self.loader(d.clone(), "valid", self.progress.consumed_valid_samples));
         if !self.args.training.skip_train && self.progress.iteration < self.train_iters {
-            let train = datasets.train.clone().context("the training split is empty")?;
-            let mut train_loader = self.loader(train, "train", self.progress.consumed_train_samples);
-            summary.exit_reason = self.train(&mut train_loader, valid_loader.as_mut(), &mut summary, started)?;
+            let train = datasets
+                .train
+                .clone()
+                .context("the training split is empty")?;
+            let mut train_loader =
+                self.loader(train, "train", self.progress.consumed_train_samples);
+            summary.exit_reason = self.train(
+                &mut train_loader,
+                valid_loader.as_mut(),
+                &mut summary,
+                started,
+            )?;
         }
         summary.iterations = self.progress.iteration;
         summary.consumed_samples = self.progress.consumed_train_samples;
-        if summary.exit_reason == "finished" {
+        // As Megatron's do_valid/do_test: nothing is evaluated with --eval-iters 0.
+        if summary.exit_reason == "finished" && self.args.training.eval_iters > 0 {
             let label = format!("iteration {} on validation set", self.progress.iteration);
             if let Some(loader) = valid_loader.as_mut() {
-                summary.validation_loss = Some(self.evaluate(loader, &label, !self.args.training.skip_train)?);
+                summary.validation_loss =
+                    Some(self.evaluate(loader, &label, !self.args.training.skip_train)?);
             }
             if let Some(test) = &datasets.test {
                 let mut loader = self.loader(test.clone(), "test", 0);
@@ -332,7 +422,12 @@ impl Run<'_> {
         Ok(summary)
     }
 
-    fn loader(&self, dataset: Arc<megatron_data::blend::SplitDataset>, name: &'static str, start: u64) -> BatchLoader {
+    fn loader(
+        &self,
+        dataset: Arc<megatron_data::blend::SplitDataset>,
+        name: &'static str,
+        start: u64,
+    ) -> BatchLoader {
         let position = SamplerPosition {
             start,
             micro_batch_size: self.args.training.micro_batch_size,
@@ -349,7 +444,10 @@ impl Run<'_> {
         summary: &mut TrainingSummary,
         started: Instant,
     ) -> Result<&'static str> {
-        let mut interval = IntervalStats { started: Some(Instant::now()), ..Default::default() };
+        let mut interval = IntervalStats {
+            started: Some(Instant::now()),
+            ..Default::default()
+        };
         let logging = &self.args.logging;
         let checkpoint = &self.args.checkpoint;
         while self.progress.iteration < self.train_iters {
@@ -358,8 +456,10 @@ impl Run<'_> {
             let (lm_loss, outcome) = self.train_step(train)?;
             self.progress.iteration += 1;
             self.progress.consumed_train_samples += global_batch;
-            self.progress.floating_point_operations += num_floating_point_operations(&self.flops, global_batch);
-            self.batches.update(self.progress.consumed_train_samples, true)?;
+            self.progress.floating_point_operations +=
+                num_floating_point_operations(&self.flops, global_batch);
+            self.batches
+                .update(self.progress.consumed_train_samples, true)?;
             let iteration = self.progress.iteration;
 
             interval.iterations += 1;
@@ -388,15 +488,22 @@ impl Run<'_> {
                     scalars.push(("grad-norm", norm));
                 }
                 if let Some(metrics) = self.metrics.as_mut() {
-                    metrics.record_iteration(iteration, self.progress.consumed_train_samples, &scalars)?;
+                    metrics.record_iteration(
+                        iteration,
+                        self.progress.consumed_train_samples,
+                        &scalars,
+                    )?;
                 }
             }
             if iteration % logging.log_interval.max(1) == 0 {
                 self.print_log_line(&mut interval, global_batch, outcome.grad_norm)?;
             }
             if let Some(loader) = valid.as_deref_mut() {
-                if self.args.training.eval_interval > 0 && iteration % self.args.training.eval_interval == 0 {
-                    summary.validation_loss = Some(self.evaluate(loader, &format!("iteration {iteration}"), true)?);
+                if self.args.training.eval_interval > 0
+                    && iteration % self.args.training.eval_interval == 0
+                {
+                    summary.validation_loss =
+                        Some(self.evaluate(loader, &format!("iteration {iteration}"), true)?);
                 }
             }
 
@@ -415,7 +522,10 @@ impl Run<'_> {
                 self.print_rank0(&format!("exiting at iteration {iteration} ({reason})"));
                 return Ok(reason);
             }
-            if self.progress.iteration == self.train_iters && checkpoint.save.is_some() && !saved_now {
+            if self.progress.iteration == self.train_iters
+                && checkpoint.save.is_some()
+                && !saved_now
+            {
                 self.save()?;
             }
         }
@@ -425,18 +535,33 @@ impl Run<'_> {
     /// Megatron's exit checks, agreed by all ranks: a signal on any rank, the longest elapsed
     /// time, or the exit interval.
     fn exit_reason(&self, iteration: u64, started: Instant) -> Result<Option<&'static str>> {
-        let flags = Tensor::from_slice(&[f64::from(u8::from(exit_requested())), started.elapsed().as_secs_f64() / 60.0]);
+        let flags = Tensor::from_slice(&[
+            f64::from(u8::from(exit_requested())),
+            started.elapsed().as_secs_f64() / 60.0,
+        ]);
         if self.parallel.world_size() > 1 {
             let flags_on_device = flags.to_device(self.device);
-            self.parallel.world.all_reduce(&flags_on_device, ReduceOp::Max)?;
+            self.parallel
+                .world
+                .all_reduce(&flags_on_device, ReduceOp::Max)?;
             flags.shallow_clone().copy_(&flags_on_device);
         }
         let (signal, minutes) = (flags.double_value(&[0]) > 0.0, flags.double_value(&[1]));
         Ok(if signal {
             Some("signal")
-        } else if self.args.training.exit_duration_in_mins.is_some_and(|m| minutes > m) {
+        } else if self
+            .args
+            .training
+            .exit_duration_in_mins
+            .is_some_and(|m| minutes > m)
+        {
             Some("exit-duration-in-mins")
-        } else if self.args.training.exit_interval.is_some_and(|n| n > 0 && iteration % n == 0) {
+        } else if self
+            .args
+            .training
+            .exit_interval
+            .is_some_and(|n| n > 0 && iteration % n == 0)
+        {
             Some("exit-interval")
         } else {
             None
@@ -444,7 +569,9 @@ impl Run<'_> {
     }
 
     fn next_microbatches(&self, loader: &mut BatchLoader, count: u64) -> Result<Vec<GptBatch>> {
-        (0..count).map(|_| Ok(loader.next_batch()?.to_device(self.device))).collect()
+        (0..count)
+            .map(|_| Ok(loader.next_batch()?.to_device(self.device)))
+            .collect()
     }
 
     fn schedule_shape(&self, microbatches: u64, forward_only: bool) -> ScheduleShape {
@@ -483,7 +610,9 @@ impl Run<'_> {
         }
         let lr = self.scheduler.lr();
         let weight_decay = self.scheduler.weight_decay();
-        let outcome = self.optimizer.step(lr, weight_decay, fp16.then(|| self.scaler.scale()))?;
+        let outcome = self
+            .optimizer
+            .step(lr, weight_decay, fp16.then(|| self.scaler.scale()))?;
         if fp16 {
             self.scaler.update(outcome.skipped);
         }
@@ -493,7 +622,8 @@ impl Run<'_> {
             }
         }
         if !outcome.skipped {
-            self.scheduler.step(self.batches.current_global_batch_size());
+            self.scheduler
+                .step(self.batches.current_global_batch_size());
         }
         Ok((lm_loss, outcome))
     }
@@ -506,18 +636,35 @@ impl Run<'_> {
                 None => "no checkpoint was written".to_string(),
             },
         };
-        format!("{what} is {value} at iteration {}; stopping ({kept})", self.progress.iteration + 1)
+        format!(
+            "{what} is {value} at iteration {}; stopping ({kept})",
+            self.progress.iteration + 1
+        )
     }
 
-    fn print_log_line(&mut self, interval: &mut IntervalStats, global_batch: u64, grad_norm: Option<f64>) -> Result<()> {
-        let params_norm = if self.args.logging.log_params_norm { Some(self.optimizer.params_norm()?) } else { None };
+    fn print_log_line(
+        &mut self,
+        interval: &mut IntervalStats,
+        global_batch: u64,
+        grad_norm: Option<f64>,
+    ) -> Result<()> {
+        let params_norm = if self.args.logging.log_params_norm {
+            Some(self.optimizer.params_norm()?)
+        } else {
+            None
+        };
         let elapsed = interval.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
         let per_iteration = elapsed / interval.iterations.max(1) as f64;
         let world = self.parallel.world_size() as f64;
-        let tflops = num_floating_point_operations(&self.flops, global_batch) / (per_iteration * 1e12 * world);
-        let tokens_per_second = (global_batch * self.args.model.seq_length as u64) as f64 / per_iteration;
+        let tflops = num_floating_point_operations(&self.flops, global_batch)
+            / (per_iteration * 1e12 * world);
+        let tokens_per_second =
+            (global_batch * self.args.model.seq_length as u64) as f64 / per_iteration;
         let losses = if interval.advanced > 0 {
-            vec![("lm loss".to_string(), interval.loss_sum / interval.advanced as f64)]
+            vec![(
+                "lm loss".to_string(),
+                interval.loss_sum / interval.advanced as f64,
+            )]
         } else {
             Vec::new()
         };
@@ -545,7 +692,10 @@ impl Run<'_> {
         if self.parallel.is_logging_rank() {
             println!("{}", format_iteration_line(&log));
         }
-        *interval = IntervalStats { started: Some(Instant::now()), ..Default::default() };
+        *interval = IntervalStats {
+            started: Some(Instant::now()),
+            ..Default::default()
+        };
         Ok(())
     }
 
@@ -553,10 +703,15 @@ impl Run<'_> {
     /// validation sample counter like Megatron.
     fn evaluate(&mut self, loader: &mut BatchLoader, label: &str, record: bool) -> Result<f64> {
         let loss = self.evaluate_without_counting(loader, label)?;
-        self.progress.consumed_valid_samples += self.args.training.eval_iters * self.batches.current_global_batch_size();
+        self.progress.consumed_valid_samples +=
+            self.args.training.eval_iters * self.batches.current_global_batch_size();
         if record {
             if let Some(metrics) = self.metrics.as_mut() {
-                metrics.record_eval(self.progress.iteration, self.progress.consumed_train_samples, &[("lm loss", loss)])?;
+                metrics.record_eval(
+                    self.progress.iteration,
+                    self.progress.consumed_train_samples,
+                    &[("lm loss", loss)],
+                )?;
             }
         }
         Ok(loss)
@@ -576,27 +731,42 @@ impl Run<'_> {
                 loss_scale: 1.0,
                 totals: LossTotals::new(self.device),
             };
-            tch::no_grad(|| forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape))?;
+            tch::no_grad(|| {
+                forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)
+            })?;
             totals.loss += &stage.totals.loss;
             totals.tokens += &stage.totals.tokens;
         }
         let loss = totals.reduce(&self.parallel)?;
         if self.parallel.is_logging_rank() {
-            println!("{}", format_eval_block(label, &[("lm loss".to_string(), loss)]));
+            println!(
+                "{}",
+                format_eval_block(label, &[("lm loss".to_string(), loss)])
+            );
         }
         Ok(loss)
     }
 
     fn save(&mut self) -> Result<()> {
-        let root = self.args.checkpoint.save.as_ref().expect("save is only called with --save");
-        let optimizer_name = if self.args.optimizer.optimizer == "sgd" { "sgd" } else { "adam" };
+        let root = self
+            .args
+            .checkpoint
+            .save
+            .as_ref()
+            .expect("save is only called with --save");
+        let optimizer_name = if self.args.optimizer.optimizer == "sgd" {
+            "sgd"
+        } else {
+            "adam"
+        };
         let started = Instant::now();
         let directory = checkpointing::save(SaveRequest {
             root,
             progress: self.progress,
             chunks: &self.chunks,
             split: self.split,
-            optimizer: (!self.args.checkpoint.no_save_optim).then_some((&self.optimizer, optimizer_name)),
+            optimizer: (!self.args.checkpoint.no_save_optim)
+                .then_some((&self.optimizer, optimizer_name)),
             distributed_optimizer: self.args.parallel.use_distributed_optimizer,
             scheduler: &self.scheduler,
             scaler: &self.scaler,
@@ -656,21 +826,41 @@ fn schedule_flags(args: &GptPretrainArgs, global_batch_size: u64) -> Result<Sche
         start_weight_decay: o.start_weight_decay,
         end_weight_decay: o.end_weight_decay,
         weight_decay_incr_style: o.weight_decay_incr_style.parse::<WdIncrStyle>()?,
-        train_iters: args.training.train_iters.or(args.training.skip_train.then_some(1)),
+        train_iters: args
+            .training
+            .train_iters
+            .or(args.training.skip_train.then_some(1)),
         train_samples: args.training.train_samples,
         global_batch_size,
     })
 }
 
-fn optimizer_settings(args: &GptPretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {
+fn optimizer_settings(
+    args: &GptPretrainArgs,
+    data_parallel_size: usize,
+) -> Result<OptimizerSettings> {
     let o = &args.optimizer;
     let kind = match o.optimizer.as_str() {
-        "adam" => OptimizerKind::Adam { beta1: o.adam_beta1, beta2: o.adam_beta2, eps: o.adam_eps },
-        "sgd" => OptimizerKind::Sgd { momentum: o.sgd_momentum },
+        "adam" => OptimizerKind::Adam {
+            beta1: o.adam_beta1,
+            beta2: o.adam_beta2,
+            eps: o.adam_eps,
+        },
+        "sgd" => OptimizerKind::Sgd {
+            momentum: o.sgd_momentum,
+        },
         other => bail!("--optimizer {other:?}: expected adam or sgd"),
     };
-    let bucket_size = args.parallel.ddp_bucket_size.unwrap_or_else(|| DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size));
-    Ok(OptimizerSettings { kind, clip_grad: o.clip_grad, distributed: args.parallel.use_distributed_optimizer, bucket_size })
+    let bucket_size = args
+        .parallel
+        .ddp_bucket_size
+        .unwrap_or_else(|| DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size));
+    Ok(OptimizerSettings {
+        kind,
+        clip_grad: o.clip_grad,
+        distributed: args.parallel.use_distributed_optimizer,
+        bucket_size,
+    })
 }
 
 /// Megatron's requested sample counts: train, `(iters // eval_interval + 1) · eval_iters · gbs`
@@ -679,7 +869,11 @@ fn dataset_sizes(args: &GptPretrainArgs, train_iters: u64, global_batch_size: u6
     let t = &args.training;
     let train = t.train_samples.unwrap_or(train_iters * global_batch_size);
     let evaluations = train_iters / t.eval_interval.max(1) + 1;
-    [train, evaluations * t.eval_iters * global_batch_size, t.eval_iters * global_batch_size]
+    [
+        train,
+        evaluations * t.eval_iters * global_batch_size,
+        t.eval_iters * global_batch_size,
+    ]
 }
 
 fn flops_model(config: &GptConfig, seq_length: i64) -> FlopsModel {

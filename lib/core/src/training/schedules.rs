@@ -17,7 +17,12 @@ pub trait PipelineStage {
     /// Forward of `chunk` on `microbatch`. `input` is the activation received from the previous
     /// virtual stage (`None` on the first). Returns the activation to send on, or on the last
     /// virtual stage the loss to backpropagate from (already scaled).
-    fn forward(&mut self, chunk: usize, microbatch: usize, input: Option<&Tensor>) -> Result<Tensor>;
+    fn forward(
+        &mut self,
+        chunk: usize,
+        microbatch: usize,
+        input: Option<&Tensor>,
+    ) -> Result<Tensor>;
 
     /// Called after each micro-batch's backward (where gradients move to float32 buffers).
     fn backward_done(&mut self) -> Result<()> {
@@ -52,9 +57,15 @@ pub fn forward_backward(
     activation: &ActivationSpec,
     shape: ScheduleShape,
 ) -> Result<()> {
-    let links = Links { group: group.clone(), activation: activation.clone() };
+    let links = Links {
+        group: group.clone(),
+        activation: activation.clone(),
+    };
     if group.size() == 1 {
-        ensure!(shape.chunks == 1, "virtual pipeline chunks need pipeline parallelism");
+        ensure!(
+            shape.chunks == 1,
+            "virtual pipeline chunks need pipeline parallelism"
+        );
         no_pipelining(stage, shape)
     } else if shape.chunks == 1 {
         one_f_one_b(stage, &links, shape)
@@ -122,18 +133,36 @@ impl Links {
         recv_prev: bool,
         recv_next: bool,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (next, prev) = ((self.rank() + 1) % self.size(), (self.rank() + self.size() - 1) % self.size());
-        let buffer = || Tensor::empty(self.activation.shape.as_slice(), (self.activation.kind, self.activation.device));
+        let (next, prev) = (
+            (self.rank() + 1) % self.size(),
+            (self.rank() + self.size() - 1) % self.size(),
+        );
+        let buffer = || {
+            Tensor::empty(
+                self.activation.shape.as_slice(),
+                (self.activation.kind, self.activation.device),
+            )
+        };
         let from_prev = recv_prev.then(buffer);
         let from_next = recv_next.then(buffer);
-        let sends: Vec<Tensor> = [send_next, send_prev].iter().flatten().map(|t| t.detach().contiguous()).collect();
+        let sends: Vec<Tensor> = [send_next, send_prev]
+            .iter()
+            .flatten()
+            .map(|t| t.detach().contiguous())
+            .collect();
         let mut ops = Vec::new();
         let mut sent = sends.iter();
         if send_next.is_some() {
-            ops.push(P2pOp::Send { tensor: sent.next().expect("one per send"), peer: next });
+            ops.push(P2pOp::Send {
+                tensor: sent.next().expect("one per send"),
+                peer: next,
+            });
         }
         if send_prev.is_some() {
-            ops.push(P2pOp::Send { tensor: sent.next().expect("one per send"), peer: prev });
+            ops.push(P2pOp::Send {
+                tensor: sent.next().expect("one per send"),
+                peer: prev,
+            });
         }
         if let Some(buffer) = &from_prev {
             ops.push(P2pOp::Recv { buffer, peer: prev });
@@ -156,7 +185,8 @@ fn one_f_one_b(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
     let warmup = (links.size() - links.rank() - 1).min(microbatches);
     let remaining = microbatches - warmup;
     let (first, last) = (links.is_first(), links.is_last());
-    let recv_forward = || -> Result<Option<Tensor>> { Ok(links.communicate(None, None, !first, false)?.0) };
+    let recv_forward =
+        || -> Result<Option<Tensor>> { Ok(links.communicate(None, None, !first, false)?.0) };
     let send_forward = |output: &Tensor| -> Result<()> {
         if !last {
             links.communicate(Some(output), None, false, false)?;
@@ -189,7 +219,11 @@ fn one_f_one_b(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
             }
             continue;
         }
-        let output_grad = if last { None } else { links.communicate(Some(&output), None, false, true)?.1 };
+        let output_grad = if last {
+            None
+        } else {
+            links.communicate(Some(&output), None, false, true)?.1
+        };
         in_flight.push_back((input.take(), output));
         let (oldest_input, oldest_output) = in_flight.pop_front().expect("just pushed");
         let input_grad = backward_step(stage, oldest_input, oldest_output, output_grad)?;
@@ -204,7 +238,11 @@ fn one_f_one_b(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
     if !shape.forward_only {
         for _ in 0..warmup {
             let (input, output) = in_flight.pop_front().expect("one per warm-up forward");
-            let output_grad = if last { None } else { links.communicate(None, None, false, true)?.1 };
+            let output_grad = if last {
+                None
+            } else {
+                links.communicate(None, None, false, true)?.1
+            };
             let input_grad = backward_step(stage, input, output, output_grad)?;
             send_backward(input_grad.as_ref())?;
         }
@@ -214,11 +252,19 @@ fn one_f_one_b(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
 
 /// `(microbatch, chunk)` of every virtual micro-batch: groups of `group_size` micro-batches run
 /// through each chunk in turn (Megatron's schedule table).
-pub fn schedule_table(microbatches: usize, chunks: usize, group_size: usize) -> Vec<(usize, usize)> {
+pub fn schedule_table(
+    microbatches: usize,
+    chunks: usize,
+    group_size: usize,
+) -> Vec<(usize, usize)> {
     let mut table = Vec::with_capacity(microbatches * chunks);
     let mut start = 0;
     while start < microbatches {
-        let end = if start + group_size >= microbatches { microbatches } else { start + group_size };
+        let end = if start + group_size >= microbatches {
+            microbatches
+        } else {
+            start + group_size
+        };
         for chunk in 0..chunks {
             table.extend((start..end).map(|microbatch| (microbatch, chunk)));
         }
@@ -230,7 +276,8 @@ pub fn schedule_table(microbatches: usize, chunks: usize, group_size: usize) -> 
 /// Interleaved 1F1B over `chunks` model chunks per rank (chunk c of rank r is virtual stage
 /// `c·p + r`).
 fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShape) -> Result<()> {
-    let (p, rank, chunks, microbatches) = (links.size(), links.rank(), shape.chunks, shape.microbatches);
+    let (p, rank, chunks, microbatches) =
+        (links.size(), links.rank(), shape.chunks, shape.microbatches);
     let group_size = shape.group_size;
     ensure!(
         (p..=microbatches).contains(&group_size),
@@ -242,7 +289,11 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
         "the interleaved schedule needs the number of micro-batches ({microbatches}) modulo the group size ({group_size}) to be 0 or at least the pipeline size {p}"
     );
     let total = microbatches * chunks;
-    let mut warmup = if shape.forward_only { total } else { (p - rank - 1) * 2 + (chunks - 1) * group_size };
+    let mut warmup = if shape.forward_only {
+        total
+    } else {
+        (p - rank - 1) * 2 + (chunks - 1) * group_size
+    };
     let all_warmup = warmup >= total;
     warmup = warmup.min(total);
     let remaining = total - warmup;
@@ -266,11 +317,22 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
         if !leading {
             return (true, chunk_of(k + 1, forward));
         }
-        let (mut receive, aligned) = if k < p - 1 { (false, chunk_of(k + 1, forward)) } else { (true, chunk_of(k - (p - 1), forward)) };
+        let (mut receive, aligned) = if k < p - 1 {
+            (false, chunk_of(k + 1, forward))
+        } else {
+            (true, chunk_of(k - (p - 1), forward))
+        };
         if aligned == last_chunk {
             receive = false;
         }
-        (receive, if forward { aligned + 1 } else { aligned.wrapping_sub(1) })
+        (
+            receive,
+            if forward {
+                aligned + 1
+            } else {
+                aligned.wrapping_sub(1)
+            },
+        )
     };
 
     let mut state = Interleaving::default();
@@ -279,9 +341,19 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
         let received = links.communicate(None, None, true, false)?.0;
         state.push_input(0, received);
     }
-    let forward_helper = |k: usize, state: &mut Interleaving, stage: &mut dyn PipelineStage| -> Result<Option<Tensor>> {
+    let forward_helper = |k: usize,
+                          state: &mut Interleaving,
+                          stage: &mut dyn PipelineStage|
+     -> Result<Option<Tensor>> {
         let (microbatch, chunk) = table[k];
-        let input = if is_vp_first(chunk) { None } else { state.inputs.get(&(chunk, microbatch)).and_then(|t| t.as_ref().map(Tensor::shallow_clone)) };
+        let input = if is_vp_first(chunk) {
+            None
+        } else {
+            state
+                .inputs
+                .get(&(chunk, microbatch))
+                .and_then(|t| t.as_ref().map(Tensor::shallow_clone))
+        };
         let output = stage.forward(chunk, microbatch, input.as_ref())?;
         let sent = (!is_vp_last(chunk)).then(|| output.shallow_clone());
         if shape.forward_only {
@@ -291,12 +363,26 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
         }
         Ok(sent)
     };
-    let backward_helper = |k: usize, state: &mut Interleaving, stage: &mut dyn PipelineStage| -> Result<Option<Tensor>> {
+    let backward_helper = |k: usize,
+                           state: &mut Interleaving,
+                           stage: &mut dyn PipelineStage|
+     -> Result<Option<Tensor>> {
         let microbatch = table[k].0;
         let chunk = chunk_of(k, false);
-        let input = if is_vp_first(chunk) { None } else { state.inputs.remove(&(chunk, microbatch)).flatten() };
-        let output = state.outputs.remove(&(chunk, microbatch)).context("backward before forward")?;
-        let output_grad = if is_vp_last(chunk) { None } else { state.output_grads.remove(&(chunk, microbatch)).flatten() };
+        let input = if is_vp_first(chunk) {
+            None
+        } else {
+            state.inputs.remove(&(chunk, microbatch)).flatten()
+        };
+        let output = state
+            .outputs
+            .remove(&(chunk, microbatch))
+            .context("backward before forward")?;
+        let output_grad = if is_vp_last(chunk) {
+            None
+        } else {
+            state.output_grads.remove(&(chunk, microbatch)).flatten()
+        };
         let input_grad = backward_step(stage, input, output, output_grad)?;
         Ok(if is_vp_first(chunk) { None } else { input_grad })
     };
@@ -309,7 +395,8 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
         let output = forward_helper(k, &mut state, stage)?;
         if k + 1 == warmup && !shape.forward_only && !all_warmup {
             let recv_next = !links.is_last();
-            let (input, output_grad) = links.communicate(output.as_ref(), None, recv_prev, recv_next)?;
+            let (input, output_grad) =
+                links.communicate(output.as_ref(), None, recv_prev, recv_next)?;
             if recv_next {
                 state.push_output_grad(chunks - 1, output_grad);
             }
@@ -332,7 +419,8 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
         if k + 1 == remaining {
             recv_prev = false;
         }
-        let (input, output_grad) = links.communicate(output.as_ref(), input_grad.as_ref(), recv_prev, recv_next)?;
+        let (input, output_grad) =
+            links.communicate(output.as_ref(), input_grad.as_ref(), recv_prev, recv_next)?;
         if recv_prev {
             state.push_input(next_forward_chunk, input);
         }
@@ -351,13 +439,17 @@ fn interleaved(stage: &mut dyn PipelineStage, links: &Links, shape: ScheduleShap
                 recv_next = false;
             }
             let input_grad = backward_helper(k, &mut state, stage)?;
-            let (_, output_grad) = links.communicate(None, input_grad.as_ref(), false, recv_next)?;
+            let (_, output_grad) =
+                links.communicate(None, input_grad.as_ref(), false, recv_next)?;
             if recv_next {
                 state.push_output_grad(next_chunk, output_grad);
             }
         }
     }
-    ensure!(state.outputs.is_empty() || shape.forward_only, "interleaved schedule left activations without backward");
+    ensure!(
+        state.outputs.is_empty() || shape.forward_only,
+        "interleaved schedule left activations without backward"
+    );
     Ok(())
 }
 
@@ -416,25 +508,39 @@ mod tests {
     }
 
     impl PipelineStage for ToyStage {
-        fn forward(&mut self, chunk: usize, microbatch: usize, input: Option<&Tensor>) -> Result<Tensor> {
+        fn forward(
+            &mut self,
+            chunk: usize,
+            microbatch: usize,
+            input: Option<&Tensor>,
+        ) -> Result<Tensor> {
             self.log.push((chunk, microbatch));
             let chunk_count = self.chunks.len();
             let mut x = match input {
                 Some(x) => x.shallow_clone(),
                 None => {
-                    assert!(self.first && chunk == 0, "only the first virtual stage starts from data");
+                    assert!(
+                        self.first && chunk == 0,
+                        "only the first virtual stage starts from data"
+                    );
                     Tensor::from_slice(&[microbatch as f64 + 1.0])
                 }
             };
             for (weight, index) in &self.chunks[chunk] {
                 x = weight * x + *index as f64;
             }
-            Ok(if self.last && chunk == chunk_count - 1 { x.square().sum(Kind::Double) } else { x })
+            Ok(if self.last && chunk == chunk_count - 1 {
+                x.square().sum(Kind::Double)
+            } else {
+                x
+            })
         }
     }
 
     fn reference_gradients(layers: usize, microbatches: usize) -> Vec<f64> {
-        let weights: Vec<Tensor> = (0..layers).map(|l| Tensor::from_slice(&[0.5 + 0.1 * l as f64]).set_requires_grad(true)).collect();
+        let weights: Vec<Tensor> = (0..layers)
+            .map(|l| Tensor::from_slice(&[0.5 + 0.1 * l as f64]).set_requires_grad(true))
+            .collect();
         for m in 0..microbatches {
             let mut x = Tensor::from_slice(&[m as f64 + 1.0]);
             for (l, w) in weights.iter().enumerate() {
@@ -442,10 +548,18 @@ mod tests {
             }
             x.square().sum(Kind::Double).backward();
         }
-        weights.iter().map(|w| w.grad().double_value(&[0])).collect()
+        weights
+            .iter()
+            .map(|w| w.grad().double_value(&[0]))
+            .collect()
     }
 
-    fn pipelined_gradients(p: usize, chunks: usize, microbatches: usize, group_size: usize) -> Vec<f64> {
+    fn pipelined_gradients(
+        p: usize,
+        chunks: usize,
+        microbatches: usize,
+        group_size: usize,
+    ) -> Vec<f64> {
         let layers = 2 * p * chunks;
         let per_block = layers / (p * chunks);
         let world = ThreadWorld::new(p, Duration::from_secs(30));
@@ -456,16 +570,41 @@ mod tests {
                     .map(|c| {
                         let block = c * p + rank;
                         (block * per_block..(block + 1) * per_block)
-                            .map(|l| (Tensor::from_slice(&[0.5 + 0.1 * l as f64]).set_requires_grad(true), l))
+                            .map(|l| {
+                                (
+                                    Tensor::from_slice(&[0.5 + 0.1 * l as f64])
+                                        .set_requires_grad(true),
+                                    l,
+                                )
+                            })
                             .collect()
                     })
                     .collect();
-                let mut stage = ToyStage { chunks: chunk_layers, first: rank == 0, last: rank == p - 1, log: Vec::new() };
-                let activation = ActivationSpec { shape: vec![1], kind: Kind::Double, device: Device::Cpu };
-                let shape = ScheduleShape { microbatches, chunks, group_size, forward_only: false };
+                let mut stage = ToyStage {
+                    chunks: chunk_layers,
+                    first: rank == 0,
+                    last: rank == p - 1,
+                    log: Vec::new(),
+                };
+                let activation = ActivationSpec {
+                    shape: vec![1],
+                    kind: Kind::Double,
+                    device: Device::Cpu,
+                };
+                let shape = ScheduleShape {
+                    microbatches,
+                    chunks,
+                    group_size,
+                    forward_only: false,
+                };
                 forward_backward(&mut stage, &group, &activation, shape)?;
                 assert_eq!(stage.log.len(), microbatches * chunks);
-                Ok(stage.chunks.into_iter().flatten().map(|(w, l)| (l, w.grad().double_value(&[0]))).collect::<Vec<_>>())
+                Ok(stage
+                    .chunks
+                    .into_iter()
+                    .flatten()
+                    .map(|(w, l)| (l, w.grad().double_value(&[0])))
+                    .collect::<Vec<_>>())
             })
             .unwrap();
         let mut grads: Vec<(usize, f64)> = per_rank.into_iter().flatten().collect();
@@ -483,13 +622,23 @@ mod tests {
     #[test]
     fn one_f_one_b_gives_the_unpipelined_gradients() {
         for (p, microbatches) in [(2, 1), (2, 4), (4, 3), (4, 8)] {
-            assert_close(&pipelined_gradients(p, 1, microbatches, p), &reference_gradients(2 * p, microbatches));
+            assert_close(
+                &pipelined_gradients(p, 1, microbatches, p),
+                &reference_gradients(2 * p, microbatches),
+            );
         }
     }
 
     #[test]
     fn interleaved_gives_the_unpipelined_gradients() {
-        for (p, chunks, microbatches, group_size) in [(2, 2, 4, 2), (2, 3, 6, 2), (4, 2, 8, 4), (2, 2, 5, 3), (4, 2, 4, 4), (2, 2, 2, 2)] {
+        for (p, chunks, microbatches, group_size) in [
+            (2, 2, 4, 2),
+            (2, 3, 6, 2),
+            (4, 2, 8, 4),
+            (2, 2, 5, 3),
+            (4, 2, 4, 4),
+            (2, 2, 2, 2),
+        ] {
             assert_close(
                 &pipelined_gradients(p, chunks, microbatches, group_size),
                 &reference_gradients(2 * p * chunks, microbatches),

@@ -13,8 +13,14 @@ extern "C" fn request_exit(_signal: libc::c_int) {
 pub fn install_exit_handler() {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
-        libc::signal(libc::SIGTERM, request_exit as extern "C" fn(libc::c_int) as libc::sighandler_t);
-        libc::signal(libc::SIGINT, request_exit as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        libc::signal(
+            libc::SIGTERM,
+            request_exit as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGINT,
+            request_exit as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
     }
 }
 

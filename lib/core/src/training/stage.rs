@@ -19,7 +19,10 @@ pub struct LossTotals {
 
 impl LossTotals {
     pub fn new(device: tch::Device) -> Self {
-        LossTotals { loss: Tensor::zeros([], (Kind::Float, device)), tokens: Tensor::zeros([], (Kind::Float, device)) }
+        LossTotals {
+            loss: Tensor::zeros([], (Kind::Float, device)),
+            tokens: Tensor::zeros([], (Kind::Float, device)),
+        }
     }
 
     /// `Σ loss / Σ tokens` over the whole pipeline and data-parallel group, as Megatron reports
@@ -28,7 +31,8 @@ impl LossTotals {
         let both = Tensor::stack(&[&self.loss, &self.tokens], 0);
         parallel.pipeline.all_reduce(&both, ReduceOp::Sum)?;
         parallel.data.all_reduce(&both, ReduceOp::Sum)?;
-        let values = Vec::<f32>::try_from(&both.to_device(tch::Device::Cpu)).context("reading the loss")?;
+        let values =
+            Vec::<f32>::try_from(&both.to_device(tch::Device::Cpu)).context("reading the loss")?;
         Ok(f64::from(values[0]) / f64::from(values[1]).max(1.0))
     }
 }
@@ -45,13 +49,21 @@ pub struct GptStage<'a> {
 }
 
 impl PipelineStage for GptStage<'_> {
-    fn forward(&mut self, chunk: usize, microbatch: usize, input: Option<&Tensor>) -> Result<Tensor> {
+    fn forward(
+        &mut self,
+        chunk: usize,
+        microbatch: usize,
+        input: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let model = &self.chunks[chunk];
         let batch = &self.batches[microbatch];
         let train = self.optimizer.is_some();
         let input = match input {
             Some(hidden) => ChunkInput::Hidden(hidden),
-            None => ChunkInput::Tokens { tokens: &batch.tokens, position_ids: &batch.position_ids },
+            None => ChunkInput::Tokens {
+                tokens: &batch.tokens,
+                position_ids: &batch.position_ids,
+            },
         };
         let output = model.forward_chunk(input, &batch.mask(), train)?;
         if !model.spec.post_process {

@@ -32,24 +32,33 @@ impl DataPathFlags {
     }
 
     fn per_split_lists(&self) -> [&Vec<String>; 3] {
-        [&self.train_data_path, &self.valid_data_path, &self.test_data_path]
+        [
+            &self.train_data_path,
+            &self.valid_data_path,
+            &self.test_data_path,
+        ]
     }
 
     /// The sources and the split string (`None` in per-split mode). A missing `--split` with
     /// `--data-path` falls back to Megatron's default, with a warning.
     pub fn sources(&self) -> Result<(DataSources, Option<String>)> {
-        let per_split = self.per_split_lists().iter().any(|l| !l.is_empty()) || self.per_split_data_args_path.is_some();
+        let per_split = self.per_split_lists().iter().any(|l| !l.is_empty())
+            || self.per_split_data_args_path.is_some();
         let blend = !self.data_path.is_empty() || self.data_args_path.is_some();
         match (blend, per_split) {
             (true, true) => bail!("--data-path and per-split data paths are mutually exclusive"),
-            (false, false) => bail!("give --data-path (or --data-args-path) or per-split data paths"),
+            (false, false) => {
+                bail!("give --data-path (or --data-args-path) or per-split data paths")
+            }
             (true, false) => {
                 let blend = match &self.data_args_path {
                     Some(path) => Blend::from_args_file(path)?,
                     None => Blend::parse(&self.data_path).context("parsing --data-path")?,
                 };
                 let split = self.split.clone().unwrap_or_else(|| {
-                    eprintln!("warning: --split not given, using \"{DEFAULT_SPLIT}\" like Megatron");
+                    eprintln!(
+                        "warning: --split not given, using \"{DEFAULT_SPLIT}\" like Megatron"
+                    );
                     DEFAULT_SPLIT.to_string()
                 });
                 Ok((DataSources::Blend(blend), Some(split)))
@@ -63,7 +72,9 @@ impl DataPathFlags {
                     None => {
                         let parse = |list: &Vec<String>, flag: &str| -> Result<Option<Blend>> {
                             (!list.is_empty())
-                                .then(|| Blend::parse(list).with_context(|| format!("parsing {flag}")))
+                                .then(|| {
+                                    Blend::parse(list).with_context(|| format!("parsing {flag}"))
+                                })
                                 .transpose()
                         };
                         [

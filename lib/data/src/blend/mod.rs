@@ -4,15 +4,15 @@
 mod budget;
 mod builder;
 mod data_path;
-mod flags;
 mod dataset;
+mod flags;
 mod indices;
 mod weights;
 
 pub use budget::samples_per_dataset;
-pub use flags::{DataPathFlags, DEFAULT_SPLIT};
 pub use builder::{build_gpt_datasets, DataSources, OpenSource, SplitDataset};
 pub use data_path::Blend;
 pub use dataset::{BlendWeights, BlendedDataset};
+pub use flags::{DataPathFlags, DEFAULT_SPLIT};
 pub use indices::{build_blending_indices, build_exhaustive_blending_indices, BlendingIndices};
 pub use weights::{normalize, numpy_sum};

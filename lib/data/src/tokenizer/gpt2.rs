@@ -127,7 +127,11 @@ impl Gpt2Bpe {
             vocab_size: vocab.len(),
             eod,
             tokens: super::bert::invert(&vocab),
-            char_byte: byte_chars.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect(),
+            char_byte: byte_chars
+                .iter()
+                .enumerate()
+                .map(|(b, &c)| (c, b as u8))
+                .collect(),
             cache: (0..CACHE_SHARDS)
                 .map(|_| Mutex::new(HashMap::new()))
                 .collect(),

@@ -87,6 +87,8 @@ impl Tokenizer for HuggingFace {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= size) {
             return Err(super::unknown_id(id, size));
         }
-        self.inner.decode(ids, false).map_err(|e| TokenizerError::Encode(e.to_string()))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 }

@@ -16,7 +16,9 @@ pub use build::{build_tokenizer, TokenizerConfig, TokenizerType};
 pub use gpt2::Gpt2Bpe;
 pub use huggingface::HuggingFace;
 pub use null::NullTokenizer;
-pub use train::{read_texts, train_byte_level_bpe, BpeTrainingOptions, TrainError, TrainedBpe, END_OF_TEXT};
+pub use train::{
+    read_texts, train_byte_level_bpe, BpeTrainingOptions, TrainError, TrainedBpe, END_OF_TEXT,
+};
 
 /// Why a tokenizer could not be built or could not encode a text.
 #[derive(Debug, thiserror::Error)]
@@ -56,5 +58,7 @@ pub trait Tokenizer: Send + Sync {
 }
 
 fn unknown_id(id: u32, vocab_size: usize) -> TokenizerError {
-    TokenizerError::Encode(format!("token id {id} is outside the vocabulary of {vocab_size} tokens"))
+    TokenizerError::Encode(format!(
+        "token id {id} is outside the vocabulary of {vocab_size} tokens"
+    ))
 }

@@ -45,7 +45,12 @@ pub struct SelfAttention {
 }
 
 impl SelfAttention {
-    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, parallel: TensorParallel) -> Self {
+    pub fn new(
+        init: &Initializer,
+        config: &GptConfig,
+        output_std: f64,
+        parallel: TensorParallel,
+    ) -> Self {
         let t = init.tensor_parallel_size;
         let h = config.hidden_size;
         let projection = config.num_attention_heads * config.kv_channels;
@@ -61,7 +66,14 @@ impl SelfAttention {
                 1,
                 parallel.clone(),
             ),
-            linear_proj: RowParallelLinear::new(&init.scope("linear_proj"), projection, h, config.add_bias_linear, output_std, parallel),
+            linear_proj: RowParallelLinear::new(
+                &init.scope("linear_proj"),
+                projection,
+                h,
+                config.add_bias_linear,
+                output_std,
+                parallel,
+            ),
             local_heads: config.num_attention_heads / t,
             local_groups: config.num_query_groups / t,
             head_dim: config.kv_channels,
@@ -80,10 +92,12 @@ impl SelfAttention {
         train: bool,
         recompute_core: bool,
     ) -> Result<Tensor> {
-        let (s, b) = (hidden.size()[0], hidden.size()[1]);
         let (n, g, d) = (self.local_heads, self.local_groups, self.head_dim);
         let per_group = n / g;
-        let qkv = self.linear_qkv.forward(hidden)?.view([s, b, g, (per_group + 2) * d]);
+        // With sequence parallelism the projection gathers the sequence: take `s` after it.
+        let qkv = self.linear_qkv.forward(hidden)?;
+        let (s, b) = (qkv.size()[0], qkv.size()[1]);
+        let qkv = qkv.view([s, b, g, (per_group + 2) * d]);
         let parts = qkv.split_with_sizes([per_group * d, d, d], -1);
         let mut query = parts[0].reshape([s, b, n, d]);
         let mut key = parts[1].shallow_clone();
@@ -105,7 +119,11 @@ impl SelfAttention {
         let context = if recompute_core {
             let mask = mask.clone();
             checkpoint(
-                move |inputs: &[Tensor]| Ok(vec![core_attention(&inputs[0], &inputs[1], &inputs[2], &mask, dropout, fork)?]),
+                move |inputs: &[Tensor]| {
+                    Ok(vec![core_attention(
+                        &inputs[0], &inputs[1], &inputs[2], &mask, dropout, fork,
+                    )?])
+                },
                 &[&query, &key, &value],
             )?
             .remove(0)
@@ -118,26 +136,51 @@ impl SelfAttention {
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
         self.linear_qkv.named_tensors(&mut out.scope("linear_qkv"));
-        self.linear_proj.named_tensors(&mut out.scope("linear_proj"));
+        self.linear_proj
+            .named_tensors(&mut out.scope("linear_proj"));
     }
 }
 
-fn core_attention(query: &Tensor, key: &Tensor, value: &Tensor, mask: &AttentionMask, dropout: f64, fork_rng: bool) -> Result<Tensor> {
+fn core_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    mask: &AttentionMask,
+    dropout: f64,
+    fork_rng: bool,
+) -> Result<Tensor> {
     if fork_rng {
-        return Ok(with_model_parallel_rng(query.device(), || sdpa(query, key, value, mask, dropout))?);
+        return Ok(with_model_parallel_rng(query.device(), || {
+            sdpa(query, key, value, mask, dropout)
+        })?);
     }
     Ok(sdpa(query, key, value, mask, dropout))
 }
 
-fn sdpa(query: &Tensor, key: &Tensor, value: &Tensor, mask: &AttentionMask, dropout: f64) -> Tensor {
+fn sdpa(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    mask: &AttentionMask,
+    dropout: f64,
+) -> Tensor {
     match mask {
-        AttentionMask::Causal => {
-            Tensor::scaled_dot_product_attention::<&Tensor>(query, key, value, None, dropout, true, None, false)
-        }
+        AttentionMask::Causal => Tensor::scaled_dot_product_attention::<&Tensor>(
+            query, key, value, None, dropout, true, None, false,
+        ),
         AttentionMask::Explicit(masked) => {
             // SDPA's boolean masks mean "may attend", the opposite of Megatron's.
             let allowed = masked.logical_not();
-            Tensor::scaled_dot_product_attention(query, key, value, Some(&allowed), dropout, false, None, false)
+            Tensor::scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                Some(&allowed),
+                dropout,
+                false,
+                None,
+                false,
+            )
         }
     }
 }

@@ -17,10 +17,20 @@ pub struct VocabParallelEmbedding {
 
 impl VocabParallelEmbedding {
     /// `init` is scoped to `embedding.word_embeddings`.
-    pub fn new(init: &Initializer, padded_vocab: i64, hidden: i64, std: f64, group: Arc<dyn Communicator>) -> Self {
+    pub fn new(
+        init: &Initializer,
+        padded_vocab: i64,
+        hidden: i64,
+        std: f64,
+        group: Arc<dyn Communicator>,
+    ) -> Self {
         let weight = init.normal_partitioned("weight", &[padded_vocab, hidden], std, 0);
         let vocab_start = group.rank() as i64 * padded_vocab / group.size() as i64;
-        VocabParallelEmbedding { weight, vocab_start, group }
+        VocabParallelEmbedding {
+            weight,
+            vocab_start,
+            group,
+        }
     }
 
     /// `[b, s]` ids → `[b, s, h]`. Ids outside this rank's rows look up row 0 and are zeroed;

@@ -6,11 +6,14 @@ use tch::Tensor;
 use super::{NamedTensors, ParamAttributes, TensorParallel};
 use crate::model::param::{Initializer, Param};
 use crate::parallel::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
 
-const SHARDED: ParamAttributes = ParamAttributes { tensor_parallel: true, ..ParamAttributes::REPLICATED };
+const SHARDED: ParamAttributes = ParamAttributes {
+    tensor_parallel: true,
+    ..ParamAttributes::REPLICATED
+};
 
 /// Splits the output dimension: rank r holds rows `[r·out/t, (r+1)·out/t)` and their bias.
 #[derive(Clone)]
@@ -33,7 +36,11 @@ impl ColumnParallelLinear {
     ) -> Self {
         let weight = init.normal_partitioned_strided("weight", &[output, input], std, 0, stride);
         let bias = bias.then(|| init.constant_partitioned(&[output], 0.0));
-        ColumnParallelLinear { weight, bias, parallel }
+        ColumnParallelLinear {
+            weight,
+            bias,
+            parallel,
+        }
     }
 
     /// `x · Wᵀ + b` on this rank's output slice. With sequence parallelism the input arrives
@@ -66,10 +73,21 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    pub fn new(init: &Initializer, input: i64, output: i64, bias: bool, std: f64, parallel: TensorParallel) -> Self {
+    pub fn new(
+        init: &Initializer,
+        input: i64,
+        output: i64,
+        bias: bool,
+        std: f64,
+        parallel: TensorParallel,
+    ) -> Self {
         let weight = init.normal_partitioned("weight", &[output, input], std, 1);
         let bias = bias.then(|| init.constant(&[output], 0.0));
-        RowParallelLinear { weight, bias, parallel }
+        RowParallelLinear {
+            weight,
+            bias,
+            parallel,
+        }
     }
 
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
@@ -92,7 +110,10 @@ impl RowParallelLinear {
     pub fn named_tensors(&self, out: &mut NamedTensors) {
         out.push("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
-            let attributes = ParamAttributes { sequence_parallel: self.parallel.sequence_parallel, ..Default::default() };
+            let attributes = ParamAttributes {
+                sequence_parallel: self.parallel.sequence_parallel,
+                ..Default::default()
+            };
             out.push("bias", bias, attributes);
         }
     }

@@ -16,11 +16,20 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(init: &Initializer, config: &GptConfig, output_std: f64, parallel: TensorParallel) -> Self {
+    pub fn new(
+        init: &Initializer,
+        config: &GptConfig,
+        output_std: f64,
+        parallel: TensorParallel,
+    ) -> Self {
         let h = config.hidden_size;
         let bias = config.add_bias_linear;
         // SwiGLU's fc1 is [gate; up]; stride 2 gives each rank [gate_r; up_r] (spec §2.1).
-        let stride = if config.activation == Activation::Swiglu { 2 } else { 1 };
+        let stride = if config.activation == Activation::Swiglu {
+            2
+        } else {
+            1
+        };
         Mlp {
             linear_fc1: ColumnParallelLinear::new(
                 &init.scope("linear_fc1"),
@@ -31,7 +40,14 @@ impl Mlp {
                 stride,
                 parallel.clone(),
             ),
-            linear_fc2: RowParallelLinear::new(&init.scope("linear_fc2"), config.ffn_hidden_size, h, bias, output_std, parallel),
+            linear_fc2: RowParallelLinear::new(
+                &init.scope("linear_fc2"),
+                config.ffn_hidden_size,
+                h,
+                bias,
+                output_std,
+                parallel,
+            ),
             activation: config.activation,
         }
     }

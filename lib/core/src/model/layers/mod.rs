@@ -50,8 +50,12 @@ pub struct ParamAttributes {
 
 impl ParamAttributes {
     /// An ordinary parameter, identical on every tensor-parallel rank.
-    pub const REPLICATED: ParamAttributes =
-        ParamAttributes { tensor_parallel: false, sequence_parallel: false, shared_embedding: false, tied_across_stages: false };
+    pub const REPLICATED: ParamAttributes = ParamAttributes {
+        tensor_parallel: false,
+        sequence_parallel: false,
+        shared_embedding: false,
+        tied_across_stages: false,
+    };
 }
 
 /// A parameter under its Megatron state-dict name.
@@ -69,15 +73,25 @@ pub struct NamedTensors<'a> {
 
 impl<'a> NamedTensors<'a> {
     pub fn new(out: &'a mut Vec<NamedParameter>) -> Self {
-        NamedTensors { prefix: String::new(), out }
+        NamedTensors {
+            prefix: String::new(),
+            out,
+        }
     }
 
     pub fn push(&mut self, name: &str, tensor: &Tensor, attributes: ParamAttributes) {
-        self.out.push(NamedParameter { name: format!("{}{name}", self.prefix), tensor: tensor.shallow_clone(), attributes });
+        self.out.push(NamedParameter {
+            name: format!("{}{name}", self.prefix),
+            tensor: tensor.shallow_clone(),
+            attributes,
+        });
     }
 
     /// A collector whose names start with `prefix.`.
     pub fn scope(&mut self, prefix: &str) -> NamedTensors<'_> {
-        NamedTensors { prefix: format!("{}{prefix}.", self.prefix), out: self.out }
+        NamedTensors {
+            prefix: format!("{}{prefix}.", self.prefix),
+            out: self.out,
+        }
     }
 }

@@ -19,17 +19,40 @@ pub struct Norm {
 }
 
 impl Norm {
-    pub fn new(init: &Initializer, kind: Normalization, hidden: i64, eps: f64, one_plus: bool, sequence_parallel: bool) -> Self {
+    pub fn new(
+        init: &Initializer,
+        kind: Normalization,
+        hidden: i64,
+        eps: f64,
+        one_plus: bool,
+        sequence_parallel: bool,
+    ) -> Self {
         let weight = init.constant(&[hidden], if one_plus { 0.0 } else { 1.0 });
         let bias = (kind == Normalization::LayerNorm).then(|| init.constant(&[hidden], 0.0));
-        Norm { kind, weight, bias, eps, one_plus, sequence_parallel }
+        Norm {
+            kind,
+            weight,
+            bias,
+            eps,
+            one_plus,
+            sequence_parallel,
+        }
     }
 
     pub fn forward(&self, input: &Tensor) -> Tensor {
-        let gamma = if self.one_plus { &*self.weight + 1.0 } else { self.weight.shallow_clone() };
-        let hidden = *input.size().last().expect("normalised tensors have a hidden dimension");
+        let gamma = if self.one_plus {
+            &*self.weight + 1.0
+        } else {
+            self.weight.shallow_clone()
+        };
+        let hidden = *input
+            .size()
+            .last()
+            .expect("normalised tensors have a hidden dimension");
         match self.kind {
-            Normalization::LayerNorm => input.layer_norm([hidden], Some(&gamma), self.bias.as_deref(), self.eps, true),
+            Normalization::LayerNorm => {
+                input.layer_norm([hidden], Some(&gamma), self.bias.as_deref(), self.eps, true)
+            }
             Normalization::RMSNorm => {
                 // Statistics in float32 whatever the activation dtype, as Megatron's RMSNorm.
                 let x = input.to_kind(Kind::Float);
@@ -40,7 +63,10 @@ impl Norm {
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        let attributes = ParamAttributes { sequence_parallel: self.sequence_parallel, ..Default::default() };
+        let attributes = ParamAttributes {
+            sequence_parallel: self.sequence_parallel,
+            ..Default::default()
+        };
         out.push("weight", &self.weight, attributes);
         if let Some(bias) = &self.bias {
             out.push("bias", bias, attributes);

@@ -23,25 +23,39 @@ impl RotaryEmbedding {
     /// Tables for positions `start..start + length`.
     pub fn tables(&self, start: i64, length: i64, device: Device) -> RotaryTables {
         let options = (Kind::Float, device);
-        let exponents = Tensor::arange_start_step(0, self.rotary_dim, 2, options) / self.rotary_dim as f64;
-        let inv_freq = Tensor::from(self.base as f32).to_device(device).pow(&exponents).reciprocal();
+        let exponents =
+            Tensor::arange_start_step(0, self.rotary_dim, 2, options) / self.rotary_dim as f64;
+        let inv_freq = Tensor::from(self.base as f32)
+            .to_device(device)
+            .pow(&exponents)
+            .reciprocal();
         let positions = Tensor::arange_start(start, start + length, options);
         let angles = positions.outer(&inv_freq);
         let angles = Tensor::cat(&[&angles, &angles], -1).view([length, 1, 1, self.rotary_dim]);
-        RotaryTables { cos: angles.cos(), sin: angles.sin() }
+        RotaryTables {
+            cos: angles.cos(),
+            sin: angles.sin(),
+        }
     }
 }
 
 impl Clone for RotaryTables {
     fn clone(&self) -> Self {
-        RotaryTables { cos: self.cos.shallow_clone(), sin: self.sin.shallow_clone() }
+        RotaryTables {
+            cos: self.cos.shallow_clone(),
+            sin: self.sin.shallow_clone(),
+        }
     }
 }
 
 impl RotaryTables {
     /// Rotates the first `r` channels of `x` (`[s, b, heads, d]`); the rest pass through.
     pub fn apply(&self, x: &Tensor) -> Tensor {
-        let rotary_dim = *self.cos.size().last().expect("tables have a channel dimension");
+        let rotary_dim = *self
+            .cos
+            .size()
+            .last()
+            .expect("tables have a channel dimension");
         let head_dim = *x.size().last().expect("heads have a channel dimension");
         let rotated_part = x.narrow(-1, 0, rotary_dim);
         let halves = rotated_part.chunk(2, -1);
@@ -52,7 +66,10 @@ impl RotaryTables {
         if rotary_dim == head_dim {
             out
         } else {
-            Tensor::cat(&[&out, &x.narrow(-1, rotary_dim, head_dim - rotary_dim)], -1)
+            Tensor::cat(
+                &[&out, &x.narrow(-1, rotary_dim, head_dim - rotary_dim)],
+                -1,
+            )
         }
     }
 }

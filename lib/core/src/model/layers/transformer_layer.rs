@@ -37,7 +37,12 @@ impl TransformerLayer {
             )
         };
         let input_layernorm = norm("input_layernorm");
-        let self_attention = SelfAttention::new(&init.scope("self_attention"), config, output_std, parallel.clone());
+        let self_attention = SelfAttention::new(
+            &init.scope("self_attention"),
+            config,
+            output_std,
+            parallel.clone(),
+        );
         let pre_mlp_layernorm = norm("pre_mlp_layernorm");
         let mlp = Mlp::new(&init.scope("mlp"), config, output_std, parallel);
         TransformerLayer {
@@ -59,19 +64,32 @@ impl TransformerLayer {
         recompute_core_attention: bool,
     ) -> Result<Tensor> {
         let normed = self.input_layernorm.forward(hidden);
-        let attention = self.self_attention.forward(&normed, mask, rotary, train, recompute_core_attention)?;
-        let residual = if self.residual_from_norm { &normed } else { hidden };
+        let attention =
+            self.self_attention
+                .forward(&normed, mask, rotary, train, recompute_core_attention)?;
+        let residual = if self.residual_from_norm {
+            &normed
+        } else {
+            hidden
+        };
         let hidden = residual + attention.dropout(self.hidden_dropout, train);
         let normed = self.pre_mlp_layernorm.forward(&hidden);
         let mlp = self.mlp.forward(&normed)?;
-        let residual = if self.residual_from_norm { &normed } else { &hidden };
+        let residual = if self.residual_from_norm {
+            &normed
+        } else {
+            &hidden
+        };
         Ok(residual + mlp.dropout(self.hidden_dropout, train))
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        self.input_layernorm.named_tensors(&mut out.scope("input_layernorm"));
-        self.self_attention.named_tensors(&mut out.scope("self_attention"));
-        self.pre_mlp_layernorm.named_tensors(&mut out.scope("pre_mlp_layernorm"));
+        self.input_layernorm
+            .named_tensors(&mut out.scope("input_layernorm"));
+        self.self_attention
+            .named_tensors(&mut out.scope("self_attention"));
+        self.pre_mlp_layernorm
+            .named_tensors(&mut out.scope("pre_mlp_layernorm"));
         self.mlp.named_tensors(&mut out.scope("mlp"));
     }
 }
