@@ -4,10 +4,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::parallel::ParallelState;
-use megatron_core::training::{pretrain_gpt, resolve_device, Runtime};
+use megatron_core::training::{join_job, pretrain_gpt};
 
-/// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU or the CPU.
+/// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU, many GPUs
+/// (launched by torchrun or srun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT or
+/// SLURM_*), or CPUs.
 ///
 /// Flags keep Megatron's names and defaults, and as with Megatron's argparse a flag given twice
 /// takes its last value; checkpoints use Megatron's directory layout with safetensors shards.
@@ -22,11 +23,12 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        let runtime = Runtime {
-            parallel: ParallelState::single(),
-            device: resolve_device(&cli.args.training.device, 0)?,
-        };
+        let (job, runtime) = join_job(&cli.args.parallel, &cli.args.training.device)?;
         let summary = pretrain_gpt(&cli.args, &runtime)?;
+        job.finish()?;
+        if !runtime.parallel.is_logging_rank() {
+            return Ok(());
+        }
         let loss = summary
             .last_lm_loss
             .map_or("-".to_string(), |l| format!("{l:.4}"));

@@ -4,6 +4,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Version.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -111,6 +112,16 @@ at::Generator default_generator(int device_index) {
       c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)));
 }
 
+// The CUDA backend's device guard; throws when libtorch has no CUDA support.
+const c10::impl::DeviceGuardImplInterface* cuda_guard() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+c10::Device cuda_device(int device_index) {
+  TORCH_CHECK(device_index >= 0, "not a CUDA device index: ", device_index);
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+}
+
 }  // namespace
 
 extern "C" {
@@ -192,6 +203,16 @@ char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double s
     std::vector<int64_t> sizes(shape, shape + ndim);
     *out = new at::Tensor(at::normal(mean, std, sizes, generator, at::TensorOptions().dtype(at::kFloat)));
   });
+}
+
+char* mrs_current_stream(int device_index, void** stream_out) {
+  return protect([&] {
+    *stream_out = cuda_guard()->getStream(cuda_device(device_index)).native_handle();
+  });
+}
+
+char* mrs_set_device(int device_index) {
+  return protect([&] { cuda_guard()->setDevice(cuda_device(device_index)); });
 }
 
 char* mrs_build_config(void) { return malloc_string(at::show_config()); }

@@ -72,6 +72,13 @@ char* mrs_rng_manual_seed(int device_index, uint64_t seed);
 char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double std, uint64_t seed,
                         mrs_tensor* out);
 
+// libtorch's current CUDA stream of a device (thread-local, as in torch.cuda.current_stream), as
+// its raw cudaStream_t, so that collectives launched outside libtorch (NCCL) are ordered with
+// libtorch's kernels. Both go through c10's device-guard interface and need no CUDA headers.
+char* mrs_current_stream(int device_index, void** stream_out);
+// Makes a CUDA device current on the calling thread (torch.cuda.set_device).
+char* mrs_set_device(int device_index);
+
 // ATen's build configuration (compiler, CUDA, cuDNN, NCCL versions, CPU capability) as a
 // malloc'd string, freed with mrs_free_string.
 char* mrs_build_config(void);

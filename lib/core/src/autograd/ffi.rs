@@ -72,6 +72,8 @@ extern "C" {
     pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
     pub fn mrs_rng_manual_seed(device_index: c_int, seed: u64) -> *mut c_char;
     pub fn mrs_build_config() -> *mut c_char;
+    pub fn mrs_current_stream(device_index: c_int, stream_out: *mut *mut c_void) -> *mut c_char;
+    pub fn mrs_set_device(device_index: c_int) -> *mut c_char;
     pub fn mrs_seeded_normal(
         shape: *const i64,
         ndim: usize,

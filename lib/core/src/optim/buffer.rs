@@ -77,16 +77,15 @@ impl BufferLayout {
             let multiple = if sharded { size * SHARD_ALIGNMENT } else { 1 };
             len.div_ceil(multiple) * multiple
         };
-        let mut close =
-            |offset: &mut usize, bucket_start: &mut usize, buckets: &mut Vec<Bucket>| {
-                let end = *bucket_start + pad(*offset - *bucket_start);
-                buckets.push(Bucket {
-                    range: *bucket_start..end,
-                    shard: 0..0,
-                });
-                *offset = end;
-                *bucket_start = end;
-            };
+        let close = |offset: &mut usize, bucket_start: &mut usize, buckets: &mut Vec<Bucket>| {
+            let end = *bucket_start + pad(*offset - *bucket_start);
+            buckets.push(Bucket {
+                range: *bucket_start..end,
+                shard: 0..0,
+            });
+            *offset = end;
+            *bucket_start = end;
+        };
         for (i, param) in params.iter().enumerate().rev() {
             let numel = param.shape.iter().product::<i64>() as usize;
             // The two stages' copies of tied embeddings are summed after the data-parallel

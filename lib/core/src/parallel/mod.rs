@@ -6,17 +6,28 @@
 //! `t = 1`, not a separate implementation.
 
 mod communicator;
+mod host;
+mod job;
+mod launch;
 mod layout;
+mod nccl;
 mod regions;
+mod rendezvous;
+mod tcp;
 mod threads;
 
 pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
+pub use job::{Backend, Job};
+pub use launch::{first_host, LaunchEnv, DEFAULT_MASTER_PORT};
 pub use layout::{Coordinates, GroupKind, ParallelLayout};
+pub use nccl::NcclCommunicator;
 pub use regions::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
+pub use rendezvous::Rendezvous;
+pub use tcp::TcpMesh;
 pub use threads::ThreadWorld;
 
 use std::sync::Arc;

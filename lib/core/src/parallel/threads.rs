@@ -6,10 +6,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use tch::{Device, Tensor};
+use anyhow::{anyhow, bail, Context, Result};
+use tch::Tensor;
 
-use super::communicator::{Communicator, P2pOp, ReduceOp};
+use super::communicator::Communicator;
+use super::host::{HostCollectives, HostTransport};
 
 const POLL: Duration = Duration::from_millis(50);
 
@@ -96,11 +97,11 @@ impl ThreadWorld {
                 })
             })
             .clone();
-        Ok(Arc::new(ThreadGroup {
+        Ok(Arc::new(HostCollectives(ThreadGroup {
             world: self.shared.clone(),
             state,
             position,
-        }))
+        })))
     }
 
     /// Marks the world failed: every rank blocked in (or later entering) a collective gets an
@@ -273,16 +274,7 @@ impl ThreadGroup {
     }
 }
 
-/// A private CPU copy (contributions must not change after they are deposited).
-fn host_copy(tensor: &Tensor) -> Tensor {
-    tensor.to_device(Device::Cpu).copy()
-}
-
-fn write_into(target: &Tensor, value: &Tensor) {
-    target.shallow_clone().copy_(value);
-}
-
-impl Communicator for ThreadGroup {
+impl HostTransport for ThreadGroup {
     fn rank(&self) -> usize {
         self.position
     }
@@ -291,128 +283,47 @@ impl Communicator for ThreadGroup {
         self.state.members.len()
     }
 
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
-        let all = self.collective(
-            format!("all_reduce({op:?}, {:?})", tensor.size()),
-            host_copy(tensor),
-        )?;
-        let reduced = all[1..]
-            .iter()
-            .fold(all[0].shallow_clone(), |acc, t| match op {
-                ReduceOp::Sum => acc + t,
-                ReduceOp::Max => acc.maximum(t),
-            });
-        write_into(tensor, &reduced);
+    fn collect(&self, operation: String, contribution: Tensor) -> Result<Vec<Tensor>> {
+        self.collective(operation, contribution)
+    }
+
+    fn send(&self, peer: usize, tensor: Tensor) -> Result<()> {
+        let mut mail = self.state.mail.lock().unwrap();
+        mail.entry((self.position, peer))
+            .or_default()
+            .push_back(tensor);
+        self.state.mail_arrived.notify_all();
         Ok(())
     }
 
-    fn all_gather(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
-        let all = self.collective(format!("all_gather(dim {dim})"), host_copy(tensor))?;
-        Ok(Tensor::cat(&all, dim).to_device(tensor.device()))
-    }
-
-    fn reduce_scatter(&self, tensor: &Tensor, dim: i64) -> Result<Tensor> {
-        let size = tensor.size();
-        let dim_index = if dim < 0 {
-            size.len() as i64 + dim
-        } else {
-            dim
-        } as usize;
-        ensure!(
-            size[dim_index] % self.size() as i64 == 0,
-            "reduce_scatter: dimension {dim} of {size:?} is not divisible by the group size {}",
-            self.size()
-        );
-        let all = self.collective(
-            format!("reduce_scatter({size:?}, dim {dim})"),
-            host_copy(tensor),
-        )?;
-        let sum = all[1..]
-            .iter()
-            .fold(all[0].shallow_clone(), |acc, t| acc + t);
-        let width = size[dim_index] / self.size() as i64;
-        Ok(sum
-            .narrow(dim, self.position as i64 * width, width)
-            .contiguous()
-            .to_device(tensor.device()))
-    }
-
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
-        ensure!(
-            root < self.size(),
-            "broadcast from rank {root} in a group of {}",
-            self.size()
-        );
-        let all = self.collective(format!("broadcast(root {root})"), host_copy(tensor))?;
-        write_into(tensor, &all[root]);
-        Ok(())
-    }
-
-    fn barrier(&self) -> Result<()> {
-        self.collective(
-            "barrier".into(),
-            Tensor::zeros([0], (tch::Kind::Float, Device::Cpu)),
-        )?;
-        Ok(())
-    }
-
-    fn exchange(&self, ops: &[P2pOp]) -> Result<()> {
+    fn recv(&self, peer: usize) -> Result<Tensor> {
         let state = &self.state;
-        for op in ops {
-            if let P2pOp::Send { tensor, peer } = op {
-                ensure!(
-                    *peer < self.size(),
-                    "send to rank {peer} in a group of {}",
-                    self.size()
-                );
-                let mut mail = state.mail.lock().unwrap();
-                mail.entry((self.position, *peer))
-                    .or_default()
-                    .push_back(host_copy(tensor));
-                state.mail_arrived.notify_all();
-            }
-        }
-        let started = Instant::now();
-        for op in ops {
-            if let P2pOp::Recv { buffer, peer } = op {
-                ensure!(
-                    *peer < self.size(),
-                    "receive from rank {peer} in a group of {}",
-                    self.size()
-                );
-                let key = (*peer, self.position);
-                let mail = state.mail.lock().unwrap();
-                let from = state.members[*peer];
-                let mut mail = self.wait(
-                    mail,
-                    &state.mail_arrived,
-                    started,
-                    |m| m.get(&key).is_some_and(|q| !q.is_empty()),
-                    |_| format!("a message from rank {from}"),
-                )?;
-                let message = mail
-                    .get_mut(&key)
-                    .and_then(VecDeque::pop_front)
-                    .expect("waited for it");
-                drop(mail);
-                ensure!(
-                    message.size() == buffer.size(),
-                    "{} group: rank {from} sent shape {:?} but shape {:?} was expected",
-                    state.label,
-                    message.size(),
-                    buffer.size()
-                );
-                write_into(buffer, &message);
-            }
-        }
-        Ok(())
+        let key = (peer, self.position);
+        let from = state.members[peer];
+        let mail = state.mail.lock().unwrap();
+        let mut mail = self.wait(
+            mail,
+            &state.mail_arrived,
+            Instant::now(),
+            |m| m.get(&key).is_some_and(|q| !q.is_empty()),
+            |_| format!("a message from rank {from}"),
+        )?;
+        Ok(mail
+            .get_mut(&key)
+            .and_then(VecDeque::pop_front)
+            .expect("waited for it"))
+    }
+
+    fn label(&self) -> &str {
+        &self.state.label
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Kind;
+    use crate::parallel::{P2pOp, ReduceOp};
+    use tch::{Device, Kind};
 
     fn world(size: usize) -> ThreadWorld {
         ThreadWorld::new(size, Duration::from_secs(20))

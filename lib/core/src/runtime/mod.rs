@@ -2,7 +2,11 @@
 
 pub mod self_test;
 
+use std::os::raw::{c_int, c_void};
+
 use crate::autograd::ffi;
+use crate::error::check;
+use crate::TorchError;
 use tch::{Cuda, Device};
 
 /// libtorch's own description of its build: compiler, CUDA, cuDNN and NCCL versions, CPU
@@ -15,6 +19,27 @@ pub fn build_config() -> String {
         ffi::mrs_free_string(raw);
         text
     }
+}
+
+/// libtorch's current stream on CUDA device `index` for the calling thread, as a raw
+/// `cudaStream_t`: work enqueued on it from outside libtorch (NCCL) runs in order with the
+/// kernels of the tensors it reads and writes.
+pub fn current_cuda_stream(index: usize) -> Result<*mut c_void, TorchError> {
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: on success the shim writes the stream handle, which libtorch keeps alive.
+    check(unsafe { ffi::mrs_current_stream(cuda_index(index)?, &mut stream) })?;
+    Ok(stream)
+}
+
+/// Makes CUDA device `index` current on the calling thread, for libraries that act on the
+/// current device (NCCL's communicator setup).
+pub fn set_cuda_device(index: usize) -> Result<(), TorchError> {
+    // SAFETY: plain call.
+    check(unsafe { ffi::mrs_set_device(cuda_index(index)?) })
+}
+
+fn cuda_index(index: usize) -> Result<c_int, TorchError> {
+    c_int::try_from(index).map_err(|_| TorchError(format!("no CUDA device {index}")))
 }
 
 /// The CUDA devices libtorch can use, in index order (empty on a CPU-only machine).

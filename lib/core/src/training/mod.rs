@@ -12,10 +12,12 @@ pub mod lr_schedule;
 pub mod microbatches;
 mod pretrain_gpt;
 pub mod python_format;
+mod runtime;
 pub mod schedules;
 mod signals;
 mod stage;
 
 pub use checkpointing::{model_tensors, Progress};
 pub use device::resolve_device;
-pub use pretrain_gpt::{pretrain_gpt, Runtime, TrainingSummary};
+pub use pretrain_gpt::{pretrain_gpt, TrainingSummary};
+pub use runtime::{join_job, Runtime};

@@ -22,6 +22,7 @@ use super::lr_schedule::{
     WdIncrStyle, WsdDecayStyle,
 };
 use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
+use super::runtime::Runtime;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::signals::{exit_requested, install_exit_handler};
 use super::stage::{GptStage, LossTotals};
@@ -35,12 +36,6 @@ use crate::optim::{
 };
 use crate::parallel::{ParallelState, ReduceOp};
 use crate::rng;
-
-/// Where a rank runs: its groups and its device.
-pub struct Runtime {
-    pub parallel: ParallelState,
-    pub device: Device,
-}
 
 /// How a run ended, for the binary's one-line summary.
 #[derive(Debug, Clone)]

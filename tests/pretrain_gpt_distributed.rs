@@ -1,0 +1,297 @@
+//! `pretrain_gpt` as several processes, launched the way torchrun launches it (RANK,
+//! WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) on CPUs with the gloo backend: the job
+//! equals the one-process run, a missing rank is named after the timeout, and a killed rank
+//! makes the others exit instead of hanging.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use megatron_e2e::{bin, run_ok};
+
+/// A 2-layer GPT on mock data with the flags the parallel runs add.
+fn pretrain(extra: &[&str]) -> Command {
+    let mut command = bin("pretrain_gpt");
+    command.args([
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--adam-eps",
+        "1e-4",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "1000",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+        "--distributed-backend",
+        "gloo",
+    ]);
+    command.args(extra);
+    command
+}
+
+fn free_port() -> String {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// Starts rank `rank` of `world` with torchrun's variables.
+fn spawn_rank(mut command: Command, rank: usize, world: usize, port: &str) -> Child {
+    command
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn losses(metrics: &Path) -> Vec<f64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            serde_json::from_str::<serde_json::Value>(line).unwrap()["lm loss"].as_f64()
+        })
+        .collect()
+}
+
+fn wait_with_deadline(child: Child, limit: Duration) -> Output {
+    let started = Instant::now();
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("a rank did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn two_processes_equal_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single.jsonl");
+    run_ok(&mut pretrain(&[
+        "--train-iters",
+        "3",
+        "--metrics-file",
+        single.to_str().unwrap(),
+    ]));
+    for (what, flags) in [
+        ("TP=2", ["--tensor-model-parallel-size", "2"]),
+        ("DP=2", ["--tensor-model-parallel-size", "1"]),
+    ] {
+        let metrics = dir.path().join(format!("{what}.jsonl"));
+        let port = free_port();
+        let ranks: Vec<Child> = (0..2)
+            .map(|rank| {
+                let mut command = pretrain(&[
+                    "--train-iters",
+                    "3",
+                    "--metrics-file",
+                    metrics.to_str().unwrap(),
+                ]);
+                command.args(flags);
+                spawn_rank(command, rank, 2, &port)
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = wait_with_deadline(child, Duration::from_secs(300));
+            assert!(
+                out.status.success(),
+                "{what} rank {rank}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            // Only the last rank logs, as in Megatron.
+            assert_eq!(
+                stdout.contains("pretrain_gpt: 3 iterations"),
+                rank == 1,
+                "{what} rank {rank}: {stdout}"
+            );
+        }
+        let (expected, got) = (losses(&single), losses(&metrics));
+        assert_eq!(expected.len(), 3);
+        assert_eq!(got.len(), 3, "{what}");
+        for (a, b) in expected.iter().zip(&got) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs(),
+                "{what}: losses {got:?} differ from the one-process run's {expected:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_comes_is_named_after_the_timeout() {
+    let port = free_port();
+    let command = pretrain(&[
+        "--train-iters",
+        "3",
+        "--distributed-timeout-minutes",
+        "0.05",
+    ]);
+    let out = wait_with_deadline(spawn_rank(command, 0, 3, &port), Duration::from_secs(60));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank(s) 1, 2 of 3 did not join within 3 s"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_killed_rank_makes_the_others_exit() {
+    for victim in [1, 0] {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        let port = free_port();
+        let mut ranks: Vec<Child> = (0..2)
+            .map(|rank| {
+                let command = pretrain(&[
+                    "--train-iters",
+                    "100000",
+                    "--metrics-file",
+                    metrics.to_str().unwrap(),
+                ]);
+                spawn_rank(command, rank, 2, &port)
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !metrics.exists() || std::fs::read_to_string(&metrics).unwrap().lines().count() < 2 {
+            assert!(Instant::now() < deadline, "the job never trained");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ranks[victim].kill().unwrap();
+        ranks[victim].wait().unwrap();
+        let survivor = ranks.remove(1 - victim);
+        let started = Instant::now();
+        let out = wait_with_deadline(survivor, Duration::from_secs(60));
+        assert!(
+            !out.status.success(),
+            "the survivor of rank {victim}'s death exited successfully"
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!("rank {victim} exited unexpectedly")),
+            "{stderr}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "took {:?} to notice",
+            started.elapsed()
+        );
+    }
+}
+
+fn visible_gpus() -> usize {
+    Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map_or(0, |out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
+}
+
+/// The same equivalences on GPUs with NCCL; runs where there are at least two GPUs.
+#[test]
+fn two_gpus_with_nccl_equal_one() {
+    if visible_gpus() < 2 {
+        eprintln!("skipped: needs 2 GPUs");
+        return;
+    }
+    let gpu = [
+        "--device",
+        "cuda",
+        "--distributed-backend",
+        "nccl",
+        "--train-iters",
+        "3",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single.jsonl");
+    let mut command = pretrain(&gpu);
+    run_ok(command.args(["--metrics-file", single.to_str().unwrap()]));
+    let layouts: [(&str, &[&str]); 4] = [
+        ("TP=2", &["--tensor-model-parallel-size", "2"]),
+        (
+            "TP=2 + SP",
+            &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ),
+        ("PP=2", &["--pipeline-model-parallel-size", "2"]),
+        (
+            "DP=2, distributed optimizer",
+            &["--use-distributed-optimizer"],
+        ),
+    ];
+    for (what, flags) in layouts {
+        let metrics = dir
+            .path()
+            .join(format!("{}.jsonl", what.replace([' ', '=', ',', '+'], "_")));
+        let port = free_port();
+        let ranks: Vec<Child> = (0..2)
+            .map(|rank| {
+                let mut command = pretrain(&gpu);
+                command
+                    .args(["--metrics-file", metrics.to_str().unwrap()])
+                    .args(flags);
+                spawn_rank(command, rank, 2, &port)
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = wait_with_deadline(child, Duration::from_secs(300));
+            assert!(
+                out.status.success(),
+                "{what} rank {rank}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let (expected, got) = (losses(&single), losses(&metrics));
+        assert_eq!(got.len(), 3, "{what}");
+        for (a, b) in expected.iter().zip(&got) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs(),
+                "{what}: losses {got:?} differ from the one-GPU run's {expected:?}"
+            );
+        }
+        eprintln!("{what}: losses {got:?} (one GPU: {expected:?})");
+    }
+}
