@@ -100,6 +100,37 @@ fn wait_with_deadline(child: Child, limit: Duration) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// Runs `pretrain_gpt` with `flags` as ranks 0 and 1 of a two-process job; both must succeed.
+fn run_two_ranks(flags: &[&str], what: &str) -> Vec<Output> {
+    let port = free_port();
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| spawn_rank(pretrain(flags), rank, 2, &port))
+        .collect();
+    let outputs: Vec<Output> = ranks
+        .into_iter()
+        .map(|child| wait_with_deadline(child, Duration::from_secs(300)))
+        .collect();
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "{what} rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    outputs
+}
+
+fn assert_same_losses(expected: &[f64], got: &[f64], what: &str) {
+    assert_eq!(expected.len(), 3, "the one-process run logged {expected:?}");
+    assert_eq!(got.len(), 3, "{what} logged {got:?}");
+    for (a, b) in expected.iter().zip(got) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "{what}: losses {got:?} differ from the one-process run's {expected:?}"
+        );
+    }
+}
+
 #[test]
 fn two_processes_equal_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -110,31 +141,18 @@ fn two_processes_equal_one() {
         "--metrics-file",
         single.to_str().unwrap(),
     ]));
-    for (what, flags) in [
-        ("TP=2", ["--tensor-model-parallel-size", "2"]),
-        ("DP=2", ["--tensor-model-parallel-size", "1"]),
-    ] {
+    for (what, layout) in [("TP=2", "2"), ("DP=2", "1")] {
         let metrics = dir.path().join(format!("{what}.jsonl"));
-        let port = free_port();
-        let ranks: Vec<Child> = (0..2)
-            .map(|rank| {
-                let mut command = pretrain(&[
-                    "--train-iters",
-                    "3",
-                    "--metrics-file",
-                    metrics.to_str().unwrap(),
-                ]);
-                command.args(flags);
-                spawn_rank(command, rank, 2, &port)
-            })
-            .collect();
-        for (rank, child) in ranks.into_iter().enumerate() {
-            let out = wait_with_deadline(child, Duration::from_secs(300));
-            assert!(
-                out.status.success(),
-                "{what} rank {rank}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+        let flags = [
+            "--train-iters",
+            "3",
+            "--metrics-file",
+            metrics.to_str().unwrap(),
+            "--tensor-model-parallel-size",
+            layout,
+        ];
+        let outputs = run_two_ranks(&flags, what);
+        for (rank, out) in outputs.iter().enumerate() {
             let stdout = String::from_utf8_lossy(&out.stdout);
             // Only the last rank logs, as in Megatron.
             assert_eq!(
@@ -143,15 +161,7 @@ fn two_processes_equal_one() {
                 "{what} rank {rank}: {stdout}"
             );
         }
-        let (expected, got) = (losses(&single), losses(&metrics));
-        assert_eq!(expected.len(), 3);
-        assert_eq!(got.len(), 3, "{what}");
-        for (a, b) in expected.iter().zip(&got) {
-            assert!(
-                (a - b).abs() <= 1e-5 * a.abs(),
-                "{what}: losses {got:?} differ from the one-process run's {expected:?}"
-            );
-        }
+        assert_same_losses(&losses(&single), &losses(&metrics), what);
     }
 }
 
@@ -262,36 +272,19 @@ fn two_gpus_with_nccl_equal_one() {
             &["--use-distributed-optimizer"],
         ),
     ];
-    for (what, flags) in layouts {
+    for (what, layout) in layouts {
         let metrics = dir
             .path()
             .join(format!("{}.jsonl", what.replace([' ', '=', ',', '+'], "_")));
-        let port = free_port();
-        let ranks: Vec<Child> = (0..2)
-            .map(|rank| {
-                let mut command = pretrain(&gpu);
-                command
-                    .args(["--metrics-file", metrics.to_str().unwrap()])
-                    .args(flags);
-                spawn_rank(command, rank, 2, &port)
-            })
+        let flags: Vec<&str> = gpu
+            .iter()
+            .copied()
+            .chain(["--metrics-file", metrics.to_str().unwrap()])
+            .chain(layout.iter().copied())
             .collect();
-        for (rank, child) in ranks.into_iter().enumerate() {
-            let out = wait_with_deadline(child, Duration::from_secs(300));
-            assert!(
-                out.status.success(),
-                "{what} rank {rank}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        run_two_ranks(&flags, what);
         let (expected, got) = (losses(&single), losses(&metrics));
-        assert_eq!(got.len(), 3, "{what}");
-        for (a, b) in expected.iter().zip(&got) {
-            assert!(
-                (a - b).abs() <= 1e-5 * a.abs(),
-                "{what}: losses {got:?} differ from the one-GPU run's {expected:?}"
-            );
-        }
+        assert_same_losses(&expected, &got, what);
         eprintln!("{what}: losses {got:?} (one GPU: {expected:?})");
     }
 }
