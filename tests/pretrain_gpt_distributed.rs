@@ -260,7 +260,7 @@ fn two_gpus_with_nccl_equal_one() {
     let single = dir.path().join("single.jsonl");
     let mut command = pretrain(&gpu);
     run_ok(command.args(["--metrics-file", single.to_str().unwrap()]));
-    let layouts: [(&str, &[&str]); 4] = [
+    let layouts: [(&str, &[&str]); 5] = [
         ("TP=2", &["--tensor-model-parallel-size", "2"]),
         (
             "TP=2 + SP",
@@ -270,6 +270,15 @@ fn two_gpus_with_nccl_equal_one() {
         (
             "DP=2, distributed optimizer",
             &["--use-distributed-optimizer"],
+        ),
+        (
+            "DP=2, distributed optimizer, overlapped reduction",
+            &[
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--ddp-bucket-size",
+                "20000",
+            ],
         ),
     ];
     for (what, layout) in layouts {

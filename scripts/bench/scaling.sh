@@ -15,12 +15,15 @@
 #   GPUS=N              GPUs to use [default: all that nvidia-smi lists]
 #   MODELS="345m 1.3b"  which models
 #   ITERS=20            iterations per run; the figures are the mean of the last 10
+#   OVERLAP=1           0 reduces gradients after backward instead of --overlap-grad-reduce
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 ITERS="${ITERS:-20}"
 MODELS="${MODELS:-345m 1.3b}"
+OVERLAP_FLAG=()
+[[ "${OVERLAP:-1}" == 1 ]] && OVERLAP_FLAG=(--overlap-grad-reduce)
 if [[ -z "${PRETRAIN_GPT:-}" ]]; then
     (cd "$ROOT" && cargo build --release --quiet -p pretrain_gpt)
     PRETRAIN_GPT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_gpt"
@@ -57,7 +60,7 @@ run() {
         --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --eval-iters 0 \
         --log-interval 10 --log-throughput \
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" \
-        --use-distributed-optimizer --overlap-grad-reduce >"$log" 2>&1 || {
+        --use-distributed-optimizer "${OVERLAP_FLAG[@]}" >"$log" 2>&1 || {
         echo "run failed: $model on $nproc GPU(s), TP=$tp PP=$pp; its errors:" >&2
         grep -v '^\s' "$log" | grep -i -m 10 'error' >&2 || tail -30 "$log" >&2
         return 1

@@ -7,6 +7,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -124,6 +126,17 @@ c10::Device cuda_device(int device_index) {
 
 }  // namespace
 
+// A post-accumulate-grad hook that calls back into Rust.
+struct RustPostAccumulateGradHook : torch::autograd::PostAccumulateGradHook {
+  RustPostAccumulateGradHook(mrs_hook_vtable vtable, void* state) : vtable(vtable), state(state) {}
+  ~RustPostAccumulateGradHook() override { vtable.drop(state); }
+  void operator()(const torch::autograd::Variable& parameter) override {
+    vtable.call(state, new at::Tensor(parameter));
+  }
+  mrs_hook_vtable vtable;
+  void* state;
+};
+
 extern "C" {
 
 void mrs_sink_push(mrs_sink* sink, int slot, const mrs_tensor tensor) {
@@ -213,6 +226,45 @@ char* mrs_current_stream(int device_index, void** stream_out) {
 
 char* mrs_set_device(int device_index) {
   return protect([&] { cuda_guard()->setDevice(cuda_device(device_index)); });
+}
+
+char* mrs_set_post_accumulate_grad_hook(mrs_tensor parameter, const mrs_hook_vtable* vtable,
+                                        void* state) {
+  // Owning the state before anything can throw guarantees `drop` runs exactly once.
+  auto hook = std::make_unique<RustPostAccumulateGradHook>(*vtable, state);
+  return protect([&] { torch::autograd::impl::set_post_acc_grad_hooks(*parameter, std::move(hook)); });
+}
+
+char* mrs_pool_stream(int device_index, int64_t* stream_id) {
+  return protect([&] {
+    *stream_id = cuda_guard()->getStreamFromGlobalPool(cuda_device(device_index), false).id();
+  });
+}
+
+char* mrs_current_stream_id(int device_index, int64_t* stream_id) {
+  return protect([&] { *stream_id = cuda_guard()->getStream(cuda_device(device_index)).id(); });
+}
+
+char* mrs_exchange_stream(int device_index, int64_t stream_id, int64_t* previous_id) {
+  return protect([&] {
+    auto device = cuda_device(device_index);
+    c10::Stream stream = c10::Stream::unpack3(stream_id, device.index(), c10::DeviceType::CUDA);
+    *previous_id = cuda_guard()->exchangeStream(stream).id();
+  });
+}
+
+char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited_id) {
+  return protect([&] {
+    auto device = cuda_device(device_index);
+    auto guard = cuda_guard();
+    c10::Stream waiter = c10::Stream::unpack3(waiter_id, device.index(), c10::DeviceType::CUDA);
+    c10::Stream waited = c10::Stream::unpack3(waited_id, device.index(), c10::DeviceType::CUDA);
+    void* event = nullptr;
+    guard->record(&event, waited, device.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    guard->block(event, waiter);
+    // CUDA keeps a waited-on event alive until the wait completes.
+    guard->destroyEvent(event, device.index());
+  });
 }
 
 char* mrs_build_config(void) { return malloc_string(at::show_config()); }

@@ -79,6 +79,27 @@ char* mrs_current_stream(int device_index, void** stream_out);
 // Makes a CUDA device current on the calling thread (torch.cuda.set_device).
 char* mrs_set_device(int device_index);
 
+// A Rust callback run after a parameter's gradient was accumulated into its `.grad` (torch's
+// post-accumulate-grad hook), on the autograd engine's thread, with a new handle to the
+// parameter that the callback owns. `drop` runs once, when the hook is replaced or the
+// parameter freed.
+typedef struct {
+  void (*call)(void* state, mrs_tensor parameter);
+  void (*drop)(void* state);
+} mrs_hook_vtable;
+// Installs the hook (replacing any earlier one); ownership of `state` passes to it.
+char* mrs_set_post_accumulate_grad_hook(mrs_tensor parameter, const mrs_hook_vtable* vtable,
+                                        void* state);
+
+// CUDA streams by c10's packed id, through the device-guard interface (no CUDA headers): a
+// stream from libtorch's pool, the calling thread's current stream, making a stream current
+// (returning the previous one), and making `waiter` wait for the work enqueued so far on
+// `waited` (an event recorded on one and waited on by the other).
+char* mrs_pool_stream(int device_index, int64_t* stream_id);
+char* mrs_current_stream_id(int device_index, int64_t* stream_id);
+char* mrs_exchange_stream(int device_index, int64_t stream_id, int64_t* previous_id);
+char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited_id);
+
 // ATen's build configuration (compiler, CUDA, cuDNN, NCCL versions, CPU capability) as a
 // malloc'd string, freed with mrs_free_string.
 char* mrs_build_config(void);

@@ -351,3 +351,26 @@ fn sharded_checkpoints_resume_in_their_layout_and_refuse_another() {
     let message = format!("{error:#}");
     assert!(message.contains("TP=2"), "{message}");
 }
+
+#[test]
+fn overlapped_grad_reduce_equals_one_rank() {
+    let small_buckets = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"];
+    check(BASE, 2, 1, 1, &small_buckets, "DP=2, overlapped reduction");
+    let extra: Vec<&str> = small_buckets
+        .iter()
+        .copied()
+        .chain([
+            "--use-distributed-optimizer",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ])
+        .collect();
+    check(
+        BASE,
+        4,
+        1,
+        2,
+        &extra,
+        "PP=2 interleaved × DP=2, distributed optimizer, overlapped reduction",
+    );
+}

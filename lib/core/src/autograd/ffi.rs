@@ -37,7 +37,30 @@ pub struct FunctionVtable {
     pub drop: DropCallback,
 }
 
+#[repr(C)]
+pub struct HookVtable {
+    pub call: unsafe extern "C" fn(state: *mut c_void, parameter: TensorHandle),
+    pub drop: DropCallback,
+}
+
 extern "C" {
+    pub fn mrs_set_post_accumulate_grad_hook(
+        parameter: TensorHandle,
+        vtable: *const HookVtable,
+        state: *mut c_void,
+    ) -> *mut c_char;
+    pub fn mrs_pool_stream(device_index: c_int, stream_id: *mut i64) -> *mut c_char;
+    pub fn mrs_current_stream_id(device_index: c_int, stream_id: *mut i64) -> *mut c_char;
+    pub fn mrs_exchange_stream(
+        device_index: c_int,
+        stream_id: i64,
+        previous_id: *mut i64,
+    ) -> *mut c_char;
+    pub fn mrs_stream_wait_stream(
+        device_index: c_int,
+        waiter_id: i64,
+        waited_id: i64,
+    ) -> *mut c_char;
     pub fn mrs_sink_push(sink: *mut Sink, slot: c_int, tensor: TensorHandle);
     pub fn mrs_sink_set_error(sink: *mut Sink, message: *const c_char);
     pub fn mrs_free_string(string: *mut c_char);

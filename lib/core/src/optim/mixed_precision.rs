@@ -10,6 +10,7 @@ use anyhow::{bail, ensure, Context, Result};
 use tch::{Kind, Tensor};
 
 use super::buffer::{BufferLayout, ParamShape, Segment};
+use super::grad_sync::{BucketReducer, OverlappedGradSync};
 use super::groups::ParamGroup;
 use crate::model::NamedParameter;
 use crate::ops::{self, AdamwHyper};
@@ -36,6 +37,17 @@ pub struct OptimizerSettings {
     pub distributed: bool,
     /// Elements per data-parallel communication bucket (`--ddp-bucket-size`).
     pub bucket_size: usize,
+    /// `--overlap-grad-reduce`: reduce each bucket from inside the last backward pass.
+    pub overlap_grad_reduce: bool,
+}
+
+/// How gradients reach the data-parallel average.
+enum GradSync {
+    /// One data-parallel rank: nothing to do.
+    Local,
+    /// Bucket by bucket after backward.
+    AfterBackward(BucketReducer),
+    Overlapped(OverlappedGradSync),
 }
 
 /// What one optimizer step did.
@@ -76,6 +88,7 @@ pub struct MixedPrecisionOptimizer {
     /// Slots whose gradients are summed over the embedding group (the tied word embeddings on
     /// the first and last stage).
     embedding_slots: Vec<usize>,
+    grad_sync: GradSync,
 }
 
 impl MixedPrecisionOptimizer {
@@ -159,7 +172,25 @@ impl MixedPrecisionOptimizer {
             .filter(|(_, s)| s.attributes.tied_across_stages)
             .map(|(i, _)| i)
             .collect();
+        let grad_sync = if data.size() == 1 {
+            GradSync::Local
+        } else {
+            let reducer = BucketReducer {
+                data: data.clone(),
+                sharded,
+                grad_buffer: grad_buffer.shallow_clone(),
+                buckets: layout.buckets.clone(),
+            };
+            if settings.overlap_grad_reduce {
+                GradSync::Overlapped(OverlappedGradSync::install(
+                    reducer, &layout, &params, device,
+                )?)
+            } else {
+                GradSync::AfterBackward(reducer)
+            }
+        };
         Ok(MixedPrecisionOptimizer {
+            grad_sync,
             settings,
             parallel: parallel.clone(),
             layout,
@@ -174,6 +205,13 @@ impl MixedPrecisionOptimizer {
         })
     }
 
+    /// Starts accumulating a step of `microbatches` backward passes.
+    pub fn begin_step(&self, microbatches: usize) {
+        if let GradSync::Overlapped(sync) = &self.grad_sync {
+            sync.begin_step(microbatches);
+        }
+    }
+
     fn grad_view(&self, range: &std::ops::Range<usize>) -> Tensor {
         self.grad_buffer
             .narrow(0, range.start as i64, range.len() as i64)
@@ -186,7 +224,8 @@ impl MixedPrecisionOptimizer {
 
     /// After a micro-batch's backward: adds the parameters' gradients into the float32 buffer
     /// and clears them, so accumulation over micro-batches happens in float32 whatever the
-    /// parameter dtype (Megatron's `main_grad`).
+    /// parameter dtype (Megatron's `main_grad`). With `--overlap-grad-reduce` the hooks have
+    /// already moved the last pass's gradients, which are zero here.
     pub fn accumulate_grads(&mut self) -> Result<()> {
         let mut targets = Vec::new();
         let mut grads = Vec::new();
@@ -207,22 +246,14 @@ impl MixedPrecisionOptimizer {
     /// Megatron's `finalize_model_grads`: data-parallel reduction, then the tied embeddings'
     /// gradients over the embedding group and the sequence-parallel ones over the tensor group.
     fn finalize_grads(&self) -> Result<()> {
-        let data = &self.parallel.data;
-        if data.size() > 1 {
-            let scale = 1.0 / data.size() as f64;
-            for bucket in &self.layout.buckets {
-                let view = self.grad_view(&bucket.range);
-                let _ = view.shallow_clone().g_mul_scalar_(scale);
-                if self.sharded {
-                    let reduced = data
-                        .reduce_scatter(&view, 0)
-                        .context("reduce-scatter of gradients")?;
-                    self.grad_view(&bucket.shard).copy_(&reduced);
-                } else {
-                    data.all_reduce(&view, ReduceOp::Sum)
-                        .context("all-reduce of gradients")?;
+        match &self.grad_sync {
+            GradSync::Local => {}
+            GradSync::AfterBackward(reducer) => {
+                for bucket in 0..self.layout.buckets.len() {
+                    reducer.reduce(bucket)?;
                 }
             }
+            GradSync::Overlapped(sync) => sync.finish()?,
         }
         let embedding: Vec<Tensor> = self
             .embedding_slots

@@ -3,6 +3,7 @@
 //! global-norm clipping, and Adam/AdamW or SGD steps.
 
 mod buffer;
+mod grad_sync;
 mod groups;
 mod mixed_precision;
 

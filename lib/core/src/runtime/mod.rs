@@ -38,6 +38,51 @@ pub fn set_cuda_device(index: usize) -> Result<(), TorchError> {
     check(unsafe { ffi::mrs_set_device(cuda_index(index)?) })
 }
 
+/// A CUDA stream of one device, by c10's packed stream id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaStream {
+    pub device: usize,
+    id: i64,
+}
+
+impl CudaStream {
+    /// A stream from libtorch's pool (not the default stream), for work that should overlap
+    /// with the compute stream.
+    pub fn from_pool(device: usize) -> Result<Self, TorchError> {
+        let mut id = 0;
+        // SAFETY: plain call writing an integer.
+        check(unsafe { ffi::mrs_pool_stream(cuda_index(device)?, &mut id) })?;
+        Ok(CudaStream { device, id })
+    }
+
+    /// The calling thread's current stream on `device`.
+    pub fn current(device: usize) -> Result<Self, TorchError> {
+        let mut id = 0;
+        // SAFETY: plain call writing an integer.
+        check(unsafe { ffi::mrs_current_stream_id(cuda_index(device)?, &mut id) })?;
+        Ok(CudaStream { device, id })
+    }
+
+    /// Work enqueued on `self` from now on waits for the work enqueued so far on `other`.
+    pub fn wait_for(&self, other: &CudaStream) -> Result<(), TorchError> {
+        // SAFETY: plain call on stream ids of this device.
+        check(unsafe { ffi::mrs_stream_wait_stream(cuda_index(self.device)?, self.id, other.id) })
+    }
+
+    /// Runs `body` with `self` as the calling thread's current stream, restoring the previous
+    /// one afterwards.
+    pub fn run<T>(&self, body: impl FnOnce() -> T) -> Result<T, TorchError> {
+        let index = cuda_index(self.device)?;
+        let mut previous = 0;
+        // SAFETY: plain calls on stream ids of this device.
+        check(unsafe { ffi::mrs_exchange_stream(index, self.id, &mut previous) })?;
+        let out = body();
+        let mut ignored = 0;
+        check(unsafe { ffi::mrs_exchange_stream(index, previous, &mut ignored) })?;
+        Ok(out)
+    }
+}
+
 fn cuda_index(index: usize) -> Result<c_int, TorchError> {
     c_int::try_from(index).map_err(|_| TorchError(format!("no CUDA device {index}")))
 }

@@ -589,6 +589,7 @@ impl Run<'_> {
         let microbatches = self.batches.num_microbatches();
         let batches = self.next_microbatches(loader, microbatches)?;
         let shape = self.schedule_shape(microbatches, false);
+        self.optimizer.begin_step(microbatches as usize);
         let mut stage = GptStage {
             chunks: &self.chunks,
             batches: &batches,
@@ -855,6 +856,7 @@ fn optimizer_settings(
         clip_grad: o.clip_grad,
         distributed: args.parallel.use_distributed_optimizer,
         bucket_size,
+        overlap_grad_reduce: args.parallel.overlap_grad_reduce,
     })
 }
 
