@@ -362,6 +362,10 @@ impl Run<'_> {
             self.device,
             self.parallel.layout.describe()
         ));
+        self.print_rank0(&format!(
+            "> parameters, gradients and optimizer state: {:.1} bytes per parameter on this rank",
+            self.optimizer.bytes_per_parameter()
+        ));
         Ok(())
     }
 
