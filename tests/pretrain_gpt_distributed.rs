@@ -165,6 +165,38 @@ fn two_processes_equal_one() {
     }
 }
 
+/// Dropout on tensors every tensor-parallel rank holds whole must draw the same mask on all of
+/// them (the default generator, seeded alike), so with hidden dropout TP=2 still equals TP=1.
+#[test]
+fn hidden_dropout_is_identical_across_tensor_parallel_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single.jsonl");
+    let dropout = ["--hidden-dropout", "0.1", "--train-iters", "3"];
+    run_ok(pretrain(&dropout).args(["--metrics-file", single.to_str().unwrap()]));
+    let metrics = dir.path().join("tp2.jsonl");
+    let flags: Vec<&str> = dropout
+        .iter()
+        .copied()
+        .chain([
+            "--metrics-file",
+            metrics.to_str().unwrap(),
+            "--tensor-model-parallel-size",
+            "2",
+        ])
+        .collect();
+    run_two_ranks(&flags, "TP=2 with hidden dropout");
+    let (expected, got) = (losses(&single), losses(&metrics));
+    assert_same_losses(&expected, &got, "TP=2 with hidden dropout");
+    let without = dir.path().join("without.jsonl");
+    run_ok(&mut pretrain(&[
+        "--train-iters",
+        "3",
+        "--metrics-file",
+        without.to_str().unwrap(),
+    ]));
+    assert_ne!(losses(&without), expected, "hidden dropout changed nothing");
+}
+
 #[test]
 fn a_rank_that_never_comes_is_named_after_the_timeout() {
     let port = free_port();
