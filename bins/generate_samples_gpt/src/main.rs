@@ -9,7 +9,9 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use megatron_core::args::TokenizerArgs;
-use megatron_core::inference::{generate, load_gpt_for_inference, Sampling};
+use megatron_core::inference::{
+    generate_tokens, load_gpt_for_inference, GenerationRequest, Sampling, StopCondition,
+};
 use megatron_core::training::resolve_device;
 use megatron_data::tokenizer::build_tokenizer;
 use tch::Kind;
@@ -87,14 +89,29 @@ fn run(cli: &Cli) -> Result<()> {
             model.config.vocab_size
         );
     }
-    let sampling = Sampling {
-        greedy: cli.greedy,
-        temperature: cli.temperature,
-        top_k: cli.top_k,
-        top_p: cli.top_p,
+    let sampling = if cli.greedy {
+        Sampling::greedy()
+    } else {
+        Sampling {
+            temperature: cli.temperature,
+            top_k: cli.top_k,
+            top_p: cli.top_p,
+            top_p_decay: 0.0,
+            top_p_bound: 0.0,
+        }
     };
+    sampling.validate()?;
     tch::manual_seed(cli.seed);
-    let stop = tokenizer.eod().map(i64::from);
+    let eod = tokenizer.eod().map(i64::from);
+    let stop = eod.map_or(StopCondition::Never, StopCondition::Token);
+    let window = (model.config.max_position_embeddings as usize).saturating_sub(cli.out_seq_length);
+    if window == 0 {
+        bail!(
+            "--out-seq-length {} leaves no room for a prompt within the model's {} positions",
+            cli.out_seq_length,
+            model.config.max_position_embeddings
+        );
+    }
     let mut output: Box<dyn Write> = match &cli.sample_output_file {
         Some(path) => Box::new(BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
@@ -108,10 +125,24 @@ fn run(cli: &Cli) -> Result<()> {
             .into_iter()
             .map(i64::from)
             .collect();
-        let tokens = generate(&model, &ids, cli.out_seq_length, sampling, stop)?;
+        // The model sees at most its positions: keep the end of a long prompt.
+        let ids = ids[ids.len().saturating_sub(window)..].to_vec();
+        if ids.is_empty() {
+            bail!("prompt {prompt:?} has no tokens");
+        }
+        let request = GenerationRequest {
+            prompts: vec![ids.clone()],
+            tokens_to_generate: cli.out_seq_length,
+            sampling,
+            stop,
+            prevent_newline_after_colon: None,
+            logprobs: false,
+            pad: eod.unwrap_or(0),
+        };
+        let tokens = generate_tokens(&model, &request)?.tokens.remove(0);
         let continuation: Vec<u32> = tokens[ids.len()..]
             .iter()
-            .filter(|&&t| Some(t) != stop)
+            .filter(|&&t| Some(t) != eod)
             .map(|&t| t as u32)
             .collect();
         generated += continuation.len();

@@ -1,7 +1,10 @@
-//! Inference: loading a trained GPT from its checkpoint alone, and sampling continuations.
+//! Inference: loading a trained GPT from its checkpoint alone, and Megatron's generation loop
+//! over a KV cache with its sampling.
 
+mod generation;
 mod load;
 mod sampling;
 
+pub use generation::{generate_tokens, Generation, GenerationRequest, StopCondition};
 pub use load::load_gpt_for_inference;
-pub use sampling::{generate, Sampling};
+pub use sampling::{sample, Sampling};

@@ -11,8 +11,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
-    AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, RotaryEmbedding,
-    RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm, ParamAttributes,
+    RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
 use super::param::{Initializer, Param};
 use crate::autograd::checkpoint;
@@ -317,6 +317,58 @@ impl GptModel {
     ) -> Result<Tensor> {
         let logits = self.forward(tokens, position_ids, mask, false)?;
         gather_from_tensor_parallel_region(&logits, &self.parallel.group)
+    }
+
+    /// An empty KV cache for `batch` sequences of up to `capacity` positions.
+    pub fn new_kv_cache(&self, batch: i64, capacity: i64) -> Result<KvCache> {
+        ensure!(
+            self.spec.pre_process && self.spec.post_process && self.parallel.group.size() == 1,
+            "cached inference runs on a whole model without tensor parallelism"
+        );
+        let groups = self.config.num_query_groups;
+        let (kind, device) = (self.options.params_dtype, self.options.device);
+        let layers = self
+            .layers
+            .iter()
+            .map(|_| {
+                LayerCache::new(
+                    batch,
+                    groups,
+                    capacity,
+                    self.config.kv_channels,
+                    kind,
+                    device,
+                )
+            })
+            .collect();
+        Ok(KvCache { layers })
+    }
+
+    /// Inference on `tokens` (`[b, s]`) at the positions after those in `cache`, which they
+    /// join: logits `[s, b, padded vocabulary]`.
+    pub fn forward_cached(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (batch, new) = tokens.size2()?;
+        let start = cache.len();
+        ensure!(
+            start + new <= self.config.max_position_embeddings,
+            "{} positions exceed --max-position-embeddings {}",
+            start + new,
+            self.config.max_position_embeddings
+        );
+        let device = tokens.device();
+        let positions = Tensor::arange_start(start, start + new, (Kind::Int64, device))
+            .unsqueeze(0)
+            .expand([batch, new], true);
+        let mut hidden = self.embed(tokens, &positions, false)?;
+        let rotary = self.rotary.as_ref().map(|r| r.tables(start, new, device));
+        for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+            hidden = layer.forward_cached(&hidden, rotary.as_ref(), layer_cache)?;
+        }
+        let norm = self
+            .final_layernorm
+            .as_ref()
+            .expect("whole models have the final norm");
+        self.logits(&norm.forward(&hidden))
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {

@@ -4,6 +4,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
+use super::kv_cache::LayerCache;
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
@@ -82,6 +83,50 @@ impl SelfAttention {
         }
     }
 
+    /// Query `[b, n, s, d]`, key and value `[b, g, s, d]` of `hidden` (`[s, b, h]`, or with
+    /// sequence parallelism a slice the projection gathers), rotated when `rotary` is given.
+    fn project(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (n, g, d) = (self.local_heads, self.local_groups, self.head_dim);
+        let per_group = n / g;
+        let qkv = self.linear_qkv.forward(hidden)?;
+        let (s, b) = (qkv.size()[0], qkv.size()[1]);
+        let qkv = qkv.view([s, b, g, (per_group + 2) * d]);
+        let parts = qkv.split_with_sizes([per_group * d, d, d], -1);
+        let mut query = parts[0].reshape([s, b, n, d]);
+        let mut key = parts[1].shallow_clone();
+        if let Some(tables) = rotary {
+            query = tables.apply(&query);
+            key = tables.apply(&key);
+        }
+        // [s, b, heads, d] → [b, heads, s, d] for SDPA.
+        Ok((
+            query.permute([1, 2, 0, 3]),
+            key.permute([1, 2, 0, 3]),
+            parts[2].permute([1, 2, 0, 3]),
+        ))
+    }
+
+    /// Every query head's key and value: grouped heads repeated for their queries.
+    fn expand_groups(&self, kv: Tensor) -> Tensor {
+        let per_group = self.local_heads / self.local_groups;
+        if per_group > 1 {
+            kv.repeat_interleave_self_int(per_group, 1, None)
+        } else {
+            kv
+        }
+    }
+
+    /// Context `[b, n, s, d]` → the output projection `[s, b, h]`.
+    fn output(&self, context: &Tensor) -> Result<Tensor> {
+        let (b, n, s, d) = context.size4()?;
+        self.linear_proj
+            .forward(&context.permute([2, 0, 1, 3]).reshape([s, b, n * d]))
+    }
+
     /// `[s, b, h]` → `[s, b, h]`. `recompute_core` recomputes the attention core in backward
     /// instead of keeping its activations (`--recompute-activations`).
     pub fn forward(
@@ -92,28 +137,8 @@ impl SelfAttention {
         train: bool,
         recompute_core: bool,
     ) -> Result<Tensor> {
-        let (n, g, d) = (self.local_heads, self.local_groups, self.head_dim);
-        let per_group = n / g;
-        // With sequence parallelism the projection gathers the sequence: take `s` after it.
-        let qkv = self.linear_qkv.forward(hidden)?;
-        let (s, b) = (qkv.size()[0], qkv.size()[1]);
-        let qkv = qkv.view([s, b, g, (per_group + 2) * d]);
-        let parts = qkv.split_with_sizes([per_group * d, d, d], -1);
-        let mut query = parts[0].reshape([s, b, n, d]);
-        let mut key = parts[1].shallow_clone();
-        let value = &parts[2];
-        if let Some(tables) = rotary {
-            query = tables.apply(&query);
-            key = tables.apply(&key);
-        }
-        // [s, b, heads, d] → [b, heads, s, d] for SDPA.
-        let query = query.permute([1, 2, 0, 3]);
-        let mut key = key.permute([1, 2, 0, 3]);
-        let mut value = value.permute([1, 2, 0, 3]);
-        if per_group > 1 {
-            key = key.repeat_interleave_self_int(per_group, 1, None);
-            value = value.repeat_interleave_self_int(per_group, 1, None);
-        }
+        let (query, key, value) = self.project(hidden, rotary)?;
+        let (key, value) = (self.expand_groups(key), self.expand_groups(value));
         let dropout = if train { self.dropout } else { 0.0 };
         let fork = self.fork_dropout_rng && dropout > 0.0;
         let context = if recompute_core {
@@ -130,8 +155,49 @@ impl SelfAttention {
         } else {
             core_attention(&query, &key, &value, mask, dropout, fork)?
         };
-        let context = context.permute([2, 0, 1, 3]).reshape([s, b, n * d]);
-        self.linear_proj.forward(&context)
+        self.output(&context)
+    }
+
+    /// Inference over the new positions `cache.len..cache.len + s` of `hidden` (`[s, b, h]`):
+    /// their keys and values join the cache, and every query attends to all cached positions up
+    /// to its own.
+    pub fn forward_cached(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let (query, key, value) = self.project(hidden, rotary)?;
+        let (start, new) = (cache.len, query.size()[2]);
+        let (keys, values) = cache.append(&key, &value)?;
+        let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
+        let context = if new == 1 {
+            Tensor::scaled_dot_product_attention::<&Tensor>(
+                &query, &keys, &values, None, 0.0, false, None, false,
+            )
+        } else if start == 0 {
+            Tensor::scaled_dot_product_attention::<&Tensor>(
+                &query, &keys, &values, None, 0.0, true, None, false,
+            )
+        } else {
+            // Query i sits at position start + i and may see keys 0..=start + i.
+            let device = query.device();
+            let rows =
+                Tensor::arange_start(start, start + new, (tch::Kind::Int64, device)).unsqueeze(1);
+            let columns = Tensor::arange(start + new, (tch::Kind::Int64, device)).unsqueeze(0);
+            let allowed = columns.le_tensor(&rows);
+            Tensor::scaled_dot_product_attention(
+                &query,
+                &keys,
+                &values,
+                Some(&allowed),
+                0.0,
+                false,
+                None,
+                false,
+            )
+        };
+        self.output(&context)
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {

@@ -3,6 +3,7 @@
 
 mod attention;
 mod embedding;
+mod kv_cache;
 mod linear;
 mod mlp;
 mod norm;
@@ -11,6 +12,7 @@ mod transformer_layer;
 
 pub use attention::{AttentionMask, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
+pub use kv_cache::{KvCache, LayerCache};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
 pub use norm::Norm;

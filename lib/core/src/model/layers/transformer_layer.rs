@@ -4,6 +4,7 @@ use anyhow::Result;
 use tch::Tensor;
 
 use super::attention::{AttentionMask, SelfAttention};
+use super::kv_cache::LayerCache;
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::rope::RotaryTables;
@@ -63,10 +64,33 @@ impl TransformerLayer {
         train: bool,
         recompute_core_attention: bool,
     ) -> Result<Tensor> {
-        let normed = self.input_layernorm.forward(hidden);
-        let attention =
+        self.forward_with(hidden, train, |normed| {
             self.self_attention
-                .forward(&normed, mask, rotary, train, recompute_core_attention)?;
+                .forward(normed, mask, rotary, train, recompute_core_attention)
+        })
+    }
+
+    /// Inference over new positions, attending through the layer's KV cache.
+    pub fn forward_cached(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        self.forward_with(hidden, false, |normed| {
+            self.self_attention.forward_cached(normed, rotary, cache)
+        })
+    }
+
+    /// The block around its attention: norm, attention, residual, norm, MLP, residual.
+    fn forward_with(
+        &self,
+        hidden: &Tensor,
+        train: bool,
+        attend: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let normed = self.input_layernorm.forward(hidden);
+        let attention = attend(&normed)?;
         let residual = if self.residual_from_norm {
             &normed
         } else {

@@ -1,0 +1,65 @@
+//! The keys and values inference keeps per layer, so each generated token costs one position
+//! of attention instead of a forward over the whole sequence.
+
+use anyhow::{ensure, Result};
+use tch::{Device, Kind, Tensor};
+
+/// One layer's keys and values, `[b, groups, capacity, d]`, valid for the first `len` positions.
+pub struct LayerCache {
+    keys: Tensor,
+    values: Tensor,
+    pub len: i64,
+}
+
+impl LayerCache {
+    pub fn new(
+        batch: i64,
+        groups: i64,
+        capacity: i64,
+        head_dim: i64,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
+        let keys = Tensor::zeros([batch, groups, capacity, head_dim], (kind, device));
+        LayerCache {
+            values: keys.zeros_like(),
+            keys,
+            len: 0,
+        }
+    }
+
+    /// Stores `key` and `value` (`[b, groups, s, d]`) after the cached positions and returns all
+    /// keys and values so far.
+    pub fn append(&mut self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
+        let new = key.size()[2];
+        let capacity = self.keys.size()[2];
+        ensure!(
+            self.len + new <= capacity,
+            "the KV cache holds {capacity} positions; {} were asked for",
+            self.len + new
+        );
+        self.keys.narrow(2, self.len, new).copy_(key);
+        self.values.narrow(2, self.len, new).copy_(value);
+        self.len += new;
+        Ok((
+            self.keys.narrow(2, 0, self.len),
+            self.values.narrow(2, 0, self.len),
+        ))
+    }
+}
+
+/// The caches of every layer of a model.
+pub struct KvCache {
+    pub layers: Vec<LayerCache>,
+}
+
+impl KvCache {
+    /// Positions cached so far.
+    pub fn len(&self) -> i64 {
+        self.layers.first().map_or(0, |l| l.len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
