@@ -5,7 +5,8 @@
 use clap::Parser;
 use megatron_core::args::ModelArgs;
 use megatron_core::inference::{
-    generate_tokens, Generation, GenerationRequest, Sampling, StopCondition,
+    beam_search, generate_tokens, BeamSearchRequest, Generation, GenerationRequest, Sampling,
+    StopCondition,
 };
 use megatron_core::model::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -210,4 +211,44 @@ fn sampling_is_reproducible_for_a_seed_and_stays_in_the_vocabulary() {
     assert_ne!(a.tokens, c.tokens);
     assert!(a.tokens.iter().flatten().all(|&t| (0..VOCAB).contains(&t)));
     check_logprobs(&model, &a);
+}
+
+/// Sum of the full-forward log-probabilities of the tokens after the prompt.
+fn generated_logprob(model: &GptModel, tokens: &[i64], prompt_len: usize) -> f64 {
+    let logprobs = full_logprobs(model, tokens);
+    (prompt_len..tokens.len())
+        .map(|i| logprobs.get(i as i64 - 1).double_value(&[tokens[i]]))
+        .sum()
+}
+
+#[test]
+fn beam_search_scores_are_normalised_full_forward_logprobs() {
+    let model = llama_like();
+    let prompt = vec![5, 17, 42];
+    let search = |width: usize| {
+        let request = BeamSearchRequest {
+            prompt: prompt.clone(),
+            tokens_to_generate: 6,
+            beam_width: width,
+            stop_token: -1,
+            length_penalty: 1.0,
+            prevent_newline_after_colon: None,
+        };
+        beam_search(&model, &request).unwrap()
+    };
+    let one = search(1);
+    assert_eq!(one.tokens, vec![reference_greedy(&model, &prompt, 9, -1)]);
+    let three = search(3);
+    assert_eq!(three.tokens.len(), 3);
+    assert!(
+        three.scores.windows(2).all(|w| w[0] >= w[1]),
+        "{:?}",
+        three.scores
+    );
+    for (tokens, &score) in three.tokens.iter().zip(&three.scores) {
+        assert_eq!(&tokens[..3], prompt.as_slice());
+        let expected = generated_logprob(&model, tokens, 3) / 6.0;
+        assert!((score - expected).abs() < 1e-4, "{score} vs {expected}");
+    }
+    assert!(three.scores[0] >= one.scores[0] - 1e-6);
 }

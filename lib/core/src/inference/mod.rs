@@ -1,10 +1,13 @@
 //! Inference: loading a trained GPT from its checkpoint alone, and Megatron's generation loop
 //! over a KV cache with its sampling.
 
+pub mod api;
+mod beam_search;
 mod generation;
 mod load;
 mod sampling;
 
+pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use generation::{generate_tokens, Generation, GenerationRequest, StopCondition};
 pub use load::load_gpt_for_inference;
 pub use sampling::{sample, Sampling};

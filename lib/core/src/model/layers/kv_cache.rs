@@ -46,6 +46,12 @@ impl LayerCache {
             self.values.narrow(2, 0, self.len),
         ))
     }
+
+    /// Keeps the rows `rows` (in that order, repeats allowed): beam search re-ranks its beams.
+    pub fn select_rows(&mut self, rows: &Tensor) {
+        self.keys = self.keys.index_select(0, rows);
+        self.values = self.values.index_select(0, rows);
+    }
 }
 
 /// The caches of every layer of a model.
@@ -61,5 +67,10 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Keeps the sequences `rows` of every layer.
+    pub fn select_rows(&mut self, rows: &Tensor) {
+        self.layers.iter_mut().for_each(|l| l.select_rows(rows));
     }
 }
