@@ -5,6 +5,7 @@ pub mod autograd;
 pub mod error;
 pub mod rng;
 pub mod runtime;
+pub mod signals;
 
 pub use error::TorchError;
 pub mod args;

@@ -1,5 +1,5 @@
 //! Megatron's `PUT /api` request (spec §6.2): every field with its default, its validation in
-//! Megatron's order and its exact message. JSON types follow Python's: a boolean passes where an
+//! the order of Megatron's handler (core_v0.13) and its exact message. JSON types follow Python's: a boolean passes where an
 //! integer is expected, `top_p` must be written as a float.
 
 use serde_json::{Map, Value};
@@ -69,28 +69,28 @@ impl ApiRequest {
         let Some(body) = body.as_object() else {
             return error("the request body must be a JSON object");
         };
-        let prompts = match body.get("prompts") {
-            None => return error("prompts argument required"),
-            Some(Value::Array(items)) => {
-                let strings: Option<Vec<String>> = items
-                    .iter()
-                    .map(|p| p.as_str().map(str::to_string))
-                    .collect();
-                strings.ok_or_else(|| ApiError("prompts is not a list of strings".into()))?
-            }
-            Some(_) => return error("prompts is not a list of strings"),
+        let Some(prompts) = body.get("prompts") else {
+            return error("prompts argument required");
+        };
+        if body.contains_key("max_len") {
+            return error("max_len is no longer used.  Replace with tokens_to_generate");
+        }
+        if body.contains_key("sentences") {
+            return error("sentences is no longer used.  Replace with prompts");
+        }
+        let prompts: Vec<String> = match prompts {
+            Value::Array(items) => items
+                .iter()
+                .map(|p| p.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| ApiError("prompts is not a list of strings".into()))?,
+            _ => return error("prompts is not a list of strings"),
         };
         if prompts.is_empty() {
             return error("prompts is empty");
         }
         if prompts.len() > MAX_PROMPTS {
             return error(&format!("Maximum number of prompts is {MAX_PROMPTS}"));
-        }
-        if body.contains_key("max_len") {
-            return error("max_len is no longer used.  Replace with tokens_to_generate");
-        }
-        if body.contains_key("sentences") {
-            return error("sentences is no longer used.  Replace with prompts");
         }
         let tokens_to_generate = match body.get("tokens_to_generate") {
             None => 64,
@@ -281,8 +281,8 @@ mod tests {
             (json!({"prompts": [1]}), "prompts is not a list of strings"),
             (json!({"prompts": []}), "prompts is empty"),
             (json!({"prompts": vec!["a"; 129]}), "Maximum number of prompts is 128"),
-            (json!({"prompts": p, "max_len": 3}), "max_len is no longer used.  Replace with tokens_to_generate"),
-            (json!({"prompts": p, "sentences": 3}), "sentences is no longer used.  Replace with prompts"),
+            (json!({"prompts": 5, "max_len": 3}), "max_len is no longer used.  Replace with tokens_to_generate"),
+            (json!({"prompts": 5, "sentences": 3}), "sentences is no longer used.  Replace with prompts"),
             (json!({"prompts": p, "tokens_to_generate": "3"}), "tokens_to_generate must be an integer greater than 0"),
             (json!({"prompts": p, "tokens_to_generate": -1}), "tokens_to_generate must be an integer greater than or equal to 0"),
             (json!({"prompts": p, "logprobs": 1}), "logprobs must be a boolean value"),

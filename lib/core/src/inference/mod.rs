@@ -6,8 +6,12 @@ mod beam_search;
 mod generation;
 mod load;
 mod sampling;
+mod server;
+mod service;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use generation::{generate_tokens, Generation, GenerationRequest, StopCondition};
 pub use load::load_gpt_for_inference;
 pub use sampling::{sample, Sampling};
+pub use server::{GenerationServer, ServerOptions};
+pub use service::{ServiceError, TextGenerationService, DEFAULT_MAX_TOKENS};

@@ -14,7 +14,6 @@ mod pretrain_gpt;
 pub mod python_format;
 mod runtime;
 pub mod schedules;
-mod signals;
 mod stage;
 
 pub use checkpointing::{model_tensors, Progress};

@@ -24,7 +24,6 @@ use super::lr_schedule::{
 use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
 use super::runtime::Runtime;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
-use super::signals::{exit_requested, install_exit_handler};
 use super::stage::{GptStage, LossTotals};
 use crate::args::GptPretrainArgs;
 use crate::loader::{BatchLoader, GptBatch, SamplerPosition};
@@ -36,6 +35,7 @@ use crate::optim::{
 };
 use crate::parallel::{ParallelState, ReduceOp};
 use crate::rng;
+use crate::signals::{exit_requested, install_exit_handler};
 
 /// How a run ended, for the binary's one-line summary.
 #[derive(Debug, Clone)]

@@ -1,5 +1,6 @@
-//! SIGTERM/SIGINT as a request to save and exit after the current iteration (Megatron's
-//! `--exit-signal-handler`), so a preempted job keeps its progress.
+//! SIGTERM/SIGINT as a request to stop cleanly: training saves and exits after the current
+//! iteration (Megatron's `--exit-signal-handler`), so a preempted job keeps its progress; the
+//! server finishes the requests in flight.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -1,0 +1,102 @@
+//! `text_generation_server`: Megatron's `tools/run_text_generation_server.py` — `PUT /api`
+//! with Megatron's request fields, defaults, messages and response.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use megatron_core::args::TokenizerArgs;
+use megatron_core::inference::{
+    load_gpt_for_inference, GenerationServer, ServerOptions, TextGenerationService,
+    DEFAULT_MAX_TOKENS,
+};
+use megatron_core::signals::{exit_requested, install_exit_handler};
+use megatron_core::training::resolve_device;
+use megatron_data::tokenizer::build_tokenizer;
+use tch::Kind;
+
+/// Serve a GPT checkpoint over HTTP: `curl -X PUT localhost:5000/api -H 'Content-Type:
+/// application/json' -d '{"prompts": ["Hello"], "tokens_to_generate": 16}'`.
+///
+/// The architecture comes from the checkpoint; give the tokenizer flags it was trained with.
+/// Requests are served one at a time by the model, the others wait in a queue (--max-queued);
+/// SIGTERM or Ctrl-C stops after the requests in flight.
+#[derive(Parser)]
+#[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
+struct Cli {
+    /// Checkpoint directory (the iteration its tracker names is used; any TP/PP layout).
+    #[arg(long)]
+    load: std::path::PathBuf,
+    #[command(flatten)]
+    tokenizer: TokenizerArgs,
+    /// Address to listen on; 0.0.0.0 serves other machines too.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one and prints it).
+    #[arg(long, default_value_t = 5000)]
+    port: u16,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Run the model in bfloat16 (GPUs).
+    #[arg(long)]
+    bf16: bool,
+    /// Largest prompts × (longest prompt + tokens_to_generate) a request may ask for.
+    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
+    max_tokens_to_oom: usize,
+    /// Requests that may wait for the model; more are answered 503.
+    #[arg(long, default_value_t = 256)]
+    max_queued: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_request_bytes: usize,
+    /// Connections handled at once.
+    #[arg(long, default_value_t = 64)]
+    http_threads: usize,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    megatron_cli::run(|| {
+        install_exit_handler();
+        let device = resolve_device(&cli.device, 0)?;
+        let tokenizer: Arc<dyn megatron_data::tokenizer::Tokenizer> =
+            Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
+        let dtype = if cli.bf16 {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        };
+        let options = ServerOptions {
+            host: cli.host.clone(),
+            port: cli.port,
+            max_queued: cli.max_queued,
+            max_body_bytes: cli.max_request_bytes,
+            http_threads: cli.http_threads,
+        };
+        let server = GenerationServer::bind(options)?;
+        let load = cli.load.clone();
+        let max_tokens = cli.max_tokens_to_oom;
+        let address = server
+            .address()
+            .map_or_else(|| format!("{}:{}", cli.host, cli.port), |a| a.to_string());
+        let service = move || {
+            let model = load_gpt_for_inference(&load, device, dtype)?;
+            anyhow::ensure!(
+                tokenizer.vocab_size() as i64 == model.config.vocab_size,
+                "the tokenizer has {} tokens but the checkpoint was trained with {}",
+                tokenizer.vocab_size(),
+                model.config.vocab_size
+            );
+            let service = TextGenerationService::new(model, tokenizer, max_tokens)?;
+            println!(
+                "text_generation_server: serving {} on http://{address}/api ({device:?})",
+                load.display()
+            );
+            Ok(service)
+        };
+        server.run(service, exit_requested)?;
+        println!("text_generation_server: stopped");
+        Ok(())
+    })
+}

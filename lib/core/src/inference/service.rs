@@ -1,0 +1,238 @@
+//! A validated `/api` request in, Megatron's response out (spec §6.2–6.3): tokenization with
+//! `add_BOS`, the length limits, sampling or beam search, and `text`/`segments`/`logprobs`
+//! (or `scores`) built from the tokens.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use megatron_data::tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+use super::api::ApiRequest;
+use super::beam_search::{beam_search, BeamSearchRequest};
+use super::generation::{generate_tokens, GenerationRequest, StopCondition};
+use super::sampling::Sampling;
+use crate::model::GptModel;
+
+/// Megatron's `--max-tokens-to-oom` default: prompts × total length per request.
+pub const DEFAULT_MAX_TOKENS: usize = 12_000;
+
+/// Why a request produced no response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServiceError {
+    /// The request cannot be served as asked (HTTP 400 with Megatron's message).
+    Rejected(String),
+    /// Something broke while serving it (HTTP 500).
+    Failed(String),
+}
+
+/// Token ids the request flags refer to, found through the tokenizer (GPT-2: 198, 628, 25).
+struct SpecialTokens {
+    eod: i64,
+    newline: Option<i64>,
+    double_newline: Option<i64>,
+    colon: Option<i64>,
+}
+
+pub struct TextGenerationService {
+    model: GptModel,
+    tokenizer: Arc<dyn Tokenizer>,
+    max_tokens: usize,
+    special: SpecialTokens,
+}
+
+fn single_token(tokenizer: &dyn Tokenizer, text: &str) -> Option<i64> {
+    tokenizer
+        .tokenize(text)
+        .ok()
+        .and_then(|ids| ids.first().map(|&id| i64::from(id)))
+}
+
+impl TextGenerationService {
+    pub fn new(model: GptModel, tokenizer: Arc<dyn Tokenizer>, max_tokens: usize) -> Result<Self> {
+        let eod = tokenizer
+            .eod()
+            .map(i64::from)
+            .ok_or_else(|| anyhow::anyhow!("the tokenizer has no end-of-document token"))?;
+        let special = SpecialTokens {
+            eod,
+            newline: single_token(tokenizer.as_ref(), "\n"),
+            double_newline: single_token(tokenizer.as_ref(), "\n\n"),
+            colon: single_token(tokenizer.as_ref(), ":"),
+        };
+        Ok(TextGenerationService {
+            model,
+            tokenizer,
+            max_tokens,
+            special,
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Arc<dyn Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn respond(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
+        let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
+        let prompts = self.tokenize(request).map_err(failed)?;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let total = longest + request.tokens_to_generate;
+        if total > self.model.config.max_position_embeddings as usize {
+            return Err(ServiceError::Rejected(
+                "Length of prompt + tokens_to_generate longer than allowed".into(),
+            ));
+        }
+        let tokens = prompts.len() * total;
+        if tokens > self.max_tokens {
+            return Err(ServiceError::Rejected(format!(
+                "Too many tokens.  {tokens} is greater than {}",
+                self.max_tokens
+            )));
+        }
+        if let Some(seed) = request.random_seed {
+            crate::rng::manual_seed(self.model.options().device, seed)
+                .map_err(|e| failed(e.into()))?;
+            tch::manual_seed(seed as i64);
+        }
+        let colon_newline = match (
+            request.prevent_newline_after_colon,
+            self.special.colon,
+            self.special.newline,
+        ) {
+            (false, _, _) => None,
+            (true, Some(colon), Some(newline)) => Some((colon, newline)),
+            (true, _, _) => {
+                return Err(ServiceError::Rejected(
+                    "prevent_newline_after_colon needs a tokenizer with ':' and newline tokens"
+                        .into(),
+                ))
+            }
+        };
+        match request.beam_width {
+            Some(beam_width) => self.beam(
+                request,
+                prompts.into_iter().next().unwrap_or_default(),
+                beam_width,
+                colon_newline,
+            ),
+            None => self.sample(request, prompts, colon_newline),
+        }
+    }
+
+    fn tokenize(&self, request: &ApiRequest) -> Result<Vec<Vec<i64>>> {
+        request
+            .prompts
+            .iter()
+            .map(|prompt| {
+                let mut ids: Vec<i64> = if request.add_bos {
+                    vec![self.special.eod]
+                } else {
+                    Vec::new()
+                };
+                ids.extend(self.tokenizer.tokenize(prompt)?.into_iter().map(i64::from));
+                Ok(ids)
+            })
+            .collect()
+    }
+
+    fn stop_condition(&self, request: &ApiRequest) -> Result<StopCondition, ServiceError> {
+        let lines = || match (self.special.newline, self.special.double_newline) {
+            (Some(newline), Some(double_newline)) => Ok((newline, double_newline)),
+            _ => Err(ServiceError::Rejected(
+                "stop_on_eol and stop_on_double_eol need a tokenizer with newline tokens".into(),
+            )),
+        };
+        Ok(if request.stop_on_double_eol {
+            let (newline, double_newline) = lines()?;
+            StopCondition::DoubleEndOfLine {
+                newline,
+                double_newline,
+            }
+        } else if request.stop_on_eol {
+            let (newline, double_newline) = lines()?;
+            StopCondition::EndOfLine {
+                newline,
+                double_newline,
+            }
+        } else {
+            StopCondition::Token(self.special.eod)
+        })
+    }
+
+    fn sample(
+        &self,
+        request: &ApiRequest,
+        prompts: Vec<Vec<i64>>,
+        colon_newline: Option<(i64, i64)>,
+    ) -> Result<Value, ServiceError> {
+        if prompts.iter().any(Vec::is_empty) {
+            return Err(ServiceError::Rejected("a prompt has no tokens".into()));
+        }
+        let generation = GenerationRequest {
+            prompts,
+            tokens_to_generate: request.tokens_to_generate,
+            sampling: Sampling {
+                temperature: request.temperature,
+                top_k: request.top_k,
+                top_p: request.top_p,
+                top_p_decay: request.top_p_decay,
+                top_p_bound: request.top_p_bound,
+            },
+            stop: self.stop_condition(request)?,
+            prevent_newline_after_colon: colon_newline,
+            logprobs: request.logprobs,
+            pad: self.special.eod,
+        };
+        let out = generate_tokens(&self.model, &generation)
+            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
+        let (text, segments) = self.texts(&out.tokens)?;
+        Ok(json!({"text": text, "segments": segments, "logprobs": out.logprobs}))
+    }
+
+    fn beam(
+        &self,
+        request: &ApiRequest,
+        prompt: Vec<i64>,
+        beam_width: usize,
+        colon_newline: Option<(i64, i64)>,
+    ) -> Result<Value, ServiceError> {
+        let search = BeamSearchRequest {
+            prompt,
+            tokens_to_generate: request.tokens_to_generate,
+            beam_width,
+            stop_token: request.stop_token,
+            length_penalty: request.length_penalty,
+            prevent_newline_after_colon: colon_newline,
+        };
+        if search.tokens_to_generate == 0 {
+            return Err(ServiceError::Rejected(
+                "context length + tokens_to_generate too large".into(),
+            ));
+        }
+        let out = beam_search(&self.model, &search)
+            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
+        let (text, segments) = self.texts(&out.tokens)?;
+        Ok(json!({"text": text, "segments": segments, "scores": out.scores}))
+    }
+
+    /// Each row's text, and its tokens one by one.
+    fn texts(&self, rows: &[Vec<i64>]) -> Result<(Vec<String>, Vec<Vec<String>>), ServiceError> {
+        let detokenize = |ids: &[u32]| {
+            self.tokenizer
+                .detokenize(ids)
+                .map_err(|e| ServiceError::Failed(e.to_string()))
+        };
+        let mut texts = Vec::with_capacity(rows.len());
+        let mut segments = Vec::with_capacity(rows.len());
+        for row in rows {
+            let ids: Vec<u32> = row.iter().map(|&t| t as u32).collect();
+            texts.push(detokenize(&ids)?);
+            segments.push(
+                ids.iter()
+                    .map(|&id| detokenize(&[id]))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        Ok((texts, segments))
+    }
+}

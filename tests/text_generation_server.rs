@@ -1,0 +1,292 @@
+//! `text_generation_server` and `text_generation_cli` as a user drives them: a checkpoint
+//! saved by `pretrain_gpt`, served on loopback, queried with Megatron's request fields; answers
+//! equal `generate_samples_gpt`'s greedy continuation; Megatron's validation messages; malformed,
+//! oversized and too-long requests; 64 clients at once; SIGTERM stops it cleanly.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use megatron_e2e::{bin, run_ok, workspace_root};
+use serde_json::{json, Value};
+
+fn tokenizer_flags() -> Vec<String> {
+    let data = workspace_root().join("data");
+    vec![
+        "--tokenizer-type".into(),
+        "GPT2BPETokenizer".into(),
+        "--vocab-file".into(),
+        data.join("quickstart-vocab.json").display().to_string(),
+        "--merge-file".into(),
+        data.join("quickstart-merges.txt").display().to_string(),
+    ]
+}
+
+/// A small GPT trained for two steps on mock data with the bundled tokenizer.
+fn checkpoint(dir: &Path) {
+    run_ok(
+        bin("pretrain_gpt")
+            .args([
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--num-attention-heads",
+                "4",
+                "--seq-length",
+                "64",
+                "--max-position-embeddings",
+                "96",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "2",
+                "--train-iters",
+                "2",
+                "--lr",
+                "1e-3",
+                "--mock-data",
+                "--eval-iters",
+                "0",
+                "--device",
+                "cpu",
+                "--save",
+            ])
+            .arg(dir)
+            .args(tokenizer_flags()),
+    );
+}
+
+struct Server {
+    child: Child,
+    address: String,
+}
+
+fn start_server(checkpoint: &Path) -> Server {
+    let mut child = bin("text_generation_server")
+        .arg("--load")
+        .arg(checkpoint)
+        .args(tokenizer_flags())
+        .args([
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-tokens-to-oom",
+            "2000",
+            "--max-request-bytes",
+            "10000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("the server exited before serving")
+            .unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest
+                .trim_end_matches(|c: char| c != '/')
+                .trim_end_matches("/api")
+                .trim_end_matches('/')
+                .to_string();
+        }
+    };
+    // Keep draining the request log so the server never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    Server {
+        child,
+        address: address.split('/').next().unwrap().to_string(),
+    }
+}
+
+fn cli(server: &Server, args: &[&str]) -> Output {
+    bin("text_generation_cli")
+        .arg(&server.address)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Sends `body` verbatim; the JSON answer, or the CLI's `Error <status>: <message>`.
+fn request(server: &Server, body: &str) -> Result<Value, String> {
+    let out = cli(server, &["--request", body]);
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr)
+            .trim()
+            .trim_start_matches("error: ")
+            .to_string())
+    }
+}
+
+#[test]
+fn serves_megatrons_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+
+    // Greedy (top_k = 1) equals generate_samples_gpt --greedy on the same checkpoint.
+    let reply = request(
+        &server,
+        &json!({"prompts": ["The data"], "tokens_to_generate": 12, "top_k": 1, "logprobs": true})
+            .to_string(),
+    )
+    .unwrap();
+    let text = reply["text"][0].as_str().unwrap();
+    let segments: Vec<&str> = reply["segments"][0]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    assert_eq!(segments.concat(), text);
+    assert_eq!(
+        reply["logprobs"][0].as_array().unwrap().len(),
+        segments.len() - 1
+    );
+    assert!(reply["logprobs"][0]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|l| l.as_f64().unwrap() <= 0.0));
+    let mut samples = bin("generate_samples_gpt");
+    samples
+        .arg("--load")
+        .arg(&ckpt)
+        .args(tokenizer_flags())
+        .args([
+            "--prompt",
+            "The data",
+            "--greedy",
+            "--out-seq-length",
+            "12",
+            "--device",
+            "cpu",
+        ]);
+    let sampled = String::from_utf8(run_ok(&mut samples).stdout).unwrap();
+    let eod = "<|endoftext|>";
+    let continuation = text.strip_prefix("The data").unwrap();
+    assert!(
+        sampled.starts_with(&format!(
+            "The data{}",
+            continuation.split(eod).next().unwrap()
+        )),
+        "{sampled:?} vs {text:?}"
+    );
+
+    // Scoring only: the prompt comes back with its log-probabilities.
+    let scored = request(
+        &server,
+        r#"{"prompts": ["The data", "x"], "tokens_to_generate": 0, "logprobs": true}"#,
+    )
+    .unwrap();
+    assert_eq!(scored["text"], json!(["The data", "x"]));
+    assert_eq!(scored["logprobs"][1], json!([]));
+
+    // A fixed random_seed reproduces a sample; beam search returns its beams and scores.
+    let seeded =
+        r#"{"prompts": ["Hello"], "tokens_to_generate": 10, "top_p": 0.9, "random_seed": 42}"#;
+    assert_eq!(
+        request(&server, seeded).unwrap(),
+        request(&server, seeded).unwrap()
+    );
+    let beams = request(
+        &server,
+        r#"{"prompts": ["Hello"], "tokens_to_generate": 5, "beam_width": 2, "stop_token": 0}"#,
+    )
+    .unwrap();
+    assert_eq!(beams["text"].as_array().unwrap().len(), 2);
+    assert_eq!(beams["scores"].as_array().unwrap().len(), 2);
+
+    // Megatron's messages, answered 400; malformed, oversized and too-long requests too.
+    let rejected = [
+        ("{}", "prompts argument required"),
+        (r#"{"prompts": "x"}"#, "prompts is not a list of strings"),
+        (
+            r#"{"prompts": ["x"], "top_p": 1}"#,
+            "top_p must be a positive float less than or equal to 1.0",
+        ),
+        (
+            r#"{"prompts": ["x"], "tokens_to_generate": 0}"#,
+            "tokens_to_generate=0 implies logprobs should be True",
+        ),
+        (
+            r#"{"prompts": ["x"], "tokens_to_generate": 500}"#,
+            "Length of prompt + tokens_to_generate longer than allowed",
+        ),
+        (
+            r#"{"prompts": ["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q","r","s","t","u","v","w","x","y"], "tokens_to_generate": 90}"#,
+            "Too many tokens.  2275 is greater than 2000",
+        ),
+        ("{\"prompts\": [", "malformed JSON"),
+    ];
+    for (body, message) in rejected {
+        let error = request(&server, body).unwrap_err();
+        assert!(
+            error.starts_with("Error 400: ") && error.contains(message),
+            "{body}: {error}"
+        );
+    }
+    let huge = json!({"prompts": ["x".repeat(20_000)]}).to_string();
+    assert!(request(&server, &huge)
+        .unwrap_err()
+        .starts_with("Error 413: "));
+
+    // 64 clients at once: all answered.
+    let started = Instant::now();
+    let clients: Vec<_> = (0..64)
+        .map(|i| {
+            bin("text_generation_cli")
+                .arg(&server.address)
+                .args([
+                    "--prompt",
+                    &format!("client {i}"),
+                    "--tokens-to-generate",
+                    "4",
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for client in clients {
+        let out = client.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with("client "));
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(180),
+        "64 clients took {:?}",
+        started.elapsed()
+    );
+    assert!(request(
+        &server,
+        r#"{"prompts": ["still up"], "tokens_to_generate": 1}"#
+    )
+    .is_ok());
+
+    // SIGTERM: the server finishes and exits cleanly.
+    let mut child = server.child;
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the server ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}
