@@ -1,6 +1,7 @@
 //! `text_generation_server` and `text_generation_cli` as a user drives them: a checkpoint
 //! saved by `pretrain_gpt`, served on loopback, queried with Megatron's request fields; answers
-//! equal `generate_samples_gpt`'s greedy continuation; Megatron's validation messages; malformed,
+//! equal `generate_samples_gpt`'s greedy continuation; OpenAI completions, streamed too;
+//! Megatron's validation messages; malformed,
 //! oversized and too-long requests; 64 clients at once; SIGTERM stops it cleanly.
 
 use std::io::{BufRead, BufReader};
@@ -238,6 +239,63 @@ fn serves_megatrons_api() {
     assert!(request(&server, &huge)
         .unwrap_err()
         .starts_with("Error 413: "));
+
+    // OpenAI completions: greedy (temperature 0) continues like /api's greedy; streamed deltas
+    // add up to the same text; stop sequences cut it.
+    let completion = |body: Value| {
+        let out = cli(&server, &["--completion", &body.to_string()]);
+        assert!(
+            out.status.success(),
+            "{body}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let whole: Value = serde_json::from_str(&completion(
+        json!({"prompt": "The data", "max_tokens": 12, "temperature": 0.0, "logprobs": 1}),
+    ))
+    .unwrap();
+    let choice = &whole["choices"][0];
+    let greedy_continuation = continuation.split(eod).next().unwrap();
+    assert_eq!(choice["text"].as_str().unwrap(), greedy_continuation);
+    let completion_tokens = whole["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(
+        choice["logprobs"]["tokens"].as_array().unwrap().len(),
+        completion_tokens
+    );
+    let events = completion(
+        json!({"prompt": "The data", "max_tokens": 12, "temperature": 0.0, "stream": true}),
+    );
+    let mut streamed = String::new();
+    let mut finish = Value::Null;
+    for line in events.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            break;
+        }
+        let event: Value = serde_json::from_str(line).unwrap();
+        streamed.push_str(event["choices"][0]["text"].as_str().unwrap());
+        finish = event["choices"][0]["finish_reason"].clone();
+    }
+    assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
+    assert_eq!(streamed, greedy_continuation);
+    assert_eq!(finish, choice["finish_reason"]);
+    if let Some(cut) = greedy_continuation
+        .get(3..6)
+        .filter(|s| !s.trim().is_empty())
+    {
+        let stopped: Value = serde_json::from_str(&completion(
+            json!({"prompt": "The data", "max_tokens": 12, "temperature": 0.0, "stop": [cut]}),
+        ))
+        .unwrap();
+        let text = stopped["choices"][0]["text"].as_str().unwrap();
+        assert_eq!(
+            text,
+            &greedy_continuation[..greedy_continuation.find(cut).unwrap()]
+        );
+        assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    }
+    let rejected = cli(&server, &["--completion", r#"{"prompt": "x", "n": 3}"#]);
+    assert!(String::from_utf8_lossy(&rejected.stderr).contains("n must be 1"));
 
     // 64 clients at once: all answered.
     let started = Instant::now();

@@ -6,13 +6,13 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-/// `PUT path` with a JSON `payload` on `server` (host:port); returns the status code and the body.
-pub fn put(server: &str, path: &str, payload: &[u8]) -> Result<(u16, Vec<u8>)> {
+/// `method path` with a JSON `payload` on `server` (host:port); returns the status code and the body.
+pub fn send(server: &str, method: &str, path: &str, payload: &[u8]) -> Result<(u16, Vec<u8>)> {
     let mut stream =
         TcpStream::connect(server).with_context(|| format!("cannot connect to {server}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
     let head = format!(
-        "PUT {path} HTTP/1.1\r\nHost: {server}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {server}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         payload.len()
     );
     stream.write_all(head.as_bytes())?;

@@ -1,6 +1,6 @@
 //! `text_generation_cli host:port`: Megatron's `tools/text_generation_cli.py` — read a prompt
-//! and a token count, `PUT /api`, print the response; or, with `--prompt`, one request for
-//! scripts.
+//! and a token count, `PUT /api`, print the response; or, with `--prompt`, `--request` or
+//! `--completion` (OpenAI's `/v1/completions`), one request for scripts.
 
 mod http;
 
@@ -29,6 +29,10 @@ struct Cli {
     /// Send this request body as it is (any of Megatron's fields) and print the JSON response.
     #[arg(long, conflicts_with = "prompt")]
     request: Option<String>,
+    /// POST this OpenAI completion request to /v1/completions and print the answer (the JSON
+    /// body, or with "stream": true the server-sent events).
+    #[arg(long, conflicts_with_all = ["prompt", "request"])]
+    completion: Option<String>,
 }
 
 /// Sends one request; the server's error message on a non-200 answer.
@@ -42,7 +46,7 @@ fn query(
 }
 
 fn send(server: &str, body: &[u8]) -> Result<std::result::Result<Value, String>> {
-    let (status, reply) = http::put(server, "/api", body)?;
+    let (status, reply) = http::send(server, "PUT", "/api", body)?;
     let reply: Value = serde_json::from_slice(&reply)
         .with_context(|| format!("{server} answered {status} with non-JSON"))?;
     if status != 200 {
@@ -93,6 +97,16 @@ fn interactive(server: &str) -> Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
+        if let Some(body) = &cli.completion {
+            let (status, reply) =
+                http::send(&cli.server, "POST", "/v1/completions", body.as_bytes())?;
+            let text = String::from_utf8_lossy(&reply);
+            if status != 200 {
+                bail!("Error {status}: {text}");
+            }
+            print!("{text}");
+            return Ok(());
+        }
         if let Some(body) = &cli.request {
             match send(&cli.server, body.as_bytes())? {
                 Ok(reply) => println!("{reply}"),

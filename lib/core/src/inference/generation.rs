@@ -47,6 +47,19 @@ pub struct Generation {
 
 /// Runs the loop on `model`'s device; sampling draws from that device's default generator.
 pub fn generate_tokens(model: &GptModel, request: &GenerationRequest) -> Result<Generation> {
+    generate_tokens_observed(model, request, None)
+}
+
+/// Sees each token as it is generated: `(row, token)` for every row still going; answering
+/// `true` ends that row there (its length includes the token).
+pub type TokenObserver<'a> = &'a mut dyn FnMut(usize, i64) -> bool;
+
+/// [`generate_tokens`], telling `observer` every new token (streaming answers).
+pub fn generate_tokens_observed(
+    model: &GptModel,
+    request: &GenerationRequest,
+    mut observer: Option<TokenObserver>,
+) -> Result<Generation> {
     request.sampling.validate()?;
     ensure!(!request.prompts.is_empty(), "no prompts to continue");
     ensure!(
@@ -116,8 +129,23 @@ pub fn generate_tokens(model: &GptModel, request: &GenerationRequest) -> Result<
                     .narrow(1, previous, context - previous)
                     .copy_(&gathered);
             }
-            let stopped =
+            let mut stopped =
                 stopped(&request.stop, &new, &tokens.select(1, context - 1)).logical_and(&started);
+            if let Some(observer) = observer.as_mut() {
+                let live: Vec<bool> = Vec::try_from(
+                    started
+                        .logical_and(&done.logical_not())
+                        .to_device(Device::Cpu),
+                )?;
+                let picked: Vec<i64> = Vec::try_from(new.to_device(Device::Cpu))?;
+                let ended: Vec<bool> = live
+                    .iter()
+                    .zip(&picked)
+                    .enumerate()
+                    .map(|(row, (&live, &token))| live && observer(row, token))
+                    .collect();
+                stopped = stopped.logical_or(&Tensor::from_slice(&ended).to_device(device));
+            }
             let just = stopped.logical_and(&done.logical_not());
             out_lengths = Tensor::full([batch], context + 1, (Kind::Int64, device))
                 .where_self(&just, &out_lengths);

@@ -5,12 +5,16 @@ pub mod api;
 mod beam_search;
 mod generation;
 mod load;
+pub mod openai;
 mod sampling;
 mod server;
 mod service;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
-pub use generation::{generate_tokens, Generation, GenerationRequest, StopCondition};
+pub use generation::{
+    generate_tokens, generate_tokens_observed, Generation, GenerationRequest, StopCondition,
+    TokenObserver,
+};
 pub use load::load_gpt_for_inference;
 pub use sampling::{sample, Sampling};
 pub use server::{GenerationServer, ServerOptions};

@@ -1,4 +1,5 @@
-//! The HTTP side of `text_generation_server`: Megatron's `PUT /api` on a small thread pool,
+//! The HTTP side of `text_generation_server`: Megatron's `PUT /api` and OpenAI's
+//! `POST /v1/completions` (streamed as server-sent events on request) on a thread pool,
 //! one generation worker that owns the model and takes requests from a bounded queue (so many
 //! clients are all answered, in turn), limits answered with clear errors, and a clean stop.
 
@@ -13,6 +14,7 @@ use serde_json::Value;
 use tiny_http::{Header, Method, Request, Response, Server};
 
 use super::api::ApiRequest;
+use super::openai::{delta_body, CompletionRequest};
 use super::service::{ServiceError, TextGenerationService};
 
 #[derive(Debug, Clone)]
@@ -27,7 +29,17 @@ pub struct ServerOptions {
     pub http_threads: usize,
 }
 
-type Job = (ApiRequest, mpsc::Sender<Result<Value, ServiceError>>);
+/// What a handler asks of the generation worker.
+enum Job {
+    Api(ApiRequest, mpsc::Sender<Result<Value, ServiceError>>),
+    Completion(CompletionRequest, mpsc::Sender<CompletionEvent>),
+}
+
+/// What the worker tells a completion's handler: text as it is generated, then the answer.
+enum CompletionEvent {
+    Delta(usize, String),
+    Done(Result<Value, ServiceError>),
+}
 
 /// A running server; [`GenerationServer::run`] serves until `stop` returns true.
 pub struct GenerationServer {
@@ -94,74 +106,127 @@ impl GenerationServer {
 }
 
 fn work(service: &TextGenerationService, jobs: Receiver<Job>) {
-    for (request, reply) in jobs {
-        let outcome =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| service.respond(&request)))
-                .unwrap_or_else(|_| Err(ServiceError::Failed("generation panicked".into())));
-        let _ = reply.send(outcome);
+    let guarded = |run: &mut dyn FnMut() -> Result<Value, ServiceError>| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+            .unwrap_or_else(|_| Err(ServiceError::Failed("generation panicked".into())))
+    };
+    for job in jobs {
+        match job {
+            Job::Api(request, reply) => {
+                let _ = reply.send(guarded(&mut || service.respond(&request)));
+            }
+            Job::Completion(request, events) => {
+                let (id, created) = completion_id();
+                let outcome = guarded(&mut || {
+                    service.complete(&request, &id, created, &mut |index, text| {
+                        let _ = events.send(CompletionEvent::Delta(index, text.to_string()));
+                    })
+                });
+                let _ = events.send(CompletionEvent::Done(outcome));
+            }
+        }
     }
 }
 
-fn json_response(status: u16, body: &Value) -> Response<std::io::Cursor<Vec<u8>>> {
+/// A completion's id and creation time (seconds since the epoch), as OpenAI names them.
+fn completion_id() -> (String, u64) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (format!("cmpl-{:x}", now.as_nanos()), now.as_secs())
+}
+
+type Body = Box<dyn Read + Send>;
+
+fn json_response(status: u16, body: &Value) -> Response<Body> {
     let header = Header::from_bytes("Content-Type", "application/json").expect("a valid header");
     Response::from_data(serde_json::to_vec(body).expect("JSON values serialise"))
         .with_status_code(status)
         .with_header(header)
+        .boxed()
 }
 
 /// Megatron answers errors with the message as a JSON string.
-fn message(status: u16, text: &str) -> Response<std::io::Cursor<Vec<u8>>> {
+fn message(status: u16, text: &str) -> Response<Body> {
     json_response(status, &Value::String(text.to_string()))
 }
 
+/// OpenAI's error object.
+fn openai_error(status: u16, text: &str) -> Response<Body> {
+    let kind = if status < 500 {
+        "invalid_request_error"
+    } else {
+        "server_error"
+    };
+    json_response(
+        status,
+        &serde_json::json!({"error": {"message": text, "type": kind, "param": null, "code": null}}),
+    )
+}
+
 fn handle(mut request: Request, queue: &SyncSender<Job>, options: &ServerOptions) {
-    let response = respond(&mut request, queue, options);
+    let response = match (request.url(), request.method()) {
+        ("/api", Method::Put) => megatron_api(&mut request, queue, options),
+        ("/v1/completions", Method::Post) => completions(&mut request, queue, options),
+        ("/api", _) => message(405, "use PUT /api"),
+        ("/v1/completions", _) => openai_error(405, "use POST /v1/completions"),
+        (url, _) => message(
+            404,
+            &format!("no such endpoint: {url} (PUT /api or POST /v1/completions)"),
+        ),
+    };
     let _ = request.respond(response);
 }
 
-fn respond(
-    request: &mut Request,
-    queue: &SyncSender<Job>,
-    options: &ServerOptions,
-) -> Response<std::io::Cursor<Vec<u8>>> {
-    if request.url() != "/api" {
-        return message(
-            404,
-            &format!("no such endpoint: {} (the API is PUT /api)", request.url()),
-        );
-    }
-    if *request.method() != Method::Put {
-        return message(405, "use PUT /api");
-    }
+/// The request body as JSON, or the status and message to answer instead.
+fn read_json(request: &mut Request, options: &ServerOptions) -> Result<Value, (u16, String)> {
+    let too_large = || {
+        (
+            413,
+            format!(
+                "the request body is larger than {} bytes",
+                options.max_body_bytes
+            ),
+        )
+    };
     if request
         .body_length()
         .is_some_and(|n| n > options.max_body_bytes)
     {
-        return message(
-            413,
-            &format!(
-                "the request body is larger than {} bytes",
-                options.max_body_bytes
-            ),
-        );
+        return Err(too_large());
     }
     let mut body = Vec::new();
     let limit = options.max_body_bytes as u64 + 1;
-    if let Err(e) = request.as_reader().take(limit).read_to_end(&mut body) {
-        return message(400, &format!("cannot read the request body: {e}"));
-    }
+    request
+        .as_reader()
+        .take(limit)
+        .read_to_end(&mut body)
+        .map_err(|e| (400, format!("cannot read the request body: {e}")))?;
     if body.len() > options.max_body_bytes {
-        return message(
-            413,
-            &format!(
-                "the request body is larger than {} bytes",
-                options.max_body_bytes
-            ),
-        );
+        return Err(too_large());
     }
-    let json: Value = match serde_json::from_slice(&body) {
+    serde_json::from_slice(&body).map_err(|e| (400, format!("malformed JSON: {e}")))
+}
+
+fn submit(queue: &SyncSender<Job>, job: Job, options: &ServerOptions) -> Result<(), String> {
+    match queue.try_send(job) {
+        Ok(()) => Ok(()),
+        Err(TrySendError::Full(_)) => Err(format!(
+            "the server is busy ({} requests are waiting); try again later",
+            options.max_queued
+        )),
+        Err(TrySendError::Disconnected(_)) => Err("the server is shutting down".into()),
+    }
+}
+
+fn megatron_api(
+    request: &mut Request,
+    queue: &SyncSender<Job>,
+    options: &ServerOptions,
+) -> Response<Body> {
+    let json = match read_json(request, options) {
         Ok(json) => json,
-        Err(e) => return message(400, &format!("malformed JSON: {e}")),
+        Err((status, text)) => return message(status, &text),
     };
     let parsed = match ApiRequest::parse(&json) {
         Ok(parsed) => parsed,
@@ -180,23 +245,121 @@ fn respond(
         );
     }
     let (reply, answer) = mpsc::channel();
-    match queue.try_send((parsed, reply)) {
-        Ok(()) => {}
-        Err(TrySendError::Full(_)) => {
-            return message(
-                503,
-                &format!(
-                    "the server is busy ({} requests are waiting); try again later",
-                    options.max_queued
-                ),
-            )
-        }
-        Err(TrySendError::Disconnected(_)) => return message(503, "the server is shutting down"),
+    if let Err(busy) = submit(queue, Job::Api(parsed, reply), options) {
+        return message(503, &busy);
     }
     match answer.recv() {
         Ok(Ok(body)) => json_response(200, &body),
         Ok(Err(ServiceError::Rejected(text))) => message(400, &text),
         Ok(Err(ServiceError::Failed(text))) => message(500, &text),
         Err(_) => message(503, "the server is shutting down"),
+    }
+}
+
+fn completions(
+    request: &mut Request,
+    queue: &SyncSender<Job>,
+    options: &ServerOptions,
+) -> Response<Body> {
+    let parsed = match read_json(request, options)
+        .and_then(|json| CompletionRequest::parse(&json).map_err(|e| (400, e.0)))
+    {
+        Ok(parsed) => parsed,
+        Err((status, text)) => return openai_error(status, &text),
+    };
+    let (stream, model) = (parsed.stream, parsed.model.clone());
+    let (events, received) = mpsc::channel();
+    if let Err(busy) = submit(queue, Job::Completion(parsed, events), options) {
+        return openai_error(503, &busy);
+    }
+    if stream {
+        let header =
+            Header::from_bytes("Content-Type", "text/event-stream").expect("a valid header");
+        let body = ServerSentEvents {
+            events: received,
+            model,
+            pending: Vec::new(),
+            finished: false,
+        };
+        return Response::new(
+            tiny_http::StatusCode(200),
+            vec![header],
+            Box::new(body) as Body,
+            None,
+            None,
+        );
+    }
+    loop {
+        match received.recv() {
+            Ok(CompletionEvent::Delta(..)) => continue,
+            Ok(CompletionEvent::Done(Ok(body))) => return json_response(200, &body),
+            Ok(CompletionEvent::Done(Err(ServiceError::Rejected(text)))) => {
+                return openai_error(400, &text)
+            }
+            Ok(CompletionEvent::Done(Err(ServiceError::Failed(text)))) => {
+                return openai_error(500, &text)
+            }
+            Err(_) => return openai_error(503, "the server is shutting down"),
+        }
+    }
+}
+
+/// Server-sent events from a completion's worker events: a `data:` line per text delta, then
+/// the choices with their finish reasons and the usage, then `data: [DONE]`.
+struct ServerSentEvents {
+    events: Receiver<CompletionEvent>,
+    model: String,
+    pending: Vec<u8>,
+    finished: bool,
+}
+
+impl ServerSentEvents {
+    fn next_event(&mut self) -> Option<Vec<u8>> {
+        if self.finished {
+            return None;
+        }
+        let event = |value: &Value| format!("data: {value}\n\n").into_bytes();
+        match self.events.recv() {
+            Ok(CompletionEvent::Delta(index, text)) => {
+                let (id, created) = completion_id();
+                Some(event(&delta_body(&id, created, &self.model, index, &text)))
+            }
+            Ok(CompletionEvent::Done(outcome)) => {
+                self.finished = true;
+                let last = match outcome {
+                    Ok(mut body) => {
+                        for choice in body["choices"].as_array_mut().into_iter().flatten() {
+                            choice["text"] = Value::String(String::new());
+                        }
+                        body
+                    }
+                    Err(ServiceError::Rejected(text) | ServiceError::Failed(text)) => {
+                        serde_json::json!({"error": {"message": text}})
+                    }
+                };
+                let mut bytes = event(&last);
+                bytes.extend_from_slice(b"data: [DONE]\n\n");
+                Some(bytes)
+            }
+            Err(_) => {
+                self.finished = true;
+                None
+            }
+        }
+    }
+}
+
+impl Read for ServerSentEvents {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        while self.pending.is_empty() {
+            match self.next_event() {
+                Some(bytes) => self.pending = bytes,
+                None => return Ok(0),
+            }
+        }
+        let n = buffer.len().min(self.pending.len());
+        buffer[..n].copy_from_slice(&self.pending[..n]);
+        self.pending.drain(..n);
+        Ok(n)
     }
 }

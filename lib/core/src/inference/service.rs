@@ -10,7 +10,10 @@ use serde_json::{json, Value};
 
 use super::api::ApiRequest;
 use super::beam_search::{beam_search, BeamSearchRequest};
-use super::generation::{generate_tokens, GenerationRequest, StopCondition};
+use super::generation::{
+    generate_tokens, generate_tokens_observed, GenerationRequest, StopCondition,
+};
+use super::openai::{completion_body, Choice, CompletionRequest};
 use super::sampling::Sampling;
 use crate::model::GptModel;
 
@@ -117,6 +120,139 @@ impl TextGenerationService {
             ),
             None => self.sample(request, prompts, colon_newline),
         }
+    }
+
+    /// An OpenAI completion: `on_delta(choice, text)` receives the text as it is generated
+    /// (held back while it may still turn into a stop sequence or an incomplete character).
+    pub fn complete(
+        &self,
+        request: &CompletionRequest,
+        id: &str,
+        created: u64,
+        on_delta: &mut dyn FnMut(usize, &str),
+    ) -> Result<Value, ServiceError> {
+        let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
+        let prompts: Vec<Vec<i64>> = request
+            .prompts
+            .iter()
+            .map(|p| {
+                Ok(self
+                    .tokenizer
+                    .tokenize(p)?
+                    .into_iter()
+                    .map(i64::from)
+                    .collect())
+            })
+            .collect::<Result<_>>()
+            .map_err(failed)?;
+        if prompts.iter().any(Vec::is_empty) {
+            return Err(ServiceError::Rejected("prompt must not be empty".into()));
+        }
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if longest + request.max_tokens > self.model.config.max_position_embeddings as usize {
+            return Err(ServiceError::Rejected(format!(
+                "prompt ({longest} tokens) + max_tokens ({}) exceed the model's {} positions",
+                request.max_tokens, self.model.config.max_position_embeddings
+            )));
+        }
+        if prompts.len() * (longest + request.max_tokens) > self.max_tokens {
+            return Err(ServiceError::Rejected(format!(
+                "too many tokens: more than {}",
+                self.max_tokens
+            )));
+        }
+        if let Some(seed) = request.seed {
+            crate::rng::manual_seed(self.model.options().device, seed)
+                .map_err(|e| failed(e.into()))?;
+            tch::manual_seed(seed as i64);
+        }
+        let sampling = if request.temperature == 0.0 {
+            Sampling::greedy()
+        } else {
+            let top_p = if request.top_p >= 1.0 {
+                0.0
+            } else {
+                request.top_p
+            };
+            Sampling {
+                temperature: request.temperature,
+                top_k: request.top_k,
+                top_p,
+                top_p_decay: 0.0,
+                top_p_bound: 0.0,
+            }
+        };
+        let mut streams: Vec<CompletionStream> = prompts
+            .iter()
+            .map(|_| CompletionStream::default())
+            .collect();
+        let mut observer = |row: usize, token: i64| -> bool {
+            let stream = &mut streams[row];
+            if token == self.special.eod {
+                stream.finish = Some("stop");
+                return true;
+            }
+            stream.tokens.push(token);
+            let ended = stream.advance(
+                self.tokenizer.as_ref(),
+                &request.stop,
+                request.max_tokens,
+                &mut |text| on_delta(row, text),
+            );
+            ended
+        };
+        let generation = GenerationRequest {
+            prompts: prompts.clone(),
+            tokens_to_generate: request.max_tokens,
+            sampling,
+            stop: StopCondition::Token(self.special.eod),
+            prevent_newline_after_colon: None,
+            logprobs: request.logprobs,
+            pad: self.special.eod,
+        };
+        let out = if request.max_tokens == 0 {
+            generate_tokens(&self.model, &generation)
+        } else {
+            generate_tokens_observed(&self.model, &generation, Some(&mut observer))
+        }
+        .map_err(failed)?;
+        let mut choices = Vec::with_capacity(prompts.len());
+        let mut completion_tokens = 0;
+        for (row, stream) in streams.iter_mut().enumerate() {
+            if stream.finish.is_none() && stream.tokens.len() < request.max_tokens {
+                stream.finish = Some("stop");
+            }
+            let text = stream.final_text(self.tokenizer.as_ref(), &request.stop);
+            let mut choice = Choice {
+                text: if request.echo {
+                    format!("{}{text}", request.prompts[row])
+                } else {
+                    text
+                },
+                finish_reason: Some(stream.finish.unwrap_or("length")),
+                ..Default::default()
+            };
+            completion_tokens += stream.tokens.len();
+            if let Some(logprobs) = &out.logprobs {
+                let first = if request.echo { 1 } else { prompts[row].len() };
+                let shown: Vec<i64> =
+                    out.tokens[row][first..(prompts[row].len() + stream.tokens.len())].to_vec();
+                choice.tokens = shown
+                    .iter()
+                    .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
+                    .collect();
+                choice.token_logprobs = logprobs[row][first - 1..first - 1 + shown.len()].to_vec();
+            }
+            choices.push(choice);
+        }
+        let prompt_tokens = prompts.iter().map(Vec::len).sum();
+        Ok(completion_body(
+            id,
+            created,
+            &request.model,
+            &choices,
+            Some((prompt_tokens, completion_tokens)),
+        ))
     }
 
     fn tokenize(&self, request: &ApiRequest) -> Result<Vec<Vec<i64>>> {
@@ -234,5 +370,77 @@ impl TextGenerationService {
             );
         }
         Ok((texts, segments))
+    }
+}
+
+/// A completion being streamed: its tokens, the text already sent, and why it ended.
+#[derive(Default)]
+struct CompletionStream {
+    tokens: Vec<i64>,
+    sent: usize,
+    finish: Option<&'static str>,
+}
+
+impl CompletionStream {
+    fn text(&self, tokenizer: &dyn Tokenizer) -> String {
+        let ids: Vec<u32> = self.tokens.iter().map(|&t| t as u32).collect();
+        tokenizer.detokenize(&ids).unwrap_or_default()
+    }
+
+    /// The text up to the first stop sequence, and whether one was found.
+    fn cut(text: &str, stop: &[String]) -> (usize, bool) {
+        match stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            Some(at) => (at, true),
+            None => (text.len(), false),
+        }
+    }
+
+    /// Sends what is certain of the text so far; `true` when the completion has ended.
+    fn advance(
+        &mut self,
+        tokenizer: &dyn Tokenizer,
+        stop: &[String],
+        max_tokens: usize,
+        send: &mut dyn FnMut(&str),
+    ) -> bool {
+        let text = self.text(tokenizer);
+        let (mut end, stopped) = Self::cut(&text, stop);
+        let ended = stopped || self.tokens.len() >= max_tokens;
+        if !ended {
+            // Hold back a possible start of a stop sequence and an unfinished character.
+            let held = stop
+                .iter()
+                .map(|s| {
+                    (1..s.len())
+                        .rev()
+                        .find(|&n| s.is_char_boundary(n) && text.ends_with(&s[..n]))
+                        .unwrap_or(0)
+                })
+                .max()
+                .unwrap_or(0);
+            end -= held;
+            while end > self.sent && text[..end].ends_with('\u{FFFD}') {
+                end -= '\u{FFFD}'.len_utf8();
+            }
+        }
+        if end > self.sent && text.is_char_boundary(end) && text.is_char_boundary(self.sent) {
+            send(&text[self.sent..end]);
+            self.sent = end;
+        }
+        if ended {
+            self.finish = Some(if stopped { "stop" } else { "length" });
+        }
+        ended
+    }
+
+    fn final_text(&self, tokenizer: &dyn Tokenizer, stop: &[String]) -> String {
+        let text = self.text(tokenizer);
+        let (end, _) = Self::cut(&text, stop);
+        text[..end].to_string()
     }
 }

@@ -1,0 +1,263 @@
+//! `POST /v1/completions` in OpenAI's format (beyond Megatron): `prompt` (a string or a list),
+//! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `echo`, `logprobs`, `seed`, `n = 1`,
+//! and `stream` for server-sent events, over the same generation loop as `/api`.
+
+use serde_json::{json, Map, Value};
+
+use super::api::{ApiError, MAX_PROMPTS};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompts: Vec<String>,
+    pub max_tokens: usize,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: i64,
+    /// Text that ends a completion where it first appears (not included).
+    pub stop: Vec<String>,
+    /// The prompt is repeated at the start of the completion text.
+    pub echo: bool,
+    /// Include the log-probability of every returned token.
+    pub logprobs: bool,
+    pub seed: Option<u64>,
+    pub stream: bool,
+}
+
+fn invalid<T>(message: String) -> Result<T, ApiError> {
+    Err(ApiError(message))
+}
+
+fn number(body: &Map<String, Value>, key: &str, default: f64) -> Result<f64, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(value) => value
+            .as_f64()
+            .ok_or_else(|| ApiError(format!("{key} must be a number"))),
+    }
+}
+
+fn integer(body: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => value
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| ApiError(format!("{key} must be an integer"))),
+    }
+}
+
+fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => invalid(format!("{key} must be a boolean")),
+    }
+}
+
+fn strings(value: &Value, key: &str) -> Result<Vec<String>, ApiError> {
+    match value {
+        Value::String(s) => Ok(vec![s.clone()]),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError(format!("{key} must be a string or a list of strings"))),
+        _ => invalid(format!("{key} must be a string or a list of strings")),
+    }
+}
+
+impl CompletionRequest {
+    pub fn parse(body: &Value) -> Result<Self, ApiError> {
+        let Some(body) = body.as_object() else {
+            return invalid("the request body must be a JSON object".into());
+        };
+        let prompts = strings(
+            body.get("prompt")
+                .ok_or_else(|| ApiError("prompt is required".into()))?,
+            "prompt",
+        )?;
+        if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
+            return invalid(format!(
+                "prompt must hold between 1 and {MAX_PROMPTS} prompts"
+            ));
+        }
+        let max_tokens = integer(body, "max_tokens")?.unwrap_or(16);
+        if max_tokens < 0 {
+            return invalid("max_tokens must not be negative".into());
+        }
+        let temperature = number(body, "temperature", 1.0)?;
+        if !(0.0..=100.0).contains(&temperature) {
+            return invalid("temperature must be between 0 and 100".into());
+        }
+        let top_p = number(body, "top_p", 1.0)?;
+        if !(0.0..=1.0).contains(&top_p) {
+            return invalid("top_p must be between 0 and 1".into());
+        }
+        let top_k = integer(body, "top_k")?.unwrap_or(0);
+        if !(0..=1000).contains(&top_k) {
+            return invalid("top_k must be between 0 and 1000".into());
+        }
+        if top_k > 0 && top_p < 1.0 {
+            return invalid("cannot set both top_k and top_p".into());
+        }
+        for key in ["n", "best_of"] {
+            if integer(body, key)?.is_some_and(|n| n != 1) {
+                return invalid(format!("{key} must be 1"));
+            }
+        }
+        let stop = match body.get("stop") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(value) => strings(value, "stop")?,
+        };
+        let logprobs = match body.get("logprobs") {
+            None | Some(Value::Null) => false,
+            Some(value) => {
+                value
+                    .as_i64()
+                    .ok_or_else(|| ApiError("logprobs must be an integer".into()))?
+                    >= 0
+            }
+        };
+        let seed = integer(body, "seed")?.map(|s| s as u64);
+        let echo = flag(body, "echo")?;
+        if max_tokens == 0 && !echo {
+            return invalid("max_tokens = 0 returns nothing without echo".into());
+        }
+        Ok(CompletionRequest {
+            model: body
+                .get("model")
+                .and_then(Value::as_str)
+                .unwrap_or("megatron-rs")
+                .to_string(),
+            prompts,
+            max_tokens: max_tokens as usize,
+            temperature,
+            top_p,
+            top_k,
+            stop,
+            echo,
+            logprobs,
+            seed,
+            stream: flag(body, "stream")?,
+        })
+    }
+}
+
+/// One choice of a completion as it is built: text so far and why it ended.
+#[derive(Debug, Clone, Default)]
+pub struct Choice {
+    pub text: String,
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The response body (also the last streamed event, without `usage` there).
+pub fn completion_body(
+    id: &str,
+    created: u64,
+    model: &str,
+    choices: &[Choice],
+    usage: Option<(usize, usize)>,
+) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let logprobs = (!c.tokens.is_empty()).then(|| {
+                let mut offset = 0;
+                let offsets: Vec<usize> = c
+                    .tokens
+                    .iter()
+                    .map(|t| {
+                        offset += t.len();
+                        offset - t.len()
+                    })
+                    .collect();
+                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": offsets, "top_logprobs": null})
+            });
+            json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        })
+        .collect();
+    let mut body = json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices});
+    if let Some((prompt, completion)) = usage {
+        body["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+    }
+    body
+}
+
+/// A streamed event: new text of one choice.
+pub fn delta_body(id: &str, created: u64, model: &str, index: usize, text: &str) -> Value {
+    json!({"id": id, "object": "text_completion", "created": created, "model": model,
+           "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": null}]})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_fields_and_defaults() {
+        let r = CompletionRequest::parse(&json!({"prompt": "Hi", "stop": "\n", "stream": true}))
+            .unwrap();
+        assert_eq!(
+            (
+                r.prompts,
+                r.max_tokens,
+                r.temperature,
+                r.top_p,
+                r.stop,
+                r.stream
+            ),
+            (
+                vec!["Hi".to_string()],
+                16,
+                1.0,
+                1.0,
+                vec!["\n".to_string()],
+                true
+            )
+        );
+        let errors = [
+            (json!({}), "prompt is required"),
+            (
+                json!({"prompt": 3}),
+                "prompt must be a string or a list of strings",
+            ),
+            (json!({"prompt": "a", "n": 2}), "n must be 1"),
+            (
+                json!({"prompt": "a", "top_k": 5, "top_p": 0.5}),
+                "cannot set both top_k and top_p",
+            ),
+            (
+                json!({"prompt": "a", "max_tokens": 0}),
+                "max_tokens = 0 returns nothing without echo",
+            ),
+            (
+                json!({"prompt": "a", "temperature": "x"}),
+                "temperature must be a number",
+            ),
+        ];
+        for (body, message) in errors {
+            assert_eq!(
+                CompletionRequest::parse(&body).unwrap_err().0,
+                message,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn text_offsets_follow_the_tokens() {
+        let choice = Choice {
+            text: "ab c".into(),
+            tokens: vec!["ab".into(), " c".into()],
+            token_logprobs: vec![-1.0, -2.0],
+            finish_reason: Some("length"),
+        };
+        let body = completion_body("x", 0, "m", &[choice], Some((3, 2)));
+        assert_eq!(body["choices"][0]["logprobs"]["text_offset"], json!([0, 2]));
+        assert_eq!(body["usage"]["total_tokens"], json!(5));
+    }
+}
