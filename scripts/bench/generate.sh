@@ -34,7 +34,7 @@ echo "== checkpoint" >&2
     || { tail -20 "$SCRATCH/train.log" >&2; exit 1; }
 
 PORT="${PORT:-5123}"
-"$BIN/text_generation_server" --load "$SCRATCH/ckpt" "${TOKENIZER[@]}" --port "$PORT" --bf16 >"$SCRATCH/server.log" 2>&1 &
+"$BIN/text_generation_server" --load "$SCRATCH/ckpt" "${TOKENIZER[@]}" --port "$PORT" --bf16 --max-tokens-to-oom 100000 >"$SCRATCH/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 600); do
     grep -q "serving" "$SCRATCH/server.log" && break

@@ -24,7 +24,7 @@ def load(root):
     config = GPT2Config(vocab_size=vocab, n_positions=cfg["max_position_embeddings"], n_embd=h,
                         n_layer=cfg["num_layers"], n_head=n, n_inner=cfg["ffn_hidden_size"],
                         activation_function="gelu_new", layer_norm_epsilon=cfg["norm_epsilon"],
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
     hf = {"transformer.wte.weight": ours["embedding.word_embeddings.weight"],
           "transformer.wpe.weight": ours["embedding.position_embeddings.weight"],
           "transformer.ln_f.weight": ours["decoder.final_layernorm.weight"],
