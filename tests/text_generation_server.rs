@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use megatron_e2e::{bin, run_ok, workspace_root};
@@ -64,8 +64,9 @@ struct Server {
     address: String,
 }
 
-fn start_server(checkpoint: &Path) -> Server {
-    let mut child = bin("text_generation_server")
+fn server_command(checkpoint: &Path) -> Command {
+    let mut command = bin("text_generation_server");
+    command
         .arg("--load")
         .arg(checkpoint)
         .args(tokenizer_flags())
@@ -80,9 +81,16 @@ fn start_server(checkpoint: &Path) -> Server {
             "10000",
         ])
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    command
+}
+
+fn start_server(checkpoint: &Path) -> Server {
+    serve(server_command(checkpoint).spawn().unwrap())
+}
+
+/// Waits until `child` (rank 0 of a server) says where it serves.
+fn serve(mut child: Child) -> Server {
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let address = loop {
         let line = lines
@@ -336,15 +344,94 @@ fn serves_megatrons_api() {
     .is_ok());
 
     // SIGTERM: the server finishes and exits cleanly.
-    let mut child = server.child;
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    terminate(server.child);
+}
+
+fn wait_success(mut child: Child, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        assert!(Instant::now() < deadline, "the server ignored SIGTERM");
+        assert!(Instant::now() < deadline, "{what} did not exit");
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert!(status.success(), "{status}");
+    assert!(status.success(), "{what}: {status}");
+}
+
+fn terminate(child: Child) {
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    wait_success(child, "the server after SIGTERM");
+}
+
+/// Two processes launched like torchrun with --tensor-model-parallel-size 2: rank 0 serves and
+/// broadcasts each request, and the answers equal the one-process server's.
+#[test]
+fn tensor_parallel_serving_answers_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let body = json!({"prompts": ["The data", "x y"], "tokens_to_generate": 10, "top_k": 1, "logprobs": true}).to_string();
+    let sampled =
+        r#"{"prompts": ["Hello"], "tokens_to_generate": 10, "top_p": 0.9, "random_seed": 7}"#;
+    let single = start_server(&ckpt);
+    let (expected, expected_sample) = (
+        request(&single, &body).unwrap(),
+        request(&single, sampled).unwrap(),
+    );
+    terminate(single.child);
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            server_command(&ckpt)
+                .args(["--tensor-model-parallel-size", "2"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(if rank == 0 {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut ranks = ranks.into_iter();
+    let server = serve(ranks.next().unwrap());
+    let follower = ranks.next().unwrap();
+    let got = request(&server, &body).unwrap();
+    assert_eq!(got["text"], expected["text"]);
+    for (a, b) in got["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap())
+        .zip(
+            expected["logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|r| r.as_array().unwrap()),
+        )
+    {
+        assert!(
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
+            "{a} vs {b}"
+        );
+    }
+    assert_eq!(
+        request(&server, sampled).unwrap()["text"],
+        expected_sample["text"]
+    );
+    terminate(server.child);
+    wait_success(follower, "rank 1 after rank 0 stopped");
 }

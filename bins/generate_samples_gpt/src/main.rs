@@ -12,6 +12,7 @@ use megatron_core::args::TokenizerArgs;
 use megatron_core::inference::{
     generate_tokens, load_gpt_for_inference, GenerationRequest, Sampling, StopCondition,
 };
+use megatron_core::parallel::ParallelState;
 use megatron_core::training::resolve_device;
 use megatron_data::tokenizer::build_tokenizer;
 use tch::Kind;
@@ -81,7 +82,7 @@ fn run(cli: &Cli) -> Result<()> {
     }
     let device = resolve_device(&cli.device, 0)?;
     let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
-    let model = load_gpt_for_inference(&cli.load, device, Kind::Float)?;
+    let model = load_gpt_for_inference(&cli.load, device, Kind::Float, &ParallelState::single())?;
     if tokenizer.vocab_size() as i64 != model.config.vocab_size {
         bail!(
             "the tokenizer has {} tokens but the checkpoint was trained with {}",

@@ -3,6 +3,7 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use megatron_core::args::TokenizerArgs;
@@ -10,9 +11,10 @@ use megatron_core::inference::{
     load_gpt_for_inference, GenerationServer, ServerOptions, TextGenerationService,
     DEFAULT_MAX_TOKENS,
 };
+use megatron_core::parallel::{Backend, Job, LaunchEnv, ParallelLayout, ParallelState};
 use megatron_core::signals::{exit_requested, install_exit_handler};
 use megatron_core::training::resolve_device;
-use megatron_data::tokenizer::build_tokenizer;
+use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
 use tch::Kind;
 
 /// Serve a GPT checkpoint over HTTP: `curl -X PUT localhost:5000/api -H 'Content-Type:
@@ -53,20 +55,62 @@ struct Cli {
     /// Connections handled at once.
     #[arg(long, default_value_t = 64)]
     http_threads: usize,
+    /// Split the model over this many GPUs, one process each (launched by torchrun or srun);
+    /// rank 0 serves HTTP and the others follow its requests.
+    #[arg(long, default_value_t = 1)]
+    tensor_model_parallel_size: usize,
+    /// Minutes ranks wait for each other at start-up.
+    #[arg(long, default_value_t = 10.0)]
+    distributed_timeout_minutes: f64,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
         install_exit_handler();
-        let device = resolve_device(&cli.device, 0)?;
-        let tokenizer: Arc<dyn megatron_data::tokenizer::Tokenizer> =
-            Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
+        let env = LaunchEnv::from_env()?;
+        anyhow::ensure!(
+            env.world_size == cli.tensor_model_parallel_size,
+            "{} processes were launched for --tensor-model-parallel-size {}; serving needs one process per tensor-parallel rank",
+            env.world_size,
+            cli.tensor_model_parallel_size
+        );
+        let device = resolve_device(&cli.device, env.local_rank)?;
+        let backend = if device.is_cuda() {
+            Backend::Nccl
+        } else {
+            Backend::Gloo
+        };
+        let job = Job::join(
+            env.clone(),
+            Duration::from_secs_f64(cli.distributed_timeout_minutes * 60.0),
+        )?;
+        let layout = ParallelLayout::new(env.world_size, cli.tensor_model_parallel_size, 1)?;
+        let parallel = job.parallel_state(layout, false, backend, device)?;
+        let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let dtype = if cli.bf16 {
             Kind::BFloat16
         } else {
             Kind::Float
         };
+        let max_tokens = cli.max_tokens_to_oom;
+        let build = |parallel: &ParallelState,
+                     tokenizer: Arc<dyn Tokenizer>|
+         -> anyhow::Result<TextGenerationService> {
+            let model = load_gpt_for_inference(&cli.load, device, dtype, parallel)?;
+            anyhow::ensure!(
+                tokenizer.vocab_size() as i64 == model.config.vocab_size,
+                "the tokenizer has {} tokens but the checkpoint was trained with {}",
+                tokenizer.vocab_size(),
+                model.config.vocab_size
+            );
+            Ok(TextGenerationService::new(model, tokenizer, max_tokens)?
+                .with_tensor_parallel(parallel.tensor.clone()))
+        };
+        if env.rank != 0 {
+            build(&parallel, tokenizer)?.follow()?;
+            return job.finish();
+        }
         let options = ServerOptions {
             host: cli.host.clone(),
             port: cli.port,
@@ -75,27 +119,20 @@ fn main() -> ExitCode {
             http_threads: cli.http_threads,
         };
         let server = GenerationServer::bind(options)?;
-        let load = cli.load.clone();
-        let max_tokens = cli.max_tokens_to_oom;
         let address = server
             .address()
             .map_or_else(|| format!("{}:{}", cli.host, cli.port), |a| a.to_string());
+        let (load, tp) = (
+            cli.load.display().to_string(),
+            cli.tensor_model_parallel_size,
+        );
         let service = move || {
-            let model = load_gpt_for_inference(&load, device, dtype)?;
-            anyhow::ensure!(
-                tokenizer.vocab_size() as i64 == model.config.vocab_size,
-                "the tokenizer has {} tokens but the checkpoint was trained with {}",
-                tokenizer.vocab_size(),
-                model.config.vocab_size
-            );
-            let service = TextGenerationService::new(model, tokenizer, max_tokens)?;
-            println!(
-                "text_generation_server: serving {} on http://{address}/api ({device:?})",
-                load.display()
-            );
+            let service = build(&parallel, tokenizer)?;
+            println!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
             Ok(service)
         };
         server.run(service, exit_requested)?;
+        job.finish()?;
         println!("text_generation_server: stopped");
         Ok(())
     })

@@ -62,6 +62,57 @@ pub fn join_shards(shards: &[Tensor], split: TensorSplit) -> Tensor {
     }
 }
 
+/// This rank's shard of one tensor (the inverse of [`join_shards`]).
+pub fn take_shard(tensor: &Tensor, split: TensorSplit, rank: usize, size: usize) -> Tensor {
+    let (rank, size) = (rank as i64, size as i64);
+    match split {
+        TensorSplit::Replicated => tensor.shallow_clone(),
+        TensorSplit::Columns => tensor.chunk(size, 1)[rank as usize].contiguous(),
+        TensorSplit::Rows { stride } => {
+            let parts: Vec<Tensor> = tensor
+                .chunk(stride, 0)
+                .iter()
+                .map(|p| p.chunk(size, 0)[rank as usize].shallow_clone())
+                .collect();
+            Tensor::cat(&parts, 0).contiguous()
+        }
+    }
+}
+
+/// Unsplit GPT tensors (as [`merge_model_parallel_ranks`] returns them) cut for tensor-parallel
+/// rank `rank` of `size`, the vocabulary padded for `size` ranks.
+pub fn split_for_tensor_parallel(
+    merged: &HashMap<String, Tensor>,
+    config: &GptConfig,
+    rank: usize,
+    size: usize,
+) -> HashMap<String, Tensor> {
+    let padded_vocab = config.padded_vocab_size(size as i64);
+    merged
+        .iter()
+        .map(|(name, tensor)| {
+            let mut tensor = tensor.shallow_clone();
+            if (name == "embedding.word_embeddings.weight" || name == "output_layer.weight")
+                && tensor.size()[0] < padded_vocab
+            {
+                let rows = padded_vocab - tensor.size()[0];
+                tensor = Tensor::cat(
+                    &[
+                        &tensor,
+                        &tensor
+                            .new_zeros([rows, tensor.size()[1]], (tensor.kind(), tensor.device())),
+                    ],
+                    0,
+                );
+            }
+            (
+                name.clone(),
+                take_shard(&tensor, tensor_split(name, config), rank, size),
+            )
+        })
+        .collect()
+}
+
 /// Renames a chunk-local layer index (`decoder.layers.3.…`) to the global one.
 fn globalize_layer(name: &str, first_layer: usize) -> Result<String> {
     const PREFIX: &str = "decoder.layers.";
@@ -202,5 +253,18 @@ mod tests {
             "decoder.final_layernorm.weight"
         );
         assert!(globalize_layer("decoder.layers.x.mlp", 0).is_err());
+    }
+
+    #[test]
+    fn shards_join_back_into_the_tensor() {
+        let tensor = Tensor::arange(24, (tch::Kind::Float, Device::Cpu)).view([4, 6]);
+        for split in [
+            TensorSplit::Rows { stride: 1 },
+            TensorSplit::Rows { stride: 2 },
+            TensorSplit::Columns,
+        ] {
+            let shards: Vec<Tensor> = (0..2).map(|r| take_shard(&tensor, split, r, 2)).collect();
+            assert!(join_shards(&shards, split).equal(&tensor), "{split:?}");
+        }
     }
 }

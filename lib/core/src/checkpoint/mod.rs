@@ -21,7 +21,10 @@ pub use layout::{
     iteration_directory, rank_directory_name, read_tracker, write_tracker, TrackedCheckpoint,
     TRACKER_FILE,
 };
-pub use merge::{join_shards, merge_model_parallel_ranks, tensor_split, TensorSplit};
+pub use merge::{
+    join_shards, merge_model_parallel_ranks, split_for_tensor_parallel, take_shard, tensor_split,
+    TensorSplit,
+};
 pub use metadata::{CheckpointMetadata, CHECKPOINT_FORMAT};
 pub use store::{
     begin_save, find_checkpoint, finish_save, optimizer_file, staging_directory, write_rank_file,

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 pub const MAX_PROMPTS: usize = 128;
 
 /// A validated request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ApiRequest {
     pub prompts: Vec<String>,
     pub tokens_to_generate: usize,

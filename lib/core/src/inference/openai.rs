@@ -6,7 +6,7 @@ use serde_json::{json, Map, Value};
 
 use super::api::{ApiError, MAX_PROMPTS};
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
     pub prompts: Vec<String>,

@@ -126,6 +126,11 @@ fn work(service: &TextGenerationService, jobs: Receiver<Job>) {
             }
         }
     }
+    if let Err(e) = service.stop_followers() {
+        eprintln!(
+            "text_generation_server: releasing the other tensor-parallel ranks failed: {e:#}"
+        );
+    }
 }
 
 /// A completion's id and creation time (seconds since the epoch), as OpenAI names them.

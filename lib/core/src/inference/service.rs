@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use megatron_data::tokenizer::Tokenizer;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use tch::{Device, Kind, Tensor};
 
 use super::api::ApiRequest;
 use super::beam_search::{beam_search, BeamSearchRequest};
@@ -16,6 +18,7 @@ use super::generation::{
 use super::openai::{completion_body, Choice, CompletionRequest};
 use super::sampling::Sampling;
 use crate::model::GptModel;
+use crate::parallel::Communicator;
 
 /// Megatron's `--max-tokens-to-oom` default: prompts × total length per request.
 pub const DEFAULT_MAX_TOKENS: usize = 12_000;
@@ -42,6 +45,16 @@ pub struct TextGenerationService {
     tokenizer: Arc<dyn Tokenizer>,
     max_tokens: usize,
     special: SpecialTokens,
+    /// With tensor parallelism: the group whose other ranks run every request with rank 0.
+    mirror: Option<Arc<dyn Communicator>>,
+}
+
+/// What rank 0 tells the other tensor-parallel ranks to run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum SharedJob {
+    Api(ApiRequest),
+    Completion(CompletionRequest),
+    Stop,
 }
 
 fn single_token(tokenizer: &dyn Tokenizer, text: &str) -> Option<i64> {
@@ -68,6 +81,63 @@ impl TextGenerationService {
             tokenizer,
             max_tokens,
             special,
+            mirror: None,
+        })
+    }
+
+    /// Serves with tensor parallelism over `group`: rank 0 calls [`Self::respond`] and
+    /// [`Self::complete`], the other ranks [`Self::follow`].
+    pub fn with_tensor_parallel(mut self, group: Arc<dyn Communicator>) -> Self {
+        self.mirror = (group.size() > 1).then_some(group);
+        self
+    }
+
+    /// Broadcasts `job` from rank 0 (no-op without tensor parallelism).
+    fn announce(&self, job: &SharedJob) -> Result<()> {
+        if let Some(group) = &self.mirror {
+            share_bytes(
+                group.as_ref(),
+                self.model.options().device,
+                Some(&serde_json::to_vec(job)?),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The other tensor-parallel ranks: runs every request rank 0 announces, until it stops.
+    pub fn follow(&self) -> Result<()> {
+        let group = self
+            .mirror
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("following needs tensor parallelism"))?;
+        loop {
+            let bytes = share_bytes(group.as_ref(), self.model.options().device, None)?;
+            match serde_json::from_slice::<SharedJob>(&bytes)? {
+                SharedJob::Api(request) => {
+                    let _ = self.run_api(&request);
+                }
+                SharedJob::Completion(request) => {
+                    let _ = self.run_completion(&request, "", 0, &mut |_, _| {});
+                }
+                SharedJob::Stop => return Ok(()),
+            }
+        }
+    }
+
+    /// Rank 0, when the server stops: releases the other ranks.
+    pub fn stop_followers(&self) -> Result<()> {
+        self.announce(&SharedJob::Stop)
+    }
+
+    /// Every rank must draw the same samples: without a seed in the request rank 0 picks one.
+    fn shared_seed(&self, seed: Option<u64>) -> Option<u64> {
+        seed.or_else(|| {
+            self.mirror.as_ref().map(|_| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos() as u64
+            })
         })
     }
 
@@ -76,6 +146,16 @@ impl TextGenerationService {
     }
 
     pub fn respond(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
+        let request = ApiRequest {
+            random_seed: self.shared_seed(request.random_seed),
+            ..request.clone()
+        };
+        self.announce(&SharedJob::Api(request.clone()))
+            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
+        self.run_api(&request)
+    }
+
+    fn run_api(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
         let prompts = self.tokenize(request).map_err(failed)?;
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -125,6 +205,22 @@ impl TextGenerationService {
     /// An OpenAI completion: `on_delta(choice, text)` receives the text as it is generated
     /// (held back while it may still turn into a stop sequence or an incomplete character).
     pub fn complete(
+        &self,
+        request: &CompletionRequest,
+        id: &str,
+        created: u64,
+        on_delta: &mut dyn FnMut(usize, &str),
+    ) -> Result<Value, ServiceError> {
+        let request = CompletionRequest {
+            seed: self.shared_seed(request.seed),
+            ..request.clone()
+        };
+        self.announce(&SharedJob::Completion(request.clone()))
+            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
+        self.run_completion(&request, id, created, on_delta)
+    }
+
+    fn run_completion(
         &self,
         request: &CompletionRequest,
         id: &str,
@@ -443,4 +539,17 @@ impl CompletionStream {
         let (end, _) = Self::cut(&text, stop);
         text[..end].to_string()
     }
+}
+
+/// Broadcasts bytes from rank 0 of `group` (its length first); the other ranks pass `None`.
+fn share_bytes(group: &dyn Communicator, device: Device, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+    let length = Tensor::from_slice(&[bytes.map_or(0, |b| b.len() as i64)]).to_device(device);
+    group.broadcast(&length, 0)?;
+    let length = length.int64_value(&[0]);
+    let payload = match bytes {
+        Some(bytes) => Tensor::from_slice(bytes).to_device(device),
+        None => Tensor::zeros([length], (Kind::Uint8, device)),
+    };
+    group.broadcast(&payload, 0)?;
+    Ok(Vec::<u8>::try_from(payload.to_device(Device::Cpu))?)
 }

@@ -322,10 +322,11 @@ impl GptModel {
     /// An empty KV cache for `batch` sequences of up to `capacity` positions.
     pub fn new_kv_cache(&self, batch: i64, capacity: i64) -> Result<KvCache> {
         ensure!(
-            self.spec.pre_process && self.spec.post_process && self.parallel.group.size() == 1,
-            "cached inference runs on a whole model without tensor parallelism"
+            self.spec.pre_process && self.spec.post_process && !self.parallel.sequence_parallel,
+            "cached inference runs on a whole model (no pipeline stages) without sequence parallelism"
         );
-        let groups = self.config.num_query_groups;
+        // Each tensor-parallel rank caches its own query groups.
+        let groups = self.config.num_query_groups / self.parallel.group.size() as i64;
         let (kind, device) = (self.options.params_dtype, self.options.device);
         let layers = self
             .layers
@@ -345,7 +346,7 @@ impl GptModel {
     }
 
     /// Inference on `tokens` (`[b, s]`) at the positions after those in `cache`, which they
-    /// join: logits `[s, b, padded vocabulary]`.
+    /// join: logits `[s, b, padded vocabulary]`, gathered from the tensor-parallel ranks.
     pub fn forward_cached(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let (batch, new) = tokens.size2()?;
         let start = cache.len();
@@ -368,7 +369,10 @@ impl GptModel {
             .final_layernorm
             .as_ref()
             .expect("whole models have the final norm");
-        self.logits(&norm.forward(&hidden))
+        gather_from_tensor_parallel_region(
+            &self.logits(&norm.forward(&hidden))?,
+            &self.parallel.group,
+        )
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {
