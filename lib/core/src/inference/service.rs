@@ -129,6 +129,16 @@ impl TextGenerationService {
         self.announce(&SharedJob::Stop)
     }
 
+    /// Seeds the sampling generators for a request that names a seed.
+    fn seed(&self, seed: Option<u64>) -> Result<(), ServiceError> {
+        if let Some(seed) = seed {
+            crate::rng::manual_seed(self.model.options().device, seed)
+                .map_err(|e| ServiceError::Failed(e.to_string()))?;
+            tch::manual_seed(seed as i64);
+        }
+        Ok(())
+    }
+
     /// Every rank must draw the same samples: without a seed in the request rank 0 picks one.
     fn shared_seed(&self, seed: Option<u64>) -> Option<u64> {
         seed.or_else(|| {
@@ -172,11 +182,7 @@ impl TextGenerationService {
                 self.max_tokens
             )));
         }
-        if let Some(seed) = request.random_seed {
-            crate::rng::manual_seed(self.model.options().device, seed)
-                .map_err(|e| failed(e.into()))?;
-            tch::manual_seed(seed as i64);
-        }
+        self.seed(request.random_seed)?;
         let colon_newline = match (
             request.prevent_newline_after_colon,
             self.special.colon,
@@ -257,11 +263,7 @@ impl TextGenerationService {
                 self.max_tokens
             )));
         }
-        if let Some(seed) = request.seed {
-            crate::rng::manual_seed(self.model.options().device, seed)
-                .map_err(|e| failed(e.into()))?;
-            tch::manual_seed(seed as i64);
-        }
+        self.seed(request.seed)?;
         let sampling = if request.temperature == 0.0 {
             Sampling::greedy()
         } else {
