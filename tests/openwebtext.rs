@@ -331,3 +331,85 @@ fn malformed_line_is_reported_with_file_and_line_or_skipped() {
         .unwrap();
     assert_eq!(usage.status.code(), Some(2));
 }
+
+#[test]
+fn saved_fingerprints_continue_a_dedup_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let wiki = read_texts("wikitext2_test.jsonl");
+    let (mut first, mut second) = (Vec::new(), Vec::new());
+    for (i, text) in wiki.iter().take(20).enumerate() {
+        let text: String = text.chars().take(3000).collect();
+        first.push(doc(&format!("a{i}"), &text));
+        // Half of the second file copies the first with edits.
+        let copy = if i % 2 == 0 {
+            edit(&text, 40 + i)
+        } else {
+            wiki[40 + i].chars().take(3000).collect()
+        };
+        second.push(doc(&format!("b{i}"), &copy));
+    }
+    std::fs::write(tmp.path().join("a.json"), first.join("\n") + "\n").unwrap();
+    std::fs::write(tmp.path().join("b.json"), second.join("\n") + "\n").unwrap();
+    let run = |args: &[&str]| {
+        let mut command = bin("openwebtext_filter");
+        command.arg("find-duplicates").args(args);
+        command
+    };
+    let path = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let (a, b) = (path("a.json"), path("b.json"));
+    let (once, resumed, saved, scratch) = (
+        path("once.json"),
+        path("resumed.json"),
+        path("a.fp"),
+        path("x.json"),
+    );
+    run_ok(&mut run(&[
+        "--inputs", &a, "url", &b, "url", "--output", &once,
+    ]));
+    run_ok(&mut run(&[
+        "--inputs",
+        &a,
+        "url",
+        "--output",
+        &scratch,
+        "--save-fingerprints",
+        &saved,
+    ]));
+    run_ok(&mut run(&[
+        "--load-fingerprints",
+        &saved,
+        "--inputs",
+        &b,
+        "url",
+        "--output",
+        &resumed,
+    ]));
+    let pairs = std::fs::read_to_string(&once).unwrap();
+    assert!(pairs.lines().count() >= 5, "{pairs}");
+    assert_eq!(pairs, std::fs::read_to_string(&resumed).unwrap());
+
+    let other_seed = run(&[
+        "--load-fingerprints",
+        &saved,
+        "--seed",
+        "7",
+        "--output",
+        &resumed,
+    ])
+    .output()
+    .unwrap();
+    let message = String::from_utf8_lossy(&other_seed.stderr);
+    assert!(
+        !other_seed.status.success() && message.contains("--seed 1234"),
+        "{message}"
+    );
+    std::fs::write(&a, first.join("\n") + "\nmore\n").unwrap();
+    let changed = run(&["--load-fingerprints", &saved, "--output", &resumed])
+        .output()
+        .unwrap();
+    let message = String::from_utf8_lossy(&changed.stderr);
+    assert!(
+        !changed.status.success() && message.contains("changed since"),
+        "{message}"
+    );
+}

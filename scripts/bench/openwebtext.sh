@@ -74,9 +74,9 @@ PY
 start=$(date +%s.%N)
 "$BIN" find-duplicates --inputs "$WORK/docs.json" url --output "$WORK/ours.json"
 end=$(date +%s.%N)
-ours_s=$(echo "$end - $start" | bc)
+ours_s=$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')
 NUM_DOCS=$(wc -l < "$WORK/docs.json")
-echo "ours: $NUM_DOCS docs in ${ours_s}s = $(echo "$NUM_DOCS / $ours_s" | bc) docs/s"
+echo "ours: $NUM_DOCS docs in ${ours_s}s = $(awk -v n="$NUM_DOCS" -v t="$ours_s" 'BEGIN { printf "%d", n / t }') docs/s"
 pairs_of "$WORK/ours.json" > "$WORK/ours_pairs.json"
 
 python3 - "$WORK/injected.json" "$WORK/ours_pairs.json" <<'PY'
@@ -90,24 +90,36 @@ print(f"injected pairs with exact Jaccard > 0.5: {len(similar)}; found by ours: 
 PY
 
 # The reference: Megatron's script (tag core_v0.12.0) and mattilyra/LSH, installed at bench time.
+# Without network to GitHub: MEGATRON_LM=<a Megatron-LM checkout> gives the script and
+# LSH_SOURCE=<a mattilyra/LSH checkout at a57069b> the package, built here (its shipped C++ is
+# generated for Python < 3.11, so it is regenerated with Cython < 3).
 VENV="$WORK/venv"
 REF="$WORK/find_duplicates.py"
 if [ ! -f "$REF" ]; then
-    curl -fsSL -o "$REF" \
-        https://raw.githubusercontent.com/NVIDIA/Megatron-LM/core_v0.12.0/tools/openwebtext/find_duplicates.py \
-        || { rm -f "$REF"; echo "reference: cannot download Megatron's find_duplicates.py (no network to GitHub); only the exact-Jaccard check above ran"; exit 0; }
+    if [ -n "${MEGATRON_LM:-}" ]; then
+        cp "$MEGATRON_LM/tools/openwebtext/find_duplicates.py" "$REF"
+    else
+        curl -fsSL -o "$REF" \
+            https://raw.githubusercontent.com/NVIDIA/Megatron-LM/core_v0.12.0/tools/openwebtext/find_duplicates.py \
+            || { rm -f "$REF"; echo "reference: cannot download Megatron's find_duplicates.py (set MEGATRON_LM); only the exact-Jaccard check above ran"; exit 0; }
+    fi
 fi
-if [ ! -x "$VENV/bin/python" ]; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "from lsh import minhash" 2>/dev/null; then
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q numpy cython \
-        && "$VENV/bin/pip" install -q --no-build-isolation "git+https://github.com/mattilyra/LSH@a57069b" \
-        || { echo "reference: cannot install mattilyra/LSH; only the exact-Jaccard check above ran"; exit 0; }
+    "$VENV/bin/pip" install -q numpy "cython<3" wheel setuptools
+    if [ -n "${LSH_SOURCE:-}" ]; then
+        rm -rf "$WORK/lsh-src" && cp -r "$LSH_SOURCE" "$WORK/lsh-src"
+        "$VENV/bin/cython" --cplus "$WORK/lsh-src/lsh/cMinhash.pyx" -o "$WORK/lsh-src/lsh/cMinhash.cpp"
+        "$VENV/bin/pip" install -q --no-build-isolation "$WORK/lsh-src"
+    else
+        "$VENV/bin/pip" install -q --no-build-isolation "git+https://github.com/mattilyra/LSH@a57069b"
+    fi || { echo "reference: cannot install mattilyra/LSH (set LSH_SOURCE); only the exact-Jaccard check above ran"; exit 0; }
 fi
 start=$(date +%s.%N)
 "$VENV/bin/python" "$REF" --inputs "$WORK/docs.json" url --output "$WORK/megatron.json" > "$WORK/megatron.log"
 end=$(date +%s.%N)
-ref_s=$(echo "$end - $start" | bc)
-echo "megatron: $NUM_DOCS docs in ${ref_s}s = $(echo "$NUM_DOCS / $ref_s" | bc) docs/s; speed-up $(echo "scale=1; $ref_s / $ours_s" | bc)x"
+ref_s=$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')
+echo "megatron: $NUM_DOCS docs in ${ref_s}s = $(awk -v n="$NUM_DOCS" -v t="$ref_s" 'BEGIN { printf "%d", n / t }') docs/s; speed-up $(awk -v r="$ref_s" -v o="$ours_s" 'BEGIN { printf "%.1f", r / o }')x"
 pairs_of "$WORK/megatron.json" > "$WORK/megatron_pairs.json"
 python3 - "$WORK/ours_pairs.json" "$WORK/megatron_pairs.json" <<'PY'
 import json, sys

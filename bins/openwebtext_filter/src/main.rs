@@ -228,8 +228,15 @@ enum Command {
     /// find_duplicates.py: MinHash + LSH candidates, exact Jaccard > 0.5 pairs.
     FindDuplicates {
         /// Pairs of input file and id field, e.g. `cc.json url news.json adlr_id`.
-        #[arg(long, num_args = 2.., required = true, value_name = "FILE KEY")]
+        #[arg(long, num_args = 2.., required_unless_present = "load_fingerprints", value_name = "FILE KEY")]
         inputs: Vec<String>,
+        /// Start from fingerprints saved by earlier runs (same --seed and --num-seeds); their
+        /// input files must still be where they were, unchanged.
+        #[arg(long, num_args = 1..)]
+        load_fingerprints: Vec<PathBuf>,
+        /// Save the fingerprints of every document (loaded and new) for later runs.
+        #[arg(long)]
+        save_fingerprints: Option<PathBuf>,
         /// Output: one `{main: [{other: similarity}, …]}` per line.
         #[arg(long)]
         output: PathBuf,
@@ -424,6 +431,8 @@ fn run(command: Command) -> Result<()> {
         }
         Command::FindDuplicates {
             inputs,
+            load_fingerprints,
+            save_fingerprints,
             output,
             dedup,
             invalid,
@@ -443,8 +452,13 @@ fn run(command: Command) -> Result<()> {
                 .filter_map(|(p, _)| Input::File(p.clone()).size_bytes())
                 .sum();
             let b = bar("find-duplicates", Some(total));
+            let fingerprints = steps::FingerprintFiles {
+                load: load_fingerprints,
+                save: save_fingerprints,
+            };
             let r = steps::find_duplicates_files(
                 &pairs,
+                &fingerprints,
                 &output,
                 &dedup.config(invalid.policy())?,
                 &b,

@@ -13,7 +13,10 @@ use indicatif::ProgressBar;
 use memmap2::Mmap;
 use rayon::prelude::*;
 use std::fs::File;
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
 
 use super::json::{write_string, JsonObject};
 use super::jsonl::{
@@ -49,6 +52,28 @@ impl Default for FindDuplicatesConfig {
     }
 }
 
+/// Marks fingerprint files (`--save-fingerprints`).
+const FINGERPRINTS_FORMAT: &str = "megatron-rs-minhash-1";
+
+#[derive(Serialize, Deserialize)]
+struct SavedHeader {
+    format: String,
+    seed: u64,
+    num_seeds: usize,
+    /// Absolute path and size of every input file, in index order.
+    files: Vec<(String, u64)>,
+    ids: Vec<String>,
+    /// (file, byte offset, length) of each document's line.
+    spans: Vec<(u32, u64, u32)>,
+    without_shingles: u64,
+}
+
+fn absolute(name: &str) -> String {
+    std::fs::canonicalize(name)
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| name.to_string())
+}
+
 /// Where a document's line sits in one of the mapped inputs.
 #[derive(Debug, Clone, Copy)]
 struct LineSpan {
@@ -59,6 +84,7 @@ struct LineSpan {
 
 /// The in-memory index: ids, line locations and fingerprints of every document.
 pub struct FingerprintIndex {
+    seed: u64,
     hasher: MinHasher,
     files: Vec<(Mmap, String)>,
     ids: Vec<String>,
@@ -80,6 +106,7 @@ impl FingerprintIndex {
             );
         }
         Ok(Self {
+            seed: config.seed,
             hasher: MinHasher::new(config.seed, config.num_seeds),
             files: Vec::new(),
             ids: Vec::new(),
@@ -155,6 +182,113 @@ impl FingerprintIndex {
         )?;
         self.skipped_invalid += tracker.skipped;
         self.files.push((map, name));
+        Ok(())
+    }
+
+    /// `--save-fingerprints`: a JSON header line (settings, the input files with their sizes,
+    /// ids, line spans) followed by the fingerprints as little-endian `u32`s. The texts stay in
+    /// the inputs, which must be unchanged when the file is loaded again.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let header = SavedHeader {
+            format: FINGERPRINTS_FORMAT.to_string(),
+            seed: self.seed,
+            num_seeds: self.hasher.num_seeds(),
+            files: self
+                .files
+                .iter()
+                .map(|(map, name)| (absolute(name), map.len() as u64))
+                .collect(),
+            ids: self.ids.clone(),
+            spans: self
+                .spans
+                .iter()
+                .map(|s| (s.file, s.start, s.len))
+                .collect(),
+            without_shingles: self.without_shingles,
+        };
+        let directory = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let mut temp = tempfile::NamedTempFile::new_in(directory)
+            .with_context(|| format!("creating a file beside {}", path.display()))?;
+        {
+            let mut out = std::io::BufWriter::new(temp.as_file_mut());
+            serde_json::to_writer(&mut out, &header)?;
+            out.write_all(b"\n")?;
+            for value in &self.fingerprints {
+                out.write_all(&value.to_le_bytes())?;
+            }
+            out.flush()?;
+        }
+        temp.as_file().sync_all()?;
+        temp.persist(path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(())
+    }
+
+    /// `--load-fingerprints`: adds a saved index (same `--seed` and `--num-seeds`), re-mapping
+    /// its input files for the texts.
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let name = path.display().to_string();
+        let bytes = std::fs::read(path).with_context(|| format!("reading {name}"))?;
+        let split = bytes
+            .iter()
+            .position(|&b| b == b'\n')
+            .with_context(|| format!("{name}: not a fingerprint file"))?;
+        let header: SavedHeader = serde_json::from_slice(&bytes[..split])
+            .with_context(|| format!("{name}: not a fingerprint file"))?;
+        if header.format != FINGERPRINTS_FORMAT {
+            bail!(
+                "{name}: format {:?} is not {FINGERPRINTS_FORMAT:?}",
+                header.format
+            );
+        }
+        if (header.seed, header.num_seeds) != (self.seed, self.hasher.num_seeds()) {
+            bail!(
+                "{name} was made with --seed {} --num-seeds {}, this run uses --seed {} --num-seeds {}",
+                header.seed,
+                header.num_seeds,
+                self.seed,
+                self.hasher.num_seeds()
+            );
+        }
+        let values = &bytes[split + 1..];
+        let expected = header.ids.len() * header.num_seeds * 4;
+        if values.len() != expected || header.spans.len() != header.ids.len() {
+            bail!(
+                "{name}: truncated ({} fingerprint bytes, {expected} expected)",
+                values.len()
+            );
+        }
+        let first_file = self.files.len() as u32;
+        for (file, size) in &header.files {
+            let opened = File::open(file)
+                .with_context(|| format!("{name} refers to {file}, which cannot be opened"))?;
+            // SAFETY: read-only mapping, as in `add_file`.
+            let map =
+                unsafe { Mmap::map(&opened) }.with_context(|| format!("cannot map {file}"))?;
+            if map.len() as u64 != *size {
+                bail!(
+                    "{file} changed since {name} was saved ({} bytes, {size} then)",
+                    map.len()
+                );
+            }
+            self.files.push((map, file.clone()));
+        }
+        self.ids.extend(header.ids);
+        self.spans
+            .extend(header.spans.iter().map(|&(file, start, len)| LineSpan {
+                file: first_file + file,
+                start,
+                len,
+            }));
+        self.fingerprints.extend(
+            values
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        self.without_shingles += header.without_shingles;
         Ok(())
     }
 

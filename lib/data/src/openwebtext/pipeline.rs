@@ -77,6 +77,7 @@ pub fn run_pipeline(
     let bar = progress("find-duplicates", Input::File(cleaned.clone()).size_bytes());
     let report = steps::find_duplicates_files(
         &[(cleaned.clone(), config.url_key.clone())],
+        &steps::FingerprintFiles::default(),
         &pairs,
         &config.dedup,
         &bar,

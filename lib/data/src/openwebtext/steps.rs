@@ -262,15 +262,29 @@ pub struct FindDuplicatesReport {
 }
 
 /// `find-duplicates`: fingerprints `(file, id key)` inputs and writes similar pairs.
+/// Fingerprint files to start from and to write (`--load-fingerprints`, `--save-fingerprints`).
+#[derive(Debug, Clone, Default)]
+pub struct FingerprintFiles {
+    pub load: Vec<PathBuf>,
+    pub save: Option<PathBuf>,
+}
+
 pub fn find_duplicates_files(
     inputs: &[(PathBuf, String)],
+    fingerprints: &FingerprintFiles,
     output: &Path,
     config: &FindDuplicatesConfig,
     progress: &ProgressBar,
 ) -> Result<FindDuplicatesReport> {
     let mut index = FingerprintIndex::new(config)?;
+    for path in &fingerprints.load {
+        index.load(path)?;
+    }
     for (path, key) in inputs {
         index.add_file(path, key, config.invalid, progress)?;
+    }
+    if let Some(path) = &fingerprints.save {
+        index.save(path)?;
     }
     let buckets = index.candidate_buckets(config.num_bands);
     progress.set_position(0);
