@@ -3,6 +3,7 @@
 
 pub mod autograd;
 pub mod error;
+pub mod fnv;
 pub mod rng;
 pub mod runtime;
 pub mod signals;

@@ -151,10 +151,6 @@ impl TextGenerationService {
         })
     }
 
-    pub fn tokenizer(&self) -> &Arc<dyn Tokenizer> {
-        &self.tokenizer
-    }
-
     pub fn respond(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
         let request = ApiRequest {
             random_seed: self.shared_seed(request.random_seed),
@@ -167,7 +163,9 @@ impl TextGenerationService {
 
     fn run_api(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
-        let prompts = self.tokenize(request).map_err(failed)?;
+        let prompts = self
+            .tokenize(&request.prompts, request.add_bos)
+            .map_err(failed)?;
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let total = longest + request.tokens_to_generate;
         if total > self.model.config.max_position_embeddings as usize {
@@ -234,19 +232,7 @@ impl TextGenerationService {
         on_delta: &mut dyn FnMut(usize, &str),
     ) -> Result<Value, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
-        let prompts: Vec<Vec<i64>> = request
-            .prompts
-            .iter()
-            .map(|p| {
-                Ok(self
-                    .tokenizer
-                    .tokenize(p)?
-                    .into_iter()
-                    .map(i64::from)
-                    .collect())
-            })
-            .collect::<Result<_>>()
-            .map_err(failed)?;
+        let prompts = self.tokenize(&request.prompts, false).map_err(failed)?;
         if prompts.iter().any(Vec::is_empty) {
             return Err(ServiceError::Rejected("prompt must not be empty".into()));
         }
@@ -291,13 +277,12 @@ impl TextGenerationService {
                 return true;
             }
             stream.tokens.push(token);
-            let ended = stream.advance(
+            stream.advance(
                 self.tokenizer.as_ref(),
                 &request.stop,
                 request.max_tokens,
                 &mut |text| on_delta(row, text),
-            );
-            ended
+            )
         };
         let generation = GenerationRequest {
             prompts: prompts.clone(),
@@ -353,18 +338,14 @@ impl TextGenerationService {
         ))
     }
 
-    fn tokenize(&self, request: &ApiRequest) -> Result<Vec<Vec<i64>>> {
-        request
-            .prompts
+    /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
+    fn tokenize(&self, prompts: &[String], add_bos: bool) -> Result<Vec<Vec<i64>>> {
+        prompts
             .iter()
             .map(|prompt| {
-                let mut ids: Vec<i64> = if request.add_bos {
-                    vec![self.special.eod]
-                } else {
-                    Vec::new()
-                };
-                ids.extend(self.tokenizer.tokenize(prompt)?.into_iter().map(i64::from));
-                Ok(ids)
+                let bos = add_bos.then_some(self.special.eod);
+                let ids = self.tokenizer.tokenize(prompt)?.into_iter().map(i64::from);
+                Ok(bos.into_iter().chain(ids).collect())
             })
             .collect()
     }

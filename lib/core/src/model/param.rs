@@ -145,11 +145,7 @@ impl Initializer {
 
 /// The generator seed of the parameter `name`: FNV-1a over the run's seed and the name.
 pub fn parameter_seed(seed: u64, name: &str) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in seed.to_le_bytes().iter().chain(name.as_bytes()) {
-        hash ^= u64::from(*byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let hash = crate::fnv::fnv1a(seed.to_le_bytes().into_iter().chain(name.bytes()));
     // libtorch's CPU generator keeps 32 bits of its seed; fold the hash so all of it counts.
     (hash ^ (hash >> 32)) & 0xffff_ffff
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tch::Device;
 
-use super::communicator::{Communicator, SingleRank};
+use super::communicator::Communicator;
 use super::launch::LaunchEnv;
 use super::layout::ParallelLayout;
 use super::rendezvous::Rendezvous;
@@ -76,9 +76,6 @@ impl Job {
                 let host = advertised_host(&self.env)?;
                 let mesh = TcpMesh::connect(rendezvous, &host, self.timeout)?;
                 ParallelState::build(layout, rank, sequence_parallel, |kind, members| {
-                    if members.len() == 1 {
-                        return Ok(Arc::new(SingleRank) as Arc<dyn Communicator>);
-                    }
                     mesh.group(kind.name(), members)
                 })
             }
@@ -87,9 +84,6 @@ impl Job {
                     bail!("--distributed-backend nccl needs GPUs but this rank runs on {device:?}; use --distributed-backend gloo on CPUs");
                 }
                 ParallelState::build(layout, rank, sequence_parallel, |kind, members| {
-                    if members.len() == 1 {
-                        return Ok(Arc::new(SingleRank) as Arc<dyn Communicator>);
-                    }
                     let key = format!("nccl/{}/{members:?}", kind.name());
                     let position = members
                         .iter()

@@ -70,14 +70,22 @@ impl ParallelState {
     }
 
     /// The state of `rank` in `layout`, with each group's communicator made by `group`
-    /// (called with the group's kind and its world ranks, in the same order on every rank).
+    /// (called with the group's kind and its world ranks, in the same order on every rank, for
+    /// groups of more than one rank).
     pub fn build(
         layout: ParallelLayout,
         rank: usize,
         sequence_parallel: bool,
         mut group: impl FnMut(GroupKind, &[usize]) -> Result<Arc<dyn Communicator>>,
     ) -> Result<Self> {
-        let mut make = |kind: GroupKind| group(kind, &layout.group(kind, rank));
+        // A group of one needs no backend: every collective is the identity.
+        let mut make = |kind: GroupKind| -> Result<Arc<dyn Communicator>> {
+            let members = layout.group(kind, rank);
+            if members.len() == 1 {
+                return Ok(Arc::new(SingleRank));
+            }
+            group(kind, &members)
+        };
         Ok(ParallelState {
             layout,
             rank,

@@ -150,9 +150,8 @@ impl TcpMesh {
             .position(|&m| m == self.rank)
             .with_context(|| format!("rank {} is not in {label} group {members:?}", self.rank))?;
         // Groups of different kinds can hold the same ranks; the label keeps their traffic apart.
-        let channel = members.iter().fold(fnv(label.as_bytes()), |h, &m| {
-            (h ^ m as u64).wrapping_mul(0x100000001b3)
-        });
+        let member_bytes = members.iter().flat_map(|&m| (m as u64).to_le_bytes());
+        let channel = crate::fnv::fnv1a(label.bytes().chain(member_bytes));
         Ok(Arc::new(HostCollectives(TcpGroup {
             mesh: self.clone(),
             label: label.to_string(),
@@ -216,12 +215,6 @@ impl TcpMesh {
                 .0;
         }
     }
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100000001b3)
-    })
 }
 
 fn receive_from(peer: usize, stream: TcpStream, inbox: Arc<(Mutex<Inbox>, Condvar)>) {
