@@ -64,6 +64,16 @@ else
   fi
   target=$(python_torch_dir .venv/bin/python) || die ".venv cannot import torch after installing it"
   check_libtorch "$target" ".venv"
+  # The CUDA wheels ship cuda_runtime.h without the crt/ headers it includes; the autograd shim
+  # needs both for CUDA graphs (text generation decodes several times faster with them).
+  cuda_include=$target/../nvidia/cu13/include
+  if [ -f "$cuda_include/cuda_runtime.h" ] && [ ! -f "$cuda_include/crt/host_config.h" ]; then
+    toolkit=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("cuda-toolkit"))' 2>/dev/null) \
+      || die "torch's CUDA wheels are there but cuda-toolkit's version cannot be read"
+    log "installing the CUDA runtime's crt headers (cuda-toolkit[crt]==$toolkit) for CUDA graphs"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "cuda-toolkit[crt]==$toolkit" \
+      || die "pip could not install cuda-toolkit[crt]==$toolkit"
+  fi
 fi
 
 ln -sfn "$target" .libtorch

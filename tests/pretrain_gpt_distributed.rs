@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok};
+use megatron_e2e::{bin, run_ok, visible_gpus};
 
 /// A 2-layer GPT on mock data with the flags the parallel runs add.
 fn pretrain(extra: &[&str]) -> Command {
@@ -257,20 +257,6 @@ fn a_killed_rank_makes_the_others_exit() {
             started.elapsed()
         );
     }
-}
-
-fn visible_gpus() -> usize {
-    Command::new("nvidia-smi")
-        .arg("-L")
-        .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .map_or(0, |out| {
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .filter(|l| l.starts_with("GPU "))
-                .count()
-        })
 }
 
 /// The same equivalences on GPUs with NCCL; runs where there are at least two GPUs.

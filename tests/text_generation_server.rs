@@ -2,14 +2,15 @@
 //! saved by `pretrain_gpt`, served on loopback, queried with Megatron's request fields; answers
 //! equal `generate_samples_gpt`'s greedy continuation; OpenAI completions, streamed too;
 //! Megatron's validation messages; malformed,
-//! oversized and too-long requests; 64 clients at once; SIGTERM stops it cleanly.
+//! oversized and too-long requests; 64 clients at once; SIGTERM stops it cleanly; on GPUs,
+//! decoding from CUDA graphs (with and without tensor parallelism) answers like eager decoding.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, workspace_root};
+use megatron_e2e::{bin, run_ok, visible_gpus, workspace_root};
 use serde_json::{json, Value};
 
 fn tokenizer_flags() -> Vec<String> {
@@ -381,16 +382,31 @@ fn tensor_parallel_serving_answers_like_one_process() {
     );
     terminate(single.child);
 
+    let (server, follower) = start_tensor_parallel(&ckpt, &[]);
+    assert_same_answer(&request(&server, &body).unwrap(), &expected, 1e-4);
+    assert_eq!(
+        request(&server, sampled).unwrap()["text"],
+        expected_sample["text"]
+    );
+    terminate(server.child);
+    wait_success(follower, "rank 1 after rank 0 stopped");
+}
+
+/// Rank 0 (serving) and rank 1 of a server launched like torchrun with
+/// --tensor-model-parallel-size 2 and `extra` flags.
+fn start_tensor_parallel(checkpoint: &Path, extra: &[&str]) -> (Server, Child) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port()
         .to_string();
+    // Both ranks must be started before waiting for rank 0, which waits for rank 1.
     let ranks: Vec<Child> = (0..2)
         .map(|rank| {
-            server_command(&ckpt)
+            server_command(checkpoint)
                 .args(["--tensor-model-parallel-size", "2"])
+                .args(extra)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("LOCAL_RANK", rank.to_string())
@@ -407,31 +423,70 @@ fn tensor_parallel_serving_answers_like_one_process() {
         .collect();
     let mut ranks = ranks.into_iter();
     let server = serve(ranks.next().unwrap());
-    let follower = ranks.next().unwrap();
-    let got = request(&server, &body).unwrap();
+    (server, ranks.next().unwrap())
+}
+
+/// The same texts, and log-probabilities within `tolerance`.
+fn assert_same_answer(got: &Value, expected: &Value, tolerance: f64) {
     assert_eq!(got["text"], expected["text"]);
-    for (a, b) in got["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|r| r.as_array().unwrap())
-        .zip(
-            expected["logprobs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|r| r.as_array().unwrap()),
-        )
-    {
-        assert!(
-            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
-            "{a} vs {b}"
-        );
+    let flat = |v: &Value| -> Vec<f64> {
+        v["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r.as_array().unwrap())
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let (a, b) = (flat(got), flat(expected));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() < tolerance, "{x} vs {y}");
     }
-    assert_eq!(
-        request(&server, sampled).unwrap()["text"],
-        expected_sample["text"]
+}
+
+/// On GPUs: decode steps replayed from CUDA graphs answer like eager decoding, on one GPU (the
+/// second request reusing the first one's cache and graphs) and with tensor parallelism over
+/// NCCL, whose collectives are captured in the graphs too. Runs where there are 2 GPUs.
+#[test]
+fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
+    if visible_gpus() < 2 {
+        eprintln!("skipped: needs 2 GPUs");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let bodies = [
+        json!({"prompts": ["The data", "x y z w"], "tokens_to_generate": 60, "top_k": 1, "logprobs": true}),
+        json!({"prompts": ["Hello there", "A"], "tokens_to_generate": 60, "top_k": 1, "logprobs": true}),
+    ]
+    .map(|b| b.to_string());
+    let answers = |server: &Server| -> Vec<Value> {
+        bodies.iter().map(|b| request(server, b).unwrap()).collect()
+    };
+    let eager = serve(
+        server_command(&ckpt)
+            .args(["--device", "cuda", "--no-cuda-graphs"])
+            .spawn()
+            .unwrap(),
     );
+    let expected = answers(&eager);
+    terminate(eager.child);
+    let graphed = serve(
+        server_command(&ckpt)
+            .args(["--device", "cuda"])
+            .spawn()
+            .unwrap(),
+    );
+    for (got, want) in answers(&graphed).iter().zip(&expected) {
+        assert_same_answer(got, want, 1e-3);
+    }
+    terminate(graphed.child);
+    let (server, follower) = start_tensor_parallel(&ckpt, &["--device", "cuda"]);
+    for (got, want) in answers(&server).iter().zip(&expected) {
+        assert_same_answer(got, want, 1e-3);
+    }
     terminate(server.child);
     wait_success(follower, "rank 1 after rank 0 stopped");
 }

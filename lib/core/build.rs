@@ -14,6 +14,9 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/shim.cpp");
     println!("cargo:rerun-if-changed=csrc/shim.h");
     println!("cargo:rerun-if-changed=csrc/multi_tensor.cpp");
+    println!("cargo:rerun-if-changed=csrc/cuda_graph.cpp");
+    println!("cargo:rerun-if-changed=csrc/protect.h");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=build/link_args.rs");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
 
@@ -26,7 +29,20 @@ fn main() {
         .to_path_buf();
     check_torch_version(&root);
 
-    cc::Build::new()
+    let mut build = cc::Build::new();
+    match cuda_runtime_headers(&root) {
+        Some(include) => {
+            build.include(include).define("MRS_CUDA_GRAPHS", None);
+        }
+        None if lib_dir.join("libtorch_cuda.so").exists() => println!(
+            "cargo:warning=no CUDA runtime headers (cuda_runtime.h, crt/host_config.h) beside {}: \
+             built without CUDA graphs, so text generation decodes eagerly; scripts/setup.sh \
+             installs the headers",
+            root.display()
+        ),
+        None => {}
+    }
+    build
         .cpp(true)
         .pic(true)
         .std("c++17")
@@ -43,10 +59,31 @@ fn main() {
         .warnings(false)
         .file("csrc/shim.cpp")
         .file("csrc/multi_tensor.cpp")
+        .file("csrc/cuda_graph.cpp")
         .compile("megatron_shim");
 
     println!("cargo:libtorch_lib={}", lib_dir.display());
     link_args::emit(&lib_dir);
+}
+
+/// The include directory with the CUDA runtime headers ATen's CUDA graphs need, for a CUDA
+/// build of libtorch: `$CUDA_HOME/include`, the `nvidia/cu13` wheels beside a python torch
+/// (`cuda-toolkit[crt]` adds the `crt/` headers there), or /usr/local/cuda.
+fn cuda_runtime_headers(root: &Path) -> Option<PathBuf> {
+    if !root.join("lib/libtorch_cuda.so").exists() {
+        return None;
+    }
+    let candidates = [
+        env::var_os("CUDA_HOME").map(|home| PathBuf::from(home).join("include")),
+        root.canonicalize()
+            .ok()
+            .and_then(|torch| Some(torch.parent()?.join("nvidia/cu13/include"))),
+        Some(PathBuf::from("/usr/local/cuda/include")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|dir| dir.join("cuda_runtime.h").exists() && dir.join("crt/host_config.h").exists())
 }
 
 /// The libtorch version from a python wheel (`version.py`) or a C++ distribution

@@ -12,6 +12,8 @@
 #   BIN=target/release   where pretrain_gpt and text_generation_server are [built here]
 #   PYTHON=python3       a python with torch 2.11 (CUDA) and transformers for the reference
 #   REPEATS=3            timed requests per measurement (the median is reported)
+#   SERVER_FLAGS=        extra text_generation_server flags, e.g. --no-cuda-graphs
+#   SKIP_HF=1            measure only megatron-rs
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -34,7 +36,7 @@ echo "== checkpoint" >&2
     || { tail -20 "$SCRATCH/train.log" >&2; exit 1; }
 
 PORT="${PORT:-5123}"
-"$BIN/text_generation_server" --load "$SCRATCH/ckpt" "${TOKENIZER[@]}" --port "$PORT" --bf16 --max-tokens-to-oom 100000 >"$SCRATCH/server.log" 2>&1 &
+"$BIN/text_generation_server" --load "$SCRATCH/ckpt" "${TOKENIZER[@]}" --port "$PORT" --bf16 --max-tokens-to-oom 100000 ${SERVER_FLAGS:-} >"$SCRATCH/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 600); do
     grep -q "serving" "$SCRATCH/server.log" && break
@@ -42,9 +44,10 @@ for _ in $(seq 600); do
     sleep 0.1
 done
 
-"$PYTHON" - "$SCRATCH" "$PORT" "${REPEATS:-3}" "$ROOT/scripts/bench/gpt_to_hf.py" <<'PY'
+"$PYTHON" - "$SCRATCH" "$PORT" "${REPEATS:-3}" "$ROOT/scripts/bench/gpt_to_hf.py" "${SKIP_HF:-0}" <<'PY'
 import json, statistics, sys, time, urllib.request, importlib.util
 scratch, port, repeats, converter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+skip_hf = sys.argv[5] == "1"
 PROMPT, NEW = 128, 256
 
 def prompt(row):
@@ -74,8 +77,10 @@ for batch in (1, 32):
     results[("ours", batch)] = measure(ours, batch)
     print(f"ours batch {batch}: {results[('ours', batch)]}", file=sys.stderr)
 
-hf_error = None
+hf_error = "SKIP_HF=1" if skip_hf else None
 try:
+    if skip_hf:
+        raise RuntimeError("skipped")
     import torch
     spec = importlib.util.spec_from_file_location("gpt_to_hf", converter)
     gpt_to_hf = importlib.util.module_from_spec(spec); spec.loader.exec_module(gpt_to_hf)
@@ -94,7 +99,7 @@ try:
         results[("hf", batch)] = measure(hf, batch)
         print(f"hf batch {batch}: {results[('hf', batch)]}", file=sys.stderr)
 except Exception as e:  # the reference needs transformers
-    hf_error = f"{type(e).__name__}: {e}"
+    hf_error = hf_error or f"{type(e).__name__}: {e}"
 
 print(f"{'':22} {'new tokens/s':>14} {'time to first token':>20}")
 for batch in (1, 32):

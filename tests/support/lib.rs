@@ -43,6 +43,21 @@ pub fn bin_path(name: &str) -> PathBuf {
     path
 }
 
+/// GPUs `nvidia-smi -L` lists (0 without a driver): GPU tests skip below what they need.
+pub fn visible_gpus() -> usize {
+    Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map_or(0, |out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
+}
+
 /// A command for a workspace binary.
 pub fn bin(name: &str) -> Command {
     Command::new(bin_path(name))

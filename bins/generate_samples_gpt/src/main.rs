@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use megatron_core::args::TokenizerArgs;
 use megatron_core::inference::{
-    generate_tokens, load_gpt_for_inference, GenerationRequest, Sampling, StopCondition,
+    generate_tokens, load_gpt_for_inference, Decoder, GenerationRequest, Sampling, StopCondition,
 };
 use megatron_core::parallel::ParallelState;
 use megatron_core::training::resolve_device;
@@ -120,6 +120,7 @@ fn run(cli: &Cli) -> Result<()> {
         None => Box::new(std::io::stdout().lock()),
     };
     let mut generated = 0;
+    let mut decoder = Decoder::with_cuda_graphs();
     for prompt in &prompts {
         let ids: Vec<i64> = tokenizer
             .tokenize(prompt)?
@@ -140,7 +141,9 @@ fn run(cli: &Cli) -> Result<()> {
             logprobs: false,
             pad: eod.unwrap_or(0),
         };
-        let tokens = generate_tokens(&model, &request)?.tokens.remove(0);
+        let tokens = generate_tokens(&model, &request, &mut decoder)?
+            .tokens
+            .remove(0);
         let continuation: Vec<u32> = tokens[ids.len()..]
             .iter()
             .filter(|&&t| Some(t) != eod)

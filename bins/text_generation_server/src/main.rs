@@ -62,6 +62,11 @@ struct Cli {
     /// Minutes ranks wait for each other at start-up.
     #[arg(long, default_value_t = 10.0)]
     distributed_timeout_minutes: f64,
+    /// Launch every decode step kernel by kernel. By default, on a GPU, each step is replayed
+    /// from a CUDA graph captured the first time its batch size and length window occur
+    /// (same tokens, several times faster at small batches).
+    #[arg(long)]
+    no_cuda_graphs: bool,
 }
 
 fn main() -> ExitCode {
@@ -93,7 +98,7 @@ fn main() -> ExitCode {
         } else {
             Kind::Float
         };
-        let max_tokens = cli.max_tokens_to_oom;
+        let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
         let build = |parallel: &ParallelState,
                      tokenizer: Arc<dyn Tokenizer>|
          -> anyhow::Result<TextGenerationService> {
@@ -104,11 +109,19 @@ fn main() -> ExitCode {
                 tokenizer.vocab_size(),
                 model.config.vocab_size
             );
-            Ok(TextGenerationService::new(model, tokenizer, max_tokens)?
-                .with_tensor_parallel(parallel.tensor.clone()))
+            let service = TextGenerationService::new(model, tokenizer, max_tokens)?
+                .with_tensor_parallel(parallel.tensor.clone());
+            Ok(if no_cuda_graphs {
+                service.without_cuda_graphs()
+            } else {
+                service
+            })
         };
         if env.rank != 0 {
             build(&parallel, tokenizer)?.follow()?;
+            // Tearing down an NCCL communicator waits for every rank's teardown; rank 0 tears
+            // its down before it reaches the final rendezvous, so this rank must too.
+            drop(parallel);
             return job.finish();
         }
         let options = ServerOptions {

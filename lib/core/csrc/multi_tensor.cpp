@@ -1,6 +1,7 @@
 // Multi-tensor ("foreach") kernels and the fused AdamW step that tch-rs does not bind: the
 // optimizer and gradient clipping launch one kernel per tensor list instead of one per tensor.
 #include "shim.h"
+#include "protect.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -12,26 +13,7 @@
 
 namespace {
 
-char* copy_message(const char* message) {
-  size_t size = std::strlen(message) + 1;
-  char* out = static_cast<char*>(std::malloc(size));
-  std::memcpy(out, message, size);
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return copy_message(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return copy_message(e.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
-}
+using mrs_detail::protect;
 
 std::vector<at::Tensor> tensors_of(const mrs_tensor* handles, size_t n) {
   std::vector<at::Tensor> tensors;
@@ -48,7 +30,7 @@ char* mrs_fused_adamw(const mrs_tensor* params, const mrs_tensor* grads,
                       const mrs_tensor* exp_avgs, const mrs_tensor* exp_avg_sqs,
                       const mrs_tensor* steps, size_t n, double lr, double beta1, double beta2,
                       double weight_decay, double eps) {
-  return guarded([&] {
+  return protect([&] {
     if (n == 0) return;
     auto step_list = tensors_of(steps, n);
     at::_foreach_add_(step_list, 1);
@@ -59,7 +41,7 @@ char* mrs_fused_adamw(const mrs_tensor* params, const mrs_tensor* grads,
 }
 
 char* mrs_foreach_total_norm(const mrs_tensor* tensors, size_t n, mrs_tensor* norm_out) {
-  return guarded([&] {
+  return protect([&] {
     auto list = tensors_of(tensors, n);
     auto norms = at::_foreach_norm(list, 2);
     auto squares = at::stack(norms).to(at::kFloat).pow(2).sum();
@@ -68,28 +50,28 @@ char* mrs_foreach_total_norm(const mrs_tensor* tensors, size_t n, mrs_tensor* no
 }
 
 char* mrs_foreach_mul_(const mrs_tensor* tensors, size_t n, const mrs_tensor factor) {
-  return guarded([&] {
+  return protect([&] {
     auto list = tensors_of(tensors, n);
     at::_foreach_mul_(list, *factor);
   });
 }
 
 char* mrs_foreach_add_(const mrs_tensor* targets, const mrs_tensor* sources, size_t n) {
-  return guarded([&] {
+  return protect([&] {
     auto target_list = tensors_of(targets, n);
     at::_foreach_add_(target_list, tensors_of(sources, n));
   });
 }
 
 char* mrs_foreach_copy_(const mrs_tensor* targets, const mrs_tensor* sources, size_t n) {
-  return guarded([&] {
+  return protect([&] {
     auto target_list = tensors_of(targets, n);
     at::_foreach_copy_(target_list, tensors_of(sources, n));
   });
 }
 
 char* mrs_foreach_zero_(const mrs_tensor* tensors, size_t n) {
-  return guarded([&] {
+  return protect([&] {
     auto list = tensors_of(tensors, n);
     at::_foreach_zero_(list);
   });
@@ -97,7 +79,7 @@ char* mrs_foreach_zero_(const mrs_tensor* tensors, size_t n) {
 
 char* mrs_unscale_and_check_finite(const mrs_tensor* tensors, size_t n, const mrs_tensor found_inf,
                                    const mrs_tensor inv_scale) {
-  return guarded([&] {
+  return protect([&] {
     auto list = tensors_of(tensors, n);
     auto found = *found_inf;
     at::_amp_foreach_non_finite_check_and_unscale_(list, found, *inv_scale);
@@ -105,7 +87,7 @@ char* mrs_unscale_and_check_finite(const mrs_tensor* tensors, size_t n, const mr
 }
 
 char* mrs_set_deterministic(int enabled) {
-  return guarded([&] {
+  return protect([&] {
     at::globalContext().setDeterministicAlgorithms(enabled != 0, /*warn_only=*/false);
     at::globalContext().setDeterministicCuDNN(enabled != 0);
     at::globalContext().setBenchmarkCuDNN(false);

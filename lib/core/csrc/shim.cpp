@@ -1,6 +1,7 @@
 // Autograd pieces tch-rs does not expose: custom autograd functions whose forward and backward
 // are Rust callbacks, backward with explicit output gradients, and generator state access.
 #include "shim.h"
+#include "protect.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Version.h>
@@ -23,26 +24,8 @@ struct mrs_sink {
 
 namespace {
 
-char* malloc_string(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  std::memcpy(out, s.c_str(), s.size() + 1);
-  return out;
-}
-
-// Runs `body`; converts any C++ exception into an error string so nothing unwinds into Rust.
-template <typename F>
-char* protect(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return malloc_string(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return malloc_string(e.what());
-  } catch (...) {
-    return malloc_string("unknown C++ exception");
-  }
-}
+using mrs_detail::malloc_string;
+using mrs_detail::protect;
 
 at::Tensor from_handle(const mrs_tensor handle) {
   return handle == nullptr ? at::Tensor() : *handle;

@@ -104,6 +104,18 @@ char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited
 // malloc'd string, freed with mrs_free_string.
 char* mrs_build_config(void);
 
+// CUDA graphs (csrc/cuda_graph.cpp): capture of the calling thread's current stream, which must
+// not be the default stream, between begin and end; every tensor allocated meanwhile comes from
+// the graph's private memory pool, shared with `share_pool_of` when that is not NULL (graphs
+// that never replay concurrently). `replay` launches the graph on the current stream.
+// `available` is 0 when the shim was built without CUDA headers; then every call fails.
+typedef struct mrs_cuda_graph mrs_cuda_graph;
+int mrs_cuda_graphs_available(void);
+char* mrs_cuda_graph_capture_begin(mrs_cuda_graph* share_pool_of, mrs_cuda_graph** graph_out);
+char* mrs_cuda_graph_capture_end(mrs_cuda_graph* graph);
+char* mrs_cuda_graph_replay(mrs_cuda_graph* graph);
+void mrs_cuda_graph_free(mrs_cuda_graph* graph);
+
 // Multi-tensor kernels (csrc/multi_tensor.cpp). Each list argument is `n` handles.
 // AdamW step with decoupled weight decay over parameters of one device and dtype; increments
 // every `steps` entry (a float scalar tensor) first, as torch.optim.AdamW(fused=True) does.

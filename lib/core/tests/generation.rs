@@ -1,12 +1,14 @@
 //! The cached generation loop against plain full forward passes: greedy continuations token for
 //! token, log-probabilities equal to the log-softmax of full-forward logits, prompt scoring,
-//! stop tokens and reproducible sampling — for learned-position and RoPE/GQA models.
+//! stop tokens and reproducible sampling — for learned-position and RoPE/GQA models; the
+//! device-position decode step CUDA graphs replay against the cached forward, and on a GPU the
+//! graphed decoder against the eager one.
 
 use clap::Parser;
 use megatron_core::args::ModelArgs;
 use megatron_core::inference::{
-    beam_search, generate_tokens, BeamSearchRequest, Generation, GenerationRequest, Sampling,
-    StopCondition,
+    beam_search, generate_tokens, BeamSearchRequest, Decoder, Generation, GenerationRequest,
+    Sampling, StopCondition,
 };
 use megatron_core::model::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -21,6 +23,11 @@ struct Flags {
 const VOCAB: i64 = 300;
 
 fn model(extra: &[&str]) -> GptModel {
+    build(extra, 64, Device::Cpu)
+}
+
+fn build(extra: &[&str], positions: i64, device: Device) -> GptModel {
+    let positions = positions.to_string();
     let argv = [
         "test",
         "--num-layers",
@@ -30,9 +37,9 @@ fn model(extra: &[&str]) -> GptModel {
         "--num-attention-heads",
         "4",
         "--seq-length",
-        "64",
+        &positions,
         "--max-position-embeddings",
-        "64",
+        &positions,
     ]
     .into_iter()
     .chain(extra.iter().copied());
@@ -40,26 +47,33 @@ fn model(extra: &[&str]) -> GptModel {
     let config = flags.model.gpt_config(VOCAB).unwrap();
     let options = ModelOptions {
         params_dtype: Kind::Float,
-        device: Device::Cpu,
+        device,
         recompute: Recompute::None,
         seed: 7,
     };
     GptModel::new(config, options, &ParallelState::single()).unwrap()
 }
 
+const LLAMA_FLAGS: [&str; 10] = [
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+];
+
 fn llama_like() -> GptModel {
-    model(&[
-        "--position-embedding-type",
-        "rope",
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--group-query-attention",
-        "--num-query-groups",
-        "2",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
-    ])
+    model(&LLAMA_FLAGS)
+}
+
+/// Generation with a fresh eager decoder.
+fn generate(model: &GptModel, request: &GenerationRequest) -> anyhow::Result<Generation> {
+    generate_tokens(model, request, &mut Decoder::eager())
 }
 
 /// Log-softmax of the full-forward logits over the true vocabulary, `[s, V]`.
@@ -137,7 +151,7 @@ fn check_logprobs(model: &GptModel, out: &Generation) {
 #[test]
 fn cached_greedy_equals_full_forward_decoding() {
     for model in [model(&[]), llama_like()] {
-        let out = generate_tokens(
+        let out = generate(
             &model,
             &request(prompts(), 12, Sampling::greedy(), StopCondition::Never),
         )
@@ -153,14 +167,14 @@ fn cached_greedy_equals_full_forward_decoding() {
 #[test]
 fn a_row_stops_at_its_stop_token_and_the_rest_go_on() {
     let model = model(&[]);
-    let free = generate_tokens(
+    let free = generate(
         &model,
         &request(prompts(), 12, Sampling::greedy(), StopCondition::Never),
     )
     .unwrap();
     // Stop on the token the second row generates first.
     let stop = free.tokens[1][2];
-    let out = generate_tokens(
+    let out = generate(
         &model,
         &request(
             prompts(),
@@ -179,7 +193,7 @@ fn a_row_stops_at_its_stop_token_and_the_rest_go_on() {
 #[test]
 fn zero_tokens_scores_the_prompts() {
     let model = llama_like();
-    let out = generate_tokens(
+    let out = generate(
         &model,
         &request(prompts(), 0, Sampling::greedy(), StopCondition::Never),
     )
@@ -200,7 +214,7 @@ fn sampling_is_reproducible_for_a_seed_and_stays_in_the_vocabulary() {
     };
     let run = |seed: i64| {
         tch::manual_seed(seed);
-        generate_tokens(
+        generate(
             &model,
             &request(prompts(), 16, sampling, StopCondition::Never),
         )
@@ -251,4 +265,81 @@ fn beam_search_scores_are_normalised_full_forward_logprobs() {
         assert!((score - expected).abs() < 1e-4, "{score} vs {expected}");
     }
     assert!(three.scores[0] >= one.scores[0] - 1e-6);
+}
+
+/// The step CUDA graphs replay (the position held on the device, a fixed window of cache slots
+/// masked past it) gives the logits of the cached forward, on the CPU.
+#[test]
+fn device_position_decode_step_equals_the_cached_forward() {
+    for model in [model(&[]), llama_like()] {
+        let prompt = Tensor::from_slice(&[5i64, 17, 42, 9, 7, 8, 1, 2, 3, 4, 5, 6]).view([3, 4]);
+        tch::no_grad(|| {
+            let mut reference = model.new_kv_cache(3, 16).unwrap();
+            let mut slots = model.new_kv_cache(3, 16).unwrap();
+            let _ = model.forward_cached(&prompt, &mut reference).unwrap();
+            let _ = model.forward_cached(&prompt, &mut slots).unwrap();
+            for step in 0..8i64 {
+                let tokens =
+                    Tensor::from_slice(&[step * 31 % VOCAB, step + 100, 250 - step]).view([3, 1]);
+                let want = model.forward_cached(&tokens, &mut reference).unwrap();
+                let position = 4 + step;
+                let window = if position < 8 { 8 } else { 16 };
+                let got = model
+                    .forward_decode_step(
+                        &tokens,
+                        &Tensor::from_slice(&[position]),
+                        window,
+                        &mut slots,
+                    )
+                    .unwrap();
+                slots.set_len(position + 1);
+                let diff = (got - &want).abs().max().double_value(&[]);
+                assert!(diff < 1e-5, "position {position}: logits differ by {diff}");
+            }
+        });
+    }
+}
+
+/// A decoder keeps its cache between generations of the same shape: the second generation must
+/// not see the first one's keys and values.
+#[test]
+fn a_reused_decoder_gives_what_a_fresh_one_gives() {
+    let model = llama_like();
+    let first = request(prompts(), 12, Sampling::greedy(), StopCondition::Never);
+    let mut second = first.clone();
+    second.prompts = vec![vec![9, 9, 9, 9, 9, 9], vec![3], vec![200, 100, 50]];
+    let mut decoder = Decoder::eager();
+    generate_tokens(&model, &first, &mut decoder).unwrap();
+    let reused = generate_tokens(&model, &second, &mut decoder).unwrap();
+    assert_eq!(reused, generate(&model, &second).unwrap());
+}
+
+/// On a GPU, decode steps replayed from CUDA graphs give the eager decoder's tokens, and
+/// log-probabilities within float32 noise, across several windows and a reused decoder.
+#[test]
+fn cuda_graph_decoding_equals_eager_decoding() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    assert!(
+        megatron_core::runtime::cuda_graphs_available(),
+        "this build has no CUDA graphs (see build.rs's warning)"
+    );
+    let learned: [&str; 0] = [];
+    for flags in [&learned[..], &LLAMA_FLAGS[..]] {
+        let model = build(flags, 320, Device::Cuda(0));
+        let mut graphed = Decoder::with_cuda_graphs();
+        for prompts in [prompts(), vec![vec![1, 2, 3], vec![4; 40], vec![250; 7]]] {
+            // Up to 40 + 200 positions: the windows of 128 and 256 slots.
+            let request = request(prompts, 200, Sampling::greedy(), StopCondition::Never);
+            let eager = generate(&model, &request).unwrap();
+            let replayed = generate_tokens(&model, &request, &mut graphed).unwrap();
+            assert_eq!(replayed.tokens, eager.tokens);
+            let (a, b) = (replayed.logprobs.unwrap(), eager.logprobs.unwrap());
+            for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+                assert!((x - y).abs() < 1e-3, "{x} vs {y}");
+            }
+        }
+    }
 }

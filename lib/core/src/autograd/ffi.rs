@@ -43,7 +43,21 @@ pub struct HookVtable {
     pub drop: DropCallback,
 }
 
+/// A captured CUDA graph owned by the shim (`csrc/cuda_graph.cpp`).
+#[repr(C)]
+pub struct CudaGraphHandle {
+    _private: [u8; 0],
+}
+
 extern "C" {
+    pub fn mrs_cuda_graphs_available() -> c_int;
+    pub fn mrs_cuda_graph_capture_begin(
+        share_pool_of: *mut CudaGraphHandle,
+        graph_out: *mut *mut CudaGraphHandle,
+    ) -> *mut c_char;
+    pub fn mrs_cuda_graph_capture_end(graph: *mut CudaGraphHandle) -> *mut c_char;
+    pub fn mrs_cuda_graph_replay(graph: *mut CudaGraphHandle) -> *mut c_char;
+    pub fn mrs_cuda_graph_free(graph: *mut CudaGraphHandle);
     pub fn mrs_set_post_accumulate_grad_hook(
         parameter: TensorHandle,
         vtable: *const HookVtable,

@@ -5,6 +5,7 @@
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::decoder::Decoder;
 use super::sampling::{sample, Sampling};
 use crate::model::GptModel;
 
@@ -48,9 +49,14 @@ pub struct Generation {
     pub logprobs: Option<Vec<Vec<f32>>>,
 }
 
-/// Runs the loop on `model`'s device; sampling draws from that device's default generator.
-pub fn generate_tokens(model: &GptModel, request: &GenerationRequest) -> Result<Generation> {
-    generate_tokens_observed(model, request, None)
+/// Runs the loop on `model`'s device through `decoder`; sampling draws from that device's
+/// default generator.
+pub fn generate_tokens(
+    model: &GptModel,
+    request: &GenerationRequest,
+    decoder: &mut Decoder,
+) -> Result<Generation> {
+    generate_tokens_observed(model, request, decoder, None)
 }
 
 /// Sees each token as it is generated: `(row, token)` for every row still going; answering
@@ -61,6 +67,7 @@ pub type TokenObserver<'a> = &'a mut dyn FnMut(usize, i64) -> bool;
 pub fn generate_tokens_observed(
     model: &GptModel,
     request: &GenerationRequest,
+    decoder: &mut Decoder,
     mut observer: Option<TokenObserver>,
 ) -> Result<Generation> {
     request.sampling.validate()?;
@@ -89,7 +96,7 @@ pub fn generate_tokens_observed(
         if request.tokens_to_generate == 0 {
             return score_prompts(model, &tokens, &lengths, max_len);
         }
-        let mut cache = model.new_kv_cache(batch, total)?;
+        let mut steps = decoder.start(model, batch, total)?;
         let prompt_lengths = Tensor::from_slice(&lengths).to_device(device);
         let mut out_lengths = Tensor::full([batch], total, (Kind::Int64, device));
         let mut done = Tensor::zeros([batch], (Kind::Bool, device));
@@ -102,8 +109,8 @@ pub fn generate_tokens_observed(
         while context < total {
             let input = tokens.narrow(1, previous, context - previous);
             // [s, b, V] → [b, s, V] over the true vocabulary (padding rows are never sampled).
-            let logits = model
-                .forward_cached(&input, &mut cache)?
+            let logits = steps
+                .forward(&input)?
                 .transpose(0, 1)
                 .narrow(2, 0, vocab)
                 .to_kind(Kind::Float);

@@ -1,8 +1,9 @@
 //! Inference: loading a trained GPT from its checkpoint alone, and Megatron's generation loop
-//! over a KV cache with its sampling.
+//! over a KV cache with its sampling, decode steps replayed from CUDA graphs on a GPU.
 
 pub mod api;
 mod beam_search;
+mod decoder;
 mod generation;
 mod load;
 pub mod openai;
@@ -11,6 +12,7 @@ mod server;
 mod service;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
+pub use decoder::{Decoder, WINDOW_STEP};
 pub use generation::{
     generate_tokens, generate_tokens_observed, Generation, GenerationRequest, StopCondition,
     TokenObserver,

@@ -2,7 +2,7 @@
 //! `add_BOS`, the length limits, sampling or beam search, and `text`/`segments`/`logprobs`
 //! (or `scores`) built from the tokens.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use megatron_data::tokenizer::Tokenizer;
@@ -12,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::api::ApiRequest;
 use super::beam_search::{beam_search, BeamSearchRequest};
+use super::decoder::Decoder;
 use super::generation::{
     generate_tokens, generate_tokens_observed, GenerationRequest, StopCondition,
 };
@@ -41,6 +42,10 @@ struct SpecialTokens {
 }
 
 pub struct TextGenerationService {
+    /// The KV cache and decode graphs, kept from one request to the next. Declared first so
+    /// that it is dropped first: tearing down an NCCL communicator (the model's) waits until
+    /// the CUDA graphs that captured its collectives are gone.
+    decoder: Mutex<Decoder>,
     model: GptModel,
     tokenizer: Arc<dyn Tokenizer>,
     max_tokens: usize,
@@ -77,12 +82,20 @@ impl TextGenerationService {
             colon: single_token(tokenizer.as_ref(), ":"),
         };
         Ok(TextGenerationService {
+            decoder: Mutex::new(Decoder::with_cuda_graphs()),
             model,
             tokenizer,
             max_tokens,
             special,
             mirror: None,
         })
+    }
+
+    /// Launches every decode step kernel by kernel instead of replaying CUDA graphs
+    /// (`--no-cuda-graphs`), e.g. to compare the two.
+    pub fn without_cuda_graphs(mut self) -> Self {
+        self.decoder = Mutex::new(Decoder::eager());
+        self
     }
 
     /// Serves with tensor parallelism over `group`: rank 0 calls [`Self::respond`] and
@@ -294,9 +307,14 @@ impl TextGenerationService {
             pad: self.special.eod,
         };
         let out = if request.max_tokens == 0 {
-            generate_tokens(&self.model, &generation)
+            generate_tokens(&self.model, &generation, &mut self.decoder())
         } else {
-            generate_tokens_observed(&self.model, &generation, Some(&mut observer))
+            generate_tokens_observed(
+                &self.model,
+                &generation,
+                &mut self.decoder(),
+                Some(&mut observer),
+            )
         }
         .map_err(failed)?;
         let mut choices = Vec::with_capacity(prompts.len());
@@ -339,6 +357,17 @@ impl TextGenerationService {
     }
 
     /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
+    /// The decoder; requests run one at a time, so this never waits. After a panic in an
+    /// earlier request (a poisoned lock) its cache and graphs are dropped, not trusted.
+    fn decoder(&self) -> std::sync::MutexGuard<'_, Decoder> {
+        self.decoder.lock().unwrap_or_else(|poisoned| {
+            let mut decoder = poisoned.into_inner();
+            decoder.reset();
+            self.decoder.clear_poison();
+            decoder
+        })
+    }
+
     fn tokenize(&self, prompts: &[String], add_bos: bool) -> Result<Vec<Vec<i64>>> {
         prompts
             .iter()
@@ -398,7 +427,7 @@ impl TextGenerationService {
             logprobs: request.logprobs,
             pad: self.special.eod,
         };
-        let out = generate_tokens(&self.model, &generation)
+        let out = generate_tokens(&self.model, &generation, &mut self.decoder())
             .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
         let (text, segments) = self.texts(&out.tokens)?;
         Ok(json!({"text": text, "segments": segments, "logprobs": out.logprobs}))

@@ -11,8 +11,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
-    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm, ParamAttributes,
-    RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, DecodeStep, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
+    ParamAttributes, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
+    VocabParallelEmbedding,
 };
 use super::param::{Initializer, Param};
 use crate::autograd::checkpoint;
@@ -364,6 +365,41 @@ impl GptModel {
         let rotary = self.rotary.as_ref().map(|r| r.tables(start, new, device));
         for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
             hidden = layer.forward_cached(&hidden, rotary.as_ref(), layer_cache)?;
+        }
+        let norm = self
+            .final_layernorm
+            .as_ref()
+            .expect("whole models have the final norm");
+        gather_from_tensor_parallel_region(
+            &self.logits(&norm.forward(&hidden))?,
+            &self.parallel.group,
+        )
+    }
+
+    /// One decode step for every sequence of `cache`: `tokens` (`[b, 1]`) at the position that
+    /// `position` (`[1]`, int64) holds on the device, attending to the first `window` cache
+    /// slots. Its kernels and addresses depend only on the batch and `window`, so it can be
+    /// captured in a CUDA graph and replayed for any position below `window`; the caller keeps
+    /// `cache`'s length. Logits `[1, b, padded vocabulary]` as [`forward_cached`](Self::forward_cached).
+    pub fn forward_decode_step(
+        &self,
+        tokens: &Tensor,
+        position: &Tensor,
+        window: i64,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let batch = tokens.size()[0];
+        ensure!(
+            window <= cache.capacity(),
+            "a decode window of {window} positions exceeds the KV cache ({})",
+            cache.capacity()
+        );
+        let positions = position.unsqueeze(0).expand([batch, 1], true);
+        let mut hidden = self.embed(tokens, &positions, false)?;
+        let rotary = self.rotary.as_ref().map(|r| r.tables_at(position));
+        let step = DecodeStep::new(position, window, hidden.kind());
+        for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+            hidden = layer.forward_decode(&hidden, rotary.as_ref(), layer_cache, &step)?;
         }
         let norm = self
             .final_layernorm

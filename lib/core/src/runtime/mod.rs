@@ -1,6 +1,9 @@
 //! What the linked libtorch offers on this machine, and a self-test of the pieces training needs.
 
+mod cuda_graph;
 pub mod self_test;
+
+pub use cuda_graph::{cuda_graphs_available, CudaGraph};
 
 use std::os::raw::{c_int, c_void};
 

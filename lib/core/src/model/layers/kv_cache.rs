@@ -47,6 +47,25 @@ impl LayerCache {
         ))
     }
 
+    /// Stores `key` and `value` (`[b, groups, 1, d]`) at the slot `slot` holds on the device
+    /// (`[1]`, int64) and returns the first `window` slots of keys and values. Shapes and
+    /// addresses do not depend on the slot, so the step can be replayed from a CUDA graph; `len`
+    /// is left to the caller, who knows the slot on the host.
+    pub fn write_slot(
+        &mut self,
+        slot: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        window: i64,
+    ) -> (Tensor, Tensor) {
+        let _ = self.keys.index_copy_(2, slot, key);
+        let _ = self.values.index_copy_(2, slot, value);
+        (
+            self.keys.narrow(2, 0, window),
+            self.values.narrow(2, 0, window),
+        )
+    }
+
     /// Keeps the rows `rows` (in that order, repeats allowed): beam search re-ranks its beams.
     pub fn select_rows(&mut self, rows: &Tensor) {
         self.keys = self.keys.index_select(0, rows);
@@ -67,6 +86,22 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Positions each sequence can hold.
+    pub fn capacity(&self) -> i64 {
+        self.layers.first().map_or(0, |l| l.keys.size()[2])
+    }
+
+    /// Sequences cached side by side.
+    pub fn batch(&self) -> i64 {
+        self.layers.first().map_or(0, |l| l.keys.size()[0])
+    }
+
+    /// Declares the first `len` positions valid (after steps that wrote slots directly), or
+    /// forgets everything (`0`) so the cache can serve another batch of the same shape.
+    pub fn set_len(&mut self, len: i64) {
+        self.layers.iter_mut().for_each(|l| l.len = len);
     }
 
     /// Keeps the sequences `rows` of every layer.

@@ -10,7 +10,7 @@ mod norm;
 mod rope;
 mod transformer_layer;
 
-pub use attention::{AttentionMask, SelfAttention};
+pub use attention::{AttentionMask, DecodeStep, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
 pub use kv_cache::{KvCache, LayerCache};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};

@@ -22,15 +22,26 @@ impl RotaryEmbedding {
 
     /// Tables for positions `start..start + length`.
     pub fn tables(&self, start: i64, length: i64, device: Device) -> RotaryTables {
+        self.tables_at(&Tensor::arange_start(
+            start,
+            start + length,
+            (Kind::Int64, device),
+        ))
+    }
+
+    /// Tables for the positions in `positions` (`[s]`, int64, on the device), without reading
+    /// them on the host (CUDA graph capture).
+    pub fn tables_at(&self, positions: &Tensor) -> RotaryTables {
+        let device = positions.device();
         let options = (Kind::Float, device);
         let exponents =
             Tensor::arange_start_step(0, self.rotary_dim, 2, options) / self.rotary_dim as f64;
-        let inv_freq = Tensor::from(self.base as f32)
-            .to_device(device)
+        // Filled on the device: a host-to-device copy cannot be captured in a CUDA graph.
+        let inv_freq = Tensor::full([] as [i64; 0], self.base, options)
             .pow(&exponents)
             .reciprocal();
-        let positions = Tensor::arange_start(start, start + length, options);
-        let angles = positions.outer(&inv_freq);
+        let angles = positions.to_kind(Kind::Float).outer(&inv_freq);
+        let length = positions.size()[0];
         let angles = Tensor::cat(&[&angles, &angles], -1).view([length, 1, 1, self.rotary_dim]);
         RotaryTables {
             cos: angles.cos(),

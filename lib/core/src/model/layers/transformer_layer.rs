@@ -3,7 +3,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::attention::{AttentionMask, SelfAttention};
+use super::attention::{AttentionMask, DecodeStep, SelfAttention};
 use super::kv_cache::LayerCache;
 use super::mlp::Mlp;
 use super::norm::Norm;
@@ -79,6 +79,20 @@ impl TransformerLayer {
     ) -> Result<Tensor> {
         self.forward_with(hidden, false, |normed| {
             self.self_attention.forward_cached(normed, rotary, cache)
+        })
+    }
+
+    /// Inference of one new position per sequence at a slot held on the device.
+    pub fn forward_decode(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+        cache: &mut LayerCache,
+        step: &DecodeStep,
+    ) -> Result<Tensor> {
+        self.forward_with(hidden, false, |normed| {
+            self.self_attention
+                .forward_decode(normed, rotary, cache, step)
         })
     }
 

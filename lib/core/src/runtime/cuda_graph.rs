@@ -1,0 +1,67 @@
+//! CUDA graphs: a sequence of kernels captured once and replayed with one launch, for work whose
+//! shapes and addresses stay the same from call to call (a decode step over a static KV cache).
+
+use crate::autograd::ffi::{self, CudaGraphHandle};
+use crate::error::check;
+use crate::TorchError;
+
+use super::CudaStream;
+
+/// Whether this build can capture CUDA graphs (the shim was compiled against CUDA headers).
+pub fn cuda_graphs_available() -> bool {
+    // SAFETY: plain call.
+    unsafe { ffi::mrs_cuda_graphs_available() != 0 }
+}
+
+/// A captured graph. The tensors its capture allocated live in its private memory pool; tensors
+/// it reads or writes that were allocated before the capture must outlive it unchanged in place.
+pub struct CudaGraph {
+    handle: *mut CudaGraphHandle,
+}
+
+// SAFETY: the graph is plain device state; libtorch's CUDAGraph may be replayed from any thread.
+unsafe impl Send for CudaGraph {}
+
+impl CudaGraph {
+    /// Captures the kernels `body` enqueues on `device` into a graph; nothing runs. The capture
+    /// happens on a side stream ordered after the work enqueued so far. With `share_pool_of`, the
+    /// new graph allocates from that graph's pool: both must never run concurrently.
+    pub fn capture<T>(
+        device: usize,
+        share_pool_of: Option<&CudaGraph>,
+        body: impl FnOnce() -> anyhow::Result<T>,
+    ) -> anyhow::Result<(CudaGraph, T)> {
+        let current = CudaStream::current(device)?;
+        let side = CudaStream::from_pool(device)?;
+        side.wait_for(&current)?;
+        let pool = share_pool_of.map_or(std::ptr::null_mut(), |g| g.handle);
+        let captured = side.run(|| -> anyhow::Result<(CudaGraph, T)> {
+            let mut handle = std::ptr::null_mut();
+            // SAFETY: on success the shim writes an owned graph handle.
+            check(unsafe { ffi::mrs_cuda_graph_capture_begin(pool, &mut handle) })?;
+            let graph = CudaGraph { handle };
+            let out = body();
+            // The capture must end whether or not the body failed, or the stream stays capturing.
+            // SAFETY: the handle is live and capturing.
+            let ended = check(unsafe { ffi::mrs_cuda_graph_capture_end(graph.handle) });
+            let out = out?;
+            ended?;
+            Ok((graph, out))
+        })??;
+        current.wait_for(&side)?;
+        Ok(captured)
+    }
+
+    /// Launches the graph on the calling thread's current stream.
+    pub fn replay(&self) -> Result<(), TorchError> {
+        // SAFETY: the handle is a live, captured graph.
+        check(unsafe { ffi::mrs_cuda_graph_replay(self.handle) })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from capture_begin and is freed once.
+        unsafe { ffi::mrs_cuda_graph_free(self.handle) }
+    }
+}
