@@ -278,7 +278,7 @@ fn two_gpus_with_nccl_equal_one() {
     let single = dir.path().join("single.jsonl");
     let mut command = pretrain(&gpu);
     run_ok(command.args(["--metrics-file", single.to_str().unwrap()]));
-    let layouts: [(&str, &[&str]); 5] = [
+    let layouts: [(&str, &[&str]); 6] = [
         ("TP=2", &["--tensor-model-parallel-size", "2"]),
         (
             "TP=2 + SP",
@@ -294,6 +294,16 @@ fn two_gpus_with_nccl_equal_one() {
             &[
                 "--use-distributed-optimizer",
                 "--overlap-grad-reduce",
+                "--ddp-bucket-size",
+                "20000",
+            ],
+        ),
+        (
+            "DP=2, distributed optimizer, overlapped reduction and parameter gather",
+            &[
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
                 "--ddp-bucket-size",
                 "20000",
             ],

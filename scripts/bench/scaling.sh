@@ -15,15 +15,22 @@
 #   GPUS=N              GPUs to use [default: all that nvidia-smi lists]
 #   MODELS="345m 1.3b"  which models
 #   ITERS=20            iterations per run; the figures are the mean of the last 10
-#   OVERLAP=1           0 reduces gradients after backward instead of --overlap-grad-reduce
+#   OVERLAP=1           --overlap-grad-reduce --overlap-param-gather; `grad` only the first;
+#                       0 neither (gradients reduced after backward, parameters gathered
+#                       after the step)
+#   LAYOUTS_ONLY="1 1;1 1 dp" only these layouts ("TP PP", "1 1 dp" = data parallel on all GPUs)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 ITERS="${ITERS:-20}"
 MODELS="${MODELS:-345m 1.3b}"
-OVERLAP_FLAG=()
-[[ "${OVERLAP:-1}" == 1 ]] && OVERLAP_FLAG=(--overlap-grad-reduce)
+case "${OVERLAP:-1}" in
+    1) OVERLAP_FLAG=(--overlap-grad-reduce --overlap-param-gather) ;;
+    grad) OVERLAP_FLAG=(--overlap-grad-reduce) ;;
+    0) OVERLAP_FLAG=() ;;
+    *) echo "scaling.sh: OVERLAP must be 1, grad or 0" >&2; exit 2 ;;
+esac
 if [[ -z "${PRETRAIN_GPT:-}" ]]; then
     (cd "$ROOT" && cargo build --release --quiet -p pretrain_gpt)
     PRETRAIN_GPT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_gpt"
@@ -39,6 +46,9 @@ case "$GPUS" in
     4) LAYOUTS=("1 1" "1 1 dp" "2 1" "4 1" "1 2") ;;
     *) echo "scaling.sh: needs 2 or 4 GPUs, found $GPUS" >&2; exit 2 ;;
 esac
+if [[ -n "${LAYOUTS_ONLY:-}" ]]; then
+    IFS=';' read -r -a LAYOUTS <<<"$LAYOUTS_ONLY"
+fi
 
 model_flags() {
     case "$1" in

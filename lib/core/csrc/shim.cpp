@@ -250,6 +250,28 @@ char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited
   });
 }
 
+char* mrs_event_record(int device_index, int64_t stream_id, void** event_out) {
+  return protect([&] {
+    auto device = cuda_device(device_index);
+    c10::Stream stream = c10::Stream::unpack3(stream_id, device.index(), c10::DeviceType::CUDA);
+    void* event = nullptr;
+    cuda_guard()->record(&event, stream, device.index(), c10::EventFlag::PYTORCH_DEFAULT);
+    *event_out = event;
+  });
+}
+
+char* mrs_event_block(int device_index, void* event, int64_t stream_id) {
+  return protect([&] {
+    auto device = cuda_device(device_index);
+    c10::Stream stream = c10::Stream::unpack3(stream_id, device.index(), c10::DeviceType::CUDA);
+    cuda_guard()->block(event, stream);
+  });
+}
+
+char* mrs_event_destroy(int device_index, void* event) {
+  return protect([&] { cuda_guard()->destroyEvent(event, cuda_device(device_index).index()); });
+}
+
 char* mrs_build_config(void) { return malloc_string(at::show_config()); }
 
 }  // extern "C"

@@ -99,6 +99,12 @@ char* mrs_pool_stream(int device_index, int64_t* stream_id);
 char* mrs_current_stream_id(int device_index, int64_t* stream_id);
 char* mrs_exchange_stream(int device_index, int64_t stream_id, int64_t* previous_id);
 char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited_id);
+// A CUDA event recorded now on a stream, for a wait enqueued later (`block`): work enqueued on
+// the blocked stream afterwards waits for the work enqueued on the recording stream before the
+// record. `destroy` frees it (CUDA keeps it alive until pending waits complete).
+char* mrs_event_record(int device_index, int64_t stream_id, void** event_out);
+char* mrs_event_block(int device_index, void* event, int64_t stream_id);
+char* mrs_event_destroy(int device_index, void* event);
 
 // ATen's build configuration (compiler, CUDA, cuDNN, NCCL versions, CPU capability) as a
 // malloc'd string, freed with mrs_free_string.

@@ -361,6 +361,7 @@ fn overlapped_grad_reduce_equals_one_rank() {
         .copied()
         .chain([
             "--use-distributed-optimizer",
+            "--overlap-param-gather",
             "--num-layers-per-virtual-pipeline-stage",
             "1",
         ])
@@ -371,6 +372,26 @@ fn overlapped_grad_reduce_equals_one_rank() {
         1,
         2,
         &extra,
-        "PP=2 interleaved × DP=2, distributed optimizer, overlapped reduction",
+        "PP=2 interleaved × DP=2, distributed optimizer, overlapped reduction and gather",
     );
+}
+
+#[test]
+fn overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_reduction() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flags, message) in [
+        (
+            &["--overlap-param-gather", "--overlap-grad-reduce"][..],
+            "--overlap-param-gather only supported with distributed optimizer",
+        ),
+        (
+            &["--overlap-param-gather", "--use-distributed-optimizer"][..],
+            "--overlap-grad-reduce should be turned on when using --overlap-param-gather",
+        ),
+    ] {
+        let error = train_in(dir.path(), BASE, 2, 1, 1, flags)
+            .err()
+            .expect("refused");
+        assert!(format!("{error:#}").contains(message), "{error:#}");
+    }
 }

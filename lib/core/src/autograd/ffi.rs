@@ -64,6 +64,13 @@ extern "C" {
         state: *mut c_void,
     ) -> *mut c_char;
     pub fn mrs_pool_stream(device_index: c_int, stream_id: *mut i64) -> *mut c_char;
+    pub fn mrs_event_record(
+        device_index: c_int,
+        stream_id: i64,
+        event_out: *mut *mut c_void,
+    ) -> *mut c_char;
+    pub fn mrs_event_block(device_index: c_int, event: *mut c_void, stream_id: i64) -> *mut c_char;
+    pub fn mrs_event_destroy(device_index: c_int, event: *mut c_void) -> *mut c_char;
     pub fn mrs_current_stream_id(device_index: c_int, stream_id: *mut i64) -> *mut c_char;
     pub fn mrs_exchange_stream(
         device_index: c_int,

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
@@ -96,6 +97,13 @@ enum OutputWeight {
     },
 }
 
+/// Told before a module's parameters are first read in a forward pass, by the parameter-name
+/// prefix of the module (`embedding`, `decoder.layers.3`, `decoder.final_layernorm`,
+/// `output_layer`): with `--overlap-param-gather` their all-gather may still be running.
+pub trait ParamGate: Send + Sync {
+    fn before(&self, module: &str) -> Result<()>;
+}
+
 pub struct GptModel {
     pub config: GptConfig,
     pub spec: ChunkSpec,
@@ -107,6 +115,7 @@ pub struct GptModel {
     rotary: Option<RotaryEmbedding>,
     options: ModelOptions,
     parallel: TensorParallel,
+    param_gate: Option<Arc<dyn ParamGate>>,
 }
 
 impl GptModel {
@@ -227,6 +236,7 @@ impl GptModel {
             rotary,
             options,
             parallel: tensor_parallel,
+            param_gate: None,
         })
     }
 
@@ -274,6 +284,7 @@ impl GptModel {
                     self.spec.pre_process,
                     "token input for a chunk without embeddings"
                 );
+                self.gate("embedding")?;
                 self.embed(tokens, position_ids, train)?
             }
             ChunkInput::Hidden(hidden) => {
@@ -304,9 +315,35 @@ impl GptModel {
             self.run_layers(hidden, mask, rotary.as_ref(), train)?
         };
         match &self.final_layernorm {
-            Some(norm) => self.logits(&norm.forward(&hidden)),
+            Some(norm) => {
+                self.gate("decoder.final_layernorm")?;
+                self.gate("output_layer")?;
+                self.logits(&norm.forward(&hidden))
+            }
             None => Ok(hidden),
         }
+    }
+
+    /// Installs the gate the forward pass consults before each module (`--overlap-param-gather`).
+    pub fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
+        self.param_gate = Some(gate);
+    }
+
+    fn gate(&self, module: &str) -> Result<()> {
+        match &self.param_gate {
+            Some(gate) => gate.before(module),
+            None => Ok(()),
+        }
+    }
+
+    /// Gates the layers `range` (local indices) before they run.
+    fn gate_layers(&self, range: Range<usize>) -> Result<()> {
+        if self.param_gate.is_some() {
+            for i in range {
+                self.gate(&format!("decoder.layers.{i}"))?;
+            }
+        }
+        Ok(())
     }
 
     /// Like [`forward`](Self::forward) but with the full vocabulary gathered from every rank.
@@ -445,13 +482,15 @@ impl GptModel {
     ) -> Result<Tensor> {
         let selective = self.options.recompute == Recompute::Selective;
         let Recompute::Full { method, num_layers } = self.options.recompute else {
-            for layer in &self.layers {
+            for (i, layer) in self.layers.iter().enumerate() {
+                self.gate_layers(i..i + 1)?;
                 hidden = layer.forward(&hidden, mask, rotary, train, selective && train)?;
             }
             return Ok(hidden);
         };
         if !train {
-            for layer in &self.layers {
+            for (i, layer) in self.layers.iter().enumerate() {
+                self.gate_layers(i..i + 1)?;
                 hidden = layer.forward(&hidden, mask, rotary, false, false)?;
             }
             return Ok(hidden);
@@ -463,6 +502,7 @@ impl GptModel {
                 RecomputeMethod::Uniform => ((start + chunk).min(self.layers.len()), true),
                 RecomputeMethod::Block => (start + 1, start < num_layers),
             };
+            self.gate_layers(start..end)?;
             if recompute {
                 let block: Vec<TransformerLayer> = self.layers[start..end].to_vec();
                 let (mask, rotary) = (mask.clone(), rotary.cloned());

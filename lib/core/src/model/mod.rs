@@ -11,6 +11,8 @@ pub mod partition;
 
 pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType};
 pub use cross_entropy::cross_entropy;
-pub use gpt::{ChunkInput, ChunkSpec, GptModel, ModelOptions, Recompute, RecomputeMethod};
+pub use gpt::{
+    ChunkInput, ChunkSpec, GptModel, ModelOptions, ParamGate, Recompute, RecomputeMethod,
+};
 pub use layers::{AttentionMask, NamedParameter, ParamAttributes};
 pub use partition::PipelineSplit;

@@ -177,6 +177,17 @@ impl OverlappedGradSync {
         self.state.lock().unwrap().microbatches = microbatches.max(1);
     }
 
+    /// Whether each slot's gradient was moved into the buffer by its hook this step: its
+    /// bucket may be being reduced on the side stream, so nothing else may touch its range.
+    pub fn moved(&self) -> Vec<bool> {
+        let state = self.state.lock().unwrap();
+        state
+            .passes
+            .iter()
+            .map(|&p| p == state.microbatches)
+            .collect()
+    }
+
     /// Reduces the buckets no hook completed (parameters without a gradient this step), makes
     /// the current stream wait for the reductions, and resets the counters.
     pub fn finish(&self) -> Result<()> {

@@ -5,6 +5,7 @@
 //! over the tensor-parallel group.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Kind, Tensor};
@@ -12,7 +13,8 @@ use tch::{Kind, Tensor};
 use super::buffer::{BufferLayout, ParamShape, Segment};
 use super::grad_sync::{BucketReducer, OverlappedGradSync};
 use super::groups::ParamGroup;
-use crate::model::NamedParameter;
+use super::param_gather::ParamGather;
+use crate::model::{NamedParameter, ParamGate};
 use crate::ops::{self, AdamwHyper};
 use crate::parallel::{Communicator, ParallelState, ReduceOp};
 
@@ -39,6 +41,9 @@ pub struct OptimizerSettings {
     pub bucket_size: usize,
     /// `--overlap-grad-reduce`: reduce each bucket from inside the last backward pass.
     pub overlap_grad_reduce: bool,
+    /// `--overlap-param-gather`: with the distributed optimizer, gather the updated parameters
+    /// on a side stream while the next forward pass runs (see [`Self::param_gates`]).
+    pub overlap_param_gather: bool,
 }
 
 /// How gradients reach the data-parallel average.
@@ -89,6 +94,8 @@ pub struct MixedPrecisionOptimizer {
     /// the first and last stage).
     embedding_slots: Vec<usize>,
     grad_sync: GradSync,
+    /// `--overlap-param-gather` with the distributed optimizer over several ranks.
+    param_gather: Option<Arc<ParamGather>>,
 }
 
 impl MixedPrecisionOptimizer {
@@ -189,7 +196,19 @@ impl MixedPrecisionOptimizer {
                 GradSync::AfterBackward(reducer)
             }
         };
+        let param_gather = (sharded && settings.overlap_param_gather && data.size() > 1)
+            .then(|| {
+                ParamGather::new(
+                    data.clone(),
+                    param_buffer.shallow_clone(),
+                    layout.clone(),
+                    device,
+                )
+            })
+            .transpose()?
+            .map(Arc::new);
         Ok(MixedPrecisionOptimizer {
+            param_gather,
             grad_sync,
             settings,
             parallel: parallel.clone(),
@@ -246,13 +265,18 @@ impl MixedPrecisionOptimizer {
     /// After a micro-batch's backward: adds the parameters' gradients into the float32 buffer
     /// and clears them, so accumulation over micro-batches happens in float32 whatever the
     /// parameter dtype (Megatron's `main_grad`). With `--overlap-grad-reduce` the hooks have
-    /// already moved the last pass's gradients, which are zero here.
+    /// already moved the last pass's gradients, and their buckets may be being reduced on the
+    /// side stream: those slots are left alone (adding their zeroed gradients would race).
     pub fn accumulate_grads(&mut self) -> Result<()> {
+        let moved = match &self.grad_sync {
+            GradSync::Overlapped(sync) => sync.moved(),
+            _ => vec![false; self.params.len()],
+        };
         let mut targets = Vec::new();
         let mut grads = Vec::new();
-        for (slot, param) in self.layout.slots.iter().zip(&self.params) {
+        for ((slot, param), moved) in self.layout.slots.iter().zip(&self.params).zip(moved) {
             let grad = param.grad();
-            if grad.defined() {
+            if grad.defined() && !moved {
                 targets.push(self.grad_view(&slot.range).view(slot.shape.as_slice()));
                 grads.push(grad);
             }
@@ -495,6 +519,9 @@ impl MixedPrecisionOptimizer {
                 (targets.iter().collect(), sources.iter().collect());
             tch::no_grad(|| ops::foreach_copy_(&t, &s))?;
         }
+        if let Some(gather) = &self.param_gather {
+            return gather.launch();
+        }
         if self.sharded {
             for bucket in &self.layout.buckets {
                 let shard = self.param_buffer.narrow(
@@ -515,6 +542,25 @@ impl MixedPrecisionOptimizer {
             }
         }
         Ok(())
+    }
+
+    /// With `--overlap-param-gather`, one gate per model chunk for
+    /// [`GptModel::set_param_gate`](crate::model::GptModel::set_param_gate); `prefixes` are the
+    /// chunks' parameter-name prefixes here. Empty otherwise.
+    pub fn param_gates(&self, prefixes: &[String]) -> Vec<Arc<dyn ParamGate>> {
+        match &self.param_gather {
+            Some(gather) => prefixes.iter().map(|p| gather.gate(p.clone())).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Makes the current stream wait for parameter gathers still in flight, before the
+    /// parameters are read outside a forward pass (checkpoints).
+    pub fn wait_for_params(&self) -> Result<()> {
+        match &self.param_gather {
+            Some(gather) => gather.wait_all(),
+            None => Ok(()),
+        }
     }
 
     fn zero_grads(&self) -> Result<()> {
@@ -648,6 +694,7 @@ mod tests {
             distributed,
             bucket_size: DEFAULT_BUCKET_SIZE,
             overlap_grad_reduce: false,
+            overlap_param_gather: false,
         };
         let sizes = world
             .run(|rank| {

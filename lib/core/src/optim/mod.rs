@@ -6,6 +6,7 @@ mod buffer;
 mod grad_sync;
 mod groups;
 mod mixed_precision;
+mod param_gather;
 
 pub use buffer::BufferLayout;
 pub use groups::{excluded_from_weight_decay, ParamGroup};

@@ -86,6 +86,44 @@ impl CudaStream {
     }
 }
 
+/// A point in a stream's work, recorded now and waited for later by another stream.
+pub struct CudaEvent {
+    device: usize,
+    raw: *mut c_void,
+}
+
+// SAFETY: a CUDA event may be recorded, waited on and destroyed from any thread.
+unsafe impl Send for CudaEvent {}
+unsafe impl Sync for CudaEvent {}
+
+impl CudaEvent {
+    /// Marks the work enqueued on `stream` so far.
+    pub fn record(stream: &CudaStream) -> Result<Self, TorchError> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: on success the shim writes a new event that this value owns.
+        check(unsafe { ffi::mrs_event_record(cuda_index(stream.device)?, stream.id, &mut raw) })?;
+        Ok(CudaEvent {
+            device: stream.device,
+            raw,
+        })
+    }
+
+    /// Work enqueued on `stream` from now on waits for the recorded work.
+    pub fn block(&self, stream: &CudaStream) -> Result<(), TorchError> {
+        // SAFETY: the event is live and belongs to the stream's device.
+        check(unsafe { ffi::mrs_event_block(cuda_index(self.device)?, self.raw, stream.id) })
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        if let Ok(index) = cuda_index(self.device) {
+            // SAFETY: destroyed once; CUDA defers the release past pending waits.
+            let _ = check(unsafe { ffi::mrs_event_destroy(index, self.raw) });
+        }
+    }
+}
+
 fn cuda_index(index: usize) -> Result<c_int, TorchError> {
     c_int::try_from(index).map_err(|_| TorchError(format!("no CUDA device {index}")))
 }

@@ -127,7 +127,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
         first_stage_layers: args.parallel.decoder_first_pipeline_num_layers,
         last_stage_layers: args.parallel.decoder_last_pipeline_num_layers,
     };
-    let chunks = split
+    let mut chunks = split
         .chunks_of(coordinates.pipeline)?
         .into_iter()
         .map(|spec| GptModel::new_chunk(config.clone(), options, &parallel, spec))
@@ -229,6 +229,18 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
         optimizer_settings(args, layout.data)?,
         &parallel,
     )?;
+    let prefixes: Vec<String> = (0..chunks.len())
+        .map(|c| {
+            if virtual_stages > 1 {
+                format!("model{c}.")
+            } else {
+                String::new()
+            }
+        })
+        .collect();
+    for (chunk, gate) in chunks.iter_mut().zip(optimizer.param_gates(&prefixes)) {
+        chunk.set_param_gate(gate);
+    }
     let logging_rank = parallel.is_logging_rank();
     let metrics_path = args.logging.metrics_file.clone().or_else(|| {
         args.logging
@@ -748,6 +760,7 @@ impl Run<'_> {
     }
 
     fn save(&mut self) -> Result<()> {
+        self.optimizer.wait_for_params()?;
         let root = self
             .args
             .checkpoint
@@ -855,12 +868,24 @@ fn optimizer_settings(
         .parallel
         .ddp_bucket_size
         .unwrap_or_else(|| DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size));
+    let parallel = &args.parallel;
+    if parallel.overlap_param_gather {
+        ensure!(
+            parallel.use_distributed_optimizer,
+            "--overlap-param-gather only supported with distributed optimizer"
+        );
+        ensure!(
+            parallel.overlap_grad_reduce,
+            "--overlap-grad-reduce should be turned on when using --overlap-param-gather"
+        );
+    }
     Ok(OptimizerSettings {
         kind,
         clip_grad: o.clip_grad,
-        distributed: args.parallel.use_distributed_optimizer,
+        distributed: parallel.use_distributed_optimizer,
         bucket_size,
-        overlap_grad_reduce: args.parallel.overlap_grad_reduce,
+        overlap_grad_reduce: parallel.overlap_grad_reduce,
+        overlap_param_gather: parallel.overlap_param_gather,
     })
 }
 
