@@ -119,11 +119,10 @@ impl SelfAttention {
         hidden: &Tensor,
         rotary: Option<&RotaryTables>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (n, g, d) = (self.local_heads, self.local_groups, self.head_dim);
-        let per_group = n / g;
-        let qkv = self.linear_qkv.forward(hidden)?;
+        let (n, d) = (self.local_heads, self.head_dim);
+        let per_group = n / self.local_groups;
+        let qkv = self.fused_qkv(hidden)?;
         let (s, b) = (qkv.size()[0], qkv.size()[1]);
-        let qkv = qkv.view([s, b, g, (per_group + 2) * d]);
         let parts = qkv.split_with_sizes([per_group * d, d, d], -1);
         let mut query = parts[0].reshape([s, b, n, d]);
         let mut key = parts[1].shallow_clone();
@@ -137,6 +136,37 @@ impl SelfAttention {
             key.permute([1, 2, 0, 3]),
             parts[2].permute([1, 2, 0, 3]),
         ))
+    }
+
+    /// The fused projection of `hidden` per query group, `[s, b, g, (n/g + 2)·d]`: each group's
+    /// queries, then its key, then its value (Megatron's layout).
+    fn fused_qkv(&self, hidden: &Tensor) -> Result<Tensor> {
+        let (g, d) = (self.local_groups, self.head_dim);
+        let per_group = self.local_heads / g;
+        let qkv = self.linear_qkv.forward(hidden)?;
+        let (s, b) = (qkv.size()[0], qkv.size()[1]);
+        Ok(qkv.view([s, b, g, (per_group + 2) * d]))
+    }
+
+    /// Query `[b, n, s, d]` and key and value side by side `[b, g, s, 2·d]` for the KV cache:
+    /// without rotary embeddings a view of the projection, so storing them is one kernel.
+    fn project_side_by_side(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (n, d) = (self.local_heads, self.head_dim);
+        let per_group = n / self.local_groups;
+        let qkv = self.fused_qkv(hidden)?;
+        let (s, b) = (qkv.size()[0], qkv.size()[1]);
+        let mut query = qkv.narrow(-1, 0, per_group * d).reshape([s, b, n, d]);
+        let mut kv = qkv.narrow(-1, per_group * d, 2 * d);
+        if let Some(tables) = rotary {
+            query = tables.apply(&query);
+            let key = tables.apply(&kv.narrow(-1, 0, d));
+            kv = Tensor::cat(&[&key, &kv.narrow(-1, d, d)], -1);
+        }
+        Ok((query.permute([1, 2, 0, 3]), kv.permute([1, 2, 0, 3])))
     }
 
     /// Every query head's key and value: grouped heads repeated for their queries.
@@ -238,8 +268,8 @@ impl SelfAttention {
         cache: &mut LayerCache,
         step: &DecodeStep,
     ) -> Result<Tensor> {
-        let (query, key, value) = self.project(hidden, rotary)?;
-        let (keys, values) = cache.write_slot(&step.slot, &key, &value, step.window);
+        let (query, kv) = self.project_side_by_side(hidden, rotary)?;
+        let (keys, values) = cache.write_slot(&step.slot, &kv, step.window);
         let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
         let context = Tensor::scaled_dot_product_attention(
             &query,

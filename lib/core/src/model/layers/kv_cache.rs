@@ -4,10 +4,12 @@
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-/// One layer's keys and values, `[b, groups, capacity, d]`, valid for the first `len` positions.
+/// One layer's keys and values side by side, `[b, groups, capacity, 2·d]` (keys in the first
+/// `d` channels), valid for the first `len` positions. Side by side, a decode step stores both
+/// with one kernel when they come straight from the fused projection.
 pub struct LayerCache {
-    keys: Tensor,
-    values: Tensor,
+    kv: Tensor,
+    head_dim: i64,
     pub len: i64,
 }
 
@@ -20,56 +22,49 @@ impl LayerCache {
         kind: Kind,
         device: Device,
     ) -> Self {
-        let keys = Tensor::zeros([batch, groups, capacity, head_dim], (kind, device));
         LayerCache {
-            values: keys.zeros_like(),
-            keys,
+            kv: Tensor::zeros([batch, groups, capacity, 2 * head_dim], (kind, device)),
+            head_dim,
             len: 0,
         }
+    }
+
+    /// Keys and values of the first `length` slots, `[b, groups, length, d]` each.
+    fn split(&self, length: i64) -> (Tensor, Tensor) {
+        let kv = self.kv.narrow(2, 0, length);
+        let d = self.head_dim;
+        (kv.narrow(3, 0, d), kv.narrow(3, d, d))
     }
 
     /// Stores `key` and `value` (`[b, groups, s, d]`) after the cached positions and returns all
     /// keys and values so far.
     pub fn append(&mut self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
         let new = key.size()[2];
-        let capacity = self.keys.size()[2];
+        let capacity = self.kv.size()[2];
         ensure!(
             self.len + new <= capacity,
             "the KV cache holds {capacity} positions; {} were asked for",
             self.len + new
         );
-        self.keys.narrow(2, self.len, new).copy_(key);
-        self.values.narrow(2, self.len, new).copy_(value);
+        let (keys, values) = self.split(self.len + new);
+        keys.narrow(2, self.len, new).copy_(key);
+        values.narrow(2, self.len, new).copy_(value);
         self.len += new;
-        Ok((
-            self.keys.narrow(2, 0, self.len),
-            self.values.narrow(2, 0, self.len),
-        ))
+        Ok((keys, values))
     }
 
-    /// Stores `key` and `value` (`[b, groups, 1, d]`) at the slot `slot` holds on the device
-    /// (`[1]`, int64) and returns the first `window` slots of keys and values. Shapes and
-    /// addresses do not depend on the slot, so the step can be replayed from a CUDA graph; `len`
-    /// is left to the caller, who knows the slot on the host.
-    pub fn write_slot(
-        &mut self,
-        slot: &Tensor,
-        key: &Tensor,
-        value: &Tensor,
-        window: i64,
-    ) -> (Tensor, Tensor) {
-        let _ = self.keys.index_copy_(2, slot, key);
-        let _ = self.values.index_copy_(2, slot, value);
-        (
-            self.keys.narrow(2, 0, window),
-            self.values.narrow(2, 0, window),
-        )
+    /// Stores one position's keys and values side by side (`kv`, `[b, groups, 1, 2·d]`) at the
+    /// slot `slot` holds on the device (`[1]`, int64) and returns the first `window` slots of
+    /// keys and values. Shapes and addresses do not depend on the slot, so the step can be
+    /// replayed from a CUDA graph; `len` is left to the caller, who knows the slot on the host.
+    pub fn write_slot(&mut self, slot: &Tensor, kv: &Tensor, window: i64) -> (Tensor, Tensor) {
+        let _ = self.kv.index_copy_(2, slot, kv);
+        self.split(window)
     }
 
     /// Keeps the rows `rows` (in that order, repeats allowed): beam search re-ranks its beams.
     pub fn select_rows(&mut self, rows: &Tensor) {
-        self.keys = self.keys.index_select(0, rows);
-        self.values = self.values.index_select(0, rows);
+        self.kv = self.kv.index_select(0, rows);
     }
 }
 
@@ -90,12 +85,12 @@ impl KvCache {
 
     /// Positions each sequence can hold.
     pub fn capacity(&self) -> i64 {
-        self.layers.first().map_or(0, |l| l.keys.size()[2])
+        self.layers.first().map_or(0, |l| l.kv.size()[2])
     }
 
     /// Sequences cached side by side.
     pub fn batch(&self) -> i64 {
-        self.layers.first().map_or(0, |l| l.keys.size()[0])
+        self.layers.first().map_or(0, |l| l.kv.size()[0])
     }
 
     /// Declares the first `len` positions valid (after steps that wrote slots directly), or
