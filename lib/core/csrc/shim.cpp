@@ -236,20 +236,6 @@ char* mrs_exchange_stream(int device_index, int64_t stream_id, int64_t* previous
   });
 }
 
-char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited_id) {
-  return protect([&] {
-    auto device = cuda_device(device_index);
-    auto guard = cuda_guard();
-    c10::Stream waiter = c10::Stream::unpack3(waiter_id, device.index(), c10::DeviceType::CUDA);
-    c10::Stream waited = c10::Stream::unpack3(waited_id, device.index(), c10::DeviceType::CUDA);
-    void* event = nullptr;
-    guard->record(&event, waited, device.index(), c10::EventFlag::PYTORCH_DEFAULT);
-    guard->block(event, waiter);
-    // CUDA keeps a waited-on event alive until the wait completes.
-    guard->destroyEvent(event, device.index());
-  });
-}
-
 char* mrs_event_record(int device_index, int64_t stream_id, void** event_out) {
   return protect([&] {
     auto device = cuda_device(device_index);

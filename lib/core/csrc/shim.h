@@ -92,13 +92,11 @@ char* mrs_set_post_accumulate_grad_hook(mrs_tensor parameter, const mrs_hook_vta
                                         void* state);
 
 // CUDA streams by c10's packed id, through the device-guard interface (no CUDA headers): a
-// stream from libtorch's pool, the calling thread's current stream, making a stream current
-// (returning the previous one), and making `waiter` wait for the work enqueued so far on
-// `waited` (an event recorded on one and waited on by the other).
+// stream from libtorch's pool, the calling thread's current stream, and making a stream current
+// (returning the previous one).
 char* mrs_pool_stream(int device_index, int64_t* stream_id);
 char* mrs_current_stream_id(int device_index, int64_t* stream_id);
 char* mrs_exchange_stream(int device_index, int64_t stream_id, int64_t* previous_id);
-char* mrs_stream_wait_stream(int device_index, int64_t waiter_id, int64_t waited_id);
 // A CUDA event recorded now on a stream, for a wait enqueued later (`block`): work enqueued on
 // the blocked stream afterwards waits for the work enqueued on the recording stream before the
 // record. `destroy` frees it (CUDA keeps it alive until pending waits complete).

@@ -77,11 +77,6 @@ extern "C" {
         stream_id: i64,
         previous_id: *mut i64,
     ) -> *mut c_char;
-    pub fn mrs_stream_wait_stream(
-        device_index: c_int,
-        waiter_id: i64,
-        waited_id: i64,
-    ) -> *mut c_char;
     pub fn mrs_sink_push(sink: *mut Sink, slot: c_int, tensor: TensorHandle);
     pub fn mrs_sink_set_error(sink: *mut Sink, message: *const c_char);
     pub fn mrs_free_string(string: *mut c_char);

@@ -386,7 +386,7 @@ impl GptModel {
     /// Inference on `tokens` (`[b, s]`) at the positions after those in `cache`, which they
     /// join: logits `[s, b, padded vocabulary]`, gathered from the tensor-parallel ranks.
     pub fn forward_cached(&self, tokens: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let (batch, new) = tokens.size2()?;
+        let new = tokens.size2()?.1;
         let start = cache.len();
         ensure!(
             start + new <= self.config.max_position_embeddings,
@@ -394,22 +394,12 @@ impl GptModel {
             start + new,
             self.config.max_position_embeddings
         );
-        let device = tokens.device();
-        let positions = Tensor::arange_start(start, start + new, (Kind::Int64, device))
-            .unsqueeze(0)
-            .expand([batch, new], true);
-        let mut hidden = self.embed(tokens, &positions, false)?;
-        let rotary = self.rotary.as_ref().map(|r| r.tables(start, new, device));
-        for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            hidden = layer.forward_cached(&hidden, rotary.as_ref(), layer_cache)?;
-        }
-        let norm = self
-            .final_layernorm
-            .as_ref()
-            .expect("whole models have the final norm");
-        gather_from_tensor_parallel_region(
-            &self.logits(&norm.forward(&hidden))?,
-            &self.parallel.group,
+        let positions = Tensor::arange_start(start, start + new, (Kind::Int64, tokens.device()));
+        self.run_cached(
+            tokens,
+            &positions,
+            cache,
+            |layer, hidden, rotary, layer_cache| layer.forward_cached(hidden, rotary, layer_cache),
         )
     }
 
@@ -425,18 +415,43 @@ impl GptModel {
         window: i64,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let batch = tokens.size()[0];
         ensure!(
             window <= cache.capacity(),
             "a decode window of {window} positions exceeds the KV cache ({})",
             cache.capacity()
         );
-        let positions = position.unsqueeze(0).expand([batch, 1], true);
-        let mut hidden = self.embed(tokens, &positions, false)?;
-        let rotary = self.rotary.as_ref().map(|r| r.tables_at(position));
-        let step = DecodeStep::new(position, window, hidden.kind());
+        let step = DecodeStep::new(position, window, self.options.params_dtype);
+        self.run_cached(
+            tokens,
+            position,
+            cache,
+            |layer, hidden, rotary, layer_cache| {
+                layer.forward_decode(hidden, rotary, layer_cache, &step)
+            },
+        )
+    }
+
+    /// Inference through the KV cache: `tokens` (`[b, s]`) at `positions` (`[s]`, on the
+    /// device), each layer run by `layer_step`; logits `[s, b, padded vocabulary]` gathered from
+    /// the tensor-parallel ranks.
+    fn run_cached(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        cache: &mut KvCache,
+        mut layer_step: impl FnMut(
+            &TransformerLayer,
+            &Tensor,
+            Option<&RotaryTables>,
+            &mut LayerCache,
+        ) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let batch = tokens.size()[0];
+        let position_ids = positions.unsqueeze(0).expand([batch, -1], true);
+        let mut hidden = self.embed(tokens, &position_ids, false)?;
+        let rotary = self.rotary.as_ref().map(|r| r.tables_at(positions));
         for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
-            hidden = layer.forward_decode(&hidden, rotary.as_ref(), layer_cache, &step)?;
+            hidden = layer_step(layer, &hidden, rotary.as_ref(), layer_cache)?;
         }
         let norm = self
             .final_layernorm

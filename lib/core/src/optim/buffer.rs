@@ -19,6 +19,8 @@ pub struct Slot {
     pub name: String,
     pub shape: Vec<i64>,
     pub range: Range<usize>,
+    /// Index into [`BufferLayout::buckets`] of the bucket holding it.
+    pub bucket: usize,
     pub group: ParamGroup,
     pub attributes: ParamAttributes,
 }
@@ -99,6 +101,7 @@ impl BufferLayout {
                 name: param.name.to_string(),
                 shape: param.shape.clone(),
                 range: offset..offset + numel,
+                bucket: buckets.len(),
                 group: ParamGroup::of(param.name, &param.shape),
                 attributes: param.attributes,
             });
@@ -194,6 +197,11 @@ mod tests {
             .map(|rank| BufferLayout::new(&params(), 250, rank, size, true))
             .collect();
         for layout in &layouts {
+            for slot in &layout.slots {
+                assert!(layout.buckets[slot.bucket]
+                    .range
+                    .contains(&slot.range.start));
+            }
             for bucket in &layout.buckets {
                 assert_eq!(bucket.range.len() % (size * SHARD_ALIGNMENT), 0);
                 assert_eq!(bucket.shard.len() * size, bucket.range.len());

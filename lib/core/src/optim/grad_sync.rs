@@ -126,20 +126,13 @@ impl OverlappedGradSync {
         params: &[Tensor],
         device: Device,
     ) -> Result<Self> {
-        let bucket_of = |range: &Range<usize>| {
-            layout
-                .buckets
-                .iter()
-                .position(|b| b.range.contains(&range.start))
-                .expect("slots lie in buckets")
-        };
         let slots: Vec<SlotTarget> = layout
             .slots
             .iter()
             .map(|s| SlotTarget {
                 range: s.range.clone(),
                 shape: s.shape.clone(),
-                bucket: bucket_of(&s.range),
+                bucket: s.bucket,
             })
             .collect();
         let mut pending = vec![0; layout.buckets.len()];

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::buffer::{BufferLayout, ParamShape, Segment};
 use super::grad_sync::{BucketReducer, OverlappedGradSync};
@@ -17,6 +17,7 @@ use super::param_gather::ParamGather;
 use crate::model::{NamedParameter, ParamGate};
 use crate::ops::{self, AdamwHyper};
 use crate::parallel::{Communicator, ParallelState, ReduceOp};
+use crate::runtime::CudaStream;
 
 /// Megatron's default `--ddp-bucket-size`: 40M elements.
 pub const DEFAULT_BUCKET_SIZE: usize = 40_000_000;
@@ -94,7 +95,8 @@ pub struct MixedPrecisionOptimizer {
     /// the first and last stage).
     embedding_slots: Vec<usize>,
     grad_sync: GradSync,
-    /// `--overlap-param-gather` with the distributed optimizer over several ranks.
+    /// The distributed optimizer's all-gather of updated parameters (overlapped on GPUs with
+    /// `--overlap-param-gather` over several ranks).
     param_gather: Option<Arc<ParamGather>>,
 }
 
@@ -196,17 +198,22 @@ impl MixedPrecisionOptimizer {
                 GradSync::AfterBackward(reducer)
             }
         };
-        let param_gather = (sharded && settings.overlap_param_gather && data.size() > 1)
-            .then(|| {
-                ParamGather::new(
-                    data.clone(),
-                    param_buffer.shallow_clone(),
-                    layout.clone(),
-                    device,
-                )
-            })
-            .transpose()?
-            .map(Arc::new);
+        let param_gather = if sharded {
+            let side = match device {
+                Device::Cuda(index) if settings.overlap_param_gather && data.size() > 1 => {
+                    Some(CudaStream::from_pool(index)?)
+                }
+                _ => None,
+            };
+            Some(Arc::new(ParamGather::new(
+                data.clone(),
+                param_buffer.shallow_clone(),
+                layout.clone(),
+                side,
+            )))
+        } else {
+            None
+        };
         Ok(MixedPrecisionOptimizer {
             param_gather,
             grad_sync,
@@ -519,29 +526,10 @@ impl MixedPrecisionOptimizer {
                 (targets.iter().collect(), sources.iter().collect());
             tch::no_grad(|| ops::foreach_copy_(&t, &s))?;
         }
-        if let Some(gather) = &self.param_gather {
-            return gather.launch();
+        match &self.param_gather {
+            Some(gather) => gather.launch(),
+            None => Ok(()),
         }
-        if self.sharded {
-            for bucket in &self.layout.buckets {
-                let shard = self.param_buffer.narrow(
-                    0,
-                    bucket.shard.start as i64,
-                    bucket.shard.len() as i64,
-                );
-                let gathered = self
-                    .parallel
-                    .data
-                    .all_gather(&shard, 0)
-                    .context("all-gather of parameters")?;
-                tch::no_grad(|| {
-                    self.param_buffer
-                        .narrow(0, bucket.range.start as i64, bucket.range.len() as i64)
-                        .copy_(&gathered)
-                });
-            }
-        }
-        Ok(())
     }
 
     /// With `--overlap-param-gather`, one gate per model chunk for
@@ -549,8 +537,10 @@ impl MixedPrecisionOptimizer {
     /// chunks' parameter-name prefixes here. Empty otherwise.
     pub fn param_gates(&self, prefixes: &[String]) -> Vec<Arc<dyn ParamGate>> {
         match &self.param_gather {
-            Some(gather) => prefixes.iter().map(|p| gather.gate(p.clone())).collect(),
-            None => Vec::new(),
+            Some(gather) if gather.overlapped() => {
+                prefixes.iter().map(|p| gather.gate(p.clone())).collect()
+            }
+            _ => Vec::new(),
         }
     }
 

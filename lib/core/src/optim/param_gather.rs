@@ -1,31 +1,31 @@
-//! `--overlap-param-gather`: the distributed optimizer's all-gathers of the updated parameters,
-//! launched bucket by bucket on a side stream after the step, in the order the next forward pass
-//! uses them (buckets lie in reverse model order, so the last bucket goes first). The forward
-//! pass waits for a bucket just before the first module whose parameters it holds, so the
-//! gathers overlap with the forward compute of the modules before (Megatron's forward pre-hooks).
-//! On the CPU there is no side stream and the gathers run in place.
+//! The distributed optimizer's all-gather of the updated parameters, bucket by bucket. Without a
+//! side stream it runs in place after the step. With `--overlap-param-gather` it runs on a side
+//! stream, in the order the next forward pass uses the buckets (they lie in reverse model order,
+//! so the last bucket goes first), and the forward pass waits for a bucket just before the first
+//! module whose parameters it holds, so the gathers overlap with the compute of the modules
+//! before (Megatron's forward pre-hooks).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
-use tch::{Device, Tensor};
+use tch::Tensor;
 
 use super::buffer::BufferLayout;
 use crate::model::ParamGate;
 use crate::parallel::Communicator;
 use crate::runtime::{CudaEvent, CudaStream};
 
-/// The launched gathers and what the forward pass must wait for.
 pub struct ParamGather {
     data: Arc<dyn Communicator>,
     layout: BufferLayout,
+    /// The stream of overlapped gathers; none gathers in place.
     side: Option<CudaStream>,
     state: Mutex<State>,
 }
 
 struct State {
     param_buffer: Tensor,
-    /// Per bucket, the end of its gather while no forward pass has waited for it yet.
+    /// Per bucket, the end of its overlapped gather while no forward pass has waited for it.
     pending: Vec<Option<CudaEvent>>,
 }
 
@@ -34,14 +34,10 @@ impl ParamGather {
         data: Arc<dyn Communicator>,
         param_buffer: Tensor,
         layout: BufferLayout,
-        device: Device,
-    ) -> Result<Self> {
-        let side = match device {
-            Device::Cuda(index) => Some(CudaStream::from_pool(index)?),
-            _ => None,
-        };
+        side: Option<CudaStream>,
+    ) -> Self {
         let pending = layout.buckets.iter().map(|_| None).collect();
-        Ok(ParamGather {
+        ParamGather {
             data,
             layout,
             side,
@@ -49,28 +45,34 @@ impl ParamGather {
                 param_buffer,
                 pending,
             }),
-        })
+        }
     }
 
-    /// Gathers every rank's shard of every bucket into the parameter buffer: on the side stream
-    /// after the work enqueued so far (the step that wrote this rank's shard), last bucket first.
+    /// Whether the gathers run on a side stream, overlapped with the next forward pass.
+    pub fn overlapped(&self) -> bool {
+        self.side.is_some()
+    }
+
+    /// Gathers every rank's shard of every bucket into the parameter buffer, after the work
+    /// enqueued so far (the step that wrote this rank's shard).
     pub fn launch(&self) -> Result<()> {
         self.wait_all()?;
         let mut state = self.lock();
+        let buckets = (0..self.layout.buckets.len()).rev();
         let Some(side) = self.side else {
-            return (0..self.layout.buckets.len())
-                .rev()
+            return buckets
+                .into_iter()
                 .try_for_each(|bucket| self.gather(&state.param_buffer, bucket));
         };
         side.wait_for(&CudaStream::current(side.device)?)?;
-        for bucket in (0..self.layout.buckets.len()).rev() {
+        for bucket in buckets {
             side.run(|| self.gather(&state.param_buffer, bucket))??;
             state.pending[bucket] = Some(CudaEvent::record(&side)?);
         }
         Ok(())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -122,8 +124,7 @@ impl ParamGate for ChunkGate {
             return Ok(());
         };
         let mut state = gather.lock();
-        let pending = &mut state.pending;
-        if pending.iter().all(Option::is_none) {
+        if state.pending.iter().all(Option::is_none) {
             return Ok(());
         }
         let scope = format!("{}{module}.", self.prefix);
@@ -134,13 +135,7 @@ impl ParamGate for ChunkGate {
             .iter()
             .filter(|s| s.name.starts_with(&scope))
         {
-            let bucket = gather
-                .layout
-                .buckets
-                .iter()
-                .position(|b| b.range.contains(&slot.range.start))
-                .expect("slots lie in buckets");
-            if let Some(event) = pending[bucket].take() {
+            if let Some(event) = state.pending[slot.bucket].take() {
                 event.block(&current)?;
             }
         }

@@ -68,8 +68,7 @@ impl CudaStream {
 
     /// Work enqueued on `self` from now on waits for the work enqueued so far on `other`.
     pub fn wait_for(&self, other: &CudaStream) -> Result<(), TorchError> {
-        // SAFETY: plain call on stream ids of this device.
-        check(unsafe { ffi::mrs_stream_wait_stream(cuda_index(self.device)?, self.id, other.id) })
+        CudaEvent::record(other)?.block(self)
     }
 
     /// Runs `body` with `self` as the calling thread's current stream, restoring the previous

@@ -9,7 +9,6 @@ use tch::{Device, Kind, Tensor};
 /// with one kernel when they come straight from the fused projection.
 pub struct LayerCache {
     kv: Tensor,
-    head_dim: i64,
     pub len: i64,
 }
 
@@ -24,7 +23,6 @@ impl LayerCache {
     ) -> Self {
         LayerCache {
             kv: Tensor::zeros([batch, groups, capacity, 2 * head_dim], (kind, device)),
-            head_dim,
             len: 0,
         }
     }
@@ -32,7 +30,7 @@ impl LayerCache {
     /// Keys and values of the first `length` slots, `[b, groups, length, d]` each.
     fn split(&self, length: i64) -> (Tensor, Tensor) {
         let kv = self.kv.narrow(2, 0, length);
-        let d = self.head_dim;
+        let d = self.kv.size()[3] / 2;
         (kv.narrow(3, 0, d), kv.narrow(3, d, d))
     }
 
