@@ -2,22 +2,32 @@
 //! trained for three steps with TP, SP, PP (1F1B and interleaved), DP and the distributed
 //! optimizer, ranks as threads, gives the losses and (merged) weights of the one-rank run.
 
-use std::collections::HashMap;
-use std::path::Path;
-use std::time::Duration;
+mod support;
 
 use clap::Parser;
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::checkpoint::{find_checkpoint, merge_model_parallel_ranks};
-use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
-use megatron_core::training::{pretrain_gpt, Runtime};
-use tch::{Device, Tensor};
+use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
+use support::Pretrain;
 
 #[derive(Parser)]
 #[command(args_override_self = true)]
 struct Flags {
     #[command(flatten)]
     args: GptPretrainArgs,
+}
+
+impl Pretrain for GptPretrainArgs {
+    fn parse(argv: Vec<String>) -> Self {
+        Flags::try_parse_from(argv).expect("valid flags").args
+    }
+
+    fn sequence_parallel(&self) -> bool {
+        self.parallel.sequence_parallel
+    }
+
+    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
+        pretrain_gpt(self, runtime)
+    }
 }
 
 /// A 4-layer GPT on mock data, fp32, no dropout, 4 micro-batches of 2 per step.
@@ -88,131 +98,23 @@ const LLAMA_LIKE: &[&str] = &[
     "--disable-bias-linear",
 ];
 
-struct Outcome {
-    losses: Vec<f64>,
-    weights: HashMap<String, Tensor>,
+fn train(flags: &[&str], world: usize, tensor: usize, pipeline: usize, extra: &[&str]) -> support::Outcome {
+    support::train::<GptPretrainArgs>(flags, world, tensor, pipeline, extra)
 }
 
-fn parse(flags: &[&str], extra: &[String]) -> GptPretrainArgs {
-    let argv = std::iter::once("pretrain_gpt".to_string())
-        .chain(flags.iter().map(|s| s.to_string()))
-        .chain(extra.iter().cloned());
-    Flags::try_parse_from(argv).expect("valid flags").args
-}
-
-fn losses(metrics: &Path) -> Vec<f64> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .filter_map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).unwrap();
-            record
-                .get("split")
-                .is_none()
-                .then(|| record["lm loss"].as_f64())
-                .flatten()
-        })
-        .collect()
-}
-
-/// Trains with `world` thread ranks in a TP × PP layout and returns the logged losses and the
-/// merged weights of the final checkpoint.
-fn train(flags: &[&str], world: usize, tensor: usize, pipeline: usize, extra: &[&str]) -> Outcome {
-    let dir = tempfile::tempdir().unwrap();
-    train_in(dir.path(), flags, world, tensor, pipeline, extra).unwrap()
-}
-
-/// [`train`] saving under `dir/ckpt` and appending to `dir/metrics.jsonl`.
 fn train_in(
-    dir: &Path,
+    dir: &std::path::Path,
     flags: &[&str],
     world: usize,
     tensor: usize,
     pipeline: usize,
     extra: &[&str],
-) -> anyhow::Result<Outcome> {
-    let save = dir.join("ckpt");
-    let metrics = dir.join("metrics.jsonl");
-    let mut more: Vec<String> = vec![
-        "--tensor-model-parallel-size".into(),
-        tensor.to_string(),
-        "--pipeline-model-parallel-size".into(),
-        pipeline.to_string(),
-        "--save".into(),
-        save.display().to_string(),
-        "--metrics-file".into(),
-        metrics.display().to_string(),
-    ];
-    more.extend(extra.iter().map(|s| s.to_string()));
-    let args = parse(flags, &more);
-    let layout = ParallelLayout::new(world, tensor, pipeline).unwrap();
-    let threads = ThreadWorld::new(world, Duration::from_secs(120));
-    threads.run(|rank| {
-        let parallel =
-            ParallelState::threads(&threads, layout, rank, args.parallel.sequence_parallel)?;
-        pretrain_gpt(
-            &args,
-            &Runtime {
-                parallel,
-                device: Device::Cpu,
-            },
-        )
-    })?;
-    let checkpoint = find_checkpoint(&save)?.expect("a checkpoint was saved");
-    Ok(Outcome {
-        losses: losses(&metrics),
-        weights: merge_model_parallel_ranks(&checkpoint, Device::Cpu)?,
-    })
-}
-
-fn assert_equivalent(reference: &Outcome, parallel: &Outcome, what: &str) {
-    assert_eq!(
-        reference.losses.len(),
-        3,
-        "{what}: reference logged {:?}",
-        reference.losses
-    );
-    assert_eq!(
-        parallel.losses.len(),
-        3,
-        "{what}: logged {:?}",
-        parallel.losses
-    );
-    for (step, (a, b)) in reference.losses.iter().zip(&parallel.losses).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs(),
-            "{what}: loss of step {} is {b}, the one-rank run's {a}",
-            step + 1
-        );
-    }
-    let mut names: Vec<&String> = reference.weights.keys().collect();
-    names.sort();
-    assert_eq!(names, {
-        let mut theirs: Vec<&String> = parallel.weights.keys().collect();
-        theirs.sort();
-        theirs
-    });
-    for name in names {
-        let (a, b) = (&reference.weights[name], &parallel.weights[name]);
-        assert_eq!(a.size(), b.size(), "{what}: {name}");
-        let scale = a.abs().max().double_value(&[]).max(1e-12);
-        let diff = (a - b).abs().max().double_value(&[]);
-        assert!(
-            diff <= 1e-5 * scale,
-            "{what}: {name} differs by {diff:e} (largest weight {scale:e})"
-        );
-    }
+) -> anyhow::Result<support::Outcome> {
+    support::train_in::<GptPretrainArgs>(dir, flags, world, tensor, pipeline, extra)
 }
 
 fn check(flags: &[&str], world: usize, tensor: usize, pipeline: usize, extra: &[&str], what: &str) {
-    let reference = train(flags, 1, 1, 1, &[]);
-    assert!(
-        reference.losses[2] < reference.losses[0],
-        "{what}: the reference run did not learn: {:?}",
-        reference.losses
-    );
-    let parallel = train(flags, world, tensor, pipeline, extra);
-    assert_equivalent(&reference, &parallel, what);
+    support::check::<GptPretrainArgs>(flags, world, tensor, pipeline, extra, what);
 }
 
 #[test]

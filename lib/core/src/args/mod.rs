@@ -2,6 +2,7 @@
 //! defaults as Megatron's `arguments.py`, core_v0.13). Each group is a clap `Args` struct the
 //! binaries flatten into their parser.
 
+mod bert;
 mod checkpointing;
 mod data;
 mod logging;
@@ -9,6 +10,7 @@ mod model;
 mod parallel;
 mod training;
 
+pub use bert::{BertArgs, BertPretrainArgs};
 pub use checkpointing::CheckpointArgs;
 pub use data::{DataArgs, TokenizerArgs};
 pub use logging::LoggingArgs;
@@ -16,9 +18,9 @@ pub use model::ModelArgs;
 pub use parallel::ParallelArgs;
 pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
 
-/// Every flag of `pretrain_gpt`.
+/// The flags every pretraining binary shares: all of `pretrain_gpt`'s.
 #[derive(Debug, Clone, clap::Args, serde::Serialize)]
-pub struct GptPretrainArgs {
+pub struct PretrainArgs {
     #[command(flatten, next_help_heading = "Model")]
     pub model: ModelArgs,
     #[command(flatten, next_help_heading = "Training")]
@@ -40,3 +42,6 @@ pub struct GptPretrainArgs {
     #[command(flatten, next_help_heading = "Logging")]
     pub logging: LoggingArgs,
 }
+
+/// Every flag of `pretrain_gpt`.
+pub type GptPretrainArgs = PretrainArgs;

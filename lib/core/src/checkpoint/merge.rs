@@ -1,5 +1,6 @@
-//! Merging a tensor- and pipeline-parallel GPT checkpoint into the tensors of one unsplit
-//! model: inference tools load any layout, and tests compare parallel runs with a single one.
+//! Merging a tensor- and pipeline-parallel GPT or BERT checkpoint into the tensors of one
+//! unsplit model: inference tools load any layout, and tests compare parallel runs with a
+//! single one.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -39,7 +40,7 @@ pub fn tensor_split(name: &str, config: &GptConfig) -> TensorSplit {
                 1
             },
         },
-        "embedding.word_embeddings.weight" | "output_layer.weight" => {
+        "embedding.word_embeddings.weight" | "output_layer.weight" | "output_layer.bias" => {
             TensorSplit::Rows { stride: 1 }
         }
         "self_attention.linear_proj.weight" | "mlp.linear_fc2.weight" => TensorSplit::Columns,
@@ -113,10 +114,13 @@ pub fn split_for_tensor_parallel(
         .collect()
 }
 
-/// Renames a chunk-local layer index (`decoder.layers.3.…`) to the global one.
+/// Renames a chunk-local layer index (`decoder.layers.3.…`, BERT's `encoder.layers.3.…`) to
+/// the global one.
 fn globalize_layer(name: &str, first_layer: usize) -> Result<String> {
-    const PREFIX: &str = "decoder.layers.";
-    let Some(rest) = name.strip_prefix(PREFIX) else {
+    let Some((prefix, rest)) = ["decoder.layers.", "encoder.layers."]
+        .iter()
+        .find_map(|prefix| Some((*prefix, name.strip_prefix(prefix)?)))
+    else {
         return Ok(name.to_string());
     };
     let (index, leaf) = rest
@@ -125,7 +129,7 @@ fn globalize_layer(name: &str, first_layer: usize) -> Result<String> {
     let index: usize = index
         .parse()
         .with_context(|| format!("malformed layer index in {name}"))?;
-    Ok(format!("{PREFIX}{}.{leaf}", first_layer + index))
+    Ok(format!("{prefix}{}.{leaf}", first_layer + index))
 }
 
 /// The model tensors of every rank of `checkpoint`, merged into the names and shapes of a
@@ -136,9 +140,9 @@ pub fn merge_model_parallel_ranks(
     device: Device,
 ) -> Result<HashMap<String, Tensor>> {
     let metadata = &checkpoint.metadata;
-    if metadata.model_type != "GPT" {
+    if metadata.model_type != "GPT" && metadata.model_type != "BERT" {
         bail!(
-            "{}: merging {} checkpoints is not supported, only GPT",
+            "{}: merging {} checkpoints is not supported, only GPT and BERT",
             checkpoint.directory.display(),
             metadata.model_type
         );
@@ -205,7 +209,9 @@ pub fn merge_model_parallel_ranks(
             parts.len()
         );
         let mut tensor = join_shards(&parts, tensor_split(&name, &config));
-        if name == "embedding.word_embeddings.weight" || name == "output_layer.weight" {
+        if name == "embedding.word_embeddings.weight"
+            || name.starts_with("output_layer.")
+        {
             // Padding rows beyond one rank's padded vocabulary are never looked up.
             tensor = tensor.narrow(0, 0, padded_vocab);
         }

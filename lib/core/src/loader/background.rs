@@ -1,17 +1,39 @@
 //! A thread that reads samples ahead of training.
 
+use std::ops::Range;
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::{anyhow, Result};
-use megatron_data::blend::SplitDataset;
+use tch::Device;
 
-use super::gpt_batch::GptBatch;
+/// A split of a model family's dataset: samples by index, collated into host batches.
+pub trait SampleSource: Send + Sync {
+    type Batch: Send + 'static;
+    fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The samples `indices` as one batch.
+    fn collate(&self, indices: Range<u64>) -> Result<Self::Batch>;
+}
+
+/// A batch that can move to the training device.
+pub trait DeviceBatch: Send + 'static {
+    fn to_device(&self, device: Device) -> Self;
+}
+
+/// A family's train, validation and test splits; a split is absent when empty.
+pub struct Splits<B> {
+    pub train: Option<Arc<dyn SampleSource<Batch = B>>>,
+    pub valid: Option<Arc<dyn SampleSource<Batch = B>>>,
+    pub test: Option<Arc<dyn SampleSource<Batch = B>>>,
+}
 
 /// Yields the micro-batches of one split in Megatron's order, prepared on a background thread.
-pub struct BatchLoader {
-    receiver: Receiver<Result<GptBatch>>,
+pub struct BatchLoader<B> {
+    receiver: Receiver<Result<B>>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -25,11 +47,11 @@ pub struct SamplerPosition {
     pub data_parallel_size: u64,
 }
 
-impl BatchLoader {
+impl<B: Send + 'static> BatchLoader<B> {
     /// `prefetch` micro-batches are kept ready. Reading past the end of the dataset is an
     /// error naming the split (the datasets are sized for the whole run, as in Megatron).
     pub fn spawn(
-        dataset: Arc<SplitDataset>,
+        dataset: Arc<dyn SampleSource<Batch = B>>,
         split_name: &'static str,
         position: SamplerPosition,
         prefetch: usize,
@@ -43,16 +65,14 @@ impl BatchLoader {
                 loop {
                     let first = next + position.data_parallel_rank * position.micro_batch_size;
                     let end = first + position.micro_batch_size;
-                    let batch = if end > dataset.len() as u64 {
+                    let batch = if end > dataset.len() {
                         Err(anyhow!(
                             "the {split_name} dataset has {} samples; sample {} was requested",
                             dataset.len(),
                             end - 1
                         ))
                     } else {
-                        let samples: Vec<_> =
-                            (first..end).map(|i| dataset.get(i as usize).1).collect();
-                        Ok(GptBatch::collate(&samples))
+                        dataset.collate(first..end)
                     };
                     let failed = batch.is_err();
                     if sender.send(batch).is_err() || failed {
@@ -68,14 +88,14 @@ impl BatchLoader {
         }
     }
 
-    pub fn next_batch(&mut self) -> Result<GptBatch> {
+    pub fn next_batch(&mut self) -> Result<B> {
         self.receiver
             .recv()
             .map_err(|_| anyhow!("the data loader stopped"))?
     }
 }
 
-impl Drop for BatchLoader {
+impl<B> Drop for BatchLoader<B> {
     fn drop(&mut self) {
         // Unblock the worker (its send fails once the receiver is gone), then join it.
         let (_, receiver) = sync_channel(1);

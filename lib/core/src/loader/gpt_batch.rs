@@ -1,8 +1,13 @@
 //! A micro-batch of GPT samples as tensors.
 
+use std::ops::Range;
+
+use anyhow::Result;
+use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::GptSample;
 use tch::{Device, Kind, Tensor};
 
+use super::background::{DeviceBatch, SampleSource};
 use crate::model::AttentionMask;
 
 pub struct GptBatch {
@@ -57,17 +62,6 @@ impl GptBatch {
         }
     }
 
-    pub fn to_device(&self, device: Device) -> GptBatch {
-        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
-        GptBatch {
-            tokens: move_(&self.tokens),
-            labels: move_(&self.labels),
-            loss_mask: move_(&self.loss_mask),
-            position_ids: move_(&self.position_ids),
-            attention_mask: self.attention_mask.as_ref().map(move_),
-        }
-    }
-
     pub fn mask(&self) -> AttentionMask {
         match &self.attention_mask {
             Some(mask) => AttentionMask::Explicit(mask.shallow_clone()),
@@ -78,5 +72,31 @@ impl GptBatch {
     /// Tokens that count towards the loss.
     pub fn num_tokens(&self) -> Tensor {
         self.loss_mask.sum(Kind::Float)
+    }
+}
+
+impl DeviceBatch for GptBatch {
+    fn to_device(&self, device: Device) -> GptBatch {
+        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
+        GptBatch {
+            tokens: move_(&self.tokens),
+            labels: move_(&self.labels),
+            loss_mask: move_(&self.loss_mask),
+            position_ids: move_(&self.position_ids),
+            attention_mask: self.attention_mask.as_ref().map(move_),
+        }
+    }
+}
+
+impl SampleSource for SplitDataset {
+    type Batch = GptBatch;
+
+    fn len(&self) -> u64 {
+        SplitDataset::len(self) as u64
+    }
+
+    fn collate(&self, indices: Range<u64>) -> Result<GptBatch> {
+        let samples: Vec<GptSample> = indices.map(|i| self.get(i as usize).1).collect();
+        Ok(GptBatch::collate(&samples))
     }
 }

@@ -1,9 +1,11 @@
-//! From GPT datasets to device batches: Megatron's pretraining sampler order (consecutive
-//! global batches from the consumed-sample count, each data-parallel rank taking its slice),
-//! collation into tensors, and a background thread so the device never waits for data.
+//! From a model family's datasets to device batches: Megatron's pretraining sampler order
+//! (consecutive global batches from the consumed-sample count, each data-parallel rank taking its
+//! slice), collation into tensors, and a background thread so the device never waits for data.
 
 mod background;
+mod bert_batch;
 mod gpt_batch;
 
-pub use background::{BatchLoader, SamplerPosition};
+pub use background::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
+pub use bert_batch::{BertBatch, MockBertSource};
 pub use gpt_batch::GptBatch;

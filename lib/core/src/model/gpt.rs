@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::config::{GptConfig, PositionEmbeddingType};
@@ -16,13 +16,13 @@ use super::layers::{
     ParamAttributes, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
     VocabParallelEmbedding,
 };
+use super::chunk::{load_named, ModelChunk};
 use super::param::{Initializer, Param};
-use crate::autograd::checkpoint;
+use super::stack::{embedding_output, GateSlot, LayerStack};
 use crate::parallel::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region, ParallelState,
+    gather_from_tensor_parallel_region, ParallelState,
 };
-use crate::rng::with_model_parallel_rng;
 
 /// `--recompute-granularity full --recompute-method ...`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,7 +87,7 @@ pub enum ChunkInput<'a> {
 }
 
 /// The output projection of a post-process chunk.
-enum OutputWeight {
+pub(crate) enum OutputWeight {
     /// Tied, and the word embeddings are in this chunk.
     WordEmbeddings,
     /// The untied `output_layer`, or the last stage's copy of the tied word embeddings.
@@ -115,7 +115,7 @@ pub struct GptModel {
     rotary: Option<RotaryEmbedding>,
     options: ModelOptions,
     parallel: TensorParallel,
-    param_gate: Option<Arc<dyn ParamGate>>,
+    gate: GateSlot,
 }
 
 impl GptModel {
@@ -236,7 +236,7 @@ impl GptModel {
             rotary,
             options,
             parallel: tensor_parallel,
-            param_gate: None,
+            gate: GateSlot::default(),
         })
     }
 
@@ -305,15 +305,7 @@ impl GptModel {
             .rotary
             .as_ref()
             .map(|r| r.tables(0, sequence, hidden.device()));
-        // With sequence parallelism every dropout in the stack acts on per-rank slices, so the
-        // stack runs on the model-parallel stream (spec §3.2).
-        let hidden = if self.parallel.sequence_parallel {
-            with_model_parallel_rng(hidden.device(), || {
-                self.run_layers(hidden, mask, rotary.as_ref(), train)
-            })??
-        } else {
-            self.run_layers(hidden, mask, rotary.as_ref(), train)?
-        };
+        let hidden = self.stack().forward(hidden, mask, rotary.as_ref(), train)?;
         match &self.final_layernorm {
             Some(norm) => {
                 self.gate("decoder.final_layernorm")?;
@@ -326,24 +318,21 @@ impl GptModel {
 
     /// Installs the gate the forward pass consults before each module (`--overlap-param-gather`).
     pub fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
-        self.param_gate = Some(gate);
+        self.gate.set(gate);
     }
 
     fn gate(&self, module: &str) -> Result<()> {
-        match &self.param_gate {
-            Some(gate) => gate.before(module),
-            None => Ok(()),
-        }
+        self.gate.before(module)
     }
 
-    /// Gates the layers `range` (local indices) before they run.
-    fn gate_layers(&self, range: Range<usize>) -> Result<()> {
-        if self.param_gate.is_some() {
-            for i in range {
-                self.gate(&format!("decoder.layers.{i}"))?;
-            }
+    fn stack(&self) -> LayerStack<'_> {
+        LayerStack {
+            layers: &self.layers,
+            scope: "decoder.layers",
+            recompute: self.options.recompute,
+            parallel: &self.parallel,
+            gate: &self.gate,
         }
-        Ok(())
     }
 
     /// Like [`forward`](Self::forward) but with the full vocabulary gathered from every rank.
@@ -478,65 +467,7 @@ impl GptModel {
             );
             embedded = embedded + Tensor::embedding(positions, position_ids, -1, false, false);
         }
-        let embedded = embedded.transpose(0, 1).contiguous();
-        if self.parallel.sequence_parallel {
-            let embedded = scatter_to_sequence_parallel_region(&embedded, &self.parallel.group)?;
-            return Ok(with_model_parallel_rng(embedded.device(), || {
-                embedded.dropout(self.config.hidden_dropout, train)
-            })?);
-        }
-        Ok(embedded.dropout(self.config.hidden_dropout, train))
-    }
-
-    fn run_layers(
-        &self,
-        mut hidden: Tensor,
-        mask: &AttentionMask,
-        rotary: Option<&RotaryTables>,
-        train: bool,
-    ) -> Result<Tensor> {
-        let selective = self.options.recompute == Recompute::Selective;
-        let Recompute::Full { method, num_layers } = self.options.recompute else {
-            for (i, layer) in self.layers.iter().enumerate() {
-                self.gate_layers(i..i + 1)?;
-                hidden = layer.forward(&hidden, mask, rotary, train, selective && train)?;
-            }
-            return Ok(hidden);
-        };
-        if !train {
-            for (i, layer) in self.layers.iter().enumerate() {
-                self.gate_layers(i..i + 1)?;
-                hidden = layer.forward(&hidden, mask, rotary, false, false)?;
-            }
-            return Ok(hidden);
-        }
-        let chunk = num_layers.max(1);
-        let mut start = 0;
-        while start < self.layers.len() {
-            let (end, recompute) = match method {
-                RecomputeMethod::Uniform => ((start + chunk).min(self.layers.len()), true),
-                RecomputeMethod::Block => (start + 1, start < num_layers),
-            };
-            self.gate_layers(start..end)?;
-            if recompute {
-                let block: Vec<TransformerLayer> = self.layers[start..end].to_vec();
-                let (mask, rotary) = (mask.clone(), rotary.cloned());
-                let run = move |inputs: &[Tensor]| -> Result<Vec<Tensor>> {
-                    let mut x = inputs[0].shallow_clone();
-                    for layer in &block {
-                        x = layer.forward(&x, &mask, rotary.as_ref(), true, false)?;
-                    }
-                    Ok(vec![x])
-                };
-                hidden = checkpoint(run, &[&hidden])?.remove(0);
-            } else {
-                for layer in &self.layers[start..end] {
-                    hidden = layer.forward(&hidden, mask, rotary, true, false)?;
-                }
-            }
-            start = end;
-        }
-        Ok(hidden)
+        embedding_output(embedded, self.config.hidden_dropout, &self.parallel, train)
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
@@ -614,38 +545,9 @@ impl GptModel {
         out
     }
 
-    /// Copies `tensors` (Megatron-core names, any float dtype) into the parameters. Every
-    /// parameter must be present with its exact shape and no unknown name may remain, so a
-    /// checkpoint of another architecture fails loudly instead of half-loading.
+    /// Copies `tensors` (Megatron-core names) into the parameters; see [`load_named`].
     pub fn load_parameters(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
-        let parameters = self.named_parameters();
-        let mut unknown: Vec<&String> = tensors
-            .keys()
-            .filter(|k| !parameters.iter().any(|p| &p.name == *k))
-            .collect();
-        if !unknown.is_empty() {
-            unknown.sort();
-            bail!(
-                "unexpected tensors for this model: {}",
-                join_names(&unknown)
-            );
-        }
-        tch::no_grad(|| -> Result<()> {
-            for parameter in &parameters {
-                let name = &parameter.name;
-                let source = tensors
-                    .get(name)
-                    .with_context(|| format!("missing tensor {name}"))?;
-                ensure!(
-                    source.size() == parameter.tensor.size(),
-                    "tensor {name}: shape {:?} but the model expects {:?}",
-                    source.size(),
-                    parameter.tensor.size()
-                );
-                parameter.tensor.shallow_clone().copy_(source);
-            }
-            Ok(())
-        })
+        load_named(&self.named_parameters(), tensors)
     }
 
     pub fn parameter_count(&self) -> i64 {
@@ -656,16 +558,24 @@ impl GptModel {
     }
 }
 
-fn join_names(names: &[&String]) -> String {
-    const SHOWN: usize = 8;
-    let mut text = names
-        .iter()
-        .take(SHOWN)
-        .map(|s| s.as_str())
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > SHOWN {
-        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+impl ModelChunk for GptModel {
+    fn spec(&self) -> &ChunkSpec {
+        &self.spec
     }
-    text
+
+    fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    fn named_parameters(&self) -> Vec<NamedParameter> {
+        GptModel::named_parameters(self)
+    }
+
+    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
+        GptModel::set_param_gate(self, gate)
+    }
+
+    fn config_json(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(&self.config)?)
+    }
 }

@@ -1,6 +1,8 @@
-//! Megatron's GPT in libtorch: configuration, tensor-parallel-aware layers, the model, its loss,
-//! and the mapping from HuggingFace checkpoints.
+//! Megatron's models in libtorch (GPT, BERT): configuration, tensor-parallel-aware layers, the
+//! shared transformer stack, the models, their loss, and the mapping from HuggingFace checkpoints.
 
+pub mod bert;
+pub mod chunk;
 pub mod config;
 pub mod cross_entropy;
 pub mod gpt;
@@ -8,7 +10,10 @@ pub mod hf;
 pub mod layers;
 pub mod param;
 pub mod partition;
+pub mod stack;
 
+pub use bert::{BertConfig, BertModel, BertOutput};
+pub use chunk::ModelChunk;
 pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType};
 pub use cross_entropy::cross_entropy;
 pub use gpt::{

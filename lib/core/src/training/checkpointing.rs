@@ -13,7 +13,7 @@ use crate::checkpoint::{
     rank_directory_name, write_rank_file, CheckpointDirectory, CheckpointMetadata,
     CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
 };
-use crate::model::{GptConfig, GptModel, PipelineSplit};
+use crate::model::{ModelChunk, PipelineSplit};
 use crate::optim::MixedPrecisionOptimizer;
 use crate::parallel::ParallelState;
 use crate::rng::{model_parallel_rng_state, set_model_parallel_rng_state, GeneratorState};
@@ -55,7 +55,7 @@ fn chunk_prefix(chunk: usize, chunks: usize) -> String {
 }
 
 /// Every tensor of this rank's model chunks under its checkpoint name.
-pub fn model_tensors(chunks: &[GptModel]) -> Vec<(String, Tensor)> {
+pub fn model_tensors<C: ModelChunk>(chunks: &[C]) -> Vec<(String, Tensor)> {
     chunks
         .iter()
         .enumerate()
@@ -69,7 +69,10 @@ pub fn model_tensors(chunks: &[GptModel]) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-fn load_model_tensors(chunks: &[GptModel], mut tensors: HashMap<String, Tensor>) -> Result<()> {
+fn load_model_tensors<C: ModelChunk>(
+    chunks: &[C],
+    mut tensors: HashMap<String, Tensor>,
+) -> Result<()> {
     for (c, chunk) in chunks.iter().enumerate() {
         let prefix = chunk_prefix(c, chunks.len());
         let mine: HashMap<String, Tensor> = if prefix.is_empty() {
@@ -101,10 +104,12 @@ fn load_model_tensors(chunks: &[GptModel], mut tensors: HashMap<String, Tensor>)
     Ok(())
 }
 
-pub struct SaveRequest<'a> {
+pub struct SaveRequest<'a, C: ModelChunk> {
     pub root: &'a Path,
+    /// `GPT`, `BERT`.
+    pub model_type: &'static str,
     pub progress: Progress,
-    pub chunks: &'a [GptModel],
+    pub chunks: &'a [C],
     /// How the layers are spread over the pipeline, recorded so tools can merge the ranks.
     pub split: PipelineSplit,
     pub optimizer: Option<(&'a MixedPrecisionOptimizer, &'a str)>,
@@ -136,7 +141,7 @@ fn rng_tensors(device: Device) -> Result<Vec<(String, Tensor)>> {
 /// Saves the checkpoint of `request.progress.iteration`; every rank calls it. Data-parallel
 /// rank 0 of each model-parallel rank writes the model, RNG and (unsharded) optimizer state;
 /// with the distributed optimizer every rank writes its shard. Rank 0 commits.
-pub fn save(request: SaveRequest) -> Result<PathBuf> {
+pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
     let parallel = request.parallel;
     let world = &parallel.world;
     let chunk = &request.chunks[0];
@@ -175,8 +180,8 @@ pub fn save(request: SaveRequest) -> Result<PathBuf> {
             format: CHECKPOINT_FORMAT.to_string(),
             checkpoint_version: CHECKPOINT_VERSION,
             iteration,
-            model_type: "GPT".to_string(),
-            model: serde_json::to_value(&chunk.config)?,
+            model_type: request.model_type.to_string(),
+            model: chunk.config_json()?,
             params_dtype: dtype_name(chunk.options().params_dtype).to_string(),
             tensor_model_parallel_size: layout.tensor,
             pipeline_model_parallel_size: layout.pipeline,
@@ -225,22 +230,29 @@ pub struct LoadRequest<'a> {
 /// Loads this rank's model weights from the checkpoint under `request.root` into `chunks`,
 /// after checking that the checkpoint has the same architecture and model-parallel layout.
 /// Returns the checkpoint for [`restore_training_state`] once the optimizer exists.
-pub fn load_weights(
+pub fn load_weights<C: ModelChunk>(
     request: &LoadRequest,
-    chunks: &[GptModel],
+    model_type: &str,
+    chunks: &[C],
     parallel: &ParallelState,
 ) -> Result<Option<CheckpointDirectory>> {
     let Some(found) = find_checkpoint(request.root)? else {
         return Ok(None);
     };
     let model = &chunks[0];
-    let saved: GptConfig = serde_json::from_value(found.metadata.model.clone())
-        .with_context(|| format!("{}: model metadata", found.directory.display()))?;
-    if saved != model.config {
+    if found.metadata.model_type != model_type {
+        bail!(
+            "{} holds a {} model, not {model_type}",
+            found.directory.display(),
+            found.metadata.model_type
+        );
+    }
+    let ours = model.config_json()?;
+    if found.metadata.model != ours {
         bail!(
             "{} was saved with a different architecture: {}",
             found.directory.display(),
-            config_differences(&saved, &model.config)
+            config_differences(&found.metadata.model, &ours)
         );
     }
     let metadata = &found.metadata;
@@ -274,11 +286,7 @@ pub fn load_weights(
     Ok(Some(found))
 }
 
-fn config_differences(saved: &GptConfig, ours: &GptConfig) -> String {
-    let (saved, ours) = (
-        serde_json::to_value(saved).unwrap_or_default(),
-        serde_json::to_value(ours).unwrap_or_default(),
-    );
+fn config_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> String {
     let (Some(saved), Some(ours)) = (saved.as_object(), ours.as_object()) else {
         return String::new();
     };

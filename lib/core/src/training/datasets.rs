@@ -12,15 +12,10 @@ use megatron_data::gpt::{
 use megatron_data::indexed::IndexedDataset;
 
 use crate::args::{DataArgs, TokenizerArgs};
+use crate::loader::{GptBatch, SampleSource, Splits};
 
 /// Megatron's split for `--mock-data`.
 const MOCK_SPLIT: &str = "1,1,1";
-
-pub struct SplitDatasets {
-    pub train: Option<Arc<SplitDataset>>,
-    pub valid: Option<Arc<SplitDataset>>,
-    pub test: Option<Arc<SplitDataset>>,
-}
 
 pub struct DatasetRequest<'a> {
     pub data: &'a DataArgs,
@@ -33,7 +28,7 @@ pub struct DatasetRequest<'a> {
     pub vocab_size: usize,
 }
 
-pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
+pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
     let data = request.data;
     let sample = SampleOptions {
         eod_token: request.eod,
@@ -117,8 +112,11 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<SplitDatasets> {
         build_gpt_datasets(&sources, sizes, config, &open)?
     };
     let [train, valid, test] = built;
-    let keep = |d: Option<SplitDataset>| d.filter(|d| !d.is_empty()).map(Arc::new);
-    Ok(SplitDatasets {
+    let keep = |d: Option<SplitDataset>| {
+        d.filter(|d| !d.is_empty())
+            .map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = GptBatch>>)
+    };
+    Ok(Splits {
         train: keep(train),
         valid: keep(valid),
         test: keep(test),

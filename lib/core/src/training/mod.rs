@@ -1,22 +1,28 @@
 //! Training: the arithmetic of Megatron's loop (LR schedules, batch ramp-up, loss scaling,
-//! FLOPs, log lines), the pipeline schedules, and `pretrain_gpt` itself with its data,
-//! checkpoint and device glue.
+//! FLOPs, log lines), the pipeline schedules, the engine that runs any model family through
+//! them, and the families themselves (`pretrain_gpt`, `pretrain_bert`) with their data glue.
 
+mod bert;
 mod checkpointing;
 mod datasets;
 mod device;
+mod engine;
+pub mod family;
 pub mod flops;
+mod gpt;
 pub mod log_line;
 pub mod loss_scale;
 pub mod lr_schedule;
 pub mod microbatches;
-mod pretrain_gpt;
 pub mod python_format;
 mod runtime;
 pub mod schedules;
 mod stage;
 
+pub use bert::{pretrain_bert, BertFamily};
 pub use checkpointing::{model_tensors, Progress};
 pub use device::resolve_device;
-pub use pretrain_gpt::{pretrain_gpt, TrainingSummary};
+pub use engine::{pretrain, TrainingSummary};
+pub use family::{LossTotals, ModelFamily, StepOutput};
+pub use gpt::{pretrain_gpt, GptFamily};
 pub use runtime::{join_job, Runtime};

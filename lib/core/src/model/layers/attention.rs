@@ -13,13 +13,27 @@ use crate::model::config::GptConfig;
 use crate::model::param::Initializer;
 use crate::rng::with_model_parallel_rng;
 
-/// Which positions a query may attend to.
+/// Which positions a query may attend to: the attention mask kind of the model family (GPT's
+/// causal decoder, BERT's bidirectional encoder over padded sequences) is a parameter of the
+/// layer's forward pass.
 pub enum AttentionMask {
     /// Lower-triangular: the common case, served by the fused causal kernels.
     Causal,
     /// `[b or 1, 1, s, s]` booleans, `true` = masked out (Megatron's convention), e.g. with
     /// `--reset-attention-mask`.
     Explicit(Tensor),
+    /// Bidirectional attention to every real token: `[b, 1, 1, s]` booleans, `true` = the key
+    /// may be attended to. Megatron also masks the query rows of padding positions; their
+    /// outputs never reach a loss, and masking only keys keeps those rows finite.
+    Padding(Tensor),
+}
+
+impl AttentionMask {
+    /// The padding mask of `[b, s]` ones (real tokens) and zeros (padding), any dtype.
+    pub fn padding(keep: &Tensor) -> AttentionMask {
+        let (b, s) = keep.size2().expect("a padding mask is [b, s]");
+        AttentionMask::Padding(keep.ne(0).view([b, 1, 1, s]))
+    }
 }
 
 impl Clone for AttentionMask {
@@ -27,6 +41,7 @@ impl Clone for AttentionMask {
         match self {
             AttentionMask::Causal => AttentionMask::Causal,
             AttentionMask::Explicit(mask) => AttentionMask::Explicit(mask.shallow_clone()),
+            AttentionMask::Padding(keep) => AttentionMask::Padding(keep.shallow_clone()),
         }
     }
 }
@@ -332,5 +347,15 @@ fn sdpa(
                 false,
             )
         }
+        AttentionMask::Padding(keep) => Tensor::scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            Some(keep),
+            dropout,
+            false,
+            None,
+            false,
+        ),
     }
 }

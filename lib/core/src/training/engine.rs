@@ -1,19 +1,18 @@
-//! `pretrain_gpt`: Megatron's `pretrain()` for GPT on one rank of a (possibly single-rank)
-//! tensor × pipeline × data-parallel job — set-up from the flags, resume, the iteration loop
-//! over the pipeline schedule, evaluation, logging, checkpoints and the exit conditions
-//! (spec §4).
+//! The training engine: Megatron's `pretrain()` for any [`ModelFamily`] on one rank of a
+//! (possibly single-rank) tensor × pipeline × data-parallel job — set-up from the flags, resume,
+//! the iteration loop over the pipeline schedule, evaluation, logging, checkpoints and the exit
+//! conditions (spec §4).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use megatron_data::tokenizer::build_tokenizer;
 use tch::{Device, Tensor};
 
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
-use super::datasets::{build_datasets, DatasetRequest, SplitDatasets};
 use super::device::peak_tflops_of;
+use super::family::{LossTotals, ModelFamily};
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
 use super::loss_scale::{LossScaleFlags, LossScaler};
@@ -24,12 +23,11 @@ use super::lr_schedule::{
 use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
 use super::runtime::Runtime;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
-use super::stage::{GptStage, LossTotals};
-use crate::args::GptPretrainArgs;
-use crate::loader::{BatchLoader, GptBatch, SamplerPosition};
+use super::stage::FamilyStage;
+use crate::args::PretrainArgs;
+use crate::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
 use crate::metrics::TrainingMetrics;
-use crate::model::PipelineSplit;
-use crate::model::{Activation, GptConfig, GptModel, ModelOptions};
+use crate::model::{ModelChunk, ModelOptions, PipelineSplit};
 use crate::optim::{
     MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,
 };
@@ -42,7 +40,11 @@ use crate::signals::{exit_requested, install_exit_handler};
 pub struct TrainingSummary {
     pub iterations: u64,
     pub consumed_samples: u64,
+    /// The first reported loss (`lm loss`) of the last iteration that stepped.
     pub last_lm_loss: Option<f64>,
+    /// Every reported loss of that iteration.
+    pub last_losses: Vec<(&'static str, f64)>,
+    /// The first reported loss of the last evaluation on the validation set.
     pub validation_loss: Option<f64>,
     pub last_checkpoint: Option<PathBuf>,
     pub exit_reason: &'static str,
@@ -52,7 +54,8 @@ pub struct TrainingSummary {
 /// Interval statistics behind the log line (Megatron's `total_loss_dict`).
 #[derive(Default)]
 struct IntervalStats {
-    loss_sum: f64,
+    /// Per reported loss, its sum over the iterations that stepped.
+    loss_sums: Vec<f64>,
     advanced: u64,
     skipped: u64,
     nan: u64,
@@ -60,9 +63,10 @@ struct IntervalStats {
     started: Option<Instant>,
 }
 
-struct Run<'a> {
-    args: &'a GptPretrainArgs,
-    chunks: Vec<GptModel>,
+struct Run<'a, F: ModelFamily> {
+    args: &'a PretrainArgs,
+    family: &'a F,
+    chunks: Vec<F::Chunk>,
     split: PipelineSplit,
     optimizer: MixedPrecisionOptimizer,
     scheduler: OptimizerParamScheduler,
@@ -80,7 +84,14 @@ struct Run<'a> {
     last_checkpoint: Option<PathBuf>,
 }
 
-pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<TrainingSummary> {
+/// Trains `family` as the common flags `args` say; `args_json` is every flag of the run (the
+/// family's own included), recorded in checkpoints.
+pub fn pretrain<F: ModelFamily>(
+    args: &PretrainArgs,
+    args_json: serde_json::Value,
+    family: &F,
+    runtime: &Runtime,
+) -> Result<TrainingSummary> {
     let started = Instant::now();
     install_exit_handler();
     let parallel = runtime.parallel.clone();
@@ -96,12 +107,6 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     if args.parallel.sequence_parallel && layout.tensor == 1 {
         eprintln!("warning: --sequence-parallel has no effect without tensor parallelism");
     }
-    let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
-    let vocab_size = tokenizer.vocab_size();
-    let eod = tokenizer
-        .eod()
-        .context("the tokenizer has no end-of-document token, which GPT training needs")?;
-
     // Megatron's seeds (spec §3.2): offset by the pipeline stage, and a per-tensor-rank stream
     // for dropout on split tensors.
     let coordinates = parallel.coordinates();
@@ -112,7 +117,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     if args.training.deterministic_mode {
         crate::ops::set_deterministic(true)?;
     }
-    let config = args.model.gpt_config(vocab_size as i64)?;
+    let config = family.transformer().clone();
     let options = ModelOptions {
         params_dtype: args.precision.params_dtype(),
         device,
@@ -130,7 +135,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     let mut chunks = split
         .chunks_of(coordinates.pipeline)?
         .into_iter()
-        .map(|spec| GptModel::new_chunk(config.clone(), options, &parallel, spec))
+        .map(|spec| family.build_chunk(options, &parallel, spec))
         .collect::<Result<Vec<_>>>()?;
 
     let micro_batch_size = args.training.micro_batch_size;
@@ -180,7 +185,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     let load_request = load_request(args)?;
     let mut loaded = None;
     if let Some(request) = &load_request {
-        loaded = checkpointing::load_weights(request, &chunks, &parallel)?;
+        loaded = checkpointing::load_weights(request, family.model_type(), &chunks, &parallel)?;
     }
     let pretrained = match (&loaded, &args.checkpoint.pretrained_checkpoint) {
         (None, Some(path)) => {
@@ -191,7 +196,8 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
                 load_rng: false,
                 scheduler_policy: SchedulerLoadPolicy::RequireMatch,
             };
-            let found = checkpointing::load_weights(&request, &chunks, &parallel)?;
+            let found =
+                checkpointing::load_weights(&request, family.model_type(), &chunks, &parallel)?;
             Some(
                 found
                     .with_context(|| {
@@ -264,6 +270,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
         };
     let mut run = Run {
         args,
+        family,
         chunks,
         split,
         optimizer,
@@ -279,10 +286,10 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
             kind: options.params_dtype,
             device,
         },
-        flops: flops_model(&config, args.model.seq_length),
+        flops: family.flops(args.model.seq_length),
         peak_tflops: peak_tflops_of(device),
         metrics,
-        args_json: serde_json::to_value(args)?,
+        args_json,
         last_checkpoint: None,
     };
     if let (Some(found), Some(request)) = (loaded, &load_request) {
@@ -318,21 +325,13 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     }
     run.batches
         .update(run.progress.consumed_train_samples, false)?;
-    run.print_model_summary(&config, vocab_size)?;
+    run.print_model_summary()?;
 
-    let datasets = build_datasets(&DatasetRequest {
-        data: &args.data,
-        tokenizer: &args.tokenizer,
-        seq_length: args.model.seq_length as usize,
-        seed: args.training.seed,
-        sizes: dataset_sizes(args, train_iters, global_batch_size),
-        eod: eod as i64,
-        vocab_size,
-    })?;
+    let datasets = family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
     run.train_and_evaluate(&datasets, started)
 }
 
-impl Run<'_> {
+impl<F: ModelFamily> Run<'_, F> {
     fn print_rank0(&self, message: &str) {
         if self.parallel.rank == 0 {
             println!("{message}");
@@ -341,7 +340,8 @@ impl Run<'_> {
 
     /// Megatron's parameter-count line, over all stages (the last stage's copy of the tied
     /// embeddings counted once).
-    fn print_model_summary(&self, config: &GptConfig, vocab_size: usize) -> Result<()> {
+    fn print_model_summary(&self) -> Result<()> {
+        let config = self.family.transformer();
         let local: i64 = self
             .chunks
             .iter()
@@ -367,9 +367,11 @@ impl Run<'_> {
         let duplicates = (self.parallel.tensor_parallel_size() as i64 - 1)
             * replicated_total.double_value(&[0]) as i64;
         self.print_rank0(&format!(
-            "> GPT model: {} parameters, padded vocab {} (from {vocab_size}), {} on {:?}, {}",
+            "> {} model: {} parameters, padded vocab {} (from {}), {} on {:?}, {}",
+            self.family.model_type(),
             total - duplicates,
             config.padded_vocab_size(self.parallel.tensor_parallel_size() as i64),
+            config.vocab_size,
             checkpointing::dtype_name(self.chunks[0].options().params_dtype),
             self.device,
             self.parallel.layout.describe()
@@ -383,13 +385,14 @@ impl Run<'_> {
 
     fn train_and_evaluate(
         &mut self,
-        datasets: &SplitDatasets,
+        datasets: &Splits<F::Batch>,
         started: Instant,
     ) -> Result<TrainingSummary> {
         let mut summary = TrainingSummary {
             iterations: self.progress.iteration,
             consumed_samples: self.progress.consumed_train_samples,
             last_lm_loss: None,
+            last_losses: Vec::new(),
             validation_loss: None,
             last_checkpoint: None,
             exit_reason: "finished",
@@ -419,8 +422,8 @@ impl Run<'_> {
         if summary.exit_reason == "finished" && self.args.training.eval_iters > 0 {
             let label = format!("iteration {} on validation set", self.progress.iteration);
             if let Some(loader) = valid_loader.as_mut() {
-                summary.validation_loss =
-                    Some(self.evaluate(loader, &label, !self.args.training.skip_train)?);
+                let losses = self.evaluate(loader, &label, !self.args.training.skip_train)?;
+                summary.validation_loss = losses.first().map(|(_, loss)| *loss);
             }
             if let Some(test) = &datasets.test {
                 let mut loader = self.loader(test.clone(), "test", 0);
@@ -435,10 +438,10 @@ impl Run<'_> {
 
     fn loader(
         &self,
-        dataset: Arc<megatron_data::blend::SplitDataset>,
+        dataset: Arc<dyn SampleSource<Batch = F::Batch>>,
         name: &'static str,
         start: u64,
-    ) -> BatchLoader {
+    ) -> BatchLoader<F::Batch> {
         let position = SamplerPosition {
             start,
             micro_batch_size: self.args.training.micro_batch_size,
@@ -450,8 +453,8 @@ impl Run<'_> {
 
     fn train(
         &mut self,
-        train: &mut BatchLoader,
-        mut valid: Option<&mut BatchLoader>,
+        train: &mut BatchLoader<F::Batch>,
+        mut valid: Option<&mut BatchLoader<F::Batch>>,
         summary: &mut TrainingSummary,
         started: Instant,
     ) -> Result<&'static str> {
@@ -464,7 +467,7 @@ impl Run<'_> {
         while self.progress.iteration < self.train_iters {
             let global_batch = self.batches.current_global_batch_size();
             let iteration_started = Instant::now();
-            let (lm_loss, outcome) = self.train_step(train)?;
+            let (losses, outcome) = self.train_step(train)?;
             self.progress.iteration += 1;
             self.progress.consumed_train_samples += global_batch;
             self.progress.floating_point_operations +=
@@ -476,13 +479,17 @@ impl Run<'_> {
             interval.iterations += 1;
             if outcome.skipped {
                 interval.skipped += 1;
-                if !lm_loss.is_finite() {
+                if losses.iter().any(|(_, loss)| !loss.is_finite()) {
                     interval.nan += 1;
                 }
             } else {
-                interval.loss_sum += lm_loss;
+                interval.loss_sums.resize(losses.len(), 0.0);
+                for (sum, (_, loss)) in interval.loss_sums.iter_mut().zip(&losses) {
+                    *sum += loss;
+                }
                 interval.advanced += 1;
-                summary.last_lm_loss = Some(lm_loss);
+                summary.last_lm_loss = losses.first().map(|(_, loss)| *loss);
+                summary.last_losses = losses.clone();
             }
             if iteration % logging.tensorboard_log_interval.max(1) == 0 {
                 let mut scalars = vec![
@@ -493,7 +500,7 @@ impl Run<'_> {
                     ("iteration-time", iteration_started.elapsed().as_secs_f64()),
                 ];
                 if !outcome.skipped {
-                    scalars.push(("lm loss", lm_loss));
+                    scalars.extend(losses.iter().copied());
                 }
                 if let Some(norm) = outcome.grad_norm {
                     scalars.push(("grad-norm", norm));
@@ -513,8 +520,8 @@ impl Run<'_> {
                 if self.args.training.eval_interval > 0
                     && iteration % self.args.training.eval_interval == 0
                 {
-                    summary.validation_loss =
-                        Some(self.evaluate(loader, &format!("iteration {iteration}"), true)?);
+                    let losses = self.evaluate(loader, &format!("iteration {iteration}"), true)?;
+                    summary.validation_loss = losses.first().map(|(_, loss)| *loss);
                 }
             }
 
@@ -579,7 +586,11 @@ impl Run<'_> {
         })
     }
 
-    fn next_microbatches(&self, loader: &mut BatchLoader, count: u64) -> Result<Vec<GptBatch>> {
+    fn next_microbatches(
+        &self,
+        loader: &mut BatchLoader<F::Batch>,
+        count: u64,
+    ) -> Result<Vec<F::Batch>> {
         (0..count)
             .map(|_| Ok(loader.next_batch()?.to_device(self.device)))
             .collect()
@@ -599,26 +610,32 @@ impl Run<'_> {
     }
 
     /// One iteration: forward/backward over the micro-batches through the pipeline schedule,
-    /// then the optimizer step. Returns the iteration's `lm loss` (Σ loss / Σ tokens over its
-    /// micro-batches and data-parallel ranks).
-    fn train_step(&mut self, loader: &mut BatchLoader) -> Result<(f64, StepOutcome)> {
+    /// then the optimizer step. Returns the iteration's reported losses (for GPT `lm loss`,
+    /// Σ loss / Σ tokens over its micro-batches and data-parallel ranks).
+    fn train_step(
+        &mut self,
+        loader: &mut BatchLoader<F::Batch>,
+    ) -> Result<(Vec<(&'static str, f64)>, StepOutcome)> {
         let microbatches = self.batches.num_microbatches();
         let batches = self.next_microbatches(loader, microbatches)?;
         let shape = self.schedule_shape(microbatches, false);
         self.optimizer.begin_step(microbatches as usize);
-        let mut stage = GptStage {
+        let mut stage = FamilyStage {
+            family: self.family,
             chunks: &self.chunks,
             batches: &batches,
             parallel: &self.parallel,
             optimizer: Some(&mut self.optimizer),
             loss_scale: self.scaler.scale() as f64,
-            totals: LossTotals::new(self.device),
+            totals: LossTotals::new(self.family.loss_names(), self.device),
         };
         forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
-        let lm_loss = stage.totals.reduce(&self.parallel)?;
+        let losses = stage.totals.reduce(&self.parallel)?;
         let fp16 = self.args.precision.fp16;
-        if !fp16 && !lm_loss.is_finite() {
-            bail!(self.nan_message("loss", lm_loss));
+        if let Some((name, loss)) = losses.iter().find(|(_, loss)| !loss.is_finite()) {
+            if !fp16 {
+                bail!(self.nan_message(name, *loss));
+            }
         }
         let lr = self.scheduler.lr();
         let weight_decay = self.scheduler.weight_decay();
@@ -637,7 +654,7 @@ impl Run<'_> {
             self.scheduler
                 .step(self.batches.current_global_batch_size());
         }
-        Ok((lm_loss, outcome))
+        Ok((losses, outcome))
     }
 
     fn nan_message(&self, what: &str, value: f64) -> String {
@@ -673,10 +690,12 @@ impl Run<'_> {
         let tokens_per_second =
             (global_batch * self.args.model.seq_length as u64) as f64 / per_iteration;
         let losses = if interval.advanced > 0 {
-            vec![(
-                "lm loss".to_string(),
-                interval.loss_sum / interval.advanced as f64,
-            )]
+            self.family
+                .loss_names()
+                .iter()
+                .zip(&interval.loss_sums)
+                .map(|(name, sum)| (name.to_string(), sum / interval.advanced as f64))
+                .collect()
         } else {
             Vec::new()
         };
@@ -713,8 +732,13 @@ impl Run<'_> {
 
     /// `--eval-iters` global batches of the validation split, forward only; advances the
     /// validation sample counter like Megatron.
-    fn evaluate(&mut self, loader: &mut BatchLoader, label: &str, record: bool) -> Result<f64> {
-        let loss = self.evaluate_without_counting(loader, label)?;
+    fn evaluate(
+        &mut self,
+        loader: &mut BatchLoader<F::Batch>,
+        label: &str,
+        record: bool,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        let losses = self.evaluate_without_counting(loader, label)?;
         self.progress.consumed_valid_samples +=
             self.args.training.eval_iters * self.batches.current_global_batch_size();
         if record {
@@ -722,41 +746,47 @@ impl Run<'_> {
                 metrics.record_eval(
                     self.progress.iteration,
                     self.progress.consumed_train_samples,
-                    &[("lm loss", loss)],
+                    &losses,
                 )?;
             }
         }
-        Ok(loss)
+        Ok(losses)
     }
 
-    fn evaluate_without_counting(&mut self, loader: &mut BatchLoader, label: &str) -> Result<f64> {
+    fn evaluate_without_counting(
+        &mut self,
+        loader: &mut BatchLoader<F::Batch>,
+        label: &str,
+    ) -> Result<Vec<(&'static str, f64)>> {
         let microbatches = self.batches.num_microbatches();
-        let mut totals = LossTotals::new(self.device);
+        let names = self.family.loss_names();
+        let mut totals = LossTotals::new(names, self.device);
         for _ in 0..self.args.training.eval_iters {
             let batches = self.next_microbatches(loader, microbatches)?;
             let shape = self.schedule_shape(microbatches, true);
-            let mut stage = GptStage {
+            let mut stage = FamilyStage {
+                family: self.family,
                 chunks: &self.chunks,
                 batches: &batches,
                 parallel: &self.parallel,
                 optimizer: None,
                 loss_scale: 1.0,
-                totals: LossTotals::new(self.device),
+                totals: LossTotals::new(names, self.device),
             };
             tch::no_grad(|| {
                 forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)
             })?;
-            totals.loss += &stage.totals.loss;
-            totals.tokens += &stage.totals.tokens;
+            totals.absorb(&stage.totals);
         }
-        let loss = totals.reduce(&self.parallel)?;
+        let losses = totals.reduce(&self.parallel)?;
         if self.parallel.is_logging_rank() {
-            println!(
-                "{}",
-                format_eval_block(label, &[("lm loss".to_string(), loss)])
-            );
+            let named: Vec<(String, f64)> = losses
+                .iter()
+                .map(|(name, loss)| (name.to_string(), *loss))
+                .collect();
+            println!("{}", format_eval_block(label, &named));
         }
-        Ok(loss)
+        Ok(losses)
     }
 
     fn save(&mut self) -> Result<()> {
@@ -775,6 +805,7 @@ impl Run<'_> {
         let started = Instant::now();
         let directory = checkpointing::save(SaveRequest {
             root,
+            model_type: self.family.model_type(),
             progress: self.progress,
             chunks: &self.chunks,
             split: self.split,
@@ -798,7 +829,7 @@ impl Run<'_> {
     }
 }
 
-fn load_request(args: &GptPretrainArgs) -> Result<Option<LoadRequest<'_>>> {
+fn load_request(args: &PretrainArgs) -> Result<Option<LoadRequest<'_>>> {
     let optimizer = &args.optimizer;
     let policy = match (optimizer.override_opt_param_scheduler, optimizer.use_checkpoint_opt_param_scheduler) {
         (true, true) => bail!("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
@@ -815,7 +846,7 @@ fn load_request(args: &GptPretrainArgs) -> Result<Option<LoadRequest<'_>>> {
     }))
 }
 
-fn schedule_flags(args: &GptPretrainArgs, global_batch_size: u64) -> Result<ScheduleFlags> {
+fn schedule_flags(args: &PretrainArgs, global_batch_size: u64) -> Result<ScheduleFlags> {
     let o = &args.optimizer;
     let lr = match (o.lr, args.training.skip_train) {
         (Some(lr), _) => Some(lr),
@@ -849,7 +880,7 @@ fn schedule_flags(args: &GptPretrainArgs, global_batch_size: u64) -> Result<Sche
 }
 
 fn optimizer_settings(
-    args: &GptPretrainArgs,
+    args: &PretrainArgs,
     data_parallel_size: usize,
 ) -> Result<OptimizerSettings> {
     let o = &args.optimizer;
@@ -891,7 +922,7 @@ fn optimizer_settings(
 
 /// Megatron's requested sample counts: train, `(iters // eval_interval + 1) · eval_iters · gbs`
 /// validation, `eval_iters · gbs` test.
-fn dataset_sizes(args: &GptPretrainArgs, train_iters: u64, global_batch_size: u64) -> [u64; 3] {
+fn dataset_sizes(args: &PretrainArgs, train_iters: u64, global_batch_size: u64) -> [u64; 3] {
     let t = &args.training;
     let train = t.train_samples.unwrap_or(train_iters * global_batch_size);
     let evaluations = train_iters / t.eval_interval.max(1) + 1;
@@ -900,18 +931,4 @@ fn dataset_sizes(args: &GptPretrainArgs, train_iters: u64, global_batch_size: u6
         evaluations * t.eval_iters * global_batch_size,
         t.eval_iters * global_batch_size,
     ]
-}
-
-fn flops_model(config: &GptConfig, seq_length: i64) -> FlopsModel {
-    FlopsModel {
-        num_layers: config.num_layers as u64,
-        hidden_size: config.hidden_size as u64,
-        ffn_hidden_size: config.ffn_hidden_size as u64,
-        num_attention_heads: config.num_attention_heads as u64,
-        num_query_groups: config.num_query_groups as u64,
-        kv_channels: config.kv_channels as u64,
-        seq_length: seq_length as u64,
-        padded_vocab_size: config.padded_vocab_size(1) as u64,
-        swiglu: config.activation == Activation::Swiglu,
-    }
 }

@@ -1,0 +1,509 @@
+//! Megatron-core's BERT (spec §1.4): word, position and (with the binary head) token-type
+//! embeddings, a pre-LN encoder under the padding mask, the final norm, the LM head (dense → GeLU
+//! → LayerNorm → logits on the tied word embeddings plus a vocab-parallel bias), and with the
+//! binary head the pooler (tanh over position 0) and the sentence-order classifier. A `BertModel`
+//! is one pipeline chunk, like [`GptModel`](super::GptModel).
+
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use super::chunk::ModelChunk;
+use super::config::{Activation, GptConfig, PositionEmbeddingType};
+use super::gpt::{ChunkSpec, ModelOptions, OutputWeight, ParamGate};
+use super::layers::{
+    AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, TensorParallel,
+    TransformerLayer, VocabParallelEmbedding,
+};
+use super::param::{Initializer, Param};
+use super::stack::{embedding_output, GateSlot, LayerStack};
+use crate::parallel::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, ParallelState,
+};
+
+/// The architecture of a Megatron BERT: the transformer trunk's flags plus BERT's own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BertConfig {
+    #[serde(flatten)]
+    pub transformer: GptConfig,
+    /// The pooler and the sentence-order (binary) head, and two token types
+    /// (`--bert-binary-head`, Megatron's default; off with `--bert-no-binary-head`).
+    pub binary_head: bool,
+    /// The LM head's GeLU: exact erf unless `--openai-gelu` (spec §1.1).
+    pub lm_head_activation: Activation,
+}
+
+impl BertConfig {
+    /// Token types in the embeddings: 2 with the binary head, none without.
+    pub fn num_tokentypes(&self) -> i64 {
+        if self.binary_head {
+            2
+        } else {
+            0
+        }
+    }
+
+    /// Megatron's BERT checks on top of the trunk's.
+    pub fn validate(&self, tensor_parallel_size: i64) -> Result<()> {
+        self.transformer.validate(tensor_parallel_size)?;
+        if self.transformer.untie_embeddings_and_output_weights {
+            bail!("BERT ties its output layer to the word embeddings: --untie-embeddings-and-output-weights is not supported");
+        }
+        if self.transformer.position_embedding_type != PositionEmbeddingType::LearnedAbsolute {
+            bail!("BERT uses learned absolute position embeddings (--position-embedding-type learned_absolute)");
+        }
+        Ok(())
+    }
+}
+
+/// A bias-carrying replicated linear (pooler, LM-head dense, binary head).
+#[derive(Clone)]
+struct Dense {
+    weight: Param,
+    bias: Param,
+}
+
+impl Dense {
+    fn new(init: &Initializer, input: i64, output: i64, std: f64) -> Self {
+        Dense {
+            weight: init.normal("weight", &[output, input], std),
+            bias: init.constant(&[output], 0.0),
+        }
+    }
+
+    fn forward(&self, input: &Tensor) -> Tensor {
+        input.linear(&*self.weight, Some(&*self.bias))
+    }
+
+    fn named_tensors(&self, out: &mut NamedTensors, attributes: ParamAttributes) {
+        out.push("weight", &self.weight, attributes);
+        out.push("bias", &self.bias, attributes);
+    }
+}
+
+/// What a post-process chunk returns: this rank's MLM logits `[s, b, V/t]` and, with the binary
+/// head, the sentence-order logits `[b, 2]`.
+pub struct BertOutput {
+    pub lm_logits: Tensor,
+    pub binary_logits: Option<Tensor>,
+}
+
+/// What a chunk consumes: token ids (and token types with the binary head) on the first stage,
+/// the previous stage's hidden states elsewhere.
+pub enum BertInput<'a> {
+    Tokens {
+        tokens: &'a Tensor,
+        tokentypes: Option<&'a Tensor>,
+    },
+    Hidden(&'a Tensor),
+}
+
+/// One chunk's result: hidden states for the next stage, or the heads' outputs.
+pub enum BertChunkOutput {
+    Hidden(Tensor),
+    Heads(BertOutput),
+}
+
+struct LmHead {
+    dense: Dense,
+    layer_norm: Norm,
+    activation: Activation,
+}
+
+pub struct BertModel {
+    pub config: BertConfig,
+    pub spec: ChunkSpec,
+    word_embeddings: Option<VocabParallelEmbedding>,
+    position_embeddings: Option<Param>,
+    tokentype_embeddings: Option<Param>,
+    layers: Vec<TransformerLayer>,
+    final_layernorm: Option<Norm>,
+    pooler: Option<Dense>,
+    lm_head: Option<LmHead>,
+    output_weight: Option<OutputWeight>,
+    output_bias: Option<Param>,
+    binary_head: Option<Dense>,
+    options: ModelOptions,
+    parallel: TensorParallel,
+    gate: GateSlot,
+}
+
+impl BertModel {
+    /// The whole model on one pipeline stage.
+    pub fn new(config: BertConfig, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
+        let spec = ChunkSpec::whole(config.transformer.num_layers);
+        Self::new_chunk(config, options, parallel, spec)
+    }
+
+    /// Builds and initialises one chunk; every weight is drawn from the seed and its global name,
+    /// so any layout of the same model holds the same weights.
+    pub fn new_chunk(
+        config: BertConfig,
+        options: ModelOptions,
+        parallel: &ParallelState,
+        spec: ChunkSpec,
+    ) -> Result<Self> {
+        let tp = parallel.tensor_parallel_size() as i64;
+        config.validate(tp)?;
+        let trunk = &config.transformer;
+        ensure!(
+            spec.layers.end <= trunk.num_layers,
+            "chunk layers {:?} beyond --num-layers {}",
+            spec.layers,
+            trunk.num_layers
+        );
+        let tensor_parallel = TensorParallel {
+            group: parallel.tensor.clone(),
+            sequence_parallel: parallel.sequence_parallel,
+        };
+        let init = Initializer::new(
+            options.params_dtype,
+            options.device,
+            parallel.tensor_parallel_rank() as i64,
+            tp,
+            options.seed,
+        );
+        let (h, std) = (trunk.hidden_size, trunk.init_method_std);
+        let padded_vocab = trunk.padded_vocab_size(tp);
+        let embedding = init.scope("embedding");
+        let pre = spec.pre_process;
+        let post = spec.post_process;
+        let word_embeddings = pre.then(|| {
+            VocabParallelEmbedding::new(
+                &embedding.scope("word_embeddings"),
+                padded_vocab,
+                h,
+                std,
+                parallel.tensor.clone(),
+            )
+        });
+        let position_embeddings = pre.then(|| {
+            embedding.scope("position_embeddings").normal(
+                "weight",
+                &[trunk.max_position_embeddings, h],
+                std,
+            )
+        });
+        let tokentype_embeddings = (pre && config.binary_head).then(|| {
+            embedding.scope("tokentype_embeddings").normal(
+                "weight",
+                &[config.num_tokentypes(), h],
+                std,
+            )
+        });
+        let layers = spec
+            .layers
+            .clone()
+            .map(|global| {
+                TransformerLayer::new(
+                    &init.scope(&format!("encoder.layers.{global}")),
+                    trunk,
+                    tensor_parallel.clone(),
+                )
+            })
+            .collect();
+        let norm = |scope: &str| {
+            Norm::new(
+                &init.scope(scope),
+                trunk.normalization,
+                h,
+                trunk.norm_epsilon,
+                trunk.apply_layernorm_1p,
+                parallel.sequence_parallel,
+            )
+        };
+        let final_layernorm = post.then(|| norm("encoder.final_layernorm"));
+        let pooler =
+            (post && config.binary_head).then(|| Dense::new(&init.scope("pooler.dense"), h, h, std));
+        let lm_head = post.then(|| LmHead {
+            dense: Dense::new(&init.scope("lm_head.dense"), h, h, std),
+            layer_norm: norm("lm_head.layer_norm"),
+            activation: config.lm_head_activation,
+        });
+        let output_weight = post.then(|| {
+            if pre {
+                OutputWeight::WordEmbeddings
+            } else {
+                OutputWeight::Own {
+                    weight: embedding.scope("word_embeddings").normal_partitioned(
+                        "weight",
+                        &[padded_vocab, h],
+                        std,
+                        0,
+                    ),
+                    shared_embedding: true,
+                }
+            }
+        });
+        let output_bias = post.then(|| init.constant_partitioned(&[padded_vocab], 0.0));
+        let binary_head =
+            (post && config.binary_head).then(|| Dense::new(&init.scope("binary_head"), h, 2, std));
+        Ok(BertModel {
+            config,
+            spec,
+            word_embeddings,
+            position_embeddings,
+            tokentype_embeddings,
+            layers,
+            final_layernorm,
+            pooler,
+            lm_head,
+            output_weight,
+            output_bias,
+            binary_head,
+            options,
+            parallel: tensor_parallel,
+            gate: GateSlot::default(),
+        })
+    }
+
+    /// Runs this chunk under the padding mask (`[b, s]`, 1 for tokens, 0 for padding).
+    pub fn forward_chunk(
+        &self,
+        input: BertInput,
+        padding_mask: &Tensor,
+        train: bool,
+    ) -> Result<BertChunkOutput> {
+        let hidden = match input {
+            BertInput::Tokens { tokens, tokentypes } => {
+                ensure!(
+                    self.spec.pre_process,
+                    "token input for a chunk without embeddings"
+                );
+                self.gate.before("embedding")?;
+                self.embed(tokens, tokentypes, train)?
+            }
+            BertInput::Hidden(hidden) => {
+                ensure!(
+                    !self.spec.pre_process,
+                    "hidden-state input for the chunk with the embeddings"
+                );
+                hidden.shallow_clone()
+            }
+        };
+        let stack = LayerStack {
+            layers: &self.layers,
+            scope: "encoder.layers",
+            recompute: self.options.recompute,
+            parallel: &self.parallel,
+            gate: &self.gate,
+        };
+        let mask = AttentionMask::padding(padding_mask);
+        let hidden = stack.forward(hidden, &mask, None, train)?;
+        let Some(norm) = &self.final_layernorm else {
+            return Ok(BertChunkOutput::Hidden(hidden));
+        };
+        self.gate.before("encoder.final_layernorm")?;
+        let hidden = norm.forward(&hidden);
+        Ok(BertChunkOutput::Heads(self.heads(&hidden)?))
+    }
+
+    /// The whole model on `tokens` `[b, s]`: MLM logits `[s, b, V/t]` and sentence-order logits.
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        tokentypes: Option<&Tensor>,
+        padding_mask: &Tensor,
+        train: bool,
+    ) -> Result<BertOutput> {
+        ensure!(
+            self.spec.pre_process && self.spec.post_process,
+            "forward needs the whole model; this is a pipeline chunk"
+        );
+        match self.forward_chunk(
+            BertInput::Tokens { tokens, tokentypes },
+            padding_mask,
+            train,
+        )? {
+            BertChunkOutput::Heads(output) => Ok(output),
+            BertChunkOutput::Hidden(_) => unreachable!("a whole model ends in its heads"),
+        }
+    }
+
+    fn embed(&self, tokens: &Tensor, tokentypes: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let word = self
+            .word_embeddings
+            .as_ref()
+            .expect("pre-process chunks have word embeddings");
+        let (b, s) = tokens.size2()?;
+        ensure!(
+            s <= self.config.transformer.max_position_embeddings,
+            "sequence length {s} exceeds --max-position-embeddings {}",
+            self.config.transformer.max_position_embeddings
+        );
+        let positions = self
+            .position_embeddings
+            .as_ref()
+            .expect("pre-process chunks have position embeddings");
+        let position_ids = Tensor::arange(s, (Kind::Int64, tokens.device()))
+            .unsqueeze(0)
+            .expand([b, s], false);
+        let mut embedded =
+            word.forward(tokens)? + Tensor::embedding(positions, &position_ids, -1, false, false);
+        match (&self.tokentype_embeddings, tokentypes) {
+            (Some(table), Some(types)) => {
+                embedded = embedded + Tensor::embedding(table, types, -1, false, false);
+            }
+            (Some(_), None) => bail!("this BERT has a binary head and needs token types"),
+            (None, Some(_)) => bail!("token types given to a BERT without token-type embeddings"),
+            (None, None) => {}
+        }
+        embedding_output(
+            embedded,
+            self.config.transformer.hidden_dropout,
+            &self.parallel,
+            train,
+        )
+    }
+
+    /// Pooler and binary head on position 0, LM head and logits on every position.
+    fn heads(&self, hidden: &Tensor) -> Result<BertOutput> {
+        let group = &self.parallel.group;
+        let binary_logits = match (&self.pooler, &self.binary_head) {
+            (Some(pooler), Some(binary_head)) => {
+                self.gate.before("pooler")?;
+                self.gate.before("binary_head")?;
+                // The pooler reads position 0 of the whole sequence; every rank computes it.
+                let full = if self.parallel.sequence_parallel {
+                    gather_from_sequence_parallel_region(hidden, group, false)?
+                } else {
+                    hidden.shallow_clone()
+                };
+                // Megatron-core's pretraining model has no dropout between pooler and head.
+                let pooled = pooler.forward(&full.get(0)).tanh();
+                Some(binary_head.forward(&pooled))
+            }
+            _ => None,
+        };
+        let lm_head = self.lm_head.as_ref().expect("post-process chunks have an LM head");
+        self.gate.before("lm_head")?;
+        let transformed = lm_head.dense.forward(hidden);
+        let transformed = match lm_head.activation {
+            Activation::GeluTanh => transformed.gelu("tanh"),
+            _ => transformed.gelu("none"),
+        };
+        let transformed = lm_head.layer_norm.forward(&transformed);
+        self.gate.before("output_layer")?;
+        let weight = match self.output_weight.as_ref().expect("post-process chunk") {
+            OutputWeight::WordEmbeddings => {
+                &self
+                    .word_embeddings
+                    .as_ref()
+                    .expect("tied to this chunk's embeddings")
+                    .weight
+            }
+            OutputWeight::Own { weight, .. } => weight,
+        };
+        let transformed = if self.parallel.sequence_parallel {
+            gather_from_sequence_parallel_region(&transformed, group, true)?
+        } else {
+            copy_to_tensor_parallel_region(&transformed, group)?
+        };
+        let bias = self.output_bias.as_deref();
+        Ok(BertOutput {
+            lm_logits: transformed.linear(&**weight, bias),
+            binary_logits,
+        })
+    }
+
+    /// Every parameter of this chunk under its Megatron-core name, in construction order.
+    pub fn named_parameters(&self) -> Vec<NamedParameter> {
+        let mut out = Vec::new();
+        let mut names = NamedTensors::new(&mut out);
+        let sharded = ParamAttributes {
+            tensor_parallel: true,
+            ..Default::default()
+        };
+        let tied_elsewhere = !(self.spec.pre_process && self.spec.post_process);
+        if let Some(word) = &self.word_embeddings {
+            names.push(
+                "embedding.word_embeddings.weight",
+                &word.weight,
+                ParamAttributes {
+                    tied_across_stages: tied_elsewhere,
+                    ..sharded
+                },
+            );
+        }
+        if let Some(positions) = &self.position_embeddings {
+            names.push(
+                "embedding.position_embeddings.weight",
+                positions,
+                ParamAttributes::default(),
+            );
+        }
+        if let Some(types) = &self.tokentype_embeddings {
+            names.push(
+                "embedding.tokentype_embeddings.weight",
+                types,
+                ParamAttributes::default(),
+            );
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.named_tensors(&mut names.scope(&format!("encoder.layers.{i}")));
+        }
+        if let Some(norm) = &self.final_layernorm {
+            norm.named_tensors(&mut names.scope("encoder.final_layernorm"));
+        }
+        if let Some(pooler) = &self.pooler {
+            pooler.named_tensors(&mut names.scope("pooler.dense"), ParamAttributes::default());
+        }
+        if let Some(head) = &self.lm_head {
+            // The LM head runs on sequence-parallel slices: its gradients are partial sums.
+            let attributes = ParamAttributes {
+                sequence_parallel: self.parallel.sequence_parallel,
+                ..Default::default()
+            };
+            head.dense
+                .named_tensors(&mut names.scope("lm_head.dense"), attributes);
+            head.layer_norm
+                .named_tensors(&mut names.scope("lm_head.layer_norm"));
+        }
+        if let Some(OutputWeight::Own {
+            weight,
+            shared_embedding,
+        }) = &self.output_weight
+        {
+            names.push(
+                "output_layer.weight",
+                weight,
+                ParamAttributes {
+                    shared_embedding: *shared_embedding,
+                    tied_across_stages: *shared_embedding,
+                    ..sharded
+                },
+            );
+        }
+        if let Some(bias) = &self.output_bias {
+            names.push("output_layer.bias", bias, sharded);
+        }
+        if let Some(head) = &self.binary_head {
+            head.named_tensors(&mut names.scope("binary_head"), ParamAttributes::default());
+        }
+        out
+    }
+}
+
+impl ModelChunk for BertModel {
+    fn spec(&self) -> &ChunkSpec {
+        &self.spec
+    }
+
+    fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    fn named_parameters(&self) -> Vec<NamedParameter> {
+        BertModel::named_parameters(self)
+    }
+
+    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
+        self.gate.set(gate);
+    }
+
+    fn config_json(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(&self.config)?)
+    }
+}

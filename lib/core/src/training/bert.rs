@@ -1,0 +1,147 @@
+//! BERT on the training engine (`pretrain_bert`): the padded bidirectional model with its LM and
+//! sentence-order heads, Megatron's loss (the masked-LM mean of each micro-batch plus the
+//! sentence-order cross entropy, reported as `lm loss` and `sop loss`) and its datasets.
+
+use anyhow::{bail, Result};
+use megatron_data::tokenizer::build_tokenizer;
+use tch::{Kind, Reduction, Tensor};
+
+use super::engine::{pretrain, TrainingSummary};
+use super::family::{LossTotals, ModelFamily, StepOutput};
+use super::runtime::Runtime;
+use crate::args::{BertPretrainArgs, PretrainArgs};
+use crate::loader::{BertBatch, MockBertSource, SampleSource, Splits};
+use crate::model::bert::{BertChunkOutput, BertInput};
+use crate::model::{cross_entropy, BertConfig, BertModel, ChunkSpec, GptConfig, ModelOptions};
+use crate::parallel::ParallelState;
+
+pub struct BertFamily {
+    pub config: BertConfig,
+}
+
+const WITH_SOP: &[&str] = &["lm loss", "sop loss"];
+const LM_ONLY: &[&str] = &["lm loss"];
+
+impl BertFamily {
+    /// Megatron's BERT loss of one micro-batch from the heads' outputs: the masked-LM loss
+    /// averaged over the micro-batch's masked tokens, plus the sentence-order cross entropy
+    /// (labels -1 ignored) with the binary head. Each is added to `losses` as one value.
+    pub fn loss(
+        &self,
+        lm_logits: &Tensor,
+        binary_logits: Option<&Tensor>,
+        batch: &BertBatch,
+        parallel: &ParallelState,
+        losses: &mut LossTotals,
+    ) -> Result<Tensor> {
+        // Unmasked positions carry label -1; their loss is multiplied by 0, but the lookup
+        // needs a valid index.
+        let labels = batch.labels.clamp_min(0);
+        let token_losses = cross_entropy(lm_logits, &labels, &parallel.tensor)?;
+        let masked = batch.loss_mask.sum(Kind::Float);
+        let lm = (token_losses * &batch.loss_mask).sum(Kind::Float) / masked.clamp_min(1.0);
+        let one = Tensor::ones([], (Kind::Float, lm.device()));
+        losses.add(0, &lm, &one);
+        let Some(binary) = binary_logits else {
+            return Ok(lm);
+        };
+        let sop = binary.to_kind(Kind::Float).cross_entropy_loss::<&Tensor>(
+            &batch.sentence_order,
+            None,
+            Reduction::Mean,
+            -1,
+            0.0,
+        );
+        losses.add(1, &sop, &one);
+        Ok(lm + sop)
+    }
+}
+
+impl ModelFamily for BertFamily {
+    type Chunk = BertModel;
+    type Batch = BertBatch;
+
+    fn model_type(&self) -> &'static str {
+        "BERT"
+    }
+
+    fn transformer(&self) -> &GptConfig {
+        &self.config.transformer
+    }
+
+    fn build_chunk(
+        &self,
+        options: ModelOptions,
+        parallel: &ParallelState,
+        spec: ChunkSpec,
+    ) -> Result<BertModel> {
+        BertModel::new_chunk(self.config.clone(), options, parallel, spec)
+    }
+
+    fn loss_names(&self) -> &'static [&'static str] {
+        if self.config.binary_head {
+            WITH_SOP
+        } else {
+            LM_ONLY
+        }
+    }
+
+    fn forward_step(
+        &self,
+        chunk: &BertModel,
+        batch: &BertBatch,
+        input: Option<&Tensor>,
+        train: bool,
+        parallel: &ParallelState,
+        losses: &mut LossTotals,
+    ) -> Result<StepOutput> {
+        let input = match input {
+            Some(hidden) => BertInput::Hidden(hidden),
+            None => BertInput::Tokens {
+                tokens: &batch.tokens,
+                tokentypes: self.config.binary_head.then_some(&batch.types),
+            },
+        };
+        match chunk.forward_chunk(input, &batch.padding_mask, train)? {
+            BertChunkOutput::Hidden(hidden) => Ok(StepOutput::Hidden(hidden)),
+            BertChunkOutput::Heads(output) => Ok(StepOutput::Loss(self.loss(
+                &output.lm_logits,
+                output.binary_logits.as_ref(),
+                batch,
+                parallel,
+                losses,
+            )?)),
+        }
+    }
+
+    fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<BertBatch>> {
+        if !args.data.mock_data {
+            bail!("pretrain_bert reads --mock-data only in this build");
+        }
+        let split = |samples: u64, offset: u64| -> Option<std::sync::Arc<dyn SampleSource<Batch = BertBatch>>> {
+            (samples > 0).then(|| {
+                std::sync::Arc::new(MockBertSource {
+                    samples,
+                    seq_length: args.model.seq_length as usize,
+                    vocab_size: self.config.transformer.vocab_size,
+                    seed: args.training.seed.wrapping_add(offset),
+                    binary_head: self.config.binary_head,
+                }) as _
+            })
+        };
+        Ok(Splits {
+            train: split(sizes[0], 0),
+            valid: split(sizes[1], 1),
+            test: split(sizes[2], 2),
+        })
+    }
+}
+
+/// Megatron's `pretrain_bert.py` on this rank of the job.
+pub fn pretrain_bert(args: &BertPretrainArgs, runtime: &Runtime) -> Result<TrainingSummary> {
+    let tokenizer = build_tokenizer(&args.common.tokenizer.config()?)?;
+    let family = BertFamily {
+        config: args.bert_config(tokenizer.vocab_size() as i64)?,
+    };
+    pretrain(&args.common, serde_json::to_value(args)?, &family, runtime)
+}

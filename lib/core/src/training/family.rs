@@ -1,0 +1,129 @@
+//! The seam a model family plugs into the training engine: its model chunks, its batches, its
+//! loss and the losses it reports, its FLOPs and its datasets. Everything else — the loop, the
+//! schedules, the optimizer, checkpoints, data loading, logging — is the engine's.
+
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::flops::FlopsModel;
+use crate::args::PretrainArgs;
+use crate::loader::{DeviceBatch, Splits};
+use crate::model::{Activation, ChunkSpec, GptConfig, ModelChunk, ModelOptions};
+use crate::parallel::{ParallelState, ReduceOp};
+
+/// What a chunk's forward step produced.
+pub enum StepOutput {
+    /// Hidden states for the next pipeline stage.
+    Hidden(Tensor),
+    /// The last stage's loss of one micro-batch, before the engine divides it by the number of
+    /// micro-batches and multiplies it by the loss scale.
+    Loss(Tensor),
+}
+
+/// A model family (GPT, BERT, ...) as the engine drives it.
+pub trait ModelFamily: Sync {
+    type Chunk: ModelChunk;
+    type Batch: DeviceBatch;
+
+    /// Megatron's model type, recorded in checkpoints: `GPT`, `BERT`.
+    fn model_type(&self) -> &'static str;
+    /// The transformer trunk (hidden size, layers, vocabulary), for the activations exchanged
+    /// between stages, the FLOPs and the summary line.
+    fn transformer(&self) -> &GptConfig;
+    fn build_chunk(
+        &self,
+        options: ModelOptions,
+        parallel: &ParallelState,
+        spec: ChunkSpec,
+    ) -> Result<Self::Chunk>;
+    /// The losses [`forward_step`](Self::forward_step) accumulates, in log-line order.
+    fn loss_names(&self) -> &'static [&'static str];
+    /// Runs `chunk` on `batch` (or on `input`, the previous stage's hidden states); on the last
+    /// stage adds the reported losses to `losses` and returns the loss to backpropagate.
+    fn forward_step(
+        &self,
+        chunk: &Self::Chunk,
+        batch: &Self::Batch,
+        input: Option<&Tensor>,
+        train: bool,
+        parallel: &ParallelState,
+        losses: &mut LossTotals,
+    ) -> Result<StepOutput>;
+    /// The train, validation and test data, sized as Megatron sizes them (samples per split).
+    fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<Self::Batch>>;
+
+    /// Megatron's FLOPs model of the trunk at `seq_length`.
+    fn flops(&self, seq_length: i64) -> FlopsModel {
+        let config = self.transformer();
+        FlopsModel {
+            num_layers: config.num_layers as u64,
+            hidden_size: config.hidden_size as u64,
+            ffn_hidden_size: config.ffn_hidden_size as u64,
+            num_attention_heads: config.num_attention_heads as u64,
+            num_query_groups: config.num_query_groups as u64,
+            kv_channels: config.kv_channels as u64,
+            seq_length: seq_length as u64,
+            padded_vocab_size: config.padded_vocab_size(1) as u64,
+            swiglu: config.activation == Activation::Swiglu,
+        }
+    }
+}
+
+/// Per reported loss, a sum and a count over the micro-batches this rank saw (non-zero only on
+/// the last stage); the reported value is Σ sums / Σ counts over the pipeline and data-parallel
+/// group. GPT adds (Σ masked token losses, tokens); a per-micro-batch mean adds (mean, 1).
+pub struct LossTotals {
+    names: &'static [&'static str],
+    sums: Vec<Tensor>,
+    counts: Vec<Tensor>,
+}
+
+impl LossTotals {
+    pub fn new(names: &'static [&'static str], device: Device) -> Self {
+        let zeros = || -> Vec<Tensor> {
+            names
+                .iter()
+                .map(|_| Tensor::zeros([], (Kind::Float, device)))
+                .collect()
+        };
+        LossTotals {
+            names,
+            sums: zeros(),
+            counts: zeros(),
+        }
+    }
+
+    /// Adds `sum` over `count` items to the loss at `index` of the family's names.
+    pub fn add(&mut self, index: usize, sum: &Tensor, count: &Tensor) {
+        self.sums[index] += sum.detach();
+        self.counts[index] += count.detach();
+    }
+
+    /// Adds another set of totals of the same losses.
+    pub fn absorb(&mut self, other: &LossTotals) {
+        for i in 0..self.sums.len() {
+            self.sums[i] += &other.sums[i];
+            self.counts[i] += &other.counts[i];
+        }
+    }
+
+    /// Every loss over the whole pipeline and data-parallel group, as Megatron reports them;
+    /// every rank gets the values.
+    pub fn reduce(&self, parallel: &ParallelState) -> Result<Vec<(&'static str, f64)>> {
+        let parts: Vec<&Tensor> = self.sums.iter().zip(&self.counts).flat_map(|(s, c)| [s, c]).collect();
+        let both = Tensor::stack(&parts, 0);
+        parallel.pipeline.all_reduce(&both, ReduceOp::Sum)?;
+        parallel.data.all_reduce(&both, ReduceOp::Sum)?;
+        let values =
+            Vec::<f32>::try_from(&both.to_device(Device::Cpu)).context("reading the loss")?;
+        Ok(self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let (sum, count) = (values[2 * i], values[2 * i + 1]);
+                (*name, f64::from(sum) / f64::from(count).max(1.0))
+            })
+            .collect())
+    }
+}

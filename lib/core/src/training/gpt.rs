@@ -1,0 +1,102 @@
+//! GPT on the training engine (`pretrain_gpt`): the causal model, its token-averaged `lm loss`
+//! and Megatron's GPT datasets.
+
+use anyhow::{Context, Result};
+use megatron_data::tokenizer::build_tokenizer;
+use tch::{Kind, Tensor};
+
+use super::datasets::{build_datasets, DatasetRequest};
+use super::engine::{pretrain, TrainingSummary};
+use super::family::{LossTotals, ModelFamily, StepOutput};
+use super::runtime::Runtime;
+use crate::args::PretrainArgs;
+use crate::loader::{GptBatch, Splits};
+use crate::model::{
+    cross_entropy, ChunkInput, ChunkSpec, GptConfig, GptModel, ModelOptions,
+};
+use crate::parallel::ParallelState;
+
+pub struct GptFamily {
+    pub config: GptConfig,
+    /// The tokenizer's end-of-document token.
+    pub eod: i64,
+}
+
+impl ModelFamily for GptFamily {
+    type Chunk = GptModel;
+    type Batch = GptBatch;
+
+    fn model_type(&self) -> &'static str {
+        "GPT"
+    }
+
+    fn transformer(&self) -> &GptConfig {
+        &self.config
+    }
+
+    fn build_chunk(
+        &self,
+        options: ModelOptions,
+        parallel: &ParallelState,
+        spec: ChunkSpec,
+    ) -> Result<GptModel> {
+        GptModel::new_chunk(self.config.clone(), options, parallel, spec)
+    }
+
+    fn loss_names(&self) -> &'static [&'static str] {
+        &["lm loss"]
+    }
+
+    fn forward_step(
+        &self,
+        chunk: &GptModel,
+        batch: &GptBatch,
+        input: Option<&Tensor>,
+        train: bool,
+        parallel: &ParallelState,
+        losses: &mut LossTotals,
+    ) -> Result<StepOutput> {
+        let input = match input {
+            Some(hidden) => ChunkInput::Hidden(hidden),
+            None => ChunkInput::Tokens {
+                tokens: &batch.tokens,
+                position_ids: &batch.position_ids,
+            },
+        };
+        let output = chunk.forward_chunk(input, &batch.mask(), train)?;
+        if !chunk.spec.post_process {
+            return Ok(StepOutput::Hidden(output));
+        }
+        let token_losses = cross_entropy(&output, &batch.labels, &parallel.tensor)?;
+        let masked_sum = (token_losses * &batch.loss_mask).sum(Kind::Float);
+        let tokens = batch.num_tokens();
+        losses.add(0, &masked_sum, &tokens);
+        // Megatron divides each micro-batch's loss by its token count.
+        Ok(StepOutput::Loss(masked_sum / tokens.clamp_min(1.0)))
+    }
+
+    fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<GptBatch>> {
+        build_datasets(&DatasetRequest {
+            data: &args.data,
+            tokenizer: &args.tokenizer,
+            seq_length: args.model.seq_length as usize,
+            seed: args.training.seed,
+            sizes,
+            eod: self.eod,
+            vocab_size: self.config.vocab_size as usize,
+        })
+    }
+}
+
+/// Megatron's `pretrain_gpt.py` on this rank of the job.
+pub fn pretrain_gpt(args: &PretrainArgs, runtime: &Runtime) -> Result<TrainingSummary> {
+    let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
+    let eod = tokenizer
+        .eod()
+        .context("the tokenizer has no end-of-document token, which GPT training needs")?;
+    let family = GptFamily {
+        config: args.model.gpt_config(tokenizer.vocab_size() as i64)?,
+        eod: eod as i64,
+    };
+    pretrain(args, serde_json::to_value(args)?, &family, runtime)
+}

@@ -1,0 +1,166 @@
+//! BERT runs on the same engine as GPT, so its parallel layouts must equal one rank too: a
+//! small BERT (binary head, padding masks, LM and sentence-order losses) trained for three steps
+//! with TP, SP, PP and DP with the distributed optimizer, ranks as threads, gives the losses and
+//! (merged) weights of the one-rank run, and a resumed run is bitwise the uninterrupted one.
+
+mod support;
+
+use clap::Parser;
+use megatron_core::args::BertPretrainArgs;
+use megatron_core::training::{pretrain_bert, Runtime, TrainingSummary};
+use support::{check, train, train_in, Pretrain};
+
+#[derive(Parser)]
+#[command(args_override_self = true)]
+struct Flags {
+    #[command(flatten)]
+    args: BertPretrainArgs,
+}
+
+impl Pretrain for BertPretrainArgs {
+    fn parse(argv: Vec<String>) -> Self {
+        Flags::try_parse_from(argv).expect("valid flags").args
+    }
+
+    fn sequence_parallel(&self) -> bool {
+        self.common.parallel.sequence_parallel
+    }
+
+    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
+        pretrain_bert(self, runtime)
+    }
+}
+
+/// A 4-layer BERT on mock masked-LM data, fp32, no dropout, 4 micro-batches of 2 per step.
+const BASE: &[&str] = &[
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1000",
+    "--adam-eps",
+    "1e-4",
+    "--log-interval",
+    "1",
+    "--save-interval",
+    "3",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--seed",
+    "1234",
+];
+
+#[test]
+fn bert_tensor_parallel_equals_one_rank() {
+    check::<BertPretrainArgs>(BASE, 2, 2, 1, &[], "BERT TP=2");
+}
+
+#[test]
+fn bert_sequence_parallel_equals_one_rank() {
+    check::<BertPretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"], "BERT TP=2 + SP");
+}
+
+#[test]
+fn bert_pipeline_parallel_equals_one_rank() {
+    check::<BertPretrainArgs>(BASE, 2, 1, 2, &[], "BERT PP=2");
+}
+
+#[test]
+fn bert_distributed_optimizer_equals_one_rank() {
+    check::<BertPretrainArgs>(
+        BASE,
+        2,
+        1,
+        1,
+        &["--use-distributed-optimizer"],
+        "BERT DP=2, distributed optimizer",
+    );
+}
+
+#[test]
+fn bert_without_binary_head_reports_only_the_lm_loss() {
+    let outcome = train::<BertPretrainArgs>(BASE, 1, 1, 1, &["--bert-no-binary-head"]);
+    assert!(outcome
+        .losses
+        .iter()
+        .all(|row| row.len() == 1 && row[0].0 == "lm loss"));
+    assert!(!outcome.weights.keys().any(|k| k.starts_with("binary_head")
+        || k.starts_with("pooler")
+        || k.contains("tokentype")));
+    let with = train::<BertPretrainArgs>(BASE, 1, 1, 1, &[]);
+    assert!(with.losses.iter().all(|row| row.len() == 2 && row[1].0 == "sop loss"));
+    for name in [
+        "binary_head.weight",
+        "pooler.dense.weight",
+        "embedding.tokentype_embeddings.weight",
+        "lm_head.dense.weight",
+        "lm_head.layer_norm.weight",
+        "output_layer.bias",
+        "encoder.layers.3.self_attention.linear_qkv.weight",
+        "encoder.final_layernorm.weight",
+    ] {
+        assert!(with.weights.contains_key(name), "{name} missing");
+    }
+}
+
+#[test]
+fn bert_resuming_is_bitwise_identical() {
+    let straight = train::<BertPretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"]);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    train_in::<BertPretrainArgs>(
+        dir.path(),
+        BASE,
+        2,
+        2,
+        1,
+        &["--sequence-parallel", "--exit-interval", "2", "--save-interval", "1"],
+    )
+    .unwrap();
+    let resumed = train_in::<BertPretrainArgs>(
+        dir.path(),
+        BASE,
+        2,
+        2,
+        1,
+        &["--sequence-parallel", "--load", ckpt.as_str()],
+    )
+    .unwrap();
+    assert_eq!(straight.losses, resumed.losses);
+    for (name, tensor) in &straight.weights {
+        assert!(
+            tensor.equal(&resumed.weights[name]),
+            "{name} differs after resuming"
+        );
+    }
+}

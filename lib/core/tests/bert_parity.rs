@@ -1,0 +1,163 @@
+//! Our BERT against HuggingFace's `MegatronBertForPreTraining` with identical weights (pre-LN,
+//! erf GeLU, LayerNorm eps 1e-5): the MLM and sentence-order logits of a padded batch agree in
+//! float32, and Megatron's two losses equal HF's. The reference is made at test time by
+//! `scripts/reference/megatron_bert_reference.py` (float64 forward of float32 weights).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Parser;
+use megatron_core::args::{BertArgs, ModelArgs};
+use megatron_core::checkpoint::read_tensors;
+use megatron_core::loader::BertBatch;
+use megatron_core::model::{hf, BertConfig, BertModel, ModelOptions, Recompute};
+use megatron_core::parallel::ParallelState;
+use megatron_core::training::{BertFamily, LossTotals, ModelFamily};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Parser)]
+struct Flags {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    bert: BertArgs,
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `$MEGATRON_RS_TEST_PYTHON`, else the project venv; it must have torch and transformers.
+fn python() -> PathBuf {
+    std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
+}
+
+/// The architecture the reference script builds, from Megatron's flags.
+fn config() -> BertConfig {
+    let argv = [
+        "test",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        "128",
+        "--seq-length",
+        "12",
+        "--max-position-embeddings",
+        "32",
+        "--no-bias-gelu-fusion",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--bert-binary-head",
+    ];
+    let flags = Flags::try_parse_from(argv).unwrap();
+    BertConfig {
+        transformer: flags.model.gpt_config(100).unwrap(),
+        binary_head: flags.bert.binary_head(),
+        lm_head_activation: megatron_core::model::Activation::GeluErf,
+    }
+}
+
+#[test]
+fn logits_and_losses_equal_huggingface_megatron_bert() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(python())
+        .arg(workspace_root().join("scripts/reference/megatron_bert_reference.py"))
+        .arg(dir.path())
+        .output()
+        .expect("running the reference script");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (hf_state, _) = read_tensors(&dir.path().join("model.safetensors"), Device::Cpu).unwrap();
+    let (io, _) = read_tensors(&dir.path().join("io.safetensors"), Device::Cpu).unwrap();
+
+    let config = config();
+    assert_eq!(config.transformer.activation, megatron_core::model::Activation::GeluErf);
+    let options = ModelOptions {
+        params_dtype: Kind::Float,
+        device: Device::Cpu,
+        recompute: Recompute::None,
+        seed: 1234,
+    };
+    let parallel = ParallelState::single();
+    let model = BertModel::new(config.clone(), options, &parallel).unwrap();
+    let state = hf::megatron_bert_to_megatron(&hf_state, &config).unwrap();
+    megatron_core::model::ModelChunk::load_parameters(&model, &state).unwrap();
+
+    let hf_labels = &io["labels"];
+    let predicted = hf_labels.ne(-100);
+    let batch = BertBatch {
+        tokens: io["input_ids"].shallow_clone(),
+        types: io["token_type_ids"].shallow_clone(),
+        labels: hf_labels.masked_fill(&predicted.logical_not(), -1),
+        loss_mask: predicted.to_kind(Kind::Float),
+        padding_mask: io["attention_mask"].shallow_clone(),
+        sentence_order: io["next_sentence_label"].shallow_clone(),
+    };
+    let output = tch::no_grad(|| {
+        model.forward(
+            &batch.tokens,
+            Some(&batch.types),
+            &batch.padding_mask,
+            false,
+        )
+    })
+    .unwrap();
+    let vocab = io["prediction_logits"].size()[2];
+    let ours = output.lm_logits.transpose(0, 1).narrow(2, 0, vocab);
+    let reference = io["prediction_logits"].to_kind(Kind::Float);
+    let lm_difference = (&ours - &reference).abs().max().double_value(&[]);
+    assert!(lm_difference < 1e-4, "MLM logits differ by {lm_difference:e}");
+    let binary = output.binary_logits.as_ref().expect("binary head");
+    let sop_difference = (binary - io["seq_relationship_logits"].to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(sop_difference < 1e-4, "SOP logits differ by {sop_difference:e}");
+
+    let family = BertFamily {
+        config: config.clone(),
+    };
+    let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
+    let total = family
+        .loss(
+            &output.lm_logits,
+            Some(binary),
+            &batch,
+            &parallel,
+            &mut losses,
+        )
+        .unwrap();
+    let reported = losses.reduce(&parallel).unwrap();
+    let (lm, sop) = (io["lm_loss"].double_value(&[0]), io["sop_loss"].double_value(&[0]));
+    assert_eq!(reported[0].0, "lm loss");
+    assert_eq!(reported[1].0, "sop loss");
+    assert!((reported[0].1 - lm).abs() < 1e-5, "lm loss {} vs HF {lm}", reported[0].1);
+    assert!((reported[1].1 - sop).abs() < 1e-5, "sop loss {} vs HF {sop}", reported[1].1);
+    assert!((total.double_value(&[]) - (lm + sop)).abs() < 1e-5);
+
+    // Guard against a test that passes whatever the weights: a wrong QKV layout must show.
+    let mut wrong = state;
+    let name = "encoder.layers.0.self_attention.linear_qkv.weight";
+    let q = &hf_state["bert.encoder.layer.0.attention.self.query.weight"];
+    let k = &hf_state["bert.encoder.layer.0.attention.self.key.weight"];
+    let v = &hf_state["bert.encoder.layer.0.attention.self.value.weight"];
+    wrong.insert(name.into(), Tensor::cat(&[q, k, v], 0));
+    megatron_core::model::ModelChunk::load_parameters(&model, &wrong).unwrap();
+    let output = tch::no_grad(|| {
+        model.forward(&batch.tokens, Some(&batch.types), &batch.padding_mask, false)
+    })
+    .unwrap();
+    let ours = output.lm_logits.transpose(0, 1).narrow(2, 0, vocab);
+    assert!((ours - reference).abs().max().double_value(&[]) > 1e-3);
+}

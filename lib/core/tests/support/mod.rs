@@ -1,0 +1,181 @@
+//! What the equivalence tests of every model family share: a run of a pretraining entry point
+//! with ranks as threads, the losses it logged and its merged weights, and the comparison of a
+//! parallel run with the one-rank run.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use megatron_core::checkpoint::{find_checkpoint, merge_model_parallel_ranks};
+use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
+use megatron_core::training::{Runtime, TrainingSummary};
+use tch::{Device, Tensor};
+
+/// A pretraining binary's flags and entry point, as the tests drive it.
+pub trait Pretrain: Sized + Sync {
+    /// Parses `argv` (program name first) as the binary would.
+    fn parse(argv: Vec<String>) -> Self;
+    fn sequence_parallel(&self) -> bool;
+    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary>;
+}
+
+pub struct Outcome {
+    /// Every loss the run logged per iteration (`lm loss`, `sop loss`, ...), by name.
+    pub losses: Vec<Vec<(String, f64)>>,
+    pub weights: HashMap<String, Tensor>,
+}
+
+impl Outcome {
+    /// `lm loss` of every iteration.
+    pub fn lm_losses(&self) -> Vec<f64> {
+        self.losses
+            .iter()
+            .map(|row| row.iter().find(|(k, _)| k == "lm loss").expect("lm loss").1)
+            .collect()
+    }
+}
+
+fn logged_losses(metrics: &Path) -> Vec<Vec<(String, f64)>> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            if record.get("split").is_some() {
+                return None;
+            }
+            let mut losses: Vec<(String, f64)> = record
+                .as_object()?
+                .iter()
+                .filter(|(k, _)| k.ends_with(" loss"))
+                .filter_map(|(k, v)| Some((k.clone(), v.as_f64()?)))
+                .collect();
+            losses.sort_by(|a, b| a.0.cmp(&b.0));
+            (!losses.is_empty()).then_some(losses)
+        })
+        .collect()
+}
+
+/// Trains with `world` thread ranks in a TP × PP layout, saving under `dir/ckpt` and appending
+/// to `dir/metrics.jsonl`; returns the logged losses and the merged weights of the last
+/// checkpoint.
+pub fn train_in<P: Pretrain>(
+    dir: &Path,
+    flags: &[&str],
+    world: usize,
+    tensor: usize,
+    pipeline: usize,
+    extra: &[&str],
+) -> anyhow::Result<Outcome> {
+    let save = dir.join("ckpt");
+    let metrics = dir.join("metrics.jsonl");
+    let argv: Vec<String> = std::iter::once("pretrain".to_string())
+        .chain(flags.iter().map(|s| s.to_string()))
+        .chain([
+            "--tensor-model-parallel-size".into(),
+            tensor.to_string(),
+            "--pipeline-model-parallel-size".into(),
+            pipeline.to_string(),
+            "--save".into(),
+            save.display().to_string(),
+            "--metrics-file".into(),
+            metrics.display().to_string(),
+        ])
+        .chain(extra.iter().map(|s| s.to_string()))
+        .collect();
+    let args = P::parse(argv);
+    let layout = ParallelLayout::new(world, tensor, pipeline).unwrap();
+    let threads = ThreadWorld::new(world, Duration::from_secs(120));
+    threads.run(|rank| {
+        let parallel = ParallelState::threads(&threads, layout, rank, args.sequence_parallel())?;
+        args.run(&Runtime {
+            parallel,
+            device: Device::Cpu,
+        })
+    })?;
+    let checkpoint = find_checkpoint(&save)?.expect("a checkpoint was saved");
+    Ok(Outcome {
+        losses: logged_losses(&metrics),
+        weights: merge_model_parallel_ranks(&checkpoint, Device::Cpu)?,
+    })
+}
+
+/// [`train_in`] in a temporary directory.
+pub fn train<P: Pretrain>(
+    flags: &[&str],
+    world: usize,
+    tensor: usize,
+    pipeline: usize,
+    extra: &[&str],
+) -> Outcome {
+    let dir = tempfile::tempdir().unwrap();
+    train_in::<P>(dir.path(), flags, world, tensor, pipeline, extra).unwrap()
+}
+
+/// Three steps with the same losses (relative 1e-5) and weights (1e-5 of the largest).
+pub fn assert_equivalent(reference: &Outcome, parallel: &Outcome, what: &str) {
+    assert_eq!(
+        reference.losses.len(),
+        3,
+        "{what}: reference logged {:?}",
+        reference.losses
+    );
+    assert_eq!(
+        parallel.losses.len(),
+        3,
+        "{what}: logged {:?}",
+        parallel.losses
+    );
+    for (step, (ours, theirs)) in reference.losses.iter().zip(&parallel.losses).enumerate() {
+        assert_eq!(
+            ours.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            theirs.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            "{what}: step {}",
+            step + 1
+        );
+        for ((name, a), (_, b)) in ours.iter().zip(theirs) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs(),
+                "{what}: {name} of step {} is {b}, the one-rank run's {a}",
+                step + 1
+            );
+        }
+    }
+    let mut names: Vec<&String> = reference.weights.keys().collect();
+    names.sort();
+    assert_eq!(names, {
+        let mut theirs: Vec<&String> = parallel.weights.keys().collect();
+        theirs.sort();
+        theirs
+    });
+    for name in names {
+        let (a, b) = (&reference.weights[name], &parallel.weights[name]);
+        assert_eq!(a.size(), b.size(), "{what}: {name}");
+        let scale = a.abs().max().double_value(&[]).max(1e-12);
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(
+            diff <= 1e-5 * scale,
+            "{what}: {name} differs by {diff:e} (largest weight {scale:e})"
+        );
+    }
+}
+
+/// The one-rank run learns, and the parallel layout equals it.
+pub fn check<P: Pretrain>(
+    flags: &[&str],
+    world: usize,
+    tensor: usize,
+    pipeline: usize,
+    extra: &[&str],
+    what: &str,
+) {
+    let reference = train::<P>(flags, 1, 1, 1, &[]);
+    let lm = reference.lm_losses();
+    assert!(
+        lm[2] < lm[0],
+        "{what}: the reference run did not learn: {:?}",
+        reference.losses
+    );
+    let parallel = train::<P>(flags, world, tensor, pipeline, extra);
+    assert_equivalent(&reference, &parallel, what);
+}

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Training speed of our pretrain_bert against PyTorch references of the same model
+# (scripts/bench/reference_bert.py: HuggingFace MegatronBertForPreTraining, eager and
+# torch.compile, bf16 autocast, fused AdamW), one after the other on the same GPU: ms/iter,
+# tokens/s, TFLOP/s, MFU and peak GPU memory (nvidia-smi, sampled every 100 ms), then the speed
+# ratio.
+#
+# Default shape: BERT-345M (24 layers, hidden 1024, 16 heads, seq 512, binary head), micro batch
+# 8, global batch 64, bf16, dropout 0.1, synthetic masked-LM data (--mock-data, BERT's 30522-token
+# vocabulary padded to 30592).
+#
+# Environment (all optional):
+#   PRETRAIN_BERT=path    the binary to time [default: target/release/pretrain_bert, built here]
+#   PYTHON=python3        a python with torch 2.11 (CUDA) and transformers 5.23 for the references
+#   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
+#   TORCH_COMPILE=1       0 leaves out the torch.compile reference row
+#   EXTRA_FLAGS=""        more flags for every run (e.g. "--micro-batch-size 4")
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+ITERS="${ITERS:-30}"
+if [[ -z "${PRETRAIN_BERT:-}" ]]; then
+    (cd "$ROOT" && cargo build --release --quiet -p pretrain_bert)
+    PRETRAIN_BERT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_bert"
+fi
+# shellcheck source=../torch-env.sh
+source "$ROOT/scripts/torch-env.sh" "$PYTHON"
+SCRATCH="$(mktemp -d -t pretrain-bert-bench.XXXXXX)"
+SAMPLER=""
+trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
+
+SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512
+       --max-position-embeddings 512 --micro-batch-size 8 --global-batch-size 64 --bf16)
+# shellcheck disable=SC2206
+EXTRA=(${EXTRA_FLAGS:-})
+
+# Runs "$@" while sampling GPU memory; prints the peak (MiB) on fd 3.
+with_memory_peak() {
+    local log="$SCRATCH/memory.$RANDOM"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 100 >"$log" &
+    SAMPLER=$!
+    "$@"
+    kill "$SAMPLER" 2>/dev/null || true
+    wait "$SAMPLER" 2>/dev/null || true
+    SAMPLER=""
+    sort -n "$log" | tail -1 >&3
+}
+
+echo "== ours: $PRETRAIN_BERT" >&2
+exec 3>"$SCRATCH/ours.mem"
+# NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30522 in all.
+with_memory_peak "$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
+    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
+    --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput >"$SCRATCH/ours.log"
+exec 3>&-
+cat "$SCRATCH/ours.log" >&2
+
+REFERENCES=()
+for mode in eager compile; do
+    [[ "$mode" == compile && "${TORCH_COMPILE:-1}" != 1 ]] && continue
+    echo "== reference: HF MegatronBertForPreTraining, $mode" >&2
+    flag=()
+    [[ "$mode" == compile ]] && flag=(--torch-compile)
+    exec 3>"$SCRATCH/$mode.mem"
+    with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_bert.py" "${SHAPE[@]}" "${EXTRA[@]}" \
+        --train-iters "$ITERS" --log-interval 10 "${flag[@]}" >"$SCRATCH/$mode.json"
+    exec 3>&-
+    cat "$SCRATCH/$mode.json" >&2
+    REFERENCES+=("$SCRATCH/$mode.json")
+done
+
+"$PYTHON" - "$SCRATCH" "${REFERENCES[@]}" <<'PY'
+import json, re, sys, os
+scratch, references = sys.argv[1], sys.argv[2:]
+log = open(os.path.join(scratch, "ours.log")).read().splitlines()
+lines = [l for l in log if " iteration " in l and "elapsed time per iteration" in l]
+last = lines[-1]
+field = lambda name: float(re.search(re.escape(name) + r": ([0-9.]+)", last).group(1))
+mem = lambda name: float(open(os.path.join(scratch, name + ".mem")).read().strip() or "nan")
+ours = {"impl": "megatron-rs", "ms_per_iter": field("elapsed time per iteration (ms)"),
+        "tokens_per_s": field("tokens per second"), "tflops_per_gpu": field("throughput per GPU (TFLOP/s/GPU)"),
+        "mfu": field("MFU") / 100 if "MFU:" in last else None, "peak_gpu_memory_mib": mem("ours")}
+rows = [ours]
+for path in references:
+    ref = json.loads(open(path).read().strip().splitlines()[-1])
+    name = "eager" if ref["impl"] == "pytorch-eager" else "compile"
+    rows.append({"impl": ref["impl"], "ms_per_iter": ref["ms_per_iter"], "tokens_per_s": ref["tokens_per_s"],
+                 "tflops_per_gpu": ref["tflops_per_gpu"], "mfu": ref["mfu"], "peak_gpu_memory_mib": mem(name)})
+print(f"{'impl':<16}{'ms/iter':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak MiB':>10}{'speed vs ours':>15}")
+for row in rows:
+    ratio = row["tokens_per_s"] / ours["tokens_per_s"]
+    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    print(f"{row['impl']:<16}{row['ms_per_iter']:>10.1f}{row['tokens_per_s']:>12.0f}{row['tflops_per_gpu']:>10.1f}"
+          f"{mfu:>8}{row['peak_gpu_memory_mib']:>10.0f}{ratio:>15.3f}")
+print(json.dumps({"rows": rows}))
+PY
