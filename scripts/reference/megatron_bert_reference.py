@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import MegatronBertConfig, MegatronBertForPreTraining
 
-VOCAB, HIDDEN, LAYERS, HEADS, FFN, MAX_POS = 100, 64, 2, 4, 128, 32
+# A vocabulary that needs no padding, so both softmaxes run over the same tokens.
+VOCAB, HIDDEN, LAYERS, HEADS, FFN, MAX_POS = 128, 64, 2, 4, 128, 32
 BATCH, SEQ = 2, 12
 
 
