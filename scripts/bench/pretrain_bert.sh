@@ -70,28 +70,4 @@ for mode in eager compile; do
     REFERENCES+=("$SCRATCH/$mode.json")
 done
 
-"$PYTHON" - "$SCRATCH" "${REFERENCES[@]}" <<'PY'
-import json, re, sys, os
-scratch, references = sys.argv[1], sys.argv[2:]
-log = open(os.path.join(scratch, "ours.log")).read().splitlines()
-lines = [l for l in log if " iteration " in l and "elapsed time per iteration" in l]
-last = lines[-1]
-field = lambda name: float(re.search(re.escape(name) + r": ([0-9.]+)", last).group(1))
-mem = lambda name: float(open(os.path.join(scratch, name + ".mem")).read().strip() or "nan")
-ours = {"impl": "megatron-rs", "ms_per_iter": field("elapsed time per iteration (ms)"),
-        "tokens_per_s": field("tokens per second"), "tflops_per_gpu": field("throughput per GPU (TFLOP/s/GPU)"),
-        "mfu": field("MFU") / 100 if "MFU:" in last else None, "peak_gpu_memory_mib": mem("ours")}
-rows = [ours]
-for path in references:
-    ref = json.loads(open(path).read().strip().splitlines()[-1])
-    name = "eager" if ref["impl"] == "pytorch-eager" else "compile"
-    rows.append({"impl": ref["impl"], "ms_per_iter": ref["ms_per_iter"], "tokens_per_s": ref["tokens_per_s"],
-                 "tflops_per_gpu": ref["tflops_per_gpu"], "mfu": ref["mfu"], "peak_gpu_memory_mib": mem(name)})
-print(f"{'impl':<16}{'ms/iter':>10}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak MiB':>10}{'speed vs ours':>15}")
-for row in rows:
-    ratio = row["tokens_per_s"] / ours["tokens_per_s"]
-    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-    print(f"{row['impl']:<16}{row['ms_per_iter']:>10.1f}{row['tokens_per_s']:>12.0f}{row['tflops_per_gpu']:>10.1f}"
-          f"{mfu:>8}{row['peak_gpu_memory_mib']:>10.0f}{ratio:>15.3f}")
-print(json.dumps({"rows": rows}))
-PY
+"$PYTHON" "$ROOT/scripts/bench/training_table.py" "$SCRATCH" "${REFERENCES[@]}"

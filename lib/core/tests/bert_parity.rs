@@ -128,6 +128,8 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
 
     let family = BertFamily {
         config: config.clone(),
+        mask_prob: 0.15,
+        short_seq_prob: 0.1,
     };
     let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
     let total = family

@@ -17,6 +17,9 @@ use crate::parallel::ParallelState;
 
 pub struct BertFamily {
     pub config: BertConfig,
+    /// `--mask-prob` and `--short-seq-prob` of the masked-LM datasets.
+    pub mask_prob: f64,
+    pub short_seq_prob: f64,
 }
 
 const WITH_SOP: &[&str] = &["lm loss", "sop loss"];
@@ -142,6 +145,8 @@ pub fn pretrain_bert(args: &BertPretrainArgs, runtime: &Runtime) -> Result<Train
     let tokenizer = build_tokenizer(&args.common.tokenizer.config()?)?;
     let family = BertFamily {
         config: args.bert_config(tokenizer.vocab_size() as i64)?,
+        mask_prob: args.bert.mask_prob,
+        short_seq_prob: args.bert.short_seq_prob,
     };
     pretrain(&args.common, serde_json::to_value(args)?, &family, runtime)
 }
