@@ -96,6 +96,29 @@ fn bert_pipeline_parallel_equals_one_rank() {
 }
 
 #[test]
+fn bert_interleaved_pipeline_with_recompute_equals_one_rank() {
+    let extra = [
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ];
+    check::<BertPretrainArgs>(BASE, 2, 1, 2, &extra, "BERT PP=2 interleaved, full recompute");
+    check::<BertPretrainArgs>(
+        BASE,
+        2,
+        2,
+        1,
+        &["--sequence-parallel", "--recompute-activations"],
+        "BERT TP=2 + SP, selective recompute",
+    );
+}
+
+#[test]
 fn bert_distributed_optimizer_equals_one_rank() {
     check::<BertPretrainArgs>(
         BASE,
