@@ -4,6 +4,7 @@ pub mod blend;
 pub mod cache;
 pub mod gpt;
 pub mod indexed;
+pub mod masked;
 pub mod openwebtext;
 pub mod preprocess;
 pub mod random;

@@ -1,11 +1,11 @@
-//! `BlendedDataset`: several GPT datasets of one split interleaved by weight.
+//! `BlendedDataset`: several datasets of one split (GPT, BERT or T5) interleaved by weight.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
 use crate::cache::{description_hash, CacheEntry, IndexArray, NpyArray, PyJson};
-use crate::gpt::{GptDataset, GptSample, SampleText};
+use crate::gpt::{GptDataset, GptSample, SampleText, Split};
 
 use super::indices::{build_blending_indices, build_exhaustive_blending_indices, BlendingIndices};
 use super::weights::normalize;
@@ -24,21 +24,51 @@ pub enum BlendWeights {
     Count(Vec<u64>),
 }
 
-pub struct BlendedDataset {
-    datasets: Vec<GptDataset>,
+/// What a blend needs of its members (Megatron's mid-level datasets).
+pub trait BlendMember {
+    type Sample;
+    fn len(&self) -> usize;
+    fn split(&self) -> Split;
+    /// The ordered identifier map; the blend's description embeds it.
+    fn identifiers(&self) -> &PyJson;
+    fn sample(&self, idx: usize) -> Self::Sample;
+}
+
+impl BlendMember for GptDataset {
+    type Sample = GptSample;
+
+    fn len(&self) -> usize {
+        GptDataset::len(self)
+    }
+
+    fn split(&self) -> Split {
+        GptDataset::split(self)
+    }
+
+    fn identifiers(&self) -> &PyJson {
+        GptDataset::identifiers(self)
+    }
+
+    fn sample(&self, idx: usize) -> GptSample {
+        self.get(Some(idx))
+    }
+}
+
+pub struct BlendedDataset<D: BlendMember = GptDataset> {
+    datasets: Vec<D>,
     description: String,
     indices: BlendingIndices,
 }
 
-impl BlendedDataset {
+impl<D: BlendMember> BlendedDataset<D> {
     /// `size = None` draws every member sample once (weights must be member lengths).
     pub fn new(
-        datasets: Vec<GptDataset>,
+        datasets: Vec<D>,
         weights: BlendWeights,
         size: Option<usize>,
         cache_dir: Option<&Path>,
         surplus: f64,
-    ) -> Result<BlendedDataset> {
+    ) -> Result<BlendedDataset<D>> {
         if datasets.is_empty() || datasets.len() > 32766 {
             bail!("a blend needs 1 to 32766 datasets, got {}", datasets.len());
         }
@@ -134,7 +164,7 @@ impl BlendedDataset {
         self.len() == 0
     }
 
-    pub fn datasets(&self) -> &[GptDataset] {
+    pub fn datasets(&self) -> &[D] {
         &self.datasets
     }
 
@@ -154,19 +184,22 @@ impl BlendedDataset {
         )
     }
 
+    /// Blended sample `idx` and the member it came from.
+    pub fn get(&self, idx: usize) -> (usize, D::Sample) {
+        let (member, sample) = self.locate(idx);
+        (member, self.datasets[member].sample(sample))
+    }
+}
+
+impl BlendedDataset<GptDataset> {
     pub fn sample_text(&self, idx: usize) -> (usize, SampleText) {
         let (member, sample) = self.locate(idx);
         (member, self.datasets[member].sample_text(sample))
     }
-
-    pub fn get(&self, idx: usize) -> (usize, GptSample) {
-        let (member, sample) = self.locate(idx);
-        (member, self.datasets[member].get(Some(sample)))
-    }
 }
 
-fn check_members_suffice(
-    datasets: &[GptDataset],
+fn check_members_suffice<D: BlendMember>(
+    datasets: &[D],
     indices: &BlendingIndices,
     surplus: f64,
 ) -> Result<()> {

@@ -10,9 +10,12 @@ mod indices;
 mod weights;
 
 pub use budget::samples_per_dataset;
-pub use builder::{build_gpt_datasets, DataSources, OpenSource, SplitDataset};
+pub use builder::{
+    build_gpt_datasets, build_split_datasets, BuildMember, BuilderSettings, DataSources,
+    OpenSource, SourceCache, SplitDataset,
+};
 pub use data_path::Blend;
-pub use dataset::{BlendWeights, BlendedDataset};
+pub use dataset::{BlendMember, BlendWeights, BlendedDataset};
 pub use flags::{DataPathFlags, DEFAULT_SPLIT};
 pub use indices::{build_blending_indices, build_exhaustive_blending_indices, BlendingIndices};
 pub use weights::{normalize, numpy_sum};

@@ -21,7 +21,7 @@ pub fn description_hash(description: &str) -> String {
         .collect()
 }
 
-/// The files of one cached dataset: `{dir}/{hash}-{class}-{split}-{affix}`.
+/// The files of one cached dataset: `{dir}/{hash}-{class}-{split}-{affix}` (GPT, blends).
 #[derive(Debug, Clone)]
 pub struct CacheEntry {
     directory: PathBuf,
@@ -33,6 +33,15 @@ impl CacheEntry {
         CacheEntry {
             directory: directory.to_path_buf(),
             base: format!("{description_hash}-{class}-{split}"),
+        }
+    }
+
+    /// `{dir}/{hash}-{class}-{affix}`: the masked-LM datasets keep the split out of the name
+    /// (it is inside the hashed description).
+    pub fn without_split(directory: &Path, description_hash: &str, class: &str) -> Self {
+        CacheEntry {
+            directory: directory.to_path_buf(),
+            base: format!("{description_hash}-{class}"),
         }
     }
 

@@ -36,6 +36,7 @@ pub enum Dtype {
     I32,
     I64,
     U32,
+    U64,
 }
 
 impl Dtype {
@@ -45,6 +46,7 @@ impl Dtype {
             Dtype::I32 => "<i4",
             Dtype::I64 => "<i8",
             Dtype::U32 => "<u4",
+            Dtype::U64 => "<u8",
         }
     }
 
@@ -55,11 +57,12 @@ impl Dtype {
             Dtype::I32 => "int32",
             Dtype::I64 => "int64",
             Dtype::U32 => "uint32",
+            Dtype::U64 => "uint64",
         }
     }
 
     fn from_descr(descr: &str) -> Option<Dtype> {
-        [Dtype::I16, Dtype::I32, Dtype::I64, Dtype::U32]
+        [Dtype::I16, Dtype::I32, Dtype::I64, Dtype::U32, Dtype::U64]
             .into_iter()
             .find(|d| d.descr() == descr)
     }
@@ -68,7 +71,7 @@ impl Dtype {
         match self {
             Dtype::I16 => 2,
             Dtype::I32 | Dtype::U32 => 4,
-            Dtype::I64 => 8,
+            Dtype::I64 | Dtype::U64 => 8,
         }
     }
 }
@@ -81,6 +84,7 @@ pub enum IndexArray {
     I32(Vec<i32>),
     I64(Vec<i64>),
     U32(Vec<u32>),
+    U64(Vec<u64>),
 }
 
 impl IndexArray {
@@ -90,6 +94,7 @@ impl IndexArray {
             IndexArray::I32(_) => Dtype::I32,
             IndexArray::I64(_) => Dtype::I64,
             IndexArray::U32(_) => Dtype::U32,
+            IndexArray::U64(_) => Dtype::U64,
         }
     }
 
@@ -99,6 +104,7 @@ impl IndexArray {
             IndexArray::I32(v) => v.len(),
             IndexArray::I64(v) => v.len(),
             IndexArray::U32(v) => v.len(),
+            IndexArray::U64(v) => v.len(),
         }
     }
 
@@ -114,6 +120,7 @@ impl IndexArray {
             IndexArray::I32(v) => i64::from(v[i]),
             IndexArray::I64(v) => v[i],
             IndexArray::U32(v) => i64::from(v[i]),
+            IndexArray::U64(v) => v[i] as i64,
         }
     }
 
@@ -127,6 +134,7 @@ impl IndexArray {
             IndexArray::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             IndexArray::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             IndexArray::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            IndexArray::U64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
 
@@ -154,6 +162,12 @@ impl IndexArray {
                 bytes
                     .chunks_exact(4)
                     .map(|c| u32::from_le_bytes(c.try_into().expect("4-byte chunk")))
+                    .collect(),
+            ),
+            Dtype::U64 => IndexArray::U64(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
                     .collect(),
             ),
         }
@@ -236,7 +250,7 @@ impl NpyArray {
         let dtype = Dtype::from_descr(&fields.descr).ok_or_else(|| NpyError::Dtype {
             path: path.to_string(),
             found: fields.descr.clone(),
-            expected: "<i2, <i4, <i8, <u4".to_string(),
+            expected: "<i2, <i4, <i8, <u4, <u8".to_string(),
         })?;
         let count: usize = fields.shape.iter().product();
         let data = &bytes[data_start..];

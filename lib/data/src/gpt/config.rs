@@ -92,6 +92,26 @@ impl TokenizerIdentity {
         ))
     }
 
+    /// Identity of Megatron's legacy `_BertWordPieceTokenizer` (`BertWordPieceLowerCase` /
+    /// `BertWordPieceCase`, `--vocab-extra-ids N`). The BERT/T5 datasets of Megatron's releases
+    /// (core_v0.14) use this class whatever the tokenizer generation, so it is the one
+    /// identity for WordPiece data.
+    pub fn bert_wordpiece(vocab_file: &str, lower_case: bool, vocab_extra_ids: usize) -> Self {
+        let python_bool = if lower_case { "True" } else { "False" };
+        TokenizerIdentity(PyJson::Map(vec![
+            ("class".into(), PyJson::str("_BertWordPieceTokenizer")),
+            (
+                "tokenizer_path".into(),
+                PyJson::List(vec![PyJson::str(vocab_file)]),
+            ),
+            ("lower_case".into(), PyJson::str(python_bool)),
+            (
+                "vocab_extra_ids".into(),
+                PyJson::str(vocab_extra_ids.to_string()),
+            ),
+        ]))
+    }
+
     /// Identity from training-style flags. Only the tokenizer types whose Megatron identity is
     /// known byte for byte are accepted, so that a cache name never silently differs.
     pub fn from_flags(
@@ -107,9 +127,19 @@ impl TokenizerIdentity {
                 };
                 Ok(TokenizerIdentity::gpt2_bpe(vocab, merges, generation))
             }
+            "BertWordPieceLowerCase" | "BertWordPieceCase" => {
+                let Some(vocab) = vocab_file else {
+                    bail!("--tokenizer-type {tokenizer_type} needs --vocab-file");
+                };
+                Ok(TokenizerIdentity::bert_wordpiece(
+                    vocab,
+                    tokenizer_type == "BertWordPieceLowerCase",
+                    0,
+                ))
+            }
             other => bail!(
                 "cache descriptions for --tokenizer-type {other} are not supported; \
-                 supported: GPT2BPETokenizer"
+                 supported: GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase"
             ),
         }
     }

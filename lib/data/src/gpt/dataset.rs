@@ -9,12 +9,12 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::cache::{description_hash, CacheEntry, PyJson};
 
-use super::config::GptDatasetConfig;
+use super::config::{GptDatasetConfig, TokenizerIdentity};
 use super::epochs::EpochPlan;
 use super::indices::{GptIndices, IndexRequest};
 use super::sample::GptSample;
 use super::source::TokenSource;
-use super::split::Split;
+use super::split::{Split, SplitMatrix};
 
 const CLASS: &str = "GPTDataset";
 const CACHE_FILES: [&str; 4] = [
@@ -40,6 +40,51 @@ pub enum IndexOrigin {
 pub struct SampleText {
     pub tokens: Vec<i64>,
     pub document_ids: Vec<i64>,
+}
+
+/// The fields every Megatron dataset description starts with (`MegatronDataset`'s
+/// `unique_identifiers`); subclasses append their own.
+pub struct BaseIdentifiers<'a> {
+    pub class: &'a str,
+    /// The prefix exactly as the user wrote it (`None` for mock data).
+    pub dataset_path: Option<&'a str>,
+    pub num_samples: Option<u64>,
+    pub split: Split,
+    pub random_seed: u32,
+    pub sequence_length: usize,
+    /// The raw `--split` string (`None` in per-split mode).
+    pub split_string: Option<&'a str>,
+    pub split_matrix: Option<&'a SplitMatrix>,
+    pub tokenizer: &'a TokenizerIdentity,
+}
+
+/// The ordered identifier entries of `ids`.
+pub fn base_identifiers(ids: &BaseIdentifiers) -> Vec<(String, PyJson)> {
+    let entries = vec![
+        ("class", PyJson::str(ids.class)),
+        (
+            "dataset_path",
+            ids.dataset_path.map_or(PyJson::Null, PyJson::str),
+        ),
+        (
+            "num_samples",
+            ids.num_samples
+                .map_or(PyJson::Null, |n| PyJson::Int(n as i64)),
+        ),
+        ("index_split", PyJson::str(ids.split.name())),
+        ("random_seed", PyJson::Int(i64::from(ids.random_seed))),
+        ("sequence_length", PyJson::Int(ids.sequence_length as i64)),
+        ("split", ids.split_string.map_or(PyJson::Null, PyJson::str)),
+        (
+            "split_matrix",
+            ids.split_matrix.map_or(PyJson::Null, SplitMatrix::to_json),
+        ),
+        ("tokenizer", ids.tokenizer.0.clone()),
+    ];
+    entries
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
 }
 
 pub struct GptDataset {
@@ -119,41 +164,17 @@ impl GptDataset {
         split: Split,
         config: &GptDatasetConfig,
     ) -> PyJson {
-        let entries = vec![
-            ("class", PyJson::str(CLASS)),
-            (
-                "dataset_path",
-                dataset_path.map_or(PyJson::Null, PyJson::str),
-            ),
-            (
-                "num_samples",
-                num_samples.map_or(PyJson::Null, |n| PyJson::Int(n as i64)),
-            ),
-            ("index_split", PyJson::str(split.name())),
-            ("random_seed", PyJson::Int(i64::from(config.random_seed))),
-            (
-                "sequence_length",
-                PyJson::Int(config.sequence_length as i64),
-            ),
-            (
-                "split",
-                config.split.as_deref().map_or(PyJson::Null, PyJson::str),
-            ),
-            (
-                "split_matrix",
-                config
-                    .split_matrix
-                    .as_ref()
-                    .map_or(PyJson::Null, |m| m.to_json()),
-            ),
-            ("tokenizer", config.tokenizer.0.clone()),
-        ];
-        PyJson::Map(
-            entries
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
-        )
+        PyJson::Map(base_identifiers(&BaseIdentifiers {
+            class: CLASS,
+            dataset_path,
+            num_samples,
+            split,
+            random_seed: config.random_seed,
+            sequence_length: config.sequence_length,
+            split_string: config.split.as_deref(),
+            split_matrix: config.split_matrix.as_ref(),
+            tokenizer: &config.tokenizer,
+        }))
     }
 
     fn build_indices(

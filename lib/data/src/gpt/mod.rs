@@ -14,7 +14,7 @@ mod source;
 mod split;
 
 pub use config::{GptDatasetConfig, SampleOptions, TokenizerGeneration, TokenizerIdentity};
-pub use dataset::{GptDataset, IndexOrigin, SampleText};
+pub use dataset::{base_identifiers, BaseIdentifiers, GptDataset, IndexOrigin, SampleText};
 pub use document_index::build_document_index;
 pub use epochs::EpochPlan;
 pub use indices::{GptIndices, IndexRequest};
@@ -22,5 +22,5 @@ pub use mock::MockTokenSource;
 pub use sample::GptSample;
 pub use sample_index::{build_sample_index, SampleIndexInput};
 pub use shuffle_index::build_shuffle_index;
-pub use source::TokenSource;
+pub use source::{SentenceSource, TokenSource};
 pub use split::{Bookend, Split, SplitMatrix};

@@ -23,3 +23,16 @@ impl TokenSource for IndexedDataset {
         out.extend(bytes.chunks_exact(dtype.size()).map(|c| dtype.read_le(c)));
     }
 }
+
+/// A token store that also knows its documents: the BERT/T5 datasets sample whole sentences
+/// (sequences) within documents.
+pub trait SentenceSource: TokenSource {
+    /// Document `d` spans sequences `document_indices[d]..document_indices[d + 1]`.
+    fn document_indices(&self) -> &[i64];
+}
+
+impl SentenceSource for IndexedDataset {
+    fn document_indices(&self) -> &[i64] {
+        IndexedDataset::document_indices(self)
+    }
+}

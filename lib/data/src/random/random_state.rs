@@ -59,6 +59,22 @@ impl RandomState {
         }
     }
 
+    /// `choice(len(cdf), p=p)` for a cumulative `cdf` of `p` already normalised by its last
+    /// element: the first index whose cdf exceeds one `random()` draw.
+    pub fn choice_from_cdf(&mut self, cdf: &[f64]) -> usize {
+        let u = self.random();
+        cdf.partition_point(|&c| c <= u).min(cdf.len() - 1)
+    }
+
+    /// `geometric(p)` for `p < 1/3` (legacy inversion: `ceil(log1p(-U) / log(1 - p))`).
+    pub fn geometric(&mut self, p: f64) -> i64 {
+        assert!(
+            p > 0.0 && p < 1.0 / 3.0,
+            "geometric needs 0 < p < 1/3, got {p}"
+        );
+        ((-self.random()).ln_1p() / (1.0 - p).ln()).ceil() as i64
+    }
+
     /// `permutation(n)`: `0..n` shuffled.
     pub fn permutation(&mut self, n: usize) -> Vec<i64> {
         let mut values: Vec<i64> = (0..n as i64).collect();
@@ -84,6 +100,20 @@ mod tests {
         let mut rs = RandomState::new(0);
         assert_eq!(rs.random(), 0.548_813_503_927_324_8);
         assert_eq!(rs.random(), 0.715_189_366_372_419_5);
+    }
+
+    #[test]
+    fn geometric_and_choice_match_numpy_seed_1234() {
+        // numpy 2.x: [RandomState(1234).geometric(0.2) for _ in range(8)] and
+        // RandomState(1234).choice([1, 2, 3], p=[6/11, 3/11, 2/11]) eight times.
+        let mut rs = RandomState::new(1234);
+        let draws: Vec<i64> = (0..8).map(|_| rs.geometric(0.2)).collect();
+        assert_eq!(draws, [1, 5, 3, 7, 7, 2, 2, 8]);
+        let p = [6.0 / 11.0, 3.0 / 11.0, 2.0 / 11.0];
+        let cdf = [p[0], p[0] + p[1], p[0] + p[1] + p[2]];
+        let mut rs = RandomState::new(1234);
+        let picks: Vec<usize> = (0..8).map(|_| rs.choice_from_cdf(&cdf) + 1).collect();
+        assert_eq!(picks, [1, 2, 1, 2, 2, 1, 1, 2]);
     }
 
     #[test]

@@ -28,6 +28,13 @@ pub struct BertWordPiece {
     eod: u32,
     vocab_size: usize,
     wrap_cls_sep: bool,
+    /// Ids in the iteration order of Megatron's `inv_vocab` (first occurrence of each token,
+    /// then the added tokens): the BERT dataset draws random replacement tokens from it.
+    lookup_order: Vec<u32>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    /// `<extra_id_0>`.. from `--vocab-extra-ids`, in id order (T5's sentinels).
+    extra_ids: Vec<u32>,
 }
 
 impl BertWordPiece {
@@ -55,9 +62,14 @@ impl BertWordPiece {
         wrap_cls_sep: bool,
     ) -> Result<Self, String> {
         let mut vocab = HashMap::new();
+        let mut first_seen = Vec::new();
         for (index, line) in text.lines().enumerate() {
-            vocab.insert(line.trim().to_string(), index as u32);
+            let token = line.trim();
+            if vocab.insert(token.to_string(), index as u32).is_none() {
+                first_seen.push(token);
+            }
         }
+        let mut lookup_order: Vec<u32> = first_seen.iter().map(|t| vocab[*t]).collect();
         let id = |vocab: &HashMap<String, u32>, t: &str| {
             vocab
                 .get(t)
@@ -71,16 +83,14 @@ impl BertWordPiece {
         );
         id(&vocab, "[PAD]")?;
         id(&vocab, "[MASK]")?;
-        let eod = if wrap_cls_sep {
-            sep
+        let (eod, bos, eos) = if wrap_cls_sep {
+            (sep, None, None)
         } else {
             for added in ["[BOS]", "[EOS]"] {
-                if !vocab.contains_key(added) {
-                    let next = vocab.len() as u32;
-                    vocab.insert(added.to_string(), next);
-                }
+                add_token(&mut vocab, &mut lookup_order, added);
             }
-            id(&vocab, "[EOS]")?
+            let (bos, eos) = (id(&vocab, "[BOS]")?, id(&vocab, "[EOS]")?);
+            (eos, Some(bos), Some(eos))
         };
         Ok(BertWordPiece {
             vocab_size: vocab.len(),
@@ -92,7 +102,62 @@ impl BertWordPiece {
             sep,
             eod,
             wrap_cls_sep,
+            lookup_order,
+            bos,
+            eos,
+            extra_ids: Vec::new(),
         })
+    }
+
+    /// Megatron's `--vocab-extra-ids N`: appends `<extra_id_0>`..`<extra_id_{N-1}>` (each
+    /// only if absent) after the other added tokens; T5 uses them as sentinels in this order.
+    pub fn with_extra_ids(mut self, count: usize) -> Self {
+        for i in 0..count {
+            let token = format!("<extra_id_{i}>");
+            let id = add_token(&mut self.vocab, &mut self.lookup_order, &token);
+            self.extra_ids.push(id);
+        }
+        self.vocab_size = self.vocab.len();
+        self.tokens = invert(&self.vocab);
+        self
+    }
+
+    /// The id of a vocabulary entry.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.vocab.get(token).copied()
+    }
+
+    /// The vocabulary entry of an id (`None` for ids no entry maps to).
+    pub fn id_token(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).and_then(Option::as_deref)
+    }
+
+    pub fn cls(&self) -> u32 {
+        self.cls
+    }
+
+    pub fn sep(&self) -> u32 {
+        self.sep
+    }
+
+    /// `[BOS]`, added by the legacy tokenizer (absent in `[CLS]`/`[SEP]`-wrapping mode).
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// `[EOS]`, added by the legacy tokenizer (absent in `[CLS]`/`[SEP]`-wrapping mode).
+    pub fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// Megatron's `additional_special_tokens_ids`: the `--vocab-extra-ids` tokens in order.
+    pub fn additional_special_tokens_ids(&self) -> &[u32] {
+        &self.extra_ids
+    }
+
+    /// Ids in the order Megatron's `inv_vocab` lists them.
+    pub fn lookup_order(&self) -> &[u32] {
+        &self.lookup_order
     }
 
     /// BERT's basic tokenizer: the words WordPiece then splits.
@@ -269,6 +334,21 @@ impl Tokenizer for BertWordPiece {
     }
 }
 
+/// Megatron's `add_token`: a new token gets id `len(vocab)`; an existing one keeps its id.
+fn add_token(vocab: &mut HashMap<String, u32>, order: &mut Vec<u32>, token: &str) -> u32 {
+    if let Some(&id) = vocab.get(token) {
+        return id;
+    }
+    let id = vocab.len() as u32;
+    vocab.insert(token.to_string(), id);
+    // With repeated vocabulary lines the new id can be taken already; Python's `inv_vocab`
+    // then overwrites that key in place.
+    if !order.contains(&id) {
+        order.push(id);
+    }
+    id
+}
+
 /// The token of each id of `vocab` (ids without a token stay `None`).
 pub(super) fn invert(vocab: &HashMap<String, u32>) -> Vec<Option<String>> {
     let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
@@ -295,6 +375,30 @@ mod tests {
         assert_eq!(t.eod(), Some(14));
         assert_eq!(t.detokenize(&[5, 6, 7, 9, 8]).unwrap(), "unaffable , hello");
         assert!(t.detokenize(&[15]).is_err());
+    }
+
+    #[test]
+    fn extra_ids_follow_bos_and_eos_in_order() {
+        let t = BertWordPiece::from_vocab_text(VOCAB, true, false)
+            .unwrap()
+            .with_extra_ids(3);
+        assert_eq!((t.bos(), t.eos()), (Some(13), Some(14)));
+        assert_eq!(t.additional_special_tokens_ids(), [15, 16, 17]);
+        assert_eq!(t.vocab_size(), 18);
+        assert_eq!(t.token_id("<extra_id_2>"), Some(17));
+        assert_eq!(t.lookup_order(), (0..18).collect::<Vec<u32>>());
+        assert_eq!(t.detokenize(&[5, 15]).unwrap(), "un <extra_id_0>");
+    }
+
+    #[test]
+    fn repeated_vocabulary_lines_keep_the_first_position_with_the_last_id() {
+        let t = BertWordPiece::from_vocab_text(
+            "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n[UNK]\nx\n",
+            true,
+            false,
+        )
+        .unwrap();
+        assert_eq!(t.lookup_order(), [0, 5, 2, 3, 4, 6, 7]);
     }
 
     #[test]
