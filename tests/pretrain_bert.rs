@@ -1,11 +1,98 @@
-//! `pretrain_bert` end to end on the CPU: Megatron's flags, a log line with both BERT losses,
-//! Megatron-core BERT checkpoint names, and the binary head switched off by
-//! `--bert-no-binary-head`.
+//! `pretrain_bert` end to end on the CPU: a tiny BERT learns a corpus preprocessed with
+//! `--split-sentences`, document-level data is refused with the fix, the log line has both BERT
+//! losses, checkpoints carry Megatron-core BERT names, and `--bert-no-binary-head` switches the
+//! binary head off.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megatron_e2e::{bin, run_ok};
+use megatron_e2e::{bin, run_ok, shared_dir};
+
+/// The shared small corpus tokenized with BERT's uncased vocabulary, by sentence or by document.
+fn bert_corpus(dir: &Path, split_sentences: bool) -> PathBuf {
+    let data = shared_dir().join("data");
+    let mut command = bin("preprocess_data");
+    command
+        .arg("--input")
+        .arg(shared_dir().join("golden/preprocess/small_corpus.jsonl"))
+        .arg("--output-prefix")
+        .arg(dir.join("corpus"))
+        .args(["--tokenizer-type", "BertWordPieceLowerCase", "--workers", "1"])
+        .arg("--vocab-file")
+        .arg(data.join("bert-large-uncased-vocab.txt"))
+        .arg("--punkt-dir")
+        .arg(data.join("punkt_tab_english"));
+    if split_sentences {
+        command.arg("--split-sentences");
+    }
+    run_ok(&mut command);
+    dir.join(if split_sentences {
+        "corpus_text_sentence"
+    } else {
+        "corpus_text_document"
+    })
+}
+
+/// A tiny BERT on `prefix` with the default (BertWordPieceLowerCase) tokenizer.
+fn pretrain_on(prefix: &Path, extra: &[&str]) -> Command {
+    let mut command = bin("pretrain_bert");
+    command
+        .args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"])
+        .args(["--seq-length", "64", "--max-position-embeddings", "64"])
+        .args(["--micro-batch-size", "8", "--global-batch-size", "8", "--lr", "5e-3"])
+        .args(["--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0"])
+        .args(["--device", "cpu", "--split", "949,50,1", "--seed", "1234"])
+        .arg("--vocab-file")
+        .arg(shared_dir().join("data/bert-large-uncased-vocab.txt"))
+        .arg("--data-path")
+        .arg(prefix)
+        .args(extra);
+    command
+}
+
+/// `(lm loss, sop loss)` of every iteration in the log.
+fn logged_losses(stdout: &str) -> Vec<(f64, f64)> {
+    let value = |line: &str, key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap() + key.len()..];
+        rest[..rest.find(' ').unwrap()].parse().unwrap()
+    };
+    stdout
+        .lines()
+        .filter(|l| l.contains(" iteration ") && l.contains(" lm loss: "))
+        .map(|l| (value(l, " lm loss: "), value(l, " sop loss: ")))
+        .collect()
+}
+
+#[test]
+fn a_tiny_bert_learns_sentence_split_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = bert_corpus(dir.path(), true);
+    let out = run_ok(&mut pretrain_on(&prefix, &["--train-iters", "30"]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let losses = logged_losses(&stdout);
+    assert_eq!(losses.len(), 30, "{stdout}");
+    // A uniform guess over the 30592 padded entries costs ln(30592) = 10.3 nats.
+    let first = losses[..3].iter().map(|l| l.0).sum::<f64>() / 3.0;
+    let last = losses[25..].iter().map(|l| l.0).sum::<f64>() / 5.0;
+    assert!((first - 30592f64.ln()).abs() < 1.0, "initial lm loss {first}");
+    assert!(last < first - 2.0, "lm loss went from {first} to {last}");
+    eprintln!("lm loss {first:.3} -> {last:.3}");
+    assert!(losses.iter().all(|l| l.1 > 0.0 && l.1 < 2.0), "{losses:?}");
+    // The dataset's sample index is cached under Megatron's path and names.
+    let cache = prefix.join("cache/BERTMaskedWordPieceDataset_indices");
+    let files = std::fs::read_dir(&cache).map(|e| e.count()).unwrap_or(0);
+    assert!(files > 0, "no sample-index cache in {}", cache.display());
+}
+
+#[test]
+fn document_level_data_is_refused_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = bert_corpus(dir.path(), false);
+    let out = pretrain_on(&prefix, &["--train-iters", "5"]).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--split-sentences"), "{stderr}");
+}
 
 /// A tiny BERT on synthetic masked-LM data; `extra` adds or overrides flags.
 fn pretrain(extra: &[&str]) -> Command {

@@ -1,29 +1,14 @@
-//! A micro-batch of BERT samples as tensors, and the synthetic masked-LM samples of
-//! `pretrain_bert --mock-data`.
+//! A micro-batch of BERT samples (Megatron's `BERTMaskedWordPieceDataset`) as tensors, and the
+//! synthetic masked-LM samples of `pretrain_bert --mock-data`.
 
 use std::ops::Range;
 
 use anyhow::{ensure, Result};
+use megatron_data::blend::SplitDataset;
+use megatron_data::masked::{BertMaskedWordPieceDataset, BertSample};
 use tch::{Device, Kind, Tensor};
 
 use super::background::{DeviceBatch, SampleSource};
-
-/// One BERT sample as the dataset gives it, every field `seq_length` long but `is_random`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BertRow {
-    /// Token ids with the masked positions replaced.
-    pub text: Vec<i64>,
-    /// 0 for `[CLS] A [SEP]`, 1 for `B [SEP]`, 0 for padding.
-    pub types: Vec<i64>,
-    /// The original token at masked positions, -1 elsewhere.
-    pub labels: Vec<i64>,
-    /// 1 at masked positions.
-    pub loss_mask: Vec<i64>,
-    /// 1 for tokens, 0 for padding.
-    pub padding_mask: Vec<i64>,
-    /// Sentence order: 1 when the two segments were swapped.
-    pub is_random: i64,
-}
 
 pub struct BertBatch {
     /// `[b, s]` int64.
@@ -40,18 +25,18 @@ pub struct BertBatch {
 }
 
 impl BertBatch {
-    pub fn collate(rows: &[BertRow]) -> Result<BertBatch> {
+    pub fn collate(rows: &[BertSample]) -> Result<BertBatch> {
         let b = rows.len() as i64;
         let s = rows.first().map_or(0, |r| r.text.len()) as i64;
         ensure!(
             rows.iter().all(|r| r.text.len() as i64 == s),
             "BERT samples of different lengths in one batch"
         );
-        let stack = |get: fn(&BertRow) -> &Vec<i64>| {
+        let stack = |get: fn(&BertSample) -> &Vec<i64>| {
             let flat: Vec<i64> = rows.iter().flat_map(|r| get(r).iter().copied()).collect();
             Tensor::from_slice(&flat).view([b, s])
         };
-        let order: Vec<i64> = rows.iter().map(|r| r.is_random).collect();
+        let order: Vec<i64> = rows.iter().map(|r| i64::from(r.is_random)).collect();
         Ok(BertBatch {
             tokens: stack(|r| &r.text),
             types: stack(|r| &r.types),
@@ -119,7 +104,7 @@ impl SplitMix {
 }
 
 impl MockBertSource {
-    pub fn row(&self, index: u64) -> BertRow {
+    pub fn row(&self, index: u64) -> BertSample {
         let s = self.seq_length;
         let mut rng = SplitMix(self.seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ index);
         let length = if rng.chance(0.5) {
@@ -130,7 +115,7 @@ impl MockBertSource {
         .max(5)
         .min(s);
         let ordinary = (self.vocab_size - FIRST_ORDINARY).max(1);
-        let is_random = i64::from(self.binary_head && rng.chance(0.5));
+        let is_random = self.binary_head && rng.chance(0.5);
         let (a, b) = ((length - 3) / 2, length - 3 - (length - 3) / 2);
         let start = rng.below(ordinary as u64) as i64;
         let token = |k: i64| FIRST_ORDINARY + k.rem_euclid(ordinary);
@@ -138,7 +123,7 @@ impl MockBertSource {
         text.extend((0..a as i64).map(|k| token(start + k)));
         text.push(SEP);
         let types_a = text.len();
-        if is_random == 1 {
+        if is_random {
             text.extend((0..b as i64).map(|k| token(start - 1 - k)));
         } else {
             text.extend((0..b as i64).map(|k| token(start + a as i64 + k)));
@@ -160,13 +145,14 @@ impl MockBertSource {
         text.resize(s, PAD);
         types.resize(s, 0);
         padding_mask.resize(s, 0);
-        BertRow {
+        BertSample {
             text,
             types,
             labels,
             loss_mask,
             padding_mask,
             is_random,
+            truncated: false,
         }
     }
 }
@@ -179,7 +165,20 @@ impl SampleSource for MockBertSource {
     }
 
     fn collate(&self, indices: Range<u64>) -> Result<BertBatch> {
-        let rows: Vec<BertRow> = indices.map(|i| self.row(i)).collect();
+        let rows: Vec<BertSample> = indices.map(|i| self.row(i)).collect();
+        BertBatch::collate(&rows)
+    }
+}
+
+impl SampleSource for SplitDataset<BertMaskedWordPieceDataset> {
+    type Batch = BertBatch;
+
+    fn len(&self) -> u64 {
+        SplitDataset::len(self) as u64
+    }
+
+    fn collate(&self, indices: Range<u64>) -> Result<BertBatch> {
+        let rows: Vec<BertSample> = indices.map(|i| self.get(i as usize).1).collect();
         BertBatch::collate(&rows)
     }
 }
@@ -212,7 +211,7 @@ mod tests {
                     assert_eq!(row.text[j], MASK);
                 }
             }
-            orders[row.is_random as usize] += 1;
+            orders[usize::from(row.is_random)] += 1;
         }
         assert!(orders[0] > 20 && orders[1] > 20, "{orders:?}");
     }
