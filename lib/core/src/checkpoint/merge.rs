@@ -259,6 +259,10 @@ mod tests {
             "decoder.final_layernorm.weight"
         );
         assert!(globalize_layer("decoder.layers.x.mlp", 0).is_err());
+        assert_eq!(
+            globalize_layer("encoder.layers.0.self_attention.linear_qkv.bias", 2).unwrap(),
+            "encoder.layers.2.self_attention.linear_qkv.bias"
+        );
     }
 
     #[test]
