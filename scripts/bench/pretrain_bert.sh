@@ -12,6 +12,7 @@
 # Environment (all optional):
 #   PRETRAIN_BERT=path    the binary to time [default: target/release/pretrain_bert, built here]
 #   PYTHON=python3        a python with torch 2.11 (CUDA) and transformers 5.23 for the references
+#                         (transformers is pure Python: PYTHONPATH may point at a copy of it)
 #   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
 #   TORCH_COMPILE=1       0 leaves out the torch.compile reference row
 #   EXTRA_FLAGS=""        more flags for every run (e.g. "--micro-batch-size 4")
@@ -20,6 +21,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 ITERS="${ITERS:-30}"
+if ! "$PYTHON" -c 'import torch, transformers' 2>/dev/null; then
+    echo "pretrain_bert.sh: error: $PYTHON cannot import torch and transformers; the reference" \
+        "needs both (pip install transformers==5.23.0, or PYTHONPATH=<a directory holding it>)" >&2
+    exit 1
+fi
 if [[ -z "${PRETRAIN_BERT:-}" ]]; then
     (cd "$ROOT" && cargo build --release --quiet -p pretrain_bert)
     PRETRAIN_BERT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_bert"
