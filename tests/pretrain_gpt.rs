@@ -407,10 +407,8 @@ fn the_pytorch_profiler_traces_the_chosen_iterations() {
     ));
     let trace_path = board.join("trace_rank0_iter1-3.json");
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains(&format!(
-            "profiler trace saved to {}",
-            trace_path.display()
-        )),
+        String::from_utf8_lossy(&out.stdout)
+            .contains(&format!("profiler trace saved to {}", trace_path.display())),
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
@@ -429,7 +427,9 @@ fn the_pytorch_profiler_traces_the_chosen_iterations() {
     assert_eq!(count("aten::_fused_adamw_"), 2 * 2);
     // Backward runs on autograd's threads, which the trace follows too.
     assert!(
-        names.iter().any(|n| n.starts_with("autograd::engine::evaluate_function")),
+        names
+            .iter()
+            .any(|n| n.starts_with("autograd::engine::evaluate_function")),
         "no backward operators in the trace"
     );
     assert!(count("aten::mm") + count("aten::addmm") > 0);
