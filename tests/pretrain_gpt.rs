@@ -384,3 +384,78 @@ fn sigterm_saves_and_exits_cleanly() {
         .join(format!("iter_{stopped:07}/mp_rank_00/model.safetensors"))
         .exists());
 }
+
+#[test]
+fn the_pytorch_profiler_traces_the_chosen_iterations() {
+    let corpus = bundled_corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let board = dir.path().join("board");
+    let out = run_ok(&mut pretrain(
+        &corpus,
+        &[
+            "--train-iters",
+            "5",
+            "--profile",
+            "--use-pytorch-profiler",
+            "--profile-step-start",
+            "1",
+            "--profile-step-end",
+            "3",
+            "--tensorboard-dir",
+            path_str(&board),
+        ],
+    ));
+    let trace_path = board.join("trace_rank0_iter1-3.json");
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains(&format!("profiler trace saved to {}", trace_path.display())),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace_path).unwrap()).unwrap();
+    let names: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    let count = |name: &str| names.iter().filter(|n| **n == name).count();
+    // Each step runs fused AdamW once per parameter group (with and without weight decay): the
+    // window holds exactly iterations 2 and 3.
+    assert_eq!(count("aten::_fused_adamw_"), 2 * 2);
+    // Backward runs on autograd's threads, which the trace follows too.
+    assert!(
+        names
+            .iter()
+            .any(|n| n.starts_with("autograd::engine::evaluate_function")),
+        "no backward operators in the trace"
+    );
+    assert!(count("aten::mm") + count("aten::addmm") > 0);
+}
+
+#[test]
+fn profiler_flags_that_cannot_work_are_refused() {
+    let corpus = bundled_corpus();
+    let out = pretrain(&corpus, &["--train-iters", "3", "--profile"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("add --use-pytorch-profiler"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = pretrain(
+        &corpus,
+        &["--train-iters", "3", "--profile", "--use-pytorch-profiler"],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tensorboard-dir"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -28,19 +28,7 @@ SCRATCH="$(mktemp -d -t pretrain-bench.XXXXXX)"
 SAMPLER=""
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
-# --mock-data never tokenizes text; a GPT-2-sized vocabulary (256 byte symbols, filler tokens,
-# <|endoftext|> last) gives the GPT-2 vocabulary size, 50257, without shipping GPT-2's files.
-"$PYTHON" - "$SCRATCH" <<'PY'
-import json, sys
-def byte_symbols():
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    extra = [b for b in range(256) if b not in keep]
-    return [chr(b) for b in keep] + [chr(256 + i) for i in range(len(extra))]
-tokens = byte_symbols()
-tokens += [f"<filler{i}>" for i in range(50256 - len(tokens))] + ["<|endoftext|>"]
-json.dump({t: i for i, t in enumerate(tokens)}, open(f"{sys.argv[1]}/vocab.json", "w"))
-open(f"{sys.argv[1]}/merges.txt", "w").write("#version: 0.2\n")
-PY
+"$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
 
 SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
        --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 64 --bf16)

@@ -88,6 +88,12 @@ def parse_args(argv=None):
     )
     bench.add_argument("--torch-compile", action="store_true", help="wrap the model in torch.compile")
     bench.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    bench.add_argument(
+        "--profile-trace",
+        default=None,
+        help="write a torch.profiler Chrome trace of the last --profile-iters iterations here",
+    )
+    bench.add_argument("--profile-iters", type=int, default=2)
     args = p.parse_args(argv)
 
     if args.ffn_hidden_size is None:
@@ -263,7 +269,16 @@ def train(args):
 
     measured_start = None
     interval_start = time.perf_counter()
+    profiler = None
+    profile_from = args.train_iters - args.profile_iters + 1
     for iteration in range(1, args.train_iters + 1):
+        if args.profile_trace and iteration == profile_from:
+            synchronize(device)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            profiler.__enter__()
         if iteration == args.skip_timing_iters + 1:
             synchronize(device)
             if device.type == "cuda":
@@ -306,6 +321,9 @@ def train(args):
 
     synchronize(device)
     elapsed = time.perf_counter() - measured_start
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(args.profile_trace)
     measured_iters = args.train_iters - args.skip_timing_iters
     seconds_per_iter = elapsed / measured_iters
     tflops = megatron_flops_per_iteration(args) / seconds_per_iter / 1e12

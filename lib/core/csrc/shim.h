@@ -104,6 +104,15 @@ char* mrs_event_record(int device_index, int64_t stream_id, void** event_out);
 char* mrs_event_block(int device_index, void* event, int64_t stream_id);
 char* mrs_event_destroy(int device_index, void* event);
 
+// libtorch's Kineto profiler on the calling thread (and the autograd threads it starts): CPU
+// operators, plus CUDA kernels and copies when `with_cuda`. `stop` saves a Chrome trace (JSON) at
+// `trace_path`.
+char* mrs_profiler_start(int with_cuda, int record_shapes);
+char* mrs_profiler_stop(const char* trace_path);
+// cudaProfilerStart/Stop: the capture range of `nsys profile --capture-range=cudaProfilerApi`.
+char* mrs_cuda_profiler_start(void);
+char* mrs_cuda_profiler_stop(void);
+
 // ATen's build configuration (compiler, CUDA, cuDNN, NCCL versions, CPU capability) as a
 // malloc'd string, freed with mrs_free_string.
 char* mrs_build_config(void);

@@ -27,4 +27,22 @@ pub struct LoggingArgs {
     /// Accepted for compatibility (timers are not broken down).
     #[arg(long)]
     pub timing_log_level: Option<u32>,
+    /// Profile iterations --profile-step-start to --profile-step-end: with
+    /// --use-pytorch-profiler a libtorch (Kineto) trace, otherwise the CUDA profiler range that
+    /// `nsys profile --capture-range=cudaProfilerApi` records.
+    #[arg(long)]
+    pub profile: bool,
+    /// With --profile: write a Chrome trace of the profiled iterations (operators, CUDA kernels)
+    /// to --tensorboard-dir as trace_rank<R>_iter<START>-<END>.json.
+    #[arg(long)]
+    pub use_pytorch_profiler: bool,
+    /// First profiled iteration (counting completed iterations, as Megatron does).
+    #[arg(long, default_value_t = 10)]
+    pub profile_step_start: u64,
+    /// Profiling stops once this many iterations are complete.
+    #[arg(long, default_value_t = 12)]
+    pub profile_step_end: u64,
+    /// Global ranks that profile.
+    #[arg(long, num_args = 1.., default_values_t = [0])]
+    pub profile_ranks: Vec<usize>,
 }

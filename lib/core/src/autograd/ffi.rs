@@ -111,6 +111,10 @@ extern "C" {
     pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
     pub fn mrs_rng_manual_seed(device_index: c_int, seed: u64) -> *mut c_char;
     pub fn mrs_build_config() -> *mut c_char;
+    pub fn mrs_profiler_start(with_cuda: c_int, record_shapes: c_int) -> *mut c_char;
+    pub fn mrs_profiler_stop(trace_path: *const c_char) -> *mut c_char;
+    pub fn mrs_cuda_profiler_start() -> *mut c_char;
+    pub fn mrs_cuda_profiler_stop() -> *mut c_char;
     pub fn mrs_current_stream(device_index: c_int, stream_out: *mut *mut c_void) -> *mut c_char;
     pub fn mrs_set_device(device_index: c_int) -> *mut c_char;
     pub fn mrs_seeded_normal(

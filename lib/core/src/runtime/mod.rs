@@ -1,9 +1,11 @@
 //! What the linked libtorch offers on this machine, and a self-test of the pieces training needs.
 
 mod cuda_graph;
+mod profiler;
 pub mod self_test;
 
 pub use cuda_graph::{cuda_graphs_available, CudaGraph};
+pub use profiler::{cuda_profiler_start, cuda_profiler_stop, KinetoTrace};
 
 use std::os::raw::{c_int, c_void};
 

@@ -21,6 +21,7 @@ use super::lr_schedule::{
     WdIncrStyle, WsdDecayStyle,
 };
 use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
+use super::profiling::StepProfiler;
 use super::runtime::Runtime;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::stage::FamilyStage;
@@ -464,11 +465,22 @@ impl<F: ModelFamily> Run<'_, F> {
         };
         let logging = &self.args.logging;
         let checkpoint = &self.args.checkpoint;
+        let mut profiler =
+            StepProfiler::from_args(logging, self.parallel.rank, self.device.is_cuda())?;
         while self.progress.iteration < self.train_iters {
             let global_batch = self.batches.current_global_batch_size();
+            if let Some(profiler) = profiler.as_mut() {
+                profiler.before_step(self.progress.iteration)?;
+            }
             let iteration_started = Instant::now();
             let (losses, outcome) = self.train_step(train)?;
             self.progress.iteration += 1;
+            if let Some(done) = profiler
+                .as_mut()
+                .map(|p| p.after_step(self.progress.iteration))
+            {
+                self.print_profiler_note(done?);
+            }
             self.progress.consumed_train_samples += global_batch;
             self.progress.floating_point_operations +=
                 num_floating_point_operations(&self.flops, global_batch);
@@ -537,6 +549,9 @@ impl<F: ModelFamily> Run<'_, F> {
                 if checkpoint.save.is_some() && !saved_now {
                     self.save()?;
                 }
+                if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
+                    self.print_profiler_note(done?);
+                }
                 self.print_rank0(&format!("exiting at iteration {iteration} ({reason})"));
                 return Ok(reason);
             }
@@ -547,7 +562,17 @@ impl<F: ModelFamily> Run<'_, F> {
                 self.save()?;
             }
         }
+        if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
+            self.print_profiler_note(done?);
+        }
         Ok("finished")
+    }
+
+    /// The profiler reports from the rank it runs on, which need not be rank 0.
+    fn print_profiler_note(&self, note: Option<String>) {
+        if let Some(note) = note {
+            println!("[rank {}] {note}", self.parallel.rank);
+        }
     }
 
     /// Megatron's exit checks, agreed by all ranks: a signal on any rank, the longest elapsed

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Where a training step's GPU time goes, for our pretrain_gpt and for the PyTorch reference of the
+# same model (scripts/bench/reference_gpt.py, torch.compile by default) in the same run: both are
+# traced with libtorch's Kineto profiler (ours through `--profile --use-pytorch-profiler`) over
+# PROFILE_ITERS steps after warm-up, and scripts/bench/profile_summary.py breaks each step into
+# GEMMs, attention, normalisation, cross entropy, optimizer, communication, other elementwise
+# kernels, memory copies and host gaps.
+#
+# Default shape: GPT-345M (24 layers, hidden 1024, 16 heads, seq 1024), micro batch 8, global
+# batch 8, bf16, synthetic data (--mock-data, a GPT-2-sized vocabulary).
+#
+# Environment (all optional):
+#   PRETRAIN_GPT=path     the binary to profile [default: target/release/pretrain_gpt, built here]
+#   PYTHON=python3        a python with torch 2.11 (CUDA)
+#   REFERENCE=compile     compile, eager or none
+#   PROFILE_ITERS=2       profiled steps (after 8 warm-up steps)
+#   EXTRA_FLAGS=""        more flags for both runs (e.g. "--hidden-dropout 0 --attention-dropout 0")
+#   TRACE_DIR=dir         keep the traces here [default: a temporary directory]
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+REFERENCE="${REFERENCE:-compile}"
+PROFILE_ITERS="${PROFILE_ITERS:-2}"
+WARMUP=8
+if [[ -z "${PRETRAIN_GPT:-}" ]]; then
+    (cd "$ROOT" && cargo build --release --quiet -p pretrain_gpt)
+    PRETRAIN_GPT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_gpt"
+fi
+# shellcheck source=../torch-env.sh
+source "$ROOT/scripts/torch-env.sh" "$PYTHON"
+SCRATCH="$(mktemp -d -t profile-step.XXXXXX)"
+trap 'rm -rf "$SCRATCH"' EXIT
+TRACE_DIR="${TRACE_DIR:-$SCRATCH}"
+mkdir -p "$TRACE_DIR"
+"$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
+
+SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --bf16)
+# shellcheck disable=SC2206
+EXTRA=(${EXTRA_FLAGS:-})
+ITERS=$((WARMUP + PROFILE_ITERS))
+
+echo "== ours: $PRETRAIN_GPT" >&2
+"$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
+    --log-interval "$ITERS" --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
+    --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" \
+    --profile --use-pytorch-profiler --profile-step-start "$WARMUP" --profile-step-end "$ITERS" \
+    --tensorboard-dir "$SCRATCH/ours" >&2
+cp "$SCRATCH/ours/trace_rank0_iter${WARMUP}-${ITERS}.json" "$TRACE_DIR/ours.json"
+TRACES=("$TRACE_DIR/ours.json")
+LABELS=(megatron-rs)
+
+if [[ "$REFERENCE" != none ]]; then
+    echo "== reference: PyTorch $REFERENCE" >&2
+    COMPILE=()
+    [[ "$REFERENCE" == compile ]] && COMPILE=(--torch-compile)
+    "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" "${COMPILE[@]}" \
+        --train-iters "$ITERS" --log-interval "$ITERS" --profile-iters "$PROFILE_ITERS" \
+        --profile-trace "$TRACE_DIR/reference.json" >&2
+    TRACES+=("$TRACE_DIR/reference.json")
+    LABELS+=("pytorch-$REFERENCE")
+fi
+
+"$PYTHON" "$ROOT/scripts/bench/profile_summary.py" --steps "$PROFILE_ITERS" "${TRACES[@]}" --labels "${LABELS[@]}"
