@@ -56,7 +56,7 @@ pub struct SamplesArgs {
     split: Option<String>,
     /// Tokens per sample (GPT: each sample holds one more, the last label; BERT: the padded
     /// length; T5: defaults to --encoder-seq-length).
-    #[arg(long)]
+    #[arg(long, required_unless_present = "encoder_seq_length")]
     seq_length: Option<usize>,
     /// T5 encoder length.
     #[arg(long)]
