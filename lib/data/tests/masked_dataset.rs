@@ -245,11 +245,55 @@ fn document_level_data_stops_at_once_with_the_binary_head() {
 
     // Without the head every document is a sample: Megatron accepts this and so do we.
     let config = Arc::new(flags(0, 128, cache.path()).bert(false).unwrap());
-    let built = build_bert_datasets(&sources, [Some(200), Some(20), Some(5)], config, open).unwrap();
+    let built =
+        build_bert_datasets(&sources, [Some(200), Some(20), Some(5)], config, open).unwrap();
     let train: BertMaskedWordPieceDataset = single(built.into_iter().next().unwrap());
     assert!(train.len() >= 200);
     let sample = train.get(0);
     assert!(!sample.is_random);
     assert!(sample.types.iter().all(|&t| t == 0));
     assert_eq!(sample.text[0], 101);
+}
+
+#[test]
+fn t5_decoder_overflow_is_an_error_naming_the_flag() {
+    let cache = tempfile::tempdir().unwrap();
+    let config = Arc::new(flags(100, 128, cache.path()).t5(4).unwrap());
+    let sources = DataSources::Blend(Blend::parse(&[PREFIX.to_string()]).unwrap());
+    let open: &SentenceSourceOpener = &open_golden_input;
+    let built = build_t5_datasets(&sources, [Some(20), None, None], config, open).unwrap();
+    let train: T5MaskedWordPieceDataset = single(built.into_iter().next().unwrap());
+    let errors: Vec<String> = (0..train.len())
+        .filter_map(|i| train.get(i).err().map(|e| e.to_string()))
+        .collect();
+    assert!(!errors.is_empty());
+    assert!(errors[0].contains("--decoder-seq-length"), "{}", errors[0]);
+}
+
+#[test]
+fn weighted_bert_blends_draw_member_samples_by_weight() {
+    let cache = tempfile::tempdir().unwrap();
+    let config = Arc::new(flags(0, 128, cache.path()).bert(true).unwrap());
+    let blend = Blend::parse(&["0.3".into(), PREFIX.into(), "0.7".into(), PREFIX.into()]).unwrap();
+    let sources = DataSources::Blend(blend);
+    let open: &SentenceSourceOpener = &open_golden_input;
+    let built =
+        build_bert_datasets(&sources, [Some(100), Some(10), Some(0)], config, open).unwrap();
+    let Some(SplitDataset::Blended(train)) = &built[0] else {
+        panic!("two weighted prefixes give a blend");
+    };
+    // ceil(100 · 0.3) + ceil(100 · 0.7) samples, members sized with the 0.5 % surplus.
+    assert_eq!(train.len(), 100);
+    let cached: Vec<_> = std::fs::read_dir(cache.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("BlendedDataset-train"))
+        .collect();
+    assert_eq!(cached.len(), 3, "{cached:?}");
+    for k in [0, 1, 2, 50, 99] {
+        let (member, index) = train.locate(k);
+        assert_eq!(train.get(k).1, train.datasets()[member].get(index));
+    }
+    let counts = train.indices().counts(2);
+    assert_eq!(counts, [30, 70]);
 }

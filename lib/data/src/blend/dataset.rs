@@ -28,6 +28,9 @@ pub enum BlendWeights {
 pub trait BlendMember {
     type Sample;
     fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     fn split(&self) -> Split;
     /// The ordered identifier map; the blend's description embeds it.
     fn identifiers(&self) -> &PyJson;

@@ -47,7 +47,7 @@ impl SampleMapping {
                 return max_len;
             }
             let r = rng.next_u32();
-            if r % ratio == 0 {
+            if r.is_multiple_of(ratio) {
                 2 + (r % (max_len as u32 - 1)) as i32
             } else {
                 max_len
