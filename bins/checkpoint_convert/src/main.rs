@@ -12,7 +12,7 @@ use megatron_checkpoint::layout::{detect, Format};
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
     load_hf, load_megatron_rs, load_megatron_torch, load_torch_dist, save_hf, save_megatron_rs,
-    verify, LoadOptions, ModelState, TargetLayout,
+    verify, vocab_file_size, LoadOptions, ModelState, TargetLayout,
 };
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
@@ -120,12 +120,7 @@ fn main() -> ExitCode {
 
 fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
     let from_file = match &args.vocab_file {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            let vocab: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
-                .with_context(|| format!("{}: not a GPT-2 vocabulary JSON", path.display()))?;
-            Some(vocab.len() as i64)
-        }
+        Some(path) => Some(vocab_file_size(path)?),
         None => None,
     };
     match (args.true_vocab_size, from_file) {

@@ -116,3 +116,11 @@ pub fn params_dtype(args: &Value) -> String {
         _ => "float32".into(),
     }
 }
+
+/// The number of entries of a GPT-2 vocabulary JSON (`--vocab-file`).
+pub fn vocab_file_size(path: &std::path::Path) -> Result<i64> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let vocab: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a GPT-2 vocabulary JSON", path.display()))?;
+    Ok(vocab.len() as i64)
+}

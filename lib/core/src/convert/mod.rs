@@ -12,6 +12,7 @@ pub mod state;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};
+pub use megatron_args::vocab_file_size;
 pub use megatron_torch::{load_megatron_torch, load_torch_dist, LoadOptions};
 pub use ours::{load_megatron_rs, save_megatron_rs, TargetLayout};
 pub use state::{ModelState, OptimizerState, RunState};
