@@ -164,3 +164,87 @@ fn bad_inputs_name_the_file_and_leave_no_output() {
     assert!(error.contains("FalconForCausalLM") && error.contains("config.json"), "{error}");
     assert_nothing_left(dir.path());
 }
+
+/// pretrain_gpt on mock data, float32, without dropout: losses comparable across layouts.
+fn small_run(extra: &[&str]) -> Command {
+    let mut command = bin("pretrain_gpt");
+    command
+        .args([
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "4",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--log-interval", "1",
+            "--eval-iters", "0", "--device", "cpu", "--distributed-backend", "gloo",
+        ])
+        .args(extra);
+    command
+}
+
+/// Runs `command` as both ranks of a two-process job (torchrun's variables).
+fn two_ranks(make: impl Fn() -> Command) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            make()
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+fn lm_losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((r["iteration"].as_u64()?, r.get("lm loss")?.as_f64()?))
+        })
+        .collect()
+}
+
+#[test]
+fn training_resumed_after_a_reshape_matches_the_unreshaped_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let tp2 = dir.path().join("tp2");
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    // TP=2 run saved at iteration 2, then continued in the same layout.
+    two_ranks(|| {
+        let mut c = small_run(&["--tensor-model-parallel-size", "2", "--save-interval", "2", "--exit-interval", "2"]);
+        c.args(["--save", &path(&tp2)]);
+        c
+    });
+    let continued = dir.path().join("continued.jsonl");
+    two_ranks(|| {
+        let mut c = small_run(&["--tensor-model-parallel-size", "2"]);
+        c.args(["--load", &path(&tp2), "--metrics-file", &path(&continued)]);
+        c
+    });
+    // The same checkpoint reshaped to TP=1, continued by one process.
+    let tp1 = dir.path().join("tp1");
+    run_ok(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "megatron-rs", "--saver", "megatron-rs"])
+            .args(["--target-tensor-parallel-size", "1", "--load-dir", &path(&tp2), "--save-dir", &path(&tp1)]),
+    );
+    let reshaped = dir.path().join("reshaped.jsonl");
+    run_ok(small_run(&["--load", &path(&tp1), "--metrics-file", &path(&reshaped)]).env_remove("WORLD_SIZE"));
+    let (expected, got) = (lm_losses(&continued), lm_losses(&reshaped));
+    assert_eq!(expected.iter().map(|e| e.0).collect::<Vec<_>>(), vec![3, 4], "{expected:?}");
+    assert_eq!(got.iter().map(|e| e.0).collect::<Vec<_>>(), vec![3, 4], "{got:?}");
+    for ((_, a), (_, b)) in expected.iter().zip(&got) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "losses after the reshape {got:?}, without it {expected:?}");
+    }
+}
