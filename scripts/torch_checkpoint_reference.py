@@ -4,7 +4,7 @@
     torch_checkpoint_reference.py DIST_DIR    torch.distributed.checkpoint, every tensor whole
 
 Prints JSON: {"tensors": {path: [dtype, shape, md5 of the C-order bytes]}, "scalars": {...},
-"args": {...}}. Paths join dict keys and list indices with "/".
+"args": {...}, "model_keys": [the model state dict's keys in order]}. Paths join dict keys and list indices with "/".
 """
 import hashlib
 import json
@@ -86,7 +86,8 @@ def main(path):
     scalars = {k: plain(v) for k, v in root.items() if isinstance(v, (int, float, str))} if isinstance(root, dict) else {}
     args = root.get("args") if isinstance(root, dict) else None
     args = {k: plain(v) for k, v in vars(args).items()} if args is not None else {}
-    json.dump({"tensors": tensors, "scalars": scalars, "args": args}, sys.stdout)
+    model_keys = list(root["model"].keys()) if isinstance(root, dict) and "model" in root else []
+    json.dump({"tensors": tensors, "scalars": scalars, "args": args, "model_keys": model_keys}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -248,3 +248,56 @@ fn training_resumed_after_a_reshape_matches_the_unreshaped_run() {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "losses after the reshape {got:?}, without it {expected:?}");
     }
 }
+
+fn torch_reference(path: &Path) -> serde_json::Value {
+    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| megatron_e2e::workspace_root().join(".venv/bin/python"));
+    let out = run_ok(
+        Command::new(python)
+            .arg(megatron_e2e::workspace_root().join("scripts/torch_checkpoint_reference.py"))
+            .arg(path),
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn megatron_torch_format_output_loads_with_torch_like_the_golden() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("for_megatron");
+    let run = run_ok(&mut {
+        let mut c = bin("checkpoint_convert");
+        c.args(["--model-type", "GPT", "--loader", "core", "--saver", "core", "--verify", "--load-dir"])
+            .arg(golden("gpt_torch"))
+            .arg("--save-dir")
+            .arg(&out);
+        c
+    });
+    let summary = String::from_utf8_lossy(&run.stdout);
+    assert!(summary.contains("verify: max |Δ logits| = 0e0"), "{summary}");
+    assert_eq!(std::fs::read_to_string(out.join("latest_checkpointed_iteration.txt")).unwrap(), "3");
+    let ours = torch_reference(&out.join("iter_0000003/mp_rank_00/model_optim_rng.pt"));
+    let theirs = torch_reference(&golden("gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt"));
+    // The same model entries with the same dtypes, shapes and bytes, as torch.load reads them.
+    let model = |reference: &serde_json::Value| -> Vec<(String, serde_json::Value)> {
+        reference["tensors"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.starts_with("model/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    assert_eq!(model(&ours), model(&theirs));
+    assert_eq!(ours["scalars"]["checkpoint_version"], 3.0);
+    assert_eq!(ours["scalars"]["iteration"], 3);
+    for key in ["num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "seq_length", "tokenizer_type", "tensor_model_parallel_size"] {
+        assert_eq!(ours["args"][key], theirs["args"][key], "args.{key}");
+    }
+    // Every key in Megatron's order, `_extra_state` entries included, as its strict
+    // load_state_dict expects them.
+    assert_eq!(ours["model_keys"], theirs["model_keys"]);
+    let inspected = run_ok(bin("checkpoint_convert").arg("inspect").arg(&out));
+    let text = String::from_utf8_lossy(&inspected.stdout);
+    assert!(text.contains("format: Megatron torch"), "{text}");
+}

@@ -12,6 +12,7 @@ use megatron_checkpoint::layout::{detect, Format};
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
     load_hf, load_megatron_rs, load_megatron_torch, load_torch_dist, save_hf, save_megatron_rs,
+    save_megatron_torch,
     verify, vocab_file_size, LoadOptions, ModelState, TargetLayout,
 };
 
@@ -50,7 +51,9 @@ struct ConvertArgs {
     /// directory (safetensors or pytorch_model.bin).
     #[arg(long, default_value = "megatron")]
     loader: String,
-    /// megatron-rs, or hf (a HuggingFace model directory with config.json).
+    /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's torch format
+    /// (model_optim_rng.pt with core names, weights only: load it with --no-load-optim
+    /// --no-load-rng or --finetune); hf: a HuggingFace model directory with config.json.
     #[arg(long, default_value = "megatron-rs")]
     saver: String,
     /// Directory to load the checkpoint from.
@@ -194,6 +197,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     spinner.set_message(format!("writing {}", save_dir.display()));
     let saved = match args.saver.as_str() {
         "megatron-rs" => save_megatron_rs(&state, &staging, target),
+        "core" | "mcore" | "legacy" | "megatron" => save_megatron_torch(&state, &staging, target),
         "hf" => {
             let mut files = Vec::new();
             if let Some(vocab) = &args.vocab_file {
@@ -207,7 +211,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             }
             save_hf(&state, &staging, &files)
         }
-        other => Err(anyhow::anyhow!("--saver {other}: expected megatron-rs or hf")),
+        other => Err(anyhow::anyhow!("--saver {other}: expected megatron-rs, core, mcore, legacy, megatron or hf")),
     };
     if let Err(error) = saved {
         let _ = std::fs::remove_dir_all(&staging);
@@ -240,6 +244,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     if args.verify {
         let written = if args.saver == "hf" {
             load_hf(&save_dir, state.config.make_vocab_size_divisible_by, None)?
+        } else if args.saver != "megatron-rs" {
+            let options = LoadOptions { true_vocab_size: Some(state.config.vocab_size), optimizer: false };
+            load_megatron_torch(&megatron_checkpoint::layout::iteration_directory(&save_dir)?, &options)?
         } else {
             let checkpoint = find_checkpoint(&save_dir)?.context("the output has no checkpoint")?;
             load_megatron_rs(&checkpoint, false)?

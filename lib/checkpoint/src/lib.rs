@@ -10,6 +10,7 @@ pub mod pickle;
 pub mod safetensors_file;
 pub mod torch_dist;
 pub mod torch_file;
+pub mod torch_writer;
 
 pub use dtype::DType;
 pub use pickle::{NumpyArray, StorageRef, TensorRef, Value};

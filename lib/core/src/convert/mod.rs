@@ -5,6 +5,7 @@
 
 pub mod hf;
 pub mod megatron_args;
+pub mod megatron_save;
 pub mod megatron_torch;
 pub mod names;
 pub mod ours;
@@ -13,6 +14,7 @@ pub mod verify;
 
 pub use hf::{load_hf, save_hf};
 pub use megatron_args::vocab_file_size;
+pub use megatron_save::save_megatron_torch;
 pub use megatron_torch::{load_megatron_torch, load_torch_dist, LoadOptions};
 pub use ours::{load_megatron_rs, save_megatron_rs, TargetLayout};
 pub use state::{ModelState, OptimizerState, RunState};
