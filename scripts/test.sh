@@ -14,18 +14,20 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv --system-site-packages .venv \
     || { echo "test: error: python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 fi
-if ! .venv/bin/python -c 'import tensorboard, numpy' 2>/dev/null; then
+if ! .venv/bin/python -c 'import tensorboard, numpy, torch, transformers, safetensors' 2>/dev/null; then
   echo "test: installing scripts/test-requirements.txt into .venv" >&2
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt \
     || { echo "test: error: pip could not install scripts/test-requirements.txt into .venv" >&2; exit 1; }
 fi
 export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
 
-# The data crate and the data tools must never pull in libtorch.
-if cargo tree --locked -p megatron-data -e normal,build --prefix none | grep -Eq '^(tch|torch-sys) '; then
-  echo "test: error: megatron-data depends on libtorch" >&2
-  exit 1
-fi
+# The data crate, the data tools and the checkpoint-format crate must never pull in libtorch.
+for crate in megatron-data megatron-checkpoint; do
+  if cargo tree --locked -p "$crate" -e normal,build --prefix none | grep -Eq '^(tch|torch-sys) '; then
+    echo "test: error: $crate depends on libtorch" >&2
+    exit 1
+  fi
+done
 
 cargo build --locked --workspace --bins
 cargo test --locked --workspace "$@"
