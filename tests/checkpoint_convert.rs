@@ -150,6 +150,30 @@ fn bad_inputs_name_the_file_and_leave_no_output() {
     let error = stderr_of(&mut convert(&golden("gpt_torch"), &out, &["--true-vocab-size", "9000"]));
     assert!(error.contains("9000") && error.contains("8320"), "{error}");
     assert_nothing_left(dir.path());
+    // A tensor whose shape disagrees with the architecture (a HuggingFace config that lies).
+    let lying = dir.path().join("lying");
+    std::fs::create_dir_all(&lying).unwrap();
+    let ours = dir.path().join("llama_ours");
+    run_ok(&mut convert(&golden("llama_torch"), &ours, &[]));
+    run_ok(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "megatron-rs", "--saver", "hf", "--load-dir"])
+            .arg(&ours)
+            .arg("--save-dir")
+            .arg(&lying),
+    );
+    let config_path = lying.join("config.json");
+    let config = std::fs::read_to_string(&config_path).unwrap().replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    std::fs::write(&config_path, config).unwrap();
+    let error = stderr_of(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron-rs", "--load-dir"])
+            .arg(&lying)
+            .arg("--save-dir")
+            .arg(&out),
+    );
+    assert!(error.contains("decoder.layers.0.mlp.linear_fc1.weight") && error.contains("[256, 64]"), "{error}");
+    assert_nothing_left(dir.path());
     // An unknown HuggingFace architecture.
     let hf = dir.path().join("falcon");
     std::fs::create_dir_all(&hf).unwrap();

@@ -187,6 +187,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     let spinner = megatron_cli::spinner("tensors");
     spinner.set_message(format!("loading {}", args.load_dir.as_ref().unwrap().display()));
     let state = load(args, &options)?;
+    state.validate()?;
     spinner.set_position(state.weights.len() as u64);
     let target = TargetLayout {
         tensor: args.target_tensor_parallel_size.unwrap_or(state.source_parallel.0),

@@ -368,3 +368,42 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
 pub fn shard_of(name: &str, tensor: &Tensor, config: &GptConfig, rank: usize, size: usize) -> Tensor {
     take_shard(tensor, tensor_split(name, config), rank, size)
 }
+
+impl ModelState {
+    /// Checks every weight against the architecture — each tensor the model has, with its
+    /// shape, and nothing else — so a corrupt or foreign input fails here, naming the tensor,
+    /// instead of producing a checkpoint that cannot load.
+    pub fn validate(&self) -> Result<()> {
+        let config = &self.config;
+        let probe = GptConfig { num_layers: 1, ..config.clone() };
+        let options = ModelOptions { params_dtype: Kind::BFloat16, device: Device::Cpu, recompute: Recompute::None, seed: 0 };
+        let model = GptModel::new_chunk(probe, options, &ParallelState::single(), ChunkSpec::whole(1))?;
+        let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for parameter in model.named_parameters() {
+            let shape = parameter.tensor.size();
+            match parameter.name.strip_prefix("decoder.layers.0.") {
+                Some(leaf) => {
+                    for layer in 0..config.num_layers {
+                        expected.insert(format!("decoder.layers.{layer}.{leaf}"), shape.clone());
+                    }
+                }
+                None => {
+                    expected.insert(parameter.name, shape);
+                }
+            }
+        }
+        for (name, shape) in &expected {
+            let tensor = self.weights.get(name).with_context(|| format!("{}: missing tensor {name}", self.source))?;
+            ensure!(
+                &tensor.size() == shape,
+                "{}: tensor {name} has shape {:?}, the architecture needs {shape:?}",
+                self.source,
+                tensor.size()
+            );
+        }
+        if let Some(name) = self.weights.keys().find(|k| !expected.contains_key(*k)) {
+            bail!("{}: unexpected tensor {name} for this architecture", self.source);
+        }
+        Ok(())
+    }
+}
