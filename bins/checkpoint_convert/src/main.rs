@@ -12,8 +12,7 @@ use megatron_checkpoint::layout::{detect, Format};
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
     load_hf, load_megatron_rs, load_megatron_torch, load_torch_dist, save_hf, save_megatron_rs,
-    save_megatron_torch,
-    verify, vocab_file_size, LoadOptions, ModelState, TargetLayout,
+    save_megatron_torch, verify, vocab_file_size, LoadOptions, ModelState, TargetLayout,
 };
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
@@ -185,13 +184,20 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     };
     let started = Instant::now();
     let spinner = megatron_cli::spinner("tensors");
-    spinner.set_message(format!("loading {}", args.load_dir.as_ref().unwrap().display()));
+    spinner.set_message(format!(
+        "loading {}",
+        args.load_dir.as_ref().unwrap().display()
+    ));
     let state = load(args, &options)?;
     state.validate()?;
     spinner.set_position(state.weights.len() as u64);
     let target = TargetLayout {
-        tensor: args.target_tensor_parallel_size.unwrap_or(state.source_parallel.0),
-        pipeline: args.target_pipeline_parallel_size.unwrap_or(state.source_parallel.1),
+        tensor: args
+            .target_tensor_parallel_size
+            .unwrap_or(state.source_parallel.0),
+        pipeline: args
+            .target_pipeline_parallel_size
+            .unwrap_or(state.source_parallel.1),
         virtual_stages: args.target_virtual_pipeline_parallel_size.unwrap_or(1),
     };
     let staging = staging_for(&save_dir)?;
@@ -212,14 +218,17 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             }
             save_hf(&state, &staging, &files)
         }
-        other => Err(anyhow::anyhow!("--saver {other}: expected megatron-rs, core, mcore, legacy, megatron or hf")),
+        other => Err(anyhow::anyhow!(
+            "--saver {other}: expected megatron-rs, core, mcore, legacy, megatron or hf"
+        )),
     };
     if let Err(error) = saved {
         let _ = std::fs::remove_dir_all(&staging);
         return Err(error);
     }
     if save_dir.exists() {
-        std::fs::remove_dir(&save_dir).with_context(|| format!("replacing empty {}", save_dir.display()))?;
+        std::fs::remove_dir(&save_dir)
+            .with_context(|| format!("replacing empty {}", save_dir.display()))?;
     }
     std::fs::rename(&staging, &save_dir)
         .with_context(|| format!("renaming {} to {}", staging.display(), save_dir.display()))?;
@@ -227,7 +236,12 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     let bytes: i64 = state
         .weights
         .values()
-        .chain(state.optimizer.iter().flat_map(|o| o.main.values().chain(o.exp_avg.values()).chain(o.exp_avg_sq.values())))
+        .chain(state.optimizer.iter().flat_map(|o| {
+            o.main
+                .values()
+                .chain(o.exp_avg.values())
+                .chain(o.exp_avg_sq.values())
+        }))
         .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
         .sum();
     let seconds = started.elapsed().as_secs_f64();
@@ -246,8 +260,14 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         let written = if args.saver == "hf" {
             load_hf(&save_dir, state.config.make_vocab_size_divisible_by, None)?
         } else if args.saver != "megatron-rs" {
-            let options = LoadOptions { true_vocab_size: Some(state.config.vocab_size), optimizer: false };
-            load_megatron_torch(&megatron_checkpoint::layout::iteration_directory(&save_dir)?, &options)?
+            let options = LoadOptions {
+                true_vocab_size: Some(state.config.vocab_size),
+                optimizer: false,
+            };
+            load_megatron_torch(
+                &megatron_checkpoint::layout::iteration_directory(&save_dir)?,
+                &options,
+            )?
         } else {
             let checkpoint = find_checkpoint(&save_dir)?.context("the output has no checkpoint")?;
             load_megatron_rs(&checkpoint, false)?
@@ -265,7 +285,10 @@ fn staging_for(save_dir: &std::path::Path) -> Result<PathBuf> {
         .with_context(|| format!("--save-dir {} has no name", save_dir.display()))?
         .to_string_lossy()
         .into_owned();
-    let parent = save_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let parent = save_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     if staging.exists() {

@@ -101,13 +101,22 @@ fn list_safetensors_under(directory: &Path, out: &mut String) -> Result<()> {
 fn describe_pickle(file: &TorchFile, out: &mut String, with_args: bool) -> Result<()> {
     if let Some(entries) = file.root.entries() {
         for (key, value) in entries {
-            let key = key.as_str().map(str::to_string).unwrap_or_else(|| key.describe());
+            let key = key
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| key.describe());
             match value {
                 Value::Dict(_) | Value::List(_) | Value::Tensor(_) => {}
-                Value::Object { module, name, .. } if module == "argparse" && name == "Namespace" => {
+                Value::Object { module, name, .. }
+                    if module == "argparse" && name == "Namespace" =>
+                {
                     if with_args {
                         let args = value.to_json();
-                        writeln!(out, "  {key}: {}", serde_json::to_string(&args).context("args")?)?;
+                        writeln!(
+                            out,
+                            "  {key}: {}",
+                            serde_json::to_string(&args).context("args")?
+                        )?;
                     } else {
                         writeln!(out, "  {key}: argparse.Namespace")?;
                     }
@@ -117,7 +126,11 @@ fn describe_pickle(file: &TorchFile, out: &mut String, with_args: bool) -> Resul
         }
     }
     for (name, tensor) in file.tensors() {
-        writeln!(out, "  {name}  {}  {:?}", tensor.storage.dtype, tensor.shape)?;
+        writeln!(
+            out,
+            "  {name}  {}  {:?}",
+            tensor.storage.dtype, tensor.shape
+        )?;
     }
     Ok(())
 }

@@ -43,12 +43,19 @@ pub fn iteration_directory(root: &Path) -> Result<PathBuf> {
         root.join("release")
     } else {
         let iteration: u64 = text.parse().with_context(|| {
-            format!("{}: expected an iteration number or \"release\", found {text:?}", tracker.display())
+            format!(
+                "{}: expected an iteration number or \"release\", found {text:?}",
+                tracker.display()
+            )
         })?;
         root.join(format!("iter_{iteration:07}"))
     };
     if !directory.is_dir() {
-        bail!("{} names {} which does not exist", tracker.display(), directory.display());
+        bail!(
+            "{} names {} which does not exist",
+            tracker.display(),
+            directory.display()
+        );
     }
     Ok(directory)
 }
@@ -92,8 +99,8 @@ pub struct RankDirectory {
 /// `mp_rank_XX` and `mp_rank_XX_YYY` directories, sorted by (tensor, pipeline) rank.
 pub fn rank_directories(directory: &Path) -> Result<Vec<RankDirectory>> {
     let mut out = Vec::new();
-    let entries = std::fs::read_dir(directory)
-        .with_context(|| format!("listing {}", directory.display()))?;
+    let entries =
+        std::fs::read_dir(directory).with_context(|| format!("listing {}", directory.display()))?;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(rest) = name.strip_prefix("mp_rank_") else {
@@ -102,9 +109,20 @@ pub fn rank_directories(directory: &Path) -> Result<Vec<RankDirectory>> {
         let parts: Vec<&str> = rest.split('_').collect();
         let numbers: Option<Vec<usize>> = parts.iter().map(|p| p.parse().ok()).collect();
         match numbers.as_deref() {
-            Some([tp]) => out.push(RankDirectory { tensor_rank: *tp, pipeline_rank: 0, path: entry.path() }),
-            Some([tp, pp]) => out.push(RankDirectory { tensor_rank: *tp, pipeline_rank: *pp, path: entry.path() }),
-            Some([_, _, _]) => bail!("{}: expert-parallel checkpoints are not supported", entry.path().display()),
+            Some([tp]) => out.push(RankDirectory {
+                tensor_rank: *tp,
+                pipeline_rank: 0,
+                path: entry.path(),
+            }),
+            Some([tp, pp]) => out.push(RankDirectory {
+                tensor_rank: *tp,
+                pipeline_rank: *pp,
+                path: entry.path(),
+            }),
+            Some([_, _, _]) => bail!(
+                "{}: expert-parallel checkpoints are not supported",
+                entry.path().display()
+            ),
             _ => {}
         }
     }

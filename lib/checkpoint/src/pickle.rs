@@ -72,7 +72,10 @@ pub enum Value {
     /// `dict` and `OrderedDict`, in insertion order.
     Dict(Vec<(Value, Value)>),
     /// A reference to a class or function that was not called (e.g. `torch.bfloat16`).
-    Global { module: String, name: String },
+    Global {
+        module: String,
+        name: String,
+    },
     /// An instance of a class this reader does not know, with what pickle said about it.
     Object {
         module: String,
@@ -94,7 +97,9 @@ impl Value {
                 .iter()
                 .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
                 .map(|(_, v)| v),
-            Value::Object { state: Some(state), .. } => match state.as_ref() {
+            Value::Object {
+                state: Some(state), ..
+            } => match state.as_ref() {
                 // Slotted dataclasses pickle `(None, {slot: value})`.
                 Value::Tuple(parts) if parts.len() == 2 => parts[1].get(key).or(parts[0].get(key)),
                 other => other.get(key),
@@ -138,7 +143,9 @@ impl Value {
     pub fn entries(&self) -> Option<&[(Value, Value)]> {
         match self {
             Value::Dict(items) => Some(items),
-            Value::Object { state: Some(state), .. } => state.entries(),
+            Value::Object {
+                state: Some(state), ..
+            } => state.entries(),
             _ => None,
         }
     }
@@ -166,7 +173,9 @@ impl Value {
             Value::Set(v) => format!("{{{}}}", describe_all(v)),
             Value::Dict(v) => format!("<dict of {}>", v.len()),
             Value::Global { module, name } => format!("{module}.{name}"),
-            Value::Object { module, name, args, .. } => {
+            Value::Object {
+                module, name, args, ..
+            } => {
                 if args.is_empty() {
                     format!("{module}.{name}(...)")
                 } else {
@@ -198,11 +207,12 @@ impl Value {
                     .map(|(k, v)| (key_string(k), v.to_json()))
                     .collect(),
             ),
-            Value::Object { module, name, state: Some(state), .. }
-                if module == "argparse" && name == "Namespace" =>
-            {
-                state.to_json()
-            }
+            Value::Object {
+                module,
+                name,
+                state: Some(state),
+                ..
+            } if module == "argparse" && name == "Namespace" => state.to_json(),
             other => J::String(other.describe()),
         }
     }
@@ -472,7 +482,8 @@ impl<'a> Machine<'a> {
                 let bytes = self.take(n)?.to_vec();
                 // Python 2 strings (BINSTRING) decode as text where they can.
                 let value = if matches!(op, b'T' | b'U') {
-                    String::from_utf8(bytes).map_or_else(|e| Value::Bytes(e.into_bytes()), Value::Str)
+                    String::from_utf8(bytes)
+                        .map_or_else(|e| Value::Bytes(e.into_bytes()), Value::Str)
                 } else {
                     Value::Bytes(bytes)
                 };
@@ -717,16 +728,24 @@ fn set_items(target: &mut Value, items: Vec<(Value, Value)>) -> Result<()> {
 /// `BUILD`: sets an object's state; numpy arrays and dtypes become [`Value::Numpy`] parts.
 fn build(object: &mut Value, state: Value) -> Result<()> {
     match object {
-        Value::Object { module, name, state: slot, args } => {
+        Value::Object {
+            module,
+            name,
+            state: slot,
+            args,
+        } => {
             if name == "ndarray" && module.starts_with("numpy") {
                 *object = numpy_array(args, &state)?;
             } else if name == "dtype" && module.starts_with("numpy") {
                 // state: (version, byte order, ...); keep the order with the type code.
-                if let (Some(Value::Str(code)), Some(Value::Str(order))) = (
-                    args.first(),
-                    state.items().and_then(|s| s.get(1)),
-                ) {
-                    let order = if order == "|" || order == "=" { "<" } else { order.as_str() };
+                if let (Some(Value::Str(code)), Some(Value::Str(order))) =
+                    (args.first(), state.items().and_then(|s| s.get(1)))
+                {
+                    let order = if order == "|" || order == "=" {
+                        "<"
+                    } else {
+                        order.as_str()
+                    };
                     *object = Value::Str(format!("{order}{code}"));
                 } else {
                     *slot = Some(Box::new(state));
@@ -750,12 +769,20 @@ fn build(object: &mut Value, state: Value) -> Result<()> {
 /// numpy's `ndarray.__setstate__((version, shape, dtype, is_fortran, data))`.
 fn numpy_array(_args: &[Value], state: &Value) -> Result<Value> {
     let parts = state.items().context("numpy array state is not a tuple")?;
-    ensure!(parts.len() >= 5, "numpy array state has {} parts", parts.len());
+    ensure!(
+        parts.len() >= 5,
+        "numpy array state has {} parts",
+        parts.len()
+    );
     let shape = parts[1]
         .items()
         .context("numpy array shape")?
         .iter()
-        .map(|d| d.as_i64().map(|d| d as usize).context("numpy array dimension"))
+        .map(|d| {
+            d.as_i64()
+                .map(|d| d as usize)
+                .context("numpy array dimension")
+        })
         .collect::<Result<Vec<_>>>()?;
     let dtype = match &parts[2] {
         Value::Str(s) => s.clone(),
@@ -775,7 +802,9 @@ fn numpy_array(_args: &[Value], state: &Value) -> Result<Value> {
 
 fn latin1(text: &str) -> Result<Vec<u8>> {
     text.chars()
-        .map(|c| u8::try_from(c as u32).map_err(|_| anyhow::anyhow!("non-latin-1 character in bytes")))
+        .map(|c| {
+            u8::try_from(c as u32).map_err(|_| anyhow::anyhow!("non-latin-1 character in bytes"))
+        })
         .collect()
 }
 
@@ -792,8 +821,15 @@ fn call(callable: Value, mut args: Vec<Value>) -> Result<Value> {
         }
         // `_rebuild_from_type_v2(func, new_type, args, state)`: a tensor subclass; its data is func(*args).
         ("torch._tensor", "_rebuild_from_type_v2") => {
-            ensure!(args.len() >= 3, "_rebuild_from_type_v2 with {} arguments", args.len());
-            let inner = args[2].items().context("_rebuild_from_type_v2 arguments")?.to_vec();
+            ensure!(
+                args.len() >= 3,
+                "_rebuild_from_type_v2 with {} arguments",
+                args.len()
+            );
+            let inner = args[2]
+                .items()
+                .context("_rebuild_from_type_v2 arguments")?
+                .to_vec();
             call(args.swap_remove(0), inner)?
         }
         ("torch._utils", "_rebuild_parameter")
@@ -818,9 +854,11 @@ fn call(callable: Value, mut args: Vec<Value>) -> Result<Value> {
                 _ => Value::Dict(Vec::new()),
             }
         }
-        ("builtins", "set") | ("builtins", "frozenset") => {
-            Value::Set(args.pop().and_then(|v| v.items().map(<[Value]>::to_vec)).unwrap_or_default())
-        }
+        ("builtins", "set") | ("builtins", "frozenset") => Value::Set(
+            args.pop()
+                .and_then(|v| v.items().map(<[Value]>::to_vec))
+                .unwrap_or_default(),
+        ),
         ("_codecs", "encode") => match args.first() {
             Some(Value::Str(text)) => Value::Bytes(latin1(text)?),
             _ => bail!("_codecs.encode without a string"),
@@ -836,7 +874,12 @@ fn call(callable: Value, mut args: Vec<Value>) -> Result<Value> {
                 shape: Vec::new(),
                 data: data.clone(),
             }),
-            _ => Value::Object { module, name, args, state: None },
+            _ => Value::Object {
+                module,
+                name,
+                args,
+                state: None,
+            },
         },
         (m, "_reconstruct") if m.starts_with("numpy") => Value::Object {
             module: "numpy".into(),
@@ -844,7 +887,12 @@ fn call(callable: Value, mut args: Vec<Value>) -> Result<Value> {
             args: Vec::new(),
             state: None,
         },
-        _ => Value::Object { module, name, args, state: None },
+        _ => Value::Object {
+            module,
+            name,
+            args,
+            state: None,
+        },
     })
 }
 
@@ -864,16 +912,31 @@ fn usize_list(value: &Value, what: &str) -> Result<Vec<usize>> {
 
 /// `_rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, hooks, ...)`.
 fn rebuild_tensor(args: &[Value]) -> Result<Value> {
-    ensure!(args.len() >= 4, "_rebuild_tensor with {} arguments", args.len());
+    ensure!(
+        args.len() >= 4,
+        "_rebuild_tensor with {} arguments",
+        args.len()
+    );
     let storage = match &args[0] {
         Value::Storage(s) => s.clone(),
         other => bail!("tensor storage is {}", other.describe()),
     };
-    let offset = args[1].as_i64().filter(|&o| o >= 0).context("tensor offset")? as usize;
+    let offset = args[1]
+        .as_i64()
+        .filter(|&o| o >= 0)
+        .context("tensor offset")? as usize;
     let shape = usize_list(&args[2], "size")?;
     let stride = usize_list(&args[3], "stride")?;
-    ensure!(shape.len() == stride.len(), "tensor size and stride differ in rank");
-    let tensor = TensorRef { storage, offset, shape, stride };
+    ensure!(
+        shape.len() == stride.len(),
+        "tensor size and stride differ in rank"
+    );
+    let tensor = TensorRef {
+        storage,
+        offset,
+        shape,
+        stride,
+    };
     if tensor.numel() > 0 {
         let last = tensor.offset
             + tensor

@@ -41,9 +41,16 @@ fn dtype_of(dtype: Dtype) -> Result<DType> {
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<Self> {
         let map = map_file(path)?;
-        SafeTensors::deserialize(&map)
-            .with_context(|| format!("{}: not a valid safetensors file (truncated?)", path.display()))?;
-        Ok(SafetensorsFile { path: path.to_path_buf(), map })
+        SafeTensors::deserialize(&map).with_context(|| {
+            format!(
+                "{}: not a valid safetensors file (truncated?)",
+                path.display()
+            )
+        })?;
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            map,
+        })
     }
 
     fn view(&self) -> SafeTensors<'_> {
@@ -58,7 +65,13 @@ impl SafetensorsFile {
             .into_iter()
             .filter_map(|(name, view)| {
                 let dtype = dtype_of(view.dtype()).ok()?;
-                Some((name, TensorInfo { dtype, shape: view.shape().to_vec() }))
+                Some((
+                    name,
+                    TensorInfo {
+                        dtype,
+                        shape: view.shape().to_vec(),
+                    },
+                ))
             })
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -71,12 +84,16 @@ impl SafetensorsFile {
         let view = tensors
             .tensor(name)
             .with_context(|| format!("{}: no tensor {name}", self.path.display()))?;
-        let dtype = dtype_of(view.dtype()).with_context(|| format!("{}: {name}", self.path.display()))?;
+        let dtype =
+            dtype_of(view.dtype()).with_context(|| format!("{}: {name}", self.path.display()))?;
         let shape = view.shape().to_vec();
         let data = view.data();
         // The view borrows from the map that `self` owns.
         let start = data.as_ptr() as usize - self.map.as_ptr() as usize;
-        Ok((TensorInfo { dtype, shape }, &self.map[start..start + data.len()]))
+        Ok((
+            TensorInfo { dtype, shape },
+            &self.map[start..start + data.len()],
+        ))
     }
 
     pub fn path(&self) -> &Path {

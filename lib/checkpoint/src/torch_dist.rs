@@ -48,10 +48,11 @@ pub struct DistCheckpoint {
 /// `torch.Size([a, b])` (pickled as a reduce of `torch.Size` over a tuple) or a plain tuple.
 fn size_list(value: &Value) -> Result<Vec<usize>> {
     let items = match value {
-        Value::Object { name, args, .. } if name == "Size" => args
-            .first()
-            .and_then(Value::items)
-            .context("torch.Size without dimensions")?,
+        Value::Object { name, args, .. } if name == "Size" => {
+            args.first()
+                .and_then(Value::items)
+                .context("torch.Size without dimensions")?
+        }
         other => other.items().context("expected a size")?,
     };
     items
@@ -111,14 +112,21 @@ impl DistCheckpoint {
                     context()
                 );
             }
-            locations.insert((fqn.to_string(), offsets), (file.to_string(), offset, length));
+            locations.insert(
+                (fqn.to_string(), offsets),
+                (file.to_string(), offset, length),
+            );
         }
         let mut tensors = BTreeMap::new();
         let mut byte_items = Vec::new();
         for (key, entry) in state {
             let name = key.as_str().context("non-string tensor key")?.to_string();
             let Value::Object { name: class, .. } = entry else {
-                bail!("{}: {name}: unexpected metadata {}", context(), entry.describe());
+                bail!(
+                    "{}: {name}: unexpected metadata {}",
+                    context(),
+                    entry.describe()
+                );
             };
             if class == "BytesStorageMetadata" {
                 byte_items.push(name);
@@ -126,10 +134,15 @@ impl DistCheckpoint {
             }
             // TensorProperties pickles its fields as a tuple state, dtype first.
             let properties = entry.get("properties");
-            let dtype_value = properties.and_then(|p| p.get("dtype")).or_else(|| match properties {
-                Some(Value::Object { state: Some(state), .. }) => state.items().and_then(|s| s.first()),
-                _ => None,
-            });
+            let dtype_value =
+                properties
+                    .and_then(|p| p.get("dtype"))
+                    .or_else(|| match properties {
+                        Some(Value::Object {
+                            state: Some(state), ..
+                        }) => state.items().and_then(|s| s.first()),
+                        _ => None,
+                    });
             let dtype = match dtype_value {
                 Some(Value::Global { name: dtype, .. }) => DType::from_torch_name(dtype)
                     .with_context(|| format!("{}: {name}: dtype {dtype}", context()))?,
@@ -145,11 +158,27 @@ impl DistCheckpoint {
                     .get(&(name.clone(), offsets.clone()))
                     .cloned()
                     .with_context(|| {
-                        format!("{}: {name}: no storage for the chunk at {offsets:?}", context())
+                        format!(
+                            "{}: {name}: no storage for the chunk at {offsets:?}",
+                            context()
+                        )
                     })?;
-                chunks.push(Chunk { offsets, sizes, file, byte_offset, byte_length });
+                chunks.push(Chunk {
+                    offsets,
+                    sizes,
+                    file,
+                    byte_offset,
+                    byte_length,
+                });
             }
-            tensors.insert(name, DistTensor { dtype, shape, chunks });
+            tensors.insert(
+                name,
+                DistTensor {
+                    dtype,
+                    shape,
+                    chunks,
+                },
+            );
         }
         let common = TorchFile::open(&directory.join("common.pt"))?;
         Ok(DistCheckpoint {
@@ -167,7 +196,11 @@ impl DistCheckpoint {
             return Ok(map.clone());
         }
         let path = self.directory.join(file);
-        ensure!(path.is_file(), "{}: missing data file (named by .metadata)", path.display());
+        ensure!(
+            path.is_file(),
+            "{}: missing data file (named by .metadata)",
+            path.display()
+        );
         let map = map_file(&path)?;
         maps.insert(file.to_string(), map.clone());
         Ok(map)
@@ -198,7 +231,11 @@ impl DistCheckpoint {
         if shape.is_empty() {
             ensure!(range == (0..1), "{name} is a scalar");
         } else {
-            ensure!(range.end <= shape[0], "{name}: rows {range:?} of {}", shape[0]);
+            ensure!(
+                range.end <= shape[0],
+                "{name}: rows {range:?} of {}",
+                shape[0]
+            );
             shape[0] = range.len();
         }
         let numel: usize = shape.iter().product();

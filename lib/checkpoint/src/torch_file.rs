@@ -88,7 +88,9 @@ impl TorchFile {
             let start = offset + entry.data_start() as usize;
             let size = entry.compressed_size() as usize;
             ensure!(
-                start.checked_add(size).is_some_and(|end| end <= offset + len),
+                start
+                    .checked_add(size)
+                    .is_some_and(|end| end <= offset + len),
                 "{}: record {name} is truncated",
                 describe()
             );
@@ -113,7 +115,9 @@ impl TorchFile {
             root,
         };
         for (name, tensor) in file.tensors() {
-            let (_, bytes) = file.storage_range(tensor).with_context(|| format!("tensor {name}"))?;
+            let (_, bytes) = file
+                .storage_range(tensor)
+                .with_context(|| format!("tensor {name}"))?;
             let needed = tensor.storage.numel * tensor.storage.dtype.size();
             ensure!(
                 bytes >= needed,
@@ -150,7 +154,9 @@ impl TorchFile {
         let storage = &self.map[start..start + tensor.storage.numel * element];
         if tensor.is_contiguous() {
             let begin = tensor.offset * element;
-            return Ok(Cow::Borrowed(&storage[begin..begin + tensor.numel() * element]));
+            return Ok(Cow::Borrowed(
+                &storage[begin..begin + tensor.numel() * element],
+            ));
         }
         let mut out = Vec::with_capacity(tensor.numel() * element);
         let mut index = vec![0usize; tensor.shape.len()];
@@ -210,7 +216,9 @@ pub fn collect_tensors<'a>(value: &'a Value, path: String, out: &mut Vec<(String
                 collect_tensors(v, join(i.to_string()), out);
             }
         }
-        Value::Object { state: Some(state), .. } => collect_tensors(state, path, out),
+        Value::Object {
+            state: Some(state), ..
+        } => collect_tensors(state, path, out),
         _ => {}
     }
 }

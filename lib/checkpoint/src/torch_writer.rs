@@ -63,7 +63,8 @@ impl Pickler {
 
     fn string(&mut self, text: &str) {
         self.out.push(b'X');
-        self.out.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        self.out
+            .extend_from_slice(&(text.len() as u32).to_le_bytes());
         self.out.extend_from_slice(text.as_bytes());
         self.put();
     }
@@ -225,7 +226,10 @@ pub fn write_torch_file(
     tensors: &[TensorSlot],
     mut bytes: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<()> {
-    let mut pickler = Pickler { out: vec![0x80, 2], memo: 0 };
+    let mut pickler = Pickler {
+        out: vec![0x80, 2],
+        memo: 0,
+    };
     pickler.saved(root, tensors)?;
     pickler.out.push(b'.');
     let archive = path
@@ -238,18 +242,26 @@ pub fn write_torch_file(
         .compression_method(CompressionMethod::Stored)
         .large_file(true);
     let context = || format!("writing {}", path.display());
-    zip.start_file_aligned(format!("{archive}/data.pkl"), options, 64).with_context(context)?;
+    zip.start_file_aligned(format!("{archive}/data.pkl"), options, 64)
+        .with_context(context)?;
     zip.write_all(&pickler.out).with_context(context)?;
-    zip.start_file_aligned(format!("{archive}/byteorder"), options, 64).with_context(context)?;
+    zip.start_file_aligned(format!("{archive}/byteorder"), options, 64)
+        .with_context(context)?;
     zip.write_all(b"little").with_context(context)?;
     for (index, slot) in tensors.iter().enumerate() {
         let data = bytes(index)?;
         let expected = slot.shape.iter().product::<usize>() * slot.dtype.size();
-        anyhow::ensure!(data.len() == expected, "tensor {index}: {} bytes, {expected} expected", data.len());
-        zip.start_file_aligned(format!("{archive}/data/{index}"), options, 64).with_context(context)?;
+        anyhow::ensure!(
+            data.len() == expected,
+            "tensor {index}: {} bytes, {expected} expected",
+            data.len()
+        );
+        zip.start_file_aligned(format!("{archive}/data/{index}"), options, 64)
+            .with_context(context)?;
         zip.write_all(&data).with_context(context)?;
     }
-    zip.start_file_aligned(format!("{archive}/version"), options, 64).with_context(context)?;
+    zip.start_file_aligned(format!("{archive}/version"), options, 64)
+        .with_context(context)?;
     zip.write_all(b"3\n").with_context(context)?;
     let mut writer = zip.finish().with_context(context)?;
     writer.flush().with_context(context)?;
@@ -271,17 +283,37 @@ mod tests {
         let path = dir.path().join("model_optim_rng.pt");
         let root = Saved::Dict(vec![
             ("checkpoint_version".into(), Saved::Value(Value::Float(3.0))),
-            ("args".into(), Saved::Namespace(vec![("num_layers".into(), Saved::Value(Value::Int(2)))])),
-            ("model".into(), Saved::OrderedDict(vec![("w".into(), Saved::Tensor(0)), ("x._extra_state".into(), Saved::Value(Value::None))])),
+            (
+                "args".into(),
+                Saved::Namespace(vec![("num_layers".into(), Saved::Value(Value::Int(2)))]),
+            ),
+            (
+                "model".into(),
+                Saved::OrderedDict(vec![
+                    ("w".into(), Saved::Tensor(0)),
+                    ("x._extra_state".into(), Saved::Value(Value::None)),
+                ]),
+            ),
         ]);
-        let tensors = [TensorSlot { dtype: DType::F32, shape: vec![2, 3] }];
+        let tensors = [TensorSlot {
+            dtype: DType::F32,
+            shape: vec![2, 3],
+        }];
         let data: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
         write_torch_file(&path, &root, &tensors, |_| Ok(data.clone())).unwrap();
         let file = TorchFile::open(&path).unwrap();
-        assert_eq!(file.root.get("checkpoint_version"), Some(&Value::Float(3.0)));
-        assert_eq!(file.root.get("args").and_then(|a| a.get("num_layers")), Some(&Value::Int(2)));
+        assert_eq!(
+            file.root.get("checkpoint_version"),
+            Some(&Value::Float(3.0))
+        );
+        assert_eq!(
+            file.root.get("args").and_then(|a| a.get("num_layers")),
+            Some(&Value::Int(2))
+        );
         let model = file.root.get("model").unwrap();
-        let Some(Value::Tensor(w)) = model.get("w") else { panic!("{model:?}") };
+        let Some(Value::Tensor(w)) = model.get("w") else {
+            panic!("{model:?}")
+        };
         assert_eq!(w.shape, vec![2, 3]);
         assert_eq!(file.tensor_bytes(w).unwrap().as_ref(), data.as_slice());
         assert_eq!(model.get("x._extra_state"), Some(&Value::None));

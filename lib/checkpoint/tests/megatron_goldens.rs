@@ -20,7 +20,11 @@ fn goldens() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("../shared"));
     let dir = shared.join("golden/megatron_checkpoints");
-    assert!(dir.is_dir(), "{} not found (set MEGATRON_RS_SHARED)", dir.display());
+    assert!(
+        dir.is_dir(),
+        "{} not found (set MEGATRON_RS_SHARED)",
+        dir.display()
+    );
     dir
 }
 
@@ -46,7 +50,10 @@ fn torch_reference(path: &Path) -> Json {
 }
 
 fn md5_hex(bytes: &[u8]) -> String {
-    Md5::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Md5::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 type Listing = BTreeMap<String, (String, Vec<usize>, String)>;
@@ -57,8 +64,20 @@ fn reference_listing(reference: &Json) -> Listing {
         .unwrap()
         .iter()
         .map(|(path, v)| {
-            let shape = v[1].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
-            (path.clone(), (v[0].as_str().unwrap().to_string(), shape, v[2].as_str().unwrap().to_string()))
+            let shape = v[1]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap() as usize)
+                .collect();
+            (
+                path.clone(),
+                (
+                    v[0].as_str().unwrap().to_string(),
+                    shape,
+                    v[2].as_str().unwrap().to_string(),
+                ),
+            )
         })
         .collect()
 }
@@ -68,14 +87,21 @@ fn assert_same_listing(ours: &Listing, reference: &Listing) {
         assert_eq!(ours.get(name), Some(expected), "tensor {name}");
     }
     for name in ours.keys() {
-        assert!(reference.contains_key(name), "tensor {name} is not in torch's reading");
+        assert!(
+            reference.contains_key(name),
+            "tensor {name} is not in torch's reading"
+        );
     }
 }
 
 fn assert_args_match(ours: &Value, reference: &Json) {
     let ours = ours.to_json();
     let reference = reference["args"].as_object().unwrap();
-    assert!(reference.len() > 100, "the reference read {} args", reference.len());
+    assert!(
+        reference.len() > 100,
+        "the reference read {} args",
+        reference.len()
+    );
     for (key, expected) in reference {
         if expected.is_null() {
             continue; // None, or an object the reference could not show as plain JSON
@@ -94,12 +120,19 @@ fn check_torch_file(path: &Path) -> TorchFile {
             let bytes = file.tensor_bytes(tensor).unwrap();
             (
                 name,
-                (tensor.storage.dtype.torch_name().to_string(), tensor.shape.clone(), md5_hex(&bytes)),
+                (
+                    tensor.storage.dtype.torch_name().to_string(),
+                    tensor.shape.clone(),
+                    md5_hex(&bytes),
+                ),
             )
         })
         .collect();
     assert_same_listing(&ours, &reference_listing(&reference));
-    assert_eq!(file.root.get("checkpoint_version").and_then(Value::as_f64), Some(3.0));
+    assert_eq!(
+        file.root.get("checkpoint_version").and_then(Value::as_f64),
+        Some(3.0)
+    );
     assert_eq!(file.root.get("iteration").and_then(Value::as_i64), Some(3));
     assert_args_match(file.root.get("args").unwrap(), &reference);
     file
@@ -107,28 +140,40 @@ fn check_torch_file(path: &Path) -> TorchFile {
 
 #[test]
 fn gpt_torch_reads_like_torch_load() {
-    let file = check_torch_file(&goldens().join("gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt"));
+    let file =
+        check_torch_file(&goldens().join("gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt"));
     let args = file.root.get("args").unwrap();
     assert_eq!(args.get("num_layers").and_then(Value::as_i64), Some(2));
     assert_eq!(args.get("hidden_size").and_then(Value::as_i64), Some(64));
-    assert_eq!(args.get("padded_vocab_size").and_then(Value::as_i64), Some(8320));
+    assert_eq!(
+        args.get("padded_vocab_size").and_then(Value::as_i64),
+        Some(8320)
+    );
     // Megatron's enums stay opaque, named values.
-    assert!(matches!(args.get("model_type"), Some(Value::Object { name, .. }) if name == "ModelType"));
+    assert!(
+        matches!(args.get("model_type"), Some(Value::Object { name, .. }) if name == "ModelType")
+    );
     // The optimizer state and the numpy RNG state are there too.
     let optimizer = file.root.get("optimizer").unwrap();
     assert!(optimizer.get("fp32_from_fp16_params").is_some());
     let rng = &file.root.get("rng_state").unwrap().items().unwrap()[0];
-    let Some(Value::Tuple(np_state)) = rng.get("np_rng_state") else { panic!("np_rng_state") };
+    let Some(Value::Tuple(np_state)) = rng.get("np_rng_state") else {
+        panic!("np_rng_state")
+    };
     assert_eq!(np_state[0], Value::Str("MT19937".into()));
     assert!(matches!(&np_state[1], Value::Numpy(a) if a.shape == vec![624] && a.dtype == "<u4"));
 }
 
 #[test]
 fn llama_torch_reads_like_torch_load() {
-    let file = check_torch_file(&goldens().join("llama_torch/iter_0000003/mp_rank_00/model_optim_rng.pt"));
+    let file =
+        check_torch_file(&goldens().join("llama_torch/iter_0000003/mp_rank_00/model_optim_rng.pt"));
     let args = file.root.get("args").unwrap();
     assert_eq!(args.get("swiglu").and_then(Value::as_bool), Some(true));
-    assert_eq!(args.get("num_query_groups").and_then(Value::as_i64), Some(2));
+    assert_eq!(
+        args.get("num_query_groups").and_then(Value::as_i64),
+        Some(2)
+    );
 }
 
 #[test]
@@ -140,7 +185,10 @@ fn gpt_torch_dist_reads_like_torch_distributed_checkpoint() {
     for (name, tensor) in &checkpoint.tensors {
         let (dtype, shape, bytes) = checkpoint.read(name).unwrap();
         assert_eq!(shape, tensor.shape);
-        ours.insert(name.clone(), (dtype.torch_name().to_string(), shape, md5_hex(&bytes)));
+        ours.insert(
+            name.clone(),
+            (dtype.torch_name().to_string(), shape, md5_hex(&bytes)),
+        );
     }
     assert_same_listing(&ours, &reference_listing(&reference));
     // One layer of a stacked tensor is the matching slice of the whole.
@@ -150,7 +198,10 @@ fn gpt_torch_dist_reads_like_torch_distributed_checkpoint() {
     assert_eq!(shape, vec![1, whole_shape[1], whole_shape[2]]);
     assert_eq!(layer1, whole[whole.len() / 2..]);
     let common = &checkpoint.common.root;
-    assert_eq!(common.get("checkpoint_version").and_then(Value::as_f64), Some(3.0));
+    assert_eq!(
+        common.get("checkpoint_version").and_then(Value::as_f64),
+        Some(3.0)
+    );
     assert_eq!(common.get("iteration").and_then(Value::as_i64), Some(3));
     assert_args_match(common.get("args").unwrap(), &reference);
 }
@@ -167,5 +218,8 @@ fn truncated_and_foreign_files_name_the_file() {
     let foreign = dir.path().join("notes.pt");
     std::fs::write(&foreign, b"hello").unwrap();
     let error = format!("{:#}", TorchFile::open(&foreign).unwrap_err());
-    assert!(error.contains("notes.pt") && error.contains("not a PyTorch checkpoint"), "{error}");
+    assert!(
+        error.contains("notes.pt") && error.contains("not a PyTorch checkpoint"),
+        "{error}"
+    );
 }

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use megatron_core::checkpoint::find_checkpoint;
-use megatron_core::convert::{load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, TargetLayout};
+use megatron_core::convert::{
+    load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, TargetLayout,
+};
 use tch::Tensor;
 
 fn workspace_root() -> PathBuf {
@@ -23,7 +25,11 @@ fn python(args: &[&str]) -> String {
         .args(args)
         .output()
         .expect("running scripts/hf_reference.py (MEGATRON_RS_TEST_PYTHON with transformers)");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -39,15 +45,25 @@ fn ids() -> Tensor {
 
 /// HF's logits for [`IDS`] from `dir`, after checking that every key loaded.
 fn hf_logits(dir: &Path) -> (Tensor, Option<String>) {
-    let reply: serde_json::Value = serde_json::from_str(&python(&["logits", dir.to_str().unwrap(), IDS])).unwrap();
+    let reply: serde_json::Value =
+        serde_json::from_str(&python(&["logits", dir.to_str().unwrap(), IDS])).unwrap();
     assert_eq!(reply["missing"], serde_json::json!([]), "missing keys");
-    assert_eq!(reply["unexpected"], serde_json::json!([]), "unexpected keys");
+    assert_eq!(
+        reply["unexpected"],
+        serde_json::json!([]),
+        "unexpected keys"
+    );
     let values: Vec<f32> = reply["logits"]
         .as_array()
         .unwrap()
         .iter()
         .flat_map(|b| b.as_array().unwrap().iter())
-        .flat_map(|s| s.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+        .flat_map(|s| {
+            s.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+        })
         .collect();
     let tokens = ids();
     let (b, s) = tokens.size2().unwrap();
@@ -73,15 +89,34 @@ fn round_trip(kind: &str, as_bin: bool) {
     // Import: our model on the imported weights gives HF's logits.
     let state = load_hf(&source, 128, None).unwrap();
     assert_eq!(state.config.vocab_size, 1000);
-    assert_eq!(state.config.padded_vocab_size(1), 1024, "padded as Megatron pads");
+    assert_eq!(
+        state.config.padded_vocab_size(1),
+        1024,
+        "padded as Megatron pads"
+    );
     let ours = verify::logits(&verify::model_of(&state).unwrap(), &ids()).unwrap();
     let difference = max_difference(&ours, &reference);
-    assert!(difference < 1e-4, "{kind}: import max |Δ logits| = {difference:e}");
+    assert!(
+        difference < 1e-4,
+        "{kind}: import max |Δ logits| = {difference:e}"
+    );
     // Through our format at TP=2 (vocabulary re-padded for two ranks) and back.
     let ours_dir = dir.path().join("ours");
-    save_megatron_rs(&state, &ours_dir, TargetLayout { tensor: 2, pipeline: 1, virtual_stages: 1 }).unwrap();
+    save_megatron_rs(
+        &state,
+        &ours_dir,
+        TargetLayout {
+            tensor: 2,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
     let checkpoint = find_checkpoint(&ours_dir).unwrap().unwrap();
-    assert_eq!(checkpoint.metadata.model["vocab_size"], 1000, "the architecture is in our metadata");
+    assert_eq!(
+        checkpoint.metadata.model["vocab_size"], 1000,
+        "the architecture is in our metadata"
+    );
     let reloaded = load_megatron_rs(&checkpoint, false).unwrap();
     // Export: transformers loads it with no missing or unexpected keys and the same logits.
     let export = dir.path().join("export");
@@ -97,16 +132,23 @@ fn round_trip(kind: &str, as_bin: bool) {
         .collect();
     std::fs::write(&vocab, serde_json::to_string(&vocab_entries).unwrap()).unwrap();
     std::fs::write(&merges, "#version: 0.2\nt 0\n").unwrap();
-    let tokenizer_files = [(vocab.as_path(), "vocab.json"), (merges.as_path(), "merges.txt")];
+    let tokenizer_files = [
+        (vocab.as_path(), "vocab.json"),
+        (merges.as_path(), "merges.txt"),
+    ];
     save_hf(&reloaded, &export, &tokenizer_files).unwrap();
     let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+            .unwrap();
     assert_eq!(config["vocab_size"], 1000, "padding rows dropped");
     let (exported, tokenizer) = hf_logits(&export);
     assert!(tokenizer.is_some(), "AutoTokenizer loads the export");
     let ours = verify::logits(&verify::model_of(&reloaded).unwrap(), &ids()).unwrap();
     let difference = max_difference(&ours, &exported);
-    assert!(difference < 1e-4, "{kind}: export max |Δ logits| = {difference:e}");
+    assert!(
+        difference < 1e-4,
+        "{kind}: export max |Δ logits| = {difference:e}"
+    );
     assert!(max_difference(&exported, &reference) < 1e-4);
 }
 
@@ -133,7 +175,14 @@ fn qwen2_qkv_bias_tied_round_trip() {
 #[test]
 fn unknown_architectures_are_named() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("config.json"), r#"{"architectures": ["FalconForCausalLM"]}"#).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"architectures": ["FalconForCausalLM"]}"#,
+    )
+    .unwrap();
     let error = format!("{:#}", load_hf(dir.path(), 128, None).unwrap_err());
-    assert!(error.contains("FalconForCausalLM") && error.contains("config.json"), "{error}");
+    assert!(
+        error.contains("FalconForCausalLM") && error.contains("config.json"),
+        "{error}"
+    );
 }

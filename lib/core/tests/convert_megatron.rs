@@ -20,43 +20,86 @@ fn goldens() -> PathBuf {
 }
 
 fn with_optimizer() -> LoadOptions {
-    LoadOptions { true_vocab_size: None, optimizer: true }
+    LoadOptions {
+        true_vocab_size: None,
+        optimizer: true,
+    }
 }
 
 #[test]
 fn gpt_torch_weights_and_adam_state_map_to_our_names() {
-    let state = load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
+    let state =
+        load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
     let config = &state.config;
-    assert_eq!((config.num_layers, config.hidden_size, config.num_attention_heads), (2, 64, 4));
-    assert_eq!(config.vocab_size, 8193, "NullTokenizer --vocab-size 8192 plus its end of document");
+    assert_eq!(
+        (
+            config.num_layers,
+            config.hidden_size,
+            config.num_attention_heads
+        ),
+        (2, 64, 4)
+    );
+    assert_eq!(
+        config.vocab_size, 8193,
+        "NullTokenizer --vocab-size 8192 plus its end of document"
+    );
     assert_eq!(config.padded_vocab_size(1), 8320);
-    assert_eq!(config.activation, Activation::GeluErf, "--no-bias-gelu-fusion");
-    assert_eq!(config.position_embedding_type, PositionEmbeddingType::LearnedAbsolute);
+    assert_eq!(
+        config.activation,
+        Activation::GeluErf,
+        "--no-bias-gelu-fusion"
+    );
+    assert_eq!(
+        config.position_embedding_type,
+        PositionEmbeddingType::LearnedAbsolute
+    );
     assert_eq!(state.params_dtype, "bfloat16");
     assert_eq!(state.run.iteration, 3);
     assert_eq!(state.run.consumed_train_samples, 12);
     let scheduler = state.run.opt_param_scheduler.as_ref().unwrap();
     assert_eq!(scheduler["num_steps"], 12);
     assert_eq!(state.weights.len(), 28);
-    let optimizer = state.optimizer.as_ref().expect("gpt_torch was saved with its optimizer");
+    let optimizer = state
+        .optimizer
+        .as_ref()
+        .expect("gpt_torch was saved with its optimizer");
     assert_eq!(optimizer.step, 3.0);
     // Megatron copies each fp32 main parameter into the bf16 model after the step: if a main
     // parameter landed under another tensor's name, this would not hold.
     for (name, weight) in &state.weights {
         let main = &optimizer.main[name];
         assert_eq!(main.size(), weight.size(), "{name}");
-        assert!(main.to_kind(Kind::BFloat16).equal(weight), "main parameter of {name}");
-        assert!(optimizer.exp_avg_sq[name].min().double_value(&[]) >= 0.0, "{name}");
-        assert!(optimizer.exp_avg[name].abs().max().double_value(&[]) > 0.0, "{name}");
+        assert!(
+            main.to_kind(Kind::BFloat16).equal(weight),
+            "main parameter of {name}"
+        );
+        assert!(
+            optimizer.exp_avg_sq[name].min().double_value(&[]) >= 0.0,
+            "{name}"
+        );
+        assert!(
+            optimizer.exp_avg[name].abs().max().double_value(&[]) > 0.0,
+            "{name}"
+        );
     }
 }
 
 #[test]
 fn gpt_torch_converts_to_ours_with_the_same_logits() {
-    let state = load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
+    let state =
+        load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
     let out = tempfile::tempdir().unwrap();
     let root = out.path().join("ours");
-    save_megatron_rs(&state, &root, TargetLayout { tensor: 1, pipeline: 1, virtual_stages: 1 }).unwrap();
+    save_megatron_rs(
+        &state,
+        &root,
+        TargetLayout {
+            tensor: 1,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
     let checkpoint = find_checkpoint(&root).unwrap().unwrap();
     assert_eq!(checkpoint.metadata.iteration, 3);
     let written = load_megatron_rs(&checkpoint, true).unwrap();
@@ -73,7 +116,11 @@ fn gpt_torch_converts_to_ours_with_the_same_logits() {
 
 #[test]
 fn llama_torch_converts_with_swiglu_gqa_rope_and_untied_output() {
-    let state = load_megatron_torch(&goldens().join("llama_torch/iter_0000003"), &with_optimizer()).unwrap();
+    let state = load_megatron_torch(
+        &goldens().join("llama_torch/iter_0000003"),
+        &with_optimizer(),
+    )
+    .unwrap();
     let config = &state.config;
     assert_eq!(config.activation, Activation::Swiglu);
     assert_eq!(config.normalization, Normalization::RMSNorm);
@@ -83,22 +130,48 @@ fn llama_torch_converts_with_swiglu_gqa_rope_and_untied_output() {
     assert!(state.optimizer.is_none(), "saved with --no-save-optim");
     let out = tempfile::tempdir().unwrap();
     let root = out.path().join("ours");
-    save_megatron_rs(&state, &root, TargetLayout { tensor: 2, pipeline: 1, virtual_stages: 1 }).unwrap();
+    save_megatron_rs(
+        &state,
+        &root,
+        TargetLayout {
+            tensor: 2,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
     let written = load_megatron_rs(&find_checkpoint(&root).unwrap().unwrap(), false).unwrap();
     assert_eq!(verify::max_logit_difference(&state, &written).unwrap(), 0.0);
 }
 
 #[test]
 fn torch_dist_converts_and_runs_forward() {
-    let dist = load_torch_dist(&goldens().join("gpt_torch_dist/iter_0000003"), &LoadOptions::default()).unwrap();
+    let dist = load_torch_dist(
+        &goldens().join("gpt_torch_dist/iter_0000003"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     assert_eq!(dist.weights.len(), 28);
     assert_eq!(dist.config.vocab_size, 8193);
     let out = tempfile::tempdir().unwrap();
     let root = out.path().join("ours");
-    save_megatron_rs(&dist, &root, TargetLayout { tensor: 1, pipeline: 2, virtual_stages: 1 }).unwrap();
+    save_megatron_rs(
+        &dist,
+        &root,
+        TargetLayout {
+            tensor: 1,
+            pipeline: 2,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
     let written = load_megatron_rs(&find_checkpoint(&root).unwrap().unwrap(), false).unwrap();
     assert_eq!(verify::max_logit_difference(&dist, &written).unwrap(), 0.0);
     // The same run saved in the torch format has the same architecture.
-    let torch = load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &LoadOptions::default()).unwrap();
+    let torch = load_megatron_torch(
+        &goldens().join("gpt_torch/iter_0000003"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     assert_eq!(torch.config, dist.config);
 }

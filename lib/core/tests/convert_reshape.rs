@@ -6,8 +6,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use megatron_core::checkpoint::{find_checkpoint, read_tensors};
-use megatron_core::convert::{load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState, TargetLayout};
-use megatron_core::model::{Activation, GptConfig, GptModel, ModelOptions, Normalization, PositionEmbeddingType, Recompute};
+use megatron_core::convert::{
+    load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState, TargetLayout,
+};
+use megatron_core::model::{
+    Activation, GptConfig, GptModel, ModelOptions, Normalization, PositionEmbeddingType, Recompute,
+};
 use megatron_core::parallel::ParallelState;
 use tch::{Device, Kind, Tensor};
 
@@ -42,25 +46,43 @@ fn llama_like(tied: bool) -> GptConfig {
 
 /// A random model with random Adam state, as a converter's in-memory state.
 fn random_state(config: GptConfig) -> ModelState {
-    let options = ModelOptions { params_dtype: Kind::Float, device: Device::Cpu, recompute: Recompute::None, seed: 7 };
+    let options = ModelOptions {
+        params_dtype: Kind::Float,
+        device: Device::Cpu,
+        recompute: Recompute::None,
+        seed: 7,
+    };
     let model = GptModel::new(config.clone(), options, &ParallelState::single()).unwrap();
-    let weights: BTreeMap<String, Tensor> =
-        model.named_parameters().into_iter().map(|p| (p.name, p.tensor.detach().copy())).collect();
+    let weights: BTreeMap<String, Tensor> = model
+        .named_parameters()
+        .into_iter()
+        .map(|p| (p.name, p.tensor.detach().copy()))
+        .collect();
     let random = |scale: f64| -> BTreeMap<String, Tensor> {
-        weights.iter().map(|(k, v)| (k.clone(), v.randn_like() * scale)).collect()
+        weights
+            .iter()
+            .map(|(k, v)| (k.clone(), v.randn_like() * scale))
+            .collect()
     };
     let optimizer = OptimizerState {
         step: 5.0,
         main: weights.iter().map(|(k, v)| (k.clone(), v.copy())).collect(),
         exp_avg: random(1e-3),
-        exp_avg_sq: random(1e-3).into_iter().map(|(k, v)| (k, v.square())).collect(),
+        exp_avg_sq: random(1e-3)
+            .into_iter()
+            .map(|(k, v)| (k, v.square()))
+            .collect(),
     };
     ModelState {
         config,
         params_dtype: "float32".into(),
         weights,
         optimizer: Some(optimizer),
-        run: RunState { iteration: 5, consumed_train_samples: 40, ..Default::default() },
+        run: RunState {
+            iteration: 5,
+            consumed_train_samples: 40,
+            ..Default::default()
+        },
         source_parallel: (1, 1),
         source: "random test model".into(),
     }
@@ -70,10 +92,25 @@ fn random_state(config: GptConfig) -> ModelState {
 fn files(root: &Path) -> BTreeMap<String, BTreeMap<String, Tensor>> {
     let checkpoint = find_checkpoint(root).unwrap().unwrap();
     let mut out = BTreeMap::new();
-    for rank in std::fs::read_dir(&checkpoint.directory).unwrap().flatten().filter(|e| e.path().is_dir()) {
+    for rank in std::fs::read_dir(&checkpoint.directory)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+    {
         for file in std::fs::read_dir(rank.path()).unwrap().flatten() {
-            let name = format!("{}/{}", rank.file_name().to_string_lossy(), file.file_name().to_string_lossy());
-            out.insert(name, read_tensors(&file.path(), Device::Cpu).unwrap().0.into_iter().collect());
+            let name = format!(
+                "{}/{}",
+                rank.file_name().to_string_lossy(),
+                file.file_name().to_string_lossy()
+            );
+            out.insert(
+                name,
+                read_tensors(&file.path(), Device::Cpu)
+                    .unwrap()
+                    .0
+                    .into_iter()
+                    .collect(),
+            );
         }
     }
     out
@@ -86,24 +123,55 @@ fn reshape(from: &Path, to: &Path, target: TargetLayout) {
 
 fn round_trip(config: GptConfig, virtual_stages: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let layout = TargetLayout { tensor: 2, pipeline: 2, virtual_stages };
-    let single = TargetLayout { tensor: 1, pipeline: 1, virtual_stages: 1 };
-    let (a, b, c) = (dir.path().join("a"), dir.path().join("b"), dir.path().join("c"));
+    let layout = TargetLayout {
+        tensor: 2,
+        pipeline: 2,
+        virtual_stages,
+    };
+    let single = TargetLayout {
+        tensor: 1,
+        pipeline: 1,
+        virtual_stages: 1,
+    };
+    let (a, b, c) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("c"),
+    );
     save_megatron_rs(&random_state(config), &a, layout).unwrap();
     reshape(&a, &b, single);
     reshape(&b, &c, layout);
     let (first, last) = (files(&a), files(&c));
-    assert_eq!(first.keys().collect::<Vec<_>>(), last.keys().collect::<Vec<_>>());
+    assert_eq!(
+        first.keys().collect::<Vec<_>>(),
+        last.keys().collect::<Vec<_>>()
+    );
     assert!(first.keys().any(|k| k.ends_with("optimizer.safetensors")));
     for (file, tensors) in &first {
-        assert_eq!(tensors.keys().collect::<Vec<_>>(), last[file].keys().collect::<Vec<_>>(), "{file}");
+        assert_eq!(
+            tensors.keys().collect::<Vec<_>>(),
+            last[file].keys().collect::<Vec<_>>(),
+            "{file}"
+        );
         for (name, tensor) in tensors {
-            assert!(tensor.equal(&last[file][name]), "{file}: {name} changed in the round trip");
+            assert!(
+                tensor.equal(&last[file][name]),
+                "{file}: {name} changed in the round trip"
+            );
         }
     }
     let metadata = find_checkpoint(&b).unwrap().unwrap().metadata;
-    assert_eq!((metadata.tensor_model_parallel_size, metadata.pipeline_model_parallel_size), (1, 1));
-    assert_eq!((metadata.iteration, metadata.consumed_train_samples), (5, 40));
+    assert_eq!(
+        (
+            metadata.tensor_model_parallel_size,
+            metadata.pipeline_model_parallel_size
+        ),
+        (1, 1)
+    );
+    assert_eq!(
+        (metadata.iteration, metadata.consumed_train_samples),
+        (5, 40)
+    );
 }
 
 #[test]

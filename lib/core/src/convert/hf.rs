@@ -24,7 +24,10 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
         .map(|e| e.path())
         .collect();
     files.sort();
-    let safetensors: Vec<_> = files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
+    let safetensors: Vec<_> = files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
     let mut out = HashMap::new();
     if !safetensors.is_empty() {
         for path in safetensors {
@@ -44,24 +47,36 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
                 .is_some_and(|n| n.starts_with("pytorch_model") && n.ends_with(".bin"))
         })
         .collect();
-    ensure!(!bins.is_empty(), "{}: no *.safetensors or pytorch_model*.bin weights", directory.display());
+    ensure!(
+        !bins.is_empty(),
+        "{}: no *.safetensors or pytorch_model*.bin weights",
+        directory.display()
+    );
     for path in bins {
         let file = TorchFile::open(path)?;
         for (name, tensor) in file.tensors() {
             let bytes = file.tensor_bytes(tensor)?;
-            out.insert(name, tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?);
+            out.insert(
+                name,
+                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?,
+            );
         }
     }
     Ok(out)
 }
 
 fn int(config: &Json, key: &str) -> Result<i64> {
-    config[key].as_i64().with_context(|| format!("config.json has no integer {key}"))
+    config[key]
+        .as_i64()
+        .with_context(|| format!("config.json has no integer {key}"))
 }
 
 /// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
 pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(String, GptConfig)> {
-    let architecture = hf["architectures"][0].as_str().unwrap_or_default().to_string();
+    let architecture = hf["architectures"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let tie = hf["tie_word_embeddings"].as_bool();
     let config = match architecture.as_str() {
         "GPT2LMHeadModel" => {
@@ -158,12 +173,18 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
 }
 
 /// Loads a HuggingFace model directory.
-pub fn load_hf(directory: &Path, make_vocab_size_divisible_by: i64, true_vocab_size: Option<i64>) -> Result<ModelState> {
+pub fn load_hf(
+    directory: &Path,
+    make_vocab_size_divisible_by: i64,
+    true_vocab_size: Option<i64>,
+) -> Result<ModelState> {
     let path = directory.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let hf: Json = serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    let (architecture, config) =
-        config_from_hf(&hf, make_vocab_size_divisible_by).with_context(|| path.display().to_string())?;
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let hf: Json =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let (architecture, config) = config_from_hf(&hf, make_vocab_size_divisible_by)
+        .with_context(|| path.display().to_string())?;
     if let Some(size) = true_vocab_size {
         ensure!(
             size == config.vocab_size,
@@ -182,12 +203,24 @@ pub fn load_hf(directory: &Path, make_vocab_size_divisible_by: i64, true_vocab_s
         // Older exports prefix names with `transformer.` only sometimes.
         let tensors: HashMap<String, Tensor> = tensors
             .into_iter()
-            .map(|(k, v)| (if k.starts_with("transformer.") || k.starts_with("lm_head") { k } else { format!("transformer.{k}") }, v))
+            .map(|(k, v)| {
+                (
+                    if k.starts_with("transformer.") || k.starts_with("lm_head") {
+                        k
+                    } else {
+                        format!("transformer.{k}")
+                    },
+                    v,
+                )
+            })
             .collect();
         mapping::gpt2_to_megatron(&tensors, &config)
     } else {
         if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
-            bail!("{}: untied model without lm_head.weight", directory.display());
+            bail!(
+                "{}: untied model without lm_head.weight",
+                directory.display()
+            );
         }
         mapping::llama_to_megatron(&tensors, &config)
     }
@@ -202,7 +235,10 @@ pub fn load_hf(directory: &Path, make_vocab_size_divisible_by: i64, true_vocab_s
         config,
         params_dtype: params_dtype.to_string(),
         optimizer: None,
-        run: RunState { args: json!({"hf_architecture": architecture}), ..Default::default() },
+        run: RunState {
+            args: json!({"hf_architecture": architecture}),
+            ..Default::default()
+        },
         source_parallel: (1, 1),
         source: format!("HuggingFace {architecture} {}", directory.display()),
     })
@@ -218,47 +254,92 @@ fn hf_dtype_name(params_dtype: &str) -> &'static str {
 
 /// Writes `state` as a HuggingFace model into `directory` (created), with `tokenizer_files`
 /// copied beside it.
-pub fn save_hf(state: &ModelState, directory: &Path, tokenizer_files: &[(&Path, &str)]) -> Result<()> {
+pub fn save_hf(
+    state: &ModelState,
+    directory: &Path,
+    tokenizer_files: &[(&Path, &str)],
+) -> Result<()> {
     let config = &state.config;
     let vocab = config.vocab_size;
     let kind = super::state::kind_named(&state.params_dtype)?;
-    let (n, g, d, h) = (config.num_attention_heads, config.num_query_groups, config.kv_channels, config.hidden_size);
+    let (n, g, d, h) = (
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+        config.hidden_size,
+    );
     let get = |name: &str| state.tensor(name).map(|t| t.to_kind(kind));
     let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
-    let hf_config = match (config.position_embedding_type, config.normalization, config.activation) {
-        (PositionEmbeddingType::LearnedAbsolute, Normalization::LayerNorm, Activation::GeluTanh | Activation::GeluErf) => {
+    let hf_config = match (
+        config.position_embedding_type,
+        config.normalization,
+        config.activation,
+    ) {
+        (
+            PositionEmbeddingType::LearnedAbsolute,
+            Normalization::LayerNorm,
+            Activation::GeluTanh | Activation::GeluErf,
+        ) => {
             ensure!(
                 !config.untie_embeddings_and_output_weights && config.add_bias_linear && n == g && d * n == h,
                 "{}: only GPT-2-shaped models (tied, with biases, no GQA) export as GPT2LMHeadModel",
                 state.source
             );
-            out.insert("transformer.wte.weight".into(), get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab));
-            out.insert("transformer.wpe.weight".into(), get("embedding.position_embeddings.weight")?);
+            out.insert(
+                "transformer.wte.weight".into(),
+                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
+            );
+            out.insert(
+                "transformer.wpe.weight".into(),
+                get("embedding.position_embeddings.weight")?,
+            );
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
                 let t = |s: &str| format!("transformer.h.{i}.{s}");
-                for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")] {
-                    out.insert(t(&format!("{hf_norm}.weight")), get(&m(&format!("{norm}.weight")))?);
-                    out.insert(t(&format!("{hf_norm}.bias")), get(&m(&format!("{norm}.bias")))?);
+                for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")]
+                {
+                    out.insert(
+                        t(&format!("{hf_norm}.weight")),
+                        get(&m(&format!("{norm}.weight")))?,
+                    );
+                    out.insert(
+                        t(&format!("{hf_norm}.bias")),
+                        get(&m(&format!("{norm}.bias")))?,
+                    );
                 }
                 let qkv = get(&m("self_attention.linear_qkv.weight"))?
                     .view([n, 3, d, h])
                     .permute([1, 0, 2, 3])
                     .reshape([3 * n * d, h]);
                 out.insert(t("attn.c_attn.weight"), qkv.tr().contiguous());
-                let bias = get(&m("self_attention.linear_qkv.bias"))?.view([n, 3, d]).permute([1, 0, 2]).reshape([-1]);
+                let bias = get(&m("self_attention.linear_qkv.bias"))?
+                    .view([n, 3, d])
+                    .permute([1, 0, 2])
+                    .reshape([-1]);
                 out.insert(t("attn.c_attn.bias"), bias);
                 for (linear, hf_linear) in [
                     ("self_attention.linear_proj", "attn.c_proj"),
                     ("mlp.linear_fc1", "mlp.c_fc"),
                     ("mlp.linear_fc2", "mlp.c_proj"),
                 ] {
-                    out.insert(t(&format!("{hf_linear}.weight")), get(&m(&format!("{linear}.weight")))?.tr().contiguous());
-                    out.insert(t(&format!("{hf_linear}.bias")), get(&m(&format!("{linear}.bias")))?);
+                    out.insert(
+                        t(&format!("{hf_linear}.weight")),
+                        get(&m(&format!("{linear}.weight")))?.tr().contiguous(),
+                    );
+                    out.insert(
+                        t(&format!("{hf_linear}.bias")),
+                        get(&m(&format!("{linear}.bias")))?,
+                    );
                 }
             }
-            out.insert("transformer.ln_f.weight".into(), get("decoder.final_layernorm.weight")?);
-            out.insert("transformer.ln_f.bias".into(), get("decoder.final_layernorm.bias")?);
+            out.insert(
+                "transformer.ln_f.weight".into(),
+                get("decoder.final_layernorm.weight")?,
+            );
+            out.insert(
+                "transformer.ln_f.bias".into(),
+                get("decoder.final_layernorm.bias")?,
+            );
             json!({
                 "architectures": ["GPT2LMHeadModel"],
                 "model_type": "gpt2",
@@ -284,35 +365,55 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer_files: &[(&Path, 
                 "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
                 state.source
             );
-            out.insert("model.embed_tokens.weight".into(), get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab));
+            out.insert(
+                "model.embed_tokens.weight".into(),
+                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
+            );
             let per_group = n / g;
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
                 let t = |s: &str| format!("model.layers.{i}.{s}");
-                out.insert(t("input_layernorm.weight"), get(&m("input_layernorm.weight"))?);
-                out.insert(t("post_attention_layernorm.weight"), get(&m("pre_mlp_layernorm.weight"))?);
-                let qkv = get(&m("self_attention.linear_qkv.weight"))?.view([g, (per_group + 2) * d, h]);
+                out.insert(
+                    t("input_layernorm.weight"),
+                    get(&m("input_layernorm.weight"))?,
+                );
+                out.insert(
+                    t("post_attention_layernorm.weight"),
+                    get(&m("pre_mlp_layernorm.weight"))?,
+                );
+                let qkv =
+                    get(&m("self_attention.linear_qkv.weight"))?.view([g, (per_group + 2) * d, h]);
                 let parts = qkv.split_with_sizes([per_group * d, d, d], 1);
                 out.insert(t("self_attn.q_proj.weight"), parts[0].reshape([n * d, h]));
                 out.insert(t("self_attn.k_proj.weight"), parts[1].reshape([g * d, h]));
                 out.insert(t("self_attn.v_proj.weight"), parts[2].reshape([g * d, h]));
                 if config.add_qkv_bias {
-                    let bias = get(&m("self_attention.linear_qkv.bias"))?.view([g, (per_group + 2) * d]);
+                    let bias =
+                        get(&m("self_attention.linear_qkv.bias"))?.view([g, (per_group + 2) * d]);
                     let parts = bias.split_with_sizes([per_group * d, d, d], 1);
                     out.insert(t("self_attn.q_proj.bias"), parts[0].reshape([-1]));
                     out.insert(t("self_attn.k_proj.bias"), parts[1].reshape([-1]));
                     out.insert(t("self_attn.v_proj.bias"), parts[2].reshape([-1]));
                 }
-                out.insert(t("self_attn.o_proj.weight"), get(&m("self_attention.linear_proj.weight"))?);
+                out.insert(
+                    t("self_attn.o_proj.weight"),
+                    get(&m("self_attention.linear_proj.weight"))?,
+                );
                 let fc1 = get(&m("mlp.linear_fc1.weight"))?.chunk(2, 0);
                 out.insert(t("mlp.gate_proj.weight"), fc1[0].shallow_clone());
                 out.insert(t("mlp.up_proj.weight"), fc1[1].shallow_clone());
                 out.insert(t("mlp.down_proj.weight"), get(&m("mlp.linear_fc2.weight"))?);
             }
-            out.insert("model.norm.weight".into(), get("decoder.final_layernorm.weight")?);
+            out.insert(
+                "model.norm.weight".into(),
+                get("decoder.final_layernorm.weight")?,
+            );
             let tied = !config.untie_embeddings_and_output_weights;
             if !tied {
-                out.insert("lm_head.weight".into(), get("output_layer.weight")?.narrow(0, 0, vocab));
+                out.insert(
+                    "lm_head.weight".into(),
+                    get("output_layer.weight")?.narrow(0, 0, vocab),
+                );
             }
             let (architecture, model_type) = if config.add_qkv_bias {
                 ("Qwen2ForCausalLM", "qwen2")
@@ -353,31 +454,47 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer_files: &[(&Path, 
             config.activation
         ),
     };
-    std::fs::create_dir_all(directory).with_context(|| format!("creating {}", directory.display()))?;
-    let tensors: Vec<(String, Tensor)> = out.into_iter().map(|(k, v)| (k, v.contiguous())).collect();
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("creating {}", directory.display()))?;
+    let tensors: Vec<(String, Tensor)> =
+        out.into_iter().map(|(k, v)| (k, v.contiguous())).collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_tensors(&directory.join("model.safetensors"), &tensors, metadata)?;
-    std::fs::write(directory.join("config.json"), serde_json::to_string_pretty(&hf_config)?)?;
+    std::fs::write(
+        directory.join("config.json"),
+        serde_json::to_string_pretty(&hf_config)?,
+    )?;
     for (source, name) in tokenizer_files {
-        std::fs::copy(source, directory.join(name))
-            .with_context(|| format!("copying {} into {}", source.display(), directory.display()))?;
+        std::fs::copy(source, directory.join(name)).with_context(|| {
+            format!("copying {} into {}", source.display(), directory.display())
+        })?;
     }
     // AutoTokenizer needs to know which class reads the copied files.
-    let class = if tokenizer_files.iter().any(|(_, name)| *name == "tokenizer.json") {
+    let class = if tokenizer_files
+        .iter()
+        .any(|(_, name)| *name == "tokenizer.json")
+    {
         Some("PreTrainedTokenizerFast")
-    } else if tokenizer_files.iter().any(|(_, name)| *name == "vocab.json") {
+    } else if tokenizer_files
+        .iter()
+        .any(|(_, name)| *name == "vocab.json")
+    {
         Some("GPT2Tokenizer")
     } else {
         None
     };
     if let Some(class) = class {
-        let mut tokenizer_config = json!({"tokenizer_class": class, "model_max_length": config.max_position_embeddings});
+        let mut tokenizer_config =
+            json!({"tokenizer_class": class, "model_max_length": config.max_position_embeddings});
         if class == "GPT2Tokenizer" {
             for key in ["bos_token", "eos_token", "unk_token"] {
                 tokenizer_config[key] = json!("<|endoftext|>");
             }
         }
-        std::fs::write(directory.join("tokenizer_config.json"), serde_json::to_string_pretty(&tokenizer_config)?)?;
+        std::fs::write(
+            directory.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tokenizer_config)?,
+        )?;
     }
     Ok(())
 }

@@ -50,17 +50,26 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<GptConfig> {
         heads
     };
     let swiglu = flag(args, "swiglu");
-    let ffn_hidden_size = args.get("ffn_hidden_size").and_then(Value::as_i64).unwrap_or(if swiglu {
-        (4 * hidden_size * 2 / 3) / 64 * 64
-    } else {
-        4 * hidden_size
-    });
-    let add_bias_linear = args.get("add_bias_linear").and_then(Value::as_bool).unwrap_or(true);
+    let ffn_hidden_size = args
+        .get("ffn_hidden_size")
+        .and_then(Value::as_i64)
+        .unwrap_or(if swiglu {
+            (4 * hidden_size * 2 / 3) / 64 * 64
+        } else {
+            4 * hidden_size
+        });
+    let add_bias_linear = args
+        .get("add_bias_linear")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
     let position = args
         .get("position_embedding_type")
         .and_then(Value::as_str)
         .unwrap_or("learned_absolute");
-    let normalization = args.get("normalization").and_then(Value::as_str).unwrap_or("LayerNorm");
+    let normalization = args
+        .get("normalization")
+        .and_then(Value::as_str)
+        .unwrap_or("LayerNorm");
     if flag(args, "qk_layernorm") {
         bail!("checkpoints with --qk-layernorm are not supported");
     }
@@ -73,7 +82,10 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<GptConfig> {
         hidden_size,
         num_attention_heads: heads,
         num_query_groups: groups,
-        kv_channels: args.get("kv_channels").and_then(Value::as_i64).unwrap_or(hidden_size / heads),
+        kv_channels: args
+            .get("kv_channels")
+            .and_then(Value::as_i64)
+            .unwrap_or(hidden_size / heads),
         ffn_hidden_size,
         max_position_embeddings: args
             .get("max_position_embeddings")
@@ -85,13 +97,19 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<GptConfig> {
         rotary_base: float_or(args, "rotary_base", 10000.0),
         rotary_percent: float_or(args, "rotary_percent", 1.0),
         normalization: Normalization::parse(normalization)?,
-        norm_epsilon: float_or(args, "norm_epsilon", float_or(args, "layernorm_epsilon", 1e-5)),
+        norm_epsilon: float_or(
+            args,
+            "norm_epsilon",
+            float_or(args, "layernorm_epsilon", 1e-5),
+        ),
         apply_layernorm_1p: flag(args, "apply_layernorm_1p"),
         activation: Activation::from_flags(
             swiglu,
             flag(args, "squared_relu"),
             flag(args, "openai_gelu"),
-            args.get("bias_gelu_fusion").and_then(Value::as_bool).unwrap_or(true),
+            args.get("bias_gelu_fusion")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
             add_bias_linear,
         ),
         add_bias_linear,
@@ -119,7 +137,8 @@ pub fn params_dtype(args: &Value) -> String {
 
 /// The number of entries of a GPT-2 vocabulary JSON (`--vocab-file`).
 pub fn vocab_file_size(path: &std::path::Path) -> Result<i64> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let vocab: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a GPT-2 vocabulary JSON", path.display()))?;
     Ok(vocab.len() as i64)

@@ -11,7 +11,9 @@ use tch::{Kind, Tensor};
 
 use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
 use super::names::{core_name, layer_of};
-use super::state::{fit_vocab_rows, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState, RunState};
+use super::state::{
+    fit_vocab_rows, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState, RunState,
+};
 use crate::checkpoint::{join_shards, tensor_split};
 use crate::optim::excluded_from_weight_decay;
 
@@ -37,7 +39,11 @@ fn flatten<'a>(value: &'a Value, prefix: &str, out: &mut Vec<(String, &'a Tensor
                 Value::Str(s) => s.clone(),
                 other => other.describe(),
             };
-            let name = if prefix.is_empty() { key } else { format!("{prefix}.{key}") };
+            let name = if prefix.is_empty() {
+                key
+            } else {
+                format!("{prefix}.{key}")
+            };
             match v {
                 Value::Tensor(t) => out.push((name, t)),
                 other => flatten(other, &name, out),
@@ -56,7 +62,11 @@ fn model_chunks(root: &Value, path: &Path) -> Result<Vec<Vec<(String, TensorRef)
             chunks.push(model);
         }
     }
-    ensure!(!chunks.is_empty(), "{}: no model state (saved with --no-save-model?)", path.display());
+    ensure!(
+        !chunks.is_empty(),
+        "{}: no model state (saved with --no-save-model?)",
+        path.display()
+    );
     Ok(chunks
         .into_iter()
         .map(|chunk| {
@@ -98,7 +108,10 @@ fn run_state(root: &Value) -> RunState {
 }
 
 fn check_version(root: &Value, path: &Path) -> Result<()> {
-    let version = root.get("checkpoint_version").and_then(Value::as_f64).unwrap_or(0.0);
+    let version = root
+        .get("checkpoint_version")
+        .and_then(Value::as_f64)
+        .unwrap_or(0.0);
     ensure!(
         version >= 2.0,
         "{}: checkpoint_version {version} stores QKV in a layout older than 2.0; load and re-save it with a Megatron of that era first",
@@ -148,7 +161,10 @@ fn rank_optimizer(
         Some(inner) => (inner, optimizer.get("fp32_from_fp16_params")),
         None => (optimizer, None),
     };
-    let (Some(state), Some(groups)) = (inner.get("state"), inner.get("param_groups").and_then(Value::items)) else {
+    let (Some(state), Some(groups)) = (
+        inner.get("state"),
+        inner.get("param_groups").and_then(Value::items),
+    ) else {
         bail!("{}: optimizer state without state/param_groups (distributed optimizer? its distrib_optim.pt is not read; convert without the optimizer)", path.display());
     };
     let ours = param_groups(params);
@@ -161,7 +177,10 @@ fn rank_optimizer(
     );
     let mut out = RankOptimizer::default();
     for (g, (group, members)) in groups.iter().zip(&ours).enumerate() {
-        let indices = group.get("params").and_then(Value::items).context("param group without params")?;
+        let indices = group
+            .get("params")
+            .and_then(Value::items)
+            .context("param group without params")?;
         ensure!(
             indices.len() == members.len(),
             "{}: optimizer group {g} has {} parameters, the model {}",
@@ -179,7 +198,12 @@ fn rank_optimizer(
             let moment = |key: &str| -> Result<Tensor> {
                 match entry.get(key) {
                     Some(Value::Tensor(t)) => {
-                        ensure!(&t.shape == shape, "{}: optimizer {key} of {name} has shape {:?}, the parameter {shape:?}", path.display(), t.shape);
+                        ensure!(
+                            &t.shape == shape,
+                            "{}: optimizer {key} of {name} has shape {:?}, the parameter {shape:?}",
+                            path.display(),
+                            t.shape
+                        );
                         tensor_of(file, t)
                     }
                     _ => bail!("{}: optimizer state of {name} has no {key}", path.display()),
@@ -193,13 +217,15 @@ fn rank_optimizer(
                 None => 0.0,
             };
             let main = match fp32.and_then(Value::items) {
-                Some(groups) => match groups.get(g).and_then(Value::items).and_then(|p| p.get(j)) {
-                    Some(Value::Tensor(t)) => {
-                        ensure!(&t.shape == shape, "{}: main parameter of {name} has shape {:?}, the parameter {shape:?}", path.display(), t.shape);
-                        tensor_of(file, t)?
+                Some(groups) => {
+                    match groups.get(g).and_then(Value::items).and_then(|p| p.get(j)) {
+                        Some(Value::Tensor(t)) => {
+                            ensure!(&t.shape == shape, "{}: main parameter of {name} has shape {:?}, the parameter {shape:?}", path.display(), t.shape);
+                            tensor_of(file, t)?
+                        }
+                        _ => bail!("{}: no fp32 main parameter for {name}", path.display()),
                     }
-                    _ => bail!("{}: no fp32 main parameter for {name}", path.display()),
-                },
+                }
                 None => weights[name].to_kind(Kind::Float),
             };
             out.main.insert(name.clone(), main);
@@ -211,7 +237,11 @@ fn rank_optimizer(
 /// Loads a `--ckpt-format torch` iteration directory.
 pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
     let ranks = rank_directories(directory)?;
-    ensure!(!ranks.is_empty(), "{}: no mp_rank_* directories", directory.display());
+    ensure!(
+        !ranks.is_empty(),
+        "{}: no mp_rank_* directories",
+        directory.display()
+    );
     let tp = ranks.iter().map(|r| r.tensor_rank).max().unwrap() + 1;
     let pp = ranks.iter().map(|r| r.pipeline_rank).max().unwrap() + 1;
     let mut files: BTreeMap<(usize, usize), TorchFile> = BTreeMap::new();
@@ -233,7 +263,10 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     }
     let first = &files[&(0, 0)];
     check_version(&first.root, first.path())?;
-    let args = first.root.get("args").with_context(|| format!("{}: no args", first.path().display()))?;
+    let args = first
+        .root
+        .get("args")
+        .with_context(|| format!("{}: no args", first.path().display()))?;
     // Chunk c of stage p: its local layers, in Megatron's global order (chunk-major).
     let mut per_rank: BTreeMap<(usize, usize), Vec<Vec<(String, TensorRef)>>> = BTreeMap::new();
     for (&key, file) in &files {
@@ -264,7 +297,9 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         .iter()
         .find(|(n, _)| n == "embedding.word_embeddings.weight")
         .map(|(_, t)| t.shape[0] as i64 * tp as i64);
-    let rows = padded_rows.or(word_rows).context("no word embeddings on the first stage")?;
+    let rows = padded_rows
+        .or(word_rows)
+        .context("no word embeddings on the first stage")?;
     let vocab = true_vocab_size(args, rows, options.true_vocab_size);
     ensure!(
         vocab <= rows,
@@ -295,7 +330,8 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                 if is_head_copy {
                     continue;
                 }
-                let value = tensor_of(file, tensor).with_context(|| format!("{}: tensor {name}", file.path().display()))?;
+                let value = tensor_of(file, tensor)
+                    .with_context(|| format!("{}: tensor {name}", file.path().display()))?;
                 shards.entry(global).or_default().push(value);
             }
         }
@@ -311,7 +347,11 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
             parts.len()
         );
         let joined = join_shards(parts, tensor_split(name, &config));
-        Ok(if is_vocab_tensor(name) { fit_vocab_rows(&joined, padded) } else { joined })
+        Ok(if is_vocab_tensor(name) {
+            fit_vocab_rows(&joined, padded)
+        } else {
+            joined
+        })
     };
     for (name, parts) in &shards {
         weights.insert(name.clone(), join(name, parts)?);
@@ -324,11 +364,18 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
             let file = &files[key];
             // Pure float32 runs keep no separate main parameters: they are the model's own.
             let mut weights_for_fp32 = HashMap::new();
-            if file.root.get("optimizer").and_then(|o| o.get("fp32_from_fp16_params")).is_none() {
+            if file
+                .root
+                .get("optimizer")
+                .and_then(|o| o.get("fp32_from_fp16_params"))
+                .is_none()
+            {
                 for (c, chunk) in per_rank[key].iter().enumerate() {
                     for (name, tensor) in chunk {
                         let global = match layer_of(name) {
-                            Some((i, leaf)) => format!("decoder.layers.{}.{leaf}", i + offsets[&(c, key.1)]),
+                            Some((i, leaf)) => {
+                                format!("decoder.layers.{}.{leaf}", i + offsets[&(c, key.1)])
+                            }
                             None => name.clone(),
                         };
                         weights_for_fp32.insert(global, tensor_of(file, tensor)?);
@@ -342,19 +389,31 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                 }
                 Some(state) => {
                     step = state.step;
-                    for (kind, map) in [("main", state.main), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)] {
+                    for (kind, map) in [
+                        ("main", state.main),
+                        ("exp_avg", state.exp_avg),
+                        ("exp_avg_sq", state.exp_avg_sq),
+                    ] {
                         for (name, tensor) in map {
                             if tied && name == "output_layer.weight" {
                                 continue;
                             }
-                            merged.entry(kind).or_default().entry(name).or_default().push(tensor);
+                            merged
+                                .entry(kind)
+                                .or_default()
+                                .entry(name)
+                                .or_default()
+                                .push(tensor);
                         }
                     }
                 }
             }
         }
         if complete && !merged.is_empty() {
-            let mut state = OptimizerState { step, ..Default::default() };
+            let mut state = OptimizerState {
+                step,
+                ..Default::default()
+            };
             for (kind, map) in merged {
                 let target = match kind {
                     "main" => &mut state.main,
@@ -396,7 +455,10 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         .map(|t| t.shape[0] as i64)
         .context("no embedding.word_embeddings.weight")?;
     let vocab = true_vocab_size(args, rows, options.true_vocab_size);
-    ensure!(vocab <= rows, "--true-vocab-size {vocab} exceeds the checkpoint's {rows} embedding rows");
+    ensure!(
+        vocab <= rows,
+        "--true-vocab-size {vocab} exceeds the checkpoint's {rows} embedding rows"
+    );
     let config = gpt_config(args, vocab)?;
     let padded = config.padded_vocab_size(1);
     let mut weights = BTreeMap::new();
@@ -406,7 +468,10 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         }
         // Homogeneous layer stacks are saved with a leading layer axis.
         if let Some(leaf) = name.strip_prefix("decoder.layers.").filter(|rest| {
-            !rest.split('.').next().is_some_and(|i| i.parse::<usize>().is_ok())
+            !rest
+                .split('.')
+                .next()
+                .is_some_and(|i| i.parse::<usize>().is_ok())
         }) {
             ensure!(
                 tensor.shape.first() == Some(&config.num_layers),
@@ -418,12 +483,16 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
             for layer in 0..config.num_layers {
                 let (dtype, shape, bytes) = checkpoint.read_rows(name, layer..layer + 1)?;
                 let value = tensor_from_bytes(dtype, &shape[1..], &bytes)?;
-                let Some(global) = core_name(&format!("decoder.layers.{layer}.{leaf}")) else { continue };
+                let Some(global) = core_name(&format!("decoder.layers.{layer}.{leaf}")) else {
+                    continue;
+                };
                 weights.insert(global, value);
             }
             continue;
         }
-        let Some(global) = core_name(name) else { continue };
+        let Some(global) = core_name(name) else {
+            continue;
+        };
         let (dtype, shape, bytes) = checkpoint.read(name)?;
         let mut value = tensor_from_bytes(dtype, &shape, &bytes)?;
         if is_vocab_tensor(&global) {
@@ -438,8 +507,14 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         optimizer: None,
         run: run_state(root),
         source_parallel: (
-            args.get("tensor_model_parallel_size").and_then(Value::as_i64).unwrap_or(1).max(1) as usize,
-            args.get("pipeline_model_parallel_size").and_then(Value::as_i64).unwrap_or(1).max(1) as usize,
+            args.get("tensor_model_parallel_size")
+                .and_then(Value::as_i64)
+                .unwrap_or(1)
+                .max(1) as usize,
+            args.get("pipeline_model_parallel_size")
+                .and_then(Value::as_i64)
+                .unwrap_or(1)
+                .max(1) as usize,
         ),
         source: format!("Megatron torch_dist checkpoint {}", directory.display()),
     })

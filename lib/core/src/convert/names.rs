@@ -14,7 +14,10 @@ pub fn core_name(name: &str) -> Option<String> {
         Some(("encoder" | "transformer" | "decoder", rest)) => ("decoder", rest),
         _ => return Some(name.to_string()),
     };
-    if let Some(norm) = rest.strip_prefix("final_norm.").or_else(|| rest.strip_prefix("final_layernorm.")) {
+    if let Some(norm) = rest
+        .strip_prefix("final_norm.")
+        .or_else(|| rest.strip_prefix("final_layernorm."))
+    {
         return Some(format!("{stack}.final_layernorm.{norm}"));
     }
     let Some(layer) = rest.strip_prefix("layers.") else {
@@ -61,22 +64,58 @@ mod tests {
     #[test]
     fn legacy_and_te_names_become_core_names() {
         for (old, new) in [
-            ("language_model.embedding.word_embeddings.weight", "embedding.word_embeddings.weight"),
-            ("language_model.encoder.layers.1.input_norm.weight", "decoder.layers.1.input_layernorm.weight"),
-            ("language_model.transformer.layers.0.attention.query_key_value.bias", "decoder.layers.0.self_attention.linear_qkv.bias"),
-            ("language_model.encoder.layers.0.self_attention.dense.weight", "decoder.layers.0.self_attention.linear_proj.weight"),
-            ("language_model.encoder.layers.0.post_attention_layernorm.bias", "decoder.layers.0.pre_mlp_layernorm.bias"),
-            ("language_model.encoder.layers.2.mlp.dense_h_to_4h.weight", "decoder.layers.2.mlp.linear_fc1.weight"),
-            ("language_model.encoder.layers.2.mlp.dense_4h_to_h.bias", "decoder.layers.2.mlp.linear_fc2.bias"),
-            ("language_model.encoder.final_norm.weight", "decoder.final_layernorm.weight"),
+            (
+                "language_model.embedding.word_embeddings.weight",
+                "embedding.word_embeddings.weight",
+            ),
+            (
+                "language_model.encoder.layers.1.input_norm.weight",
+                "decoder.layers.1.input_layernorm.weight",
+            ),
+            (
+                "language_model.transformer.layers.0.attention.query_key_value.bias",
+                "decoder.layers.0.self_attention.linear_qkv.bias",
+            ),
+            (
+                "language_model.encoder.layers.0.self_attention.dense.weight",
+                "decoder.layers.0.self_attention.linear_proj.weight",
+            ),
+            (
+                "language_model.encoder.layers.0.post_attention_layernorm.bias",
+                "decoder.layers.0.pre_mlp_layernorm.bias",
+            ),
+            (
+                "language_model.encoder.layers.2.mlp.dense_h_to_4h.weight",
+                "decoder.layers.2.mlp.linear_fc1.weight",
+            ),
+            (
+                "language_model.encoder.layers.2.mlp.dense_4h_to_h.bias",
+                "decoder.layers.2.mlp.linear_fc2.bias",
+            ),
+            (
+                "language_model.encoder.final_norm.weight",
+                "decoder.final_layernorm.weight",
+            ),
             ("language_model.output_layer.weight", "output_layer.weight"),
             ("word_embeddings_for_head.weight", "output_layer.weight"),
-            ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
-            ("decoder.layers.0.mlp.linear_fc1.layer_norm_bias", "decoder.layers.0.pre_mlp_layernorm.bias"),
-            ("decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.0.mlp.linear_fc2.weight"),
+            (
+                "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                "decoder.layers.0.input_layernorm.weight",
+            ),
+            (
+                "decoder.layers.0.mlp.linear_fc1.layer_norm_bias",
+                "decoder.layers.0.pre_mlp_layernorm.bias",
+            ),
+            (
+                "decoder.layers.0.mlp.linear_fc2.weight",
+                "decoder.layers.0.mlp.linear_fc2.weight",
+            ),
         ] {
             assert_eq!(core_name(old).as_deref(), Some(new), "{old}");
         }
-        assert_eq!(core_name("decoder.layers.0.mlp.linear_fc1._extra_state"), None);
+        assert_eq!(
+            core_name("decoder.layers.0.mlp.linear_fc1._extra_state"),
+            None
+        );
     }
 }

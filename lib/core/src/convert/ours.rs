@@ -15,9 +15,9 @@ use crate::checkpoint::{
     rank_directory_name, split_for_tensor_parallel, staging_directory, take_shard, tensor_split,
     write_rank_file, CheckpointDirectory, CheckpointMetadata, CHECKPOINT_FORMAT, MODEL_FILE,
 };
+use crate::model::ParamAttributes;
 use crate::model::{ChunkSpec, GptConfig, GptModel, ModelOptions, PipelineSplit, Recompute};
 use crate::optim::{BufferLayout, ParamShape};
-use crate::model::ParamAttributes;
 use crate::parallel::ParallelState;
 
 /// The model-parallel layout to write.
@@ -44,7 +44,12 @@ fn layer_parameter_order(config: &GptConfig) -> Result<Vec<String>> {
         recompute: Recompute::None,
         seed: 0,
     };
-    let model = GptModel::new_chunk(probe, options, &ParallelState::single(), ChunkSpec::whole(1))?;
+    let model = GptModel::new_chunk(
+        probe,
+        options,
+        &ParallelState::single(),
+        ChunkSpec::whole(1),
+    )?;
     Ok(model
         .named_parameters()
         .into_iter()
@@ -53,7 +58,11 @@ fn layer_parameter_order(config: &GptConfig) -> Result<Vec<String>> {
 }
 
 /// `(chunk-local name, global name)` of every parameter of chunk `spec`, in parameter order.
-fn chunk_parameters(config: &GptConfig, spec: &ChunkSpec, layer_order: &[String]) -> Vec<(String, String)> {
+fn chunk_parameters(
+    config: &GptConfig,
+    spec: &ChunkSpec,
+    layer_order: &[String],
+) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let same = |name: &str| (name.to_string(), name.to_string());
     if spec.pre_process {
@@ -64,11 +73,17 @@ fn chunk_parameters(config: &GptConfig, spec: &ChunkSpec, layer_order: &[String]
     }
     for (local, global) in spec.layers.clone().enumerate() {
         for leaf in layer_order {
-            out.push((format!("decoder.layers.{local}.{leaf}"), format!("decoder.layers.{global}.{leaf}")));
+            out.push((
+                format!("decoder.layers.{local}.{leaf}"),
+                format!("decoder.layers.{global}.{leaf}"),
+            ));
         }
     }
     if spec.post_process {
-        for leaf in layer_order.iter().filter_map(|l| l.strip_prefix("input_layernorm.")) {
+        for leaf in layer_order
+            .iter()
+            .filter_map(|l| l.strip_prefix("input_layernorm."))
+        {
             let name = format!("decoder.final_layernorm.{leaf}");
             out.push(same(&name));
         }
@@ -76,14 +91,21 @@ fn chunk_parameters(config: &GptConfig, spec: &ChunkSpec, layer_order: &[String]
             out.push(same("output_layer.weight"));
         } else if !spec.pre_process {
             // The last stage's copy of the tied word embeddings.
-            out.push(("output_layer.weight".into(), "embedding.word_embeddings.weight".into()));
+            out.push((
+                "output_layer.weight".into(),
+                "embedding.word_embeddings.weight".into(),
+            ));
         }
     }
     out
 }
 
 fn chunk_prefix(chunk: usize, chunks: usize) -> String {
-    if chunks == 1 { String::new() } else { format!("model{chunk}.") }
+    if chunks == 1 {
+        String::new()
+    } else {
+        format!("model{chunk}.")
+    }
 }
 
 /// Every rank's `(rank file name, global name)` parameters in optimizer order.
@@ -111,7 +133,11 @@ fn rank_parameters(
 fn flat_layout(names: &[(String, Vec<i64>)]) -> BufferLayout {
     let shapes: Vec<ParamShape> = names
         .iter()
-        .map(|(name, shape)| ParamShape { name, shape: shape.clone(), attributes: ParamAttributes::default() })
+        .map(|(name, shape)| ParamShape {
+            name,
+            shape: shape.clone(),
+            attributes: ParamAttributes::default(),
+        })
         .collect();
     BufferLayout::new(&shapes, usize::MAX, 0, 1, false)
 }
@@ -133,13 +159,19 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
     let iteration = state.run.iteration;
     begin_save(root, iteration)?;
     let staging = staging_directory(root, iteration);
-    let weights: HashMap<String, Tensor> =
-        state.weights.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
+    let weights: HashMap<String, Tensor> = state
+        .weights
+        .iter()
+        .map(|(k, v)| (k.clone(), v.shallow_clone()))
+        .collect();
     for t in 0..target.tensor {
         let shard = split_for_tensor_parallel(&weights, config, t, target.tensor);
         let optimizer_shards = state.optimizer.as_ref().map(|o| {
             [&o.main, &o.exp_avg, &o.exp_avg_sq].map(|map| {
-                let map: HashMap<String, Tensor> = map.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
+                let map: HashMap<String, Tensor> = map
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.shallow_clone()))
+                    .collect();
                 split_for_tensor_parallel(&map, config, t, target.tensor)
             })
         });
@@ -148,9 +180,9 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
             let rank_dir = rank_directory_name(t, stage, target.pipeline);
             let mut tensors = Vec::with_capacity(params.len());
             for (local, global) in &params {
-                let tensor = shard
-                    .get(global)
-                    .with_context(|| format!("{}: no tensor {global} for this architecture", state.source))?;
+                let tensor = shard.get(global).with_context(|| {
+                    format!("{}: no tensor {global} for this architecture", state.source)
+                })?;
                 tensors.push((local.clone(), tensor.to_kind(kind)));
             }
             write_rank_file(&staging, &rank_dir, MODEL_FILE, &tensors)?;
@@ -213,12 +245,17 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
 pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Result<ModelState> {
     let metadata = &checkpoint.metadata;
     if metadata.model_type != "GPT" {
-        bail!("{}: converting {} checkpoints is not supported", checkpoint.directory.display(), metadata.model_type);
+        bail!(
+            "{}: converting {} checkpoints is not supported",
+            checkpoint.directory.display(),
+            metadata.model_type
+        );
     }
     let config: GptConfig = serde_json::from_value(metadata.model.clone())
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
-    let weights: BTreeMap<String, Tensor> =
-        merge_model_parallel_ranks(checkpoint, Device::Cpu)?.into_iter().collect();
+    let weights: BTreeMap<String, Tensor> = merge_model_parallel_ranks(checkpoint, Device::Cpu)?
+        .into_iter()
+        .collect();
     let optimizer = match (optimizer, metadata.optimizer.as_deref()) {
         (true, Some("adam")) => Some(load_optimizer(checkpoint, &config)?),
         _ => None,
@@ -237,7 +274,10 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
             grad_scaler: metadata.grad_scaler.clone(),
             args: metadata.args.clone(),
         },
-        source_parallel: (metadata.tensor_model_parallel_size, metadata.pipeline_model_parallel_size),
+        source_parallel: (
+            metadata.tensor_model_parallel_size,
+            metadata.pipeline_model_parallel_size,
+        ),
         source: format!("megatron-rs checkpoint {}", checkpoint.directory.display()),
     })
 }
@@ -254,7 +294,10 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
     };
     let layer_order = layer_parameter_order(config)?;
     let tied = !config.untie_embeddings_and_output_weights;
-    let (tp, pp) = (metadata.tensor_model_parallel_size, metadata.pipeline_model_parallel_size);
+    let (tp, pp) = (
+        metadata.tensor_model_parallel_size,
+        metadata.pipeline_model_parallel_size,
+    );
     let mut shards: [BTreeMap<String, Vec<Tensor>>; 3] = Default::default();
     let mut step = 0.0;
     for t in 0..tp {
@@ -263,25 +306,44 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
             let params = rank_parameters(config, &split, stage, &layer_order)?;
             let model = checkpoint
                 .read(&rank_dir, MODEL_FILE, Device::Cpu)?
-                .with_context(|| format!("{}/{rank_dir}: no {MODEL_FILE}", checkpoint.directory.display()))?;
+                .with_context(|| {
+                    format!(
+                        "{}/{rank_dir}: no {MODEL_FILE}",
+                        checkpoint.directory.display()
+                    )
+                })?;
             let mut shapes = Vec::with_capacity(params.len());
             for (local, _) in &params {
                 let tensor = model.get(local).with_context(|| {
-                    format!("{}/{rank_dir}: no tensor {local}", checkpoint.directory.display())
+                    format!(
+                        "{}/{rank_dir}: no tensor {local}",
+                        checkpoint.directory.display()
+                    )
                 })?;
                 shapes.push((local.clone(), tensor.size()));
             }
-            let ranks = if sharded { metadata.data_parallel_size } else { 1 };
+            let ranks = if sharded {
+                metadata.data_parallel_size
+            } else {
+                1
+            };
             let param_shapes: Vec<ParamShape> = shapes
                 .iter()
-                .map(|(n, s)| ParamShape { name: n, shape: s.clone(), attributes: ParamAttributes::default() })
+                .map(|(n, s)| ParamShape {
+                    name: n,
+                    shape: s.clone(),
+                    attributes: ParamAttributes::default(),
+                })
                 .collect();
             // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size).
             let bucket = metadata
                 .args
                 .get("ddp_bucket_size")
                 .and_then(|v| v.as_u64())
-                .map_or(crate::optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks), |v| v as usize);
+                .map_or(
+                    crate::optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks),
+                    |v| v as usize,
+                );
             let layout = if sharded {
                 BufferLayout::new(&param_shapes, bucket, 0, ranks, true)
             } else {
@@ -290,16 +352,25 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
             let mut flat: [Option<Tensor>; 3] = Default::default();
             for d in 0..ranks {
                 let file = optimizer_file(sharded.then_some(d));
-                let state = checkpoint.read(&rank_dir, &file, Device::Cpu)?.with_context(|| {
-                    format!("{}/{rank_dir}: no {file} (saved with --no-save-optim?)", checkpoint.directory.display())
-                })?;
+                let state = checkpoint
+                    .read(&rank_dir, &file, Device::Cpu)?
+                    .with_context(|| {
+                        format!(
+                            "{}/{rank_dir}: no {file} (saved with --no-save-optim?)",
+                            checkpoint.directory.display()
+                        )
+                    })?;
                 if let Some(s) = state.get("step") {
                     step = s.double_value(&[]);
                 }
-                let rank_layout = sharded.then(|| BufferLayout::new(&param_shapes, bucket, d, ranks, true));
+                let rank_layout =
+                    sharded.then(|| BufferLayout::new(&param_shapes, bucket, d, ranks, true));
                 for (i, key) in ["main", "exp_avg", "exp_avg_sq"].iter().enumerate() {
                     let part = state.get(*key).with_context(|| {
-                        format!("{}/{rank_dir}/{file}: no tensor {key}", checkpoint.directory.display())
+                        format!(
+                            "{}/{rank_dir}/{file}: no tensor {key}",
+                            checkpoint.directory.display()
+                        )
                     })?;
                     match &rank_layout {
                         None => flat[i] = Some(part.shallow_clone()),
@@ -315,8 +386,16 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
                                 Tensor::zeros([layout.len as i64], (Kind::Float, Device::Cpu))
                             });
                             for segment in &rank_layout.segments {
-                                full.narrow(0, segment.buffer.start as i64, segment.buffer.len() as i64)
-                                    .copy_(&part.narrow(0, segment.shard.start as i64, segment.shard.len() as i64));
+                                full.narrow(
+                                    0,
+                                    segment.buffer.start as i64,
+                                    segment.buffer.len() as i64,
+                                )
+                                .copy_(&part.narrow(
+                                    0,
+                                    segment.shard.start as i64,
+                                    segment.shard.len() as i64,
+                                ));
                             }
                         }
                     }
@@ -325,7 +404,11 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
             for (i, buffer) in flat.iter().enumerate() {
                 let buffer = buffer.as_ref().expect("read above");
                 for slot in &layout.slots {
-                    let global = &params.iter().find(|(local, _)| *local == slot.name).expect("listed").1;
+                    let global = &params
+                        .iter()
+                        .find(|(local, _)| *local == slot.name)
+                        .expect("listed")
+                        .1;
                     if tied && slot.name.ends_with("output_layer.weight") {
                         continue;
                     }
@@ -345,7 +428,10 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
         }
     }
     let padded = config.padded_vocab_size(1);
-    let mut out = OptimizerState { step, ..Default::default() };
+    let mut out = OptimizerState {
+        step,
+        ..Default::default()
+    };
     for (i, map) in shards.into_iter().enumerate() {
         let target = match i {
             0 => &mut out.main,
@@ -353,7 +439,11 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
             _ => &mut out.exp_avg_sq,
         };
         for (name, parts) in map {
-            ensure!(parts.len() == tp, "optimizer state of {name} found in {} of {tp} tensor-parallel ranks", parts.len());
+            ensure!(
+                parts.len() == tp,
+                "optimizer state of {name} found in {} of {tp} tensor-parallel ranks",
+                parts.len()
+            );
             let mut joined = join_shards(&parts, tensor_split(&name, config));
             if is_vocab_tensor(&name) {
                 joined = joined.narrow(0, 0, padded);
@@ -365,7 +455,13 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
 }
 
 /// Cuts `tensor` (unsplit) for tensor-parallel rank `rank` of `size`.
-pub fn shard_of(name: &str, tensor: &Tensor, config: &GptConfig, rank: usize, size: usize) -> Tensor {
+pub fn shard_of(
+    name: &str,
+    tensor: &Tensor,
+    config: &GptConfig,
+    rank: usize,
+    size: usize,
+) -> Tensor {
     take_shard(tensor, tensor_split(name, config), rank, size)
 }
 
@@ -375,9 +471,22 @@ impl ModelState {
     /// instead of producing a checkpoint that cannot load.
     pub fn validate(&self) -> Result<()> {
         let config = &self.config;
-        let probe = GptConfig { num_layers: 1, ..config.clone() };
-        let options = ModelOptions { params_dtype: Kind::BFloat16, device: Device::Cpu, recompute: Recompute::None, seed: 0 };
-        let model = GptModel::new_chunk(probe, options, &ParallelState::single(), ChunkSpec::whole(1))?;
+        let probe = GptConfig {
+            num_layers: 1,
+            ..config.clone()
+        };
+        let options = ModelOptions {
+            params_dtype: Kind::BFloat16,
+            device: Device::Cpu,
+            recompute: Recompute::None,
+            seed: 0,
+        };
+        let model = GptModel::new_chunk(
+            probe,
+            options,
+            &ParallelState::single(),
+            ChunkSpec::whole(1),
+        )?;
         let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
         for parameter in model.named_parameters() {
             let shape = parameter.tensor.size();
@@ -393,7 +502,10 @@ impl ModelState {
             }
         }
         for (name, shape) in &expected {
-            let tensor = self.weights.get(name).with_context(|| format!("{}: missing tensor {name}", self.source))?;
+            let tensor = self
+                .weights
+                .get(name)
+                .with_context(|| format!("{}: missing tensor {name}", self.source))?;
             ensure!(
                 &tensor.size() == shape,
                 "{}: tensor {name} has shape {:?}, the architecture needs {shape:?}",
@@ -402,7 +514,10 @@ impl ModelState {
             );
         }
         if let Some(name) = self.weights.keys().find(|k| !expected.contains_key(*k)) {
-            bail!("{}: unexpected tensor {name} for this architecture", self.source);
+            bail!(
+                "{}: unexpected tensor {name} for this architecture",
+                self.source
+            );
         }
         Ok(())
     }

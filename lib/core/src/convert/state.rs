@@ -91,7 +91,13 @@ pub fn fit_vocab_rows(tensor: &Tensor, rows: i64) -> Tensor {
     } else {
         let mut shape = tensor.size();
         shape[0] = rows - have;
-        Tensor::cat(&[tensor, &tensor.new_zeros(shape.as_slice(), (tensor.kind(), tensor.device()))], 0)
+        Tensor::cat(
+            &[
+                tensor,
+                &tensor.new_zeros(shape.as_slice(), (tensor.kind(), tensor.device())),
+            ],
+            0,
+        )
     }
 }
 

@@ -32,8 +32,11 @@ pub fn model_of(state: &ModelState) -> Result<GptModel> {
 /// Logits `[b, s, vocab]` over the true vocabulary for token ids `[b, s]`.
 pub fn logits(model: &GptModel, tokens: &Tensor) -> Result<Tensor> {
     let (b, s) = tokens.size2()?;
-    let positions = Tensor::arange(s, (Kind::Int64, Device::Cpu)).unsqueeze(0).expand([b, s], false);
-    let logits = tch::no_grad(|| model.forward_full_logits(tokens, &positions, &AttentionMask::Causal))?;
+    let positions = Tensor::arange(s, (Kind::Int64, Device::Cpu))
+        .unsqueeze(0)
+        .expand([b, s], false);
+    let logits =
+        tch::no_grad(|| model.forward_full_logits(tokens, &positions, &AttentionMask::Causal))?;
     Ok(logits.transpose(0, 1).narrow(2, 0, model.config.vocab_size))
 }
 
@@ -42,7 +45,11 @@ pub fn sample_tokens(state: &ModelState, sequences: i64) -> Tensor {
     let length = state.config.max_position_embeddings.min(16);
     let generator_seed = 1234;
     tch::manual_seed(generator_seed);
-    Tensor::randint(state.config.vocab_size, [sequences, length], (Kind::Int64, Device::Cpu))
+    Tensor::randint(
+        state.config.vocab_size,
+        [sequences, length],
+        (Kind::Int64, Device::Cpu),
+    )
 }
 
 /// max |Δ logits| between the models of two states on the same sequences.

@@ -165,7 +165,11 @@ pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict
         if config.add_qkv_bias {
             // Qwen2's q/k/v biases, in the same per-group order as the weights.
             let [q, k, v] = ["q", "k", "v"].map(|p| hf_layer(&format!("self_attn.{p}_proj.bias")));
-            let (q, k, v) = (q?.view([g, -1, 1]), k?.view([g, -1, 1]), v?.view([g, -1, 1]));
+            let (q, k, v) = (
+                q?.view([g, -1, 1]),
+                k?.view([g, -1, 1]),
+                v?.view([g, -1, 1]),
+            );
             put(
                 ours("self_attention.linear_qkv.bias"),
                 Tensor::cat(&[q, k, v], 1).reshape([-1]),
