@@ -8,11 +8,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use megatron_checkpoint::layout::{detect, Format};
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
-    load_hf, load_megatron_rs, load_megatron_torch, load_torch_dist, save_hf, save_megatron_rs,
-    save_megatron_torch, verify, vocab_file_size, LoadOptions, ModelState, TargetLayout,
+    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, save_hf, save_megatron_rs,
+    save_megatron_torch, verify, vocab_file_size, LoadOptions, TargetLayout,
 };
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
@@ -134,40 +133,6 @@ fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
     }
 }
 
-fn load(args: &ConvertArgs, options: &LoadOptions) -> Result<ModelState> {
-    let dir = args.load_dir.as_deref().context("--load-dir is required")?;
-    let (format, directory) = detect(dir)?;
-    let loader = args.loader.as_str();
-    match (loader, format) {
-        ("megatron-rs", Format::MegatronRs) => {
-            let checkpoint = find_checkpoint(dir)?.with_context(|| format!("{}: no checkpoint", dir.display()))?;
-            let mut state = load_megatron_rs(&checkpoint, options.optimizer)?;
-            if let Some(size) = options.true_vocab_size {
-                if size != state.config.vocab_size {
-                    bail!(
-                        "--true-vocab-size {size} disagrees with {} (vocabulary of {})",
-                        checkpoint.directory.display(),
-                        state.config.vocab_size
-                    );
-                }
-                state.config.vocab_size = size;
-            }
-            Ok(state)
-        }
-        ("core" | "mcore" | "legacy" | "megatron", Format::MegatronTorch) => load_megatron_torch(&directory, options),
-        ("core" | "mcore" | "legacy" | "megatron", Format::TorchDist) => load_torch_dist(&directory, options),
-        ("hf" | "llama_mistral", Format::HuggingFace) => {
-            load_hf(&directory, args.make_vocab_size_divisible_by.unwrap_or(128), options.true_vocab_size)
-        }
-        ("megatron-rs" | "core" | "mcore" | "legacy" | "megatron" | "hf" | "llama_mistral", other) => bail!(
-            "--loader {loader}: {} holds a {} checkpoint",
-            dir.display(),
-            other.name()
-        ),
-        (other, _) => bail!("--loader {other}: expected megatron-rs, core, mcore, legacy, megatron, hf or llama_mistral"),
-    }
-}
-
 fn convert(args: &ConvertArgs) -> Result<()> {
     match args.model_type.as_deref() {
         Some("GPT") => {}
@@ -181,6 +146,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     let options = LoadOptions {
         true_vocab_size: true_vocab_size(args)?,
         optimizer: !args.no_optimizer,
+        make_vocab_size_divisible_by: args.make_vocab_size_divisible_by,
     };
     let started = Instant::now();
     let spinner = megatron_cli::spinner("tensors");
@@ -188,8 +154,8 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         "loading {}",
         args.load_dir.as_ref().unwrap().display()
     ));
-    let state = load(args, &options)?;
-    state.validate()?;
+    let load_dir = args.load_dir.as_deref().context("--load-dir is required")?;
+    let state = load_checkpoint(load_dir, Some(&args.loader), &options)?;
     spinner.set_position(state.weights.len() as u64);
     let target = TargetLayout {
         tensor: args
@@ -263,6 +229,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             let options = LoadOptions {
                 true_vocab_size: Some(state.config.vocab_size),
                 optimizer: false,
+                make_vocab_size_divisible_by: None,
             };
             load_megatron_torch(
                 &megatron_checkpoint::layout::iteration_directory(&save_dir)?,

@@ -23,6 +23,7 @@ fn with_optimizer() -> LoadOptions {
     LoadOptions {
         true_vocab_size: None,
         optimizer: true,
+        make_vocab_size_divisible_by: None,
     }
 }
 

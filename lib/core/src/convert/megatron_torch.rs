@@ -24,6 +24,8 @@ pub struct LoadOptions {
     pub true_vocab_size: Option<i64>,
     /// Read the optimizer state too, where the checkpoint has one.
     pub optimizer: bool,
+    /// HuggingFace imports pad the vocabulary to a multiple of this (× TP) [default: 128].
+    pub make_vocab_size_divisible_by: Option<i64>,
 }
 
 fn tensor_of(file: &TorchFile, tensor: &TensorRef) -> Result<Tensor> {

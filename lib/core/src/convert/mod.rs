@@ -4,6 +4,7 @@
 //! tensor reshaping uses CPU tensors.
 
 pub mod hf;
+pub mod load;
 pub mod megatron_args;
 pub mod megatron_save;
 pub mod megatron_torch;
@@ -13,6 +14,7 @@ pub mod state;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};
+pub use load::load_checkpoint;
 pub use megatron_args::vocab_file_size;
 pub use megatron_save::save_megatron_torch;
 pub use megatron_torch::{load_megatron_torch, load_torch_dist, LoadOptions};
