@@ -18,6 +18,10 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+if [[ ! -x /usr/bin/time ]]; then
+    echo "checkpoint_convert.sh: needs GNU time at /usr/bin/time for wall time and peak RSS (apt-get install time)" >&2
+    exit 1
+fi
 PYTHON="${PYTHON:-python3}"
 LAYERS="${LAYERS:-24}" HIDDEN="${HIDDEN:-2048}" HEADS="${HEADS:-16}" SEQ="${SEQ:-2048}"
 DEVICE="${DEVICE:-cuda}"
