@@ -21,11 +21,13 @@ if ! .venv/bin/python -c 'import tensorboard, numpy, torch, transformers, safete
 fi
 export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
 
-# The data crate and the data tools must never pull in libtorch.
-if cargo tree --locked -p megatron-data -e normal,build --prefix none | grep -Eq '^(tch|torch-sys) '; then
-  echo "test: error: megatron-data depends on libtorch" >&2
-  exit 1
-fi
+# The data crate, the data tools and the checkpoint-format crate must never pull in libtorch.
+for crate in megatron-data megatron-checkpoint; do
+  if cargo tree --locked -p "$crate" -e normal,build --prefix none | grep -Eq '^(tch|torch-sys) '; then
+    echo "test: error: $crate depends on libtorch" >&2
+    exit 1
+  fi
+done
 
 cargo build --locked --workspace --bins
 cargo test --locked --workspace "$@"

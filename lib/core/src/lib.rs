@@ -11,6 +11,7 @@ pub mod signals;
 pub use error::TorchError;
 pub mod args;
 pub mod checkpoint;
+pub mod convert;
 pub mod inference;
 pub mod loader;
 pub mod metrics;

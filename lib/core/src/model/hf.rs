@@ -164,6 +164,19 @@ pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict
             d,
         );
         put(ours("self_attention.linear_qkv.weight"), qkv);
+        if config.add_qkv_bias {
+            // Qwen2's q/k/v biases, in the same per-group order as the weights.
+            let [q, k, v] = ["q", "k", "v"].map(|p| hf_layer(&format!("self_attn.{p}_proj.bias")));
+            let (q, k, v) = (
+                q?.view([g, -1, 1]),
+                k?.view([g, -1, 1]),
+                v?.view([g, -1, 1]),
+            );
+            put(
+                ours("self_attention.linear_qkv.bias"),
+                Tensor::cat(&[q, k, v], 1).reshape([-1]),
+            );
+        }
         put(
             ours("self_attention.linear_proj.weight"),
             hf_layer("self_attn.o_proj.weight")?.shallow_clone(),
@@ -185,10 +198,12 @@ pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict
         "decoder.final_layernorm.weight".into(),
         take(hf, "model.norm.weight")?.shallow_clone(),
     );
-    put(
-        "output_layer.weight".into(),
-        pad_vocab(take(hf, "lm_head.weight")?, padded),
-    );
+    if config.untie_embeddings_and_output_weights {
+        put(
+            "output_layer.weight".into(),
+            pad_vocab(take(hf, "lm_head.weight")?, padded),
+        );
+    }
     Ok(out)
 }
 

@@ -8,7 +8,7 @@ mod groups;
 mod mixed_precision;
 mod param_gather;
 
-pub use buffer::BufferLayout;
+pub use buffer::{BufferLayout, ParamShape};
 pub use groups::{excluded_from_weight_decay, ParamGroup};
 pub use mixed_precision::{
     MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,

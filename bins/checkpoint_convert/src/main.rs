@@ -1,0 +1,265 @@
+//! `checkpoint_convert`: Megatron's `tools/checkpoint/convert.py` — same flags — plus
+//! `inspect`. Loaders: megatron-rs, core/mcore and legacy/megatron (Megatron `torch` or
+//! `torch_dist`, detected from the files). Savers: megatron-rs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use megatron_core::checkpoint::find_checkpoint;
+use megatron_core::convert::{
+    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, save_hf, save_megatron_rs,
+    save_megatron_torch, verify, vocab_file_size, LoadOptions, TargetLayout,
+};
+
+/// Convert a checkpoint between formats and model-parallel layouts, or describe one.
+///
+/// Flags keep the names of Megatron's tools/checkpoint/convert.py. Reading Megatron's and
+/// HuggingFace's files needs no torch and no Python. The output is written under a temporary
+/// name and renamed into place when complete.
+#[derive(Parser)]
+#[command(version, about, long_about = None, args_conflicts_with_subcommands = true, max_term_width = 100)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    convert: ConvertArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe any supported checkpoint: format, layout, args, every tensor's dtype and shape.
+    Inspect {
+        /// A checkpoint root (with latest_checkpointed_iteration.txt), an iteration directory,
+        /// or a HuggingFace model directory.
+        dir: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct ConvertArgs {
+    /// GPT (BERT once our BERT model exists).
+    #[arg(long)]
+    model_type: Option<String>,
+    /// megatron-rs; core (alias mcore) or legacy (alias megatron): Megatron's torch or
+    /// torch_dist checkpoints, detected from the files; hf (alias llama_mistral): a
+    /// HuggingFace GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM
+    /// directory (safetensors or pytorch_model.bin).
+    #[arg(long, default_value = "megatron")]
+    loader: String,
+    /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's torch format
+    /// (model_optim_rng.pt with core names, weights only: load it with --no-load-optim
+    /// --no-load-rng or --finetune); hf: a HuggingFace model directory with config.json.
+    #[arg(long, default_value = "megatron-rs")]
+    saver: String,
+    /// Directory to load the checkpoint from.
+    #[arg(long)]
+    load_dir: Option<PathBuf>,
+    /// Directory to write the converted checkpoint to (must not exist, or be empty).
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Tensor-parallel size of the output [default: the input's].
+    #[arg(long)]
+    target_tensor_parallel_size: Option<usize>,
+    /// Pipeline-parallel size of the output [default: the input's].
+    #[arg(long)]
+    target_pipeline_parallel_size: Option<usize>,
+    /// Model chunks per pipeline stage of the output (interleaved schedule) [default: 1].
+    #[arg(long)]
+    target_virtual_pipeline_parallel_size: Option<usize>,
+    /// The tokenizer's real vocabulary size (embedding rows beyond it are padding).
+    #[arg(long)]
+    true_vocab_size: Option<i64>,
+    /// GPT-2 vocabulary JSON: its size is the true vocabulary size (must agree with
+    /// --true-vocab-size when both are given).
+    #[arg(long)]
+    vocab_file: Option<PathBuf>,
+    /// GPT-2 merges file (copied into HuggingFace exports).
+    #[arg(long)]
+    merge_file: Option<PathBuf>,
+    /// A HuggingFace tokenizer.json copied into HuggingFace exports.
+    #[arg(long)]
+    tokenizer_model: Option<PathBuf>,
+    /// Accepted for compatibility with convert.py; nothing of Megatron is needed.
+    #[arg(long)]
+    megatron_path: Option<PathBuf>,
+    /// Accepted for compatibility with convert.py (the conversion streams without a queue).
+    #[arg(long)]
+    max_queue_size: Option<usize>,
+    /// Accepted for compatibility with convert.py.
+    #[arg(long)]
+    no_checking: bool,
+    /// Accepted for compatibility with convert.py (names of both implementations are read).
+    #[arg(long)]
+    loader_transformer_impl: Option<String>,
+    /// Accepted for compatibility with convert.py.
+    #[arg(long)]
+    saver_transformer_impl: Option<String>,
+    /// Pad the vocabulary of imports to a multiple of this times the target TP size.
+    #[arg(long)]
+    make_vocab_size_divisible_by: Option<i64>,
+    /// Convert the weights only, leaving the optimizer state behind.
+    #[arg(long)]
+    no_optimizer: bool,
+    /// Run both models forward on a few sequences and print the largest logit difference.
+    #[arg(long)]
+    verify: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    megatron_cli::run(|| match cli.command {
+        Some(Command::Inspect { dir }) => {
+            print!("{}", megatron_checkpoint::inspect::inspect(&dir)?);
+            Ok(())
+        }
+        None => convert(&cli.convert),
+    })
+}
+
+fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
+    let from_file = match &args.vocab_file {
+        Some(path) => Some(vocab_file_size(path)?),
+        None => None,
+    };
+    match (args.true_vocab_size, from_file) {
+        (Some(given), Some(counted)) if given != counted => bail!(
+            "--true-vocab-size {given} disagrees with --vocab-file {} ({counted} entries)",
+            args.vocab_file.as_ref().unwrap().display()
+        ),
+        (given, counted) => Ok(given.or(counted)),
+    }
+}
+
+fn convert(args: &ConvertArgs) -> Result<()> {
+    match args.model_type.as_deref() {
+        Some("GPT") => {}
+        Some(other) => bail!("--model-type {other}: only GPT checkpoints can be converted so far"),
+        None => bail!("--model-type is required (GPT), or use `checkpoint_convert inspect DIR`"),
+    }
+    let save_dir = args.save_dir.clone().context("--save-dir is required")?;
+    if save_dir.exists() && std::fs::read_dir(&save_dir)?.next().is_some() {
+        bail!("--save-dir {} exists and is not empty", save_dir.display());
+    }
+    let options = LoadOptions {
+        true_vocab_size: true_vocab_size(args)?,
+        optimizer: !args.no_optimizer,
+        make_vocab_size_divisible_by: args.make_vocab_size_divisible_by,
+    };
+    let started = Instant::now();
+    let spinner = megatron_cli::spinner("tensors");
+    spinner.set_message(format!(
+        "loading {}",
+        args.load_dir.as_ref().unwrap().display()
+    ));
+    let load_dir = args.load_dir.as_deref().context("--load-dir is required")?;
+    let state = load_checkpoint(load_dir, Some(&args.loader), &options)?;
+    spinner.set_position(state.weights.len() as u64);
+    let target = TargetLayout {
+        tensor: args
+            .target_tensor_parallel_size
+            .unwrap_or(state.source_parallel.0),
+        pipeline: args
+            .target_pipeline_parallel_size
+            .unwrap_or(state.source_parallel.1),
+        virtual_stages: args.target_virtual_pipeline_parallel_size.unwrap_or(1),
+    };
+    let staging = staging_for(&save_dir)?;
+    spinner.set_message(format!("writing {}", save_dir.display()));
+    let saved = match args.saver.as_str() {
+        "megatron-rs" => save_megatron_rs(&state, &staging, target),
+        "core" | "mcore" | "legacy" | "megatron" => save_megatron_torch(&state, &staging, target),
+        "hf" => {
+            let mut files = Vec::new();
+            if let Some(vocab) = &args.vocab_file {
+                files.push((vocab.as_path(), "vocab.json"));
+            }
+            if let Some(merges) = &args.merge_file {
+                files.push((merges.as_path(), "merges.txt"));
+            }
+            if let Some(tokenizer) = &args.tokenizer_model {
+                files.push((tokenizer.as_path(), "tokenizer.json"));
+            }
+            save_hf(&state, &staging, &files)
+        }
+        other => Err(anyhow::anyhow!(
+            "--saver {other}: expected megatron-rs, core, mcore, legacy, megatron or hf"
+        )),
+    };
+    if let Err(error) = saved {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(error);
+    }
+    if save_dir.exists() {
+        std::fs::remove_dir(&save_dir)
+            .with_context(|| format!("replacing empty {}", save_dir.display()))?;
+    }
+    std::fs::rename(&staging, &save_dir)
+        .with_context(|| format!("renaming {} to {}", staging.display(), save_dir.display()))?;
+    spinner.finish_and_clear();
+    let bytes: i64 = state
+        .weights
+        .values()
+        .chain(state.optimizer.iter().flat_map(|o| {
+            o.main
+                .values()
+                .chain(o.exp_avg.values())
+                .chain(o.exp_avg_sq.values())
+        }))
+        .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
+        .sum();
+    let seconds = started.elapsed().as_secs_f64();
+    let gigabytes = bytes as f64 / 1e9;
+    println!(
+        "checkpoint_convert: {} tensors{} ({gigabytes:.3} GB) from {} to {} (TP={} PP={}), {seconds:.1} s ({:.2} GB/s)",
+        state.weights.len(),
+        if state.optimizer.is_some() { " with optimizer state" } else { "" },
+        state.source,
+        save_dir.display(),
+        target.tensor,
+        target.pipeline,
+        gigabytes / seconds.max(1e-9)
+    );
+    if args.verify {
+        let written = if args.saver == "hf" {
+            load_hf(&save_dir, state.config.make_vocab_size_divisible_by, None)?
+        } else if args.saver != "megatron-rs" {
+            let options = LoadOptions {
+                true_vocab_size: Some(state.config.vocab_size),
+                optimizer: false,
+                make_vocab_size_divisible_by: None,
+            };
+            load_megatron_torch(
+                &megatron_checkpoint::layout::iteration_directory(&save_dir)?,
+                &options,
+            )?
+        } else {
+            let checkpoint = find_checkpoint(&save_dir)?.context("the output has no checkpoint")?;
+            load_megatron_rs(&checkpoint, false)?
+        };
+        let difference = verify::max_logit_difference(&state, &written)?;
+        println!("verify: max |Δ logits| = {difference:e} over 4 sequences");
+    }
+    Ok(())
+}
+
+/// A fresh sibling of `save_dir` to write into before the rename.
+fn staging_for(save_dir: &std::path::Path) -> Result<PathBuf> {
+    let name = save_dir
+        .file_name()
+        .with_context(|| format!("--save-dir {} has no name", save_dir.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = save_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    Ok(staging)
+}

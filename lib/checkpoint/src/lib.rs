@@ -1,0 +1,18 @@
+//! Checkpoint formats without libtorch: a restricted PyTorch unpickler that never runs code
+//! ([`pickle`]), `torch.save` archives read in place ([`torch_file`]) and written
+//! ([`torch_writer`]), Megatron's `torch_dist` checkpoints ([`torch_dist`]), and a summary of
+//! any supported checkpoint directory ([`inspect`]).
+
+pub mod dtype;
+pub mod inspect;
+pub mod layout;
+pub mod pickle;
+pub mod safetensors_file;
+pub mod torch_dist;
+pub mod torch_file;
+pub mod torch_writer;
+
+pub use dtype::DType;
+pub use pickle::{NumpyArray, StorageRef, TensorRef, Value};
+pub use torch_dist::DistCheckpoint;
+pub use torch_file::TorchFile;

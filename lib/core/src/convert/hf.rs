@@ -1,0 +1,500 @@
+//! HuggingFace checkpoints in and out: `GPT2LMHeadModel` and the Llama family
+//! (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`: GQA, untied output,
+//! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
+//! safetensors with a `config.json` that `transformers` loads without edits.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use megatron_checkpoint::safetensors_file::SafetensorsFile;
+use megatron_checkpoint::TorchFile;
+use serde_json::{json, Value as Json};
+use tch::{Kind, Tensor};
+
+use super::state::{tensor_from_bytes, ModelState, RunState};
+use crate::checkpoint::write_tensors;
+use crate::model::{hf as mapping, Activation, GptConfig, Normalization, PositionEmbeddingType};
+
+/// Every tensor of a HuggingFace model directory (sharded or not).
+fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
+    let mut files: Vec<_> = std::fs::read_dir(directory)
+        .with_context(|| format!("listing {}", directory.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    let safetensors: Vec<_> = files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    let mut out = HashMap::new();
+    if !safetensors.is_empty() {
+        for path in safetensors {
+            let file = SafetensorsFile::open(path)?;
+            for (name, _) in file.tensors() {
+                let (info, bytes) = file.tensor(&name)?;
+                out.insert(name, tensor_from_bytes(info.dtype, &info.shape, bytes)?);
+            }
+        }
+        return Ok(out);
+    }
+    let bins: Vec<_> = files
+        .iter()
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("pytorch_model") && n.ends_with(".bin"))
+        })
+        .collect();
+    ensure!(
+        !bins.is_empty(),
+        "{}: no *.safetensors or pytorch_model*.bin weights",
+        directory.display()
+    );
+    for path in bins {
+        let file = TorchFile::open(path)?;
+        for (name, tensor) in file.tensors() {
+            let bytes = file.tensor_bytes(tensor)?;
+            out.insert(
+                name,
+                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+fn int(config: &Json, key: &str) -> Result<i64> {
+    config[key]
+        .as_i64()
+        .with_context(|| format!("config.json has no integer {key}"))
+}
+
+/// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
+pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(String, GptConfig)> {
+    let architecture = hf["architectures"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let tie = hf["tie_word_embeddings"].as_bool();
+    let config = match architecture.as_str() {
+        "GPT2LMHeadModel" => {
+            let hidden = int(hf, "n_embd")?;
+            let heads = int(hf, "n_head")?;
+            let activation = match hf["activation_function"].as_str().unwrap_or("gelu_new") {
+                "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
+                "gelu" => Activation::GeluErf,
+                other => bail!("config.json: activation_function {other} is not supported"),
+            };
+            ensure!(tie != Some(false), "config.json: untied GPT-2 output layers are not supported");
+            GptConfig {
+                num_layers: int(hf, "n_layer")? as usize,
+                hidden_size: hidden,
+                num_attention_heads: heads,
+                num_query_groups: heads,
+                kv_channels: hidden / heads,
+                ffn_hidden_size: hf["n_inner"].as_i64().unwrap_or(4 * hidden),
+                max_position_embeddings: int(hf, "n_positions")?,
+                vocab_size: int(hf, "vocab_size")?,
+                make_vocab_size_divisible_by,
+                position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
+                rotary_base: 10000.0,
+                rotary_percent: 1.0,
+                normalization: Normalization::LayerNorm,
+                norm_epsilon: hf["layer_norm_epsilon"].as_f64().unwrap_or(1e-5),
+                apply_layernorm_1p: false,
+                activation,
+                add_bias_linear: true,
+                add_qkv_bias: true,
+                untie_embeddings_and_output_weights: false,
+                apply_residual_connection_post_layernorm: false,
+                hidden_dropout: 0.0,
+                attention_dropout: 0.0,
+                init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+            }
+        }
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+            let hidden = int(hf, "hidden_size")?;
+            let heads = int(hf, "num_attention_heads")?;
+            // transformers ≥ 5 writes `rope_parameters`; older versions `rope_theta`/`rope_scaling`.
+            let rope = &hf["rope_parameters"];
+            if let Some(kind) = rope["rope_type"]
+                .as_str()
+                .or(hf["rope_scaling"]["rope_type"].as_str())
+                .or(hf["rope_scaling"]["type"].as_str())
+            {
+                if kind != "default" {
+                    bail!("config.json: rope_scaling {kind} is not supported yet");
+                }
+            }
+            ensure!(
+                hf["hidden_act"].as_str().unwrap_or("silu") == "silu",
+                "config.json: hidden_act {} is not supported (SwiGLU needs silu)",
+                hf["hidden_act"]
+            );
+            let qkv_bias = architecture == "Qwen2ForCausalLM" || hf["attention_bias"].as_bool() == Some(true);
+            ensure!(
+                hf["mlp_bias"].as_bool() != Some(true),
+                "config.json: mlp_bias is not supported"
+            );
+            GptConfig {
+                num_layers: int(hf, "num_hidden_layers")? as usize,
+                hidden_size: hidden,
+                num_attention_heads: heads,
+                num_query_groups: hf["num_key_value_heads"].as_i64().unwrap_or(heads),
+                kv_channels: hf["head_dim"].as_i64().unwrap_or(hidden / heads),
+                ffn_hidden_size: int(hf, "intermediate_size")?,
+                max_position_embeddings: int(hf, "max_position_embeddings")?,
+                vocab_size: int(hf, "vocab_size")?,
+                make_vocab_size_divisible_by,
+                position_embedding_type: PositionEmbeddingType::Rope,
+                rotary_base: rope["rope_theta"].as_f64().or(hf["rope_theta"].as_f64()).unwrap_or(10000.0),
+                rotary_percent: 1.0,
+                normalization: Normalization::RMSNorm,
+                norm_epsilon: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+                apply_layernorm_1p: false,
+                activation: Activation::Swiglu,
+                add_bias_linear: false,
+                add_qkv_bias: qkv_bias,
+                untie_embeddings_and_output_weights: tie != Some(true),
+                apply_residual_connection_post_layernorm: false,
+                hidden_dropout: 0.0,
+                attention_dropout: 0.0,
+                init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+            }
+        }
+        "" => bail!("config.json names no architecture"),
+        other => bail!(
+            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
+        ),
+    };
+    Ok((architecture, config))
+}
+
+/// Loads a HuggingFace model directory.
+pub fn load_hf(
+    directory: &Path,
+    make_vocab_size_divisible_by: i64,
+    true_vocab_size: Option<i64>,
+) -> Result<ModelState> {
+    let path = directory.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let hf: Json =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let (architecture, config) = config_from_hf(&hf, make_vocab_size_divisible_by)
+        .with_context(|| path.display().to_string())?;
+    if let Some(size) = true_vocab_size {
+        ensure!(
+            size == config.vocab_size,
+            "--true-vocab-size {size} disagrees with {} (vocab_size {})",
+            path.display(),
+            config.vocab_size
+        );
+    }
+    let tensors = read_hf_tensors(directory)?;
+    let dtype = tensors
+        .values()
+        .find(|t| t.is_floating_point())
+        .map(|t| t.kind())
+        .unwrap_or(Kind::Float);
+    let weights = if architecture == "GPT2LMHeadModel" {
+        // Older exports prefix names with `transformer.` only sometimes.
+        let tensors: HashMap<String, Tensor> = tensors
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    if k.starts_with("transformer.") || k.starts_with("lm_head") {
+                        k
+                    } else {
+                        format!("transformer.{k}")
+                    },
+                    v,
+                )
+            })
+            .collect();
+        mapping::gpt2_to_megatron(&tensors, &config)
+    } else {
+        if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
+            bail!(
+                "{}: untied model without lm_head.weight",
+                directory.display()
+            );
+        }
+        mapping::llama_to_megatron(&tensors, &config)
+    }
+    .with_context(|| directory.display().to_string())?;
+    let params_dtype = match dtype {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    };
+    Ok(ModelState {
+        weights: weights.into_iter().collect(),
+        config,
+        params_dtype: params_dtype.to_string(),
+        optimizer: None,
+        run: RunState {
+            args: json!({"hf_architecture": architecture}),
+            ..Default::default()
+        },
+        source_parallel: (1, 1),
+        source: format!("HuggingFace {architecture} {}", directory.display()),
+    })
+}
+
+fn hf_dtype_name(params_dtype: &str) -> &'static str {
+    match params_dtype {
+        "bfloat16" => "bfloat16",
+        "float16" => "float16",
+        _ => "float32",
+    }
+}
+
+/// Writes `state` as a HuggingFace model into `directory` (created), with `tokenizer_files`
+/// copied beside it.
+pub fn save_hf(
+    state: &ModelState,
+    directory: &Path,
+    tokenizer_files: &[(&Path, &str)],
+) -> Result<()> {
+    let config = &state.config;
+    let vocab = config.vocab_size;
+    let kind = super::state::kind_named(&state.params_dtype)?;
+    let (n, g, d, h) = (
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+        config.hidden_size,
+    );
+    let get = |name: &str| state.tensor(name).map(|t| t.to_kind(kind));
+    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
+    let hf_config = match (
+        config.position_embedding_type,
+        config.normalization,
+        config.activation,
+    ) {
+        (
+            PositionEmbeddingType::LearnedAbsolute,
+            Normalization::LayerNorm,
+            Activation::GeluTanh | Activation::GeluErf,
+        ) => {
+            ensure!(
+                !config.untie_embeddings_and_output_weights && config.add_bias_linear && n == g && d * n == h,
+                "{}: only GPT-2-shaped models (tied, with biases, no GQA) export as GPT2LMHeadModel",
+                state.source
+            );
+            out.insert(
+                "transformer.wte.weight".into(),
+                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
+            );
+            out.insert(
+                "transformer.wpe.weight".into(),
+                get("embedding.position_embeddings.weight")?,
+            );
+            for i in 0..config.num_layers {
+                let m = |s: &str| format!("decoder.layers.{i}.{s}");
+                let t = |s: &str| format!("transformer.h.{i}.{s}");
+                for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")]
+                {
+                    out.insert(
+                        t(&format!("{hf_norm}.weight")),
+                        get(&m(&format!("{norm}.weight")))?,
+                    );
+                    out.insert(
+                        t(&format!("{hf_norm}.bias")),
+                        get(&m(&format!("{norm}.bias")))?,
+                    );
+                }
+                let qkv = get(&m("self_attention.linear_qkv.weight"))?
+                    .view([n, 3, d, h])
+                    .permute([1, 0, 2, 3])
+                    .reshape([3 * n * d, h]);
+                out.insert(t("attn.c_attn.weight"), qkv.tr().contiguous());
+                let bias = get(&m("self_attention.linear_qkv.bias"))?
+                    .view([n, 3, d])
+                    .permute([1, 0, 2])
+                    .reshape([-1]);
+                out.insert(t("attn.c_attn.bias"), bias);
+                for (linear, hf_linear) in [
+                    ("self_attention.linear_proj", "attn.c_proj"),
+                    ("mlp.linear_fc1", "mlp.c_fc"),
+                    ("mlp.linear_fc2", "mlp.c_proj"),
+                ] {
+                    out.insert(
+                        t(&format!("{hf_linear}.weight")),
+                        get(&m(&format!("{linear}.weight")))?.tr().contiguous(),
+                    );
+                    out.insert(
+                        t(&format!("{hf_linear}.bias")),
+                        get(&m(&format!("{linear}.bias")))?,
+                    );
+                }
+            }
+            out.insert(
+                "transformer.ln_f.weight".into(),
+                get("decoder.final_layernorm.weight")?,
+            );
+            out.insert(
+                "transformer.ln_f.bias".into(),
+                get("decoder.final_layernorm.bias")?,
+            );
+            json!({
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": vocab,
+                "n_positions": config.max_position_embeddings,
+                "n_embd": h,
+                "n_layer": config.num_layers,
+                "n_head": n,
+                "n_inner": config.ffn_hidden_size,
+                "activation_function": if config.activation == Activation::GeluTanh { "gelu_new" } else { "gelu" },
+                "layer_norm_epsilon": config.norm_epsilon,
+                "initializer_range": config.init_method_std,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": true,
+                "bos_token_id": vocab - 1,
+                "eos_token_id": vocab - 1,
+                "dtype": hf_dtype_name(&state.params_dtype),
+            })
+        }
+        (PositionEmbeddingType::Rope, Normalization::RMSNorm, Activation::Swiglu) => {
+            ensure!(
+                !config.add_bias_linear && config.rotary_percent == 1.0,
+                "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
+                state.source
+            );
+            out.insert(
+                "model.embed_tokens.weight".into(),
+                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
+            );
+            let per_group = n / g;
+            for i in 0..config.num_layers {
+                let m = |s: &str| format!("decoder.layers.{i}.{s}");
+                let t = |s: &str| format!("model.layers.{i}.{s}");
+                out.insert(
+                    t("input_layernorm.weight"),
+                    get(&m("input_layernorm.weight"))?,
+                );
+                out.insert(
+                    t("post_attention_layernorm.weight"),
+                    get(&m("pre_mlp_layernorm.weight"))?,
+                );
+                let qkv =
+                    get(&m("self_attention.linear_qkv.weight"))?.view([g, (per_group + 2) * d, h]);
+                let parts = qkv.split_with_sizes([per_group * d, d, d], 1);
+                out.insert(t("self_attn.q_proj.weight"), parts[0].reshape([n * d, h]));
+                out.insert(t("self_attn.k_proj.weight"), parts[1].reshape([g * d, h]));
+                out.insert(t("self_attn.v_proj.weight"), parts[2].reshape([g * d, h]));
+                if config.add_qkv_bias {
+                    let bias =
+                        get(&m("self_attention.linear_qkv.bias"))?.view([g, (per_group + 2) * d]);
+                    let parts = bias.split_with_sizes([per_group * d, d, d], 1);
+                    out.insert(t("self_attn.q_proj.bias"), parts[0].reshape([-1]));
+                    out.insert(t("self_attn.k_proj.bias"), parts[1].reshape([-1]));
+                    out.insert(t("self_attn.v_proj.bias"), parts[2].reshape([-1]));
+                }
+                out.insert(
+                    t("self_attn.o_proj.weight"),
+                    get(&m("self_attention.linear_proj.weight"))?,
+                );
+                let fc1 = get(&m("mlp.linear_fc1.weight"))?.chunk(2, 0);
+                out.insert(t("mlp.gate_proj.weight"), fc1[0].shallow_clone());
+                out.insert(t("mlp.up_proj.weight"), fc1[1].shallow_clone());
+                out.insert(t("mlp.down_proj.weight"), get(&m("mlp.linear_fc2.weight"))?);
+            }
+            out.insert(
+                "model.norm.weight".into(),
+                get("decoder.final_layernorm.weight")?,
+            );
+            let tied = !config.untie_embeddings_and_output_weights;
+            if !tied {
+                out.insert(
+                    "lm_head.weight".into(),
+                    get("output_layer.weight")?.narrow(0, 0, vocab),
+                );
+            }
+            let (architecture, model_type) = if config.add_qkv_bias {
+                ("Qwen2ForCausalLM", "qwen2")
+            } else {
+                ("LlamaForCausalLM", "llama")
+            };
+            let mut hf = json!({
+                "architectures": [architecture],
+                "model_type": model_type,
+                "vocab_size": vocab,
+                "hidden_size": h,
+                "intermediate_size": config.ffn_hidden_size,
+                "num_hidden_layers": config.num_layers,
+                "num_attention_heads": n,
+                "num_key_value_heads": g,
+                "head_dim": d,
+                "max_position_embeddings": config.max_position_embeddings,
+                "rms_norm_eps": config.norm_epsilon,
+                "rope_theta": config.rotary_base,
+                "rope_parameters": {"rope_theta": config.rotary_base, "rope_type": "default"},
+                "hidden_act": "silu",
+                "initializer_range": config.init_method_std,
+                "tie_word_embeddings": tied,
+                "attention_dropout": 0.0,
+                "dtype": hf_dtype_name(&state.params_dtype),
+            });
+            if model_type == "llama" {
+                hf["attention_bias"] = json!(false);
+                hf["mlp_bias"] = json!(false);
+            }
+            hf
+        }
+        _ => bail!(
+            "{}: no HuggingFace architecture matches this model ({:?} positions, {:?}, {:?})",
+            state.source,
+            config.position_embedding_type,
+            config.normalization,
+            config.activation
+        ),
+    };
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("creating {}", directory.display()))?;
+    let tensors: Vec<(String, Tensor)> =
+        out.into_iter().map(|(k, v)| (k, v.contiguous())).collect();
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_tensors(&directory.join("model.safetensors"), &tensors, metadata)?;
+    std::fs::write(
+        directory.join("config.json"),
+        serde_json::to_string_pretty(&hf_config)?,
+    )?;
+    for (source, name) in tokenizer_files {
+        std::fs::copy(source, directory.join(name)).with_context(|| {
+            format!("copying {} into {}", source.display(), directory.display())
+        })?;
+    }
+    // AutoTokenizer needs to know which class reads the copied files.
+    let class = if tokenizer_files
+        .iter()
+        .any(|(_, name)| *name == "tokenizer.json")
+    {
+        Some("PreTrainedTokenizerFast")
+    } else if tokenizer_files
+        .iter()
+        .any(|(_, name)| *name == "vocab.json")
+    {
+        Some("GPT2Tokenizer")
+    } else {
+        None
+    };
+    if let Some(class) = class {
+        let mut tokenizer_config =
+            json!({"tokenizer_class": class, "model_max_length": config.max_position_embeddings});
+        if class == "GPT2Tokenizer" {
+            for key in ["bos_token", "eos_token", "unk_token"] {
+                tokenizer_config[key] = json!("<|endoftext|>");
+            }
+        }
+        std::fs::write(
+            directory.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tokenizer_config)?,
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,324 @@
+//! Writing Megatron's `--ckpt-format torch` checkpoints (`--saver core`/`legacy`): per rank
+//! `mp_rank_XX[_YYY]/model_optim_rng.pt` with Megatron-core names in Megatron's module order
+//! (local-spec `_extra_state` entries included, as Megatron's strict `load_state_dict` expects),
+//! `args` as an `argparse.Namespace`, `checkpoint_version` 3.0, `iteration` and the scheduler.
+//! Weights only: Megatron loads it with `--no-load-optim --no-load-rng` (or `--finetune`).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
+use megatron_checkpoint::{DType, Value};
+use serde_json::Value as Json;
+use tch::Tensor;
+
+use super::ours::TargetLayout;
+use super::state::{kind_named, ModelState};
+use crate::checkpoint::{
+    iteration_directory, rank_directory_name, split_for_tensor_parallel, write_tracker,
+};
+use crate::model::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
+
+fn json_to_value(json: &Json) -> Option<Value> {
+    Some(match json {
+        Json::Null => Value::None,
+        Json::Bool(b) => Value::Bool(*b),
+        Json::Number(n) => match n.as_i64() {
+            Some(i) => Value::Int(i),
+            None => Value::Float(n.as_f64()?),
+        },
+        // Megatron's enums were read as opaque values; Megatron fills them from its own flags.
+        Json::String(s) if s.starts_with("megatron.") && s.contains('(') => return None,
+        Json::String(s) => Value::Str(s.clone()),
+        Json::Array(items) => Value::List(items.iter().filter_map(json_to_value).collect()),
+        Json::Object(map) => Value::Dict(
+            map.iter()
+                .filter_map(|(k, v)| Some((Value::Str(k.clone()), json_to_value(v)?)))
+                .collect(),
+        ),
+    })
+}
+
+/// The args namespace: the source run's flags with the architecture and layout of the output.
+fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Saved)> {
+    let config = &state.config;
+    let mut args: Vec<(String, Value)> = state
+        .run
+        .args
+        .as_object()
+        .map(|map| {
+            map.iter()
+                .filter_map(|(k, v)| Some((k.clone(), json_to_value(v)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let dtype = state.params_dtype.as_str();
+    let vp = (target.virtual_stages > 1).then_some(target.virtual_stages as i64);
+    let overrides: Vec<(&str, Value)> = vec![
+        ("num_layers", Value::Int(config.num_layers as i64)),
+        ("hidden_size", Value::Int(config.hidden_size)),
+        ("ffn_hidden_size", Value::Int(config.ffn_hidden_size)),
+        (
+            "num_attention_heads",
+            Value::Int(config.num_attention_heads),
+        ),
+        (
+            "group_query_attention",
+            Value::Bool(config.num_query_groups != config.num_attention_heads),
+        ),
+        ("num_query_groups", Value::Int(config.num_query_groups)),
+        ("kv_channels", Value::Int(config.kv_channels)),
+        (
+            "max_position_embeddings",
+            Value::Int(config.max_position_embeddings),
+        ),
+        (
+            "padded_vocab_size",
+            Value::Int(config.padded_vocab_size(target.tensor as i64)),
+        ),
+        (
+            "make_vocab_size_divisible_by",
+            Value::Int(config.make_vocab_size_divisible_by),
+        ),
+        (
+            "position_embedding_type",
+            Value::Str(
+                match config.position_embedding_type {
+                    PositionEmbeddingType::LearnedAbsolute => "learned_absolute",
+                    PositionEmbeddingType::Rope => "rope",
+                    PositionEmbeddingType::None => "none",
+                }
+                .into(),
+            ),
+        ),
+        ("rotary_base", Value::Int(config.rotary_base as i64)),
+        ("rotary_percent", Value::Float(config.rotary_percent)),
+        (
+            "normalization",
+            Value::Str(
+                match config.normalization {
+                    Normalization::LayerNorm => "LayerNorm",
+                    Normalization::RMSNorm => "RMSNorm",
+                }
+                .into(),
+            ),
+        ),
+        ("norm_epsilon", Value::Float(config.norm_epsilon)),
+        ("apply_layernorm_1p", Value::Bool(config.apply_layernorm_1p)),
+        (
+            "swiglu",
+            Value::Bool(config.activation == Activation::Swiglu),
+        ),
+        (
+            "squared_relu",
+            Value::Bool(config.activation == Activation::SquaredRelu),
+        ),
+        ("add_bias_linear", Value::Bool(config.add_bias_linear)),
+        ("add_qkv_bias", Value::Bool(config.add_qkv_bias)),
+        (
+            "untie_embeddings_and_output_weights",
+            Value::Bool(config.untie_embeddings_and_output_weights),
+        ),
+        (
+            "tensor_model_parallel_size",
+            Value::Int(target.tensor as i64),
+        ),
+        (
+            "pipeline_model_parallel_size",
+            Value::Int(target.pipeline as i64),
+        ),
+        (
+            "virtual_pipeline_model_parallel_size",
+            vp.map_or(Value::None, Value::Int),
+        ),
+        (
+            "params_dtype",
+            Value::Global {
+                module: "torch".into(),
+                name: dtype.into(),
+            },
+        ),
+        ("bf16", Value::Bool(dtype == "bfloat16")),
+        ("fp16", Value::Bool(dtype == "float16")),
+        ("iteration", Value::Int(state.run.iteration as i64)),
+        (
+            "consumed_train_samples",
+            Value::Int(state.run.consumed_train_samples as i64),
+        ),
+        (
+            "consumed_valid_samples",
+            Value::Int(state.run.consumed_valid_samples as i64),
+        ),
+    ];
+    for (key, value) in overrides {
+        match args.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = value,
+            None => args.push((key.to_string(), value)),
+        }
+    }
+    args.into_iter()
+        .map(|(k, v)| (k, Saved::Value(v)))
+        .collect()
+}
+
+/// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`
+/// as the global name for an `_extra_state` entry.
+fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<String>)> {
+    let config = &state.config;
+    let has = |name: &str| state.weights.contains_key(name);
+    let mut out = Vec::new();
+    let mut push = |local: String, global: Option<String>| out.push((local, global));
+    if spec.pre_process {
+        for name in [
+            "embedding.word_embeddings.weight",
+            "embedding.position_embeddings.weight",
+        ] {
+            if has(name) {
+                push(name.into(), Some(name.into()));
+            }
+        }
+    }
+    for (local, global) in spec.layers.clone().enumerate() {
+        let module_order: [(&str, bool); 6] = [
+            ("input_layernorm", false),
+            ("self_attention.linear_proj", true),
+            ("self_attention.linear_qkv", true),
+            ("pre_mlp_layernorm", false),
+            ("mlp.linear_fc1", true),
+            ("mlp.linear_fc2", true),
+        ];
+        for (module, linear) in module_order {
+            for parameter in ["weight", "bias"] {
+                let name = format!("decoder.layers.{global}.{module}.{parameter}");
+                if has(&name) {
+                    push(
+                        format!("decoder.layers.{local}.{module}.{parameter}"),
+                        Some(name),
+                    );
+                }
+            }
+            if linear {
+                push(
+                    format!("decoder.layers.{local}.{module}._extra_state"),
+                    None,
+                );
+            }
+        }
+    }
+    if spec.post_process {
+        for parameter in ["weight", "bias"] {
+            let name = format!("decoder.final_layernorm.{parameter}");
+            if has(&name) {
+                push(name.clone(), Some(name));
+            }
+        }
+        if config.untie_embeddings_and_output_weights {
+            push(
+                "output_layer.weight".into(),
+                Some("output_layer.weight".into()),
+            );
+        } else if !spec.pre_process {
+            push(
+                "output_layer.weight".into(),
+                Some("embedding.word_embeddings.weight".into()),
+            );
+        }
+        push("output_layer._extra_state".into(), None);
+    }
+    out
+}
+
+/// Writes `state` in Megatron's torch format under `root` in `target`'s layout.
+pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
+    let config = &state.config;
+    config.validate(target.tensor as i64)?;
+    let split = PipelineSplit {
+        num_layers: config.num_layers,
+        stages: target.pipeline,
+        chunks: target.virtual_stages,
+        first_stage_layers: None,
+        last_stage_layers: None,
+    };
+    let kind = kind_named(&state.params_dtype)?;
+    let dtype = DType::from_torch_name(&state.params_dtype).context("params dtype")?;
+    let iteration = state.run.iteration;
+    let directory = iteration_directory(root, iteration);
+    let weights: HashMap<String, Tensor> = state
+        .weights
+        .iter()
+        .map(|(k, v)| (k.clone(), v.shallow_clone()))
+        .collect();
+    let args = args_namespace(state, target);
+    for t in 0..target.tensor {
+        let shard = split_for_tensor_parallel(&weights, config, t, target.tensor);
+        for stage in 0..target.pipeline {
+            let chunks = split.chunks_of(stage)?;
+            let mut slots = Vec::new();
+            let mut sources = Vec::new();
+            let mut root_entries = vec![
+                ("args".to_string(), Saved::Namespace(args.clone())),
+                (
+                    "checkpoint_version".to_string(),
+                    Saved::Value(Value::Float(3.0)),
+                ),
+                (
+                    "iteration".to_string(),
+                    Saved::Value(Value::Int(iteration as i64)),
+                ),
+            ];
+            for (c, spec) in chunks.iter().enumerate() {
+                let mut model = Vec::new();
+                for (local, global) in chunk_entries(state, spec) {
+                    match global {
+                        None => model.push((local, Saved::Value(Value::None))),
+                        Some(global) => {
+                            let tensor = shard
+                                .get(&global)
+                                .with_context(|| format!("{}: no tensor {global}", state.source))?;
+                            slots.push(TensorSlot {
+                                dtype,
+                                shape: tensor.size().iter().map(|&d| d as usize).collect(),
+                            });
+                            sources.push(tensor.shallow_clone());
+                            model.push((local, Saved::Tensor(slots.len() - 1)));
+                        }
+                    }
+                }
+                let key = if chunks.len() == 1 {
+                    "model".to_string()
+                } else {
+                    format!("model{c}")
+                };
+                root_entries.push((key, Saved::OrderedDict(model)));
+            }
+            if let Some(scheduler) = state
+                .run
+                .opt_param_scheduler
+                .as_ref()
+                .and_then(json_to_value)
+            {
+                root_entries.push(("opt_param_scheduler".into(), Saved::Value(scheduler)));
+            }
+            root_entries.push((
+                "num_floating_point_operations_so_far".into(),
+                Saved::Value(Value::Float(state.run.num_floating_point_operations_so_far)),
+            ));
+            let rank_dir = directory.join(rank_directory_name(t, stage, target.pipeline));
+            std::fs::create_dir_all(&rank_dir)
+                .with_context(|| format!("creating {}", rank_dir.display()))?;
+            write_torch_file(
+                &rank_dir.join("model_optim_rng.pt"),
+                &Saved::Dict(root_entries),
+                &slots,
+                |i| {
+                    let tensor = sources[i].to_kind(kind).contiguous();
+                    let mut bytes = vec![0u8; tensor.numel() * tensor.kind().elt_size_in_bytes()];
+                    tensor.copy_data_u8(&mut bytes, tensor.numel());
+                    Ok(bytes)
+                },
+            )?;
+        }
+    }
+    write_tracker(root, iteration)
+}

@@ -1,0 +1,64 @@
+"""HuggingFace reference for checkpoint_convert's tests.
+
+    hf_reference.py make gpt2|llama|qwen2 DIR [--bin]   a tiny random model, save_pretrained(DIR)
+    hf_reference.py logits DIR IDS                       from_pretrained(DIR) logits for IDS ("1,2,3;4,5,6")
+
+`logits` prints JSON: {"missing": [...], "unexpected": [...], "logits": [[[...]]], "tokenizer": class or null}.
+Everything in float32 on the CPU.
+"""
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+
+def make(kind, directory, as_bin):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=96,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                          tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=96,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+    # Random norms and biases too, so a dropped or misplaced one shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "norm" in name or "ln_" in name else 0.0, 0.1)
+    model.save_pretrained(directory, safe_serialization=not as_bin)
+
+
+def logits(directory, ids):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True,
+                                                                    dtype=torch.float32)
+    model.eval()
+    tokens = torch.tensor([[int(t) for t in row.split(",")] for row in ids.split(";")])
+    with torch.no_grad():
+        out = model(tokens).logits
+    tokenizer = None
+    if any(os.path.exists(os.path.join(directory, f)) for f in ("vocab.json", "tokenizer.json")):
+        tokenizer = type(transformers.AutoTokenizer.from_pretrained(directory)).__name__
+    json.dump({"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+               "logits": out.tolist(), "tokenizer": tokenizer}, sys.stdout)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make":
+        make(sys.argv[2], sys.argv[3], "--bin" in sys.argv[4:])
+    else:
+        logits(sys.argv[2], sys.argv[3])

@@ -1,0 +1,575 @@
+//! `checkpoint_convert` as a user runs it: Megatron's convert.py flags on Megatron's own
+//! checkpoints (../shared/golden/megatron_checkpoints), `inspect`, `pretrain_gpt --load`
+//! continuing Megatron's run with its optimizer, and bad inputs that name the file and the
+//! tensor and leave no output directory.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use megatron_e2e::{bin, run_ok, shared_dir};
+
+fn golden(name: &str) -> PathBuf {
+    shared_dir().join("golden/megatron_checkpoints").join(name)
+}
+
+fn convert(load: &Path, save: &Path, extra: &[&str]) -> Command {
+    let mut command = bin("checkpoint_convert");
+    command
+        .args([
+            "--model-type",
+            "GPT",
+            "--loader",
+            "core",
+            "--saver",
+            "megatron-rs",
+        ])
+        .arg("--load-dir")
+        .arg(load)
+        .arg("--save-dir")
+        .arg(save)
+        .args([
+            "--megatron-path",
+            "/nonexistent/Megatron-LM",
+            "--max-queue-size",
+            "50",
+        ])
+        .args(extra);
+    command
+}
+
+fn stderr_of(command: &mut Command) -> String {
+    let out = command.output().unwrap();
+    assert!(!out.status.success(), "{command:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Leaves `dir` holding no converted output and no temporary directory.
+fn assert_nothing_left(parent: &Path) {
+    let left: Vec<_> = std::fs::read_dir(parent)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("out"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn inspect_lists_every_golden() {
+    for (name, format, tensor) in [
+        (
+            "gpt_torch",
+            "Megatron torch",
+            "model/decoder.layers.1.mlp.linear_fc2.weight  bfloat16  [64, 256]",
+        ),
+        (
+            "llama_torch",
+            "Megatron torch",
+            "model/output_layer.weight  bfloat16  [8320, 64]",
+        ),
+        (
+            "gpt_torch_dist",
+            "Megatron torch_dist",
+            "decoder.layers.mlp.linear_fc1.weight  bfloat16  [2, 256, 64]",
+        ),
+    ] {
+        let out = run_ok(bin("checkpoint_convert").arg("inspect").arg(golden(name)));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("format: {format}")),
+            "{name}:\n{text}"
+        );
+        assert!(text.contains(tensor), "{name}: no {tensor}:\n{text}");
+        assert!(text.contains("checkpoint_version: 3.0"), "{name}:\n{text}");
+        assert!(text.contains("\"num_layers\":2"), "{name}: args:\n{text}");
+    }
+}
+
+/// Megatron's pretrain_gpt.py flags of the golden run (its README), on our CPU.
+fn golden_run_flags() -> Vec<&'static str> {
+    vec![
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "8192",
+        "--bf16",
+        "--no-bias-gelu-fusion",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+        "--seed",
+        "1234",
+        "--device",
+        "cpu",
+    ]
+}
+
+#[test]
+fn pretrain_gpt_continues_megatrons_run_with_its_optimizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let ours = dir.path().join("ours");
+    let out = run_ok(&mut convert(&golden("gpt_torch"), &ours, &["--verify"]));
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        summary.contains("28 tensors with optimizer state"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("verify: max |Δ logits| = 0e0"),
+        "{summary}"
+    );
+    let metrics = dir.path().join("metrics.jsonl");
+    let out = run_ok(
+        bin("pretrain_gpt")
+            .args(golden_run_flags())
+            .args(["--train-iters", "5", "--override-opt_param-scheduler"])
+            .arg("--load")
+            .arg(&ours)
+            .arg("--metrics-file")
+            .arg(&metrics),
+    );
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        log.contains("5 iterations") || log.contains("iteration        5/"),
+        "{log}"
+    );
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| r.get("lm loss").is_some())
+        .collect();
+    let iterations: Vec<u64> = records
+        .iter()
+        .map(|r| r["iteration"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        iterations,
+        vec![4, 5],
+        "training resumed after Megatron's iteration 3"
+    );
+    for record in &records {
+        let loss = record["lm loss"].as_f64().unwrap();
+        // Megatron logged 9.03 at iteration 3 (ln 8193 = 9.01 is a uniform guess).
+        assert!((8.5..9.5).contains(&loss), "{record}");
+    }
+}
+
+#[test]
+fn llama_and_torch_dist_goldens_convert_to_other_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, layout) in [
+        ("llama_torch", ["--target-tensor-parallel-size", "2"]),
+        ("gpt_torch_dist", ["--target-pipeline-parallel-size", "2"]),
+    ] {
+        let ours = dir.path().join(name);
+        let out = run_ok(&mut convert(
+            &golden(name),
+            &ours,
+            &[layout[0], layout[1], "--verify"],
+        ));
+        let summary = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            summary.contains("verify: max |Δ logits| = 0e0"),
+            "{name}: {summary}"
+        );
+        let inspected = run_ok(bin("checkpoint_convert").arg("inspect").arg(&ours));
+        let text = String::from_utf8_lossy(&inspected.stdout);
+        assert!(text.contains("format: megatron-rs"), "{text}");
+    }
+}
+
+#[test]
+fn bad_inputs_name_the_file_and_leave_no_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // A truncated rank file.
+    let broken = dir.path().join("truncated/iter_0000003/mp_rank_00");
+    std::fs::create_dir_all(&broken).unwrap();
+    let bytes = std::fs::read(golden(
+        "gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt",
+    ))
+    .unwrap();
+    std::fs::write(
+        broken.join("model_optim_rng.pt"),
+        &bytes[..bytes.len() * 2 / 3],
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path()
+            .join("truncated/latest_checkpointed_iteration.txt"),
+        "3",
+    )
+    .unwrap();
+    let error = stderr_of(&mut convert(&dir.path().join("truncated"), &out, &[]));
+    assert!(error.contains("mp_rank_00/model_optim_rng.pt"), "{error}");
+    assert_nothing_left(dir.path());
+    // A missing shard of a TP=2 PP=2 layout.
+    let sharded = dir.path().join("sharded/iter_0000003");
+    for rank in ["mp_rank_00_000", "mp_rank_01_001"] {
+        std::fs::create_dir_all(sharded.join(rank)).unwrap();
+        std::fs::write(sharded.join(rank).join("model_optim_rng.pt"), &bytes).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("sharded/latest_checkpointed_iteration.txt"),
+        "3",
+    )
+    .unwrap();
+    let error = stderr_of(&mut convert(&dir.path().join("sharded"), &out, &[]));
+    assert!(error.contains("missing shard mp_rank_00_001"), "{error}");
+    assert_nothing_left(dir.path());
+    // A vocabulary that disagrees with --true-vocab-size.
+    let vocab = dir.path().join("vocab.json");
+    std::fs::write(&vocab, r#"{"a": 0, "b": 1}"#).unwrap();
+    let error = stderr_of(&mut convert(
+        &golden("gpt_torch"),
+        &out,
+        &[
+            "--true-vocab-size",
+            "8193",
+            "--vocab-file",
+            vocab.to_str().unwrap(),
+        ],
+    ));
+    assert!(
+        error.contains("--true-vocab-size 8193 disagrees with --vocab-file"),
+        "{error}"
+    );
+    let error = stderr_of(&mut convert(
+        &golden("gpt_torch"),
+        &out,
+        &["--true-vocab-size", "9000"],
+    ));
+    assert!(error.contains("9000") && error.contains("8320"), "{error}");
+    assert_nothing_left(dir.path());
+    // A tensor whose shape disagrees with the architecture (a HuggingFace config that lies).
+    let lying = dir.path().join("lying");
+    std::fs::create_dir_all(&lying).unwrap();
+    let ours = dir.path().join("llama_ours");
+    run_ok(&mut convert(&golden("llama_torch"), &ours, &[]));
+    run_ok(
+        bin("checkpoint_convert")
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "megatron-rs",
+                "--saver",
+                "hf",
+                "--load-dir",
+            ])
+            .arg(&ours)
+            .arg("--save-dir")
+            .arg(&lying),
+    );
+    let config_path = lying.join("config.json");
+    let config = std::fs::read_to_string(&config_path)
+        .unwrap()
+        .replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    std::fs::write(&config_path, config).unwrap();
+    let error = stderr_of(
+        bin("checkpoint_convert")
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "hf",
+                "--saver",
+                "megatron-rs",
+                "--load-dir",
+            ])
+            .arg(&lying)
+            .arg("--save-dir")
+            .arg(&out),
+    );
+    assert!(
+        error.contains("decoder.layers.0.mlp.linear_fc1.weight") && error.contains("[256, 64]"),
+        "{error}"
+    );
+    assert_nothing_left(dir.path());
+    // An unknown HuggingFace architecture.
+    let hf = dir.path().join("falcon");
+    std::fs::create_dir_all(&hf).unwrap();
+    std::fs::write(
+        hf.join("config.json"),
+        r#"{"architectures": ["FalconForCausalLM"]}"#,
+    )
+    .unwrap();
+    let error = stderr_of(
+        bin("checkpoint_convert")
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "hf",
+                "--saver",
+                "megatron-rs",
+                "--load-dir",
+            ])
+            .arg(&hf)
+            .arg("--save-dir")
+            .arg(&out),
+    );
+    assert!(
+        error.contains("FalconForCausalLM") && error.contains("config.json"),
+        "{error}"
+    );
+    assert_nothing_left(dir.path());
+}
+
+/// pretrain_gpt on mock data, float32, without dropout: losses comparable across layouts.
+fn small_run(extra: &[&str]) -> Command {
+    let mut command = bin("pretrain_gpt");
+    command
+        .args([
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--max-position-embeddings",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--lr",
+            "1e-3",
+            "--train-iters",
+            "4",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1000",
+            "--log-interval",
+            "1",
+            "--eval-iters",
+            "0",
+            "--device",
+            "cpu",
+            "--distributed-backend",
+            "gloo",
+        ])
+        .args(extra);
+    command
+}
+
+/// Runs `command` as both ranks of a two-process job (torchrun's variables).
+fn two_ranks(make: impl Fn() -> Command) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            make()
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+fn lm_losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((r["iteration"].as_u64()?, r.get("lm loss")?.as_f64()?))
+        })
+        .collect()
+}
+
+#[test]
+fn training_resumed_after_a_reshape_matches_the_unreshaped_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let tp2 = dir.path().join("tp2");
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    // TP=2 run saved at iteration 2, then continued in the same layout.
+    two_ranks(|| {
+        let mut c = small_run(&[
+            "--tensor-model-parallel-size",
+            "2",
+            "--save-interval",
+            "2",
+            "--exit-interval",
+            "2",
+        ]);
+        c.args(["--save", &path(&tp2)]);
+        c
+    });
+    let continued = dir.path().join("continued.jsonl");
+    two_ranks(|| {
+        let mut c = small_run(&["--tensor-model-parallel-size", "2"]);
+        c.args(["--load", &path(&tp2), "--metrics-file", &path(&continued)]);
+        c
+    });
+    // The same checkpoint reshaped to TP=1, continued by one process.
+    let tp1 = dir.path().join("tp1");
+    run_ok(
+        bin("checkpoint_convert")
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "megatron-rs",
+                "--saver",
+                "megatron-rs",
+            ])
+            .args([
+                "--target-tensor-parallel-size",
+                "1",
+                "--load-dir",
+                &path(&tp2),
+                "--save-dir",
+                &path(&tp1),
+            ]),
+    );
+    let reshaped = dir.path().join("reshaped.jsonl");
+    run_ok(
+        small_run(&["--load", &path(&tp1), "--metrics-file", &path(&reshaped)])
+            .env_remove("WORLD_SIZE"),
+    );
+    let (expected, got) = (lm_losses(&continued), lm_losses(&reshaped));
+    assert_eq!(
+        expected.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![3, 4],
+        "{expected:?}"
+    );
+    assert_eq!(
+        got.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![3, 4],
+        "{got:?}"
+    );
+    for ((_, a), (_, b)) in expected.iter().zip(&got) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "losses after the reshape {got:?}, without it {expected:?}"
+        );
+    }
+}
+
+fn torch_reference(path: &Path) -> serde_json::Value {
+    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| megatron_e2e::workspace_root().join(".venv/bin/python"));
+    let out = run_ok(
+        Command::new(python)
+            .arg(megatron_e2e::workspace_root().join("scripts/torch_checkpoint_reference.py"))
+            .arg(path),
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn megatron_torch_format_output_loads_with_torch_like_the_golden() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("for_megatron");
+    let run = run_ok(&mut {
+        let mut c = bin("checkpoint_convert");
+        c.args([
+            "--model-type",
+            "GPT",
+            "--loader",
+            "core",
+            "--saver",
+            "core",
+            "--verify",
+            "--load-dir",
+        ])
+        .arg(golden("gpt_torch"))
+        .arg("--save-dir")
+        .arg(&out);
+        c
+    });
+    let summary = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        summary.contains("verify: max |Δ logits| = 0e0"),
+        "{summary}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "3"
+    );
+    let ours = torch_reference(&out.join("iter_0000003/mp_rank_00/model_optim_rng.pt"));
+    let theirs = torch_reference(&golden(
+        "gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt",
+    ));
+    // The same model entries with the same dtypes, shapes and bytes, as torch.load reads them.
+    let model = |reference: &serde_json::Value| -> Vec<(String, serde_json::Value)> {
+        reference["tensors"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.starts_with("model/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    assert_eq!(model(&ours), model(&theirs));
+    assert_eq!(ours["scalars"]["checkpoint_version"], 3.0);
+    assert_eq!(ours["scalars"]["iteration"], 3);
+    for key in [
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "padded_vocab_size",
+        "seq_length",
+        "tokenizer_type",
+        "tensor_model_parallel_size",
+    ] {
+        assert_eq!(ours["args"][key], theirs["args"][key], "args.{key}");
+    }
+    // Every key in Megatron's order, `_extra_state` entries included, as its strict
+    // load_state_dict expects them.
+    assert_eq!(ours["model_keys"], theirs["model_keys"]);
+    let inspected = run_ok(bin("checkpoint_convert").arg("inspect").arg(&out));
+    let text = String::from_utf8_lossy(&inspected.stdout);
+    assert!(text.contains("format: Megatron torch"), "{text}");
+}
