@@ -7,6 +7,7 @@ mod datasets;
 mod device;
 pub mod flops;
 pub mod log_line;
+pub mod loss_spikes;
 pub mod loss_scale;
 pub mod lr_schedule;
 pub mod microbatches;

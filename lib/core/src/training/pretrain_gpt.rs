@@ -17,6 +17,7 @@ use super::device::peak_tflops_of;
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
 use super::loss_scale::{LossScaleFlags, LossScaler};
+use super::loss_spikes::LossSpikeTracker;
 use super::lr_schedule::{
     LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy,
     WdIncrStyle, WsdDecayStyle,
@@ -78,6 +79,7 @@ struct Run<'a> {
     metrics: Option<TrainingMetrics>,
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
+    spikes: LossSpikeTracker,
 }
 
 pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<TrainingSummary> {
@@ -284,6 +286,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
         metrics,
         args_json: serde_json::to_value(args)?,
         last_checkpoint: None,
+        spikes: LossSpikeTracker::default(),
     };
     if let (Some(found), Some(request)) = (loaded, &load_request) {
         let state = TrainingState {
@@ -302,6 +305,7 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
                     directory.display(),
                     progress.iteration
                 ));
+                run.spikes.record_loaded(&directory);
                 run.progress = progress;
             }
             Resumed::Weights { directory } => run.print_rank0(&format!(
@@ -617,6 +621,9 @@ impl Run<'_> {
         forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
         let lm_loss = stage.totals.reduce(&self.parallel)?;
         let fp16 = self.args.precision.fp16;
+        if !fp16 || lm_loss.is_finite() {
+            self.spikes.record_loss(self.progress.iteration + 1, lm_loss);
+        }
         if !fp16 && !lm_loss.is_finite() {
             bail!(self.nan_message("loss", lm_loss));
         }
@@ -641,13 +648,7 @@ impl Run<'_> {
     }
 
     fn nan_message(&self, what: &str, value: f64) -> String {
-        let kept = match &self.last_checkpoint {
-            Some(dir) => format!("the last good checkpoint is {}", dir.display()),
-            None => match &self.args.checkpoint.load {
-                Some(load) => format!("checkpoints under {} are untouched", load.display()),
-                None => "no checkpoint was written".to_string(),
-            },
-        };
+        let kept = self.spikes.advice();
         format!(
             "{what} is {value} at iteration {}; stopping ({kept})",
             self.progress.iteration + 1
@@ -793,6 +794,7 @@ impl Run<'_> {
             root.display(),
             started.elapsed().as_secs_f64() * 1000.0
         ));
+        self.spikes.record_save(self.progress.iteration, &directory);
         self.last_checkpoint = Some(directory);
         Ok(())
     }
