@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv --system-site-packages .venv \
     || { echo "test: error: python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 fi
-if ! .venv/bin/python -c 'import tensorboard, numpy' 2>/dev/null; then
+if ! .venv/bin/python -c 'import tensorboard, numpy, sentencepiece, tiktoken' 2>/dev/null; then
   echo "test: installing scripts/test-requirements.txt into .venv" >&2
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt \
     || { echo "test: error: pip could not install scripts/test-requirements.txt into .venv" >&2; exit 1; }
