@@ -348,7 +348,10 @@ impl SentencePieceModel {
     }
 
     /// The unigram model's best segmentation: the highest total score, with an unknown
-    /// character scored below every piece.
+    /// character scored below every piece. As in SentencePiece's optimized Viterbi, the best
+    /// total ending at each position is kept in single precision while a piece's candidate is
+    /// summed and compared in double; on long texts the rounding decides near-ties, and a few
+    /// of those (4 ids in 194,862 on the test corpora) still come out the other way.
     fn viterbi<'t>(&self, text: &'t str) -> Vec<&'t str> {
         let starts: Vec<usize> = text
             .char_indices()
@@ -369,9 +372,9 @@ impl SentencePieceModel {
             for end in start + 1..=(start + self.longest).min(n) {
                 if let Some((_, score)) = self.matchable(&text[starts[start]..starts[end]]) {
                     single |= end == start + 1;
-                    let candidate = base + score;
-                    if candidate > best[end].0 {
-                        best[end] = (candidate, start);
+                    let candidate = f64::from(base) + f64::from(score);
+                    if candidate > f64::from(best[end].0) {
+                        best[end] = (candidate as f32, start);
                     }
                 }
             }
