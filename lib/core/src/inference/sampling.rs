@@ -68,9 +68,11 @@ pub fn sample(logits: &Tensor, sampling: &Sampling) -> Result<Tensor> {
         return Ok(logits.argmax(-1, false));
     }
     let mut logits = if sampling.temperature != 1.0 {
-        // Scaling the distance to the largest logit gives the same distribution, and a tiny
-        // temperature (1e-300) then tends to greedy instead of overflowing to inf - inf = NaN.
-        (logits - logits.amax([-1i64].as_slice(), true)) / sampling.temperature
+        // Scaling the distance to the largest logit gives the same distribution. A tiny
+        // temperature (1e-300 is 0 in single precision) sends the others to -inf; the largest
+        // stays 0 instead of 0 / 0 = NaN, so sampling tends to greedy.
+        let shifted = logits - logits.amax([-1i64].as_slice(), true);
+        (&shifted / sampling.temperature).masked_fill(&shifted.eq(0.0), 0.0)
     } else {
         logits.shallow_clone()
     };
