@@ -45,7 +45,14 @@ fn generate(checkpoint: &Path, extra: &[&str]) -> Output {
         .arg("--load")
         .arg(checkpoint)
         .args(tokenizer_flags())
-        .args(["--prompt", "The data", "--out-seq-length", "4", "--device", "cpu"])
+        .args([
+            "--prompt",
+            "The data",
+            "--out-seq-length",
+            "4",
+            "--device",
+            "cpu",
+        ])
         .args(extra)
         .output()
         .unwrap()
@@ -106,10 +113,9 @@ fn corrupted_bytes_and_nan_weights_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     run_ok(&mut pretrain(&["--save", path_str(&ckpt)]));
-    let metadata: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(ckpt.join("iter_0000002/metadata.json")).unwrap(),
-    )
-    .unwrap();
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt.join("iter_0000002/metadata.json")).unwrap())
+            .unwrap();
     assert!(
         metadata["checksums"]["mp_rank_00/model.safetensors"]
             .as_str()
@@ -173,14 +179,22 @@ fn a_diverging_run_names_the_last_checkpoint_saved_before_the_loss_spiked() {
     let spike: u64 = stderr
         .split("left its recent range at iteration ")
         .nth(1)
-        .or_else(|| stderr.split("the loss was ").nth(1).and_then(|r| r.split(" at iteration ").nth(1)))
+        .or_else(|| {
+            stderr
+                .split("the loss was ")
+                .nth(1)
+                .and_then(|r| r.split(" at iteration ").nth(1))
+        })
         .and_then(|rest| rest.split([' ', ';']).next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no spike named in {stderr}"));
     assert!(spike <= stopped_at, "{stderr}");
     // Checkpoint k holds the weights the loss of iteration k + 1 measured: only those before
     // the spike's weights can be trusted.
-    match stderr.split("the last checkpoint saved before that is ").nth(1) {
+    match stderr
+        .split("the last checkpoint saved before that is ")
+        .nth(1)
+    {
         Some(rest) => {
             let named = PathBuf::from(rest.split(", resume").next().unwrap());
             let iteration: u64 = named

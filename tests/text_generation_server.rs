@@ -526,10 +526,7 @@ fn hostile_requests_are_refused_with_a_message() {
             r#"{"prompts":["a"],"tokens_to_generate":1e30}"#,
             "tokens_to_generate must be an integer greater than 0",
         ),
-        (
-            r#"{"prompts":["a"],"temperature":1e309}"#,
-            "malformed JSON",
-        ),
+        (r#"{"prompts":["a"],"temperature":1e309}"#, "malformed JSON"),
         (
             r#"{"prompts":["a"],"temperature":-1e-300}"#,
             "temperature must be a positive number",
@@ -562,7 +559,11 @@ fn hostile_requests_are_refused_with_a_message() {
         r#"{"prompts":["The data"],"tokens_to_generate":8,"temperature":1e-300,"top_k":5}"#,
         r#"{"prompts":["The data"],"tokens_to_generate":8,"temperature":1e-300,"top_p":0.5}"#,
     ] {
-        assert_eq!(request(&server, body).unwrap()["text"], greedy["text"], "{body}");
+        assert_eq!(
+            request(&server, body).unwrap()["text"],
+            greedy["text"],
+            "{body}"
+        );
     }
     for body in [
         r#"{"prompts":["a"],"tokens_to_generate":4,"top_p":1e-300}"#,
@@ -585,13 +586,20 @@ fn hostile_requests_are_refused_with_a_message() {
     completion(r#"{"prompt":"a","max_tokens":4,"temperature":1e-300}"#);
     let out = cli(
         &server,
-        &["--completion", r#"{"prompt":"a","max_tokens":9223372036854775807}"#],
+        &[
+            "--completion",
+            r#"{"prompt":"a","max_tokens":9223372036854775807}"#,
+        ],
     );
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("Error 400"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(request(&server, r#"{"prompts":["still up"],"tokens_to_generate":1}"#).is_ok());
+    assert!(request(
+        &server,
+        r#"{"prompts":["still up"],"tokens_to_generate":1}"#
+    )
+    .is_ok());
     terminate(server.child);
 }

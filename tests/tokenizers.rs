@@ -44,13 +44,38 @@ fn sentencepiece_and_tiktoken_ids_equal_the_python_packages() {
     let expected: Value =
         serde_json::from_slice(&std::fs::read(out.join("expected.json")).unwrap()).unwrap();
     let cases: Vec<(&str, &str, Vec<String>)> = vec![
-        ("unigram", "GPTSentencePieceTokenizer", vec!["--tokenizer-model".into(), out.join("unigram.model").display().to_string()]),
-        ("bpe", "GPTSentencePieceTokenizer", vec!["--tokenizer-model".into(), out.join("bpe.model").display().to_string()]),
-        ("llama2", "Llama2Tokenizer", vec!["--tokenizer-model".into(), out.join("unigram.model").display().to_string()]),
+        (
+            "unigram",
+            "GPTSentencePieceTokenizer",
+            vec![
+                "--tokenizer-model".into(),
+                out.join("unigram.model").display().to_string(),
+            ],
+        ),
+        (
+            "bpe",
+            "GPTSentencePieceTokenizer",
+            vec![
+                "--tokenizer-model".into(),
+                out.join("bpe.model").display().to_string(),
+            ],
+        ),
+        (
+            "llama2",
+            "Llama2Tokenizer",
+            vec![
+                "--tokenizer-model".into(),
+                out.join("unigram.model").display().to_string(),
+            ],
+        ),
     ]
     .into_iter()
     .chain(["v1", "v2"].map(|version| {
-        let key = if version == "v1" { "tiktoken_v1" } else { "tiktoken_v2" };
+        let key = if version == "v1" {
+            "tiktoken_v1"
+        } else {
+            "tiktoken_v2"
+        };
         (
             key,
             "TikTokenizer",

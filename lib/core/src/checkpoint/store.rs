@@ -189,7 +189,8 @@ impl CheckpointDirectory {
         if !path.exists() {
             return Ok(None);
         }
-        self.checksums.verify(&format!("{rank_dir}/{file}"), &path)?;
+        self.checksums
+            .verify(&format!("{rank_dir}/{file}"), &path)?;
         let tensors = read_tensors(&path, device)?.0;
         if file == MODEL_FILE {
             ensure_finite(&path, &tensors)?;

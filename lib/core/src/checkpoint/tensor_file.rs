@@ -196,8 +196,12 @@ mod tests {
         );
         let error = format!(
             "{:#}",
-            write_tensors(&dir.path().join("missing/t.safetensors"), &[], HashMap::new())
-                .unwrap_err()
+            write_tensors(
+                &dir.path().join("missing/t.safetensors"),
+                &[],
+                HashMap::new()
+            )
+            .unwrap_err()
         );
         assert!(
             error.ends_with("t.safetensors: No such file or directory (os error 2)"),

@@ -88,7 +88,10 @@ impl LossSpikeTracker {
                  previous {WINDOW} iterations)",
                 spike.iteration, spike.loss
             ),
-            None => format!("the loss was {} at iteration {}", spike.loss, spike.iteration),
+            None => format!(
+                "the loss was {} at iteration {}",
+                spike.loss, spike.iteration
+            ),
         };
         match &self.trusted {
             Some(dir) => format!(
@@ -136,7 +139,10 @@ mod tests {
         tracker.record_loss(2, 1e12);
         tracker.record_save(2, Path::new("ckpt/iter_0000002"));
         let advice = tracker.advice();
-        assert!(advice.contains("no checkpoint was saved before that"), "{advice}");
+        assert!(
+            advice.contains("no checkpoint was saved before that"),
+            "{advice}"
+        );
         let mut loaded = LossSpikeTracker::default();
         loaded.record_loaded(Path::new("old/iter_0000100"));
         loaded.record_loss(101, f64::NAN);

@@ -622,7 +622,8 @@ impl Run<'_> {
         let lm_loss = stage.totals.reduce(&self.parallel)?;
         let fp16 = self.args.precision.fp16;
         if !fp16 || lm_loss.is_finite() {
-            self.spikes.record_loss(self.progress.iteration + 1, lm_loss);
+            self.spikes
+                .record_loss(self.progress.iteration + 1, lm_loss);
         }
         if !fp16 && !lm_loss.is_finite() {
             bail!(self.nan_message("loss", lm_loss));

@@ -43,10 +43,9 @@ fn fold(bytes: &[u8], dtype: DType) -> Option<TokenRange> {
     bytes
         .par_chunks(CHUNK_TOKENS * size)
         .filter_map(|chunk| {
-            chunk
-                .chunks_exact(size)
-                .map(|t| dtype.read_le(t))
-                .fold(None, |acc: Option<TokenRange>, id| {
+            chunk.chunks_exact(size).map(|t| dtype.read_le(t)).fold(
+                None,
+                |acc: Option<TokenRange>, id| {
                     Some(match acc {
                         None => TokenRange { min: id, max: id },
                         Some(r) => TokenRange {
@@ -54,7 +53,8 @@ fn fold(bytes: &[u8], dtype: DType) -> Option<TokenRange> {
                             max: r.max.max(id),
                         },
                     })
-                })
+                },
+            )
         })
         .reduce_with(|a, b| TokenRange {
             min: a.min.min(b.min),
@@ -153,7 +153,10 @@ impl IndexedDataset {
                     "token id {} in document {} (sequence {}, position {})",
                     f.id, f.document, f.sequence, f.position
                 ),
-                None => format!("token id {}", if range.min < 0 { range.min } else { range.max }),
+                None => format!(
+                    "token id {}",
+                    if range.min < 0 { range.min } else { range.max }
+                ),
             },
         })
     }
@@ -208,7 +211,12 @@ mod tests {
         // The range is cached and reused while the .bin is unchanged.
         let cache = dir.path().join("cache");
         assert_eq!(data.cached_token_range(&cache).unwrap().max, 99);
-        let file = std::fs::read_dir(&cache).unwrap().next().unwrap().unwrap().path();
+        let file = std::fs::read_dir(&cache)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
         let mut entry: CachedRange =
             serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
         entry.range.max = 7;

@@ -385,7 +385,13 @@ mod tests {
             std::fs::write(dir.path().join(name), b"half written").unwrap();
         }
         std::fs::write(dir.path().join("out_text_document.keep.tmp"), b"not ours").unwrap();
-        run_in(dir.path(), "{\"text\": \"1\", \"title\": \"2\"}\n", false, 1).unwrap();
+        run_in(
+            dir.path(),
+            "{\"text\": \"1\", \"title\": \"2\"}\n",
+            false,
+            1,
+        )
+        .unwrap();
         let mut left: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

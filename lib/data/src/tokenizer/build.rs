@@ -109,20 +109,22 @@ pub fn build_tokenizer(config: &TokenizerConfig) -> Result<Box<dyn Tokenizer>, T
             &required(&config.vocab_file, "--vocab-file", kind)?,
             &required(&config.merge_file, "--merge-file", kind)?,
         )?),
-        TokenizerType::BertWordPieceLowerCase | TokenizerType::BertWordPieceCase => Box::new(BertWordPiece::from_file(
-            &required(&config.vocab_file, "--vocab-file", kind)?,
-            kind == TokenizerType::BertWordPieceLowerCase,
-            config.include_special_tokens,
-        )?),
+        TokenizerType::BertWordPieceLowerCase | TokenizerType::BertWordPieceCase => {
+            Box::new(BertWordPiece::from_file(
+                &required(&config.vocab_file, "--vocab-file", kind)?,
+                kind == TokenizerType::BertWordPieceLowerCase,
+                config.include_special_tokens,
+            )?)
+        }
         TokenizerType::HuggingFaceTokenizer => Box::new(HuggingFace::from_path(
             &required(&config.tokenizer_model, "--tokenizer-model", kind)?,
             true,
         )?),
-        TokenizerType::NullTokenizer => Box::new(NullTokenizer::new(
-            config
-                .vocab_size
-                .ok_or_else(|| TokenizerError::Config("NullTokenizer needs --vocab-size".into()))?,
-        )),
+        TokenizerType::NullTokenizer => {
+            Box::new(NullTokenizer::new(config.vocab_size.ok_or_else(|| {
+                TokenizerError::Config("NullTokenizer needs --vocab-size".into())
+            })?))
+        }
         TokenizerType::SentencePieceTokenizer
         | TokenizerType::GptSentencePieceTokenizer
         | TokenizerType::Llama2Tokenizer => {

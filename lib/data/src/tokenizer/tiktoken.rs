@@ -118,7 +118,10 @@ impl TikToken {
             let rank = entry.get("rank").and_then(|r| r.as_u64());
             let encoded = entry.get("token_bytes").and_then(|b| b.as_str());
             let (Some(rank), Some(encoded)) = (rank, encoded) else {
-                return Err(bad_file(path, format!("token {i}: needs rank and token_bytes")));
+                return Err(bad_file(
+                    path,
+                    format!("token {i}: needs rank and token_bytes"),
+                ));
             };
             if rank != i as u64 {
                 return Err(bad_file(path, format!("token {i} has rank {rank}")));
@@ -132,7 +135,10 @@ impl TikToken {
                 ));
             }
             if ranks.insert(bytes.clone(), i as u32).is_some() {
-                return Err(bad_file(path, format!("token {i} repeats an earlier token")));
+                return Err(bad_file(
+                    path,
+                    format!("token {i} repeats an earlier token"),
+                ));
             }
             pieces.push(bytes);
         }
@@ -244,7 +250,15 @@ mod tests {
         let byte = |b: u8| b as u32 + 5;
         assert_eq!(
             ids,
-            [257 + 5, byte(b' '), 256 + 5, byte(b'd'), byte(b'<'), byte(b's'), byte(b'>')]
+            [
+                257 + 5,
+                byte(b' '),
+                256 + 5,
+                byte(b'd'),
+                byte(b'<'),
+                byte(b's'),
+                byte(b'>')
+            ]
         );
         assert_eq!(tok.detokenize(&ids).unwrap(), "abc abd<s>");
         assert_eq!(tok.detokenize(&[1, 4]).unwrap(), "<s><SPECIAL_4>");
