@@ -209,8 +209,13 @@ pub fn pretrain_gpt(args: &GptPretrainArgs, runtime: &Runtime) -> Result<Trainin
     };
     if loaded.is_none() && pretrained.is_none() && args.checkpoint.exit_on_missing_checkpoint {
         bail!(
-            "--exit-on-missing-checkpoint: no checkpoint under {:?}",
-            args.checkpoint.load
+            "--exit-on-missing-checkpoint: no checkpoint under {}",
+            args.checkpoint
+                .load
+                .as_ref()
+                .map_or("--load (not given)".to_string(), |p| p
+                    .display()
+                    .to_string())
         );
     }
 
