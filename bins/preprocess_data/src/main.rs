@@ -8,7 +8,10 @@ use clap::Parser;
 use megatron_data::preprocess::{
     expand_inputs, preprocess, Encoder, PreprocessOptions, Progress, Summary,
 };
-use megatron_data::sentence::{find_punkt_dir, PunktParameters, SentenceSplitter};
+use megatron_data::sentence::{
+    download_punkt_tab, find_punkt_dir, nltk_download_root, PunktParameters, SentenceError,
+    SentenceSplitter,
+};
 use megatron_data::tokenizer::{build_tokenizer, TikTokenOptions, TokenizerConfig, TokenizerType};
 
 /// Tokenize loose JSON (one object per line) into Megatron indexed datasets
@@ -114,7 +117,11 @@ fn build_encoder(args: &Args) -> Result<Encoder> {
     })
     .context("building the tokenizer")?;
     let splitter = if args.split_sentences {
-        let dir = find_punkt_dir(args.punkt_dir.as_deref(), &args.lang)?;
+        let dir = match find_punkt_dir(args.punkt_dir.as_deref(), &args.lang) {
+            Ok(dir) => dir,
+            Err(missing) if args.punkt_dir.is_none() => download_punkt(&args.lang, missing)?,
+            Err(missing) => return Err(missing.into()),
+        };
         let params = PunktParameters::load(&dir).context("loading the Punkt sentence splitter")?;
         Some(SentenceSplitter::new(params, args.keep_newlines))
     } else {
@@ -124,6 +131,27 @@ fn build_encoder(args: &Args) -> Result<Encoder> {
         None
     };
     Ok(Encoder::new(tokenizer, splitter, args.append_eod)?)
+}
+
+/// NLTK's `punkt_tab` fetched as Megatron's `nltk.download` does, with a progress bar; without
+/// network the answer is the message of the search that failed, with the download's reason.
+fn download_punkt(lang: &str, missing: SentenceError) -> Result<PathBuf> {
+    let Some(root) = nltk_download_root() else {
+        return Err(missing.into());
+    };
+    eprintln!(
+        "preprocess_data: downloading NLTK's punkt_tab into {}",
+        root.join("tokenizers").display()
+    );
+    let bar = megatron_cli::progress_bar(0, "bytes");
+    let downloaded = download_punkt_tab(&root, lang, &mut |received, total| {
+        if let Some(total) = total {
+            bar.set_length(total);
+        }
+        bar.set_position(received);
+    });
+    bar.finish_and_clear();
+    downloaded.map_err(|reason| anyhow::anyhow!("{missing}; downloading them failed: {reason}"))
 }
 
 fn rate_line(p: &Progress) -> String {
