@@ -14,10 +14,13 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv --system-site-packages .venv \
     || { echo "test: error: python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 fi
-if ! .venv/bin/python -c 'import tensorboard, numpy, torch, transformers, safetensors' 2>/dev/null; then
+# Installed again whenever the requirements change: the stamp holds the file last installed.
+stamp=.venv/.test-requirements.installed
+if ! cmp -s scripts/test-requirements.txt "$stamp"; then
   echo "test: installing scripts/test-requirements.txt into .venv" >&2
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/test-requirements.txt \
     || { echo "test: error: pip could not install scripts/test-requirements.txt into .venv" >&2; exit 1; }
+  cp scripts/test-requirements.txt "$stamp"
 fi
 export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
 

@@ -490,3 +490,116 @@ fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
     terminate(server.child);
     wait_success(follower, "rank 1 after rank 0 stopped");
 }
+
+/// Hostile request bodies: each is answered, with a 4xx and a message or with a valid answer,
+/// and the server keeps serving. Neither a panic, a libtorch error nor an out-of-memory kill.
+#[test]
+fn hostile_requests_are_refused_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let deep = format!("{}{}", "[".repeat(4000), "]".repeat(4000));
+    let refused: &[(&str, &str)] = &[
+        // Beams are bounded by the vocabulary and, like prompts, by --max-tokens-to-oom.
+        (
+            r#"{"prompts":["a"],"tokens_to_generate":4,"beam_width":100000}"#,
+            "beam_width (100000) must be at most 2048, half the vocabulary size",
+        ),
+        (
+            r#"{"prompts":["a"],"tokens_to_generate":4,"beam_width":3000}"#,
+            "beam_width (3000) must be at most 2048",
+        ),
+        (
+            r#"{"prompts":["a"],"tokens_to_generate":50,"beam_width":1000}"#,
+            "Too many tokens.  ",
+        ),
+        (
+            r#"{"prompts":["a"],"tokens_to_generate":0,"logprobs":true,"beam_width":2}"#,
+            "context length + tokens_to_generate too large",
+        ),
+        (
+            r#"{"prompts":["a"],"tokens_to_generate":9223372036854775807}"#,
+            "Length of prompt + tokens_to_generate longer than allowed",
+        ),
+        (
+            r#"{"prompts":["a"],"tokens_to_generate":1e30}"#,
+            "tokens_to_generate must be an integer greater than 0",
+        ),
+        (r#"{"prompts":["a"],"temperature":1e309}"#, "malformed JSON"),
+        (
+            r#"{"prompts":["a"],"temperature":-1e-300}"#,
+            "temperature must be a positive number",
+        ),
+        (
+            r#"{"prompts":["a"],"random_seed":18446744073709551616}"#,
+            "random_seed must be integer",
+        ),
+        (r#"{"prompts":[null]}"#, "prompts is not a list of strings"),
+        ("[]", "the request body must be a JSON object"),
+        ("null", "the request body must be a JSON object"),
+        (deep.as_str(), "malformed JSON"),
+    ];
+    for (body, expected) in refused {
+        let error = request(&server, body).unwrap_err();
+        assert!(
+            error.starts_with("Error 4") && error.contains(expected),
+            "{}: {error}",
+            &body[..body.len().min(80)]
+        );
+    }
+    // A tiny temperature is as good as greedy; odd but valid values are served.
+    let greedy = request(
+        &server,
+        r#"{"prompts":["The data"],"tokens_to_generate":8,"top_k":1}"#,
+    )
+    .unwrap();
+    for body in [
+        r#"{"prompts":["The data"],"tokens_to_generate":8,"temperature":1e-300}"#,
+        r#"{"prompts":["The data"],"tokens_to_generate":8,"temperature":1e-300,"top_k":5}"#,
+        r#"{"prompts":["The data"],"tokens_to_generate":8,"temperature":1e-300,"top_p":0.5}"#,
+    ] {
+        assert_eq!(
+            request(&server, body).unwrap()["text"],
+            greedy["text"],
+            "{body}"
+        );
+    }
+    for body in [
+        r#"{"prompts":["a"],"tokens_to_generate":4,"top_p":1e-300}"#,
+        r#"{"prompts":["a"],"tokens_to_generate":4,"temperature":100}"#,
+        r#"{"prompts":["a"],"tokens_to_generate":4,"beam_width":2,"stop_token":1000000000000000000}"#,
+        r#"{"prompts":["a"],"tokens_to_generate":4,"beam_width":2,"length_penalty":-1e308}"#,
+        r#"{"prompts":["\u0000\ud83d\ude00 \uffff"],"tokens_to_generate":4}"#,
+        r#"{"prompts":["a"],"tokens_to_generate":4,"random_seed":9223372036854775807}"#,
+    ] {
+        assert!(request(&server, body).is_ok(), "{body}");
+    }
+    let completion = |body: &str| {
+        let out = cli(&server, &["--completion", body]);
+        assert!(
+            out.status.success(),
+            "{body}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    completion(r#"{"prompt":"a","max_tokens":4,"temperature":1e-300}"#);
+    let out = cli(
+        &server,
+        &[
+            "--completion",
+            r#"{"prompt":"a","max_tokens":9223372036854775807}"#,
+        ],
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Error 400"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(request(
+        &server,
+        r#"{"prompts":["still up"],"tokens_to_generate":1}"#
+    )
+    .is_ok());
+    terminate(server.child);
+}

@@ -26,6 +26,9 @@ struct Cli {
     /// Checkpoint directory (the iteration its tracker names is used).
     #[arg(long)]
     load: PathBuf,
+    /// Do not verify the checkpoint's per-file checksums (recorded in its metadata.json).
+    #[arg(long)]
+    no_checkpoint_checksums: bool,
     #[command(flatten)]
     tokenizer: TokenizerArgs,
     /// A prompt; repeat for several.
@@ -66,6 +69,7 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: &Cli) -> Result<()> {
+    megatron_core::checkpoint::set_checksums_enabled(!cli.no_checkpoint_checksums);
     let mut prompts = cli.prompt.clone();
     if let Some(path) = &cli.sample_input_file {
         let file =

@@ -41,6 +41,9 @@ pub fn run_info(args: &InfoArgs) -> Result<()> {
     println!("documents: {}", dataset.document_count());
     println!("tokens: {total}");
     println!("empty sequences: {empty}");
+    if let Some(range) = dataset.token_range() {
+        println!("token ids: smallest {}, largest {}", range.min, range.max);
+    }
     if let (Some(min), Some(max)) = (lengths.iter().min(), lengths.iter().max()) {
         println!(
             "sequence length: min {min}, mean {:.1}, max {max}",

@@ -8,8 +8,11 @@ use clap::Parser;
 use megatron_data::preprocess::{
     expand_inputs, preprocess, Encoder, PreprocessOptions, Progress, Summary,
 };
-use megatron_data::sentence::{find_punkt_dir, PunktParameters, SentenceSplitter};
-use megatron_data::tokenizer::{build_tokenizer, TokenizerConfig, TokenizerType};
+use megatron_data::sentence::{
+    download_punkt_tab, find_punkt_dir, nltk_download_root, PunktParameters, SentenceError,
+    SentenceSplitter,
+};
+use megatron_data::tokenizer::{build_tokenizer, TikTokenOptions, TokenizerConfig, TokenizerType};
 
 /// Tokenize loose JSON (one object per line) into Megatron indexed datasets
 /// `{output-prefix}_{key}_{document|sentence}.bin/.idx`, byte-identical to Megatron's
@@ -32,7 +35,8 @@ struct Args {
     #[arg(long)]
     keep_newlines: bool,
     /// Tokenizer: GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase,
-    /// HuggingFaceTokenizer or NullTokenizer.
+    /// HuggingFaceTokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer,
+    /// Llama2Tokenizer, TikTokenizer or NullTokenizer.
     #[arg(long)]
     tokenizer_type: TokenizerType,
     /// Vocabulary: GPT-2 encoder JSON or BERT vocab.txt.
@@ -42,12 +46,23 @@ struct Args {
     #[arg(long)]
     merge_file: Option<PathBuf>,
     /// HuggingFaceTokenizer: a tokenizer.json, or a directory holding tokenizer.json (and
-    /// optionally tokenizer_config.json naming the eos_token).
+    /// optionally tokenizer_config.json naming the eos_token); SentencePiece tokenizers: the
+    /// `.model` file; TikTokenizer: Megatron's tiktoken JSON vocabulary.
     #[arg(long)]
     tokenizer_model: Option<PathBuf>,
     /// NullTokenizer: largest token id + 1; the end-of-document id is this value.
+    /// TikTokenizer: the whole vocabulary, special tokens included (default 131072).
     #[arg(long)]
     vocab_size: Option<u32>,
+    /// TikTokenizer: pre-tokenization pattern, v1 or v2 (Megatron's PATTERN_TIKTOKEN(_V2)).
+    #[arg(long, default_value = "v2")]
+    tiktoken_pattern: String,
+    /// TikTokenizer: ids reserved for special tokens in front of the BPE ranks.
+    #[arg(long, default_value_t = 1000)]
+    tiktoken_num_special_tokens: usize,
+    /// TikTokenizer: the special tokens (must include <unk>, <s>, </s>; default exactly those).
+    #[arg(long, num_args = 1..)]
+    tiktoken_special_tokens: Option<Vec<String>>,
     /// BERT: wrap every sequence in [CLS] ... [SEP] and use [SEP] as end of document, like
     /// Megatron's 2026 HuggingFace-backed tokenizers (default: the classic tokenizer).
     #[arg(long)]
@@ -92,11 +107,21 @@ fn build_encoder(args: &Args) -> Result<Encoder> {
         merge_file: args.merge_file.clone(),
         tokenizer_model: args.tokenizer_model.clone(),
         vocab_size: args.vocab_size,
+        tiktoken: TikTokenOptions {
+            pattern: args.tiktoken_pattern.clone(),
+            num_special_tokens: args.tiktoken_num_special_tokens,
+            special_tokens: args.tiktoken_special_tokens.clone(),
+            ..Default::default()
+        },
         include_special_tokens: args.tokenizer_hf_include_special_tokens,
     })
     .context("building the tokenizer")?;
     let splitter = if args.split_sentences {
-        let dir = find_punkt_dir(args.punkt_dir.as_deref(), &args.lang)?;
+        let dir = match find_punkt_dir(args.punkt_dir.as_deref(), &args.lang) {
+            Ok(dir) => dir,
+            Err(missing) if args.punkt_dir.is_none() => download_punkt(&args.lang, missing)?,
+            Err(missing) => return Err(missing.into()),
+        };
         let params = PunktParameters::load(&dir).context("loading the Punkt sentence splitter")?;
         Some(SentenceSplitter::new(params, args.keep_newlines))
     } else {
@@ -106,6 +131,27 @@ fn build_encoder(args: &Args) -> Result<Encoder> {
         None
     };
     Ok(Encoder::new(tokenizer, splitter, args.append_eod)?)
+}
+
+/// NLTK's `punkt_tab` fetched as Megatron's `nltk.download` does, with a progress bar; without
+/// network the answer is the message of the search that failed, with the download's reason.
+fn download_punkt(lang: &str, missing: SentenceError) -> Result<PathBuf> {
+    let Some(root) = nltk_download_root() else {
+        return Err(missing.into());
+    };
+    eprintln!(
+        "preprocess_data: downloading NLTK's punkt_tab into {}",
+        root.join("tokenizers").display()
+    );
+    let bar = megatron_cli::progress_bar(0, "bytes");
+    let downloaded = download_punkt_tab(&root, lang, &mut |received, total| {
+        if let Some(total) = total {
+            bar.set_length(total);
+        }
+        bar.set_position(received);
+    });
+    bar.finish_and_clear();
+    downloaded.map_err(|reason| anyhow::anyhow!("{missing}; downloading them failed: {reason}"))
 }
 
 fn rate_line(p: &Progress) -> String {

@@ -29,6 +29,9 @@ struct Cli {
     /// Checkpoint directory (the iteration its tracker names is used; any TP/PP layout).
     #[arg(long)]
     load: std::path::PathBuf,
+    /// Do not verify the checkpoint's per-file checksums (recorded in its metadata.json).
+    #[arg(long)]
+    no_checkpoint_checksums: bool,
     #[command(flatten)]
     tokenizer: TokenizerArgs,
     /// Address to listen on; 0.0.0.0 serves other machines too.
@@ -72,6 +75,7 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
+        megatron_core::checkpoint::set_checksums_enabled(!cli.no_checkpoint_checksums);
         install_exit_handler();
         let env = LaunchEnv::from_env()?;
         anyhow::ensure!(

@@ -21,10 +21,31 @@ pub fn run(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     match body() {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_text(&error));
             ExitCode::from(EXIT_RUNTIME_ERROR)
         }
     }
+}
+
+/// An error and its causes joined by `: ` for people. A cause whose text its parent already
+/// shows (an error type that prints its source and also returns it from `source()`) is not
+/// repeated, so `a.bin: No such file or directory (os error 2)` is not followed by the same
+/// reason again.
+pub fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    let mut shown: Vec<String> = Vec::new();
+    for cause in error.chain() {
+        let part = cause.to_string();
+        if part.is_empty() || shown.iter().any(|s| s.contains(&part)) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+        shown.push(part);
+    }
+    text
 }
 
 /// Rust ignores SIGPIPE, which turns `tool | head` into a panic on the next print; the default
@@ -71,6 +92,28 @@ mod tests {
     fn runtime_errors_exit_with_one() {
         assert_eq!(run(|| Ok(())), ExitCode::SUCCESS);
         assert_eq!(run(|| anyhow::bail!("disk full")), ExitCode::from(1));
+    }
+
+    #[test]
+    fn causes_are_not_repeated() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("{path}: {source}")]
+        struct Opening {
+            path: String,
+            source: std::io::Error,
+        }
+        let io = std::io::Error::from_raw_os_error(2);
+        let error = anyhow::Error::new(Opening {
+            path: "a.bin".into(),
+            source: io,
+        })
+        .context("opening the dataset");
+        assert_eq!(
+            error_text(&error),
+            "opening the dataset: a.bin: No such file or directory (os error 2)"
+        );
+        let plain = anyhow::anyhow!("disk full").context("writing b.bin");
+        assert_eq!(error_text(&plain), "writing b.bin: disk full");
     }
 
     #[test]

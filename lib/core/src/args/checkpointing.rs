@@ -36,4 +36,8 @@ pub struct CheckpointArgs {
     /// Fail instead of starting from scratch when --load has no checkpoint.
     #[arg(long)]
     pub exit_on_missing_checkpoint: bool,
+    /// Neither record per-file checksums in metadata.json at save nor verify them at load
+    /// (a CRC-32C read of every file, which catches corrupted bytes on disk).
+    #[arg(long)]
+    pub no_checkpoint_checksums: bool,
 }

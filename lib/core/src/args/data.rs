@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use megatron_data::blend::DataPathFlags;
-use megatron_data::tokenizer::{TokenizerConfig, TokenizerType};
+use megatron_data::tokenizer::{TikTokenOptions, TokenizerConfig, TokenizerType};
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct DataArgs {
@@ -68,7 +68,8 @@ impl DataArgs {
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct TokenizerArgs {
-    /// GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer or
+    /// GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer,
+    /// SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or
     /// NullTokenizer.
     #[arg(long, default_value = "GPT2BPETokenizer")]
     pub tokenizer_type: String,
@@ -78,12 +79,21 @@ pub struct TokenizerArgs {
     /// GPT-2 BPE merges file.
     #[arg(long)]
     pub merge_file: Option<PathBuf>,
-    /// HuggingFace tokenizer.json or directory.
+    /// HuggingFace tokenizer.json or directory, SentencePiece .model, or tiktoken JSON.
     #[arg(long)]
     pub tokenizer_model: Option<PathBuf>,
-    /// Vocabulary size of the NullTokenizer.
+    /// Vocabulary size of the NullTokenizer; TikTokenizer's whole vocabulary (default 131072).
     #[arg(long)]
     pub vocab_size: Option<u32>,
+    /// TikTokenizer: pre-tokenization pattern, v1 or v2 (Megatron's PATTERN_TIKTOKEN(_V2)).
+    #[arg(long, default_value = "v2")]
+    pub tiktoken_pattern: String,
+    /// TikTokenizer: ids reserved for special tokens in front of the BPE ranks.
+    #[arg(long, default_value_t = 1000)]
+    pub tiktoken_num_special_tokens: usize,
+    /// TikTokenizer: the special tokens (must include <unk>, <s>, </s>; default exactly those).
+    #[arg(long, num_args = 1..)]
+    pub tiktoken_special_tokens: Option<Vec<String>>,
     /// Name index caches like Megatron's legacy tokenizers (up to core_v0.14).
     #[arg(long)]
     pub legacy_tokenizer: bool,
@@ -98,6 +108,12 @@ impl TokenizerArgs {
             merge_file: self.merge_file.clone(),
             tokenizer_model: self.tokenizer_model.clone(),
             vocab_size: self.vocab_size,
+            tiktoken: TikTokenOptions {
+                pattern: self.tiktoken_pattern.clone(),
+                num_special_tokens: self.tiktoken_num_special_tokens,
+                special_tokens: self.tiktoken_special_tokens.clone(),
+                ..Default::default()
+            },
             include_special_tokens: true,
         })
     }

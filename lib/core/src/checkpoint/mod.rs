@@ -11,12 +11,14 @@
 //! A save is written under a temporary name and renamed when complete, and the tracker is
 //! updated last, so a run killed at any moment leaves the previous checkpoint loadable.
 
+mod checksum;
 mod layout;
 mod merge;
 mod metadata;
 mod store;
 mod tensor_file;
 
+pub use checksum::{checksums_enabled, file_checksum, set_checksums_enabled, FileChecksums};
 pub use layout::{
     iteration_directory, rank_directory_name, read_tracker, write_tracker, TrackedCheckpoint,
     TRACKER_FILE,
@@ -27,7 +29,7 @@ pub use merge::{
 };
 pub use metadata::{CheckpointMetadata, CHECKPOINT_FORMAT};
 pub use store::{
-    begin_save, find_checkpoint, finish_save, optimizer_file, staging_directory, write_rank_file,
-    CheckpointDirectory, METADATA_FILE, MODEL_FILE, RNG_FILE,
+    abandon_save, begin_save, find_checkpoint, finish_save, optimizer_file, staging_directory,
+    write_rank_file, CheckpointDirectory, METADATA_FILE, MODEL_FILE, RNG_FILE,
 };
 pub use tensor_file::{read_tensors, write_tensors};

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
+use super::checksum::{checksums_enabled, FileChecksums, CHECKSUMS_KEY};
 use super::layout::{
     iteration_directory, read_tracker, sync_directory, write_tracker, TrackedCheckpoint,
     TRACKER_FILE,
@@ -72,7 +73,12 @@ pub fn write_rank_file(
 pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf> {
     let staging = staging_directory(root, metadata.iteration);
     let metadata_path = staging.join(METADATA_FILE);
-    fs::write(&metadata_path, serde_json::to_string_pretty(metadata)?)
+    let mut document = serde_json::to_value(metadata)?;
+    if checksums_enabled() {
+        let checksums = FileChecksums::of_directory(&staging, METADATA_FILE)?;
+        document[CHECKSUMS_KEY] = serde_json::to_value(checksums)?;
+    }
+    fs::write(&metadata_path, serde_json::to_string_pretty(&document)?)
         .with_context(|| format!("writing {}", metadata_path.display()))?;
     fs::File::open(&metadata_path)?.sync_all()?;
     sync_directory(&staging)?;
@@ -94,6 +100,12 @@ pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf
     Ok(target)
 }
 
+/// Removes the staging directory of a save that failed. Best effort: what cannot be removed
+/// now is removed by the next save's [`begin_save`].
+pub fn abandon_save(root: &Path, iteration: u64) {
+    let _ = fs::remove_dir_all(staging_directory(root, iteration));
+}
+
 /// Removes the staging directories of saves that never finished (a killed run's leftovers);
 /// they were never named by the tracker, so nothing refers to them.
 fn remove_abandoned_staging(root: &Path) -> Result<()> {
@@ -113,6 +125,8 @@ pub struct CheckpointDirectory {
     pub metadata: CheckpointMetadata,
     /// The tracker said `release`: weights only, training restarts at iteration 0.
     pub release: bool,
+    /// What each file's bytes were at save, checked by [`CheckpointDirectory::read`].
+    pub checksums: FileChecksums,
 }
 
 /// The checkpoint the tracker under `root` names; `None` when there is none.
@@ -133,10 +147,16 @@ pub fn find_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
         );
     }
     let metadata = CheckpointMetadata::read(&directory.join(METADATA_FILE))?;
+    let checksums = if checksums_enabled() {
+        FileChecksums::read(&directory.join(METADATA_FILE))?
+    } else {
+        FileChecksums::default()
+    };
     Ok(Some(CheckpointDirectory {
         directory,
         metadata,
         release: tracked == TrackedCheckpoint::Release,
+        checksums,
     }))
 }
 
@@ -169,6 +189,39 @@ impl CheckpointDirectory {
         if !path.exists() {
             return Ok(None);
         }
-        Ok(Some(read_tensors(&path, device)?.0))
+        self.checksums
+            .verify(&format!("{rank_dir}/{file}"), &path)?;
+        let tensors = read_tensors(&path, device)?.0;
+        if file == MODEL_FILE {
+            ensure_finite(&path, &tensors)?;
+        }
+        Ok(Some(tensors))
     }
+}
+
+/// Refuses weights holding NaN or infinity, naming the first such tensor: a model loaded from
+/// them would only produce NaN (and sampling from NaN probabilities fails deep in libtorch).
+fn ensure_finite(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    for name in names {
+        let tensor = &tensors[name];
+        if !tensor.is_floating_point() {
+            continue;
+        }
+        let bad = tensor
+            .isfinite()
+            .logical_not()
+            .sum(tch::Kind::Int64)
+            .int64_value(&[]);
+        if bad > 0 {
+            bail!(
+                "{}: tensor {name} holds {bad} NaN or infinite values (of {}): the weights \
+                 diverged before this checkpoint was saved; load an earlier one",
+                path.display(),
+                tensor.numel()
+            );
+        }
+    }
+    Ok(())
 }

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype, SafeTensors, View};
+use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
 use tch::{Device, Kind, Tensor};
 
 fn dtype_of(kind: Kind) -> Result<Dtype> {
@@ -35,6 +35,36 @@ fn kind_of(dtype: Dtype) -> Result<Kind> {
         Dtype::BOOL => Kind::Bool,
         other => bail!("safetensors dtype {other:?} is not supported"),
     })
+}
+
+/// The safetensors crate displays its errors as their `Debug` form
+/// (`IoError(Os { code: 28, kind: StorageFull, .. })`): this says them for people.
+fn explain(error: SafeTensorError) -> anyhow::Error {
+    let text = match error {
+        SafeTensorError::IoError(e) => return anyhow::Error::new(e),
+        SafeTensorError::JsonError(e) => format!("invalid header: {e}"),
+        SafeTensorError::InvalidHeader => "the header is not UTF-8".into(),
+        SafeTensorError::InvalidHeaderStart => "the header does not start with '{'".into(),
+        SafeTensorError::InvalidHeaderDeserialization => "the header is not valid JSON".into(),
+        SafeTensorError::HeaderTooLarge => "the header is larger than 100 MB".into(),
+        SafeTensorError::HeaderTooSmall => "the file is shorter than its 8-byte header".into(),
+        SafeTensorError::InvalidHeaderLength => {
+            "the header length runs past the end of the file".into()
+        }
+        SafeTensorError::TensorNotFound(name) => format!("no tensor {name}"),
+        SafeTensorError::TensorInvalidInfo => {
+            "a tensor's shape and dtype do not match its offsets".into()
+        }
+        SafeTensorError::InvalidOffset(name) => format!("tensor {name} has invalid offsets"),
+        SafeTensorError::InvalidTensorView(dtype, shape, bytes) => {
+            format!("a {dtype:?} tensor of shape {shape:?} cannot hold {bytes} bytes")
+        }
+        SafeTensorError::MetadataIncompleteBuffer => {
+            "the tensors do not cover the file's data (truncated or padded file)".into()
+        }
+        SafeTensorError::ValidationOverflow => "a tensor's size overflows".into(),
+    };
+    anyhow::anyhow!(text)
 }
 
 /// A contiguous CPU tensor viewed as bytes for the writer.
@@ -95,6 +125,7 @@ pub fn write_tensors(
         .collect::<Result<_>>()?;
     let views = host.iter().map(|(name, t)| (name.as_str(), t));
     safetensors::tensor::serialize_to_file(views, &Some(metadata), path)
+        .map_err(explain)
         .with_context(|| format!("writing {}", path.display()))?;
     File::open(path)?
         .sync_all()
@@ -111,9 +142,11 @@ pub fn read_tensors(
     let bytes = unsafe { memmap2::Mmap::map(&file) }
         .with_context(|| format!("mapping {}", path.display()))?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(explain)
         .with_context(|| format!("{}: not a safetensors file", path.display()))?;
     let metadata = header.metadata().clone().unwrap_or_default();
     let file_tensors = SafeTensors::deserialize(&bytes)
+        .map_err(explain)
         .with_context(|| format!("{}: corrupt safetensors file", path.display()))?;
     let mut out = HashMap::new();
     for (name, view) in file_tensors.tensors() {
@@ -155,7 +188,24 @@ mod tests {
         assert!(read["b"].equal(&b));
         assert_eq!(read["c"].int64_value(&[0]), 7);
         std::fs::write(&path, b"garbage").unwrap();
-        let error = read_tensors(&path, Device::Cpu).unwrap_err().to_string();
+        let error = format!("{:#}", read_tensors(&path, Device::Cpu).unwrap_err());
         assert!(error.contains("t.safetensors"), "{error}");
+        assert!(
+            error.ends_with("the file is shorter than its 8-byte header"),
+            "{error}"
+        );
+        let error = format!(
+            "{:#}",
+            write_tensors(
+                &dir.path().join("missing/t.safetensors"),
+                &[],
+                HashMap::new()
+            )
+            .unwrap_err()
+        );
+        assert!(
+            error.ends_with("t.safetensors: No such file or directory (os error 2)"),
+            "{error}"
+        );
     }
 }

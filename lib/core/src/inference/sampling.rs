@@ -68,7 +68,11 @@ pub fn sample(logits: &Tensor, sampling: &Sampling) -> Result<Tensor> {
         return Ok(logits.argmax(-1, false));
     }
     let mut logits = if sampling.temperature != 1.0 {
-        logits / sampling.temperature
+        // Scaling the distance to the largest logit gives the same distribution. A tiny
+        // temperature (1e-300 is 0 in single precision) sends the others to -inf; the largest
+        // stays 0 instead of 0 / 0 = NaN, so sampling tends to greedy.
+        let shifted = logits - logits.amax([-1i64].as_slice(), true);
+        (&shifted / sampling.temperature).masked_fill(&shifted.eq(0.0), 0.0)
     } else {
         logits.shallow_clone()
     };
@@ -137,6 +141,26 @@ mod tests {
             [0, 0]
         );
         assert!(settings(2, 0.5).validate().is_err());
+    }
+
+    #[test]
+    fn a_tiny_temperature_samples_the_most_likely_token() {
+        let logits = Tensor::from_slice(&[1.0f32, 3.0, 2.0, -1.0])
+            .unsqueeze(0)
+            .repeat([8, 1]);
+        for top_k in [0, 2] {
+            for top_p in [0.0, 0.5] {
+                if top_k > 0 && top_p > 0.0 {
+                    continue;
+                }
+                let sampling = Sampling {
+                    temperature: 1e-300,
+                    ..settings(top_k, top_p)
+                };
+                let picks = Vec::<i64>::try_from(sample(&logits, &sampling).unwrap()).unwrap();
+                assert_eq!(picks, [1; 8], "{sampling:?}");
+            }
+        }
     }
 
     #[test]

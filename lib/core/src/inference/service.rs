@@ -71,6 +71,14 @@ fn single_token(tokenizer: &dyn Tokenizer, text: &str) -> Option<i64> {
 
 impl TextGenerationService {
     pub fn new(model: GptModel, tokenizer: Arc<dyn Tokenizer>, max_tokens: usize) -> Result<Self> {
+        // A larger tokenizer would hand the model ids its embedding table does not have.
+        anyhow::ensure!(
+            tokenizer.vocab_size() as i64 <= model.config.vocab_size,
+            "the tokenizer has {} tokens but the checkpoint's model knows {}: give the \
+             tokenizer flags the model was trained with",
+            tokenizer.vocab_size(),
+            model.config.vocab_size
+        );
         let eod = tokenizer
             .eod()
             .map(i64::from)
@@ -180,13 +188,22 @@ impl TextGenerationService {
             .tokenize(&request.prompts, request.add_bos)
             .map_err(failed)?;
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let total = longest + request.tokens_to_generate;
+        let total = longest.saturating_add(request.tokens_to_generate);
         if total > self.model.config.max_position_embeddings as usize {
             return Err(ServiceError::Rejected(
                 "Length of prompt + tokens_to_generate longer than allowed".into(),
             ));
         }
-        let tokens = prompts.len() * total;
+        self.check_top_k(request.top_k)?;
+        // Beam search holds every beam's tokens and cache: beams count like prompts.
+        let rows = match request.beam_width {
+            Some(beam_width) => {
+                self.check_beam_width(beam_width)?;
+                beam_width
+            }
+            None => prompts.len(),
+        };
+        let tokens = rows.saturating_mul(total);
         if tokens > self.max_tokens {
             return Err(ServiceError::Rejected(format!(
                 "Too many tokens.  {tokens} is greater than {}",
@@ -250,7 +267,10 @@ impl TextGenerationService {
             return Err(ServiceError::Rejected("prompt must not be empty".into()));
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        if longest + request.max_tokens > self.model.config.max_position_embeddings as usize {
+        self.check_top_k(request.top_k)?;
+        if longest.saturating_add(request.max_tokens)
+            > self.model.config.max_position_embeddings as usize
+        {
             return Err(ServiceError::Rejected(format!(
                 "prompt ({longest} tokens) + max_tokens ({}) exceed the model's {} positions",
                 request.max_tokens, self.model.config.max_position_embeddings
@@ -356,7 +376,29 @@ impl TextGenerationService {
         ))
     }
 
-    /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
+    /// Sampling keeps at most the whole vocabulary.
+    fn check_top_k(&self, top_k: i64) -> Result<(), ServiceError> {
+        let vocabulary = self.model.config.vocab_size;
+        if top_k > vocabulary {
+            return Err(ServiceError::Rejected(format!(
+                "top_k ({top_k}) must not exceed the vocabulary size ({vocabulary})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Each beam step ranks the best `2 · beam_width` continuations of the first beam's
+    /// vocabulary, so at most half the vocabulary can be beams.
+    fn check_beam_width(&self, beam_width: usize) -> Result<(), ServiceError> {
+        let most = (self.model.config.vocab_size / 2).max(1) as usize;
+        if beam_width > most {
+            return Err(ServiceError::Rejected(format!(
+                "beam_width ({beam_width}) must be at most {most}, half the vocabulary size"
+            )));
+        }
+        Ok(())
+    }
+
     /// The decoder; requests run one at a time, so this never waits. After a panic in an
     /// earlier request (a poisoned lock) its cache and graphs are dropped, not trusted.
     fn decoder(&self) -> std::sync::MutexGuard<'_, Decoder> {
@@ -368,6 +410,7 @@ impl TextGenerationService {
         })
     }
 
+    /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
     fn tokenize(&self, prompts: &[String], add_bos: bool) -> Result<Vec<Vec<i64>>> {
         prompts
             .iter()

@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
 use crate::checkpoint::{
-    begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file,
+    abandon_save, begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file,
     rank_directory_name, write_rank_file, CheckpointDirectory, CheckpointMetadata,
     CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
 };
@@ -144,14 +144,29 @@ fn rng_tensors(device: Device) -> Result<Vec<(String, Tensor)>> {
 pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
     let parallel = request.parallel;
     let world = &parallel.world;
-    let chunk = &request.chunks[0];
-    let device = chunk.options().device;
-    let iteration = request.progress.iteration;
+    let (root, iteration) = (request.root, request.progress.iteration);
     world.barrier()?;
     if parallel.rank == 0 {
-        begin_save(request.root, iteration)?;
+        begin_save(root, iteration)?;
     }
     world.barrier()?;
+    let written = write_and_commit(request, iteration);
+    if written.is_err() {
+        // A save that cannot finish (a full disk) leaves nothing behind; the tracker still
+        // names the previous checkpoint.
+        abandon_save(root, iteration);
+    }
+    written?;
+    world.barrier()?;
+    Ok(iteration_directory(root, iteration))
+}
+
+/// Every rank's files, then rank 0's metadata and commit.
+fn write_and_commit(request: SaveRequest, iteration: u64) -> Result<()> {
+    let parallel = request.parallel;
+    let world = &parallel.world;
+    let chunk = &request.chunks[0];
+    let device = chunk.options().device;
     let staging = crate::checkpoint::staging_directory(request.root, iteration);
     let rank_dir = rank_directory(parallel);
     let data_rank = parallel.data.rank();
@@ -205,8 +220,7 @@ pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
         };
         finish_save(request.root, &metadata)?;
     }
-    world.barrier()?;
-    Ok(iteration_directory(request.root, iteration))
+    Ok(())
 }
 
 /// What resuming restored.

@@ -107,7 +107,14 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
         let (sources, split) = data.path_flags().sources()?;
         let config = config_for(split)?;
         let open = |prefix: &str| -> Result<Arc<dyn TokenSource>> {
-            Ok(Arc::new(IndexedDataset::open(prefix)?))
+            let dataset = IndexedDataset::open(prefix)?;
+            // An id beyond the embedding table would stop training deep inside libtorch.
+            let cache = data.data_cache_path.clone().unwrap_or_else(|| {
+                let parent = std::path::Path::new(prefix).parent();
+                parent.unwrap_or(std::path::Path::new(".")).join("cache")
+            });
+            dataset.check_token_ids(request.vocab_size, Some(&cache))?;
+            Ok(Arc::new(dataset))
         };
         build_gpt_datasets(&sources, sizes, config, &open)?
     };

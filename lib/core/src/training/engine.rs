@@ -16,6 +16,7 @@ use super::family::{LossTotals, ModelFamily};
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
 use super::loss_scale::{LossScaleFlags, LossScaler};
+use super::loss_spikes::LossSpikeTracker;
 use super::lr_schedule::{
     LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy,
     WdIncrStyle, WsdDecayStyle,
@@ -83,6 +84,7 @@ struct Run<'a, F: ModelFamily> {
     metrics: Option<TrainingMetrics>,
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
+    spikes: LossSpikeTracker,
 }
 
 /// Trains `family` as the common flags `args` say; `args_json` is every flag of the run (the
@@ -214,8 +216,13 @@ pub fn pretrain<F: ModelFamily>(
     };
     if loaded.is_none() && pretrained.is_none() && args.checkpoint.exit_on_missing_checkpoint {
         bail!(
-            "--exit-on-missing-checkpoint: no checkpoint under {:?}",
-            args.checkpoint.load
+            "--exit-on-missing-checkpoint: no checkpoint under {}",
+            args.checkpoint
+                .load
+                .as_ref()
+                .map_or("--load (not given)".to_string(), |p| p
+                    .display()
+                    .to_string())
         );
     }
 
@@ -292,6 +299,7 @@ pub fn pretrain<F: ModelFamily>(
         metrics,
         args_json,
         last_checkpoint: None,
+        spikes: LossSpikeTracker::default(),
     };
     if let (Some(found), Some(request)) = (loaded, &load_request) {
         let state = TrainingState {
@@ -310,6 +318,7 @@ pub fn pretrain<F: ModelFamily>(
                     directory.display(),
                     progress.iteration
                 ));
+                run.spikes.record_loaded(&directory);
                 run.progress = progress;
             }
             Resumed::Weights { directory } => run.print_rank0(&format!(
@@ -657,6 +666,12 @@ impl<F: ModelFamily> Run<'_, F> {
         forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
         let losses = stage.totals.reduce(&self.parallel)?;
         let fp16 = self.args.precision.fp16;
+        // Every family reports its language-model loss first: the spike rule follows it.
+        let lm_loss = losses[0].1;
+        if !fp16 || lm_loss.is_finite() {
+            self.spikes
+                .record_loss(self.progress.iteration + 1, lm_loss);
+        }
         if let Some((name, loss)) = losses.iter().find(|(_, loss)| !loss.is_finite()) {
             if !fp16 {
                 bail!(self.nan_message(name, *loss));
@@ -683,13 +698,7 @@ impl<F: ModelFamily> Run<'_, F> {
     }
 
     fn nan_message(&self, what: &str, value: f64) -> String {
-        let kept = match &self.last_checkpoint {
-            Some(dir) => format!("the last good checkpoint is {}", dir.display()),
-            None => match &self.args.checkpoint.load {
-                Some(load) => format!("checkpoints under {} are untouched", load.display()),
-                None => "no checkpoint was written".to_string(),
-            },
-        };
+        let kept = self.spikes.advice();
         format!(
             "{what} is {value} at iteration {}; stopping ({kept})",
             self.progress.iteration + 1
@@ -849,6 +858,7 @@ impl<F: ModelFamily> Run<'_, F> {
             root.display(),
             started.elapsed().as_secs_f64() * 1000.0
         ));
+        self.spikes.record_save(self.progress.iteration, &directory);
         self.last_checkpoint = Some(directory);
         Ok(())
     }

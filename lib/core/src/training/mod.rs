@@ -12,6 +12,7 @@ pub mod flops;
 mod gpt;
 pub mod log_line;
 pub mod loss_scale;
+pub mod loss_spikes;
 pub mod lr_schedule;
 pub mod microbatches;
 mod profiling;

@@ -21,6 +21,12 @@ pub enum IndexError {
     Size { path: PathBuf, reason: String },
     #[error("token id {value} does not fit the dataset dtype {dtype}")]
     TokenOutOfRange { value: i64, dtype: super::DType },
+    #[error("{path}: {found} is not below the tokenizer's vocabulary of {vocab_size}: the data was tokenized with another tokenizer, or the file is corrupt")]
+    OutOfVocabulary {
+        path: PathBuf,
+        vocab_size: usize,
+        found: String,
+    },
     #[error("cannot append {other}: its dtype {found} differs from {expected}")]
     DTypeMismatch {
         other: PathBuf,

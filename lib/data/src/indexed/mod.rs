@@ -9,6 +9,7 @@ mod error;
 mod header;
 mod merge;
 mod reader;
+mod token_range;
 mod writer;
 
 pub use dtype::DType;
@@ -16,6 +17,7 @@ pub use error::IndexError;
 pub use header::{IndexHeader, HEADER_LEN, MAGIC};
 pub use merge::{merge_datasets, prefixes_in_directory};
 pub use reader::IndexedDataset;
+pub use token_range::{OutOfVocabulary, TokenRange};
 pub use writer::{IndexedDatasetBuilder, TokenId};
 
 use std::path::{Path, PathBuf};

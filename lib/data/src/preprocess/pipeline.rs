@@ -148,6 +148,40 @@ struct Outputs {
     partition_prefixes: Vec<Vec<PathBuf>>,
 }
 
+/// Removes the temporary files a killed run left for `prefix` (`PREFIX.bin.tmp`,
+/// `PREFIX.idx.tmp`, `PREFIX.partition-N.tmp.*`): only a finished output is ever renamed into
+/// place, so nothing under these names is worth keeping.
+fn remove_leftovers(prefix: &std::path::Path) -> Result<(), PreprocessError> {
+    let (Some(directory), Some(base)) = (prefix.parent(), prefix.file_name()) else {
+        return Ok(());
+    };
+    let directory = if directory.as_os_str().is_empty() {
+        std::path::Path::new(".")
+    } else {
+        directory
+    };
+    let base = base.to_string_lossy();
+    let Ok(entries) = std::fs::read_dir(directory) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(base.as_ref()) else {
+            continue;
+        };
+        let leftover = rest == ".bin.tmp"
+            || rest == ".idx.tmp"
+            || (rest.starts_with(".partition-") && rest.contains(".tmp"));
+        if leftover {
+            std::fs::remove_file(entry.path()).map_err(|e| PreprocessError::Io {
+                what: format!("removing the leftover {}", entry.path().display()),
+                source: e,
+            })?;
+        }
+    }
+    Ok(())
+}
+
 impl Outputs {
     fn create(
         opts: &PreprocessOptions,
@@ -159,6 +193,9 @@ impl Outputs {
             .iter()
             .map(|k| output_prefix(&opts.output_prefix, k, level))
             .collect();
+        for prefix in &finals {
+            remove_leftovers(prefix)?;
+        }
         let round_robin = opts.partitions > 1 && !opts.keep_sequential_samples;
         let partition_prefixes: Vec<Vec<PathBuf>> = if round_robin {
             (0..opts.partitions)
@@ -310,20 +347,67 @@ mod tests {
         partitions: usize,
     ) -> (tempfile::TempDir, Result<Summary, PreprocessError>) {
         let dir = tempfile::tempdir().unwrap();
-        let input = dir.path().join("in.jsonl");
+        let summary = run_in(dir.path(), lines, append_eod, partitions);
+        (dir, summary)
+    }
+
+    fn run_in(
+        dir: &std::path::Path,
+        lines: &str,
+        append_eod: bool,
+        partitions: usize,
+    ) -> Result<Summary, PreprocessError> {
+        let input = dir.join("in.jsonl");
         std::fs::write(&input, lines).unwrap();
         let opts = PreprocessOptions {
             inputs: vec![InputSource::File(input)],
             json_keys: vec!["text".into(), "title".into()],
-            output_prefix: dir.path().join("out"),
+            output_prefix: dir.join("out"),
             workers: 2,
             partitions,
             keep_sequential_samples: false,
             skip_invalid: false,
         };
         let encoder = Encoder::new(Box::new(NullTokenizer::new(100)), None, append_eod).unwrap();
-        let summary = preprocess(&opts, &encoder, |_| {});
-        (dir, summary)
+        preprocess(&opts, &encoder, |_| {})
+    }
+
+    #[test]
+    fn a_killed_runs_temporary_files_are_removed_by_the_next_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let leftovers = [
+            "out_text_document.bin.tmp",
+            "out_text_document.idx.tmp",
+            "out_title_document.partition-7.tmp.bin",
+            "out_title_document.partition-7.tmp.bin.tmp",
+        ];
+        for name in leftovers {
+            std::fs::write(dir.path().join(name), b"half written").unwrap();
+        }
+        std::fs::write(dir.path().join("out_text_document.keep.tmp"), b"not ours").unwrap();
+        run_in(
+            dir.path(),
+            "{\"text\": \"1\", \"title\": \"2\"}\n",
+            false,
+            1,
+        )
+        .unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "in.jsonl",
+                "out_text_document.bin",
+                "out_text_document.idx",
+                "out_text_document.keep.tmp",
+                "out_title_document.bin",
+                "out_title_document.idx"
+            ]
+        );
     }
 
     #[test]

@@ -4,10 +4,15 @@
 //! The parameters are NLTK's `punkt_tab/<lang>` files; `--keep-newlines` switches to the
 //! period-context pattern Megatron substitutes so that whitespace after a sentence stays in it.
 
+mod download;
 mod params;
 mod punkt;
 mod words;
 
+pub use download::{
+    download_punkt_tab, nltk_download_root, PUNKT_TAB_SHA256, PUNKT_TAB_URL, SHA256_VARIABLE,
+    URL_VARIABLE,
+};
 pub use params::{find_punkt_dir, PunktParameters};
 pub use punkt::{SentenceSplitter, MEGATRON_SLICE_CHARS};
 

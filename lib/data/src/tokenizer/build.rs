@@ -1,6 +1,9 @@
 use std::path::PathBuf;
 
-use super::{BertWordPiece, Gpt2Bpe, HuggingFace, NullTokenizer, Tokenizer, TokenizerError};
+use super::{
+    BertWordPiece, Gpt2Bpe, HuggingFace, NullTokenizer, SentencePiece, SentencePieceFlavor,
+    TikToken, TikTokenOptions, Tokenizer, TokenizerError,
+};
 
 /// Megatron's `--tokenizer-type` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +84,8 @@ pub struct TokenizerConfig {
     pub merge_file: Option<PathBuf>,
     pub tokenizer_model: Option<PathBuf>,
     pub vocab_size: Option<u32>,
+    /// `TikTokenizer`'s pattern and special tokens (its `vocab_size` is `vocab_size` above).
+    pub tiktoken: TikTokenOptions,
     /// Megatron's 2026 behaviour: BERT wraps every text in `[CLS]` ... `[SEP]`. HuggingFace
     /// tokenizers always add their model's special tokens, as Megatron's do.
     pub include_special_tokens: bool,
@@ -133,19 +138,34 @@ pub fn build_tokenizer_with_extra_ids(
             &required(&config.tokenizer_model, "--tokenizer-model", kind)?,
             true,
         )?),
-        TokenizerType::NullTokenizer => Box::new(NullTokenizer::new(
-            config
-                .vocab_size
-                .ok_or_else(|| TokenizerError::Config("NullTokenizer needs --vocab-size".into()))?,
-        )),
+        TokenizerType::NullTokenizer => {
+            Box::new(NullTokenizer::new(config.vocab_size.ok_or_else(|| {
+                TokenizerError::Config("NullTokenizer needs --vocab-size".into())
+            })?))
+        }
         TokenizerType::SentencePieceTokenizer
         | TokenizerType::GptSentencePieceTokenizer
-        | TokenizerType::Llama2Tokenizer
-        | TokenizerType::TikTokenizer => {
-            return Err(TokenizerError::Config(format!(
-                "{kind} is not supported: there is no maintained pure-Rust loader for its model files; \
-                 convert the model to a HuggingFace tokenizer.json and use --tokenizer-type HuggingFaceTokenizer"
-            )))
+        | TokenizerType::Llama2Tokenizer => {
+            let flavor = match kind {
+                TokenizerType::SentencePieceTokenizer => SentencePieceFlavor::Megatron,
+                TokenizerType::GptSentencePieceTokenizer => SentencePieceFlavor::Gpt,
+                _ => SentencePieceFlavor::Llama2,
+            };
+            Box::new(SentencePiece::from_file(
+                &required(&config.tokenizer_model, "--tokenizer-model", kind)?,
+                flavor,
+                0,
+            )?)
+        }
+        TokenizerType::TikTokenizer => {
+            let mut options = config.tiktoken.clone();
+            if let Some(size) = config.vocab_size {
+                options.vocab_size = size as usize;
+            }
+            Box::new(TikToken::from_file(
+                &required(&config.tokenizer_model, "--tokenizer-model", kind)?,
+                &options,
+            )?)
         }
     })
 }

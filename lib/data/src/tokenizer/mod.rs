@@ -2,13 +2,16 @@
 //!
 //! GPT-2 BPE and BERT WordPiece are implemented here so that their legacy quirks (merges-file
 //! parsing, unknown-id fallback, BERT's added `[BOS]`/`[EOS]`) match Megatron exactly;
-//! `HuggingFaceTokenizer` loads any `tokenizer.json` through the `tokenizers` crate.
+//! `HuggingFaceTokenizer` loads any `tokenizer.json` through the `tokenizers` crate;
+//! SentencePiece `.model` files and Megatron's tiktoken JSON vocabularies are read here too.
 
 mod bert;
 mod build;
 mod gpt2;
 mod huggingface;
 mod null;
+mod sentencepiece;
+mod tiktoken;
 mod train;
 
 pub use bert::BertWordPiece;
@@ -16,6 +19,8 @@ pub use build::{build_tokenizer, build_tokenizer_with_extra_ids, TokenizerConfig
 pub use gpt2::Gpt2Bpe;
 pub use huggingface::HuggingFace;
 pub use null::NullTokenizer;
+pub use sentencepiece::{SentencePiece, SentencePieceFlavor};
+pub use tiktoken::{TikToken, TikTokenOptions};
 pub use train::{
     read_texts, train_byte_level_bpe, BpeTrainingOptions, TrainError, TrainedBpe, END_OF_TEXT,
 };
