@@ -182,6 +182,7 @@ mod tests {
             tokenizer_model: None,
             vocab_size: None,
             include_special_tokens: false,
+            tiktoken: Default::default(),
         }
     }
 
