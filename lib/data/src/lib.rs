@@ -8,4 +8,5 @@ pub mod openwebtext;
 pub mod preprocess;
 pub mod random;
 pub mod sentence;
+pub mod tasks;
 pub mod tokenizer;
