@@ -490,3 +490,76 @@ fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
     terminate(server.child);
     wait_success(follower, "rank 1 after rank 0 stopped");
 }
+
+/// Megatron's `examples/inference/run_text_generation_server_345M.sh` flag set, scaled to the
+/// test's model and otherwise unchanged, is accepted (the architecture checked against the
+/// checkpoint, `--fp16 --micro-batch-size 1 --seed 42` and the parallel sizes taken as
+/// run-time flags); the same flags with a wrong architecture are refused naming both values;
+/// `generate_samples_gpt` takes the same flag set.
+#[test]
+fn megatrons_345m_server_script_flags_run_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let data = workspace_root().join("data");
+    let (vocab, merges) = (data.join("quickstart-vocab.json"), data.join("quickstart-merges.txt"));
+    let script_flags = |layers: &str| -> Vec<String> {
+        let mut flags: Vec<String> = [
+            "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1",
+            "--num-layers", layers,
+            "--hidden-size", "64",
+            "--load",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        flags.push(ckpt.display().to_string());
+        flags.extend(
+            [
+                "--num-attention-heads", "4",
+                "--max-position-embeddings", "96",
+                "--tokenizer-type", "GPT2BPETokenizer",
+                "--fp16",
+                "--micro-batch-size", "1",
+                "--seq-length", "64",
+                "--vocab-file",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        flags.push(vocab.display().to_string());
+        flags.push("--merge-file".into());
+        flags.push(merges.display().to_string());
+        flags.extend(["--seed", "42"].iter().map(|s| s.to_string()));
+        flags
+    };
+    let mut command = bin("text_generation_server");
+    command
+        .args(script_flags("2"))
+        .args(["--port", "0", "--device", "cpu"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let server = serve(command.spawn().unwrap());
+    let reply = request(&server, r#"{"prompts": ["The data"], "tokens_to_generate": 4, "top_k": 1}"#).unwrap();
+    assert!(reply["text"][0].as_str().unwrap().starts_with("The data"));
+    terminate(server.child);
+
+    let out = bin("text_generation_server")
+        .args(script_flags("24"))
+        .args(["--port", "0", "--device", "cpu"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--num-layers 24 does not match the checkpoint") && stderr.contains("(2)"),
+        "{stderr}"
+    );
+
+    let mut samples = bin("generate_samples_gpt");
+    samples
+        .args(script_flags("2"))
+        .args(["--prompt", "The data", "--greedy", "--out-seq-length", "4", "--device", "cpu"]);
+    assert!(String::from_utf8(run_ok(&mut samples).stdout).unwrap().starts_with("The data"));
+}

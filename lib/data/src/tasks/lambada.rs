@@ -43,6 +43,62 @@ impl LambadaPassage {
     }
 }
 
+/// Which formulation of the task a dataset holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LambadaFormulation {
+    /// Megatron's default: the last BPE token.
+    MegatronNonStrict,
+    /// Megatron's `--strict-lambada`: the whole last word.
+    MegatronStrict,
+    /// lm-evaluation-harness's `lambada_openai`: context `" ".join(text.split(" ")[:-1])`,
+    /// continuation `" " + text.split(" ")[-1]`, split as lm-eval's causal `_encode_pair` does.
+    LmEval,
+}
+
+impl LambadaPassage {
+    /// lm-evaluation-harness's `lambada_openai` request for `text`, tokenized as its causal
+    /// models do: trailing spaces of the context move to the continuation, the whole text is
+    /// tokenized and the continuation is what follows the context's tokens; an empty context
+    /// becomes the end-of-text token.
+    pub fn lm_eval(text: &str, tokenizer: &dyn Tokenizer, eod: u32) -> Result<Self> {
+        let words: Vec<&str> = text.split(' ').collect();
+        let (last, rest) = words.split_last().expect("split yields at least one piece");
+        let mut context = rest.join(" ");
+        let mut continuation = format!(" {last}");
+        if context.is_empty() {
+            let target = tokenizer.tokenize(&continuation)?;
+            ensure!(!target.is_empty(), "the text has no tokens");
+            return Ok(if target[0] != eod {
+                LambadaPassage { context: vec![eod], target }
+            } else {
+                LambadaPassage { context: target[..1].to_vec(), target: target[1..].to_vec() }
+            });
+        }
+        let kept = context.trim_end_matches(super::is_python_space).len();
+        if kept < context.len() {
+            continuation = format!("{}{continuation}", &context[kept..]);
+            context.truncate(kept);
+        }
+        let whole = tokenizer.tokenize(&format!("{context}{continuation}"))?;
+        let context = tokenizer.tokenize(&context)?;
+        let target = whole.get(context.len()..).unwrap_or_default().to_vec();
+        Ok(LambadaPassage { context, target })
+    }
+
+    pub fn with_formulation(
+        text: &str,
+        tokenizer: &dyn Tokenizer,
+        formulation: LambadaFormulation,
+        eod: u32,
+    ) -> Result<Self> {
+        match formulation {
+            LambadaFormulation::MegatronNonStrict => Self::new(text, tokenizer, false),
+            LambadaFormulation::MegatronStrict => Self::new(text, tokenizer, true),
+            LambadaFormulation::LmEval => Self::lm_eval(text, tokenizer, eod),
+        }
+    }
+}
+
 /// Megatron's `_LambadaDataset`: one passage per JSON line (key `text`).
 #[derive(Debug, Clone)]
 pub struct LambadaDataset {
@@ -61,6 +117,21 @@ impl LambadaDataset {
         seq_length: usize,
         strict: bool,
     ) -> Result<Self> {
+        let formulation = if strict {
+            LambadaFormulation::MegatronStrict
+        } else {
+            LambadaFormulation::MegatronNonStrict
+        };
+        Self::load_formulation(path, tokenizer, seq_length, formulation)
+    }
+
+    /// As [`load`](Self::load), in any formulation.
+    pub fn load_formulation(
+        path: &Path,
+        tokenizer: &dyn Tokenizer,
+        seq_length: usize,
+        formulation: LambadaFormulation,
+    ) -> Result<Self> {
         let text = super::read_task_file(path)?;
         let pad = tokenizer
             .eod()
@@ -76,7 +147,8 @@ impl LambadaDataset {
             let Some(text) = value.get("text").and_then(|t| t.as_str()) else {
                 bail!("{}: no string field \"text\"", at());
             };
-            let passage = LambadaPassage::new(text, tokenizer, strict).with_context(at)?;
+            let passage = LambadaPassage::with_formulation(text, tokenizer, formulation, pad)
+                .with_context(at)?;
             let length = passage.context.len() + passage.target.len();
             ensure!(
                 length <= seq_length + 1,

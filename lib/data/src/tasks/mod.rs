@@ -7,7 +7,7 @@ mod python_text;
 mod window;
 mod wikitext;
 
-pub use lambada::{LambadaDataset, LambadaPassage};
+pub use lambada::{LambadaDataset, LambadaFormulation, LambadaPassage};
 pub use python_text::{is_python_space, python_split_whitespace, python_strip};
 pub use window::TaskSample;
 pub use wikitext::{detokenizer_for_path, wikitext_detokenize, Detokenizer, LmDataset, WikitextData};
