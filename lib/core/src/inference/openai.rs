@@ -6,6 +6,9 @@ use serde_json::{json, Map, Value};
 
 use super::api::{ApiError, MAX_PROMPTS};
 
+/// The most alternatives `logprobs: N` may ask for (OpenAI allows 5; lm-eval asks for 1).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
@@ -20,6 +23,9 @@ pub struct CompletionRequest {
     pub echo: bool,
     /// Include the log-probability of every returned token.
     pub logprobs: bool,
+    /// `logprobs: N`: also the N most likely tokens at every returned position.
+    #[serde(default)]
+    pub top_logprobs: usize,
     pub seed: Option<u64>,
     pub stream: bool,
 }
@@ -111,19 +117,18 @@ impl CompletionRequest {
             Some(value) => strings(value, "stop")?,
         };
         let logprobs = match body.get("logprobs") {
-            None | Some(Value::Null) => false,
-            Some(value) => {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(
                 value
                     .as_i64()
-                    .ok_or_else(|| ApiError("logprobs must be an integer".into()))?
-                    >= 0
-            }
+                    .ok_or_else(|| ApiError("logprobs must be an integer".into()))?,
+            ),
         };
+        if logprobs.is_some_and(|n| !(0..=MAX_TOP_LOGPROBS as i64).contains(&n)) {
+            return invalid(format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS}"));
+        }
         let seed = integer(body, "seed")?.map(|s| s as u64);
         let echo = flag(body, "echo")?;
-        if max_tokens == 0 && !echo {
-            return invalid("max_tokens = 0 returns nothing without echo".into());
-        }
         Ok(CompletionRequest {
             model: body
                 .get("model")
@@ -137,7 +142,8 @@ impl CompletionRequest {
             top_k,
             stop,
             echo,
-            logprobs,
+            logprobs: logprobs.is_some(),
+            top_logprobs: logprobs.unwrap_or(0) as usize,
             seed,
             stream: flag(body, "stream")?,
         })
@@ -149,7 +155,11 @@ impl CompletionRequest {
 pub struct Choice {
     pub text: String,
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
+    /// `None` for the first token of an echoed prompt, which has no context (as OpenAI).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// With `logprobs: N > 0`, the N most likely tokens (text → log-probability) at each
+    /// position, `None` where `token_logprobs` is.
+    pub top_logprobs: Option<Vec<Option<Vec<(String, f32)>>>>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -166,16 +176,32 @@ pub fn completion_body(
         .enumerate()
         .map(|(index, c)| {
             let logprobs = (!c.tokens.is_empty()).then(|| {
+                // OpenAI's offsets count characters (Python string indices), not bytes.
                 let mut offset = 0;
                 let offsets: Vec<usize> = c
                     .tokens
                     .iter()
                     .map(|t| {
-                        offset += t.len();
-                        offset - t.len()
+                        let start = offset;
+                        offset += t.chars().count();
+                        start
                     })
                     .collect();
-                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": offsets, "top_logprobs": null})
+                let top = c.top_logprobs.as_ref().map(|positions| {
+                    positions
+                        .iter()
+                        .map(|alternatives| {
+                            alternatives.as_ref().map(|alternatives| {
+                                let mut map = Map::new();
+                                for (text, logprob) in alternatives {
+                                    map.entry(text.clone()).or_insert(json!(logprob));
+                                }
+                                Value::Object(map)
+                            })
+                        })
+                        .collect::<Vec<_>>()
+                });
+                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": offsets, "top_logprobs": top})
             });
             json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         })
@@ -231,8 +257,8 @@ mod tests {
                 "cannot set both top_k and top_p",
             ),
             (
-                json!({"prompt": "a", "max_tokens": 0}),
-                "max_tokens = 0 returns nothing without echo",
+                json!({"prompt": "a", "logprobs": 21}),
+                "logprobs must be between 0 and 20",
             ),
             (
                 json!({"prompt": "a", "temperature": "x"}),
@@ -252,12 +278,22 @@ mod tests {
     fn text_offsets_follow_the_tokens() {
         let choice = Choice {
             text: "ab c".into(),
-            tokens: vec!["ab".into(), " c".into()],
-            token_logprobs: vec![-1.0, -2.0],
+            tokens: vec!["hé".into(), "llo".into(), " wö".into(), "rld".into()],
+            token_logprobs: vec![None, Some(-1.0), Some(-2.0), Some(-0.5)],
+            top_logprobs: Some(vec![
+                None,
+                Some(vec![("llo".into(), -1.0)]),
+                Some(vec![(" x".into(), -0.1)]),
+                Some(vec![("rld".into(), -0.5)]),
+            ]),
             finish_reason: Some("length"),
         };
         let body = completion_body("x", 0, "m", &[choice], Some((3, 2)));
-        assert_eq!(body["choices"][0]["logprobs"]["text_offset"], json!([0, 2]));
+        let logprobs = &body["choices"][0]["logprobs"];
+        // 'héllo wörld'[i] in Python: characters, not UTF-8 bytes.
+        assert_eq!(logprobs["text_offset"], json!([0, 2, 5, 8]));
+        assert_eq!(logprobs["token_logprobs"], json!([null, -1.0, -2.0, -0.5]));
+        assert_eq!(logprobs["top_logprobs"], json!([null, {"llo": -1.0}, {" x": -0.1}, {"rld": -0.5}]));
         assert_eq!(body["usage"]["total_tokens"], json!(5));
     }
 }

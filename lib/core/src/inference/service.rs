@@ -18,7 +18,7 @@ use super::generation::{
 };
 use super::openai::{completion_body, Choice, CompletionRequest};
 use super::sampling::Sampling;
-use crate::model::GptModel;
+use crate::model::{AttentionMask, GptModel};
 use crate::parallel::Communicator;
 
 /// Megatron's `--max-tokens-to-oom` default: prompts × total length per request.
@@ -263,6 +263,12 @@ impl TextGenerationService {
             )));
         }
         self.seed(request.seed)?;
+        if request.echo {
+            // A streamed echo starts with the prompt, as the whole answer does.
+            for (row, prompt) in request.prompts.iter().enumerate() {
+                on_delta(row, prompt);
+            }
+        }
         let sampling = if request.temperature == 0.0 {
             Sampling::greedy()
         } else {
@@ -335,14 +341,37 @@ impl TextGenerationService {
             };
             completion_tokens += stream.tokens.len();
             if let Some(logprobs) = &out.logprobs {
-                let first = if request.echo { 1 } else { prompts[row].len() };
-                let shown: Vec<i64> =
-                    out.tokens[row][first..(prompts[row].len() + stream.tokens.len())].to_vec();
+                // With echo the prompt's tokens come first, the very first without a
+                // log-probability (nothing precedes it), as OpenAI answers.
+                let first = if request.echo { 0 } else { prompts[row].len() };
+                let end = prompts[row].len() + stream.tokens.len();
+                let shown = &out.tokens[row][first..end];
                 choice.tokens = shown
                     .iter()
                     .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
                     .collect();
-                choice.token_logprobs = logprobs[row][first - 1..first - 1 + shown.len()].to_vec();
+                choice.token_logprobs = (first..end)
+                    .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
+                    .collect();
+                if request.top_logprobs > 0 {
+                    let alternatives = self
+                        .top_alternatives(&out.tokens[row][..end], request.top_logprobs)
+                        .map_err(failed)?;
+                    choice.top_logprobs = Some(
+                        (first..end)
+                            .map(|i| {
+                                (i > 0).then(|| {
+                                    alternatives[i - 1]
+                                        .iter()
+                                        .map(|&(t, l)| {
+                                            (self.tokenizer.detokenize(&[t as u32]).unwrap_or_default(), l)
+                                        })
+                                        .collect()
+                                })
+                            })
+                            .collect(),
+                    );
+                }
             }
             choices.push(choice);
         }
@@ -354,6 +383,34 @@ impl TextGenerationService {
             &choices,
             Some((prompt_tokens, completion_tokens)),
         ))
+    }
+
+    /// For every position after the first of `tokens`, the `n` most likely next tokens and
+    /// their log-probabilities over the true vocabulary (one forward over the sequence; every
+    /// tensor-parallel rank runs it).
+    fn top_alternatives(&self, tokens: &[i64], n: usize) -> Result<Vec<Vec<(i64, f32)>>> {
+        let device = self.model.options().device;
+        let length = tokens.len() as i64;
+        let input = Tensor::from_slice(tokens).view([1, length]).to_device(device);
+        let positions = Tensor::arange(length, (Kind::Int64, device)).unsqueeze(0);
+        let logits = tch::no_grad(|| {
+            self.model
+                .forward_full_logits(&input, &positions, &AttentionMask::Causal)
+        })?;
+        let log_probs = logits
+            .select(1, 0)
+            .narrow(1, 0, self.model.config.vocab_size)
+            .log_softmax(-1, Kind::Float);
+        let (values, indices) = log_probs.topk(n as i64, -1, true, true);
+        let values = values.narrow(0, 0, length - 1).to_device(Device::Cpu);
+        let indices = indices.narrow(0, 0, length - 1).to_device(Device::Cpu);
+        let values: Vec<Vec<f32>> = Vec::try_from(values)?;
+        let indices: Vec<Vec<i64>> = Vec::try_from(indices)?;
+        Ok(indices
+            .into_iter()
+            .zip(values)
+            .map(|(ids, logprobs)| ids.into_iter().zip(logprobs).collect())
+            .collect())
     }
 
     /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.

@@ -30,6 +30,27 @@ fn batch_tensors(samples: &[TaskSample], length: usize, device: Device) -> (Tens
     (inputs, labels, mask)
 }
 
+/// The vocabulary the model is scored over: the one-rank padded vocabulary the checkpoint holds.
+/// Under tensor parallelism the vocabulary is padded further (to a multiple of 128·t) with
+/// zero rows, which would add `exp(0)` terms to the softmax; they are masked out, so that any
+/// tensor-parallel size gives the one-rank numbers.
+fn scored_vocabulary(model: &GptModel) -> i64 {
+    model.config.padded_vocab_size(1)
+}
+
+/// Vocab-parallel logits `[s, b, V/t]` of rank `rank` with the columns past the scored
+/// vocabulary set to a large negative value (finite, so a rank's maximum stays finite).
+fn mask_extra_vocabulary(logits: Tensor, model: &GptModel, rank: usize) -> Tensor {
+    let local = *logits.size().last().expect("logits have a vocabulary dimension");
+    let start = rank as i64 * local;
+    let keep = (scored_vocabulary(model) - start).clamp(0, local);
+    if keep == local {
+        return logits;
+    }
+    let columns = Tensor::arange(local, (Kind::Int64, logits.device())).ge(keep);
+    logits.masked_fill(&columns, -1e30)
+}
+
 fn positions(inputs: &Tensor) -> Tensor {
     let (rows, length) = inputs.size2().expect("inputs are [b, s]");
     Tensor::arange(length, (Kind::Int64, inputs.device()))
@@ -50,6 +71,7 @@ pub fn score_windows(
     tch::no_grad(|| {
         let (inputs, labels, mask) = batch_tensors(samples, length, device);
         let logits = model.forward(&inputs, &positions(&inputs), &AttentionMask::Causal, false)?;
+        let logits = mask_extra_vocabulary(logits, model, tensor_group.rank());
         let losses = cross_entropy(&logits, &labels, tensor_group)?;
         Ok((losses.to_kind(Kind::Double) * mask.to_kind(Kind::Double))
             .sum(Kind::Double)
@@ -78,6 +100,7 @@ pub fn score_lambada(model: &GptModel, samples: &[TaskSample]) -> Result<Lambada
         // [s, b, V] gathered over the tensor-parallel ranks → [b, s, V].
         let logits = model
             .forward_full_logits(&inputs, &positions(&inputs), &AttentionMask::Causal)?
+            .narrow(2, 0, scored_vocabulary(model))
             .transpose(0, 1);
         let scored = mask.gt(0.5);
         let right = logits.argmax(-1, false).eq_tensor(&labels).logical_or(&scored.logical_not());
