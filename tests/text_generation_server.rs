@@ -563,3 +563,82 @@ fn megatrons_345m_server_script_flags_run_unchanged() {
         .args(["--prompt", "The data", "--greedy", "--out-seq-length", "4", "--device", "cpu"]);
     assert!(String::from_utf8(run_ok(&mut samples).stdout).unwrap().starts_with("The data"));
 }
+
+/// What lm-evaluation-harness's `local-completions` sends for log-likelihoods (`echo: true`,
+/// `logprobs: 1`, `max_tokens` 1 or 0) gets OpenAI's legacy answer: the echoed prompt's first
+/// token with a null log-probability, character offsets, `top_logprobs`; a streamed echo starts
+/// with the prompt; a rejected streaming request is answered 400.
+#[test]
+fn completions_answer_what_lm_eval_sends() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let completion = |body: Value| -> Result<String, String> {
+        let out = cli(&server, &["--completion", &body.to_string()]);
+        if out.status.success() {
+            Ok(String::from_utf8(out.stdout).unwrap())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).to_string())
+        }
+    };
+    let prompt = "héllo wörld, the data";
+    for max_tokens in [0, 1] {
+        let answer: Value = serde_json::from_str(
+            &completion(json!({"prompt": prompt, "max_tokens": max_tokens, "echo": true,
+                               "logprobs": 1, "temperature": 0}))
+            .unwrap(),
+        )
+        .unwrap();
+        let choice = &answer["choices"][0];
+        let logprobs = &choice["logprobs"];
+        let tokens: Vec<&str> =
+            logprobs["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(tokens.len(), prompt_tokens + max_tokens, "{answer}");
+        assert_eq!(tokens[..prompt_tokens].concat(), prompt);
+        assert!(choice["text"].as_str().unwrap().starts_with(prompt));
+        let values = logprobs["token_logprobs"].as_array().unwrap();
+        assert!(values[0].is_null());
+        assert!(values[1..].iter().all(|v| v.as_f64().unwrap() <= 0.0));
+        // Offsets index characters of the text, as Python strings do.
+        let text: Vec<char> = choice["text"].as_str().unwrap().chars().collect();
+        for (token, offset) in tokens.iter().zip(logprobs["text_offset"].as_array().unwrap()) {
+            let offset = offset.as_u64().unwrap() as usize;
+            let piece: String = text[offset..offset + token.chars().count()].iter().collect();
+            assert_eq!(&piece, token);
+        }
+        let top = logprobs["top_logprobs"].as_array().unwrap();
+        assert!(top[0].is_null());
+        for (alternatives, value) in top[1..].iter().zip(&values[1..]) {
+            let alternatives = alternatives.as_object().unwrap();
+            assert_eq!(alternatives.len(), 1);
+            let best = alternatives.values().next().unwrap().as_f64().unwrap();
+            assert!(best >= value.as_f64().unwrap() - 1e-6);
+        }
+        if max_tokens == 1 {
+            // Greedy: the generated token is the most likely one.
+            let best = top.last().unwrap().as_object().unwrap();
+            assert_eq!(best.keys().next().unwrap(), tokens.last().unwrap());
+        }
+    }
+    let plain: Value =
+        serde_json::from_str(&completion(json!({"prompt": "The data", "max_tokens": 0})).unwrap()).unwrap();
+    assert_eq!(plain["choices"][0]["text"], "");
+
+    let events = completion(
+        json!({"prompt": "The data", "max_tokens": 3, "temperature": 0, "echo": true, "stream": true}),
+    )
+    .unwrap();
+    let streamed: String = events
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .take_while(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert!(streamed.starts_with("The data") && streamed.len() > "The data".len(), "{streamed:?}");
+
+    let rejected = completion(json!({"prompt": "The data", "max_tokens": 500, "stream": true})).unwrap_err();
+    assert!(rejected.contains("Error 400") && rejected.contains("exceed the model's"), "{rejected}");
+    terminate(server.child);
+}
