@@ -155,12 +155,23 @@ impl CompletionRequest {
 pub struct Choice {
     pub text: String,
     pub tokens: Vec<String>,
+    /// Where each token starts in `text`, in characters (see [`text_offsets`]).
+    pub text_offset: Vec<usize>,
     /// `None` for the first token of an echoed prompt, which has no context (as OpenAI).
     pub token_logprobs: Vec<Option<f32>>,
     /// With `logprobs: N > 0`, the N most likely tokens (text → log-probability) at each
     /// position, `None` where `token_logprobs` is.
     pub top_logprobs: Option<Vec<Option<Vec<(String, f32)>>>>,
     pub finish_reason: Option<&'static str>,
+}
+
+/// OpenAI's `text_offset`: where each of `ids` starts in their text, counted in characters
+/// (Python string indices), not bytes. A byte-level token may hold part of a character, so the
+/// offsets come from the decoded prefixes, not from the tokens' own (lossy) texts.
+pub fn text_offsets(ids: &[u32], decode: impl Fn(&[u32]) -> String) -> Vec<usize> {
+    (0..ids.len())
+        .map(|i| decode(&ids[..i]).chars().count())
+        .collect()
 }
 
 /// The response body (also the last streamed event, without `usage` there).
@@ -176,17 +187,6 @@ pub fn completion_body(
         .enumerate()
         .map(|(index, c)| {
             let logprobs = (!c.tokens.is_empty()).then(|| {
-                // OpenAI's offsets count characters (Python string indices), not bytes.
-                let mut offset = 0;
-                let offsets: Vec<usize> = c
-                    .tokens
-                    .iter()
-                    .map(|t| {
-                        let start = offset;
-                        offset += t.chars().count();
-                        start
-                    })
-                    .collect();
                 let top = c.top_logprobs.as_ref().map(|positions| {
                     positions
                         .iter()
@@ -201,7 +201,7 @@ pub fn completion_body(
                         })
                         .collect::<Vec<_>>()
                 });
-                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": offsets, "top_logprobs": top})
+                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": c.text_offset, "top_logprobs": top})
             });
             json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         })
@@ -279,21 +279,33 @@ mod tests {
         let choice = Choice {
             text: "ab c".into(),
             tokens: vec!["hé".into(), "llo".into(), " wö".into(), "rld".into()],
+            text_offset: vec![0, 2, 5, 8],
             token_logprobs: vec![None, Some(-1.0), Some(-2.0), Some(-0.5)],
             top_logprobs: Some(vec![
                 None,
                 Some(vec![("llo".into(), -1.0)]),
-                Some(vec![(" x".into(), -0.1)]),
+                Some(vec![(" x".into(), -0.25)]),
                 Some(vec![("rld".into(), -0.5)]),
             ]),
             finish_reason: Some("length"),
         };
         let body = completion_body("x", 0, "m", &[choice], Some((3, 2)));
         let logprobs = &body["choices"][0]["logprobs"];
-        // 'héllo wörld'[i] in Python: characters, not UTF-8 bytes.
         assert_eq!(logprobs["text_offset"], json!([0, 2, 5, 8]));
         assert_eq!(logprobs["token_logprobs"], json!([null, -1.0, -2.0, -0.5]));
-        assert_eq!(logprobs["top_logprobs"], json!([null, {"llo": -1.0}, {" x": -0.1}, {"rld": -0.5}]));
+        assert_eq!(logprobs["top_logprobs"], json!([null, {"llo": -1.0}, {" x": -0.25}, {"rld": -0.5}]));
+    }
+
+    #[test]
+    fn offsets_count_characters_of_the_decoded_text() {
+        // Byte-level pieces of "héllo wörld": "ö" is split over two tokens.
+        let pieces: [&[u8]; 5] = [b"h\xc3\xa9", b"llo", b" w\xc3", b"\xb6", b"rld"];
+        let decode = |ids: &[u32]| {
+            let bytes: Vec<u8> = ids.iter().flat_map(|&i| pieces[i as usize].to_vec()).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        };
+        // 'héllo wörld'.index('llo') == 2, .index('rld') == 8, as Python counts.
+        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], decode), [0, 2, 5, 7, 8]);
         assert_eq!(body["usage"]["total_tokens"], json!(5));
     }
 }

@@ -16,7 +16,7 @@ use super::decoder::Decoder;
 use super::generation::{
     generate_tokens, generate_tokens_observed, GenerationRequest, StopCondition,
 };
-use super::openai::{completion_body, Choice, CompletionRequest};
+use super::openai::{completion_body, text_offsets, Choice, CompletionRequest};
 use super::sampling::Sampling;
 use crate::model::{AttentionMask, GptModel};
 use crate::parallel::Communicator;
@@ -350,6 +350,10 @@ impl TextGenerationService {
                     .iter()
                     .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
                     .collect();
+                let ids: Vec<u32> = shown.iter().map(|&t| t as u32).collect();
+                choice.text_offset = text_offsets(&ids, |prefix| {
+                    self.tokenizer.detokenize(prefix).unwrap_or_default()
+                });
                 choice.token_logprobs = (first..end)
                     .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
                     .collect();
