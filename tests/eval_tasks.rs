@@ -293,3 +293,106 @@ fn megatron_model_flags_are_checked_and_bad_input_is_named() {
         "no such checkpoint directory",
     );
 }
+
+/// lm-evaluation-harness (`lm_eval`, from PyPI) runs a local LAMBADA task (the lambada_openai
+/// formulation over the fixture's passages, `dataset_path: json`, offline) against
+/// `text_generation_server` through `local-completions`; its accuracy equals what eval_tasks
+/// computes for the same formulation (`--report lm-eval`).
+#[test]
+fn lm_eval_through_the_server_equals_eval_tasks() {
+    let fixture = fixture();
+    let python = test_python(&["lm_eval", "transformers", "datasets"]);
+    let dir = tempfile::tempdir().unwrap();
+
+    let json = dir.path().join("ours.json");
+    let mut ours = eval_tasks(fixture, &["--task", "LAMBADA", "--report", "lm-eval"]);
+    ours.arg("--valid-data").arg(&fixture.lambada).arg("--results-json").arg(&json);
+    run_ok(&mut ours);
+    let ours = read_json(&json)["lm_eval"].clone();
+
+    let tokenizer = dir.path().join("tokenizer");
+    std::fs::create_dir(&tokenizer).unwrap();
+    std::fs::copy(shared_dir().join("data/gpt2-tokenizer.json"), tokenizer.join("tokenizer.json")).unwrap();
+    std::fs::write(
+        tokenizer.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "GPT2TokenizerFast", "model_max_length": 128, "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}"#,
+    )
+    .unwrap();
+    let tasks = dir.path().join("tasks");
+    std::fs::create_dir(&tasks).unwrap();
+    std::fs::write(
+        tasks.join("lambada_local.yaml"),
+        format!(
+            "task: lambada_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\n\
+             test_split: test\noutput_type: loglikelihood\n\
+             doc_to_text: \"{{{{text.split(' ')[:-1]|join(' ')}}}}\"\n\
+             doc_to_target: \"{{{{' '+text.split(' ')[-1]}}}}\"\n\
+             metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n",
+            fixture.lambada.display()
+        ),
+    )
+    .unwrap();
+
+    let mut server = bin("text_generation_server");
+    server
+        .arg("--load")
+        .arg(&fixture.checkpoint)
+        .args(tokenizer_flags())
+        .args(["--port", "0", "--device", "cpu", "--max-tokens-to-oom", "100000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut server = server.spawn().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(server.stdout.take().unwrap()));
+    let address = loop {
+        let line = lines.next().expect("the server exited before serving").unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split('/').next().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let output = dir.path().join("lm_eval_out");
+    let run = Command::new(python)
+        .args(["-m", "lm_eval", "--model", "local-completions", "--model_args"])
+        .arg(format!(
+            "base_url=http://{address}/v1/completions,tokenizer_backend=huggingface,tokenizer={},\
+             model=megatron-rs,max_length=127,num_concurrent=1,max_retries=1",
+            tokenizer.display()
+        ))
+        .args(["--tasks", "lambada_local", "--include_path"])
+        .arg(&tasks)
+        .arg("--output_path")
+        .arg(&output)
+        .env("HF_DATASETS_OFFLINE", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .env("HF_HOME", dir.path().join("hf_home"))
+        .output()
+        .unwrap();
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let _ = server.wait();
+    assert!(
+        run.status.success(),
+        "lm_eval failed\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let results = find_results(&output).expect("lm_eval wrote no results_*.json");
+    let acc = read_json(&results)["results"]["lambada_local"]["acc,none"].as_f64().unwrap();
+    let expected = ours["correct"].as_f64().unwrap() / ours["total"].as_f64().unwrap();
+    assert!((acc - expected).abs() < 1e-9, "lm_eval acc {acc}, eval_tasks {expected}");
+}
+
+fn find_results(dir: &Path) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if let Some(found) = find_results(&path) {
+                return Some(found);
+            }
+        } else if path.file_name()?.to_string_lossy().starts_with("results") {
+            return Some(path);
+        }
+    }
+    None
+}

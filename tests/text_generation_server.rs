@@ -627,6 +627,17 @@ fn completions_answer_what_lm_eval_sends() {
             assert_eq!(best.keys().next().unwrap(), tokens.last().unwrap());
         }
     }
+    // lm-eval sends token ids.
+    let ids: Value = serde_json::from_str(
+        &completion(json!({"prompt": [[40, 41, 42]], "max_tokens": 0, "echo": true, "logprobs": 1})).unwrap(),
+    )
+    .unwrap();
+    let tokens = ids["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 3);
+    let echoed: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(ids["choices"][0]["text"], echoed);
+    let outside = completion(json!({"prompt": [1, 999999], "max_tokens": 1})).unwrap_err();
+    assert!(outside.contains("Error 400") && outside.contains("outside the vocabulary"), "{outside}");
     let plain: Value =
         serde_json::from_str(&completion(json!({"prompt": "The data", "max_tokens": 0})).unwrap()).unwrap();
     assert_eq!(plain["choices"][0]["text"], "");

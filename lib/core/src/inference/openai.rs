@@ -12,7 +12,12 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
+    /// The prompts as text (empty strings when they came as token ids).
     pub prompts: Vec<String>,
+    /// The prompts as token ids, when `prompt` was a list of ids or of id lists (as
+    /// lm-evaluation-harness sends them).
+    #[serde(default)]
+    pub prompt_token_ids: Option<Vec<Vec<u32>>>,
     pub max_tokens: usize,
     pub temperature: f64,
     pub top_p: f64,
@@ -73,16 +78,43 @@ fn strings(value: &Value, key: &str) -> Result<Vec<String>, ApiError> {
     }
 }
 
+/// `prompt` as token ids: one list of ids, or a list of them; `None` for text prompts.
+fn token_ids(prompt: &Value) -> Result<Option<Vec<Vec<u32>>>, ApiError> {
+    let Value::Array(items) = prompt else {
+        return Ok(None);
+    };
+    let id = |v: &Value| {
+        v.as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| ApiError("prompt token ids must be non-negative integers".into()))
+    };
+    match items.first() {
+        Some(Value::Number(_)) => Ok(Some(vec![items.iter().map(id).collect::<Result<_, _>>()?])),
+        Some(Value::Array(_)) => items
+            .iter()
+            .map(|row| match row {
+                Value::Array(ids) => ids.iter().map(id).collect::<Result<Vec<u32>, _>>(),
+                _ => Err(ApiError("prompt must be a string, a list of strings, a list of token ids or a list of such lists".into())),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        _ => Ok(None),
+    }
+}
+
 impl CompletionRequest {
     pub fn parse(body: &Value) -> Result<Self, ApiError> {
         let Some(body) = body.as_object() else {
             return invalid("the request body must be a JSON object".into());
         };
-        let prompts = strings(
-            body.get("prompt")
-                .ok_or_else(|| ApiError("prompt is required".into()))?,
-            "prompt",
-        )?;
+        let prompt = body
+            .get("prompt")
+            .ok_or_else(|| ApiError("prompt is required".into()))?;
+        let prompt_token_ids = token_ids(prompt)?;
+        let prompts = match &prompt_token_ids {
+            Some(ids) => vec![String::new(); ids.len()],
+            None => strings(prompt, "prompt")?,
+        };
         if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
             return invalid(format!(
                 "prompt must hold between 1 and {MAX_PROMPTS} prompts"
@@ -130,6 +162,7 @@ impl CompletionRequest {
         let seed = integer(body, "seed")?.map(|s| s as u64);
         let echo = flag(body, "echo")?;
         Ok(CompletionRequest {
+            prompt_token_ids,
             model: body
                 .get("model")
                 .and_then(Value::as_str)
@@ -275,6 +308,18 @@ mod tests {
     }
 
     #[test]
+    fn prompts_may_be_token_ids() {
+        let one = CompletionRequest::parse(&json!({"prompt": [1, 2, 3], "echo": true})).unwrap();
+        assert_eq!(one.prompt_token_ids, Some(vec![vec![1, 2, 3]]));
+        assert_eq!(one.prompts.len(), 1);
+        let two = CompletionRequest::parse(&json!({"prompt": [[1], [4, 5]]})).unwrap();
+        assert_eq!(two.prompt_token_ids, Some(vec![vec![1], vec![4, 5]]));
+        let text = CompletionRequest::parse(&json!({"prompt": ["a", "b"]})).unwrap();
+        assert_eq!(text.prompt_token_ids, None);
+        assert!(CompletionRequest::parse(&json!({"prompt": [1, -2]})).is_err());
+    }
+
+    #[test]
     fn text_offsets_follow_the_tokens() {
         let choice = Choice {
             text: "ab c".into(),
@@ -294,6 +339,7 @@ mod tests {
         assert_eq!(logprobs["text_offset"], json!([0, 2, 5, 8]));
         assert_eq!(logprobs["token_logprobs"], json!([null, -1.0, -2.0, -0.5]));
         assert_eq!(logprobs["top_logprobs"], json!([null, {"llo": -1.0}, {" x": -0.25}, {"rld": -0.5}]));
+        assert_eq!(body["usage"]["total_tokens"], json!(5));
     }
 
     #[test]
@@ -304,8 +350,8 @@ mod tests {
             let bytes: Vec<u8> = ids.iter().flat_map(|&i| pieces[i as usize].to_vec()).collect();
             String::from_utf8_lossy(&bytes).into_owned()
         };
-        // 'héllo wörld'.index('llo') == 2, .index('rld') == 8, as Python counts.
-        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], decode), [0, 2, 5, 7, 8]);
-        assert_eq!(body["usage"]["total_tokens"], json!(5));
+        // 'héllo wörld'.index('llo') == 2, .index('rld') == 8, as Python counts; the token
+        // ending inside "ö" counts it as one (replacement) character.
+        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], decode), [0, 2, 5, 8, 8]);
     }
 }

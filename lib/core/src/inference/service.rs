@@ -245,7 +245,30 @@ impl TextGenerationService {
         on_delta: &mut dyn FnMut(usize, &str),
     ) -> Result<Value, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
-        let prompts = self.tokenize(&request.prompts, false).map_err(failed)?;
+        let (prompts, prompt_texts) = match &request.prompt_token_ids {
+            Some(rows) => {
+                let vocab = self.tokenizer.vocab_size();
+                if let Some(&bad) = rows.iter().flatten().find(|&&id| id as usize >= vocab) {
+                    return Err(ServiceError::Rejected(format!(
+                        "prompt token id {bad} is outside the vocabulary of {vocab} tokens"
+                    )));
+                }
+                let texts = rows
+                    .iter()
+                    .map(|ids| self.tokenizer.detokenize(ids))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ServiceError::Rejected(e.to_string()))?;
+                let ids = rows
+                    .iter()
+                    .map(|ids| ids.iter().map(|&id| i64::from(id)).collect())
+                    .collect();
+                (ids, texts)
+            }
+            None => (
+                self.tokenize(&request.prompts, false).map_err(failed)?,
+                request.prompts.clone(),
+            ),
+        };
         if prompts.iter().any(Vec::is_empty) {
             return Err(ServiceError::Rejected("prompt must not be empty".into()));
         }
@@ -265,7 +288,7 @@ impl TextGenerationService {
         self.seed(request.seed)?;
         if request.echo {
             // A streamed echo starts with the prompt, as the whole answer does.
-            for (row, prompt) in request.prompts.iter().enumerate() {
+            for (row, prompt) in prompt_texts.iter().enumerate() {
                 on_delta(row, prompt);
             }
         }
@@ -332,7 +355,7 @@ impl TextGenerationService {
             let text = stream.final_text(self.tokenizer.as_ref(), &request.stop);
             let mut choice = Choice {
                 text: if request.echo {
-                    format!("{}{text}", request.prompts[row])
+                    format!("{}{text}", prompt_texts[row])
                 } else {
                     text
                 },
@@ -358,9 +381,14 @@ impl TextGenerationService {
                     .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
                     .collect();
                 if request.top_logprobs > 0 {
-                    let alternatives = self
+                    let (chosen, alternatives) = self
                         .top_alternatives(&out.tokens[row][..end], request.top_logprobs)
                         .map_err(failed)?;
+                    // Both from one forward, so a greedy token's value equals the top one
+                    // exactly (lm-eval compares them with `==`).
+                    choice.token_logprobs = (first..end)
+                        .map(|i| (i > 0).then(|| chosen[i - 1]))
+                        .collect();
                     choice.top_logprobs = Some(
                         (first..end)
                             .map(|i| {
@@ -389,10 +417,15 @@ impl TextGenerationService {
         ))
     }
 
-    /// For every position after the first of `tokens`, the `n` most likely next tokens and
-    /// their log-probabilities over the true vocabulary (one forward over the sequence; every
-    /// tensor-parallel rank runs it).
-    fn top_alternatives(&self, tokens: &[i64], n: usize) -> Result<Vec<Vec<(i64, f32)>>> {
+    /// For every position after the first of `tokens`, its log-probability and the `n` most
+    /// likely tokens there with theirs, over the true vocabulary (one forward over the
+    /// sequence; every tensor-parallel rank runs it).
+    #[allow(clippy::type_complexity)]
+    fn top_alternatives(
+        &self,
+        tokens: &[i64],
+        n: usize,
+    ) -> Result<(Vec<f32>, Vec<Vec<(i64, f32)>>)> {
         let device = self.model.options().device;
         let length = tokens.len() as i64;
         let input = Tensor::from_slice(tokens).view([1, length]).to_device(device);
@@ -405,16 +438,24 @@ impl TextGenerationService {
             .select(1, 0)
             .narrow(1, 0, self.model.config.vocab_size)
             .log_softmax(-1, Kind::Float);
+        let targets = input.select(0, 0).narrow(0, 1, length - 1).unsqueeze(1);
+        let chosen = log_probs
+            .narrow(0, 0, length - 1)
+            .gather(1, &targets, false)
+            .squeeze_dim(1)
+            .to_device(Device::Cpu);
+        let chosen: Vec<f32> = Vec::try_from(chosen)?;
         let (values, indices) = log_probs.topk(n as i64, -1, true, true);
         let values = values.narrow(0, 0, length - 1).to_device(Device::Cpu);
         let indices = indices.narrow(0, 0, length - 1).to_device(Device::Cpu);
         let values: Vec<Vec<f32>> = Vec::try_from(values)?;
         let indices: Vec<Vec<i64>> = Vec::try_from(indices)?;
-        Ok(indices
+        let alternatives = indices
             .into_iter()
             .zip(values)
             .map(|(ids, logprobs)| ids.into_iter().zip(logprobs).collect())
-            .collect())
+            .collect();
+        Ok((chosen, alternatives))
     }
 
     /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
