@@ -301,7 +301,7 @@ fn megatron_model_flags_are_checked_and_bad_input_is_named() {
 #[test]
 fn lm_eval_through_the_server_equals_eval_tasks() {
     let fixture = fixture();
-    let python = test_python(&["lm_eval", "transformers", "datasets"]);
+    let python = test_python(&["lm_eval", "transformers", "datasets", "tenacity", "aiohttp"]);
     let dir = tempfile::tempdir().unwrap();
 
     let json = dir.path().join("ours.json");
