@@ -42,10 +42,20 @@ fn fixture() -> &'static Fixture {
         let shared = shared_dir().join("data");
         let lambada = dir.path().join("lambada_head.jsonl");
         let text = std::fs::read_to_string(shared.join("lambada_test.jsonl")).unwrap();
-        std::fs::write(&lambada, text.split_inclusive('\n').take(PASSAGES).collect::<String>()).unwrap();
+        std::fs::write(
+            &lambada,
+            text.split_inclusive('\n')
+                .take(PASSAGES)
+                .collect::<String>(),
+        )
+        .unwrap();
         let wiki = dir.path().join("wiki.head.tokens");
         let text = std::fs::read_to_string(shared.join("wikitext2_test.tokens")).unwrap();
-        std::fs::write(&wiki, text.split_inclusive('\n').take(30).collect::<String>()).unwrap();
+        std::fs::write(
+            &wiki,
+            text.split_inclusive('\n').take(30).collect::<String>(),
+        )
+        .unwrap();
         let prefix = dir.path().join("lambada");
         run_ok(
             bin("preprocess_data")
@@ -60,19 +70,49 @@ fn fixture() -> &'static Fixture {
         run_ok(
             bin("pretrain_gpt")
                 .args([
-                    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                    "--seq-length", "64", "--max-position-embeddings", "128",
-                    "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "30",
-                    "--lr", "5e-3", "--split", "100,0,0", "--eval-iters", "0",
-                    "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu",
-                    "--log-interval", "10", "--data-path",
+                    "--num-layers",
+                    "2",
+                    "--hidden-size",
+                    "64",
+                    "--num-attention-heads",
+                    "4",
+                    "--seq-length",
+                    "64",
+                    "--max-position-embeddings",
+                    "128",
+                    "--micro-batch-size",
+                    "4",
+                    "--global-batch-size",
+                    "4",
+                    "--train-iters",
+                    "30",
+                    "--lr",
+                    "5e-3",
+                    "--split",
+                    "100,0,0",
+                    "--eval-iters",
+                    "0",
+                    "--hidden-dropout",
+                    "0",
+                    "--attention-dropout",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--log-interval",
+                    "10",
+                    "--data-path",
                 ])
                 .arg(format!("{}_text_document", prefix.display()))
                 .arg("--save")
                 .arg(&checkpoint)
                 .args(tokenizer_flags()),
         );
-        Fixture { _dir: dir, checkpoint, lambada, wiki }
+        Fixture {
+            _dir: dir,
+            checkpoint,
+            lambada,
+            wiki,
+        }
     })
 }
 
@@ -106,7 +146,10 @@ fn reference(fixture: &Fixture, task: &str, data: &Path, strict: bool) -> Value 
 }
 
 fn assert_close(ours: &Value, reference: &Value, key: &str) {
-    let (a, b) = (ours[key].as_f64().unwrap(), reference[key].as_f64().unwrap());
+    let (a, b) = (
+        ours[key].as_f64().unwrap(),
+        reference[key].as_f64().unwrap(),
+    );
     assert!(
         (a - b).abs() <= 1e-5 * b.abs().max(1e-12),
         "{key}: eval_tasks {a}, reference {b}"
@@ -116,9 +159,21 @@ fn assert_close(ours: &Value, reference: &Value, key: &str) {
 fn wikitext(fixture: &Fixture, extra: &[&str], json: &Path) -> Output {
     let mut command = eval_tasks(
         fixture,
-        &["--task", "WIKITEXT103", "--overlapping-eval", "32", "--eval-micro-batch-size", "3"],
+        &[
+            "--task",
+            "WIKITEXT103",
+            "--overlapping-eval",
+            "32",
+            "--eval-micro-batch-size",
+            "3",
+        ],
     );
-    command.arg("--valid-data").arg(&fixture.wiki).arg("--results-json").arg(json).args(extra);
+    command
+        .arg("--valid-data")
+        .arg(&fixture.wiki)
+        .arg("--results-json")
+        .arg(json)
+        .args(extra);
     run_ok(&mut command)
 }
 
@@ -141,9 +196,15 @@ fn wikitext_equals_the_hf_reference() {
         .lines()
         .find(|l| l.starts_with(" validation results on WIKITEXT103 | avg loss: "))
         .unwrap_or_else(|| panic!("no result line in\n{stdout}"));
-    assert!(line.ends_with(&format!("| token ratio: {} |", expected["token_ratio"])), "{line}");
+    assert!(
+        line.ends_with(&format!("| token ratio: {} |", expected["token_ratio"])),
+        "{line}"
+    );
     let rule = "-".repeat(line.len() + 1);
-    assert!(stdout.contains(&format!("{rule}\n{line}\n{rule}\n")), "{stdout}");
+    assert!(
+        stdout.contains(&format!("{rule}\n{line}\n{rule}\n")),
+        "{stdout}"
+    );
     assert!(stdout.contains(&format!(
         " > number of original tokens: {}, number of detokenized tokens: {}",
         expected["num_original_tokens"], expected["num_tokenized_tokens"]
@@ -157,16 +218,37 @@ fn lambada_counts_equal_the_hf_reference() {
     for strict in [true, false] {
         let dir = tempfile::tempdir().unwrap();
         let json = dir.path().join("results.json");
-        let mut command = eval_tasks(fixture, &["--task", "LAMBADA", "--report", "both", "--eval-micro-batch-size", "5"]);
-        command.arg("--valid-data").arg(&fixture.lambada).arg("--results-json").arg(&json);
+        let mut command = eval_tasks(
+            fixture,
+            &[
+                "--task",
+                "LAMBADA",
+                "--report",
+                "both",
+                "--eval-micro-batch-size",
+                "5",
+            ],
+        );
+        command
+            .arg("--valid-data")
+            .arg(&fixture.lambada)
+            .arg("--results-json")
+            .arg(&json);
         if strict {
             command.arg("--strict-lambada");
         }
         let out = run_ok(&mut command);
         let ours = read_json(&json);
         let expected = reference(fixture, "LAMBADA", &fixture.lambada, strict);
-        let megatron = &ours[if strict { "megatron_strict" } else { "megatron_non_strict" }];
-        assert_eq!(megatron["correct"], expected["megatron"]["correct"], "strict {strict}");
+        let megatron = &ours[if strict {
+            "megatron_strict"
+        } else {
+            "megatron_non_strict"
+        }];
+        assert_eq!(
+            megatron["correct"], expected["megatron"]["correct"],
+            "strict {strict}"
+        );
         assert_eq!(megatron["total"].as_u64(), Some(PASSAGES as u64));
         assert_close(megatron, &expected["megatron"], "target_logprob_sum");
         assert_eq!(ours["lm_eval"]["correct"], expected["lm_eval"]["correct"]);
@@ -181,7 +263,9 @@ fn lambada_counts_equal_the_hf_reference() {
             )),
             "{stdout}"
         );
-        assert!(stdout.contains(" lm-evaluation-harness lambada_openai formulation (not Megatron's) | acc: "));
+        assert!(stdout.contains(
+            " lm-evaluation-harness lambada_openai formulation (not Megatron's) | acc: "
+        ));
     }
 }
 
@@ -209,8 +293,16 @@ fn two_tensor_parallel_processes_equal_one() {
         .map(|rank| {
             let mut command = eval_tasks(
                 fixture,
-                &["--task", "WIKITEXT103", "--overlapping-eval", "32", "--eval-micro-batch-size", "3",
-                  "--tensor-model-parallel-size", "2"],
+                &[
+                    "--task",
+                    "WIKITEXT103",
+                    "--overlapping-eval",
+                    "32",
+                    "--eval-micro-batch-size",
+                    "3",
+                    "--tensor-model-parallel-size",
+                    "2",
+                ],
             );
             command
                 .arg("--valid-data")
@@ -230,7 +322,11 @@ fn two_tensor_parallel_processes_equal_one() {
         .collect();
     for (rank, child) in ranks.into_iter().enumerate() {
         let out = wait_with_deadline(child, Duration::from_secs(300));
-        assert!(out.status.success(), "rank {rank}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let (one, two) = (read_json(&single), read_json(&split));
     for key in ["loss_sum", "avg_loss", "ppl", "adjusted_ppl"] {
@@ -242,7 +338,10 @@ fn fails_with(command: &mut Command, message: &str) {
     let out = command.output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains(message), "expected {message:?} in\n{stderr}");
+    assert!(
+        stderr.contains(message),
+        "expected {message:?} in\n{stderr}"
+    );
 }
 
 #[test]
@@ -254,14 +353,31 @@ fn megatron_model_flags_are_checked_and_bad_input_is_named() {
     // Megatron's evaluation flags, architecture matching the checkpoint: accepted.
     let mut command = eval_tasks(fixture, &task);
     command.args([
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--max-position-embeddings", "128", "--micro-batch-size", "8", "--log-interval", "1",
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-        "--use-flash-attn", "--no-load-optim",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--max-position-embeddings",
+        "128",
+        "--micro-batch-size",
+        "8",
+        "--log-interval",
+        "1",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--use-flash-attn",
+        "--no-load-optim",
     ]);
     let out = run_ok(&mut command);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("note: --use-flash-attn does not apply to eval_tasks; ignored"), "{stderr}");
+    assert!(
+        stderr.contains("note: --use-flash-attn does not apply to eval_tasks; ignored"),
+        "{stderr}"
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("> working on iteration: 1"));
     fails_with(
         eval_tasks(fixture, &task).args(["--num-layers", "24"]),
@@ -273,23 +389,35 @@ fn megatron_model_flags_are_checked_and_bad_input_is_named() {
     );
     let missing = dir.path().join("wiki.missing.tokens");
     fails_with(
-        eval_tasks(fixture, &["--task", "WIKITEXT103"]).arg("--valid-data").arg(&missing),
+        eval_tasks(fixture, &["--task", "WIKITEXT103"])
+            .arg("--valid-data")
+            .arg(&missing),
         "wiki.missing.tokens: No such file or directory",
     );
     fails_with(
-        eval_tasks(fixture, &["--task", "LAMBADA"]).arg("--valid-data").arg(dir.path()),
+        eval_tasks(fixture, &["--task", "LAMBADA"])
+            .arg("--valid-data")
+            .arg(dir.path()),
         "is a directory, not a data file",
     );
     let empty = dir.path().join("wiki.empty.tokens");
     std::fs::write(&empty, "").unwrap();
     fails_with(
-        eval_tasks(fixture, &["--task", "WIKITEXT103"]).arg("--valid-data").arg(&empty),
+        eval_tasks(fixture, &["--task", "WIKITEXT103"])
+            .arg("--valid-data")
+            .arg(&empty),
         "wiki.empty.tokens: the file is empty",
     );
-    fails_with(&mut eval_tasks(fixture, &["--task", "LAMBADA"]), "give the data file with --valid-data");
     fails_with(
-        bin("eval_tasks").args(["--task", "WIKITEXT103", "--valid-data", wiki.as_str()])
-            .arg("--load").arg(dir.path().join("nope")).args(tokenizer_flags()),
+        &mut eval_tasks(fixture, &["--task", "LAMBADA"]),
+        "give the data file with --valid-data",
+    );
+    fails_with(
+        bin("eval_tasks")
+            .args(["--task", "WIKITEXT103", "--valid-data", wiki.as_str()])
+            .arg("--load")
+            .arg(dir.path().join("nope"))
+            .args(tokenizer_flags()),
         "no such checkpoint directory",
     );
 }
@@ -306,13 +434,20 @@ fn lm_eval_through_the_server_equals_eval_tasks() {
 
     let json = dir.path().join("ours.json");
     let mut ours = eval_tasks(fixture, &["--task", "LAMBADA", "--report", "lm-eval"]);
-    ours.arg("--valid-data").arg(&fixture.lambada).arg("--results-json").arg(&json);
+    ours.arg("--valid-data")
+        .arg(&fixture.lambada)
+        .arg("--results-json")
+        .arg(&json);
     run_ok(&mut ours);
     let ours = read_json(&json)["lm_eval"].clone();
 
     let tokenizer = dir.path().join("tokenizer");
     std::fs::create_dir(&tokenizer).unwrap();
-    std::fs::copy(shared_dir().join("data/gpt2-tokenizer.json"), tokenizer.join("tokenizer.json")).unwrap();
+    std::fs::copy(
+        shared_dir().join("data/gpt2-tokenizer.json"),
+        tokenizer.join("tokenizer.json"),
+    )
+    .unwrap();
     std::fs::write(
         tokenizer.join("tokenizer_config.json"),
         r#"{"tokenizer_class": "GPT2TokenizerFast", "model_max_length": 128, "bos_token": "<|endoftext|>",
@@ -339,13 +474,23 @@ fn lm_eval_through_the_server_equals_eval_tasks() {
         .arg("--load")
         .arg(&fixture.checkpoint)
         .args(tokenizer_flags())
-        .args(["--port", "0", "--device", "cpu", "--max-tokens-to-oom", "100000"])
+        .args([
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-tokens-to-oom",
+            "100000",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     let mut server = server.spawn().unwrap();
     let mut lines = std::io::BufRead::lines(std::io::BufReader::new(server.stdout.take().unwrap()));
     let address = loop {
-        let line = lines.next().expect("the server exited before serving").unwrap();
+        let line = lines
+            .next()
+            .expect("the server exited before serving")
+            .unwrap();
         if let Some(rest) = line.split("http://").nth(1) {
             break rest.split('/').next().unwrap().to_string();
         }
@@ -353,7 +498,13 @@ fn lm_eval_through_the_server_equals_eval_tasks() {
     std::thread::spawn(move || lines.for_each(drop));
     let output = dir.path().join("lm_eval_out");
     let run = Command::new(python)
-        .args(["-m", "lm_eval", "--model", "local-completions", "--model_args"])
+        .args([
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+        ])
         .arg(format!(
             "base_url=http://{address}/v1/completions,tokenizer_backend=huggingface,tokenizer={},\
              model=megatron-rs,max_length=127,num_concurrent=1,max_retries=1",
@@ -378,9 +529,14 @@ fn lm_eval_through_the_server_equals_eval_tasks() {
         String::from_utf8_lossy(&run.stderr)
     );
     let results = find_results(&output).expect("lm_eval wrote no results_*.json");
-    let acc = read_json(&results)["results"]["lambada_local"]["acc,none"].as_f64().unwrap();
+    let acc = read_json(&results)["results"]["lambada_local"]["acc,none"]
+        .as_f64()
+        .unwrap();
     let expected = ours["correct"].as_f64().unwrap() / ours["total"].as_f64().unwrap();
-    assert!((acc - expected).abs() < 1e-9, "lm_eval acc {acc}, eval_tasks {expected}");
+    assert!(
+        (acc - expected).abs() < 1e-9,
+        "lm_eval acc {acc}, eval_tasks {expected}"
+    );
 }
 
 fn find_results(dir: &Path) -> Option<PathBuf> {

@@ -8,7 +8,9 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::ProgressBar;
 use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
-use megatron_core::tasks::{evaluate, EvalModel, EvalObserver, EvalOptions, LambadaReportKind, Task};
+use megatron_core::tasks::{
+    evaluate, EvalModel, EvalObserver, EvalOptions, LambadaReportKind, Task,
+};
 use megatron_data::tokenizer::build_tokenizer;
 
 /// Evaluate a GPT checkpoint as Megatron's `tasks/main.py` does:
@@ -78,7 +80,10 @@ impl EvalObserver for Console {
             bar.finish_and_clear();
         }
         if self.print {
-            self.bar = Some(megatron_cli::progress_bar(total, &format!("batches of {what}")));
+            self.bar = Some(megatron_cli::progress_bar(
+                total,
+                &format!("batches of {what}"),
+            ));
         }
     }
 
@@ -100,7 +105,11 @@ fn run(cli: &Cli) -> Result<()> {
     let valid_data = match cli.valid_data.as_slice() {
         [one] => one.clone(),
         [] => bail!("give the data file with --valid-data"),
-        many => bail!("--valid-data takes one file for {}, got {}", task.name(), many.len()),
+        many => bail!(
+            "--valid-data takes one file for {}, got {}",
+            task.name(),
+            many.len()
+        ),
     };
     if cli.load_hf.is_some() {
         bail!("--load-hf needs checkpoint_convert's HuggingFace loader, which has not landed yet; convert the model with checkpoint_convert and use --load");

@@ -70,7 +70,11 @@ pub struct CheckpointModelArgs {
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub normalization: Option<String>,
     /// Checked against the checkpoint (alias: --layernorm-epsilon).
-    #[arg(long, alias = "layernorm-epsilon", help_heading = "Architecture (checked against the checkpoint)")]
+    #[arg(
+        long,
+        alias = "layernorm-epsilon",
+        help_heading = "Architecture (checked against the checkpoint)"
+    )]
     pub norm_epsilon: Option<f64>,
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
@@ -202,7 +206,12 @@ fn text(value: Option<impl ToString>) -> Option<String> {
 }
 
 /// A flag given on the command line whose value disagrees with the checkpoint.
-fn mismatch(flag: &str, given: impl std::fmt::Display, saved: impl std::fmt::Display, dir: &Path) -> anyhow::Error {
+fn mismatch(
+    flag: &str,
+    given: impl std::fmt::Display,
+    saved: impl std::fmt::Display,
+    dir: &Path,
+) -> anyhow::Error {
     anyhow::anyhow!(
         "{flag} {given} does not match the checkpoint {} ({saved}); drop the flag or load the right checkpoint",
         dir.display()
@@ -226,8 +235,14 @@ impl CheckpointModelArgs {
             ("--no-load-rng", self.no_load_rng),
             ("--use-flash-attn", self.use_flash_attn),
             ("--use-cpu-initialization", self.use_cpu_initialization),
-            ("--apply-query-key-layer-scaling", self.apply_query_key_layer_scaling),
-            ("--attention-softmax-in-fp32", self.attention_softmax_in_fp32),
+            (
+                "--apply-query-key-layer-scaling",
+                self.apply_query_key_layer_scaling,
+            ),
+            (
+                "--attention-softmax-in-fp32",
+                self.attention_softmax_in_fp32,
+            ),
             ("--use-mcore-models", self.use_mcore_models),
             ("--use-legacy-models", self.use_legacy_models),
             ("--transformer-impl", self.transformer_impl.is_some()),
@@ -240,7 +255,10 @@ impl CheckpointModelArgs {
             ("--global-batch-size", self.global_batch_size.is_some()),
             ("--no-masked-softmax-fusion", self.no_masked_softmax_fusion),
             ("--no-bias-dropout-fusion", self.no_bias_dropout_fusion),
-            ("--no-gradient-accumulation-fusion", self.no_gradient_accumulation_fusion),
+            (
+                "--no-gradient-accumulation-fusion",
+                self.no_gradient_accumulation_fusion,
+            ),
             ("--sequence-parallel", self.sequence_parallel),
             ("--local-rank", self.local_rank.is_some()),
         ];
@@ -300,15 +318,31 @@ impl CheckpointModelArgs {
                 _ => Ok(()),
             }
         };
-        check("--num-layers", text(self.num_layers), config.num_layers.to_string())?;
-        check("--hidden-size", text(self.hidden_size), config.hidden_size.to_string())?;
-        check("--ffn-hidden-size", text(self.ffn_hidden_size), config.ffn_hidden_size.to_string())?;
+        check(
+            "--num-layers",
+            text(self.num_layers),
+            config.num_layers.to_string(),
+        )?;
+        check(
+            "--hidden-size",
+            text(self.hidden_size),
+            config.hidden_size.to_string(),
+        )?;
+        check(
+            "--ffn-hidden-size",
+            text(self.ffn_hidden_size),
+            config.ffn_hidden_size.to_string(),
+        )?;
         check(
             "--num-attention-heads",
             text(self.num_attention_heads),
             config.num_attention_heads.to_string(),
         )?;
-        check("--kv-channels", text(self.kv_channels), config.kv_channels.to_string())?;
+        check(
+            "--kv-channels",
+            text(self.kv_channels),
+            config.kv_channels.to_string(),
+        )?;
         if self.group_query_attention {
             check(
                 "--num-query-groups",
@@ -341,7 +375,11 @@ impl CheckpointModelArgs {
             }
         };
         if config.position_embedding_type == PositionEmbeddingType::Rope {
-            close("--rotary-percent", self.rotary_percent, config.rotary_percent)?;
+            close(
+                "--rotary-percent",
+                self.rotary_percent,
+                config.rotary_percent,
+            )?;
             close("--rotary-base", self.rotary_base, config.rotary_base)?;
         }
         close("--norm-epsilon", self.norm_epsilon, config.norm_epsilon)?;
@@ -352,24 +390,49 @@ impl CheckpointModelArgs {
         )?;
         if let Some(norm) = &self.normalization {
             if Normalization::parse(norm)? != config.normalization {
-                return Err(mismatch("--normalization", norm, format!("{:?}", config.normalization), dir));
+                return Err(mismatch(
+                    "--normalization",
+                    norm,
+                    format!("{:?}", config.normalization),
+                    dir,
+                ));
             }
         }
         let switch = |flag: &str, given: bool, saved: bool, what: &str| -> Result<()> {
             if given && !saved {
-                return Err(mismatch(flag, "is given", format!("it was saved without {what}"), dir));
+                return Err(mismatch(
+                    flag,
+                    "is given",
+                    format!("it was saved without {what}"),
+                    dir,
+                ));
             }
             Ok(())
         };
-        switch("--apply-layernorm-1p", self.apply_layernorm_1p, config.apply_layernorm_1p, "it")?;
-        switch("--swiglu", self.swiglu, config.activation == Activation::Swiglu, "SwiGLU")?;
+        switch(
+            "--apply-layernorm-1p",
+            self.apply_layernorm_1p,
+            config.apply_layernorm_1p,
+            "it",
+        )?;
+        switch(
+            "--swiglu",
+            self.swiglu,
+            config.activation == Activation::Swiglu,
+            "SwiGLU",
+        )?;
         switch(
             "--squared-relu",
             self.squared_relu,
             config.activation == Activation::SquaredRelu,
             "squared ReLU",
         )?;
-        switch("--openai-gelu", self.openai_gelu, config.activation == Activation::GeluTanh, "tanh GeLU")?;
+        switch(
+            "--openai-gelu",
+            self.openai_gelu,
+            config.activation == Activation::GeluTanh,
+            "tanh GeLU",
+        )?;
         if !self.swiglu && !self.squared_relu && !self.openai_gelu {
             switch(
                 "--no-bias-gelu-fusion",
@@ -378,8 +441,18 @@ impl CheckpointModelArgs {
                 "erf GeLU",
             )?;
         }
-        switch("--disable-bias-linear", self.disable_bias_linear, !config.add_bias_linear, "it (it has biases)")?;
-        switch("--add-qkv-bias", self.add_qkv_bias, config.add_qkv_bias, "QKV biases")?;
+        switch(
+            "--disable-bias-linear",
+            self.disable_bias_linear,
+            !config.add_bias_linear,
+            "it (it has biases)",
+        )?;
+        switch(
+            "--add-qkv-bias",
+            self.add_qkv_bias,
+            config.add_qkv_bias,
+            "QKV biases",
+        )?;
         switch(
             "--untie-embeddings-and-output-weights",
             self.untie_embeddings_and_output_weights,
@@ -472,28 +545,65 @@ mod tests {
 
     fn config() -> GptConfig {
         let argv = [
-            "pretrain", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+            "pretrain",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "128",
         ];
-        Training::try_parse_from(argv).unwrap().model.gpt_config(1000).unwrap()
+        Training::try_parse_from(argv)
+            .unwrap()
+            .model
+            .gpt_config(1000)
+            .unwrap()
     }
 
     #[test]
     fn architecture_flags_are_checked() {
         let dir = Path::new("ckpt");
-        let ok = parse(&["--num-layers", "2", "--hidden-size", "64", "--max-position-embeddings", "128", "--fp16"]);
+        let ok = parse(&[
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--max-position-embeddings",
+            "128",
+            "--fp16",
+        ]);
         ok.check_architecture(&config(), dir).unwrap();
         let bad = parse(&["--num-layers", "24"]);
-        let error = bad.check_architecture(&config(), dir).unwrap_err().to_string();
-        assert!(error.contains("--num-layers 24") && error.contains("(2)"), "{error}");
+        let error = bad
+            .check_architecture(&config(), dir)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--num-layers 24") && error.contains("(2)"),
+            "{error}"
+        );
         let bad = parse(&["--swiglu"]);
         assert!(bad.check_architecture(&config(), dir).is_err());
         let bad = parse(&["--seq-length", "256"]);
-        assert!(bad.check_architecture(&config(), dir).unwrap_err().to_string().contains("--seq-length 256"));
+        assert!(bad
+            .check_architecture(&config(), dir)
+            .unwrap_err()
+            .to_string()
+            .contains("--seq-length 256"));
     }
 
     #[test]
     fn run_time_and_ignored_flags() {
-        let args = parse(&["--bf16", "--use-flash-attn", "--transformer-impl", "local", "--pipeline-model-parallel-size", "2"]);
+        let args = parse(&[
+            "--bf16",
+            "--use-flash-attn",
+            "--transformer-impl",
+            "local",
+            "--pipeline-model-parallel-size",
+            "2",
+        ]);
         assert_eq!(args.dtype(Device::Cpu), Kind::BFloat16);
         assert_eq!(
             args.ignored_flag_notes("eval_tasks"),

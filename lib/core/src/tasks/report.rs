@@ -132,8 +132,15 @@ mod tests {
         let line = " validation results on WIKITEXT103 | avg loss: 3.3333E+00 | ppl: 2.8032E+01 | \
                     adjusted ppl: 5.4598E+01 | token ratio: 1.2 |";
         let rule = "-".repeat(124);
-        assert_eq!(wiki.megatron_text("WIKITEXT103"), format!("{rule}\n{line}\n{rule}"));
-        let lambada = LambadaReport { correct: 12, total: 50, target_logprob_sum: -100.0 };
+        assert_eq!(
+            wiki.megatron_text("WIKITEXT103"),
+            format!("{rule}\n{line}\n{rule}")
+        );
+        let lambada = LambadaReport {
+            correct: 12,
+            total: 50,
+            target_logprob_sum: -100.0,
+        };
         assert_eq!(
             lambada.megatron_text("LAMBADA").lines().nth(1).unwrap(),
             " validation results on LAMBADA | number correct: 1.2000E+01 | total examples: 5.0000E+01 | avg accuracy: 2.4000E-01"

@@ -95,9 +95,16 @@ pub fn evaluate(
                 passes.push((LambadaFormulation::LmEval, "lm_eval"));
             }
             for (formulation, name) in passes {
-                observer.log(&format!("> building lambada dataset from {} ...", path.display()));
-                let dataset =
-                    LambadaDataset::load_formulation(path, tokenizer, options.seq_length, formulation)?;
+                observer.log(&format!(
+                    "> building lambada dataset from {} ...",
+                    path.display()
+                ));
+                let dataset = LambadaDataset::load_formulation(
+                    path,
+                    tokenizer,
+                    options.seq_length,
+                    formulation,
+                )?;
                 observer.log(&format!(" > found {} samples.", dataset.len()));
                 let report = run_lambada(model, &dataset, options, observer)?;
                 observer.log(&if formulation == LambadaFormulation::LmEval {
@@ -163,7 +170,10 @@ pub fn run_lambada(
         total: dataset.len() as u64,
         target_logprob_sum: 0.0,
     };
-    observer.start("examples", dataset.len().div_ceil(options.micro_batch_size) as u64);
+    observer.start(
+        "examples",
+        dataset.len().div_ceil(options.micro_batch_size) as u64,
+    );
     for (iteration, range) in batches(dataset.len(), options.micro_batch_size).enumerate() {
         log_iteration(iteration, options, observer);
         let samples: Vec<TaskSample> = range.map(|i| dataset.sample(i)).collect();

@@ -13,7 +13,11 @@ use crate::parallel::Communicator;
 /// Inputs, labels and the scored-label mask of a micro-batch, on `device`, cut to `length`
 /// positions. Positions past every sample's last token are padding, and with a causal mask
 /// they do not change the earlier positions' outputs, so cutting them changes no result.
-fn batch_tensors(samples: &[TaskSample], length: usize, device: Device) -> (Tensor, Tensor, Tensor) {
+fn batch_tensors(
+    samples: &[TaskSample],
+    length: usize,
+    device: Device,
+) -> (Tensor, Tensor, Tensor) {
     let rows = samples.len() as i64;
     let text: Vec<i64> = samples
         .iter()
@@ -23,10 +27,14 @@ fn batch_tensors(samples: &[TaskSample], length: usize, device: Device) -> (Tens
         .iter()
         .flat_map(|s| s.pad_mask[..length].iter().map(|&m| f32::from(m)))
         .collect();
-    let text = Tensor::from_slice(&text).view([rows, length as i64 + 1]).to(device);
+    let text = Tensor::from_slice(&text)
+        .view([rows, length as i64 + 1])
+        .to(device);
     let inputs = text.narrow(1, 0, length as i64);
     let labels = text.narrow(1, 1, length as i64).contiguous();
-    let mask = Tensor::from_slice(&mask).view([rows, length as i64]).to(device);
+    let mask = Tensor::from_slice(&mask)
+        .view([rows, length as i64])
+        .to(device);
     (inputs, labels, mask)
 }
 
@@ -41,7 +49,10 @@ fn scored_vocabulary(model: &GptModel) -> i64 {
 /// Vocab-parallel logits `[s, b, V/t]` of rank `rank` with the columns past the scored
 /// vocabulary set to a large negative value (finite, so a rank's maximum stays finite).
 fn mask_extra_vocabulary(logits: Tensor, model: &GptModel, rank: usize) -> Tensor {
-    let local = *logits.size().last().expect("logits have a vocabulary dimension");
+    let local = *logits
+        .size()
+        .last()
+        .expect("logits have a vocabulary dimension");
     let start = rank as i64 * local;
     let keep = (scored_vocabulary(model) - start).clamp(0, local);
     if keep == local {
@@ -103,7 +114,10 @@ pub fn score_lambada(model: &GptModel, samples: &[TaskSample]) -> Result<Lambada
             .narrow(2, 0, scored_vocabulary(model))
             .transpose(0, 1);
         let scored = mask.gt(0.5);
-        let right = logits.argmax(-1, false).eq_tensor(&labels).logical_or(&scored.logical_not());
+        let right = logits
+            .argmax(-1, false)
+            .eq_tensor(&labels)
+            .logical_or(&scored.logical_not());
         let correct = right.all_dim(1, false).to_device(Device::Cpu);
         let logprobs = logits
             .log_softmax(-1, Kind::Float)
@@ -111,7 +125,9 @@ pub fn score_lambada(model: &GptModel, samples: &[TaskSample]) -> Result<Lambada
             .squeeze_dim(-1)
             .to_kind(Kind::Double)
             * mask.to_kind(Kind::Double);
-        let logprobs = logprobs.sum_dim_intlist(1, false, Kind::Double).to_device(Device::Cpu);
+        let logprobs = logprobs
+            .sum_dim_intlist(1, false, Kind::Double)
+            .to_device(Device::Cpu);
         Ok(LambadaScores {
             correct: Vec::<bool>::try_from(&correct)?,
             target_logprobs: Vec::<f64>::try_from(&logprobs)?,

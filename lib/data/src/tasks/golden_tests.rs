@@ -52,8 +52,15 @@ fn check_lambada(strict: bool) {
     let head: String = text.split_inclusive('\n').take(1000).collect();
     std::fs::write(&input, head).unwrap();
     let dataset = LambadaDataset::load(&input, &gpt2(), 1024, strict).unwrap();
-    assert_eq!(dataset.len() as u64, golden["num_samples"].as_u64().unwrap());
-    let targets: Vec<u64> = dataset.passages.iter().map(|p| p.target.len() as u64).collect();
+    assert_eq!(
+        dataset.len() as u64,
+        golden["num_samples"].as_u64().unwrap()
+    );
+    let targets: Vec<u64> = dataset
+        .passages
+        .iter()
+        .map(|p| p.target.len() as u64)
+        .collect();
     let expected: Vec<u64> = golden["targets_per_sample"]
         .as_array()
         .unwrap()
@@ -103,8 +110,14 @@ fn check_wikitext(name: &str, raw: &str) {
         format!("{:x}", Sha256::digest(data.detokenized.as_bytes())),
         golden["detokenized_sha256"].as_str().unwrap()
     );
-    assert_eq!(data.num_original_tokens as u64, golden["num_original_tokens"].as_u64().unwrap());
-    assert_eq!(data.tokens.len() as u64, golden["num_tokenized_tokens"].as_u64().unwrap());
+    assert_eq!(
+        data.num_original_tokens as u64,
+        golden["num_original_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(
+        data.tokens.len() as u64,
+        golden["num_tokenized_tokens"].as_u64().unwrap()
+    );
     for stride in [32, 1024] {
         let golden = &golden[format!("overlapping_eval_{stride}")];
         let dataset = LmDataset::new(
@@ -114,7 +127,10 @@ fn check_wikitext(name: &str, raw: &str) {
             data.num_original_tokens,
             Some(stride),
         );
-        assert_eq!(dataset.len() as u64, golden["num_windows"].as_u64().unwrap());
+        assert_eq!(
+            dataset.len() as u64,
+            golden["num_windows"].as_u64().unwrap()
+        );
         for (index, window) in golden["windows"].as_object().unwrap() {
             let ours = dataset.sample(index.parse().unwrap());
             assert_eq!(ours.text, ids(&window["text"]), "window {index}");
@@ -157,7 +173,10 @@ fn detokenizer_quirks() {
     // The digit rule matches only its literal slashes (outputs checked with Megatron's code).
     assert_eq!(wikitext_detokenize("/' 5/ x"), "/'[0-9]/ x");
     assert_eq!(wikitext_detokenize("/' 5/ and ' 5"), "/'[0-9]/ and' 5");
-    assert_eq!(detokenizer_for_path("data/ptb/wiki.txt"), Some(Detokenizer::Ptb));
+    assert_eq!(
+        detokenizer_for_path("data/ptb/wiki.txt"),
+        Some(Detokenizer::Ptb)
+    );
     assert_eq!(detokenizer_for_path("test.tokens"), None);
 }
 
@@ -176,7 +195,10 @@ fn windows_score_every_target_once() {
             }
         }
         if stride <= 16 {
-            assert!(scored.iter().all(|&n| n == 1), "stride {stride}: {scored:?}");
+            assert!(
+                scored.iter().all(|&n| n == 1),
+                "stride {stride}: {scored:?}"
+            );
         }
     }
 }
@@ -196,5 +218,8 @@ fn bad_files_get_clear_errors() {
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"a b\"}\n{\"txt\": 1}\n").unwrap();
     let error = LambadaDataset::load(&bad, &tokenizer, 1024, false).unwrap_err();
-    assert!(format!("{error:#}").contains("bad.jsonl:2: no string field \"text\""), "{error:#}");
+    assert!(
+        format!("{error:#}").contains("bad.jsonl:2: no string field \"text\""),
+        "{error:#}"
+    );
 }

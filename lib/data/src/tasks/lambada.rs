@@ -69,9 +69,15 @@ impl LambadaPassage {
             let target = tokenizer.tokenize(&continuation)?;
             ensure!(!target.is_empty(), "the text has no tokens");
             return Ok(if target[0] != eod {
-                LambadaPassage { context: vec![eod], target }
+                LambadaPassage {
+                    context: vec![eod],
+                    target,
+                }
             } else {
-                LambadaPassage { context: target[..1].to_vec(), target: target[1..].to_vec() }
+                LambadaPassage {
+                    context: target[..1].to_vec(),
+                    target: target[1..].to_vec(),
+                }
             });
         }
         let kept = context.trim_end_matches(super::is_python_space).len();

@@ -4,13 +4,15 @@
 
 mod lambada;
 mod python_text;
-mod window;
 mod wikitext;
+mod window;
 
 pub use lambada::{LambadaDataset, LambadaFormulation, LambadaPassage};
 pub use python_text::{is_python_space, python_split_whitespace, python_strip};
+pub use wikitext::{
+    detokenizer_for_path, wikitext_detokenize, Detokenizer, LmDataset, WikitextData,
+};
 pub use window::TaskSample;
-pub use wikitext::{detokenizer_for_path, wikitext_detokenize, Detokenizer, LmDataset, WikitextData};
 
 #[cfg(test)]
 mod golden_tests;

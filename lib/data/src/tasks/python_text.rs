@@ -14,7 +14,8 @@ pub fn python_strip(text: &str) -> &str {
 
 /// `text.split()` in Python: runs of whitespace separate, no empty pieces.
 pub fn python_split_whitespace(text: &str) -> impl DoubleEndedIterator<Item = &str> {
-    text.split(is_python_space).filter(|piece| !piece.is_empty())
+    text.split(is_python_space)
+        .filter(|piece| !piece.is_empty())
 }
 
 #[cfg(test)]

@@ -132,7 +132,11 @@ impl WikitextData {
             .map_err(|e| e.context(path.display().to_string()))
     }
 
-    pub fn from_text(raw: &str, tokenizer: &dyn Tokenizer, detokenizer: Detokenizer) -> Result<Self> {
+    pub fn from_text(
+        raw: &str,
+        tokenizer: &dyn Tokenizer,
+        detokenizer: Detokenizer,
+    ) -> Result<Self> {
         let num_original_tokens = super::python_strip(raw).split(' ').count();
         let detokenized = detokenizer.apply(raw);
         let tokens = tokenizer.tokenize(&detokenized)?;
@@ -187,7 +191,10 @@ impl LmDataset {
     /// padding, kept so that counts and logs agree with Megatron's.
     pub fn len(&self) -> usize {
         let targets = self.tokens.len().saturating_sub(1);
-        targets.saturating_sub(self.overlapping_eval).div_ceil(self.overlapping_eval) + 1
+        targets
+            .saturating_sub(self.overlapping_eval)
+            .div_ceil(self.overlapping_eval)
+            + 1
     }
 
     pub fn is_empty(&self) -> bool {

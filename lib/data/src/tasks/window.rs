@@ -11,7 +11,12 @@ pub struct TaskSample {
 impl TaskSample {
     /// `tokens` right-padded with `pad` to `seq_length + 1`; `scored` flags each of `tokens`
     /// (padding is never scored); the mask drops the first flag, as labels drop the first token.
-    pub(crate) fn padded(mut tokens: Vec<u32>, mut scored: Vec<u8>, seq_length: usize, pad: u32) -> Self {
+    pub(crate) fn padded(
+        mut tokens: Vec<u32>,
+        mut scored: Vec<u8>,
+        seq_length: usize,
+        pad: u32,
+    ) -> Self {
         debug_assert_eq!(tokens.len(), scored.len());
         if tokens.len() < seq_length + 1 {
             scored.resize(seq_length + 1, 0);
