@@ -463,7 +463,8 @@ fn lm_eval_through_the_server_equals_eval_tasks() {
              test_split: test\noutput_type: loglikelihood\n\
              doc_to_text: \"{{{{text.split(' ')[:-1]|join(' ')}}}}\"\n\
              doc_to_target: \"{{{{' '+text.split(' ')[-1]}}}}\"\n\
-             metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n",
+             metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n\
+             \x20 - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
             fixture.lambada.display()
         ),
     )
@@ -536,6 +537,17 @@ fn lm_eval_through_the_server_equals_eval_tasks() {
     assert!(
         (acc - expected).abs() < 1e-9,
         "lm_eval acc {acc}, eval_tasks {expected}"
+    );
+    // The log-likelihoods came through the server's echoed log-probabilities. The server
+    // normalises over the true vocabulary (padding rows are never sampled), eval_tasks over
+    // the padded one as Megatron does; the 47 padding rows move the perplexity by ~2e-4.
+    let ppl = read_json(&results)["results"]["lambada_local"]["perplexity,none"]
+        .as_f64()
+        .unwrap();
+    let expected = ours["perplexity"].as_f64().unwrap();
+    assert!(
+        (ppl - expected).abs() <= 1e-3 * expected,
+        "lm_eval perplexity {ppl}, eval_tasks {expected}"
     );
 }
 
