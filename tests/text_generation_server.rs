@@ -601,5 +601,171 @@ fn hostile_requests_are_refused_with_a_message() {
         r#"{"prompts":["still up"],"tokens_to_generate":1}"#
     )
     .is_ok());
+
+/// Megatron's `examples/inference/run_text_generation_server_345M.sh` flag set, scaled to the
+/// test's model and otherwise unchanged, is accepted (the architecture checked against the
+/// checkpoint, `--fp16 --micro-batch-size 1 --seed 42` and the parallel sizes taken as
+/// run-time flags); the same flags with a wrong architecture are refused naming both values;
+/// `generate_samples_gpt` takes the same flag set.
+#[test]
+fn megatrons_345m_server_script_flags_run_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let data = workspace_root().join("data");
+    let (vocab, merges) = (data.join("quickstart-vocab.json"), data.join("quickstart-merges.txt"));
+    let script_flags = |layers: &str| -> Vec<String> {
+        let mut flags: Vec<String> = [
+            "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1",
+            "--num-layers", layers,
+            "--hidden-size", "64",
+            "--load",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        flags.push(ckpt.display().to_string());
+        flags.extend(
+            [
+                "--num-attention-heads", "4",
+                "--max-position-embeddings", "96",
+                "--tokenizer-type", "GPT2BPETokenizer",
+                "--fp16",
+                "--micro-batch-size", "1",
+                "--seq-length", "64",
+                "--vocab-file",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        flags.push(vocab.display().to_string());
+        flags.push("--merge-file".into());
+        flags.push(merges.display().to_string());
+        flags.extend(["--seed", "42"].iter().map(|s| s.to_string()));
+        flags
+    };
+    let mut command = bin("text_generation_server");
+    command
+        .args(script_flags("2"))
+        .args(["--port", "0", "--device", "cpu"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let server = serve(command.spawn().unwrap());
+    let reply = request(&server, r#"{"prompts": ["The data"], "tokens_to_generate": 4, "top_k": 1}"#).unwrap();
+    assert!(reply["text"][0].as_str().unwrap().starts_with("The data"));
+    terminate(server.child);
+
+    let out = bin("text_generation_server")
+        .args(script_flags("24"))
+        .args(["--port", "0", "--device", "cpu"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--num-layers 24 does not match the checkpoint") && stderr.contains("(2)"),
+        "{stderr}"
+    );
+
+    let mut samples = bin("generate_samples_gpt");
+    samples
+        .args(script_flags("2"))
+        .args(["--prompt", "The data", "--greedy", "--out-seq-length", "4", "--device", "cpu"]);
+    assert!(String::from_utf8(run_ok(&mut samples).stdout).unwrap().starts_with("The data"));
+}
+
+/// What lm-evaluation-harness's `local-completions` sends for log-likelihoods (`echo: true`,
+/// `logprobs: 1`, `max_tokens` 1 or 0) gets OpenAI's legacy answer: the echoed prompt's first
+/// token with a null log-probability, character offsets, `top_logprobs`; a streamed echo starts
+/// with the prompt; a rejected streaming request is answered 400.
+#[test]
+fn completions_answer_what_lm_eval_sends() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let completion = |body: Value| -> Result<String, String> {
+        let out = cli(&server, &["--completion", &body.to_string()]);
+        if out.status.success() {
+            Ok(String::from_utf8(out.stdout).unwrap())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).to_string())
+        }
+    };
+    let prompt = "héllo wörld, the data";
+    for max_tokens in [0, 1] {
+        let answer: Value = serde_json::from_str(
+            &completion(json!({"prompt": prompt, "max_tokens": max_tokens, "echo": true,
+                               "logprobs": 1, "temperature": 0}))
+            .unwrap(),
+        )
+        .unwrap();
+        let choice = &answer["choices"][0];
+        let logprobs = &choice["logprobs"];
+        let tokens: Vec<&str> =
+            logprobs["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(tokens.len(), prompt_tokens + max_tokens, "{answer}");
+        assert!(choice["text"].as_str().unwrap().starts_with(prompt));
+        let values = logprobs["token_logprobs"].as_array().unwrap();
+        assert!(values[0].is_null());
+        assert!(values[1..].iter().all(|v| v.as_f64().unwrap() <= 0.0));
+        // Offsets index characters of the text, as Python strings do ("ö" may be split over
+        // two byte-level tokens, each shown as U+FFFD).
+        let text: Vec<char> = choice["text"].as_str().unwrap().chars().collect();
+        let offsets = logprobs["text_offset"].as_array().unwrap();
+        assert_eq!(offsets[0], 0);
+        assert!(offsets.windows(2).all(|w| w[0].as_u64() <= w[1].as_u64()));
+        for (token, offset) in tokens.iter().zip(offsets) {
+            let offset = offset.as_u64().unwrap() as usize;
+            if !token.contains('\u{fffd}') {
+                let piece: String = text[offset..offset + token.chars().count()].iter().collect();
+                assert_eq!(&piece, token);
+            }
+        }
+        let top = logprobs["top_logprobs"].as_array().unwrap();
+        assert!(top[0].is_null());
+        for (alternatives, value) in top[1..].iter().zip(&values[1..]) {
+            let alternatives = alternatives.as_object().unwrap();
+            assert_eq!(alternatives.len(), 1);
+            let best = alternatives.values().next().unwrap().as_f64().unwrap();
+            assert!(best >= value.as_f64().unwrap() - 1e-6);
+        }
+        if max_tokens == 1 {
+            // Greedy: the generated token is the most likely one.
+            let best = top.last().unwrap().as_object().unwrap();
+            assert_eq!(best.keys().next().unwrap(), tokens.last().unwrap());
+        }
+    }
+    // lm-eval sends token ids.
+    let ids: Value = serde_json::from_str(
+        &completion(json!({"prompt": [[40, 41, 42]], "max_tokens": 0, "echo": true, "logprobs": 1})).unwrap(),
+    )
+    .unwrap();
+    let tokens = ids["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 3);
+    let echoed: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(ids["choices"][0]["text"], echoed);
+    let outside = completion(json!({"prompt": [1, 999999], "max_tokens": 1})).unwrap_err();
+    assert!(outside.contains("Error 400") && outside.contains("outside the vocabulary"), "{outside}");
+    let plain: Value =
+        serde_json::from_str(&completion(json!({"prompt": "The data", "max_tokens": 0})).unwrap()).unwrap();
+    assert_eq!(plain["choices"][0]["text"], "");
+
+    let events = completion(
+        json!({"prompt": "The data", "max_tokens": 3, "temperature": 0, "echo": true, "stream": true}),
+    )
+    .unwrap();
+    let streamed: String = events
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .take_while(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert!(streamed.starts_with("The data") && streamed.len() > "The data".len(), "{streamed:?}");
+
+    let rejected = completion(json!({"prompt": "The data", "max_tokens": 500, "stream": true})).unwrap_err();
+    assert!(rejected.contains("Error 400") && rejected.contains("exceed the model's"), "{rejected}");
     terminate(server.child);
 }

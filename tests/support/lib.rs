@@ -77,3 +77,33 @@ pub fn run_ok(cmd: &mut Command) -> Output {
     );
     out
 }
+
+/// `$MEGATRON_RS_TEST_PYTHON`, else the project's `.venv`; the test fails with the way to set
+/// it up when it cannot import `modules` (scripts/test-requirements.txt lists them).
+pub fn test_python(modules: &[&str]) -> PathBuf {
+    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+    let imports = Command::new(&python)
+        .args(["-c", &format!("import {}", modules.join(", "))])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    assert!(
+        imports,
+        "{} cannot import {}: run scripts/test.sh, which installs scripts/test-requirements.txt \
+         into .venv (or point MEGATRON_RS_TEST_PYTHON at a python that has them)",
+        python.display(),
+        modules.join(", ")
+    );
+    python
+}
+
+/// A free TCP port on loopback (for MASTER_PORT).
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("binding loopback")
+        .local_addr()
+        .expect("a bound socket has an address")
+        .port()
+        .to_string()
+}

@@ -1,6 +1,6 @@
 //! `generate_samples_gpt`: continue prompts with a trained GPT (Megatron's
 //! `tools/generate_samples_gpt.py`). The architecture comes from the checkpoint metadata; only
-//! the tokenizer flags are needed.
+//! the tokenizer flags are needed (Megatron's model flags are accepted and checked against it).
 
 use std::io::{BufRead, BufWriter, Write};
 use std::path::PathBuf;
@@ -8,14 +8,13 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use megatron_core::args::TokenizerArgs;
+use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
 use megatron_core::inference::{
-    generate_tokens, load_gpt_for_inference, Decoder, GenerationRequest, Sampling, StopCondition,
+    generate_tokens, Decoder, GenerationRequest, Sampling, StopCondition,
 };
 use megatron_core::parallel::ParallelState;
 use megatron_core::training::resolve_device;
 use megatron_data::tokenizer::build_tokenizer;
-use tch::Kind;
 
 /// Continue prompts with a GPT checkpoint: `--prompt` texts, or one prompt per line of
 /// `--sample-input-file`; each continuation is printed (or written to `--sample-output-file`
@@ -23,13 +22,9 @@ use tch::Kind;
 #[derive(Parser)]
 #[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
 struct Cli {
-    /// Checkpoint directory (the iteration its tracker names is used).
-    #[arg(long)]
-    load: PathBuf,
-    /// Do not verify the checkpoint's per-file checksums (recorded in its metadata.json).
-    #[arg(long)]
-    no_checkpoint_checksums: bool,
     #[command(flatten)]
+    model: CheckpointModelArgs,
+    #[command(flatten, next_help_heading = "Tokenizer")]
     tokenizer: TokenizerArgs,
     /// A prompt; repeat for several.
     #[arg(long)]
@@ -55,12 +50,6 @@ struct Cli {
     /// Sample among the most likely tokens reaching probability p (0: off).
     #[arg(long = "top_p", alias = "top-p", default_value_t = 0.0)]
     top_p: f64,
-    /// Seed of the sampling generator.
-    #[arg(long, default_value_t = 1234)]
-    seed: i64,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
 }
 
 fn main() -> ExitCode {
@@ -69,7 +58,6 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: &Cli) -> Result<()> {
-    megatron_core::checkpoint::set_checksums_enabled(!cli.no_checkpoint_checksums);
     let mut prompts = cli.prompt.clone();
     if let Some(path) = &cli.sample_input_file {
         let file =
@@ -84,9 +72,11 @@ fn run(cli: &Cli) -> Result<()> {
     if prompts.is_empty() {
         bail!("give --prompt or --sample-input-file");
     }
-    let device = resolve_device(&cli.device, 0)?;
+    cli.model.print_ignored_flag_notes("generate_samples_gpt");
+    cli.model.validate_run_time(1)?;
+    let device = resolve_device(&cli.model.device, 0)?;
     let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
-    let model = load_gpt_for_inference(&cli.load, device, Kind::Float, &ParallelState::single())?;
+    let model = cli.model.load_model(device, &ParallelState::single())?;
     if tokenizer.vocab_size() as i64 != model.config.vocab_size {
         bail!(
             "the tokenizer has {} tokens but the checkpoint was trained with {}",
@@ -106,7 +96,7 @@ fn run(cli: &Cli) -> Result<()> {
         }
     };
     sampling.validate()?;
-    tch::manual_seed(cli.seed);
+    tch::manual_seed(cli.model.seed as i64);
     let eod = tokenizer.eod().map(i64::from);
     let stop = eod.map_or(StopCondition::Never, StopCondition::Token);
     let window = (model.config.max_position_embeddings as usize).saturating_sub(cli.out_seq_length);

@@ -4,7 +4,6 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::checkpoint::set_checksums_enabled;
 use megatron_core::training::{join_job, pretrain_gpt};
 
 /// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU, many GPUs
@@ -24,7 +23,6 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        set_checksums_enabled(!cli.args.checkpoint.no_checkpoint_checksums);
         let (job, runtime) = join_job(&cli.args.parallel, &cli.args.training.device)?;
         let summary = pretrain_gpt(&cli.args, &runtime)?;
         job.finish()?;

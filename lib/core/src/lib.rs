@@ -7,6 +7,7 @@ pub mod fnv;
 pub mod rng;
 pub mod runtime;
 pub mod signals;
+pub mod tasks;
 
 pub use error::TorchError;
 pub mod args;

@@ -1,8 +1,9 @@
-//! Megatron's command-line flags, shared by the pretraining binaries (same names, same
+//! Megatron's command-line flags, shared by the binaries (same names, same
 //! defaults as Megatron's `arguments.py`, core_v0.13). Each group is a clap `Args` struct the
 //! binaries flatten into their parser.
 
 mod bert;
+mod checkpoint_model;
 mod checkpointing;
 mod data;
 mod logging;
@@ -11,6 +12,7 @@ mod parallel;
 mod training;
 
 pub use bert::{BertArgs, BertPretrainArgs};
+pub use checkpoint_model::CheckpointModelArgs;
 pub use checkpointing::CheckpointArgs;
 pub use data::{DataArgs, TokenizerArgs};
 pub use logging::LoggingArgs;

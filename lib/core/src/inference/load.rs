@@ -1,23 +1,31 @@
 //! A GPT rebuilt from checkpoint metadata, so inference tools need no model flags.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind};
 
-use crate::checkpoint::{find_checkpoint, merge_model_parallel_ranks, split_for_tensor_parallel};
+use crate::checkpoint::{find_checkpoint, CheckpointDirectory, merge_model_parallel_ranks, split_for_tensor_parallel};
 use crate::model::{GptConfig, GptModel, ModelOptions, Recompute};
 use crate::parallel::ParallelState;
 
 /// Loads the checkpoint the tracker under `root` names, in `dtype` on `device`, with dropout
 /// irrelevant (inference runs with `train = false`). Whatever layout it was saved in, the ranks
 /// are merged and cut again for `parallel`'s tensor-parallel rank (one model without it).
-pub fn load_gpt_for_inference(
-    root: &Path,
-    device: Device,
-    dtype: Kind,
-    parallel: &ParallelState,
-) -> Result<GptModel> {
+/// The directory of the checkpoint the tracker under `root` names and its GPT architecture.
+pub fn checkpoint_gpt_config(root: &Path) -> Result<(PathBuf, GptConfig)> {
+    let checkpoint = find_gpt_checkpoint(root)?;
+    let config = gpt_config_of(&checkpoint)?;
+    Ok((checkpoint.directory, config))
+}
+
+fn find_gpt_checkpoint(root: &Path) -> Result<CheckpointDirectory> {
+    if !root.exists() {
+        bail!("{}: no such checkpoint directory", root.display());
+    }
+    if !root.is_dir() {
+        bail!("{}: is a file; --load takes a checkpoint directory", root.display());
+    }
     let Some(checkpoint) = find_checkpoint(root)? else {
         bail!(
             "{} holds no checkpoint (no latest_checkpointed_iteration.txt)",
@@ -31,8 +39,22 @@ pub fn load_gpt_for_inference(
             checkpoint.metadata.model_type
         );
     }
-    let config: GptConfig = serde_json::from_value(checkpoint.metadata.model.clone())
-        .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
+    Ok(checkpoint)
+}
+
+fn gpt_config_of(checkpoint: &CheckpointDirectory) -> Result<GptConfig> {
+    serde_json::from_value(checkpoint.metadata.model.clone())
+        .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))
+}
+
+pub fn load_gpt_for_inference(
+    root: &Path,
+    device: Device,
+    dtype: Kind,
+    parallel: &ParallelState,
+) -> Result<GptModel> {
+    let checkpoint = find_gpt_checkpoint(root)?;
+    let config = gpt_config_of(&checkpoint)?;
     let merged = merge_model_parallel_ranks(&checkpoint, Device::Cpu)?;
     let (rank, size) = (
         parallel.tensor_parallel_rank(),

@@ -17,7 +17,7 @@ pub use generation::{
     generate_tokens, generate_tokens_observed, Generation, GenerationRequest, StopCondition,
     TokenObserver,
 };
-pub use load::load_gpt_for_inference;
+pub use load::{checkpoint_gpt_config, load_gpt_for_inference};
 pub use sampling::{sample, Sampling};
 pub use server::{GenerationServer, ServerOptions};
 pub use service::{ServiceError, TextGenerationService, DEFAULT_MAX_TOKENS};

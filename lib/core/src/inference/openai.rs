@@ -6,10 +6,18 @@ use serde_json::{json, Map, Value};
 
 use super::api::{ApiError, MAX_PROMPTS};
 
+/// The most alternatives `logprobs: N` may ask for (OpenAI allows 5; lm-eval asks for 1).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
+    /// The prompts as text (empty strings when they came as token ids).
     pub prompts: Vec<String>,
+    /// The prompts as token ids, when `prompt` was a list of ids or of id lists (as
+    /// lm-evaluation-harness sends them).
+    #[serde(default)]
+    pub prompt_token_ids: Option<Vec<Vec<u32>>>,
     pub max_tokens: usize,
     pub temperature: f64,
     pub top_p: f64,
@@ -20,6 +28,9 @@ pub struct CompletionRequest {
     pub echo: bool,
     /// Include the log-probability of every returned token.
     pub logprobs: bool,
+    /// `logprobs: N`: also the N most likely tokens at every returned position.
+    #[serde(default)]
+    pub top_logprobs: usize,
     pub seed: Option<u64>,
     pub stream: bool,
 }
@@ -67,16 +78,43 @@ fn strings(value: &Value, key: &str) -> Result<Vec<String>, ApiError> {
     }
 }
 
+/// `prompt` as token ids: one list of ids, or a list of them; `None` for text prompts.
+fn token_ids(prompt: &Value) -> Result<Option<Vec<Vec<u32>>>, ApiError> {
+    let Value::Array(items) = prompt else {
+        return Ok(None);
+    };
+    let id = |v: &Value| {
+        v.as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| ApiError("prompt token ids must be non-negative integers".into()))
+    };
+    match items.first() {
+        Some(Value::Number(_)) => Ok(Some(vec![items.iter().map(id).collect::<Result<_, _>>()?])),
+        Some(Value::Array(_)) => items
+            .iter()
+            .map(|row| match row {
+                Value::Array(ids) => ids.iter().map(id).collect::<Result<Vec<u32>, _>>(),
+                _ => Err(ApiError("prompt must be a string, a list of strings, a list of token ids or a list of such lists".into())),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        _ => Ok(None),
+    }
+}
+
 impl CompletionRequest {
     pub fn parse(body: &Value) -> Result<Self, ApiError> {
         let Some(body) = body.as_object() else {
             return invalid("the request body must be a JSON object".into());
         };
-        let prompts = strings(
-            body.get("prompt")
-                .ok_or_else(|| ApiError("prompt is required".into()))?,
-            "prompt",
-        )?;
+        let prompt = body
+            .get("prompt")
+            .ok_or_else(|| ApiError("prompt is required".into()))?;
+        let prompt_token_ids = token_ids(prompt)?;
+        let prompts = match &prompt_token_ids {
+            Some(ids) => vec![String::new(); ids.len()],
+            None => strings(prompt, "prompt")?,
+        };
         if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
             return invalid(format!(
                 "prompt must hold between 1 and {MAX_PROMPTS} prompts"
@@ -111,20 +149,20 @@ impl CompletionRequest {
             Some(value) => strings(value, "stop")?,
         };
         let logprobs = match body.get("logprobs") {
-            None | Some(Value::Null) => false,
-            Some(value) => {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(
                 value
                     .as_i64()
-                    .ok_or_else(|| ApiError("logprobs must be an integer".into()))?
-                    >= 0
-            }
+                    .ok_or_else(|| ApiError("logprobs must be an integer".into()))?,
+            ),
         };
+        if logprobs.is_some_and(|n| !(0..=MAX_TOP_LOGPROBS as i64).contains(&n)) {
+            return invalid(format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS}"));
+        }
         let seed = integer(body, "seed")?.map(|s| s as u64);
         let echo = flag(body, "echo")?;
-        if max_tokens == 0 && !echo {
-            return invalid("max_tokens = 0 returns nothing without echo".into());
-        }
         Ok(CompletionRequest {
+            prompt_token_ids,
             model: body
                 .get("model")
                 .and_then(Value::as_str)
@@ -137,7 +175,8 @@ impl CompletionRequest {
             top_k,
             stop,
             echo,
-            logprobs,
+            logprobs: logprobs.is_some(),
+            top_logprobs: logprobs.unwrap_or(0) as usize,
             seed,
             stream: flag(body, "stream")?,
         })
@@ -149,8 +188,23 @@ impl CompletionRequest {
 pub struct Choice {
     pub text: String,
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
+    /// Where each token starts in `text`, in characters (see [`text_offsets`]).
+    pub text_offset: Vec<usize>,
+    /// `None` for the first token of an echoed prompt, which has no context (as OpenAI).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// With `logprobs: N > 0`, the N most likely tokens (text → log-probability) at each
+    /// position, `None` where `token_logprobs` is.
+    pub top_logprobs: Option<Vec<Option<Vec<(String, f32)>>>>,
     pub finish_reason: Option<&'static str>,
+}
+
+/// OpenAI's `text_offset`: where each of `ids` starts in their text, counted in characters
+/// (Python string indices), not bytes. A byte-level token may hold part of a character, so the
+/// offsets come from the decoded prefixes, not from the tokens' own (lossy) texts.
+pub fn text_offsets(ids: &[u32], decode: impl Fn(&[u32]) -> String) -> Vec<usize> {
+    (0..ids.len())
+        .map(|i| decode(&ids[..i]).chars().count())
+        .collect()
 }
 
 /// The response body (also the last streamed event, without `usage` there).
@@ -166,16 +220,21 @@ pub fn completion_body(
         .enumerate()
         .map(|(index, c)| {
             let logprobs = (!c.tokens.is_empty()).then(|| {
-                let mut offset = 0;
-                let offsets: Vec<usize> = c
-                    .tokens
-                    .iter()
-                    .map(|t| {
-                        offset += t.len();
-                        offset - t.len()
-                    })
-                    .collect();
-                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": offsets, "top_logprobs": null})
+                let top = c.top_logprobs.as_ref().map(|positions| {
+                    positions
+                        .iter()
+                        .map(|alternatives| {
+                            alternatives.as_ref().map(|alternatives| {
+                                let mut map = Map::new();
+                                for (text, logprob) in alternatives {
+                                    map.entry(text.clone()).or_insert(json!(logprob));
+                                }
+                                Value::Object(map)
+                            })
+                        })
+                        .collect::<Vec<_>>()
+                });
+                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": c.text_offset, "top_logprobs": top})
             });
             json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         })
@@ -231,8 +290,8 @@ mod tests {
                 "cannot set both top_k and top_p",
             ),
             (
-                json!({"prompt": "a", "max_tokens": 0}),
-                "max_tokens = 0 returns nothing without echo",
+                json!({"prompt": "a", "logprobs": 21}),
+                "logprobs must be between 0 and 20",
             ),
             (
                 json!({"prompt": "a", "temperature": "x"}),
@@ -249,15 +308,50 @@ mod tests {
     }
 
     #[test]
+    fn prompts_may_be_token_ids() {
+        let one = CompletionRequest::parse(&json!({"prompt": [1, 2, 3], "echo": true})).unwrap();
+        assert_eq!(one.prompt_token_ids, Some(vec![vec![1, 2, 3]]));
+        assert_eq!(one.prompts.len(), 1);
+        let two = CompletionRequest::parse(&json!({"prompt": [[1], [4, 5]]})).unwrap();
+        assert_eq!(two.prompt_token_ids, Some(vec![vec![1], vec![4, 5]]));
+        let text = CompletionRequest::parse(&json!({"prompt": ["a", "b"]})).unwrap();
+        assert_eq!(text.prompt_token_ids, None);
+        assert!(CompletionRequest::parse(&json!({"prompt": [1, -2]})).is_err());
+    }
+
+    #[test]
     fn text_offsets_follow_the_tokens() {
         let choice = Choice {
             text: "ab c".into(),
-            tokens: vec!["ab".into(), " c".into()],
-            token_logprobs: vec![-1.0, -2.0],
+            tokens: vec!["hé".into(), "llo".into(), " wö".into(), "rld".into()],
+            text_offset: vec![0, 2, 5, 8],
+            token_logprobs: vec![None, Some(-1.0), Some(-2.0), Some(-0.5)],
+            top_logprobs: Some(vec![
+                None,
+                Some(vec![("llo".into(), -1.0)]),
+                Some(vec![(" x".into(), -0.25)]),
+                Some(vec![("rld".into(), -0.5)]),
+            ]),
             finish_reason: Some("length"),
         };
         let body = completion_body("x", 0, "m", &[choice], Some((3, 2)));
-        assert_eq!(body["choices"][0]["logprobs"]["text_offset"], json!([0, 2]));
+        let logprobs = &body["choices"][0]["logprobs"];
+        assert_eq!(logprobs["text_offset"], json!([0, 2, 5, 8]));
+        assert_eq!(logprobs["token_logprobs"], json!([null, -1.0, -2.0, -0.5]));
+        assert_eq!(logprobs["top_logprobs"], json!([null, {"llo": -1.0}, {" x": -0.25}, {"rld": -0.5}]));
         assert_eq!(body["usage"]["total_tokens"], json!(5));
+    }
+
+    #[test]
+    fn offsets_count_characters_of_the_decoded_text() {
+        // Byte-level pieces of "héllo wörld": "ö" is split over two tokens.
+        let pieces: [&[u8]; 5] = [b"h\xc3\xa9", b"llo", b" w\xc3", b"\xb6", b"rld"];
+        let decode = |ids: &[u32]| {
+            let bytes: Vec<u8> = ids.iter().flat_map(|&i| pieces[i as usize].to_vec()).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        };
+        // 'héllo wörld'.index('llo') == 2, .index('rld') == 8, as Python counts; the token
+        // ending inside "ö" counts it as one (replacement) character.
+        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], decode), [0, 2, 5, 8, 8]);
     }
 }

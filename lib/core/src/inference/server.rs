@@ -278,9 +278,22 @@ fn completions(
         return openai_error(503, &busy);
     }
     if stream {
+        // The status goes out with the first event: a request the worker rejects before any
+        // text (too long, say) is answered 400 like an unstreamed one, not 200 and an error.
+        let first = match received.recv() {
+            Ok(CompletionEvent::Done(Err(ServiceError::Rejected(text)))) => {
+                return openai_error(400, &text)
+            }
+            Ok(CompletionEvent::Done(Err(ServiceError::Failed(text)))) => {
+                return openai_error(500, &text)
+            }
+            Ok(event) => event,
+            Err(_) => return openai_error(503, "the server is shutting down"),
+        };
         let header =
             Header::from_bytes("Content-Type", "text/event-stream").expect("a valid header");
         let body = ServerSentEvents {
+            first: Some(first),
             events: received,
             model,
             pending: Vec::new(),
@@ -312,6 +325,8 @@ fn completions(
 /// Server-sent events from a completion's worker events: a `data:` line per text delta, then
 /// the choices with their finish reasons and the usage, then `data: [DONE]`.
 struct ServerSentEvents {
+    /// The event already received to decide the status.
+    first: Option<CompletionEvent>,
     events: Receiver<CompletionEvent>,
     model: String,
     pending: Vec<u8>,
@@ -324,7 +339,11 @@ impl ServerSentEvents {
             return None;
         }
         let event = |value: &Value| format!("data: {value}\n\n").into_bytes();
-        match self.events.recv() {
+        let next = match self.first.take() {
+            Some(first) => Ok(first),
+            None => self.events.recv(),
+        };
+        match next {
             Ok(CompletionEvent::Delta(index, text)) => {
                 let (id, created) = completion_id();
                 Some(event(&delta_body(&id, created, &self.model, index, &text)))

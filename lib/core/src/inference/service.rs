@@ -16,9 +16,9 @@ use super::decoder::Decoder;
 use super::generation::{
     generate_tokens, generate_tokens_observed, GenerationRequest, StopCondition,
 };
-use super::openai::{completion_body, Choice, CompletionRequest};
+use super::openai::{completion_body, text_offsets, Choice, CompletionRequest};
 use super::sampling::Sampling;
-use crate::model::GptModel;
+use crate::model::{AttentionMask, GptModel};
 use crate::parallel::Communicator;
 
 /// Megatron's `--max-tokens-to-oom` default: prompts × total length per request.
@@ -262,7 +262,30 @@ impl TextGenerationService {
         on_delta: &mut dyn FnMut(usize, &str),
     ) -> Result<Value, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
-        let prompts = self.tokenize(&request.prompts, false).map_err(failed)?;
+        let (prompts, prompt_texts) = match &request.prompt_token_ids {
+            Some(rows) => {
+                let vocab = self.tokenizer.vocab_size();
+                if let Some(&bad) = rows.iter().flatten().find(|&&id| id as usize >= vocab) {
+                    return Err(ServiceError::Rejected(format!(
+                        "prompt token id {bad} is outside the vocabulary of {vocab} tokens"
+                    )));
+                }
+                let texts = rows
+                    .iter()
+                    .map(|ids| self.tokenizer.detokenize(ids))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ServiceError::Rejected(e.to_string()))?;
+                let ids = rows
+                    .iter()
+                    .map(|ids| ids.iter().map(|&id| i64::from(id)).collect())
+                    .collect();
+                (ids, texts)
+            }
+            None => (
+                self.tokenize(&request.prompts, false).map_err(failed)?,
+                request.prompts.clone(),
+            ),
+        };
         if prompts.iter().any(Vec::is_empty) {
             return Err(ServiceError::Rejected("prompt must not be empty".into()));
         }
@@ -283,6 +306,12 @@ impl TextGenerationService {
             )));
         }
         self.seed(request.seed)?;
+        if request.echo {
+            // A streamed echo starts with the prompt, as the whole answer does.
+            for (row, prompt) in prompt_texts.iter().enumerate() {
+                on_delta(row, prompt);
+            }
+        }
         let sampling = if request.temperature == 0.0 {
             Sampling::greedy()
         } else {
@@ -346,7 +375,7 @@ impl TextGenerationService {
             let text = stream.final_text(self.tokenizer.as_ref(), &request.stop);
             let mut choice = Choice {
                 text: if request.echo {
-                    format!("{}{text}", request.prompts[row])
+                    format!("{}{text}", prompt_texts[row])
                 } else {
                     text
                 },
@@ -355,14 +384,46 @@ impl TextGenerationService {
             };
             completion_tokens += stream.tokens.len();
             if let Some(logprobs) = &out.logprobs {
-                let first = if request.echo { 1 } else { prompts[row].len() };
-                let shown: Vec<i64> =
-                    out.tokens[row][first..(prompts[row].len() + stream.tokens.len())].to_vec();
+                // With echo the prompt's tokens come first, the very first without a
+                // log-probability (nothing precedes it), as OpenAI answers.
+                let first = if request.echo { 0 } else { prompts[row].len() };
+                let end = prompts[row].len() + stream.tokens.len();
+                let shown = &out.tokens[row][first..end];
                 choice.tokens = shown
                     .iter()
                     .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
                     .collect();
-                choice.token_logprobs = logprobs[row][first - 1..first - 1 + shown.len()].to_vec();
+                let ids: Vec<u32> = shown.iter().map(|&t| t as u32).collect();
+                choice.text_offset = text_offsets(&ids, |prefix| {
+                    self.tokenizer.detokenize(prefix).unwrap_or_default()
+                });
+                choice.token_logprobs = (first..end)
+                    .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
+                    .collect();
+                if request.top_logprobs > 0 {
+                    let (chosen, alternatives) = self
+                        .top_alternatives(&out.tokens[row][..end], request.top_logprobs)
+                        .map_err(failed)?;
+                    // Both from one forward, so a greedy token's value equals the top one
+                    // exactly (lm-eval compares them with `==`).
+                    choice.token_logprobs = (first..end)
+                        .map(|i| (i > 0).then(|| chosen[i - 1]))
+                        .collect();
+                    choice.top_logprobs = Some(
+                        (first..end)
+                            .map(|i| {
+                                (i > 0).then(|| {
+                                    alternatives[i - 1]
+                                        .iter()
+                                        .map(|&(t, l)| {
+                                            (self.tokenizer.detokenize(&[t as u32]).unwrap_or_default(), l)
+                                        })
+                                        .collect()
+                                })
+                            })
+                            .collect(),
+                    );
+                }
             }
             choices.push(choice);
         }
@@ -397,6 +458,47 @@ impl TextGenerationService {
             )));
         }
         Ok(())
+    }
+
+    /// For every position after the first of `tokens`, its log-probability and the `n` most
+    /// likely tokens there with theirs, over the true vocabulary (one forward over the
+    /// sequence; every tensor-parallel rank runs it).
+    #[allow(clippy::type_complexity)]
+    fn top_alternatives(
+        &self,
+        tokens: &[i64],
+        n: usize,
+    ) -> Result<(Vec<f32>, Vec<Vec<(i64, f32)>>)> {
+        let device = self.model.options().device;
+        let length = tokens.len() as i64;
+        let input = Tensor::from_slice(tokens).view([1, length]).to_device(device);
+        let positions = Tensor::arange(length, (Kind::Int64, device)).unsqueeze(0);
+        let logits = tch::no_grad(|| {
+            self.model
+                .forward_full_logits(&input, &positions, &AttentionMask::Causal)
+        })?;
+        let log_probs = logits
+            .select(1, 0)
+            .narrow(1, 0, self.model.config.vocab_size)
+            .log_softmax(-1, Kind::Float);
+        let targets = input.select(0, 0).narrow(0, 1, length - 1).unsqueeze(1);
+        let chosen = log_probs
+            .narrow(0, 0, length - 1)
+            .gather(1, &targets, false)
+            .squeeze_dim(1)
+            .to_device(Device::Cpu);
+        let chosen: Vec<f32> = Vec::try_from(chosen)?;
+        let (values, indices) = log_probs.topk(n as i64, -1, true, true);
+        let values = values.narrow(0, 0, length - 1).to_device(Device::Cpu);
+        let indices = indices.narrow(0, 0, length - 1).to_device(Device::Cpu);
+        let values: Vec<Vec<f32>> = Vec::try_from(values)?;
+        let indices: Vec<Vec<i64>> = Vec::try_from(indices)?;
+        let alternatives = indices
+            .into_iter()
+            .zip(values)
+            .map(|(ids, logprobs)| ids.into_iter().zip(logprobs).collect())
+            .collect();
+        Ok((chosen, alternatives))
     }
 
     /// The decoder; requests run one at a time, so this never waits. After a panic in an

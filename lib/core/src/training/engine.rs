@@ -97,6 +97,7 @@ pub fn pretrain<F: ModelFamily>(
 ) -> Result<TrainingSummary> {
     let started = Instant::now();
     install_exit_handler();
+    crate::checkpoint::set_checksums_enabled(!args.checkpoint.no_checkpoint_checksums);
     let parallel = runtime.parallel.clone();
     let device = runtime.device;
     let layout = parallel.layout;

@@ -29,6 +29,30 @@ pub fn format_fixed(value: f64, precision: usize) -> String {
     format!("{value:.precision$}")
 }
 
+/// Python's `str(value)` / `'{}'.format(value)` of a float: the shortest repr that round-trips,
+/// `1.0` for integral values, exponent form (`1.5e-05`, `1e+16`) below 1e-4 and from 1e16 up.
+pub fn format_repr(value: f64) -> String {
+    if !value.is_finite() {
+        return non_finite(value).to_string();
+    }
+    let magnitude = value.abs();
+    if magnitude != 0.0 && !(1e-4..1e16).contains(&magnitude) {
+        let rust = format!("{value:e}");
+        let (mantissa, exponent) = rust
+            .split_once('e')
+            .expect("Rust's {:e} always writes an exponent");
+        let exponent: i32 = exponent.parse().expect("Rust's {:e} exponent is an integer");
+        let sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{mantissa}e{sign}{:02}", exponent.unsigned_abs());
+    }
+    let text = format!("{value}");
+    if text.contains('.') {
+        text
+    } else {
+        format!("{text}.0")
+    }
+}
+
 /// Python drops the sign of a NaN when formatting it, but keeps the sign of an infinity.
 fn non_finite(value: f64) -> &'static str {
     if value.is_nan() {
@@ -67,6 +91,25 @@ mod tests {
         ];
         for (value, expected) in cases {
             assert_eq!(format_exp_upper(value, 6), expected, "value {value:?}");
+        }
+    }
+
+    // Expected strings printed by python3 3.11: `str(x)`.
+    #[test]
+    fn repr_matches_python() {
+        let cases = [
+            (1.0, "1.0"),
+            (1.1335986914, "1.1335986914"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (1.5e-5, "1.5e-05"),
+            (0.0001, "0.0001"),
+            (1e16, "1e+16"),
+            (123456789012345.6, "123456789012345.6"),
+            (-0.0, "-0.0"),
+            (f64::NAN, "nan"),
+        ];
+        for (value, expected) in cases {
+            assert_eq!(format_repr(value), expected, "value {value:?}");
         }
     }
 

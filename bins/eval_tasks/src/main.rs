@@ -1,0 +1,168 @@
+//! `eval_tasks`: Megatron's `tasks/main.py` for the zero-shot GPT tasks — LAMBADA accuracy and
+//! WikiText-103 perplexity of a trained checkpoint, with Megatron's flags and result lines.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use indicatif::ProgressBar;
+use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
+use megatron_core::tasks::{
+    evaluate, EvalModel, EvalObserver, EvalOptions, LambadaReportKind, Task,
+};
+use megatron_data::tokenizer::build_tokenizer;
+
+/// Evaluate a GPT checkpoint as Megatron's `tasks/main.py` does:
+/// `eval_tasks --task LAMBADA --valid-data lambada_test.jsonl --strict-lambada --load ckpt
+/// --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt`, or `--task WIKITEXT103
+/// --valid-data wiki.test.tokens`. The architecture comes from the checkpoint; Megatron's model
+/// flags are accepted and checked against it. Under torchrun with
+/// --tensor-model-parallel-size N the model is split over N processes.
+#[derive(Parser)]
+#[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
+struct Cli {
+    /// LAMBADA (accuracy) or WIKITEXT103 (perplexity).
+    #[arg(long)]
+    task: String,
+    /// The data file: LAMBADA's JSON lines (key "text"), or WikiText's raw `wiki.*.tokens`
+    /// (the detokenizer is picked from the path as Megatron does: ptb, wiki or lambada).
+    #[arg(long, num_args = 0..)]
+    valid_data: Vec<PathBuf>,
+    /// LAMBADA: predict the whole last word (Megatron's recommended setting), not only its
+    /// last BPE token.
+    #[arg(long)]
+    strict_lambada: bool,
+    /// WikiText: stride between windows; each later window scores only its last this many
+    /// tokens (values below 1 mean 1).
+    #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
+    overlapping_eval: i64,
+    /// Windows (or passages) per forward pass [default: --micro-batch-size, else 8].
+    #[arg(long)]
+    eval_micro_batch_size: Option<usize>,
+    /// LAMBADA numbers to print: megatron (its formulation), lm-eval (lm-evaluation-harness's
+    /// lambada_openai formulation), or both, each labelled.
+    #[arg(long, default_value = "megatron")]
+    report: String,
+    /// Also write the numbers to this JSON file.
+    #[arg(long)]
+    results_json: Option<PathBuf>,
+    /// Print "> working on iteration: N" every this many micro-batches (0: never).
+    #[arg(long, default_value_t = 100)]
+    log_interval: usize,
+    /// A HuggingFace checkpoint directory instead of --load (needs checkpoint_convert's loader).
+    #[arg(long)]
+    load_hf: Option<PathBuf>,
+    #[command(flatten)]
+    model: CheckpointModelArgs,
+    #[command(flatten, next_help_heading = "Tokenizer")]
+    tokenizer: TokenizerArgs,
+}
+
+/// Megatron's lines on stdout (rank 0 only), a progress bar on stderr.
+struct Console {
+    print: bool,
+    bar: Option<ProgressBar>,
+}
+
+impl EvalObserver for Console {
+    fn log(&mut self, line: &str) {
+        if self.print {
+            match &self.bar {
+                Some(bar) => bar.suspend(|| println!("{line}")),
+                None => println!("{line}"),
+            }
+        }
+    }
+
+    fn start(&mut self, what: &str, total: u64) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        if self.print {
+            self.bar = Some(megatron_cli::progress_bar(
+                total,
+                &format!("batches of {what}"),
+            ));
+        }
+    }
+
+    fn batch_done(&mut self) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    megatron_cli::run(|| run(&cli))
+}
+
+fn run(cli: &Cli) -> Result<()> {
+    let task = Task::parse(&cli.task)?;
+    let report = LambadaReportKind::parse(&cli.report)?;
+    let valid_data = match cli.valid_data.as_slice() {
+        [one] => one.clone(),
+        [] => bail!("give the data file with --valid-data"),
+        many => bail!(
+            "--valid-data takes one file for {}, got {}",
+            task.name(),
+            many.len()
+        ),
+    };
+    if cli.load_hf.is_some() {
+        bail!("--load-hf needs checkpoint_convert's HuggingFace loader, which has not landed yet; convert the model with checkpoint_convert and use --load");
+    }
+    cli.model.print_ignored_flag_notes("eval_tasks");
+    let (job, parallel, device) = cli.model.join_job()?;
+    let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
+    let model = cli.model.load_model(device, &parallel)?;
+    if tokenizer.vocab_size() as i64 != model.config.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the checkpoint was trained with {}",
+            tokenizer.vocab_size(),
+            model.config.vocab_size
+        );
+    }
+    let options = EvalOptions {
+        task,
+        valid_data,
+        seq_length: cli.model.seq_length_for(&model.config),
+        strict_lambada: cli.strict_lambada,
+        overlapping_eval: Some(cli.overlapping_eval),
+        micro_batch_size: cli
+            .eval_micro_batch_size
+            .or(cli.model.micro_batch_size)
+            .unwrap_or(8)
+            .max(1),
+        report,
+        log_interval: cli.log_interval,
+    };
+    let mut console = Console {
+        print: parallel.is_logging_rank(),
+        bar: None,
+    };
+    let results = evaluate(
+        &EvalModel {
+            model: &model,
+            tensor_group: &parallel.tensor,
+        },
+        tokenizer.as_ref(),
+        &options,
+        &mut console,
+    )?;
+    if let Some(bar) = console.bar.take() {
+        bar.finish_and_clear();
+    }
+    if let (Some(path), true) = (&cli.results_json, console.print) {
+        let partial = path.with_extension("json.tmp");
+        std::fs::write(&partial, serde_json::to_string_pretty(&results)? + "\n")
+            .with_context(|| format!("writing {}", partial.display()))?;
+        std::fs::rename(&partial, path).with_context(|| format!("writing {}", path.display()))?;
+    }
+    console.log("done :-)");
+    drop(model);
+    drop(parallel);
+    job.finish()
+}

@@ -1,0 +1,566 @@
+//! `eval_tasks` as a user runs it, on a tiny GPT that `pretrain_gpt` trained in the test on
+//! LAMBADA passages: WikiText loss/ppl/adjusted ppl and LAMBADA counts equal an independent
+//! Python reference (HuggingFace GPT2LMHeadModel on the same weights,
+//! scripts/reference/eval_tasks_reference.py); two tensor-parallel processes give the
+//! one-process numbers; Megatron's flags are accepted and checked; bad input gets clear errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use megatron_e2e::{bin, free_port, run_ok, shared_dir, test_python, workspace_root};
+use serde_json::Value;
+
+const PASSAGES: usize = 24;
+
+fn tokenizer_flags() -> Vec<String> {
+    let data = shared_dir().join("data");
+    vec![
+        "--tokenizer-type".into(),
+        "GPT2BPETokenizer".into(),
+        "--vocab-file".into(),
+        data.join("gpt2-vocab.json").display().to_string(),
+        "--merge-file".into(),
+        data.join("gpt2-merges.txt").display().to_string(),
+    ]
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    checkpoint: PathBuf,
+    lambada: PathBuf,
+    wiki: PathBuf,
+}
+
+/// The first passages of LAMBADA and lines of WikiText-2, and a 2-layer GPT trained for 30
+/// steps on those passages (so that it gets some LAMBADA targets right), built once.
+fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = shared_dir().join("data");
+        let lambada = dir.path().join("lambada_head.jsonl");
+        let text = std::fs::read_to_string(shared.join("lambada_test.jsonl")).unwrap();
+        std::fs::write(
+            &lambada,
+            text.split_inclusive('\n')
+                .take(PASSAGES)
+                .collect::<String>(),
+        )
+        .unwrap();
+        let wiki = dir.path().join("wiki.head.tokens");
+        let text = std::fs::read_to_string(shared.join("wikitext2_test.tokens")).unwrap();
+        std::fs::write(
+            &wiki,
+            text.split_inclusive('\n').take(30).collect::<String>(),
+        )
+        .unwrap();
+        let prefix = dir.path().join("lambada");
+        run_ok(
+            bin("preprocess_data")
+                .arg("--input")
+                .arg(&lambada)
+                .arg("--output-prefix")
+                .arg(&prefix)
+                .args(["--append-eod", "--workers", "1"])
+                .args(tokenizer_flags()),
+        );
+        let checkpoint = dir.path().join("ckpt");
+        run_ok(
+            bin("pretrain_gpt")
+                .args([
+                    "--num-layers",
+                    "2",
+                    "--hidden-size",
+                    "64",
+                    "--num-attention-heads",
+                    "4",
+                    "--seq-length",
+                    "64",
+                    "--max-position-embeddings",
+                    "128",
+                    "--micro-batch-size",
+                    "4",
+                    "--global-batch-size",
+                    "4",
+                    "--train-iters",
+                    "30",
+                    "--lr",
+                    "5e-3",
+                    "--split",
+                    "100,0,0",
+                    "--eval-iters",
+                    "0",
+                    "--hidden-dropout",
+                    "0",
+                    "--attention-dropout",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--log-interval",
+                    "10",
+                    "--data-path",
+                ])
+                .arg(format!("{}_text_document", prefix.display()))
+                .arg("--save")
+                .arg(&checkpoint)
+                .args(tokenizer_flags()),
+        );
+        Fixture {
+            _dir: dir,
+            checkpoint,
+            lambada,
+            wiki,
+        }
+    })
+}
+
+fn eval_tasks(fixture: &Fixture, args: &[&str]) -> Command {
+    let mut command = bin("eval_tasks");
+    command
+        .arg("--load")
+        .arg(&fixture.checkpoint)
+        .args(tokenizer_flags())
+        .args(["--device", "cpu", "--seq-length", "128"])
+        .args(args);
+    command
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn reference(fixture: &Fixture, task: &str, data: &Path, strict: bool) -> Value {
+    let python = test_python(&["torch", "transformers", "safetensors", "tokenizers"]);
+    let out = run_ok(
+        Command::new(python)
+            .arg(workspace_root().join("scripts/reference/eval_tasks_reference.py"))
+            .arg(&fixture.checkpoint)
+            .arg(shared_dir().join("data/gpt2-tokenizer.json"))
+            .arg(task)
+            .arg(data)
+            .args(["128", "32", if strict { "1" } else { "0" }]),
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn assert_close(ours: &Value, reference: &Value, key: &str) {
+    let (a, b) = (
+        ours[key].as_f64().unwrap(),
+        reference[key].as_f64().unwrap(),
+    );
+    assert!(
+        (a - b).abs() <= 1e-5 * b.abs().max(1e-12),
+        "{key}: eval_tasks {a}, reference {b}"
+    );
+}
+
+fn wikitext(fixture: &Fixture, extra: &[&str], json: &Path) -> Output {
+    let mut command = eval_tasks(
+        fixture,
+        &[
+            "--task",
+            "WIKITEXT103",
+            "--overlapping-eval",
+            "32",
+            "--eval-micro-batch-size",
+            "3",
+        ],
+    );
+    command
+        .arg("--valid-data")
+        .arg(&fixture.wiki)
+        .arg("--results-json")
+        .arg(json)
+        .args(extra);
+    run_ok(&mut command)
+}
+
+#[test]
+fn wikitext_equals_the_hf_reference() {
+    let fixture = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("results.json");
+    let out = wikitext(fixture, &[], &json);
+    let ours = read_json(&json);
+    let expected = reference(fixture, "WIKITEXT103", &fixture.wiki, false);
+    for key in ["num_tokenized_tokens", "num_original_tokens", "num_windows"] {
+        assert_eq!(ours[key], expected[key], "{key}");
+    }
+    for key in ["loss_sum", "avg_loss", "ppl", "adjusted_ppl", "token_ratio"] {
+        assert_close(&ours, &expected, key);
+    }
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(" validation results on WIKITEXT103 | avg loss: "))
+        .unwrap_or_else(|| panic!("no result line in\n{stdout}"));
+    assert!(
+        line.ends_with(&format!("| token ratio: {} |", expected["token_ratio"])),
+        "{line}"
+    );
+    let rule = "-".repeat(line.len() + 1);
+    assert!(
+        stdout.contains(&format!("{rule}\n{line}\n{rule}\n")),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&format!(
+        " > number of original tokens: {}, number of detokenized tokens: {}",
+        expected["num_original_tokens"], expected["num_tokenized_tokens"]
+    )));
+    assert!(stdout.trim_end().ends_with("done :-)"));
+}
+
+#[test]
+fn lambada_counts_equal_the_hf_reference() {
+    let fixture = fixture();
+    for strict in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("results.json");
+        let mut command = eval_tasks(
+            fixture,
+            &[
+                "--task",
+                "LAMBADA",
+                "--report",
+                "both",
+                "--eval-micro-batch-size",
+                "5",
+            ],
+        );
+        command
+            .arg("--valid-data")
+            .arg(&fixture.lambada)
+            .arg("--results-json")
+            .arg(&json);
+        if strict {
+            command.arg("--strict-lambada");
+        }
+        let out = run_ok(&mut command);
+        let ours = read_json(&json);
+        let expected = reference(fixture, "LAMBADA", &fixture.lambada, strict);
+        let megatron = &ours[if strict {
+            "megatron_strict"
+        } else {
+            "megatron_non_strict"
+        }];
+        assert_eq!(
+            megatron["correct"], expected["megatron"]["correct"],
+            "strict {strict}"
+        );
+        assert_eq!(megatron["total"].as_u64(), Some(PASSAGES as u64));
+        assert_close(megatron, &expected["megatron"], "target_logprob_sum");
+        assert_eq!(ours["lm_eval"]["correct"], expected["lm_eval"]["correct"]);
+        assert_close(&ours["lm_eval"], &expected["lm_eval"], "target_logprob_sum");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let correct = megatron["correct"].as_f64().unwrap();
+        // Python's '{:.4E}' of a count below 100.
+        let count = format!("{correct:.4E}").replace('E', "E+0");
+        assert!(
+            stdout.contains(&format!(
+                " validation results on LAMBADA | number correct: {count} | total examples: 2.4000E+01 |"
+            )),
+            "{stdout}"
+        );
+        assert!(stdout.contains(
+            " lm-evaluation-harness lambada_openai formulation (not Megatron's) | acc: "
+        ));
+    }
+}
+
+fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("a rank did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn two_tensor_parallel_processes_equal_one() {
+    let fixture = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("tp1.json");
+    wikitext(fixture, &[], &single);
+    let port = free_port();
+    let split = dir.path().join("tp2.json");
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            let mut command = eval_tasks(
+                fixture,
+                &[
+                    "--task",
+                    "WIKITEXT103",
+                    "--overlapping-eval",
+                    "32",
+                    "--eval-micro-batch-size",
+                    "3",
+                    "--tensor-model-parallel-size",
+                    "2",
+                ],
+            );
+            command
+                .arg("--valid-data")
+                .arg(&fixture.wiki)
+                .arg("--results-json")
+                .arg(&split)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = wait_with_deadline(child, Duration::from_secs(300));
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (one, two) = (read_json(&single), read_json(&split));
+    for key in ["loss_sum", "avg_loss", "ppl", "adjusted_ppl"] {
+        assert_close(&two, &one, key);
+    }
+}
+
+fn fails_with(command: &mut Command, message: &str) {
+    let out = command.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(message),
+        "expected {message:?} in\n{stderr}"
+    );
+}
+
+#[test]
+fn megatron_model_flags_are_checked_and_bad_input_is_named() {
+    let fixture = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let wiki = fixture.wiki.display().to_string();
+    let task = ["--task", "WIKITEXT103", "--valid-data", wiki.as_str()];
+    // Megatron's evaluation flags, architecture matching the checkpoint: accepted.
+    let mut command = eval_tasks(fixture, &task);
+    command.args([
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--max-position-embeddings",
+        "128",
+        "--micro-batch-size",
+        "8",
+        "--log-interval",
+        "1",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--use-flash-attn",
+        "--no-load-optim",
+    ]);
+    let out = run_ok(&mut command);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("note: --use-flash-attn does not apply to eval_tasks; ignored"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("> working on iteration: 1"));
+    fails_with(
+        eval_tasks(fixture, &task).args(["--num-layers", "24"]),
+        "--num-layers 24 does not match the checkpoint",
+    );
+    fails_with(
+        eval_tasks(fixture, &task).args(["--hidden-size", "1024"]),
+        "(64)",
+    );
+    let missing = dir.path().join("wiki.missing.tokens");
+    fails_with(
+        eval_tasks(fixture, &["--task", "WIKITEXT103"])
+            .arg("--valid-data")
+            .arg(&missing),
+        "wiki.missing.tokens: No such file or directory",
+    );
+    fails_with(
+        eval_tasks(fixture, &["--task", "LAMBADA"])
+            .arg("--valid-data")
+            .arg(dir.path()),
+        "is a directory, not a data file",
+    );
+    let empty = dir.path().join("wiki.empty.tokens");
+    std::fs::write(&empty, "").unwrap();
+    fails_with(
+        eval_tasks(fixture, &["--task", "WIKITEXT103"])
+            .arg("--valid-data")
+            .arg(&empty),
+        "wiki.empty.tokens: the file is empty",
+    );
+    fails_with(
+        &mut eval_tasks(fixture, &["--task", "LAMBADA"]),
+        "give the data file with --valid-data",
+    );
+    fails_with(
+        bin("eval_tasks")
+            .args(["--task", "WIKITEXT103", "--valid-data", wiki.as_str()])
+            .arg("--load")
+            .arg(dir.path().join("nope"))
+            .args(tokenizer_flags()),
+        "no such checkpoint directory",
+    );
+}
+
+/// lm-evaluation-harness (`lm_eval`, from PyPI) runs a local LAMBADA task (the lambada_openai
+/// formulation over the fixture's passages, `dataset_path: json`, offline) against
+/// `text_generation_server` through `local-completions`; its accuracy equals what eval_tasks
+/// computes for the same formulation (`--report lm-eval`).
+#[test]
+fn lm_eval_through_the_server_equals_eval_tasks() {
+    let fixture = fixture();
+    let python = test_python(&["lm_eval", "transformers", "datasets", "tenacity", "aiohttp"]);
+    let dir = tempfile::tempdir().unwrap();
+
+    let json = dir.path().join("ours.json");
+    let mut ours = eval_tasks(fixture, &["--task", "LAMBADA", "--report", "lm-eval"]);
+    ours.arg("--valid-data")
+        .arg(&fixture.lambada)
+        .arg("--results-json")
+        .arg(&json);
+    run_ok(&mut ours);
+    let ours = read_json(&json)["lm_eval"].clone();
+
+    let tokenizer = dir.path().join("tokenizer");
+    std::fs::create_dir(&tokenizer).unwrap();
+    std::fs::copy(
+        shared_dir().join("data/gpt2-tokenizer.json"),
+        tokenizer.join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        tokenizer.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "GPT2TokenizerFast", "model_max_length": 128, "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}"#,
+    )
+    .unwrap();
+    let tasks = dir.path().join("tasks");
+    std::fs::create_dir(&tasks).unwrap();
+    std::fs::write(
+        tasks.join("lambada_local.yaml"),
+        format!(
+            "task: lambada_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\n\
+             test_split: test\noutput_type: loglikelihood\n\
+             doc_to_text: \"{{{{text.split(' ')[:-1]|join(' ')}}}}\"\n\
+             doc_to_target: \"{{{{' '+text.split(' ')[-1]}}}}\"\n\
+             metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n\
+             \x20 - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
+            fixture.lambada.display()
+        ),
+    )
+    .unwrap();
+
+    let mut server = bin("text_generation_server");
+    server
+        .arg("--load")
+        .arg(&fixture.checkpoint)
+        .args(tokenizer_flags())
+        .args([
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-tokens-to-oom",
+            "100000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut server = server.spawn().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(server.stdout.take().unwrap()));
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("the server exited before serving")
+            .unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split('/').next().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let output = dir.path().join("lm_eval_out");
+    let run = Command::new(python)
+        .args([
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+        ])
+        .arg(format!(
+            "base_url=http://{address}/v1/completions,tokenizer_backend=huggingface,tokenizer={},\
+             model=megatron-rs,max_length=127,num_concurrent=1,max_retries=1",
+            tokenizer.display()
+        ))
+        .args(["--tasks", "lambada_local", "--include_path"])
+        .arg(&tasks)
+        .arg("--output_path")
+        .arg(&output)
+        .env("HF_DATASETS_OFFLINE", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .env("HF_HOME", dir.path().join("hf_home"))
+        .output()
+        .unwrap();
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let _ = server.wait();
+    assert!(
+        run.status.success(),
+        "lm_eval failed\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let results = find_results(&output).expect("lm_eval wrote no results_*.json");
+    let acc = read_json(&results)["results"]["lambada_local"]["acc,none"]
+        .as_f64()
+        .unwrap();
+    let expected = ours["correct"].as_f64().unwrap() / ours["total"].as_f64().unwrap();
+    assert!(
+        (acc - expected).abs() < 1e-9,
+        "lm_eval acc {acc}, eval_tasks {expected}"
+    );
+    // The log-likelihoods came through the server's echoed log-probabilities. The server
+    // normalises over the true vocabulary (padding rows are never sampled), eval_tasks over
+    // the padded one as Megatron does; the 47 padding rows move the perplexity by ~2e-4.
+    let ppl = read_json(&results)["results"]["lambada_local"]["perplexity,none"]
+        .as_f64()
+        .unwrap();
+    let expected = ours["perplexity"].as_f64().unwrap();
+    assert!(
+        (ppl - expected).abs() <= 1e-3 * expected,
+        "lm_eval perplexity {ppl}, eval_tasks {expected}"
+    );
+}
+
+fn find_results(dir: &Path) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            if let Some(found) = find_results(&path) {
+                return Some(found);
+            }
+        } else if path.file_name()?.to_string_lossy().starts_with("results") {
+            return Some(path);
+        }
+    }
+    None
+}
