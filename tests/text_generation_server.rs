@@ -601,6 +601,8 @@ fn hostile_requests_are_refused_with_a_message() {
         r#"{"prompts":["still up"],"tokens_to_generate":1}"#
     )
     .is_ok());
+    terminate(server.child);
+}
 
 /// Megatron's `examples/inference/run_text_generation_server_345M.sh` flag set, scaled to the
 /// test's model and otherwise unchanged, is accepted (the architecture checked against the
