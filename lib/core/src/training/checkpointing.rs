@@ -162,7 +162,7 @@ pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
 }
 
 /// Every rank's files, then rank 0's metadata and commit.
-fn write_and_commit(request: SaveRequest, iteration: u64) -> Result<()> {
+fn write_and_commit<C: ModelChunk>(request: SaveRequest<'_, C>, iteration: u64) -> Result<()> {
     let parallel = request.parallel;
     let world = &parallel.world;
     let chunk = &request.chunks[0];
