@@ -281,6 +281,60 @@ fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// `--load-hf` evaluates a HuggingFace checkpoint through checkpoint_convert's loader: the
+/// fixture exported to HF and evaluated with `--load-hf` gives exactly what the same export
+/// imported by `checkpoint_convert` and evaluated with `--load` gives.
+#[test]
+fn a_huggingface_checkpoint_evaluates_like_its_import() {
+    let fixture = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let (hf, imported) = (dir.path().join("hf"), dir.path().join("imported"));
+    let convert = |loader: &str, saver: &str, from: &Path, to: &Path| {
+        run_ok(
+            bin("checkpoint_convert")
+                .args(["--model-type", "GPT", "--loader", loader, "--saver", saver])
+                .arg("--load-dir")
+                .arg(from)
+                .arg("--save-dir")
+                .arg(to)
+                .args(&tokenizer_flags()[2..]),
+        );
+    };
+    convert("megatron-rs", "hf", &fixture.checkpoint, &hf);
+    convert("hf", "megatron-rs", &hf, &imported);
+    let run = |source: &[&str], json: &Path| {
+        run_ok(
+            bin("eval_tasks")
+                .args(source)
+                .args(tokenizer_flags())
+                .args(["--device", "cpu", "--seq-length", "128"])
+                .args(["--task", "WIKITEXT103", "--overlapping-eval", "32"])
+                .arg("--valid-data")
+                .arg(&fixture.wiki)
+                .arg("--results-json")
+                .arg(json),
+        );
+        read_json(json)
+    };
+    let from_hf = run(&["--load-hf", hf.to_str().unwrap()], &dir.path().join("hf.json"));
+    let from_import = run(
+        &["--load", imported.to_str().unwrap()],
+        &dir.path().join("imported.json"),
+    );
+    assert!(from_hf["avg_loss"].as_f64().unwrap() > 0.0);
+    for key in [
+        "num_tokenized_tokens",
+        "num_original_tokens",
+        "num_windows",
+        "loss_sum",
+        "avg_loss",
+        "ppl",
+        "adjusted_ppl",
+    ] {
+        assert_eq!(from_hf[key], from_import[key], "{key}");
+    }
+}
+
 #[test]
 fn two_tensor_parallel_processes_equal_one() {
     let fixture = fixture();

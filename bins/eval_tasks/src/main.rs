@@ -50,9 +50,6 @@ struct Cli {
     /// Print "> working on iteration: N" every this many micro-batches (0: never).
     #[arg(long, default_value_t = 100)]
     log_interval: usize,
-    /// A HuggingFace checkpoint directory instead of --load (needs checkpoint_convert's loader).
-    #[arg(long)]
-    load_hf: Option<PathBuf>,
     #[command(flatten)]
     model: CheckpointModelArgs,
     #[command(flatten, next_help_heading = "Tokenizer")]
@@ -111,9 +108,6 @@ fn run(cli: &Cli) -> Result<()> {
             many.len()
         ),
     };
-    if cli.load_hf.is_some() {
-        bail!("--load-hf needs checkpoint_convert's HuggingFace loader, which has not landed yet; convert the model with checkpoint_convert and use --load");
-    }
     cli.model.print_ignored_flag_notes("eval_tasks");
     let (job, parallel, device) = cli.model.join_job()?;
     let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;

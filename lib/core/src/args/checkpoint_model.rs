@@ -6,6 +6,7 @@
 //! meaning here are accepted and ignored with a one-line note.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -25,6 +26,14 @@ pub struct CheckpointModelArgs {
     /// Weights to evaluate when --load is not given (Megatron's tasks accept either).
     #[arg(long)]
     pub pretrained_checkpoint: Option<PathBuf>,
+    /// A HuggingFace checkpoint directory (GPT2LMHeadModel, LlamaForCausalLM,
+    /// MistralForCausalLM, Qwen2ForCausalLM) to use instead of --load, imported on the fly with
+    /// checkpoint_convert's loader.
+    #[arg(long, conflicts_with_all = ["load", "pretrained_checkpoint"])]
+    pub load_hf: Option<PathBuf>,
+    /// The --load-hf import, made once and removed when the flags are dropped.
+    #[arg(skip)]
+    imported: Arc<OnceLock<tempfile::TempDir>>,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -224,6 +233,15 @@ fn mismatch(
 impl CheckpointModelArgs {
     /// `--load`, else `--pretrained-checkpoint`.
     pub fn checkpoint(&self) -> Result<&Path> {
+        if let Some(hf) = &self.load_hf {
+            if self.imported.get().is_none() {
+                // A concurrent import loses the race and is dropped; both are the same model.
+                let _ = self.imported.set(import_hf(hf, self.make_vocab_size_divisible_by)?);
+            }
+            if let Some(dir) = self.imported.get() {
+                return Ok(dir.path());
+            }
+        }
         self.load
             .as_deref()
             .or(self.pretrained_checkpoint.as_deref())
@@ -522,6 +540,31 @@ impl CheckpointModelArgs {
         self.checked_config()?;
         load_gpt_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
     }
+}
+
+/// `dir` (a HuggingFace checkpoint) converted into one of ours in a temporary directory.
+fn import_hf(dir: &Path, make_vocab_size_divisible_by: Option<i64>) -> Result<tempfile::TempDir> {
+    let state = crate::convert::load_checkpoint(
+        dir,
+        Some("hf"),
+        &crate::convert::LoadOptions {
+            true_vocab_size: None,
+            optimizer: false,
+            make_vocab_size_divisible_by,
+        },
+    )
+    .with_context(|| format!("importing the HuggingFace checkpoint {}", dir.display()))?;
+    let imported = tempfile::Builder::new()
+        .prefix("megatron-rs-hf-import")
+        .tempdir()
+        .context("creating a temporary directory for the --load-hf import")?;
+    let single = crate::convert::TargetLayout {
+        tensor: 1,
+        pipeline: 1,
+        virtual_stages: 1,
+    };
+    crate::convert::save_megatron_rs(&state, imported.path(), single)?;
+    Ok(imported)
 }
 
 #[cfg(test)]
