@@ -2,7 +2,7 @@
 # checkpoint_convert's speed and memory on a randomly initialised GPT checkpoint (default
 # ~1.3B: 24 layers, hidden 2048, 16 heads, GPT-2 vocabulary, bf16, with its optimizer state),
 # made by pretrain_gpt (one iteration, --mock-data): TP1 → TP2 reshape (optimizer included),
-# and export to HuggingFace; each timed with /usr/bin/time -v (wall time, peak RSS) and
+# and export to HuggingFace; each timed (wall time, and peak RSS from getrusage) and
 # reported as GB/s over the bytes the tool read. The reference row is HF transformers'
 # conversion of the same checkpoint in PyTorch (scripts/bench/gpt_to_hf.py: load the
 # safetensors, map, save_pretrained). Megatron's tools/checkpoint/convert.py needs Megatron-LM's
@@ -18,10 +18,6 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-if [[ ! -x /usr/bin/time ]]; then
-    echo "checkpoint_convert.sh: needs GNU time at /usr/bin/time for wall time and peak RSS (apt-get install time)" >&2
-    exit 1
-fi
 PYTHON="${PYTHON:-python3}"
 LAYERS="${LAYERS:-24}" HIDDEN="${HIDDEN:-2048}" HEADS="${HEADS:-16}" SEQ="${SEQ:-2048}"
 DEVICE="${DEVICE:-cuda}"
@@ -46,13 +42,18 @@ echo "making a random GPT checkpoint: $LAYERS layers, hidden $HIDDEN, seq $SEQ (
     --eval-iters 0 --log-interval 1 --device "$DEVICE" --save "$SCRATCH/ckpt" --save-interval 1 \
     "${OPTIM[@]}" >"$SCRATCH/pretrain.log"
 
-# Runs "$@" under /usr/bin/time -v; prints "seconds peak_rss_MiB" and keeps stdout in $SCRATCH/out.
+# Runs "$@"; prints "seconds peak_rss_MiB" (the child's wall time and peak resident memory, from
+# getrusage) and keeps its stdout in $SCRATCH/out.
 timed() {
-    /usr/bin/time -v "$@" >"$SCRATCH/out" 2>"$SCRATCH/time"
-    local wall rss
-    wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {n=split($2,p,":"); s=0; for(i=1;i<=n;i++) s=s*60+p[i]; print s}' "$SCRATCH/time")
-    rss=$(awk -F': ' '/Maximum resident set size/ {printf "%.0f", $2/1024}' "$SCRATCH/time")
-    echo "$wall $rss"
+    "$PYTHON" -c '
+import resource, subprocess, sys, time
+start = time.perf_counter()
+with open(sys.argv[1], "w") as out:
+    code = subprocess.call(sys.argv[2:], stdout=out)
+wall = time.perf_counter() - start
+print(f"{wall:.3f} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f}")
+sys.exit(code)
+' "$SCRATCH/out" "$@"
 }
 gigabytes() { du -sb "$1" | awk '{printf "%.3f", $1/1e9}'; }
 
