@@ -335,34 +335,14 @@ fn a_huggingface_checkpoint_evaluates_like_its_import() {
     }
 }
 
-#[test]
-fn two_tensor_parallel_processes_equal_one() {
-    let fixture = fixture();
-    let dir = tempfile::tempdir().unwrap();
-    let single = dir.path().join("tp1.json");
-    wikitext(fixture, &[], &single);
+/// Runs eval_tasks with `args` as two tensor-parallel processes; returns the results JSON.
+fn two_ranks(fixture: &Fixture, args: &[&str], json: &Path) -> Value {
     let port = free_port();
-    let split = dir.path().join("tp2.json");
     let ranks: Vec<Child> = (0..2)
         .map(|rank| {
-            let mut command = eval_tasks(
-                fixture,
-                &[
-                    "--task",
-                    "WIKITEXT103",
-                    "--overlapping-eval",
-                    "32",
-                    "--eval-micro-batch-size",
-                    "3",
-                    "--tensor-model-parallel-size",
-                    "2",
-                ],
-            );
-            command
-                .arg("--valid-data")
-                .arg(&fixture.wiki)
-                .arg("--results-json")
-                .arg(&split)
+            eval_tasks(fixture, args)
+                .args(["--tensor-model-parallel-size", "2", "--results-json"])
+                .arg(json)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("LOCAL_RANK", rank.to_string())
@@ -382,9 +362,54 @@ fn two_tensor_parallel_processes_equal_one() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let (one, two) = (read_json(&single), read_json(&split));
+    read_json(json)
+}
+
+#[test]
+fn two_tensor_parallel_processes_equal_one() {
+    let fixture = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("tp1.json");
+    wikitext(fixture, &[], &single);
+    let wiki = fixture.wiki.to_str().unwrap();
+    let two = two_ranks(
+        fixture,
+        &[
+            "--task",
+            "WIKITEXT103",
+            "--overlapping-eval",
+            "32",
+            "--eval-micro-batch-size",
+            "3",
+            "--valid-data",
+            wiki,
+        ],
+        &dir.path().join("tp2.json"),
+    );
+    let one = read_json(&single);
     for key in ["loss_sum", "avg_loss", "ppl", "adjusted_ppl"] {
         assert_close(&two, &one, key);
+    }
+
+    let lambada = [
+        "--task",
+        "LAMBADA",
+        "--strict-lambada",
+        "--report",
+        "both",
+        "--eval-micro-batch-size",
+        "5",
+        "--valid-data",
+        fixture.lambada.to_str().unwrap(),
+    ];
+    let single = dir.path().join("lambada1.json");
+    run_ok(eval_tasks(fixture, &lambada).arg("--results-json").arg(&single));
+    let one = read_json(&single);
+    let two = two_ranks(fixture, &lambada, &dir.path().join("lambada2.json"));
+    for formulation in ["megatron_strict", "lm_eval"] {
+        assert_eq!(two[formulation]["correct"], one[formulation]["correct"]);
+        assert_eq!(two[formulation]["total"], one[formulation]["total"]);
+        assert_close(&two[formulation], &one[formulation], "target_logprob_sum");
     }
 }
 
