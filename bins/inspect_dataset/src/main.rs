@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(
     version,
-    about = "Inspect Megatron indexed datasets (.bin/.idx) and GPT training samples"
+    about = "Inspect Megatron indexed datasets (.bin/.idx) and GPT, BERT and T5 training samples"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -24,7 +24,7 @@ enum Command {
     Info(info::InfoArgs),
     /// Token ids (and, with --vocab-file, decoded text) of one sequence.
     Dump(info::DumpArgs),
-    /// GPT training samples exactly as training reads them, one JSON object per line.
+    /// GPT, BERT or T5 training samples exactly as training reads them, one JSON object per line.
     Samples(Box<samples::SamplesArgs>),
 }
 

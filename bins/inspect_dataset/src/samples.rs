@@ -1,21 +1,38 @@
-//! `samples`: build (or load from cache) the GPT datasets exactly as training does and print
-//! the raw token windows of one split.
+//! `samples`: build (or load from cache) the GPT, BERT or T5 datasets exactly as training does
+//! and print the samples of one split.
 
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
-use megatron_data::blend::{build_gpt_datasets, DataPathFlags, DataSources, SplitDataset};
+use clap::{Args, ValueEnum};
+use megatron_data::blend::{
+    build_gpt_datasets, BlendMember, DataPathFlags, DataSources, SplitDataset,
+};
 use megatron_data::gpt::{
     GptDataset, GptDatasetConfig, IndexOrigin, SampleOptions, Split, SplitMatrix, TokenSource,
     TokenizerGeneration, TokenizerIdentity,
 };
 use megatron_data::indexed::IndexedDataset;
+use megatron_data::masked::{
+    build_bert_datasets, build_t5_datasets, open_indexed, BertMaskedWordPieceDataset, BertSample,
+    MaskedDataFlags, MaskedWordPieceDataset, T5MaskedWordPieceDataset, T5Sample,
+};
+
+/// The model family whose training samples are printed.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Model {
+    Gpt,
+    Bert,
+    T5,
+}
 
 #[derive(Args)]
 pub struct SamplesArgs {
+    /// Whose samples: gpt (raw token windows), bert (masked pairs) or t5 (span corruption).
+    #[arg(long, value_enum, default_value = "gpt")]
+    model: Model,
     /// Dataset prefixes, optionally weighted: `A`, `A B`, or `0.3 A 0.7 B`.
     #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX")]
     data_path: Vec<String>,
@@ -37,9 +54,28 @@ pub struct SamplesArgs {
     /// Train/valid/test proportions, e.g. `969,30,1` (hashed verbatim into cache names).
     #[arg(long)]
     split: Option<String>,
-    /// Tokens per sample (each sample holds one more, the last label).
+    /// Tokens per sample (GPT: each sample holds one more, the last label; BERT: the padded
+    /// length; T5: defaults to --encoder-seq-length).
+    #[arg(long, required_unless_present = "encoder_seq_length")]
+    seq_length: Option<usize>,
+    /// T5 encoder length.
     #[arg(long)]
-    seq_length: usize,
+    encoder_seq_length: Option<usize>,
+    /// T5 decoder length.
+    #[arg(long)]
+    decoder_seq_length: Option<usize>,
+    /// BERT/T5: probability of masking a token.
+    #[arg(long, default_value_t = 0.15)]
+    mask_prob: f64,
+    /// BERT/T5: probability of a sample shorter than the maximum.
+    #[arg(long, default_value_t = 0.1)]
+    short_seq_prob: f64,
+    /// BERT: one segment per sample, no sentence-order swap (no binary head).
+    #[arg(long)]
+    bert_no_binary_head: bool,
+    /// Sentinel tokens <extra_id_0>.. added to the WordPiece vocabulary (T5 uses 100).
+    #[arg(long, default_value_t = 0)]
+    vocab_extra_ids: usize,
     /// Random seed for the document and sample shuffles.
     #[arg(long, default_value_t = 1234)]
     seed: u32,
@@ -58,7 +94,8 @@ pub struct SamplesArgs {
     /// Tokenizer type (enters the cache file names, as in Megatron).
     #[arg(long, default_value = "GPT2BPETokenizer")]
     tokenizer_type: String,
-    /// Tokenizer vocabulary path, as training is given it (recorded, not read).
+    /// Tokenizer vocabulary path, as training is given it (GPT: recorded, not read; BERT/T5: read
+    /// for the special ids and recorded).
     #[arg(long)]
     vocab_file: Option<String>,
     /// BPE merges path, as training is given it (recorded, not read).
@@ -73,8 +110,18 @@ pub struct SamplesArgs {
 }
 
 pub fn run(args: &SamplesArgs) -> Result<()> {
+    match args.model {
+        Model::Gpt => run_gpt(args),
+        Model::Bert | Model::T5 => run_masked(args),
+    }
+}
+
+fn run_gpt(args: &SamplesArgs) -> Result<()> {
     let split = Split::from_name(&args.split_name)?;
     let (sources, split_string) = data_sources(args)?;
+    let Some(seq_length) = args.seq_length else {
+        bail!("--seq-length is required");
+    };
     let generation = if args.legacy_tokenizer {
         TokenizerGeneration::Legacy
     } else {
@@ -92,7 +139,7 @@ pub fn run(args: &SamplesArgs) -> Result<()> {
         .transpose()?;
     let config = Arc::new(GptDatasetConfig {
         random_seed: args.seed,
-        sequence_length: args.seq_length,
+        sequence_length: seq_length,
         split: split_string,
         split_matrix,
         path_to_cache: args.data_cache_path.clone(),
@@ -110,7 +157,7 @@ pub fn run(args: &SamplesArgs) -> Result<()> {
             create_attention_mask: false,
         },
     });
-    if args.seq_length < 2 {
+    if seq_length < 2 {
         bail!("--seq-length must be at least 2");
     }
     let sizes = parse_sizes(args.num_samples.as_deref())?;
@@ -141,6 +188,167 @@ pub fn run(args: &SamplesArgs) -> Result<()> {
     out.flush().context("writing samples to stdout")?;
     eprintln!("{}", summary(split, &dataset, count));
     Ok(())
+}
+
+fn run_masked(args: &SamplesArgs) -> Result<()> {
+    let split = Split::from_name(&args.split_name)?;
+    let (sources, split_string) = data_sources(args)?;
+    let sizes = parse_sizes(args.num_samples.as_deref())?;
+    let Some(vocab_file) = args.vocab_file.clone() else {
+        bail!("BERT and T5 samples need --vocab-file (a WordPiece vocab.txt)");
+    };
+    let seq_length = match args.model {
+        Model::T5 => args.encoder_seq_length.or(args.seq_length),
+        _ => args.seq_length,
+    };
+    let Some(seq_length) = seq_length else {
+        bail!(match args.model {
+            Model::T5 => "--encoder-seq-length (or --seq-length) is required",
+            _ => "--seq-length is required",
+        });
+    };
+    let flags = MaskedDataFlags {
+        seed: args.seed,
+        seq_length,
+        mask_prob: args.mask_prob,
+        short_seq_prob: args.short_seq_prob,
+        split: split_string,
+        data_cache_path: args.data_cache_path.clone(),
+        mid_level_dataset_surplus: args.mid_level_dataset_surplus,
+        tokenizer_type: args.tokenizer_type.clone(),
+        vocab_file,
+        vocab_extra_ids: args.vocab_extra_ids,
+    };
+    let stdout = std::io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    let summary = if args.model == Model::Bert {
+        let config = Arc::new(flags.bert(!args.bert_no_binary_head)?);
+        let mut datasets = build_bert_datasets(&sources, sizes, config, &open_indexed)?;
+        let dataset = take_split(&mut datasets, split)?;
+        print_samples(&dataset, args.first, &mut out, |sample| {
+            Ok(bert_fields(&sample))
+        })?;
+        masked_summary(
+            split,
+            &dataset,
+            args.first,
+            BertMaskedWordPieceDataset::base,
+        )
+    } else {
+        let Some(decoder_seq_length) = args.decoder_seq_length else {
+            bail!("--model t5 needs --decoder-seq-length");
+        };
+        if args.vocab_extra_ids == 0 {
+            bail!("--model t5 needs sentinel tokens: pass --vocab-extra-ids N (usually 100)");
+        }
+        let config = Arc::new(flags.t5(decoder_seq_length)?);
+        let mut datasets = build_t5_datasets(&sources, sizes, config, &open_indexed)?;
+        let dataset = take_split(&mut datasets, split)?;
+        print_samples(&dataset, args.first, &mut out, |sample| {
+            Ok(t5_fields(&sample?))
+        })?;
+        masked_summary(split, &dataset, args.first, T5MaskedWordPieceDataset::base)
+    };
+    out.flush().context("writing samples to stdout")?;
+    eprintln!("{summary}");
+    Ok(())
+}
+
+fn take_split<D: BlendMember>(
+    datasets: &mut [Option<SplitDataset<D>>; 3],
+    split: Split,
+) -> Result<SplitDataset<D>> {
+    datasets[split.index()].take().with_context(|| {
+        format!(
+            "the {} split is empty with these data paths and --split",
+            split.name()
+        )
+    })
+}
+
+/// Prints the first `first` samples as JSON lines: `idx`, the model's fields, and
+/// `dataset_id` for blends.
+fn print_samples<D: BlendMember>(
+    dataset: &SplitDataset<D>,
+    first: Option<usize>,
+    out: &mut impl Write,
+    fields: impl Fn(D::Sample) -> Result<String>,
+) -> Result<()> {
+    let count = first.unwrap_or(usize::MAX).min(dataset.len());
+    for idx in 0..count {
+        let (member, sample) = dataset.get(idx);
+        let member = member.map_or(String::new(), |m| format!(", \"dataset_id\": {m}"));
+        writeln!(out, "{{\"idx\": {idx}, {}{member}}}", fields(sample)?)?;
+    }
+    Ok(())
+}
+
+fn json_field(name: &str, values: &[i64]) -> String {
+    format!(
+        "\"{name}\": {}",
+        serde_json::to_string(values).expect("integers serialise")
+    )
+}
+
+fn bert_fields(sample: &BertSample) -> String {
+    [
+        json_field("text", &sample.text),
+        json_field("types", &sample.types),
+        json_field("labels", &sample.labels),
+        format!("\"is_random\": {}", u8::from(sample.is_random)),
+        json_field("padding_mask", &sample.padding_mask),
+        json_field("loss_mask", &sample.loss_mask),
+        format!("\"truncated\": {}", u8::from(sample.truncated)),
+    ]
+    .join(", ")
+}
+
+fn t5_fields(sample: &T5Sample) -> String {
+    [
+        json_field("text_enc", &sample.text_enc),
+        json_field("text_dec", &sample.text_dec),
+        json_field("labels", &sample.labels),
+        json_field("loss_mask", &sample.loss_mask),
+        format!("\"truncated\": {}", u8::from(sample.truncated)),
+        json_field("enc_mask", &sample.enc_mask),
+        json_field("dec_mask", &sample.dec_mask),
+    ]
+    .join(", ")
+}
+
+fn masked_summary<D: BlendMember>(
+    split: Split,
+    dataset: &SplitDataset<D>,
+    first: Option<usize>,
+    base: fn(&D) -> &MaskedWordPieceDataset,
+) -> String {
+    let printed = first.unwrap_or(usize::MAX).min(dataset.len());
+    match dataset {
+        SplitDataset::Single(d) => {
+            let base = base(d);
+            format!(
+                "{}: printed {printed} of {} samples (sample index {}, hash {})",
+                split.name(),
+                base.len(),
+                origin(base.origin()),
+                base.description_hash()
+            )
+        }
+        SplitDataset::Blended(b) => format!(
+            "{}: printed {printed} of {} blended samples from {} datasets",
+            split.name(),
+            b.len(),
+            b.datasets().len()
+        ),
+    }
+}
+
+fn origin(origin: &IndexOrigin) -> String {
+    match origin {
+        IndexOrigin::Loaded(dir) => format!("loaded from {}", dir.display()),
+        IndexOrigin::BuiltAndCached(dir) => format!("built, cached in {}", dir.display()),
+        IndexOrigin::BuiltUncached => "built, not cached".to_string(),
+    }
 }
 
 fn data_sources(args: &SamplesArgs) -> Result<(DataSources, Option<String>)> {
@@ -176,11 +384,7 @@ fn parse_sizes(text: Option<&str>) -> Result<[Option<u64>; 3]> {
 }
 
 fn summary(split: Split, dataset: &SplitDataset, printed: usize) -> String {
-    let origin = |d: &GptDataset| match d.origin() {
-        IndexOrigin::Loaded(dir) => format!("loaded from {}", dir.display()),
-        IndexOrigin::BuiltAndCached(dir) => format!("built, cached in {}", dir.display()),
-        IndexOrigin::BuiltUncached => "built, not cached".to_string(),
-    };
+    let origin = |d: &GptDataset| origin(d.origin());
     match dataset {
         SplitDataset::Single(d) => format!(
             "{}: printed {printed} of {} samples (indices {}, hash {})",

@@ -245,11 +245,27 @@ fn document_level_data_stops_at_once_with_the_binary_head() {
 
     // Without the head every document is a sample: Megatron accepts this and so do we.
     let config = Arc::new(flags(0, 128, cache.path()).bert(false).unwrap());
-    let built = build_bert_datasets(&sources, [Some(200), Some(20), Some(5)], config, open).unwrap();
+    let built =
+        build_bert_datasets(&sources, [Some(200), Some(20), Some(5)], config, open).unwrap();
     let train: BertMaskedWordPieceDataset = single(built.into_iter().next().unwrap());
     assert!(train.len() >= 200);
     let sample = train.get(0);
     assert!(!sample.is_random);
     assert!(sample.types.iter().all(|&t| t == 0));
     assert_eq!(sample.text[0], 101);
+}
+
+#[test]
+fn t5_decoder_overflow_is_an_error_naming_the_flag() {
+    let cache = tempfile::tempdir().unwrap();
+    let config = Arc::new(flags(100, 128, cache.path()).t5(4).unwrap());
+    let sources = DataSources::Blend(Blend::parse(&[PREFIX.to_string()]).unwrap());
+    let open: &SentenceSourceOpener = &open_golden_input;
+    let built = build_t5_datasets(&sources, [Some(20), None, None], config, open).unwrap();
+    let train: T5MaskedWordPieceDataset = single(built.into_iter().next().unwrap());
+    let errors: Vec<String> = (0..train.len())
+        .filter_map(|i| train.get(i).err().map(|e| e.to_string()))
+        .collect();
+    assert!(!errors.is_empty());
+    assert!(errors[0].contains("--decoder-seq-length"), "{}", errors[0]);
 }

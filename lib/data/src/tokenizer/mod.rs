@@ -12,7 +12,7 @@ mod null;
 mod train;
 
 pub use bert::BertWordPiece;
-pub use build::{build_tokenizer, TokenizerConfig, TokenizerType};
+pub use build::{build_tokenizer, build_tokenizer_with_extra_ids, TokenizerConfig, TokenizerType};
 pub use gpt2::Gpt2Bpe;
 pub use huggingface::HuggingFace;
 pub use null::NullTokenizer;
