@@ -111,6 +111,29 @@ fn t5_distributed_optimizer_equals_one_rank() {
 }
 
 #[test]
+fn t5_with_recompute_equals_one_rank() {
+    // Full recompute re-runs decoder blocks whose cross-attention reads the encoder output:
+    // its gradient must still reach the encoder.
+    let full = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ];
+    check::<T5PretrainArgs>(BASE, 1, 1, 1, &full, "T5 full recompute");
+    check::<T5PretrainArgs>(
+        BASE,
+        2,
+        2,
+        1,
+        &["--sequence-parallel", "--recompute-activations"],
+        "T5 TP=2 + SP, selective recompute",
+    );
+}
+
+#[test]
 fn t5_checkpoint_has_megatron_core_names() {
     let outcome = train::<T5PretrainArgs>(BASE, 1, 1, 1, &[]);
     for name in [

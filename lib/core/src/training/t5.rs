@@ -87,10 +87,10 @@ impl ModelFamily for T5Family {
         Ok(StepOutput::Loss(masked_sum / tokens.clamp_min(1.0)))
     }
 
-    /// Megatron's FLOPs model counts a T5 iteration as its encoder's layers over the encoder
-    /// length plus its decoder's (self-attention, cross-attention, MLP) over the decoder length;
-    /// this reports the GPT formula of the encoder at `seq_length` plus the decoder's layers at
-    /// the decoder length, with the cross-attention's projections counted as a second attention.
+    /// An estimate for the log line's TFLOP/s (Megatron's formula is GPT's and ignores the
+    /// decoder): GPT layers at the encoder length standing for the encoder's layers over the
+    /// encoder tokens plus the decoder's over the decoder tokens, each decoder layer counted
+    /// twice for its self- and cross-attention blocks.
     fn flops(&self, seq_length: i64) -> FlopsModel {
         let trunk = &self.config.transformer;
         let encoder = trunk.num_layers as u64 * seq_length as u64;
