@@ -17,7 +17,12 @@ fn sentence_corpus(dir: &Path) -> PathBuf {
             .arg(shared_dir().join("golden/preprocess/small_corpus.jsonl"))
             .arg("--output-prefix")
             .arg(dir.join("corpus"))
-            .args(["--tokenizer-type", "BertWordPieceLowerCase", "--workers", "1"])
+            .args([
+                "--tokenizer-type",
+                "BertWordPieceLowerCase",
+                "--workers",
+                "1",
+            ])
             .arg("--vocab-file")
             .arg(data.join("bert-large-uncased-vocab.txt"))
             .arg("--punkt-dir")
@@ -48,9 +53,28 @@ fn a_tiny_t5_learns_the_span_corrupted_corpus() {
             .args(["--encoder-num-layers", "2", "--decoder-num-layers", "2"])
             .args(["--hidden-size", "64", "--num-attention-heads", "4"])
             .args(["--encoder-seq-length", "64", "--decoder-seq-length", "32"])
-            .args(["--max-position-embeddings", "64", "--vocab-extra-ids", "100"])
-            .args(["--micro-batch-size", "8", "--global-batch-size", "8", "--lr", "5e-3"])
-            .args(["--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0"])
+            .args([
+                "--max-position-embeddings",
+                "64",
+                "--vocab-extra-ids",
+                "100",
+            ])
+            .args([
+                "--micro-batch-size",
+                "8",
+                "--global-batch-size",
+                "8",
+                "--lr",
+                "5e-3",
+            ])
+            .args([
+                "--lr-warmup-iters",
+                "2",
+                "--log-interval",
+                "1",
+                "--eval-iters",
+                "0",
+            ])
             .args(["--device", "cpu", "--split", "949,50,1", "--seed", "1234"])
             .args(["--train-iters", "30"])
             .arg("--vocab-file")
@@ -64,7 +88,10 @@ fn a_tiny_t5_learns_the_span_corrupted_corpus() {
     // 30522 WordPieces + 100 sentinels, padded to 30720: a uniform guess costs 10.3 nats.
     let first = losses[..3].iter().sum::<f64>() / 3.0;
     let last = losses[25..].iter().sum::<f64>() / 5.0;
-    assert!((first - 30720f64.ln()).abs() < 1.0, "initial lm loss {first}");
+    assert!(
+        (first - 30720f64.ln()).abs() < 1.0,
+        "initial lm loss {first}"
+    );
     assert!(last < first - 2.0, "lm loss went from {first} to {last}");
     eprintln!("lm loss {first:.3} -> {last:.3}");
     let cache = prefix.join("cache/T5MaskedWordPieceDataset_indices");
@@ -81,9 +108,29 @@ fn pretrain(extra: &[&str]) -> Command {
         .args(["--seq-length", "32", "--decoder-seq-length", "16"])
         .args(["--max-position-embeddings", "32"])
         .args(["--micro-batch-size", "4", "--global-batch-size", "8"])
-        .args(["--lr", "3e-3", "--lr-warmup-iters", "1", "--log-interval", "2"])
-        .args(["--eval-interval", "1000", "--eval-iters", "1", "--device", "cpu"])
-        .args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"])
+        .args([
+            "--lr",
+            "3e-3",
+            "--lr-warmup-iters",
+            "1",
+            "--log-interval",
+            "2",
+        ])
+        .args([
+            "--eval-interval",
+            "1000",
+            "--eval-iters",
+            "1",
+            "--device",
+            "cpu",
+        ])
+        .args([
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "255",
+        ])
         .args(extra);
     command
 }
@@ -115,8 +162,14 @@ fn a_tiny_t5_trains_logs_and_saves_core_names_and_model_flags() {
         .unwrap_or_else(|| panic!("no log line for iteration 4 in {stdout}"));
     assert!(line.contains(" lm loss: "), "{line}");
     assert!(stdout.contains("> T5 model: "), "{stdout}");
-    assert!(stdout.contains("validation loss at iteration 4 on validation set | lm loss value: "), "{stdout}");
-    assert!(stdout.contains("pretrain_t5: 4 iterations, 32 samples, lm loss "), "{stdout}");
+    assert!(
+        stdout.contains("validation loss at iteration 4 on validation set | lm loss value: "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("pretrain_t5: 4 iterations, 32 samples, lm loss "),
+        "{stdout}"
+    );
 
     let names = tensor_names(&save.join("iter_0000004/mp_rank_00/model.safetensors"));
     for name in [
@@ -134,7 +187,9 @@ fn a_tiny_t5_trains_logs_and_saves_core_names_and_model_flags() {
     ] {
         assert!(names.iter().any(|n| n == name), "{name} not in {names:?}");
     }
-    assert!(!names.iter().any(|n| n.starts_with("encoder.layers.2") || n.starts_with("decoder.layers.3")));
+    assert!(!names
+        .iter()
+        .any(|n| n.starts_with("encoder.layers.2") || n.starts_with("decoder.layers.3")));
     let metadata: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(save.join("iter_0000004/metadata.json")).unwrap(),
     )
@@ -147,13 +202,23 @@ fn a_tiny_t5_trains_logs_and_saves_core_names_and_model_flags() {
     // Untied: the LM head has its own weight and no bias.
     let untied = dir.path().join("untied");
     run_ok(
-        pretrain(&["--train-iters", "2", "--untie-embeddings-and-output-weights"])
-            .arg("--save")
-            .arg(&untied),
+        pretrain(&[
+            "--train-iters",
+            "2",
+            "--untie-embeddings-and-output-weights",
+        ])
+        .arg("--save")
+        .arg(&untied),
     );
     let names = tensor_names(&untied.join("iter_0000002/mp_rank_00/model.safetensors"));
-    assert!(names.iter().any(|n| n == "lm_head.output_layer.weight"), "{names:?}");
-    assert!(!names.iter().any(|n| n == "lm_head.output_layer.bias"), "{names:?}");
+    assert!(
+        names.iter().any(|n| n == "lm_head.output_layer.weight"),
+        "{names:?}"
+    );
+    assert!(
+        !names.iter().any(|n| n == "lm_head.output_layer.bias"),
+        "{names:?}"
+    );
 }
 
 #[test]
@@ -163,7 +228,10 @@ fn pipeline_parallelism_is_refused_by_name() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--pipeline-model-parallel-size"), "{stderr}");
+    assert!(
+        stderr.contains("--pipeline-model-parallel-size"),
+        "{stderr}"
+    );
 }
 
 #[test]

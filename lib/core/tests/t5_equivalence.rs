@@ -151,9 +151,12 @@ fn t5_checkpoint_has_megatron_core_names() {
     ] {
         assert!(outcome.weights.contains_key(name), "{name} missing");
     }
-    assert!(!outcome.weights.keys().any(|k| k.starts_with("encoder.layers.2")
-        || k.starts_with("decoder.layers.3")
-        || k.starts_with("encoder.layers.0.cross_attention")));
+    assert!(!outcome
+        .weights
+        .keys()
+        .any(|k| k.starts_with("encoder.layers.2")
+            || k.starts_with("decoder.layers.3")
+            || k.starts_with("encoder.layers.0.cross_attention")));
 }
 
 #[test]
@@ -167,7 +170,13 @@ fn t5_resuming_is_bitwise_identical() {
         2,
         2,
         1,
-        &["--sequence-parallel", "--exit-interval", "2", "--save-interval", "1"],
+        &[
+            "--sequence-parallel",
+            "--exit-interval",
+            "2",
+            "--save-interval",
+            "1",
+        ],
     )
     .unwrap();
     let resumed = train_in::<T5PretrainArgs>(
@@ -195,5 +204,8 @@ fn t5_refuses_pipeline_parallelism_naming_the_flag() {
         .err()
         .expect("pipeline parallelism is refused");
     let message = format!("{error:#}");
-    assert!(message.contains("--pipeline-model-parallel-size"), "{message}");
+    assert!(
+        message.contains("--pipeline-model-parallel-size"),
+        "{message}"
+    );
 }

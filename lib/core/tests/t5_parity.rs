@@ -61,7 +61,9 @@ fn config() -> T5Config {
         "--micro-batch-size",
         "2",
     ];
-    let matches = t5_flags(Flags::command()).try_get_matches_from(argv).unwrap();
+    let matches = t5_flags(Flags::command())
+        .try_get_matches_from(argv)
+        .unwrap();
     let flags = Flags::from_arg_matches(&matches).unwrap();
     flags.args.t5_config(128).unwrap()
 }
@@ -93,12 +95,19 @@ fn t5_logits_and_loss_equal_the_reference() {
         .arg(dir.path())
         .output()
         .expect("running the reference script");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (state, _) = read_tensors(&dir.path().join("model.safetensors"), Device::Cpu).unwrap();
     let (io, _) = read_tensors(&dir.path().join("io.safetensors"), Device::Cpu).unwrap();
 
     let config = config();
-    assert_eq!((config.encoder_num_layers, config.decoder_num_layers), (2, 3));
+    assert_eq!(
+        (config.encoder_num_layers, config.decoder_num_layers),
+        (2, 3)
+    );
     let options = ModelOptions {
         params_dtype: Kind::Float,
         device: Device::Cpu,
@@ -124,7 +133,10 @@ fn t5_logits_and_loss_equal_the_reference() {
     let difference = max_difference(&ours.multiply(&real), &reference.multiply(&real));
     eprintln!("max |logit difference| {difference:e}");
     assert!(difference < 1e-4, "logits differ by {difference:e}");
-    assert!(ours.abs().max().double_value(&[]) > 0.1, "degenerate logits");
+    assert!(
+        ours.abs().max().double_value(&[]) > 0.1,
+        "degenerate logits"
+    );
 
     let family = T5Family {
         config: config.clone(),
@@ -143,13 +155,20 @@ fn t5_logits_and_loss_equal_the_reference() {
     let expected = io["loss"].double_value(&[0]);
     let reported = losses.reduce(&parallel).unwrap();
     assert_eq!(reported[0].0, "lm loss");
-    assert!((reported[0].1 - expected).abs() < 1e-5, "lm loss {} vs {expected}", reported[0].1);
+    assert!(
+        (reported[0].1 - expected).abs() < 1e-5,
+        "lm loss {} vs {expected}",
+        reported[0].1
+    );
     assert!((loss.double_value(&[]) - expected).abs() < 1e-5);
 
     // A wrong cross-attention layout must show: swap each head's key and value halves.
     let mut wrong = state;
     let name = "decoder.layers.0.cross_attention.linear_kv.weight";
-    let kv = wrong[name].view([4, 2, 16, 64]).flip([1]).reshape([128, 64]);
+    let kv = wrong[name]
+        .view([4, 2, 16, 64])
+        .flip([1])
+        .reshape([128, 64]);
     wrong.insert(name.to_string(), kv);
     model.load_parameters(&wrong).unwrap();
     let swapped = logits(&model, &batch.text_enc, &batch.text_dec, &batch.enc_mask);

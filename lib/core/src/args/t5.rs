@@ -50,7 +50,9 @@ pub fn t5_flags(command: Command) -> Command {
             arg.visible_alias("encoder-seq-length")
                 .help("Maximum encoder sequence length")
         })
-        .mut_arg("tokenizer_type", |arg| arg.default_value("BertWordPieceLowerCase"))
+        .mut_arg("tokenizer_type", |arg| {
+            arg.default_value("BertWordPieceLowerCase")
+        })
 }
 
 impl T5PretrainArgs {

@@ -140,9 +140,8 @@ impl MockT5Source {
         text_enc.resize(se, PAD);
         text_dec.resize(sd, PAD);
         labels.resize(sd, -1);
-        let mask = |real: usize, s: usize| -> Vec<i64> {
-            (0..s).map(|i| i64::from(i < real)).collect()
-        };
+        let mask =
+            |real: usize, s: usize| -> Vec<i64> { (0..s).map(|i| i64::from(i < real)).collect() };
         T5Sample {
             text_enc,
             text_dec,
@@ -211,7 +210,9 @@ mod tests {
                 .copied()
                 .filter(|&t| (FIRST_SENTINEL..FIRST_ORDINARY).contains(&t))
                 .collect();
-            let expected: Vec<i64> = (0..sentinels.len() as i64).map(|k| FIRST_SENTINEL + k).collect();
+            let expected: Vec<i64> = (0..sentinels.len() as i64)
+                .map(|k| FIRST_SENTINEL + k)
+                .collect();
             assert_eq!(sentinels, expected, "{row:?}");
             let real_enc = row.enc_mask.iter().sum::<i64>() as usize;
             assert!(row.text_enc[real_enc..].iter().all(|&t| t == PAD));

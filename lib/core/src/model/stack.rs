@@ -1,5 +1,6 @@
 //! What every model family's transformer trunk shares: the embeddings' common tail, a block of
-//! layers run under the recompute policy and the parameter gates, and the gates themselves.
+//! layers run under the recompute policy and the parameter gates, the gates themselves, and the
+//! vocabulary-parallel logits of the output layer.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -9,9 +10,11 @@ use tch::Tensor;
 
 use super::gpt::{ParamGate, Recompute, RecomputeMethod};
 use super::layers::{AttentionMask, Memory, RotaryTables, TensorParallel, TransformerLayer};
-use crate::parallel::{copy_to_tensor_parallel_region, gather_from_sequence_parallel_region};
 use crate::autograd::checkpoint;
-use crate::parallel::scatter_to_sequence_parallel_region;
+use crate::parallel::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+};
 use crate::rng::with_model_parallel_rng;
 
 /// The gate a chunk consults before each module's parameters are read (`--overlap-param-gather`).
@@ -114,8 +117,14 @@ impl LayerStack<'_> {
         let Recompute::Full { method, num_layers } = self.recompute else {
             for (i, layer) in self.layers.iter().enumerate() {
                 self.gate.layers(self.scope, i..i + 1)?;
-                hidden =
-                    layer.forward_attending(&hidden, mask, rotary, memory, train, selective && train)?;
+                hidden = layer.forward_attending(
+                    &hidden,
+                    mask,
+                    rotary,
+                    memory,
+                    train,
+                    selective && train,
+                )?;
             }
             return Ok(hidden);
         };

@@ -129,7 +129,11 @@ impl T5Model {
                 .map(|i| {
                     let init = init.scope(&format!("{scope}.{i}"));
                     if cross {
-                        TransformerLayer::with_cross_attention(&init, trunk, tensor_parallel.clone())
+                        TransformerLayer::with_cross_attention(
+                            &init,
+                            trunk,
+                            tensor_parallel.clone(),
+                        )
                     } else {
                         TransformerLayer::new(&init, trunk, tensor_parallel.clone())
                     }
@@ -221,9 +225,12 @@ impl T5Model {
         let hidden = self.decoder_final_layernorm.forward(&hidden);
         self.gate.before("lm_head")?;
         match &self.output_layer {
-            OutputLayer::Tied { bias } => {
-                output_logits(&hidden, &self.word_embeddings.weight, Some(bias), &self.parallel)
-            }
+            OutputLayer::Tied { bias } => output_logits(
+                &hidden,
+                &self.word_embeddings.weight,
+                Some(bias),
+                &self.parallel,
+            ),
             OutputLayer::Untied { weight } => output_logits(&hidden, weight, None, &self.parallel),
         }
     }

@@ -171,10 +171,8 @@ pub fn pretrain_t5(args: &T5PretrainArgs, runtime: &Runtime) -> Result<TrainingS
              (tensor, sequence and data parallelism are supported)"
         );
     }
-    let tokenizer = build_tokenizer_with_extra_ids(
-        &args.common.tokenizer.config()?,
-        args.t5.vocab_extra_ids,
-    )?;
+    let tokenizer =
+        build_tokenizer_with_extra_ids(&args.common.tokenizer.config()?, args.t5.vocab_extra_ids)?;
     let family = T5Family {
         config: args.t5_config(tokenizer.vocab_size() as i64)?,
         decoder_seq_length: args.t5.decoder_seq_length as usize,

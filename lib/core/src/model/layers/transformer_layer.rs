@@ -122,7 +122,9 @@ impl TransformerLayer {
                 self.residual(&normed, &hidden) + attended.dropout(self.hidden_dropout, train)
             }
             (None, None) => hidden,
-            (Some(_), None) => bail!("a decoder layer with cross-attention needs the encoder output"),
+            (Some(_), None) => {
+                bail!("a decoder layer with cross-attention needs the encoder output")
+            }
             (None, Some(_)) => bail!("encoder output given to a layer without cross-attention"),
         };
         self.mlp_block(&hidden, train)
