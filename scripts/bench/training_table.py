@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The table of a training-speed benchmark (scripts/bench/pretrain_gpt.sh, pretrain_bert.sh).
+"""The table of a training-speed benchmark (scripts/bench/pretrain_gpt.sh, pretrain_bert.sh, pretrain_t5.sh).
 
 usage: training_table.py SCRATCH [REFERENCE.json ...]
 

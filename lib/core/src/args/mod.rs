@@ -9,6 +9,7 @@ mod data;
 mod logging;
 mod model;
 mod parallel;
+mod t5;
 mod training;
 
 pub use bert::{BertArgs, BertPretrainArgs};
@@ -18,6 +19,7 @@ pub use data::{DataArgs, TokenizerArgs};
 pub use logging::LoggingArgs;
 pub use model::ModelArgs;
 pub use parallel::ParallelArgs;
+pub use t5::{t5_flags, T5Args, T5PretrainArgs};
 pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
 
 /// The flags every pretraining binary shares: all of `pretrain_gpt`'s.

@@ -1,4 +1,4 @@
-//! Merging a tensor- and pipeline-parallel GPT or BERT checkpoint into the tensors of one
+//! Merging a tensor- and pipeline-parallel GPT, BERT or T5 checkpoint into the tensors of one
 //! unsplit model: inference tools load any layout, and tests compare parallel runs with a
 //! single one.
 
@@ -30,9 +30,12 @@ pub fn tensor_split(name: &str, config: &GptConfig) -> TensorSplit {
         .map(|(_, rest)| rest.split_once('.').map_or(rest, |(_, leaf)| leaf))
         .unwrap_or(name);
     match leaf {
-        "self_attention.linear_qkv.weight" | "self_attention.linear_qkv.bias" => {
-            TensorSplit::Rows { stride: 1 }
-        }
+        "self_attention.linear_qkv.weight"
+        | "self_attention.linear_qkv.bias"
+        | "cross_attention.linear_q.weight"
+        | "cross_attention.linear_q.bias"
+        | "cross_attention.linear_kv.weight"
+        | "cross_attention.linear_kv.bias" => TensorSplit::Rows { stride: 1 },
         "mlp.linear_fc1.weight" | "mlp.linear_fc1.bias" => TensorSplit::Rows {
             stride: if config.activation == Activation::Swiglu {
                 2
@@ -40,10 +43,14 @@ pub fn tensor_split(name: &str, config: &GptConfig) -> TensorSplit {
                 1
             },
         },
-        "embedding.word_embeddings.weight" | "output_layer.weight" | "output_layer.bias" => {
-            TensorSplit::Rows { stride: 1 }
-        }
-        "self_attention.linear_proj.weight" | "mlp.linear_fc2.weight" => TensorSplit::Columns,
+        "embedding.word_embeddings.weight"
+        | "output_layer.weight"
+        | "output_layer.bias"
+        | "lm_head.output_layer.weight"
+        | "lm_head.output_layer.bias" => TensorSplit::Rows { stride: 1 },
+        "self_attention.linear_proj.weight"
+        | "cross_attention.linear_proj.weight"
+        | "mlp.linear_fc2.weight" => TensorSplit::Columns,
         _ => TensorSplit::Replicated,
     }
 }
@@ -140,9 +147,9 @@ pub fn merge_model_parallel_ranks(
     device: Device,
 ) -> Result<HashMap<String, Tensor>> {
     let metadata = &checkpoint.metadata;
-    if metadata.model_type != "GPT" && metadata.model_type != "BERT" {
+    if !["GPT", "BERT", "T5"].contains(&metadata.model_type.as_str()) {
         bail!(
-            "{}: merging {} checkpoints is not supported, only GPT and BERT",
+            "{}: merging {} checkpoints is not supported, only GPT, BERT and T5",
             checkpoint.directory.display(),
             metadata.model_type
         );

@@ -5,7 +5,9 @@
 mod background;
 mod bert_batch;
 mod gpt_batch;
+mod t5_batch;
 
 pub use background::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
 pub use bert_batch::{BertBatch, MockBertSource};
 pub use gpt_batch::GptBatch;
+pub use t5_batch::{MockT5Source, T5Batch};

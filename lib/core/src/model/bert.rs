@@ -18,10 +18,8 @@ use super::layers::{
     TransformerLayer, VocabParallelEmbedding,
 };
 use super::param::{Initializer, Param};
-use super::stack::{embedding_output, GateSlot, LayerStack};
-use crate::parallel::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, ParallelState,
-};
+use super::stack::{embedding_output, output_logits, GateSlot, LayerStack};
+use crate::parallel::{gather_from_sequence_parallel_region, ParallelState};
 
 /// The architecture of a Megatron BERT: the transformer trunk's flags plus BERT's own.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -396,14 +394,13 @@ impl BertModel {
             }
             OutputWeight::Own { weight, .. } => weight,
         };
-        let transformed = if self.parallel.sequence_parallel {
-            gather_from_sequence_parallel_region(&transformed, group, true)?
-        } else {
-            copy_to_tensor_parallel_region(&transformed, group)?
-        };
-        let bias = self.output_bias.as_deref();
         Ok(BertOutput {
-            lm_logits: transformed.linear(&**weight, bias),
+            lm_logits: output_logits(
+                &transformed,
+                weight,
+                self.output_bias.as_deref(),
+                &self.parallel,
+            )?,
             binary_logits,
         })
     }

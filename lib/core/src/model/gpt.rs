@@ -18,11 +18,8 @@ use super::layers::{
 };
 use super::chunk::{load_named, ModelChunk};
 use super::param::{Initializer, Param};
-use super::stack::{embedding_output, GateSlot, LayerStack};
-use crate::parallel::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region, ParallelState,
-};
+use super::stack::{embedding_output, output_logits, GateSlot, LayerStack};
+use crate::parallel::{gather_from_tensor_parallel_region, ParallelState};
 
 /// `--recompute-granularity full --recompute-method ...`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -485,13 +482,7 @@ impl GptModel {
             }
             OutputWeight::Own { weight, .. } => weight,
         };
-        let group = &self.parallel.group;
-        let hidden = if self.parallel.sequence_parallel {
-            gather_from_sequence_parallel_region(hidden, group, true)?
-        } else {
-            copy_to_tensor_parallel_region(hidden, group)?
-        };
-        Ok(hidden.linear::<&Tensor>(weight, None))
+        output_logits(hidden, weight, None, &self.parallel)
     }
 
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the

@@ -1,4 +1,4 @@
-//! Megatron's models in libtorch (GPT, BERT): configuration, tensor-parallel-aware layers, the
+//! Megatron's models in libtorch (GPT, BERT, T5): configuration, tensor-parallel-aware layers, the
 //! shared transformer stack, the models, their loss, and the mapping from HuggingFace checkpoints.
 
 pub mod bert;
@@ -11,6 +11,7 @@ pub mod layers;
 pub mod param;
 pub mod partition;
 pub mod stack;
+pub mod t5;
 
 pub use bert::{BertConfig, BertModel, BertOutput};
 pub use chunk::ModelChunk;
@@ -21,3 +22,4 @@ pub use gpt::{
 };
 pub use layers::{AttentionMask, NamedParameter, ParamAttributes};
 pub use partition::PipelineSplit;
+pub use t5::{T5Config, T5Input, T5Model};

@@ -1,5 +1,6 @@
 //! What every model family's transformer trunk shares: the embeddings' common tail, a block of
-//! layers run under the recompute policy and the parameter gates, and the gates themselves.
+//! layers run under the recompute policy and the parameter gates, the gates themselves, and the
+//! vocabulary-parallel logits of the output layer.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -8,9 +9,12 @@ use anyhow::Result;
 use tch::Tensor;
 
 use super::gpt::{ParamGate, Recompute, RecomputeMethod};
-use super::layers::{AttentionMask, RotaryTables, TensorParallel, TransformerLayer};
+use super::layers::{AttentionMask, Memory, RotaryTables, TensorParallel, TransformerLayer};
 use crate::autograd::checkpoint;
-use crate::parallel::scatter_to_sequence_parallel_region;
+use crate::parallel::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+};
 use crate::rng::with_model_parallel_rng;
 
 /// The gate a chunk consults before each module's parameters are read (`--overlap-param-gather`).
@@ -79,12 +83,25 @@ impl LayerStack<'_> {
         rotary: Option<&RotaryTables>,
         train: bool,
     ) -> Result<Tensor> {
+        self.forward_attending(hidden, mask, rotary, None, train)
+    }
+
+    /// [`forward`](Self::forward) of decoder layers that also attend to `memory`, the
+    /// encoder's output (T5).
+    pub fn forward_attending(
+        &self,
+        hidden: Tensor,
+        mask: &AttentionMask,
+        rotary: Option<&RotaryTables>,
+        memory: Option<&Memory>,
+        train: bool,
+    ) -> Result<Tensor> {
         if self.parallel.sequence_parallel {
             with_model_parallel_rng(hidden.device(), || {
-                self.run(hidden, mask, rotary, train)
+                self.run(hidden, mask, rotary, memory, train)
             })?
         } else {
-            self.run(hidden, mask, rotary, train)
+            self.run(hidden, mask, rotary, memory, train)
         }
     }
 
@@ -93,20 +110,28 @@ impl LayerStack<'_> {
         mut hidden: Tensor,
         mask: &AttentionMask,
         rotary: Option<&RotaryTables>,
+        memory: Option<&Memory>,
         train: bool,
     ) -> Result<Tensor> {
         let selective = self.recompute == Recompute::Selective;
         let Recompute::Full { method, num_layers } = self.recompute else {
             for (i, layer) in self.layers.iter().enumerate() {
                 self.gate.layers(self.scope, i..i + 1)?;
-                hidden = layer.forward(&hidden, mask, rotary, train, selective && train)?;
+                hidden = layer.forward_attending(
+                    &hidden,
+                    mask,
+                    rotary,
+                    memory,
+                    train,
+                    selective && train,
+                )?;
             }
             return Ok(hidden);
         };
         if !train {
             for (i, layer) in self.layers.iter().enumerate() {
                 self.gate.layers(self.scope, i..i + 1)?;
-                hidden = layer.forward(&hidden, mask, rotary, false, false)?;
+                hidden = layer.forward_attending(&hidden, mask, rotary, memory, false, false)?;
             }
             return Ok(hidden);
         }
@@ -121,21 +146,56 @@ impl LayerStack<'_> {
             if recompute {
                 let block: Vec<TransformerLayer> = self.layers[start..end].to_vec();
                 let (mask, rotary) = (mask.clone(), rotary.cloned());
+                // The encoder output is an input of the recomputed block, so its gradient
+                // flows back to the encoder.
+                let memory_mask = memory.map(|m| m.mask.clone());
                 let run = move |inputs: &[Tensor]| -> Result<Vec<Tensor>> {
                     let mut x = inputs[0].shallow_clone();
+                    let memory = memory_mask.clone().map(|mask| Memory {
+                        states: inputs[1].shallow_clone(),
+                        mask,
+                    });
                     for layer in &block {
-                        x = layer.forward(&x, &mask, rotary.as_ref(), true, false)?;
+                        x = layer.forward_attending(
+                            &x,
+                            &mask,
+                            rotary.as_ref(),
+                            memory.as_ref(),
+                            true,
+                            false,
+                        )?;
                     }
                     Ok(vec![x])
                 };
-                hidden = checkpoint(run, &[&hidden])?.remove(0);
+                let mut inputs = vec![&hidden];
+                if let Some(memory) = memory {
+                    inputs.push(&memory.states);
+                }
+                hidden = checkpoint(run, &inputs)?.remove(0);
             } else {
                 for layer in &self.layers[start..end] {
-                    hidden = layer.forward(&hidden, mask, rotary, true, false)?;
+                    hidden = layer.forward_attending(&hidden, mask, rotary, memory, true, false)?;
                 }
             }
             start = end;
         }
         Ok(hidden)
     }
+}
+
+/// The logits of this tensor-parallel rank's vocabulary slice: `hidden` (`[s, b, h]`, or a
+/// sequence-parallel slice, gathered here) times the output weight `[V/t, h]`, plus `bias`.
+pub fn output_logits(
+    hidden: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    parallel: &TensorParallel,
+) -> Result<Tensor> {
+    let group = &parallel.group;
+    let hidden = if parallel.sequence_parallel {
+        gather_from_sequence_parallel_region(hidden, group, true)?
+    } else {
+        copy_to_tensor_parallel_region(hidden, group)?
+    };
+    Ok(hidden.linear(weight, bias))
 }

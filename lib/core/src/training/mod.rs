@@ -20,6 +20,7 @@ pub mod python_format;
 mod runtime;
 pub mod schedules;
 mod stage;
+mod t5;
 
 pub use bert::{pretrain_bert, BertFamily};
 pub use checkpointing::{model_tensors, Progress};
@@ -29,3 +30,4 @@ pub use family::{LossTotals, ModelFamily, StepOutput};
 pub use gpt::{pretrain_gpt, GptFamily};
 pub use profiling::StepProfiler;
 pub use runtime::{join_job, Runtime};
+pub use t5::{pretrain_t5, T5Family};

@@ -306,6 +306,93 @@ impl SelfAttention {
     }
 }
 
+/// Megatron-core's cross-attention (T5's decoder): queries from the decoder's hidden states
+/// (`linear_q`), keys and values from the encoder's output (`linear_kv`, per head the key's
+/// channels then the value's), the encoder's padding as the mask, and the output projection.
+#[derive(Clone)]
+pub struct CrossAttention {
+    pub linear_q: ColumnParallelLinear,
+    pub linear_kv: ColumnParallelLinear,
+    pub linear_proj: RowParallelLinear,
+    local_heads: i64,
+    head_dim: i64,
+    dropout: f64,
+    fork_dropout_rng: bool,
+}
+
+impl CrossAttention {
+    pub fn new(
+        init: &Initializer,
+        config: &GptConfig,
+        output_std: f64,
+        parallel: TensorParallel,
+    ) -> Self {
+        let t = init.tensor_parallel_size;
+        let h = config.hidden_size;
+        let projection = config.num_attention_heads * config.kv_channels;
+        let bias = config.add_bias_linear || config.add_qkv_bias;
+        let fork_dropout_rng = !parallel.sequence_parallel;
+        let column = |name: &str, width: i64| {
+            ColumnParallelLinear::new(
+                &init.scope(name),
+                h,
+                width,
+                bias,
+                config.init_method_std,
+                1,
+                parallel.clone(),
+            )
+        };
+        CrossAttention {
+            linear_q: column("linear_q", projection),
+            linear_kv: column("linear_kv", 2 * projection),
+            linear_proj: RowParallelLinear::new(
+                &init.scope("linear_proj"),
+                projection,
+                h,
+                config.add_bias_linear,
+                output_std,
+                parallel,
+            ),
+            local_heads: config.num_attention_heads / t,
+            head_dim: config.kv_channels,
+            dropout: config.attention_dropout,
+            fork_dropout_rng,
+        }
+    }
+
+    /// Decoder states `hidden` `[sq, b, h]` attend to `memory` `[sk, b, h]` (sequence-parallel
+    /// slices when enabled) under `mask`; returns `[sq, b, h]`.
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        memory: &Tensor,
+        mask: &AttentionMask,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (n, d) = (self.local_heads, self.head_dim);
+        let query = self.linear_q.forward(hidden)?;
+        let (sq, b) = (query.size()[0], query.size()[1]);
+        let query = query.view([sq, b, n, d]).permute([1, 2, 0, 3]);
+        let kv = self.linear_kv.forward(memory)?;
+        let sk = kv.size()[0];
+        let kv = kv.view([sk, b, n, 2 * d]).permute([1, 2, 0, 3]);
+        let (key, value) = (kv.narrow(-1, 0, d), kv.narrow(-1, d, d));
+        let dropout = if train { self.dropout } else { 0.0 };
+        let fork = self.fork_dropout_rng && dropout > 0.0;
+        let context = core_attention(&query, &key, &value, mask, dropout, fork)?;
+        self.linear_proj
+            .forward(&context.permute([2, 0, 1, 3]).reshape([sq, b, n * d]))
+    }
+
+    pub fn named_tensors(&self, out: &mut NamedTensors) {
+        self.linear_q.named_tensors(&mut out.scope("linear_q"));
+        self.linear_kv.named_tensors(&mut out.scope("linear_kv"));
+        self.linear_proj
+            .named_tensors(&mut out.scope("linear_proj"));
+    }
+}
+
 fn core_attention(
     query: &Tensor,
     key: &Tensor,

@@ -10,14 +10,14 @@ mod norm;
 mod rope;
 mod transformer_layer;
 
-pub use attention::{AttentionMask, DecodeStep, SelfAttention};
+pub use attention::{AttentionMask, CrossAttention, DecodeStep, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
 pub use kv_cache::{KvCache, LayerCache};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
 pub use norm::Norm;
 pub use rope::{RotaryEmbedding, RotaryTables};
-pub use transformer_layer::TransformerLayer;
+pub use transformer_layer::{Memory, TransformerLayer};
 
 use std::sync::Arc;
 

@@ -1,9 +1,10 @@
-//! One pre-LN transformer layer (spec §1.1).
+//! One pre-LN transformer layer (spec §1.1), with T5's cross-attention block in decoder layers
+//! of an encoder-decoder (spec §1.5).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use tch::Tensor;
 
-use super::attention::{AttentionMask, DecodeStep, SelfAttention};
+use super::attention::{AttentionMask, CrossAttention, DecodeStep, SelfAttention};
 use super::kv_cache::LayerCache;
 use super::mlp::Mlp;
 use super::norm::Norm;
@@ -16,6 +17,8 @@ use crate::model::param::Initializer;
 pub struct TransformerLayer {
     pub input_layernorm: Norm,
     pub self_attention: SelfAttention,
+    /// Decoder layers of an encoder-decoder: the norm and the attention over the encoder output.
+    pub cross: Option<(Norm, CrossAttention)>,
     pub pre_mlp_layernorm: Norm,
     pub mlp: Mlp,
     hidden_dropout: f64,
@@ -25,6 +28,24 @@ pub struct TransformerLayer {
 impl TransformerLayer {
     /// `init` is scoped to the layer's global name (`decoder.layers.<global index>`).
     pub fn new(init: &Initializer, config: &GptConfig, parallel: TensorParallel) -> Self {
+        Self::build(init, config, parallel, false)
+    }
+
+    /// A decoder layer of an encoder-decoder: self-attention, cross-attention, MLP.
+    pub fn with_cross_attention(
+        init: &Initializer,
+        config: &GptConfig,
+        parallel: TensorParallel,
+    ) -> Self {
+        Self::build(init, config, parallel, true)
+    }
+
+    fn build(
+        init: &Initializer,
+        config: &GptConfig,
+        parallel: TensorParallel,
+        cross_attention: bool,
+    ) -> Self {
         // Output projections are scaled by 1/sqrt(2L) (Megatron's "scaled init").
         let output_std = config.init_method_std / (2.0 * config.num_layers as f64).sqrt();
         let norm = |name: &str| {
@@ -44,11 +65,23 @@ impl TransformerLayer {
             output_std,
             parallel.clone(),
         );
+        let cross = cross_attention.then(|| {
+            (
+                norm("pre_cross_attn_layernorm"),
+                CrossAttention::new(
+                    &init.scope("cross_attention"),
+                    config,
+                    output_std,
+                    parallel.clone(),
+                ),
+            )
+        });
         let pre_mlp_layernorm = norm("pre_mlp_layernorm");
         let mlp = Mlp::new(&init.scope("mlp"), config, output_std, parallel);
         TransformerLayer {
             input_layernorm,
             self_attention,
+            cross,
             pre_mlp_layernorm,
             mlp,
             hidden_dropout: config.hidden_dropout,
@@ -64,10 +97,37 @@ impl TransformerLayer {
         train: bool,
         recompute_core_attention: bool,
     ) -> Result<Tensor> {
-        self.forward_with(hidden, train, |normed| {
+        self.forward_attending(hidden, mask, rotary, None, train, recompute_core_attention)
+    }
+
+    /// [`forward`](Self::forward) of a layer that may also attend to `memory` (the encoder's
+    /// output); decoder layers of an encoder-decoder need it, other layers must not get it.
+    pub fn forward_attending(
+        &self,
+        hidden: &Tensor,
+        mask: &AttentionMask,
+        rotary: Option<&RotaryTables>,
+        memory: Option<&Memory>,
+        train: bool,
+        recompute_core_attention: bool,
+    ) -> Result<Tensor> {
+        let hidden = self.attention_block(hidden, train, |normed| {
             self.self_attention
                 .forward(normed, mask, rotary, train, recompute_core_attention)
-        })
+        })?;
+        let hidden = match (&self.cross, memory) {
+            (Some((norm, attention)), Some(memory)) => {
+                let normed = norm.forward(&hidden);
+                let attended = attention.forward(&normed, &memory.states, &memory.mask, train)?;
+                self.residual(&normed, &hidden) + attended.dropout(self.hidden_dropout, train)
+            }
+            (None, None) => hidden,
+            (Some(_), None) => {
+                bail!("a decoder layer with cross-attention needs the encoder output")
+            }
+            (None, Some(_)) => bail!("encoder output given to a layer without cross-attention"),
+        };
+        self.mlp_block(&hidden, train)
     }
 
     /// Inference over new positions, attending through the layer's KV cache.
@@ -96,8 +156,18 @@ impl TransformerLayer {
         })
     }
 
-    /// The block around its attention: norm, attention, residual, norm, MLP, residual.
+    /// The layer around its self-attention: norm, attention, residual, norm, MLP, residual.
     fn forward_with(
+        &self,
+        hidden: &Tensor,
+        train: bool,
+        attend: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let hidden = self.attention_block(hidden, train, attend)?;
+        self.mlp_block(&hidden, train)
+    }
+
+    fn attention_block(
         &self,
         hidden: &Tensor,
         train: bool,
@@ -105,20 +175,22 @@ impl TransformerLayer {
     ) -> Result<Tensor> {
         let normed = self.input_layernorm.forward(hidden);
         let attention = attend(&normed)?;
-        let residual = if self.residual_from_norm {
-            &normed
-        } else {
-            hidden
-        };
-        let hidden = residual + attention.dropout(self.hidden_dropout, train);
-        let normed = self.pre_mlp_layernorm.forward(&hidden);
+        Ok(self.residual(&normed, hidden) + attention.dropout(self.hidden_dropout, train))
+    }
+
+    fn mlp_block(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
+        let normed = self.pre_mlp_layernorm.forward(hidden);
         let mlp = self.mlp.forward(&normed)?;
-        let residual = if self.residual_from_norm {
-            &normed
+        Ok(self.residual(&normed, hidden) + mlp.dropout(self.hidden_dropout, train))
+    }
+
+    /// The residual branch: the block's input, or its normed input for legacy models.
+    fn residual<'a>(&self, normed: &'a Tensor, input: &'a Tensor) -> &'a Tensor {
+        if self.residual_from_norm {
+            normed
         } else {
-            &hidden
-        };
-        Ok(residual + mlp.dropout(self.hidden_dropout, train))
+            input
+        }
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -126,8 +198,28 @@ impl TransformerLayer {
             .named_tensors(&mut out.scope("input_layernorm"));
         self.self_attention
             .named_tensors(&mut out.scope("self_attention"));
+        if let Some((norm, attention)) = &self.cross {
+            norm.named_tensors(&mut out.scope("pre_cross_attn_layernorm"));
+            attention.named_tensors(&mut out.scope("cross_attention"));
+        }
         self.pre_mlp_layernorm
             .named_tensors(&mut out.scope("pre_mlp_layernorm"));
         self.mlp.named_tensors(&mut out.scope("mlp"));
+    }
+}
+
+/// What a decoder layer attends to besides itself: the encoder's output `[se, b, h]` (a
+/// sequence-parallel slice when enabled) and the encoder's padding as the mask.
+pub struct Memory {
+    pub states: Tensor,
+    pub mask: AttentionMask,
+}
+
+impl Clone for Memory {
+    fn clone(&self) -> Memory {
+        Memory {
+            states: self.states.shallow_clone(),
+            mask: self.mask.clone(),
+        }
     }
 }

@@ -1,0 +1,319 @@
+//! Megatron-core's T5 (spec §1.5): one shared embedding (word + learned absolute positions,
+//! the decoder's positions restarting at 0), a pre-LN encoder under its padding mask with its
+//! final norm, a decoder whose layers run causal self-attention, cross-attention over the
+//! encoder's output and the MLP, with its own final norm, and the LM head: logits on the tied
+//! word embeddings plus a vocab-parallel bias (an untied `output_layer` has no bias). T5 is not
+//! split into pipeline stages: a `T5Model` is the whole model.
+
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use super::chunk::ModelChunk;
+use super::config::{GptConfig, PositionEmbeddingType};
+use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
+use super::layers::{
+    AttentionMask, Memory, NamedParameter, NamedTensors, Norm, ParamAttributes, TensorParallel,
+    TransformerLayer, VocabParallelEmbedding,
+};
+use super::param::{Initializer, Param};
+use super::stack::{embedding_output, output_logits, GateSlot, LayerStack};
+use crate::parallel::ParallelState;
+
+/// The architecture of a Megatron T5: the trunk's flags (`num_layers` is the encoder's) plus the
+/// decoder's depth.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct T5Config {
+    #[serde(flatten)]
+    pub transformer: GptConfig,
+    /// `--encoder-num-layers` (the trunk's `num_layers`, repeated for the metadata's readers).
+    pub encoder_num_layers: usize,
+    /// `--decoder-num-layers`.
+    pub decoder_num_layers: usize,
+}
+
+impl T5Config {
+    /// Megatron's T5 checks on top of the trunk's.
+    pub fn validate(&self, tensor_parallel_size: i64) -> Result<()> {
+        self.transformer.validate(tensor_parallel_size)?;
+        let trunk = &self.transformer;
+        if trunk.position_embedding_type != PositionEmbeddingType::LearnedAbsolute {
+            bail!("T5 uses learned absolute position embeddings (--position-embedding-type learned_absolute)");
+        }
+        if trunk.num_query_groups != trunk.num_attention_heads {
+            bail!("T5's cross-attention has no grouped-query form: --group-query-attention is not supported");
+        }
+        ensure!(
+            self.encoder_num_layers == trunk.num_layers,
+            "the encoder's depth {} differs from the trunk's {}",
+            self.encoder_num_layers,
+            trunk.num_layers
+        );
+        ensure!(
+            self.decoder_num_layers > 0,
+            "--decoder-num-layers must be at least 1"
+        );
+        Ok(())
+    }
+}
+
+/// One micro-batch as the model reads it.
+pub struct T5Input<'a> {
+    /// `[b, se]` encoder token ids.
+    pub encoder_tokens: &'a Tensor,
+    /// `[b, sd]` decoder token ids.
+    pub decoder_tokens: &'a Tensor,
+    /// `[b, se]` 1 on the encoder's real tokens, 0 on padding.
+    pub encoder_mask: &'a Tensor,
+}
+
+enum OutputLayer {
+    /// Tied to the word embeddings, with the LM head's vocab-parallel bias.
+    Tied { bias: Param },
+    /// `--untie-embeddings-and-output-weights`: its own weight, no bias (as Megatron core).
+    Untied { weight: Param },
+}
+
+pub struct T5Model {
+    pub config: T5Config,
+    spec: ChunkSpec,
+    word_embeddings: VocabParallelEmbedding,
+    position_embeddings: Param,
+    encoder_layers: Vec<TransformerLayer>,
+    encoder_final_layernorm: Norm,
+    decoder_layers: Vec<TransformerLayer>,
+    decoder_final_layernorm: Norm,
+    output_layer: OutputLayer,
+    options: ModelOptions,
+    parallel: TensorParallel,
+    gate: GateSlot,
+}
+
+impl T5Model {
+    /// Builds and initialises the model; every weight is drawn from the seed and its global
+    /// name, so any tensor-parallel layout holds the same weights.
+    pub fn new(config: T5Config, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
+        let tp = parallel.tensor_parallel_size() as i64;
+        config.validate(tp)?;
+        let trunk = &config.transformer;
+        let tensor_parallel = TensorParallel {
+            group: parallel.tensor.clone(),
+            sequence_parallel: parallel.sequence_parallel,
+        };
+        let init = Initializer::new(
+            options.params_dtype,
+            options.device,
+            parallel.tensor_parallel_rank() as i64,
+            tp,
+            options.seed,
+        );
+        let (h, std) = (trunk.hidden_size, trunk.init_method_std);
+        let padded_vocab = trunk.padded_vocab_size(tp);
+        let embedding = init.scope("embedding");
+        let word_embeddings = VocabParallelEmbedding::new(
+            &embedding.scope("word_embeddings"),
+            padded_vocab,
+            h,
+            std,
+            parallel.tensor.clone(),
+        );
+        let position_embeddings = embedding.scope("position_embeddings").normal(
+            "weight",
+            &[trunk.max_position_embeddings, h],
+            std,
+        );
+        let layers = |scope: &str, count: usize, cross: bool| -> Vec<TransformerLayer> {
+            (0..count)
+                .map(|i| {
+                    let init = init.scope(&format!("{scope}.{i}"));
+                    if cross {
+                        TransformerLayer::with_cross_attention(
+                            &init,
+                            trunk,
+                            tensor_parallel.clone(),
+                        )
+                    } else {
+                        TransformerLayer::new(&init, trunk, tensor_parallel.clone())
+                    }
+                })
+                .collect()
+        };
+        let norm = |scope: &str| {
+            Norm::new(
+                &init.scope(scope),
+                trunk.normalization,
+                h,
+                trunk.norm_epsilon,
+                trunk.apply_layernorm_1p,
+                parallel.sequence_parallel,
+            )
+        };
+        let encoder_layers = layers("encoder.layers", config.encoder_num_layers, false);
+        let encoder_final_layernorm = norm("encoder.final_layernorm");
+        let decoder_layers = layers("decoder.layers", config.decoder_num_layers, true);
+        let decoder_final_layernorm = norm("decoder.final_layernorm");
+        let head = init.scope("lm_head.output_layer");
+        let output_layer = if trunk.untie_embeddings_and_output_weights {
+            OutputLayer::Untied {
+                weight: head.normal_partitioned("weight", &[padded_vocab, h], std, 0),
+            }
+        } else {
+            OutputLayer::Tied {
+                bias: head.constant_partitioned(&[padded_vocab], 0.0),
+            }
+        };
+        Ok(T5Model {
+            spec: ChunkSpec::whole(config.encoder_num_layers),
+            config,
+            word_embeddings,
+            position_embeddings,
+            encoder_layers,
+            encoder_final_layernorm,
+            decoder_layers,
+            decoder_final_layernorm,
+            output_layer,
+            options,
+            parallel: tensor_parallel,
+            gate: GateSlot::default(),
+        })
+    }
+
+    /// This rank's logits `[sd, b, V/t]` of every decoder position.
+    pub fn forward(&self, input: &T5Input, train: bool) -> Result<Tensor> {
+        let memory = self.encode(input.encoder_tokens, input.encoder_mask, train)?;
+        self.decode(input.decoder_tokens, &memory, train)
+    }
+
+    /// The encoder's final-normed output `[se, b, h]` (a sequence-parallel slice when enabled)
+    /// and the mask the decoder's cross-attention reads it under.
+    pub fn encode(&self, tokens: &Tensor, padding_mask: &Tensor, train: bool) -> Result<Memory> {
+        self.gate.before("embedding")?;
+        let hidden = self.embed(tokens, train)?;
+        let mask = AttentionMask::padding(padding_mask);
+        let stack = LayerStack {
+            layers: &self.encoder_layers,
+            scope: "encoder.layers",
+            recompute: self.options.recompute,
+            parallel: &self.parallel,
+            gate: &self.gate,
+        };
+        let hidden = stack.forward(hidden, &mask, None, train)?;
+        self.gate.before("encoder.final_layernorm")?;
+        Ok(Memory {
+            states: self.encoder_final_layernorm.forward(&hidden),
+            mask,
+        })
+    }
+
+    /// The decoder over `tokens` `[b, sd]` attending to `memory`: logits `[sd, b, V/t]`.
+    /// Self-attention is causal; the decoder's padding follows its real tokens, so the causal
+    /// mask already keeps it from every real position (padded positions carry no loss).
+    pub fn decode(&self, tokens: &Tensor, memory: &Memory, train: bool) -> Result<Tensor> {
+        let hidden = self.embed(tokens, train)?;
+        let stack = LayerStack {
+            layers: &self.decoder_layers,
+            scope: "decoder.layers",
+            recompute: self.options.recompute,
+            parallel: &self.parallel,
+            gate: &self.gate,
+        };
+        let hidden =
+            stack.forward_attending(hidden, &AttentionMask::Causal, None, Some(memory), train)?;
+        self.gate.before("decoder.final_layernorm")?;
+        let hidden = self.decoder_final_layernorm.forward(&hidden);
+        self.gate.before("lm_head")?;
+        match &self.output_layer {
+            OutputLayer::Tied { bias } => output_logits(
+                &hidden,
+                &self.word_embeddings.weight,
+                Some(bias),
+                &self.parallel,
+            ),
+            OutputLayer::Untied { weight } => output_logits(&hidden, weight, None, &self.parallel),
+        }
+    }
+
+    /// Word plus position embeddings of `tokens` `[b, s]`, positions counted from 0.
+    fn embed(&self, tokens: &Tensor, train: bool) -> Result<Tensor> {
+        let (b, s) = tokens.size2()?;
+        ensure!(
+            s <= self.config.transformer.max_position_embeddings,
+            "sequence length {s} exceeds --max-position-embeddings {}",
+            self.config.transformer.max_position_embeddings
+        );
+        let position_ids = Tensor::arange(s, (Kind::Int64, tokens.device()))
+            .unsqueeze(0)
+            .expand([b, s], false);
+        let embedded = self.word_embeddings.forward(tokens)?
+            + Tensor::embedding(&self.position_embeddings, &position_ids, -1, false, false);
+        embedding_output(
+            embedded,
+            self.config.transformer.hidden_dropout,
+            &self.parallel,
+            train,
+        )
+    }
+
+    /// Every parameter under its Megatron-core T5 name, in construction order.
+    pub fn named_parameters(&self) -> Vec<NamedParameter> {
+        let mut out = Vec::new();
+        let mut names = NamedTensors::new(&mut out);
+        let sharded = ParamAttributes {
+            tensor_parallel: true,
+            ..Default::default()
+        };
+        names.push(
+            "embedding.word_embeddings.weight",
+            &self.word_embeddings.weight,
+            sharded,
+        );
+        names.push(
+            "embedding.position_embeddings.weight",
+            &self.position_embeddings,
+            ParamAttributes::default(),
+        );
+        for (i, layer) in self.encoder_layers.iter().enumerate() {
+            layer.named_tensors(&mut names.scope(&format!("encoder.layers.{i}")));
+        }
+        self.encoder_final_layernorm
+            .named_tensors(&mut names.scope("encoder.final_layernorm"));
+        for (i, layer) in self.decoder_layers.iter().enumerate() {
+            layer.named_tensors(&mut names.scope(&format!("decoder.layers.{i}")));
+        }
+        self.decoder_final_layernorm
+            .named_tensors(&mut names.scope("decoder.final_layernorm"));
+        match &self.output_layer {
+            OutputLayer::Tied { bias } => {
+                names.push("lm_head.output_layer.bias", bias, sharded);
+            }
+            OutputLayer::Untied { weight } => {
+                names.push("lm_head.output_layer.weight", weight, sharded);
+            }
+        }
+        out
+    }
+}
+
+impl ModelChunk for T5Model {
+    fn spec(&self) -> &ChunkSpec {
+        &self.spec
+    }
+
+    fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    fn named_parameters(&self) -> Vec<NamedParameter> {
+        T5Model::named_parameters(self)
+    }
+
+    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
+        self.gate.set(gate);
+    }
+
+    fn config_json(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(&self.config)?)
+    }
+}

@@ -1,0 +1,184 @@
+//! T5 on the training engine (`pretrain_t5`): the encoder-decoder, its token-averaged `lm loss`
+//! over the decoder's targets (as GPT's) and Megatron's T5 datasets. T5 runs without pipeline
+//! parallelism.
+
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use megatron_data::blend::SplitDataset;
+use megatron_data::masked::{build_t5_datasets, open_indexed, MaskedDataFlags};
+use megatron_data::tokenizer::build_tokenizer_with_extra_ids;
+use tch::{Kind, Tensor};
+
+use super::engine::{pretrain, TrainingSummary};
+use super::family::{LossTotals, ModelFamily, StepOutput};
+use super::flops::FlopsModel;
+use super::runtime::Runtime;
+use crate::args::{PretrainArgs, T5PretrainArgs};
+use crate::loader::{MockT5Source, SampleSource, Splits, T5Batch};
+use crate::model::{
+    cross_entropy, Activation, ChunkSpec, GptConfig, ModelOptions, T5Config, T5Input, T5Model,
+};
+use crate::parallel::ParallelState;
+
+pub struct T5Family {
+    pub config: T5Config,
+    pub decoder_seq_length: usize,
+    /// `--vocab-extra-ids`, `--mask-prob` and `--short-seq-prob` of the datasets.
+    pub vocab_extra_ids: usize,
+    pub mask_prob: f64,
+    pub short_seq_prob: f64,
+}
+
+impl ModelFamily for T5Family {
+    type Chunk = T5Model;
+    type Batch = T5Batch;
+
+    fn model_type(&self) -> &'static str {
+        "T5"
+    }
+
+    fn transformer(&self) -> &GptConfig {
+        &self.config.transformer
+    }
+
+    fn build_chunk(
+        &self,
+        options: ModelOptions,
+        parallel: &ParallelState,
+        spec: ChunkSpec,
+    ) -> Result<T5Model> {
+        ensure!(
+            spec.pre_process && spec.post_process,
+            "pretrain_t5 does not support pipeline parallelism (--pipeline-model-parallel-size must be 1)"
+        );
+        T5Model::new(self.config.clone(), options, parallel)
+    }
+
+    fn loss_names(&self) -> &'static [&'static str] {
+        &["lm loss"]
+    }
+
+    fn forward_step(
+        &self,
+        chunk: &T5Model,
+        batch: &T5Batch,
+        input: Option<&Tensor>,
+        train: bool,
+        parallel: &ParallelState,
+        losses: &mut LossTotals,
+    ) -> Result<StepOutput> {
+        ensure!(input.is_none(), "T5 runs on one pipeline stage");
+        let logits = chunk.forward(
+            &T5Input {
+                encoder_tokens: &batch.text_enc,
+                decoder_tokens: &batch.text_dec,
+                encoder_mask: &batch.enc_mask,
+            },
+            train,
+        )?;
+        // Padding carries label -1 and loss mask 0; the lookup needs a valid index.
+        let labels = batch.labels.clamp_min(0);
+        let token_losses = cross_entropy(&logits, &labels, &parallel.tensor)?;
+        let masked_sum = (token_losses * &batch.loss_mask).sum(Kind::Float);
+        let tokens = batch.num_tokens();
+        losses.add(0, &masked_sum, &tokens);
+        // As GPT: each micro-batch's loss is divided by its token count.
+        Ok(StepOutput::Loss(masked_sum / tokens.clamp_min(1.0)))
+    }
+
+    /// An estimate for the log line's TFLOP/s (Megatron's formula is GPT's and ignores the
+    /// decoder): GPT layers at the encoder length standing for the encoder's layers over the
+    /// encoder tokens plus the decoder's over the decoder tokens, each decoder layer counted
+    /// twice for its self- and cross-attention blocks.
+    fn flops(&self, seq_length: i64) -> FlopsModel {
+        let trunk = &self.config.transformer;
+        let encoder = trunk.num_layers as u64 * seq_length as u64;
+        let decoder = 2 * self.config.decoder_num_layers as u64 * self.decoder_seq_length as u64;
+        FlopsModel {
+            // Layer-positions of both stacks expressed at the encoder length.
+            num_layers: ((encoder + decoder) / seq_length.max(1) as u64).max(1),
+            hidden_size: trunk.hidden_size as u64,
+            ffn_hidden_size: trunk.ffn_hidden_size as u64,
+            num_attention_heads: trunk.num_attention_heads as u64,
+            num_query_groups: trunk.num_query_groups as u64,
+            kv_channels: trunk.kv_channels as u64,
+            seq_length: seq_length as u64,
+            padded_vocab_size: trunk.padded_vocab_size(1) as u64,
+            swiglu: trunk.activation == Activation::Swiglu,
+        }
+    }
+
+    fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<T5Batch>> {
+        let seed = u32::try_from(args.training.seed)
+            .context("--seed must fit in 32 bits (numpy's limit)")?;
+        if args.data.mock_data {
+            let split = |samples: u64, offset: u64| {
+                (samples > 0).then(|| {
+                    Arc::new(MockT5Source {
+                        samples,
+                        encoder_seq_length: args.model.seq_length as usize,
+                        decoder_seq_length: self.decoder_seq_length,
+                        vocab_size: self.config.transformer.vocab_size,
+                        seed: u64::from(seed).wrapping_add(offset),
+                    }) as Arc<dyn SampleSource<Batch = T5Batch>>
+                })
+            };
+            return Ok(Splits {
+                train: split(sizes[0], 0),
+                valid: split(sizes[1], 1),
+                test: split(sizes[2], 2),
+            });
+        }
+        let (sources, split) = args.data.path_flags().sources()?;
+        let vocab_file = args
+            .tokenizer
+            .vocab_file
+            .as_ref()
+            .context("T5 data needs --vocab-file (the WordPiece vocabulary)")?;
+        let flags = MaskedDataFlags {
+            seed,
+            seq_length: args.model.seq_length as usize,
+            mask_prob: self.mask_prob,
+            short_seq_prob: self.short_seq_prob,
+            split,
+            data_cache_path: args.data.data_cache_path.clone(),
+            mid_level_dataset_surplus: 0.005,
+            tokenizer_type: args.tokenizer.tokenizer_type.clone(),
+            vocab_file: vocab_file.to_string_lossy().into_owned(),
+            vocab_extra_ids: self.vocab_extra_ids,
+        };
+        let config = Arc::new(flags.t5(self.decoder_seq_length)?);
+        let [train, valid, test] =
+            build_t5_datasets(&sources, sizes.map(Some), config, &open_indexed)?;
+        let keep = |d: Option<SplitDataset<_>>| {
+            d.filter(|d| !d.is_empty())
+                .map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = T5Batch>>)
+        };
+        Ok(Splits {
+            train: keep(train),
+            valid: keep(valid),
+            test: keep(test),
+        })
+    }
+}
+
+/// Megatron's `pretrain_t5.py` on this rank of the job.
+pub fn pretrain_t5(args: &T5PretrainArgs, runtime: &Runtime) -> Result<TrainingSummary> {
+    if args.common.parallel.pipeline_model_parallel_size > 1 {
+        bail!(
+            "pretrain_t5 does not support pipeline parallelism: use --pipeline-model-parallel-size 1 \
+             (tensor, sequence and data parallelism are supported)"
+        );
+    }
+    let tokenizer =
+        build_tokenizer_with_extra_ids(&args.common.tokenizer.config()?, args.t5.vocab_extra_ids)?;
+    let family = T5Family {
+        config: args.t5_config(tokenizer.vocab_size() as i64)?,
+        decoder_seq_length: args.t5.decoder_seq_length as usize,
+        vocab_extra_ids: args.t5.vocab_extra_ids,
+        mask_prob: args.t5.mask_prob,
+        short_seq_prob: args.t5.short_seq_prob,
+    };
+    pretrain(&args.common, serde_json::to_value(args)?, &family, runtime)
+}

@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""PyTorch reference of Megatron's T5 pretraining step, written from the spec (megatron-model.md §1.5).
+
+It is the reference row of scripts/bench/pretrain_t5.sh. HuggingFace's T5 is a different
+architecture (relative position buckets, RMSNorm, no biases), so this is a plain PyTorch module
+of Megatron core's T5: one shared embedding (word + learned absolute positions), pre-LN encoder
+layers under the encoder padding mask and a final LayerNorm, pre-LN decoder layers (causal
+self-attention -> cross-attention over the encoder output -> GeLU MLP) and a final LayerNorm,
+logits on the tied word embeddings plus a bias, the masked token-averaged cross entropy.
+Attention is torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPUs).
+It trains as an eager (or torch.compile) PyTorch user would: fp32 parameters with bf16 autocast
+(--bf16), fused AdamW with weight decay on matrices only, global-norm clipping, gradient
+accumulation. Each micro-batch is random tokens with a padded encoder tail on half the rows and
+a padded decoder tail, so only speed is measured.
+
+Prints one JSON line on stdout after --train-iters iterations: ms/iter, tokens/s (encoder tokens,
+as pretrain_t5 counts them), TFLOP/s (pretrain_t5's FLOPs estimate: GPT layers at the encoder
+length standing for both stacks, decoder layers counted twice), MFU against --peak-tflops and
+peak memory, measured after --skip-timing-iters iterations. Progress goes to stderr.
+
+T5-220M on one GPU:
+  python scripts/bench/reference_t5.py --bf16 --encoder-num-layers 12 --decoder-num-layers 12 \
+      --hidden-size 768 --num-attention-heads 12 --encoder-seq-length 512 --decoder-seq-length 128
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+H100_SXM_BF16_DENSE_TFLOPS = 989.4
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--encoder-num-layers", type=int, default=12)
+    p.add_argument("--decoder-num-layers", type=int, default=12)
+    p.add_argument("--hidden-size", type=int, default=768)
+    p.add_argument("--num-attention-heads", type=int, default=12)
+    p.add_argument("--kv-channels", type=int, default=None)
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--encoder-seq-length", type=int, default=512)
+    p.add_argument("--decoder-seq-length", type=int, default=128)
+    p.add_argument("--max-position-embeddings", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=30622, help="true (unpadded) vocabulary")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--hidden-dropout", type=float, default=0.1)
+    p.add_argument("--attention-dropout", type=float, default=0.1)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--global-batch-size", type=int, default=128)
+    p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--skip-timing-iters", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
+    p.add_argument("--torch-compile", action="store_true")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.encoder_seq_length
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    multiple = args.make_vocab_size_divisible_by
+    args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
+    args.num_microbatches = args.global_batch_size // args.micro_batch_size
+    if args.train_iters <= args.skip_timing_iters:
+        p.error("--train-iters must exceed --skip-timing-iters")
+    return args
+
+
+def flops_per_iteration(args):
+    """pretrain_t5's estimate: Megatron's dense GPT formula with both stacks as layers at the
+    encoder length (the decoder's counted twice: self- and cross-attention blocks)."""
+    b, s, h = args.global_batch_size, args.encoder_seq_length, args.hidden_size
+    layers = max(1, (args.encoder_num_layers * s + 2 * args.decoder_num_layers * args.decoder_seq_length) // s)
+    mlp = 12 * layers * h * args.ffn_hidden_size
+    projection = args.num_attention_heads * args.kv_channels
+    attention = 12 * layers * h * projection * (1 + 1 + s / (2 * h))
+    logits = 6 * h * args.padded_vocab_size
+    return b * s * (mlp + attention + logits)
+
+
+class Attention(nn.Module):
+    def __init__(self, args, cross):
+        super().__init__()
+        h, projection = args.hidden_size, args.num_attention_heads * args.kv_channels
+        self.heads, self.head_dim, self.cross = args.num_attention_heads, args.kv_channels, cross
+        if cross:
+            self.linear_q = nn.Linear(h, projection)
+            self.linear_kv = nn.Linear(h, 2 * projection)
+        else:
+            self.linear_qkv = nn.Linear(h, 3 * projection)
+        self.linear_proj = nn.Linear(projection, h)
+        self.dropout = args.attention_dropout
+
+    def forward(self, x, memory=None, mask=None, causal=False):
+        b, s, _ = x.shape
+        n, d = self.heads, self.head_dim
+        if self.cross:
+            q = self.linear_q(x).view(b, s, n, d)
+            k, v = self.linear_kv(memory).view(b, memory.shape[1], n, 2 * d).split(d, dim=-1)
+        else:
+            q, k, v = self.linear_qkv(x).view(b, s, n, 3 * d).split(d, dim=-1)
+        context = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+        return self.linear_proj(context.transpose(1, 2).reshape(b, s, n * d))
+
+
+class Layer(nn.Module):
+    def __init__(self, args, cross):
+        super().__init__()
+        h = args.hidden_size
+        self.input_layernorm = nn.LayerNorm(h, eps=1e-5)
+        self.self_attention = Attention(args, cross=False)
+        if cross:
+            self.pre_cross_attn_layernorm = nn.LayerNorm(h, eps=1e-5)
+            self.cross_attention = Attention(args, cross=True)
+        self.pre_mlp_layernorm = nn.LayerNorm(h, eps=1e-5)
+        self.linear_fc1 = nn.Linear(h, args.ffn_hidden_size)
+        self.linear_fc2 = nn.Linear(args.ffn_hidden_size, h)
+        self.dropout = nn.Dropout(args.hidden_dropout)
+
+    def forward(self, x, self_mask=None, causal=False, memory=None, memory_mask=None):
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), mask=self_mask, causal=causal))
+        if memory is not None:
+            x = x + self.dropout(self.cross_attention(self.pre_cross_attn_layernorm(x), memory, memory_mask))
+        return x + self.dropout(self.linear_fc2(F.gelu(self.linear_fc1(self.pre_mlp_layernorm(x)),
+                                                       approximate="tanh")))
+
+
+class T5(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        h = args.hidden_size
+        self.word_embeddings = nn.Embedding(args.padded_vocab_size, h)
+        self.position_embeddings = nn.Embedding(args.max_position_embeddings, h)
+        self.encoder = nn.ModuleList(Layer(args, cross=False) for _ in range(args.encoder_num_layers))
+        self.encoder_final_layernorm = nn.LayerNorm(h, eps=1e-5)
+        self.decoder = nn.ModuleList(Layer(args, cross=True) for _ in range(args.decoder_num_layers))
+        self.decoder_final_layernorm = nn.LayerNorm(h, eps=1e-5)
+        self.output_bias = nn.Parameter(torch.zeros(args.padded_vocab_size))
+        self.dropout = nn.Dropout(args.hidden_dropout)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def embed(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.word_embeddings(tokens) + self.position_embeddings(positions))
+
+    def forward(self, enc, dec, enc_keep, labels, loss_mask):
+        key_mask = enc_keep[:, None, None, :]
+        x = self.embed(enc)
+        for layer in self.encoder:
+            x = layer(x, self_mask=key_mask)
+        memory = self.encoder_final_layernorm(x)
+        y = self.embed(dec)
+        for layer in self.decoder:
+            y = layer(y, causal=True, memory=memory, memory_mask=key_mask)
+        logits = F.linear(self.decoder_final_layernorm(y), self.word_embeddings.weight, self.output_bias)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return (losses * loss_mask.flatten()).sum() / loss_mask.sum()
+
+
+def batch(args, generator, device):
+    b, se, sd = args.micro_batch_size, args.encoder_seq_length, args.decoder_seq_length
+    enc = torch.randint(0, args.vocab_size, (b, se), generator=generator, device=device)
+    dec = torch.randint(0, args.vocab_size, (b, sd), generator=generator, device=device)
+    labels = torch.randint(0, args.vocab_size, (b, sd), generator=generator, device=device)
+    enc_keep = torch.ones(b, se, dtype=torch.bool, device=device)
+    enc_keep[b // 2:, 3 * se // 4:] = False
+    loss_mask = torch.ones(b, sd, device=device)
+    loss_mask[:, 3 * sd // 4:] = 0
+    return enc, dec, enc_keep, labels, loss_mask
+
+
+def train(args):
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    model = T5(args).to(device).train()
+    parameters = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, fused=device.type == "cuda")
+    forward = torch.compile(model) if args.torch_compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"model: {parameters:,} parameters", file=sys.stderr)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    measured_start, interval_start = None, time.perf_counter()
+    for iteration in range(1, args.train_iters + 1):
+        if iteration == args.skip_timing_iters + 1:
+            sync()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            measured_start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(args.num_microbatches):
+            enc, dec, enc_keep, labels, loss_mask = batch(args, generator, device)
+            with autocast:
+                loss = forward(enc, dec, enc_keep, labels, loss_mask)
+            loss = loss.float() / args.num_microbatches
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        optimizer.step()
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            sync()
+            now = time.perf_counter()
+            interval = iteration % args.log_interval or args.log_interval
+            print(f"iteration {iteration:8d}/{args.train_iters:8d} | elapsed time per iteration (ms): "
+                  f"{(now - interval_start) * 1000 / interval:.1f} | loss: {loss_sum.item():.6E}",
+                  file=sys.stderr)
+            interval_start = now
+    sync()
+    seconds = (time.perf_counter() - measured_start) / (args.train_iters - args.skip_timing_iters)
+    tflops = flops_per_iteration(args) / seconds / 1e12
+    return {
+        "impl": "pytorch-compile" if args.torch_compile else "pytorch-eager",
+        "model": "spec-t5",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "parameters": parameters,
+        "ms_per_iter": round(seconds * 1000, 3),
+        "tokens_per_s": round(args.global_batch_size * args.encoder_seq_length / seconds, 1),
+        "tflops_per_gpu": round(tflops, 3),
+        "mfu": round(tflops / args.peak_tflops, 5),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(train(parse_args())), flush=True)
