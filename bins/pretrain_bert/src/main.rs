@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use megatron_core::args::BertPretrainArgs;
-use megatron_core::training::{join_job, pretrain_bert};
+use megatron_core::training::{pretrain_bert, run_job};
 
 /// Pretrain a BERT model (masked-LM and, unless --bert-no-binary-head, sentence-order
 /// prediction) on Megatron indexed datasets preprocessed with --split-sentences (or
@@ -24,34 +24,16 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        let (job, runtime) = join_job(&cli.args.common.parallel, &cli.args.common.training.device)?;
-        let summary = pretrain_bert(&cli.args, &runtime)?;
-        job.finish()?;
-        if !runtime.parallel.is_logging_rank() {
-            return Ok(());
+        let common = &cli.args.common;
+        let summary = run_job(&common.parallel, &common.training.device, |runtime| {
+            pretrain_bert(&cli.args, runtime)
+        })?;
+        if let Some(summary) = summary {
+            println!(
+                "{}",
+                summary.line("pretrain_bert", true, "validation lm loss")
+            );
         }
-        let losses: Vec<String> = summary
-            .last_losses
-            .iter()
-            .map(|(name, value)| format!("{name} {value:.4}"))
-            .collect();
-        let losses = if losses.is_empty() {
-            "lm loss -".to_string()
-        } else {
-            losses.join(", ")
-        };
-        let validation = summary
-            .validation_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}"));
-        let checkpoint = summary
-            .last_checkpoint
-            .as_ref()
-            .map_or("none".to_string(), |p| p.display().to_string());
-        println!(
-            "pretrain_bert: {} iterations, {} samples, {losses}, validation lm loss {validation}, checkpoint {checkpoint}, \
-             {:.1} s ({})",
-            summary.iterations, summary.consumed_samples, summary.seconds, summary.exit_reason
-        );
         Ok(())
     })
 }

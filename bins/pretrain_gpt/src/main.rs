@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::training::{join_job, pretrain_gpt};
+use megatron_core::training::{pretrain_gpt, run_job};
 
 /// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU, many GPUs
 /// (launched by torchrun or srun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT or
@@ -23,27 +23,13 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        let (job, runtime) = join_job(&cli.args.parallel, &cli.args.training.device)?;
-        let summary = pretrain_gpt(&cli.args, &runtime)?;
-        job.finish()?;
-        if !runtime.parallel.is_logging_rank() {
-            return Ok(());
+        let common = &cli.args;
+        let summary = run_job(&common.parallel, &common.training.device, |runtime| {
+            pretrain_gpt(&cli.args, runtime)
+        })?;
+        if let Some(summary) = summary {
+            println!("{}", summary.line("pretrain_gpt", false, "validation loss"));
         }
-        let loss = summary
-            .last_lm_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}"));
-        let validation = summary
-            .validation_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}"));
-        let checkpoint = summary
-            .last_checkpoint
-            .as_ref()
-            .map_or("none".to_string(), |p| p.display().to_string());
-        println!(
-            "pretrain_gpt: {} iterations, {} samples, lm loss {loss}, validation loss {validation}, checkpoint {checkpoint}, \
-             {:.1} s ({})",
-            summary.iterations, summary.consumed_samples, summary.seconds, summary.exit_reason
-        );
         Ok(())
     })
 }

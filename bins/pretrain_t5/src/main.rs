@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 use megatron_core::args::{t5_flags, T5PretrainArgs};
-use megatron_core::training::{join_job, pretrain_t5};
+use megatron_core::training::{pretrain_t5, run_job};
 
 /// Pretrain a T5 encoder-decoder (span corruption: the encoder reads the text with spans
 /// replaced by sentinels, the decoder predicts the spans) on Megatron indexed datasets
@@ -26,29 +26,16 @@ fn main() -> ExitCode {
     let matches = t5_flags(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     megatron_cli::run(|| {
-        let (job, runtime) = join_job(&cli.args.common.parallel, &cli.args.common.training.device)?;
-        let summary = pretrain_t5(&cli.args, &runtime)?;
-        job.finish()?;
-        if !runtime.parallel.is_logging_rank() {
-            return Ok(());
+        let common = &cli.args.common;
+        let summary = run_job(&common.parallel, &common.training.device, |runtime| {
+            pretrain_t5(&cli.args, runtime)
+        })?;
+        if let Some(summary) = summary {
+            println!(
+                "{}",
+                summary.line("pretrain_t5", false, "validation lm loss")
+            );
         }
-        let loss = summary
-            .last_losses
-            .iter()
-            .find(|(name, _)| *name == "lm loss")
-            .map_or("-".to_string(), |(_, v)| format!("{v:.4}"));
-        let validation = summary
-            .validation_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}"));
-        let checkpoint = summary
-            .last_checkpoint
-            .as_ref()
-            .map_or("none".to_string(), |p| p.display().to_string());
-        println!(
-            "pretrain_t5: {} iterations, {} samples, lm loss {loss}, validation lm loss {validation}, checkpoint {checkpoint}, \
-             {:.1} s ({})",
-            summary.iterations, summary.consumed_samples, summary.seconds, summary.exit_reason
-        );
         Ok(())
     })
 }

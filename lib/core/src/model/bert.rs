@@ -4,21 +4,22 @@
 //! binary head the pooler (tanh over position 0) and the sentence-order classifier. A `BertModel`
 //! is one pipeline chunk, like [`GptModel`](super::GptModel).
 
-use std::sync::Arc;
-
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
-use super::chunk::ModelChunk;
+use super::chunk::impl_model_chunk;
 use super::config::{Activation, GptConfig, PositionEmbeddingType};
-use super::gpt::{ChunkSpec, ModelOptions, OutputWeight, ParamGate};
+use super::gpt::{ChunkSpec, ModelOptions, OutputWeight};
 use super::layers::{
     AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, TensorParallel,
     TransformerLayer, VocabParallelEmbedding,
 };
 use super::param::{Initializer, Param};
-use super::stack::{embedding_output, output_logits, GateSlot, LayerStack};
+use super::stack::{
+    embedding_output, output_logits, positions_from_zero, push_embeddings, push_layers, sharded,
+    GateSlot, LayerStack, TrunkBuilder,
+};
 use crate::parallel::{gather_from_sequence_parallel_region, ParallelState};
 
 /// The architecture of a Megatron BERT: the transformer trunk's flags plus BERT's own.
@@ -130,7 +131,11 @@ pub struct BertModel {
 
 impl BertModel {
     /// The whole model on one pipeline stage.
-    pub fn new(config: BertConfig, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
+    pub fn new(
+        config: BertConfig,
+        options: ModelOptions,
+        parallel: &ParallelState,
+    ) -> Result<Self> {
         let spec = ChunkSpec::whole(config.transformer.num_layers);
         Self::new_chunk(config, options, parallel, spec)
     }
@@ -143,47 +148,17 @@ impl BertModel {
         parallel: &ParallelState,
         spec: ChunkSpec,
     ) -> Result<Self> {
-        let tp = parallel.tensor_parallel_size() as i64;
-        config.validate(tp)?;
-        let trunk = &config.transformer;
-        ensure!(
-            spec.layers.end <= trunk.num_layers,
-            "chunk layers {:?} beyond --num-layers {}",
-            spec.layers,
-            trunk.num_layers
-        );
-        let tensor_parallel = TensorParallel {
-            group: parallel.tensor.clone(),
-            sequence_parallel: parallel.sequence_parallel,
-        };
-        let init = Initializer::new(
-            options.params_dtype,
-            options.device,
-            parallel.tensor_parallel_rank() as i64,
-            tp,
-            options.seed,
-        );
-        let (h, std) = (trunk.hidden_size, trunk.init_method_std);
-        let padded_vocab = trunk.padded_vocab_size(tp);
+        config.validate(parallel.tensor_parallel_size() as i64)?;
+        let trunk_config = &config.transformer;
+        spec.check_layers(trunk_config.num_layers)?;
+        let trunk = TrunkBuilder::new(trunk_config, &options, parallel);
+        let init = &trunk.init;
+        let (h, std) = (trunk_config.hidden_size, trunk_config.init_method_std);
         let embedding = init.scope("embedding");
         let pre = spec.pre_process;
         let post = spec.post_process;
-        let word_embeddings = pre.then(|| {
-            VocabParallelEmbedding::new(
-                &embedding.scope("word_embeddings"),
-                padded_vocab,
-                h,
-                std,
-                parallel.tensor.clone(),
-            )
-        });
-        let position_embeddings = pre.then(|| {
-            embedding.scope("position_embeddings").normal(
-                "weight",
-                &[trunk.max_position_embeddings, h],
-                std,
-            )
-        });
+        let word_embeddings = pre.then(|| trunk.word_embeddings());
+        let position_embeddings = pre.then(|| trunk.position_embeddings());
         let tokentype_embeddings = (pre && config.binary_head).then(|| {
             embedding.scope("tokentype_embeddings").normal(
                 "weight",
@@ -191,53 +166,20 @@ impl BertModel {
                 std,
             )
         });
-        let layers = spec
-            .layers
-            .clone()
-            .map(|global| {
-                TransformerLayer::new(
-                    &init.scope(&format!("encoder.layers.{global}")),
-                    trunk,
-                    tensor_parallel.clone(),
-                )
-            })
-            .collect();
-        let norm = |scope: &str| {
-            Norm::new(
-                &init.scope(scope),
-                trunk.normalization,
-                h,
-                trunk.norm_epsilon,
-                trunk.apply_layernorm_1p,
-                parallel.sequence_parallel,
-            )
-        };
-        let final_layernorm = post.then(|| norm("encoder.final_layernorm"));
-        let pooler =
-            (post && config.binary_head).then(|| Dense::new(&init.scope("pooler.dense"), h, h, std));
+        let layers = trunk.layers("encoder.layers", spec.layers.clone(), false);
+        let final_layernorm = post.then(|| trunk.norm("encoder.final_layernorm"));
+        let pooler = (post && config.binary_head)
+            .then(|| Dense::new(&init.scope("pooler.dense"), h, h, std));
         let lm_head = post.then(|| LmHead {
             dense: Dense::new(&init.scope("lm_head.dense"), h, h, std),
-            layer_norm: norm("lm_head.layer_norm"),
+            layer_norm: trunk.norm("lm_head.layer_norm"),
             activation: config.lm_head_activation,
         });
-        let output_weight = post.then(|| {
-            if pre {
-                OutputWeight::WordEmbeddings
-            } else {
-                OutputWeight::Own {
-                    weight: embedding.scope("word_embeddings").normal_partitioned(
-                        "weight",
-                        &[padded_vocab, h],
-                        std,
-                        0,
-                    ),
-                    shared_embedding: true,
-                }
-            }
-        });
-        let output_bias = post.then(|| init.constant_partitioned(&[padded_vocab], 0.0));
+        let output_weight = post.then(|| trunk.tied_output(pre));
+        let output_bias = post.then(|| init.constant_partitioned(&[trunk.padded_vocab], 0.0));
         let binary_head =
             (post && config.binary_head).then(|| Dense::new(&init.scope("binary_head"), h, 2, std));
+        let tensor_parallel = trunk.parallel;
         Ok(BertModel {
             config,
             spec,
@@ -266,28 +208,22 @@ impl BertModel {
     ) -> Result<BertChunkOutput> {
         let hidden = match input {
             BertInput::Tokens { tokens, tokentypes } => {
-                ensure!(
-                    self.spec.pre_process,
-                    "token input for a chunk without embeddings"
-                );
+                self.spec.check_input(true)?;
                 self.gate.before("embedding")?;
                 self.embed(tokens, tokentypes, train)?
             }
             BertInput::Hidden(hidden) => {
-                ensure!(
-                    !self.spec.pre_process,
-                    "hidden-state input for the chunk with the embeddings"
-                );
+                self.spec.check_input(false)?;
                 hidden.shallow_clone()
             }
         };
-        let stack = LayerStack {
-            layers: &self.layers,
-            scope: "encoder.layers",
-            recompute: self.options.recompute,
-            parallel: &self.parallel,
-            gate: &self.gate,
-        };
+        let stack = LayerStack::new(
+            &self.layers,
+            "encoder.layers",
+            &self.options,
+            &self.parallel,
+            &self.gate,
+        );
         let mask = AttentionMask::padding(padding_mask);
         let hidden = stack.forward(hidden, &mask, None, train)?;
         let Some(norm) = &self.final_layernorm else {
@@ -306,10 +242,7 @@ impl BertModel {
         padding_mask: &Tensor,
         train: bool,
     ) -> Result<BertOutput> {
-        ensure!(
-            self.spec.pre_process && self.spec.post_process,
-            "forward needs the whole model; this is a pipeline chunk"
-        );
+        self.spec.check_whole()?;
         match self.forward_chunk(
             BertInput::Tokens { tokens, tokentypes },
             padding_mask,
@@ -325,19 +258,12 @@ impl BertModel {
             .word_embeddings
             .as_ref()
             .expect("pre-process chunks have word embeddings");
-        let (b, s) = tokens.size2()?;
-        ensure!(
-            s <= self.config.transformer.max_position_embeddings,
-            "sequence length {s} exceeds --max-position-embeddings {}",
-            self.config.transformer.max_position_embeddings
-        );
         let positions = self
             .position_embeddings
             .as_ref()
             .expect("pre-process chunks have position embeddings");
-        let position_ids = Tensor::arange(s, (Kind::Int64, tokens.device()))
-            .unsqueeze(0)
-            .expand([b, s], false);
+        let position_ids =
+            positions_from_zero(tokens, self.config.transformer.max_position_embeddings)?;
         let mut embedded =
             word.forward(tokens)? + Tensor::embedding(positions, &position_ids, -1, false, false);
         match (&self.tokentype_embeddings, tokentypes) {
@@ -375,7 +301,10 @@ impl BertModel {
             }
             _ => None,
         };
-        let lm_head = self.lm_head.as_ref().expect("post-process chunks have an LM head");
+        let lm_head = self
+            .lm_head
+            .as_ref()
+            .expect("post-process chunks have an LM head");
         self.gate.before("lm_head")?;
         let transformed = lm_head.dense.forward(hidden);
         let transformed = match lm_head.activation {
@@ -384,16 +313,11 @@ impl BertModel {
         };
         let transformed = lm_head.layer_norm.forward(&transformed);
         self.gate.before("output_layer")?;
-        let weight = match self.output_weight.as_ref().expect("post-process chunk") {
-            OutputWeight::WordEmbeddings => {
-                &self
-                    .word_embeddings
-                    .as_ref()
-                    .expect("tied to this chunk's embeddings")
-                    .weight
-            }
-            OutputWeight::Own { weight, .. } => weight,
-        };
+        let weight = self
+            .output_weight
+            .as_ref()
+            .expect("post-process chunk")
+            .weight(self.word_embeddings.as_ref());
         Ok(BertOutput {
             lm_logits: output_logits(
                 &transformed,
@@ -409,28 +333,13 @@ impl BertModel {
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();
         let mut names = NamedTensors::new(&mut out);
-        let sharded = ParamAttributes {
-            tensor_parallel: true,
-            ..Default::default()
-        };
         let tied_elsewhere = !(self.spec.pre_process && self.spec.post_process);
-        if let Some(word) = &self.word_embeddings {
-            names.push(
-                "embedding.word_embeddings.weight",
-                &word.weight,
-                ParamAttributes {
-                    tied_across_stages: tied_elsewhere,
-                    ..sharded
-                },
-            );
-        }
-        if let Some(positions) = &self.position_embeddings {
-            names.push(
-                "embedding.position_embeddings.weight",
-                positions,
-                ParamAttributes::default(),
-            );
-        }
+        push_embeddings(
+            &mut names,
+            self.word_embeddings.as_ref(),
+            self.position_embeddings.as_ref(),
+            tied_elsewhere,
+        );
         if let Some(types) = &self.tokentype_embeddings {
             names.push(
                 "embedding.tokentype_embeddings.weight",
@@ -438,9 +347,7 @@ impl BertModel {
                 ParamAttributes::default(),
             );
         }
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.named_tensors(&mut names.scope(&format!("encoder.layers.{i}")));
-        }
+        push_layers(&mut names, "encoder.layers", &self.layers);
         if let Some(norm) = &self.final_layernorm {
             norm.named_tensors(&mut names.scope("encoder.final_layernorm"));
         }
@@ -458,23 +365,11 @@ impl BertModel {
             head.layer_norm
                 .named_tensors(&mut names.scope("lm_head.layer_norm"));
         }
-        if let Some(OutputWeight::Own {
-            weight,
-            shared_embedding,
-        }) = &self.output_weight
-        {
-            names.push(
-                "output_layer.weight",
-                weight,
-                ParamAttributes {
-                    shared_embedding: *shared_embedding,
-                    tied_across_stages: *shared_embedding,
-                    ..sharded
-                },
-            );
+        if let Some(output) = &self.output_weight {
+            output.push(&mut names);
         }
         if let Some(bias) = &self.output_bias {
-            names.push("output_layer.bias", bias, sharded);
+            names.push("output_layer.bias", bias, sharded());
         }
         if let Some(head) = &self.binary_head {
             head.named_tensors(&mut names.scope("binary_head"), ParamAttributes::default());
@@ -483,24 +378,4 @@ impl BertModel {
     }
 }
 
-impl ModelChunk for BertModel {
-    fn spec(&self) -> &ChunkSpec {
-        &self.spec
-    }
-
-    fn options(&self) -> &ModelOptions {
-        &self.options
-    }
-
-    fn named_parameters(&self) -> Vec<NamedParameter> {
-        BertModel::named_parameters(self)
-    }
-
-    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
-        self.gate.set(gate);
-    }
-
-    fn config_json(&self) -> Result<serde_json::Value> {
-        Ok(serde_json::to_value(&self.config)?)
-    }
-}
+impl_model_chunk!(BertModel);

@@ -73,3 +73,32 @@ fn join_names(names: &[&String]) -> String {
     }
     text
 }
+
+/// Implements [`ModelChunk`] for a family's model, which has the fields `config` (serialisable),
+/// `spec`, `options` and `gate` and an inherent `named_parameters`.
+macro_rules! impl_model_chunk {
+    ($model:ty) => {
+        impl $crate::model::chunk::ModelChunk for $model {
+            fn spec(&self) -> &$crate::model::ChunkSpec {
+                &self.spec
+            }
+
+            fn options(&self) -> &$crate::model::ModelOptions {
+                &self.options
+            }
+
+            fn named_parameters(&self) -> Vec<$crate::model::NamedParameter> {
+                <$model>::named_parameters(self)
+            }
+
+            fn set_param_gate(&mut self, gate: std::sync::Arc<dyn $crate::model::ParamGate>) {
+                self.gate.set(gate);
+            }
+
+            fn config_json(&self) -> anyhow::Result<serde_json::Value> {
+                Ok(serde_json::to_value(&self.config)?)
+            }
+        }
+    };
+}
+pub(crate) use impl_model_chunk;

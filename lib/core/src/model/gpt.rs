@@ -10,15 +10,17 @@ use std::sync::Arc;
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::chunk::{impl_model_chunk, load_named};
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
     AttentionMask, DecodeStep, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
-    ParamAttributes, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
-    VocabParallelEmbedding,
+    RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
-use super::chunk::{load_named, ModelChunk};
-use super::param::{Initializer, Param};
-use super::stack::{embedding_output, output_logits, GateSlot, LayerStack};
+use super::param::Param;
+use super::stack::{
+    embedding_output, output_logits, push_embeddings, push_layers, GateSlot, LayerStack,
+    TrunkBuilder,
+};
 use crate::parallel::{gather_from_tensor_parallel_region, ParallelState};
 
 /// `--recompute-granularity full --recompute-method ...`.
@@ -70,6 +72,42 @@ impl ChunkSpec {
             post_process: true,
             layers: 0..num_layers,
         }
+    }
+
+    /// Fails when the chunk's layers run past the model's `num_layers`.
+    pub fn check_layers(&self, num_layers: usize) -> Result<()> {
+        ensure!(
+            self.layers.end <= num_layers,
+            "chunk layers {:?} beyond --num-layers {num_layers}",
+            self.layers
+        );
+        Ok(())
+    }
+
+    /// Fails unless the chunk is the whole model.
+    pub fn check_whole(&self) -> Result<()> {
+        ensure!(
+            self.pre_process && self.post_process,
+            "forward needs the whole model; this is a pipeline chunk"
+        );
+        Ok(())
+    }
+
+    /// Fails unless the chunk takes token ids (`tokens`) or hidden states (not `tokens`): only
+    /// the chunk with the embeddings reads tokens.
+    pub fn check_input(&self, tokens: bool) -> Result<()> {
+        if tokens {
+            ensure!(
+                self.pre_process,
+                "token input for a chunk without embeddings"
+            );
+        } else {
+            ensure!(
+                !self.pre_process,
+                "hidden-state input for the chunk with the embeddings"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -130,98 +168,35 @@ impl GptModel {
         parallel: &ParallelState,
         spec: ChunkSpec,
     ) -> Result<Self> {
-        let tp = parallel.tensor_parallel_size() as i64;
-        config.validate(tp)?;
-        ensure!(
-            spec.layers.end <= config.num_layers,
-            "chunk layers {:?} beyond --num-layers {}",
-            spec.layers,
-            config.num_layers
-        );
-        let tensor_parallel = TensorParallel {
-            group: parallel.tensor.clone(),
-            sequence_parallel: parallel.sequence_parallel,
-        };
-        let init = Initializer::new(
-            options.params_dtype,
-            options.device,
-            parallel.tensor_parallel_rank() as i64,
-            tp,
-            options.seed,
-        );
-        let h = config.hidden_size;
-        let std = config.init_method_std;
-        let padded_vocab = config.padded_vocab_size(tp);
-        let embedding = init.scope("embedding");
-        let word_embeddings = spec.pre_process.then(|| {
-            VocabParallelEmbedding::new(
-                &embedding.scope("word_embeddings"),
-                padded_vocab,
-                h,
-                std,
-                parallel.tensor.clone(),
-            )
-        });
+        config.validate(parallel.tensor_parallel_size() as i64)?;
+        spec.check_layers(config.num_layers)?;
+        let trunk = TrunkBuilder::new(&config, &options, parallel);
+        let word_embeddings = spec.pre_process.then(|| trunk.word_embeddings());
         let position_embeddings = (spec.pre_process
             && config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute)
-            .then(|| {
-                embedding.scope("position_embeddings").normal(
-                    "weight",
-                    &[config.max_position_embeddings, h],
-                    std,
-                )
-            });
-        let layers = spec
-            .layers
-            .clone()
-            .map(|global| {
-                TransformerLayer::new(
-                    &init.scope(&format!("decoder.layers.{global}")),
-                    &config,
-                    tensor_parallel.clone(),
-                )
-            })
-            .collect();
-        let final_layernorm = spec.post_process.then(|| {
-            Norm::new(
-                &init.scope("decoder.final_layernorm"),
-                config.normalization,
-                h,
-                config.norm_epsilon,
-                config.apply_layernorm_1p,
-                parallel.sequence_parallel,
-            )
-        });
+            .then(|| trunk.position_embeddings());
+        let layers = trunk.layers("decoder.layers", spec.layers.clone(), false);
+        let final_layernorm = spec
+            .post_process
+            .then(|| trunk.norm("decoder.final_layernorm"));
         let output = spec.post_process.then(|| {
             if config.untie_embeddings_and_output_weights {
                 OutputWeight::Own {
-                    weight: init.scope("output_layer").normal_partitioned(
+                    weight: trunk.init.scope("output_layer").normal_partitioned(
                         "weight",
-                        &[padded_vocab, h],
-                        std,
+                        &[trunk.padded_vocab, config.hidden_size],
+                        config.init_method_std,
                         0,
                     ),
                     shared_embedding: false,
                 }
-            } else if spec.pre_process {
-                OutputWeight::WordEmbeddings
             } else {
-                // Megatron zero-fills this copy and all-reduces it with the first stage's; drawing
-                // it under the word embeddings' name gives the same values directly.
-                let weight = embedding.scope("word_embeddings").normal_partitioned(
-                    "weight",
-                    &[padded_vocab, h],
-                    std,
-                    0,
-                );
-                OutputWeight::Own {
-                    weight,
-                    shared_embedding: true,
-                }
+                trunk.tied_output(spec.pre_process)
             }
         });
         let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope)
             .then(|| RotaryEmbedding::new(config.rotary_dim(), config.rotary_base));
+        let tensor_parallel = trunk.parallel;
         Ok(GptModel {
             config,
             spec,
@@ -250,10 +225,7 @@ impl GptModel {
         mask: &AttentionMask,
         train: bool,
     ) -> Result<Tensor> {
-        ensure!(
-            self.spec.pre_process && self.spec.post_process,
-            "forward needs the whole model; this is a pipeline chunk"
-        );
+        self.spec.check_whole()?;
         self.forward_chunk(
             ChunkInput::Tokens {
                 tokens,
@@ -277,18 +249,12 @@ impl GptModel {
                 tokens,
                 position_ids,
             } => {
-                ensure!(
-                    self.spec.pre_process,
-                    "token input for a chunk without embeddings"
-                );
+                self.spec.check_input(true)?;
                 self.gate("embedding")?;
                 self.embed(tokens, position_ids, train)?
             }
             ChunkInput::Hidden(hidden) => {
-                ensure!(
-                    !self.spec.pre_process,
-                    "hidden-state input for the chunk with the embeddings"
-                );
+                self.spec.check_input(false)?;
                 hidden.shallow_clone()
             }
         };
@@ -323,13 +289,13 @@ impl GptModel {
     }
 
     fn stack(&self) -> LayerStack<'_> {
-        LayerStack {
-            layers: &self.layers,
-            scope: "decoder.layers",
-            recompute: self.options.recompute,
-            parallel: &self.parallel,
-            gate: &self.gate,
-        }
+        LayerStack::new(
+            &self.layers,
+            "decoder.layers",
+            &self.options,
+            &self.parallel,
+            &self.gate,
+        )
     }
 
     /// Like [`forward`](Self::forward) but with the full vocabulary gathered from every rank.
@@ -468,20 +434,11 @@ impl GptModel {
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let weight = match self
+        let weight = self
             .output
             .as_ref()
             .expect("post-process chunks have an output layer")
-        {
-            OutputWeight::WordEmbeddings => {
-                &self
-                    .word_embeddings
-                    .as_ref()
-                    .expect("tied to this chunk's embeddings")
-                    .weight
-            }
-            OutputWeight::Own { weight, .. } => weight,
-        };
+            .weight(self.word_embeddings.as_ref());
         output_logits(hidden, weight, None, &self.parallel)
     }
 
@@ -490,48 +447,22 @@ impl GptModel {
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();
         let mut names = NamedTensors::new(&mut out);
-        let sharded = ParamAttributes {
-            tensor_parallel: true,
-            ..Default::default()
-        };
         // Tied embeddings split over two stages exist on both: the first stage's and the last
         // stage's copy get their gradients summed.
         let tied_elsewhere = !self.config.untie_embeddings_and_output_weights
             && !(self.spec.pre_process && self.spec.post_process);
-        if let Some(word) = &self.word_embeddings {
-            names.push(
-                "embedding.word_embeddings.weight",
-                &word.weight,
-                ParamAttributes {
-                    tied_across_stages: tied_elsewhere,
-                    ..sharded
-                },
-            );
-        }
-        if let Some(positions) = &self.position_embeddings {
-            names.push(
-                "embedding.position_embeddings.weight",
-                positions,
-                ParamAttributes::default(),
-            );
-        }
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.named_tensors(&mut names.scope(&format!("decoder.layers.{i}")));
-        }
+        push_embeddings(
+            &mut names,
+            self.word_embeddings.as_ref(),
+            self.position_embeddings.as_ref(),
+            tied_elsewhere,
+        );
+        push_layers(&mut names, "decoder.layers", &self.layers);
         if let Some(norm) = &self.final_layernorm {
             norm.named_tensors(&mut names.scope("decoder.final_layernorm"));
         }
-        if let Some(OutputWeight::Own {
-            weight,
-            shared_embedding,
-        }) = &self.output
-        {
-            let attributes = ParamAttributes {
-                shared_embedding: *shared_embedding,
-                tied_across_stages: *shared_embedding,
-                ..sharded
-            };
-            names.push("output_layer.weight", weight, attributes);
+        if let Some(output) = &self.output {
+            output.push(&mut names);
         }
         out
     }
@@ -549,24 +480,4 @@ impl GptModel {
     }
 }
 
-impl ModelChunk for GptModel {
-    fn spec(&self) -> &ChunkSpec {
-        &self.spec
-    }
-
-    fn options(&self) -> &ModelOptions {
-        &self.options
-    }
-
-    fn named_parameters(&self) -> Vec<NamedParameter> {
-        GptModel::named_parameters(self)
-    }
-
-    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
-        GptModel::set_param_gate(self, gate)
-    }
-
-    fn config_json(&self) -> Result<serde_json::Value> {
-        Ok(serde_json::to_value(&self.config)?)
-    }
-}
+impl_model_chunk!(GptModel);

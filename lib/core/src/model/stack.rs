@@ -5,15 +5,20 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use anyhow::Result;
-use tch::Tensor;
+use anyhow::{ensure, Result};
+use tch::{Kind, Tensor};
 
-use super::gpt::{ParamGate, Recompute, RecomputeMethod};
-use super::layers::{AttentionMask, Memory, RotaryTables, TensorParallel, TransformerLayer};
+use super::config::GptConfig;
+use super::gpt::{ModelOptions, OutputWeight, ParamGate, Recompute, RecomputeMethod};
+use super::layers::{
+    AttentionMask, Memory, NamedTensors, Norm, ParamAttributes, RotaryTables, TensorParallel,
+    TransformerLayer, VocabParallelEmbedding,
+};
+use super::param::{Initializer, Param};
 use crate::autograd::checkpoint;
 use crate::parallel::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region, ParallelState,
 };
 use crate::rng::with_model_parallel_rng;
 
@@ -42,6 +47,197 @@ impl GateSlot {
         }
         Ok(())
     }
+}
+
+/// What building any family's chunk starts from on this rank: the tensor-parallel setting, the
+/// initialiser that draws every weight from the seed and its global name (so any layout of the
+/// same model holds the same weights), and the trunk's architecture.
+pub(crate) struct TrunkBuilder<'a> {
+    pub init: Initializer,
+    pub parallel: TensorParallel,
+    pub config: &'a GptConfig,
+    pub padded_vocab: i64,
+}
+
+impl<'a> TrunkBuilder<'a> {
+    pub fn new(config: &'a GptConfig, options: &ModelOptions, parallel: &ParallelState) -> Self {
+        let tp = parallel.tensor_parallel_size() as i64;
+        TrunkBuilder {
+            init: Initializer::new(
+                options.params_dtype,
+                options.device,
+                parallel.tensor_parallel_rank() as i64,
+                tp,
+                options.seed,
+            ),
+            parallel: TensorParallel {
+                group: parallel.tensor.clone(),
+                sequence_parallel: parallel.sequence_parallel,
+            },
+            config,
+            padded_vocab: config.padded_vocab_size(tp),
+        }
+    }
+
+    /// `embedding.word_embeddings`, split over the vocabulary.
+    pub fn word_embeddings(&self) -> VocabParallelEmbedding {
+        VocabParallelEmbedding::new(
+            &self.init.scope("embedding.word_embeddings"),
+            self.padded_vocab,
+            self.config.hidden_size,
+            self.config.init_method_std,
+            self.parallel.group.clone(),
+        )
+    }
+
+    /// `embedding.position_embeddings`: learned absolute positions.
+    pub fn position_embeddings(&self) -> Param {
+        self.init.scope("embedding.position_embeddings").normal(
+            "weight",
+            &[self.config.max_position_embeddings, self.config.hidden_size],
+            self.config.init_method_std,
+        )
+    }
+
+    /// The layers `<scope>.<i>` for the global indices `range`, with cross-attention for a
+    /// decoder that attends to an encoder.
+    pub fn layers(&self, scope: &str, range: Range<usize>, cross: bool) -> Vec<TransformerLayer> {
+        range
+            .map(|i| {
+                let init = self.init.scope(&format!("{scope}.{i}"));
+                if cross {
+                    TransformerLayer::with_cross_attention(
+                        &init,
+                        self.config,
+                        self.parallel.clone(),
+                    )
+                } else {
+                    TransformerLayer::new(&init, self.config, self.parallel.clone())
+                }
+            })
+            .collect()
+    }
+
+    /// A norm of the trunk's kind over the hidden size, named `scope`.
+    pub fn norm(&self, scope: &str) -> Norm {
+        Norm::new(
+            &self.init.scope(scope),
+            self.config.normalization,
+            self.config.hidden_size,
+            self.config.norm_epsilon,
+            self.config.apply_layernorm_1p,
+            self.parallel.sequence_parallel,
+        )
+    }
+
+    /// The output projection tied to the word embeddings of a post-process chunk: the
+    /// embeddings themselves when the chunk holds them, else the last stage's copy. Megatron
+    /// zero-fills that copy and all-reduces it with the first stage's; drawing it under the word
+    /// embeddings' name gives the same values directly.
+    pub fn tied_output(&self, pre_process: bool) -> OutputWeight {
+        if pre_process {
+            return OutputWeight::WordEmbeddings;
+        }
+        OutputWeight::Own {
+            weight: self
+                .init
+                .scope("embedding.word_embeddings")
+                .normal_partitioned(
+                    "weight",
+                    &[self.padded_vocab, self.config.hidden_size],
+                    self.config.init_method_std,
+                    0,
+                ),
+            shared_embedding: true,
+        }
+    }
+}
+
+/// The attributes of a parameter split over the tensor-parallel ranks.
+pub(crate) fn sharded() -> ParamAttributes {
+    ParamAttributes {
+        tensor_parallel: true,
+        ..Default::default()
+    }
+}
+
+/// Names the word embeddings (tied to a copy on another stage when `tied_across_stages`) and the
+/// learned position embeddings of a pre-process chunk.
+pub(crate) fn push_embeddings(
+    names: &mut NamedTensors,
+    word: Option<&VocabParallelEmbedding>,
+    positions: Option<&Param>,
+    tied_across_stages: bool,
+) {
+    if let Some(word) = word {
+        names.push(
+            "embedding.word_embeddings.weight",
+            &word.weight,
+            ParamAttributes {
+                tied_across_stages,
+                ..sharded()
+            },
+        );
+    }
+    if let Some(positions) = positions {
+        names.push(
+            "embedding.position_embeddings.weight",
+            positions,
+            ParamAttributes::default(),
+        );
+    }
+}
+
+/// Names `layers` `<scope>.<local index>`, as Megatron's checkpoints do.
+pub(crate) fn push_layers(names: &mut NamedTensors, scope: &str, layers: &[TransformerLayer]) {
+    for (i, layer) in layers.iter().enumerate() {
+        layer.named_tensors(&mut names.scope(&format!("{scope}.{i}")));
+    }
+}
+
+impl OutputWeight {
+    /// The projection's weight; `word_embeddings` are the chunk's own, if any.
+    pub(crate) fn weight<'a>(
+        &'a self,
+        word_embeddings: Option<&'a VocabParallelEmbedding>,
+    ) -> &'a Tensor {
+        match self {
+            OutputWeight::WordEmbeddings => {
+                &word_embeddings
+                    .expect("tied to this chunk's embeddings")
+                    .weight
+            }
+            OutputWeight::Own { weight, .. } => weight,
+        }
+    }
+
+    /// Names an own weight `output_layer.weight` (the tied embeddings are named already).
+    pub(crate) fn push(&self, names: &mut NamedTensors) {
+        if let OutputWeight::Own {
+            weight,
+            shared_embedding,
+        } = self
+        {
+            let attributes = ParamAttributes {
+                shared_embedding: *shared_embedding,
+                tied_across_stages: *shared_embedding,
+                ..sharded()
+            };
+            names.push("output_layer.weight", weight, attributes);
+        }
+    }
+}
+
+/// Position ids `[b, s]` counting from 0 for `tokens` `[b, s]`, which must fit the position table.
+pub(crate) fn positions_from_zero(tokens: &Tensor, max_positions: i64) -> Result<Tensor> {
+    let (b, s) = tokens.size2()?;
+    ensure!(
+        s <= max_positions,
+        "sequence length {s} exceeds --max-position-embeddings {max_positions}"
+    );
+    Ok(Tensor::arange(s, (Kind::Int64, tokens.device()))
+        .unsqueeze(0)
+        .expand([b, s], false))
 }
 
 /// Summed embeddings `[b, s, h]` → the stack's input `[s, b, h]` (`[s/t, b, h]` scattered along
@@ -73,7 +269,23 @@ pub struct LayerStack<'a> {
     pub gate: &'a GateSlot,
 }
 
-impl LayerStack<'_> {
+impl<'a> LayerStack<'a> {
+    pub fn new(
+        layers: &'a [TransformerLayer],
+        scope: &'a str,
+        options: &ModelOptions,
+        parallel: &'a TensorParallel,
+        gate: &'a GateSlot,
+    ) -> Self {
+        LayerStack {
+            layers,
+            scope,
+            recompute: options.recompute,
+            parallel,
+            gate,
+        }
+    }
+
     /// Runs `hidden` through the layers. With sequence parallelism every dropout in the stack
     /// acts on per-rank slices, so the stack runs on the model-parallel stream (spec §3.2).
     pub fn forward(

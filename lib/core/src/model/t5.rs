@@ -5,21 +5,22 @@
 //! word embeddings plus a vocab-parallel bias (an untied `output_layer` has no bias). T5 is not
 //! split into pipeline stages: a `T5Model` is the whole model.
 
-use std::sync::Arc;
-
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
-use super::chunk::ModelChunk;
+use super::chunk::impl_model_chunk;
 use super::config::{GptConfig, PositionEmbeddingType};
-use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
+use super::gpt::{ChunkSpec, ModelOptions};
 use super::layers::{
-    AttentionMask, Memory, NamedParameter, NamedTensors, Norm, ParamAttributes, TensorParallel,
-    TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, Memory, NamedParameter, NamedTensors, Norm, TensorParallel, TransformerLayer,
+    VocabParallelEmbedding,
 };
-use super::param::{Initializer, Param};
-use super::stack::{embedding_output, output_logits, GateSlot, LayerStack};
+use super::param::Param;
+use super::stack::{
+    embedding_output, output_logits, positions_from_zero, push_embeddings, push_layers, sharded,
+    GateSlot, LayerStack, TrunkBuilder,
+};
 use crate::parallel::ParallelState;
 
 /// The architecture of a Megatron T5: the trunk's flags (`num_layers` is the encoder's) plus the
@@ -95,75 +96,32 @@ impl T5Model {
     /// Builds and initialises the model; every weight is drawn from the seed and its global
     /// name, so any tensor-parallel layout holds the same weights.
     pub fn new(config: T5Config, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
-        let tp = parallel.tensor_parallel_size() as i64;
-        config.validate(tp)?;
-        let trunk = &config.transformer;
-        let tensor_parallel = TensorParallel {
-            group: parallel.tensor.clone(),
-            sequence_parallel: parallel.sequence_parallel,
-        };
-        let init = Initializer::new(
-            options.params_dtype,
-            options.device,
-            parallel.tensor_parallel_rank() as i64,
-            tp,
-            options.seed,
-        );
-        let (h, std) = (trunk.hidden_size, trunk.init_method_std);
-        let padded_vocab = trunk.padded_vocab_size(tp);
-        let embedding = init.scope("embedding");
-        let word_embeddings = VocabParallelEmbedding::new(
-            &embedding.scope("word_embeddings"),
-            padded_vocab,
-            h,
-            std,
-            parallel.tensor.clone(),
-        );
-        let position_embeddings = embedding.scope("position_embeddings").normal(
-            "weight",
-            &[trunk.max_position_embeddings, h],
-            std,
-        );
-        let layers = |scope: &str, count: usize, cross: bool| -> Vec<TransformerLayer> {
-            (0..count)
-                .map(|i| {
-                    let init = init.scope(&format!("{scope}.{i}"));
-                    if cross {
-                        TransformerLayer::with_cross_attention(
-                            &init,
-                            trunk,
-                            tensor_parallel.clone(),
-                        )
-                    } else {
-                        TransformerLayer::new(&init, trunk, tensor_parallel.clone())
-                    }
-                })
-                .collect()
-        };
-        let norm = |scope: &str| {
-            Norm::new(
-                &init.scope(scope),
-                trunk.normalization,
-                h,
-                trunk.norm_epsilon,
-                trunk.apply_layernorm_1p,
-                parallel.sequence_parallel,
-            )
-        };
-        let encoder_layers = layers("encoder.layers", config.encoder_num_layers, false);
-        let encoder_final_layernorm = norm("encoder.final_layernorm");
-        let decoder_layers = layers("decoder.layers", config.decoder_num_layers, true);
-        let decoder_final_layernorm = norm("decoder.final_layernorm");
-        let head = init.scope("lm_head.output_layer");
-        let output_layer = if trunk.untie_embeddings_and_output_weights {
+        config.validate(parallel.tensor_parallel_size() as i64)?;
+        let trunk_config = &config.transformer;
+        let trunk = TrunkBuilder::new(trunk_config, &options, parallel);
+        let word_embeddings = trunk.word_embeddings();
+        let position_embeddings = trunk.position_embeddings();
+        let encoder_layers = trunk.layers("encoder.layers", 0..config.encoder_num_layers, false);
+        let encoder_final_layernorm = trunk.norm("encoder.final_layernorm");
+        let decoder_layers = trunk.layers("decoder.layers", 0..config.decoder_num_layers, true);
+        let decoder_final_layernorm = trunk.norm("decoder.final_layernorm");
+        let head = trunk.init.scope("lm_head.output_layer");
+        let padded_vocab = trunk.padded_vocab;
+        let output_layer = if trunk_config.untie_embeddings_and_output_weights {
             OutputLayer::Untied {
-                weight: head.normal_partitioned("weight", &[padded_vocab, h], std, 0),
+                weight: head.normal_partitioned(
+                    "weight",
+                    &[padded_vocab, trunk_config.hidden_size],
+                    trunk_config.init_method_std,
+                    0,
+                ),
             }
         } else {
             OutputLayer::Tied {
                 bias: head.constant_partitioned(&[padded_vocab], 0.0),
             }
         };
+        let tensor_parallel = trunk.parallel;
         Ok(T5Model {
             spec: ChunkSpec::whole(config.encoder_num_layers),
             config,
@@ -192,13 +150,13 @@ impl T5Model {
         self.gate.before("embedding")?;
         let hidden = self.embed(tokens, train)?;
         let mask = AttentionMask::padding(padding_mask);
-        let stack = LayerStack {
-            layers: &self.encoder_layers,
-            scope: "encoder.layers",
-            recompute: self.options.recompute,
-            parallel: &self.parallel,
-            gate: &self.gate,
-        };
+        let stack = LayerStack::new(
+            &self.encoder_layers,
+            "encoder.layers",
+            &self.options,
+            &self.parallel,
+            &self.gate,
+        );
         let hidden = stack.forward(hidden, &mask, None, train)?;
         self.gate.before("encoder.final_layernorm")?;
         Ok(Memory {
@@ -212,13 +170,13 @@ impl T5Model {
     /// mask already keeps it from every real position (padded positions carry no loss).
     pub fn decode(&self, tokens: &Tensor, memory: &Memory, train: bool) -> Result<Tensor> {
         let hidden = self.embed(tokens, train)?;
-        let stack = LayerStack {
-            layers: &self.decoder_layers,
-            scope: "decoder.layers",
-            recompute: self.options.recompute,
-            parallel: &self.parallel,
-            gate: &self.gate,
-        };
+        let stack = LayerStack::new(
+            &self.decoder_layers,
+            "decoder.layers",
+            &self.options,
+            &self.parallel,
+            &self.gate,
+        );
         let hidden =
             stack.forward_attending(hidden, &AttentionMask::Causal, None, Some(memory), train)?;
         self.gate.before("decoder.final_layernorm")?;
@@ -237,15 +195,8 @@ impl T5Model {
 
     /// Word plus position embeddings of `tokens` `[b, s]`, positions counted from 0.
     fn embed(&self, tokens: &Tensor, train: bool) -> Result<Tensor> {
-        let (b, s) = tokens.size2()?;
-        ensure!(
-            s <= self.config.transformer.max_position_embeddings,
-            "sequence length {s} exceeds --max-position-embeddings {}",
-            self.config.transformer.max_position_embeddings
-        );
-        let position_ids = Tensor::arange(s, (Kind::Int64, tokens.device()))
-            .unsqueeze(0)
-            .expand([b, s], false);
+        let position_ids =
+            positions_from_zero(tokens, self.config.transformer.max_position_embeddings)?;
         let embedded = self.word_embeddings.forward(tokens)?
             + Tensor::embedding(&self.position_embeddings, &position_ids, -1, false, false);
         embedding_output(
@@ -260,60 +211,28 @@ impl T5Model {
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();
         let mut names = NamedTensors::new(&mut out);
-        let sharded = ParamAttributes {
-            tensor_parallel: true,
-            ..Default::default()
-        };
-        names.push(
-            "embedding.word_embeddings.weight",
-            &self.word_embeddings.weight,
-            sharded,
+        push_embeddings(
+            &mut names,
+            Some(&self.word_embeddings),
+            Some(&self.position_embeddings),
+            false,
         );
-        names.push(
-            "embedding.position_embeddings.weight",
-            &self.position_embeddings,
-            ParamAttributes::default(),
-        );
-        for (i, layer) in self.encoder_layers.iter().enumerate() {
-            layer.named_tensors(&mut names.scope(&format!("encoder.layers.{i}")));
-        }
+        push_layers(&mut names, "encoder.layers", &self.encoder_layers);
         self.encoder_final_layernorm
             .named_tensors(&mut names.scope("encoder.final_layernorm"));
-        for (i, layer) in self.decoder_layers.iter().enumerate() {
-            layer.named_tensors(&mut names.scope(&format!("decoder.layers.{i}")));
-        }
+        push_layers(&mut names, "decoder.layers", &self.decoder_layers);
         self.decoder_final_layernorm
             .named_tensors(&mut names.scope("decoder.final_layernorm"));
         match &self.output_layer {
             OutputLayer::Tied { bias } => {
-                names.push("lm_head.output_layer.bias", bias, sharded);
+                names.push("lm_head.output_layer.bias", bias, sharded());
             }
             OutputLayer::Untied { weight } => {
-                names.push("lm_head.output_layer.weight", weight, sharded);
+                names.push("lm_head.output_layer.weight", weight, sharded());
             }
         }
         out
     }
 }
 
-impl ModelChunk for T5Model {
-    fn spec(&self) -> &ChunkSpec {
-        &self.spec
-    }
-
-    fn options(&self) -> &ModelOptions {
-        &self.options
-    }
-
-    fn named_parameters(&self) -> Vec<NamedParameter> {
-        T5Model::named_parameters(self)
-    }
-
-    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>) {
-        self.gate.set(gate);
-    }
-
-    fn config_json(&self) -> Result<serde_json::Value> {
-        Ok(serde_json::to_value(&self.config)?)
-    }
-}
+impl_model_chunk!(T5Model);

@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
-use megatron_data::blend::SplitDataset;
-use megatron_data::masked::{build_bert_datasets, open_indexed, MaskedDataFlags};
+use anyhow::Result;
+use megatron_data::masked::{build_bert_datasets, open_indexed};
 use megatron_data::tokenizer::build_tokenizer;
 use tch::{Kind, Reduction, Tensor};
 
+use super::datasets::{masked_splits, Masking};
 use super::engine::{pretrain, TrainingSummary};
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use super::runtime::Runtime;
@@ -122,55 +122,23 @@ impl ModelFamily for BertFamily {
     }
 
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<BertBatch>> {
-        let seed = u32::try_from(args.training.seed)
-            .context("--seed must fit in 32 bits (numpy's limit)")?;
-        if args.data.mock_data {
-            let split = |samples: u64, offset: u64| {
-                (samples > 0).then(|| {
-                    Arc::new(MockBertSource {
-                        samples,
-                        seq_length: args.model.seq_length as usize,
-                        vocab_size: self.config.transformer.vocab_size,
-                        seed: u64::from(seed).wrapping_add(offset),
-                        binary_head: self.config.binary_head,
-                    }) as Arc<dyn SampleSource<Batch = BertBatch>>
-                })
-            };
-            return Ok(Splits {
-                train: split(sizes[0], 0),
-                valid: split(sizes[1], 1),
-                test: split(sizes[2], 2),
-            });
-        }
-        let (sources, split) = args.data.path_flags().sources()?;
-        let vocab_file = args
-            .tokenizer
-            .vocab_file
-            .as_ref()
-            .context("BERT data needs --vocab-file (the WordPiece vocabulary)")?;
-        let flags = MaskedDataFlags {
-            seed,
-            seq_length: args.model.seq_length as usize,
+        let masking = Masking {
             mask_prob: self.mask_prob,
             short_seq_prob: self.short_seq_prob,
-            split,
-            data_cache_path: args.data.data_cache_path.clone(),
-            mid_level_dataset_surplus: 0.005,
-            tokenizer_type: args.tokenizer.tokenizer_type.clone(),
-            vocab_file: vocab_file.to_string_lossy().into_owned(),
             vocab_extra_ids: 0,
         };
-        let config = Arc::new(flags.bert(self.config.binary_head)?);
-        let [train, valid, test] =
-            build_bert_datasets(&sources, sizes.map(Some), config, &open_indexed)?;
-        let keep = |d: Option<SplitDataset<_>>| {
-            d.filter(|d| !d.is_empty())
-                .map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = BertBatch>>)
+        let mock = |samples: u64, seed: u64| {
+            Arc::new(MockBertSource {
+                samples,
+                seq_length: args.model.seq_length as usize,
+                vocab_size: self.config.transformer.vocab_size,
+                seed,
+                binary_head: self.config.binary_head,
+            }) as Arc<dyn SampleSource<Batch = BertBatch>>
         };
-        Ok(Splits {
-            train: keep(train),
-            valid: keep(valid),
-            test: keep(test),
+        masked_splits(args, sizes, "BERT", &masking, mock, |sources, flags| {
+            let config = Arc::new(flags.bert(self.config.binary_head)?);
+            build_bert_datasets(sources, sizes.map(Some), config, &open_indexed)
         })
     }
 }

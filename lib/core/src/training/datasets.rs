@@ -1,17 +1,19 @@
-//! The train/valid/test datasets of a GPT run, sized as Megatron sizes them (spec §4.1).
+//! The train/valid/test datasets of a GPT run, and those of the masked-LM families (BERT, T5),
+//! sized as Megatron sizes them (spec §4.1).
 
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use megatron_data::blend::{build_gpt_datasets, SplitDataset};
+use megatron_data::blend::{build_gpt_datasets, BlendMember, DataSources, SplitDataset};
 use megatron_data::cache::PyJson;
 use megatron_data::gpt::{
     GptDataset, GptDatasetConfig, MockTokenSource, SampleOptions, Split, SplitMatrix, TokenSource,
     TokenizerGeneration, TokenizerIdentity,
 };
 use megatron_data::indexed::IndexedDataset;
+use megatron_data::masked::MaskedDataFlags;
 
-use crate::args::{DataArgs, TokenizerArgs};
+use crate::args::{DataArgs, PretrainArgs, TokenizerArgs};
 use crate::loader::{GptBatch, SampleSource, Splits};
 
 /// Megatron's split for `--mock-data`.
@@ -122,6 +124,69 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
     let keep = |d: Option<SplitDataset>| {
         d.filter(|d| !d.is_empty())
             .map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = GptBatch>>)
+    };
+    Ok(Splits {
+        train: keep(train),
+        valid: keep(valid),
+        test: keep(test),
+    })
+}
+
+/// The masking flags a masked-LM family (BERT, T5) passes to its datasets.
+pub struct Masking {
+    pub mask_prob: f64,
+    pub short_seq_prob: f64,
+    pub vocab_extra_ids: usize,
+}
+
+/// The train, validation and test data of a masked-LM family, sized as Megatron sizes them:
+/// with `--mock-data`, the sources `mock(samples, seed)` makes (each split seeded by its offset
+/// from `--seed`); else Megatron's datasets that `build` makes from the data flags.
+pub fn masked_splits<B, D>(
+    args: &PretrainArgs,
+    sizes: [u64; 3],
+    family: &str,
+    masking: &Masking,
+    mock: impl Fn(u64, u64) -> Arc<dyn SampleSource<Batch = B>>,
+    build: impl FnOnce(&DataSources, MaskedDataFlags) -> Result<[Option<SplitDataset<D>>; 3]>,
+) -> Result<Splits<B>>
+where
+    D: BlendMember,
+    SplitDataset<D>: SampleSource<Batch = B> + 'static,
+{
+    let seed =
+        u32::try_from(args.training.seed).context("--seed must fit in 32 bits (numpy's limit)")?;
+    if args.data.mock_data {
+        let split = |samples: u64, offset: u64| {
+            (samples > 0).then(|| mock(samples, u64::from(seed).wrapping_add(offset)))
+        };
+        return Ok(Splits {
+            train: split(sizes[0], 0),
+            valid: split(sizes[1], 1),
+            test: split(sizes[2], 2),
+        });
+    }
+    let (sources, split) = args.data.path_flags().sources()?;
+    let vocab_file =
+        args.tokenizer.vocab_file.as_ref().with_context(|| {
+            format!("{family} data needs --vocab-file (the WordPiece vocabulary)")
+        })?;
+    let flags = MaskedDataFlags {
+        seed,
+        seq_length: args.model.seq_length as usize,
+        mask_prob: masking.mask_prob,
+        short_seq_prob: masking.short_seq_prob,
+        split,
+        data_cache_path: args.data.data_cache_path.clone(),
+        mid_level_dataset_surplus: 0.005,
+        tokenizer_type: args.tokenizer.tokenizer_type.clone(),
+        vocab_file: vocab_file.to_string_lossy().into_owned(),
+        vocab_extra_ids: masking.vocab_extra_ids,
+    };
+    let [train, valid, test] = build(&sources, flags)?;
+    let keep = |d: Option<SplitDataset<D>>| {
+        d.filter(|d| !d.is_empty())
+            .map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = B>>)
     };
     Ok(Splits {
         train: keep(train),

@@ -53,6 +53,37 @@ pub struct TrainingSummary {
     pub seconds: f64,
 }
 
+impl TrainingSummary {
+    /// The binary's closing line: `<binary>: N iterations, M samples, <losses>, <validation
+    /// label> X, checkpoint C, T s (exit reason)`. The losses are `lm loss X` of the last step,
+    /// or with `all_losses` every loss it reported.
+    pub fn line(&self, binary: &str, all_losses: bool, validation_label: &str) -> String {
+        let value = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        let losses = if all_losses && !self.last_losses.is_empty() {
+            let losses: Vec<String> = self
+                .last_losses
+                .iter()
+                .map(|(name, v)| format!("{name} {v:.4}"))
+                .collect();
+            losses.join(", ")
+        } else {
+            format!("lm loss {}", value(self.last_lm_loss))
+        };
+        let checkpoint = self
+            .last_checkpoint
+            .as_ref()
+            .map_or("none".to_string(), |p| p.display().to_string());
+        format!(
+            "{binary}: {} iterations, {} samples, {losses}, {validation_label} {}, checkpoint {checkpoint}, {:.1} s ({})",
+            self.iterations,
+            self.consumed_samples,
+            value(self.validation_loss),
+            self.seconds,
+            self.exit_reason
+        )
+    }
+}
+
 /// Interval statistics behind the log line (Megatron's `total_loss_dict`).
 #[derive(Default)]
 struct IntervalStats {
@@ -338,7 +369,8 @@ pub fn pretrain<F: ModelFamily>(
         .update(run.progress.consumed_train_samples, false)?;
     run.print_model_summary()?;
 
-    let datasets = family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
+    let datasets =
+        family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
     run.train_and_evaluate(&datasets, started)
 }
 
@@ -915,10 +947,7 @@ fn schedule_flags(args: &PretrainArgs, global_batch_size: u64) -> Result<Schedul
     })
 }
 
-fn optimizer_settings(
-    args: &PretrainArgs,
-    data_parallel_size: usize,
-) -> Result<OptimizerSettings> {
+fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {
     let o = &args.optimizer;
     let kind = match o.optimizer.as_str() {
         "adam" => OptimizerKind::Adam {

@@ -8,7 +8,7 @@ use tch::{Device, Kind, Tensor};
 use super::flops::FlopsModel;
 use crate::args::PretrainArgs;
 use crate::loader::{DeviceBatch, Splits};
-use crate::model::{Activation, ChunkSpec, GptConfig, ModelChunk, ModelOptions};
+use crate::model::{ChunkSpec, GptConfig, ModelChunk, ModelOptions};
 use crate::parallel::{ParallelState, ReduceOp};
 
 /// What a chunk's forward step produced.
@@ -55,17 +55,7 @@ pub trait ModelFamily: Sync {
     /// Megatron's FLOPs model of the trunk at `seq_length`.
     fn flops(&self, seq_length: i64) -> FlopsModel {
         let config = self.transformer();
-        FlopsModel {
-            num_layers: config.num_layers as u64,
-            hidden_size: config.hidden_size as u64,
-            ffn_hidden_size: config.ffn_hidden_size as u64,
-            num_attention_heads: config.num_attention_heads as u64,
-            num_query_groups: config.num_query_groups as u64,
-            kv_channels: config.kv_channels as u64,
-            seq_length: seq_length as u64,
-            padded_vocab_size: config.padded_vocab_size(1) as u64,
-            swiglu: config.activation == Activation::Swiglu,
-        }
+        FlopsModel::of_trunk(config, config.num_layers as u64, seq_length)
     }
 }
 
@@ -110,7 +100,12 @@ impl LossTotals {
     /// Every loss over the whole pipeline and data-parallel group, as Megatron reports them;
     /// every rank gets the values.
     pub fn reduce(&self, parallel: &ParallelState) -> Result<Vec<(&'static str, f64)>> {
-        let parts: Vec<&Tensor> = self.sums.iter().zip(&self.counts).flat_map(|(s, c)| [s, c]).collect();
+        let parts: Vec<&Tensor> = self
+            .sums
+            .iter()
+            .zip(&self.counts)
+            .flat_map(|(s, c)| [s, c])
+            .collect();
         let both = Tensor::stack(&parts, 0);
         parallel.pipeline.all_reduce(&both, ReduceOp::Sum)?;
         parallel.data.all_reduce(&both, ReduceOp::Sum)?;

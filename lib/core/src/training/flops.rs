@@ -1,6 +1,8 @@
 //! Model FLOPs per global batch (Megatron core_v0.13's `num_floating_point_operations`, dense
 //! transformer without MLA, MoE or MTP) and the tensor-core peak of known GPUs for MFU.
 
+use crate::model::{Activation, GptConfig};
+
 /// The model shape the FLOPs formula reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlopsModel {
@@ -15,6 +17,23 @@ pub struct FlopsModel {
     pub seq_length: u64,
     pub padded_vocab_size: u64,
     pub swiglu: bool,
+}
+
+impl FlopsModel {
+    /// The shape of `config`'s trunk with `num_layers` layers at `seq_length`.
+    pub fn of_trunk(config: &GptConfig, num_layers: u64, seq_length: i64) -> Self {
+        FlopsModel {
+            num_layers,
+            hidden_size: config.hidden_size as u64,
+            ffn_hidden_size: config.ffn_hidden_size as u64,
+            num_attention_heads: config.num_attention_heads as u64,
+            num_query_groups: config.num_query_groups as u64,
+            kv_channels: config.kv_channels as u64,
+            seq_length: seq_length as u64,
+            padded_vocab_size: config.padded_vocab_size(1) as u64,
+            swiglu: config.activation == Activation::Swiglu,
+        }
+    }
 }
 
 /// Training FLOPs (forward and backward) of `batch_size` sequences:

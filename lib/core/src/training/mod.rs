@@ -29,5 +29,5 @@ pub use engine::{pretrain, TrainingSummary};
 pub use family::{LossTotals, ModelFamily, StepOutput};
 pub use gpt::{pretrain_gpt, GptFamily};
 pub use profiling::StepProfiler;
-pub use runtime::{join_job, Runtime};
+pub use runtime::{join_job, run_job, Runtime};
 pub use t5::{pretrain_t5, T5Family};

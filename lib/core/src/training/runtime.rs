@@ -6,6 +6,7 @@ use anyhow::Result;
 use tch::Device;
 
 use super::device::resolve_device;
+use super::engine::TrainingSummary;
 use crate::args::ParallelArgs;
 use crate::parallel::{Backend, Job, LaunchEnv, ParallelLayout, ParallelState};
 
@@ -42,4 +43,17 @@ pub fn join_job(parallel: &ParallelArgs, device: &str) -> Result<(Job, Runtime)>
             device,
         },
     ))
+}
+
+/// A pretraining binary's run: joins the job, runs `train` on this rank and leaves the job. The
+/// summary comes back on the rank that logs, `None` on the others.
+pub fn run_job(
+    parallel: &ParallelArgs,
+    device: &str,
+    train: impl FnOnce(&Runtime) -> Result<TrainingSummary>,
+) -> Result<Option<TrainingSummary>> {
+    let (job, runtime) = join_job(parallel, device)?;
+    let summary = train(&runtime)?;
+    job.finish()?;
+    Ok(runtime.parallel.is_logging_rank().then_some(summary))
 }

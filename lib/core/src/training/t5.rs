@@ -4,21 +4,19 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Context, Result};
-use megatron_data::blend::SplitDataset;
-use megatron_data::masked::{build_t5_datasets, open_indexed, MaskedDataFlags};
+use anyhow::{bail, ensure, Result};
+use megatron_data::masked::{build_t5_datasets, open_indexed};
 use megatron_data::tokenizer::build_tokenizer_with_extra_ids;
 use tch::{Kind, Tensor};
 
+use super::datasets::{masked_splits, Masking};
 use super::engine::{pretrain, TrainingSummary};
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use super::flops::FlopsModel;
 use super::runtime::Runtime;
 use crate::args::{PretrainArgs, T5PretrainArgs};
 use crate::loader::{MockT5Source, SampleSource, Splits, T5Batch};
-use crate::model::{
-    cross_entropy, Activation, ChunkSpec, GptConfig, ModelOptions, T5Config, T5Input, T5Model,
-};
+use crate::model::{cross_entropy, ChunkSpec, GptConfig, ModelOptions, T5Config, T5Input, T5Model};
 use crate::parallel::ParallelState;
 
 pub struct T5Family {
@@ -95,70 +93,29 @@ impl ModelFamily for T5Family {
         let trunk = &self.config.transformer;
         let encoder = trunk.num_layers as u64 * seq_length as u64;
         let decoder = 2 * self.config.decoder_num_layers as u64 * self.decoder_seq_length as u64;
-        FlopsModel {
-            // Layer-positions of both stacks expressed at the encoder length.
-            num_layers: ((encoder + decoder) / seq_length.max(1) as u64).max(1),
-            hidden_size: trunk.hidden_size as u64,
-            ffn_hidden_size: trunk.ffn_hidden_size as u64,
-            num_attention_heads: trunk.num_attention_heads as u64,
-            num_query_groups: trunk.num_query_groups as u64,
-            kv_channels: trunk.kv_channels as u64,
-            seq_length: seq_length as u64,
-            padded_vocab_size: trunk.padded_vocab_size(1) as u64,
-            swiglu: trunk.activation == Activation::Swiglu,
-        }
+        // Layer-positions of both stacks expressed at the encoder length.
+        let num_layers = ((encoder + decoder) / seq_length.max(1) as u64).max(1);
+        FlopsModel::of_trunk(trunk, num_layers, seq_length)
     }
 
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<T5Batch>> {
-        let seed = u32::try_from(args.training.seed)
-            .context("--seed must fit in 32 bits (numpy's limit)")?;
-        if args.data.mock_data {
-            let split = |samples: u64, offset: u64| {
-                (samples > 0).then(|| {
-                    Arc::new(MockT5Source {
-                        samples,
-                        encoder_seq_length: args.model.seq_length as usize,
-                        decoder_seq_length: self.decoder_seq_length,
-                        vocab_size: self.config.transformer.vocab_size,
-                        seed: u64::from(seed).wrapping_add(offset),
-                    }) as Arc<dyn SampleSource<Batch = T5Batch>>
-                })
-            };
-            return Ok(Splits {
-                train: split(sizes[0], 0),
-                valid: split(sizes[1], 1),
-                test: split(sizes[2], 2),
-            });
-        }
-        let (sources, split) = args.data.path_flags().sources()?;
-        let vocab_file = args
-            .tokenizer
-            .vocab_file
-            .as_ref()
-            .context("T5 data needs --vocab-file (the WordPiece vocabulary)")?;
-        let flags = MaskedDataFlags {
-            seed,
-            seq_length: args.model.seq_length as usize,
+        let masking = Masking {
             mask_prob: self.mask_prob,
             short_seq_prob: self.short_seq_prob,
-            split,
-            data_cache_path: args.data.data_cache_path.clone(),
-            mid_level_dataset_surplus: 0.005,
-            tokenizer_type: args.tokenizer.tokenizer_type.clone(),
-            vocab_file: vocab_file.to_string_lossy().into_owned(),
             vocab_extra_ids: self.vocab_extra_ids,
         };
-        let config = Arc::new(flags.t5(self.decoder_seq_length)?);
-        let [train, valid, test] =
-            build_t5_datasets(&sources, sizes.map(Some), config, &open_indexed)?;
-        let keep = |d: Option<SplitDataset<_>>| {
-            d.filter(|d| !d.is_empty())
-                .map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = T5Batch>>)
+        let mock = |samples: u64, seed: u64| {
+            Arc::new(MockT5Source {
+                samples,
+                encoder_seq_length: args.model.seq_length as usize,
+                decoder_seq_length: self.decoder_seq_length,
+                vocab_size: self.config.transformer.vocab_size,
+                seed,
+            }) as Arc<dyn SampleSource<Batch = T5Batch>>
         };
-        Ok(Splits {
-            train: keep(train),
-            valid: keep(valid),
-            test: keep(test),
+        masked_splits(args, sizes, "T5", &masking, mock, |sources, flags| {
+            let config = Arc::new(flags.t5(self.decoder_seq_length)?);
+            build_t5_datasets(sources, sizes.map(Some), config, &open_indexed)
         })
     }
 }
