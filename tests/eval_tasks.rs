@@ -316,7 +316,10 @@ fn a_huggingface_checkpoint_evaluates_like_its_import() {
         );
         read_json(json)
     };
-    let from_hf = run(&["--load-hf", hf.to_str().unwrap()], &dir.path().join("hf.json"));
+    let from_hf = run(
+        &["--load-hf", hf.to_str().unwrap()],
+        &dir.path().join("hf.json"),
+    );
     let from_import = run(
         &["--load", imported.to_str().unwrap()],
         &dir.path().join("imported.json"),
@@ -403,7 +406,11 @@ fn two_tensor_parallel_processes_equal_one() {
         fixture.lambada.to_str().unwrap(),
     ];
     let single = dir.path().join("lambada1.json");
-    run_ok(eval_tasks(fixture, &lambada).arg("--results-json").arg(&single));
+    run_ok(
+        eval_tasks(fixture, &lambada)
+            .arg("--results-json")
+            .arg(&single),
+    );
     let one = read_json(&single);
     let two = two_ranks(fixture, &lambada, &dir.path().join("lambada2.json"));
     for formulation in ["megatron_strict", "lm_eval"] {

@@ -615,13 +615,20 @@ fn megatrons_345m_server_script_flags_run_unchanged() {
     let ckpt = dir.path().join("ckpt");
     checkpoint(&ckpt);
     let data = workspace_root().join("data");
-    let (vocab, merges) = (data.join("quickstart-vocab.json"), data.join("quickstart-merges.txt"));
+    let (vocab, merges) = (
+        data.join("quickstart-vocab.json"),
+        data.join("quickstart-merges.txt"),
+    );
     let script_flags = |layers: &str| -> Vec<String> {
         let mut flags: Vec<String> = [
-            "--tensor-model-parallel-size", "1",
-            "--pipeline-model-parallel-size", "1",
-            "--num-layers", layers,
-            "--hidden-size", "64",
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "1",
+            "--num-layers",
+            layers,
+            "--hidden-size",
+            "64",
             "--load",
         ]
         .iter()
@@ -630,12 +637,17 @@ fn megatrons_345m_server_script_flags_run_unchanged() {
         flags.push(ckpt.display().to_string());
         flags.extend(
             [
-                "--num-attention-heads", "4",
-                "--max-position-embeddings", "96",
-                "--tokenizer-type", "GPT2BPETokenizer",
+                "--num-attention-heads",
+                "4",
+                "--max-position-embeddings",
+                "96",
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
                 "--fp16",
-                "--micro-batch-size", "1",
-                "--seq-length", "64",
+                "--micro-batch-size",
+                "1",
+                "--seq-length",
+                "64",
                 "--vocab-file",
             ]
             .iter()
@@ -654,7 +666,11 @@ fn megatrons_345m_server_script_flags_run_unchanged() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let server = serve(command.spawn().unwrap());
-    let reply = request(&server, r#"{"prompts": ["The data"], "tokens_to_generate": 4, "top_k": 1}"#).unwrap();
+    let reply = request(
+        &server,
+        r#"{"prompts": ["The data"], "tokens_to_generate": 4, "top_k": 1}"#,
+    )
+    .unwrap();
     assert!(reply["text"][0].as_str().unwrap().starts_with("The data"));
     terminate(server.child);
 
@@ -671,10 +687,18 @@ fn megatrons_345m_server_script_flags_run_unchanged() {
     );
 
     let mut samples = bin("generate_samples_gpt");
-    samples
-        .args(script_flags("2"))
-        .args(["--prompt", "The data", "--greedy", "--out-seq-length", "4", "--device", "cpu"]);
-    assert!(String::from_utf8(run_ok(&mut samples).stdout).unwrap().starts_with("The data"));
+    samples.args(script_flags("2")).args([
+        "--prompt",
+        "The data",
+        "--greedy",
+        "--out-seq-length",
+        "4",
+        "--device",
+        "cpu",
+    ]);
+    assert!(String::from_utf8(run_ok(&mut samples).stdout)
+        .unwrap()
+        .starts_with("The data"));
 }
 
 /// What lm-evaluation-harness's `local-completions` sends for log-likelihoods (`echo: true`,
@@ -698,15 +722,21 @@ fn completions_answer_what_lm_eval_sends() {
     let prompt = "héllo wörld, the data";
     for max_tokens in [0, 1] {
         let answer: Value = serde_json::from_str(
-            &completion(json!({"prompt": prompt, "max_tokens": max_tokens, "echo": true,
-                               "logprobs": 1, "temperature": 0}))
+            &completion(
+                json!({"prompt": prompt, "max_tokens": max_tokens, "echo": true,
+                               "logprobs": 1, "temperature": 0}),
+            )
             .unwrap(),
         )
         .unwrap();
         let choice = &answer["choices"][0];
         let logprobs = &choice["logprobs"];
-        let tokens: Vec<&str> =
-            logprobs["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        let tokens: Vec<&str> = logprobs["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect();
         let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
         assert_eq!(tokens.len(), prompt_tokens + max_tokens, "{answer}");
         assert!(choice["text"].as_str().unwrap().starts_with(prompt));
@@ -722,7 +752,9 @@ fn completions_answer_what_lm_eval_sends() {
         for (token, offset) in tokens.iter().zip(offsets) {
             let offset = offset.as_u64().unwrap() as usize;
             if !token.contains('\u{fffd}') {
-                let piece: String = text[offset..offset + token.chars().count()].iter().collect();
+                let piece: String = text[offset..offset + token.chars().count()]
+                    .iter()
+                    .collect();
                 assert_eq!(&piece, token);
             }
         }
@@ -742,7 +774,10 @@ fn completions_answer_what_lm_eval_sends() {
     }
     // lm-eval sends token ids.
     let ids: Value = serde_json::from_str(
-        &completion(json!({"prompt": [[40, 41, 42]], "max_tokens": 0, "echo": true, "logprobs": 1})).unwrap(),
+        &completion(
+            json!({"prompt": [[40, 41, 42]], "max_tokens": 0, "echo": true, "logprobs": 1}),
+        )
+        .unwrap(),
     )
     .unwrap();
     let tokens = ids["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
@@ -750,9 +785,13 @@ fn completions_answer_what_lm_eval_sends() {
     let echoed: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
     assert_eq!(ids["choices"][0]["text"], echoed);
     let outside = completion(json!({"prompt": [1, 999999], "max_tokens": 1})).unwrap_err();
-    assert!(outside.contains("Error 400") && outside.contains("outside the vocabulary"), "{outside}");
+    assert!(
+        outside.contains("Error 400") && outside.contains("outside the vocabulary"),
+        "{outside}"
+    );
     let plain: Value =
-        serde_json::from_str(&completion(json!({"prompt": "The data", "max_tokens": 0})).unwrap()).unwrap();
+        serde_json::from_str(&completion(json!({"prompt": "The data", "max_tokens": 0})).unwrap())
+            .unwrap();
     assert_eq!(plain["choices"][0]["text"], "");
 
     let events = completion(
@@ -763,11 +802,23 @@ fn completions_answer_what_lm_eval_sends() {
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .take_while(|l| *l != "[DONE]")
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
-    assert!(streamed.starts_with("The data") && streamed.len() > "The data".len(), "{streamed:?}");
+    assert!(
+        streamed.starts_with("The data") && streamed.len() > "The data".len(),
+        "{streamed:?}"
+    );
 
-    let rejected = completion(json!({"prompt": "The data", "max_tokens": 500, "stream": true})).unwrap_err();
-    assert!(rejected.contains("Error 400") && rejected.contains("exceed the model's"), "{rejected}");
+    let rejected =
+        completion(json!({"prompt": "The data", "max_tokens": 500, "stream": true})).unwrap_err();
+    assert!(
+        rejected.contains("Error 400") && rejected.contains("exceed the model's"),
+        "{rejected}"
+    );
     terminate(server.child);
 }

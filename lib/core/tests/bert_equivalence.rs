@@ -107,7 +107,14 @@ fn bert_interleaved_pipeline_with_recompute_equals_one_rank() {
         "--recompute-num-layers",
         "1",
     ];
-    check::<BertPretrainArgs>(BASE, 2, 1, 2, &extra, "BERT PP=2 interleaved, full recompute");
+    check::<BertPretrainArgs>(
+        BASE,
+        2,
+        1,
+        2,
+        &extra,
+        "BERT PP=2 interleaved, full recompute",
+    );
     check::<BertPretrainArgs>(
         BASE,
         2,
@@ -141,7 +148,10 @@ fn bert_without_binary_head_reports_only_the_lm_loss() {
         || k.starts_with("pooler")
         || k.contains("tokentype")));
     let with = train::<BertPretrainArgs>(BASE, 1, 1, 1, &[]);
-    assert!(with.losses.iter().all(|row| row.len() == 2 && row[1].0 == "sop loss"));
+    assert!(with
+        .losses
+        .iter()
+        .all(|row| row.len() == 2 && row[1].0 == "sop loss"));
     for name in [
         "binary_head.weight",
         "pooler.dense.weight",
@@ -167,7 +177,13 @@ fn bert_resuming_is_bitwise_identical() {
         2,
         2,
         1,
-        &["--sequence-parallel", "--exit-interval", "2", "--save-interval", "1"],
+        &[
+            "--sequence-parallel",
+            "--exit-interval",
+            "2",
+            "--save-interval",
+            "1",
+        ],
     )
     .unwrap();
     let resumed = train_in::<BertPretrainArgs>(

@@ -82,7 +82,10 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
     let (io, _) = read_tensors(&dir.path().join("io.safetensors"), Device::Cpu).unwrap();
 
     let config = config();
-    assert_eq!(config.transformer.activation, megatron_core::model::Activation::GeluErf);
+    assert_eq!(
+        config.transformer.activation,
+        megatron_core::model::Activation::GeluErf
+    );
     let options = ModelOptions {
         params_dtype: Kind::Float,
         device: Device::Cpu,
@@ -117,13 +120,19 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
     let ours = output.lm_logits.transpose(0, 1).narrow(2, 0, vocab);
     let reference = io["prediction_logits"].to_kind(Kind::Float);
     let lm_difference = (&ours - &reference).abs().max().double_value(&[]);
-    assert!(lm_difference < 1e-4, "MLM logits differ by {lm_difference:e}");
+    assert!(
+        lm_difference < 1e-4,
+        "MLM logits differ by {lm_difference:e}"
+    );
     let binary = output.binary_logits.as_ref().expect("binary head");
     let sop_difference = (binary - io["seq_relationship_logits"].to_kind(Kind::Float))
         .abs()
         .max()
         .double_value(&[]);
-    assert!(sop_difference < 1e-4, "SOP logits differ by {sop_difference:e}");
+    assert!(
+        sop_difference < 1e-4,
+        "SOP logits differ by {sop_difference:e}"
+    );
     eprintln!("max |logit difference|: MLM {lm_difference:e}, SOP {sop_difference:e}");
 
     let family = BertFamily {
@@ -142,11 +151,22 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
         )
         .unwrap();
     let reported = losses.reduce(&parallel).unwrap();
-    let (lm, sop) = (io["lm_loss"].double_value(&[0]), io["sop_loss"].double_value(&[0]));
+    let (lm, sop) = (
+        io["lm_loss"].double_value(&[0]),
+        io["sop_loss"].double_value(&[0]),
+    );
     assert_eq!(reported[0].0, "lm loss");
     assert_eq!(reported[1].0, "sop loss");
-    assert!((reported[0].1 - lm).abs() < 1e-5, "lm loss {} vs HF {lm}", reported[0].1);
-    assert!((reported[1].1 - sop).abs() < 1e-5, "sop loss {} vs HF {sop}", reported[1].1);
+    assert!(
+        (reported[0].1 - lm).abs() < 1e-5,
+        "lm loss {} vs HF {lm}",
+        reported[0].1
+    );
+    assert!(
+        (reported[1].1 - sop).abs() < 1e-5,
+        "sop loss {} vs HF {sop}",
+        reported[1].1
+    );
     assert!((total.double_value(&[]) - (lm + sop)).abs() < 1e-5);
 
     // Guard against a test that passes whatever the weights: a wrong QKV layout must show.
@@ -158,7 +178,12 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
     wrong.insert(name.into(), Tensor::cat(&[q, k, v], 0));
     megatron_core::model::ModelChunk::load_parameters(&model, &wrong).unwrap();
     let output = tch::no_grad(|| {
-        model.forward(&batch.tokens, Some(&batch.types), &batch.padding_mask, false)
+        model.forward(
+            &batch.tokens,
+            Some(&batch.types),
+            &batch.padding_mask,
+            false,
+        )
     })
     .unwrap();
     let ours = output.lm_logits.transpose(0, 1).narrow(2, 0, vocab);

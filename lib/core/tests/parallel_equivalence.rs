@@ -98,7 +98,13 @@ const LLAMA_LIKE: &[&str] = &[
     "--disable-bias-linear",
 ];
 
-fn train(flags: &[&str], world: usize, tensor: usize, pipeline: usize, extra: &[&str]) -> support::Outcome {
+fn train(
+    flags: &[&str],
+    world: usize,
+    tensor: usize,
+    pipeline: usize,
+    extra: &[&str],
+) -> support::Outcome {
     support::train::<GptPretrainArgs>(flags, world, tensor, pipeline, extra)
 }
 

@@ -236,7 +236,9 @@ impl CheckpointModelArgs {
         if let Some(hf) = &self.load_hf {
             if self.imported.get().is_none() {
                 // A concurrent import loses the race and is dropped; both are the same model.
-                let _ = self.imported.set(import_hf(hf, self.make_vocab_size_divisible_by)?);
+                let _ = self
+                    .imported
+                    .set(import_hf(hf, self.make_vocab_size_divisible_by)?);
             }
             if let Some(dir) = self.imported.get() {
                 return Ok(dir.path());

@@ -216,9 +216,7 @@ pub fn merge_model_parallel_ranks(
             parts.len()
         );
         let mut tensor = join_shards(&parts, tensor_split(&name, &config));
-        if name == "embedding.word_embeddings.weight"
-            || name.starts_with("output_layer.")
-        {
+        if name == "embedding.word_embeddings.weight" || name.starts_with("output_layer.") {
             // Padding rows beyond one rank's padded vocabulary are never looked up.
             tensor = tensor.narrow(0, 0, padded_vocab);
         }

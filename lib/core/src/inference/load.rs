@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind};
 
-use crate::checkpoint::{find_checkpoint, CheckpointDirectory, merge_model_parallel_ranks, split_for_tensor_parallel};
+use crate::checkpoint::{
+    find_checkpoint, merge_model_parallel_ranks, split_for_tensor_parallel, CheckpointDirectory,
+};
 use crate::model::{GptConfig, GptModel, ModelOptions, Recompute};
 use crate::parallel::ParallelState;
 
@@ -24,7 +26,10 @@ fn find_gpt_checkpoint(root: &Path) -> Result<CheckpointDirectory> {
         bail!("{}: no such checkpoint directory", root.display());
     }
     if !root.is_dir() {
-        bail!("{}: is a file; --load takes a checkpoint directory", root.display());
+        bail!(
+            "{}: is a file; --load takes a checkpoint directory",
+            root.display()
+        );
     }
     let Some(checkpoint) = find_checkpoint(root)? else {
         bail!(

@@ -338,7 +338,10 @@ mod tests {
         let logprobs = &body["choices"][0]["logprobs"];
         assert_eq!(logprobs["text_offset"], json!([0, 2, 5, 8]));
         assert_eq!(logprobs["token_logprobs"], json!([null, -1.0, -2.0, -0.5]));
-        assert_eq!(logprobs["top_logprobs"], json!([null, {"llo": -1.0}, {" x": -0.25}, {"rld": -0.5}]));
+        assert_eq!(
+            logprobs["top_logprobs"],
+            json!([null, {"llo": -1.0}, {" x": -0.25}, {"rld": -0.5}])
+        );
         assert_eq!(body["usage"]["total_tokens"], json!(5));
     }
 
@@ -347,7 +350,10 @@ mod tests {
         // Byte-level pieces of "héllo wörld": "ö" is split over two tokens.
         let pieces: [&[u8]; 5] = [b"h\xc3\xa9", b"llo", b" w\xc3", b"\xb6", b"rld"];
         let decode = |ids: &[u32]| {
-            let bytes: Vec<u8> = ids.iter().flat_map(|&i| pieces[i as usize].to_vec()).collect();
+            let bytes: Vec<u8> = ids
+                .iter()
+                .flat_map(|&i| pieces[i as usize].to_vec())
+                .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         };
         // 'héllo wörld'.index('llo') == 2, .index('rld') == 8, as Python counts; the token

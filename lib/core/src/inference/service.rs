@@ -416,7 +416,12 @@ impl TextGenerationService {
                                     alternatives[i - 1]
                                         .iter()
                                         .map(|&(t, l)| {
-                                            (self.tokenizer.detokenize(&[t as u32]).unwrap_or_default(), l)
+                                            (
+                                                self.tokenizer
+                                                    .detokenize(&[t as u32])
+                                                    .unwrap_or_default(),
+                                                l,
+                                            )
                                         })
                                         .collect()
                                 })
@@ -471,7 +476,9 @@ impl TextGenerationService {
     ) -> Result<(Vec<f32>, Vec<Vec<(i64, f32)>>)> {
         let device = self.model.options().device;
         let length = tokens.len() as i64;
-        let input = Tensor::from_slice(tokens).view([1, length]).to_device(device);
+        let input = Tensor::from_slice(tokens)
+            .view([1, length])
+            .to_device(device);
         let positions = Tensor::arange(length, (Kind::Int64, device)).unsqueeze(0);
         let logits = tch::no_grad(|| {
             self.model

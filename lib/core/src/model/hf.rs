@@ -244,7 +244,10 @@ pub fn megatron_bert_to_megatron(hf: &StateDict, config: &BertConfig) -> Result<
         ];
         for (theirs, mine) in linears {
             for leaf in ["weight", "bias"] {
-                put(&ours(&format!("{mine}.{leaf}")), hf_layer(&format!("{theirs}.{leaf}"))?);
+                put(
+                    &ours(&format!("{mine}.{leaf}")),
+                    hf_layer(&format!("{theirs}.{leaf}"))?,
+                );
             }
         }
         let part = |p: &str, leaf: &str| hf_layer(&format!("attention.self.{p}.{leaf}"));
@@ -278,14 +281,23 @@ pub fn megatron_bert_to_megatron(hf: &StateDict, config: &BertConfig) -> Result<
     let with_heads = if config.binary_head { &heads[..] } else { &[] };
     for (theirs, mine) in pairs.iter().chain(with_heads) {
         for leaf in ["weight", "bias"] {
-            put(&format!("{mine}.{leaf}"), copy(&format!("{theirs}.{leaf}"))?);
+            put(
+                &format!("{mine}.{leaf}"),
+                copy(&format!("{theirs}.{leaf}"))?,
+            );
         }
     }
     let bias = take(hf, "cls.predictions.bias")?;
     let missing = padded - bias.size()[0];
     put(
         "output_layer.bias",
-        Tensor::cat(&[bias, &bias.new_zeros([missing], (bias.kind(), bias.device()))], 0),
+        Tensor::cat(
+            &[
+                bias,
+                &bias.new_zeros([missing], (bias.kind(), bias.device())),
+            ],
+            0,
+        ),
     );
     Ok(out)
 }

@@ -11,9 +11,7 @@ use super::family::{LossTotals, ModelFamily, StepOutput};
 use super::runtime::Runtime;
 use crate::args::PretrainArgs;
 use crate::loader::{GptBatch, Splits};
-use crate::model::{
-    cross_entropy, ChunkInput, ChunkSpec, GptConfig, GptModel, ModelOptions,
-};
+use crate::model::{cross_entropy, ChunkInput, ChunkSpec, GptConfig, GptModel, ModelOptions};
 use crate::parallel::ParallelState;
 
 pub struct GptFamily {

@@ -41,7 +41,9 @@ pub fn format_repr(value: f64) -> String {
         let (mantissa, exponent) = rust
             .split_once('e')
             .expect("Rust's {:e} always writes an exponent");
-        let exponent: i32 = exponent.parse().expect("Rust's {:e} exponent is an integer");
+        let exponent: i32 = exponent
+            .parse()
+            .expect("Rust's {:e} exponent is an integer");
         let sign = if exponent < 0 { '-' } else { '+' };
         return format!("{mantissa}e{sign}{:02}", exponent.unsigned_abs());
     }
