@@ -76,5 +76,7 @@ else
   fi
 fi
 
+# The link names the real directory: LIBTORCH may itself be this checkout's .libtorch.
+target=$(cd "$target" && pwd -P)
 ln -sfn "$target" .libtorch
 log "ready: .libtorch -> $target"
