@@ -26,13 +26,12 @@ T5-220M on one GPU:
 import argparse
 import json
 import math
-import sys
-import time
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from reference_training import train_timed
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.4
 
@@ -187,66 +186,14 @@ def batch(args, generator, device):
 
 
 def train(args):
-    device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    model = T5(args).to(device).train()
-    parameters = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, fused=device.type == "cuda")
-    forward = torch.compile(model) if args.torch_compile else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"model: {parameters:,} parameters", file=sys.stderr)
+    device = torch.device(args.device)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def microbatch_loss(forward, generator):
+        return forward(*batch(args, generator, device))
 
-    measured_start, interval_start = None, time.perf_counter()
-    for iteration in range(1, args.train_iters + 1):
-        if iteration == args.skip_timing_iters + 1:
-            sync()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            measured_start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(args.num_microbatches):
-            enc, dec, enc_keep, labels, loss_mask = batch(args, generator, device)
-            with autocast:
-                loss = forward(enc, dec, enc_keep, labels, loss_mask)
-            loss = loss.float() / args.num_microbatches
-            loss.backward()
-            loss_sum += loss.detach()
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        optimizer.step()
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            sync()
-            now = time.perf_counter()
-            interval = iteration % args.log_interval or args.log_interval
-            print(f"iteration {iteration:8d}/{args.train_iters:8d} | elapsed time per iteration (ms): "
-                  f"{(now - interval_start) * 1000 / interval:.1f} | loss: {loss_sum.item():.6E}",
-                  file=sys.stderr)
-            interval_start = now
-    sync()
-    seconds = (time.perf_counter() - measured_start) / (args.train_iters - args.skip_timing_iters)
-    tflops = flops_per_iteration(args) / seconds / 1e12
-    return {
-        "impl": "pytorch-compile" if args.torch_compile else "pytorch-eager",
-        "model": "spec-t5",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "parameters": parameters,
-        "ms_per_iter": round(seconds * 1000, 3),
-        "tokens_per_s": round(args.global_batch_size * args.encoder_seq_length / seconds, 1),
-        "tflops_per_gpu": round(tflops, 3),
-        "mfu": round(tflops / args.peak_tflops, 5),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-    }
+    return train_timed(args, T5(args), "spec-t5", microbatch_loss, flops_per_iteration(args),
+                       args.global_batch_size * args.encoder_seq_length)
 
 
 if __name__ == "__main__":
