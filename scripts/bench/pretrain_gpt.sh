@@ -25,7 +25,8 @@ fi
 # shellcheck source=../torch-env.sh
 source "$ROOT/scripts/torch-env.sh" "$PYTHON"
 SCRATCH="$(mktemp -d -t pretrain-bench.XXXXXX)"
-SAMPLER=""
+# shellcheck source=gpu_memory.sh
+source "$ROOT/scripts/bench/gpu_memory.sh"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
@@ -34,18 +35,6 @@ SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
        --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 64 --bf16)
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
-
-# Runs "$@" while sampling GPU memory; prints the peak (MiB) on fd 3.
-with_memory_peak() {
-    local log="$SCRATCH/memory.$RANDOM"
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 100 >"$log" &
-    SAMPLER=$!
-    "$@"
-    kill "$SAMPLER" 2>/dev/null || true
-    wait "$SAMPLER" 2>/dev/null || true
-    SAMPLER=""
-    sort -n "$log" | tail -1 >&3
-}
 
 echo "== ours: $PRETRAIN_GPT" >&2
 exec 3>"$SCRATCH/ours.mem"

@@ -32,7 +32,8 @@ fi
 # shellcheck source=../torch-env.sh
 source "$ROOT/scripts/torch-env.sh" "$PYTHON"
 SCRATCH="$(mktemp -d -t pretrain-t5-bench.XXXXXX)"
-SAMPLER=""
+# shellcheck source=gpu_memory.sh
+source "$ROOT/scripts/bench/gpu_memory.sh"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 SHAPE=(--encoder-num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12
@@ -40,18 +41,6 @@ SHAPE=(--encoder-num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-a
        --max-position-embeddings 512 --micro-batch-size 16 --global-batch-size 128 --bf16)
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
-
-# Runs "$@" while sampling GPU memory; prints the peak (MiB) on fd 3.
-with_memory_peak() {
-    local log="$SCRATCH/memory.$RANDOM"
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 100 >"$log" &
-    SAMPLER=$!
-    "$@"
-    kill "$SAMPLER" 2>/dev/null || true
-    wait "$SAMPLER" 2>/dev/null || true
-    SAMPLER=""
-    sort -n "$log" | tail -1 >&3
-}
 
 echo "== ours: $PRETRAIN_T5" >&2
 exec 3>"$SCRATCH/ours.mem"
