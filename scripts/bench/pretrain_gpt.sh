@@ -12,6 +12,9 @@
 #   PYTHON=python3        a python with torch 2.11 (CUDA) for the reference and the library path
 #   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
 #   TORCH_COMPILE=0       1 adds a torch.compile reference row
+#   GLOBAL_BATCH=64       global batch size (micro batch 8)
+#   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours, e.g.
+#                         "--no-gradient-accumulation-fusion" (each lever measured on its own)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
 set -euo pipefail
 
@@ -32,7 +35,7 @@ trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXI
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
 
 SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
-       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 64 --bf16)
+       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size "${GLOBAL_BATCH:-64}" --bf16)
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
 
@@ -43,6 +46,21 @@ with_memory_peak "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train
     --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
+OURS_ROWS=("$SCRATCH/ours.log")
+IFS=';' read -r -a VARIANTS <<<"${OURS_VARIANTS:-}"
+for i in "${!VARIANTS[@]}"; do
+    # shellcheck disable=SC2206
+    VARIANT=(${VARIANTS[$i]})
+    echo "== ours with ${VARIANTS[$i]}" >&2
+    echo "${VARIANTS[$i]}" >"$SCRATCH/variant$i.label"
+    exec 3>"$SCRATCH/variant$i.mem"
+    with_memory_peak "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" "${VARIANT[@]}" --lr 1.5e-4 \
+        --train-iters "$ITERS" --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 \
+        --mock-data --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" \
+        --log-throughput >"$SCRATCH/variant$i.log"
+    exec 3>&-
+    cat "$SCRATCH/variant$i.log" >&2
+done
 
 echo "== reference: PyTorch eager" >&2
 exec 3>"$SCRATCH/eager.mem"

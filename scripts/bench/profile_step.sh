@@ -16,6 +16,7 @@
 #   PROFILE_ITERS=2       profiled steps (after 8 warm-up steps)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--hidden-dropout 0 --attention-dropout 0")
 #   TRACE_DIR=dir         keep the traces here [default: a temporary directory]
+#   TOP=0                 also list each run's N most expensive kernels
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -62,4 +63,5 @@ if [[ "$REFERENCE" != none ]]; then
     LABELS+=("pytorch-$REFERENCE")
 fi
 
-"$PYTHON" "$ROOT/scripts/bench/profile_summary.py" --steps "$PROFILE_ITERS" "${TRACES[@]}" --labels "${LABELS[@]}"
+"$PYTHON" "$ROOT/scripts/bench/profile_summary.py" --steps "$PROFILE_ITERS" "${TRACES[@]}" --labels "${LABELS[@]}" \
+    --top "${TOP:-0}"

@@ -8,7 +8,10 @@ cross entropy, optimizer, communication, other elementwise); memory copies and s
 kind. "host gaps" is the time inside the profiled window (first to last GPU activity) when no GPU
 work ran: launch overhead, synchronisation, the host waiting on itself. Figures are per step.
 
-    profile_summary.py --steps 2 ours.json [--steps 2 reference.json ...] [--labels ours compile]
+    profile_summary.py --steps 2 ours.json [--steps 2 reference.json ...] [--labels ours compile] [--top 25]
+
+--top N also lists each trace's N most expensive kernels (ms per step, calls per step), so two
+traces can be compared kernel by kernel.
 """
 
 import argparse
@@ -21,7 +24,8 @@ KINDS = [
     ("attention", r"flash|fmha|attention|attn|sdpa|cudnn"),
     ("normalisation", r"layer_?norm|rms_?norm|gammabeta|_norm_"),
     ("cross entropy", r"softmax|nll_loss|cross_entropy|logsumexp"),
-    ("optimizer", r"adam|multi_tensor|foreach|lamb|sgd"),
+    # "lamb" must not match the "lambda" in templated elementwise kernel names.
+    ("optimizer", r"adam|multi_tensor|foreach|lamb(?!da)|sgd"),
     ("communication", r"nccl"),
     ("elementwise/other", r"."),
 ]
@@ -61,10 +65,12 @@ def busy_time(intervals):
 
 
 def summarise(path, steps):
-    per_kind, intervals, kernels = {}, [], 0
+    per_kind, per_name, intervals, kernels = {}, {}, [], 0
     for category, name, start, duration in gpu_events(path):
         kind = kind_of(category, name)
         per_kind[kind] = per_kind.get(kind, 0.0) + duration
+        total, calls = per_name.get(name, (0.0, 0))
+        per_name[name] = (total + duration, calls + 1)
         intervals.append((start, start + duration))
         kernels += category == "kernel"
     if not intervals:
@@ -76,7 +82,18 @@ def summarise(path, steps):
         "step_ms": window * to_ms,
         "kernels_per_step": kernels / steps,
         "kinds_ms": {kind: us * to_ms for kind, us in per_kind.items()},
+        "kernels_ms": {name: (us * to_ms, calls / steps) for name, (us, calls) in per_name.items()},
     }
+
+
+def print_top(label, summary, top):
+    print(f"\n{label}: {top} most expensive kernels")
+    print("| ms per step | calls per step | kind | kernel |")
+    print("|---|---|---|---|")
+    ranked = sorted(summary["kernels_ms"].items(), key=lambda item: -item[1][0])
+    for name, (ms, calls) in ranked[:top]:
+        kind = kind_of("kernel", name)
+        print(f"| {ms:.2f} | {calls:.0f} | {kind} | {name[:110]} |")
 
 
 def main():
@@ -84,6 +101,7 @@ def main():
     p.add_argument("traces", nargs="+", help="Chrome trace files")
     p.add_argument("--steps", type=int, action="append", help="profiled steps in each trace (default 1)")
     p.add_argument("--labels", nargs="+", help="a column label per trace")
+    p.add_argument("--top", type=int, default=0, help="also list each trace's N most expensive kernels")
     args = p.parse_args()
     steps = args.steps or [1] * len(args.traces)
     if len(steps) == 1:
@@ -103,6 +121,10 @@ def main():
         print(f"| {kind} | " + " | ".join(cells) + " |")
     print("| **step (first to last GPU activity)** | " + " | ".join(f"{s['step_ms']:.2f}" for s in summaries) + " |")
     print("| kernels per step | " + " | ".join(f"{s['kernels_per_step']:.0f}" for s in summaries) + " |")
+    for label, summary in zip(labels, summaries):
+        if args.top:
+            print_top(label, summary, args.top)
+        del summary["kernels_ms"]
     print(json.dumps({label: s for label, s in zip(labels, summaries)}))
 
 

@@ -128,6 +128,21 @@ fn tensor_parallel_equals_one_rank() {
     check(BASE, 2, 2, 1, &[], "TP=2");
 }
 
+/// Every run here fuses gradient accumulation (the default); the unfused path must agree,
+/// with tensor and sequence parallelism too.
+#[test]
+fn gradient_accumulation_fusion_equals_separate_gradients() {
+    let unfused = ["--no-gradient-accumulation-fusion"];
+    let reference = train(BASE, 1, 1, 1, &unfused);
+    support::assert_equivalent(&reference, &train(BASE, 1, 1, 1, &[]), "fused, one rank");
+    let sequence_parallel = ["--sequence-parallel"];
+    support::assert_equivalent(
+        &reference,
+        &train(BASE, 2, 2, 1, &sequence_parallel),
+        "fused, TP=2 + SP",
+    );
+}
+
 #[test]
 fn sequence_parallel_equals_one_rank() {
     check(BASE, 2, 2, 1, &["--sequence-parallel"], "TP=2 + SP");

@@ -73,6 +73,12 @@ pub struct OptimizerArgs {
     /// Clip the global gradient norm to this (0 disables).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad: f64,
+    /// Compute the weight gradients of linear layers straight into the float32 gradient
+    /// buffer instead of a bf16/fp16 gradient that is then added to it (Megatron's default
+    /// `--gradient-accumulation-fusion`); this flag turns it off. Not used with
+    /// `--overlap-grad-reduce`, whose hooks need the per-parameter gradients.
+    #[arg(long)]
+    pub no_gradient_accumulation_fusion: bool,
     /// Peak learning rate.
     #[arg(long)]
     pub lr: Option<f64>,

@@ -1,29 +1,45 @@
 //! Parameter handles and their creation with Megatron's initialisation (spec §3.1).
 
 use std::ops::Deref;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Kind, Tensor};
 
 use crate::autograd::ffi;
 
-/// A parameter tensor. Cloning is shallow: clones share storage and gradient, which lets a
-/// recomputed block own its layers while the model keeps them too.
-pub struct Param(Tensor);
+/// A parameter tensor. Cloning is shallow: clones share storage, gradient and main gradient,
+/// which lets a recomputed block own its layers while the model keeps them too.
+pub struct Param {
+    tensor: Tensor,
+    main_grad: MainGradSlot,
+}
 
 impl Param {
     /// Wraps `tensor` as a leaf that requires grad.
     pub fn new(tensor: Tensor) -> Self {
-        Param(tensor.set_requires_grad(true))
+        Param {
+            tensor: tensor.set_requires_grad(true),
+            main_grad: MainGradSlot::default(),
+        }
     }
 
     pub fn tensor(&self) -> &Tensor {
-        &self.0
+        &self.tensor
+    }
+
+    /// Where the optimizer wants this parameter's gradient accumulated directly (Megatron's
+    /// `param.main_grad` with `--gradient-accumulation-fusion`).
+    pub fn main_grad(&self) -> &MainGradSlot {
+        &self.main_grad
     }
 }
 
 impl Clone for Param {
     fn clone(&self) -> Self {
-        Param(self.0.shallow_clone())
+        Param {
+            tensor: self.tensor.shallow_clone(),
+            main_grad: self.main_grad.clone(),
+        }
     }
 }
 
@@ -31,7 +47,30 @@ impl Deref for Param {
     type Target = Tensor;
 
     fn deref(&self) -> &Tensor {
-        &self.0
+        &self.tensor
+    }
+}
+
+/// A float32 view of the optimizer's gradient buffer shaped like one parameter, shared by the
+/// parameter's clones. While set, layers that support it add the parameter's gradient into
+/// it during backward and leave `grad` undefined, saving a low-precision gradient, its
+/// accumulation kernel and its zeroing.
+#[derive(Clone, Default)]
+pub struct MainGradSlot(Arc<Mutex<Option<Tensor>>>);
+
+impl MainGradSlot {
+    pub fn set(&self, view: Option<Tensor>) {
+        *self.lock() = view;
+    }
+
+    /// The view, when the optimizer set one.
+    pub fn get(&self) -> Option<Tensor> {
+        self.lock().as_ref().map(Tensor::shallow_clone)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Tensor>> {
+        // A panic while holding this lock cannot leave the slot half-written.
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

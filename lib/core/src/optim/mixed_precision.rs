@@ -45,6 +45,11 @@ pub struct OptimizerSettings {
     /// `--overlap-param-gather`: with the distributed optimizer, gather the updated parameters
     /// on a side stream while the next forward pass runs (see [`Self::param_gates`]).
     pub overlap_param_gather: bool,
+    /// `--gradient-accumulation-fusion`: layers that can add their parameters' gradients
+    /// straight into the float32 buffer get views of it (see
+    /// [`MainGradSlot`](crate::model::param::MainGradSlot)); unused with overlapped reduction,
+    /// whose hooks fire on per-parameter gradients.
+    pub gradient_accumulation_fusion: bool,
 }
 
 /// How gradients reach the data-parallel average.
@@ -198,6 +203,17 @@ impl MixedPrecisionOptimizer {
                 GradSync::AfterBackward(reducer)
             }
         };
+        let fuse = settings.gradient_accumulation_fusion
+            && !matches!(grad_sync, GradSync::Overlapped(_));
+        for slot in &layout.slots {
+            if let Some(main_grad) = &by_name[slot.name.as_str()].main_grad {
+                main_grad.set(fuse.then(|| {
+                    grad_buffer
+                        .narrow(0, slot.range.start as i64, slot.range.len() as i64)
+                        .view(slot.shape.as_slice())
+                }));
+            }
+        }
         let param_gather = if sharded {
             let side = match device {
                 Device::Cuda(index) if settings.overlap_param_gather && data.size() > 1 => {
@@ -685,6 +701,7 @@ mod tests {
             bucket_size: DEFAULT_BUCKET_SIZE,
             overlap_grad_reduce: false,
             overlap_param_gather: false,
+            gradient_accumulation_fusion: true,
         };
         let sizes = world
             .run(|rank| {
@@ -693,6 +710,7 @@ mod tests {
                     name: "w".into(),
                     tensor: Tensor::zeros([1 << 16], (kind, Device::Cpu)),
                     attributes: ParamAttributes::default(),
+                    main_grad: None,
                 }];
                 Ok(
                     MixedPrecisionOptimizer::new(parameters, settings, &parallel)?

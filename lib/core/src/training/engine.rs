@@ -982,6 +982,7 @@ fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<
         bucket_size,
         overlap_grad_reduce: parallel.overlap_grad_reduce,
         overlap_param_gather: parallel.overlap_param_gather,
+        gradient_accumulation_fusion: !o.no_gradient_accumulation_fusion,
     })
 }
 

@@ -3,6 +3,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
+use super::main_grad_linear::linear;
 use super::{NamedTensors, ParamAttributes, TensorParallel};
 use crate::model::param::{Initializer, Param};
 use crate::parallel::{
@@ -51,13 +52,13 @@ impl ColumnParallelLinear {
         } else {
             copy_to_tensor_parallel_region(input, &self.parallel.group)?
         };
-        Ok(input.linear(&*self.weight, self.bias.as_deref()))
+        linear(&input, &self.weight, self.bias.as_ref())
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        out.push("weight", &self.weight, SHARDED);
+        out.push_fusable("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
-            out.push("bias", bias, SHARDED);
+            out.push_fusable("bias", bias, SHARDED);
         }
     }
 }
@@ -93,9 +94,9 @@ impl RowParallelLinear {
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let group = &self.parallel.group;
         if group.size() == 1 {
-            return Ok(input.linear(&*self.weight, self.bias.as_deref()));
+            return linear(input, &self.weight, self.bias.as_ref());
         }
-        let partial = input.linear::<&Tensor>(&self.weight, None);
+        let partial = linear(input, &self.weight, None)?;
         let output = if self.parallel.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(&partial, group)?
         } else {
@@ -108,13 +109,13 @@ impl RowParallelLinear {
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        out.push("weight", &self.weight, SHARDED);
+        out.push_fusable("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
             let attributes = ParamAttributes {
                 sequence_parallel: self.parallel.sequence_parallel,
                 ..Default::default()
             };
-            out.push("bias", bias, attributes);
+            out.push_fusable("bias", bias, attributes);
         }
     }
 }

@@ -5,6 +5,7 @@ mod attention;
 mod embedding;
 mod kv_cache;
 mod linear;
+mod main_grad_linear;
 mod mlp;
 mod norm;
 mod rope;
@@ -23,6 +24,7 @@ use std::sync::Arc;
 
 use tch::Tensor;
 
+use crate::model::param::{MainGradSlot, Param};
 use crate::parallel::Communicator;
 
 /// What a layer needs to know about tensor parallelism.
@@ -65,6 +67,9 @@ pub struct NamedParameter {
     pub name: String,
     pub tensor: Tensor,
     pub attributes: ParamAttributes,
+    /// Set for parameters whose layer can accumulate straight into the optimizer's float32
+    /// gradient (see [`MainGradSlot`]).
+    pub main_grad: Option<MainGradSlot>,
 }
 
 /// Collects parameters under Megatron's state-dict names.
@@ -86,6 +91,18 @@ impl<'a> NamedTensors<'a> {
             name: format!("{}{name}", self.prefix),
             tensor: tensor.shallow_clone(),
             attributes,
+            main_grad: None,
+        });
+    }
+
+    /// Like [`push`](Self::push), for a parameter whose layer accumulates its gradient into
+    /// the optimizer's float32 buffer when asked to.
+    pub fn push_fusable(&mut self, name: &str, param: &Param, attributes: ParamAttributes) {
+        self.out.push(NamedParameter {
+            name: format!("{}{name}", self.prefix),
+            tensor: param.tensor().shallow_clone(),
+            attributes,
+            main_grad: Some(param.main_grad().clone()),
         });
     }
 

@@ -1,0 +1,166 @@
+//! Gradient-accumulation fusion (Megatron's `--gradient-accumulation-fusion`): a linear whose
+//! backward adds the weight's and bias's gradients straight into the optimizer's float32
+//! buffer. The weight-gradient GEMM accumulates into float32 with `beta = 1` (cuBLAS with
+//! bf16/fp16 inputs and a float32 output), so no low-precision gradient is written, added to
+//! the buffer and zeroed afterwards; the bias gradient is a GEMV of the same kind.
+
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use crate::autograd::{self, CustomFunction, SavedTensors};
+use crate::model::param::Param;
+
+/// `input · weightᵀ (+ bias)`; when the optimizer gave `weight` (and `bias`) a main-gradient
+/// view, their gradients go there and their `grad` stays undefined. Otherwise a plain linear.
+pub fn linear(input: &Tensor, weight: &Param, bias: Option<&Param>) -> Result<Tensor> {
+    let Some(weight_grad) = weight.main_grad().get() else {
+        return Ok(input.linear(&**weight, bias.map(|b| &**b)));
+    };
+    let bias_grad = match bias {
+        Some(bias) => match bias.main_grad().get() {
+            Some(view) => Some(view),
+            // A bias without a view learns through autograd: keep the plain op.
+            None => return Ok(input.linear(&**weight, Some(&**bias))),
+        },
+        None => None,
+    };
+    let function = MainGradLinear {
+        weight: weight.tensor().shallow_clone(),
+        bias: bias.map(|b| b.tensor().shallow_clone()),
+        weight_grad,
+        bias_grad,
+    };
+    let mut inputs = vec![input, weight.tensor()];
+    inputs.extend(bias.map(|b| b.tensor()));
+    let mut outputs = autograd::apply(function, &inputs).context("fused-gradient linear")?;
+    Ok(outputs.remove(0))
+}
+
+struct MainGradLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    weight_grad: Tensor,
+    bias_grad: Option<Tensor>,
+}
+
+impl CustomFunction for MainGradLinear {
+    fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        let input = &inputs[0];
+        saved.save(input);
+        Ok(vec![input.linear(&self.weight, self.bias.as_ref())])
+    }
+
+    fn backward(
+        &mut self,
+        grad_outputs: &[Tensor],
+        saved: &[Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let (grad, input) = (&grad_outputs[0], &saved[0]);
+        let grad_input = grad.matmul(&self.weight);
+        let out_features = grad.size().last().copied().unwrap_or(1);
+        let in_features = input.size().last().copied().unwrap_or(1);
+        let grad_2d = grad.reshape([-1, out_features]);
+        let input_2d = input.reshape([-1, in_features]);
+        accumulate_product(&self.weight_grad, &grad_2d.tr(), &input_2d)?;
+        if let Some(bias_grad) = &self.bias_grad {
+            let ones = Tensor::ones([1, grad_2d.size()[0]], (grad.kind(), grad.device()));
+            accumulate_product(&bias_grad.view([1, out_features]), &ones, &grad_2d)?;
+        }
+        let mut grads = vec![Some(grad_input), None];
+        if self.bias.is_some() {
+            grads.push(None);
+        }
+        Ok(grads)
+    }
+}
+
+/// `target += a · b` with `target` float32 and `a`, `b` of the activations' dtype, rounding
+/// only once, in float32.
+fn accumulate_product(target: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.kind() == target.kind() {
+        let _ = target.shallow_clone().f_addmm_(a, b)?;
+    } else if matches!(target.device(), Device::Cuda(_)) {
+        let _ = target.f_addmm_dtype_out(target, a, b, Kind::Float)?;
+    } else {
+        // libtorch's CPU GEMMs have no mixed-precision output.
+        let _ = target
+            .shallow_clone()
+            .f_add_(&a.matmul(b).to_kind(Kind::Float))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values without the global generator, which parallel tests share.
+    fn param(shape: &[i64], seed: i64, kind: Kind) -> Param {
+        let count: i64 = shape.iter().product();
+        let values = (Tensor::arange(count, (Kind::Float, Device::Cpu)) * (0.7 + seed as f64)).sin();
+        Param::new(values.view(shape).to_kind(kind))
+    }
+
+    /// Two backward passes through the fused linear leave in the main-gradient views what two
+    /// passes through the plain op leave in `grad` (relative to its largest entry), and the
+    /// same input gradients.
+    fn check(kind: Kind, tolerance: f64) {
+        let (weight, bias) = (param(&[5, 3], 1, kind), param(&[5], 2, kind));
+        let inputs: Vec<Tensor> = (0..2)
+            .map(|i| param(&[4, 2, 3], 10 + i, kind).tensor().detach().set_requires_grad(true))
+            .collect();
+        let mut plain_input_grads = Vec::new();
+        for input in &inputs {
+            let out = input.linear(&*weight, Some(&*bias));
+            out.square().sum(Kind::Float).backward();
+            plain_input_grads.push(input.grad().copy());
+            let _ = input.grad().zero_();
+        }
+        let (plain_weight, plain_bias) = (
+            weight.grad().to_kind(Kind::Float).copy(),
+            bias.grad().to_kind(Kind::Float).copy(),
+        );
+        let _ = weight.grad().zero_();
+        let _ = bias.grad().zero_();
+
+        let (fused_weight, fused_bias) = (param(&[5, 3], 1, kind), param(&[5], 2, kind));
+        fused_weight.main_grad().set(Some(Tensor::zeros([5, 3], (Kind::Float, Device::Cpu))));
+        fused_bias.main_grad().set(Some(Tensor::zeros([5], (Kind::Float, Device::Cpu))));
+        for (input, expected) in inputs.iter().zip(&plain_input_grads) {
+            let out = linear(input, &fused_weight, Some(&fused_bias)).unwrap();
+            out.square().sum(Kind::Float).backward();
+            let scale = expected.abs().max().double_value(&[]);
+            let diff = (input.grad() - expected).abs().max().double_value(&[]) / scale;
+            assert!(diff <= tolerance, "input gradient differs by {diff} (relative)");
+        }
+        assert!(!fused_weight.grad().defined() && !fused_bias.grad().defined());
+        for (main, plain) in [
+            (fused_weight.main_grad().get().unwrap(), plain_weight),
+            (fused_bias.main_grad().get().unwrap(), plain_bias),
+        ] {
+            let scale = plain.abs().max().double_value(&[]);
+            let diff = (main - plain).abs().max().double_value(&[]) / scale;
+            assert!(diff <= tolerance, "main gradient differs by {diff} (relative)");
+        }
+    }
+
+    #[test]
+    fn fused_gradients_equal_the_plain_linear_in_float32() {
+        check(Kind::Float, 1e-5);
+    }
+
+    #[test]
+    fn fused_gradients_accumulate_in_float32_for_bfloat16_weights() {
+        // The plain path rounds each pass's gradient to bf16 before adding; the fused one
+        // does not, so they agree to bf16 precision only.
+        check(Kind::BFloat16, 1e-2);
+    }
+
+    #[test]
+    fn without_a_main_gradient_view_the_weight_learns_through_autograd() {
+        let (weight, bias) = (param(&[5, 3], 1, Kind::Float), param(&[5], 2, Kind::Float));
+        let input = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
+        linear(&input, &weight, Some(&bias)).unwrap().sum(Kind::Float).backward();
+        assert!(weight.grad().defined() && bias.grad().defined());
+    }
+}
