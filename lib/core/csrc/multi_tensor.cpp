@@ -29,14 +29,16 @@ extern "C" {
 char* mrs_fused_adamw(const mrs_tensor* params, const mrs_tensor* grads,
                       const mrs_tensor* exp_avgs, const mrs_tensor* exp_avg_sqs,
                       const mrs_tensor* steps, size_t n, double lr, double beta1, double beta2,
-                      double weight_decay, double eps) {
+                      double weight_decay, double eps, const mrs_tensor grad_divisor) {
   return protect([&] {
     if (n == 0) return;
     auto step_list = tensors_of(steps, n);
     at::_foreach_add_(step_list, 1);
+    std::optional<at::Tensor> divisor;
+    if (grad_divisor != nullptr) divisor = *grad_divisor;
     at::_fused_adamw_(tensors_of(params, n), tensors_of(grads, n), tensors_of(exp_avgs, n),
                       tensors_of(exp_avg_sqs, n), {}, step_list, lr, beta1, beta2, weight_decay,
-                      eps, /*amsgrad=*/false, /*maximize=*/false, std::nullopt, std::nullopt);
+                      eps, /*amsgrad=*/false, /*maximize=*/false, divisor, std::nullopt);
   });
 }
 

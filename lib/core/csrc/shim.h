@@ -132,10 +132,12 @@ void mrs_cuda_graph_free(mrs_cuda_graph* graph);
 // Multi-tensor kernels (csrc/multi_tensor.cpp). Each list argument is `n` handles.
 // AdamW step with decoupled weight decay over parameters of one device and dtype; increments
 // every `steps` entry (a float scalar tensor) first, as torch.optim.AdamW(fused=True) does.
+// A non-null `grad_divisor` (a float scalar tensor) divides the gradients inside the same
+// kernel, which is how gradient clipping costs no pass of its own.
 char* mrs_fused_adamw(const mrs_tensor* params, const mrs_tensor* grads,
                       const mrs_tensor* exp_avgs, const mrs_tensor* exp_avg_sqs,
                       const mrs_tensor* steps, size_t n, double lr, double beta1, double beta2,
-                      double weight_decay, double eps);
+                      double weight_decay, double eps, const mrs_tensor grad_divisor);
 // sqrt(sum of squared L2 norms) of all tensors, as a float32 scalar tensor.
 char* mrs_foreach_total_norm(const mrs_tensor* tensors, size_t n, mrs_tensor* norm_out);
 // tensors[i] *= factor (a scalar tensor), in place.

@@ -137,6 +137,7 @@ extern "C" {
         beta2: f64,
         weight_decay: f64,
         eps: f64,
+        grad_divisor: TensorHandle,
     ) -> *mut c_char;
     pub fn mrs_foreach_total_norm(
         tensors: *const TensorHandle,

@@ -33,6 +33,8 @@ pub struct AdamwHyper {
 
 /// One fused AdamW step over tensors of one device and dtype. `steps` are float scalar tensors
 /// (one per parameter) that are incremented before the update, as `torch.optim.AdamW` does.
+/// `grad_divisor`, a float scalar tensor, divides the gradients first (and is written back into
+/// them), in the same kernel.
 pub fn fused_adamw(
     params: &[&Tensor],
     grads: &[&Tensor],
@@ -40,6 +42,7 @@ pub fn fused_adamw(
     exp_avg_sqs: &[&Tensor],
     steps: &[&Tensor],
     hyper: AdamwHyper,
+    grad_divisor: Option<&Tensor>,
 ) -> Result<(), TorchError> {
     same_length(
         "fused_adamw",
@@ -72,6 +75,7 @@ pub fn fused_adamw(
             hyper.beta2,
             hyper.weight_decay,
             hyper.eps,
+            grad_divisor.map_or(std::ptr::null_mut(), |t| ffi::handle(t)),
         )
     })
 }
@@ -186,10 +190,33 @@ mod tests {
             let update = &grad / (grad.abs() + hyper.eps);
             decayed - update * hyper.lr
         };
-        fused_adamw(&[&param], &[&grad], &[&m], &[&v], &[&step], hyper).unwrap();
+        fused_adamw(&[&param], &[&grad], &[&m], &[&v], &[&step], hyper, None).unwrap();
         assert!(close(&param, &expected_first));
         assert_eq!(step.double_value(&[]), 1.0);
         assert!(close(&m, &(&grad * 0.1)));
+    }
+
+    #[test]
+    fn a_gradient_divisor_equals_dividing_the_gradients_first() {
+        let hyper = AdamwHyper {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-3,
+            weight_decay: 0.1,
+        };
+        let run = |grad: Tensor, divisor: Option<&Tensor>| {
+            let param = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
+            let (m, v) = (param.zeros_like(), param.zeros_like());
+            let step = Tensor::zeros([], (Kind::Float, Device::Cpu));
+            fused_adamw(&[&param], &[&grad], &[&m], &[&v], &[&step], hyper, divisor).unwrap();
+            (param, grad)
+        };
+        let grad = Tensor::from_slice(&[0.1f32, 0.2, -0.3]);
+        let (divided, written) = run(grad.copy(), Some(&Tensor::from(4.0f32)));
+        let (expected, _) = run(&grad / 4.0, None);
+        assert!(close(&divided, &expected));
+        assert!(close(&written, &(&grad / 4.0)));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::buffer::{BufferLayout, ParamShape, Segment};
@@ -70,6 +70,34 @@ pub struct StepOutcome {
     pub grad_norm: Option<f64>,
 }
 
+/// Views of the flat buffers that every step passes to the multi-tensor kernels, made once:
+/// building them per step cost thousands of `narrow`s on the host, which the GPU waited for.
+#[derive(Default)]
+struct StepViews {
+    /// Each segment's gradient, in segment order.
+    grads: Vec<Tensor>,
+    /// The gradients that count in the norm.
+    counted: Vec<Tensor>,
+    /// Per parameter group (decayed, not decayed) with Adam: main shards, gradients, moments
+    /// and step counters.
+    adam: Vec<AdamViews>,
+    /// Model-parameter targets and main-parameter sources of the copy after a step.
+    publish: (Vec<Tensor>, Vec<Tensor>),
+}
+
+struct AdamViews {
+    group: ParamGroup,
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    exp_avgs: Vec<Tensor>,
+    exp_avg_sqs: Vec<Tensor>,
+    steps: Vec<Tensor>,
+}
+
+fn refs(tensors: &[Tensor]) -> Vec<&Tensor> {
+    tensors.iter().collect()
+}
+
 enum Moments {
     Adam {
         exp_avg: Tensor,
@@ -96,6 +124,7 @@ pub struct MixedPrecisionOptimizer {
     main: Tensor,
     main_is_params: bool,
     moments: Moments,
+    views: StepViews,
     /// Slots whose gradients are summed over the embedding group (the tied word embeddings on
     /// the first and last stage).
     embedding_slots: Vec<usize>,
@@ -230,7 +259,8 @@ impl MixedPrecisionOptimizer {
         } else {
             None
         };
-        Ok(MixedPrecisionOptimizer {
+        let mut optimizer = MixedPrecisionOptimizer {
+            views: StepViews::default(),
             param_gather,
             grad_sync,
             settings,
@@ -244,7 +274,69 @@ impl MixedPrecisionOptimizer {
             main_is_params,
             moments,
             embedding_slots,
-        })
+        };
+        optimizer.views = optimizer.step_views();
+        Ok(optimizer)
+    }
+
+    /// The views of [`StepViews`]; the buffers they view are only ever updated in place
+    /// (checkpoint loads copy into them), so they stay valid.
+    fn step_views(&self) -> StepViews {
+        let segments = &self.layout.segments;
+        let grads: Vec<Tensor> = segments.iter().map(|s| self.grad_view(&s.buffer)).collect();
+        let counted = segments
+            .iter()
+            .zip(&grads)
+            .filter(|(s, _)| self.counted(s))
+            .map(|(_, g)| g.shallow_clone())
+            .collect();
+        let adam = match &self.moments {
+            Moments::Adam {
+                exp_avg,
+                exp_avg_sq,
+                steps,
+            } => [ParamGroup::Decayed, ParamGroup::NotDecayed]
+                .into_iter()
+                .map(|group| {
+                    let chosen: Vec<usize> = (0..segments.len())
+                        .filter(|&i| self.layout.slots[segments[i].slot].group == group)
+                        .collect();
+                    let shard = |t: &Tensor, i: usize| {
+                        let s = &segments[i].shard;
+                        t.narrow(0, s.start as i64, s.len() as i64)
+                    };
+                    AdamViews {
+                        group,
+                        params: chosen.iter().map(|&i| self.main_view(&segments[i])).collect(),
+                        grads: chosen.iter().map(|&i| grads[i].shallow_clone()).collect(),
+                        exp_avgs: chosen.iter().map(|&i| shard(exp_avg, i)).collect(),
+                        exp_avg_sqs: chosen.iter().map(|&i| shard(exp_avg_sq, i)).collect(),
+                        steps: chosen.iter().map(|&i| steps[i].shallow_clone()).collect(),
+                    }
+                })
+                .collect(),
+            Moments::Sgd { .. } => Vec::new(),
+        };
+        let publish = if self.main_is_params {
+            (Vec::new(), Vec::new())
+        } else {
+            segments
+                .iter()
+                .map(|s| {
+                    (
+                        self.param_buffer
+                            .narrow(0, s.buffer.start as i64, s.buffer.len() as i64),
+                        self.main_view(s),
+                    )
+                })
+                .unzip()
+        };
+        StepViews {
+            grads,
+            counted,
+            adam,
+            publish,
+        }
     }
 
     /// Bytes this rank holds per model parameter for parameters, gradients and optimizer state
@@ -381,9 +473,7 @@ impl MixedPrecisionOptimizer {
     ) -> Result<StepOutcome> {
         self.finalize_grads()?;
         let device = self.grad_buffer.device();
-        let segments = self.layout.segments.clone();
-        let grads: Vec<Tensor> = segments.iter().map(|s| self.grad_view(&s.buffer)).collect();
-        let grad_refs: Vec<&Tensor> = grads.iter().collect();
+        let grad_refs = refs(&self.views.grads);
         if let Some(scale) = loss_scale {
             let found_inf = Tensor::zeros([], (Kind::Float, device));
             let inverse = Tensor::from(1.0 / scale).to_device(device);
@@ -397,44 +487,50 @@ impl MixedPrecisionOptimizer {
                 });
             }
         }
-        let counted: Vec<Tensor> = segments
-            .iter()
-            .zip(&grads)
-            .filter(|(s, _)| self.counted(s))
-            .map(|(_, g)| g.shallow_clone())
-            .collect();
-        let norm = self.global_norm(&counted)?;
+        let norm = self.global_norm(&self.views.counted)?;
         let grad_norm = norm.double_value(&[]);
-        if self.settings.clip_grad > 0.0 {
-            // Megatron scales only when the coefficient is below one; multiplying by exactly
-            // 1.0 is the identity, so clamping keeps that without a branch on the host.
-            let coefficient = (Tensor::from(self.settings.clip_grad as f32).to_device(device)
-                / (norm + 1e-6))
-                .clamp_max(1.0);
-            ops::foreach_mul_(&grad_refs, &coefficient)?;
-        }
+        // Megatron scales by clip / (norm + 1e-6) only when that is below one; dividing by
+        // the clamped inverse is the identity otherwise, with no branch on the host. Adam
+        // divides inside its own kernel, so clipping costs no pass over the gradients.
+        let clip_divisor = (self.settings.clip_grad > 0.0).then(|| {
+            ((norm + 1e-6) / Tensor::from(self.settings.clip_grad as f32).to_device(device))
+                .clamp_min(1.0)
+        });
         match self.settings.kind {
             OptimizerKind::Adam { beta1, beta2, eps } => {
-                for group in [ParamGroup::Decayed, ParamGroup::NotDecayed] {
-                    let decay = if group == ParamGroup::Decayed {
+                for views in &self.views.adam {
+                    let decay = if views.group == ParamGroup::Decayed {
                         weight_decay
                     } else {
                         0.0
                     };
-                    self.adam_step(
-                        &segments,
-                        group,
-                        AdamwHyper {
-                            lr,
-                            beta1,
-                            beta2,
-                            eps,
-                            weight_decay: decay,
-                        },
-                    )?;
+                    let hyper = AdamwHyper {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay: decay,
+                    };
+                    tch::no_grad(|| {
+                        ops::fused_adamw(
+                            &refs(&views.params),
+                            &refs(&views.grads),
+                            &refs(&views.exp_avgs),
+                            &refs(&views.exp_avg_sqs),
+                            &refs(&views.steps),
+                            hyper,
+                            clip_divisor.as_ref(),
+                        )
+                    })?;
                 }
             }
-            OptimizerKind::Sgd { momentum } => self.sgd_step(&segments, lr, weight_decay, momentum),
+            OptimizerKind::Sgd { momentum } => {
+                if let Some(divisor) = &clip_divisor {
+                    ops::foreach_mul_(&grad_refs, &divisor.reciprocal())?;
+                }
+                let segments = self.layout.segments.clone();
+                self.sgd_step(&segments, lr, weight_decay, momentum)
+            }
         }
         self.publish_main_params()?;
         self.zero_grads()?;
@@ -442,47 +538,6 @@ impl MixedPrecisionOptimizer {
             skipped: false,
             grad_norm: Some(grad_norm),
         })
-    }
-
-    fn adam_step(&self, segments: &[Segment], group: ParamGroup, hyper: AdamwHyper) -> Result<()> {
-        let Moments::Adam {
-            exp_avg,
-            exp_avg_sq,
-            steps,
-        } = &self.moments
-        else {
-            bail!("the optimizer has no Adam state");
-        };
-        let chosen: Vec<usize> = (0..segments.len())
-            .filter(|&i| self.layout.slots[segments[i].slot].group == group)
-            .collect();
-        let shard =
-            |t: &Tensor, s: &Segment| t.narrow(0, s.shard.start as i64, s.shard.len() as i64);
-        let params: Vec<Tensor> = chosen
-            .iter()
-            .map(|&i| self.main_view(&segments[i]))
-            .collect();
-        let grads: Vec<Tensor> = chosen
-            .iter()
-            .map(|&i| self.grad_view(&segments[i].buffer))
-            .collect();
-        let m: Vec<Tensor> = chosen
-            .iter()
-            .map(|&i| shard(exp_avg, &segments[i]))
-            .collect();
-        let v: Vec<Tensor> = chosen
-            .iter()
-            .map(|&i| shard(exp_avg_sq, &segments[i]))
-            .collect();
-        let s: Vec<&Tensor> = chosen.iter().map(|&i| &steps[i]).collect();
-        let (p, g, m, v): (Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>, Vec<&Tensor>) = (
-            params.iter().collect(),
-            grads.iter().collect(),
-            m.iter().collect(),
-            v.iter().collect(),
-        );
-        tch::no_grad(|| ops::fused_adamw(&p, &g, &m, &v, &s, hyper))?;
-        Ok(())
     }
 
     fn sgd_step(&mut self, segments: &[Segment], lr: f64, weight_decay: f64, momentum: f64) {
@@ -526,21 +581,8 @@ impl MixedPrecisionOptimizer {
     /// optimizer, all-gathers every rank's shard.
     fn publish_main_params(&self) -> Result<()> {
         if !self.main_is_params {
-            let (targets, sources): (Vec<Tensor>, Vec<Tensor>) = self
-                .layout
-                .segments
-                .iter()
-                .map(|s| {
-                    (
-                        self.param_buffer
-                            .narrow(0, s.buffer.start as i64, s.buffer.len() as i64),
-                        self.main_view(s),
-                    )
-                })
-                .unzip();
-            let (t, s): (Vec<&Tensor>, Vec<&Tensor>) =
-                (targets.iter().collect(), sources.iter().collect());
-            tch::no_grad(|| ops::foreach_copy_(&t, &s))?;
+            let (targets, sources) = &self.views.publish;
+            tch::no_grad(|| ops::foreach_copy_(&refs(targets), &refs(sources)))?;
         }
         match &self.param_gather {
             Some(gather) => gather.launch(),

@@ -697,8 +697,16 @@ impl<F: ModelFamily> Run<'_, F> {
             totals: LossTotals::new(self.family.loss_names(), self.device),
         };
         forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
-        let losses = stage.totals.reduce(&self.parallel)?;
+        // Reading the losses waits for the device; queueing the optimizer first keeps the GPU
+        // busy through that wait (the gradient norm's read is the step's one sync).
+        let pending_losses = stage.totals.start_reduce(&self.parallel)?;
+        let lr = self.scheduler.lr();
+        let weight_decay = self.scheduler.weight_decay();
         let fp16 = self.args.precision.fp16;
+        let outcome = self
+            .optimizer
+            .step(lr, weight_decay, fp16.then(|| self.scaler.scale()))?;
+        let losses = pending_losses.values()?;
         // Every family reports its language-model loss first: the spike rule follows it.
         let lm_loss = losses[0].1;
         if !fp16 || lm_loss.is_finite() {
@@ -710,11 +718,6 @@ impl<F: ModelFamily> Run<'_, F> {
                 bail!(self.nan_message(name, *loss));
             }
         }
-        let lr = self.scheduler.lr();
-        let weight_decay = self.scheduler.weight_decay();
-        let outcome = self
-            .optimizer
-            .step(lr, weight_decay, fp16.then(|| self.scaler.scale()))?;
         if fp16 {
             self.scaler.update(outcome.skipped);
         }

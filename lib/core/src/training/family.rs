@@ -100,6 +100,12 @@ impl LossTotals {
     /// Every loss over the whole pipeline and data-parallel group, as Megatron reports them;
     /// every rank gets the values.
     pub fn reduce(&self, parallel: &ParallelState) -> Result<Vec<(&'static str, f64)>> {
+        self.start_reduce(parallel)?.values()
+    }
+
+    /// Launches the reduction of [`reduce`](Self::reduce) without waiting for the device, so a
+    /// training step can queue its optimizer before reading the losses.
+    pub fn start_reduce(&self, parallel: &ParallelState) -> Result<ReducedLosses> {
         let parts: Vec<&Tensor> = self
             .sums
             .iter()
@@ -109,8 +115,23 @@ impl LossTotals {
         let both = Tensor::stack(&parts, 0);
         parallel.pipeline.all_reduce(&both, ReduceOp::Sum)?;
         parallel.data.all_reduce(&both, ReduceOp::Sum)?;
+        Ok(ReducedLosses {
+            names: self.names,
+            both,
+        })
+    }
+}
+
+/// Loss totals reduced on the device, read when needed.
+pub struct ReducedLosses {
+    names: &'static [&'static str],
+    both: Tensor,
+}
+
+impl ReducedLosses {
+    pub fn values(self) -> Result<Vec<(&'static str, f64)>> {
         let values =
-            Vec::<f32>::try_from(&both.to_device(Device::Cpu)).context("reading the loss")?;
+            Vec::<f32>::try_from(&self.both.to_device(Device::Cpu)).context("reading the loss")?;
         Ok(self
             .names
             .iter()

@@ -24,14 +24,21 @@ pub fn linear(input: &Tensor, weight: &Param, bias: Option<&Param>) -> Result<Te
         },
         None => None,
     };
+    // The parameters get no autograd gradient, so they are inputs of the graph node only
+    // when the activation alone would not put the node in the graph; otherwise every step
+    // would run an AccumulateGrad node per parameter for nothing.
+    let mut inputs = vec![input];
+    if !input.requires_grad() {
+        inputs.push(weight.tensor());
+        inputs.extend(bias.map(|b| b.tensor()));
+    }
     let function = MainGradLinear {
         weight: weight.tensor().shallow_clone(),
         bias: bias.map(|b| b.tensor().shallow_clone()),
         weight_grad,
         bias_grad,
+        inputs: inputs.len(),
     };
-    let mut inputs = vec![input, weight.tensor()];
-    inputs.extend(bias.map(|b| b.tensor()));
     let mut outputs = autograd::apply(function, &inputs).context("fused-gradient linear")?;
     Ok(outputs.remove(0))
 }
@@ -41,6 +48,8 @@ struct MainGradLinear {
     bias: Option<Tensor>,
     weight_grad: Tensor,
     bias_grad: Option<Tensor>,
+    /// How many tensors the graph node was given (the input, perhaps the parameters).
+    inputs: usize,
 }
 
 impl CustomFunction for MainGradLinear {
@@ -63,15 +72,35 @@ impl CustomFunction for MainGradLinear {
         let input_2d = input.reshape([-1, in_features]);
         accumulate_product(&self.weight_grad, &grad_2d.tr(), &input_2d)?;
         if let Some(bias_grad) = &self.bias_grad {
-            let ones = Tensor::ones([1, grad_2d.size()[0]], (grad.kind(), grad.device()));
+            let ones = ones_row(grad_2d.size()[0], grad.kind(), grad.device());
             accumulate_product(&bias_grad.view([1, out_features]), &ones, &grad_2d)?;
         }
-        let mut grads = vec![Some(grad_input), None];
-        if self.bias.is_some() {
-            grads.push(None);
-        }
+        let mut grads = vec![Some(grad_input)];
+        grads.resize_with(self.inputs, || None);
         Ok(grads)
     }
+}
+
+thread_local! {
+    /// The longest row of ones asked for on this thread (backward runs on one autograd thread
+    /// per device), so a bias gradient needs no allocation and fill per call.
+    static ONES: std::cell::RefCell<Option<Tensor>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A `[1, n]` row of ones: the bias gradient is `onesᵀ · grad`, a GEMV that accumulates into
+/// float32 like the weight's GEMM.
+fn ones_row(n: i64, kind: Kind, device: Device) -> Tensor {
+    ONES.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        let fits = cache
+            .as_ref()
+            .is_some_and(|t| t.size()[1] >= n && t.kind() == kind && t.device() == device);
+        if !fits {
+            *cache = Some(Tensor::ones([1, n], (kind, device)));
+        }
+        let ones = cache.as_ref().expect("filled above");
+        ones.narrow(1, 0, n)
+    })
 }
 
 /// `target += a · b` with `target` float32 and `a`, `b` of the activations' dtype, rounding
@@ -154,6 +183,17 @@ mod tests {
         // The plain path rounds each pass's gradient to bf16 before adding; the fused one
         // does not, so they agree to bf16 precision only.
         check(Kind::BFloat16, 1e-2);
+    }
+
+    #[test]
+    fn an_input_without_gradient_still_accumulates_the_weight_gradient() {
+        let weight = param(&[5, 3], 1, Kind::Float);
+        weight.main_grad().set(Some(Tensor::zeros([5, 3], (Kind::Float, Device::Cpu))));
+        let input = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
+        linear(&input, &weight, None).unwrap().sum(Kind::Float).backward();
+        let expected = Tensor::full([5, 3], 2.0, (Kind::Float, Device::Cpu));
+        assert!(weight.main_grad().get().unwrap().equal(&expected));
+        assert!(!weight.grad().defined());
     }
 
     #[test]
