@@ -13,6 +13,8 @@
 #   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
 #   TORCH_COMPILE=0       1 adds a torch.compile reference row
 #   GLOBAL_BATCH=64       global batch size (micro batch 8)
+#   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
+#   NUM_HEADS=16          attention heads
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours, e.g.
 #                         "--no-gradient-accumulation-fusion" (each lever measured on its own)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
@@ -34,7 +36,7 @@ trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXI
 
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
 
-SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-heads "${NUM_HEADS:-16}" --seq-length 1024
        --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size "${GLOBAL_BATCH:-64}" --bf16)
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
