@@ -1,24 +1,23 @@
 //! SentencePiece `.model` files read without the C++ library: the model protobuf is decoded
-//! here (pieces, the trainer's model type and special ids, the normalizer), and text is encoded
-//! as `sentencepiece.SentencePieceProcessor.encode_as_ids` does: the precompiled NFKC charsmap,
-//! whitespace folding and the `▁` dummy prefix, then unigram Viterbi segmentation or BPE merges
-//! by score, with byte fallback or `<unk>` for what no piece covers.
+//! here (pieces, the trainer's model type and special pieces, the normalizer), and text is
+//! encoded as `sentencepiece.SentencePieceProcessor.encode_as_ids` (0.2.x) does, id for id:
+//! the normalizer (`normalizer`), then the unigram Viterbi (`unigram`) or BPE merges by score,
+//! with byte fallback or one `<unk>` per run of characters no piece covers.
 //!
 //! Megatron's three wrappers share it: `GPTSentencePieceTokenizer` (the model's own ids, eod =
 //! eos), `Llama2Tokenizer` (BOS first) and `SentencePieceTokenizer` (special tokens added after
 //! the pieces and recognised in raw text, eod = `<EOD>`).
 
+mod normalizer;
+mod unigram;
+
 use std::collections::HashMap;
 use std::path::Path;
 
-use tokenizers::normalizers::Precompiled;
-use tokenizers::{NormalizedString, Normalizer};
+use normalizer::{Charsmap, Normalizer, SPACE};
+use unigram::{Candidate, UNKNOWN_PENALTY};
 
 use super::{unknown_id, Tokenizer, TokenizerError};
-
-const SPACE: char = '\u{2581}';
-/// SentencePiece's penalty of an unknown character below the lowest piece score.
-const UNKNOWN_PENALTY: f32 = 10.0;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PieceType {
@@ -39,6 +38,7 @@ enum ModelType {
 /// The decoded `ModelProto` and what encoding needs from it.
 pub struct SentencePieceModel {
     pieces: Vec<(String, f32, PieceType)>,
+    /// Normal, user-defined and unused pieces by text (the C++ library's piece trie).
     ids: HashMap<String, u32>,
     model_type: ModelType,
     byte_fallback: bool,
@@ -46,9 +46,7 @@ pub struct SentencePieceModel {
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     pad_id: Option<u32>,
-    normalizer: Option<Precompiled>,
-    add_dummy_prefix: bool,
-    remove_extra_whitespaces: bool,
+    normalizer: Normalizer,
     /// Longest piece in characters (bounds the unigram lattice).
     longest: usize,
     min_score: f32,
@@ -131,23 +129,30 @@ impl SentencePieceModel {
 
     fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
         let malformed = |what: &str| format!("malformed {what}");
+        let text = |t: &[u8], what: &str| {
+            String::from_utf8(t.to_vec()).map_err(|_| malformed(what))
+        };
         let mut pieces = Vec::new();
         let (mut model_type, mut byte_fallback) = (ModelType::Unigram, false);
-        let (mut unk_id, mut bos_id, mut eos_id, mut pad_id) = (0i64, 1i64, 2i64, -1i64);
-        let (mut charsmap, mut add_dummy_prefix, mut remove_extra_whitespaces) =
-            (Vec::new(), true, true);
+        let mut special: [String; 3] = ["<s>".into(), "</s>".into(), "<pad>".into()];
+        let mut normalizer = Normalizer {
+            charsmap: None,
+            add_dummy_prefix: true,
+            remove_extra_whitespaces: true,
+            escape_whitespaces: true,
+            treat_whitespace_as_suffix: false,
+            user_defined: Vec::new(),
+        };
         let mut model = fields(bytes);
         while let Some(field) = model.next_field() {
             match field.map_err(|_| malformed("model"))? {
                 (1, Value::Bytes(piece)) => {
-                    let (mut text, mut score, mut kind) = (String::new(), 0.0, PieceType::Normal);
+                    let (mut piece_text, mut score, mut kind) =
+                        (String::new(), 0.0, PieceType::Normal);
                     let mut f = fields(piece);
                     while let Some(field) = f.next_field() {
                         match field.map_err(|_| malformed("piece"))? {
-                            (1, Value::Bytes(t)) => {
-                                text = String::from_utf8(t.to_vec())
-                                    .map_err(|_| malformed("piece text"))?
-                            }
+                            (1, Value::Bytes(t)) => piece_text = text(t, "piece text")?,
                             (2, Value::Fixed32(s)) => score = f32::from_bits(s),
                             (3, Value::Varint(t)) => {
                                 kind = match t {
@@ -162,7 +167,10 @@ impl SentencePieceModel {
                             _ => {}
                         }
                     }
-                    pieces.push((text, score, kind));
+                    if piece_text.is_empty() {
+                        return Err(format!("piece {} is empty", pieces.len()));
+                    }
+                    pieces.push((piece_text, score, kind));
                 }
                 (2, Value::Bytes(trainer)) => {
                     let mut f = fields(trainer);
@@ -184,22 +192,25 @@ impl SentencePieceModel {
                                     }
                                 }
                             }
+                            (24, Value::Varint(b)) => normalizer.treat_whitespace_as_suffix = b != 0,
                             (35, Value::Varint(b)) => byte_fallback = b != 0,
-                            (40, Value::Varint(v)) => unk_id = v as i32 as i64,
-                            (41, Value::Varint(v)) => bos_id = v as i32 as i64,
-                            (42, Value::Varint(v)) => eos_id = v as i32 as i64,
-                            (43, Value::Varint(v)) => pad_id = v as i32 as i64,
+                            (46, Value::Bytes(t)) => special[0] = text(t, "bos piece")?,
+                            (47, Value::Bytes(t)) => special[1] = text(t, "eos piece")?,
+                            (48, Value::Bytes(t)) => special[2] = text(t, "pad piece")?,
                             _ => {}
                         }
                     }
                 }
-                (3, Value::Bytes(normalizer)) => {
-                    let mut f = fields(normalizer);
+                (3, Value::Bytes(spec)) => {
+                    let mut f = fields(spec);
                     while let Some(field) = f.next_field() {
                         match field.map_err(|_| malformed("normalizer spec"))? {
-                            (2, Value::Bytes(map)) => charsmap = map.to_vec(),
-                            (3, Value::Varint(b)) => add_dummy_prefix = b != 0,
-                            (4, Value::Varint(b)) => remove_extra_whitespaces = b != 0,
+                            (2, Value::Bytes(map)) if !map.is_empty() => {
+                                normalizer.charsmap = Some(Charsmap::from_bytes(map)?)
+                            }
+                            (3, Value::Varint(b)) => normalizer.add_dummy_prefix = b != 0,
+                            (4, Value::Varint(b)) => normalizer.remove_extra_whitespaces = b != 0,
+                            (5, Value::Varint(b)) => normalizer.escape_whitespaces = b != 0,
                             _ => {}
                         }
                     }
@@ -210,34 +221,56 @@ impl SentencePieceModel {
         if pieces.is_empty() {
             return Err("it has no pieces".into());
         }
-        let id = |v: i64| (v >= 0 && (v as usize) < pieces.len()).then_some(v as u32);
-        let normalizer = if charsmap.is_empty() {
-            None
-        } else {
-            Some(Precompiled::from(&charsmap).map_err(|e| format!("precompiled charsmap: {e}"))?)
-        };
-        let ids = pieces
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.0.clone(), i as u32))
-            .collect();
-        let mut byte_ids = vec![None; 256];
-        for (i, (text, _, kind)) in pieces.iter().enumerate() {
-            if *kind == PieceType::Byte {
-                if let Some(b) = text
-                    .strip_prefix("<0x")
-                    .and_then(|t| t.strip_suffix('>'))
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                {
-                    byte_ids[b as usize] = Some(i as u32);
-                }
+        if model_type == ModelType::Unigram {
+            if let Some((text, ..)) = pieces.iter().find(|p| !p.1.is_finite()) {
+                return Err(format!("piece {text:?} has a score that is NaN or infinite"));
             }
         }
-        let matchable = |k: &PieceType| matches!(k, PieceType::Normal | PieceType::UserDefined);
+        let mut ids = HashMap::new();
+        let mut byte_ids = vec![None; 256];
+        let mut unk_id = None;
+        for (i, (text, _, kind)) in pieces.iter().enumerate() {
+            let i = i as u32;
+            match kind {
+                PieceType::Normal | PieceType::UserDefined | PieceType::Unused => {
+                    if ids.insert(text.clone(), i).is_some() {
+                        return Err(format!("piece {text:?} is defined twice"));
+                    }
+                }
+                PieceType::Unknown if unk_id.is_some() => {
+                    return Err("it has more than one unknown piece".into())
+                }
+                PieceType::Unknown => unk_id = Some(i),
+                PieceType::Byte => {
+                    if let Some(b) = text
+                        .strip_prefix("<0x")
+                        .and_then(|t| t.strip_suffix('>'))
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    {
+                        byte_ids[b as usize] = Some(i);
+                    }
+                }
+                PieceType::Control => {}
+            }
+        }
+        normalizer.user_defined = pieces
+            .iter()
+            .filter(|p| p.2 == PieceType::UserDefined)
+            .map(|p| p.0.clone())
+            .collect();
+        // As `SentencePieceProcessor`: the special ids are those of the trainer's named
+        // pieces, where those are control pieces.
+        let control = |name: &str| {
+            pieces
+                .iter()
+                .position(|p| p.0 == name && p.2 == PieceType::Control)
+                .map(|i| i as u32)
+        };
+        let [bos, eos, pad] = &special;
         Ok(SentencePieceModel {
             longest: pieces
                 .iter()
-                .filter(|p| matchable(&p.2))
+                .filter(|p| matches!(p.2, PieceType::Normal | PieceType::UserDefined))
                 .map(|p| p.0.chars().count())
                 .max()
                 .unwrap_or(1),
@@ -245,18 +278,16 @@ impl SentencePieceModel {
                 .iter()
                 .filter(|p| p.2 == PieceType::Normal)
                 .map(|p| p.1)
-                .fold(f32::INFINITY, f32::min),
-            unk_id: id(unk_id).ok_or("it has no unknown piece")?,
-            bos_id: id(bos_id),
-            eos_id: id(eos_id),
-            pad_id: id(pad_id),
+                .fold(f32::MAX, f32::min),
+            unk_id: unk_id.ok_or("it has no unknown piece")?,
+            bos_id: control(bos),
+            eos_id: control(eos),
+            pad_id: control(pad),
             pieces,
             ids,
             model_type,
             byte_fallback,
             normalizer,
-            add_dummy_prefix,
-            remove_extra_whitespaces,
             byte_ids,
         })
     }
@@ -266,75 +297,51 @@ impl SentencePieceModel {
     }
 
     pub fn piece_id(&self, piece: &str) -> Option<u32> {
-        self.ids.get(piece).copied()
+        self.ids
+            .get(piece)
+            .copied()
+            .or_else(|| self.pieces.iter().position(|p| p.0 == piece).map(|i| i as u32))
     }
 
-    /// SentencePiece's normalization: the charsmap, whitespace folding, `▁` for spaces.
-    fn normalize(&self, text: &str) -> String {
-        let mapped = match &self.normalizer {
-            Some(normalizer) => {
-                let mut normalized = NormalizedString::from(text);
-                // The charsmap is a pure table lookup; it cannot fail.
-                let _ = normalizer.normalize(&mut normalized);
-                normalized.get().to_string()
-            }
-            None => text.to_string(),
-        };
-        if mapped.is_empty() {
-            return mapped;
-        }
-        let mut out = String::with_capacity(mapped.len() + 3);
-        if self.add_dummy_prefix {
-            out.push(SPACE);
-        }
-        let mut previous_space = self.remove_extra_whitespaces;
-        for c in mapped.chars() {
-            if c == ' ' {
-                if !(self.remove_extra_whitespaces && previous_space) {
-                    out.push(SPACE);
-                }
-                previous_space = true;
-            } else {
-                out.push(c);
-                previous_space = false;
-            }
-        }
-        if self.remove_extra_whitespaces && out.ends_with(SPACE) && out.chars().count() > 1 {
-            out.pop();
-        }
-        if self.remove_extra_whitespaces && out == SPACE.to_string() {
-            out.clear();
-        }
-        out
-    }
-
-    fn matchable(&self, piece: &str) -> Option<(u32, f32)> {
+    /// A normal, user-defined or unused piece's id and type.
+    fn lookup(&self, piece: &str) -> Option<(u32, PieceType)> {
         let &id = self.ids.get(piece)?;
-        let (_, score, kind) = &self.pieces[id as usize];
-        matches!(kind, PieceType::Normal | PieceType::UserDefined).then_some((id, *score))
+        Some((id, self.pieces[id as usize].2))
     }
 
     /// Appends the model's ids of `text` (`encode_as_ids`).
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
-        let normalized = self.normalize(text);
+        let normalized = self.normalizer.normalize(text);
         if normalized.is_empty() {
             return;
         }
         let pieces = match self.model_type {
-            ModelType::Unigram => self.viterbi(&normalized),
+            ModelType::Unigram => unigram::segment(
+                &normalized,
+                self.longest,
+                self.min_score - UNKNOWN_PENALTY,
+                |piece| match self.lookup(piece)? {
+                    (id, PieceType::Normal) => {
+                        Some((id, Candidate::Scored(self.pieces[id as usize].1)))
+                    }
+                    (id, PieceType::UserDefined) => Some((id, Candidate::UserDefined)),
+                    _ => None,
+                },
+            ),
             ModelType::Bpe => self.merge_by_score(&normalized),
         };
         let mut previous_unknown = false;
-        for piece in pieces {
-            match self.matchable(piece) {
-                Some((id, _)) => {
+        for (span, step) in pieces {
+            match step {
+                Some(id) => {
                     out.push(id);
                     previous_unknown = false;
                 }
                 None if self.byte_fallback => {
-                    for b in piece.bytes() {
+                    for b in normalized[span].bytes() {
                         out.push(self.byte_ids[b as usize].unwrap_or(self.unk_id));
                     }
+                    previous_unknown = true;
                 }
                 None => {
                     // SentencePiece reports a run of unknown characters as one <unk>.
@@ -347,59 +354,11 @@ impl SentencePieceModel {
         }
     }
 
-    /// The unigram model's best segmentation: the highest total score, with an unknown
-    /// character scored below every piece. As in SentencePiece's optimized Viterbi, the best
-    /// total ending at each position is kept in single precision while a piece's candidate is
-    /// summed and compared in double; on long texts the rounding decides near-ties, and a few
-    /// of those (4 ids in 194,862 on the test corpora) still come out the other way.
-    fn viterbi<'t>(&self, text: &'t str) -> Vec<&'t str> {
-        let starts: Vec<usize> = text
-            .char_indices()
-            .map(|(i, _)| i)
-            .chain([text.len()])
-            .collect();
-        let n = starts.len() - 1;
-        let unknown_score = self.min_score - UNKNOWN_PENALTY;
-        // best[i]: (score, start char) of the best segmentation of the first i chars.
-        let mut best: Vec<(f32, usize)> = vec![(f32::NEG_INFINITY, 0); n + 1];
-        best[0] = (0.0, 0);
-        for start in 0..n {
-            let base = best[start].0;
-            if base == f32::NEG_INFINITY {
-                continue;
-            }
-            let mut single = false;
-            for end in start + 1..=(start + self.longest).min(n) {
-                if let Some((_, score)) = self.matchable(&text[starts[start]..starts[end]]) {
-                    single |= end == start + 1;
-                    let candidate = f64::from(base) + f64::from(score);
-                    if candidate > f64::from(best[end].0) {
-                        best[end] = (candidate as f32, start);
-                    }
-                }
-            }
-            if !single {
-                let candidate = base + unknown_score;
-                if candidate > best[start + 1].0 {
-                    best[start + 1] = (candidate, start);
-                }
-            }
-        }
-        let mut pieces = Vec::new();
-        let mut end = n;
-        while end > 0 {
-            let start = best[end].1;
-            pieces.push(&text[starts[start]..starts[end]]);
-            end = start;
-        }
-        pieces.reverse();
-        pieces
-    }
-
-    /// The BPE model: start from characters and repeatedly join the adjacent pair whose joined
-    /// text is the highest-scoring piece (the leftmost on ties), through a priority queue as
-    /// SentencePiece does, so a long text costs O(n log n).
-    fn merge_by_score<'t>(&self, text: &'t str) -> Vec<&'t str> {
+    /// The BPE model: start from characters (a user-defined piece is one symbol that never
+    /// merges) and repeatedly join the adjacent pair whose joined text is the highest-scoring
+    /// piece (the leftmost on ties), through a priority queue as SentencePiece does, so a long
+    /// text costs O(n log n). A merge into an unused piece is undone at the end.
+    fn merge_by_score<'t>(&self, text: &'t str) -> Vec<(std::ops::Range<usize>, unigram::Step)> {
         #[derive(Clone, Copy)]
         struct Symbol {
             start: usize,
@@ -407,25 +366,26 @@ impl SentencePieceModel {
             prev: Option<usize>,
             next: Option<usize>,
             alive: bool,
+            frozen: bool,
         }
-        struct Candidate {
+        struct Pair {
             score: f32,
             left: usize,
             right: usize,
             span: (usize, usize),
         }
-        impl PartialEq for Candidate {
+        impl PartialEq for Pair {
             fn eq(&self, other: &Self) -> bool {
                 self.cmp(other) == std::cmp::Ordering::Equal
             }
         }
-        impl Eq for Candidate {}
-        impl PartialOrd for Candidate {
+        impl Eq for Pair {}
+        impl PartialOrd for Pair {
             fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
                 Some(self.cmp(other))
             }
         }
-        impl Ord for Candidate {
+        impl Ord for Pair {
             // The highest score first, then the leftmost.
             fn cmp(&self, other: &Self) -> std::cmp::Ordering {
                 self.score
@@ -433,45 +393,64 @@ impl SentencePieceModel {
                     .then(other.span.0.cmp(&self.span.0))
             }
         }
-        let bounds: Vec<usize> = text
-            .char_indices()
-            .map(|(i, _)| i)
-            .chain([text.len()])
-            .collect();
-        let count = bounds.len() - 1;
-        let mut symbols: Vec<Symbol> = (0..count)
-            .map(|i| Symbol {
-                start: bounds[i],
-                end: bounds[i + 1],
-                prev: i.checked_sub(1),
-                next: (i + 1 < count).then_some(i + 1),
+        let mut symbols: Vec<Symbol> = Vec::new();
+        let mut at = 0;
+        while at < text.len() {
+            let rest = &text[at..];
+            let user_defined = self
+                .normalizer
+                .user_defined
+                .iter()
+                .filter(|piece| rest.starts_with(piece.as_str()))
+                .map(String::len)
+                .max();
+            let length = user_defined
+                .unwrap_or_else(|| rest.chars().next().map_or(1, char::len_utf8));
+            let index = symbols.len();
+            symbols.push(Symbol {
+                start: at,
+                end: at + length,
+                prev: index.checked_sub(1),
+                next: (at + length < text.len()).then_some(index + 1),
                 alive: true,
-            })
-            .collect();
+                frozen: user_defined.is_some(),
+            });
+            at += length;
+        }
+        // Unused pieces made by a merge: the length of the left part of the latest merge
+        // into each (by text, as SentencePiece keeps it).
+        let mut unmerge: HashMap<&str, usize> = HashMap::new();
         let mut queue = std::collections::BinaryHeap::new();
-        let push = |queue: &mut std::collections::BinaryHeap<Candidate>,
-                    symbols: &[Symbol],
-                    left: usize,
-                    right: usize| {
+        let push = |queue: &mut std::collections::BinaryHeap<Pair>,
+                        unmerge: &mut HashMap<&'t str, usize>,
+                        symbols: &[Symbol],
+                        left: usize,
+                        right: usize| {
+            if symbols[left].frozen || symbols[right].frozen {
+                return;
+            }
             let span = (symbols[left].start, symbols[right].end);
-            if let Some((_, score)) = self.matchable(&text[span.0..span.1]) {
-                queue.push(Candidate {
-                    score,
+            if let Some((id, kind)) = self.lookup(&text[span.0..span.1]) {
+                if kind == PieceType::Unused {
+                    unmerge.insert(&text[span.0..span.1], symbols[left].end - span.0);
+                }
+                queue.push(Pair {
+                    score: self.pieces[id as usize].1,
                     left,
                     right,
                     span,
                 });
             }
         };
-        for i in 1..count {
-            push(&mut queue, &symbols, i - 1, i);
+        for i in 1..symbols.len() {
+            push(&mut queue, &mut unmerge, &symbols, i - 1, i);
         }
-        while let Some(candidate) = queue.pop() {
-            let (left, right) = (candidate.left, candidate.right);
+        while let Some(pair) = queue.pop() {
+            let (left, right) = (pair.left, pair.right);
             let current = symbols[left].alive
                 && symbols[right].alive
                 && symbols[left].next == Some(right)
-                && (symbols[left].start, symbols[right].end) == candidate.span;
+                && (symbols[left].start, symbols[right].end) == pair.span;
             if !current {
                 continue;
             }
@@ -480,17 +459,43 @@ impl SentencePieceModel {
             symbols[left].next = symbols[right].next;
             if let Some(next) = symbols[right].next {
                 symbols[next].prev = Some(left);
-                push(&mut queue, &symbols, left, next);
             }
             if let Some(prev) = symbols[left].prev {
-                push(&mut queue, &symbols, prev, left);
+                push(&mut queue, &mut unmerge, &symbols, prev, left);
+            }
+            if let Some(next) = symbols[left].next {
+                push(&mut queue, &mut unmerge, &symbols, left, next);
             }
         }
-        symbols
-            .iter()
-            .filter(|s| s.alive)
-            .map(|s| &text[s.start..s.end])
-            .collect()
+        let mut out = Vec::new();
+        for symbol in symbols.iter().filter(|s| s.alive) {
+            self.resegment(text, symbol.start..symbol.end, &unmerge, 0, &mut out);
+        }
+        out
+    }
+
+    /// A final BPE symbol as pieces: itself, or for an unused piece the two symbols it was
+    /// merged from (recursively, at most 100 deep as in SentencePiece).
+    fn resegment(
+        &self,
+        text: &str,
+        span: std::ops::Range<usize>,
+        unmerge: &HashMap<&str, usize>,
+        depth: usize,
+        out: &mut Vec<(std::ops::Range<usize>, unigram::Step)>,
+    ) {
+        let piece = &text[span.clone()];
+        let (found, split) = (self.lookup(piece), unmerge.get(piece));
+        match (found, split) {
+            (Some((id, _)), _) if depth > 100 => out.push((span, Some(id))),
+            (Some((_, PieceType::Unused)), Some(&left)) => {
+                let split = span.start + left;
+                self.resegment(text, span.start..split, unmerge, depth + 1, out);
+                self.resegment(text, split..span.end, unmerge, depth + 1, out);
+            }
+            (Some((id, kind)), _) if kind != PieceType::Unused => out.push((span, Some(id))),
+            _ => out.push((span, None)),
+        }
     }
 
     /// `decode_ids`: pieces joined, `▁` as spaces (the dummy prefix's dropped), byte pieces as
@@ -514,7 +519,7 @@ impl SentencePieceModel {
         }
         let text = String::from_utf8_lossy(&bytes).into_owned();
         Ok(match text.strip_prefix(' ') {
-            Some(rest) if self.add_dummy_prefix => rest.to_string(),
+            Some(rest) if self.normalizer.add_dummy_prefix => rest.to_string(),
             _ => text,
         })
     }

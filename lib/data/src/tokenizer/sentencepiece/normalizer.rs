@@ -1,0 +1,164 @@
+//! SentencePiece's text normalization, as the C++ library applies it before segmentation:
+//! at each position the longest rule of the model's precompiled charsmap (a Darts double-array
+//! trie over UTF-8 bytes) or the longest user-defined piece (kept as written), else one
+//! character unchanged; then whitespace folding and the `▁` escape of spaces.
+//!
+//! The `tokenizers` crate's `Precompiled` normalizer is not used: it applies the charsmap per
+//! grapheme cluster, which composes differently (half-width katakana with their sound marks,
+//! Hangul jamo) and drops stacked combining marks.
+
+/// The whitespace escape, U+2581.
+pub(super) const SPACE: &str = "\u{2581}";
+
+/// A precompiled charsmap: `<trie size: u32 LE><double-array units><NUL-separated outputs>`.
+pub(super) struct Charsmap {
+    units: Vec<u32>,
+    outputs: Vec<u8>,
+}
+
+impl Charsmap {
+    pub(super) fn from_bytes(blob: &[u8]) -> Result<Self, String> {
+        let size = blob
+            .get(..4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+            .ok_or("the precompiled charsmap is shorter than its header")?;
+        let trie = blob
+            .get(4..4 + size)
+            .filter(|_| size % 4 == 0 && size > 0)
+            .ok_or("the precompiled charsmap's trie size does not fit the blob")?;
+        Ok(Charsmap {
+            units: trie
+                .chunks_exact(4)
+                .map(|u| u32::from_le_bytes(u.try_into().expect("4 bytes")))
+                .collect(),
+            outputs: blob[4 + size..].to_vec(),
+        })
+    }
+
+    /// The longest rule matching a prefix of `input`: its length in bytes and its output.
+    /// A malformed trie or output offset matches nothing, as in the C++ library.
+    fn longest_match(&self, input: &[u8]) -> Option<(usize, &[u8])> {
+        // Darts-clone's unit layout: bit 8 says a leaf hangs below, bits 0-7 (and bit 31 for
+        // leaves) are the label, the offset to the children is bits 10-31, shifted left by 8
+        // when bit 9 is set; a leaf unit holds the value in bits 0-30.
+        let offset = |unit: u32| ((unit >> 10) << ((unit & (1 << 9)) >> 6)) as usize;
+        let mut node = offset(*self.units.first()?);
+        let mut best = None;
+        for (i, &byte) in input.iter().enumerate() {
+            node ^= byte as usize;
+            let Some(&unit) = self.units.get(node) else {
+                break;
+            };
+            if unit & ((1 << 31) | 0xff) != u32::from(byte) {
+                break;
+            }
+            node ^= offset(unit);
+            if (unit >> 8) & 1 == 1 {
+                if let Some(&leaf) = self.units.get(node) {
+                    best = Some((i + 1, (leaf & 0x7fff_ffff) as usize));
+                }
+            }
+        }
+        let (length, value) = best?;
+        let output = self.outputs.get(value..)?;
+        let end = output.iter().position(|&b| b == 0).unwrap_or(output.len());
+        Some((length, &output[..end]))
+    }
+}
+
+/// The `NormalizerSpec` (and the trainer's whitespace placement) with the model's
+/// user-defined pieces.
+pub(super) struct Normalizer {
+    pub(super) charsmap: Option<Charsmap>,
+    pub(super) add_dummy_prefix: bool,
+    pub(super) remove_extra_whitespaces: bool,
+    pub(super) escape_whitespaces: bool,
+    pub(super) treat_whitespace_as_suffix: bool,
+    /// User-defined pieces, matched before the charsmap and never normalized.
+    pub(super) user_defined: Vec<String>,
+}
+
+impl Normalizer {
+    /// The normalized form of the longest rule at the start of `input` and the bytes it
+    /// consumes.
+    fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
+        let user_defined = self
+            .user_defined
+            .iter()
+            .filter(|piece| input.starts_with(piece.as_str()))
+            .map(String::len)
+            .max();
+        if let Some(length) = user_defined {
+            return (&input.as_bytes()[..length], length);
+        }
+        if let Some((length, output)) = self
+            .charsmap
+            .as_ref()
+            .and_then(|map| map.longest_match(input.as_bytes()))
+        {
+            return (output, length);
+        }
+        let length = input.chars().next().map_or(0, char::len_utf8);
+        (&input.as_bytes()[..length], length)
+    }
+
+    /// `Normalizer::Normalize`: the rules applied left to right; leading, repeated and
+    /// trailing spaces dropped when `remove_extra_whitespaces`; the dummy `▁` before (or,
+    /// with `treat_whitespace_as_suffix`, after) the text.
+    pub(super) fn normalize(&self, text: &str) -> String {
+        let mut input = text;
+        if self.remove_extra_whitespaces {
+            loop {
+                let (output, consumed) = self.prefix(input);
+                if consumed == 0 || output != b" " {
+                    break;
+                }
+                input = &input[consumed..];
+            }
+        }
+        if input.is_empty() {
+            return String::new();
+        }
+        let space: &[u8] = if self.escape_whitespaces {
+            SPACE.as_bytes()
+        } else {
+            b" "
+        };
+        let mut out: Vec<u8> = Vec::with_capacity(input.len() * 3 / 2);
+        if self.add_dummy_prefix && !self.treat_whitespace_as_suffix {
+            out.extend_from_slice(space);
+        }
+        let mut previous_space = self.remove_extra_whitespaces;
+        while !input.is_empty() {
+            let (mut output, consumed) = self.prefix(input);
+            while previous_space && output.first() == Some(&b' ') {
+                output = &output[1..];
+            }
+            if !output.is_empty() {
+                for &byte in output {
+                    if byte == b' ' {
+                        out.extend_from_slice(space);
+                    } else {
+                        out.push(byte);
+                    }
+                }
+                previous_space = output.ends_with(b" ");
+            }
+            input = &input[consumed..];
+            if !self.remove_extra_whitespaces {
+                previous_space = false;
+            }
+        }
+        if self.remove_extra_whitespaces {
+            while out.ends_with(space) {
+                out.truncate(out.len() - space.len());
+            }
+        }
+        if self.add_dummy_prefix && self.treat_whitespace_as_suffix {
+            out.extend_from_slice(space);
+        }
+        // Charsmap outputs are UTF-8 in every model the trainer writes; a hand-made one that
+        // is not still yields text, with U+FFFD where its bytes are broken.
+        String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+}
