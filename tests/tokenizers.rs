@@ -1,6 +1,7 @@
-//! Megatron's SentencePiece and TikToken tokenizers in `preprocess_data`: the `.bin` holds the
-//! ids the Python `sentencepiece` and `tiktoken` packages give, on models trained for the test
-//! (`fixtures/tokenizer_references.py`, no network) and documents of the shared corpora.
+//! Megatron's SentencePiece and TikToken tokenizers in `preprocess_data`: the `.bin` holds
+//! exactly the ids the Python `sentencepiece` and `tiktoken` packages give, on models trained
+//! for the test (`fixtures/tokenizer_references.py`, no network) and documents of the shared
+//! corpora, and on hand-made SentencePiece models whose documents each aim at one behaviour.
 
 use std::path::Path;
 
@@ -43,61 +44,56 @@ fn sentencepiece_and_tiktoken_ids_equal_the_python_packages() {
     );
     let expected: Value =
         serde_json::from_slice(&std::fs::read(out.join("expected.json")).unwrap()).unwrap();
-    let cases: Vec<(&str, &str, Vec<String>)> = vec![
+    let model = |name: &str| {
+        vec![
+            "--tokenizer-model".into(),
+            out.join(name).display().to_string(),
+        ]
+    };
+    let tiktoken = |version: &str| {
+        let mut flags = model("tiktoken.json");
+        flags.extend([
+            "--tiktoken-pattern".into(),
+            version.into(),
+            "--tiktoken-num-special-tokens".into(),
+            expected["tiktoken_num_special"].to_string(),
+            "--vocab-size".into(),
+            expected["tiktoken_vocab_size"].to_string(),
+        ]);
+        flags
+    };
+    let mut cases: Vec<(String, &str, Vec<String>)> = vec![
         (
-            "unigram",
+            "unigram".into(),
             "GPTSentencePieceTokenizer",
-            vec![
-                "--tokenizer-model".into(),
-                out.join("unigram.model").display().to_string(),
-            ],
+            model("unigram.model"),
         ),
         (
-            "bpe",
+            "bpe".into(),
             "GPTSentencePieceTokenizer",
-            vec![
-                "--tokenizer-model".into(),
-                out.join("bpe.model").display().to_string(),
-            ],
+            model("bpe.model"),
         ),
-        (
-            "llama2",
-            "Llama2Tokenizer",
-            vec![
-                "--tokenizer-model".into(),
-                out.join("unigram.model").display().to_string(),
-            ],
-        ),
-    ]
-    .into_iter()
-    .chain(["v1", "v2"].map(|version| {
-        let key = if version == "v1" {
-            "tiktoken_v1"
-        } else {
-            "tiktoken_v2"
-        };
-        (
-            key,
-            "TikTokenizer",
-            vec![
-                "--tokenizer-model".into(),
-                out.join("tiktoken.json").display().to_string(),
-                "--tiktoken-pattern".into(),
-                version.into(),
-                "--tiktoken-num-special-tokens".into(),
-                expected["tiktoken_num_special"].to_string(),
-                "--vocab-size".into(),
-                expected["tiktoken_vocab_size"].to_string(),
-            ],
-        )
-    }))
-    .collect();
+        ("llama2".into(), "Llama2Tokenizer", model("unigram.model")),
+        ("tiktoken_v1".into(), "TikTokenizer", tiktoken("v1")),
+        ("tiktoken_v2".into(), "TikTokenizer", tiktoken("v2")),
+    ];
+    for name in ["unigram", "bpe", "suffix", "noescape"] {
+        let key = format!("handmade_{name}");
+        let flags = model(&format!("{key}.model"));
+        cases.push((key, "GPTSentencePieceTokenizer", flags));
+    }
     for (key, tokenizer, flags) in cases {
+        let key = key.as_str();
         let prefix = out.join(key);
+        let input = if key.starts_with("handmade") {
+            "handmade.jsonl"
+        } else {
+            "input.jsonl"
+        };
         run_ok(
             bin("preprocess_data")
                 .arg("--input")
-                .arg(out.join("input.jsonl"))
+                .arg(out.join(input))
                 .arg("--output-prefix")
                 .arg(&prefix)
                 .args(["--tokenizer-type", tokenizer, "--workers", "2"])

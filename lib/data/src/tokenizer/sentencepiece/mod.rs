@@ -129,9 +129,8 @@ impl SentencePieceModel {
 
     fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
         let malformed = |what: &str| format!("malformed {what}");
-        let text = |t: &[u8], what: &str| {
-            String::from_utf8(t.to_vec()).map_err(|_| malformed(what))
-        };
+        let text =
+            |t: &[u8], what: &str| String::from_utf8(t.to_vec()).map_err(|_| malformed(what));
         let mut pieces = Vec::new();
         let (mut model_type, mut byte_fallback) = (ModelType::Unigram, false);
         let mut special: [String; 3] = ["<s>".into(), "</s>".into(), "<pad>".into()];
@@ -192,7 +191,9 @@ impl SentencePieceModel {
                                     }
                                 }
                             }
-                            (24, Value::Varint(b)) => normalizer.treat_whitespace_as_suffix = b != 0,
+                            (24, Value::Varint(b)) => {
+                                normalizer.treat_whitespace_as_suffix = b != 0
+                            }
                             (35, Value::Varint(b)) => byte_fallback = b != 0,
                             (46, Value::Bytes(t)) => special[0] = text(t, "bos piece")?,
                             (47, Value::Bytes(t)) => special[1] = text(t, "eos piece")?,
@@ -223,7 +224,9 @@ impl SentencePieceModel {
         }
         if model_type == ModelType::Unigram {
             if let Some((text, ..)) = pieces.iter().find(|p| !p.1.is_finite()) {
-                return Err(format!("piece {text:?} has a score that is NaN or infinite"));
+                return Err(format!(
+                    "piece {text:?} has a score that is NaN or infinite"
+                ));
             }
         }
         let mut ids = HashMap::new();
@@ -297,10 +300,12 @@ impl SentencePieceModel {
     }
 
     pub fn piece_id(&self, piece: &str) -> Option<u32> {
-        self.ids
-            .get(piece)
-            .copied()
-            .or_else(|| self.pieces.iter().position(|p| p.0 == piece).map(|i| i as u32))
+        self.ids.get(piece).copied().or_else(|| {
+            self.pieces
+                .iter()
+                .position(|p| p.0 == piece)
+                .map(|i| i as u32)
+        })
     }
 
     /// A normal, user-defined or unused piece's id and type.
@@ -404,8 +409,8 @@ impl SentencePieceModel {
                 .filter(|piece| rest.starts_with(piece.as_str()))
                 .map(String::len)
                 .max();
-            let length = user_defined
-                .unwrap_or_else(|| rest.chars().next().map_or(1, char::len_utf8));
+            let length =
+                user_defined.unwrap_or_else(|| rest.chars().next().map_or(1, char::len_utf8));
             let index = symbols.len();
             symbols.push(Symbol {
                 start: at,
@@ -422,10 +427,10 @@ impl SentencePieceModel {
         let mut unmerge: HashMap<&str, usize> = HashMap::new();
         let mut queue = std::collections::BinaryHeap::new();
         let push = |queue: &mut std::collections::BinaryHeap<Pair>,
-                        unmerge: &mut HashMap<&'t str, usize>,
-                        symbols: &[Symbol],
-                        left: usize,
-                        right: usize| {
+                    unmerge: &mut HashMap<&'t str, usize>,
+                    symbols: &[Symbol],
+                    left: usize,
+                    right: usize| {
             if symbols[left].frozen || symbols[right].frozen {
                 return;
             }

@@ -159,6 +159,92 @@ impl Normalizer {
         }
         // Charsmap outputs are UTF-8 in every model the trainer writes; a hand-made one that
         // is not still yields text, with U+FFFD where its bytes are broken.
-        String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+        String::from_utf8(out)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn normalizer() -> Normalizer {
+        Normalizer {
+            charsmap: None,
+            add_dummy_prefix: true,
+            remove_extra_whitespaces: true,
+            escape_whitespaces: true,
+            treat_whitespace_as_suffix: false,
+            user_defined: Vec::new(),
+        }
+    }
+
+    /// A double-array trie with the rules "a" → "A" and "ab" → "X", laid out by hand in
+    /// Darts-clone's unit format.
+    fn charsmap() -> Charsmap {
+        let mut units = vec![0u32; 1024];
+        let (leaf, has_leaf) = (1u32 << 31, 1u32 << 8);
+        units[0] = 256 << 10; // root: children at 256 ^ byte
+        units[256 ^ 97] = 97 | has_leaf | (512 << 10); // 'a', then at 353 ^ 512 = 865
+        units[865] = leaf; // "a" → outputs[0..]
+        units[865 ^ 98] = 98 | has_leaf | (128 << 10); // 'b', then at 771 ^ 128 = 899
+        units[899] = leaf | 2; // "ab" → outputs[2..]
+        let mut blob = ((units.len() * 4) as u32).to_le_bytes().to_vec();
+        blob.extend(units.iter().flat_map(|u| u.to_le_bytes()));
+        blob.extend(b"A\0X\0");
+        Charsmap::from_bytes(&blob).unwrap()
+    }
+
+    #[test]
+    fn the_longest_charsmap_rule_applies_at_each_position() {
+        let normalizer = Normalizer {
+            charsmap: Some(charsmap()),
+            ..normalizer()
+        };
+        assert_eq!(normalizer.normalize("abac b"), "▁XAc▁b");
+    }
+
+    #[test]
+    fn a_broken_charsmap_matches_nothing_instead_of_panicking() {
+        let mut blob = 8u32.to_le_bytes().to_vec();
+        blob.extend([0xff; 8]);
+        let normalizer = Normalizer {
+            charsmap: Some(Charsmap::from_bytes(&blob).unwrap()),
+            ..normalizer()
+        };
+        assert_eq!(normalizer.normalize("ab\u{0}"), "▁ab\u{0}");
+        assert!(Charsmap::from_bytes(&[1, 0]).is_err());
+        assert!(Charsmap::from_bytes(&64u32.to_le_bytes()).is_err());
+    }
+
+    #[test]
+    fn whitespace_is_folded_and_escaped() {
+        assert_eq!(normalizer().normalize("  a  b  "), "▁a▁b");
+        assert_eq!(normalizer().normalize("   "), "");
+    }
+
+    #[test]
+    fn user_defined_pieces_are_kept_as_written() {
+        // Their inner spaces are escaped but not folded.
+        let normalizer = Normalizer {
+            user_defined: vec!["a  b".into()],
+            ..normalizer()
+        };
+        assert_eq!(normalizer.normalize("a  b  a  c"), "▁a▁▁b▁a▁c");
+    }
+
+    #[test]
+    fn whitespace_options_of_the_spec() {
+        let suffix = Normalizer {
+            treat_whitespace_as_suffix: true,
+            ..normalizer()
+        };
+        assert_eq!(suffix.normalize(" hello  world "), "hello▁world▁");
+        let verbatim = Normalizer {
+            escape_whitespaces: false,
+            remove_extra_whitespaces: false,
+            ..normalizer()
+        };
+        assert_eq!(verbatim.normalize(" a  b "), "  a  b ");
     }
 }

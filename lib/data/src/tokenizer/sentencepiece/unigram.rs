@@ -119,3 +119,81 @@ pub(super) fn segment(
     pieces.reverse();
     pieces
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pieces `segment` picks from `pieces` (text, score; `None` marks user-defined).
+    fn pieces_of<'t>(text: &'t str, pieces: &[(&str, Option<f32>)]) -> Vec<&'t str> {
+        let longest = pieces.iter().map(|p| p.0.chars().count()).max().unwrap();
+        let lowest = pieces.iter().filter_map(|p| p.1).fold(f32::MAX, f32::min);
+        segment(text, longest, lowest - UNKNOWN_PENALTY, |piece| {
+            let i = pieces.iter().position(|p| p.0 == piece)?;
+            let candidate = pieces[i]
+                .1
+                .map_or(Candidate::UserDefined, Candidate::Scored);
+            Some((i as u32, candidate))
+        })
+        .into_iter()
+        .map(|(span, _)| &text[span])
+        .collect()
+    }
+
+    const LARGE: [(&str, Option<f32>); 2] = [("▁", Some(-1.0)), ("Q", Some(-39_999.0))];
+
+    #[test]
+    fn near_ties_are_decided_in_single_precision() {
+        // At -80,000 "xy" (-2.003) and "x" + "y" (-1.999) round to the same f32 total; the
+        // earlier candidate stays. Summed in double, "x" + "y" would win.
+        let pieces = [
+            LARGE.as_slice(),
+            &[("x", Some(-1.0)), ("y", Some(-0.999)), ("xy", Some(-2.003))],
+        ]
+        .concat();
+        assert_eq!(pieces_of("▁QQ▁xy", &pieces), ["▁", "Q", "Q", "▁", "xy"]);
+        // Near 0 the same scores are told apart.
+        assert_eq!(pieces_of("▁xy", &pieces), ["▁", "x", "y"]);
+    }
+
+    #[test]
+    fn totals_beyond_100000_are_rebased_before_extending() {
+        // From -119,999 on, totals restart at 0, where "v" + "w" (-2) beats "vw" (-2.003);
+        // without the rebase both round to -120,001 and "vw" would stay.
+        let pieces = [
+            LARGE.as_slice(),
+            &[("v", Some(-1.0)), ("w", Some(-1.0)), ("vw", Some(-2.003))],
+        ]
+        .concat();
+        assert_eq!(
+            pieces_of("▁QQQ▁vw", &pieces),
+            ["▁", "Q", "Q", "Q", "▁", "v", "w"]
+        );
+    }
+
+    #[test]
+    fn user_defined_pieces_score_a_tenth_per_extra_byte() {
+        // "<sep>" scores 0.4 whatever its stored score, above any split into normal pieces;
+        // of two user-defined pieces over the same text the longer wins (0.4 > 0.1 + 0.2).
+        let pieces = [
+            ("<sep>", None),
+            ("<s", None),
+            ("ep>", None),
+            ("<se", Some(-0.1)),
+            ("p>", Some(-0.1)),
+            ("a", Some(-1.0)),
+        ];
+        assert_eq!(pieces_of("a<sep>a", &pieces), ["a", "<sep>", "a"]);
+    }
+
+    #[test]
+    fn an_uncovered_character_is_one_unknown_step() {
+        let pieces = [("a", Some(-1.0)), ("b", Some(-2.0))];
+        let text = "aéb";
+        let steps = segment(text, 1, -12.0, |piece| {
+            let i = pieces.iter().position(|p| p.0 == piece)?;
+            Some((i as u32, Candidate::Scored(pieces[i].1.unwrap())))
+        });
+        assert_eq!(steps, [(0..1, Some(0)), (1..3, None), (3..4, Some(1))]);
+    }
+}
