@@ -77,6 +77,10 @@ fn sentencepiece_and_tiktoken_ids_equal_the_python_packages() {
         ("tiktoken_v1".into(), "TikTokenizer", tiktoken("v1")),
         ("tiktoken_v2".into(), "TikTokenizer", tiktoken("v2")),
     ];
+    for kind in ["unigram", "bpe"] {
+        let flags = model(&format!("{kind}.model"));
+        cases.push((format!("megatron_{kind}"), "SentencePieceTokenizer", flags));
+    }
     for name in ["unigram", "bpe", "suffix", "noescape"] {
         let key = format!("handmade_{name}");
         let flags = model(&format!("{key}.model"));
@@ -85,10 +89,10 @@ fn sentencepiece_and_tiktoken_ids_equal_the_python_packages() {
     for (key, tokenizer, flags) in cases {
         let key = key.as_str();
         let prefix = out.join(key);
-        let input = if key.starts_with("handmade") {
-            "handmade.jsonl"
-        } else {
-            "input.jsonl"
+        let input = match key.split('_').next() {
+            Some("handmade") => "handmade.jsonl",
+            Some("megatron") => "special.jsonl",
+            _ => "input.jsonl",
         };
         run_ok(
             bin("preprocess_data")

@@ -14,7 +14,7 @@ mod unigram;
 use std::collections::HashMap;
 use std::path::Path;
 
-use normalizer::{Charsmap, Normalizer, SPACE};
+use normalizer::{Charsmap, Normalizer, UserDefined, SPACE};
 use unigram::{Candidate, UNKNOWN_PENALTY};
 
 use super::{unknown_id, Tokenizer, TokenizerError};
@@ -140,7 +140,7 @@ impl SentencePieceModel {
             remove_extra_whitespaces: true,
             escape_whitespaces: true,
             treat_whitespace_as_suffix: false,
-            user_defined: Vec::new(),
+            user_defined: UserDefined::default(),
         };
         let mut model = fields(bytes);
         while let Some(field) = model.next_field() {
@@ -256,11 +256,12 @@ impl SentencePieceModel {
                 PieceType::Control => {}
             }
         }
-        normalizer.user_defined = pieces
-            .iter()
-            .filter(|p| p.2 == PieceType::UserDefined)
-            .map(|p| p.0.clone())
-            .collect();
+        normalizer.user_defined = UserDefined::new(
+            pieces
+                .iter()
+                .filter(|p| p.2 == PieceType::UserDefined)
+                .map(|p| p.0.as_str()),
+        );
         // As `SentencePieceProcessor`: the special ids are those of the trainer's named
         // pieces, where those are control pieces.
         let control = |name: &str| {
@@ -402,13 +403,7 @@ impl SentencePieceModel {
         let mut at = 0;
         while at < text.len() {
             let rest = &text[at..];
-            let user_defined = self
-                .normalizer
-                .user_defined
-                .iter()
-                .filter(|piece| rest.starts_with(piece.as_str()))
-                .map(String::len)
-                .max();
+            let user_defined = self.normalizer.user_defined.longest_prefix(rest);
             let length =
                 user_defined.unwrap_or_else(|| rest.chars().next().map_or(1, char::len_utf8));
             let index = symbols.len();

@@ -66,6 +66,32 @@ impl Charsmap {
     }
 }
 
+/// User-defined pieces by first character, for the longest one starting a text.
+#[derive(Default)]
+pub(super) struct UserDefined(std::collections::HashMap<char, Vec<String>>);
+
+impl UserDefined {
+    pub(super) fn new<'a>(pieces: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut by_first = std::collections::HashMap::<char, Vec<String>>::new();
+        for piece in pieces {
+            if let Some(first) = piece.chars().next() {
+                by_first.entry(first).or_default().push(piece.to_string());
+            }
+        }
+        UserDefined(by_first)
+    }
+
+    /// The length in bytes of the longest user-defined piece `text` starts with.
+    pub(super) fn longest_prefix(&self, text: &str) -> Option<usize> {
+        let candidates = self.0.get(&text.chars().next()?)?;
+        candidates
+            .iter()
+            .filter(|piece| text.starts_with(piece.as_str()))
+            .map(String::len)
+            .max()
+    }
+}
+
 /// The `NormalizerSpec` (and the trainer's whitespace placement) with the model's
 /// user-defined pieces.
 pub(super) struct Normalizer {
@@ -75,20 +101,14 @@ pub(super) struct Normalizer {
     pub(super) escape_whitespaces: bool,
     pub(super) treat_whitespace_as_suffix: bool,
     /// User-defined pieces, matched before the charsmap and never normalized.
-    pub(super) user_defined: Vec<String>,
+    pub(super) user_defined: UserDefined,
 }
 
 impl Normalizer {
     /// The normalized form of the longest rule at the start of `input` and the bytes it
     /// consumes.
     fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
-        let user_defined = self
-            .user_defined
-            .iter()
-            .filter(|piece| input.starts_with(piece.as_str()))
-            .map(String::len)
-            .max();
-        if let Some(length) = user_defined {
+        if let Some(length) = self.user_defined.longest_prefix(input) {
             return (&input.as_bytes()[..length], length);
         }
         if let Some((length, output)) = self
@@ -175,7 +195,7 @@ mod tests {
             remove_extra_whitespaces: true,
             escape_whitespaces: true,
             treat_whitespace_as_suffix: false,
-            user_defined: Vec::new(),
+            user_defined: UserDefined::default(),
         }
     }
 
@@ -227,10 +247,12 @@ mod tests {
     fn user_defined_pieces_are_kept_as_written() {
         // Their inner spaces are escaped but not folded.
         let normalizer = Normalizer {
-            user_defined: vec!["a  b".into()],
+            user_defined: UserDefined::new(["a  b", "a  bc", "b"]),
             ..normalizer()
         };
         assert_eq!(normalizer.normalize("a  b  a  c"), "▁a▁▁b▁a▁c");
+        // The longest one wins.
+        assert_eq!(normalizer.normalize("a  bc  a  c"), "▁a▁▁bc▁a▁c");
     }
 
     #[test]
