@@ -74,6 +74,16 @@ fn sentencepiece_and_tiktoken_ids_equal_the_python_packages() {
             model("bpe.model"),
         ),
         ("llama2".into(), "Llama2Tokenizer", model("unigram.model")),
+        (
+            "unigram_extras".into(),
+            "GPTSentencePieceTokenizer",
+            model("unigram_extras.model"),
+        ),
+        (
+            "bpe_extras".into(),
+            "GPTSentencePieceTokenizer",
+            model("bpe_extras.model"),
+        ),
         ("tiktoken_v1".into(), "TikTokenizer", tiktoken("v1")),
         ("tiktoken_v2".into(), "TikTokenizer", tiktoken("v2")),
     ];
