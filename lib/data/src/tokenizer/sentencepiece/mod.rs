@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use normalizer::{Charsmap, Normalizer, UserDefined, SPACE};
-use unigram::{Candidate, UNKNOWN_PENALTY};
+use unigram::{Candidate, Lattice, UNKNOWN_PENALTY};
 
 use super::{unknown_id, Tokenizer, TokenizerError};
 
@@ -47,8 +47,8 @@ pub struct SentencePieceModel {
     eos_id: Option<u32>,
     pad_id: Option<u32>,
     normalizer: Normalizer,
-    /// Longest piece in characters (bounds the unigram lattice).
-    longest: usize,
+    /// The unigram model's pieces for segmentation.
+    lattice: Lattice,
     min_score: f32,
     /// `<0xAB>` pieces by byte.
     byte_ids: Vec<Option<u32>>,
@@ -272,12 +272,20 @@ impl SentencePieceModel {
         };
         let [bos, eos, pad] = &special;
         Ok(SentencePieceModel {
-            longest: pieces
-                .iter()
-                .filter(|p| matches!(p.2, PieceType::Normal | PieceType::UserDefined))
-                .map(|p| p.0.chars().count())
-                .max()
-                .unwrap_or(1),
+            lattice: Lattice::new(
+                pieces
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, (text, score, kind))| {
+                        let candidate = match kind {
+                            PieceType::Normal => Candidate::Scored(*score),
+                            PieceType::UserDefined => Candidate::UserDefined,
+                            _ => return None,
+                        };
+                        Some((text.clone(), i as u32, candidate))
+                    })
+                    .collect(),
+            ),
             min_score: pieces
                 .iter()
                 .filter(|p| p.2 == PieceType::Normal)
@@ -322,18 +330,9 @@ impl SentencePieceModel {
             return;
         }
         let pieces = match self.model_type {
-            ModelType::Unigram => unigram::segment(
-                &normalized,
-                self.longest,
-                self.min_score - UNKNOWN_PENALTY,
-                |piece| match self.lookup(piece)? {
-                    (id, PieceType::Normal) => {
-                        Some((id, Candidate::Scored(self.pieces[id as usize].1)))
-                    }
-                    (id, PieceType::UserDefined) => Some((id, Candidate::UserDefined)),
-                    _ => None,
-                },
-            ),
+            ModelType::Unigram => {
+                unigram::segment(&normalized, &self.lattice, self.min_score - UNKNOWN_PENALTY)
+            }
             ModelType::Bpe => self.merge_by_score(&normalized),
         };
         let mut previous_unknown = false;

@@ -31,6 +31,20 @@ impl Candidate {
     }
 }
 
+/// The pieces the lattice may use (normal and user-defined ones, never unused or control
+/// pieces), sorted by text: the pieces sharing a prefix are a contiguous run, so extending a
+/// candidate stops as soon as no piece continues it, as the C++ library's trie walk does.
+pub(super) struct Lattice {
+    pieces: Vec<(String, u32, Candidate)>,
+}
+
+impl Lattice {
+    pub(super) fn new(mut pieces: Vec<(String, u32, Candidate)>) -> Self {
+        pieces.sort_by(|a, b| a.0.cmp(&b.0));
+        Lattice { pieces }
+    }
+}
+
 #[derive(Clone, Copy)]
 struct Best {
     score: f32,
@@ -38,14 +52,11 @@ struct Best {
     step: Step,
 }
 
-/// The best segmentation of `text` as (byte range, step) pieces. `lookup` gives the pieces
-/// the lattice may use (normal and user-defined ones, never unused or control pieces),
-/// `longest` bounds their length in characters.
+/// The best segmentation of `text` as (byte range, step) pieces.
 pub(super) fn segment(
     text: &str,
-    longest: usize,
+    lattice: &Lattice,
     unknown_score: f32,
-    lookup: impl Fn(&str) -> Option<(u32, Candidate)>,
 ) -> Vec<(std::ops::Range<usize>, Step)> {
     let bounds: Vec<usize> = text
         .char_indices()
@@ -79,9 +90,21 @@ pub(super) fn segment(
             base = 0.0;
         }
         let mut single = false;
-        for end in start + 1..=(start + longest).min(n) {
+        // The run of pieces starting with the text from `start` to `end`: each step narrows
+        // it by the next character alone, since the run shares everything before it.
+        let mut run = &lattice.pieces[..];
+        for end in start + 1..=n {
             let (from, to) = (bounds[start], bounds[end]);
-            if let Some((id, candidate)) = lookup(&text[from..to]) {
+            let (shared, next) = (
+                bounds[end - 1] - from,
+                &text.as_bytes()[bounds[end - 1]..to],
+            );
+            run = &run[run.partition_point(|p| &p.0.as_bytes()[shared..] < next)..];
+            run = &run[..run.partition_point(|p| p.0.as_bytes()[shared..].starts_with(next))];
+            let Some(&(ref piece, id, candidate)) = run.first() else {
+                break;
+            };
+            if piece.len() == to - from {
                 frontier = frontier.max(end);
                 single |= end == start + 1;
                 let score = candidate.score(to - from) + base;
@@ -126,18 +149,24 @@ mod tests {
 
     /// The pieces `segment` picks from `pieces` (text, score; `None` marks user-defined).
     fn pieces_of<'t>(text: &'t str, pieces: &[(&str, Option<f32>)]) -> Vec<&'t str> {
-        let longest = pieces.iter().map(|p| p.0.chars().count()).max().unwrap();
         let lowest = pieces.iter().filter_map(|p| p.1).fold(f32::MAX, f32::min);
-        segment(text, longest, lowest - UNKNOWN_PENALTY, |piece| {
-            let i = pieces.iter().position(|p| p.0 == piece)?;
-            let candidate = pieces[i]
-                .1
-                .map_or(Candidate::UserDefined, Candidate::Scored);
-            Some((i as u32, candidate))
-        })
-        .into_iter()
-        .map(|(span, _)| &text[span])
-        .collect()
+        segment(text, &lattice(pieces), lowest - UNKNOWN_PENALTY)
+            .into_iter()
+            .map(|(span, _)| &text[span])
+            .collect()
+    }
+
+    fn lattice(pieces: &[(&str, Option<f32>)]) -> Lattice {
+        Lattice::new(
+            pieces
+                .iter()
+                .enumerate()
+                .map(|(i, (text, score))| {
+                    let candidate = score.map_or(Candidate::UserDefined, Candidate::Scored);
+                    (text.to_string(), i as u32, candidate)
+                })
+                .collect(),
+        )
     }
 
     const LARGE: [(&str, Option<f32>); 2] = [("▁", Some(-1.0)), ("Q", Some(-39_999.0))];
@@ -189,11 +218,7 @@ mod tests {
     #[test]
     fn an_uncovered_character_is_one_unknown_step() {
         let pieces = [("a", Some(-1.0)), ("b", Some(-2.0))];
-        let text = "aéb";
-        let steps = segment(text, 1, -12.0, |piece| {
-            let i = pieces.iter().position(|p| p.0 == piece)?;
-            Some((i as u32, Candidate::Scored(pieces[i].1.unwrap())))
-        });
+        let steps = segment("aéb", &lattice(&pieces), -12.0);
         assert_eq!(steps, [(0..1, Some(0)), (1..3, None), (3..4, Some(1))]);
     }
 }
