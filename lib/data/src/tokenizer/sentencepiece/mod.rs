@@ -43,6 +43,8 @@ pub struct SentencePieceModel {
     model_type: ModelType,
     byte_fallback: bool,
     unk_id: u32,
+    /// How `decode` shows an unknown piece.
+    unk_surface: String,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     pad_id: Option<u32>,
@@ -134,6 +136,7 @@ impl SentencePieceModel {
         let mut pieces = Vec::new();
         let (mut model_type, mut byte_fallback) = (ModelType::Unigram, false);
         let mut special: [String; 3] = ["<s>".into(), "</s>".into(), "<pad>".into()];
+        let mut unk_surface = " \u{2047} ".to_string();
         let mut normalizer = Normalizer {
             charsmap: None,
             add_dummy_prefix: true,
@@ -195,6 +198,7 @@ impl SentencePieceModel {
                                 normalizer.treat_whitespace_as_suffix = b != 0
                             }
                             (35, Value::Varint(b)) => byte_fallback = b != 0,
+                            (44, Value::Bytes(t)) => unk_surface = text(t, "unknown surface")?,
                             (46, Value::Bytes(t)) => special[0] = text(t, "bos piece")?,
                             (47, Value::Bytes(t)) => special[1] = text(t, "eos piece")?,
                             (48, Value::Bytes(t)) => special[2] = text(t, "pad piece")?,
@@ -292,6 +296,7 @@ impl SentencePieceModel {
                 .map(|p| p.1)
                 .fold(f32::MAX, f32::min),
             unk_id: unk_id.ok_or("it has no unknown piece")?,
+            unk_surface,
             bos_id: control(bos),
             eos_id: control(eos),
             pad_id: control(pad),
@@ -497,31 +502,71 @@ impl SentencePieceModel {
         }
     }
 
-    /// `decode_ids`: pieces joined, `▁` as spaces (the dummy prefix's dropped), byte pieces as
-    /// bytes, control pieces as nothing.
+    /// `decode_ids` as the C++ library's: pieces joined with `▁` as spaces; until some text
+    /// is out, a leading `▁` dropped from each piece (from the first one only when
+    /// `remove_extra_whitespaces` is off); runs of byte pieces as UTF-8 with U+FFFD for each
+    /// byte that starts no valid character; control pieces as nothing, unknown ones as the
+    /// trainer's `unk_surface`.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let mut text = String::new();
         let mut bytes = Vec::new();
+        let strip = self.normalizer.add_dummy_prefix || self.normalizer.remove_extra_whitespaces;
+        let mut at_start = true;
         for &id in ids {
-            let (text, _, kind) = self
+            let (piece, _, kind) = self
                 .pieces
                 .get(id as usize)
                 .ok_or_else(|| unknown_id(id, self.pieces.len()))?;
-            match kind {
-                PieceType::Control => {}
-                PieceType::Byte => match self.byte_ids.iter().position(|b| *b == Some(id)) {
-                    Some(byte) => bytes.push(byte as u8),
-                    None => bytes.extend_from_slice(text.as_bytes()),
-                },
-                PieceType::Unknown => bytes.extend_from_slice(" \u{2047} ".as_bytes()),
-                _ => bytes.extend_from_slice(text.replace(SPACE, " ").as_bytes()),
+            if *kind == PieceType::Byte {
+                if let Some(byte) = self.byte_ids.iter().position(|b| *b == Some(id)) {
+                    bytes.push(byte as u8);
+                    continue;
+                }
+            }
+            push_bytes(&mut text, &mut bytes);
+            at_start &= text.is_empty();
+            if *kind == PieceType::Control {
+                continue;
+            }
+            let mut piece = piece.as_str();
+            let mut stripped = false;
+            if at_start && strip {
+                if let Some(rest) = piece.strip_prefix(SPACE) {
+                    piece = rest;
+                    stripped = !self.normalizer.remove_extra_whitespaces;
+                }
+            }
+            if *kind == PieceType::Unknown {
+                text.push_str(&self.unk_surface);
+            } else {
+                text.push_str(&piece.replace(SPACE, " "));
+            }
+            at_start &= !stripped && text.is_empty();
+        }
+        push_bytes(&mut text, &mut bytes);
+        Ok(text)
+    }
+}
+
+/// Appends (and clears) a run of byte pieces' bytes: valid UTF-8 as it is, U+FFFD for each byte
+/// that starts no valid character.
+fn push_bytes(text: &mut String, bytes: &mut Vec<u8>) {
+    let mut rest = &bytes[..];
+    while !rest.is_empty() {
+        match std::str::from_utf8(rest) {
+            Ok(valid) => {
+                text.push_str(valid);
+                break;
+            }
+            Err(e) => {
+                let (valid, invalid) = rest.split_at(e.valid_up_to());
+                text.push_str(std::str::from_utf8(valid).expect("checked as valid"));
+                text.push(char::REPLACEMENT_CHARACTER);
+                rest = &invalid[1..];
             }
         }
-        let text = String::from_utf8_lossy(&bytes).into_owned();
-        Ok(match text.strip_prefix(' ') {
-            Some(rest) if self.normalizer.add_dummy_prefix => rest.to_string(),
-            _ => text,
-        })
     }
+    bytes.clear();
 }
 
 /// Which of Megatron's SentencePiece wrappers.
