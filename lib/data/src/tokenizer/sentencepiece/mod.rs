@@ -49,6 +49,8 @@ pub struct SentencePieceModel {
     eos_id: Option<u32>,
     pad_id: Option<u32>,
     normalizer: Normalizer,
+    /// The model's rules applied to decoded text, if it has any.
+    denormalizer: Option<Normalizer>,
     /// The unigram model's pieces for segmentation.
     lattice: Lattice,
     min_score: f32,
@@ -137,14 +139,7 @@ impl SentencePieceModel {
         let (mut model_type, mut byte_fallback) = (ModelType::Unigram, false);
         let mut special: [String; 3] = ["<s>".into(), "</s>".into(), "<pad>".into()];
         let mut unk_surface = " \u{2047} ".to_string();
-        let mut normalizer = Normalizer {
-            charsmap: None,
-            add_dummy_prefix: true,
-            remove_extra_whitespaces: true,
-            escape_whitespaces: true,
-            treat_whitespace_as_suffix: false,
-            user_defined: UserDefined::default(),
-        };
+        let (mut normalizer, mut denormalizer) = (Normalizer::with_spec_defaults(), None);
         let mut model = fields(bytes);
         while let Some(field) = model.next_field() {
             match field.map_err(|_| malformed("model"))? {
@@ -206,19 +201,14 @@ impl SentencePieceModel {
                         }
                     }
                 }
-                (3, Value::Bytes(spec)) => {
-                    let mut f = fields(spec);
-                    while let Some(field) = f.next_field() {
-                        match field.map_err(|_| malformed("normalizer spec"))? {
-                            (2, Value::Bytes(map)) if !map.is_empty() => {
-                                normalizer.charsmap = Some(Charsmap::from_bytes(map)?)
-                            }
-                            (3, Value::Varint(b)) => normalizer.add_dummy_prefix = b != 0,
-                            (4, Value::Varint(b)) => normalizer.remove_extra_whitespaces = b != 0,
-                            (5, Value::Varint(b)) => normalizer.escape_whitespaces = b != 0,
-                            _ => {}
-                        }
-                    }
+                (3, Value::Bytes(spec)) => read_normalizer_spec(spec, &mut normalizer)?,
+                (5, Value::Bytes(spec)) => {
+                    let mut spec_normalizer = Normalizer::with_spec_defaults();
+                    read_normalizer_spec(spec, &mut spec_normalizer)?;
+                    denormalizer = spec_normalizer
+                        .charsmap
+                        .is_some()
+                        .then_some(spec_normalizer);
                 }
                 _ => {}
             }
@@ -305,6 +295,7 @@ impl SentencePieceModel {
             model_type,
             byte_fallback,
             normalizer,
+            denormalizer,
             byte_ids,
         })
     }
@@ -506,7 +497,7 @@ impl SentencePieceModel {
     /// is out, a leading `▁` dropped from each piece (from the first one only when
     /// `remove_extra_whitespaces` is off); runs of byte pieces as UTF-8 with U+FFFD for each
     /// byte that starts no valid character; control pieces as nothing, unknown ones as the
-    /// trainer's `unk_surface`.
+    /// trainer's `unk_surface`; then the model's denormalization rules, if any.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         let mut text = String::new();
         let mut bytes = Vec::new();
@@ -544,8 +535,28 @@ impl SentencePieceModel {
             at_start &= !stripped && text.is_empty();
         }
         push_bytes(&mut text, &mut bytes);
-        Ok(text)
+        Ok(match &self.denormalizer {
+            Some(rules) => rules.normalize(&text),
+            None => text,
+        })
     }
+}
+
+/// A `NormalizerSpec` message's charsmap and whitespace options into `normalizer`.
+fn read_normalizer_spec(spec: &[u8], normalizer: &mut Normalizer) -> Result<(), String> {
+    let mut f = fields(spec);
+    while let Some(field) = f.next_field() {
+        match field.map_err(|_| "malformed normalizer spec".to_string())? {
+            (2, Value::Bytes(map)) if !map.is_empty() => {
+                normalizer.charsmap = Some(Charsmap::from_bytes(map)?)
+            }
+            (3, Value::Varint(b)) => normalizer.add_dummy_prefix = b != 0,
+            (4, Value::Varint(b)) => normalizer.remove_extra_whitespaces = b != 0,
+            (5, Value::Varint(b)) => normalizer.escape_whitespaces = b != 0,
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Appends (and clears) a run of byte pieces' bytes: valid UTF-8 as it is, U+FFFD for each byte

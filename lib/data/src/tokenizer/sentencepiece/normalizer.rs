@@ -105,6 +105,19 @@ pub(super) struct Normalizer {
 }
 
 impl Normalizer {
+    /// The `NormalizerSpec` defaults: no rules, dummy prefix, extra whitespace removed,
+    /// spaces escaped.
+    pub(super) fn with_spec_defaults() -> Self {
+        Normalizer {
+            charsmap: None,
+            add_dummy_prefix: true,
+            remove_extra_whitespaces: true,
+            escape_whitespaces: true,
+            treat_whitespace_as_suffix: false,
+            user_defined: UserDefined::default(),
+        }
+    }
+
     /// The normalized form of the longest rule at the start of `input` and the bytes it
     /// consumes.
     fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
@@ -189,14 +202,7 @@ mod tests {
     use super::*;
 
     fn normalizer() -> Normalizer {
-        Normalizer {
-            charsmap: None,
-            add_dummy_prefix: true,
-            remove_extra_whitespaces: true,
-            escape_whitespaces: true,
-            treat_whitespace_as_suffix: false,
-            user_defined: UserDefined::default(),
-        }
+        Normalizer::with_spec_defaults()
     }
 
     /// A double-array trie with the rules "a" → "A" and "ab" → "X", laid out by hand in
