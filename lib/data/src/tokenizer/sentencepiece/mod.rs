@@ -398,7 +398,7 @@ impl SentencePieceModel {
         let mut at = 0;
         while at < text.len() {
             let rest = &text[at..];
-            let user_defined = self.normalizer.user_defined.longest_prefix(rest);
+            let user_defined = self.normalizer.user_defined.longest_prefix(rest.as_bytes());
             let length =
                 user_defined.unwrap_or_else(|| rest.chars().next().map_or(1, char::len_utf8));
             let index = symbols.len();
@@ -720,5 +720,104 @@ impl Tokenizer for SentencePiece {
         }
         text.push_str(&self.model.decode(&run)?);
         Ok(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn varint(mut value: u64, out: &mut Vec<u8>) {
+        while value >= 0x80 {
+            out.push((value as u8) | 0x80);
+            value >>= 7;
+        }
+        out.push(value as u8);
+    }
+
+    fn bytes_field(number: u64, bytes: &[u8], out: &mut Vec<u8>) {
+        varint(number << 3 | 2, out);
+        varint(bytes.len() as u64, out);
+        out.extend_from_slice(bytes);
+    }
+
+    fn varint_field(number: u64, value: u64, out: &mut Vec<u8>) {
+        varint(number << 3, out);
+        varint(value, out);
+    }
+
+    /// A small `ModelProto`: every piece type, byte fallback, a charsmap.
+    fn model_proto(model_type: u64) -> Vec<u8> {
+        let mut model = Vec::new();
+        let pieces: [(&str, f32, u64); 10] = [
+            ("<unk>", 0.0, 2),
+            ("<s>", 0.0, 3),
+            ("</s>", 0.0, 3),
+            ("<0x41>", 0.0, 6),
+            ("<u>", 0.0, 4),
+            ("zz", -1.0, 5),
+            ("\u{2581}", -1.0, 1),
+            ("a", -2.0, 1),
+            ("b", -2.0, 1),
+            ("ab", -3.0, 1),
+        ];
+        for (text, score, kind) in pieces {
+            let mut piece = Vec::new();
+            bytes_field(1, text.as_bytes(), &mut piece);
+            varint(2 << 3 | 5, &mut piece);
+            piece.extend(score.to_le_bytes());
+            varint_field(3, kind, &mut piece);
+            bytes_field(1, &piece, &mut model);
+        }
+        let mut trainer = Vec::new();
+        varint_field(3, model_type, &mut trainer);
+        varint_field(35, 1, &mut trainer);
+        bytes_field(2, &trainer, &mut model);
+        let mut spec = Vec::new();
+        bytes_field(2, &normalizer::tests::charsmap_blob(), &mut spec);
+        bytes_field(3, &spec, &mut model);
+        model
+    }
+
+    #[test]
+    fn corrupted_models_are_refused_or_encode_without_panicking() {
+        let texts = ["", "ab a<u>b zz", "  é\u{0} A ab", "\u{fffd}\u{2581}"];
+        for model_type in [1, 2] {
+            let proto = model_proto(model_type);
+            SentencePieceModel::from_bytes(&proto).unwrap();
+            // Single-byte corruptions, a few values each: every byte of the pieces and specs,
+            // a sample of the charsmap's trie units.
+            let mut loaded = 0;
+            let end = proto.len();
+            let positions = (0..300)
+                .chain((300..end - 100).step_by(31))
+                .chain(end - 100..end);
+            for at in positions {
+                for value in [0x00, 0x01, 0x7f, 0x80, 0xff, proto[at] ^ 0x20] {
+                    let mut corrupted = proto.clone();
+                    corrupted[at] = value;
+                    if let Ok(model) = SentencePieceModel::from_bytes(&corrupted) {
+                        loaded += 1;
+                        for ids in model.tokenize_all(&texts) {
+                            model.decode(&ids).unwrap();
+                        }
+                    }
+                }
+            }
+            assert!(loaded > 0);
+        }
+    }
+
+    impl SentencePieceModel {
+        fn tokenize_all(&self, texts: &[&str]) -> Vec<Vec<u32>> {
+            texts
+                .iter()
+                .map(|text| {
+                    let mut ids = Vec::new();
+                    self.encode_into(text, &mut ids);
+                    ids
+                })
+                .collect()
+        }
     }
 }

@@ -66,15 +66,15 @@ impl Charsmap {
     }
 }
 
-/// User-defined pieces by first character, for the longest one starting a text.
+/// User-defined pieces by first byte, for the longest one starting a text.
 #[derive(Default)]
-pub(super) struct UserDefined(std::collections::HashMap<char, Vec<String>>);
+pub(super) struct UserDefined(std::collections::HashMap<u8, Vec<String>>);
 
 impl UserDefined {
     pub(super) fn new<'a>(pieces: impl IntoIterator<Item = &'a str>) -> Self {
-        let mut by_first = std::collections::HashMap::<char, Vec<String>>::new();
+        let mut by_first = std::collections::HashMap::<u8, Vec<String>>::new();
         for piece in pieces {
-            if let Some(first) = piece.chars().next() {
+            if let Some(&first) = piece.as_bytes().first() {
                 by_first.entry(first).or_default().push(piece.to_string());
             }
         }
@@ -82,11 +82,11 @@ impl UserDefined {
     }
 
     /// The length in bytes of the longest user-defined piece `text` starts with.
-    pub(super) fn longest_prefix(&self, text: &str) -> Option<usize> {
-        let candidates = self.0.get(&text.chars().next()?)?;
+    pub(super) fn longest_prefix(&self, text: &[u8]) -> Option<usize> {
+        let candidates = self.0.get(text.first()?)?;
         candidates
             .iter()
-            .filter(|piece| text.starts_with(piece.as_str()))
+            .filter(|piece| text.starts_with(piece.as_bytes()))
             .map(String::len)
             .max()
     }
@@ -120,26 +120,37 @@ impl Normalizer {
 
     /// The normalized form of the longest rule at the start of `input` and the bytes it
     /// consumes.
-    fn prefix<'a>(&'a self, input: &'a str) -> (&'a [u8], usize) {
+    fn prefix<'a>(&'a self, input: &'a [u8]) -> (&'a [u8], usize) {
         if let Some(length) = self.user_defined.longest_prefix(input) {
-            return (&input.as_bytes()[..length], length);
+            return (&input[..length], length);
         }
         if let Some((length, output)) = self
             .charsmap
             .as_ref()
-            .and_then(|map| map.longest_match(input.as_bytes()))
+            .and_then(|map| map.longest_match(input))
         {
             return (output, length);
         }
-        let length = input.chars().next().map_or(0, char::len_utf8);
-        (&input.as_bytes()[..length], length)
+        // One character as it is. A charsmap rule may end inside a character (in a hand-made
+        // model); each byte left of it becomes U+FFFD, as in the C++ library.
+        let length = match input.first() {
+            None => 0,
+            Some(0x00..=0x7f) => 1,
+            Some(0xc0..=0xdf) => 2,
+            Some(0xe0..=0xef) => 3,
+            Some(_) => 4,
+        };
+        match input.get(..length).map(std::str::from_utf8) {
+            Some(Ok(_)) => (&input[..length], length),
+            _ => ("\u{fffd}".as_bytes(), 1),
+        }
     }
 
     /// `Normalizer::Normalize`: the rules applied left to right; leading, repeated and
     /// trailing spaces dropped when `remove_extra_whitespaces`; the dummy `▁` before (or,
     /// with `treat_whitespace_as_suffix`, after) the text.
     pub(super) fn normalize(&self, text: &str) -> String {
-        let mut input = text;
+        let mut input = text.as_bytes();
         if self.remove_extra_whitespaces {
             loop {
                 let (output, consumed) = self.prefix(input);
@@ -198,16 +209,16 @@ impl Normalizer {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     fn normalizer() -> Normalizer {
         Normalizer::with_spec_defaults()
     }
 
-    /// A double-array trie with the rules "a" → "A" and "ab" → "X", laid out by hand in
-    /// Darts-clone's unit format.
-    fn charsmap() -> Charsmap {
+    /// A double-array trie with the rules "a" → "A", "ab" → "X" and the byte 0xC3 → "Z",
+    /// laid out by hand in Darts-clone's unit format, as a precompiled charsmap blob.
+    pub(in super::super) fn charsmap_blob() -> Vec<u8> {
         let mut units = vec![0u32; 1024];
         let (leaf, has_leaf) = (1u32 << 31, 1u32 << 8);
         units[0] = 256 << 10; // root: children at 256 ^ byte
@@ -215,10 +226,16 @@ mod tests {
         units[865] = leaf; // "a" → outputs[0..]
         units[865 ^ 98] = 98 | has_leaf | (128 << 10); // 'b', then at 771 ^ 128 = 899
         units[899] = leaf | 2; // "ab" → outputs[2..]
+        units[256 ^ 0xc3] = 0xc3 | has_leaf | (64 << 10); // é's first byte, then at 451 ^ 64
+        units[387] = leaf | 4; // "\xc3" → outputs[4..]
         let mut blob = ((units.len() * 4) as u32).to_le_bytes().to_vec();
         blob.extend(units.iter().flat_map(|u| u.to_le_bytes()));
-        blob.extend(b"A\0X\0");
-        Charsmap::from_bytes(&blob).unwrap()
+        blob.extend(b"A\0X\0Z\0");
+        blob
+    }
+
+    fn charsmap() -> Charsmap {
+        Charsmap::from_bytes(&charsmap_blob()).unwrap()
     }
 
     #[test]
@@ -228,6 +245,8 @@ mod tests {
             ..normalizer()
         };
         assert_eq!(normalizer.normalize("abac b"), "▁XAc▁b");
+        // A rule ending inside a character leaves its other bytes as U+FFFD each.
+        assert_eq!(normalizer.normalize("aé"), "▁AZ\u{fffd}");
     }
 
     #[test]
