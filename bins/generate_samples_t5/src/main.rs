@@ -139,9 +139,10 @@ struct DataFlags {
 
 /// Megatron's T5 spellings and defaults on a subcommand's flags: `--encoder-num-layers` and
 /// `--encoder-seq-length` name `--num-layers` and `--seq-length`, and the tokenizer defaults to
-/// BertWordPieceLowerCase as in `pretrain_t5.py`.
+/// BertWordPieceLowerCase as in `pretrain_t5.py`. A flag given twice takes its last value.
 fn t5_spellings(command: clap::Command) -> clap::Command {
     command
+        .args_override_self(true)
         .mut_arg("num_layers", |arg| {
             arg.visible_alias("encoder-num-layers")
                 .help("Checked against the checkpoint (the encoder's depth)")
