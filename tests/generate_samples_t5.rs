@@ -290,6 +290,14 @@ fn bad_input_is_a_clear_error() {
         tool("score", fixture).args(["--decoder-seq-length", "64"]),
         "--decoder-seq-length 64 exceeds",
     );
+    fails_with(
+        tool("score", fixture).args(["--num-samples", "0"]),
+        "--num-samples must be at least 1",
+    );
+    fails_with(
+        tool("decode", fixture).args(["--input", "a <extra_id_0>", "--bos", "99999"]),
+        "start token 99999 is outside the vocabulary",
+    );
     let missing = Path::new("/nonexistent/ckpt");
     fails_with(
         bin("generate_samples_t5")

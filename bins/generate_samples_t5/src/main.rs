@@ -31,7 +31,7 @@ use tch::{Device, Kind, Tensor};
 /// flags are accepted and checked against it). Under torchrun with
 /// --tensor-model-parallel-size N the model is split over N processes.
 #[derive(Parser)]
-#[command(version, about, long_about = None, max_term_width = 100)]
+#[command(version, long_about = None, max_term_width = 100)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -154,6 +154,8 @@ fn t5_spellings(command: clap::Command) -> clap::Command {
         .mut_arg("tokenizer_type", |arg| {
             arg.default_value("BertWordPieceLowerCase")
         })
+        // HuggingFace imports are GPTs.
+        .mut_arg("load_hf", |arg| arg.hide(true))
 }
 
 fn main() -> ExitCode {
@@ -236,6 +238,9 @@ fn dataset(
     num_samples: u64,
 ) -> Result<SplitDataset<T5MaskedWordPieceDataset>> {
     let flags = &common.data;
+    if num_samples == 0 {
+        bail!("--num-samples must be at least 1");
+    }
     let encoder_seq_length = common
         .model
         .seq_length
@@ -432,7 +437,14 @@ fn decode(args: &DecodeArgs) -> Result<()> {
     let print = loaded.parallel.is_logging_rank();
     let mut out = std::io::stdout().lock();
     let (mut decoded_tokens, mut exact) = (0, 0);
-    for chunk in inputs.chunks(micro_batch_size(common)) {
+    let batch_size = micro_batch_size(common);
+    let bar = print.then(|| {
+        megatron_cli::progress_bar(
+            inputs.len().div_ceil(batch_size) as u64,
+            "batches of inputs",
+        )
+    });
+    for chunk in inputs.chunks(batch_size) {
         let (tokens, mask) = padded(chunk, pad, loaded.device);
         let decoded = greedy_decode(&loaded.model, &tokens, &mask, &options)?;
         for (input, decoded) in chunk.iter().zip(&decoded) {
@@ -441,13 +453,23 @@ fn decode(args: &DecodeArgs) -> Result<()> {
                 T5Decoding::new(tokenizer, &input.encoder, decoded, input.target.as_deref())?;
             exact += usize::from(decoding.exact == Some(true));
             if print {
-                if common.jsonl {
-                    writeln!(out, "{}", serde_json::to_string(&decoding)?)?;
+                let text = if common.jsonl {
+                    serde_json::to_string(&decoding)?
                 } else {
-                    writeln!(out, "{}", decoding.text())?;
+                    decoding.text()
+                };
+                match &bar {
+                    Some(bar) => bar.suspend(|| writeln!(out, "{text}"))?,
+                    None => writeln!(out, "{text}")?,
                 }
             }
         }
+        if let Some(bar) = &bar {
+            bar.inc(1);
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
     }
     if print {
         let mut line = format!(

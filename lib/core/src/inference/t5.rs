@@ -145,6 +145,11 @@ pub fn greedy_decode(
         "--max-decode-length must be at least 1"
     );
     let vocabulary = model.config.transformer.vocab_size;
+    ensure!(
+        (0..vocabulary).contains(&options.bos),
+        "the decoder's start token {} is outside the vocabulary of {vocabulary} tokens",
+        options.bos
+    );
     let device = model.options().device;
     tch::no_grad(|| {
         let memory = model.encode(encoder_tokens, encoder_mask, false)?;
