@@ -85,7 +85,8 @@ fn a_tiny_t5_learns_the_span_corrupted_corpus() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let losses = logged_losses(&stdout);
     assert_eq!(losses.len(), 30, "{stdout}");
-    // 30522 WordPieces + 100 sentinels, padded to 30720: a uniform guess costs 10.3 nats.
+    // 30522 WordPieces, [BOS], [EOS] and 100 sentinels (30624), padded to 30720: a uniform
+    // guess costs 10.3 nats.
     let first = losses[..3].iter().sum::<f64>() / 3.0;
     let last = losses[25..].iter().sum::<f64>() / 5.0;
     assert!(

@@ -1,6 +1,6 @@
 """An independent PyTorch T5 written from the spec (megatron-model.md §1.5), for the T5 parity test.
 
-usage: megatron_t5_reference.py OUT_DIR
+usage: megatron_t5_reference.py OUT_DIR [greedy]
 
 Megatron core's T5 as the spec describes it, with no code shared with megatron-rs: one embedding
 (word + learned absolute positions, decoder positions from 0), pre-LN encoder layers under the
@@ -14,6 +14,12 @@ rows are per head [k, v]. GeLU is exact (erf).
 Writes OUT_DIR/model.safetensors (random float32 weights under Megatron-core T5 names) and
 OUT_DIR/io.safetensors: a padded batch (encoder and decoder tokens and padding masks, labels,
 loss mask), the logits [b, sd, V] and the token-averaged masked loss, computed in float64.
+
+With `greedy`, OUT_DIR/greedy.safetensors instead holds a padded batch of encoder inputs and
+their greedy decodings in float64: the decoder starts from BOS, and each step runs the whole
+model again on the tokens so far and appends the most likely token (no cache), for STEPS steps
+(`free`) and again stopping at an EOS id taken from the first row's third token (`eos`, `stopped`,
+rows padded with -1).
 """
 import math
 import sys
@@ -164,5 +170,60 @@ def main(out: Path) -> None:
     }, str(out / "io.safetensors"))
 
 
+BOS, STEPS = 1, 10
+
+
+def greedy(w, enc_tokens, enc_keep, eos):
+    """Each row's greedy tokens (without BOS and EOS), recomputing the model at every step."""
+    rows = enc_tokens.shape[0]
+    dec = torch.full((rows, 1), BOS)
+    out, done = [[] for _ in range(rows)], [False] * rows
+    for _ in range(STEPS):
+        keep = torch.ones(dec.shape, dtype=torch.bool)
+        following = t5_logits(w, enc_tokens, dec, enc_keep, keep)[:, -1].argmax(-1)
+        for row in range(rows):
+            if done[row]:
+                continue
+            if following[row].item() == eos:
+                done[row] = True
+            else:
+                out[row].append(following[row].item())
+        if all(done):
+            break
+        dec = torch.cat([dec, following[:, None]], 1)
+    return out
+
+
+def padded(rows):
+    return torch.tensor([row + [-1] * (STEPS - len(row)) for row in rows], dtype=torch.int64)
+
+
+def main_greedy(out: Path) -> None:
+    generator = torch.Generator().manual_seed(1234)
+    # Projections three times larger: with the small ones the tied embeddings make the model
+    # copy its input, and greedy decoding repeats one token.
+    weights = {
+        name: value if "layernorm" in name or "embedding" in name else 3 * value
+        for name, value in random_weights(generator).items()
+    }
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    enc_tokens = torch.randint(0, VOCAB, (BATCH, ENC_SEQ), generator=generator)
+    enc_keep = torch.ones(BATCH, ENC_SEQ, dtype=torch.bool)
+    enc_keep[1, ENC_SEQ - 4:] = False
+    enc_tokens[~enc_keep] = 0
+    w64 = {k: v.double() for k, v in weights.items()}
+    with torch.no_grad():
+        free = greedy(w64, enc_tokens, enc_keep, eos=None)
+        eos = free[0][2]
+        stopped = greedy(w64, enc_tokens, enc_keep, eos=eos)
+    save_file({
+        "enc_tokens": enc_tokens, "enc_mask": enc_keep.long(),
+        "free": padded(free), "eos": torch.tensor([eos]), "stopped": padded(stopped),
+    }, str(out / "greedy.safetensors"))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["greedy"]:
+        main_greedy(Path(sys.argv[1]))
+    else:
+        main(Path(sys.argv[1]))

@@ -1,8 +1,8 @@
 //! `checkpoint_convert`: Megatron's `tools/checkpoint/convert.py` — same flags — plus
 //! `inspect`. Loaders: megatron-rs, core/mcore and legacy/megatron (Megatron `torch` or
-//! `torch_dist`, detected from the files). Savers: megatron-rs.
+//! `torch_dist`, detected from the files). Savers: megatron-rs. T5: megatron-rs TP reshapes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -10,8 +10,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
-    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, save_hf, save_megatron_rs,
-    save_megatron_torch, verify, vocab_file_size, LoadOptions, TargetLayout,
+    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reshape_t5, save_hf,
+    save_megatron_rs, save_megatron_torch, t5_max_logit_difference, verify, vocab_file_size,
+    LoadOptions, TargetLayout,
 };
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
@@ -40,7 +41,9 @@ enum Command {
 
 #[derive(clap::Args)]
 struct ConvertArgs {
-    /// GPT (BERT once our BERT model exists).
+    /// GPT, or T5 (our T5 checkpoints reshaped to another tensor-parallel size, with
+    /// --loader megatron-rs --saver megatron-rs; T5 has no pipeline stages and no HuggingFace
+    /// form).
     #[arg(long)]
     model_type: Option<String>,
     /// megatron-rs; core (alias mcore) or legacy (alias megatron): Megatron's torch or
@@ -136,13 +139,15 @@ fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
 fn convert(args: &ConvertArgs) -> Result<()> {
     match args.model_type.as_deref() {
         Some("GPT") => {}
-        Some(other) => bail!("--model-type {other}: only GPT checkpoints can be converted so far"),
-        None => bail!("--model-type is required (GPT), or use `checkpoint_convert inspect DIR`"),
+        Some("T5") => return convert_t5(args),
+        Some(other) => {
+            bail!("--model-type {other}: GPT and T5 checkpoints can be converted so far")
+        }
+        None => {
+            bail!("--model-type is required (GPT or T5), or use `checkpoint_convert inspect DIR`")
+        }
     }
-    let save_dir = args.save_dir.clone().context("--save-dir is required")?;
-    if save_dir.exists() && std::fs::read_dir(&save_dir)?.next().is_some() {
-        bail!("--save-dir {} exists and is not empty", save_dir.display());
-    }
+    let save_dir = empty_save_dir(args)?;
     let options = LoadOptions {
         true_vocab_size: true_vocab_size(args)?,
         optimizer: !args.no_optimizer,
@@ -188,16 +193,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             "--saver {other}: expected megatron-rs, core, mcore, legacy, megatron or hf"
         )),
     };
-    if let Err(error) = saved {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(error);
-    }
-    if save_dir.exists() {
-        std::fs::remove_dir(&save_dir)
-            .with_context(|| format!("replacing empty {}", save_dir.display()))?;
-    }
-    std::fs::rename(&staging, &save_dir)
-        .with_context(|| format!("renaming {} to {}", staging.display(), save_dir.display()))?;
+    commit(&staging, &save_dir, || saved)?;
     spinner.finish_and_clear();
     let bytes: i64 = state
         .weights
@@ -240,6 +236,99 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             load_megatron_rs(&checkpoint, false)?
         };
         let difference = verify::max_logit_difference(&state, &written)?;
+        println!("verify: max |Δ logits| = {difference:e} over 4 sequences");
+    }
+    Ok(())
+}
+
+/// `--save-dir`, which must not exist or be empty.
+fn empty_save_dir(args: &ConvertArgs) -> Result<PathBuf> {
+    let save_dir = args.save_dir.clone().context("--save-dir is required")?;
+    if save_dir.exists() && std::fs::read_dir(&save_dir)?.next().is_some() {
+        bail!("--save-dir {} exists and is not empty", save_dir.display());
+    }
+    Ok(save_dir)
+}
+
+/// Writes `staging` with `write`, then renames it to `save_dir`; on failure removes it.
+fn commit(staging: &Path, save_dir: &Path, write: impl FnOnce() -> Result<()>) -> Result<()> {
+    if let Err(error) = write() {
+        let _ = std::fs::remove_dir_all(staging);
+        return Err(error);
+    }
+    if save_dir.exists() {
+        std::fs::remove_dir(save_dir)
+            .with_context(|| format!("replacing empty {}", save_dir.display()))?;
+    }
+    std::fs::rename(staging, save_dir)
+        .with_context(|| format!("renaming {} to {}", staging.display(), save_dir.display()))
+}
+
+/// `--model-type T5`: our T5 checkpoints reshaped to another tensor-parallel size.
+fn convert_t5(args: &ConvertArgs) -> Result<()> {
+    match args.saver.as_str() {
+        "megatron-rs" => {}
+        "hf" => bail!(
+            "--saver hf: Megatron's T5 has no HuggingFace form (HuggingFace's T5 is another \
+             architecture: relative position buckets instead of learned positions, no biases, \
+             RMS layer norms); T5 checkpoints are reshaped between megatron-rs layouts"
+        ),
+        other => bail!("--saver {other}: T5 checkpoints are written as megatron-rs only"),
+    }
+    if args.loader != "megatron-rs" {
+        bail!(
+            "--loader {}: T5 checkpoints are read from megatron-rs checkpoints only (--loader megatron-rs)",
+            args.loader
+        );
+    }
+    if let Some(pipeline) = args.target_pipeline_parallel_size.filter(|&p| p != 1) {
+        bail!("--target-pipeline-parallel-size {pipeline}: T5 runs without pipeline parallelism; give 1");
+    }
+    if let Some(chunks) = args
+        .target_virtual_pipeline_parallel_size
+        .filter(|&v| v != 1)
+    {
+        bail!("--target-virtual-pipeline-parallel-size {chunks}: T5 runs without pipeline parallelism");
+    }
+    let save_dir = empty_save_dir(args)?;
+    let load_dir = args.load_dir.as_deref().context("--load-dir is required")?;
+    let checkpoint = find_checkpoint(load_dir)?.with_context(|| {
+        format!(
+            "{} holds no megatron-rs checkpoint (no latest_checkpointed_iteration.txt)",
+            load_dir.display()
+        )
+    })?;
+    let tensor = args
+        .target_tensor_parallel_size
+        .unwrap_or(checkpoint.metadata.tensor_model_parallel_size);
+    let started = Instant::now();
+    let spinner = megatron_cli::spinner("tensors");
+    spinner.set_message(format!("reshaping {}", load_dir.display()));
+    let staging = staging_for(&save_dir)?;
+    let mut moved = None;
+    commit(&staging, &save_dir, || {
+        moved = Some(reshape_t5(
+            &checkpoint,
+            &staging,
+            tensor,
+            !args.no_optimizer,
+        )?);
+        Ok(())
+    })?;
+    spinner.finish_and_clear();
+    let moved = moved.expect("written above");
+    let seconds = started.elapsed().as_secs_f64();
+    let gigabytes = moved.bytes as f64 / 1e9;
+    println!(
+        "checkpoint_convert: {} T5 tensors{} ({gigabytes:.3} GB) from {} to {} (TP={tensor} PP=1), {seconds:.1} s ({:.2} GB/s)",
+        moved.tensors,
+        if moved.with_optimizer { " with optimizer state" } else { "" },
+        checkpoint.directory.display(),
+        save_dir.display(),
+        gigabytes / seconds.max(1e-9)
+    );
+    if args.verify {
+        let difference = t5_max_logit_difference(load_dir, &save_dir)?;
         println!("verify: max |Δ logits| = {difference:e} over 4 sequences");
     }
     Ok(())

@@ -13,8 +13,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tch::{Device, Kind};
 
-use crate::inference::{checkpoint_gpt_config, load_gpt_for_inference};
-use crate::model::{Activation, GptConfig, GptModel, Normalization, PositionEmbeddingType};
+use crate::inference::{
+    checkpoint_gpt_config, checkpoint_t5_config, load_gpt_for_inference, load_t5_for_inference,
+};
+use crate::model::{
+    Activation, GptConfig, GptModel, Normalization, PositionEmbeddingType, T5Config, T5Model,
+};
 use crate::parallel::{Backend, Job, LaunchEnv, ParallelLayout, ParallelState};
 use crate::training::resolve_device;
 
@@ -541,6 +545,21 @@ impl CheckpointModelArgs {
     pub fn load_model(&self, device: Device, parallel: &ParallelState) -> Result<GptModel> {
         self.checked_config()?;
         load_gpt_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
+    }
+
+    /// The checkpoint's T5 architecture, once the given flags are checked against it
+    /// (`--num-layers` is the encoder's depth).
+    pub fn checked_t5_config(&self) -> Result<T5Config> {
+        crate::checkpoint::set_checksums_enabled(!self.no_checkpoint_checksums);
+        let (dir, config) = checkpoint_t5_config(self.checkpoint()?)?;
+        self.check_architecture(&config.transformer, &dir)?;
+        Ok(config)
+    }
+
+    /// [`load_model`](Self::load_model) for a T5 checkpoint.
+    pub fn load_t5_model(&self, device: Device, parallel: &ParallelState) -> Result<T5Model> {
+        self.checked_t5_config()?;
+        load_t5_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
     }
 }
 

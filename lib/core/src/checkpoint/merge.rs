@@ -100,15 +100,13 @@ pub fn split_for_tensor_parallel(
         .iter()
         .map(|(name, tensor)| {
             let mut tensor = tensor.shallow_clone();
-            if (name == "embedding.word_embeddings.weight" || name == "output_layer.weight")
-                && tensor.size()[0] < padded_vocab
-            {
-                let rows = padded_vocab - tensor.size()[0];
+            if has_vocab_rows(name) && tensor.size()[0] < padded_vocab {
+                let mut rows = tensor.size();
+                rows[0] = padded_vocab - rows[0];
                 tensor = Tensor::cat(
                     &[
                         &tensor,
-                        &tensor
-                            .new_zeros([rows, tensor.size()[1]], (tensor.kind(), tensor.device())),
+                        &tensor.new_zeros(rows.as_slice(), (tensor.kind(), tensor.device())),
                     ],
                     0,
                 );
@@ -119,6 +117,15 @@ pub fn split_for_tensor_parallel(
             )
         })
         .collect()
+}
+
+/// Is `name` a tensor with a row per (padded) vocabulary entry: the word embeddings, and the
+/// output layer's weight and bias (GPT's and BERT's `output_layer`, T5's `lm_head.output_layer`)?
+/// Its padding grows with the tensor-parallel size.
+pub fn has_vocab_rows(name: &str) -> bool {
+    name == "embedding.word_embeddings.weight"
+        || name.starts_with("output_layer.")
+        || name.starts_with("lm_head.output_layer.")
 }
 
 /// Renames a chunk-local layer index (`decoder.layers.3.…`, BERT's `encoder.layers.3.…`) to
@@ -216,7 +223,7 @@ pub fn merge_model_parallel_ranks(
             parts.len()
         );
         let mut tensor = join_shards(&parts, tensor_split(&name, &config));
-        if name == "embedding.word_embeddings.weight" || name.starts_with("output_layer.") {
+        if has_vocab_rows(&name) {
             // Padding rows beyond one rank's padded vocabulary are never looked up.
             tensor = tensor.narrow(0, 0, padded_vocab);
         }

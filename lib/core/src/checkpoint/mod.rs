@@ -24,8 +24,8 @@ pub use layout::{
     TRACKER_FILE,
 };
 pub use merge::{
-    join_shards, merge_model_parallel_ranks, split_for_tensor_parallel, take_shard, tensor_split,
-    TensorSplit,
+    has_vocab_rows, join_shards, merge_model_parallel_ranks, split_for_tensor_parallel, take_shard,
+    tensor_split, TensorSplit,
 };
 pub use metadata::{CheckpointMetadata, CHECKPOINT_FORMAT};
 pub use store::{

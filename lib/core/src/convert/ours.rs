@@ -9,11 +9,12 @@ use std::path::Path;
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::state::{is_vocab_tensor, ModelState, OptimizerState, RunState};
+use super::state::{ModelState, OptimizerState, RunState};
 use crate::checkpoint::{
-    begin_save, finish_save, join_shards, merge_model_parallel_ranks, optimizer_file,
-    rank_directory_name, split_for_tensor_parallel, staging_directory, take_shard, tensor_split,
-    write_rank_file, CheckpointDirectory, CheckpointMetadata, CHECKPOINT_FORMAT, MODEL_FILE,
+    begin_save, finish_save, has_vocab_rows, join_shards, merge_model_parallel_ranks,
+    optimizer_file, rank_directory_name, split_for_tensor_parallel, staging_directory, take_shard,
+    tensor_split, write_rank_file, CheckpointDirectory, CheckpointMetadata, CHECKPOINT_FORMAT,
+    MODEL_FILE,
 };
 use crate::model::ParamAttributes;
 use crate::model::{ChunkSpec, GptConfig, GptModel, ModelOptions, PipelineSplit, Recompute};
@@ -142,6 +143,54 @@ fn flat_layout(names: &[(String, Vec<i64>)]) -> BufferLayout {
     BufferLayout::new(&shapes, usize::MAX, 0, 1, false)
 }
 
+/// Writes one rank's model file and, with `optimizer` (the Adam step and this rank's shards of
+/// the main parameters and both moments), its flat optimizer buffer laid out as
+/// `MixedPrecisionOptimizer` keeps it (one data-parallel rank). `params` are the rank's
+/// `(file name, global name)` parameters in model order; `shard` holds them by global name.
+pub(crate) fn write_rank(
+    staging: &Path,
+    rank_dir: &str,
+    params: &[(String, String)],
+    shard: &HashMap<String, Tensor>,
+    optimizer: Option<(f64, &[HashMap<String, Tensor>; 3])>,
+    kind: Kind,
+    source: &str,
+) -> Result<()> {
+    let mut tensors = Vec::with_capacity(params.len());
+    for (local, global) in params {
+        let tensor = shard
+            .get(global)
+            .with_context(|| format!("{source}: no tensor {global} for this architecture"))?;
+        tensors.push((local.clone(), tensor.to_kind(kind)));
+    }
+    write_rank_file(staging, rank_dir, MODEL_FILE, &tensors)?;
+    let Some((step, shards)) = optimizer else {
+        return Ok(());
+    };
+    let shapes: Vec<(String, Vec<i64>)> =
+        tensors.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+    let layout = flat_layout(&shapes);
+    let flat = |map: &HashMap<String, Tensor>| -> Result<Tensor> {
+        let buffer = Tensor::zeros([layout.len as i64], (Kind::Float, Device::Cpu));
+        for (slot, (_, global)) in layout.slots.iter().zip(params.iter().rev()) {
+            let value = map
+                .get(global)
+                .with_context(|| format!("{source}: no optimizer state for {global}"))?;
+            buffer
+                .narrow(0, slot.range.start as i64, slot.range.len() as i64)
+                .copy_(&value.to_kind(Kind::Float).reshape([-1]));
+        }
+        Ok(buffer)
+    };
+    let file = vec![
+        ("main".to_string(), flat(&shards[0])?),
+        ("exp_avg".to_string(), flat(&shards[1])?),
+        ("exp_avg_sq".to_string(), flat(&shards[2])?),
+        ("step".to_string(), Tensor::from(step as f32)),
+    ];
+    write_rank_file(staging, rank_dir, &optimizer_file(None), &file)
+}
+
 /// Writes `state` as our checkpoint under `root` (which must not hold another checkpoint) in
 /// `target`'s layout.
 pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
@@ -178,39 +227,16 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
         for stage in 0..target.pipeline {
             let params = rank_parameters(config, &split, stage, &layer_order)?;
             let rank_dir = rank_directory_name(t, stage, target.pipeline);
-            let mut tensors = Vec::with_capacity(params.len());
-            for (local, global) in &params {
-                let tensor = shard.get(global).with_context(|| {
-                    format!("{}: no tensor {global} for this architecture", state.source)
-                })?;
-                tensors.push((local.clone(), tensor.to_kind(kind)));
-            }
-            write_rank_file(&staging, &rank_dir, MODEL_FILE, &tensors)?;
-            if let (Some(optimizer), Some(shards)) = (&state.optimizer, &optimizer_shards) {
-                let shapes: Vec<(String, Vec<i64>)> =
-                    tensors.iter().map(|(n, t)| (n.clone(), t.size())).collect();
-                let layout = flat_layout(&shapes);
-                let flat = |map: &HashMap<String, Tensor>| -> Result<Tensor> {
-                    let buffer = Tensor::zeros([layout.len as i64], (Kind::Float, Device::Cpu));
-                    for (slot, (_, global)) in layout.slots.iter().zip(params.iter().rev()) {
-                        let value = map.get(global).with_context(|| {
-                            format!("{}: no optimizer state for {global}", state.source)
-                        })?;
-                        buffer
-                            .narrow(0, slot.range.start as i64, slot.range.len() as i64)
-                            .copy_(&value.to_kind(Kind::Float).reshape([-1]));
-                    }
-                    Ok(buffer)
-                };
-                let step = Tensor::from(optimizer.step as f32);
-                let file = vec![
-                    ("main".to_string(), flat(&shards[0])?),
-                    ("exp_avg".to_string(), flat(&shards[1])?),
-                    ("exp_avg_sq".to_string(), flat(&shards[2])?),
-                    ("step".to_string(), step),
-                ];
-                write_rank_file(&staging, &rank_dir, &optimizer_file(None), &file)?;
-            }
+            let optimizer = state.optimizer.as_ref().zip(optimizer_shards.as_ref());
+            write_rank(
+                &staging,
+                &rank_dir,
+                &params,
+                &shard,
+                optimizer.map(|(o, shards)| (o.step, shards)),
+                kind,
+                &state.source,
+            )?;
         }
     }
     let metadata = CheckpointMetadata {
@@ -244,6 +270,12 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
 /// float32 main parameters and Adam moments too.
 pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Result<ModelState> {
     let metadata = &checkpoint.metadata;
+    if metadata.model_type == "T5" {
+        bail!(
+            "{}: a T5 checkpoint; convert it with --model-type T5",
+            checkpoint.directory.display()
+        );
+    }
     if metadata.model_type != "GPT" {
         bail!(
             "{}: converting {} checkpoints is not supported",
@@ -257,7 +289,20 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
         .into_iter()
         .collect();
     let optimizer = match (optimizer, metadata.optimizer.as_deref()) {
-        (true, Some("adam")) => Some(load_optimizer(checkpoint, &config)?),
+        (true, Some("adam")) => {
+            let metadata = &checkpoint.metadata;
+            let split = PipelineSplit {
+                num_layers: config.num_layers,
+                stages: metadata.pipeline_model_parallel_size,
+                chunks: metadata.virtual_pipeline_stages.max(1),
+                first_stage_layers: metadata.decoder_first_pipeline_num_layers,
+                last_stage_layers: metadata.decoder_last_pipeline_num_layers,
+            };
+            let layer_order = layer_parameter_order(&config)?;
+            Some(load_optimizer(checkpoint, &config, &|stage| {
+                rank_parameters(&config, &split, stage, &layer_order)
+            })?)
+        }
         _ => None,
     };
     Ok(ModelState {
@@ -282,17 +327,16 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
     })
 }
 
-fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Result<OptimizerState> {
+/// The per-parameter optimizer state of `checkpoint` (any TP/PP layout, distributed-optimizer
+/// shards included), unsplit. `rank_params(stage)` lists a pipeline stage's `(file name,
+/// global name)` parameters in model order; `config` is the trunk's (tensor splits, vocabulary).
+pub(crate) fn load_optimizer(
+    checkpoint: &CheckpointDirectory,
+    config: &GptConfig,
+    rank_params: &dyn Fn(usize) -> Result<Vec<(String, String)>>,
+) -> Result<OptimizerState> {
     let metadata = &checkpoint.metadata;
     let sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
-    let split = PipelineSplit {
-        num_layers: config.num_layers,
-        stages: metadata.pipeline_model_parallel_size,
-        chunks: metadata.virtual_pipeline_stages.max(1),
-        first_stage_layers: metadata.decoder_first_pipeline_num_layers,
-        last_stage_layers: metadata.decoder_last_pipeline_num_layers,
-    };
-    let layer_order = layer_parameter_order(config)?;
     let tied = !config.untie_embeddings_and_output_weights;
     let (tp, pp) = (
         metadata.tensor_model_parallel_size,
@@ -303,7 +347,7 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
     for t in 0..tp {
         for stage in 0..pp {
             let rank_dir = rank_directory_name(t, stage, pp);
-            let params = rank_parameters(config, &split, stage, &layer_order)?;
+            let params = rank_params(stage)?;
             let model = checkpoint
                 .read(&rank_dir, MODEL_FILE, Device::Cpu)?
                 .with_context(|| {
@@ -445,7 +489,7 @@ fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Resul
                 parts.len()
             );
             let mut joined = join_shards(&parts, tensor_split(&name, config));
-            if is_vocab_tensor(&name) {
+            if has_vocab_rows(&name) {
                 joined = joined.narrow(0, 0, padded);
             }
             target.insert(name, joined);

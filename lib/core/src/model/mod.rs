@@ -22,4 +22,4 @@ pub use gpt::{
 };
 pub use layers::{AttentionMask, NamedParameter, ParamAttributes};
 pub use partition::PipelineSplit;
-pub use t5::{T5Config, T5Input, T5Model};
+pub use t5::{T5Config, T5DecoderState, T5Input, T5Model};

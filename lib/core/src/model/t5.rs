@@ -5,23 +5,25 @@
 //! word embeddings plus a vocab-parallel bias (an untied `output_layer` has no bias). T5 is not
 //! split into pipeline stages: a `T5Model` is the whole model.
 
+use std::sync::Arc;
+
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::chunk::impl_model_chunk;
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::gpt::{ChunkSpec, ModelOptions};
 use super::layers::{
-    AttentionMask, Memory, NamedParameter, NamedTensors, Norm, TensorParallel, TransformerLayer,
-    VocabParallelEmbedding,
+    AttentionMask, KvCache, LayerCache, Memory, MemoryKeysValues, NamedParameter, NamedTensors,
+    Norm, TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
 use super::param::Param;
 use super::stack::{
     embedding_output, output_logits, positions_from_zero, push_embeddings, push_layers, sharded,
     GateSlot, LayerStack, TrunkBuilder,
 };
-use crate::parallel::ParallelState;
+use crate::parallel::{gather_from_tensor_parallel_region, Communicator, ParallelState};
 
 /// The architecture of a Megatron T5: the trunk's flags (`num_layers` is the encoder's) plus the
 /// decoder's depth.
@@ -75,6 +77,26 @@ enum OutputLayer {
     Tied { bias: Param },
     /// `--untie-embeddings-and-output-weights`: its own weight, no bias (as Megatron core).
     Untied { weight: Param },
+}
+
+/// What incremental decoding keeps between steps: each decoder layer's self-attention keys
+/// and values so far and its cross-attention keys and values of the encoder output, with the
+/// encoder's padding mask.
+pub struct T5DecoderState {
+    cache: KvCache,
+    memory: Vec<MemoryKeysValues>,
+    mask: AttentionMask,
+}
+
+impl T5DecoderState {
+    /// Decoder positions decoded so far.
+    pub fn len(&self) -> i64 {
+        self.cache.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
 }
 
 pub struct T5Model {
@@ -182,15 +204,94 @@ impl T5Model {
         self.gate.before("decoder.final_layernorm")?;
         let hidden = self.decoder_final_layernorm.forward(&hidden);
         self.gate.before("lm_head")?;
+        self.logits(&hidden)
+    }
+
+    /// This rank's vocabulary slice of the logits of the final-normed decoder states.
+    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.output_layer {
             OutputLayer::Tied { bias } => output_logits(
-                &hidden,
+                hidden,
                 &self.word_embeddings.weight,
                 Some(bias),
                 &self.parallel,
             ),
-            OutputLayer::Untied { weight } => output_logits(&hidden, weight, None, &self.parallel),
+            OutputLayer::Untied { weight } => output_logits(hidden, weight, None, &self.parallel),
         }
+    }
+
+    pub fn options(&self) -> &ModelOptions {
+        &self.options
+    }
+
+    /// The tensor-parallel group the model's layers are split over.
+    pub fn tensor_group(&self) -> &Arc<dyn Communicator> {
+        &self.parallel.group
+    }
+
+    /// Starts incremental decoding over the encoder's output `memory` for up to `capacity`
+    /// decoder positions: every decoder layer's cross-attention keys and values are computed
+    /// once here, and its self-attention keys and values are cached step by step.
+    pub fn start_decoding(&self, memory: &Memory, capacity: i64) -> Result<T5DecoderState> {
+        ensure!(
+            !self.parallel.sequence_parallel,
+            "incremental decoding runs without sequence parallelism"
+        );
+        let max_positions = self.config.transformer.max_position_embeddings;
+        ensure!(
+            (1..=max_positions).contains(&capacity),
+            "{capacity} decoder positions: the model has {max_positions} (--max-position-embeddings)"
+        );
+        let trunk = &self.config.transformer;
+        let batch = memory.states.size()[1];
+        let heads = trunk.num_attention_heads / self.parallel.group.size() as i64;
+        let (kind, device) = (self.options.params_dtype, self.options.device);
+        let cache = KvCache {
+            layers: self
+                .decoder_layers
+                .iter()
+                .map(|_| LayerCache::new(batch, heads, capacity, trunk.kv_channels, kind, device))
+                .collect(),
+        };
+        let memory_keys_values = self
+            .decoder_layers
+            .iter()
+            .map(|layer| layer.memory_keys_values(&memory.states))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(T5DecoderState {
+            cache,
+            memory: memory_keys_values,
+            mask: memory.mask.clone(),
+        })
+    }
+
+    /// The decoder over `tokens` `[b, s]` at the positions after those `state` holds, which
+    /// they join: logits `[s, b, padded vocabulary]`, gathered from the tensor-parallel ranks.
+    pub fn decode_cached(&self, tokens: &Tensor, state: &mut T5DecoderState) -> Result<Tensor> {
+        let (batch, new) = tokens.size2()?;
+        let start = state.cache.len();
+        ensure!(
+            start + new <= state.cache.capacity(),
+            "decoding {} positions, more than the {} the decoder was started for",
+            start + new,
+            state.cache.capacity()
+        );
+        let positions = Tensor::arange_start(start, start + new, (Kind::Int64, tokens.device()))
+            .unsqueeze(0)
+            .expand([batch, new], true);
+        let embedded = self.word_embeddings.forward(tokens)?
+            + Tensor::embedding(&self.position_embeddings, &positions, -1, false, false);
+        let mut hidden = embedding_output(embedded, 0.0, &self.parallel, false)?;
+        let layers = self
+            .decoder_layers
+            .iter()
+            .zip(&mut state.cache.layers)
+            .zip(&state.memory);
+        for ((layer, cache), memory) in layers {
+            hidden = layer.forward_cached_attending(&hidden, cache, memory, &state.mask)?;
+        }
+        let logits = self.logits(&self.decoder_final_layernorm.forward(&hidden))?;
+        gather_from_tensor_parallel_region(&logits, &self.parallel.group)
     }
 
     /// Word plus position embeddings of `tokens` `[b, s]`, positions counted from 0.

@@ -10,6 +10,7 @@ pub use report::{LambadaReport, WikitextReport};
 pub use run::{
     evaluate, run_lambada, run_wikitext, EvalModel, EvalObserver, EvalOptions, LambadaReportKind,
 };
+pub(crate) use zeroshot::mask_extra_vocabulary;
 pub use zeroshot::{score_lambada, score_windows, LambadaScores};
 
 use anyhow::{bail, Result};

@@ -46,15 +46,15 @@ fn scored_vocabulary(model: &GptModel) -> i64 {
     model.config.padded_vocab_size(1)
 }
 
-/// Vocab-parallel logits `[s, b, V/t]` of rank `rank` with the columns past the scored
-/// vocabulary set to a large negative value (finite, so a rank's maximum stays finite).
-fn mask_extra_vocabulary(logits: Tensor, model: &GptModel, rank: usize) -> Tensor {
+/// Vocab-parallel logits `[s, b, V/t]` of rank `rank` with the columns past the first `scored`
+/// of the vocabulary set to a large negative value (finite, so a rank's maximum stays finite).
+pub(crate) fn mask_extra_vocabulary(logits: Tensor, scored: i64, rank: usize) -> Tensor {
     let local = *logits
         .size()
         .last()
         .expect("logits have a vocabulary dimension");
     let start = rank as i64 * local;
-    let keep = (scored_vocabulary(model) - start).clamp(0, local);
+    let keep = (scored - start).clamp(0, local);
     if keep == local {
         return logits;
     }
@@ -82,7 +82,7 @@ pub fn score_windows(
     tch::no_grad(|| {
         let (inputs, labels, mask) = batch_tensors(samples, length, device);
         let logits = model.forward(&inputs, &positions(&inputs), &AttentionMask::Causal, false)?;
-        let logits = mask_extra_vocabulary(logits, model, tensor_group.rank());
+        let logits = mask_extra_vocabulary(logits, scored_vocabulary(model), tensor_group.rank());
         let losses = cross_entropy(&logits, &labels, tensor_group)?;
         Ok((losses.to_kind(Kind::Double) * mask.to_kind(Kind::Double))
             .sum(Kind::Double)

@@ -139,6 +139,37 @@ pub struct Masking {
     pub vocab_extra_ids: usize,
 }
 
+/// The data sources and Megatron's dataset flags of a masked-LM family (`family` names it in
+/// errors): `--data-path` (or the per-split paths) with `--split`, the WordPiece tokenizer,
+/// `seq_length` (the encoder's for T5) and the masking.
+pub fn masked_data_flags(
+    data: &DataArgs,
+    tokenizer: &TokenizerArgs,
+    seed: u32,
+    seq_length: usize,
+    masking: &Masking,
+    family: &str,
+) -> Result<(DataSources, MaskedDataFlags)> {
+    let (sources, split) = data.path_flags().sources()?;
+    let vocab_file = tokenizer
+        .vocab_file
+        .as_ref()
+        .with_context(|| format!("{family} data needs --vocab-file (the WordPiece vocabulary)"))?;
+    let flags = MaskedDataFlags {
+        seed,
+        seq_length,
+        mask_prob: masking.mask_prob,
+        short_seq_prob: masking.short_seq_prob,
+        split,
+        data_cache_path: data.data_cache_path.clone(),
+        mid_level_dataset_surplus: 0.005,
+        tokenizer_type: tokenizer.tokenizer_type.clone(),
+        vocab_file: vocab_file.to_string_lossy().into_owned(),
+        vocab_extra_ids: masking.vocab_extra_ids,
+    };
+    Ok((sources, flags))
+}
+
 /// The train, validation and test data of a masked-LM family, sized as Megatron sizes them:
 /// with `--mock-data`, the sources `mock(samples, seed)` makes (each split seeded by its offset
 /// from `--seed`); else Megatron's datasets that `build` makes from the data flags.
@@ -166,23 +197,14 @@ where
             test: split(sizes[2], 2),
         });
     }
-    let (sources, split) = args.data.path_flags().sources()?;
-    let vocab_file =
-        args.tokenizer.vocab_file.as_ref().with_context(|| {
-            format!("{family} data needs --vocab-file (the WordPiece vocabulary)")
-        })?;
-    let flags = MaskedDataFlags {
+    let (sources, flags) = masked_data_flags(
+        &args.data,
+        &args.tokenizer,
         seed,
-        seq_length: args.model.seq_length as usize,
-        mask_prob: masking.mask_prob,
-        short_seq_prob: masking.short_seq_prob,
-        split,
-        data_cache_path: args.data.data_cache_path.clone(),
-        mid_level_dataset_surplus: 0.005,
-        tokenizer_type: args.tokenizer.tokenizer_type.clone(),
-        vocab_file: vocab_file.to_string_lossy().into_owned(),
-        vocab_extra_ids: masking.vocab_extra_ids,
-    };
+        args.model.seq_length as usize,
+        masking,
+        family,
+    )?;
     let [train, valid, test] = build(&sources, flags)?;
     let keep = |d: Option<SplitDataset<D>>| {
         d.filter(|d| !d.is_empty())

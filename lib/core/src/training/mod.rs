@@ -24,10 +24,11 @@ mod t5;
 
 pub use bert::{pretrain_bert, BertFamily};
 pub use checkpointing::{model_tensors, Progress};
+pub use datasets::Masking;
 pub use device::resolve_device;
 pub use engine::{pretrain, TrainingSummary};
 pub use family::{LossTotals, ModelFamily, StepOutput};
 pub use gpt::{pretrain_gpt, GptFamily};
 pub use profiling::StepProfiler;
 pub use runtime::{join_job, run_job, Runtime};
-pub use t5::{pretrain_t5, T5Family};
+pub use t5::{pretrain_t5, t5_split_dataset, T5DataRequest, T5Family};

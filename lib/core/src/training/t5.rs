@@ -4,17 +4,19 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Result};
-use megatron_data::masked::{build_t5_datasets, open_indexed};
+use anyhow::{bail, ensure, Context, Result};
+use megatron_data::blend::SplitDataset;
+use megatron_data::gpt::Split;
+use megatron_data::masked::{build_t5_datasets, open_indexed, T5MaskedWordPieceDataset};
 use megatron_data::tokenizer::build_tokenizer_with_extra_ids;
 use tch::{Kind, Tensor};
 
-use super::datasets::{masked_splits, Masking};
+use super::datasets::{masked_data_flags, masked_splits, Masking};
 use super::engine::{pretrain, TrainingSummary};
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use super::flops::FlopsModel;
 use super::runtime::Runtime;
-use crate::args::{PretrainArgs, T5PretrainArgs};
+use crate::args::{DataArgs, PretrainArgs, T5PretrainArgs, TokenizerArgs};
 use crate::loader::{MockT5Source, SampleSource, Splits, T5Batch};
 use crate::model::{cross_entropy, ChunkSpec, GptConfig, ModelOptions, T5Config, T5Input, T5Model};
 use crate::parallel::ParallelState;
@@ -128,8 +130,11 @@ pub fn pretrain_t5(args: &T5PretrainArgs, runtime: &Runtime) -> Result<TrainingS
              (tensor, sequence and data parallelism are supported)"
         );
     }
-    let tokenizer =
-        build_tokenizer_with_extra_ids(&args.common.tokenizer.config()?, args.t5.vocab_extra_ids)?;
+    // T5's data is tokenized by Megatron's legacy WordPiece, which adds [BOS] and [EOS] and
+    // wraps nothing in [CLS]/[SEP]: the model's vocabulary is that tokenizer's.
+    let mut tokenizer_config = args.common.tokenizer.config()?;
+    tokenizer_config.include_special_tokens = false;
+    let tokenizer = build_tokenizer_with_extra_ids(&tokenizer_config, args.t5.vocab_extra_ids)?;
     let family = T5Family {
         config: args.t5_config(tokenizer.vocab_size() as i64)?,
         decoder_seq_length: args.t5.decoder_seq_length as usize,
@@ -138,4 +143,43 @@ pub fn pretrain_t5(args: &T5PretrainArgs, runtime: &Runtime) -> Result<TrainingS
         short_seq_prob: args.t5.short_seq_prob,
     };
     pretrain(&args.common, serde_json::to_value(args)?, &family, runtime)
+}
+
+/// One split of the T5 data as `pretrain_t5` builds it, for tools that read its samples.
+pub struct T5DataRequest<'a> {
+    pub data: &'a DataArgs,
+    pub tokenizer: &'a TokenizerArgs,
+    pub seed: u64,
+    pub encoder_seq_length: usize,
+    pub decoder_seq_length: usize,
+    pub masking: Masking,
+    /// Samples asked of each split: its sample index is built for this many, as training
+    /// builds it for the samples it needs.
+    pub num_samples: u64,
+    pub split: Split,
+}
+
+/// The samples of `request.split`; an empty split is an error naming it.
+pub fn t5_split_dataset(request: &T5DataRequest) -> Result<SplitDataset<T5MaskedWordPieceDataset>> {
+    let seed = u32::try_from(request.seed).context("--seed must fit in 32 bits (numpy's limit)")?;
+    let (sources, flags) = masked_data_flags(
+        request.data,
+        request.tokenizer,
+        seed,
+        request.encoder_seq_length,
+        &request.masking,
+        "T5",
+    )?;
+    let config = Arc::new(flags.t5(request.decoder_seq_length)?);
+    let sizes = [Some(request.num_samples); 3];
+    let mut datasets = build_t5_datasets(&sources, sizes, config, &open_indexed)?;
+    datasets[request.split.index()]
+        .take()
+        .filter(|dataset| !dataset.is_empty())
+        .with_context(|| {
+            format!(
+                "the {} split of the T5 data is empty with these data paths and --split",
+                request.split.name()
+            )
+        })
 }

@@ -1,7 +1,7 @@
 //! From Megatron's flags to the BERT/T5 datasets of every split (blends and splits through the
 //! shared builder; the split is over documents).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -25,6 +25,25 @@ pub type SentenceSourceOpener<'a> = dyn Fn(&str) -> Result<Arc<dyn SentenceSourc
 /// Opens `PREFIX.bin/.idx` (the production opener).
 pub fn open_indexed(prefix: &str) -> Result<Arc<dyn SentenceSource>> {
     Ok(Arc::new(IndexedDataset::open(prefix)?))
+}
+
+/// The tokenizer of BERT and T5 data: Megatron's legacy WordPiece (`--tokenizer-type`
+/// BertWordPieceLowerCase or BertWordPieceCase) with `[BOS]`/`[EOS]` added and
+/// `--vocab-extra-ids` sentinels, encoding without `[CLS]`/`[SEP]`.
+pub fn masked_tokenizer(
+    tokenizer_type: &str,
+    vocab_file: &Path,
+    vocab_extra_ids: usize,
+) -> Result<BertWordPiece> {
+    let kind: TokenizerType = tokenizer_type.parse().map_err(anyhow::Error::msg)?;
+    if !kind.is_bert() {
+        bail!(
+            "BERT and T5 data need a WordPiece tokenizer (--tokenizer-type \
+             BertWordPieceLowerCase or BertWordPieceCase), got {kind}"
+        );
+    }
+    let lower_case = kind == TokenizerType::BertWordPieceLowerCase;
+    Ok(BertWordPiece::from_file(vocab_file, lower_case, false)?.with_extra_ids(vocab_extra_ids))
 }
 
 /// The data flags `pretrain_bert`/`pretrain_t5` (and `inspect_dataset`) share.
@@ -55,17 +74,10 @@ pub struct MaskedDataFlags {
 impl MaskedDataFlags {
     /// The WordPiece tokenizer these flags name, with its extra ids.
     pub fn tokenizer(&self) -> Result<BertWordPiece> {
-        let kind: TokenizerType = self.tokenizer_type.parse().map_err(anyhow::Error::msg)?;
-        if !kind.is_bert() {
-            bail!(
-                "BERT and T5 data need a WordPiece tokenizer (--tokenizer-type \
-                 BertWordPieceLowerCase or BertWordPieceCase), got {kind}"
-            );
-        }
-        let lower_case = kind == TokenizerType::BertWordPieceLowerCase;
-        Ok(
-            BertWordPiece::from_file(self.vocab_file.as_ref(), lower_case, false)?
-                .with_extra_ids(self.vocab_extra_ids),
+        masked_tokenizer(
+            &self.tokenizer_type,
+            self.vocab_file.as_ref(),
+            self.vocab_extra_ids,
         )
     }
 

@@ -13,7 +13,8 @@ mod vocab;
 
 pub use bert::{BertMaskedWordPieceDataset, BertSample};
 pub use build::{
-    build_bert_datasets, build_t5_datasets, open_indexed, MaskedDataFlags, SentenceSourceOpener,
+    build_bert_datasets, build_t5_datasets, masked_tokenizer, open_indexed, MaskedDataFlags,
+    SentenceSourceOpener,
 };
 pub use config::{BertDatasetConfig, MaskedDatasetConfig, T5DatasetConfig};
 pub use dataset::{MaskedWordPieceDataset, SampleSentences};

@@ -306,6 +306,12 @@ impl SelfAttention {
     }
 }
 
+/// One cross-attention layer's keys and values of the encoder output, `[b, n/t, sk, d]` each.
+pub struct MemoryKeysValues {
+    pub key: Tensor,
+    pub value: Tensor,
+}
+
 /// Megatron-core's cross-attention (T5's decoder): queries from the decoder's hidden states
 /// (`linear_q`), keys and values from the encoder's output (`linear_kv`, per head the key's
 /// channels then the value's), the encoder's padding as the mask, and the output projection.
@@ -370,17 +376,38 @@ impl CrossAttention {
         mask: &AttentionMask,
         train: bool,
     ) -> Result<Tensor> {
+        let memory = self.memory_keys_values(memory)?;
+        self.attend(hidden, &memory, mask, train)
+    }
+
+    /// This rank's heads' keys and values of `memory` `[sk, b, h]`: they depend only on the
+    /// encoder's output, so incremental decoding computes them once.
+    pub fn memory_keys_values(&self, memory: &Tensor) -> Result<MemoryKeysValues> {
+        let (n, d) = (self.local_heads, self.head_dim);
+        let kv = self.linear_kv.forward(memory)?;
+        let (sk, b) = (kv.size()[0], kv.size()[1]);
+        let kv = kv.view([sk, b, n, 2 * d]).permute([1, 2, 0, 3]);
+        Ok(MemoryKeysValues {
+            key: kv.narrow(-1, 0, d),
+            value: kv.narrow(-1, d, d),
+        })
+    }
+
+    /// Decoder states `hidden` `[sq, b, h]` attend to the projected `memory` under `mask`.
+    pub fn attend(
+        &self,
+        hidden: &Tensor,
+        memory: &MemoryKeysValues,
+        mask: &AttentionMask,
+        train: bool,
+    ) -> Result<Tensor> {
         let (n, d) = (self.local_heads, self.head_dim);
         let query = self.linear_q.forward(hidden)?;
         let (sq, b) = (query.size()[0], query.size()[1]);
         let query = query.view([sq, b, n, d]).permute([1, 2, 0, 3]);
-        let kv = self.linear_kv.forward(memory)?;
-        let sk = kv.size()[0];
-        let kv = kv.view([sk, b, n, 2 * d]).permute([1, 2, 0, 3]);
-        let (key, value) = (kv.narrow(-1, 0, d), kv.narrow(-1, d, d));
         let dropout = if train { self.dropout } else { 0.0 };
         let fork = self.fork_dropout_rng && dropout > 0.0;
-        let context = core_attention(&query, &key, &value, mask, dropout, fork)?;
+        let context = core_attention(&query, &memory.key, &memory.value, mask, dropout, fork)?;
         self.linear_proj
             .forward(&context.permute([2, 0, 1, 3]).reshape([sq, b, n * d]))
     }

@@ -11,7 +11,7 @@ mod norm;
 mod rope;
 mod transformer_layer;
 
-pub use attention::{AttentionMask, CrossAttention, DecodeStep, SelfAttention};
+pub use attention::{AttentionMask, CrossAttention, DecodeStep, MemoryKeysValues, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
 pub use kv_cache::{KvCache, LayerCache};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};

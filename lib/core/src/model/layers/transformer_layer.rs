@@ -4,7 +4,9 @@
 use anyhow::{bail, Result};
 use tch::Tensor;
 
-use super::attention::{AttentionMask, CrossAttention, DecodeStep, SelfAttention};
+use super::attention::{
+    AttentionMask, CrossAttention, DecodeStep, MemoryKeysValues, SelfAttention,
+};
 use super::kv_cache::LayerCache;
 use super::mlp::Mlp;
 use super::norm::Norm;
@@ -128,6 +130,36 @@ impl TransformerLayer {
             (None, Some(_)) => bail!("encoder output given to a layer without cross-attention"),
         };
         self.mlp_block(&hidden, train)
+    }
+
+    /// The keys and values this decoder layer's cross-attention reads from the encoder's
+    /// output `memory` `[se, b, h]`.
+    pub fn memory_keys_values(&self, memory: &Tensor) -> Result<MemoryKeysValues> {
+        match &self.cross {
+            Some((_, attention)) => attention.memory_keys_values(memory),
+            None => bail!("encoder output given to a layer without cross-attention"),
+        }
+    }
+
+    /// Inference of a decoder layer over new positions: causal self-attention through the
+    /// layer's KV cache, then cross-attention to the projected encoder output under `mask`.
+    pub fn forward_cached_attending(
+        &self,
+        hidden: &Tensor,
+        cache: &mut LayerCache,
+        memory: &MemoryKeysValues,
+        mask: &AttentionMask,
+    ) -> Result<Tensor> {
+        let Some((norm, attention)) = &self.cross else {
+            bail!("encoder output given to a layer without cross-attention");
+        };
+        let hidden = self.attention_block(hidden, false, |normed| {
+            self.self_attention.forward_cached(normed, None, cache)
+        })?;
+        let normed = norm.forward(&hidden);
+        let attended = attention.attend(&normed, memory, mask, false)?;
+        let hidden = self.residual(&normed, &hidden) + attended;
+        self.mlp_block(&hidden, false)
     }
 
     /// Inference over new positions, attending through the layer's KV cache.
