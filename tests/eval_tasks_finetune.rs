@@ -147,7 +147,7 @@ fn finetune(task: &str, extra: &[&str]) -> Command {
     command
         .args(["--task", task])
         .args(model_flags())
-        .args(["--lr", "2e-3", "--lr-warmup-fraction", "0.1", "--log-interval", "5"])
+        .args(["--lr", "5e-3", "--lr-warmup-fraction", "0.1", "--log-interval", "5"])
         .args(["--eval-iters", "1", "--eval-interval", "1000"])
         .args(extra);
     command
@@ -256,7 +256,7 @@ fn mnli_finetuning_learns_the_task_and_reports_megatron_accuracy_lines() {
     assert_eq!(correct, metrics[4].2 + metrics[5].2);
     // Chance is a third; the marker word decides the label.
     assert!(
-        correct as f64 / total as f64 > 0.75,
+        correct as f64 / total as f64 > 0.8,
         "final accuracy {correct}/{total}\n{text}"
     );
     // 320 examples in batches of 16: 20 iterations an epoch, a checkpoint after each.
