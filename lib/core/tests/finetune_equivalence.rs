@@ -2,7 +2,7 @@
 //! layouts must equal one rank: a small BERT with a classification (or multiple-choice) head
 //! finetuned for three steps on fixture files with TP=2, TP=2 + SP, and DP=2 with the
 //! distributed optimizer, ranks as threads, gives the losses, the (merged) weights and the
-//! accuracy counts of the one-rank run.
+//! accuracy counts of the one-rank run; a run stopped inside an epoch resumes bit for bit.
 
 mod support;
 
@@ -240,4 +240,40 @@ fn mnli_distributed_optimizer_equals_one_rank() {
 #[test]
 fn race_tensor_parallel_equals_one_rank() {
     check("RACE", 2, 2, &[], "RACE TP=2");
+}
+
+#[test]
+fn resuming_mid_epoch_is_bitwise_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut flags = flags(dir.path(), "MNLI");
+    flags.extend(["--epochs".into(), "2".into(), "--micro-batch-size".into(), "8".into()]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let run = |name: &str, extra: &[&str]| {
+        let run_dir = dir.path().join(name);
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let results = run_dir.join(format!("results{}.json", extra.len()));
+        let results_flag = results.display().to_string();
+        let mut extra = extra.to_vec();
+        extra.extend(["--results-json", results_flag.as_str()]);
+        let outcome = train_in::<Finetune>(&run_dir, &flags, 2, 2, 1, &extra).unwrap();
+        let accuracy: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&results).unwrap()).unwrap();
+        (outcome, accuracy)
+    };
+    let (straight, straight_accuracy) = run("straight", &[]);
+    // Three iterations an epoch: stop inside the second epoch, then resume.
+    let (_, first_accuracy) = run("resumed", &["--exit-interval", "4"]);
+    let checkpoint = dir.path().join("resumed/ckpt").display().to_string();
+    let (resumed, resumed_accuracy) = run("resumed", &["--load", checkpoint.as_str()]);
+    assert_eq!(straight.losses.len(), 6);
+    assert_eq!(straight.losses, resumed.losses);
+    for (name, tensor) in &straight.weights {
+        assert!(
+            tensor.equal(&resumed.weights[name]),
+            "{name} differs after resuming"
+        );
+    }
+    assert_eq!(straight_accuracy[0], first_accuracy[0]);
+    assert_eq!(straight_accuracy[1], resumed_accuracy[0]);
+    assert_eq!(resumed_accuracy[0]["epoch"], 1);
 }
