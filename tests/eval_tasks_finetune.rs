@@ -118,8 +118,17 @@ fn write_mnli(path: &Path, rows: usize, dev: bool, seed: u64) -> Vec<&'static st
     let mut labels = Vec::new();
     for i in 0..rows {
         let (marker, label) = MARKERS[rng.below(3)];
-        let s1 = format!("the {} and the {}", rng.words(&NOUNS, 2), rng.words(&NOUNS, 2));
-        let s2 = format!("{} the {} {}", rng.words(&NOUNS, 1), rng.words(&NOUNS, 1), marker);
+        let s1 = format!(
+            "the {} and the {}",
+            rng.words(&NOUNS, 2),
+            rng.words(&NOUNS, 2)
+        );
+        let s2 = format!(
+            "{} the {} {}",
+            rng.words(&NOUNS, 1),
+            rng.words(&NOUNS, 1),
+            marker
+        );
         let mut fields = vec![
             i.to_string(),
             format!("{}", 1000 + i),
@@ -147,7 +156,14 @@ fn finetune(task: &str, extra: &[&str]) -> Command {
     command
         .args(["--task", task])
         .args(model_flags())
-        .args(["--lr", "5e-3", "--lr-warmup-fraction", "0.1", "--log-interval", "5"])
+        .args([
+            "--lr",
+            "5e-3",
+            "--lr-warmup-fraction",
+            "0.1",
+            "--log-interval",
+            "5",
+        ])
         .args(["--eval-iters", "1", "--eval-interval", "1000"])
         .args(extra);
     command
@@ -261,10 +277,7 @@ fn mnli_finetuning_learns_the_task_and_reports_megatron_accuracy_lines() {
     );
     // 320 examples in batches of 16: 20 iterations an epoch, a checkpoint after each.
     for iteration in [20, 40, 60] {
-        assert!(
-            save.join(format!("iter_{iteration:07}")).is_dir(),
-            "{text}"
-        );
+        assert!(save.join(format!("iter_{iteration:07}")).is_dir(), "{text}");
     }
     let summary = text.lines().last().unwrap();
     assert!(
@@ -289,8 +302,14 @@ fn mnli_finetuning_learns_the_task_and_reports_megatron_accuracy_lines() {
             .arg(&results),
     );
     let again = stdout(&out);
-    assert!(again.contains("evaluation only mode, setting epoch to -1"), "{again}");
-    assert!(!again.contains(" lm loss: "), "nothing is trained:\n{again}");
+    assert!(
+        again.contains("evaluation only mode, setting epoch to -1"),
+        "{again}"
+    );
+    assert!(
+        !again.contains(" lm loss: "),
+        "nothing is trained:\n{again}"
+    );
     let rescored: Vec<(i64, String, u64, u64)> = metrics_lines(&again);
     let expected: Vec<(i64, String, u64, u64)> = metrics[4..]
         .iter()
@@ -337,18 +356,24 @@ fn qqp_skips_malformed_rows_and_runs_end_to_end() {
     let kept_train = write("train.tsv", 60);
     let kept_dev = write("dev.tsv", 30);
     let out = run_ok(
-        finetune("QQP", &["--epochs", "1", "--micro-batch-size", "8", "--keep-last"])
-            .arg("--train-data")
-            .arg(qqp.join("train.tsv"))
-            .arg("--valid-data")
-            .arg(qqp.join("dev.tsv"))
-            .arg("--pretrained-checkpoint")
-            .arg(pretrained()),
+        finetune(
+            "QQP",
+            &["--epochs", "1", "--micro-batch-size", "8", "--keep-last"],
+        )
+        .arg("--train-data")
+        .arg(qqp.join("train.tsv"))
+        .arg("--valid-data")
+        .arg(qqp.join("dev.tsv"))
+        .arg("--pretrained-checkpoint")
+        .arg(pretrained()),
     );
     let text = stdout(&out);
     let at = |line: usize| format!("{}:{line}: ", qqp.join("dev.tsv").display());
     assert!(
-        text.contains(&format!("***WARNING*** {}index error (5 columns), skipping", at(5))),
+        text.contains(&format!(
+            "***WARNING*** {}index error (5 columns), skipping",
+            at(5)
+        )),
         "{text}"
     );
     assert!(
@@ -365,10 +390,10 @@ fn qqp_skips_malformed_rows_and_runs_end_to_end() {
     assert_eq!(metrics[0].3, kept_dev as u64);
     // --keep-last: 48 examples in batches of 8 are 6 iterations.
     assert!(
-        text.lines()
-            .last()
-            .unwrap()
-            .starts_with(&format!("eval_tasks: QQP, 1 epochs, {} iterations", kept_train.div_ceil(8))),
+        text.lines().last().unwrap().starts_with(&format!(
+            "eval_tasks: QQP, 1 epochs, {} iterations",
+            kept_train.div_ceil(8)
+        )),
         "{text}"
     );
 }

@@ -11,8 +11,7 @@ use clap::Parser;
 use indicatif::ProgressBar;
 use megatron_core::args::{CheckpointModelArgs, FinetuneArgs, TokenizerArgs};
 use megatron_core::tasks::{
-    evaluate, finetune, EvalModel, EvalObserver, EvalOptions, FinetuneTask, LambadaReportKind,
-    Task,
+    evaluate, finetune, EvalModel, EvalObserver, EvalOptions, FinetuneTask, LambadaReportKind, Task,
 };
 use megatron_core::training::join_job;
 use megatron_data::tokenizer::build_tokenizer;
@@ -108,7 +107,12 @@ impl EvalObserver for Console {
 /// flag is accepted (parallelism, precision, schedule, checkpoints, logging); --save writes a
 /// checkpoint after every epoch, --load resumes one.
 #[derive(Parser)]
-#[command(name = "eval_tasks", version, args_override_self = true, max_term_width = 100)]
+#[command(
+    name = "eval_tasks",
+    version,
+    args_override_self = true,
+    max_term_width = 100
+)]
 #[command(mut_arg("tokenizer_type", |arg| arg.default_value("BertWordPieceLowerCase")))]
 struct FinetuneCli {
     #[command(flatten)]

@@ -88,7 +88,11 @@ fn write_mnli(path: &Path, rows: usize, dev: bool) {
     for i in 0..rows {
         let (marker, label) = labels[(i * 7 + usize::from(dev)) % 3];
         let mut fields = vec![i.to_string(); 8];
-        fields.push(format!("the {} and the {}", WORDS[1 + i % 9], WORDS[1 + (i * 5) % 9]));
+        fields.push(format!(
+            "the {} and the {}",
+            WORDS[1 + i % 9],
+            WORDS[1 + (i * 5) % 9]
+        ));
         fields.push(format!("{} {marker}", WORDS[1 + (i * 3) % 9]));
         fields.resize(columns, label.to_string());
         text += &(fields.join("\t") + "\n");
@@ -131,12 +135,44 @@ fn flags(dir: &Path, task: &str) -> Vec<String> {
         (train, valid)
     };
     [
-        "--task", task, "--epochs", "1", "--num-layers", "2", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-        "--lr", "1e-3", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--clip-grad", "1.0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--adam-eps", "1e-4",
-        "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--seed", "1234",
-        "--tokenizer-type", "BertWordPieceLowerCase",
+        "--task",
+        task,
+        "--epochs",
+        "1",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--lr",
+        "1e-3",
+        "--lr-warmup-iters",
+        "1",
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "1.0",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--adam-eps",
+        "1e-4",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+        "--seed",
+        "1234",
+        "--tokenizer-type",
+        "BertWordPieceLowerCase",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -201,7 +237,10 @@ fn assert_multiple_choice_equivalent(
     assert_eq!(reference.losses.len(), 3, "{what}");
     for (ours, theirs) in reference.losses.iter().zip(&parallel.losses) {
         for ((name, a), (_, b)) in ours.iter().zip(theirs) {
-            assert!((a - b).abs() <= 1e-5 * a.abs(), "{what}: {name} {b} against {a}");
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs(),
+                "{what}: {name} {b} against {a}"
+            );
         }
     }
     assert_eq!(reference.weights.len(), parallel.weights.len(), "{what}");
@@ -246,7 +285,12 @@ fn race_tensor_parallel_equals_one_rank() {
 fn resuming_mid_epoch_is_bitwise_identical() {
     let dir = tempfile::tempdir().unwrap();
     let mut flags = flags(dir.path(), "MNLI");
-    flags.extend(["--epochs".into(), "2".into(), "--micro-batch-size".into(), "8".into()]);
+    flags.extend([
+        "--epochs".into(),
+        "2".into(),
+        "--micro-batch-size".into(),
+        "8".into(),
+    ]);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let run = |name: &str, extra: &[&str]| {
         let run_dir = dir.path().join(name);

@@ -33,7 +33,9 @@ pub struct TaskBatch {
 impl TaskBatch {
     pub fn collate<'a>(examples: impl IntoIterator<Item = &'a TaskExample>) -> Result<TaskBatch> {
         let examples: Vec<&TaskExample> = examples.into_iter().collect();
-        let first = examples.first().context("an empty batch of task examples")?;
+        let first = examples
+            .first()
+            .context("an empty batch of task examples")?;
         let (choices, s) = (first.choices.len(), first.choices[0].text.len());
         ensure!(
             examples
@@ -138,7 +140,11 @@ impl EpochOrder {
             }
         }
         let mut order: Vec<u32> = (0..self.examples.len() as u32).collect();
-        let mut rng = SplitMix(self.seed.wrapping_add(epoch).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut rng = SplitMix(
+            self.seed
+                .wrapping_add(epoch)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        );
         for i in (1..order.len()).rev() {
             order.swap(i, rng.below(i as u64 + 1) as usize);
         }

@@ -91,7 +91,10 @@ impl BertConfig {
             bail!("a finetuning head replaces the binary head: a BERT cannot have both");
         }
         if let Some(TaskHead::Classification { num_classes }) = self.task_head {
-            ensure!(num_classes >= 2, "a classification head needs at least 2 classes, got {num_classes}");
+            ensure!(
+                num_classes >= 2,
+                "a classification head needs at least 2 classes, got {num_classes}"
+            );
         }
         Ok(())
     }
@@ -323,7 +326,9 @@ impl BertModel {
             train,
         )? {
             BertChunkOutput::Heads(output) => Ok(output),
-            BertChunkOutput::Task(_) => bail!("this BERT has a finetuning head, not the pretraining heads"),
+            BertChunkOutput::Task(_) => {
+                bail!("this BERT has a finetuning head, not the pretraining heads")
+            }
             BertChunkOutput::Hidden(_) => unreachable!("a whole model ends in its heads"),
         }
     }

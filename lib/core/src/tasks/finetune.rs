@@ -102,8 +102,9 @@ impl FinetuneTask {
                 file.rows
                     .iter()
                     .map(|row| {
-                        let sample = ClassificationSample::build(row, tokenizer, specials, seq_length)
-                            .with_context(|| format!("{}: row {}", path.display(), row.uid))?;
+                        let sample =
+                            ClassificationSample::build(row, tokenizer, specials, seq_length)
+                                .with_context(|| format!("{}: row {}", path.display(), row.uid))?;
                         Ok(TaskExample {
                             choices: vec![sample.input],
                             label: sample.label as i64,
@@ -276,7 +277,11 @@ impl TrainingHooks<FinetuneFamily> for EpochEnd<'_> {
         iteration % self.iterations_per_epoch == 0
     }
 
-    fn after_iteration(&mut self, iteration: u64, model: &Scorer<'_, FinetuneFamily>) -> Result<()> {
+    fn after_iteration(
+        &mut self,
+        iteration: u64,
+        model: &Scorer<'_, FinetuneFamily>,
+    ) -> Result<()> {
         if iteration % self.iterations_per_epoch == 0 {
             self.score(model, (iteration / self.iterations_per_epoch) as i64 - 1)?;
         }

@@ -170,7 +170,13 @@ impl LossTotals {
             .names
             .iter()
             .enumerate()
-            .map(|(i, name)| (*name, f64::from(values[2 * i]), f64::from(values[2 * i + 1])))
+            .map(|(i, name)| {
+                (
+                    *name,
+                    f64::from(values[2 * i]),
+                    f64::from(values[2 * i + 1]),
+                )
+            })
             .collect())
     }
 }

@@ -14,9 +14,7 @@ use super::checkpointing::config_differences;
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use crate::args::PretrainArgs;
 use crate::checkpoint::{find_checkpoint, merge_model_parallel_ranks, split_for_tensor_parallel};
-use crate::loader::{
-    CycledExamples, EpochOrder, SampleSource, Splits, TaskBatch, TaskExample,
-};
+use crate::loader::{CycledExamples, EpochOrder, SampleSource, Splits, TaskBatch, TaskExample};
 use crate::model::bert::{BertChunkOutput, BertInput};
 use crate::model::{BertConfig, BertModel, ChunkSpec, GptConfig, ModelOptions};
 use crate::parallel::ParallelState;
@@ -40,16 +38,22 @@ fn pretraining_head(name: &str) -> bool {
         .any(|prefix| name.starts_with(prefix))
 }
 
+/// What a finetuning chunk produced.
+enum TaskForward {
+    /// The task head's logits as `[examples, classes or choices]`.
+    Logits(Tensor),
+    /// Hidden states for the next pipeline stage.
+    Hidden(Tensor),
+}
+
 impl FinetuneFamily {
-    /// The task head's logits as `[examples, classes or choices]`, or the hidden states for
-    /// the next pipeline stage.
     fn run(
         &self,
         chunk: &BertModel,
         batch: &TaskBatch,
         input: Option<&Tensor>,
         train: bool,
-    ) -> Result<std::result::Result<Tensor, Tensor>> {
+    ) -> Result<TaskForward> {
         let input = match input {
             Some(hidden) => BertInput::Hidden(hidden),
             None => BertInput::Tokens {
@@ -57,13 +61,17 @@ impl FinetuneFamily {
                 tokentypes: Some(&batch.types),
             },
         };
-        match chunk.forward_chunk(input, &batch.padding_mask, train)? {
-            BertChunkOutput::Hidden(hidden) => Ok(Err(hidden)),
-            BertChunkOutput::Task(logits) => Ok(Ok(logits
-                .to_kind(Kind::Float)
-                .view([batch.labels.size()[0], -1]))),
-            BertChunkOutput::Heads(_) => bail!("finetuning needs a BERT with a task head"),
-        }
+        Ok(
+            match chunk.forward_chunk(input, &batch.padding_mask, train)? {
+                BertChunkOutput::Hidden(hidden) => TaskForward::Hidden(hidden),
+                BertChunkOutput::Task(logits) => TaskForward::Logits(
+                    logits
+                        .to_kind(Kind::Float)
+                        .view([batch.labels.size()[0], -1]),
+                ),
+                BertChunkOutput::Heads(_) => bail!("finetuning needs a BERT with a task head"),
+            },
+        )
     }
 
     /// Copies a pretrained BERT's trunk into `chunk`: every trunk tensor must be there with its
@@ -178,8 +186,8 @@ impl ModelFamily for FinetuneFamily {
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         let logits = match self.run(chunk, batch, input, train)? {
-            Ok(logits) => logits,
-            Err(hidden) => return Ok(StepOutput::Hidden(hidden)),
+            TaskForward::Logits(logits) => logits,
+            TaskForward::Hidden(hidden) => return Ok(StepOutput::Hidden(hidden)),
         };
         let loss =
             logits.cross_entropy_loss::<&Tensor>(&batch.labels, None, Reduction::Mean, -100, 0.0);
@@ -197,8 +205,8 @@ impl ModelFamily for FinetuneFamily {
         scores: &mut LossTotals,
     ) -> Result<StepOutput> {
         let logits = match self.run(chunk, batch, input, false)? {
-            Ok(logits) => logits,
-            Err(hidden) => return Ok(StepOutput::Hidden(hidden)),
+            TaskForward::Logits(logits) => logits,
+            TaskForward::Hidden(hidden) => return Ok(StepOutput::Hidden(hidden)),
         };
         let correct = logits
             .argmax(-1, false)
@@ -206,6 +214,7 @@ impl ModelFamily for FinetuneFamily {
             .sum(Kind::Float);
         let examples = Tensor::from(logits.size()[0] as f32).to_device(logits.device());
         scores.add(0, &correct, &examples);
+        // A forward-only schedule backpropagates nothing: the returned value is not used.
         Ok(StepOutput::Loss(correct))
     }
 
