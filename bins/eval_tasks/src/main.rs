@@ -96,6 +96,12 @@ impl EvalObserver for Console {
             bar.inc(1);
         }
     }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 /// Finetune a pretrained BERT on RACE (multiple choice), MNLI or QQP (classification) as
@@ -150,9 +156,6 @@ fn run_finetune(args: &FinetuneArgs) -> Result<()> {
         bar: None,
     };
     let summary = finetune(args, &runtime, &mut console)?;
-    if let Some(bar) = console.bar.take() {
-        bar.finish_and_clear();
-    }
     if let (Some(path), true) = (&args.task.results_json, console.print) {
         write_results(path, &summary.json())?;
     }

@@ -250,6 +250,7 @@ impl EpochEnd<'_> {
             let started = Instant::now();
             observer.start(name, model.batches(examples.0.len() as u64));
             let totals = model.score(examples, CORRECT, &mut || observer.batch_done())?;
+            observer.finish();
             let (correct, total) = (totals[0].0.round() as u64, totals[0].1.round() as u64);
             observer.log(&format!(
                 " > |epoch: {epoch}| metrics for {name}: correct / total = {correct} / {total} = {:.4} %, elapsed time (sec): {:.3}",
@@ -274,7 +275,7 @@ impl EpochEnd<'_> {
 
 impl TrainingHooks<FinetuneFamily> for EpochEnd<'_> {
     fn save_after(&self, iteration: u64) -> bool {
-        iteration % self.iterations_per_epoch == 0
+        iteration.is_multiple_of(self.iterations_per_epoch)
     }
 
     fn after_iteration(
@@ -282,7 +283,7 @@ impl TrainingHooks<FinetuneFamily> for EpochEnd<'_> {
         iteration: u64,
         model: &Scorer<'_, FinetuneFamily>,
     ) -> Result<()> {
-        if iteration % self.iterations_per_epoch == 0 {
+        if iteration.is_multiple_of(self.iterations_per_epoch) {
             self.score(model, (iteration / self.iterations_per_epoch) as i64 - 1)?;
         }
         Ok(())

@@ -16,6 +16,7 @@ use crate::args::PretrainArgs;
 use crate::checkpoint::{find_checkpoint, merge_model_parallel_ranks, split_for_tensor_parallel};
 use crate::loader::{CycledExamples, EpochOrder, SampleSource, Splits, TaskBatch, TaskExample};
 use crate::model::bert::{BertChunkOutput, BertInput};
+use crate::model::chunk::join_names;
 use crate::model::{BertConfig, BertModel, ChunkSpec, GptConfig, ModelOptions};
 use crate::parallel::ParallelState;
 
@@ -102,7 +103,7 @@ impl FinetuneFamily {
             unexpected.sort();
             bail!(
                 "tensors that are not part of a BERT trunk: {}",
-                names(&unexpected)
+                join_names(&unexpected)
             );
         }
         let missing: Vec<&String> = parameters
@@ -111,7 +112,10 @@ impl FinetuneFamily {
             .filter(|n| !tensors.contains_key(*n) && !may_start_fresh(n))
             .collect();
         if !missing.is_empty() {
-            bail!("missing tensors of the BERT trunk: {}", names(&missing));
+            bail!(
+                "missing tensors of the BERT trunk: {}",
+                join_names(&missing)
+            );
         }
         let mut fresh = Vec::new();
         tch::no_grad(|| -> Result<()> {
@@ -133,20 +137,6 @@ impl FinetuneFamily {
         })?;
         Ok(fresh)
     }
-}
-
-fn names(list: &[&String]) -> String {
-    const SHOWN: usize = 8;
-    let mut text = list
-        .iter()
-        .take(SHOWN)
-        .map(|s| s.as_str())
-        .collect::<Vec<_>>()
-        .join(", ");
-    if list.len() > SHOWN {
-        text.push_str(&format!(" and {} more", list.len() - SHOWN));
-    }
-    text
 }
 
 impl ModelFamily for FinetuneFamily {
@@ -294,7 +284,7 @@ impl ModelFamily for FinetuneFamily {
             let fresh: Vec<&String> = fresh.iter().collect();
             println!(
                 "> not in the pretrained checkpoint, freshly initialised: {}",
-                names(&fresh)
+                join_names(&fresh)
             );
         }
         Ok(directory)
