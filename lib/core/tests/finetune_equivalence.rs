@@ -2,7 +2,8 @@
 //! layouts must equal one rank: a small BERT with a classification (or multiple-choice) head
 //! finetuned for three steps on fixture files with TP=2, TP=2 + SP, and DP=2 with the
 //! distributed optimizer, ranks as threads, gives the losses, the (merged) weights and the
-//! accuracy counts of the one-rank run; a run stopped inside an epoch resumes bit for bit.
+//! accuracy counts of the one-rank run; a run stopped inside an epoch resumes bit for bit; a
+//! pretrained checkpoint of one layout starts a run of another.
 
 mod support;
 
@@ -320,4 +321,32 @@ fn resuming_mid_epoch_is_bitwise_identical() {
     assert_eq!(straight_accuracy[0], first_accuracy[0]);
     assert_eq!(straight_accuracy[1], resumed_accuracy[0]);
     assert_eq!(resumed_accuracy[0]["epoch"], 1);
+}
+
+#[test]
+fn pretrained_checkpoints_load_into_any_tensor_parallel_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = flags(dir.path(), "MNLI");
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let run = |name: &str, tensor: usize, extra: &[&str]| {
+        let run_dir = dir.path().join(name);
+        std::fs::create_dir(&run_dir).unwrap();
+        let mut extra = extra.to_vec();
+        extra.extend(["--micro-batch-size", "8"]);
+        train_in::<Finetune>(&run_dir, &flags, tensor, tensor, 1, &extra).unwrap()
+    };
+    let checkpoint = |name: &str| dir.path().join(name).join("ckpt").display().to_string();
+    // Checkpoints saved with TP=1 and TP=2 start further runs (task head included).
+    run("one", 1, &[]);
+    run("two", 2, &[]);
+    let (one, two) = (checkpoint("one"), checkpoint("two"));
+    let from_one = run("from-one", 1, &["--pretrained-checkpoint", one.as_str()]);
+    let cut = run("cut", 2, &["--pretrained-checkpoint", one.as_str()]);
+    assert_equivalent(&from_one, &cut, "TP=2 from a TP=1 checkpoint");
+    let merged = run("merged", 1, &["--pretrained-checkpoint", two.as_str()]);
+    let (a, b) = (from_one.lm_losses()[0], merged.lm_losses()[0]);
+    assert!(
+        (a - b).abs() <= 1e-4 * a,
+        "TP=1 from a TP=2 checkpoint: first loss {b}, from the TP=1 checkpoint {a}"
+    );
 }
