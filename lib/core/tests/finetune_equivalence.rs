@@ -326,14 +326,14 @@ fn resuming_mid_epoch_is_bitwise_identical() {
 #[test]
 fn pretrained_checkpoints_load_into_any_tensor_parallel_layout() {
     let dir = tempfile::tempdir().unwrap();
-    let flags = flags(dir.path(), "MNLI");
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mnli_flags = flags(dir.path(), "MNLI");
+    let mnli_flags: Vec<&str> = mnli_flags.iter().map(String::as_str).collect();
     let run = |name: &str, tensor: usize, extra: &[&str]| {
         let run_dir = dir.path().join(name);
         std::fs::create_dir(&run_dir).unwrap();
         let mut extra = extra.to_vec();
         extra.extend(["--micro-batch-size", "8"]);
-        train_in::<Finetune>(&run_dir, &flags, tensor, tensor, 1, &extra).unwrap()
+        train_in::<Finetune>(&run_dir, &mnli_flags, tensor, tensor, 1, &extra).unwrap()
     };
     let checkpoint = |name: &str| dir.path().join(name).join("ckpt").display().to_string();
     // Checkpoints saved with TP=1 and TP=2 start further runs (task head included).
@@ -349,4 +349,25 @@ fn pretrained_checkpoints_load_into_any_tensor_parallel_layout() {
         (a - b).abs() <= 1e-4 * a,
         "TP=1 from a TP=2 checkpoint: first loss {b}, from the TP=1 checkpoint {a}"
     );
+    // Another task starts from the MNLI model: its classification head is dropped.
+    let race_dir = dir.path().join("race");
+    std::fs::create_dir(&race_dir).unwrap();
+    let race_flags = flags(&race_dir, "RACE");
+    let race_flags: Vec<&str> = race_flags.iter().map(String::as_str).collect();
+    let race = train_in::<Finetune>(
+        &race_dir,
+        &race_flags,
+        1,
+        1,
+        1,
+        &[
+            "--micro-batch-size",
+            "8",
+            "--pretrained-checkpoint",
+            one.as_str(),
+        ],
+    )
+    .unwrap();
+    assert!(race.weights.contains_key("multichoice_head.weight"));
+    assert!(!race.weights.contains_key("classification_head.weight"));
 }

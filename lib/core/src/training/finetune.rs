@@ -32,11 +32,19 @@ pub struct FinetuneFamily {
 
 const LOSS: &[&str] = &["lm loss"];
 
-/// Tensors a pretrained BERT has and a finetuning model drops: the pretraining heads.
-fn pretraining_head(name: &str) -> bool {
-    ["lm_head.", "output_layer.", "binary_head."]
-        .iter()
-        .any(|prefix| name.starts_with(prefix))
+/// Tensors a starting checkpoint may have and a finetuning model drops when it has no such
+/// parameter: the pretraining heads, and another task's head (a model finetuned on MNLI starting
+/// RACE).
+fn other_head(name: &str) -> bool {
+    [
+        "lm_head.",
+        "output_layer.",
+        "binary_head.",
+        "classification_head.",
+        "multichoice_head.",
+    ]
+    .iter()
+    .any(|prefix| name.starts_with(prefix))
 }
 
 /// What a finetuning chunk produced.
@@ -76,8 +84,9 @@ impl FinetuneFamily {
     }
 
     /// Copies a pretrained BERT's trunk into `chunk`: every trunk tensor must be there with its
-    /// shape; the pretraining heads are dropped; the pooler and token-type embeddings (absent
-    /// from checkpoints trained with `--bert-no-binary-head`) and the task head keep their
+    /// shape; the pretraining heads and other tasks' heads are dropped; the pooler and
+    /// token-type embeddings (absent from checkpoints trained with `--bert-no-binary-head`) and
+    /// the task head (unless the checkpoint has one of the same shape) keep their
     /// initialisation. Returns the names left at initialisation.
     fn load_trunk(
         &self,
@@ -97,7 +106,7 @@ impl FinetuneFamily {
         };
         let mut unexpected: Vec<&String> = tensors
             .keys()
-            .filter(|k| !pretraining_head(k) && !parameters.iter().any(|p| &p.name == *k))
+            .filter(|k| !other_head(k) && !parameters.iter().any(|p| &p.name == *k))
             .collect();
         if !unexpected.is_empty() {
             unexpected.sort();
@@ -121,7 +130,16 @@ impl FinetuneFamily {
         tch::no_grad(|| -> Result<()> {
             for parameter in &parameters {
                 let name = &parameter.name;
-                let Some(source) = tensors.get(name) else {
+                let source = match tensors.get(name) {
+                    // Another classification task's head has another number of classes.
+                    Some(source)
+                        if name.starts_with(head) && source.size() != parameter.tensor.size() =>
+                    {
+                        None
+                    }
+                    found => found,
+                };
+                let Some(source) = source else {
                     fresh.push(name.clone());
                     continue;
                 };
