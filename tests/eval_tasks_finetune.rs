@@ -289,17 +289,28 @@ fn mnli_finetuning_learns_the_task_and_reports_megatron_accuracy_lines() {
         "{summary}"
     );
 
-    // --epochs 0 scores the saved model again: the same counts, as epoch -1.
+    // --epochs 0 scores the saved model again (7 examples per forward): the same counts, as
+    // epoch -1.
     let results = dir.path().join("results.json");
     let out = run_ok(
-        finetune("MNLI", &["--epochs", "0", "--micro-batch-size", "7"])
-            .arg("--valid-data")
-            .arg(mnli.join("dev_matched.tsv"))
-            .arg(mnli.join("dev_mismatched.tsv"))
-            .arg("--load")
-            .arg(&save)
-            .arg("--results-json")
-            .arg(&results),
+        finetune(
+            "MNLI",
+            &[
+                "--epochs",
+                "0",
+                "--micro-batch-size",
+                "16",
+                "--eval-micro-batch-size",
+                "7",
+            ],
+        )
+        .arg("--valid-data")
+        .arg(mnli.join("dev_matched.tsv"))
+        .arg(mnli.join("dev_mismatched.tsv"))
+        .arg("--load")
+        .arg(&save)
+        .arg("--results-json")
+        .arg(&results),
     );
     let again = stdout(&out);
     assert!(

@@ -27,6 +27,9 @@ pub struct FinetuneTaskArgs {
     /// samples) instead of dropping it.
     #[arg(long)]
     pub keep_last: bool,
+    /// Examples per forward when scoring --valid-data [default: --micro-batch-size].
+    #[arg(long)]
+    pub eval_micro_batch_size: Option<u64>,
     /// Also write the accuracies of every epoch to this JSON file.
     #[arg(long)]
     pub results_json: Option<PathBuf>,

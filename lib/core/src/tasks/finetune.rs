@@ -229,6 +229,8 @@ impl FinetuneSummary {
 struct EpochEnd<'a> {
     sets: Vec<(String, TaskExamples)>,
     iterations_per_epoch: u64,
+    /// Examples per forward when scoring (`--eval-micro-batch-size`, else the training one).
+    eval_micro_batch_size: Option<u64>,
     observer: &'a mut dyn EvalObserver,
     accuracies: Vec<EpochAccuracy>,
 }
@@ -248,8 +250,11 @@ impl EpochEnd<'_> {
         };
         for (name, examples) in &self.sets {
             let started = Instant::now();
-            observer.start(name, model.batches(examples.0.len() as u64));
-            let totals = model.score(examples, CORRECT, &mut || observer.batch_done())?;
+            let micro = self
+                .eval_micro_batch_size
+                .unwrap_or_else(|| model.micro_batch_size());
+            observer.start(name, model.batches(examples.0.len() as u64, micro));
+            let totals = model.score(examples, CORRECT, micro, &mut || observer.batch_done())?;
             observer.finish();
             let (correct, total) = (totals[0].0.round() as u64, totals[0].1.round() as u64);
             observer.log(&format!(
@@ -403,6 +408,7 @@ pub fn finetune(
     let mut hooks = EpochEnd {
         sets,
         iterations_per_epoch: iterations_per_epoch.max(1),
+        eval_micro_batch_size: args.task.eval_micro_batch_size,
         observer,
         accuracies: Vec::new(),
     };

@@ -155,29 +155,36 @@ pub struct Scorer<'a, F: ModelFamily> {
 }
 
 impl<F: ModelFamily> Scorer<'_, F> {
-    /// Global batches (a micro-batch per data-parallel rank) that [`score`](Self::score) runs
-    /// over `samples` samples.
-    pub fn batches(&self, samples: u64) -> u64 {
-        samples.div_ceil(self.micro_batch_size * self.parallel.data_parallel_size() as u64)
+    /// The training micro-batch size (`--micro-batch-size`).
+    pub fn micro_batch_size(&self) -> u64 {
+        self.micro_batch_size
     }
 
-    /// Scores every sample of `source` once, in order: each data-parallel rank takes its
-    /// micro-batch of every global batch (the last ones may be short or empty). Returns each of
-    /// `names` as `(sum, count)` over the whole job; `on_batch` follows the global batches.
+    /// Global batches (a micro-batch of `micro` samples per data-parallel rank) that
+    /// [`score`](Self::score) runs over `samples` samples.
+    pub fn batches(&self, samples: u64, micro: u64) -> u64 {
+        samples.div_ceil(micro.max(1) * self.parallel.data_parallel_size() as u64)
+    }
+
+    /// Scores every sample of `source` once, in order, `micro` samples per forward: each
+    /// data-parallel rank takes its micro-batch of every global batch (the last ones may be
+    /// short or empty). Returns each of `names` as `(sum, count)` over the whole job;
+    /// `on_batch` follows the global batches.
     pub fn score(
         &self,
         source: &dyn SampleSource<Batch = F::Batch>,
         names: &'static [&'static str],
+        micro: u64,
         on_batch: &mut dyn FnMut(),
     ) -> Result<Vec<(f64, f64)>> {
         ensure!(
             self.parallel.pipeline_parallel_size() == 1,
             "scoring runs without pipeline parallelism"
         );
-        let (micro, data_rank) = (self.micro_batch_size, self.parallel.data.rank() as u64);
+        let (micro, data_rank) = (micro.max(1), self.parallel.data.rank() as u64);
         let global = micro * self.parallel.data_parallel_size() as u64;
         let mut totals = LossTotals::new(names, self.device);
-        for batch in 0..self.batches(source.len()) {
+        for batch in 0..self.batches(source.len(), micro) {
             let first = (batch * global + data_rank * micro).min(source.len());
             let end = (first + micro).min(source.len());
             if first < end {
