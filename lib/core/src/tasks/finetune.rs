@@ -15,7 +15,7 @@ use megatron_data::tokenizer::{build_tokenizer, BertWordPiece};
 use serde_json::{json, Value};
 
 use super::EvalObserver;
-use crate::args::FinetuneArgs;
+use crate::args::{FinetuneArgs, PretrainArgs, TokenizerArgs};
 use crate::loader::{TaskExample, TaskExamples};
 use crate::model::TaskHead;
 use crate::training::{
@@ -301,6 +301,44 @@ impl TrainingHooks<FinetuneFamily> for EpochEnd<'_> {
     }
 }
 
+/// The WordPiece tokenizer of `--tokenizer-type`/`--vocab-file`, as Megatron's tasks tokenize
+/// (no `[CLS]`/`[SEP]` around each text), and its special ids.
+fn wordpiece(flags: &TokenizerArgs, task: FinetuneTask) -> Result<(BertWordPiece, PairSpecials)> {
+    let lower_case = match flags.tokenizer_type.as_str() {
+        "BertWordPieceLowerCase" => true,
+        "BertWordPieceCase" => false,
+        other => bail!(
+            "--tokenizer-type {other}: {} needs BertWordPieceLowerCase or BertWordPieceCase",
+            task.name()
+        ),
+    };
+    let vocab = flags
+        .vocab_file
+        .as_ref()
+        .context("give the BERT vocabulary with --vocab-file")?;
+    let tokenizer = BertWordPiece::from_file(vocab, lower_case, false)?;
+    let specials = PairSpecials::from_bert(&tokenizer)
+        .with_context(|| format!("--vocab-file {}", vocab.display()))?;
+    Ok((tokenizer, specials))
+}
+
+/// The engine's flags for `iterations` iterations of `global_batch_size` examples; none is
+/// Megatron's evaluation-only mode (`--epochs 0`): the weights of `--load` or
+/// `--pretrained-checkpoint`, scored once, nothing trained or restored besides them.
+fn set_run_length(common: &mut PretrainArgs, iterations: u64, global_batch_size: u64) {
+    let training = &mut common.training;
+    training.global_batch_size = Some(global_batch_size);
+    training.train_samples = None;
+    if iterations > 0 {
+        training.train_iters = Some(iterations);
+    } else {
+        training.train_iters = None;
+        training.skip_train = true;
+        training.eval_iters = 0;
+        common.checkpoint.finetune = true;
+    }
+}
+
 /// Megatron's `tasks/main.py --task RACE|MNLI|QQP` on this rank of the job.
 pub fn finetune(
     args: &FinetuneArgs,
@@ -330,22 +368,7 @@ pub fn finetune(
             "finetuning has no gradient accumulation: --global-batch-size must be --micro-batch-size × data-parallel size = {global_batch_size}, got {given}"
         );
     }
-    let lower_case = match common.tokenizer.tokenizer_type.as_str() {
-        "BertWordPieceLowerCase" => true,
-        "BertWordPieceCase" => false,
-        other => bail!(
-            "--tokenizer-type {other}: {} needs BertWordPieceLowerCase or BertWordPieceCase",
-            task.name()
-        ),
-    };
-    let vocab = common
-        .tokenizer
-        .vocab_file
-        .as_ref()
-        .context("give the BERT vocabulary with --vocab-file")?;
-    let tokenizer = BertWordPiece::from_file(vocab, lower_case, false)?;
-    let specials = PairSpecials::from_bert(&tokenizer)
-        .with_context(|| format!("--vocab-file {}", vocab.display()))?;
+    let (tokenizer, specials) = wordpiece(&common.tokenizer, task)?;
     let seq_length = usize::try_from(common.model.seq_length).context("--seq-length")?;
 
     let mut train = Vec::new();
@@ -381,18 +404,11 @@ pub fn finetune(
     if common.training.train_iters.is_some() || common.training.train_samples.is_some() {
         observer.log("note: --train-iters and --train-samples are ignored: finetuning trains --epochs passes over --train-data");
     }
-    common.training.global_batch_size = Some(global_batch_size);
-    common.training.train_samples = None;
-    if epochs > 0 {
-        common.training.train_iters = Some(epochs * iterations_per_epoch);
-    } else {
-        // Megatron's evaluation-only mode: the weights of --load or --pretrained-checkpoint,
-        // scored once, nothing trained or restored besides them.
-        common.training.train_iters = None;
-        common.training.skip_train = true;
-        common.training.eval_iters = 0;
-        common.checkpoint.finetune = true;
-    }
+    set_run_length(
+        &mut common,
+        epochs * iterations_per_epoch,
+        global_batch_size,
+    );
 
     // The vocabulary as pretrain_bert sizes it, so its checkpoints fit.
     let vocab_size = build_tokenizer(&common.tokenizer.config()?)?.vocab_size();
