@@ -554,6 +554,18 @@ fn bad_task_files_and_checkpoints_are_named_in_errors() {
         stderr.contains("hidden_size = 64 in the checkpoint, 32 now"),
         "{stderr}"
     );
+    // A pretrained BERT given to --load, which resumes finetuning runs.
+    let stderr = failure(
+        finetune("MNLI", &["--epochs", "1", "--micro-batch-size", "2"])
+            .arg("--train-data")
+            .arg(&good)
+            .arg("--load")
+            .arg(pretrained()),
+    );
+    assert!(
+        stderr.contains("holds a pretrained BERT without a task head; start from it with --pretrained-checkpoint"),
+        "{stderr}"
+    );
     let stderr = failure(
         finetune("MNLI", &["--micro-batch-size", "2"])
             .arg("--train-data")

@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 
 use super::EvalObserver;
 use crate::args::{FinetuneArgs, PretrainArgs, TokenizerArgs};
+use crate::checkpoint::find_checkpoint;
 use crate::loader::{TaskExample, TaskExamples};
 use crate::model::TaskHead;
 use crate::training::{
@@ -339,6 +340,22 @@ fn set_run_length(common: &mut PretrainArgs, iterations: u64, global_batch_size:
     }
 }
 
+/// `--load` resumes a finetuning run; a `pretrain_bert` checkpoint there (no task head) is the
+/// common mistake for `--pretrained-checkpoint`.
+fn refuse_pretraining_checkpoint(load: &Path) -> Result<()> {
+    if let Some(found) = find_checkpoint(load)? {
+        let metadata = &found.metadata;
+        if metadata.model_type == "BERT" && metadata.model.get("task_head").is_none() {
+            bail!(
+                "--load {}: {} holds a pretrained BERT without a task head; start from it with --pretrained-checkpoint (--load resumes a finetuning run)",
+                load.display(),
+                found.directory.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Megatron's `tasks/main.py --task RACE|MNLI|QQP` on this rank of the job.
 pub fn finetune(
     args: &FinetuneArgs,
@@ -410,6 +427,9 @@ pub fn finetune(
         global_batch_size,
     );
 
+    if let Some(load) = &common.checkpoint.load {
+        refuse_pretraining_checkpoint(load)?;
+    }
     // The vocabulary as pretrain_bert sizes it, so its checkpoints fit.
     let vocab_size = build_tokenizer(&common.tokenizer.config()?)?.vocab_size();
     let mut config = args.model.bert_config(vocab_size as i64)?;
