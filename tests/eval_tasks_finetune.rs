@@ -2,14 +2,16 @@
 //! task's official format: a tiny BERT pretrained by `pretrain_bert` learns a synthetic MNLI set
 //! whose label a marker word decides, far above chance, with Megatron's accuracy lines after
 //! every epoch and a checkpoint per epoch; `--epochs 0` scores that checkpoint again with the
-//! same counts; QQP (its malformed rows skipped) and RACE (directories of JSON documents) run end
-//! to end; bad files and checkpoints get errors naming the file and line or the tensor.
+//! same counts; two tensor-parallel processes give the one-process results; QQP (its malformed
+//! rows skipped) and RACE (directories of JSON documents) run end to end; bad files and
+//! checkpoints get errors naming the file and line or the tensor.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, shared_dir};
+use megatron_e2e::{bin, free_port, run_ok, shared_dir};
 
 fn vocab() -> PathBuf {
     shared_dir().join("data/bert-large-uncased-vocab.txt")
@@ -572,4 +574,80 @@ fn bad_task_files_and_checkpoints_are_named_in_errors() {
             .arg(&good),
     );
     assert!(stderr.contains("give --epochs N"), "{stderr}");
+}
+
+/// Waits for `child` at most `limit` (killing it past that) and returns its output.
+fn wait_within(mut child: std::process::Child, limit: Duration) -> Output {
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("a rank ran longer than {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn two_tensor_parallel_processes_equal_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mnli = dir.path().join("MNLI");
+    std::fs::create_dir(&mnli).unwrap();
+    write_mnli(&mnli.join("train.tsv"), 64, false, 5);
+    write_mnli(&mnli.join("dev_matched.tsv"), 30, true, 6);
+    let command = |json: &Path| {
+        let mut command = finetune("MNLI", &["--epochs", "2", "--micro-batch-size", "16"]);
+        command
+            .arg("--train-data")
+            .arg(mnli.join("train.tsv"))
+            .arg("--valid-data")
+            .arg(mnli.join("dev_matched.tsv"))
+            .arg("--pretrained-checkpoint")
+            .arg(pretrained())
+            .arg("--results-json")
+            .arg(json);
+        command
+    };
+    let one_json = dir.path().join("one.json");
+    run_ok(&mut command(&one_json));
+    let two_json = dir.path().join("two.json");
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            command(&two_json)
+                .args(["--tensor-model-parallel-size", "2"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = wait_within(child, Duration::from_secs(300));
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let read = |path: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let (one, two) = (read(&one_json), read(&two_json));
+    assert_eq!(one["epochs"], two["epochs"]);
+    assert_eq!(one["iterations"], 8);
+    let (a, b) = (
+        one["lm_loss"].as_f64().unwrap(),
+        two["lm_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (a - b).abs() <= 1e-5 * a,
+        "lm loss {b} under TP=2, {a} alone"
+    );
 }
