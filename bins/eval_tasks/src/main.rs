@@ -1,5 +1,7 @@
-//! `eval_tasks`: Megatron's `tasks/main.py` for the zero-shot GPT tasks — LAMBADA accuracy and
-//! WikiText-103 perplexity of a trained checkpoint, with Megatron's flags and result lines.
+//! `eval_tasks`: Megatron's `tasks/main.py` — the zero-shot GPT tasks (LAMBADA accuracy and
+//! WikiText-103 perplexity of a trained checkpoint) and BERT finetuning on RACE, MNLI and QQP,
+//! with Megatron's flags and result lines. The finetuning tasks take `pretrain_bert`'s flags, so
+//! `--task` picks the parser.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,10 +9,11 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::ProgressBar;
-use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
+use megatron_core::args::{CheckpointModelArgs, FinetuneArgs, TokenizerArgs};
 use megatron_core::tasks::{
-    evaluate, EvalModel, EvalObserver, EvalOptions, LambadaReportKind, Task,
+    evaluate, finetune, EvalModel, EvalObserver, EvalOptions, FinetuneTask, LambadaReportKind, Task,
 };
+use megatron_core::training::join_job;
 use megatron_data::tokenizer::build_tokenizer;
 
 /// Evaluate a GPT checkpoint as Megatron's `tasks/main.py` does:
@@ -19,10 +22,14 @@ use megatron_data::tokenizer::build_tokenizer;
 /// --valid-data wiki.test.tokens`. The architecture comes from the checkpoint; Megatron's model
 /// flags are accepted and checked against it. Under torchrun with
 /// --tensor-model-parallel-size N the model is split over N processes.
+///
+/// BERT finetuning (--task RACE, MNLI or QQP) takes every pretrain_bert flag instead: see
+/// `eval_tasks --task MNLI --help`.
 #[derive(Parser)]
 #[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
 struct Cli {
-    /// LAMBADA (accuracy) or WIKITEXT103 (perplexity).
+    /// LAMBADA (accuracy) or WIKITEXT103 (perplexity); RACE, MNLI and QQP finetune a BERT
+    /// (see `eval_tasks --task MNLI --help`).
     #[arg(long)]
     task: String,
     /// The data file: LAMBADA's JSON lines (key "text"), or WikiText's raw `wiki.*.tokens`
@@ -89,11 +96,80 @@ impl EvalObserver for Console {
             bar.inc(1);
         }
     }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Finetune a pretrained BERT on RACE (multiple choice), MNLI or QQP (classification) as
+/// Megatron's tasks/main.py does, and print the accuracy on every --valid-data set after every
+/// epoch: `eval_tasks --task MNLI --train-data MNLI/train.tsv --valid-data
+/// MNLI/dev_matched.tsv MNLI/dev_mismatched.tsv --pretrained-checkpoint bert-ckpt --epochs 3
+/// --micro-batch-size 8 --lr 5e-5 --lr-warmup-fraction 0.065 --save mnli ...` with the BERT's
+/// model flags and vocabulary. --epochs 0 only scores the loaded model. Every pretrain_bert
+/// flag is accepted (parallelism, precision, schedule, checkpoints, logging); --save writes a
+/// checkpoint after every epoch, --load resumes one.
+#[derive(Parser)]
+#[command(
+    name = "eval_tasks",
+    version,
+    args_override_self = true,
+    max_term_width = 100
+)]
+#[command(mut_arg("tokenizer_type", |arg| arg.default_value("BertWordPieceLowerCase")))]
+struct FinetuneCli {
+    #[command(flatten)]
+    args: FinetuneArgs,
+}
+
+/// The last `--task` value on the command line (`--task X` or `--task=X`).
+fn task_on_command_line() -> Option<String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut task = None;
+    for (i, arg) in args.iter().enumerate() {
+        if let Some(value) = arg.strip_prefix("--task=") {
+            task = Some(value.to_string());
+        } else if arg == "--task" {
+            task = args.get(i + 1).cloned();
+        }
+    }
+    task
 }
 
 fn main() -> ExitCode {
+    if task_on_command_line().is_some_and(|task| FinetuneTask::parse(&task).is_some()) {
+        let cli = FinetuneCli::parse();
+        return megatron_cli::run(|| run_finetune(&cli.args));
+    }
     let cli = Cli::parse();
     megatron_cli::run(|| run(&cli))
+}
+
+fn run_finetune(args: &FinetuneArgs) -> Result<()> {
+    let common = &args.model.common;
+    let (job, runtime) = join_job(&common.parallel, &common.training.device)?;
+    let mut console = Console {
+        print: runtime.parallel.is_logging_rank(),
+        bar: None,
+    };
+    let summary = finetune(args, &runtime, &mut console)?;
+    if let (Some(path), true) = (&args.task.results_json, console.print) {
+        write_results(path, &summary.json())?;
+    }
+    console.log(&summary.line());
+    drop(runtime);
+    job.finish()
+}
+
+/// Writes `results` to `path` through a temporary name.
+fn write_results(path: &std::path::Path, results: &serde_json::Value) -> Result<()> {
+    let partial = path.with_extension("json.tmp");
+    std::fs::write(&partial, serde_json::to_string_pretty(results)? + "\n")
+        .with_context(|| format!("writing {}", partial.display()))?;
+    std::fs::rename(&partial, path).with_context(|| format!("writing {}", path.display()))
 }
 
 fn run(cli: &Cli) -> Result<()> {
@@ -150,10 +226,7 @@ fn run(cli: &Cli) -> Result<()> {
         bar.finish_and_clear();
     }
     if let (Some(path), true) = (&cli.results_json, console.print) {
-        let partial = path.with_extension("json.tmp");
-        std::fs::write(&partial, serde_json::to_string_pretty(&results)? + "\n")
-            .with_context(|| format!("writing {}", partial.display()))?;
-        std::fs::rename(&partial, path).with_context(|| format!("writing {}", path.display()))?;
+        write_results(path, &results)?;
     }
     console.log("done :-)");
     drop(model);

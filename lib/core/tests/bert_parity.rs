@@ -62,6 +62,7 @@ fn config() -> BertConfig {
         transformer: flags.model.gpt_config(128).unwrap(),
         binary_head: flags.bert.binary_head(),
         lm_head_activation: megatron_core::model::Activation::GeluErf,
+        task_head: None,
     }
 }
 

@@ -52,6 +52,7 @@ impl BertPretrainArgs {
             } else {
                 Activation::GeluErf
             },
+            task_head: None,
         })
     }
 }

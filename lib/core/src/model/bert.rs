@@ -1,10 +1,12 @@
 //! Megatron-core's BERT (spec §1.4): word, position and (with the binary head) token-type
 //! embeddings, a pre-LN encoder under the padding mask, the final norm, the LM head (dense → GeLU
 //! → LayerNorm → logits on the tied word embeddings plus a vocab-parallel bias), and with the
-//! binary head the pooler (tanh over position 0) and the sentence-order classifier. A `BertModel`
-//! is one pipeline chunk, like [`GptModel`](super::GptModel).
+//! binary head the pooler (tanh over position 0) and the sentence-order classifier. For
+//! finetuning (`eval_tasks --task RACE|MNLI|QQP`, spec §7.4–7.5) a [`TaskHead`] replaces the LM
+//! and binary heads: pooler → dropout → linear. A `BertModel` is one pipeline chunk, like
+//! [`GptModel`](super::GptModel).
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
@@ -32,12 +34,44 @@ pub struct BertConfig {
     pub binary_head: bool,
     /// The LM head's GeLU: exact erf unless `--openai-gelu` (spec §1.1).
     pub lm_head_activation: Activation,
+    /// The finetuning head that replaces the LM and binary heads; `None` when pretraining.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_head: Option<TaskHead>,
+}
+
+/// A finetuning head on the pooled output (Megatron's `Classification` and `MultipleChoice`
+/// models): pooler → dropout (`--hidden-dropout`) → linear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskHead {
+    /// One logit per class (MNLI: 3, QQP: 2); the tensors are `classification_head.*`.
+    Classification { num_classes: i64 },
+    /// One score per encoded choice (RACE), compared across a question's choices; the tensors
+    /// are `multichoice_head.*`.
+    MultipleChoice,
+}
+
+impl TaskHead {
+    fn outputs(self) -> i64 {
+        match self {
+            TaskHead::Classification { num_classes } => num_classes,
+            TaskHead::MultipleChoice => 1,
+        }
+    }
+
+    /// Megatron's name of the head's linear layer.
+    pub fn tensor_prefix(self) -> &'static str {
+        match self {
+            TaskHead::Classification { .. } => "classification_head",
+            TaskHead::MultipleChoice => "multichoice_head",
+        }
+    }
 }
 
 impl BertConfig {
-    /// Token types in the embeddings: 2 with the binary head, none without.
+    /// Token types in the embeddings: 2 with the binary head or a task head, none without.
     pub fn num_tokentypes(&self) -> i64 {
-        if self.binary_head {
+        if self.binary_head || self.task_head.is_some() {
             2
         } else {
             0
@@ -52,6 +86,15 @@ impl BertConfig {
         }
         if self.transformer.position_embedding_type != PositionEmbeddingType::LearnedAbsolute {
             bail!("BERT uses learned absolute position embeddings (--position-embedding-type learned_absolute)");
+        }
+        if self.binary_head && self.task_head.is_some() {
+            bail!("a finetuning head replaces the binary head: a BERT cannot have both");
+        }
+        if let Some(TaskHead::Classification { num_classes }) = self.task_head {
+            ensure!(
+                num_classes >= 2,
+                "a classification head needs at least 2 classes, got {num_classes}"
+            );
         }
         Ok(())
     }
@@ -99,10 +142,12 @@ pub enum BertInput<'a> {
     Hidden(&'a Tensor),
 }
 
-/// One chunk's result: hidden states for the next stage, or the heads' outputs.
+/// One chunk's result: hidden states for the next stage, the pretraining heads' outputs, or the
+/// task head's logits (`[b, num_classes]`, or `[b·choices, 1]` for multiple choice).
 pub enum BertChunkOutput {
     Hidden(Tensor),
     Heads(BertOutput),
+    Task(Tensor),
 }
 
 struct LmHead {
@@ -124,6 +169,7 @@ pub struct BertModel {
     output_weight: Option<OutputWeight>,
     output_bias: Option<Param>,
     binary_head: Option<Dense>,
+    task_head: Option<Dense>,
     options: ModelOptions,
     parallel: TensorParallel,
     gate: GateSlot,
@@ -159,7 +205,7 @@ impl BertModel {
         let post = spec.post_process;
         let word_embeddings = pre.then(|| trunk.word_embeddings());
         let position_embeddings = pre.then(|| trunk.position_embeddings());
-        let tokentype_embeddings = (pre && config.binary_head).then(|| {
+        let tokentype_embeddings = (pre && config.num_tokentypes() > 0).then(|| {
             embedding.scope("tokentype_embeddings").normal(
                 "weight",
                 &[config.num_tokentypes(), h],
@@ -168,17 +214,22 @@ impl BertModel {
         });
         let layers = trunk.layers("encoder.layers", spec.layers.clone(), false);
         let final_layernorm = post.then(|| trunk.norm("encoder.final_layernorm"));
-        let pooler = (post && config.binary_head)
+        let task_head = config.task_head.filter(|_| post);
+        let pooler = (post && (config.binary_head || task_head.is_some()))
             .then(|| Dense::new(&init.scope("pooler.dense"), h, h, std));
-        let lm_head = post.then(|| LmHead {
+        let pretraining = post && task_head.is_none();
+        let lm_head = pretraining.then(|| LmHead {
             dense: Dense::new(&init.scope("lm_head.dense"), h, h, std),
             layer_norm: trunk.norm("lm_head.layer_norm"),
             activation: config.lm_head_activation,
         });
-        let output_weight = post.then(|| trunk.tied_output(pre));
-        let output_bias = post.then(|| init.constant_partitioned(&[trunk.padded_vocab], 0.0));
-        let binary_head =
-            (post && config.binary_head).then(|| Dense::new(&init.scope("binary_head"), h, 2, std));
+        let output_weight = pretraining.then(|| trunk.tied_output(pre));
+        let output_bias =
+            pretraining.then(|| init.constant_partitioned(&[trunk.padded_vocab], 0.0));
+        let binary_head = (pretraining && config.binary_head)
+            .then(|| Dense::new(&init.scope("binary_head"), h, 2, std));
+        let task_head = task_head
+            .map(|head| Dense::new(&init.scope(head.tensor_prefix()), h, head.outputs(), std));
         let tensor_parallel = trunk.parallel;
         Ok(BertModel {
             config,
@@ -193,6 +244,7 @@ impl BertModel {
             output_weight,
             output_bias,
             binary_head,
+            task_head,
             options,
             parallel: tensor_parallel,
             gate: GateSlot::default(),
@@ -231,7 +283,32 @@ impl BertModel {
         };
         self.gate.before("encoder.final_layernorm")?;
         let hidden = norm.forward(&hidden);
+        if let Some(head) = &self.task_head {
+            let pooled = self.pooled(&hidden)?;
+            self.gate.before(self.task_head_prefix())?;
+            let dropped = pooled.dropout(self.config.transformer.hidden_dropout, train);
+            return Ok(BertChunkOutput::Task(head.forward(&dropped)));
+        }
         Ok(BertChunkOutput::Heads(self.heads(&hidden)?))
+    }
+
+    fn task_head_prefix(&self) -> &'static str {
+        self.config
+            .task_head
+            .map_or("task_head", TaskHead::tensor_prefix)
+    }
+
+    /// The pooler (tanh of a dense layer) on position 0 of the whole sequence; every
+    /// tensor-parallel rank computes it.
+    fn pooled(&self, hidden: &Tensor) -> Result<Tensor> {
+        let pooler = self.pooler.as_ref().expect("a chunk with a pooler");
+        self.gate.before("pooler")?;
+        let full = if self.parallel.sequence_parallel {
+            gather_from_sequence_parallel_region(hidden, &self.parallel.group, false)?
+        } else {
+            hidden.shallow_clone()
+        };
+        Ok(pooler.forward(&full.get(0)).tanh())
     }
 
     /// The whole model on `tokens` `[b, s]`: MLM logits `[s, b, V/t]` and sentence-order logits.
@@ -249,6 +326,9 @@ impl BertModel {
             train,
         )? {
             BertChunkOutput::Heads(output) => Ok(output),
+            BertChunkOutput::Task(_) => {
+                bail!("this BERT has a finetuning head, not the pretraining heads")
+            }
             BertChunkOutput::Hidden(_) => unreachable!("a whole model ends in its heads"),
         }
     }
@@ -284,22 +364,14 @@ impl BertModel {
 
     /// Pooler and binary head on position 0, LM head and logits on every position.
     fn heads(&self, hidden: &Tensor) -> Result<BertOutput> {
-        let group = &self.parallel.group;
-        let binary_logits = match (&self.pooler, &self.binary_head) {
-            (Some(pooler), Some(binary_head)) => {
-                self.gate.before("pooler")?;
+        let binary_logits = match &self.binary_head {
+            Some(binary_head) => {
+                let pooled = self.pooled(hidden)?;
                 self.gate.before("binary_head")?;
-                // The pooler reads position 0 of the whole sequence; every rank computes it.
-                let full = if self.parallel.sequence_parallel {
-                    gather_from_sequence_parallel_region(hidden, group, false)?
-                } else {
-                    hidden.shallow_clone()
-                };
                 // Megatron-core's pretraining model has no dropout between pooler and head.
-                let pooled = pooler.forward(&full.get(0)).tanh();
                 Some(binary_head.forward(&pooled))
             }
-            _ => None,
+            None => None,
         };
         let lm_head = self
             .lm_head
@@ -373,6 +445,12 @@ impl BertModel {
         }
         if let Some(head) = &self.binary_head {
             head.named_tensors(&mut names.scope("binary_head"), ParamAttributes::default());
+        }
+        if let Some(head) = &self.task_head {
+            head.named_tensors(
+                &mut names.scope(self.task_head_prefix()),
+                ParamAttributes::default(),
+            );
         }
         out
     }

@@ -60,7 +60,8 @@ pub fn load_named(parameters: &[NamedParameter], tensors: &HashMap<String, Tenso
     })
 }
 
-fn join_names(names: &[&String]) -> String {
+/// Up to 8 names joined by commas, then how many more there are.
+pub(crate) fn join_names(names: &[&String]) -> String {
     const SHOWN: usize = 8;
     let mut text = names
         .iter()

@@ -13,7 +13,7 @@ pub mod partition;
 pub mod stack;
 pub mod t5;
 
-pub use bert::{BertConfig, BertModel, BertOutput};
+pub use bert::{BertConfig, BertModel, BertOutput, TaskHead};
 pub use chunk::ModelChunk;
 pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType};
 pub use cross_entropy::cross_entropy;

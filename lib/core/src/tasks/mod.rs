@@ -1,11 +1,14 @@
 //! Evaluation tasks (`eval_tasks`, Megatron's `tasks/main.py`, spec §7). A task names its data
-//! builder (in `megatron_data::tasks`) and its metric; the zero-shot GPT tasks score a loaded
-//! model over batches of windows. Further tasks plug in as new [`Task`] variants.
+//! builder (in `megatron_data::tasks`) and its metric; the zero-shot GPT tasks ([`Task`]) score
+//! a loaded model over batches of windows; the BERT finetuning tasks ([`FinetuneTask`]) train a
+//! task head on the training engine and score it after every epoch.
 
+mod finetune;
 mod report;
 mod run;
 mod zeroshot;
 
+pub use finetune::{finetune, EpochAccuracy, FinetuneSummary, FinetuneTask, SetAccuracy};
 pub use report::{LambadaReport, WikitextReport};
 pub use run::{
     evaluate, run_lambada, run_wikitext, EvalModel, EvalObserver, EvalOptions, LambadaReportKind,
@@ -29,10 +32,7 @@ impl Task {
         Ok(match name {
             "LAMBADA" => Task::Lambada,
             "WIKITEXT103" => Task::Wikitext103,
-            "RACE" | "MNLI" | "QQP" => bail!(
-                "--task {name}: BERT finetuning tasks are not available yet; this eval_tasks runs LAMBADA and WIKITEXT103"
-            ),
-            other => bail!("--task {other:?}: expected LAMBADA or WIKITEXT103"),
+            other => bail!("--task {other:?}: expected LAMBADA, WIKITEXT103, RACE, MNLI or QQP"),
         })
     }
 

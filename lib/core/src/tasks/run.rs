@@ -57,6 +57,8 @@ pub trait EvalObserver {
     /// `total` micro-batches in the pass about to start (named by `what`).
     fn start(&mut self, what: &str, total: u64);
     fn batch_done(&mut self);
+    /// The pass is over (its progress display can go).
+    fn finish(&mut self) {}
 }
 
 /// The model and how to reach the other tensor-parallel ranks (every rank runs the same

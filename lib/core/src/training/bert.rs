@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use megatron_data::masked::{build_bert_datasets, open_indexed};
 use megatron_data::tokenizer::build_tokenizer;
 use tch::{Kind, Reduction, Tensor};
@@ -118,6 +118,9 @@ impl ModelFamily for BertFamily {
                 parallel,
                 losses,
             )?)),
+            BertChunkOutput::Task(_) => {
+                bail!("pretraining needs the LM head; this BERT has a finetuning head")
+            }
         }
     }
 

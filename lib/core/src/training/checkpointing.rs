@@ -300,7 +300,7 @@ pub fn load_weights<C: ModelChunk>(
     Ok(Some(found))
 }
 
-fn config_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> String {
+pub(super) fn config_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> String {
     let (Some(saved), Some(ours)) = (saved.as_object(), ours.as_object()) else {
         return String::new();
     };

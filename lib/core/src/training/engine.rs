@@ -118,6 +118,108 @@ struct Run<'a, F: ModelFamily> {
     spikes: LossSpikeTracker,
 }
 
+/// What a caller adds to the engine's loop: `eval_tasks`' finetuning saves and scores the model
+/// at the end of every epoch (spec §7.6).
+pub trait TrainingHooks<F: ModelFamily> {
+    /// Whether to save a checkpoint (with `--save`) after `iteration`, besides
+    /// `--save-interval`, the exits and the last iteration.
+    fn save_after(&self, _iteration: u64) -> bool {
+        false
+    }
+
+    /// Runs after `iteration` and its save, before the exit checks.
+    fn after_iteration(&mut self, _iteration: u64, _model: &Scorer<'_, F>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs once, in place of the loop, when the run has no iterations to train.
+    fn without_training(&mut self, _model: &Scorer<'_, F>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Pretraining adds nothing to the loop.
+pub struct NoHooks;
+
+impl<F: ModelFamily> TrainingHooks<F> for NoHooks {}
+
+/// The model as it stands, for scoring whole datasets with the family's
+/// [`score_step`](ModelFamily::score_step).
+pub struct Scorer<'a, F: ModelFamily> {
+    family: &'a F,
+    chunks: &'a [F::Chunk],
+    parallel: &'a ParallelState,
+    activation: &'a ActivationSpec,
+    device: Device,
+    micro_batch_size: u64,
+}
+
+impl<F: ModelFamily> Scorer<'_, F> {
+    /// The training micro-batch size (`--micro-batch-size`).
+    pub fn micro_batch_size(&self) -> u64 {
+        self.micro_batch_size
+    }
+
+    /// Global batches (a micro-batch of `micro` samples per data-parallel rank) that
+    /// [`score`](Self::score) runs over `samples` samples.
+    pub fn batches(&self, samples: u64, micro: u64) -> u64 {
+        samples.div_ceil(micro.max(1) * self.parallel.data_parallel_size() as u64)
+    }
+
+    /// Scores every sample of `source` once, in order, `micro` samples per forward: each
+    /// data-parallel rank takes its micro-batch of every global batch (the last ones may be
+    /// short or empty). Returns each of `names` as `(sum, count)` over the whole job;
+    /// `on_batch` follows the global batches.
+    pub fn score(
+        &self,
+        source: &dyn SampleSource<Batch = F::Batch>,
+        names: &'static [&'static str],
+        micro: u64,
+        on_batch: &mut dyn FnMut(),
+    ) -> Result<Vec<(f64, f64)>> {
+        ensure!(
+            self.parallel.pipeline_parallel_size() == 1,
+            "scoring runs without pipeline parallelism"
+        );
+        let (micro, data_rank) = (micro.max(1), self.parallel.data.rank() as u64);
+        let global = micro * self.parallel.data_parallel_size() as u64;
+        let mut totals = LossTotals::new(names, self.device);
+        for batch in 0..self.batches(source.len(), micro) {
+            let first = (batch * global + data_rank * micro).min(source.len());
+            let end = (first + micro).min(source.len());
+            if first < end {
+                let batches = [source.collate(first..end)?.to_device(self.device)];
+                let mut stage = FamilyStage {
+                    family: self.family,
+                    chunks: self.chunks,
+                    batches: &batches,
+                    parallel: self.parallel,
+                    optimizer: None,
+                    loss_scale: 1.0,
+                    totals: LossTotals::new(names, self.device),
+                    scoring: true,
+                };
+                let shape = ScheduleShape {
+                    microbatches: 1,
+                    chunks: self.chunks.len(),
+                    group_size: 1,
+                    forward_only: true,
+                };
+                tch::no_grad(|| {
+                    forward_backward(&mut stage, &self.parallel.pipeline, self.activation, shape)
+                })?;
+                totals.absorb(&stage.totals);
+            }
+            on_batch();
+        }
+        Ok(totals
+            .reduce_totals(self.parallel)?
+            .into_iter()
+            .map(|(_, sum, count)| (sum, count))
+            .collect())
+    }
+}
+
 /// Trains `family` as the common flags `args` say; `args_json` is every flag of the run (the
 /// family's own included), recorded in checkpoints.
 pub fn pretrain<F: ModelFamily>(
@@ -125,6 +227,17 @@ pub fn pretrain<F: ModelFamily>(
     args_json: serde_json::Value,
     family: &F,
     runtime: &Runtime,
+) -> Result<TrainingSummary> {
+    train_with_hooks(args, args_json, family, runtime, &mut NoHooks)
+}
+
+/// [`pretrain`] with `hooks` added to the loop.
+pub fn train_with_hooks<F: ModelFamily>(
+    args: &PretrainArgs,
+    args_json: serde_json::Value,
+    family: &F,
+    runtime: &Runtime,
+    hooks: &mut dyn TrainingHooks<F>,
 ) -> Result<TrainingSummary> {
     let started = Instant::now();
     install_exit_handler();
@@ -223,27 +336,7 @@ pub fn pretrain<F: ModelFamily>(
         loaded = checkpointing::load_weights(request, family.model_type(), &chunks, &parallel)?;
     }
     let pretrained = match (&loaded, &args.checkpoint.pretrained_checkpoint) {
-        (None, Some(path)) => {
-            let request = LoadRequest {
-                root: path,
-                finetune: true,
-                load_optimizer: false,
-                load_rng: false,
-                scheduler_policy: SchedulerLoadPolicy::RequireMatch,
-            };
-            let found =
-                checkpointing::load_weights(&request, family.model_type(), &chunks, &parallel)?;
-            Some(
-                found
-                    .with_context(|| {
-                        format!(
-                            "--pretrained-checkpoint {} holds no checkpoint",
-                            path.display()
-                        )
-                    })?
-                    .directory,
-            )
-        }
+        (None, Some(path)) => Some(family.load_pretrained(path, &chunks, &parallel)?),
         _ => None,
     };
     if loaded.is_none() && pretrained.is_none() && args.checkpoint.exit_on_missing_checkpoint {
@@ -371,7 +464,7 @@ pub fn pretrain<F: ModelFamily>(
 
     let datasets =
         family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
-    run.train_and_evaluate(&datasets, started)
+    run.train_and_evaluate(&datasets, started, hooks)
 }
 
 impl<F: ModelFamily> Run<'_, F> {
@@ -426,10 +519,22 @@ impl<F: ModelFamily> Run<'_, F> {
         Ok(())
     }
 
+    fn scorer(&self) -> Scorer<'_, F> {
+        Scorer {
+            family: self.family,
+            chunks: &self.chunks,
+            parallel: &self.parallel,
+            activation: &self.activation,
+            device: self.device,
+            micro_batch_size: self.args.training.micro_batch_size,
+        }
+    }
+
     fn train_and_evaluate(
         &mut self,
         datasets: &Splits<F::Batch>,
         started: Instant,
+        hooks: &mut dyn TrainingHooks<F>,
     ) -> Result<TrainingSummary> {
         let mut summary = TrainingSummary {
             iterations: self.progress.iteration,
@@ -457,7 +562,10 @@ impl<F: ModelFamily> Run<'_, F> {
                 valid_loader.as_mut(),
                 &mut summary,
                 started,
+                hooks,
             )?;
+        } else if self.train_iters == 0 {
+            hooks.without_training(&self.scorer())?;
         }
         summary.iterations = self.progress.iteration;
         summary.consumed_samples = self.progress.consumed_train_samples;
@@ -500,6 +608,7 @@ impl<F: ModelFamily> Run<'_, F> {
         mut valid: Option<&mut BatchLoader<F::Batch>>,
         summary: &mut TrainingSummary,
         started: Instant,
+        hooks: &mut dyn TrainingHooks<F>,
     ) -> Result<&'static str> {
         let mut interval = IntervalStats {
             started: Some(Instant::now()),
@@ -586,6 +695,11 @@ impl<F: ModelFamily> Run<'_, F> {
                     saved_now = true;
                 }
             }
+            if checkpoint.save.is_some() && !saved_now && hooks.save_after(iteration) {
+                self.save()?;
+                saved_now = true;
+            }
+            hooks.after_iteration(iteration, &self.scorer())?;
             let reason = self.exit_reason(iteration, started)?;
             if let Some(reason) = reason {
                 if checkpoint.save.is_some() && !saved_now {
@@ -695,6 +809,7 @@ impl<F: ModelFamily> Run<'_, F> {
             optimizer: Some(&mut self.optimizer),
             loss_scale: self.scaler.scale() as f64,
             totals: LossTotals::new(self.family.loss_names(), self.device),
+            scoring: false,
         };
         forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
         // Reading the losses waits for the device; queueing the optimizer first keeps the GPU
@@ -842,6 +957,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 optimizer: None,
                 loss_scale: 1.0,
                 totals: LossTotals::new(names, self.device),
+                scoring: false,
             };
             tch::no_grad(|| {
                 forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)

@@ -2,10 +2,14 @@
 //! loss and the losses it reports, its FLOPs and its datasets. Everything else — the loop, the
 //! schedules, the optimizer, checkpoints, data loading, logging — is the engine's.
 
-use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::checkpointing::{load_weights, LoadRequest};
 use super::flops::FlopsModel;
+use super::lr_schedule::SchedulerLoadPolicy;
 use crate::args::PretrainArgs;
 use crate::loader::{DeviceBatch, Splits};
 use crate::model::{ChunkSpec, GptConfig, ModelChunk, ModelOptions};
@@ -51,6 +55,47 @@ pub trait ModelFamily: Sync {
     ) -> Result<StepOutput>;
     /// The train, validation and test data, sized as Megatron sizes them (samples per split).
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<Self::Batch>>;
+
+    /// Like [`forward_step`](Self::forward_step) without a loss: on the last stage adds the
+    /// family's scores (for finetuning: correct answers over examples) to `scores`. Families
+    /// that are only trained keep this default.
+    fn score_step(
+        &self,
+        _chunk: &Self::Chunk,
+        _batch: &Self::Batch,
+        _input: Option<&Tensor>,
+        _parallel: &ParallelState,
+        _scores: &mut LossTotals,
+    ) -> Result<StepOutput> {
+        bail!("{} models have no scoring pass", self.model_type())
+    }
+
+    /// Loads `--pretrained-checkpoint` into freshly built chunks and returns the checkpoint
+    /// directory read. By default the checkpoint must hold this very model (architecture and
+    /// model-parallel layout); finetuning families take a pretrained trunk instead.
+    fn load_pretrained(
+        &self,
+        root: &Path,
+        chunks: &[Self::Chunk],
+        parallel: &ParallelState,
+    ) -> Result<PathBuf> {
+        let request = LoadRequest {
+            root,
+            finetune: true,
+            load_optimizer: false,
+            load_rng: false,
+            scheduler_policy: SchedulerLoadPolicy::RequireMatch,
+        };
+        let found = load_weights(&request, self.model_type(), chunks, parallel)?;
+        Ok(found
+            .with_context(|| {
+                format!(
+                    "--pretrained-checkpoint {} holds no checkpoint",
+                    root.display()
+                )
+            })?
+            .directory)
+    }
 
     /// Megatron's FLOPs model of the trunk at `seq_length`.
     fn flops(&self, seq_length: i64) -> FlopsModel {
@@ -103,6 +148,12 @@ impl LossTotals {
         self.start_reduce(parallel)?.values()
     }
 
+    /// Every `(name, sum, count)` over the whole pipeline and data-parallel group; every rank
+    /// gets the values.
+    pub fn reduce_totals(&self, parallel: &ParallelState) -> Result<Vec<(&'static str, f64, f64)>> {
+        self.start_reduce(parallel)?.totals()
+    }
+
     /// Launches the reduction of [`reduce`](Self::reduce) without waiting for the device, so a
     /// training step can queue its optimizer before reading the losses.
     pub fn start_reduce(&self, parallel: &ParallelState) -> Result<ReducedLosses> {
@@ -129,7 +180,17 @@ pub struct ReducedLosses {
 }
 
 impl ReducedLosses {
+    /// Each loss as Σ sums / Σ counts.
     pub fn values(self) -> Result<Vec<(&'static str, f64)>> {
+        Ok(self
+            .totals()?
+            .into_iter()
+            .map(|(name, sum, count)| (name, sum / count.max(1.0)))
+            .collect())
+    }
+
+    /// Each loss's `(name, sum, count)`.
+    pub fn totals(self) -> Result<Vec<(&'static str, f64, f64)>> {
         let values =
             Vec::<f32>::try_from(&self.both.to_device(Device::Cpu)).context("reading the loss")?;
         Ok(self
@@ -137,8 +198,11 @@ impl ReducedLosses {
             .iter()
             .enumerate()
             .map(|(i, name)| {
-                let (sum, count) = (values[2 * i], values[2 * i + 1]);
-                (*name, f64::from(sum) / f64::from(count).max(1.0))
+                (
+                    *name,
+                    f64::from(values[2 * i]),
+                    f64::from(values[2 * i + 1]),
+                )
             })
             .collect())
     }

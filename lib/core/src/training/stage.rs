@@ -20,6 +20,8 @@ pub struct FamilyStage<'a, F: ModelFamily> {
     /// The fp16 loss scale the loss is multiplied by before backward.
     pub loss_scale: f64,
     pub totals: LossTotals,
+    /// Runs the family's scoring step (forward only) instead of its loss.
+    pub scoring: bool,
 }
 
 impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
@@ -29,15 +31,15 @@ impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
         microbatch: usize,
         input: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let train = self.optimizer.is_some();
-        let output = self.family.forward_step(
-            &self.chunks[chunk],
-            &self.batches[microbatch],
-            input,
-            train,
-            self.parallel,
-            &mut self.totals,
-        )?;
+        let (chunk, batch) = (&self.chunks[chunk], &self.batches[microbatch]);
+        let output = if self.scoring {
+            self.family
+                .score_step(chunk, batch, input, self.parallel, &mut self.totals)?
+        } else {
+            let train = self.optimizer.is_some();
+            self.family
+                .forward_step(chunk, batch, input, train, self.parallel, &mut self.totals)?
+        };
         Ok(match output {
             StepOutput::Hidden(hidden) => hidden,
             // Megatron divides each micro-batch's loss by the number of micro-batches before
