@@ -70,7 +70,9 @@ impl MainGradSlot {
 
     fn lock(&self) -> MutexGuard<'_, Option<Tensor>> {
         // A panic while holding this lock cannot leave the slot half-written.
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 

@@ -13,6 +13,12 @@ use super::groups::ParamGroup;
 /// Alignment of every bucket's shard, in elements (keeps shards 256-byte aligned in fp32).
 const SHARD_ALIGNMENT: usize = 64;
 
+/// Alignment of every parameter's start, in elements, as Megatron pads its buffers: cuBLASLt's
+/// Hopper GEMMs need 16-byte aligned operands, and one odd-sized parameter (BERT's two-class
+/// head) used to shift every later gradient view off that, sending the fused weight-gradient
+/// GEMMs to slow Ampere kernels.
+const PARAM_ALIGNMENT: usize = 64;
+
 /// One parameter's place in the buffers.
 #[derive(Debug, Clone)]
 pub struct Slot {
@@ -97,6 +103,7 @@ impl BufferLayout {
             if alone && offset > bucket_start {
                 close(&mut offset, &mut bucket_start, &mut buckets);
             }
+            offset = offset.next_multiple_of(PARAM_ALIGNMENT);
             slots.push(Slot {
                 name: param.name.to_string(),
                 shape: param.shape.clone(),
@@ -176,16 +183,19 @@ mod tests {
         let layout = BufferLayout::new(&params(), 250, 0, 1, false);
         let order: Vec<&str> = layout.slots.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(order, ["c.weight", "b.weight", "a.bias", "a.weight"]);
-        // c (21) + b (300) reach 250 → first bucket; a.bias + a.weight form the second.
+        // Every parameter starts 64-element aligned: c at 0 (21), b at 64 (300) reach 250 →
+        // first bucket; a.bias at 384 and a.weight at 448 form the second.
+        let starts: Vec<usize> = layout.slots.iter().map(|s| s.range.start).collect();
+        assert_eq!(starts, [0, 64, 384, 448]);
         assert_eq!(
             layout
                 .buckets
                 .iter()
                 .map(|b| b.range.clone())
                 .collect::<Vec<_>>(),
-            [0..321, 321..431]
+            [0..364, 364..548]
         );
-        assert_eq!(layout.shard_len, 431);
+        assert_eq!(layout.shard_len, 548);
         assert_eq!(layout.segments.len(), 4);
         assert_eq!(layout.slot("a.bias").unwrap().group, ParamGroup::NotDecayed);
     }

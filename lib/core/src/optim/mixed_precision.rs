@@ -232,8 +232,8 @@ impl MixedPrecisionOptimizer {
                 GradSync::AfterBackward(reducer)
             }
         };
-        let fuse = settings.gradient_accumulation_fusion
-            && !matches!(grad_sync, GradSync::Overlapped(_));
+        let fuse =
+            settings.gradient_accumulation_fusion && !matches!(grad_sync, GradSync::Overlapped(_));
         for slot in &layout.slots {
             if let Some(main_grad) = &by_name[slot.name.as_str()].main_grad {
                 main_grad.set(fuse.then(|| {
@@ -307,7 +307,10 @@ impl MixedPrecisionOptimizer {
                     };
                     AdamViews {
                         group,
-                        params: chosen.iter().map(|&i| self.main_view(&segments[i])).collect(),
+                        params: chosen
+                            .iter()
+                            .map(|&i| self.main_view(&segments[i]))
+                            .collect(),
                         grads: chosen.iter().map(|&i| grads[i].shallow_clone()).collect(),
                         exp_avgs: chosen.iter().map(|&i| shard(exp_avg, i)).collect(),
                         exp_avg_sqs: chosen.iter().map(|&i| shard(exp_avg_sq, i)).collect(),

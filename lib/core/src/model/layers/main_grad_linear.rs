@@ -126,7 +126,8 @@ mod tests {
     /// Deterministic values without the global generator, which parallel tests share.
     fn param(shape: &[i64], seed: i64, kind: Kind) -> Param {
         let count: i64 = shape.iter().product();
-        let values = (Tensor::arange(count, (Kind::Float, Device::Cpu)) * (0.7 + seed as f64)).sin();
+        let values =
+            (Tensor::arange(count, (Kind::Float, Device::Cpu)) * (0.7 + seed as f64)).sin();
         Param::new(values.view(shape).to_kind(kind))
     }
 
@@ -136,7 +137,12 @@ mod tests {
     fn check(kind: Kind, tolerance: f64) {
         let (weight, bias) = (param(&[5, 3], 1, kind), param(&[5], 2, kind));
         let inputs: Vec<Tensor> = (0..2)
-            .map(|i| param(&[4, 2, 3], 10 + i, kind).tensor().detach().set_requires_grad(true))
+            .map(|i| {
+                param(&[4, 2, 3], 10 + i, kind)
+                    .tensor()
+                    .detach()
+                    .set_requires_grad(true)
+            })
             .collect();
         let mut plain_input_grads = Vec::new();
         for input in &inputs {
@@ -153,14 +159,21 @@ mod tests {
         let _ = bias.grad().zero_();
 
         let (fused_weight, fused_bias) = (param(&[5, 3], 1, kind), param(&[5], 2, kind));
-        fused_weight.main_grad().set(Some(Tensor::zeros([5, 3], (Kind::Float, Device::Cpu))));
-        fused_bias.main_grad().set(Some(Tensor::zeros([5], (Kind::Float, Device::Cpu))));
+        fused_weight
+            .main_grad()
+            .set(Some(Tensor::zeros([5, 3], (Kind::Float, Device::Cpu))));
+        fused_bias
+            .main_grad()
+            .set(Some(Tensor::zeros([5], (Kind::Float, Device::Cpu))));
         for (input, expected) in inputs.iter().zip(&plain_input_grads) {
             let out = linear(input, &fused_weight, Some(&fused_bias)).unwrap();
             out.square().sum(Kind::Float).backward();
             let scale = expected.abs().max().double_value(&[]);
             let diff = (input.grad() - expected).abs().max().double_value(&[]) / scale;
-            assert!(diff <= tolerance, "input gradient differs by {diff} (relative)");
+            assert!(
+                diff <= tolerance,
+                "input gradient differs by {diff} (relative)"
+            );
         }
         assert!(!fused_weight.grad().defined() && !fused_bias.grad().defined());
         for (main, plain) in [
@@ -169,7 +182,10 @@ mod tests {
         ] {
             let scale = plain.abs().max().double_value(&[]);
             let diff = (main - plain).abs().max().double_value(&[]) / scale;
-            assert!(diff <= tolerance, "main gradient differs by {diff} (relative)");
+            assert!(
+                diff <= tolerance,
+                "main gradient differs by {diff} (relative)"
+            );
         }
     }
 
@@ -188,9 +204,14 @@ mod tests {
     #[test]
     fn an_input_without_gradient_still_accumulates_the_weight_gradient() {
         let weight = param(&[5, 3], 1, Kind::Float);
-        weight.main_grad().set(Some(Tensor::zeros([5, 3], (Kind::Float, Device::Cpu))));
+        weight
+            .main_grad()
+            .set(Some(Tensor::zeros([5, 3], (Kind::Float, Device::Cpu))));
         let input = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
-        linear(&input, &weight, None).unwrap().sum(Kind::Float).backward();
+        linear(&input, &weight, None)
+            .unwrap()
+            .sum(Kind::Float)
+            .backward();
         let expected = Tensor::full([5, 3], 2.0, (Kind::Float, Device::Cpu));
         assert!(weight.main_grad().get().unwrap().equal(&expected));
         assert!(!weight.grad().defined());
@@ -200,7 +221,10 @@ mod tests {
     fn without_a_main_gradient_view_the_weight_learns_through_autograd() {
         let (weight, bias) = (param(&[5, 3], 1, Kind::Float), param(&[5], 2, Kind::Float));
         let input = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
-        linear(&input, &weight, Some(&bias)).unwrap().sum(Kind::Float).backward();
+        linear(&input, &weight, Some(&bias))
+            .unwrap()
+            .sum(Kind::Float)
+            .backward();
         assert!(weight.grad().defined() && bias.grad().defined());
     }
 }
