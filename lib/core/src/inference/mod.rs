@@ -12,12 +12,12 @@ mod server;
 mod service;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
-pub use decoder::{Decoder, WINDOW_STEP};
+pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, WINDOW_STEP};
 pub use generation::{
-    generate_tokens, generate_tokens_observed, Generation, GenerationRequest, StopCondition,
-    TokenObserver,
+    generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
+    GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,
 };
 pub use load::{checkpoint_gpt_config, load_gpt_for_inference};
-pub use sampling::{sample, Sampling};
+pub use sampling::{row_seed, sample, RowSampling, Sampling};
 pub use server::{GenerationServer, ServerOptions};
 pub use service::{ServiceError, TextGenerationService, DEFAULT_MAX_TOKENS};

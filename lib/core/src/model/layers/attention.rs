@@ -4,7 +4,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::kv_cache::LayerCache;
+use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
@@ -285,6 +285,32 @@ impl SelfAttention {
     ) -> Result<Tensor> {
         let (query, kv) = self.project_side_by_side(hidden, rotary)?;
         let (keys, values) = cache.write_slot(&step.slot, &kv, step.window);
+        let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
+        let context = Tensor::scaled_dot_product_attention(
+            &query,
+            &keys,
+            &values,
+            Some(&step.bias),
+            0.0,
+            false,
+            None,
+            false,
+        );
+        self.output(&context)
+    }
+
+    /// Inference of new positions of several sequences (`hidden` `[s, b, h]`) through a paged
+    /// KV cache: their keys and values go to `step`'s write slots of `pool`, and each query
+    /// attends to the read slots `step` allows it.
+    pub fn forward_paged(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+        pool: &mut Tensor,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        let (query, kv) = self.project_side_by_side(hidden, rotary)?;
+        let (keys, values) = step.exchange(pool, &kv);
         let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
         let context = Tensor::scaled_dot_product_attention(
             &query,

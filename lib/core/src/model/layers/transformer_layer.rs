@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 use tch::Tensor;
 
 use super::attention::{AttentionMask, CrossAttention, DecodeStep, SelfAttention};
-use super::kv_cache::LayerCache;
+use super::kv_cache::{LayerCache, PagedStep};
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::rope::RotaryTables;
@@ -153,6 +153,20 @@ impl TransformerLayer {
         self.forward_with(hidden, false, |normed| {
             self.self_attention
                 .forward_decode(normed, rotary, cache, step)
+        })
+    }
+
+    /// Inference of new positions of several sequences through a paged KV cache.
+    pub fn forward_paged(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+        pool: &mut Tensor,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        self.forward_with(hidden, false, |normed| {
+            self.self_attention
+                .forward_paged(normed, rotary, pool, step)
         })
     }
 
