@@ -191,6 +191,8 @@ pub struct CacheUse {
     /// The most blocks ever used at once.
     pub peak_blocks: i64,
     pub running_rows: usize,
+    /// The most rows ever decoded together.
+    pub peak_rows: usize,
     pub waiting_requests: usize,
 }
 
@@ -340,6 +342,7 @@ impl Batcher {
             self.use_.peak_blocks = self.use_.peak_blocks.max(self.use_.used_blocks);
         }
         self.use_.running_rows = self.running.len();
+        self.use_.peak_rows = self.use_.peak_rows.max(self.running.len());
         self.use_.waiting_requests = self.waiting.len();
     }
 

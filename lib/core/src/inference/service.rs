@@ -556,12 +556,19 @@ impl<'a> Scheduler<'a> {
 
     /// Applies `plan` and runs one step; `true` when the plan says stop.
     fn run(&mut self, plan: Plan, replies: &mut HashMap<u64, (Reply, Option<CancelFlag>)>) -> bool {
-        for id in plan.cancel {
-            self.batcher.cancel(&mut self.decoder, id);
-            if let Some(active) = self.active.remove(&id) {
-                if let Some(reply) = active.reply {
-                    reply.send(Err(ServiceError::Failed("the request was cancelled".into())));
-                }
+        let cancelled: Vec<Active> = plan
+            .cancel
+            .iter()
+            .filter_map(|&id| {
+                self.batcher.cancel(&mut self.decoder, id);
+                self.active.remove(&id)
+            })
+            .collect();
+        // Their blocks are free before their callers hear of it.
+        self.publish();
+        for active in cancelled {
+            if let Some(reply) = active.reply {
+                reply.send(Err(ServiceError::Failed("the request was cancelled".into())));
             }
         }
         for (id, job) in plan.submit {
@@ -577,8 +584,13 @@ impl<'a> Scheduler<'a> {
         if !self.batcher.is_idle() {
             self.step();
         }
-        *self.core.cache_use.lock().unwrap_or_else(|p| p.into_inner()) = self.batcher.cache_use();
+        self.publish();
         false
+    }
+
+    /// Shows the cache's use to [`TextGenerationService::cache_use`].
+    fn publish(&self) {
+        *self.core.cache_use.lock().unwrap_or_else(|p| p.into_inner()) = self.batcher.cache_use();
     }
 
     /// Validates a request and queues its rows, or answers it.
