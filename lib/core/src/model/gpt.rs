@@ -13,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 use super::chunk::{impl_model_chunk, load_named};
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
-    AttentionMask, DecodeStep, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
+    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
     PagedKvCache, PagedStep,
     RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
@@ -353,34 +353,6 @@ impl GptModel {
             &positions,
             cache,
             |layer, hidden, rotary, layer_cache| layer.forward_cached(hidden, rotary, layer_cache),
-        )
-    }
-
-    /// One decode step for every sequence of `cache`: `tokens` (`[b, 1]`) at the position that
-    /// `position` (`[1]`, int64) holds on the device, attending to the first `window` cache
-    /// slots. Its kernels and addresses depend only on the batch and `window`, so it can be
-    /// captured in a CUDA graph and replayed for any position below `window`; the caller keeps
-    /// `cache`'s length. Logits `[1, b, padded vocabulary]` as [`forward_cached`](Self::forward_cached).
-    pub fn forward_decode_step(
-        &self,
-        tokens: &Tensor,
-        position: &Tensor,
-        window: i64,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        ensure!(
-            window <= cache.capacity(),
-            "a decode window of {window} positions exceeds the KV cache ({})",
-            cache.capacity()
-        );
-        let step = DecodeStep::new(position, window, self.options.params_dtype);
-        self.run_cached(
-            tokens,
-            position,
-            cache,
-            |layer, hidden, rotary, layer_cache| {
-                layer.forward_decode(hidden, rotary, layer_cache, &step)
-            },
         )
     }
 

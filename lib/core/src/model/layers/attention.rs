@@ -46,35 +46,6 @@ impl Clone for AttentionMask {
     }
 }
 
-/// Where a single-position decode step writes and what it sees, held on the device so that the
-/// step's kernels do not depend on the position (CUDA graphs).
-pub struct DecodeStep {
-    /// The cache slot of the new position, `[1]` int64.
-    pub slot: Tensor,
-    /// Cache slots attended to: the first `window`.
-    pub window: i64,
-    /// `[1, window]` additive attention bias in the activations' dtype: 0 up to and including
-    /// `slot`, -inf after. Built once per step for every layer; a boolean mask would be
-    /// converted to this inside each layer's attention.
-    pub bias: Tensor,
-}
-
-impl DecodeStep {
-    pub fn new(slot: &Tensor, window: i64, kind: tch::Kind) -> Self {
-        let device = slot.device();
-        let hidden = Tensor::arange(window, (tch::Kind::Int64, device))
-            .gt_tensor(slot)
-            .unsqueeze(0);
-        let bias =
-            Tensor::zeros([1, window], (kind, device)).masked_fill(&hidden, f64::NEG_INFINITY);
-        DecodeStep {
-            slot: slot.shallow_clone(),
-            window,
-            bias,
-        }
-    }
-}
-
 #[derive(Clone)]
 pub struct SelfAttention {
     pub linear_qkv: ColumnParallelLinear,
@@ -271,31 +242,6 @@ impl SelfAttention {
                 false,
             )
         };
-        self.output(&context)
-    }
-
-    /// Inference of one new position per sequence (`hidden` `[1, b, h]`) at the slot `step`
-    /// holds on the device, attending to the slots of its window that `step` allows.
-    pub fn forward_decode(
-        &self,
-        hidden: &Tensor,
-        rotary: Option<&RotaryTables>,
-        cache: &mut LayerCache,
-        step: &DecodeStep,
-    ) -> Result<Tensor> {
-        let (query, kv) = self.project_side_by_side(hidden, rotary)?;
-        let (keys, values) = cache.write_slot(&step.slot, &kv, step.window);
-        let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
-        let context = Tensor::scaled_dot_product_attention(
-            &query,
-            &keys,
-            &values,
-            Some(&step.bias),
-            0.0,
-            false,
-            None,
-            false,
-        );
         self.output(&context)
     }
 

@@ -1,12 +1,12 @@
 //! The keys and values inference keeps per layer, so each generated token costs one position
-//! of attention instead of a forward over the whole sequence.
+//! of attention instead of a forward over the whole sequence: a contiguous cache per batch
+//! (beam search, prompt scoring) and the paged pool continuous batching shares among requests.
 
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 /// One layer's keys and values side by side, `[b, groups, capacity, 2·d]` (keys in the first
-/// `d` channels), valid for the first `len` positions. Side by side, a decode step stores both
-/// with one kernel when they come straight from the fused projection.
+/// `d` channels), valid for the first `len` positions.
 pub struct LayerCache {
     kv: Tensor,
     pub len: i64,
@@ -51,15 +51,6 @@ impl LayerCache {
         Ok((keys, values))
     }
 
-    /// Stores one position's keys and values side by side (`kv`, `[b, groups, 1, 2·d]`) at the
-    /// slot `slot` holds on the device (`[1]`, int64) and returns the first `window` slots of
-    /// keys and values. Shapes and addresses do not depend on the slot, so the step can be
-    /// replayed from a CUDA graph; `len` is left to the caller, who knows the slot on the host.
-    pub fn write_slot(&mut self, slot: &Tensor, kv: &Tensor, window: i64) -> (Tensor, Tensor) {
-        let _ = self.kv.index_copy_(2, slot, kv);
-        self.split(window)
-    }
-
     /// Keeps the rows `rows` (in that order, repeats allowed): beam search re-ranks its beams.
     pub fn select_rows(&mut self, rows: &Tensor) {
         self.kv = self.kv.index_select(0, rows);
@@ -79,22 +70,6 @@ impl KvCache {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    /// Positions each sequence can hold.
-    pub fn capacity(&self) -> i64 {
-        self.layers.first().map_or(0, |l| l.kv.size()[2])
-    }
-
-    /// Sequences cached side by side.
-    pub fn batch(&self) -> i64 {
-        self.layers.first().map_or(0, |l| l.kv.size()[0])
-    }
-
-    /// Declares the first `len` positions valid (after steps that wrote slots directly), or
-    /// forgets everything (`0`) so the cache can serve another batch of the same shape.
-    pub fn set_len(&mut self, len: i64) {
-        self.layers.iter_mut().for_each(|l| l.len = len);
     }
 
     /// Keeps the sequences `rows` of every layer.

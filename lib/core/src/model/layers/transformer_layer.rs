@@ -4,7 +4,7 @@
 use anyhow::{bail, Result};
 use tch::Tensor;
 
-use super::attention::{AttentionMask, CrossAttention, DecodeStep, SelfAttention};
+use super::attention::{AttentionMask, CrossAttention, SelfAttention};
 use super::kv_cache::{LayerCache, PagedStep};
 use super::mlp::Mlp;
 use super::norm::Norm;
@@ -139,20 +139,6 @@ impl TransformerLayer {
     ) -> Result<Tensor> {
         self.forward_with(hidden, false, |normed| {
             self.self_attention.forward_cached(normed, rotary, cache)
-        })
-    }
-
-    /// Inference of one new position per sequence at a slot held on the device.
-    pub fn forward_decode(
-        &self,
-        hidden: &Tensor,
-        rotary: Option<&RotaryTables>,
-        cache: &mut LayerCache,
-        step: &DecodeStep,
-    ) -> Result<Tensor> {
-        self.forward_with(hidden, false, |normed| {
-            self.self_attention
-                .forward_decode(normed, rotary, cache, step)
         })
     }
 
