@@ -87,7 +87,9 @@ fn main() -> ExitCode {
             max_queued: cli.max_queued,
         };
         let budget = match cli.kv_cache_gb {
-            Some(gb) if gb.is_finite() && gb > 0.0 => KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64),
+            Some(gb) if gb.is_finite() && gb > 0.0 => {
+                KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
+            }
             Some(gb) => anyhow::bail!("--kv-cache-gb must be a positive number of GiB, got {gb}"),
             None => KvBudget::default(),
         };

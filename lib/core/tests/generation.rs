@@ -7,8 +7,8 @@
 use clap::Parser;
 use megatron_core::args::ModelArgs;
 use megatron_core::inference::{
-    beam_search, generate_tokens, BeamSearchRequest, DecodeRow, Decoder, Generation, GenerationRequest,
-    Sampling, StopCondition,
+    beam_search, generate_tokens, BeamSearchRequest, DecodeRow, Decoder, Generation,
+    GenerationRequest, Sampling, StopCondition,
 };
 use megatron_core::model::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -282,21 +282,28 @@ fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
             let mut decoder = Decoder::eager();
             let cache = decoder.cache(&model, 3, true).unwrap();
             let blocks: Vec<Vec<i64>> = (0..3).map(|_| cache.allocate(2).unwrap()).collect();
-            let mut references: Vec<_> = (0..3).map(|_| model.new_kv_cache(1, 32).unwrap()).collect();
+            let mut references: Vec<_> =
+                (0..3).map(|_| model.new_kv_cache(1, 32).unwrap()).collect();
             let close = |got: &Tensor, want: &Tensor, what: &str| {
                 let diff = (got - want).abs().max().double_value(&[]);
                 assert!(diff < 1e-5, "{what}: logits differ by {diff}");
             };
             for (row, prompt) in prompts.iter().enumerate() {
                 let split = prompt.len() / 2;
-                let _ = decoder.prefill(&model, &prompt[..split], 0, &blocks[row]).unwrap();
+                let _ = decoder
+                    .prefill(&model, &prompt[..split], 0, &blocks[row])
+                    .unwrap();
                 let got = decoder
                     .prefill(&model, &prompt[split..], split as i64, &blocks[row])
                     .unwrap();
                 let input = Tensor::from_slice(prompt).unsqueeze(0);
                 let want = model.forward_cached(&input, &mut references[row]).unwrap();
                 let rest = (prompt.len() - split) as i64;
-                close(&got, &want.narrow(0, split as i64, rest).select(1, 0), "prefill");
+                close(
+                    &got,
+                    &want.narrow(0, split as i64, rest).select(1, 0),
+                    "prefill",
+                );
             }
             for step in 0..8i64 {
                 let tokens = [step * 31 % VOCAB, step + 100, 250 - step];
@@ -311,7 +318,11 @@ fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
                 for row in 0..3 {
                     let input = Tensor::from_slice(&[tokens[row]]).view([1, 1]);
                     let want = model.forward_cached(&input, &mut references[row]).unwrap();
-                    close(&got.get(row as i64), &want.get(0).get(0), &format!("step {step}, row {row}"));
+                    close(
+                        &got.get(row as i64),
+                        &want.get(0).get(0),
+                        &format!("step {step}, row {row}"),
+                    );
                 }
             }
         });

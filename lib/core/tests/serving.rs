@@ -32,6 +32,10 @@ const VOCAB: u32 = 299;
 const POSITIONS: i64 = 256;
 
 fn model() -> GptModel {
+    model_on(Device::Cpu)
+}
+
+fn model_on(device: Device) -> GptModel {
     let positions = POSITIONS.to_string();
     let argv = [
         "test",
@@ -50,7 +54,7 @@ fn model() -> GptModel {
     let config = flags.model.gpt_config(i64::from(VOCAB) + 1).unwrap();
     let options = ModelOptions {
         params_dtype: Kind::Float,
-        device: Device::Cpu,
+        device,
         recompute: Recompute::None,
         seed: 5,
     };
@@ -58,7 +62,11 @@ fn model() -> GptModel {
 }
 
 fn service(limits: BatchLimits, budget: KvBudget) -> TextGenerationService {
-    TextGenerationService::new(model(), Arc::new(NullTokenizer::new(VOCAB)), 100_000)
+    service_of(model(), limits, budget)
+}
+
+fn service_of(model: GptModel, limits: BatchLimits, budget: KvBudget) -> TextGenerationService {
+    TextGenerationService::new(model, Arc::new(NullTokenizer::new(VOCAB)), 100_000)
         .unwrap()
         .with_limits(limits)
         .with_kv_budget(budget)
@@ -141,7 +149,9 @@ fn assert_same(got: &Value, expected: &Value, what: &str) {
 fn sixteen_jobs() -> Vec<Job> {
     let mut jobs = Vec::new();
     for i in 0..12u32 {
-        let prompts: Vec<String> = (0..1 + i % 3).map(|p| prompt(i * 3 + p, 2 + (i * 5 + p * 11) % 23)).collect();
+        let prompts: Vec<String> = (0..1 + i % 3)
+            .map(|p| prompt(i * 3 + p, 2 + (i * 5 + p * 11) % 23))
+            .collect();
         let mut body = json!({
             "prompts": prompts,
             "tokens_to_generate": 8 + (i * 13) % 40,
@@ -212,6 +222,82 @@ fn sixteen_concurrent_requests_each_get_what_they_get_alone() {
     assert_eq!(usage.peak_rows, 8, "the batch filled up: {usage:?}");
 }
 
+/// On a GPU, with decode steps replayed from CUDA graphs at bucketed batch sizes: greedy
+/// requests served together get the tokens they get alone.
+#[test]
+fn continuous_batching_on_a_gpu_equals_serving_alone() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let jobs: Vec<Job> = (0..16u32)
+        .map(|i| {
+            api(json!({
+                "prompts": [prompt(i, 3 + (i * 11) % 60)],
+                "tokens_to_generate": 20 + (i * 17) % 150,
+                "top_k": 1,
+                "logprobs": true,
+            }))
+        })
+        .collect();
+    let alone = service_of(
+        model_on(Device::Cuda(0)),
+        limits(1, 1024, 64),
+        KvBudget::Bytes(1 << 30),
+    );
+    let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
+    drop(alone);
+    let together = service_of(
+        model_on(Device::Cuda(0)),
+        limits(16, 32, 64),
+        KvBudget::Bytes(1 << 30),
+    );
+    let answers: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|job| scope.spawn(|| run(&together, job).unwrap()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (got, want)) in answers.iter().zip(&expected).enumerate() {
+        assert_eq!(got.0["text"], want.0["text"], "request {i}");
+        let (a, b) = (&got.0["logprobs"][0], &want.0["logprobs"][0]);
+        for (x, y) in a.as_array().unwrap().iter().zip(b.as_array().unwrap()) {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!((x - y).abs() < 1e-3, "request {i}: {x} vs {y}");
+        }
+    }
+    assert!(together.cache_use().peak_rows > 1);
+}
+
+/// Streams `request` until its fifth delta, then reports the client gone: the steps run when
+/// it went (as last shown) and when the call returned.
+fn leave_after_five(service: &TextGenerationService, request: &CompletionRequest) -> (u64, u64) {
+    let (mut deltas, mut gone_at) = (0, None);
+    let outcome = service.complete_streaming(
+        request,
+        "id",
+        0,
+        &mut |_, _| {
+            deltas += 1;
+            if deltas < 5 {
+                return Ok(());
+            }
+            gone_at.get_or_insert(service.cache_use().steps);
+            Err(ClientGone)
+        },
+        None,
+    );
+    assert!(
+        matches!(outcome, Err(ServiceError::Failed(_))),
+        "{outcome:?}"
+    );
+    (
+        gone_at.expect("the client went away"),
+        service.cache_use().steps,
+    )
+}
+
 #[test]
 fn a_client_that_goes_away_frees_its_blocks_within_a_step() {
     let service = service(limits(8, 64, 8), KvBudget::default());
@@ -219,45 +305,36 @@ fn a_client_that_goes_away_frees_its_blocks_within_a_step() {
         &json!({"model": "m", "prompt": prompt(1, 20), "max_tokens": 200, "temperature": 0.0}),
     )
     .unwrap();
+    // Alone: the row leaves at the step after its client went (the step shown then may have
+    // been one behind the one running), and nothing runs after it.
+    let (gone_at, freed_at) = leave_after_five(&service, &long);
+    assert!(
+        freed_at <= gone_at + 2,
+        "gone after step {gone_at}, freed at {freed_at}"
+    );
+    assert_eq!(service.cache_use().used_blocks, 0);
+    // Beside another request: its blocks are free when the call returns, and the other
+    // request is undisturbed.
     let neighbour = api(json!({"prompts": [prompt(2, 10)], "tokens_to_generate": 60, "top_k": 1}));
     let expected = run(&service, &neighbour).unwrap();
     std::thread::scope(|scope| {
         let beside = scope.spawn(|| run(&service, &neighbour).unwrap());
-        let mut deltas = 0;
-        let outcome = service.complete_streaming(
-            &long,
-            "id",
-            0,
-            &mut |_, _| {
-                deltas += 1;
-                if deltas >= 5 {
-                    Err(ClientGone)
-                } else {
-                    Ok(())
-                }
-            },
-            None,
-        );
-        assert!(matches!(outcome, Err(ServiceError::Failed(_))), "{outcome:?}");
-        // The cancelled row left at the step after its client went: it streamed no more
-        // than one token beyond the fifth, and its blocks are free when the call returns.
-        assert!(deltas <= 6, "{deltas} deltas");
+        leave_after_five(&service, &long);
         let blocks_of_neighbour = (10 + 60 + 15) / 16;
-        assert!(
-            service.cache_use().used_blocks <= blocks_of_neighbour,
-            "{:?}",
-            service.cache_use()
-        );
-        // The other request is undisturbed.
+        let used = service.cache_use().used_blocks;
+        assert!(used <= blocks_of_neighbour, "{used} blocks in use");
         assert_same(&beside.join().unwrap().0, &expected.0, "the neighbour");
     });
     // A caller's cancel flag gives up a request the same way.
     let flag = CancelFlag::new();
     flag.cancel();
-    let request = ApiRequest::parse(&json!({"prompts": [prompt(3, 5)], "tokens_to_generate": 100}))
-        .unwrap();
+    let request =
+        ApiRequest::parse(&json!({"prompts": [prompt(3, 5)], "tokens_to_generate": 100})).unwrap();
     let outcome = service.respond_cancellable(&request, Some(&flag));
-    assert!(matches!(outcome, Err(ServiceError::Failed(_))), "{outcome:?}");
+    assert!(
+        matches!(outcome, Err(ServiceError::Failed(_))),
+        "{outcome:?}"
+    );
     assert_eq!(service.cache_use().used_blocks, 0);
 }
 
@@ -285,11 +362,13 @@ fn a_tiny_kv_budget_is_never_exceeded_and_an_impossible_request_is_refused() {
     }
     let usage = tight.cache_use();
     assert_eq!(usage.total_blocks, 8, "{usage:?}");
-    assert!(usage.peak_blocks <= 8 && usage.peak_blocks >= 6, "{usage:?}");
+    assert!(
+        usage.peak_blocks <= 8 && usage.peak_blocks >= 6,
+        "{usage:?}"
+    );
     // 150 positions need 10 blocks: more than the whole cache.
     let impossible =
-        ApiRequest::parse(&json!({"prompts": [prompt(9, 20)], "tokens_to_generate": 130}))
-            .unwrap();
+        ApiRequest::parse(&json!({"prompts": [prompt(9, 20)], "tokens_to_generate": 130})).unwrap();
     match tight.respond(&impossible) {
         Err(ServiceError::Rejected(message)) => {
             assert!(message.contains("KV cache"), "{message}")
@@ -316,6 +395,11 @@ fn a_full_queue_is_answered_busy() {
         .filter(|o| matches!(o, Err(ServiceError::Busy(_))))
         .count();
     let served = outcomes.iter().filter(|o| o.is_ok()).count();
-    assert_eq!((busy, served), (1, 2), "{outcomes:?} after {:?}", started.elapsed());
+    assert_eq!(
+        (busy, served),
+        (1, 2),
+        "{outcomes:?} after {:?}",
+        started.elapsed()
+    );
     assert!(started.elapsed() < Duration::from_secs(120));
 }

@@ -129,9 +129,8 @@ impl Decoder {
     /// at most, within the budget; remade larger when it has fewer blocks than that and
     /// `empty` says no sequence lives in it.
     pub fn cache(&mut self, model: &GptModel, rows: i64, empty: bool) -> Result<&mut PagedKvCache> {
-        let wanted = rows.max(1)
-            * PagedKvCache::blocks_for(model.config.max_position_embeddings)
-            + 1;
+        let wanted =
+            rows.max(1) * PagedKvCache::blocks_for(model.config.max_position_embeddings) + 1;
         let small = self
             .cache
             .as_ref()
@@ -178,9 +177,14 @@ impl Decoder {
         let write = Tensor::from_slice(&slots[start as usize..]).to_device(device);
         let read = Tensor::from_slice(&slots).view([1, end]).to_device(device);
         let positions = Tensor::arange_start(start, end, (Kind::Int64, device)).unsqueeze(0);
-        let input = Tensor::from_slice(tokens).view([1, count]).to_device(device);
+        let input = Tensor::from_slice(tokens)
+            .view([1, count])
+            .to_device(device);
         let step = PagedStep::new(write, read, &positions, model.options().params_dtype);
-        let cache = self.cache.as_mut().expect("prefill after the cache was made");
+        let cache = self
+            .cache
+            .as_mut()
+            .expect("prefill after the cache was made");
         let logits = tch::no_grad(|| model.forward_paged(&input, &positions, cache, &step))?;
         Ok(logits.select(1, 0))
     }
@@ -222,16 +226,26 @@ impl Decoder {
             tables[i * per_row as usize..][..used].copy_from_slice(&row.blocks[..used]);
         }
         let logits = match graphed {
-            Some(index) => {
-                self.replay(model, index, bucket, window, &tokens, &positions, &write, &tables)?
-            }
+            Some(index) => self.replay(
+                model, index, bucket, window, &tokens, &positions, &write, &tables,
+            )?,
             None => {
                 let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
                 let table = to(&tables).view([padded, per_row]);
                 let (tokens, positions) = (to(&tokens).view([padded, 1]), to(&positions));
-                let cache = self.cache.as_mut().expect("decode after the cache was made");
+                let cache = self
+                    .cache
+                    .as_mut()
+                    .expect("decode after the cache was made");
                 tch::no_grad(|| {
-                    decode_step(model, cache, &tokens, &positions.view([padded, 1]), &to(&write), &table)
+                    decode_step(
+                        model,
+                        cache,
+                        &tokens,
+                        &positions.view([padded, 1]),
+                        &to(&write),
+                        &table,
+                    )
                 })?
             }
         };
@@ -266,7 +280,10 @@ impl Decoder {
         inputs.write_slots.copy_(&host(write));
         let used = tables.len() as i64;
         inputs.tables.narrow(0, 0, used).copy_(&host(tables));
-        let cache = self.cache.as_mut().expect("decode after the cache was made");
+        let cache = self
+            .cache
+            .as_mut()
+            .expect("decode after the cache was made");
         if !self.graphs.contains_key(&(bucket, window)) {
             let per_row = window / BLOCK_SIZE;
             let run = |cache: &mut PagedKvCache| {
@@ -285,7 +302,8 @@ impl Decoder {
             let _ = tch::no_grad(|| run(cache))?;
             let pool = self.graphs.values().next().map(|g| &g.graph);
             let (graph, logits) = CudaGraph::capture(device, pool, || tch::no_grad(|| run(cache)))?;
-            self.graphs.insert((bucket, window), StepGraph { graph, logits });
+            self.graphs
+                .insert((bucket, window), StepGraph { graph, logits });
         }
         let captured = &self.graphs[&(bucket, window)];
         captured.graph.replay()?;

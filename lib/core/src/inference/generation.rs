@@ -83,8 +83,11 @@ pub fn generate_tokens_observed(
         max_queued: 1,
     };
     let mut batcher = Batcher::new(limits);
-    batcher.submit(model, decoder, 0, rows).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut observe = |_: u64, row: usize, token: i64| observer.as_mut().is_some_and(|o| o(row, token));
+    batcher
+        .submit(model, decoder, 0, rows)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut observe =
+        |_: u64, row: usize, token: i64| observer.as_mut().is_some_and(|o| o(row, token));
     loop {
         match batcher.step(model, decoder, &mut observe) {
             Ok(mut finished) => {
@@ -194,6 +197,8 @@ pub struct CacheUse {
     /// The most rows ever decoded together.
     pub peak_rows: usize,
     pub waiting_requests: usize,
+    /// Steps run so far.
+    pub steps: u64,
 }
 
 /// Continuous batching: requests wait in a queue, join the running batch at a step boundary
@@ -254,14 +259,11 @@ impl Batcher {
         id: u64,
         rows: Vec<RowSpec>,
     ) -> Result<(), Refusal> {
-        if self.waiting.len() >= self.limits.max_queued {
-            return Err(Refusal::Busy(format!(
-                "the server is busy ({} requests are waiting); try again later",
-                self.waiting.len()
-            )));
-        }
         let positions = model.config.max_position_embeddings as usize;
-        if let Some(row) = rows.iter().find(|r| r.total > positions || r.prompt.is_empty()) {
+        if let Some(row) = rows
+            .iter()
+            .find(|r| r.total > positions || r.prompt.is_empty())
+        {
             return Err(Refusal::TooLarge(format!(
                 "a row of {} positions (prompt {}) does not fit the model's {positions}",
                 row.total,
@@ -293,6 +295,16 @@ impl Batcher {
             },
         );
         self.waiting.push_back(Waiting { id, rows, blocks });
+        // Taken at once when there is room; otherwise it waits, if the queue has room.
+        self.admit(decoder);
+        if self.waiting.len() > self.limits.max_queued {
+            self.waiting.pop_back();
+            self.requests.remove(&id);
+            return Err(Refusal::Busy(format!(
+                "the server is busy ({} requests are waiting); try again later",
+                self.limits.max_queued
+            )));
+        }
         self.refresh_use(decoder);
         Ok(())
     }
@@ -391,6 +403,7 @@ impl Batcher {
         observer: &mut dyn FnMut(u64, usize, i64) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
         self.admit(decoder);
+        self.use_.steps += 1;
         self.refresh_use(decoder);
         let vocab = model.config.vocab_size;
         let chunk = self.limits.prefill_chunk.max(1);
@@ -415,20 +428,28 @@ impl Batcher {
                 let count = (chunk - row.cached % chunk).min(length - row.cached);
                 budget = budget.saturating_sub(count);
                 let out = decoder
-                    .prefill(model, &row.tokens[row.cached..row.cached + count], row.cached as i64, &row.blocks)?
+                    .prefill(
+                        model,
+                        &row.tokens[row.cached..row.cached + count],
+                        row.cached as i64,
+                        &row.blocks,
+                    )?
                     .narrow(1, 0, vocab)
                     .to_kind(Kind::Float);
                 if row.spec.logprobs {
                     let targets = (length - 1).min(row.cached + count) - row.cached;
                     if targets > 0 {
                         let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
-                        let next = Tensor::from_slice(next).to_device(out.device()).unsqueeze(1);
+                        let next = Tensor::from_slice(next)
+                            .to_device(out.device())
+                            .unsqueeze(1);
                         let scores = out
                             .narrow(0, 0, targets as i64)
                             .log_softmax(1, Kind::Float)
                             .gather(1, &next, false)
                             .squeeze_dim(1);
-                        row.logprobs.extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
+                        row.logprobs
+                            .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
                     }
                 }
                 row.cached += count;

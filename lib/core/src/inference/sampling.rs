@@ -105,7 +105,13 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
     };
     let temperature = column(
         rows.iter()
-            .map(|r| if r.sampling.top_k == 1 { 1.0 } else { r.sampling.temperature })
+            .map(|r| {
+                if r.sampling.top_k == 1 {
+                    1.0
+                } else {
+                    r.sampling.temperature
+                }
+            })
             .collect(),
     );
     // Scaling the distance to the largest logit gives the same distribution. A tiny
@@ -132,7 +138,13 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         // Rows without a nucleus never exceed a bound above 1.
         let p = column(
             rows.iter()
-                .map(|r| if r.sampling.top_p > 0.0 { r.sampling.top_p } else { 2.0 })
+                .map(|r| {
+                    if r.sampling.top_p > 0.0 {
+                        r.sampling.top_p
+                    } else {
+                        2.0
+                    }
+                })
                 .collect(),
         );
         // Drop a token once the tokens before it already exceed p; the first always stays.
@@ -168,7 +180,11 @@ pub fn row_seed(seed: u64, row: usize) -> u64 {
 /// a SplitMix64 hash of its key and column turned into a uniform number in (0, 1).
 fn gumbel_noise(seeds: &[i64], draws: &[i64], vocabulary: i64, device: tch::Device) -> Tensor {
     let batch = seeds.len() as i64;
-    let column = |values: &[i64]| Tensor::from_slice(values).view([batch, 1]).to_device(device);
+    let column = |values: &[i64]| {
+        Tensor::from_slice(values)
+            .view([batch, 1])
+            .to_device(device)
+    };
     // Wrapping 64-bit arithmetic in int64; a logical right shift is an arithmetic one masked.
     let shift = |x: &Tensor, bits: i64| {
         x.bitwise_right_shift_tensor_scalar(bits)
@@ -268,8 +284,12 @@ mod tests {
         // Row 5 of a batch of mixed settings draws what it draws alone.
         let mixed: Vec<RowSampling> = (0..8)
             .map(|row| RowSampling {
-                sampling: [settings(0, 0.0), settings(2, 0.0), settings(0, 0.9), Sampling::greedy()]
-                    [row % 4],
+                sampling: [
+                    settings(0, 0.0),
+                    settings(2, 0.0),
+                    settings(0, 0.9),
+                    Sampling::greedy(),
+                ][row % 4],
                 seed: row_seed(11, row),
                 draws: row as u64,
             })

@@ -139,7 +139,9 @@ impl Reply {
     fn send(&self, outcome: Result<Value, ServiceError>) {
         let _ = match self {
             Reply::Api(sender) => sender.send(outcome).map_err(|_| ()),
-            Reply::Completion(sender) => sender.send(CompletionEvent::Done(outcome)).map_err(|_| ()),
+            Reply::Completion(sender) => {
+                sender.send(CompletionEvent::Done(outcome)).map_err(|_| ())
+            }
         };
     }
 }
@@ -289,7 +291,13 @@ impl TextGenerationService {
         if let Some(core) = core.as_ref().filter(|c| c.mirror.is_some()) {
             if self.inbox.get().is_none() {
                 // No request ever started the scheduler: tell the other ranks directly.
-                share_plan(core, Some(&Plan { stop: true, ..Plan::default() }))?;
+                share_plan(
+                    core,
+                    Some(&Plan {
+                        stop: true,
+                        ..Plan::default()
+                    }),
+                )?;
             }
         }
         Ok(())
@@ -303,7 +311,10 @@ impl TextGenerationService {
             .take();
         if let Some(handle) = handle {
             if let Some(inbox) = self.inbox.get() {
-                let _ = inbox.lock().unwrap_or_else(|p| p.into_inner()).send(Command::Stop);
+                let _ = inbox
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .send(Command::Stop);
             }
             if let Ok(core) = handle.join() {
                 self.put_core(core);
@@ -312,7 +323,12 @@ impl TextGenerationService {
     }
 
     /// Hands `job` to the scheduler thread, starting it the first time.
-    fn submit(&self, job: SharedJob, reply: Reply, cancel: Option<CancelFlag>) -> Result<(), ServiceError> {
+    fn submit(
+        &self,
+        job: SharedJob,
+        reply: Reply,
+        cancel: Option<CancelFlag>,
+    ) -> Result<(), ServiceError> {
         let inbox = self.inbox.get_or_init(|| {
             let (sender, receiver) = mpsc::channel();
             if let Some(core) = self.take_core() {
@@ -331,7 +347,12 @@ impl TextGenerationService {
         inbox
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send(Command::Submit { id, job, reply, cancel })
+            .send(Command::Submit {
+                id,
+                job,
+                reply,
+                cancel,
+            })
             .map_err(|_| ServiceError::Busy("the server is shutting down".into()))
     }
 
@@ -433,7 +454,11 @@ pub const DEFAULT_MAX_QUEUED: usize = 256;
 fn share_plan(core: &Core, plan: Option<&Plan>) -> Result<Plan> {
     let group = core.mirror.as_ref().expect("tensor parallelism");
     let bytes = plan.map(serde_json::to_vec).transpose()?;
-    let received = share_bytes(group.as_ref(), core.model.options().device, bytes.as_deref())?;
+    let received = share_bytes(
+        group.as_ref(),
+        core.model.options().device,
+        bytes.as_deref(),
+    )?;
     Ok(serde_json::from_slice(&received)?)
 }
 
@@ -505,7 +530,12 @@ impl<'a> Scheduler<'a> {
         loop {
             let mut plan = Plan::default();
             let mut take = |command: Command, plan: &mut Plan| match command {
-                Command::Submit { id, job, reply, cancel } => {
+                Command::Submit {
+                    id,
+                    job,
+                    reply,
+                    cancel,
+                } => {
                     plan.submit.push((id, job));
                     pending.push((id, reply, cancel));
                 }
@@ -568,7 +598,9 @@ impl<'a> Scheduler<'a> {
         self.publish();
         for active in cancelled {
             if let Some(reply) = active.reply {
-                reply.send(Err(ServiceError::Failed("the request was cancelled".into())));
+                reply.send(Err(ServiceError::Failed(
+                    "the request was cancelled".into(),
+                )));
             }
         }
         for (id, job) in plan.submit {
@@ -590,7 +622,11 @@ impl<'a> Scheduler<'a> {
 
     /// Shows the cache's use to [`TextGenerationService::cache_use`].
     fn publish(&self) {
-        *self.core.cache_use.lock().unwrap_or_else(|p| p.into_inner()) = self.batcher.cache_use();
+        *self
+            .core
+            .cache_use
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = self.batcher.cache_use();
     }
 
     /// Validates a request and queues its rows, or answers it.
@@ -614,7 +650,10 @@ impl<'a> Scheduler<'a> {
                 return;
             }
         };
-        match self.batcher.submit(&self.core.model, &mut self.decoder, id, rows) {
+        match self
+            .batcher
+            .submit(&self.core.model, &mut self.decoder, id, rows)
+        {
             Ok(()) => {
                 self.active.insert(id, Active { job, reply, cancel });
             }
@@ -639,22 +678,26 @@ impl<'a> Scheduler<'a> {
         let batcher = &mut self.batcher;
         let decoder = &mut self.decoder;
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            batcher.step(&core.model, decoder, &mut |id, row, token| {
-                match active.get_mut(&id) {
+            batcher.step(
+                &core.model,
+                decoder,
+                &mut |id, row, token| match active.get_mut(&id) {
                     Some(Active {
                         job: Prepared::Completion(state),
                         reply,
                         ..
                     }) => core.observe(state, reply.as_ref(), row, token),
                     _ => false,
-                }
-            })
+                },
+            )
         }));
         let finished = match outcome {
             Ok(Ok(finished)) => finished,
             Ok(Err(e)) => return self.fail_all(format!("{e:#}")),
             Err(_) => return self.fail_all("generation panicked".into()),
         };
+        // The finished rows' blocks are free before their callers hear of it.
+        self.publish();
         for (id, generation) in finished {
             let Some(active) = self.active.remove(&id) else {
                 continue;
@@ -733,7 +776,12 @@ impl Core {
         };
         if let Some(beam_width) = request.beam_width {
             let prompt = prompts.into_iter().next().unwrap_or_default();
-            return Ok(Start::Now(self.beam(request, prompt, beam_width, colon_newline)));
+            return Ok(Start::Now(self.beam(
+                request,
+                prompt,
+                beam_width,
+                colon_newline,
+            )));
         }
         if prompts.iter().any(Vec::is_empty) {
             return Err(ServiceError::Rejected("a prompt has no tokens".into()));
@@ -755,7 +803,9 @@ impl Core {
         };
         if request.tokens_to_generate == 0 {
             let scored = self.score(&generation);
-            return Ok(Start::Now(scored.and_then(|out| self.finish_api(request, out))));
+            return Ok(Start::Now(
+                scored.and_then(|out| self.finish_api(request, out)),
+            ));
         }
         let rows = generation
             .rows(request.random_seed.unwrap_or(0))
@@ -866,7 +916,10 @@ impl Core {
         };
         let state = CompletionState {
             request: request.clone(),
-            streams: prompts.iter().map(|_| CompletionStream::default()).collect(),
+            streams: prompts
+                .iter()
+                .map(|_| CompletionStream::default())
+                .collect(),
             prompts,
             prompt_texts,
             gone: false,

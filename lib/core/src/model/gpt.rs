@@ -13,9 +13,9 @@ use tch::{Device, Kind, Tensor};
 use super::chunk::{impl_model_chunk, load_named};
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
-    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
-    PagedKvCache, PagedStep,
-    RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm, PagedKvCache,
+    PagedStep, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
+    VocabParallelEmbedding,
 };
 use super::param::Param;
 use super::stack::{
