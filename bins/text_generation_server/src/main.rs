@@ -137,6 +137,8 @@ fn main() -> ExitCode {
         );
         let service = move || {
             let service = build(&parallel, tokenizer)?;
+            // The KV cache and decode graphs are made before the first request.
+            service.start();
             println!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
             Ok(service)
         };

@@ -126,29 +126,55 @@ impl Decoder {
     }
 
     /// The cache, made on first use with room for `rows` sequences of the model's full length
-    /// at most, within the budget; remade larger when it has fewer blocks than that and
-    /// `empty` says no sequence lives in it.
+    /// at most, within the budget; remade larger when `empty` says no sequence lives in it and
+    /// the budget allows more blocks than it has.
     pub fn cache(&mut self, model: &GptModel, rows: i64, empty: bool) -> Result<&mut PagedKvCache> {
         let wanted =
             rows.max(1) * PagedKvCache::blocks_for(model.config.max_position_embeddings) + 1;
-        let small = self
-            .cache
-            .as_ref()
-            .is_some_and(|c| c.usable_blocks() + 1 < wanted);
-        if self.cache.is_none() || (small && empty) {
-            self.reset();
+        let has = |cache: &Option<PagedKvCache>| cache.as_ref().map(|c| c.usable_blocks() + 1);
+        let settled = has(&self.cache).is_some_and(|blocks| blocks >= wanted || !empty);
+        if !settled {
             let block = model.kv_block_bytes()?;
             let budget = self.budget.bytes(model.options().device)?;
             let blocks = (budget / block.max(1)).min(wanted as u64) as i64;
-            ensure!(
-                blocks >= 2,
-                "the KV cache budget of {budget} bytes holds {blocks} blocks of {} positions \
-                 ({block} bytes each); it needs at least 2",
-                BLOCK_SIZE
-            );
-            self.cache = Some(model.new_paged_kv_cache(blocks)?);
+            if has(&self.cache).is_none_or(|held| held < blocks) {
+                ensure!(
+                    blocks >= 2,
+                    "the KV cache budget of {budget} bytes holds {blocks} blocks of {} \
+                     positions ({block} bytes each); it needs at least 2",
+                    BLOCK_SIZE
+                );
+                // The old cache and graphs go first: their memory is needed for the new ones.
+                self.reset();
+                self.cache = Some(model.new_paged_kv_cache(blocks)?);
+            }
         }
-        Ok(self.cache.as_mut().expect("the cache was just made"))
+        Ok(self.cache.as_mut().expect("the cache was made"))
+    }
+
+    /// Makes the cache (room for `rows` sequences) and, on a GPU with graphs, captures the
+    /// decode graph of every bucket up to `rows` rows and every window, so that no request
+    /// waits for a capture. Returns the number of graphs.
+    pub fn warm_up(&mut self, model: &GptModel, rows: i64) -> Result<usize> {
+        self.cache(model, rows, true)?;
+        let index = match model.options().device {
+            Device::Cuda(index) if self.cuda_graphs => index,
+            _ => return Ok(0),
+        };
+        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let mut size = 1;
+        loop {
+            for window in (1..=capacity / WINDOW_STEP).map(|w| w * WINDOW_STEP) {
+                // Padding rows only: they write to and read the reserved block.
+                let zeros = vec![0i64; size as usize];
+                let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
+                let _ = self.replay(model, index, size, window, &zeros, &zeros, &zeros, &tables)?;
+            }
+            if size >= rows {
+                return Ok(self.graphs.len());
+            }
+            size *= 2;
+        }
     }
 
     /// The cache, when it has been made.

@@ -322,14 +322,15 @@ impl TextGenerationService {
         }
     }
 
-    /// Hands `job` to the scheduler thread, starting it the first time.
-    fn submit(
-        &self,
-        job: SharedJob,
-        reply: Reply,
-        cancel: Option<CancelFlag>,
-    ) -> Result<(), ServiceError> {
-        let inbox = self.inbox.get_or_init(|| {
+    /// Starts the scheduler thread now (else the first request does): it makes the KV cache
+    /// and captures the decode graphs before it takes requests.
+    pub fn start(&self) {
+        self.inbox();
+    }
+
+    /// The scheduler thread's inbox, the thread started the first time.
+    fn inbox(&self) -> &Mutex<Sender<Command>> {
+        self.inbox.get_or_init(|| {
             let (sender, receiver) = mpsc::channel();
             if let Some(core) = self.take_core() {
                 let handle = std::thread::Builder::new()
@@ -342,7 +343,17 @@ impl TextGenerationService {
                 *self.scheduler.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
             }
             Mutex::new(sender)
-        });
+        })
+    }
+
+    /// Hands `job` to the scheduler thread, starting it the first time.
+    fn submit(
+        &self,
+        job: SharedJob,
+        reply: Reply,
+        cancel: Option<CancelFlag>,
+    ) -> Result<(), ServiceError> {
+        let inbox = self.inbox();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         inbox
             .lock()
@@ -525,6 +536,7 @@ impl<'a> Scheduler<'a> {
         if let Device::Cuda(index) = self.core.model.options().device {
             let _ = crate::runtime::set_cuda_device(index);
         }
+        self.warm_up();
         let mut stopping = false;
         let mut pending: Vec<(u64, Reply, Option<CancelFlag>)> = Vec::new();
         loop {
@@ -576,11 +588,28 @@ impl<'a> Scheduler<'a> {
 
     /// The other ranks: runs each plan rank 0 announces until it says stop.
     fn follow(mut self) -> Result<()> {
+        self.warm_up();
         loop {
             let plan = share_plan(self.core, None)?;
             if self.run(plan, &mut HashMap::new()) {
                 return Ok(());
             }
+        }
+    }
+
+    /// Makes the KV cache and captures the decode graphs before the first request (every rank
+    /// does, in the same order); a failure is reported and left to the first request.
+    fn warm_up(&mut self) {
+        let started = std::time::Instant::now();
+        let rows = self.core.settings.limits.max_batch_size as i64;
+        match self.decoder.warm_up(&self.core.model, rows) {
+            Ok(0) => {}
+            Ok(graphs) => eprintln!(
+                "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}) in {:.1} s",
+                super::decoder::bucket(rows),
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => eprintln!("text_generation_server: warming up the decoder failed: {e:#}"),
         }
     }
 
