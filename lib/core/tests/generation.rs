@@ -8,7 +8,7 @@ use clap::Parser;
 use megatron_core::args::ModelArgs;
 use megatron_core::inference::{
     beam_search, generate_tokens, BeamSearchRequest, DecodeRow, Decoder, Generation,
-    GenerationRequest, Sampling, StopCondition,
+    GenerationRequest, PrefillChunk, Sampling, StopCondition,
 };
 use megatron_core::model::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -268,8 +268,8 @@ fn beam_search_scores_are_normalised_full_forward_logprobs() {
 }
 
 /// Rows at different positions in one paged decode step (what the batcher runs, and what CUDA
-/// graphs replay padded to a bucket), after prompts prefilled in two chunks, give each row's
-/// cached-forward logits, on the CPU.
+/// graphs replay padded to a bucket), after prompts prefilled in two padded batches of chunks,
+/// give each row's cached-forward logits, on the CPU.
 #[test]
 fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
     for model in [model(&[]), llama_like()] {
@@ -288,22 +288,34 @@ fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
                 let diff = (got - want).abs().max().double_value(&[]);
                 assert!(diff < 1e-5, "{what}: logits differ by {diff}");
             };
+            // The prompts' halves, three rows of different lengths per forward.
+            let split = |prompt: &Vec<i64>| prompt.len() / 2;
+            let halves = |first: bool| -> Vec<PrefillChunk> {
+                prompts
+                    .iter()
+                    .zip(&blocks)
+                    .map(|(prompt, blocks)| {
+                        let (start, tokens) = if first {
+                            (0, &prompt[..split(prompt)])
+                        } else {
+                            (split(prompt), &prompt[split(prompt)..])
+                        };
+                        PrefillChunk {
+                            tokens,
+                            start: start as i64,
+                            blocks,
+                        }
+                    })
+                    .collect()
+            };
+            let _ = decoder.prefill(&model, &halves(true)).unwrap();
+            let got = decoder.prefill(&model, &halves(false)).unwrap();
             for (row, prompt) in prompts.iter().enumerate() {
-                let split = prompt.len() / 2;
-                let _ = decoder
-                    .prefill(&model, &prompt[..split], 0, &blocks[row])
-                    .unwrap();
-                let got = decoder
-                    .prefill(&model, &prompt[split..], split as i64, &blocks[row])
-                    .unwrap();
                 let input = Tensor::from_slice(prompt).unsqueeze(0);
                 let want = model.forward_cached(&input, &mut references[row]).unwrap();
-                let rest = (prompt.len() - split) as i64;
-                close(
-                    &got,
-                    &want.narrow(0, split as i64, rest).select(1, 0),
-                    "prefill",
-                );
+                let rest = (prompt.len() - split(prompt)) as i64;
+                let want = want.narrow(0, split(prompt) as i64, rest).select(1, 0);
+                close(&got[row], &want, "prefill");
             }
             for step in 0..8i64 {
                 let tokens = [step * 31 % VOCAB, step + 100, 250 - step];

@@ -66,6 +66,14 @@ pub struct DecodeRow<'a> {
     pub blocks: &'a [i64],
 }
 
+/// A piece of a prompt to prefill: its tokens at positions `start..`, of the sequence that owns
+/// `blocks`.
+pub struct PrefillChunk<'a> {
+    pub tokens: &'a [i64],
+    pub start: i64,
+    pub blocks: &'a [i64],
+}
+
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
     cuda_graphs: bool,
@@ -182,37 +190,68 @@ impl Decoder {
         self.cache.as_mut()
     }
 
-    /// Logits `[c, padded vocabulary]` of `tokens` at positions `start..start + c` of the
-    /// sequence that owns `blocks`, their keys and values stored there.
-    pub fn prefill(
-        &mut self,
-        model: &GptModel,
-        tokens: &[i64],
-        start: i64,
-        blocks: &[i64],
-    ) -> Result<Tensor> {
+    /// Prompt chunks of several sequences in one forward: each chunk's logits
+    /// (`[its length, padded vocabulary]`), its keys and values stored in its blocks. Shorter
+    /// chunks are padded with positions that write to and read the reserved block.
+    pub fn prefill(&mut self, model: &GptModel, chunks: &[PrefillChunk]) -> Result<Vec<Tensor>> {
+        ensure!(!chunks.is_empty(), "a prefill needs chunks");
         let device = model.options().device;
-        let count = tokens.len() as i64;
-        let end = start + count;
-        ensure!(
-            end <= blocks.len() as i64 * BLOCK_SIZE,
-            "positions up to {end} exceed the {} blocks of the sequence",
-            blocks.len()
+        let width = chunks.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+        let window = chunks
+            .iter()
+            .map(|c| c.start as usize + c.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let rows = chunks.len();
+        let mut tokens = vec![0i64; rows * width];
+        let mut positions = vec![0i64; rows * width];
+        let mut write = vec![0i64; rows * width];
+        let mut read = vec![0i64; rows * window];
+        for (r, chunk) in chunks.iter().enumerate() {
+            let count = chunk.tokens.len() as i64;
+            let end = chunk.start + count;
+            ensure!(
+                count > 0 && end <= chunk.blocks.len() as i64 * BLOCK_SIZE,
+                "positions {}..{end} do not fit the {} blocks of the sequence",
+                chunk.start,
+                chunk.blocks.len()
+            );
+            for (j, p) in (chunk.start..end).enumerate() {
+                tokens[r * width + j] = chunk.tokens[j];
+                positions[r * width + j] = p;
+                write[r * width + j] = slot(chunk.blocks, p);
+            }
+            for p in 0..end {
+                read[r * window + p as usize] = slot(chunk.blocks, p);
+            }
+        }
+        let to = |values: &[i64], columns: usize| {
+            Tensor::from_slice(values)
+                .view([rows as i64, columns as i64])
+                .to_device(device)
+        };
+        let positions = to(&positions, width);
+        let step = PagedStep::new(
+            Tensor::from_slice(&write).to_device(device),
+            to(&read, window),
+            &positions,
+            model.options().params_dtype,
         );
-        let slots: Vec<i64> = (0..end).map(|p| slot(blocks, p)).collect();
-        let write = Tensor::from_slice(&slots[start as usize..]).to_device(device);
-        let read = Tensor::from_slice(&slots).view([1, end]).to_device(device);
-        let positions = Tensor::arange_start(start, end, (Kind::Int64, device)).unsqueeze(0);
-        let input = Tensor::from_slice(tokens)
-            .view([1, count])
-            .to_device(device);
-        let step = PagedStep::new(write, read, &positions, model.options().params_dtype);
         let cache = self
             .cache
             .as_mut()
             .expect("prefill after the cache was made");
-        let logits = tch::no_grad(|| model.forward_paged(&input, &positions, cache, &step))?;
-        Ok(logits.select(1, 0))
+        let logits =
+            tch::no_grad(|| model.forward_paged(&to(&tokens, width), &positions, cache, &step))?;
+        Ok(chunks
+            .iter()
+            .enumerate()
+            .map(|(r, chunk)| {
+                logits
+                    .select(1, r as i64)
+                    .narrow(0, 0, chunk.tokens.len() as i64)
+            })
+            .collect())
     }
 
     /// Logits `[rows, padded vocabulary]` of one decode step of `rows`, each token's keys and

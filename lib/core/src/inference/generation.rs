@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::decoder::{DecodeRow, Decoder};
+use super::decoder::{DecodeRow, Decoder, PrefillChunk};
 use super::sampling::{row_seed, sample, RowSampling, Sampling};
 use crate::model::layers::{PagedKvCache, BLOCK_SIZE};
 use crate::model::GptModel;
@@ -137,7 +137,7 @@ impl GenerationRequest {
 
 /// Prompt positions prefilled per step unless told otherwise: long prompts are cut into chunks
 /// so that the rows already decoding wait at most one chunk per step.
-pub const DEFAULT_PREFILL_CHUNK: usize = 256;
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 /// One sequence to continue, with everything that decides its tokens.
 #[derive(Debug, Clone)]
@@ -417,45 +417,66 @@ impl Batcher {
                     row.cached >= row.spec.prompt.len() && row.cached + 1 == row.tokens.len()
                 })
                 .collect();
+            // Chunks start at multiples of the chunk size, whatever else runs: a row's prefill
+            // is the same alone and in a batch. The step takes chunks, in admission order, up
+            // to a chunk size of positions (at least one chunk), all in one forward.
             let mut budget = chunk;
-            for (i, row) in self.running.iter_mut().enumerate() {
+            let mut pieces: Vec<(usize, usize)> = Vec::new();
+            for (i, row) in self.running.iter().enumerate() {
                 let length = row.spec.prompt.len();
                 if budget == 0 || row.cached >= length {
                     continue;
                 }
-                // Chunks start at multiples of the chunk size, whatever else runs: a row's
-                // prefill is the same alone and in a batch.
                 let count = (chunk - row.cached % chunk).min(length - row.cached);
-                budget = budget.saturating_sub(count);
-                let out = decoder
-                    .prefill(
-                        model,
-                        &row.tokens[row.cached..row.cached + count],
-                        row.cached as i64,
-                        &row.blocks,
-                    )?
-                    .narrow(1, 0, vocab)
-                    .to_kind(Kind::Float);
-                if row.spec.logprobs {
-                    let targets = (length - 1).min(row.cached + count) - row.cached;
-                    if targets > 0 {
-                        let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
-                        let next = Tensor::from_slice(next)
-                            .to_device(out.device())
-                            .unsqueeze(1);
-                        let scores = out
-                            .narrow(0, 0, targets as i64)
-                            .log_softmax(1, Kind::Float)
-                            .gather(1, &next, false)
-                            .squeeze_dim(1);
-                        row.logprobs
-                            .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
-                    }
+                if !pieces.is_empty() && count > budget {
+                    break;
                 }
-                row.cached += count;
-                if row.cached == length {
-                    drawing.push(i);
-                    logits.push(out.select(0, count as i64 - 1).unsqueeze(0));
+                budget = budget.saturating_sub(count);
+                pieces.push((i, count));
+            }
+            if !pieces.is_empty() {
+                let chunks: Vec<PrefillChunk> = pieces
+                    .iter()
+                    .map(|&(i, count)| {
+                        let row = &self.running[i];
+                        PrefillChunk {
+                            tokens: &row.tokens[row.cached..row.cached + count],
+                            start: row.cached as i64,
+                            blocks: &row.blocks,
+                        }
+                    })
+                    .collect();
+                let outs = decoder.prefill(model, &chunks)?;
+                for (&(i, count), out) in pieces.iter().zip(outs) {
+                    let row = &mut self.running[i];
+                    let length = row.spec.prompt.len();
+                    let out = out.narrow(1, 0, vocab);
+                    if row.spec.logprobs {
+                        let targets = (length - 1).min(row.cached + count) - row.cached;
+                        if targets > 0 {
+                            let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
+                            let next = Tensor::from_slice(next)
+                                .to_device(out.device())
+                                .unsqueeze(1);
+                            let scores = out
+                                .narrow(0, 0, targets as i64)
+                                .to_kind(Kind::Float)
+                                .log_softmax(1, Kind::Float)
+                                .gather(1, &next, false)
+                                .squeeze_dim(1);
+                            row.logprobs
+                                .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
+                        }
+                    }
+                    row.cached += count;
+                    if row.cached == length {
+                        drawing.push(i);
+                        logits.push(
+                            out.select(0, count as i64 - 1)
+                                .to_kind(Kind::Float)
+                                .unsqueeze(0),
+                        );
+                    }
                 }
             }
             if !ready.is_empty() {

@@ -13,7 +13,7 @@ mod server;
 mod service;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
-pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, WINDOW_STEP};
+pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, PrefillChunk, WINDOW_STEP};
 pub use generation::{
     generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
     GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,
