@@ -44,12 +44,13 @@ struct Cli {
     #[arg(long, default_value_t = DEFAULT_MAX_QUEUED)]
     max_queued: usize,
     /// Sequences decoded together at most (1: one request at a time; a request with more
-    /// prompts runs alone).
-    #[arg(long, default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    /// prompts runs alone). Megatron-core's name for it is accepted too.
+    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     max_batch_size: usize,
     /// Memory the KV cache may take, in GiB [default: half the GPU memory free after loading
     /// the model; 2 GiB on a CPU]. A request whose whole length cannot fit is refused.
-    #[arg(long)]
+    /// Megatron-core's dynamic-batching name for it is accepted too.
+    #[arg(long, visible_alias = "inference-dynamic-batching-buffer-size-gb")]
     kv_cache_gb: Option<f64>,
     /// Prompt tokens prefilled per step: a long prompt is processed in chunks between decode
     /// steps, so running requests keep streaming.
