@@ -8,7 +8,9 @@
 # decode tokens/s (one request alone: prompt 128, 256 new tokens, through PUT /api).
 #
 # The weights are a pretrain_gpt checkpoint after one step on mock data (NullTokenizer with
-# GPT-2's 50257 ids, so prompts are token ids).
+# GPT-2's 50257 ids, so prompts are token ids). Time to first token and per-token latency are
+# measured on the streamed events, so they are only as good as the HTTP layer's flushing of
+# them; aggregate tokens/s does not depend on it.
 #
 # Environment (all optional):
 #   BIN=target/release   where pretrain_gpt and text_generation_server are [built here]

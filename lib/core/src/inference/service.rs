@@ -483,11 +483,12 @@ struct Active {
 /// A request turned into what runs.
 enum Prepared {
     /// Megatron's `/api`: rows batched with the others.
-    Api { request: ApiRequest },
+    Api,
     /// An OpenAI completion: rows batched with the others, streamed as they go.
     Completion(Box<CompletionState>),
 }
 
+/// A completion while its rows run: the prompts and each choice's stream.
 struct CompletionState {
     request: CompletionRequest,
     prompts: Vec<Vec<i64>>,
@@ -732,7 +733,7 @@ impl<'a> Scheduler<'a> {
                 continue;
             };
             let outcome = guarded(|| match active.job {
-                Prepared::Api { request } => self.core.finish_api(&request, generation),
+                Prepared::Api => self.core.finish_api(generation),
                 Prepared::Completion(state) => self.core.finish_completion(*state, generation),
             });
             if let Some(reply) = active.reply {
@@ -832,19 +833,12 @@ impl Core {
         };
         if request.tokens_to_generate == 0 {
             let scored = self.score(&generation);
-            return Ok(Start::Now(
-                scored.and_then(|out| self.finish_api(request, out)),
-            ));
+            return Ok(Start::Now(scored.and_then(|out| self.finish_api(out))));
         }
         let rows = generation
             .rows(request.random_seed.unwrap_or(0))
             .map_err(|e| ServiceError::Rejected(format!("{e:#}")))?;
-        Ok(Start::Rows(
-            Prepared::Api {
-                request: request.clone(),
-            },
-            rows,
-        ))
+        Ok(Start::Rows(Prepared::Api, rows))
     }
 
     /// One forward scoring the prompts (no new tokens).
@@ -853,8 +847,8 @@ impl Core {
             .map_err(|e| ServiceError::Failed(format!("{e:#}")))
     }
 
-    fn finish_api(&self, request: &ApiRequest, out: Generation) -> Result<Value, ServiceError> {
-        let _ = request;
+    /// Megatron's answer: every row's text, its tokens one by one and their log-probabilities.
+    fn finish_api(&self, out: Generation) -> Result<Value, ServiceError> {
         let (text, segments) = self.texts(&out.tokens)?;
         Ok(json!({"text": text, "segments": segments, "logprobs": out.logprobs}))
     }
