@@ -2,7 +2,8 @@
 //! saved by `pretrain_gpt`, served on loopback, queried with Megatron's request fields; answers
 //! equal `generate_samples_gpt`'s greedy continuation; OpenAI completions, streamed too;
 //! Megatron's validation messages; malformed,
-//! oversized and too-long requests; 64 clients at once; SIGTERM stops it cleanly; on GPUs,
+//! oversized and too-long requests; 64 clients at once; Megatron-core's batching flags with a
+//! tiny KV cache; SIGTERM stops it cleanly; on GPUs,
 //! decoding from CUDA graphs (with and without tensor parallelism) answers like eager decoding.
 
 use std::io::{BufRead, BufReader};
@@ -819,6 +820,58 @@ fn completions_answer_what_lm_eval_sends() {
     assert!(
         rejected.contains("Error 400") && rejected.contains("exceed the model's"),
         "{rejected}"
+    );
+    terminate(server.child);
+}
+
+/// Megatron-core's batching flags run unchanged: with at most 3 rows at once and a KV cache of
+/// a few blocks (`--inference-max-requests`, `--inference-dynamic-batching-buffer-size-gb`),
+/// 8 clients at once each get the answer they get alone, and a request longer than the whole
+/// cache is refused naming the flag.
+#[test]
+fn batching_flags_serve_concurrent_clients_like_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    // 2 layers × 16 positions × 4 heads × 2 · 16 channels × 4 bytes = 16 KiB per block: 6
+    // blocks, 5 of them for rows (80 positions).
+    let server = serve(
+        server_command(&ckpt)
+            .args([
+                "--inference-max-requests",
+                "3",
+                "--inference-dynamic-batching-buffer-size-gb",
+                "0.0000916",
+                "--prefill-chunk-size",
+                "4",
+            ])
+            .spawn()
+            .unwrap(),
+    );
+    let bodies: Vec<String> = (0..8)
+        .map(|i| {
+            json!({"prompts": [format!("The data {i} and more")], "tokens_to_generate": 12 + i,
+                   "top_k": 1 + i % 2, "random_seed": i, "logprobs": true})
+            .to_string()
+        })
+        .collect();
+    let alone: Vec<Value> = bodies.iter().map(|b| request(&server, b).unwrap()).collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| scope.spawn(|| request(&server, b).unwrap()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (got, want) in together.iter().zip(&alone) {
+        assert_same_answer(got, want, 1e-4);
+    }
+    // 92 positions: within the model's 96, beyond the cache's 80.
+    let long = json!({"prompts": ["The data"], "tokens_to_generate": 90}).to_string();
+    let refused = request(&server, &long).unwrap_err();
+    assert!(
+        refused.contains("Error 400") && refused.contains("--kv-cache-gb"),
+        "{refused}"
     );
     terminate(server.child);
 }

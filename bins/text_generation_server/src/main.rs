@@ -7,7 +7,8 @@ use std::sync::Arc;
 use clap::Parser;
 use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
 use megatron_core::inference::{
-    GenerationServer, ServerOptions, TextGenerationService, DEFAULT_MAX_TOKENS,
+    BatchLimits, GenerationServer, KvBudget, ServerOptions, TextGenerationService,
+    DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK,
 };
 use megatron_core::parallel::ParallelState;
 use megatron_core::signals::{exit_requested, install_exit_handler};
@@ -19,8 +20,10 @@ use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
 /// The architecture comes from the checkpoint; give the tokenizer flags it was trained with.
 /// Megatron's model flags (`run_text_generation_server_345M.sh`) are accepted and checked
 /// against the checkpoint.
-/// Requests are served one at a time by the model, the others wait in a queue (--max-queued);
-/// SIGTERM or Ctrl-C stops after the requests in flight.
+/// Requests are batched continuously: a request joins the running batch at the next step and
+/// leaves when it ends; the KV cache is kept within --kv-cache-gb, requests that do not fit yet
+/// wait in a queue (--max-queued), more are answered 503. SIGTERM or Ctrl-C stops after the
+/// requests in flight.
 #[derive(Parser)]
 #[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
 struct Cli {
@@ -37,9 +40,22 @@ struct Cli {
     /// Largest prompts × (longest prompt + tokens_to_generate) a request may ask for.
     #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
     max_tokens_to_oom: usize,
-    /// Requests that may wait for the model; more are answered 503.
-    #[arg(long, default_value_t = 256)]
+    /// Requests that may wait for room in the batch; more are answered 503.
+    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED)]
     max_queued: usize,
+    /// Sequences decoded together at most (1: one request at a time; a request with more
+    /// prompts runs alone). Megatron-core's name for it is accepted too.
+    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_batch_size: usize,
+    /// Memory the KV cache may take, in GiB [default: half the GPU memory free after loading
+    /// the model; 2 GiB on a CPU]. A request whose whole length cannot fit is refused.
+    /// Megatron-core's dynamic-batching name for it is accepted too.
+    #[arg(long, visible_alias = "inference-dynamic-batching-buffer-size-gb")]
+    kv_cache_gb: Option<f64>,
+    /// Prompt tokens prefilled per step: a long prompt is processed in chunks between decode
+    /// steps, so running requests keep streaming.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    prefill_chunk_size: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_request_bytes: usize,
@@ -66,6 +82,18 @@ fn main() -> ExitCode {
         tch::manual_seed(cli.model.seed as i64);
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
+        let limits = BatchLimits {
+            max_batch_size: cli.max_batch_size,
+            prefill_chunk: cli.prefill_chunk_size,
+            max_queued: cli.max_queued,
+        };
+        let budget = match cli.kv_cache_gb {
+            Some(gb) if gb.is_finite() && gb > 0.0 => {
+                KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
+            }
+            Some(gb) => anyhow::bail!("--kv-cache-gb must be a positive number of GiB, got {gb}"),
+            None => KvBudget::default(),
+        };
         let build = |parallel: &ParallelState,
                      tokenizer: Arc<dyn Tokenizer>|
          -> anyhow::Result<TextGenerationService> {
@@ -77,7 +105,9 @@ fn main() -> ExitCode {
                 model.config.vocab_size
             );
             let service = TextGenerationService::new(model, tokenizer, max_tokens)?
-                .with_tensor_parallel(parallel.tensor.clone());
+                .with_tensor_parallel(parallel.tensor.clone())
+                .with_limits(limits)
+                .with_kv_budget(budget);
             Ok(if no_cuda_graphs {
                 service.without_cuda_graphs()
             } else {
@@ -108,6 +138,8 @@ fn main() -> ExitCode {
         );
         let service = move || {
             let service = build(&parallel, tokenizer)?;
+            // The KV cache and decode graphs are made before the first request.
+            service.start();
             println!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
             Ok(service)
         };

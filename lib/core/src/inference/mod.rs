@@ -1,5 +1,6 @@
-//! Inference: loading a trained GPT from its checkpoint alone, and Megatron's generation loop
-//! over a KV cache with its sampling, decode steps replayed from CUDA graphs on a GPU.
+//! Inference: loading a trained GPT from its checkpoint alone, and Megatron's generation as
+//! continuous batching over a paged KV cache with per-row sampling, decode steps replayed from
+//! CUDA graphs on a GPU.
 
 pub mod api;
 mod beam_search;
@@ -12,12 +13,15 @@ mod server;
 mod service;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
-pub use decoder::{Decoder, WINDOW_STEP};
+pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, PrefillChunk, WINDOW_STEP};
 pub use generation::{
-    generate_tokens, generate_tokens_observed, Generation, GenerationRequest, StopCondition,
-    TokenObserver,
+    generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
+    GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,
 };
 pub use load::{checkpoint_gpt_config, load_gpt_for_inference};
-pub use sampling::{sample, Sampling};
+pub use sampling::{row_seed, sample, RowSampling, Sampling};
 pub use server::{GenerationServer, ServerOptions};
-pub use service::{ServiceError, TextGenerationService, DEFAULT_MAX_TOKENS};
+pub use service::{
+    CancelFlag, ClientGone, ServiceError, TextGenerationService, DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS,
+};

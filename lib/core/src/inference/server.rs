@@ -1,7 +1,7 @@
 //! The HTTP side of `text_generation_server`: Megatron's `PUT /api` and OpenAI's
 //! `POST /v1/completions` (streamed as server-sent events on request) on a thread pool,
-//! one generation worker that owns the model and takes requests from a bounded queue (so many
-//! clients are all answered, in turn), limits answered with clear errors, and a clean stop.
+//! a worker that owns the service and hands it every request from a bounded queue on a thread
+//! of its own (the service batches them), limits answered with clear errors, and a clean stop.
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -15,7 +15,7 @@ use tiny_http::{Header, Method, Request, Response, Server};
 
 use super::api::ApiRequest;
 use super::openai::{delta_body, CompletionRequest};
-use super::service::{ServiceError, TextGenerationService};
+use super::service::{ClientGone, ServiceError, TextGenerationService};
 
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -105,27 +105,32 @@ impl GenerationServer {
     }
 }
 
+/// Serves every job on its own thread: the service batches the requests in flight.
 fn work(service: &TextGenerationService, jobs: Receiver<Job>) {
-    let guarded = |run: &mut dyn FnMut() -> Result<Value, ServiceError>| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
-            .unwrap_or_else(|_| Err(ServiceError::Failed("generation panicked".into())))
-    };
-    for job in jobs {
-        match job {
-            Job::Api(request, reply) => {
-                let _ = reply.send(guarded(&mut || service.respond(&request)));
-            }
-            Job::Completion(request, events) => {
-                let (id, created) = completion_id();
-                let outcome = guarded(&mut || {
-                    service.complete(&request, &id, created, &mut |index, text| {
-                        let _ = events.send(CompletionEvent::Delta(index, text.to_string()));
-                    })
-                });
-                let _ = events.send(CompletionEvent::Done(outcome));
-            }
+    std::thread::scope(|scope| {
+        for job in jobs {
+            scope.spawn(move || match job {
+                Job::Api(request, reply) => {
+                    let _ = reply.send(service.respond(&request));
+                }
+                Job::Completion(request, events) => {
+                    let (id, created) = completion_id();
+                    let outcome = service.complete_streaming(
+                        &request,
+                        &id,
+                        created,
+                        &mut |index, text| {
+                            events
+                                .send(CompletionEvent::Delta(index, text.to_string()))
+                                .map_err(|_| ClientGone)
+                        },
+                        None,
+                    );
+                    let _ = events.send(CompletionEvent::Done(outcome));
+                }
+            });
         }
-    }
+    });
     if let Err(e) = service.stop_followers() {
         eprintln!(
             "text_generation_server: releasing the other tensor-parallel ranks failed: {e:#}"
@@ -256,6 +261,7 @@ fn megatron_api(
     match answer.recv() {
         Ok(Ok(body)) => json_response(200, &body),
         Ok(Err(ServiceError::Rejected(text))) => message(400, &text),
+        Ok(Err(ServiceError::Busy(text))) => message(503, &text),
         Ok(Err(ServiceError::Failed(text))) => message(500, &text),
         Err(_) => message(503, "the server is shutting down"),
     }
@@ -283,6 +289,9 @@ fn completions(
         let first = match received.recv() {
             Ok(CompletionEvent::Done(Err(ServiceError::Rejected(text)))) => {
                 return openai_error(400, &text)
+            }
+            Ok(CompletionEvent::Done(Err(ServiceError::Busy(text)))) => {
+                return openai_error(503, &text)
             }
             Ok(CompletionEvent::Done(Err(ServiceError::Failed(text)))) => {
                 return openai_error(500, &text)
@@ -313,6 +322,9 @@ fn completions(
             Ok(CompletionEvent::Done(Ok(body))) => return json_response(200, &body),
             Ok(CompletionEvent::Done(Err(ServiceError::Rejected(text)))) => {
                 return openai_error(400, &text)
+            }
+            Ok(CompletionEvent::Done(Err(ServiceError::Busy(text)))) => {
+                return openai_error(503, &text)
             }
             Ok(CompletionEvent::Done(Err(ServiceError::Failed(text)))) => {
                 return openai_error(500, &text)
@@ -357,7 +369,11 @@ impl ServerSentEvents {
                         }
                         body
                     }
-                    Err(ServiceError::Rejected(text) | ServiceError::Failed(text)) => {
+                    Err(
+                        ServiceError::Rejected(text)
+                        | ServiceError::Busy(text)
+                        | ServiceError::Failed(text),
+                    ) => {
                         serde_json::json!({"error": {"message": text}})
                     }
                 };
