@@ -33,6 +33,13 @@ pub enum ServiceError {
     Failed(String),
 }
 
+/// A streamed answer's client went away: its generation stops at the next step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientGone;
+
+/// Receives a completion's text as it is generated: `(choice, text)`.
+pub type DeltaSink<'a> = &'a mut dyn FnMut(usize, &str) -> Result<(), ClientGone>;
+
 /// Token ids the request flags refer to, found through the tokenizer (GPT-2: 198, 628, 25).
 struct SpecialTokens {
     eod: i64,
@@ -138,11 +145,22 @@ impl TextGenerationService {
                     let _ = self.run_api(&request);
                 }
                 SharedJob::Completion(request) => {
-                    let _ = self.run_completion(&request, "", 0, &mut |_, _| {});
+                    let _ = self.run_completion(&request, "", 0, &mut |_, _| Ok(()));
                 }
                 SharedJob::Stop => return Ok(()),
             }
         }
+    }
+
+    pub fn tokenizer(&self) -> &dyn Tokenizer {
+        self.tokenizer.as_ref()
+    }
+
+    /// The most tokens a completion of a `prompt_tokens` long prompt may ask for: the
+    /// model's positions and the request budget (`--max-tokens-to-oom`) left after it.
+    pub fn room_after(&self, prompt_tokens: usize) -> usize {
+        let positions = self.model.config.max_position_embeddings as usize;
+        positions.min(self.max_tokens).saturating_sub(prompt_tokens)
     }
 
     /// Rank 0, when the server stops: releases the other ranks.
@@ -238,12 +256,14 @@ impl TextGenerationService {
 
     /// An OpenAI completion: `on_delta(choice, text)` receives the text as it is generated
     /// (held back while it may still turn into a stop sequence or an incomplete character).
+    /// When it answers [`ClientGone`] the generation stops at the next step (without tensor
+    /// parallelism: the other ranks could not know, so there it runs to its end).
     pub fn complete(
         &self,
         request: &CompletionRequest,
         id: &str,
         created: u64,
-        on_delta: &mut dyn FnMut(usize, &str),
+        on_delta: DeltaSink,
     ) -> Result<Value, ServiceError> {
         let request = CompletionRequest {
             seed: self.shared_seed(request.seed),
@@ -259,7 +279,7 @@ impl TextGenerationService {
         request: &CompletionRequest,
         id: &str,
         created: u64,
-        on_delta: &mut dyn FnMut(usize, &str),
+        on_delta: DeltaSink,
     ) -> Result<Value, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
         let (prompts, prompt_texts) = match &request.prompt_token_ids {
@@ -306,10 +326,12 @@ impl TextGenerationService {
             )));
         }
         self.seed(request.seed)?;
+        let cancellable = self.mirror.is_none();
+        let mut gone = false;
         if request.echo {
             // A streamed echo starts with the prompt, as the whole answer does.
             for (row, prompt) in prompt_texts.iter().enumerate() {
-                on_delta(row, prompt);
+                gone |= on_delta(row, prompt).is_err();
             }
         }
         let sampling = if request.temperature == 0.0 {
@@ -339,12 +361,13 @@ impl TextGenerationService {
                 return true;
             }
             stream.tokens.push(token);
-            stream.advance(
+            let ended = stream.advance(
                 self.tokenizer.as_ref(),
                 &request.stop,
                 request.max_tokens,
-                &mut |text| on_delta(row, text),
-            )
+                &mut |text| gone |= on_delta(row, text).is_err(),
+            );
+            ended || (gone && cancellable)
         };
         let generation = GenerationRequest {
             prompts: prompts.clone(),
