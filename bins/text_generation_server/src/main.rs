@@ -148,13 +148,10 @@ fn main() -> ExitCode {
             checkpoint.display().to_string(),
             cli.model.tensor_model_parallel_size,
         );
-        let service = move || {
-            let service = build(&parallel, tokenizer)?;
-            println!("text_generation_server: chat template: {chat_origin}");
-            println!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
-            Ok(service)
-        };
-        server.run(service, exit_requested)?;
+        println!("text_generation_server: chat template: {chat_origin}");
+        let serving =
+            format!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
+        server.run(move || build(&parallel, tokenizer), &serving, exit_requested)?;
         job.finish()?;
         println!("text_generation_server: stopped");
         Ok(())

@@ -95,10 +95,12 @@ impl GenerationServer {
 
     /// Serves until `stop()` is true, then finishes the requests in flight and returns.
     /// `service` is built on the generation thread, which keeps the model for the server's
-    /// life; requests that arrive meanwhile wait in the queue.
+    /// life; requests that arrive meanwhile wait in the queue. `serving` is printed once it
+    /// is built (and `/health` answers 200).
     pub fn run(
         self,
         service: impl FnOnce() -> Result<TextGenerationService> + Send,
+        serving: &str,
         stop: impl Fn() -> bool + Sync,
     ) -> Result<()> {
         let (queue, jobs) = Queue::new(self.options.max_queued);
@@ -122,6 +124,7 @@ impl GenerationServer {
             let worker = scope.spawn(|| -> Result<()> {
                 let outcome = service().map(|service| {
                     shared.ready.store(true, Ordering::SeqCst);
+                    println!("{serving}");
                     work(
                         &service,
                         jobs,
