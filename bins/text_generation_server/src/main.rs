@@ -122,7 +122,11 @@ fn main() -> ExitCode {
         let checkpoint = cli.model.checkpoint()?.to_path_buf();
         // An imported HuggingFace model is named, and finds its chat template, by its own
         // directory rather than the converted copy's.
-        let source = cli.model.load_hf.clone().unwrap_or_else(|| checkpoint.clone());
+        let source = cli
+            .model
+            .load_hf
+            .clone()
+            .unwrap_or_else(|| checkpoint.clone());
         let chat = chat_template(&cli, &source)?;
         let options = ServerOptions {
             host: cli.host.clone(),
@@ -134,9 +138,10 @@ fn main() -> ExitCode {
             header_timeout: seconds("--http-header-timeout", cli.http_header_timeout)?,
             body_timeout: seconds("--http-body-timeout", cli.http_body_timeout)?,
             model_name: cli.served_model_name.clone().unwrap_or_else(|| {
-                source
-                    .file_name()
-                    .map_or_else(|| "megatron-rs".into(), |n| n.to_string_lossy().into_owned())
+                source.file_name().map_or_else(
+                    || "megatron-rs".into(),
+                    |n| n.to_string_lossy().into_owned(),
+                )
             }),
         };
         let chat_origin = chat.origin.clone();
@@ -149,9 +154,14 @@ fn main() -> ExitCode {
             cli.model.tensor_model_parallel_size,
         );
         println!("text_generation_server: chat template: {chat_origin}");
-        let serving =
-            format!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
-        server.run(move || build(&parallel, tokenizer), &serving, exit_requested)?;
+        let serving = format!(
+            "text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})"
+        );
+        server.run(
+            move || build(&parallel, tokenizer),
+            &serving,
+            exit_requested,
+        )?;
         job.finish()?;
         println!("text_generation_server: stopped");
         Ok(())
@@ -171,9 +181,8 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
 fn chat_template(cli: &Cli, checkpoint: &std::path::Path) -> anyhow::Result<ChatTemplate> {
     if let Some(path) = &cli.chat_template {
         if path.extension().is_some_and(|e| e == "json") {
-            return ChatTemplate::from_tokenizer_config(path)?.ok_or_else(|| {
-                anyhow::anyhow!("{} has no chat_template", path.display())
-            });
+            return ChatTemplate::from_tokenizer_config(path)?
+                .ok_or_else(|| anyhow::anyhow!("{} has no chat_template", path.display()));
         }
         return ChatTemplate::from_file(path);
     }

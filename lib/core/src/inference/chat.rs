@@ -99,7 +99,13 @@ impl ChatRequest {
         // The sampling fields mean what they mean for completions; `max_completion_tokens` is
         // the newer name of `max_tokens`.
         let mut fields = object.clone();
-        for key in ["messages", "logprobs", "top_logprobs", "stream_options", "echo"] {
+        for key in [
+            "messages",
+            "logprobs",
+            "top_logprobs",
+            "stream_options",
+            "echo",
+        ] {
             fields.remove(key);
         }
         if let Some(limit) = object.get("max_completion_tokens") {
@@ -155,7 +161,8 @@ impl ChatTemplate {
                 .build()
                 .expect("the default delimiters are valid"),
         );
-        environment.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        environment
+            .set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         environment.add_function(
             "raise_exception",
             |message: String| -> Result<String, minijinja::Error> {
@@ -190,7 +197,12 @@ impl ChatTemplate {
     pub fn from_file(path: &Path) -> Result<Self> {
         let source = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the chat template {}", path.display()))?;
-        Self::new(source, String::new(), String::new(), path.display().to_string())
+        Self::new(
+            source,
+            String::new(),
+            String::new(),
+            path.display().to_string(),
+        )
     }
 
     /// The `chat_template` of the first `tokenizer_config.json` in `directories` that has one,
@@ -224,7 +236,10 @@ impl ChatTemplate {
                 .and_then(|t| t.get("template"))
                 .and_then(Value::as_str)
                 .with_context(|| {
-                    format!("{}: chat_template has no template named default", path.display())
+                    format!(
+                        "{}: chat_template has no template named default",
+                        path.display()
+                    )
                 })?
                 .to_string(),
             Some(_) => anyhow::bail!(
@@ -359,13 +374,18 @@ mod tests {
         assert_eq!(request.messages[0].content, "ab");
         assert_eq!(request.completion.max_tokens, 5);
         assert!(request.completion.stream && request.include_usage && !request.unbounded);
-        assert!(ChatRequest::parse(&json!({"messages": [{"role": "user", "content": "a"}]}))
-            .unwrap()
-            .unbounded);
+        assert!(
+            ChatRequest::parse(&json!({"messages": [{"role": "user", "content": "a"}]}))
+                .unwrap()
+                .unbounded
+        );
         for (body, message) in [
             (json!({}), "messages is required"),
             (json!({"messages": []}), "messages must not be empty"),
-            (json!({"messages": [{"content": "a"}]}), "messages[0].role is required"),
+            (
+                json!({"messages": [{"content": "a"}]}),
+                "messages[0].role is required",
+            ),
             (
                 json!({"messages": [{"role": "user", "content": "a"}], "n": 2}),
                 "n must be 1",

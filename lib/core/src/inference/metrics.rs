@@ -264,7 +264,10 @@ mod tests {
             draining: false,
         });
         assert_eq!(
-            value(&text, "megatron_requests_total{endpoint=\"/api\",status=\"200\"}"),
+            value(
+                &text,
+                "megatron_requests_total{endpoint=\"/api\",status=\"200\"}"
+            ),
             2.0
         );
         assert_eq!(
@@ -284,8 +287,14 @@ mod tests {
         assert_eq!(value(&text, &format!("{ttft}{{le=\"5\"}}")), 2.0);
         let duration = "megatron_request_duration_seconds";
         // 400 s is beyond the last bound: only in +Inf and the count.
-        assert_eq!(value(&text, &format!("{duration}_bucket{{le=\"300\"}}")), 1.0);
-        assert_eq!(value(&text, &format!("{duration}_bucket{{le=\"+Inf\"}}")), 2.0);
+        assert_eq!(
+            value(&text, &format!("{duration}_bucket{{le=\"300\"}}")),
+            1.0
+        );
+        assert_eq!(
+            value(&text, &format!("{duration}_bucket{{le=\"+Inf\"}}")),
+            2.0
+        );
         assert_eq!(value(&text, &format!("{duration}_sum ")), 400.7);
     }
 }

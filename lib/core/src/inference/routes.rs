@@ -205,7 +205,10 @@ pub(super) async fn route(
 
 /// The request body as JSON, read within `--http-body-timeout` and `--max-request-bytes`, or
 /// the status and message to answer instead.
-async fn read_json(request: Request<Incoming>, options: &ServerOptions) -> Result<Value, (u16, String)> {
+async fn read_json(
+    request: Request<Incoming>,
+    options: &ServerOptions,
+) -> Result<Value, (u16, String)> {
     let too_large = || {
         (
             413,
@@ -242,7 +245,11 @@ async fn read_json(request: Request<Incoming>, options: &ServerOptions) -> Resul
 }
 
 /// Queues `work`, or the answer to give instead (503 when full or stopping).
-fn admit(shared: &Arc<Shared>, work: Work, style: Style) -> Result<InFlight, Response<ResponseBody>> {
+fn admit(
+    shared: &Arc<Shared>,
+    work: Work,
+    style: Style,
+) -> Result<InFlight, Response<ResponseBody>> {
     let in_flight = InFlight::new(shared);
     if shared.draining() {
         return Err(stopping(style, shared));
@@ -340,7 +347,13 @@ impl StreamFormat for CompletionStream {
     fn format(&mut self, event: Event) -> (String, bool) {
         match event {
             Event::Delta(index, text) => (
-                data(&delta_body(&self.id, self.created, &self.model, index, &text)),
+                data(&delta_body(
+                    &self.id,
+                    self.created,
+                    &self.model,
+                    index,
+                    &text,
+                )),
                 false,
             ),
             Event::Done(Ok(mut body)) => {
@@ -379,7 +392,13 @@ impl ChatStream {
                 Value::Null,
             ));
         }
-        out + &data(&chat_chunk(&self.id, self.created, &self.model, delta, finish))
+        out + &data(&chat_chunk(
+            &self.id,
+            self.created,
+            &self.model,
+            delta,
+            finish,
+        ))
     }
 }
 
@@ -600,4 +619,3 @@ pub(super) fn too_many_connections() -> String {
         body.len()
     )
 }
-

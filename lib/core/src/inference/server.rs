@@ -222,9 +222,7 @@ async fn serve(
 /// Answers a connection beyond the limit with 503 and closes it, within a second.
 async fn refuse(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        stream
-            .write_all(too_many_connections().as_bytes())
-            .await?;
+        stream.write_all(too_many_connections().as_bytes()).await?;
         stream.shutdown().await?;
         // Read what the client sent, so that closing does not reset the connection before it
         // has read the answer.

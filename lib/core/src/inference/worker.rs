@@ -102,10 +102,7 @@ impl Queue {
 
     /// No more jobs: the generation thread ends after those already queued.
     pub fn close(&self) {
-        self.sender
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        self.sender.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 
     fn taken(&self) {
@@ -208,16 +205,18 @@ pub(super) fn work(
 }
 
 /// A panic while serving one request answers it with an error instead of ending the server.
-fn guarded(
-    run: &mut dyn FnMut() -> Result<Value, ServiceError>,
-) -> Result<Value, ServiceError> {
+fn guarded(run: &mut dyn FnMut() -> Result<Value, ServiceError>) -> Result<Value, ServiceError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
         .unwrap_or_else(|_| Err(ServiceError::Failed("generation panicked".into())))
 }
 
 /// Prompt and generated tokens of an `/api` answer: each row's segments are its tokens, the
 /// prompt's (with the `add_BOS` token) first; beams all continue the one prompt.
-fn api_token_counts(service: &TextGenerationService, request: &ApiRequest, body: &Value) -> (u64, u64) {
+fn api_token_counts(
+    service: &TextGenerationService,
+    request: &ApiRequest,
+    body: &Value,
+) -> (u64, u64) {
     let prompt_lengths: Vec<u64> = request
         .prompts
         .iter()
