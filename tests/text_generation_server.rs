@@ -867,6 +867,18 @@ fn openai_client_chats_through_the_checkpoints_template() {
         answered["prompt"].as_str().unwrap().ends_with("Assistant:"),
         "{answered}"
     );
+    // text_generation_cli --chat gets the same answer.
+    let messages = json!([
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "The data"},
+        {"role": "assistant", "content": "is"},
+        {"role": "user", "content": "more data"},
+    ]);
+    let body = json!({"messages": messages, "max_tokens": 10, "temperature": 0});
+    let out = cli(&plain, &["--chat", &body.to_string()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let chat: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(chat["choices"][0]["message"]["content"], answered["answer"]);
     terminate(plain.child);
 
     // A ChatML-like template using special tokens and Python string methods.
