@@ -876,7 +876,11 @@ fn openai_client_chats_through_the_checkpoints_template() {
     ]);
     let body = json!({"messages": messages, "max_tokens": 10, "temperature": 0});
     let out = cli(&plain, &["--chat", &body.to_string()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let chat: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(chat["choices"][0]["message"]["content"], answered["answer"]);
     terminate(plain.child);
@@ -1191,4 +1195,69 @@ fn hostile_clients_leave_others_served() {
     let rest = finish_stream(in_flight);
     assert!(rest.contains("\"finish_reason\""), "{rest}");
     wait_success(server.child, "the server after draining");
+}
+
+/// The connection limits: connections beyond `--max-connections` are answered 503 with
+/// Retry-After and closed; a connection that sends no request is closed after
+/// `--http-header-timeout`; a body slower than `--http-body-timeout` is answered 408.
+#[test]
+fn connection_limits_and_timeouts() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let mut command = server_command(&ckpt);
+    command.args([
+        "--max-connections",
+        "4",
+        "--http-header-timeout",
+        "2",
+        "--http-body-timeout",
+        "2",
+    ]);
+    let server = serve(command.spawn().unwrap());
+    let idle: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(&server.address).unwrap())
+        .collect();
+    let (status, headers, body) = http(&server.address, "GET", "/health", "");
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(header(&headers, "retry-after"), Some("1"));
+    assert!(body.contains("too many connections"), "{body}");
+
+    // The idle connections are closed by the server after the header timeout.
+    let started = Instant::now();
+    for mut connection in idle {
+        connection
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut buffer = [0u8; 256];
+        // Returns when the server hangs up; a read timeout means it did not.
+        let read = connection.read(&mut buffer);
+        let timed_out = read.as_ref().is_err_and(|e| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            )
+        });
+        assert!(
+            !timed_out && started.elapsed() < Duration::from_secs(15),
+            "an idle connection stayed open for {:?}",
+            started.elapsed()
+        );
+    }
+    wait_for("a free connection slot", || {
+        http(&server.address, "GET", "/health", "").0 == 200
+    });
+
+    // A body that does not arrive in time.
+    let mut slow = std::net::TcpStream::connect(&server.address).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    slow.write_all(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        .unwrap();
+    let mut answer = String::new();
+    let _ = slow.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within 2 s"), "{answer}");
+    terminate(server.child);
 }

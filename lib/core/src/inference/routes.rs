@@ -147,8 +147,8 @@ fn stopping(style: Style, shared: &Shared) -> Response<ResponseBody> {
     )
 }
 
-fn service_error(style: Style, error_: ServiceError) -> Response<ResponseBody> {
-    match error_ {
+fn service_error(style: Style, failure: ServiceError) -> Response<ResponseBody> {
+    match failure {
         ServiceError::Rejected(text) => error(style, 400, &text),
         ServiceError::Failed(text) => error(style, 500, &text),
     }

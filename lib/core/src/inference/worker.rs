@@ -160,7 +160,9 @@ pub(super) fn work(
                         .tokenizer()
                         .tokenize(prompt)
                         .map_or(0, |ids| ids.len());
-                    request.max_tokens = service.room_after(length);
+                    // At least one: a conversation that fills the context is refused with the
+                    // service's message rather than answered empty.
+                    request.max_tokens = service.room_after(length).max(1);
                 }
                 // With echo the prompts come first; the first token's text follows them.
                 let mut before_first = if request.echo { rows } else { 0 };
