@@ -1062,8 +1062,8 @@ fn allow_open_files(connections: usize) -> usize {
 /// The hostile and careless clients that locked the old thread-per-connection server out, on
 /// loopback: 64 connections sending their body a byte at a time and 2,000 idle connections
 /// leave another client served within a second; a streaming client that disconnects has its
-/// generation stopped (counted as cancelled, far fewer tokens than asked); a full queue is
-/// answered 503 with Retry-After; after SIGTERM the request in flight finishes while new ones
+/// generation stopped (counted as cancelled, far fewer tokens than asked); with the queue full,
+/// 300 clients at once are each answered 503 with Retry-After; after SIGTERM the request in flight finishes while new ones
 /// are answered 503 with Retry-After, and the server exits cleanly. `/health` and `/metrics`
 /// report along the way.
 #[test]
@@ -1157,15 +1157,26 @@ fn hostile_clients_leave_others_served() {
     wait_for("a request to wait in the queue", || {
         metric(&server, "megatron_queue_depth") == 1.0
     });
-    let (status, headers, body) = http(
-        &server.address,
-        "POST",
-        "/v1/completions",
-        r#"{"prompt": "refused", "max_tokens": 2}"#,
-    );
-    assert_eq!(status, 503, "{body}");
-    assert_eq!(header(&headers, "retry-after"), Some("1"));
-    assert!(body.contains("the server is busy"), "{body}");
+    // 300 clients at once: each is answered 503 at once, none waits or gets an empty reply.
+    let refused: Vec<_> = (0..300)
+        .map(|_| {
+            let address = server.address.clone();
+            std::thread::spawn(move || {
+                http(
+                    &address,
+                    "POST",
+                    "/v1/completions",
+                    r#"{"prompt": "refused", "max_tokens": 2}"#,
+                )
+            })
+        })
+        .collect();
+    for client in refused {
+        let (status, headers, body) = client.join().unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(header(&headers, "retry-after"), Some("1"));
+        assert!(body.contains("the server is busy"), "{body}");
+    }
     drop(running);
     assert_eq!(waiting.join().unwrap().0, 200);
     assert_eq!(
@@ -1173,7 +1184,7 @@ fn hostile_clients_leave_others_served() {
             &server,
             "megatron_requests_total{endpoint=\"/v1/completions\",status=\"503\"}"
         ),
-        1.0
+        300.0
     );
     assert!(metric(&server, "megatron_time_to_first_token_seconds_count") >= 2.0);
 

@@ -152,6 +152,7 @@ impl TextGenerationService {
         }
     }
 
+    /// The tokenizer requests are read with.
     pub fn tokenizer(&self) -> &dyn Tokenizer {
         self.tokenizer.as_ref()
     }

@@ -110,7 +110,8 @@ impl Queue {
     }
 }
 
-/// What the generation thread is doing, for the metrics.
+/// What the generation thread is doing, for the metrics (counted up and down, so that
+/// concurrent jobs add up).
 #[derive(Default)]
 pub(super) struct Activity {
     pub running: AtomicUsize,
@@ -131,79 +132,84 @@ pub(super) fn work(
             metrics.cancelled();
             continue;
         }
-        let rows = match &job.work {
-            Work::Api { request, .. } => request.beam_width.unwrap_or(request.prompts.len()),
-            Work::Completion { request, .. } => request.prompts.len(),
-        };
-        activity.running.store(1, Ordering::SeqCst);
-        activity.batch_size.store(rows, Ordering::SeqCst);
-        let (prompt_tokens, generated) = match job.work {
-            Work::Api { request, reply } => {
-                let outcome = guarded(&mut || service.respond(&request));
-                let counts = outcome
-                    .as_ref()
-                    .map(|body| api_token_counts(service, &request, body))
-                    .unwrap_or_default();
-                let _ = reply.send(outcome);
-                counts
-            }
-            Work::Completion {
-                mut request,
-                id,
-                created,
-                fill_context,
-                events,
-            } => {
-                if fill_context {
-                    let prompt = request.prompts.first().map(String::as_str).unwrap_or("");
-                    let length = service
-                        .tokenizer()
-                        .tokenize(prompt)
-                        .map_or(0, |ids| ids.len());
-                    // At least one: a conversation that fills the context is refused with the
-                    // service's message rather than answered empty.
-                    request.max_tokens = service.room_after(length).max(1);
-                }
-                // With echo the prompts come first; the first token's text follows them.
-                let mut before_first = if request.echo { rows } else { 0 };
-                let mut first_token = Some(());
-                let mut sink = |index: usize, text: &str| -> Result<(), ClientGone> {
-                    if before_first > 0 {
-                        before_first -= 1;
-                    } else if first_token.take().is_some() {
-                        metrics.first_token(job.arrived.elapsed());
-                    }
-                    events
-                        .send(Event::Delta(index, text.to_string()))
-                        .map_err(|_| ClientGone)
-                };
-                let outcome = guarded(&mut || service.complete(&request, &id, created, &mut sink));
-                if events.is_closed() {
-                    metrics.cancelled();
-                }
-                let counts = outcome
-                    .as_ref()
-                    .map(|body| {
-                        let usage = &body["usage"];
-                        (
-                            usage["prompt_tokens"].as_u64().unwrap_or(0),
-                            usage["completion_tokens"].as_u64().unwrap_or(0),
-                        )
-                    })
-                    .unwrap_or_default();
-                let _ = events.send(Event::Done(outcome));
-                counts
-            }
-        };
-        metrics.generated(prompt_tokens, generated, job.arrived.elapsed());
-        activity.running.store(0, Ordering::SeqCst);
-        activity.batch_size.store(0, Ordering::SeqCst);
+        serve(service, job, activity, metrics);
     }
     if let Err(e) = service.stop_followers() {
         eprintln!(
             "text_generation_server: releasing the other tensor-parallel ranks failed: {e:#}"
         );
     }
+}
+
+/// Runs one job and answers it, counted in `activity` while it runs.
+fn serve(service: &TextGenerationService, job: Job, activity: &Activity, metrics: &ServerMetrics) {
+    let rows = match &job.work {
+        Work::Api { request, .. } => request.beam_width.unwrap_or(request.prompts.len()),
+        Work::Completion { request, .. } => request.prompts.len(),
+    };
+    activity.running.fetch_add(1, Ordering::SeqCst);
+    activity.batch_size.fetch_add(rows, Ordering::SeqCst);
+    let (prompt_tokens, generated) = match job.work {
+        Work::Api { request, reply } => {
+            let outcome = guarded(&mut || service.respond(&request));
+            let counts = outcome
+                .as_ref()
+                .map(|body| api_token_counts(service, &request, body))
+                .unwrap_or_default();
+            let _ = reply.send(outcome);
+            counts
+        }
+        Work::Completion {
+            mut request,
+            id,
+            created,
+            fill_context,
+            events,
+        } => {
+            if fill_context {
+                let prompt = request.prompts.first().map(String::as_str).unwrap_or("");
+                let length = service
+                    .tokenizer()
+                    .tokenize(prompt)
+                    .map_or(0, |ids| ids.len());
+                // At least one: a conversation that fills the context is refused with the
+                // service's message rather than answered empty.
+                request.max_tokens = service.room_after(length).max(1);
+            }
+            // With echo the prompts come first; the first token's text follows them.
+            let mut before_first = if request.echo { rows } else { 0 };
+            let mut first_token = Some(());
+            let mut sink = |index: usize, text: &str| -> Result<(), ClientGone> {
+                if before_first > 0 {
+                    before_first -= 1;
+                } else if first_token.take().is_some() {
+                    metrics.first_token(job.arrived.elapsed());
+                }
+                events
+                    .send(Event::Delta(index, text.to_string()))
+                    .map_err(|_| ClientGone)
+            };
+            let outcome = guarded(&mut || service.complete(&request, &id, created, &mut sink));
+            if events.is_closed() {
+                metrics.cancelled();
+            }
+            let counts = outcome
+                .as_ref()
+                .map(|body| {
+                    let usage = &body["usage"];
+                    (
+                        usage["prompt_tokens"].as_u64().unwrap_or(0),
+                        usage["completion_tokens"].as_u64().unwrap_or(0),
+                    )
+                })
+                .unwrap_or_default();
+            let _ = events.send(Event::Done(outcome));
+            counts
+        }
+    };
+    metrics.generated(prompt_tokens, generated, job.arrived.elapsed());
+    activity.running.fetch_sub(1, Ordering::SeqCst);
+    activity.batch_size.fetch_sub(rows, Ordering::SeqCst);
 }
 
 /// A panic while serving one request answers it with an error instead of ending the server.
