@@ -179,13 +179,6 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
 /// `--chat-template`, else the first `tokenizer_config.json` with a `chat_template` beside the
 /// tokenizer or in the checkpoint, else the plain template.
 fn chat_template(cli: &Cli, checkpoint: &std::path::Path) -> anyhow::Result<ChatTemplate> {
-    if let Some(path) = &cli.chat_template {
-        if path.extension().is_some_and(|e| e == "json") {
-            return ChatTemplate::from_tokenizer_config(path)?
-                .ok_or_else(|| anyhow::anyhow!("{} has no chat_template", path.display()));
-        }
-        return ChatTemplate::from_file(path);
-    }
     let mut directories = Vec::new();
     if let Some(model) = &cli.tokenizer.tokenizer_model {
         directories.push(if model.is_dir() {
@@ -195,5 +188,5 @@ fn chat_template(cli: &Cli, checkpoint: &std::path::Path) -> anyhow::Result<Chat
         });
     }
     directories.push(checkpoint.to_path_buf());
-    ChatTemplate::find(&directories)
+    ChatTemplate::load(cli.chat_template.as_deref(), &directories)
 }

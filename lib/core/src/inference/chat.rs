@@ -193,6 +193,19 @@ impl ChatTemplate {
         .expect("the plain template is valid")
     }
 
+    /// `explicit` (a `tokenizer_config.json`, or else a Jinja file) when given, else
+    /// [`Self::find`] in `directories`.
+    pub fn load(explicit: Option<&Path>, directories: &[PathBuf]) -> Result<Self> {
+        match explicit {
+            Some(path) if path.extension().is_some_and(|e| e == "json") => {
+                Self::from_tokenizer_config(path)?
+                    .with_context(|| format!("{} has no chat_template", path.display()))
+            }
+            Some(path) => Self::from_file(path),
+            None => Self::find(directories),
+        }
+    }
+
     /// A Jinja file (special tokens empty).
     pub fn from_file(path: &Path) -> Result<Self> {
         let source = std::fs::read_to_string(path)
@@ -362,6 +375,16 @@ mod tests {
             ChatTemplate::find(&[dir.path().into()]).unwrap().origin,
             ChatTemplate::plain().origin
         );
+        // Named explicitly: a tokenizer_config.json must have a template; another file is one.
+        let error = ChatTemplate::load(Some(&path), &[]).err().unwrap();
+        assert!(format!("{error:#}").contains("has no chat_template"), "{error:#}");
+        let jinja = dir.path().join("chat.jinja");
+        std::fs::write(&jinja, "{% for m in messages %}{{ m.content }}|{% endfor %}").unwrap();
+        let explicit = ChatTemplate::load(Some(&jinja), &[dir.path().into()]).unwrap();
+        assert_eq!(explicit.render(&messages()).unwrap(), "Be brief.|Hi|");
+        std::fs::write(&jinja, "{% for m in messages %}").unwrap();
+        let error = ChatTemplate::load(Some(&jinja), &[]).err().unwrap();
+        assert!(format!("{error:#}").contains("is not valid Jinja"), "{error:#}");
     }
 
     #[test]
