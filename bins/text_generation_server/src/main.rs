@@ -65,6 +65,10 @@ struct Cli {
     /// Seconds a client has to send a request's body; slower ones are answered 408.
     #[arg(long, default_value_t = 60.0)]
     http_body_timeout: f64,
+    /// Seconds an answer may wait for its client to read it; a client that reads nothing for
+    /// that long is disconnected (and its generation stopped).
+    #[arg(long, default_value_t = 60.0)]
+    http_write_timeout: f64,
     /// The model's id in GET /v1/models (default: the name of the checkpoint directory).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -137,6 +141,7 @@ fn main() -> ExitCode {
             max_connections: cli.max_connections,
             header_timeout: seconds("--http-header-timeout", cli.http_header_timeout)?,
             body_timeout: seconds("--http-body-timeout", cli.http_body_timeout)?,
+            write_timeout: seconds("--http-write-timeout", cli.http_write_timeout)?,
             model_name: cli.served_model_name.clone().unwrap_or_else(|| {
                 source.file_name().map_or_else(
                     || "megatron-rs".into(),

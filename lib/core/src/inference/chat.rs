@@ -377,14 +377,24 @@ mod tests {
         );
         // Named explicitly: a tokenizer_config.json must have a template; another file is one.
         let error = ChatTemplate::load(Some(&path), &[]).err().unwrap();
-        assert!(format!("{error:#}").contains("has no chat_template"), "{error:#}");
+        assert!(
+            format!("{error:#}").contains("has no chat_template"),
+            "{error:#}"
+        );
         let jinja = dir.path().join("chat.jinja");
-        std::fs::write(&jinja, "{% for m in messages %}{{ m.content }}|{% endfor %}").unwrap();
+        std::fs::write(
+            &jinja,
+            "{% for m in messages %}{{ m.content }}|{% endfor %}",
+        )
+        .unwrap();
         let explicit = ChatTemplate::load(Some(&jinja), &[dir.path().into()]).unwrap();
         assert_eq!(explicit.render(&messages()).unwrap(), "Be brief.|Hi|");
         std::fs::write(&jinja, "{% for m in messages %}").unwrap();
         let error = ChatTemplate::load(Some(&jinja), &[]).err().unwrap();
-        assert!(format!("{error:#}").contains("is not valid Jinja"), "{error:#}");
+        assert!(
+            format!("{error:#}").contains("is not valid Jinja"),
+            "{error:#}"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod sampling;
 mod server;
 mod service;
 mod worker;
+mod write_timeout;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use decoder::{Decoder, WINDOW_STEP};

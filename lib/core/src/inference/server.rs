@@ -1,6 +1,7 @@
 //! The HTTP side of `text_generation_server`: `hyper` on a `tokio` runtime, so a connection
 //! costs no thread while it waits. Request heads and bodies must arrive within their timeouts
-//! (an idle keep-alive connection is closed after the head timeout), connections beyond
+//! (an idle keep-alive connection is closed after the head timeout), a client must read its
+//! answer (a write stalled beyond the write timeout drops the connection), connections beyond
 //! `--max-connections` are answered 503 and closed, and generation requests go to the one
 //! thread that owns the model through a bounded queue ([`super::worker`]). On SIGTERM the
 //! server drains: new generation requests get 503 with `Retry-After`, those in flight finish.
@@ -24,6 +25,7 @@ use super::metrics::ServerMetrics;
 use super::routes::{route, too_many_connections, Shared};
 use super::service::TextGenerationService;
 use super::worker::{work, Activity, Queue};
+use super::write_timeout::WriteTimeout;
 
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -41,6 +43,8 @@ pub struct ServerOptions {
     pub header_timeout: Duration,
     /// Time to send a request's body.
     pub body_timeout: Duration,
+    /// The longest an answer may wait for the client to read it.
+    pub write_timeout: Duration,
     /// The model's id in `/v1/models`.
     pub model_name: String,
 }
@@ -188,6 +192,7 @@ async fn serve(
                     continue;
                 };
                 let for_requests = shared.clone();
+                let stream = WriteTimeout::new(stream, shared.options.write_timeout);
                 let connection = http.serve_connection(
                     TokioIo::new(stream),
                     service_fn(move |request| route(request, for_requests.clone(), peer)),
