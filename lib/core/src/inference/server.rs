@@ -146,7 +146,9 @@ impl GenerationServer {
                 .enable_all()
                 .build()
                 .context("cannot start the HTTP runtime")?;
-            let listener = self.listener.try_clone()?;
+            // Moved, not cloned: once the server stops accepting, new connections are refused
+            // by the system instead of waiting in a backlog nobody reads.
+            let listener = self.listener;
             let served = runtime.block_on(serve(listener, shared.clone(), &|| {
                 stop() || generation_ended.load(Ordering::SeqCst)
             }));
