@@ -65,6 +65,16 @@ impl CancelFlag {
     }
 }
 
+/// A shared view of a service's [`CacheUse`].
+#[derive(Clone)]
+pub struct CacheUseReader(Arc<Mutex<CacheUse>>);
+
+impl CacheUseReader {
+    pub fn read(&self) -> CacheUse {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// What a streaming sink answers when its client has gone away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientGone;
@@ -102,6 +112,10 @@ pub struct TextGenerationService {
     /// stops.
     core: Mutex<Option<Core>>,
     cache_use: Arc<Mutex<CacheUse>>,
+    /// The tokenizer requests are read with (also the core's).
+    tokenizer: Arc<dyn Tokenizer>,
+    /// Tokens a request may span: the model's positions within `--max-tokens-to-oom`.
+    longest_request: usize,
     /// The scheduler thread's inbox, made by the first request.
     inbox: OnceLock<Mutex<Sender<Command>>>,
     scheduler: Mutex<Option<JoinHandle<Core>>>,
@@ -204,10 +218,11 @@ impl TextGenerationService {
             cuda_graphs: true,
         };
         let cache_use = Arc::new(Mutex::new(CacheUse::default()));
+        let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
         Ok(TextGenerationService {
             core: Mutex::new(Some(Core {
                 model,
-                tokenizer,
+                tokenizer: Arc::clone(&tokenizer),
                 max_tokens,
                 special,
                 mirror: None,
@@ -215,6 +230,8 @@ impl TextGenerationService {
                 cache_use: Arc::clone(&cache_use),
             })),
             cache_use,
+            tokenizer,
+            longest_request,
             inbox: OnceLock::new(),
             scheduler: Mutex::new(None),
             next_id: AtomicU64::new(0),
@@ -267,7 +284,24 @@ impl TextGenerationService {
 
     /// The KV cache's blocks and the rows and requests in the scheduler, after the last step.
     pub fn cache_use(&self) -> CacheUse {
-        *self.cache_use.lock().unwrap_or_else(|p| p.into_inner())
+        self.cache_use_reader().read()
+    }
+
+    /// Reads [`Self::cache_use`] from anywhere, for as long as the reader lives (the
+    /// server's `/metrics`, which outlives no service but cannot borrow it).
+    pub fn cache_use_reader(&self) -> CacheUseReader {
+        CacheUseReader(Arc::clone(&self.cache_use))
+    }
+
+    /// The tokenizer requests are read with.
+    pub fn tokenizer(&self) -> &dyn Tokenizer {
+        self.tokenizer.as_ref()
+    }
+
+    /// The most tokens a completion of a `prompt_tokens` long prompt may ask for: the
+    /// model's positions and the request budget (`--max-tokens-to-oom`) left after it.
+    pub fn room_after(&self, prompt_tokens: usize) -> usize {
+        self.longest_request.saturating_sub(prompt_tokens)
     }
 
     /// The other tensor-parallel ranks: runs every step rank 0 announces, until it stops.
