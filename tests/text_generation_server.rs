@@ -1127,7 +1127,8 @@ fn allow_open_files(connections: usize) -> usize {
 /// The hostile and careless clients that locked the old thread-per-connection server out, on
 /// loopback: 64 connections sending their body a byte at a time and 2,000 idle connections
 /// leave another client served within a second; a streaming client that disconnects has its
-/// generation stopped (counted as cancelled, far fewer tokens than asked); with the queue
+/// generation stopped (counted as cancelled, far fewer tokens than asked), and so does an
+/// `/api` client's, whose row and KV cache blocks `/metrics` shows while it runs; with the queue
 /// full, 300 clients at once are each answered 503 with Retry-After; after SIGTERM the request
 /// in flight finishes while new ones are answered 503 with Retry-After, and the server exits
 /// cleanly. `/health` and `/metrics` report along the way.
@@ -1216,6 +1217,39 @@ fn hostile_clients_leave_others_served() {
         "{generated} tokens generated for a gone client"
     );
     assert_served_within(&server, Duration::from_secs(1), "after a disconnect");
+
+    // An /api client that goes away: the batch shows its row and KV cache blocks while it
+    // runs, and its request is cancelled (far fewer steps than its 2,000 tokens).
+    let steps_before = metric(&server, "megatron_generation_steps_total");
+    let mut api = std::net::TcpStream::connect(&server.address).unwrap();
+    let body = r#"{"prompts": ["The data"], "tokens_to_generate": 2000, "no_log": true}"#;
+    write!(
+        api,
+        "PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for("the /api request to run", || {
+        metric(&server, "megatron_running_requests") == 1.0
+            && metric(&server, "megatron_batch_size") == 1.0
+            && metric(&server, "megatron_kv_cache_blocks_used") > 0.0
+    });
+    let total = metric(&server, "megatron_kv_cache_blocks_total");
+    assert!(
+        total >= metric(&server, "megatron_kv_cache_blocks_used"),
+        "{total}"
+    );
+    drop(api);
+    wait_for("the cancelled /api request to stop", || {
+        metric(&server, "megatron_running_requests") == 0.0
+    });
+    assert_eq!(metric(&server, "megatron_cancelled_requests_total"), 2.0);
+    let steps = metric(&server, "megatron_generation_steps_total") - steps_before;
+    assert!(steps < 1000.0, "{steps} steps run for a gone /api client");
+    wait_for("its blocks to be freed", || {
+        metric(&server, "megatron_kv_cache_blocks_used") == 0.0
+    });
 
     // A full queue: one request running, one waiting, the next refused with Retry-After.
     let running = start_stream(&server, 2000);
