@@ -1,8 +1,11 @@
 //! `text_generation_server` and `text_generation_cli` as a user drives them: a checkpoint
 //! saved by `pretrain_gpt`, served on loopback, queried with Megatron's request fields; answers
-//! equal `generate_samples_gpt`'s greedy continuation; OpenAI completions, streamed too;
+//! equal `generate_samples_gpt`'s greedy continuation; OpenAI completions, streamed too; chat
+//! completions and models through the official `openai` client; hostile clients (slow bodies,
+//! idle floods, disconnects, full queue, draining) and the connection limits and timeouts;
 //! Megatron's validation messages; malformed,
-//! oversized and too-long requests; 64 clients at once; SIGTERM stops it cleanly; on GPUs,
+//! oversized and too-long requests; 64 clients at once; Megatron-core's batching flags with a
+//! tiny KV cache; SIGTERM stops it cleanly; on GPUs,
 //! decoding from CUDA graphs (with and without tensor parallelism) answers like eager decoding.
 
 use std::io::{BufRead, BufReader};
@@ -10,7 +13,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, visible_gpus, workspace_root};
+use megatron_e2e::{bin, run_ok, test_python, visible_gpus, workspace_root};
 use serde_json::{json, Value};
 
 fn tokenizer_flags() -> Vec<String> {
@@ -27,6 +30,12 @@ fn tokenizer_flags() -> Vec<String> {
 
 /// A small GPT trained for two steps on mock data with the bundled tokenizer.
 fn checkpoint(dir: &Path) {
+    checkpoint_with_positions(dir, 96);
+}
+
+/// [`checkpoint`] with `positions` positions (long generations for the hostile-client tests).
+fn checkpoint_with_positions(dir: &Path, positions: usize) {
+    let positions = positions.to_string();
     run_ok(
         bin("pretrain_gpt")
             .args([
@@ -39,7 +48,7 @@ fn checkpoint(dir: &Path) {
                 "--seq-length",
                 "64",
                 "--max-position-embeddings",
-                "96",
+                &positions,
                 "--micro-batch-size",
                 "2",
                 "--global-batch-size",
@@ -820,5 +829,554 @@ fn completions_answer_what_lm_eval_sends() {
         rejected.contains("Error 400") && rejected.contains("exceed the model's"),
         "{rejected}"
     );
+    terminate(server.child);
+}
+
+/// Megatron-core's batching flags run unchanged: with at most 3 rows at once and a KV cache of
+/// a few blocks (`--inference-max-requests`, `--inference-dynamic-batching-buffer-size-gb`),
+/// 8 clients at once each get the answer they get alone, and a request longer than the whole
+/// cache is refused naming the flag.
+#[test]
+fn batching_flags_serve_concurrent_clients_like_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    // 2 layers × 16 positions × 4 heads × 2 · 16 channels × 4 bytes = 16 KiB per block: 6
+    // blocks, 5 of them for rows (80 positions).
+    let server = serve(
+        server_command(&ckpt)
+            .args([
+                "--inference-max-requests",
+                "3",
+                "--inference-dynamic-batching-buffer-size-gb",
+                "0.0000916",
+                "--prefill-chunk-size",
+                "4",
+            ])
+            .spawn()
+            .unwrap(),
+    );
+    let bodies: Vec<String> = (0..8)
+        .map(|i| {
+            json!({"prompts": [format!("The data {i} and more")], "tokens_to_generate": 12 + i,
+                   "top_k": 1 + i % 2, "random_seed": i, "logprobs": true})
+            .to_string()
+        })
+        .collect();
+    let alone: Vec<Value> = bodies
+        .iter()
+        .map(|b| request(&server, b).unwrap())
+        .collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| scope.spawn(|| request(&server, b).unwrap()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (got, want) in together.iter().zip(&alone) {
+        assert_same_answer(got, want, 1e-4);
+    }
+    // 92 positions: within the model's 96, beyond the cache's 80.
+    let long = json!({"prompts": ["The data"], "tokens_to_generate": 90}).to_string();
+    let refused = request(&server, &long).unwrap_err();
+    assert!(
+        refused.contains("Error 400") && refused.contains("--kv-cache-gb"),
+        "{refused}"
+    );
+    terminate(server.child);
+}
+
+/// The official `openai` Python client against `/v1/models`, `/v1/chat/completions` and
+/// `/v1/completions`, whole and streamed (tests/fixtures/openai_client.py): a greedy chat
+/// answer equals the greedy completion of the prompt `transformers`' apply_chat_template
+/// renders from the checkpoint's `tokenizer_config.json`, and of the documented plain
+/// template for a checkpoint without one.
+#[test]
+fn openai_client_chats_through_the_checkpoints_template() {
+    let python = test_python(&["openai", "transformers"]);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    // The bundled 4k-token vocabulary spends many tokens on a conversation.
+    checkpoint_with_positions(&ckpt, 256);
+    let data = workspace_root().join("data");
+    let client = |server: &Server, model: &str, template: &str| -> Value {
+        let out = Command::new(&python)
+            .arg(workspace_root().join("tests/fixtures/openai_client.py"))
+            .arg(&server.address)
+            .arg(model)
+            .arg(data.join("quickstart-vocab.json"))
+            .arg(data.join("quickstart-merges.txt"))
+            .arg(template)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+
+    let plain = start_server(&ckpt);
+    let answered = client(&plain, "ckpt", "plain");
+    assert!(
+        answered["prompt"].as_str().unwrap().ends_with("Assistant:"),
+        "{answered}"
+    );
+    // text_generation_cli --chat gets the same answer.
+    let messages = json!([
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "The data"},
+        {"role": "assistant", "content": "is"},
+        {"role": "user", "content": "more data"},
+    ]);
+    let body = json!({"messages": messages, "max_tokens": 10, "temperature": 0});
+    let out = cli(&plain, &["--chat", &body.to_string()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chat: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(chat["choices"][0]["message"]["content"], answered["answer"]);
+    terminate(plain.child);
+
+    // A ChatML-like template using special tokens and Python string methods.
+    let config = ckpt.join("tokenizer_config.json");
+    let template = "{{ bos_token }}{% for message in messages %}\n\
+        {{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>\\n' }}\n\
+        {% endfor %}\n{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+    std::fs::write(
+        &config,
+        json!({"chat_template": template, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"})
+            .to_string(),
+    )
+    .unwrap();
+    let mut command = server_command(&ckpt);
+    command.args(["--served-model-name", "tiny-chat"]);
+    let templated = serve(command.spawn().unwrap());
+    let answered = client(&templated, "tiny-chat", config.to_str().unwrap());
+    let prompt = answered["prompt"].as_str().unwrap();
+    assert!(
+        prompt.starts_with("<|endoftext|><|im_start|>system\nBe brief.<|im_end|>"),
+        "{prompt:?}"
+    );
+    assert!(
+        answered["unbounded_tokens"].as_u64().unwrap() > 10,
+        "{answered}"
+    );
+    terminate(templated.child);
+}
+
+/// A raw HTTP/1.1 exchange on a new connection: the status, the headers (names in lower
+/// case) and the body. Bounded: every read gives up after 60 s.
+fn http(
+    address: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {response:?}"));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers, body.to_string())
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// The value of the `/metrics` sample whose line starts with `sample`.
+fn metric(server: &Server, sample: &str) -> f64 {
+    let (status, _, text) = http(&server.address, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{text}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample).and_then(|v| v.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {sample} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+/// Waits (at most 30 s) until `done()`.
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "waited 30 s for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Starts a streamed completion and returns its connection once the first event has come.
+fn start_stream(server: &Server, max_tokens: usize) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let body =
+        json!({"prompt": "The data", "max_tokens": max_tokens, "temperature": 0, "stream": true})
+            .to_string();
+    let mut stream = std::net::TcpStream::connect(&server.address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = stream.read(&mut buffer).unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buffer[..n]);
+    }
+    assert!(
+        seen.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&seen)
+    );
+    stream
+}
+
+/// The rest of a stream started by [`start_stream`].
+fn finish_stream(mut stream: std::net::TcpStream) -> String {
+    use std::io::Read;
+    let mut rest = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&rest).contains("data: [DONE]") {
+        let n = stream.read(&mut buffer).unwrap();
+        assert!(n > 0, "the stream ended without [DONE]");
+        rest.extend_from_slice(&buffer[..n]);
+    }
+    String::from_utf8_lossy(&rest).into_owned()
+}
+
+/// While other clients misbehave: `/health` is answered within `limit` (the HTTP side is not
+/// locked out; the model's own time varies with the machine's load) and a short `/api`
+/// request is served.
+fn assert_served_within(server: &Server, limit: Duration, what: &str) {
+    let started = Instant::now();
+    let (status, _, body) = http(&server.address, "GET", "/health", "");
+    let took = started.elapsed();
+    eprintln!("{what}: /health answered in {took:?}");
+    assert_eq!(status, 200, "{what}: {body}");
+    assert!(took < limit, "{what}: /health took {took:?}");
+    let started = Instant::now();
+    let (status, _, body) = http(
+        &server.address,
+        "PUT",
+        "/api",
+        r#"{"prompts": ["still served"], "tokens_to_generate": 1, "no_log": true}"#,
+    );
+    eprintln!("{what}: /api answered in {:?}", started.elapsed());
+    assert_eq!(status, 200, "{what}: {body}");
+}
+
+/// Lets this process hold `connections` sockets (CI machines may start with a soft limit of
+/// 1024 open files); returns how many it may hold.
+fn allow_open_files(connections: usize) -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit
+            .rlim_max
+            .min((connections + 256) as libc::rlim_t)
+            .max(limit.rlim_cur);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+    (limit.rlim_cur as usize)
+        .saturating_sub(256)
+        .min(connections)
+}
+
+/// The hostile and careless clients that locked the old thread-per-connection server out, on
+/// loopback: 64 connections sending their body a byte at a time and 2,000 idle connections
+/// leave another client served within a second; a streaming client that disconnects has its
+/// generation stopped (counted as cancelled, far fewer tokens than asked), and so does an
+/// `/api` client's, whose row and KV cache blocks `/metrics` shows while it runs; with the queue
+/// full, 300 clients at once are each answered 503 with Retry-After; after SIGTERM the request
+/// in flight finishes while new ones are answered 503 with Retry-After, and the server exits
+/// cleanly. `/health` and `/metrics` report along the way.
+#[test]
+fn hostile_clients_leave_others_served() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    // Long generations (up to 2,000 tokens) outlast a disconnect or a SIGTERM by far.
+    checkpoint_with_positions(&ckpt, 2048);
+    let mut command = server_command(&ckpt);
+    // One row at a time, so that a second request waits and a third finds the queue full.
+    command.args([
+        "--max-queued",
+        "1",
+        "--max-batch-size",
+        "1",
+        "--max-tokens-to-oom",
+        "4000",
+    ]);
+    let server = serve(command.spawn().unwrap());
+    let (status, _, health) = http(&server.address, "GET", "/health", "");
+    assert_eq!((status, health.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, _, models) = http(&server.address, "GET", "/v1/models", "");
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"],
+        "ckpt"
+    );
+    assert_served_within(&server, Duration::from_secs(5), "warm-up");
+
+    // 64 clients sending a body one byte at a time.
+    let slow: Vec<std::net::TcpStream> = (0..64)
+        .map(|_| {
+            let mut stream = std::net::TcpStream::connect(&server.address).unwrap();
+            stream
+                .write_all(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+                .unwrap();
+            stream
+        })
+        .collect();
+    let trickling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let trickler = {
+        let trickling = trickling.clone();
+        std::thread::spawn(move || {
+            let mut slow = slow;
+            while trickling.load(std::sync::atomic::Ordering::SeqCst) {
+                for stream in &mut slow {
+                    let _ = stream.write_all(b" ");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert_served_within(&server, Duration::from_secs(1), "64 slow bodies");
+
+    // 2,000 idle connections (fewer where this process may not open that many files).
+    let wanted = allow_open_files(2000);
+    if wanted < 2000 {
+        eprintln!("the open-file limit allows {wanted} idle connections instead of 2000");
+    }
+    let idle: Vec<std::net::TcpStream> = (0..wanted)
+        .map(|_| std::net::TcpStream::connect(&server.address).unwrap())
+        .collect();
+    wait_for("the idle connections to be accepted", || {
+        metric(&server, "megatron_open_connections") >= (wanted + 64) as f64
+    });
+    assert_served_within(&server, Duration::from_secs(1), "idle connections");
+    trickling.store(false, std::sync::atomic::Ordering::SeqCst);
+    trickler.join().unwrap();
+    drop(idle);
+
+    // A streaming client that goes away: its generation stops early.
+    let before = metric(&server, "megatron_generation_tokens_total");
+    let stream = start_stream(&server, 2000);
+    drop(stream);
+    wait_for("the cancelled generation to stop", || {
+        metric(&server, "megatron_running_requests") == 0.0
+    });
+    assert_eq!(metric(&server, "megatron_cancelled_requests_total"), 1.0);
+    let generated = metric(&server, "megatron_generation_tokens_total") - before;
+    eprintln!("a gone client's generation stopped after {generated} tokens");
+    assert!(
+        generated < 1000.0,
+        "{generated} tokens generated for a gone client"
+    );
+    assert_served_within(&server, Duration::from_secs(1), "after a disconnect");
+
+    // An /api client that goes away: the batch shows its row and KV cache blocks while it
+    // runs, and its request is cancelled (far fewer steps than its 2,000 tokens).
+    let steps_before = metric(&server, "megatron_generation_steps_total");
+    let mut api = std::net::TcpStream::connect(&server.address).unwrap();
+    let body = r#"{"prompts": ["The data"], "tokens_to_generate": 2000, "no_log": true}"#;
+    write!(
+        api,
+        "PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for("the /api request to run", || {
+        metric(&server, "megatron_running_requests") == 1.0
+            && metric(&server, "megatron_batch_size") == 1.0
+            && metric(&server, "megatron_kv_cache_blocks_used") > 0.0
+    });
+    let total = metric(&server, "megatron_kv_cache_blocks_total");
+    assert!(
+        total >= metric(&server, "megatron_kv_cache_blocks_used"),
+        "{total}"
+    );
+    drop(api);
+    wait_for("the cancelled /api request to stop", || {
+        metric(&server, "megatron_running_requests") == 0.0
+    });
+    assert_eq!(metric(&server, "megatron_cancelled_requests_total"), 2.0);
+    let steps = metric(&server, "megatron_generation_steps_total") - steps_before;
+    assert!(steps < 1000.0, "{steps} steps run for a gone /api client");
+    wait_for("its blocks to be freed", || {
+        metric(&server, "megatron_kv_cache_blocks_used") == 0.0
+    });
+
+    // A full queue: one request running, one waiting, the next refused with Retry-After.
+    let running = start_stream(&server, 2000);
+    let address = server.address.clone();
+    let waiting = std::thread::spawn(move || {
+        http(
+            &address,
+            "PUT",
+            "/api",
+            r#"{"prompts": ["queued"], "tokens_to_generate": 2, "no_log": true}"#,
+        )
+    });
+    wait_for("a request to wait in the queue", || {
+        metric(&server, "megatron_queue_depth") == 1.0
+    });
+    // 300 clients at once: each is answered 503 at once, none waits or gets an empty reply.
+    let refused: Vec<_> = (0..300)
+        .map(|_| {
+            let address = server.address.clone();
+            std::thread::spawn(move || {
+                http(
+                    &address,
+                    "POST",
+                    "/v1/completions",
+                    r#"{"prompt": "refused", "max_tokens": 2}"#,
+                )
+            })
+        })
+        .collect();
+    for client in refused {
+        let (status, headers, body) = client.join().unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(header(&headers, "retry-after"), Some("1"));
+        assert!(body.contains("the server is busy"), "{body}");
+    }
+    drop(running);
+    assert_eq!(waiting.join().unwrap().0, 200);
+    assert_eq!(
+        metric(
+            &server,
+            "megatron_requests_total{endpoint=\"/v1/completions\",status=\"503\"}"
+        ),
+        300.0
+    );
+    assert!(metric(&server, "megatron_time_to_first_token_seconds_count") >= 2.0);
+
+    // SIGTERM during a generation: it finishes, new requests are refused until the exit.
+    let in_flight = start_stream(&server, 500);
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    wait_for("the server to start draining", || {
+        http(&server.address, "GET", "/health", "").0 == 503
+    });
+    let (status, headers, body) = http(
+        &server.address,
+        "PUT",
+        "/api",
+        r#"{"prompts": ["late"], "tokens_to_generate": 2}"#,
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(header(&headers, "retry-after").is_some(), "{headers:?}");
+    assert!(body.contains("shutting down"), "{body}");
+    let rest = finish_stream(in_flight);
+    assert!(rest.contains("\"finish_reason\""), "{rest}");
+    wait_success(server.child, "the server after draining");
+}
+
+/// The connection limits: connections beyond `--max-connections` are answered 503 with
+/// Retry-After and closed; a connection that sends no request is closed after
+/// `--http-header-timeout`; a body slower than `--http-body-timeout` is answered 408.
+#[test]
+fn connection_limits_and_timeouts() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let mut command = server_command(&ckpt);
+    command.args([
+        "--max-connections",
+        "4",
+        "--http-header-timeout",
+        "2",
+        "--http-body-timeout",
+        "2",
+    ]);
+    let server = serve(command.spawn().unwrap());
+    let idle: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| std::net::TcpStream::connect(&server.address).unwrap())
+        .collect();
+    let (status, headers, body) = http(&server.address, "GET", "/health", "");
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(header(&headers, "retry-after"), Some("1"));
+    assert!(body.contains("too many connections"), "{body}");
+
+    // The idle connections are closed by the server after the header timeout.
+    let started = Instant::now();
+    for mut connection in idle {
+        connection
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut buffer = [0u8; 256];
+        // Returns when the server hangs up; a read timeout means it did not.
+        let read = connection.read(&mut buffer);
+        let timed_out = read.as_ref().is_err_and(|e| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            )
+        });
+        assert!(
+            !timed_out && started.elapsed() < Duration::from_secs(15),
+            "an idle connection stayed open for {:?}",
+            started.elapsed()
+        );
+    }
+    wait_for("a free connection slot", || {
+        http(&server.address, "GET", "/health", "").0 == 200
+    });
+
+    // A body that does not arrive in time.
+    let mut slow = std::net::TcpStream::connect(&server.address).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    slow.write_all(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        .unwrap();
+    let mut answer = String::new();
+    let _ = slow.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within 2 s"), "{answer}");
     terminate(server.child);
 }

@@ -1,6 +1,7 @@
 //! `text_generation_cli host:port`: Megatron's `tools/text_generation_cli.py` — read a prompt
 //! and a token count, `PUT /api`, print the response; or, with `--prompt`, `--request` or
-//! `--completion` (OpenAI's `/v1/completions`), one request for scripts.
+//! `--completion` or `--chat` (OpenAI's `/v1/completions`, `/v1/chat/completions`), one
+//! request for scripts.
 
 mod http;
 
@@ -33,6 +34,10 @@ struct Cli {
     /// body, or with "stream": true the server-sent events).
     #[arg(long, conflicts_with_all = ["prompt", "request"])]
     completion: Option<String>,
+    /// POST this OpenAI chat completion request ({"messages": [...], ...}) to
+    /// /v1/chat/completions and print the answer like --completion.
+    #[arg(long, conflicts_with_all = ["prompt", "request", "completion"])]
+    chat: Option<String>,
 }
 
 /// Sends one request; the server's error message on a non-200 answer.
@@ -97,9 +102,13 @@ fn interactive(server: &str) -> Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
-        if let Some(body) = &cli.completion {
-            let (status, reply) =
-                http::send(&cli.server, "POST", "/v1/completions", body.as_bytes())?;
+        let openai = match (&cli.completion, &cli.chat) {
+            (Some(body), _) => Some(("/v1/completions", body)),
+            (None, Some(body)) => Some(("/v1/chat/completions", body)),
+            (None, None) => None,
+        };
+        if let Some((path, body)) = openai {
+            let (status, reply) = http::send(&cli.server, "POST", path, body.as_bytes())?;
             let text = String::from_utf8_lossy(&reply);
             if status != 200 {
                 bail!("Error {status}: {text}");

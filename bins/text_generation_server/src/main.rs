@@ -1,13 +1,17 @@
 //! `text_generation_server`: Megatron's `tools/run_text_generation_server.py` — `PUT /api`
 //! with Megatron's request fields, defaults, messages and response.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
+use megatron_core::inference::chat::ChatTemplate;
 use megatron_core::inference::{
-    GenerationServer, ServerOptions, TextGenerationService, DEFAULT_MAX_TOKENS,
+    BatchLimits, GenerationServer, KvBudget, ServerOptions, TextGenerationService,
+    DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK,
 };
 use megatron_core::parallel::ParallelState;
 use megatron_core::signals::{exit_requested, install_exit_handler};
@@ -19,8 +23,12 @@ use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
 /// The architecture comes from the checkpoint; give the tokenizer flags it was trained with.
 /// Megatron's model flags (`run_text_generation_server_345M.sh`) are accepted and checked
 /// against the checkpoint.
-/// Requests are served one at a time by the model, the others wait in a queue (--max-queued);
-/// SIGTERM or Ctrl-C stops after the requests in flight.
+/// Also OpenAI's `POST /v1/completions`, `POST /v1/chat/completions` and `GET /v1/models`,
+/// Prometheus metrics at `GET /metrics` and `GET /health`.
+/// Requests are batched continuously: a request joins the running batch at the next step and
+/// leaves when it ends; the KV cache is kept within --kv-cache-gb, requests that do not fit yet
+/// wait in a queue (--max-queued), more are answered 503 with Retry-After. SIGTERM or Ctrl-C
+/// stops after the requests in flight; requests arriving meanwhile are answered 503.
 #[derive(Parser)]
 #[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
 struct Cli {
@@ -37,15 +45,54 @@ struct Cli {
     /// Largest prompts × (longest prompt + tokens_to_generate) a request may ask for.
     #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
     max_tokens_to_oom: usize,
-    /// Requests that may wait for the model; more are answered 503.
-    #[arg(long, default_value_t = 256)]
+    /// Requests that may wait for room in the batch (or, while the model loads, for the
+    /// model); more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED)]
     max_queued: usize,
+    /// Sequences decoded together at most (1: one request at a time; a request with more
+    /// prompts runs alone). Megatron-core's name for it is accepted too.
+    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    max_batch_size: usize,
+    /// Memory the KV cache may take, in GiB [default: half the GPU memory free after loading
+    /// the model; 2 GiB on a CPU]. A request whose whole length cannot fit is refused.
+    /// Megatron-core's dynamic-batching name for it is accepted too.
+    #[arg(long, visible_alias = "inference-dynamic-batching-buffer-size-gb")]
+    kv_cache_gb: Option<f64>,
+    /// Prompt tokens prefilled per step: a long prompt is processed in chunks between decode
+    /// steps, so running requests keep streaming.
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    prefill_chunk_size: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_request_bytes: usize,
-    /// Connections handled at once.
-    #[arg(long, default_value_t = 64)]
+    /// Threads that serve the HTTP connections. Each serves many connections (a waiting
+    /// connection costs no thread); the number of connections is --max-connections.
+    #[arg(long, default_value_t = 2)]
     http_threads: usize,
+    /// Connections open at once; more are answered 503 with Retry-After and closed. Lowered
+    /// to what the open-file limit (ulimit -n) allows.
+    #[arg(long, default_value_t = 10_000)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers; also the longest a kept-alive
+    /// connection may stay idle.
+    #[arg(long, default_value_t = 30.0)]
+    http_header_timeout: f64,
+    /// Seconds a client has to send a request's body; slower ones are answered 408.
+    #[arg(long, default_value_t = 60.0)]
+    http_body_timeout: f64,
+    /// Seconds an answer may wait for its client to read it; a client that reads nothing for
+    /// that long is disconnected (and its generation stopped).
+    #[arg(long, default_value_t = 60.0)]
+    http_write_timeout: f64,
+    /// The model's id in GET /v1/models (default: the name of the checkpoint directory).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// The chat template for /v1/chat/completions: a Jinja file, or a tokenizer_config.json
+    /// with a chat_template. By default the chat_template of the tokenizer_config.json next to
+    /// --tokenizer-model or in the checkpoint directory, else the plain template
+    /// ("Role: content" per message, then "Assistant:").
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     /// Launch every decode step kernel by kernel. By default, on a GPU, each step is replayed
     /// from a CUDA graph captured the first time its batch size and length window occur
     /// (same tokens, several times faster at small batches).
@@ -66,6 +113,18 @@ fn main() -> ExitCode {
         tch::manual_seed(cli.model.seed as i64);
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
+        let limits = BatchLimits {
+            max_batch_size: cli.max_batch_size,
+            prefill_chunk: cli.prefill_chunk_size,
+            max_queued: cli.max_queued,
+        };
+        let budget = match cli.kv_cache_gb {
+            Some(gb) if gb.is_finite() && gb > 0.0 => {
+                KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
+            }
+            Some(gb) => anyhow::bail!("--kv-cache-gb must be a positive number of GiB, got {gb}"),
+            None => KvBudget::default(),
+        };
         let build = |parallel: &ParallelState,
                      tokenizer: Arc<dyn Tokenizer>|
          -> anyhow::Result<TextGenerationService> {
@@ -77,7 +136,9 @@ fn main() -> ExitCode {
                 model.config.vocab_size
             );
             let service = TextGenerationService::new(model, tokenizer, max_tokens)?
-                .with_tensor_parallel(parallel.tensor.clone());
+                .with_tensor_parallel(parallel.tensor.clone())
+                .with_limits(limits)
+                .with_kv_budget(budget);
             Ok(if no_cuda_graphs {
                 service.without_cuda_graphs()
             } else {
@@ -91,29 +152,77 @@ fn main() -> ExitCode {
             drop(parallel);
             return job.finish();
         }
+        let checkpoint = cli.model.checkpoint()?.to_path_buf();
+        // An imported HuggingFace model is named, and finds its chat template, by its own
+        // directory rather than the converted copy's.
+        let source = cli
+            .model
+            .load_hf
+            .clone()
+            .unwrap_or_else(|| checkpoint.clone());
+        let chat = chat_template(&cli, &source)?;
         let options = ServerOptions {
             host: cli.host.clone(),
             port: cli.port,
             max_queued: cli.max_queued,
             max_body_bytes: cli.max_request_bytes,
             http_threads: cli.http_threads,
+            max_connections: cli.max_connections,
+            header_timeout: seconds("--http-header-timeout", cli.http_header_timeout)?,
+            body_timeout: seconds("--http-body-timeout", cli.http_body_timeout)?,
+            write_timeout: seconds("--http-write-timeout", cli.http_write_timeout)?,
+            model_name: cli.served_model_name.clone().unwrap_or_else(|| {
+                source.file_name().map_or_else(
+                    || "megatron-rs".into(),
+                    |n| n.to_string_lossy().into_owned(),
+                )
+            }),
         };
-        let server = GenerationServer::bind(options)?;
+        let chat_origin = chat.origin.clone();
+        let server = GenerationServer::bind(options)?.with_chat_template(chat);
         let address = server
             .address()
             .map_or_else(|| format!("{}:{}", cli.host, cli.port), |a| a.to_string());
         let (load, tp) = (
-            cli.model.checkpoint()?.display().to_string(),
+            checkpoint.display().to_string(),
             cli.model.tensor_model_parallel_size,
+        );
+        println!("text_generation_server: chat template: {chat_origin}");
+        let serving = format!(
+            "text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})"
         );
         let service = move || {
             let service = build(&parallel, tokenizer)?;
-            println!("text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})");
+            // The KV cache and decode graphs are made before the first request.
+            service.start();
             Ok(service)
         };
-        server.run(service, exit_requested)?;
+        server.run(service, &serving, exit_requested)?;
         job.finish()?;
         println!("text_generation_server: stopped");
         Ok(())
     })
+}
+
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(
+        value.is_finite() && value > 0.0,
+        "{flag} must be a positive number of seconds, not {value}"
+    );
+    Ok(Duration::from_secs_f64(value))
+}
+
+/// `--chat-template`, else the first `tokenizer_config.json` with a `chat_template` beside the
+/// tokenizer or in the checkpoint, else the plain template.
+fn chat_template(cli: &Cli, checkpoint: &std::path::Path) -> anyhow::Result<ChatTemplate> {
+    let mut directories = Vec::new();
+    if let Some(model) = &cli.tokenizer.tokenizer_model {
+        directories.push(if model.is_dir() {
+            model.clone()
+        } else {
+            model.parent().map(PathBuf::from).unwrap_or_default()
+        });
+    }
+    directories.push(checkpoint.to_path_buf());
+    ChatTemplate::load(cli.chat_template.as_deref(), &directories)
 }

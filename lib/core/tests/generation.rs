@@ -1,14 +1,14 @@
 //! The cached generation loop against plain full forward passes: greedy continuations token for
 //! token, log-probabilities equal to the log-softmax of full-forward logits, prompt scoring,
 //! stop tokens and reproducible sampling — for learned-position and RoPE/GQA models; the
-//! device-position decode step CUDA graphs replay against the cached forward, and on a GPU the
+//! paged decode step CUDA graphs replay (rows at different positions) against the cached forward, and on a GPU the
 //! graphed decoder against the eager one.
 
 use clap::Parser;
 use megatron_core::args::ModelArgs;
 use megatron_core::inference::{
-    beam_search, generate_tokens, BeamSearchRequest, Decoder, Generation, GenerationRequest,
-    Sampling, StopCondition,
+    beam_search, generate_tokens, BeamSearchRequest, DecodeRow, Decoder, Generation,
+    GenerationRequest, PrefillChunk, Sampling, StopCondition,
 };
 use megatron_core::model::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -267,34 +267,75 @@ fn beam_search_scores_are_normalised_full_forward_logprobs() {
     assert!(three.scores[0] >= one.scores[0] - 1e-6);
 }
 
-/// The step CUDA graphs replay (the position held on the device, a fixed window of cache slots
-/// masked past it) gives the logits of the cached forward, on the CPU.
+/// Rows at different positions in one paged decode step (what the batcher runs, and what CUDA
+/// graphs replay padded to a bucket), after prompts prefilled in two padded batches of chunks,
+/// give each row's cached-forward logits, on the CPU.
 #[test]
-fn device_position_decode_step_equals_the_cached_forward() {
+fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
     for model in [model(&[]), llama_like()] {
-        let prompt = Tensor::from_slice(&[5i64, 17, 42, 9, 7, 8, 1, 2, 3, 4, 5, 6]).view([3, 4]);
+        let prompts = [
+            vec![5i64, 17, 42, 9, 7],
+            vec![8, 1],
+            vec![2, 3, 4, 5, 6, 7, 8, 9, 10],
+        ];
         tch::no_grad(|| {
-            let mut reference = model.new_kv_cache(3, 16).unwrap();
-            let mut slots = model.new_kv_cache(3, 16).unwrap();
-            let _ = model.forward_cached(&prompt, &mut reference).unwrap();
-            let _ = model.forward_cached(&prompt, &mut slots).unwrap();
+            let mut decoder = Decoder::eager();
+            let cache = decoder.cache(&model, 3, true).unwrap();
+            let blocks: Vec<Vec<i64>> = (0..3).map(|_| cache.allocate(2).unwrap()).collect();
+            let mut references: Vec<_> =
+                (0..3).map(|_| model.new_kv_cache(1, 32).unwrap()).collect();
+            let close = |got: &Tensor, want: &Tensor, what: &str| {
+                let diff = (got - want).abs().max().double_value(&[]);
+                assert!(diff < 1e-5, "{what}: logits differ by {diff}");
+            };
+            // The prompts' halves, three rows of different lengths per forward.
+            let split = |prompt: &Vec<i64>| prompt.len() / 2;
+            let halves = |first: bool| -> Vec<PrefillChunk> {
+                prompts
+                    .iter()
+                    .zip(&blocks)
+                    .map(|(prompt, blocks)| {
+                        let (start, tokens) = if first {
+                            (0, &prompt[..split(prompt)])
+                        } else {
+                            (split(prompt), &prompt[split(prompt)..])
+                        };
+                        PrefillChunk {
+                            tokens,
+                            start: start as i64,
+                            blocks,
+                        }
+                    })
+                    .collect()
+            };
+            let _ = decoder.prefill(&model, &halves(true)).unwrap();
+            let got = decoder.prefill(&model, &halves(false)).unwrap();
+            for (row, prompt) in prompts.iter().enumerate() {
+                let input = Tensor::from_slice(prompt).unsqueeze(0);
+                let want = model.forward_cached(&input, &mut references[row]).unwrap();
+                let rest = (prompt.len() - split(prompt)) as i64;
+                let want = want.narrow(0, split(prompt) as i64, rest).select(1, 0);
+                close(&got[row], &want, "prefill");
+            }
             for step in 0..8i64 {
-                let tokens =
-                    Tensor::from_slice(&[step * 31 % VOCAB, step + 100, 250 - step]).view([3, 1]);
-                let want = model.forward_cached(&tokens, &mut reference).unwrap();
-                let position = 4 + step;
-                let window = if position < 8 { 8 } else { 16 };
-                let got = model
-                    .forward_decode_step(
-                        &tokens,
-                        &Tensor::from_slice(&[position]),
-                        window,
-                        &mut slots,
-                    )
-                    .unwrap();
-                slots.set_len(position + 1);
-                let diff = (got - &want).abs().max().double_value(&[]);
-                assert!(diff < 1e-5, "position {position}: logits differ by {diff}");
+                let tokens = [step * 31 % VOCAB, step + 100, 250 - step];
+                let rows: Vec<DecodeRow> = (0..3)
+                    .map(|row| DecodeRow {
+                        token: tokens[row],
+                        position: prompts[row].len() as i64 + step,
+                        blocks: &blocks[row],
+                    })
+                    .collect();
+                let got = decoder.decode(&model, &rows).unwrap();
+                for row in 0..3 {
+                    let input = Tensor::from_slice(&[tokens[row]]).view([1, 1]);
+                    let want = model.forward_cached(&input, &mut references[row]).unwrap();
+                    close(
+                        &got.get(row as i64),
+                        &want.get(0).get(0),
+                        &format!("step {step}, row {row}"),
+                    );
+                }
             }
         });
     }

@@ -1,43 +1,98 @@
-//! How the generation loop runs the model: one KV cache kept from request to request while the
-//! batch shape repeats, and on a GPU each single-position decode step replayed from a CUDA graph.
+//! How generation runs the model: one paged KV cache under a memory budget, kept from request
+//! to request, prefill chunks run eagerly, and on a GPU each decode step of the whole batch
+//! replayed from a CUDA graph.
 //!
 //! A decode step of a 24-layer model is a few hundred small kernels; launched one by one from the
 //! host they take several times longer than the GPU needs to run them. A graph launches them all
-//! at once. Its shapes are fixed, so the step attends to a fixed window of cache slots (masked
-//! past the current position) and there is one graph per window, in steps of [`WINDOW_STEP`].
+//! at once. Its shapes are fixed, so the batch is padded to the next bucket (a power of two) and
+//! every row attends to a fixed window of its cache slots (masked past its position): there is
+//! one graph per bucket and window, the window in steps of [`WINDOW_STEP`].
 
-use anyhow::Result;
+use std::collections::HashMap;
+
+use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::layers::KvCache;
+use crate::model::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 use crate::model::GptModel;
-use crate::runtime::{cuda_graphs_available, CudaGraph};
+use crate::runtime::{cuda_free_memory, cuda_graphs_available, CudaGraph};
 
-/// Cache slots are allocated, and decode graphs captured, in multiples of this many positions.
+/// Decode windows, and so decode graphs, come in multiples of this many positions.
 pub const WINDOW_STEP: i64 = 128;
+
+/// How much memory the KV cache may take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    /// At most this many bytes (`--kv-cache-gb`).
+    Bytes(u64),
+    /// This fraction of the GPU memory free when the cache is made (on a CPU, of
+    /// [`CPU_DEFAULT_BYTES`]).
+    FreeFraction(f64),
+}
+
+/// What [`KvBudget::FreeFraction`] takes a fraction of on a CPU.
+pub const CPU_DEFAULT_BYTES: u64 = 4 << 30;
+
+impl Default for KvBudget {
+    fn default() -> Self {
+        KvBudget::FreeFraction(0.5)
+    }
+}
+
+impl KvBudget {
+    fn bytes(&self, device: Device) -> Result<u64> {
+        Ok(match *self {
+            KvBudget::Bytes(bytes) => bytes,
+            KvBudget::FreeFraction(fraction) => {
+                let free = match device {
+                    Device::Cuda(index) => cuda_free_memory(index).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "cannot read the free memory of cuda:{index}; give the KV cache \
+                             size (--kv-cache-gb)"
+                        )
+                    })?,
+                    _ => CPU_DEFAULT_BYTES,
+                };
+                (free as f64 * fraction) as u64
+            }
+        })
+    }
+}
+
+/// One row of a decode step: the token to run, its position, and the row's cache blocks.
+pub struct DecodeRow<'a> {
+    pub token: i64,
+    pub position: i64,
+    pub blocks: &'a [i64],
+}
+
+/// A piece of a prompt to prefill: its tokens at positions `start..`, of the sequence that owns
+/// `blocks`.
+pub struct PrefillChunk<'a> {
+    pub tokens: &'a [i64],
+    pub start: i64,
+    pub blocks: &'a [i64],
+}
 
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
     cuda_graphs: bool,
-    session: Option<Session>,
+    budget: KvBudget,
+    cache: Option<PagedKvCache>,
+    graphs: HashMap<(i64, i64), StepGraph>,
+    inputs: HashMap<i64, GraphInputs>,
 }
 
-/// A KV cache of one shape and the decode graphs captured over it.
-struct Session {
-    cache: KvCache,
-    graphs: Option<StepGraphs>,
-}
-
-/// The static input buffers of the decode graphs and a graph per attention window.
-struct StepGraphs {
-    device: usize,
+/// The static input buffers of the decode graphs of one bucket.
+struct GraphInputs {
     tokens: Tensor,
-    position: Tensor,
-    windows: Vec<WindowGraph>,
+    positions: Tensor,
+    write_slots: Tensor,
+    /// Block tables, `[bucket · window / BLOCK_SIZE]` used of the largest window.
+    tables: Tensor,
 }
 
-struct WindowGraph {
-    window: i64,
+struct StepGraph {
     graph: CudaGraph,
     logits: Tensor,
 }
@@ -47,7 +102,10 @@ impl Decoder {
     pub fn eager() -> Self {
         Decoder {
             cuda_graphs: false,
-            session: None,
+            budget: KvBudget::default(),
+            cache: None,
+            graphs: HashMap::new(),
+            inputs: HashMap::new(),
         }
     }
 
@@ -56,112 +114,301 @@ impl Decoder {
     pub fn with_cuda_graphs() -> Self {
         Decoder {
             cuda_graphs: cuda_graphs_available(),
-            session: None,
+            ..Decoder::eager()
         }
     }
 
-    /// Drops the kept cache and graphs.
+    /// The KV cache takes at most `budget`.
+    pub fn with_budget(mut self, budget: KvBudget) -> Self {
+        self.budget = budget;
+        self.reset();
+        self
+    }
+
+    /// Drops the cache and graphs (every sequence in it is forgotten).
     pub fn reset(&mut self) {
-        self.session = None;
+        // Graphs first: they point into the cache.
+        self.graphs.clear();
+        self.inputs.clear();
+        self.cache = None;
     }
 
-    /// Starts a generation of `batch` sequences of up to `total` positions: an empty cache,
-    /// reused from the previous generation when the batch and rounded capacity match.
-    pub fn start<'a>(
-        &'a mut self,
-        model: &'a GptModel,
-        batch: i64,
-        total: i64,
-    ) -> Result<Steps<'a>> {
-        let capacity = round_up(total, WINDOW_STEP);
-        let reusable = self
-            .session
-            .as_ref()
-            .is_some_and(|s| s.cache.batch() == batch && s.cache.capacity() == capacity);
-        if !reusable {
-            // The old cache and graphs go first: their memory may be needed for the new ones.
-            self.session = None;
-            let cache = model.new_kv_cache(batch, capacity)?;
-            let graphs = match model.options().device {
-                Device::Cuda(device) if self.cuda_graphs => Some(StepGraphs {
-                    device,
-                    tokens: Tensor::zeros([batch, 1], (Kind::Int64, Device::Cuda(device))),
-                    position: Tensor::zeros([1], (Kind::Int64, Device::Cuda(device))),
-                    windows: Vec::new(),
-                }),
-                _ => None,
-            };
-            self.session = Some(Session { cache, graphs });
-        }
-        let session = self.session.as_mut().expect("a session was just made");
-        session.cache.set_len(0);
-        Ok(Steps { model, session })
-    }
-}
-
-/// The steps of one generation.
-pub struct Steps<'a> {
-    model: &'a GptModel,
-    session: &'a mut Session,
-}
-
-impl Steps<'_> {
-    /// Logits `[s, b, padded vocabulary]` of `tokens` (`[b, s]`), the positions after those
-    /// already cached.
-    pub fn forward(&mut self, tokens: &Tensor) -> Result<Tensor> {
-        let cache = &mut self.session.cache;
-        match &mut self.session.graphs {
-            Some(graphs) if tokens.size()[1] == 1 => {
-                let position = cache.len();
-                let logits = graphs.step(self.model, cache, tokens, position)?;
-                cache.set_len(position + 1);
-                Ok(logits)
+    /// The cache, made on first use with room for `rows` sequences of the model's full length
+    /// at most, within the budget; remade larger when `empty` says no sequence lives in it and
+    /// the budget allows more blocks than it has.
+    pub fn cache(&mut self, model: &GptModel, rows: i64, empty: bool) -> Result<&mut PagedKvCache> {
+        let wanted =
+            rows.max(1) * PagedKvCache::blocks_for(model.config.max_position_embeddings) + 1;
+        let has = |cache: &Option<PagedKvCache>| cache.as_ref().map(|c| c.usable_blocks() + 1);
+        let settled = has(&self.cache).is_some_and(|blocks| blocks >= wanted || !empty);
+        if !settled {
+            let block = model.kv_block_bytes()?;
+            let budget = self.budget.bytes(model.options().device)?;
+            let blocks = (budget / block.max(1)).min(wanted as u64) as i64;
+            if has(&self.cache).is_none_or(|held| held < blocks) {
+                ensure!(
+                    blocks >= 2,
+                    "the KV cache budget of {budget} bytes holds {blocks} blocks of {} \
+                     positions ({block} bytes each); it needs at least 2",
+                    BLOCK_SIZE
+                );
+                // The old cache and graphs go first: their memory is needed for the new ones.
+                self.reset();
+                self.cache = Some(model.new_paged_kv_cache(blocks)?);
             }
-            _ => self.model.forward_cached(tokens, cache),
+        }
+        Ok(self.cache.as_mut().expect("the cache was made"))
+    }
+
+    /// Makes the cache (room for `rows` sequences) and, on a GPU with graphs, captures the
+    /// decode graph of every bucket up to `rows` rows and every window, so that no request
+    /// waits for a capture. Returns the number of graphs.
+    pub fn warm_up(&mut self, model: &GptModel, rows: i64) -> Result<usize> {
+        self.cache(model, rows, true)?;
+        let index = match model.options().device {
+            Device::Cuda(index) if self.cuda_graphs => index,
+            _ => return Ok(0),
+        };
+        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let mut size = 1;
+        loop {
+            for window in (1..=capacity / WINDOW_STEP).map(|w| w * WINDOW_STEP) {
+                // Padding rows only: they write to and read the reserved block.
+                let zeros = vec![0i64; size as usize];
+                let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
+                let _ = self.replay(model, index, size, window, &zeros, &zeros, &zeros, &tables)?;
+            }
+            if size >= rows {
+                return Ok(self.graphs.len());
+            }
+            size *= 2;
         }
     }
-}
 
-impl StepGraphs {
-    /// Replays the graph of the window that covers `position`, capturing it first if needed.
-    /// The logits live in the graph's output buffer until its next replay.
-    fn step(
-        &mut self,
-        model: &GptModel,
-        cache: &mut KvCache,
-        tokens: &Tensor,
-        position: i64,
-    ) -> Result<Tensor> {
-        self.tokens.copy_(tokens);
-        let _ = self.position.fill_(position);
-        let window = round_up(position + 1, WINDOW_STEP).min(cache.capacity());
-        let index = match self.windows.iter().position(|w| w.window == window) {
-            Some(index) => index,
+    /// The cache, when it has been made.
+    pub fn existing_cache(&mut self) -> Option<&mut PagedKvCache> {
+        self.cache.as_mut()
+    }
+
+    /// Prompt chunks of several sequences in one forward: each chunk's logits
+    /// (`[its length, padded vocabulary]`), its keys and values stored in its blocks. Shorter
+    /// chunks are padded with positions that write to and read the reserved block.
+    pub fn prefill(&mut self, model: &GptModel, chunks: &[PrefillChunk]) -> Result<Vec<Tensor>> {
+        ensure!(!chunks.is_empty(), "a prefill needs chunks");
+        let device = model.options().device;
+        let width = chunks.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+        let window = chunks
+            .iter()
+            .map(|c| c.start as usize + c.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let rows = chunks.len();
+        let mut tokens = vec![0i64; rows * width];
+        let mut positions = vec![0i64; rows * width];
+        let mut write = vec![0i64; rows * width];
+        let mut read = vec![0i64; rows * window];
+        for (r, chunk) in chunks.iter().enumerate() {
+            let count = chunk.tokens.len() as i64;
+            let end = chunk.start + count;
+            ensure!(
+                count > 0 && end <= chunk.blocks.len() as i64 * BLOCK_SIZE,
+                "positions {}..{end} do not fit the {} blocks of the sequence",
+                chunk.start,
+                chunk.blocks.len()
+            );
+            for (j, p) in (chunk.start..end).enumerate() {
+                tokens[r * width + j] = chunk.tokens[j];
+                positions[r * width + j] = p;
+                write[r * width + j] = slot(chunk.blocks, p);
+            }
+            for p in 0..end {
+                read[r * window + p as usize] = slot(chunk.blocks, p);
+            }
+        }
+        let to = |values: &[i64], columns: usize| {
+            Tensor::from_slice(values)
+                .view([rows as i64, columns as i64])
+                .to_device(device)
+        };
+        let positions = to(&positions, width);
+        let step = PagedStep::new(
+            Tensor::from_slice(&write).to_device(device),
+            to(&read, window),
+            &positions,
+            model.options().params_dtype,
+        );
+        let cache = self
+            .cache
+            .as_mut()
+            .expect("prefill after the cache was made");
+        let logits =
+            tch::no_grad(|| model.forward_paged(&to(&tokens, width), &positions, cache, &step))?;
+        Ok(chunks
+            .iter()
+            .enumerate()
+            .map(|(r, chunk)| {
+                logits
+                    .select(1, r as i64)
+                    .narrow(0, 0, chunk.tokens.len() as i64)
+            })
+            .collect())
+    }
+
+    /// Logits `[rows, padded vocabulary]` of one decode step of `rows`, each token's keys and
+    /// values stored at its position. On a GPU with graphs the logits live in the graph's
+    /// output buffer until the next step.
+    pub fn decode(&mut self, model: &GptModel, rows: &[DecodeRow]) -> Result<Tensor> {
+        let count = rows.len() as i64;
+        ensure!(count > 0, "a decode step needs rows");
+        let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
+        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let window = round_up(furthest + 1, WINDOW_STEP).min(capacity);
+        let bucket = bucket(count);
+        let device = model.options().device;
+        let graphed = match device {
+            Device::Cuda(index) if self.cuda_graphs => Some(index),
+            _ => None,
+        };
+        // Eager steps run exactly the rows; graphs the bucket, padding rows at position 0 of
+        // the padding block.
+        let padded = if graphed.is_some() { bucket } else { count };
+        let per_row = window / BLOCK_SIZE;
+        let mut tokens = vec![0i64; padded as usize];
+        let mut positions = vec![0i64; padded as usize];
+        let mut write = vec![0i64; padded as usize];
+        let mut tables = vec![0i64; (padded * per_row) as usize];
+        for (i, row) in rows.iter().enumerate() {
+            ensure!(
+                row.position < row.blocks.len() as i64 * BLOCK_SIZE,
+                "position {} is past the {} blocks of its sequence",
+                row.position,
+                row.blocks.len()
+            );
+            tokens[i] = row.token;
+            positions[i] = row.position;
+            write[i] = slot(row.blocks, row.position);
+            let used = row.blocks.len().min(per_row as usize);
+            tables[i * per_row as usize..][..used].copy_from_slice(&row.blocks[..used]);
+        }
+        let logits = match graphed {
+            Some(index) => self.replay(
+                model, index, bucket, window, &tokens, &positions, &write, &tables,
+            )?,
             None => {
-                self.capture(model, cache, window)?;
-                self.windows.len() - 1
+                let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+                let table = to(&tables).view([padded, per_row]);
+                let (tokens, positions) = (to(&tokens).view([padded, 1]), to(&positions));
+                let cache = self
+                    .cache
+                    .as_mut()
+                    .expect("decode after the cache was made");
+                tch::no_grad(|| {
+                    decode_step(
+                        model,
+                        cache,
+                        &tokens,
+                        &positions.view([padded, 1]),
+                        &to(&write),
+                        &table,
+                    )
+                })?
             }
         };
-        let captured = &self.windows[index];
+        Ok(logits.narrow(0, 0, count))
+    }
+
+    /// Copies the step's inputs into the bucket's static buffers and replays the graph of its
+    /// bucket and window, capturing it first if needed.
+    #[allow(clippy::too_many_arguments)]
+    fn replay(
+        &mut self,
+        model: &GptModel,
+        device: usize,
+        bucket: i64,
+        window: i64,
+        tokens: &[i64],
+        positions: &[i64],
+        write: &[i64],
+        tables: &[i64],
+    ) -> Result<Tensor> {
+        let cuda = Device::Cuda(device);
+        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let inputs = self.inputs.entry(bucket).or_insert_with(|| GraphInputs {
+            tokens: Tensor::zeros([bucket, 1], (Kind::Int64, cuda)),
+            positions: Tensor::zeros([bucket, 1], (Kind::Int64, cuda)),
+            write_slots: Tensor::zeros([bucket], (Kind::Int64, cuda)),
+            tables: Tensor::zeros([bucket * capacity / BLOCK_SIZE], (Kind::Int64, cuda)),
+        });
+        let host = |v: &[i64]| Tensor::from_slice(v);
+        inputs.tokens.copy_(&host(tokens).view([bucket, 1]));
+        inputs.positions.copy_(&host(positions).view([bucket, 1]));
+        inputs.write_slots.copy_(&host(write));
+        let used = tables.len() as i64;
+        inputs.tables.narrow(0, 0, used).copy_(&host(tables));
+        let cache = self
+            .cache
+            .as_mut()
+            .expect("decode after the cache was made");
+        if !self.graphs.contains_key(&(bucket, window)) {
+            let per_row = window / BLOCK_SIZE;
+            let run = |cache: &mut PagedKvCache| {
+                let table = inputs.tables.narrow(0, 0, used).view([bucket, per_row]);
+                decode_step(
+                    model,
+                    cache,
+                    &inputs.tokens,
+                    &inputs.positions,
+                    &inputs.write_slots,
+                    &table,
+                )
+            };
+            // One eager run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
+            // not happen inside the capture. It writes the same slots the replay will.
+            let _ = tch::no_grad(|| run(cache))?;
+            let pool = self.graphs.values().next().map(|g| &g.graph);
+            let (graph, logits) = CudaGraph::capture(device, pool, || tch::no_grad(|| run(cache)))?;
+            self.graphs
+                .insert((bucket, window), StepGraph { graph, logits });
+        }
+        let captured = &self.graphs[&(bucket, window)];
         captured.graph.replay()?;
         Ok(captured.logits.shallow_clone())
     }
+}
 
-    fn capture(&mut self, model: &GptModel, cache: &mut KvCache, window: i64) -> Result<()> {
-        // One eager run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
-        // not happen inside the capture. It writes the same slot the replay will.
-        let _ = model.forward_decode_step(&self.tokens, &self.position, window, cache)?;
-        let (graph, logits) =
-            CudaGraph::capture(self.device, self.windows.first().map(|w| &w.graph), || {
-                model.forward_decode_step(&self.tokens, &self.position, window, cache)
-            })?;
-        self.windows.push(WindowGraph {
-            window,
-            graph,
-            logits,
-        });
-        Ok(())
-    }
+/// One decode step of `tokens` (`[b, 1]`) at `positions` (`[b, 1]`), written at `write_slots`
+/// (`[b]`), each row attending to the first positions of the blocks of its `table` row.
+/// Logits `[b, padded vocabulary]`.
+fn decode_step(
+    model: &GptModel,
+    cache: &mut PagedKvCache,
+    tokens: &Tensor,
+    positions: &Tensor,
+    write_slots: &Tensor,
+    table: &Tensor,
+) -> Result<Tensor> {
+    let (rows, per_row) = (table.size()[0], table.size()[1]);
+    let offsets = Tensor::arange(BLOCK_SIZE, (Kind::Int64, table.device()));
+    let read = (table.unsqueeze(2) * BLOCK_SIZE + offsets).view([rows, per_row * BLOCK_SIZE]);
+    let step = PagedStep::new(
+        write_slots.shallow_clone(),
+        read,
+        positions,
+        model.options().params_dtype,
+    );
+    Ok(model
+        .forward_paged(tokens, positions, cache, &step)?
+        .select(0, 0))
+}
+
+/// The pool slot of `position` of the sequence that owns `blocks`.
+fn slot(blocks: &[i64], position: i64) -> i64 {
+    blocks[(position / BLOCK_SIZE) as usize] * BLOCK_SIZE + position % BLOCK_SIZE
+}
+
+/// The batch size a decode graph runs for `rows` rows: the next power of two.
+pub fn bucket(rows: i64) -> i64 {
+    (rows.max(1) as u64).next_power_of_two() as i64
 }
 
 fn round_up(value: i64, step: i64) -> i64 {

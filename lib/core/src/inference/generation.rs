@@ -1,16 +1,18 @@
-//! Megatron's text-generation loop (spec §6.3) over a KV cache: prompts of different lengths in
-//! one batch, the shared prefix processed at once and then one position per step, sampling,
-//! stop conditions and log-probabilities of prompt and generated tokens.
+//! Megatron's text generation (spec §6.3) as continuous batching over a paged KV cache: each
+//! prompt a row with its own sampling, random stream, stop condition and log-probabilities
+//! (prompt and generated tokens), prefilled in chunks and then decoded one token per step
+//! together with every other running row. A Megatron request of several prompts is a group of
+//! rows with one length budget.
+
+use std::collections::{HashMap, VecDeque};
 
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::decoder::Decoder;
-use super::sampling::{sample, Sampling};
+use super::decoder::{DecodeRow, Decoder, PrefillChunk};
+use super::sampling::{row_seed, sample, RowSampling, Sampling};
+use crate::model::layers::{PagedKvCache, BLOCK_SIZE};
 use crate::model::GptModel;
-
-/// Steps between checks whether every row has stopped.
-const DONE_CHECK_INTERVAL: i64 = 16;
 
 /// When a row stops before its length budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,8 +51,8 @@ pub struct Generation {
     pub logprobs: Option<Vec<Vec<f32>>>,
 }
 
-/// Runs the loop on `model`'s device through `decoder`; sampling draws from that device's
-/// default generator.
+/// Runs the loop on `model`'s device through `decoder`; the rows' random streams are seeded
+/// from libtorch's default CPU generator (`tch::manual_seed`).
 pub fn generate_tokens(
     model: &GptModel,
     request: &GenerationRequest,
@@ -70,108 +72,560 @@ pub fn generate_tokens_observed(
     decoder: &mut Decoder,
     mut observer: Option<TokenObserver>,
 ) -> Result<Generation> {
-    request.sampling.validate()?;
-    ensure!(!request.prompts.is_empty(), "no prompts to continue");
-    ensure!(
-        request.prompts.iter().all(|p| !p.is_empty()),
-        "every prompt needs at least one token"
-    );
-    let device = model.options().device;
-    let lengths: Vec<i64> = request.prompts.iter().map(|p| p.len() as i64).collect();
-    let (min_len, max_len) = (
-        *lengths.iter().min().expect("prompts"),
-        *lengths.iter().max().expect("prompts"),
-    );
-    let total = max_len + request.tokens_to_generate as i64;
-    let batch = request.prompts.len() as i64;
-    let mut padded = vec![request.pad; (batch * total) as usize];
-    for (row, prompt) in request.prompts.iter().enumerate() {
-        padded[row * total as usize..][..prompt.len()].copy_from_slice(prompt);
+    let seed = Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]);
+    let rows = request.rows(seed as u64)?;
+    if request.tokens_to_generate == 0 {
+        return score_request(model, request);
     }
-    let tokens = Tensor::from_slice(&padded)
-        .view([batch, total])
-        .to_device(device);
-    let vocab = model.config.vocab_size;
-    tch::no_grad(|| {
-        if request.tokens_to_generate == 0 {
-            return score_prompts(model, &tokens, &lengths, max_len);
+    let limits = BatchLimits {
+        max_batch_size: rows.len(),
+        prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        max_queued: 1,
+    };
+    let mut batcher = Batcher::new(limits);
+    batcher
+        .submit(model, decoder, 0, rows)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut observe =
+        |_: u64, row: usize, token: i64| observer.as_mut().is_some_and(|o| o(row, token));
+    loop {
+        match batcher.step(model, decoder, &mut observe) {
+            Ok(mut finished) => {
+                if let Some((_, generation)) = finished.pop() {
+                    return Ok(generation);
+                }
+            }
+            Err(e) => {
+                // The rows' blocks are lost with the batcher: start the cache afresh.
+                decoder.reset();
+                return Err(e);
+            }
         }
-        let mut steps = decoder.start(model, batch, total)?;
-        let prompt_lengths = Tensor::from_slice(&lengths).to_device(device);
-        let mut out_lengths = Tensor::full([batch], total, (Kind::Int64, device));
-        let mut done = Tensor::zeros([batch], (Kind::Bool, device));
-        let mut logprobs = request
-            .logprobs
-            .then(|| Tensor::zeros([batch, total - 1], (Kind::Float, device)));
-        let mut sampling = request.sampling;
-        let mut previous = 0;
-        let mut context = min_len;
-        while context < total {
-            let input = tokens.narrow(1, previous, context - previous);
-            // [s, b, V] → [b, s, V] over the true vocabulary (padding rows are never sampled).
-            let logits = steps
-                .forward(&input)?
-                .transpose(0, 1)
-                .narrow(2, 0, vocab)
-                .to_kind(Kind::Float);
-            if let Some((colon, newline)) = request.prevent_newline_after_colon {
-                let after_colon = tokens.select(1, context - 1).eq(colon);
-                let _ = logits
-                    .select(1, -1)
-                    .select(1, newline)
-                    .masked_fill_(&after_colon, -1e10);
+    }
+}
+
+impl GenerationRequest {
+    /// The rows of Megatron's batched loop, each on its own: every row may reach the longest
+    /// prompt plus `tokens_to_generate` positions, and its nucleus has decayed once per step
+    /// of the loop before its first token. Row `i` draws from `row_seed(seed, i)`.
+    pub fn rows(&self, seed: u64) -> Result<Vec<RowSpec>> {
+        self.sampling.validate()?;
+        ensure!(!self.prompts.is_empty(), "no prompts to continue");
+        ensure!(
+            self.prompts.iter().all(|p| !p.is_empty()),
+            "every prompt needs at least one token"
+        );
+        let shortest = self.prompts.iter().map(Vec::len).min().unwrap_or(0);
+        let longest = self.prompts.iter().map(Vec::len).max().unwrap_or(0);
+        Ok(self
+            .prompts
+            .iter()
+            .enumerate()
+            .map(|(row, prompt)| RowSpec {
+                prompt: prompt.clone(),
+                total: longest + self.tokens_to_generate,
+                sampling: self.sampling,
+                decays: prompt.len() - shortest,
+                seed: row_seed(seed, row),
+                stop: self.stop,
+                prevent_newline_after_colon: self.prevent_newline_after_colon,
+                logprobs: self.logprobs,
+            })
+            .collect())
+    }
+}
+
+/// Prompt positions prefilled per step unless told otherwise: long prompts are cut into chunks
+/// so that the rows already decoding wait at most one chunk per step.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// One sequence to continue, with everything that decides its tokens.
+#[derive(Debug, Clone)]
+pub struct RowSpec {
+    pub prompt: Vec<i64>,
+    /// Positions the row may reach, its prompt included.
+    pub total: usize,
+    pub sampling: Sampling,
+    /// Times its nucleus has decayed before its first token.
+    pub decays: usize,
+    /// Its random stream.
+    pub seed: u64,
+    pub stop: StopCondition,
+    pub prevent_newline_after_colon: Option<(i64, i64)>,
+    pub logprobs: bool,
+}
+
+/// How much a [`Batcher`] takes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Rows decoded together at most (a request with more prompts runs alone).
+    pub max_batch_size: usize,
+    /// Prompt positions prefilled per step (at least one chunk).
+    pub prefill_chunk: usize,
+    /// Requests that may wait for room; more are refused.
+    pub max_queued: usize,
+}
+
+/// Why a request was not taken.
+#[derive(Debug)]
+pub enum Refusal {
+    /// The queue is full: try again later.
+    Busy(String),
+    /// The request can never fit the KV cache or the limits.
+    TooLarge(String),
+    /// Making the KV cache failed.
+    Failed(anyhow::Error),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Busy(text) | Refusal::TooLarge(text) => f.write_str(text),
+            Refusal::Failed(e) => write!(f, "{e:#}"),
+        }
+    }
+}
+
+/// What the KV cache holds now, in blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheUse {
+    pub used_blocks: i64,
+    pub total_blocks: i64,
+    /// The most blocks ever used at once.
+    pub peak_blocks: i64,
+    pub running_rows: usize,
+    /// The most rows ever decoded together.
+    pub peak_rows: usize,
+    pub waiting_requests: usize,
+    /// Steps run so far.
+    pub steps: u64,
+}
+
+/// Continuous batching: requests wait in a queue, join the running batch at a step boundary
+/// when the KV cache has blocks for their rows' whole length, get their prompts prefilled in
+/// chunks, decode one token per step together with every other row, and leave — their blocks
+/// freed — as soon as their last row stops. Each row samples from its own settings and random
+/// stream, so its tokens do not depend on the rows beside it.
+pub struct Batcher {
+    limits: BatchLimits,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Row>,
+    requests: HashMap<u64, Progress>,
+    use_: CacheUse,
+}
+
+struct Waiting {
+    id: u64,
+    rows: Vec<RowSpec>,
+    blocks: i64,
+}
+
+struct Row {
+    request: u64,
+    index: usize,
+    spec: RowSpec,
+    tokens: Vec<i64>,
+    /// Positions whose keys and values are in the cache.
+    cached: usize,
+    blocks: Vec<i64>,
+    logprobs: Vec<f32>,
+    sampling: Sampling,
+    draws: u64,
+}
+
+/// A request's rows as they finish.
+struct Progress {
+    rows: Vec<Option<(Vec<i64>, Vec<f32>)>>,
+    remaining: usize,
+    logprobs: bool,
+}
+
+impl Batcher {
+    pub fn new(limits: BatchLimits) -> Self {
+        Batcher {
+            limits,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            requests: HashMap::new(),
+            use_: CacheUse::default(),
+        }
+    }
+
+    /// Queues request `id` (its rows are admitted together), or says why not.
+    pub fn submit(
+        &mut self,
+        model: &GptModel,
+        decoder: &mut Decoder,
+        id: u64,
+        rows: Vec<RowSpec>,
+    ) -> Result<(), Refusal> {
+        let positions = model.config.max_position_embeddings as usize;
+        if let Some(row) = rows
+            .iter()
+            .find(|r| r.total > positions || r.prompt.is_empty())
+        {
+            return Err(Refusal::TooLarge(format!(
+                "a row of {} positions (prompt {}) does not fit the model's {positions}",
+                row.total,
+                row.prompt.len()
+            )));
+        }
+        let blocks: i64 = rows
+            .iter()
+            .map(|r| PagedKvCache::blocks_for(r.total as i64))
+            .sum();
+        let rows_for = self.limits.max_batch_size.max(rows.len()) as i64;
+        let cache = decoder
+            .cache(model, rows_for, self.running.is_empty())
+            .map_err(Refusal::Failed)?;
+        self.use_.total_blocks = cache.usable_blocks();
+        if blocks > cache.usable_blocks() {
+            return Err(Refusal::TooLarge(format!(
+                "the request needs {} KV cache positions but the cache holds {} (--kv-cache-gb)",
+                blocks * BLOCK_SIZE,
+                cache.usable_blocks() * BLOCK_SIZE
+            )));
+        }
+        self.requests.insert(
+            id,
+            Progress {
+                rows: vec![None; rows.len()],
+                remaining: rows.len(),
+                logprobs: rows.iter().any(|r| r.logprobs),
+            },
+        );
+        self.waiting.push_back(Waiting { id, rows, blocks });
+        // Taken at once when there is room; otherwise it waits, if the queue has room.
+        self.admit(decoder);
+        if self.waiting.len() > self.limits.max_queued {
+            self.waiting.pop_back();
+            self.requests.remove(&id);
+            return Err(Refusal::Busy(format!(
+                "the server is busy ({} requests are waiting); try again later",
+                self.limits.max_queued
+            )));
+        }
+        self.refresh_use(decoder);
+        Ok(())
+    }
+
+    /// Whether there is nothing to run.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    pub fn cache_use(&self) -> CacheUse {
+        self.use_
+    }
+
+    /// Drops request `id`, waiting or running, and frees its blocks; `false` when unknown.
+    pub fn cancel(&mut self, decoder: &mut Decoder, id: u64) -> bool {
+        let known = self.requests.remove(&id).is_some();
+        self.waiting.retain(|w| w.id != id);
+        let (gone, kept): (Vec<Row>, Vec<Row>) =
+            self.running.drain(..).partition(|r| r.request == id);
+        self.running = kept;
+        if let Some(cache) = decoder.existing_cache() {
+            for row in gone {
+                cache.release(row.blocks);
             }
-            let new = sample(&logits.select(1, -1), &sampling)?;
-            sampling = sampling.decayed();
-            let started = prompt_lengths.le(context);
-            let current = tokens.select(1, context);
-            let chosen = new.where_self(&started, &current);
-            tokens.select(1, context).copy_(&chosen);
-            if let Some(logprobs) = &mut logprobs {
-                let targets = tokens
-                    .narrow(1, previous + 1, context - previous)
-                    .unsqueeze(2);
-                let gathered = logits
-                    .log_softmax(2, Kind::Float)
-                    .gather(2, &targets, false)
-                    .squeeze_dim(2);
-                logprobs
-                    .narrow(1, previous, context - previous)
-                    .copy_(&gathered);
-            }
-            let mut stopped =
-                stopped(&request.stop, &new, &tokens.select(1, context - 1)).logical_and(&started);
-            if let Some(observer) = observer.as_mut() {
-                let live: Vec<bool> = Vec::try_from(
-                    started
-                        .logical_and(&done.logical_not())
-                        .to_device(Device::Cpu),
-                )?;
-                let picked: Vec<i64> = Vec::try_from(new.to_device(Device::Cpu))?;
-                let ended: Vec<bool> = live
-                    .iter()
-                    .zip(&picked)
-                    .enumerate()
-                    .map(|(row, (&live, &token))| live && observer(row, token))
-                    .collect();
-                stopped = stopped.logical_or(&Tensor::from_slice(&ended).to_device(device));
-            }
-            let just = stopped.logical_and(&done.logical_not());
-            out_lengths = Tensor::full([batch], context + 1, (Kind::Int64, device))
-                .where_self(&just, &out_lengths);
-            done = done.logical_or(&stopped);
-            previous = context;
-            context += 1;
-            // Reading `done` waits for the device; every few steps the host runs ahead instead
-            // (rows past their length keep generating unseen tokens until the check).
-            let check = observer.is_some() || (context - min_len) % DONE_CHECK_INTERVAL == 0;
-            if check && done.all().int64_value(&[]) != 0 {
+        }
+        self.refresh_use(decoder);
+        known
+    }
+
+    /// Drops every request (after a failed step) and frees their blocks.
+    pub fn clear(&mut self, decoder: &mut Decoder) {
+        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.cancel(decoder, id);
+        }
+    }
+
+    /// Ids of the requests queued or running.
+    pub fn request_ids(&self) -> Vec<u64> {
+        self.requests.keys().copied().collect()
+    }
+
+    fn refresh_use(&mut self, decoder: &mut Decoder) {
+        if let Some(cache) = decoder.existing_cache() {
+            self.use_.total_blocks = cache.usable_blocks();
+            self.use_.used_blocks = cache.usable_blocks() - cache.free_blocks();
+            self.use_.peak_blocks = self.use_.peak_blocks.max(self.use_.used_blocks);
+        }
+        self.use_.running_rows = self.running.len();
+        self.use_.peak_rows = self.use_.peak_rows.max(self.running.len());
+        self.use_.waiting_requests = self.waiting.len();
+    }
+
+    /// Takes waiting requests, in order, while their rows fit the batch and the cache.
+    fn admit(&mut self, decoder: &mut Decoder) {
+        let Some(cache) = decoder.existing_cache() else {
+            return;
+        };
+        while let Some(front) = self.waiting.front() {
+            let crowded = !self.running.is_empty()
+                && self.running.len() + front.rows.len() > self.limits.max_batch_size;
+            if crowded || cache.free_blocks() < front.blocks {
                 break;
             }
+            let waiting = self.waiting.pop_front().expect("a front");
+            for (index, spec) in waiting.rows.into_iter().enumerate() {
+                let blocks = cache
+                    .allocate(PagedKvCache::blocks_for(spec.total as i64))
+                    .expect("the request's blocks were counted free");
+                let mut sampling = spec.sampling;
+                for _ in 0..spec.decays {
+                    sampling = sampling.decayed();
+                }
+                self.running.push(Row {
+                    request: waiting.id,
+                    index,
+                    tokens: spec.prompt.clone(),
+                    spec,
+                    cached: 0,
+                    blocks,
+                    logprobs: Vec::new(),
+                    sampling,
+                    draws: 0,
+                });
+            }
         }
-        let out_lengths: Vec<i64> = Vec::try_from(out_lengths.to_device(Device::Cpu))?;
-        finish(&tokens, &out_lengths, logprobs.as_ref())
-    })
+    }
+
+    /// One step: admits what fits, prefills up to a chunk budget of prompt positions, decodes
+    /// one token for every row past its prompt, and returns the requests that finished.
+    /// `observer(request, row, token)` sees every new token; `true` ends that row there.
+    pub fn step(
+        &mut self,
+        model: &GptModel,
+        decoder: &mut Decoder,
+        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+    ) -> Result<Vec<(u64, Generation)>> {
+        self.admit(decoder);
+        self.use_.steps += 1;
+        self.refresh_use(decoder);
+        let vocab = model.config.vocab_size;
+        let chunk = self.limits.prefill_chunk.max(1);
+        // Rows that draw a token this step and their logits, prefills first.
+        let mut drawing: Vec<usize> = Vec::new();
+        let mut logits: Vec<Tensor> = Vec::new();
+        tch::no_grad(|| -> Result<()> {
+            let ready: Vec<usize> = (0..self.running.len())
+                .filter(|&i| {
+                    let row = &self.running[i];
+                    row.cached >= row.spec.prompt.len() && row.cached + 1 == row.tokens.len()
+                })
+                .collect();
+            // Chunks start at multiples of the chunk size, whatever else runs: a row's prefill
+            // is the same alone and in a batch. The step takes chunks, in admission order, up
+            // to a chunk size of positions (at least one chunk), all in one forward.
+            let mut budget = chunk;
+            let mut pieces: Vec<(usize, usize)> = Vec::new();
+            for (i, row) in self.running.iter().enumerate() {
+                let length = row.spec.prompt.len();
+                if budget == 0 || row.cached >= length {
+                    continue;
+                }
+                let count = (chunk - row.cached % chunk).min(length - row.cached);
+                if !pieces.is_empty() && count > budget {
+                    break;
+                }
+                budget = budget.saturating_sub(count);
+                pieces.push((i, count));
+            }
+            if !pieces.is_empty() {
+                let chunks: Vec<PrefillChunk> = pieces
+                    .iter()
+                    .map(|&(i, count)| {
+                        let row = &self.running[i];
+                        PrefillChunk {
+                            tokens: &row.tokens[row.cached..row.cached + count],
+                            start: row.cached as i64,
+                            blocks: &row.blocks,
+                        }
+                    })
+                    .collect();
+                let outs = decoder.prefill(model, &chunks)?;
+                for (&(i, count), out) in pieces.iter().zip(outs) {
+                    let row = &mut self.running[i];
+                    let length = row.spec.prompt.len();
+                    let out = out.narrow(1, 0, vocab);
+                    if row.spec.logprobs {
+                        let targets = (length - 1).min(row.cached + count) - row.cached;
+                        if targets > 0 {
+                            let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
+                            let next = Tensor::from_slice(next)
+                                .to_device(out.device())
+                                .unsqueeze(1);
+                            let scores = out
+                                .narrow(0, 0, targets as i64)
+                                .to_kind(Kind::Float)
+                                .log_softmax(1, Kind::Float)
+                                .gather(1, &next, false)
+                                .squeeze_dim(1);
+                            row.logprobs
+                                .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
+                        }
+                    }
+                    row.cached += count;
+                    if row.cached == length {
+                        drawing.push(i);
+                        logits.push(
+                            out.select(0, count as i64 - 1)
+                                .to_kind(Kind::Float)
+                                .unsqueeze(0),
+                        );
+                    }
+                }
+            }
+            if !ready.is_empty() {
+                let rows: Vec<DecodeRow> = ready
+                    .iter()
+                    .map(|&i| {
+                        let row = &self.running[i];
+                        DecodeRow {
+                            token: row.tokens[row.cached],
+                            position: row.cached as i64,
+                            blocks: &row.blocks,
+                        }
+                    })
+                    .collect();
+                let out = decoder.decode(model, &rows)?;
+                logits.push(out.narrow(1, 0, vocab).to_kind(Kind::Float));
+                for &i in &ready {
+                    self.running[i].cached += 1;
+                }
+                drawing.extend(ready);
+            }
+            Ok(())
+        })?;
+        let mut finished = Vec::new();
+        if drawing.is_empty() {
+            return Ok(finished);
+        }
+        let (tokens, scores) = tch::no_grad(|| self.draw(&drawing, &logits))?;
+        let mut ended = Vec::new();
+        for (k, &i) in drawing.iter().enumerate() {
+            let row = &mut self.running[i];
+            let before = *row.tokens.last().expect("rows have tokens");
+            let token = tokens[k];
+            row.tokens.push(token);
+            row.draws += 1;
+            row.sampling = row.sampling.decayed();
+            if let Some(scores) = &scores {
+                row.logprobs.push(scores[k]);
+            }
+            let stopped = stops(&row.spec.stop, token, before);
+            let told = observer(row.request, row.index, token);
+            if stopped || told || row.tokens.len() >= row.spec.total {
+                ended.push(i);
+            }
+        }
+        // Highest index first, so the others keep their places while removed.
+        ended.sort_unstable_by(|a, b| b.cmp(a));
+        for i in ended {
+            let row = self.running.swap_remove(i);
+            if let Some(cache) = decoder.existing_cache() {
+                cache.release(row.blocks);
+            }
+            let Some(progress) = self.requests.get_mut(&row.request) else {
+                continue;
+            };
+            let mut logprobs = row.logprobs;
+            logprobs.truncate(row.tokens.len() - 1);
+            progress.rows[row.index] = Some((row.tokens, logprobs));
+            progress.remaining -= 1;
+            if progress.remaining == 0 {
+                let progress = self.requests.remove(&row.request).expect("present");
+                let with_logprobs = progress.logprobs;
+                let (tokens, logprobs): (Vec<_>, Vec<_>) = progress
+                    .rows
+                    .into_iter()
+                    .map(|r| r.expect("every row finished"))
+                    .unzip();
+                finished.push((
+                    row.request,
+                    Generation {
+                        tokens,
+                        logprobs: with_logprobs.then_some(logprobs),
+                    },
+                ));
+            }
+        }
+        self.refresh_use(decoder);
+        Ok(finished)
+    }
+
+    /// Samples the rows `drawing` (running indices) from their `logits` (`[n, vocab]` pieces in
+    /// that order): their tokens and, when any row keeps them, the tokens' log-probabilities.
+    fn draw(&self, drawing: &[usize], logits: &[Tensor]) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
+        let logits = Tensor::cat(logits, 0);
+        for (k, &i) in drawing.iter().enumerate() {
+            let row = &self.running[i];
+            if let Some((colon, newline)) = row.spec.prevent_newline_after_colon {
+                if row.tokens.last() == Some(&colon) {
+                    let _ = logits.get(k as i64).get(newline).fill_(-1e10);
+                }
+            }
+        }
+        let settings: Vec<RowSampling> = drawing
+            .iter()
+            .map(|&i| {
+                let row = &self.running[i];
+                RowSampling {
+                    sampling: row.sampling,
+                    seed: row.spec.seed,
+                    draws: row.draws,
+                }
+            })
+            .collect();
+        let chosen = sample(&logits, &settings)?;
+        let keep = drawing.iter().any(|&i| self.running[i].spec.logprobs);
+        let scores = keep.then(|| {
+            logits
+                .log_softmax(1, Kind::Float)
+                .gather(1, &chosen.unsqueeze(1), false)
+                .squeeze_dim(1)
+        });
+        let tokens = Vec::<i64>::try_from(chosen.to_device(Device::Cpu))?;
+        let scores = scores
+            .map(|s| Vec::<f32>::try_from(s.to_device(Device::Cpu)))
+            .transpose()?;
+        Ok((tokens, scores))
+    }
+}
+
+/// The whole request scored (`tokens_to_generate = 0`).
+fn score_request(model: &GptModel, request: &GenerationRequest) -> Result<Generation> {
+    let device = model.options().device;
+    let lengths: Vec<i64> = request.prompts.iter().map(|p| p.len() as i64).collect();
+    let max_len = *lengths.iter().max().expect("prompts");
+    let batch = request.prompts.len() as i64;
+    let mut padded = vec![request.pad; (batch * max_len) as usize];
+    for (row, prompt) in request.prompts.iter().enumerate() {
+        padded[row * max_len as usize..][..prompt.len()].copy_from_slice(prompt);
+    }
+    let tokens = Tensor::from_slice(&padded)
+        .view([batch, max_len])
+        .to_device(device);
+    tch::no_grad(|| score_prompts(model, &tokens, &lengths, max_len))
+}
+
+/// Whether `token` (after `before`) ends its row.
+fn stops(stop: &StopCondition, token: i64, before: i64) -> bool {
+    match *stop {
+        StopCondition::Never => false,
+        StopCondition::Token(termination) => token == termination,
+        StopCondition::EndOfLine {
+            newline,
+            double_newline,
+        } => token == double_newline || token == newline,
+        StopCondition::DoubleEndOfLine {
+            newline,
+            double_newline,
+        } => token == double_newline || (token == newline && before == newline),
+    }
 }
 
 /// `tokens_to_generate = 0`: one forward over the prompts, scoring every token after the first.
@@ -195,23 +649,6 @@ fn score_prompts(
         .gather(2, &targets, false)
         .squeeze_dim(2);
     finish(tokens, lengths, Some(&logprobs))
-}
-
-fn stopped(stop: &StopCondition, new: &Tensor, before: &Tensor) -> Tensor {
-    match *stop {
-        StopCondition::Never => new.zeros_like().to_kind(Kind::Bool),
-        StopCondition::Token(termination) => new.eq(termination),
-        StopCondition::EndOfLine {
-            newline,
-            double_newline,
-        } => new.eq(double_newline).logical_or(&new.eq(newline)),
-        StopCondition::DoubleEndOfLine {
-            newline,
-            double_newline,
-        } => new
-            .eq(double_newline)
-            .logical_or(&new.eq(newline).logical_and(&before.eq(newline))),
-    }
 }
 
 fn finish(tokens: &Tensor, lengths: &[i64], logprobs: Option<&Tensor>) -> Result<Generation> {

@@ -62,36 +62,93 @@ impl Sampling {
     }
 }
 
-/// One token per row of `logits` (`[b, vocabulary]`), on their device.
-pub fn sample(logits: &Tensor, sampling: &Sampling) -> Result<Tensor> {
-    if sampling.top_k == 1 {
-        return Ok(logits.argmax(-1, false));
+/// How one row of a batch draws its tokens: its settings and its own random stream, so what it
+/// draws does not depend on the rows beside it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    pub sampling: Sampling,
+    /// The row's stream: its `n`-th token is drawn from noise keyed by `(seed, n)`.
+    pub seed: u64,
+    /// Tokens the row has drawn so far.
+    pub draws: u64,
+}
+
+/// One token per row of `logits` (`[b, vocabulary]`, float) under each row's settings, on
+/// their device. A row draws by the Gumbel-max trick: the argmax of its scaled, cut logits
+/// plus Gumbel noise made from counter-based hashes of `(seed, draws, token)` — the same
+/// distribution as drawing from the softmax, reproducible row by row on any device.
+pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
+    let (batch, vocabulary) = logits.size2()?;
+    anyhow::ensure!(
+        rows.len() as i64 == batch,
+        "{} sampling settings for {batch} rows",
+        rows.len()
+    );
+    let greedy_choice = logits.argmax(-1, false);
+    if rows.iter().all(|r| r.sampling.top_k == 1) {
+        return Ok(greedy_choice);
     }
-    let mut logits = if sampling.temperature != 1.0 {
-        // Scaling the distance to the largest logit gives the same distribution. A tiny
-        // temperature (1e-300 is 0 in single precision) sends the others to -inf; the largest
-        // stays 0 instead of 0 / 0 = NaN, so sampling tends to greedy.
-        let shifted = logits - logits.amax([-1i64].as_slice(), true);
-        (&shifted / sampling.temperature).masked_fill(&shifted.eq(0.0), 0.0)
-    } else {
-        logits.shallow_clone()
-    };
-    let vocabulary = logits.size()[1];
-    if sampling.top_k > 1 {
-        if sampling.top_k > vocabulary {
+    for row in rows {
+        if row.sampling.top_k > vocabulary {
             bail!(
                 "top_k {} is larger than the vocabulary ({vocabulary})",
-                sampling.top_k
+                row.sampling.top_k
             );
         }
-        let (kept, _) = logits.topk(sampling.top_k, -1, true, true);
-        let threshold = kept.narrow(1, sampling.top_k - 1, 1);
-        logits = logits.masked_fill(&logits.lt_tensor(&threshold), f64::NEG_INFINITY);
-    } else if sampling.top_p > 0.0 {
-        let (sorted, order) = logits.sort(-1, true);
+    }
+    let device = logits.device();
+    let column = |values: Vec<f64>| {
+        Tensor::from_slice(&values)
+            .to_kind(Kind::Float)
+            .view([batch, 1])
+            .to_device(device)
+    };
+    let temperature = column(
+        rows.iter()
+            .map(|r| {
+                if r.sampling.top_k == 1 {
+                    1.0
+                } else {
+                    r.sampling.temperature
+                }
+            })
+            .collect(),
+    );
+    // Scaling the distance to the largest logit gives the same distribution. A tiny
+    // temperature (1e-300 is 0 in single precision) sends the others to -inf; the largest
+    // stays 0 instead of 0 / 0 = NaN, so sampling tends to greedy.
+    let shifted = logits - logits.amax([-1i64].as_slice(), true);
+    let mut scaled = (&shifted / &temperature).masked_fill(&shifted.eq(0.0), 0.0);
+    if rows.iter().any(|r| r.sampling.top_k > 1) {
+        let (sorted, _) = scaled.sort(-1, true);
+        let k: Vec<i64> = rows
+            .iter()
+            .map(|r| (r.sampling.top_k.max(1) - 1).min(vocabulary - 1))
+            .collect();
+        let k = Tensor::from_slice(&k).view([batch, 1]).to_device(device);
+        let cut: Vec<bool> = rows.iter().map(|r| r.sampling.top_k > 1).collect();
+        let cut = Tensor::from_slice(&cut).view([batch, 1]).to_device(device);
+        let threshold = sorted.gather(1, &k, false);
+        let below = scaled.lt_tensor(&threshold).logical_and(&cut);
+        scaled = scaled.masked_fill(&below, f64::NEG_INFINITY);
+    }
+    if rows.iter().any(|r| r.sampling.top_p > 0.0) {
+        let (sorted, order) = scaled.sort(-1, true);
         let cumulative = sorted.softmax(-1, Kind::Float).cumsum(-1, Kind::Float);
+        // Rows without a nucleus never exceed a bound above 1.
+        let p = column(
+            rows.iter()
+                .map(|r| {
+                    if r.sampling.top_p > 0.0 {
+                        r.sampling.top_p
+                    } else {
+                        2.0
+                    }
+                })
+                .collect(),
+        );
         // Drop a token once the tokens before it already exceed p; the first always stays.
-        let exceeded = cumulative.gt(sampling.top_p);
+        let exceeded = cumulative.gt_tensor(&p);
         let drop_sorted = Tensor::cat(
             &[
                 exceeded.narrow(1, 0, 1).zeros_like(),
@@ -100,12 +157,50 @@ pub fn sample(logits: &Tensor, sampling: &Sampling) -> Result<Tensor> {
             1,
         );
         let drop = drop_sorted.zeros_like().scatter(1, &order, &drop_sorted);
-        logits = logits.masked_fill(&drop, f64::NEG_INFINITY);
+        scaled = scaled.masked_fill(&drop, f64::NEG_INFINITY);
     }
-    Ok(logits
-        .softmax(-1, Kind::Float)
-        .multinomial(1, false)
-        .squeeze_dim(1))
+    let seeds: Vec<i64> = rows.iter().map(|r| r.seed as i64).collect();
+    let draws: Vec<i64> = rows.iter().map(|r| r.draws as i64).collect();
+    let noise = gumbel_noise(&seeds, &draws, vocabulary, device);
+    let drawn = (scaled + noise).argmax(-1, false);
+    let greedy: Vec<bool> = rows.iter().map(|r| r.sampling.top_k == 1).collect();
+    let greedy = Tensor::from_slice(&greedy).to_device(device);
+    Ok(greedy_choice.where_self(&greedy, &drawn))
+}
+
+/// The random stream of row `row` of a request seeded with `seed`.
+pub fn row_seed(seed: u64, row: usize) -> u64 {
+    let mut z = seed ^ (row as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `[b, vocabulary]` standard Gumbel noise, row `i` keyed by `(seeds[i], draws[i])`: each entry
+/// a SplitMix64 hash of its key and column turned into a uniform number in (0, 1).
+fn gumbel_noise(seeds: &[i64], draws: &[i64], vocabulary: i64, device: tch::Device) -> Tensor {
+    let batch = seeds.len() as i64;
+    let column = |values: &[i64]| {
+        Tensor::from_slice(values)
+            .view([batch, 1])
+            .to_device(device)
+    };
+    // Wrapping 64-bit arithmetic in int64; a logical right shift is an arithmetic one masked.
+    let shift = |x: &Tensor, bits: i64| {
+        x.bitwise_right_shift_tensor_scalar(bits)
+            .bitwise_and((1i64 << (64 - bits)) - 1)
+    };
+    let mix = |x: Tensor| {
+        let x = x.bitwise_xor_tensor(&shift(&x, 30)) * (0xBF58_476D_1CE4_E5B9u64 as i64);
+        let x = x.bitwise_xor_tensor(&shift(&x, 27)) * (0x94D0_49BB_1331_11EBu64 as i64);
+        x.bitwise_xor_tensor(&shift(&x, 31))
+    };
+    const GOLDEN: i64 = 0x9E37_79B9_7F4A_7C15u64 as i64;
+    let key = mix(mix(column(seeds) + GOLDEN) + column(draws) * GOLDEN);
+    let tokens = Tensor::arange(vocabulary, (Kind::Int64, device)).view([1, vocabulary]);
+    let bits = shift(&mix(key + (tokens + 1) * GOLDEN), 11);
+    let uniform = (bits.to_kind(Kind::Double) + 0.5) / (1u64 << 53) as f64;
+    (-(-uniform.log()).log()).to_kind(Kind::Float)
 }
 
 #[cfg(test)]
@@ -120,6 +215,22 @@ mod tests {
         }
     }
 
+    /// `n` rows of `sampling`, each its own stream.
+    fn rows(sampling: Sampling, n: usize) -> Vec<RowSampling> {
+        (0..n)
+            .map(|row| RowSampling {
+                sampling,
+                seed: row_seed(3, row),
+                draws: 0,
+            })
+            .collect()
+    }
+
+    fn picks(logits: &Tensor, sampling: Sampling) -> Vec<i64> {
+        let n = logits.size()[0] as usize;
+        Vec::<i64>::try_from(sample(logits, &rows(sampling, n)).unwrap()).unwrap()
+    }
+
     #[test]
     fn top_k_and_top_p_keep_only_the_head_of_the_distribution() {
         // Probabilities 0.5, 0.3, 0.15, 0.05: top-k 2 and top-p 0.7 both keep tokens 0 and 1.
@@ -127,19 +238,14 @@ mod tests {
             .log()
             .unsqueeze(0)
             .repeat([400, 1]);
-        tch::manual_seed(3);
         for sampling in [settings(2, 0.0), settings(0, 0.7)] {
-            let picks = Vec::<i64>::try_from(sample(&logits, &sampling).unwrap()).unwrap();
+            let picks = picks(&logits, sampling);
             assert!(picks.iter().all(|&t| t < 2), "{sampling:?}: {picks:?}");
             assert!(picks.contains(&0) && picks.contains(&1));
         }
-        let plain = Vec::<i64>::try_from(sample(&logits, &settings(0, 0.0)).unwrap()).unwrap();
+        let plain = picks(&logits, settings(0, 0.0));
         assert!(plain.contains(&3), "plain sampling reaches the tail");
-        assert_eq!(
-            Vec::<i64>::try_from(sample(&logits.narrow(0, 0, 2), &Sampling::greedy()).unwrap())
-                .unwrap(),
-            [0, 0]
-        );
+        assert_eq!(picks(&logits.narrow(0, 0, 2), Sampling::greedy()), [0, 0]);
         assert!(settings(2, 0.5).validate().is_err());
     }
 
@@ -157,9 +263,42 @@ mod tests {
                     temperature: 1e-300,
                     ..settings(top_k, top_p)
                 };
-                let picks = Vec::<i64>::try_from(sample(&logits, &sampling).unwrap()).unwrap();
-                assert_eq!(picks, [1; 8], "{sampling:?}");
+                assert_eq!(picks(&logits, sampling), [1; 8], "{sampling:?}");
             }
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_and_do_not_depend_on_the_other_rows() {
+        let probabilities = [0.5f64, 0.3, 0.15, 0.05];
+        let logits = Tensor::from_slice(&probabilities)
+            .log()
+            .to_kind(Kind::Float)
+            .unsqueeze(0)
+            .repeat([8000, 1]);
+        let drawn = picks(&logits, settings(0, 0.0));
+        for (token, p) in probabilities.iter().enumerate() {
+            let share = drawn.iter().filter(|&&t| t == token as i64).count() as f64 / 8000.0;
+            assert!((share - p).abs() < 0.02, "token {token}: {share} vs {p}");
+        }
+        // Row 5 of a batch of mixed settings draws what it draws alone.
+        let mixed: Vec<RowSampling> = (0..8)
+            .map(|row| RowSampling {
+                sampling: [
+                    settings(0, 0.0),
+                    settings(2, 0.0),
+                    settings(0, 0.9),
+                    Sampling::greedy(),
+                ][row % 4],
+                seed: row_seed(11, row),
+                draws: row as u64,
+            })
+            .collect();
+        let batch = logits.narrow(0, 0, 8);
+        let together = Vec::<i64>::try_from(sample(&batch, &mixed).unwrap()).unwrap();
+        for (row, setting) in mixed.iter().enumerate() {
+            let alone = sample(&batch.narrow(0, row as i64, 1), &[*setting]).unwrap();
+            assert_eq!(alone.int64_value(&[0]), together[row], "row {row}");
         }
     }
 

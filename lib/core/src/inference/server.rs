@@ -1,389 +1,269 @@
-//! The HTTP side of `text_generation_server`: Megatron's `PUT /api` and OpenAI's
-//! `POST /v1/completions` (streamed as server-sent events on request) on a thread pool,
-//! one generation worker that owns the model and takes requests from a bounded queue (so many
-//! clients are all answered, in turn), limits answered with clear errors, and a clean stop.
+//! The HTTP side of `text_generation_server`: `hyper` on a `tokio` runtime, so a connection
+//! costs no thread while it waits. Request heads and bodies must arrive within their timeouts
+//! (an idle keep-alive connection is closed after the head timeout), a client must read its
+//! answer (a write stalled beyond the write timeout drops the connection), connections beyond
+//! `--max-connections` are answered 503 and closed, and generation requests go to the thread
+//! that owns the batching service, which serves each on a thread of its own
+//! ([`super::worker`]). On SIGTERM the server drains: new generation requests get 503 with
+//! `Retry-After`, those in flight finish.
 
-use std::io::Read;
 use std::net::SocketAddr;
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Result;
-use serde_json::Value;
-use tiny_http::{Header, Method, Request, Response, Server};
+use anyhow::{Context, Result};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
 
-use super::api::ApiRequest;
-use super::openai::{delta_body, CompletionRequest};
-use super::service::{ServiceError, TextGenerationService};
+use super::chat::ChatTemplate;
+use super::metrics::ServerMetrics;
+use super::routes::{route, too_many_connections, Shared};
+use super::service::TextGenerationService;
+use super::worker::{work, Activity, Queue};
+use super::write_timeout::WriteTimeout;
 
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
     pub host: String,
     pub port: u16,
-    /// Requests waiting for the generation worker beyond the one it is serving.
+    /// Requests that may wait for the model while it loads (at least 1): the service's queue
+    /// limit (`--max-queued`), so that no request waits that the service would refuse.
     pub max_queued: usize,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
-    /// Connections handled at once.
+    /// Threads of the runtime that serves the connections (each serves many).
     pub http_threads: usize,
+    /// Connections open at once; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// Time to send a request's head, and the longest a kept-alive connection may idle.
+    pub header_timeout: Duration,
+    /// Time to send a request's body.
+    pub body_timeout: Duration,
+    /// The longest an answer may wait for the client to read it.
+    pub write_timeout: Duration,
+    /// The model's id in `/v1/models`.
+    pub model_name: String,
 }
 
-/// What a handler asks of the generation worker.
-enum Job {
-    Api(ApiRequest, mpsc::Sender<Result<Value, ServiceError>>),
-    Completion(CompletionRequest, mpsc::Sender<CompletionEvent>),
-}
+/// How often the server looks at its stop condition.
+const STOP_POLL: Duration = Duration::from_millis(50);
+/// How long a stopping server waits for the last answers to be written.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// Open files kept free of connections (model files, logs, the generation thread's needs).
+const RESERVED_FILES: usize = 64;
 
-/// What the worker tells a completion's handler: text as it is generated, then the answer.
-enum CompletionEvent {
-    Delta(usize, String),
-    Done(Result<Value, ServiceError>),
-}
-
-/// A running server; [`GenerationServer::run`] serves until `stop` returns true.
+/// A bound server; [`GenerationServer::run`] serves until `stop` returns true.
 pub struct GenerationServer {
-    http: Arc<Server>,
+    listener: std::net::TcpListener,
     options: ServerOptions,
+    chat: ChatTemplate,
 }
 
 impl GenerationServer {
-    pub fn bind(options: ServerOptions) -> Result<Self> {
+    pub fn bind(mut options: ServerOptions) -> Result<Self> {
         let address = format!("{}:{}", options.host, options.port);
-        let http = Server::http(&address)
-            .map_err(|e| anyhow::anyhow!("cannot listen on {address}: {e}"))?;
+        let listener = std::net::TcpListener::bind(&address)
+            .with_context(|| format!("cannot listen on {address}"))?;
+        listener.set_nonblocking(true)?;
+        let files = raise_open_file_limit();
+        if options.max_connections + RESERVED_FILES > files {
+            let most = files.saturating_sub(RESERVED_FILES).max(1);
+            eprintln!(
+                "text_generation_server: --max-connections {} lowered to {most}: this process \
+                 may open {files} files (ulimit -n)",
+                options.max_connections
+            );
+            options.max_connections = most;
+        }
         Ok(GenerationServer {
-            http: Arc::new(http),
+            listener,
             options,
+            chat: ChatTemplate::plain(),
         })
+    }
+
+    /// Renders chat completions' messages through `template` (the plain one by default).
+    pub fn with_chat_template(mut self, template: ChatTemplate) -> Self {
+        self.chat = template;
+        self
     }
 
     /// The address actually bound (port 0 picks a free one).
     pub fn address(&self) -> Option<SocketAddr> {
-        self.http.server_addr().to_ip()
+        self.listener.local_addr().ok()
     }
 
     /// Serves until `stop()` is true, then finishes the requests in flight and returns.
-    /// `service` is built on the worker thread, which keeps the model for the server's life.
+    /// `service` is built on the generation thread, which keeps it for the server's life;
+    /// requests that arrive meanwhile wait (at most `max_queued` of them). `serving` is printed
+    /// once it is built (and `/health` answers 200).
     pub fn run(
         self,
         service: impl FnOnce() -> Result<TextGenerationService> + Send,
+        serving: &str,
         stop: impl Fn() -> bool + Sync,
     ) -> Result<()> {
-        let (queue, jobs) = mpsc::sync_channel::<Job>(self.options.max_queued);
+        let (queue, jobs) = Queue::new(self.options.max_queued);
+        let shared = Arc::new(Shared {
+            queue,
+            activity: Activity::default(),
+            cache_use: std::sync::OnceLock::new(),
+            metrics: ServerMetrics::default(),
+            chat: self.chat,
+            ready: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
+            started: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs(),
+            options: self.options,
+        });
+        let generation_ended = AtomicBool::new(false);
         std::thread::scope(|scope| -> Result<()> {
-            let worker = scope.spawn(move || -> Result<()> {
-                let service = service()?;
-                work(&service, jobs);
-                Ok(())
+            let worker = scope.spawn(|| -> Result<()> {
+                let outcome = service().map(|service| {
+                    let _ = shared.cache_use.set(service.cache_use_reader());
+                    shared.ready.store(true, Ordering::SeqCst);
+                    println!("{serving}");
+                    work(
+                        &service,
+                        jobs,
+                        &shared.queue,
+                        &shared.activity,
+                        &shared.metrics,
+                    );
+                });
+                generation_ended.store(true, Ordering::SeqCst);
+                outcome
             });
-            let handlers: Vec<_> = (0..self.options.http_threads.max(1))
-                .map(|_| {
-                    let queue = queue.clone();
-                    let (http, options, stop) = (&self.http, &self.options, &stop);
-                    scope.spawn(move || {
-                        while !stop() {
-                            match http.recv_timeout(Duration::from_millis(100)) {
-                                Ok(Some(request)) => handle(request, &queue, options),
-                                Ok(None) => {}
-                                Err(e) => {
-                                    eprintln!("text_generation_server: connection error: {e}")
-                                }
-                            }
-                        }
-                    })
-                })
-                .collect();
-            drop(queue);
-            for handler in handlers {
-                let _ = handler.join();
-            }
-            worker
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(shared.options.http_threads.max(1))
+                .thread_name("http")
+                .enable_all()
+                .build()
+                .context("cannot start the HTTP runtime")?;
+            // Moved, not cloned: once the server stops accepting, new connections are refused
+            // by the system instead of waiting in a backlog nobody reads.
+            let listener = self.listener;
+            let served = runtime.block_on(serve(listener, shared.clone(), &|| {
+                stop() || generation_ended.load(Ordering::SeqCst)
+            }));
+            shared.queue.close();
+            runtime.shutdown_timeout(Duration::from_secs(1));
+            let generated = worker
                 .join()
-                .map_err(|_| anyhow::anyhow!("the generation worker panicked"))?
+                .map_err(|_| anyhow::anyhow!("the generation thread panicked"))?;
+            served.and(generated)
         })
     }
 }
 
-fn work(service: &TextGenerationService, jobs: Receiver<Job>) {
-    let guarded = |run: &mut dyn FnMut() -> Result<Value, ServiceError>| {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
-            .unwrap_or_else(|_| Err(ServiceError::Failed("generation panicked".into())))
-    };
-    for job in jobs {
-        match job {
-            Job::Api(request, reply) => {
-                let _ = reply.send(guarded(&mut || service.respond(&request)));
-            }
-            Job::Completion(request, events) => {
-                let (id, created) = completion_id();
-                let outcome = guarded(&mut || {
-                    service.complete(&request, &id, created, &mut |index, text| {
-                        let _ = events.send(CompletionEvent::Delta(index, text.to_string()));
-                    })
-                });
-                let _ = events.send(CompletionEvent::Done(outcome));
-            }
-        }
-    }
-    if let Err(e) = service.stop_followers() {
-        eprintln!(
-            "text_generation_server: releasing the other tensor-parallel ranks failed: {e:#}"
-        );
-    }
-}
-
-/// A completion's id and creation time (seconds since the epoch), as OpenAI names them.
-fn completion_id() -> (String, u64) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    (format!("cmpl-{:x}", now.as_nanos()), now.as_secs())
-}
-
-type Body = Box<dyn Read + Send>;
-
-fn json_response(status: u16, body: &Value) -> Response<Body> {
-    let header = Header::from_bytes("Content-Type", "application/json").expect("a valid header");
-    Response::from_data(serde_json::to_vec(body).expect("JSON values serialise"))
-        .with_status_code(status)
-        .with_header(header)
-        .boxed()
-}
-
-/// Megatron answers errors with the message as a JSON string.
-fn message(status: u16, text: &str) -> Response<Body> {
-    json_response(status, &Value::String(text.to_string()))
-}
-
-/// OpenAI's error object.
-fn openai_error(status: u16, text: &str) -> Response<Body> {
-    let kind = if status < 500 {
-        "invalid_request_error"
-    } else {
-        "server_error"
-    };
-    json_response(
-        status,
-        &serde_json::json!({"error": {"message": text, "type": kind, "param": null, "code": null}}),
-    )
-}
-
-fn handle(mut request: Request, queue: &SyncSender<Job>, options: &ServerOptions) {
-    let response = match (request.url(), request.method()) {
-        ("/api", Method::Put) => megatron_api(&mut request, queue, options),
-        ("/v1/completions", Method::Post) => completions(&mut request, queue, options),
-        ("/api", _) => message(405, "use PUT /api"),
-        ("/v1/completions", _) => openai_error(405, "use POST /v1/completions"),
-        (url, _) => message(
-            404,
-            &format!("no such endpoint: {url} (PUT /api or POST /v1/completions)"),
-        ),
-    };
-    let _ = request.respond(response);
-}
-
-/// The request body as JSON, or the status and message to answer instead.
-fn read_json(request: &mut Request, options: &ServerOptions) -> Result<Value, (u16, String)> {
-    let too_large = || {
-        (
-            413,
-            format!(
-                "the request body is larger than {} bytes",
-                options.max_body_bytes
-            ),
-        )
-    };
-    if request
-        .body_length()
-        .is_some_and(|n| n > options.max_body_bytes)
-    {
-        return Err(too_large());
-    }
-    let mut body = Vec::new();
-    let limit = options.max_body_bytes as u64 + 1;
-    request
-        .as_reader()
-        .take(limit)
-        .read_to_end(&mut body)
-        .map_err(|e| (400, format!("cannot read the request body: {e}")))?;
-    if body.len() > options.max_body_bytes {
-        return Err(too_large());
-    }
-    serde_json::from_slice(&body).map_err(|e| (400, format!("malformed JSON: {e}")))
-}
-
-fn submit(queue: &SyncSender<Job>, job: Job, options: &ServerOptions) -> Result<(), String> {
-    match queue.try_send(job) {
-        Ok(()) => Ok(()),
-        Err(TrySendError::Full(_)) => Err(format!(
-            "the server is busy ({} requests are waiting); try again later",
-            options.max_queued
-        )),
-        Err(TrySendError::Disconnected(_)) => Err("the server is shutting down".into()),
-    }
-}
-
-fn megatron_api(
-    request: &mut Request,
-    queue: &SyncSender<Job>,
-    options: &ServerOptions,
-) -> Response<Body> {
-    let json = match read_json(request, options) {
-        Ok(json) => json,
-        Err((status, text)) => return message(status, &text),
-    };
-    let parsed = match ApiRequest::parse(&json) {
-        Ok(parsed) => parsed,
-        Err(e) => return message(400, &e.0),
-    };
-    if !parsed.no_log {
-        let peer = request
-            .remote_addr()
-            .map(|a| a.ip().to_string())
-            .unwrap_or_default();
-        println!("request IP: {peer}");
-        println!("{json}");
-        println!(
-            "start time: {}",
-            chrono::Local::now().format("%Y-%m-%d %H:%M:%S%.6f")
-        );
-    }
-    let (reply, answer) = mpsc::channel();
-    if let Err(busy) = submit(queue, Job::Api(parsed, reply), options) {
-        return message(503, &busy);
-    }
-    match answer.recv() {
-        Ok(Ok(body)) => json_response(200, &body),
-        Ok(Err(ServiceError::Rejected(text))) => message(400, &text),
-        Ok(Err(ServiceError::Failed(text))) => message(500, &text),
-        Err(_) => message(503, "the server is shutting down"),
-    }
-}
-
-fn completions(
-    request: &mut Request,
-    queue: &SyncSender<Job>,
-    options: &ServerOptions,
-) -> Response<Body> {
-    let parsed = match read_json(request, options)
-        .and_then(|json| CompletionRequest::parse(&json).map_err(|e| (400, e.0)))
-    {
-        Ok(parsed) => parsed,
-        Err((status, text)) => return openai_error(status, &text),
-    };
-    let (stream, model) = (parsed.stream, parsed.model.clone());
-    let (events, received) = mpsc::channel();
-    if let Err(busy) = submit(queue, Job::Completion(parsed, events), options) {
-        return openai_error(503, &busy);
-    }
-    if stream {
-        // The status goes out with the first event: a request the worker rejects before any
-        // text (too long, say) is answered 400 like an unstreamed one, not 200 and an error.
-        let first = match received.recv() {
-            Ok(CompletionEvent::Done(Err(ServiceError::Rejected(text)))) => {
-                return openai_error(400, &text)
-            }
-            Ok(CompletionEvent::Done(Err(ServiceError::Failed(text)))) => {
-                return openai_error(500, &text)
-            }
-            Ok(event) => event,
-            Err(_) => return openai_error(503, "the server is shutting down"),
-        };
-        let header =
-            Header::from_bytes("Content-Type", "text/event-stream").expect("a valid header");
-        let body = ServerSentEvents {
-            first: Some(first),
-            events: received,
-            model,
-            pending: Vec::new(),
-            finished: false,
-        };
-        return Response::new(
-            tiny_http::StatusCode(200),
-            vec![header],
-            Box::new(body) as Body,
-            None,
-            None,
-        );
-    }
+/// Accepts connections until `stop()`, then drains: new generation requests are refused
+/// while those in flight finish, and the connections are closed.
+async fn serve(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(shared.options.max_connections));
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(shared.options.header_timeout);
+    let mut poll = tokio::time::interval(STOP_POLL);
     loop {
-        match received.recv() {
-            Ok(CompletionEvent::Delta(..)) => continue,
-            Ok(CompletionEvent::Done(Ok(body))) => return json_response(200, &body),
-            Ok(CompletionEvent::Done(Err(ServiceError::Rejected(text)))) => {
-                return openai_error(400, &text)
-            }
-            Ok(CompletionEvent::Done(Err(ServiceError::Failed(text)))) => {
-                return openai_error(500, &text)
-            }
-            Err(_) => return openai_error(503, "the server is shutting down"),
-        }
-    }
-}
-
-/// Server-sent events from a completion's worker events: a `data:` line per text delta, then
-/// the choices with their finish reasons and the usage, then `data: [DONE]`.
-struct ServerSentEvents {
-    /// The event already received to decide the status.
-    first: Option<CompletionEvent>,
-    events: Receiver<CompletionEvent>,
-    model: String,
-    pending: Vec<u8>,
-    finished: bool,
-}
-
-impl ServerSentEvents {
-    fn next_event(&mut self) -> Option<Vec<u8>> {
-        if self.finished {
-            return None;
-        }
-        let event = |value: &Value| format!("data: {value}\n\n").into_bytes();
-        let next = match self.first.take() {
-            Some(first) => Ok(first),
-            None => self.events.recv(),
-        };
-        match next {
-            Ok(CompletionEvent::Delta(index, text)) => {
-                let (id, created) = completion_id();
-                Some(event(&delta_body(&id, created, &self.model, index, &text)))
-            }
-            Ok(CompletionEvent::Done(outcome)) => {
-                self.finished = true;
-                let last = match outcome {
-                    Ok(mut body) => {
-                        for choice in body["choices"].as_array_mut().into_iter().flatten() {
-                            choice["text"] = Value::String(String::new());
-                        }
-                        body
-                    }
-                    Err(ServiceError::Rejected(text) | ServiceError::Failed(text)) => {
-                        serde_json::json!({"error": {"message": text}})
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        // Out of file descriptors, say: wait for some to close.
+                        eprintln!("text_generation_server: cannot accept a connection: {e}");
+                        tokio::time::sleep(STOP_POLL).await;
+                        continue;
                     }
                 };
-                let mut bytes = event(&last);
-                bytes.extend_from_slice(b"data: [DONE]\n\n");
-                Some(bytes)
+                let _ = stream.set_nodelay(true);
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    tokio::spawn(refuse(stream));
+                    continue;
+                };
+                let for_requests = shared.clone();
+                let stream = WriteTimeout::new(stream, shared.options.write_timeout);
+                let connection = http.serve_connection(
+                    TokioIo::new(stream),
+                    service_fn(move |request| route(request, for_requests.clone(), peer)),
+                );
+                let connection = graceful.watch(connection);
+                let counted = shared.clone();
+                counted.connections.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                    counted.connections.fetch_sub(1, Ordering::SeqCst);
+                    drop(slot);
+                });
             }
-            Err(_) => {
-                self.finished = true;
-                None
+            _ = poll.tick() => {
+                if !shared.draining.load(Ordering::SeqCst) && stop() {
+                    shared.draining.store(true, Ordering::SeqCst);
+                    eprintln!("text_generation_server: stopping after the requests in flight");
+                }
+                if shared.draining.load(Ordering::SeqCst)
+                    && shared.in_flight.load(Ordering::SeqCst) == 0
+                {
+                    break;
+                }
             }
         }
     }
+    drop(listener);
+    let _ = tokio::time::timeout(CLOSE_GRACE, graceful.shutdown()).await;
+    Ok(())
 }
 
-impl Read for ServerSentEvents {
-    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
-        while self.pending.is_empty() {
-            match self.next_event() {
-                Some(bytes) => self.pending = bytes,
-                None => return Ok(0),
+/// Answers a connection beyond the limit with 503 and closes it, within a second.
+async fn refuse(mut stream: TcpStream) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(too_many_connections().as_bytes()).await?;
+        stream.shutdown().await?;
+        // Read what the client sent, so that closing does not reset the connection before it
+        // has read the answer.
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<(), std::io::Error>(())
+    })
+    .await;
+}
+
+/// Raises the soft limit on open files to the hard one; returns the limit.
+fn raise_open_file_limit() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 1024;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
             }
         }
-        let n = buffer.len().min(self.pending.len());
-        buffer[..n].copy_from_slice(&self.pending[..n]);
-        self.pending.drain(..n);
-        Ok(n)
     }
+    usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
 }

@@ -1,8 +1,18 @@
 //! A validated `/api` request in, Megatron's response out (spec §6.2–6.3): tokenization with
 //! `add_BOS`, the length limits, sampling or beam search, and `text`/`segments`/`logprobs`
-//! (or `scores`) built from the tokens.
+//! (or `scores`) built from the tokens; OpenAI completions likewise.
+//!
+//! Requests are served together: callers on any thread submit to one scheduler thread that
+//! owns the KV cache and runs the [`Batcher`]'s steps, so a request joins the running batch at
+//! the next step and leaves when its rows stop. Under tensor parallelism rank 0 tells the other
+//! ranks, before every step, which requests joined and which were cancelled; every rank then
+//! runs the same step.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 
 use anyhow::Result;
 use megatron_data::tokenizer::Tokenizer;
@@ -12,9 +22,10 @@ use tch::{Device, Kind, Tensor};
 
 use super::api::ApiRequest;
 use super::beam_search::{beam_search, BeamSearchRequest};
-use super::decoder::Decoder;
+use super::decoder::{Decoder, KvBudget};
 use super::generation::{
-    generate_tokens, generate_tokens_observed, GenerationRequest, StopCondition,
+    generate_tokens, BatchLimits, Batcher, CacheUse, Generation, GenerationRequest, Refusal,
+    RowSpec, StopCondition, DEFAULT_PREFILL_CHUNK,
 };
 use super::openai::{completion_body, text_offsets, Choice, CompletionRequest};
 use super::sampling::Sampling;
@@ -29,9 +40,44 @@ pub const DEFAULT_MAX_TOKENS: usize = 12_000;
 pub enum ServiceError {
     /// The request cannot be served as asked (HTTP 400 with Megatron's message).
     Rejected(String),
-    /// Something broke while serving it (HTTP 500).
+    /// The queue is full or the service is stopping: try again later (HTTP 503).
+    Busy(String),
+    /// Something broke while serving it, or it was cancelled (HTTP 500).
     Failed(String),
 }
+
+/// Set by a caller to give up a request: its rows leave the batch, and their KV cache blocks
+/// are freed, at the next step.
+#[derive(Debug, Clone, Default)]
+pub struct CancelFlag(Arc<AtomicBool>);
+
+impl CancelFlag {
+    pub fn new() -> Self {
+        CancelFlag::default()
+    }
+
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A shared view of a service's [`CacheUse`].
+#[derive(Clone)]
+pub struct CacheUseReader(Arc<Mutex<CacheUse>>);
+
+impl CacheUseReader {
+    pub fn read(&self) -> CacheUse {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What a streaming sink answers when its client has gone away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientGone;
 
 /// Token ids the request flags refer to, found through the tokenizer (GPT-2: 198, 628, 25).
 struct SpecialTokens {
@@ -41,24 +87,87 @@ struct SpecialTokens {
     colon: Option<i64>,
 }
 
-pub struct TextGenerationService {
-    /// The KV cache and decode graphs, kept from one request to the next. Declared first so
-    /// that it is dropped first: tearing down an NCCL communicator (the model's) waits until
-    /// the CUDA graphs that captured its collectives are gone.
-    decoder: Mutex<Decoder>,
+/// How the scheduler batches and where its KV cache may grow.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    limits: BatchLimits,
+    budget: KvBudget,
+    cuda_graphs: bool,
+}
+
+/// What the scheduler thread and the callers share: the model and how requests become rows.
+struct Core {
     model: GptModel,
     tokenizer: Arc<dyn Tokenizer>,
     max_tokens: usize,
     special: SpecialTokens,
-    /// With tensor parallelism: the group whose other ranks run every request with rank 0.
+    /// With tensor parallelism: the group whose other ranks run every step with rank 0.
     mirror: Option<Arc<dyn Communicator>>,
+    settings: Settings,
+    cache_use: Arc<Mutex<CacheUse>>,
 }
 
-/// What rank 0 tells the other tensor-parallel ranks to run.
+pub struct TextGenerationService {
+    /// Until the first request; then the scheduler thread owns it and hands it back when it
+    /// stops.
+    core: Mutex<Option<Core>>,
+    cache_use: Arc<Mutex<CacheUse>>,
+    /// The tokenizer requests are read with (also the core's).
+    tokenizer: Arc<dyn Tokenizer>,
+    /// Tokens a request may span: the model's positions within `--max-tokens-to-oom`.
+    longest_request: usize,
+    /// The scheduler thread's inbox, made by the first request.
+    inbox: OnceLock<Mutex<Sender<Command>>>,
+    scheduler: Mutex<Option<JoinHandle<Core>>>,
+    next_id: AtomicU64,
+}
+
+/// A request as every tensor-parallel rank runs it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 enum SharedJob {
     Api(ApiRequest),
     Completion(CompletionRequest),
+}
+
+/// What rank 0 tells the other ranks before each step.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Plan {
+    submit: Vec<(u64, SharedJob)>,
+    cancel: Vec<u64>,
+    stop: bool,
+}
+
+/// What a completion's caller receives: text as it is generated, then the answer.
+enum CompletionEvent {
+    Delta(usize, String),
+    Done(Result<Value, ServiceError>),
+}
+
+/// Where a request's answer goes (rank 0 only).
+enum Reply {
+    Api(Sender<Result<Value, ServiceError>>),
+    Completion(Sender<CompletionEvent>),
+}
+
+impl Reply {
+    fn send(&self, outcome: Result<Value, ServiceError>) {
+        let _ = match self {
+            Reply::Api(sender) => sender.send(outcome).map_err(|_| ()),
+            Reply::Completion(sender) => {
+                sender.send(CompletionEvent::Done(outcome)).map_err(|_| ())
+            }
+        };
+    }
+}
+
+/// A request for the scheduler thread.
+enum Command {
+    Submit {
+        id: u64,
+        job: SharedJob,
+        reply: Reply,
+        cancel: Option<CancelFlag>,
+    },
     Stop,
 }
 
@@ -67,6 +176,16 @@ fn single_token(tokenizer: &dyn Tokenizer, text: &str) -> Option<i64> {
         .tokenize(text)
         .ok()
         .and_then(|ids| ids.first().map(|&id| i64::from(id)))
+}
+
+/// A fresh random seed for a request that names none.
+fn fresh_seed() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    super::sampling::row_seed(nanos, COUNTER.fetch_add(1, Ordering::Relaxed) as usize)
 }
 
 impl TextGenerationService {
@@ -89,100 +208,595 @@ impl TextGenerationService {
             double_newline: single_token(tokenizer.as_ref(), "\n\n"),
             colon: single_token(tokenizer.as_ref(), ":"),
         };
+        let settings = Settings {
+            limits: BatchLimits {
+                max_batch_size: DEFAULT_MAX_BATCH_SIZE,
+                prefill_chunk: DEFAULT_PREFILL_CHUNK,
+                max_queued: DEFAULT_MAX_QUEUED,
+            },
+            budget: KvBudget::default(),
+            cuda_graphs: true,
+        };
+        let cache_use = Arc::new(Mutex::new(CacheUse::default()));
+        let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
         Ok(TextGenerationService {
-            decoder: Mutex::new(Decoder::with_cuda_graphs()),
-            model,
+            core: Mutex::new(Some(Core {
+                model,
+                tokenizer: Arc::clone(&tokenizer),
+                max_tokens,
+                special,
+                mirror: None,
+                settings,
+                cache_use: Arc::clone(&cache_use),
+            })),
+            cache_use,
             tokenizer,
-            max_tokens,
-            special,
-            mirror: None,
+            longest_request,
+            inbox: OnceLock::new(),
+            scheduler: Mutex::new(None),
+            next_id: AtomicU64::new(0),
         })
+    }
+
+    fn core_mut(&mut self) -> &mut Core {
+        self.core
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            .expect("configured before the first request")
+    }
+
+    /// The core, while no scheduler thread owns it.
+    fn take_core(&self) -> Option<Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn put_core(&self, core: Core) {
+        *self.core.lock().unwrap_or_else(|p| p.into_inner()) = Some(core);
     }
 
     /// Launches every decode step kernel by kernel instead of replaying CUDA graphs
     /// (`--no-cuda-graphs`), e.g. to compare the two.
     pub fn without_cuda_graphs(mut self) -> Self {
-        self.decoder = Mutex::new(Decoder::eager());
+        self.core_mut().settings.cuda_graphs = false;
+        self
+    }
+
+    /// How many rows run together, how much prompt is prefilled per step and how many
+    /// requests may wait (`--max-batch-size 1` serves one request at a time).
+    pub fn with_limits(mut self, limits: BatchLimits) -> Self {
+        self.core_mut().settings.limits = limits;
+        self
+    }
+
+    /// The memory the KV cache may take (`--kv-cache-gb`).
+    pub fn with_kv_budget(mut self, budget: KvBudget) -> Self {
+        self.core_mut().settings.budget = budget;
         self
     }
 
     /// Serves with tensor parallelism over `group`: rank 0 calls [`Self::respond`] and
     /// [`Self::complete`], the other ranks [`Self::follow`].
     pub fn with_tensor_parallel(mut self, group: Arc<dyn Communicator>) -> Self {
-        self.mirror = (group.size() > 1).then_some(group);
+        self.core_mut().mirror = (group.size() > 1).then_some(group);
         self
     }
 
-    /// Broadcasts `job` from rank 0 (no-op without tensor parallelism).
-    fn announce(&self, job: &SharedJob) -> Result<()> {
-        if let Some(group) = &self.mirror {
-            share_bytes(
-                group.as_ref(),
-                self.model.options().device,
-                Some(&serde_json::to_vec(job)?),
-            )?;
+    /// The KV cache's blocks and the rows and requests in the scheduler, after the last step.
+    pub fn cache_use(&self) -> CacheUse {
+        self.cache_use_reader().read()
+    }
+
+    /// Reads [`Self::cache_use`] from anywhere, for as long as the reader lives (the
+    /// server's `/metrics`, which outlives no service but cannot borrow it).
+    pub fn cache_use_reader(&self) -> CacheUseReader {
+        CacheUseReader(Arc::clone(&self.cache_use))
+    }
+
+    /// The tokenizer requests are read with.
+    pub fn tokenizer(&self) -> &dyn Tokenizer {
+        self.tokenizer.as_ref()
+    }
+
+    /// The most tokens a completion of a `prompt_tokens` long prompt may ask for: the
+    /// model's positions and the request budget (`--max-tokens-to-oom`) left after it.
+    pub fn room_after(&self, prompt_tokens: usize) -> usize {
+        self.longest_request.saturating_sub(prompt_tokens)
+    }
+
+    /// The other tensor-parallel ranks: runs every step rank 0 announces, until it stops.
+    pub fn follow(&self) -> Result<()> {
+        let core = self
+            .take_core()
+            .ok_or_else(|| anyhow::anyhow!("this service is already serving"))?;
+        let followed = if core.mirror.is_some() {
+            Scheduler::new(&core).follow()
+        } else {
+            Err(anyhow::anyhow!("following needs tensor parallelism"))
+        };
+        self.put_core(core);
+        followed
+    }
+
+    /// Rank 0, when the server stops: finishes the scheduler and releases the other ranks.
+    pub fn stop_followers(&self) -> Result<()> {
+        self.shut_down();
+        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(core) = core.as_ref().filter(|c| c.mirror.is_some()) {
+            if self.inbox.get().is_none() {
+                // No request ever started the scheduler: tell the other ranks directly.
+                share_plan(
+                    core,
+                    Some(&Plan {
+                        stop: true,
+                        ..Plan::default()
+                    }),
+                )?;
+            }
         }
         Ok(())
     }
 
-    /// The other tensor-parallel ranks: runs every request rank 0 announces, until it stops.
-    pub fn follow(&self) -> Result<()> {
-        let group = self
-            .mirror
-            .as_ref()
-            .ok_or_else(|| anyhow::anyhow!("following needs tensor parallelism"))?;
-        loop {
-            let bytes = share_bytes(group.as_ref(), self.model.options().device, None)?;
-            match serde_json::from_slice::<SharedJob>(&bytes)? {
-                SharedJob::Api(request) => {
-                    let _ = self.run_api(&request);
-                }
-                SharedJob::Completion(request) => {
-                    let _ = self.run_completion(&request, "", 0, &mut |_, _| {});
-                }
-                SharedJob::Stop => return Ok(()),
+    fn shut_down(&self) {
+        let handle = self
+            .scheduler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(handle) = handle {
+            if let Some(inbox) = self.inbox.get() {
+                let _ = inbox
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .send(Command::Stop);
+            }
+            if let Ok(core) = handle.join() {
+                self.put_core(core);
             }
         }
     }
 
-    /// Rank 0, when the server stops: releases the other ranks.
-    pub fn stop_followers(&self) -> Result<()> {
-        self.announce(&SharedJob::Stop)
+    /// Starts the scheduler thread now (else the first request does): it makes the KV cache
+    /// and captures the decode graphs before it takes requests.
+    pub fn start(&self) {
+        self.inbox();
     }
 
-    /// Seeds the sampling generators for a request that names a seed.
-    fn seed(&self, seed: Option<u64>) -> Result<(), ServiceError> {
-        if let Some(seed) = seed {
-            crate::rng::manual_seed(self.model.options().device, seed)
-                .map_err(|e| ServiceError::Failed(e.to_string()))?;
-            tch::manual_seed(seed as i64);
-        }
-        Ok(())
-    }
-
-    /// Every rank must draw the same samples: without a seed in the request rank 0 picks one.
-    fn shared_seed(&self, seed: Option<u64>) -> Option<u64> {
-        seed.or_else(|| {
-            self.mirror.as_ref().map(|_| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_nanos() as u64
-            })
+    /// The scheduler thread's inbox, the thread started the first time.
+    fn inbox(&self) -> &Mutex<Sender<Command>> {
+        self.inbox.get_or_init(|| {
+            let (sender, receiver) = mpsc::channel();
+            if let Some(core) = self.take_core() {
+                let handle = std::thread::Builder::new()
+                    .name("generation-scheduler".into())
+                    .spawn(move || {
+                        Scheduler::new(&core).lead(receiver);
+                        core
+                    })
+                    .expect("the scheduler thread starts");
+                *self.scheduler.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+            }
+            Mutex::new(sender)
         })
     }
 
-    pub fn respond(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
-        let request = ApiRequest {
-            random_seed: self.shared_seed(request.random_seed),
-            ..request.clone()
-        };
-        self.announce(&SharedJob::Api(request.clone()))
-            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
-        self.run_api(&request)
+    /// Hands `job` to the scheduler thread, starting it the first time.
+    fn submit(
+        &self,
+        job: SharedJob,
+        reply: Reply,
+        cancel: Option<CancelFlag>,
+    ) -> Result<(), ServiceError> {
+        let inbox = self.inbox();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        inbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(Command::Submit {
+                id,
+                job,
+                reply,
+                cancel,
+            })
+            .map_err(|_| ServiceError::Busy("the server is shutting down".into()))
     }
 
-    fn run_api(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
+    pub fn respond(&self, request: &ApiRequest) -> Result<Value, ServiceError> {
+        self.respond_cancellable(request, None)
+    }
+
+    /// [`Self::respond`], given up when `cancel` is set.
+    pub fn respond_cancellable(
+        &self,
+        request: &ApiRequest,
+        cancel: Option<&CancelFlag>,
+    ) -> Result<Value, ServiceError> {
+        let request = ApiRequest {
+            random_seed: Some(request.random_seed.unwrap_or_else(fresh_seed)),
+            ..request.clone()
+        };
+        let (reply, answer) = mpsc::channel();
+        self.submit(SharedJob::Api(request), Reply::Api(reply), cancel.cloned())?;
+        answer
+            .recv()
+            .unwrap_or_else(|_| Err(ServiceError::Busy("the server is shutting down".into())))
+    }
+
+    /// An OpenAI completion: `on_delta(choice, text)` receives the text as it is generated
+    /// (held back while it may still turn into a stop sequence or an incomplete character).
+    pub fn complete(
+        &self,
+        request: &CompletionRequest,
+        id: &str,
+        created: u64,
+        on_delta: &mut dyn FnMut(usize, &str),
+    ) -> Result<Value, ServiceError> {
+        self.complete_streaming(
+            request,
+            id,
+            created,
+            &mut |choice, text| {
+                on_delta(choice, text);
+                Ok(())
+            },
+            None,
+        )
+    }
+
+    /// [`Self::complete`] whose sink may report that its client has gone: the request is then
+    /// cancelled (as when `cancel` is set) and its KV cache blocks freed at the next step.
+    pub fn complete_streaming(
+        &self,
+        request: &CompletionRequest,
+        id: &str,
+        created: u64,
+        on_delta: &mut dyn FnMut(usize, &str) -> Result<(), ClientGone>,
+        cancel: Option<&CancelFlag>,
+    ) -> Result<Value, ServiceError> {
+        let request = CompletionRequest {
+            seed: Some(request.seed.unwrap_or_else(fresh_seed)),
+            ..request.clone()
+        };
+        let cancel = cancel.cloned().unwrap_or_default();
+        let (events, received) = mpsc::channel();
+        self.submit(
+            SharedJob::Completion(request),
+            Reply::Completion(events),
+            Some(cancel.clone()),
+        )?;
+        loop {
+            match received.recv() {
+                Ok(CompletionEvent::Delta(choice, text)) => {
+                    if on_delta(choice, &text).is_err() {
+                        cancel.cancel();
+                    }
+                }
+                Ok(CompletionEvent::Done(outcome)) => {
+                    return outcome.map(|mut body| {
+                        body["id"] = Value::String(id.to_string());
+                        body["created"] = json!(created);
+                        body
+                    })
+                }
+                Err(_) => return Err(ServiceError::Busy("the server is shutting down".into())),
+            }
+        }
+    }
+}
+
+impl Drop for TextGenerationService {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+/// Rows decoded together by default (`--max-batch-size`).
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+/// Requests that may wait for room by default (`--max-queued`).
+pub const DEFAULT_MAX_QUEUED: usize = 256;
+
+/// Broadcasts `plan` from rank 0 (`Some`), or receives it on the other ranks (`None`).
+fn share_plan(core: &Core, plan: Option<&Plan>) -> Result<Plan> {
+    let group = core.mirror.as_ref().expect("tensor parallelism");
+    let bytes = plan.map(serde_json::to_vec).transpose()?;
+    let received = share_bytes(
+        group.as_ref(),
+        core.model.options().device,
+        bytes.as_deref(),
+    )?;
+    Ok(serde_json::from_slice(&received)?)
+}
+
+/// A request being served: how its answer is built, and (on rank 0) where it goes.
+struct Active {
+    job: Prepared,
+    reply: Option<Reply>,
+    cancel: Option<CancelFlag>,
+}
+
+/// A request turned into what runs.
+enum Prepared {
+    /// Megatron's `/api`: rows batched with the others.
+    Api,
+    /// An OpenAI completion: rows batched with the others, streamed as they go.
+    Completion(Box<CompletionState>),
+}
+
+/// A completion while its rows run: the prompts and each choice's stream.
+struct CompletionState {
+    request: CompletionRequest,
+    prompts: Vec<Vec<i64>>,
+    prompt_texts: Vec<String>,
+    streams: Vec<CompletionStream>,
+    /// The caller stopped listening (rank 0).
+    gone: bool,
+}
+
+/// What a request needs once validated.
+enum Start {
+    /// Rows for the batcher.
+    Rows(Prepared, Vec<RowSpec>),
+    /// Answered at once, outside the batch (beam search, prompt scoring).
+    Now(Result<Value, ServiceError>),
+}
+
+/// The scheduler: the batcher and the decoder (declared first, dropped before the model: tearing
+/// down an NCCL communicator waits until the CUDA graphs that captured its collectives are
+/// gone), and the requests in flight.
+struct Scheduler<'a> {
+    decoder: Decoder,
+    batcher: Batcher,
+    core: &'a Core,
+    active: HashMap<u64, Active>,
+}
+
+impl<'a> Scheduler<'a> {
+    fn new(core: &'a Core) -> Self {
+        let settings = core.settings;
+        let decoder = if settings.cuda_graphs {
+            Decoder::with_cuda_graphs()
+        } else {
+            Decoder::eager()
+        };
+        Scheduler {
+            decoder: decoder.with_budget(settings.budget),
+            batcher: Batcher::new(settings.limits),
+            core,
+            active: HashMap::new(),
+        }
+    }
+
+    /// Rank 0: takes requests from `inbox`, tells the other ranks each step's plan, runs it.
+    fn lead(mut self, inbox: Receiver<Command>) {
+        if let Device::Cuda(index) = self.core.model.options().device {
+            let _ = crate::runtime::set_cuda_device(index);
+        }
+        self.warm_up();
+        let mut stopping = false;
+        let mut pending: Vec<(u64, Reply, Option<CancelFlag>)> = Vec::new();
+        loop {
+            let mut plan = Plan::default();
+            let mut take = |command: Command, plan: &mut Plan| match command {
+                Command::Submit {
+                    id,
+                    job,
+                    reply,
+                    cancel,
+                } => {
+                    plan.submit.push((id, job));
+                    pending.push((id, reply, cancel));
+                }
+                Command::Stop => plan.stop = true,
+            };
+            if self.batcher.is_idle() && !stopping {
+                match inbox.recv() {
+                    Ok(command) => take(command, &mut plan),
+                    Err(_) => plan.stop = true,
+                }
+            }
+            while let Ok(command) = inbox.try_recv() {
+                take(command, &mut plan);
+            }
+            stopping |= plan.stop;
+            for (&id, active) in &self.active {
+                let gone = matches!(&active.job, Prepared::Completion(state) if state.gone);
+                if gone || active.cancel.as_ref().is_some_and(CancelFlag::is_cancelled) {
+                    plan.cancel.push(id);
+                }
+            }
+            // Stop once the requests in flight are done.
+            plan.stop = stopping && self.batcher.is_idle() && plan.submit.is_empty();
+            if self.core.mirror.is_some() {
+                if let Err(e) = share_plan(self.core, Some(&plan)) {
+                    eprintln!("text_generation_server: telling the other ranks failed: {e:#}");
+                }
+            }
+            let mut replies: HashMap<u64, (Reply, Option<CancelFlag>)> = pending
+                .drain(..)
+                .map(|(id, reply, cancel)| (id, (reply, cancel)))
+                .collect();
+            if self.run(plan, &mut replies) {
+                return;
+            }
+        }
+    }
+
+    /// The other ranks: runs each plan rank 0 announces until it says stop.
+    fn follow(mut self) -> Result<()> {
+        self.warm_up();
+        loop {
+            let plan = share_plan(self.core, None)?;
+            if self.run(plan, &mut HashMap::new()) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Makes the KV cache and captures the decode graphs before the first request (every rank
+    /// does, in the same order); a failure is reported and left to the first request.
+    fn warm_up(&mut self) {
+        let started = std::time::Instant::now();
+        let rows = self.core.settings.limits.max_batch_size as i64;
+        match self.decoder.warm_up(&self.core.model, rows) {
+            Ok(0) => {}
+            Ok(graphs) => eprintln!(
+                "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}) in {:.1} s",
+                super::decoder::bucket(rows),
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => eprintln!("text_generation_server: warming up the decoder failed: {e:#}"),
+        }
+    }
+
+    /// Applies `plan` and runs one step; `true` when the plan says stop.
+    fn run(&mut self, plan: Plan, replies: &mut HashMap<u64, (Reply, Option<CancelFlag>)>) -> bool {
+        let cancelled: Vec<Active> = plan
+            .cancel
+            .iter()
+            .filter_map(|&id| {
+                self.batcher.cancel(&mut self.decoder, id);
+                self.active.remove(&id)
+            })
+            .collect();
+        // Their blocks are free before their callers hear of it.
+        self.publish();
+        for active in cancelled {
+            if let Some(reply) = active.reply {
+                reply.send(Err(ServiceError::Failed(
+                    "the request was cancelled".into(),
+                )));
+            }
+        }
+        for (id, job) in plan.submit {
+            let (reply, cancel) = match replies.remove(&id) {
+                Some((reply, cancel)) => (Some(reply), cancel),
+                None => (None, None),
+            };
+            self.start(id, job, reply, cancel);
+        }
+        if plan.stop {
+            return true;
+        }
+        if !self.batcher.is_idle() {
+            self.step();
+        }
+        self.publish();
+        false
+    }
+
+    /// Shows the cache's use to [`TextGenerationService::cache_use`].
+    fn publish(&self) {
+        *self
+            .core
+            .cache_use
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = self.batcher.cache_use();
+    }
+
+    /// Validates a request and queues its rows, or answers it.
+    fn start(&mut self, id: u64, job: SharedJob, reply: Option<Reply>, cancel: Option<CancelFlag>) {
+        let prepared = guarded(|| match &job {
+            SharedJob::Api(request) => self.core.prepare_api(request),
+            SharedJob::Completion(request) => self.core.prepare_completion(request, reply.as_ref()),
+        });
+        let (job, rows) = match prepared {
+            Ok(Start::Rows(job, rows)) => (job, rows),
+            Ok(Start::Now(outcome)) => {
+                if let Some(reply) = reply {
+                    reply.send(outcome);
+                }
+                return;
+            }
+            Err(e) => {
+                if let Some(reply) = reply {
+                    reply.send(Err(e));
+                }
+                return;
+            }
+        };
+        match self
+            .batcher
+            .submit(&self.core.model, &mut self.decoder, id, rows)
+        {
+            Ok(()) => {
+                self.active.insert(id, Active { job, reply, cancel });
+            }
+            Err(refusal) => {
+                let error = match refusal {
+                    Refusal::Busy(text) => ServiceError::Busy(text),
+                    Refusal::TooLarge(text) => ServiceError::Rejected(text),
+                    Refusal::Failed(e) => ServiceError::Failed(format!("{e:#}")),
+                };
+                if let Some(reply) = reply {
+                    reply.send(Err(error));
+                }
+            }
+        }
+    }
+
+    /// One batcher step: streams the new tokens and answers the finished requests. A failed
+    /// step fails every request in flight and starts the cache afresh.
+    fn step(&mut self) {
+        let core = self.core;
+        let active = &mut self.active;
+        let batcher = &mut self.batcher;
+        let decoder = &mut self.decoder;
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            batcher.step(
+                &core.model,
+                decoder,
+                &mut |id, row, token| match active.get_mut(&id) {
+                    Some(Active {
+                        job: Prepared::Completion(state),
+                        reply,
+                        ..
+                    }) => core.observe(state, reply.as_ref(), row, token),
+                    _ => false,
+                },
+            )
+        }));
+        let finished = match outcome {
+            Ok(Ok(finished)) => finished,
+            Ok(Err(e)) => return self.fail_all(format!("{e:#}")),
+            Err(_) => return self.fail_all("generation panicked".into()),
+        };
+        // The finished rows' blocks are free before their callers hear of it.
+        self.publish();
+        for (id, generation) in finished {
+            let Some(active) = self.active.remove(&id) else {
+                continue;
+            };
+            let outcome = guarded(|| match active.job {
+                Prepared::Api => self.core.finish_api(generation),
+                Prepared::Completion(state) => self.core.finish_completion(*state, generation),
+            });
+            if let Some(reply) = active.reply {
+                reply.send(outcome);
+            }
+        }
+    }
+
+    fn fail_all(&mut self, message: String) {
+        self.batcher.clear(&mut self.decoder);
+        self.decoder.reset();
+        for (_, active) in self.active.drain() {
+            if let Some(reply) = active.reply {
+                reply.send(Err(ServiceError::Failed(message.clone())));
+            }
+        }
+    }
+}
+
+/// Runs `body`, a panic turned into a failure.
+fn guarded<T>(body: impl FnOnce() -> Result<T, ServiceError>) -> Result<T, ServiceError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body))
+        .unwrap_or_else(|_| Err(ServiceError::Failed("generation panicked".into())))
+}
+
+impl Core {
+    /// Megatron's checks in Megatron's order, then the rows to batch (or, for beam search and
+    /// `tokens_to_generate = 0`, the answer).
+    fn prepare_api(&self, request: &ApiRequest) -> Result<Start, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
         let prompts = self
             .tokenize(&request.prompts, request.add_bos)
@@ -210,7 +824,6 @@ impl TextGenerationService {
                 self.max_tokens
             )));
         }
-        self.seed(request.random_seed)?;
         let colon_newline = match (
             request.prevent_newline_after_colon,
             self.special.colon,
@@ -225,42 +838,62 @@ impl TextGenerationService {
                 ))
             }
         };
-        match request.beam_width {
-            Some(beam_width) => self.beam(
+        if let Some(beam_width) = request.beam_width {
+            let prompt = prompts.into_iter().next().unwrap_or_default();
+            return Ok(Start::Now(self.beam(
                 request,
-                prompts.into_iter().next().unwrap_or_default(),
+                prompt,
                 beam_width,
                 colon_newline,
-            ),
-            None => self.sample(request, prompts, colon_newline),
+            )));
         }
-    }
-
-    /// An OpenAI completion: `on_delta(choice, text)` receives the text as it is generated
-    /// (held back while it may still turn into a stop sequence or an incomplete character).
-    pub fn complete(
-        &self,
-        request: &CompletionRequest,
-        id: &str,
-        created: u64,
-        on_delta: &mut dyn FnMut(usize, &str),
-    ) -> Result<Value, ServiceError> {
-        let request = CompletionRequest {
-            seed: self.shared_seed(request.seed),
-            ..request.clone()
+        if prompts.iter().any(Vec::is_empty) {
+            return Err(ServiceError::Rejected("a prompt has no tokens".into()));
+        }
+        let generation = GenerationRequest {
+            prompts,
+            tokens_to_generate: request.tokens_to_generate,
+            sampling: Sampling {
+                temperature: request.temperature,
+                top_k: request.top_k,
+                top_p: request.top_p,
+                top_p_decay: request.top_p_decay,
+                top_p_bound: request.top_p_bound,
+            },
+            stop: self.stop_condition(request)?,
+            prevent_newline_after_colon: colon_newline,
+            logprobs: request.logprobs,
+            pad: self.special.eod,
         };
-        self.announce(&SharedJob::Completion(request.clone()))
-            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
-        self.run_completion(&request, id, created, on_delta)
+        if request.tokens_to_generate == 0 {
+            let scored = self.score(&generation);
+            return Ok(Start::Now(scored.and_then(|out| self.finish_api(out))));
+        }
+        let rows = generation
+            .rows(request.random_seed.unwrap_or(0))
+            .map_err(|e| ServiceError::Rejected(format!("{e:#}")))?;
+        Ok(Start::Rows(Prepared::Api, rows))
     }
 
-    fn run_completion(
+    /// One forward scoring the prompts (no new tokens).
+    fn score(&self, generation: &GenerationRequest) -> Result<Generation, ServiceError> {
+        generate_tokens(&self.model, generation, &mut Decoder::eager())
+            .map_err(|e| ServiceError::Failed(format!("{e:#}")))
+    }
+
+    /// Megatron's answer: every row's text, its tokens one by one and their log-probabilities.
+    fn finish_api(&self, out: Generation) -> Result<Value, ServiceError> {
+        let (text, segments) = self.texts(&out.tokens)?;
+        Ok(json!({"text": text, "segments": segments, "logprobs": out.logprobs}))
+    }
+
+    /// OpenAI's checks, the echoed prompts sent, then the rows to batch (or, for
+    /// `max_tokens = 0`, the answer).
+    fn prepare_completion(
         &self,
         request: &CompletionRequest,
-        id: &str,
-        created: u64,
-        on_delta: &mut dyn FnMut(usize, &str),
-    ) -> Result<Value, ServiceError> {
+        reply: Option<&Reply>,
+    ) -> Result<Start, ServiceError> {
         let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
         let (prompts, prompt_texts) = match &request.prompt_token_ids {
             Some(rows) => {
@@ -305,11 +938,12 @@ impl TextGenerationService {
                 self.max_tokens
             )));
         }
-        self.seed(request.seed)?;
         if request.echo {
             // A streamed echo starts with the prompt, as the whole answer does.
-            for (row, prompt) in prompt_texts.iter().enumerate() {
-                on_delta(row, prompt);
+            if let Some(Reply::Completion(events)) = reply {
+                for (row, prompt) in prompt_texts.iter().enumerate() {
+                    let _ = events.send(CompletionEvent::Delta(row, prompt.clone()));
+                }
             }
         }
         let sampling = if request.temperature == 0.0 {
@@ -328,24 +962,6 @@ impl TextGenerationService {
                 top_p_bound: 0.0,
             }
         };
-        let mut streams: Vec<CompletionStream> = prompts
-            .iter()
-            .map(|_| CompletionStream::default())
-            .collect();
-        let mut observer = |row: usize, token: i64| -> bool {
-            let stream = &mut streams[row];
-            if token == self.special.eod {
-                stream.finish = Some("stop");
-                return true;
-            }
-            stream.tokens.push(token);
-            stream.advance(
-                self.tokenizer.as_ref(),
-                &request.stop,
-                request.max_tokens,
-                &mut |text| on_delta(row, text),
-            )
-        };
         let generation = GenerationRequest {
             prompts: prompts.clone(),
             tokens_to_generate: request.max_tokens,
@@ -355,20 +971,74 @@ impl TextGenerationService {
             logprobs: request.logprobs,
             pad: self.special.eod,
         };
-        let out = if request.max_tokens == 0 {
-            generate_tokens(&self.model, &generation, &mut self.decoder())
-        } else {
-            generate_tokens_observed(
-                &self.model,
-                &generation,
-                &mut self.decoder(),
-                Some(&mut observer),
-            )
+        let state = CompletionState {
+            request: request.clone(),
+            streams: prompts
+                .iter()
+                .map(|_| CompletionStream::default())
+                .collect(),
+            prompts,
+            prompt_texts,
+            gone: false,
+        };
+        if request.max_tokens == 0 {
+            let scored = self.score(&generation);
+            return Ok(Start::Now(
+                scored.and_then(|out| self.finish_completion(state, out)),
+            ));
         }
-        .map_err(failed)?;
+        let rows = generation
+            .rows(request.seed.unwrap_or(0))
+            .map_err(|e| ServiceError::Rejected(format!("{e:#}")))?;
+        Ok(Start::Rows(Prepared::Completion(Box::new(state)), rows))
+    }
+
+    /// A completion's new token: streams what is certain of its text; `true` ends the row (the
+    /// end-of-document token, a stop sequence or `max_tokens`).
+    fn observe(
+        &self,
+        state: &mut CompletionState,
+        reply: Option<&Reply>,
+        row: usize,
+        token: i64,
+    ) -> bool {
+        let stream = &mut state.streams[row];
+        if token == self.special.eod {
+            stream.finish = Some("stop");
+            return true;
+        }
+        stream.tokens.push(token);
+        let mut gone = false;
+        let ended = stream.advance(
+            self.tokenizer.as_ref(),
+            &state.request.stop,
+            state.request.max_tokens,
+            &mut |text| {
+                if let Some(Reply::Completion(events)) = reply {
+                    gone |= events
+                        .send(CompletionEvent::Delta(row, text.to_string()))
+                        .is_err();
+                }
+            },
+        );
+        state.gone |= gone;
+        ended
+    }
+
+    /// The completion's answer from its streams and the generated tokens (`id` and `created`
+    /// are filled in by the caller).
+    fn finish_completion(
+        &self,
+        mut state: CompletionState,
+        out: Generation,
+    ) -> Result<Value, ServiceError> {
+        let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
+        let request = &state.request;
+        let prompts = &state.prompts;
+        let prompt_texts = &state.prompt_texts;
         let mut choices = Vec::with_capacity(prompts.len());
         let mut completion_tokens = 0;
-        for (row, stream) in streams.iter_mut().enumerate() {
+        for (row, stream) in state.streams.iter_mut().enumerate() {
             if stream.finish.is_none() && stream.tokens.len() < request.max_tokens {
                 stream.finish = Some("stop");
             }
@@ -434,8 +1104,8 @@ impl TextGenerationService {
         }
         let prompt_tokens = prompts.iter().map(Vec::len).sum();
         Ok(completion_body(
-            id,
-            created,
+            "",
+            0,
             &request.model,
             &choices,
             Some((prompt_tokens, completion_tokens)),
@@ -508,17 +1178,6 @@ impl TextGenerationService {
         Ok((chosen, alternatives))
     }
 
-    /// The decoder; requests run one at a time, so this never waits. After a panic in an
-    /// earlier request (a poisoned lock) its cache and graphs are dropped, not trusted.
-    fn decoder(&self) -> std::sync::MutexGuard<'_, Decoder> {
-        self.decoder.lock().unwrap_or_else(|poisoned| {
-            let mut decoder = poisoned.into_inner();
-            decoder.reset();
-            self.decoder.clear_poison();
-            decoder
-        })
-    }
-
     /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
     fn tokenize(&self, prompts: &[String], add_bos: bool) -> Result<Vec<Vec<i64>>> {
         prompts
@@ -555,34 +1214,25 @@ impl TextGenerationService {
         })
     }
 
-    fn sample(
-        &self,
-        request: &ApiRequest,
-        prompts: Vec<Vec<i64>>,
-        colon_newline: Option<(i64, i64)>,
-    ) -> Result<Value, ServiceError> {
-        if prompts.iter().any(Vec::is_empty) {
-            return Err(ServiceError::Rejected("a prompt has no tokens".into()));
-        }
-        let generation = GenerationRequest {
-            prompts,
-            tokens_to_generate: request.tokens_to_generate,
-            sampling: Sampling {
-                temperature: request.temperature,
-                top_k: request.top_k,
-                top_p: request.top_p,
-                top_p_decay: request.top_p_decay,
-                top_p_bound: request.top_p_bound,
-            },
-            stop: self.stop_condition(request)?,
-            prevent_newline_after_colon: colon_newline,
-            logprobs: request.logprobs,
-            pad: self.special.eod,
+    /// Each row's text, and its tokens one by one.
+    fn texts(&self, rows: &[Vec<i64>]) -> Result<(Vec<String>, Vec<Vec<String>>), ServiceError> {
+        let detokenize = |ids: &[u32]| {
+            self.tokenizer
+                .detokenize(ids)
+                .map_err(|e| ServiceError::Failed(e.to_string()))
         };
-        let out = generate_tokens(&self.model, &generation, &mut self.decoder())
-            .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
-        let (text, segments) = self.texts(&out.tokens)?;
-        Ok(json!({"text": text, "segments": segments, "logprobs": out.logprobs}))
+        let mut texts = Vec::with_capacity(rows.len());
+        let mut segments = Vec::with_capacity(rows.len());
+        for row in rows {
+            let ids: Vec<u32> = row.iter().map(|&t| t as u32).collect();
+            texts.push(detokenize(&ids)?);
+            segments.push(
+                ids.iter()
+                    .map(|&id| detokenize(&[id]))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        Ok((texts, segments))
     }
 
     fn beam(
@@ -609,27 +1259,6 @@ impl TextGenerationService {
             .map_err(|e| ServiceError::Failed(format!("{e:#}")))?;
         let (text, segments) = self.texts(&out.tokens)?;
         Ok(json!({"text": text, "segments": segments, "scores": out.scores}))
-    }
-
-    /// Each row's text, and its tokens one by one.
-    fn texts(&self, rows: &[Vec<i64>]) -> Result<(Vec<String>, Vec<Vec<String>>), ServiceError> {
-        let detokenize = |ids: &[u32]| {
-            self.tokenizer
-                .detokenize(ids)
-                .map_err(|e| ServiceError::Failed(e.to_string()))
-        };
-        let mut texts = Vec::with_capacity(rows.len());
-        let mut segments = Vec::with_capacity(rows.len());
-        for row in rows {
-            let ids: Vec<u32> = row.iter().map(|&t| t as u32).collect();
-            texts.push(detokenize(&ids)?);
-            segments.push(
-                ids.iter()
-                    .map(|&id| detokenize(&[id]))
-                    .collect::<Result<Vec<_>, _>>()?,
-            );
-        }
-        Ok((texts, segments))
     }
 }
 

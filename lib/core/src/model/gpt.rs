@@ -13,8 +13,9 @@ use tch::{Device, Kind, Tensor};
 use super::chunk::{impl_model_chunk, load_named};
 use super::config::{GptConfig, PositionEmbeddingType};
 use super::layers::{
-    AttentionMask, DecodeStep, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
-    RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm, PagedKvCache,
+    PagedStep, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
+    VocabParallelEmbedding,
 };
 use super::param::Param;
 use super::stack::{
@@ -355,34 +356,6 @@ impl GptModel {
         )
     }
 
-    /// One decode step for every sequence of `cache`: `tokens` (`[b, 1]`) at the position that
-    /// `position` (`[1]`, int64) holds on the device, attending to the first `window` cache
-    /// slots. Its kernels and addresses depend only on the batch and `window`, so it can be
-    /// captured in a CUDA graph and replayed for any position below `window`; the caller keeps
-    /// `cache`'s length. Logits `[1, b, padded vocabulary]` as [`forward_cached`](Self::forward_cached).
-    pub fn forward_decode_step(
-        &self,
-        tokens: &Tensor,
-        position: &Tensor,
-        window: i64,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        ensure!(
-            window <= cache.capacity(),
-            "a decode window of {window} positions exceeds the KV cache ({})",
-            cache.capacity()
-        );
-        let step = DecodeStep::new(position, window, self.options.params_dtype);
-        self.run_cached(
-            tokens,
-            position,
-            cache,
-            |layer, hidden, rotary, layer_cache| {
-                layer.forward_decode(hidden, rotary, layer_cache, &step)
-            },
-        )
-    }
-
     /// Inference through the KV cache: `tokens` (`[b, s]`) at `positions` (`[s]`, on the
     /// device), each layer run by `layer_step`; logits `[s, b, padded vocabulary]` gathered from
     /// the tensor-parallel ranks.
@@ -405,14 +378,80 @@ impl GptModel {
         for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
             hidden = layer_step(layer, &hidden, rotary.as_ref(), layer_cache)?;
         }
+        self.inference_head(&hidden)
+    }
+
+    /// The final norm and the logits of a whole model's last hidden states, gathered from the
+    /// tensor-parallel ranks.
+    fn inference_head(&self, hidden: &Tensor) -> Result<Tensor> {
         let norm = self
             .final_layernorm
             .as_ref()
             .expect("whole models have the final norm");
         gather_from_tensor_parallel_region(
-            &self.logits(&norm.forward(&hidden))?,
+            &self.logits(&norm.forward(hidden))?,
             &self.parallel.group,
         )
+    }
+
+    /// An empty paged KV cache of `blocks` blocks (see [`PagedKvCache`]).
+    pub fn new_paged_kv_cache(&self, blocks: i64) -> Result<PagedKvCache> {
+        let (groups, kind) = self.kv_cache_shape()?;
+        PagedKvCache::new(
+            self.layers.len(),
+            blocks,
+            groups,
+            self.config.kv_channels,
+            kind,
+            self.options.device,
+        )
+    }
+
+    /// Bytes one block of a paged KV cache of this model takes.
+    pub fn kv_block_bytes(&self) -> Result<u64> {
+        let (groups, kind) = self.kv_cache_shape()?;
+        Ok(PagedKvCache::block_bytes(
+            self.layers.len(),
+            groups,
+            self.config.kv_channels,
+            kind,
+        ))
+    }
+
+    /// Query groups of this rank and the dtype a KV cache holds.
+    fn kv_cache_shape(&self) -> Result<(i64, Kind)> {
+        ensure!(
+            self.spec.pre_process && self.spec.post_process && !self.parallel.sequence_parallel,
+            "cached inference runs on a whole model (no pipeline stages) without sequence parallelism"
+        );
+        let groups = self.config.num_query_groups / self.parallel.group.size() as i64;
+        Ok((groups, self.options.params_dtype))
+    }
+
+    /// Inference of new positions of several sequences through a paged KV cache: `tokens`
+    /// (`[b, s]`) at `positions` (`[b, s]`, int64, on the device), their keys and values
+    /// stored and attended to as `step` says. Its kernels depend only on the shapes, so a
+    /// decode step can be captured in a CUDA graph. Logits `[s, b, padded vocabulary]`,
+    /// gathered from the tensor-parallel ranks.
+    pub fn forward_paged(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        cache: &mut PagedKvCache,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        ensure!(
+            cache.num_layers() == self.layers.len(),
+            "a KV cache of {} layers for a model of {}",
+            cache.num_layers(),
+            self.layers.len()
+        );
+        let mut hidden = self.embed(tokens, positions, false)?;
+        let rotary = self.rotary.as_ref().map(|r| r.tables_per_row(positions));
+        for (index, layer) in self.layers.iter().enumerate() {
+            hidden = layer.forward_paged(&hidden, rotary.as_ref(), cache.layer_mut(index), step)?;
+        }
+        self.inference_head(&hidden)
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {

@@ -174,3 +174,34 @@ pub fn libtorch_version() -> Option<String> {
     let line = py.lines().find(|l| l.starts_with("__version__"))?;
     Some(line.split('\'').nth(1)?.to_string())
 }
+
+/// Bytes free on CUDA device `index` (`cudaMemGetInfo` of the CUDA runtime libtorch loaded),
+/// or `None` when that runtime cannot be found or asked.
+pub fn cuda_free_memory(index: usize) -> Option<u64> {
+    type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+    set_cuda_device(index).ok()?;
+    let name = c"cudaMemGetInfo";
+    // SAFETY: dlsym/dlopen with NUL-terminated names; RTLD_NOLOAD only finds loaded libraries.
+    let symbol = unsafe {
+        let mut symbol = libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr());
+        for library in [c"libcudart.so.13", c"libcudart.so.12", c"libcudart.so"] {
+            if !symbol.is_null() {
+                break;
+            }
+            let handle = libc::dlopen(library.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            if !handle.is_null() {
+                symbol = libc::dlsym(handle, name.as_ptr());
+            }
+        }
+        symbol
+    };
+    if symbol.is_null() {
+        return None;
+    }
+    // SAFETY: the symbol is the CUDA runtime's cudaMemGetInfo, of this signature.
+    let get: MemGetInfo = unsafe { std::mem::transmute(symbol) };
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: both pointers are valid for writes.
+    let status = unsafe { get(&mut free, &mut total) };
+    (status == 0).then_some(free as u64)
+}

@@ -4,7 +4,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::kv_cache::LayerCache;
+use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
@@ -42,35 +42,6 @@ impl Clone for AttentionMask {
             AttentionMask::Causal => AttentionMask::Causal,
             AttentionMask::Explicit(mask) => AttentionMask::Explicit(mask.shallow_clone()),
             AttentionMask::Padding(keep) => AttentionMask::Padding(keep.shallow_clone()),
-        }
-    }
-}
-
-/// Where a single-position decode step writes and what it sees, held on the device so that the
-/// step's kernels do not depend on the position (CUDA graphs).
-pub struct DecodeStep {
-    /// The cache slot of the new position, `[1]` int64.
-    pub slot: Tensor,
-    /// Cache slots attended to: the first `window`.
-    pub window: i64,
-    /// `[1, window]` additive attention bias in the activations' dtype: 0 up to and including
-    /// `slot`, -inf after. Built once per step for every layer; a boolean mask would be
-    /// converted to this inside each layer's attention.
-    pub bias: Tensor,
-}
-
-impl DecodeStep {
-    pub fn new(slot: &Tensor, window: i64, kind: tch::Kind) -> Self {
-        let device = slot.device();
-        let hidden = Tensor::arange(window, (tch::Kind::Int64, device))
-            .gt_tensor(slot)
-            .unsqueeze(0);
-        let bias =
-            Tensor::zeros([1, window], (kind, device)).masked_fill(&hidden, f64::NEG_INFINITY);
-        DecodeStep {
-            slot: slot.shallow_clone(),
-            window,
-            bias,
         }
     }
 }
@@ -274,17 +245,18 @@ impl SelfAttention {
         self.output(&context)
     }
 
-    /// Inference of one new position per sequence (`hidden` `[1, b, h]`) at the slot `step`
-    /// holds on the device, attending to the slots of its window that `step` allows.
-    pub fn forward_decode(
+    /// Inference of new positions of several sequences (`hidden` `[s, b, h]`) through a paged
+    /// KV cache: their keys and values go to `step`'s write slots of `pool`, and each query
+    /// attends to the read slots `step` allows it.
+    pub fn forward_paged(
         &self,
         hidden: &Tensor,
         rotary: Option<&RotaryTables>,
-        cache: &mut LayerCache,
-        step: &DecodeStep,
+        pool: &mut Tensor,
+        step: &PagedStep,
     ) -> Result<Tensor> {
         let (query, kv) = self.project_side_by_side(hidden, rotary)?;
-        let (keys, values) = cache.write_slot(&step.slot, &kv, step.window);
+        let (keys, values) = step.exchange(pool, &kv);
         let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
         let context = Tensor::scaled_dot_product_attention(
             &query,

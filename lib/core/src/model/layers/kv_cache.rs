@@ -1,12 +1,12 @@
 //! The keys and values inference keeps per layer, so each generated token costs one position
-//! of attention instead of a forward over the whole sequence.
+//! of attention instead of a forward over the whole sequence: a contiguous cache per batch
+//! (beam search, prompt scoring) and the paged pool continuous batching shares among requests.
 
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 /// One layer's keys and values side by side, `[b, groups, capacity, 2·d]` (keys in the first
-/// `d` channels), valid for the first `len` positions. Side by side, a decode step stores both
-/// with one kernel when they come straight from the fused projection.
+/// `d` channels), valid for the first `len` positions.
 pub struct LayerCache {
     kv: Tensor,
     pub len: i64,
@@ -51,15 +51,6 @@ impl LayerCache {
         Ok((keys, values))
     }
 
-    /// Stores one position's keys and values side by side (`kv`, `[b, groups, 1, 2·d]`) at the
-    /// slot `slot` holds on the device (`[1]`, int64) and returns the first `window` slots of
-    /// keys and values. Shapes and addresses do not depend on the slot, so the step can be
-    /// replayed from a CUDA graph; `len` is left to the caller, who knows the slot on the host.
-    pub fn write_slot(&mut self, slot: &Tensor, kv: &Tensor, window: i64) -> (Tensor, Tensor) {
-        let _ = self.kv.index_copy_(2, slot, kv);
-        self.split(window)
-    }
-
     /// Keeps the rows `rows` (in that order, repeats allowed): beam search re-ranks its beams.
     pub fn select_rows(&mut self, rows: &Tensor) {
         self.kv = self.kv.index_select(0, rows);
@@ -86,19 +77,138 @@ impl KvCache {
         self.layers.first().map_or(0, |l| l.kv.size()[2])
     }
 
-    /// Sequences cached side by side.
-    pub fn batch(&self) -> i64 {
-        self.layers.first().map_or(0, |l| l.kv.size()[0])
-    }
-
-    /// Declares the first `len` positions valid (after steps that wrote slots directly), or
-    /// forgets everything (`0`) so the cache can serve another batch of the same shape.
-    pub fn set_len(&mut self, len: i64) {
-        self.layers.iter_mut().for_each(|l| l.len = len);
-    }
-
     /// Keeps the sequences `rows` of every layer.
     pub fn select_rows(&mut self, rows: &Tensor) {
         self.layers.iter_mut().for_each(|l| l.select_rows(rows));
+    }
+}
+
+/// Cache positions are handed out in blocks of this many slots.
+pub const BLOCK_SIZE: i64 = 16;
+
+/// The keys and values of many sequences in one pool of fixed-size blocks: every layer holds
+/// `[blocks · BLOCK_SIZE, groups, 2·d]` (keys in the first `d` channels), and a sequence owns
+/// the blocks its block table lists, so sequences of different lengths take only what they use.
+/// Block 0 is never handed out: padding rows of a batch write there and read it.
+pub struct PagedKvCache {
+    layers: Vec<Tensor>,
+    free: Vec<i64>,
+    blocks: i64,
+}
+
+impl PagedKvCache {
+    /// A pool of `blocks` blocks (block 0 included) for `layers` layers of `groups` query groups
+    /// of `head_dim` channels.
+    pub fn new(
+        layers: usize,
+        blocks: i64,
+        groups: i64,
+        head_dim: i64,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        ensure!(
+            blocks >= 2,
+            "a KV cache needs at least 2 blocks of {BLOCK_SIZE} positions"
+        );
+        let layers = (0..layers)
+            .map(|_| {
+                Tensor::f_zeros([blocks * BLOCK_SIZE, groups, 2 * head_dim], (kind, device))
+                    .map_err(|e| anyhow::anyhow!("cannot allocate the KV cache: {e}"))
+            })
+            .collect::<Result<_>>()?;
+        Ok(PagedKvCache {
+            layers,
+            // Popped from the end: low blocks first.
+            free: (1..blocks).rev().collect(),
+            blocks,
+        })
+    }
+
+    /// Bytes one block takes over all layers.
+    pub fn block_bytes(layers: usize, groups: i64, head_dim: i64, kind: Kind) -> u64 {
+        (layers as i64 * BLOCK_SIZE * groups * 2 * head_dim * kind.elt_size_in_bytes() as i64)
+            as u64
+    }
+
+    /// Blocks a sequence of `positions` positions needs.
+    pub fn blocks_for(positions: i64) -> i64 {
+        (positions + BLOCK_SIZE - 1) / BLOCK_SIZE
+    }
+
+    /// Blocks sequences may own at most (all but the padding block).
+    pub fn usable_blocks(&self) -> i64 {
+        self.blocks - 1
+    }
+
+    pub fn free_blocks(&self) -> i64 {
+        self.free.len() as i64
+    }
+
+    /// `count` blocks for a new sequence, or `None` (nothing taken) when fewer are free.
+    pub fn allocate(&mut self, count: i64) -> Option<Vec<i64>> {
+        let count = count as usize;
+        (count <= self.free.len()).then(|| self.free.split_off(self.free.len() - count))
+    }
+
+    /// Gives a sequence's blocks back.
+    pub fn release(&mut self, blocks: Vec<i64>) {
+        self.free.extend(blocks);
+    }
+
+    pub fn layer_mut(&mut self, layer: usize) -> &mut Tensor {
+        &mut self.layers[layer]
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+/// Where the new positions of a batch go in a [`PagedKvCache`] and what they attend to, as
+/// device tensors (so a decode step can be replayed from a CUDA graph).
+pub struct PagedStep {
+    /// The pool slot of each new position, `[b·s]` (row-major over `[b, s]`).
+    pub write_slots: Tensor,
+    /// The pool slots each row attends to, `[b, window]`.
+    pub read_slots: Tensor,
+    /// `[b, 1, s, window]` additive bias in the activations' dtype: 0 where a new position may
+    /// attend to a read slot, -inf elsewhere.
+    pub bias: Tensor,
+}
+
+impl PagedStep {
+    /// The step of rows whose new positions are `positions` (`[b, s]`, int64) and whose
+    /// `window` attended slots are `read_slots`: each position sees the slots up to its own.
+    pub fn new(write_slots: Tensor, read_slots: Tensor, positions: &Tensor, kind: Kind) -> Self {
+        let window = read_slots.size()[1];
+        let device = read_slots.device();
+        let hidden = Tensor::arange(window, (Kind::Int64, device))
+            .view([1, 1, window])
+            .gt_tensor(&positions.unsqueeze(2));
+        let (b, s) = (positions.size()[0], positions.size()[1]);
+        let bias = Tensor::zeros([b, s, window], (kind, device))
+            .masked_fill(&hidden, f64::NEG_INFINITY)
+            .unsqueeze(1);
+        PagedStep {
+            write_slots,
+            read_slots,
+            bias,
+        }
+    }
+
+    /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots and returns the keys and
+    /// values of the read slots, `[b, groups, window, d]` each.
+    pub fn exchange(&self, pool: &mut Tensor, kv: &Tensor) -> (Tensor, Tensor) {
+        let (b, groups, s, width) = (kv.size()[0], kv.size()[1], kv.size()[2], kv.size()[3]);
+        let rows = kv.permute([0, 2, 1, 3]).reshape([b * s, groups, width]);
+        let _ = pool.index_copy_(0, &self.write_slots, &rows);
+        let window = self.read_slots.size()[1];
+        let read = pool
+            .index_select(0, &self.read_slots.reshape([-1]))
+            .view([b, window, groups, width])
+            .permute([0, 2, 1, 3]);
+        let d = width / 2;
+        (read.narrow(3, 0, d), read.narrow(3, d, d))
     }
 }

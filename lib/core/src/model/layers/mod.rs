@@ -11,9 +11,9 @@ mod norm;
 mod rope;
 mod transformer_layer;
 
-pub use attention::{AttentionMask, CrossAttention, DecodeStep, MemoryKeysValues, SelfAttention};
+pub use attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
-pub use kv_cache::{KvCache, LayerCache};
+pub use kv_cache::{KvCache, LayerCache, PagedKvCache, PagedStep, BLOCK_SIZE};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
 pub use norm::Norm;

@@ -50,6 +50,20 @@ impl RotaryEmbedding {
     }
 }
 
+impl RotaryEmbedding {
+    /// Tables for the positions of every row, `positions` `[b, s]` (int64, on the device):
+    /// `[s, b, 1, r]`, for batches whose rows sit at different positions.
+    pub fn tables_per_row(&self, positions: &Tensor) -> RotaryTables {
+        let (b, s) = (positions.size()[0], positions.size()[1]);
+        let flat = self.tables_at(&positions.reshape([-1]));
+        let shape = |t: Tensor| t.view([b, s, 1, self.rotary_dim]).transpose(0, 1);
+        RotaryTables {
+            cos: shape(flat.cos),
+            sin: shape(flat.sin),
+        }
+    }
+}
+
 impl Clone for RotaryTables {
     fn clone(&self) -> Self {
         RotaryTables {

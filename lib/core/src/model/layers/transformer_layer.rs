@@ -4,10 +4,8 @@
 use anyhow::{bail, Result};
 use tch::Tensor;
 
-use super::attention::{
-    AttentionMask, CrossAttention, DecodeStep, MemoryKeysValues, SelfAttention,
-};
-use super::kv_cache::LayerCache;
+use super::attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
+use super::kv_cache::{LayerCache, PagedStep};
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::rope::RotaryTables;
@@ -174,17 +172,17 @@ impl TransformerLayer {
         })
     }
 
-    /// Inference of one new position per sequence at a slot held on the device.
-    pub fn forward_decode(
+    /// Inference of new positions of several sequences through a paged KV cache.
+    pub fn forward_paged(
         &self,
         hidden: &Tensor,
         rotary: Option<&RotaryTables>,
-        cache: &mut LayerCache,
-        step: &DecodeStep,
+        pool: &mut Tensor,
+        step: &PagedStep,
     ) -> Result<Tensor> {
         self.forward_with(hidden, false, |normed| {
             self.self_attention
-                .forward_decode(normed, rotary, cache, step)
+                .forward_paged(normed, rotary, pool, step)
         })
     }
 
