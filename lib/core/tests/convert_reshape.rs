@@ -29,6 +29,7 @@ fn llama_like(tied: bool) -> GptConfig {
         make_vocab_size_divisible_by: 128,
         position_embedding_type: PositionEmbeddingType::Rope,
         rotary_base: 10000.0,
+        rope_scaling: None,
         rotary_percent: 1.0,
         normalization: Normalization::RMSNorm,
         norm_epsilon: 1e-5,

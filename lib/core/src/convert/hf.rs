@@ -14,7 +14,9 @@ use tch::{Kind, Tensor};
 
 use super::state::{tensor_from_bytes, ModelState, RunState};
 use crate::checkpoint::write_tensors;
-use crate::model::{hf as mapping, Activation, GptConfig, Normalization, PositionEmbeddingType};
+use crate::model::{
+    hf as mapping, Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling,
+};
 
 /// Every tensor of a HuggingFace model directory (sharded or not).
 fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
@@ -71,6 +73,64 @@ fn int(config: &Json, key: &str) -> Result<i64> {
         .with_context(|| format!("config.json has no integer {key}"))
 }
 
+/// The RoPE scaling of a Llama-family `config.json`: transformers ≥ 5 writes
+/// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45).
+fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
+    let parameters = [&hf["rope_parameters"], &hf["rope_scaling"]]
+        .into_iter()
+        .find(|p| p.is_object());
+    let Some(parameters) = parameters else {
+        return Ok(None);
+    };
+    let kind = parameters["rope_type"]
+        .as_str()
+        .or(parameters["type"].as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let number = |key: &str| {
+                parameters[key]
+                    .as_f64()
+                    .with_context(|| format!("config.json: llama3 rope scaling has no number {key}"))
+            };
+            let scaling = RopeScaling {
+                factor: number("factor")?,
+                low_freq_factor: number("low_freq_factor")?,
+                high_freq_factor: number("high_freq_factor")?,
+                original_max_position_embeddings: number("original_max_position_embeddings")?
+                    as i64,
+            };
+            scaling
+                .validate()
+                .context("config.json: llama3 rope scaling")?;
+            Ok(Some(scaling))
+        }
+        other => bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)"),
+    }
+}
+
+/// `config.json`'s RoPE entries: `rope_parameters` for transformers ≥ 5, `rope_theta` and
+/// `rope_scaling` for older readers (vLLM, transformers 4).
+fn rope_to_hf(config: &GptConfig, hf: &mut Json) {
+    let mut parameters = json!({"rope_theta": config.rotary_base, "rope_type": "default"});
+    hf["rope_theta"] = json!(config.rotary_base);
+    if let Some(scaling) = &config.rope_scaling {
+        let scaling = json!({
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        });
+        for (key, value) in scaling.as_object().expect("a JSON object") {
+            parameters[key] = value.clone();
+        }
+        hf["rope_scaling"] = scaling;
+    }
+    hf["rope_parameters"] = parameters;
+}
+
 /// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
 pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(String, GptConfig)> {
     let architecture = hf["architectures"][0]
@@ -101,6 +161,7 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
                 position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
                 rotary_base: 10000.0,
                 rotary_percent: 1.0,
+                rope_scaling: None,
                 normalization: Normalization::LayerNorm,
                 norm_epsilon: hf["layer_norm_epsilon"].as_f64().unwrap_or(1e-5),
                 apply_layernorm_1p: false,
@@ -117,17 +178,7 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
             let hidden = int(hf, "hidden_size")?;
             let heads = int(hf, "num_attention_heads")?;
-            // transformers ≥ 5 writes `rope_parameters`; older versions `rope_theta`/`rope_scaling`.
-            let rope = &hf["rope_parameters"];
-            if let Some(kind) = rope["rope_type"]
-                .as_str()
-                .or(hf["rope_scaling"]["rope_type"].as_str())
-                .or(hf["rope_scaling"]["type"].as_str())
-            {
-                if kind != "default" {
-                    bail!("config.json: rope_scaling {kind} is not supported yet");
-                }
-            }
+            let rope_scaling = rope_scaling_from_hf(hf)?;
             ensure!(
                 hf["hidden_act"].as_str().unwrap_or("silu") == "silu",
                 "config.json: hidden_act {} is not supported (SwiGLU needs silu)",
@@ -149,8 +200,12 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
                 vocab_size: int(hf, "vocab_size")?,
                 make_vocab_size_divisible_by,
                 position_embedding_type: PositionEmbeddingType::Rope,
-                rotary_base: rope["rope_theta"].as_f64().or(hf["rope_theta"].as_f64()).unwrap_or(10000.0),
+                rotary_base: hf["rope_parameters"]["rope_theta"]
+                    .as_f64()
+                    .or(hf["rope_theta"].as_f64())
+                    .unwrap_or(10000.0),
                 rotary_percent: 1.0,
+                rope_scaling,
                 normalization: Normalization::RMSNorm,
                 norm_epsilon: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
                 apply_layernorm_1p: false,
@@ -432,14 +487,13 @@ pub fn save_hf(
                 "head_dim": d,
                 "max_position_embeddings": config.max_position_embeddings,
                 "rms_norm_eps": config.norm_epsilon,
-                "rope_theta": config.rotary_base,
-                "rope_parameters": {"rope_theta": config.rotary_base, "rope_type": "default"},
                 "hidden_act": "silu",
                 "initializer_range": config.init_method_std,
                 "tie_word_embeddings": tied,
                 "attention_dropout": 0.0,
                 "dtype": hf_dtype_name(&state.params_dtype),
             });
+            rope_to_hf(config, &mut hf);
             if model_type == "llama" {
                 hf["attention_bias"] = json!(false);
                 hf["mlp_bias"] = json!(false);

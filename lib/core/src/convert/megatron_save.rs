@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
@@ -41,8 +41,14 @@ fn json_to_value(json: &Json) -> Option<Value> {
 }
 
 /// The args namespace: the source run's flags with the architecture and layout of the output.
-fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Saved)> {
+fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(String, Saved)>> {
     let config = &state.config;
+    if let Some(scaling) = config.rope_scaling.filter(|s| !s.is_megatron_expressible()) {
+        bail!(
+            "{}: Megatron's --use-rope-scaling fixes low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192; this model has {scaling:?}",
+            state.source
+        );
+    }
     let mut args: Vec<(String, Value)> = state
         .run
         .args
@@ -94,6 +100,11 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Save
         ),
         ("rotary_base", Value::Int(config.rotary_base as i64)),
         ("rotary_percent", Value::Float(config.rotary_percent)),
+        ("use_rope_scaling", Value::Bool(config.rope_scaling.is_some())),
+        (
+            "rope_scaling_factor",
+            Value::Float(config.rope_scaling.map_or(8.0, |s| s.factor)),
+        ),
         (
             "normalization",
             Value::Str(
@@ -157,9 +168,10 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Save
             None => args.push((key.to_string(), value)),
         }
     }
-    args.into_iter()
+    Ok(args
+        .into_iter()
         .map(|(k, v)| (k, Saved::Value(v)))
-        .collect()
+        .collect())
 }
 
 /// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`
@@ -249,7 +261,7 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
         .iter()
         .map(|(k, v)| (k.clone(), v.shallow_clone()))
         .collect();
-    let args = args_namespace(state, target);
+    let args = args_namespace(state, target)?;
     for t in 0..target.tensor {
         let shard = split_for_tensor_parallel(&weights, config, t, target.tensor);
         for stage in 0..target.pipeline {

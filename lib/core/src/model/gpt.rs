@@ -195,7 +195,7 @@ impl GptModel {
             }
         });
         let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope)
-            .then(|| RotaryEmbedding::new(config.rotary_dim(), config.rotary_base));
+            .then(|| RotaryEmbedding::new(config.rotary_dim(), config.rotary_base, config.rope_scaling));
         let tensor_parallel = trunk.parallel;
         Ok(GptModel {
             config,
