@@ -207,3 +207,35 @@ fn megatron_torch_tp2_pp2_reads_back_as_the_same_model() {
         }
     }
 }
+
+/// `--use-rope-scaling` and `--rope-scaling-factor` travel through Megatron's args; a scaling
+/// Megatron's flags cannot express is refused by name instead of being saved wrong.
+#[test]
+fn megatron_torch_carries_llama3_rope_scaling() {
+    use megatron_core::convert::save_megatron_torch;
+    use megatron_core::model::RopeScaling;
+    let options = LoadOptions::default();
+    let mut state =
+        load_megatron_torch(&goldens().join("llama_torch/iter_0000003"), &options).unwrap();
+    assert_eq!(state.config.rope_scaling, None);
+    state.config.rope_scaling = Some(RopeScaling::megatron(32.0));
+    let layout = TargetLayout {
+        tensor: 1,
+        pipeline: 1,
+        virtual_stages: 1,
+    };
+    let out = tempfile::tempdir().unwrap();
+    save_megatron_torch(&state, out.path(), layout).unwrap();
+    let back = load_megatron_torch(&out.path().join("iter_0000003"), &options).unwrap();
+    assert_eq!(back.config.rope_scaling, Some(RopeScaling::megatron(32.0)));
+    state.config.rope_scaling = Some(RopeScaling {
+        original_max_position_embeddings: 16,
+        ..RopeScaling::megatron(8.0)
+    });
+    let refused = tempfile::tempdir().unwrap();
+    let error = format!(
+        "{:#}",
+        save_megatron_torch(&state, refused.path(), layout).unwrap_err()
+    );
+    assert!(error.contains("original_max_position_embeddings"), "{error}");
+}
