@@ -199,17 +199,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     std::fs::rename(&staging, &save_dir)
         .with_context(|| format!("renaming {} to {}", staging.display(), save_dir.display()))?;
     spinner.finish_and_clear();
-    let bytes: i64 = state
-        .weights
-        .values()
-        .chain(state.optimizer.iter().flat_map(|o| {
-            o.main
-                .values()
-                .chain(o.exp_avg.values())
-                .chain(o.exp_avg_sq.values())
-        }))
-        .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
-        .sum();
+    let bytes = state.bytes();
     let seconds = started.elapsed().as_secs_f64();
     let gigabytes = bytes as f64 / 1e9;
     println!(

@@ -106,11 +106,7 @@ fn round_trip(kind: &str, as_bin: bool) {
         unscaled.rope_scaling = None;
         let plain = ModelState {
             config: unscaled,
-            weights: state
-                .weights
-                .iter()
-                .map(|(k, v)| (k.clone(), v.shallow_clone()))
-                .collect(),
+            weights: state.weights.clone(),
             params_dtype: state.params_dtype.clone(),
             optimizer: None,
             run: Default::default(),

@@ -3,7 +3,8 @@
 //! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
 //! safetensors with a `config.json` that `transformers` loads without edits.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -12,8 +13,8 @@ use megatron_checkpoint::TorchFile;
 use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
-use super::state::{tensor_from_bytes, ModelState, RunState};
-use crate::checkpoint::write_tensors;
+use super::state::{in_memory, tensor_from_bytes, ModelState, RunState};
+use crate::checkpoint::{write_tensors_streamed, TensorEntry};
 use crate::model::{
     hf as mapping, Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling,
 };
@@ -286,7 +287,7 @@ pub fn load_hf(
         _ => "float32",
     };
     Ok(ModelState {
-        weights: weights.into_iter().collect(),
+        weights: in_memory(weights),
         config,
         params_dtype: params_dtype.to_string(),
         optimizer: None,
@@ -297,6 +298,100 @@ pub fn load_hf(
         source_parallel: (1, 1),
         source: format!("HuggingFace {architecture} {}", directory.display()),
     })
+}
+
+type Make<'a> = Box<dyn Fn(&Exports<'a>) -> Result<Tensor> + 'a>;
+
+/// The tensors of an export: each one's name, shape and how it is made from the state, so
+/// that they are read and written one at a time.
+struct Exports<'a> {
+    state: &'a ModelState,
+    kind: Kind,
+    /// The last tensor read: q, k and v (gate and up) come from one fused tensor.
+    last: RefCell<Option<(String, Tensor)>>,
+    entries: Vec<(String, Vec<i64>, Make<'a>)>,
+}
+
+impl<'a> Exports<'a> {
+    fn new(state: &'a ModelState, kind: Kind) -> Self {
+        Exports {
+            state,
+            kind,
+            last: RefCell::new(None),
+            entries: Vec::new(),
+        }
+    }
+
+    /// Our tensor `name` in the export's dtype.
+    fn get(&self, name: &str) -> Result<Tensor> {
+        if let Some((last, tensor)) = &*self.last.borrow() {
+            if last == name {
+                return Ok(tensor.shallow_clone());
+            }
+        }
+        let tensor = self.state.read(name)?.to_kind(self.kind);
+        *self.last.borrow_mut() = Some((name.to_string(), tensor.shallow_clone()));
+        Ok(tensor)
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<i64>> {
+        Ok(self.state.tensor(name)?.shape().to_vec())
+    }
+
+    fn add(
+        &mut self,
+        name: String,
+        shape: Vec<i64>,
+        make: impl Fn(&Exports<'a>) -> Result<Tensor> + 'a,
+    ) {
+        self.entries.push((name, shape, Box::new(make)));
+    }
+
+    fn copy(&mut self, hf: &str, ours: &str) -> Result<()> {
+        let shape = self.shape(ours)?;
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| x.get(&ours));
+        Ok(())
+    }
+
+    fn transposed(&mut self, hf: &str, ours: &str) -> Result<()> {
+        let mut shape = self.shape(ours)?;
+        shape.reverse();
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| Ok(x.get(&ours)?.tr()));
+        Ok(())
+    }
+
+    /// A vocabulary-parallel tensor without its padding rows.
+    fn vocabulary(&mut self, hf: &str, ours: &str, vocab: i64) -> Result<()> {
+        let mut shape = self.shape(ours)?;
+        shape[0] = vocab;
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| Ok(x.get(&ours)?.narrow(0, 0, vocab)));
+        Ok(())
+    }
+
+    fn write(&self, path: &Path, metadata: HashMap<String, String>) -> Result<()> {
+        let entries: Vec<TensorEntry> = self
+            .entries
+            .iter()
+            .map(|(name, shape, _)| TensorEntry {
+                name: name.clone(),
+                kind: self.kind,
+                shape: shape.clone(),
+            })
+            .collect();
+        write_tensors_streamed(path, &entries, metadata, |i, emit| {
+            let (name, shape, make) = &self.entries[i];
+            let tensor = make(self)?;
+            ensure!(
+                &tensor.size() == shape,
+                "{name} came out of shape {:?}, {shape:?} expected",
+                tensor.size()
+            );
+            emit(&tensor)
+        })
+    }
 }
 
 fn hf_dtype_name(params_dtype: &str) -> &'static str {
@@ -323,8 +418,7 @@ pub fn save_hf(
         config.kv_channels,
         config.hidden_size,
     );
-    let get = |name: &str| state.tensor(name).map(|t| t.to_kind(kind));
-    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut out = Exports::new(state, kind);
     let hf_config = match (
         config.position_embedding_type,
         config.normalization,
@@ -340,61 +434,50 @@ pub fn save_hf(
                 "{}: only GPT-2-shaped models (tied, with biases, no GQA) export as GPT2LMHeadModel",
                 state.source
             );
-            out.insert(
-                "transformer.wte.weight".into(),
-                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
-            );
-            out.insert(
-                "transformer.wpe.weight".into(),
-                get("embedding.position_embeddings.weight")?,
-            );
+            out.vocabulary("transformer.wte.weight", "embedding.word_embeddings.weight", vocab)?;
+            out.copy(
+                "transformer.wpe.weight",
+                "embedding.position_embeddings.weight",
+            )?;
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
                 let t = |s: &str| format!("transformer.h.{i}.{s}");
                 for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")]
                 {
-                    out.insert(
-                        t(&format!("{hf_norm}.weight")),
-                        get(&m(&format!("{norm}.weight")))?,
-                    );
-                    out.insert(
-                        t(&format!("{hf_norm}.bias")),
-                        get(&m(&format!("{norm}.bias")))?,
-                    );
+                    for leaf in ["weight", "bias"] {
+                        out.copy(&t(&format!("{hf_norm}.{leaf}")), &m(&format!("{norm}.{leaf}")))?;
+                    }
                 }
-                let qkv = get(&m("self_attention.linear_qkv.weight"))?
-                    .view([n, 3, d, h])
-                    .permute([1, 0, 2, 3])
-                    .reshape([3 * n * d, h]);
-                out.insert(t("attn.c_attn.weight"), qkv.tr().contiguous());
-                let bias = get(&m("self_attention.linear_qkv.bias"))?
-                    .view([n, 3, d])
-                    .permute([1, 0, 2])
-                    .reshape([-1]);
-                out.insert(t("attn.c_attn.bias"), bias);
+                // Megatron's [heads, (q k v), d] rows → GPT-2's [(q k v), heads, d] columns.
+                let qkv = m("self_attention.linear_qkv.weight");
+                out.add(t("attn.c_attn.weight"), vec![h, 3 * n * d], move |x| {
+                    Ok(x.get(&qkv)?
+                        .view([n, 3, d, h])
+                        .permute([1, 0, 2, 3])
+                        .reshape([3 * n * d, h])
+                        .tr())
+                });
+                let bias = m("self_attention.linear_qkv.bias");
+                out.add(t("attn.c_attn.bias"), vec![3 * n * d], move |x| {
+                    Ok(x.get(&bias)?
+                        .view([n, 3, d])
+                        .permute([1, 0, 2])
+                        .reshape([-1]))
+                });
                 for (linear, hf_linear) in [
                     ("self_attention.linear_proj", "attn.c_proj"),
                     ("mlp.linear_fc1", "mlp.c_fc"),
                     ("mlp.linear_fc2", "mlp.c_proj"),
                 ] {
-                    out.insert(
-                        t(&format!("{hf_linear}.weight")),
-                        get(&m(&format!("{linear}.weight")))?.tr().contiguous(),
-                    );
-                    out.insert(
-                        t(&format!("{hf_linear}.bias")),
-                        get(&m(&format!("{linear}.bias")))?,
-                    );
+                    out.transposed(
+                        &t(&format!("{hf_linear}.weight")),
+                        &m(&format!("{linear}.weight")),
+                    )?;
+                    out.copy(&t(&format!("{hf_linear}.bias")), &m(&format!("{linear}.bias")))?;
                 }
             }
-            out.insert(
-                "transformer.ln_f.weight".into(),
-                get("decoder.final_layernorm.weight")?,
-            );
-            out.insert(
-                "transformer.ln_f.bias".into(),
-                get("decoder.final_layernorm.bias")?,
-            );
+            out.copy("transformer.ln_f.weight", "decoder.final_layernorm.weight")?;
+            out.copy("transformer.ln_f.bias", "decoder.final_layernorm.bias")?;
             json!({
                 "architectures": ["GPT2LMHeadModel"],
                 "model_type": "gpt2",
@@ -420,55 +503,54 @@ pub fn save_hf(
                 "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
                 state.source
             );
-            out.insert(
-                "model.embed_tokens.weight".into(),
-                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
-            );
+            out.vocabulary("model.embed_tokens.weight", "embedding.word_embeddings.weight", vocab)?;
             let per_group = n / g;
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
                 let t = |s: &str| format!("model.layers.{i}.{s}");
-                out.insert(
-                    t("input_layernorm.weight"),
-                    get(&m("input_layernorm.weight"))?,
-                );
-                out.insert(
-                    t("post_attention_layernorm.weight"),
-                    get(&m("pre_mlp_layernorm.weight"))?,
-                );
-                let qkv =
-                    get(&m("self_attention.linear_qkv.weight"))?.view([g, (per_group + 2) * d, h]);
-                let parts = qkv.split_with_sizes([per_group * d, d, d], 1);
-                out.insert(t("self_attn.q_proj.weight"), parts[0].reshape([n * d, h]));
-                out.insert(t("self_attn.k_proj.weight"), parts[1].reshape([g * d, h]));
-                out.insert(t("self_attn.v_proj.weight"), parts[2].reshape([g * d, h]));
+                out.copy(&t("input_layernorm.weight"), &m("input_layernorm.weight"))?;
+                out.copy(
+                    &t("post_attention_layernorm.weight"),
+                    &m("pre_mlp_layernorm.weight"),
+                )?;
+                // Megatron's fused rows per query group: [q × heads-per-group, k, v].
+                let mut leaves = vec!["weight"];
                 if config.add_qkv_bias {
-                    let bias =
-                        get(&m("self_attention.linear_qkv.bias"))?.view([g, (per_group + 2) * d]);
-                    let parts = bias.split_with_sizes([per_group * d, d, d], 1);
-                    out.insert(t("self_attn.q_proj.bias"), parts[0].reshape([-1]));
-                    out.insert(t("self_attn.k_proj.bias"), parts[1].reshape([-1]));
-                    out.insert(t("self_attn.v_proj.bias"), parts[2].reshape([-1]));
+                    leaves.push("bias");
                 }
-                out.insert(
-                    t("self_attn.o_proj.weight"),
-                    get(&m("self_attention.linear_proj.weight"))?,
-                );
-                let fc1 = get(&m("mlp.linear_fc1.weight"))?.chunk(2, 0);
-                out.insert(t("mlp.gate_proj.weight"), fc1[0].shallow_clone());
-                out.insert(t("mlp.up_proj.weight"), fc1[1].shallow_clone());
-                out.insert(t("mlp.down_proj.weight"), get(&m("mlp.linear_fc2.weight"))?);
+                for leaf in leaves {
+                    let width = if leaf == "weight" { vec![h] } else { vec![] };
+                    for (part, (proj, heads)) in
+                        [("q_proj", n), ("k_proj", g), ("v_proj", g)].into_iter().enumerate()
+                    {
+                        let fused = m(&format!("self_attention.linear_qkv.{leaf}"));
+                        let mut shape = vec![heads * d];
+                        shape.extend(&width);
+                        let grouped: Vec<i64> =
+                            [g, (per_group + 2) * d].into_iter().chain(width.clone()).collect();
+                        out.add(t(&format!("self_attn.{proj}.{leaf}")), shape.clone(), move |x| {
+                            let parts = x
+                                .get(&fused)?
+                                .view(grouped.as_slice())
+                                .split_with_sizes([per_group * d, d, d], 1);
+                            Ok(parts[part].reshape(shape.as_slice()))
+                        });
+                    }
+                }
+                out.copy(&t("self_attn.o_proj.weight"), &m("self_attention.linear_proj.weight"))?;
+                let ffn = config.ffn_hidden_size;
+                for (half, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
+                    let fc1 = m("mlp.linear_fc1.weight");
+                    out.add(t(&format!("mlp.{proj}.weight")), vec![ffn, h], move |x| {
+                        Ok(x.get(&fc1)?.chunk(2, 0)[half].shallow_clone())
+                    });
+                }
+                out.copy(&t("mlp.down_proj.weight"), &m("mlp.linear_fc2.weight"))?;
             }
-            out.insert(
-                "model.norm.weight".into(),
-                get("decoder.final_layernorm.weight")?,
-            );
+            out.copy("model.norm.weight", "decoder.final_layernorm.weight")?;
             let tied = !config.untie_embeddings_and_output_weights;
             if !tied {
-                out.insert(
-                    "lm_head.weight".into(),
-                    get("output_layer.weight")?.narrow(0, 0, vocab),
-                );
+                out.vocabulary("lm_head.weight", "output_layer.weight", vocab)?;
             }
             let (architecture, model_type) = if config.add_qkv_bias {
                 ("Qwen2ForCausalLM", "qwen2")
@@ -510,10 +592,8 @@ pub fn save_hf(
     };
     std::fs::create_dir_all(directory)
         .with_context(|| format!("creating {}", directory.display()))?;
-    let tensors: Vec<(String, Tensor)> =
-        out.into_iter().map(|(k, v)| (k, v.contiguous())).collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_tensors(&directory.join("model.safetensors"), &tensors, metadata)?;
+    out.write(&directory.join("model.safetensors"), metadata)?;
     std::fs::write(
         directory.join("config.json"),
         serde_json::to_string_pretty(&hf_config)?,

@@ -4,19 +4,17 @@
 //! `args` as an `argparse.Namespace`, `checkpoint_version` 3.0, `iteration` and the scheduler.
 //! Weights only: Megatron loads it with `--no-load-optim --no-load-rng` (or `--finetune`).
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
-use tch::Tensor;
 
 use super::ours::TargetLayout;
-use super::state::{kind_named, ModelState};
+use super::state::{kind_named, read_shard, shard_shape, ModelState};
 use crate::checkpoint::{
-    iteration_directory, rank_directory_name, split_for_tensor_parallel, write_tracker,
+    iteration_directory, rank_directory_name, write_tracker,
 };
 use crate::model::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
 
@@ -256,14 +254,8 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
     let dtype = DType::from_torch_name(&state.params_dtype).context("params dtype")?;
     let iteration = state.run.iteration;
     let directory = iteration_directory(root, iteration);
-    let weights: HashMap<String, Tensor> = state
-        .weights
-        .iter()
-        .map(|(k, v)| (k.clone(), v.shallow_clone()))
-        .collect();
     let args = args_namespace(state, target)?;
     for t in 0..target.tensor {
-        let shard = split_for_tensor_parallel(&weights, config, t, target.tensor);
         for stage in 0..target.pipeline {
             let chunks = split.chunks_of(stage)?;
             let mut slots = Vec::new();
@@ -285,14 +277,13 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                     match global {
                         None => model.push((local, Saved::Value(Value::None))),
                         Some(global) => {
-                            let tensor = shard
-                                .get(&global)
-                                .with_context(|| format!("{}: no tensor {global}", state.source))?;
+                            let shape =
+                                shard_shape(&global, state.tensor(&global)?.shape(), config, target.tensor);
                             slots.push(TensorSlot {
                                 dtype,
-                                shape: tensor.size().iter().map(|&d| d as usize).collect(),
+                                shape: shape.iter().map(|&d| d as usize).collect(),
                             });
-                            sources.push(tensor.shallow_clone());
+                            sources.push(global);
                             model.push((local, Saved::Tensor(slots.len() - 1)));
                         }
                     }
@@ -324,7 +315,10 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                 &Saved::Dict(root_entries),
                 &slots,
                 |i| {
-                    let tensor = sources[i].to_kind(kind).contiguous();
+                    let global = &sources[i];
+                    let tensor = read_shard(global, state.tensor(global)?, config, t, target.tensor)?
+                        .to_kind(kind)
+                        .contiguous();
                     let mut bytes = vec![0u8; tensor.numel() * tensor.kind().elt_size_in_bytes()];
                     tensor.copy_data_u8(&mut bytes, tensor.numel());
                     Ok(bytes)

@@ -12,7 +12,7 @@ use tch::{Kind, Tensor};
 use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
 use super::names::{core_name, layer_of};
 use super::state::{
-    fit_vocab_rows, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState, RunState,
+    fit_vocab_rows, in_memory, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState, RunState,
 };
 use crate::checkpoint::{join_shards, tensor_split};
 use crate::optim::excluded_from_weight_decay;
@@ -423,7 +423,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                     _ => &mut state.exp_avg_sq,
                 };
                 for (name, parts) in map {
-                    target.insert(name.clone(), join(&name, &parts)?);
+                    target.insert(name.clone(), join(&name, &parts)?.into());
                 }
             }
             Some(state)
@@ -436,7 +436,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     Ok(ModelState {
         config,
         params_dtype: params_dtype(args),
-        weights,
+        weights: in_memory(weights),
         optimizer,
         run: run_state(&first.root),
         source_parallel: (tp, pp),
@@ -505,7 +505,7 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
     Ok(ModelState {
         config,
         params_dtype: params_dtype(args),
-        weights,
+        weights: in_memory(weights),
         optimizer: None,
         run: run_state(root),
         source_parallel: (

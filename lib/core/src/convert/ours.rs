@@ -9,11 +9,14 @@ use std::path::Path;
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::state::{is_vocab_tensor, ModelState, OptimizerState, RunState};
+use super::lazy::{safetensors_tensors, LazyTensor};
+use super::state::{
+    is_vocab_tensor, read_shard, shard_shape, ModelState, OptimizerState, RunState, Tensors,
+};
 use crate::checkpoint::{
-    begin_save, finish_save, join_shards, merge_model_parallel_ranks, optimizer_file,
-    rank_directory_name, split_for_tensor_parallel, staging_directory, take_shard, tensor_split,
-    write_rank_file, CheckpointDirectory, CheckpointMetadata, CHECKPOINT_FORMAT, MODEL_FILE,
+    begin_save, finish_save, optimizer_file, rank_directory_name, staging_directory, tensor_split,
+    write_rank_file_streamed, CheckpointDirectory, CheckpointMetadata, TensorEntry,
+    CHECKPOINT_FORMAT, MODEL_FILE,
 };
 use crate::model::ParamAttributes;
 use crate::model::{ChunkSpec, GptConfig, GptModel, ModelOptions, PipelineSplit, Recompute};
@@ -143,7 +146,8 @@ fn flat_layout(names: &[(String, Vec<i64>)]) -> BufferLayout {
 }
 
 /// Writes `state` as our checkpoint under `root` (which must not hold another checkpoint) in
-/// `target`'s layout.
+/// `target`'s layout, one tensor at a time: each rank file's tensors are read from `state`
+/// and cut as they are written.
 pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
     let config = &state.config;
     config.validate(target.tensor as i64)?;
@@ -159,57 +163,85 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
     let iteration = state.run.iteration;
     begin_save(root, iteration)?;
     let staging = staging_directory(root, iteration);
-    let weights: HashMap<String, Tensor> = state
-        .weights
-        .iter()
-        .map(|(k, v)| (k.clone(), v.shallow_clone()))
-        .collect();
     for t in 0..target.tensor {
-        let shard = split_for_tensor_parallel(&weights, config, t, target.tensor);
-        let optimizer_shards = state.optimizer.as_ref().map(|o| {
-            [&o.main, &o.exp_avg, &o.exp_avg_sq].map(|map| {
-                let map: HashMap<String, Tensor> = map
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.shallow_clone()))
-                    .collect();
-                split_for_tensor_parallel(&map, config, t, target.tensor)
-            })
-        });
         for stage in 0..target.pipeline {
             let params = rank_parameters(config, &split, stage, &layer_order)?;
             let rank_dir = rank_directory_name(t, stage, target.pipeline);
-            let mut tensors = Vec::with_capacity(params.len());
-            for (local, global) in &params {
-                let tensor = shard.get(global).with_context(|| {
-                    format!("{}: no tensor {global} for this architecture", state.source)
-                })?;
-                tensors.push((local.clone(), tensor.to_kind(kind)));
-            }
-            write_rank_file(&staging, &rank_dir, MODEL_FILE, &tensors)?;
-            if let (Some(optimizer), Some(shards)) = (&state.optimizer, &optimizer_shards) {
+            let entries = params
+                .iter()
+                .map(|(local, global)| {
+                    Ok(TensorEntry {
+                        name: local.clone(),
+                        kind,
+                        shape: shard_shape(global, state.tensor(global)?.shape(), config, target.tensor),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            write_rank_file_streamed(&staging, &rank_dir, MODEL_FILE, &entries, |i, emit| {
+                let global = &params[i].1;
+                emit(&read_shard(global, state.tensor(global)?, config, t, target.tensor)?.to_kind(kind))
+            })?;
+            if let Some(optimizer) = &state.optimizer {
                 let shapes: Vec<(String, Vec<i64>)> =
-                    tensors.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+                    entries.iter().map(|e| (e.name.clone(), e.shape.clone())).collect();
                 let layout = flat_layout(&shapes);
-                let flat = |map: &HashMap<String, Tensor>| -> Result<Tensor> {
-                    let buffer = Tensor::zeros([layout.len as i64], (Kind::Float, Device::Cpu));
-                    for (slot, (_, global)) in layout.slots.iter().zip(params.iter().rev()) {
-                        let value = map.get(global).with_context(|| {
-                            format!("{}: no optimizer state for {global}", state.source)
-                        })?;
-                        buffer
-                            .narrow(0, slot.range.start as i64, slot.range.len() as i64)
-                            .copy_(&value.to_kind(Kind::Float).reshape([-1]));
-                    }
-                    Ok(buffer)
-                };
-                let step = Tensor::from(optimizer.step as f32);
-                let file = vec![
-                    ("main".to_string(), flat(&shards[0])?),
-                    ("exp_avg".to_string(), flat(&shards[1])?),
-                    ("exp_avg_sq".to_string(), flat(&shards[2])?),
-                    ("step".to_string(), step),
-                ];
-                write_rank_file(&staging, &rank_dir, &optimizer_file(None), &file)?;
+                // Buffer slots in buffer order, each with its parameter's global name.
+                let globals: HashMap<&str, &str> =
+                    params.iter().map(|(l, g)| (l.as_str(), g.as_str())).collect();
+                let mut slots: Vec<_> = layout
+                    .slots
+                    .iter()
+                    .map(|slot| (slot, globals[slot.name.as_str()]))
+                    .collect();
+                slots.sort_by_key(|(slot, _)| slot.range.start);
+                let buffers = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq];
+                let mut entries: Vec<TensorEntry> = ["main", "exp_avg", "exp_avg_sq"]
+                    .iter()
+                    .map(|name| TensorEntry {
+                        name: name.to_string(),
+                        kind: Kind::Float,
+                        shape: vec![layout.len as i64],
+                    })
+                    .collect();
+                entries.push(TensorEntry {
+                    name: "step".into(),
+                    kind: Kind::Float,
+                    shape: vec![],
+                });
+                write_rank_file_streamed(
+                    &staging,
+                    &rank_dir,
+                    &optimizer_file(None),
+                    &entries,
+                    |i, emit| {
+                        let Some(map) = buffers.get(i) else {
+                            return emit(&Tensor::from(optimizer.step as f32));
+                        };
+                        let mut at = 0;
+                        for &(slot, global) in &slots {
+                            if slot.range.start > at {
+                                emit(&Tensor::zeros([(slot.range.start - at) as i64], (Kind::Float, Device::Cpu)))?;
+                            }
+                            let value = map.get(global).with_context(|| {
+                                format!("{}: no optimizer state for {global}", state.source)
+                            })?;
+                            let shard = read_shard(global, value, config, t, target.tensor)?;
+                            ensure!(
+                                shard.numel() == slot.range.len(),
+                                "{}: optimizer state of {global} has {} elements for a parameter of {}",
+                                state.source,
+                                shard.numel(),
+                                slot.range.len()
+                            );
+                            emit(&shard.to_kind(Kind::Float))?;
+                            at = slot.range.end;
+                        }
+                        if layout.len > at {
+                            emit(&Tensor::zeros([(layout.len - at) as i64], (Kind::Float, Device::Cpu)))?;
+                        }
+                        Ok(())
+                    },
+                )?;
             }
         }
     }
@@ -240,8 +272,71 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
     Ok(())
 }
 
-/// Reads our checkpoint `checkpoint` (any layout) into a [`ModelState`]; with `optimizer`, the
-/// float32 main parameters and Adam moments too.
+/// The tensors of `rank_dir/file` of `checkpoint`, read lazily (after checking the file's
+/// checksum where the checkpoint has them); `None` when the file is absent.
+fn rank_file(
+    checkpoint: &CheckpointDirectory,
+    rank_dir: &str,
+    file: &str,
+) -> Result<Option<BTreeMap<String, LazyTensor>>> {
+    let directory = checkpoint.directory.join(rank_dir);
+    ensure!(
+        directory.is_dir(),
+        "{} has no {rank_dir} (saved with {})",
+        checkpoint.directory.display(),
+        checkpoint.metadata.describe_layout()
+    );
+    let path = directory.join(file);
+    if !path.exists() {
+        return Ok(None);
+    }
+    checkpoint
+        .checksums
+        .verify(&format!("{rank_dir}/{file}"), &path)?;
+    safetensors_tensors(&path).map(Some)
+}
+
+/// The pipeline split `metadata` was saved with.
+fn saved_split(metadata: &CheckpointMetadata, config: &GptConfig) -> PipelineSplit {
+    PipelineSplit {
+        num_layers: config.num_layers,
+        stages: metadata.pipeline_model_parallel_size,
+        chunks: metadata.virtual_pipeline_stages.max(1),
+        first_stage_layers: metadata.decoder_first_pipeline_num_layers,
+        last_stage_layers: metadata.decoder_last_pipeline_num_layers,
+    }
+}
+
+/// Tensor-parallel parts (rank order) of each unsplit tensor joined lazily, the vocabulary
+/// padded for one rank.
+fn join_parts(
+    parts: BTreeMap<String, Vec<LazyTensor>>,
+    config: &GptConfig,
+    tp: usize,
+    what: &str,
+) -> Result<Tensors> {
+    let padded = config.padded_vocab_size(1);
+    parts
+        .into_iter()
+        .map(|(name, parts)| {
+            ensure!(
+                parts.len() == tp,
+                "{what} {name} found in {} of {tp} tensor-parallel ranks",
+                parts.len()
+            );
+            let mut joined = LazyTensor::joined(parts, tensor_split(&name, config))
+                .with_context(|| format!("{what} {name}"))?;
+            if is_vocab_tensor(&name) {
+                joined = joined.with_rows(padded);
+            }
+            Ok((name, joined))
+        })
+        .collect()
+}
+
+/// Reads our checkpoint `checkpoint` (any layout) into a [`ModelState`] whose tensors are read
+/// from the files when a saver asks; with `optimizer`, the float32 main parameters and Adam
+/// moments too.
 pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Result<ModelState> {
     let metadata = &checkpoint.metadata;
     if metadata.model_type != "GPT" {
@@ -253,11 +348,41 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
     }
     let config: GptConfig = serde_json::from_value(metadata.model.clone())
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
-    let weights: BTreeMap<String, Tensor> = merge_model_parallel_ranks(checkpoint, Device::Cpu)?
-        .into_iter()
-        .collect();
+    let split = saved_split(metadata, &config);
+    let layer_order = layer_parameter_order(&config)?;
+    let (tp, pp) = (
+        metadata.tensor_model_parallel_size,
+        metadata.pipeline_model_parallel_size,
+    );
+    let mut parts: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
+    let mut files = Vec::new();
+    for t in 0..tp {
+        for stage in 0..pp {
+            let rank_dir = rank_directory_name(t, stage, pp);
+            let tensors = rank_file(checkpoint, &rank_dir, MODEL_FILE)?.with_context(|| {
+                format!("{}/{rank_dir}: no {MODEL_FILE}", checkpoint.directory.display())
+            })?;
+            let params = rank_parameters(&config, &split, stage, &layer_order)?;
+            for (local, global) in &params {
+                let tensor = tensors.get(local).with_context(|| {
+                    format!(
+                        "{}/{rank_dir}/{MODEL_FILE}: no tensor {local}",
+                        checkpoint.directory.display()
+                    )
+                })?;
+                // The last stage's copy of tied embeddings equals the first stage's.
+                if local.ends_with("output_layer.weight") && global != "output_layer.weight" {
+                    continue;
+                }
+                parts.entry(global.clone()).or_default().push(tensor.clone());
+            }
+            files.push((t, stage, rank_dir, params, tensors));
+        }
+    }
+    let weights = join_parts(parts, &config, tp, "tensor")
+        .with_context(|| checkpoint.directory.display().to_string())?;
     let optimizer = match (optimizer, metadata.optimizer.as_deref()) {
-        (true, Some("adam")) => Some(load_optimizer(checkpoint, &config)?),
+        (true, Some("adam")) => Some(load_optimizer(checkpoint, &config, &files)?),
         _ => None,
     };
     Ok(ModelState {
@@ -274,195 +399,162 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
             grad_scaler: metadata.grad_scaler.clone(),
             args: metadata.args.clone(),
         },
-        source_parallel: (
-            metadata.tensor_model_parallel_size,
-            metadata.pipeline_model_parallel_size,
-        ),
+        source_parallel: (tp, pp),
         source: format!("megatron-rs checkpoint {}", checkpoint.directory.display()),
     })
 }
 
-fn load_optimizer(checkpoint: &CheckpointDirectory, config: &GptConfig) -> Result<OptimizerState> {
+/// A rank's model file as `load_megatron_rs` read it: `(t, stage, rank directory, (local,
+/// global) parameters, tensors)`.
+type RankFile = (
+    usize,
+    usize,
+    String,
+    Vec<(String, String)>,
+    BTreeMap<String, LazyTensor>,
+);
+
+fn load_optimizer(
+    checkpoint: &CheckpointDirectory,
+    config: &GptConfig,
+    files: &[RankFile],
+) -> Result<OptimizerState> {
     let metadata = &checkpoint.metadata;
     let sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
-    let split = PipelineSplit {
-        num_layers: config.num_layers,
-        stages: metadata.pipeline_model_parallel_size,
-        chunks: metadata.virtual_pipeline_stages.max(1),
-        first_stage_layers: metadata.decoder_first_pipeline_num_layers,
-        last_stage_layers: metadata.decoder_last_pipeline_num_layers,
-    };
-    let layer_order = layer_parameter_order(config)?;
     let tied = !config.untie_embeddings_and_output_weights;
-    let (tp, pp) = (
-        metadata.tensor_model_parallel_size,
-        metadata.pipeline_model_parallel_size,
-    );
-    let mut shards: [BTreeMap<String, Vec<Tensor>>; 3] = Default::default();
+    let ranks = if sharded {
+        metadata.data_parallel_size
+    } else {
+        1
+    };
+    let mut parts: [BTreeMap<String, Vec<LazyTensor>>; 3] = Default::default();
     let mut step = 0.0;
-    for t in 0..tp {
-        for stage in 0..pp {
-            let rank_dir = rank_directory_name(t, stage, pp);
-            let params = rank_parameters(config, &split, stage, &layer_order)?;
-            let model = checkpoint
-                .read(&rank_dir, MODEL_FILE, Device::Cpu)?
-                .with_context(|| {
-                    format!(
-                        "{}/{rank_dir}: no {MODEL_FILE}",
-                        checkpoint.directory.display()
-                    )
-                })?;
-            let mut shapes = Vec::with_capacity(params.len());
-            for (local, _) in &params {
-                let tensor = model.get(local).with_context(|| {
-                    format!(
-                        "{}/{rank_dir}: no tensor {local}",
-                        checkpoint.directory.display()
-                    )
-                })?;
-                shapes.push((local.clone(), tensor.size()));
+    for (_, _, rank_dir, params, tensors) in files {
+        let where_ = |file: &str| format!("{}/{rank_dir}/{file}", checkpoint.directory.display());
+        let shapes: Vec<(String, Vec<i64>)> = params
+            .iter()
+            .map(|(local, _)| (local.clone(), tensors[local].shape().to_vec()))
+            .collect();
+        let param_shapes: Vec<ParamShape> = shapes
+            .iter()
+            .map(|(n, s)| ParamShape {
+                name: n,
+                shape: s.clone(),
+                attributes: ParamAttributes::default(),
+            })
+            .collect();
+        // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size).
+        let bucket = metadata
+            .args
+            .get("ddp_bucket_size")
+            .and_then(|v| v.as_u64())
+            .map_or(
+                crate::optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks),
+                |v| v as usize,
+            );
+        let layout = if sharded {
+            BufferLayout::new(&param_shapes, bucket, 0, ranks, true)
+        } else {
+            flat_layout(&shapes)
+        };
+        // Per buffer and slot: (start in the full buffer, the piece).
+        let mut pieces: [Vec<Vec<(usize, LazyTensor)>>; 3] =
+            std::array::from_fn(|_| vec![Vec::new(); layout.slots.len()]);
+        for d in 0..ranks {
+            let file = optimizer_file(sharded.then_some(d));
+            let state = rank_file(checkpoint, rank_dir, &file)?.with_context(|| {
+                format!("{}: missing (saved with --no-save-optim?)", where_(&file))
+            })?;
+            if let Some(s) = state.get("step") {
+                step = s.read()?.double_value(&[]);
             }
-            let ranks = if sharded {
-                metadata.data_parallel_size
-            } else {
-                1
-            };
-            let param_shapes: Vec<ParamShape> = shapes
-                .iter()
-                .map(|(n, s)| ParamShape {
-                    name: n,
-                    shape: s.clone(),
-                    attributes: ParamAttributes::default(),
-                })
-                .collect();
-            // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size).
-            let bucket = metadata
-                .args
-                .get("ddp_bucket_size")
-                .and_then(|v| v.as_u64())
-                .map_or(
-                    crate::optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks),
-                    |v| v as usize,
-                );
-            let layout = if sharded {
-                BufferLayout::new(&param_shapes, bucket, 0, ranks, true)
-            } else {
-                flat_layout(&shapes)
-            };
-            let mut flat: [Option<Tensor>; 3] = Default::default();
-            for d in 0..ranks {
-                let file = optimizer_file(sharded.then_some(d));
-                let state = checkpoint
-                    .read(&rank_dir, &file, Device::Cpu)?
-                    .with_context(|| {
-                        format!(
-                            "{}/{rank_dir}: no {file} (saved with --no-save-optim?)",
-                            checkpoint.directory.display()
-                        )
-                    })?;
-                if let Some(s) = state.get("step") {
-                    step = s.double_value(&[]);
-                }
-                let rank_layout =
-                    sharded.then(|| BufferLayout::new(&param_shapes, bucket, d, ranks, true));
-                for (i, key) in ["main", "exp_avg", "exp_avg_sq"].iter().enumerate() {
-                    let part = state.get(*key).with_context(|| {
-                        format!(
-                            "{}/{rank_dir}/{file}: no tensor {key}",
-                            checkpoint.directory.display()
-                        )
-                    })?;
-                    match &rank_layout {
-                        None => flat[i] = Some(part.shallow_clone()),
-                        Some(rank_layout) => {
-                            ensure!(
-                                part.size()[0] as usize == rank_layout.shard_len,
-                                "{}/{rank_dir}/{file}: {key} holds {} elements, the layout {}",
-                                checkpoint.directory.display(),
-                                part.size()[0],
-                                rank_layout.shard_len
-                            );
-                            let full = flat[i].get_or_insert_with(|| {
-                                Tensor::zeros([layout.len as i64], (Kind::Float, Device::Cpu))
-                            });
-                            for segment in &rank_layout.segments {
-                                full.narrow(
-                                    0,
-                                    segment.buffer.start as i64,
-                                    segment.buffer.len() as i64,
-                                )
-                                .copy_(&part.narrow(
-                                    0,
-                                    segment.shard.start as i64,
-                                    segment.shard.len() as i64,
-                                ));
-                            }
+            let rank_layout =
+                sharded.then(|| BufferLayout::new(&param_shapes, bucket, d, ranks, true));
+            for (i, key) in ["main", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+                let part = state
+                    .get(*key)
+                    .with_context(|| format!("{}: no tensor {key}", where_(&file)))?;
+                match &rank_layout {
+                    None => {
+                        ensure!(
+                            part.numel() as usize >= layout.len,
+                            "{}: the optimizer buffer {key} holds {} elements, the model needs {}",
+                            where_(&file),
+                            part.numel(),
+                            layout.len
+                        );
+                        for (s, slot) in layout.slots.iter().enumerate() {
+                            let piece = part.flat_slice(
+                                slot.range.start as i64,
+                                slot.range.len() as i64,
+                                vec![slot.range.len() as i64],
+                            )?;
+                            pieces[i][s].push((slot.range.start, piece));
+                        }
+                    }
+                    Some(rank_layout) => {
+                        ensure!(
+                            part.numel() as usize == rank_layout.shard_len,
+                            "{}: {key} holds {} elements, the layout {}",
+                            where_(&file),
+                            part.numel(),
+                            rank_layout.shard_len
+                        );
+                        for segment in &rank_layout.segments {
+                            let piece = part.flat_slice(
+                                segment.shard.start as i64,
+                                segment.shard.len() as i64,
+                                vec![segment.shard.len() as i64],
+                            )?;
+                            pieces[i][segment.slot].push((segment.buffer.start, piece));
                         }
                     }
                 }
             }
-            for (i, buffer) in flat.iter().enumerate() {
-                let buffer = buffer.as_ref().expect("read above");
-                for slot in &layout.slots {
-                    let global = &params
-                        .iter()
-                        .find(|(local, _)| *local == slot.name)
-                        .expect("listed")
-                        .1;
-                    if tied && slot.name.ends_with("output_layer.weight") {
-                        continue;
-                    }
-                    ensure!(
-                        slot.range.end <= buffer.size()[0] as usize,
-                        "{}/{rank_dir}: the optimizer buffer holds {} elements, the model needs {}",
-                        checkpoint.directory.display(),
-                        buffer.size()[0],
-                        layout.len
-                    );
-                    let value = buffer
-                        .narrow(0, slot.range.start as i64, slot.range.len() as i64)
-                        .view(slot.shape.as_slice());
-                    shards[i].entry(global.clone()).or_default().push(value);
+        }
+        for (i, buffer) in pieces.into_iter().enumerate() {
+            for (slot, mut slot_pieces) in layout.slots.iter().zip(buffer) {
+                let global = &params
+                    .iter()
+                    .find(|(local, _)| *local == slot.name)
+                    .expect("listed")
+                    .1;
+                if tied && slot.name.ends_with("output_layer.weight") {
+                    continue;
                 }
+                slot_pieces.sort_by_key(|(start, _)| *start);
+                let mut at = slot.range.start;
+                for (start, piece) in &slot_pieces {
+                    ensure!(
+                        *start == at,
+                        "{}/{rank_dir}: the optimizer shards do not cover {}",
+                        checkpoint.directory.display(),
+                        slot.name
+                    );
+                    at += piece.numel() as usize;
+                }
+                ensure!(
+                    at == slot.range.end,
+                    "{}/{rank_dir}: the optimizer shards do not cover {}",
+                    checkpoint.directory.display(),
+                    slot.name
+                );
+                let value = LazyTensor::concat(
+                    slot_pieces.into_iter().map(|(_, p)| p).collect(),
+                    slot.shape.clone(),
+                )?;
+                parts[i].entry(global.clone()).or_default().push(value);
             }
         }
     }
-    let padded = config.padded_vocab_size(1);
-    let mut out = OptimizerState {
+    let [main, exp_avg, exp_avg_sq] = parts;
+    let join = |parts| join_parts(parts, config, metadata.tensor_model_parallel_size, "optimizer state of");
+    Ok(OptimizerState {
         step,
-        ..Default::default()
-    };
-    for (i, map) in shards.into_iter().enumerate() {
-        let target = match i {
-            0 => &mut out.main,
-            1 => &mut out.exp_avg,
-            _ => &mut out.exp_avg_sq,
-        };
-        for (name, parts) in map {
-            ensure!(
-                parts.len() == tp,
-                "optimizer state of {name} found in {} of {tp} tensor-parallel ranks",
-                parts.len()
-            );
-            let mut joined = join_shards(&parts, tensor_split(&name, config));
-            if is_vocab_tensor(&name) {
-                joined = joined.narrow(0, 0, padded);
-            }
-            target.insert(name, joined);
-        }
-    }
-    Ok(out)
-}
-
-/// Cuts `tensor` (unsplit) for tensor-parallel rank `rank` of `size`.
-pub fn shard_of(
-    name: &str,
-    tensor: &Tensor,
-    config: &GptConfig,
-    rank: usize,
-    size: usize,
-) -> Tensor {
-    take_shard(tensor, tensor_split(name, config), rank, size)
+        main: join(main)?,
+        exp_avg: join(exp_avg)?,
+        exp_avg_sq: join(exp_avg_sq)?,
+    })
 }
 
 impl ModelState {
@@ -507,10 +599,10 @@ impl ModelState {
                 .get(name)
                 .with_context(|| format!("{}: missing tensor {name}", self.source))?;
             ensure!(
-                &tensor.size() == shape,
+                tensor.shape() == shape.as_slice(),
                 "{}: tensor {name} has shape {:?}, the architecture needs {shape:?}",
                 self.source,
-                tensor.size()
+                tensor.shape()
             );
         }
         if let Some(name) = self.weights.keys().find(|k| !expected.contains_key(*k)) {
