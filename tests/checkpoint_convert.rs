@@ -427,27 +427,21 @@ fn lm_losses(metrics: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
-#[test]
-fn training_resumed_after_a_reshape_matches_the_unreshaped_run() {
+/// A two-process run in `layout` saved at iteration 2 and continued, against the same
+/// checkpoint converted to one process (TP=1, plain optimizer) and continued there.
+fn resumed_after_conversion_matches(layout: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let tp2 = dir.path().join("tp2");
     let path = |p: &Path| p.to_str().unwrap().to_string();
-    // TP=2 run saved at iteration 2, then continued in the same layout.
+    // The two-process run saved at iteration 2, then continued in the same layout.
     two_ranks(|| {
-        let mut c = small_run(&[
-            "--tensor-model-parallel-size",
-            "2",
-            "--save-interval",
-            "2",
-            "--exit-interval",
-            "2",
-        ]);
-        c.args(["--save", &path(&tp2)]);
+        let mut c = small_run(&["--save-interval", "2", "--exit-interval", "2"]);
+        c.args(layout).args(["--save", &path(&tp2)]);
         c
     });
     let continued = dir.path().join("continued.jsonl");
     two_ranks(|| {
-        let mut c = small_run(&["--tensor-model-parallel-size", "2"]);
+        let mut c = small_run(layout);
         c.args(["--load", &path(&tp2), "--metrics-file", &path(&continued)]);
         c
     });
@@ -494,6 +488,18 @@ fn training_resumed_after_a_reshape_matches_the_unreshaped_run() {
             "losses after the reshape {got:?}, without it {expected:?}"
         );
     }
+}
+
+#[test]
+fn training_resumed_after_a_reshape_matches_the_unreshaped_run() {
+    resumed_after_conversion_matches(&["--tensor-model-parallel-size", "2"]);
+}
+
+/// The distributed optimizer's shards (several buckets, so parameters straddle the two data
+/// ranks' shards) are joined into the one-process optimizer state.
+#[test]
+fn distributed_optimizer_state_converts_to_one_process() {
+    resumed_after_conversion_matches(&["--use-distributed-optimizer", "--ddp-bucket-size", "5000"]);
 }
 
 fn torch_reference(path: &Path) -> serde_json::Value {

@@ -435,17 +435,28 @@ fn load_optimizer(
             .iter()
             .map(|(local, _)| (local.clone(), tensors[local].shape().to_vec()))
             .collect();
+        // The distributed optimizer keeps embeddings tied across stages in a bucket of their
+        // own (as GptModel marks them).
         let param_shapes: Vec<ParamShape> = shapes
             .iter()
-            .map(|(n, s)| ParamShape {
+            .zip(params)
+            .map(|((n, s), (_, global))| ParamShape {
                 name: n,
                 shape: s.clone(),
-                attributes: ParamAttributes::default(),
+                attributes: ParamAttributes {
+                    tied_across_stages: tied
+                        && metadata.pipeline_model_parallel_size > 1
+                        && global == "embedding.word_embeddings.weight",
+                    ..ParamAttributes::default()
+                },
             })
             .collect();
-        // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size).
+        // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size). Our
+        // runs record their flags by group, conversions of Megatron's flat.
         let bucket = metadata
             .args
+            .get("parallel")
+            .unwrap_or(&metadata.args)
             .get("ddp_bucket_size")
             .and_then(|v| v.as_u64())
             .map_or(
