@@ -8,19 +8,21 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
-use megatron_checkpoint::safetensors_file::SafetensorsFile;
 use megatron_checkpoint::TorchFile;
 use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
-use super::state::{in_memory, tensor_from_bytes, ModelState, RunState};
+use super::lazy::{safetensors_tensors, LazyTensor};
+use super::state::{tensor_from_bytes, ModelState, RunState, Tensors};
 use crate::checkpoint::{write_tensors_streamed, TensorEntry};
 use crate::model::{
-    hf as mapping, Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling,
+    hf::{self as mapping, Recipe},
+    Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling,
 };
 
-/// Every tensor of a HuggingFace model directory (sharded or not).
-fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
+/// Every tensor of a HuggingFace model directory (sharded or not): safetensors read lazily,
+/// `pytorch_model*.bin` (zip archives of pickles) into memory.
+fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, LazyTensor>> {
     let mut files: Vec<_> = std::fs::read_dir(directory)
         .with_context(|| format!("listing {}", directory.display()))?
         .flatten()
@@ -34,11 +36,7 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     if !safetensors.is_empty() {
         for path in safetensors {
-            let file = SafetensorsFile::open(path)?;
-            for (name, _) in file.tensors() {
-                let (info, bytes) = file.tensor(&name)?;
-                out.insert(name, tensor_from_bytes(info.dtype, &info.shape, bytes)?);
-            }
+            out.extend(safetensors_tensors(path)?);
         }
         return Ok(out);
     }
@@ -61,11 +59,36 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
             let bytes = file.tensor_bytes(tensor)?;
             out.insert(
                 name,
-                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?,
+                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into(),
             );
         }
     }
     Ok(out)
+}
+
+/// The Megatron tensors `recipes` make from the HuggingFace `tensors`, each read when a saver
+/// asks for it; every input's shape is checked against the config first.
+fn imported(recipes: Vec<Recipe>, tensors: &HashMap<String, LazyTensor>) -> Result<Tensors> {
+    recipes
+        .into_iter()
+        .map(|recipe| {
+            let inputs = recipe
+                .inputs
+                .iter()
+                .map(|(name, shape)| {
+                    let tensor = tensors.get(name).with_context(|| format!("no tensor {name}"))?;
+                    ensure!(
+                        tensor.shape() == shape.as_slice(),
+                        "tensor {name} has shape {:?}, config.json implies {shape:?}",
+                        tensor.shape()
+                    );
+                    Ok(tensor.clone())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let tensor = LazyTensor::derived(inputs, recipe.shape, recipe.make)?;
+            Ok((recipe.name, tensor))
+        })
+        .collect()
 }
 
 fn int(config: &Json, key: &str) -> Result<i64> {
@@ -252,12 +275,12 @@ pub fn load_hf(
     let tensors = read_hf_tensors(directory)?;
     let dtype = tensors
         .values()
-        .find(|t| t.is_floating_point())
-        .map(|t| t.kind())
+        .map(LazyTensor::kind)
+        .find(|k| matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16))
         .unwrap_or(Kind::Float);
     let weights = if architecture == "GPT2LMHeadModel" {
         // Older exports prefix names with `transformer.` only sometimes.
-        let tensors: HashMap<String, Tensor> = tensors
+        let tensors: HashMap<String, LazyTensor> = tensors
             .into_iter()
             .map(|(k, v)| {
                 (
@@ -270,7 +293,7 @@ pub fn load_hf(
                 )
             })
             .collect();
-        mapping::gpt2_to_megatron(&tensors, &config)
+        imported(mapping::gpt2_recipes(&config), &tensors)
     } else {
         if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
             bail!(
@@ -278,7 +301,7 @@ pub fn load_hf(
                 directory.display()
             );
         }
-        mapping::llama_to_megatron(&tensors, &config)
+        imported(mapping::llama_recipes(&config), &tensors)
     }
     .with_context(|| directory.display().to_string())?;
     let params_dtype = match dtype {
@@ -287,7 +310,7 @@ pub fn load_hf(
         _ => "float32",
     };
     Ok(ModelState {
-        weights: in_memory(weights),
+        weights,
         config,
         params_dtype: params_dtype.to_string(),
         optimizer: None,

@@ -79,6 +79,11 @@ enum Source {
     },
     /// Another tensor with its rows cut or padded with zeros (the padded vocabulary).
     Rows(Box<LazyTensor>),
+    /// Made from other tensors (a HuggingFace import's fused projections).
+    Derived {
+        inputs: Vec<LazyTensor>,
+        make: Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>,
+    },
 }
 
 /// A tensor known by shape and kind, read on demand.
@@ -102,6 +107,10 @@ impl Clone for LazyTensor {
                 split: *split,
             },
             Source::Rows(inner) => Source::Rows(inner.clone()),
+            Source::Derived { inputs, make } => Source::Derived {
+                inputs: inputs.clone(),
+                make: make.clone(),
+            },
         };
         LazyTensor {
             shape: self.shape.clone(),
@@ -211,6 +220,24 @@ impl LazyTensor {
         })
     }
 
+    /// A tensor of `shape` made by `make` from `inputs` (of one kind) when read.
+    pub fn derived(
+        inputs: Vec<LazyTensor>,
+        shape: Vec<i64>,
+        make: Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>,
+    ) -> Result<Self> {
+        let kind = inputs.first().context("a derived tensor needs inputs")?.kind;
+        ensure!(
+            inputs.iter().all(|i| i.kind == kind),
+            "inputs of different kinds: {inputs:?}"
+        );
+        Ok(LazyTensor {
+            shape,
+            kind,
+            source: Source::Derived { inputs, make },
+        })
+    }
+
     /// This tensor with `rows` rows: cut, or padded with zero rows.
     pub fn with_rows(self, rows: i64) -> Self {
         if self.shape[0] == rows {
@@ -269,7 +296,20 @@ impl LazyTensor {
                 join_shards(&shards, *split)
             }
             Source::Rows(inner) => fit_vocab_rows(&inner.read()?, self.shape[0]),
+            Source::Derived { inputs, make } => {
+                let inputs = inputs
+                    .iter()
+                    .map(LazyTensor::read)
+                    .collect::<Result<Vec<_>>>()?;
+                make(&inputs)
+            }
         };
+        ensure!(
+            tensor.size() == self.shape,
+            "read a tensor of shape {:?} for one of {:?}",
+            tensor.size(),
+            self.shape
+        );
         Ok(tensor)
     }
 }
