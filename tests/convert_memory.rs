@@ -1,7 +1,7 @@
 //! `checkpoint_convert` holds about one tensor at a time: its peak resident memory (the
 //! child's `ru_maxrss`) converting a checkpoint of over a gigabyte (weights and Adam state) is
-//! within a small margin of converting a tiny one, for a TP1 → TP2 reshape with the optimizer
-//! and for a HuggingFace export.
+//! within a small margin of converting a tiny one, for a TP1 → TP2 reshape with the optimizer,
+//! a HuggingFace export and its import back.
 
 use std::path::Path;
 use std::process::Command;
@@ -64,15 +64,20 @@ fn directory_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-/// Peak RSS of a TP1 → TP2 reshape (optimizer included) and of a HuggingFace export of the
-/// checkpoint under `input`.
-fn conversions(input: &Path, scratch: &Path) -> (u64, u64) {
-    let convert = |saver: &str, save: &str, extra: &[&str]| {
+/// Peak RSS of a TP1 → TP2 reshape (optimizer included), of a HuggingFace export of the
+/// checkpoint under `input` and of that export's import at TP2.
+fn conversions(input: &Path, scratch: &Path) -> [u64; 3] {
+    let convert = |loader: &str, saver: &str, save: &str, extra: &[&str]| {
         let mut command = bin("checkpoint_convert");
+        let load = if loader == "hf" {
+            scratch.join("hf")
+        } else {
+            input.to_path_buf()
+        };
         command
-            .args(["--model-type", "GPT", "--loader", "megatron-rs", "--saver", saver])
+            .args(["--model-type", "GPT", "--loader", loader, "--saver", saver])
             .arg("--load-dir")
-            .arg(input)
+            .arg(load)
             .arg("--save-dir")
             .arg(scratch.join(save))
             .args(extra);
@@ -80,9 +85,12 @@ fn conversions(input: &Path, scratch: &Path) -> (u64, u64) {
         assert!(scratch.join(save).is_dir());
         peak
     };
-    let reshape = convert("megatron-rs", "tp2", &["--target-tensor-parallel-size", "2"]);
-    let export = convert("hf", "hf", &["--no-optimizer"]);
-    (reshape, export)
+    let tp2 = ["--target-tensor-parallel-size", "2"];
+    [
+        convert("megatron-rs", "megatron-rs", "tp2", &tp2),
+        convert("megatron-rs", "hf", "hf", &["--no-optimizer"]),
+        convert("hf", "megatron-rs", "imported", &tp2),
+    ]
 }
 
 #[test]
@@ -94,25 +102,27 @@ fn peak_memory_does_not_grow_with_the_model() {
     make_checkpoint(&large.join("ckpt"), 24, 512);
     let input = directory_bytes(&large.join("ckpt"));
     assert!(input > 1_000_000_000, "the large checkpoint holds {input} bytes");
-    let (tiny_reshape, tiny_export) = conversions(&tiny.join("ckpt"), &tiny);
-    let (large_reshape, large_export) = conversions(&large.join("ckpt"), &large);
+    let small = conversions(&tiny.join("ckpt"), &tiny);
+    let big = conversions(&large.join("ckpt"), &large);
     let mib = |b: u64| b / (1 << 20);
     // A conversion that held the model would grow by at least the input's size; one tensor
     // at a time grows by a few of the largest tensors (4 MiB here) and the writer's buffer.
     let margin = 128 << 20;
-    for (what, tiny, large) in [
-        ("TP1 → TP2 reshape", tiny_reshape, large_reshape),
-        ("HuggingFace export", tiny_export, large_export),
-    ] {
+    let names = [
+        "TP1 → TP2 reshape",
+        "HuggingFace export",
+        "HuggingFace import at TP2",
+    ];
+    for (what, (tiny, large)) in names.into_iter().zip(small.into_iter().zip(big)) {
         eprintln!(
-            "{what}: peak RSS {} MiB for {} MiB of input, {} MiB for a tiny model",
+            "{what}: peak RSS {} MiB from a checkpoint of {} MiB, {} MiB for a tiny model",
             mib(large),
             mib(input),
             mib(tiny)
         );
         assert!(
             large < tiny + margin && large < 1 << 30,
-            "{what}: peak RSS {} MiB converting {} MiB, {} MiB for a tiny model",
+            "{what}: peak RSS {} MiB from a checkpoint of {} MiB, {} MiB for a tiny model",
             mib(large),
             mib(input),
             mib(tiny)
