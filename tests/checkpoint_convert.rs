@@ -559,6 +559,34 @@ fn megatron_torch_format_output_loads_with_torch_like_the_golden() {
             .collect()
     };
     assert_eq!(model(&ours), model(&theirs));
+    // Megatron's optimizer entry comes back bit for bit: Adam's per-parameter state under the
+    // same indices, the float32 main parameters in the same groups.
+    let optimizer = |reference: &serde_json::Value| -> Vec<(String, serde_json::Value)> {
+        reference["tensors"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.starts_with("optimizer/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    assert_eq!(optimizer(&theirs).len(), 28 * 4, "golden optimizer entries");
+    assert_eq!(optimizer(&ours), optimizer(&theirs));
+    // The same parameter groups, hyperparameters included; `lr` is the scheduler's to set
+    // when Megatron resumes.
+    let groups = |reference: &serde_json::Value| -> Vec<serde_json::Value> {
+        reference["param_groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                let mut g = g.clone();
+                g.as_object_mut().unwrap().remove("lr");
+                g
+            })
+            .collect()
+    };
+    assert_eq!(groups(&ours), groups(&theirs));
     assert_eq!(ours["scalars"]["checkpoint_version"], 3.0);
     assert_eq!(ours["scalars"]["iteration"], 3);
     for key in [

@@ -2,17 +2,21 @@
 //! `mp_rank_XX[_YYY]/model_optim_rng.pt` with Megatron-core names in Megatron's module order
 //! (local-spec `_extra_state` entries included, as Megatron's strict `load_state_dict` expects),
 //! `args` as an `argparse.Namespace`, `checkpoint_version` 3.0, `iteration` and the scheduler.
-//! Weights only: Megatron loads it with `--no-load-optim --no-load-rng` (or `--finetune`).
+//! With the optimizer state when the input has one (Adam's moments and the float32 main
+//! parameters, as Megatron's non-distributed optimizer saves them); without RNG states, so
+//! Megatron resumes it with `--no-load-rng`.
 
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
 
 use super::ours::TargetLayout;
-use super::state::{kind_named, read_shard, shard_shape, ModelState};
+use super::megatron_torch::param_groups;
+use super::state::{kind_named, read_shard, shard_shape, ModelState, OptimizerState};
+use crate::optim::excluded_from_weight_decay;
 use crate::checkpoint::{
     iteration_directory, rank_directory_name, write_tracker,
 };
@@ -239,6 +243,131 @@ fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<St
     out
 }
 
+/// What the `i`th tensor of a rank file holds.
+enum Source {
+    Weight(String),
+    /// Optimizer buffer (main, exp_avg, exp_avg_sq) of a parameter.
+    Optimizer(usize, String),
+    Step(f64),
+}
+
+/// A run flag by Megatron's name: at the top of `args` (Megatron's namespace) or in one of
+/// its groups (our runs record their flags by group).
+fn run_flag(args: &Json, key: &str) -> Option<Json> {
+    args.get(key).cloned().or_else(|| {
+        args.as_object()?
+            .values()
+            .find_map(|group| group.get(key).cloned())
+    })
+}
+
+/// Megatron's `optimizer` entry of a rank file: torch Adam's `state_dict()` (per-parameter
+/// `exp_avg`, `exp_avg_sq` and `step`; the weight-decayed and not-decayed `param_groups`),
+/// wrapped with the float32 main parameters `fp32_from_fp16_params` (and the `grad_scaler`)
+/// when the model is in half precision, as `Float16OptimizerWithFloat16Params` saves it.
+fn optimizer_entry(
+    state: &ModelState,
+    optimizer: &OptimizerState,
+    params: &[(String, Vec<usize>)],
+    slots: &mut Vec<TensorSlot>,
+    sources: &mut Vec<Source>,
+) -> Result<Saved> {
+    let args = &state.run.args;
+    let number = |key: &str, default: f64| {
+        run_flag(args, key)
+            .and_then(|v| v.as_f64())
+            .unwrap_or(default)
+    };
+    let lr = number("lr", 0.0);
+    let weight_decay = number("weight_decay", 0.01);
+    let mut tensor = |source: Source, shape: &[usize]| {
+        slots.push(TensorSlot {
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+        });
+        sources.push(source);
+        Saved::Tensor(slots.len() - 1)
+    };
+    let mut per_parameter = Vec::new();
+    let mut groups = Vec::new();
+    let mut main = Vec::new();
+    let mut index = 0;
+    for members in param_groups(params) {
+        let decayed = !excluded_from_weight_decay(
+            &params[members[0]].0,
+            &params[members[0]].1.iter().map(|&d| d as i64).collect::<Vec<_>>(),
+        );
+        let mut indices = Vec::new();
+        let mut group_main = Vec::new();
+        for &member in &members {
+            let (global, shape) = &params[member];
+            ensure!(
+                optimizer.main.contains_key(global),
+                "{}: no optimizer state for {global}",
+                state.source
+            );
+            per_parameter.push((
+                index,
+                Saved::Dict(vec![
+                    ("step".into(), tensor(Source::Step(optimizer.step), &[])),
+                    ("exp_avg".into(), tensor(Source::Optimizer(1, global.clone()), shape)),
+                    ("exp_avg_sq".into(), tensor(Source::Optimizer(2, global.clone()), shape)),
+                ]),
+            ));
+            group_main.push(tensor(Source::Optimizer(0, global.clone()), shape));
+            indices.push(Value::Int(index));
+            index += 1;
+        }
+        main.push(Saved::List(group_main));
+        let wd_mult = if decayed { 1.0 } else { 0.0 };
+        let group: Vec<(&str, Value)> = vec![
+            ("wd_mult", Value::Float(wd_mult)),
+            ("lr_mult", Value::Float(1.0)),
+            ("is_expert_parallel", Value::Bool(false)),
+            ("is_decoupled_lr", Value::Bool(false)),
+            ("max_lr", Value::Float(lr)),
+            ("min_lr", Value::Float(number("min_lr", 0.0))),
+            ("lr", Value::Float(lr)),
+            (
+                "betas",
+                Value::Tuple(vec![
+                    Value::Float(number("adam_beta1", 0.9)),
+                    Value::Float(number("adam_beta2", 0.999)),
+                ]),
+            ),
+            ("eps", Value::Float(number("adam_eps", 1e-8))),
+            ("weight_decay", Value::Float(weight_decay * wd_mult)),
+            ("amsgrad", Value::Bool(false)),
+            ("maximize", Value::Bool(false)),
+            ("foreach", Value::None),
+            ("capturable", Value::Bool(false)),
+            ("differentiable", Value::Bool(false)),
+            ("fused", Value::None),
+            ("decoupled_weight_decay", Value::Bool(true)),
+            ("params", Value::List(indices)),
+        ];
+        groups.push(Saved::Dict(
+            group
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), Saved::Value(v)))
+                .collect(),
+        ));
+    }
+    let adam = Saved::Dict(vec![
+        ("state".into(), Saved::IndexedDict(per_parameter)),
+        ("param_groups".into(), Saved::List(groups)),
+    ]);
+    if state.params_dtype == "float32" {
+        return Ok(adam);
+    }
+    let mut wrapped = vec![("optimizer".to_string(), adam)];
+    if let Some(scaler) = state.run.grad_scaler.as_ref().and_then(json_to_value) {
+        wrapped.push(("grad_scaler".into(), Saved::Value(scaler)));
+    }
+    wrapped.push(("fp32_from_fp16_params".into(), Saved::List(main)));
+    Ok(Saved::Dict(wrapped))
+}
+
 /// Writes `state` in Megatron's torch format under `root` in `target`'s layout.
 pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
     let config = &state.config;
@@ -260,6 +389,8 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
             let chunks = split.chunks_of(stage)?;
             let mut slots = Vec::new();
             let mut sources = Vec::new();
+            // The rank's parameters (global names) in Megatron's order, for the optimizer.
+            let mut params: Vec<(String, Vec<usize>)> = Vec::new();
             let mut root_entries = vec![
                 ("args".to_string(), Saved::Namespace(args.clone())),
                 (
@@ -283,7 +414,8 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                                 dtype,
                                 shape: shape.iter().map(|&d| d as usize).collect(),
                             });
-                            sources.push(global);
+                            params.push((global.clone(), slots.last().expect("pushed").shape.clone()));
+                            sources.push(Source::Weight(global));
                             model.push((local, Saved::Tensor(slots.len() - 1)));
                         }
                     }
@@ -294,6 +426,10 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                     format!("model{c}")
                 };
                 root_entries.push((key, Saved::OrderedDict(model)));
+            }
+            if let Some(optimizer) = &state.optimizer {
+                let saved = optimizer_entry(state, optimizer, &params, &mut slots, &mut sources)?;
+                root_entries.push(("optimizer".into(), saved));
             }
             if let Some(scheduler) = state
                 .run
@@ -315,10 +451,24 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                 &Saved::Dict(root_entries),
                 &slots,
                 |i| {
-                    let global = &sources[i];
-                    let tensor = read_shard(global, state.tensor(global)?, config, t, target.tensor)?
-                        .to_kind(kind)
-                        .contiguous();
+                    let tensor = match &sources[i] {
+                        Source::Weight(global) => {
+                            read_shard(global, state.tensor(global)?, config, t, target.tensor)?
+                                .to_kind(kind)
+                        }
+                        Source::Optimizer(buffer, global) => {
+                            let optimizer = state.optimizer.as_ref().expect("listed above");
+                            let map = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
+                                [*buffer];
+                            let value = map.get(global).with_context(|| {
+                                format!("{}: no optimizer state for {global}", state.source)
+                            })?;
+                            read_shard(global, value, config, t, target.tensor)?
+                                .to_kind(tch::Kind::Float)
+                        }
+                        Source::Step(step) => tch::Tensor::from(*step as f32),
+                    }
+                    .contiguous();
                     let mut bytes = vec![0u8; tensor.numel() * tensor.kind().elt_size_in_bytes()];
                     tensor.copy_data_u8(&mut bytes, tensor.numel());
                     Ok(bytes)

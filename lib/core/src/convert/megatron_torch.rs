@@ -124,7 +124,7 @@ fn check_version(root: &Value, path: &Path) -> Result<()> {
 
 /// Megatron's parameter groups of one rank: weight-decayed and not, each in model order, the
 /// groups ordered by first appearance (as `_get_param_groups` builds them).
-fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
+pub(super) fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
     let mut order: Vec<bool> = Vec::new();
     let mut groups: Vec<Vec<usize>> = Vec::new();
     for (i, (name, shape)) in names.iter().enumerate() {
