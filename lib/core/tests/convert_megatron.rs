@@ -183,7 +183,8 @@ fn torch_dist_converts_and_runs_forward() {
 fn megatron_torch_tp2_pp2_reads_back_as_the_same_model() {
     use megatron_core::convert::save_megatron_torch;
     for golden in ["gpt_torch", "llama_torch"] {
-        let options = LoadOptions::default();
+        // gpt_torch has its optimizer state, which goes along into every rank file.
+        let options = with_optimizer();
         let state =
             load_megatron_torch(&goldens().join(golden).join("iter_0000003"), &options).unwrap();
         let out = tempfile::tempdir().unwrap();
@@ -206,6 +207,27 @@ fn megatron_torch_tp2_pp2_reads_back_as_the_same_model() {
                 tensor.read().unwrap().equal(&back.weights[name].read().unwrap()),
                 "{golden}: {name}"
             );
+        }
+        assert_eq!(
+            state.optimizer.is_some(),
+            back.optimizer.is_some(),
+            "{golden}"
+        );
+        if let (Some(a), Some(b)) = (&state.optimizer, &back.optimizer) {
+            assert_eq!(a.step, b.step);
+            for (x, y) in [
+                (&a.main, &b.main),
+                (&a.exp_avg, &b.exp_avg),
+                (&a.exp_avg_sq, &b.exp_avg_sq),
+            ] {
+                assert_eq!(x.len(), y.len());
+                for (name, tensor) in x {
+                    assert!(
+                        tensor.read().unwrap().equal(&y[name].read().unwrap()),
+                        "{golden}: optimizer state of {name}"
+                    );
+                }
+            }
         }
     }
 }
