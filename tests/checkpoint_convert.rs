@@ -305,7 +305,8 @@ fn bad_inputs_name_the_file_and_leave_no_output() {
             .arg(&out),
     );
     assert!(
-        error.contains("decoder.layers.0.mlp.linear_fc1.weight") && error.contains("[256, 64]"),
+        error.contains("model.layers.0.mlp.gate_proj.weight has shape [128, 64]")
+            && error.contains("config.json implies [96, 64]"),
         "{error}"
     );
     assert_nothing_left(dir.path());

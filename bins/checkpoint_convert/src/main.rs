@@ -1,6 +1,6 @@
 //! `checkpoint_convert`: Megatron's `tools/checkpoint/convert.py` — same flags — plus
 //! `inspect`. Loaders: megatron-rs, core/mcore and legacy/megatron (Megatron `torch` or
-//! `torch_dist`, detected from the files). Savers: megatron-rs.
+//! `torch_dist`, detected from the files), hf. Savers: megatron-rs, core (Megatron `torch`), hf.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -50,8 +50,8 @@ struct ConvertArgs {
     #[arg(long, default_value = "megatron")]
     loader: String,
     /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's torch format
-    /// (model_optim_rng.pt with core names, weights only: load it with --no-load-optim
-    /// --no-load-rng or --finetune); hf: a HuggingFace model directory with config.json.
+    /// (model_optim_rng.pt with core names and the optimizer state, no RNG state: resume it
+    /// with --no-load-rng); hf: a HuggingFace model directory with config.json.
     #[arg(long, default_value = "megatron-rs")]
     saver: String,
     /// Directory to load the checkpoint from.
