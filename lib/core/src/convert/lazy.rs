@@ -15,7 +15,7 @@ use megatron_checkpoint::DType;
 use tch::{Device, Kind, Tensor};
 
 use super::state::{fit_vocab_rows, kind_of};
-use crate::checkpoint::{join_shards, TensorSplit};
+use crate::checkpoint::{join_shards, take_shard, TensorSplit};
 
 /// An input file read with positioned reads: nothing of it stays resident after a read
 /// (a memory map would keep every touched page in the process's resident set).
@@ -268,6 +268,63 @@ impl LazyTensor {
         self.numel() as usize * self.kind.elt_size_in_bytes()
     }
 
+    /// Tensor-parallel rank `rank`'s shard (of `size`) along `split` of this tensor with its
+    /// rows first cut or padded to `rows`, reading only what the shard needs where the layout
+    /// allows: a source shard that is already the target one, or the row ranges of a tensor
+    /// split by rows.
+    pub fn read_shard(
+        &self,
+        split: TensorSplit,
+        rank: usize,
+        size: usize,
+        rows: Option<i64>,
+    ) -> Result<Tensor> {
+        let rows_kept = rows.is_none_or(|r| r == self.shape[0]);
+        match (&self.source, split) {
+            (Source::Rows(inner), _) if rows == Some(inner.shape[0]) => {
+                return inner.read_shard(split, rank, size, None)
+            }
+            (Source::Joined { shards, split: joined }, _)
+                if rows_kept && *joined == split && shards.len() == size =>
+            {
+                return shards[rank].read()
+            }
+            (Source::Joined { shards, .. }, _) if rows_kept && shards.len() == 1 => {
+                return shards[0].read_shard(split, rank, size, None)
+            }
+            (Source::File { file, offset }, TensorSplit::Rows { stride })
+                if rows_kept && self.shape[0] % (stride * size as i64) == 0 =>
+            {
+                let part_rows = self.shape[0] / stride;
+                let count = part_rows / size as i64;
+                let row_bytes =
+                    self.shape[1..].iter().product::<i64>() as usize * self.kind.elt_size_in_bytes();
+                let mut shape = self.shape.clone();
+                shape[0] = count * stride;
+                let tensor = Tensor::empty(shape.as_slice(), (self.kind, Device::Cpu));
+                let part_bytes = count as usize * row_bytes;
+                // SAFETY: a fresh contiguous CPU tensor of `stride · part_bytes` bytes.
+                let buffer = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        tensor.data_ptr() as *mut u8,
+                        stride as usize * part_bytes,
+                    )
+                };
+                for (p, out) in buffer.chunks_mut(part_bytes.max(1)).enumerate() {
+                    let first_row = p as i64 * part_rows + rank as i64 * count;
+                    file.read_at(out, offset + first_row as u64 * row_bytes as u64)?;
+                }
+                return Ok(tensor);
+            }
+            _ => {}
+        }
+        let mut full = self.read()?;
+        if let Some(rows) = rows {
+            full = fit_vocab_rows(&full, rows);
+        }
+        Ok(take_shard(&full, split, rank, size))
+    }
+
     /// The tensor, read from its files now (a CPU tensor of its own).
     pub fn read(&self) -> Result<Tensor> {
         let tensor = match &self.source {
@@ -399,6 +456,42 @@ mod tests {
             Vec::<f32>::try_from(pieces.read().unwrap().reshape([-1])).unwrap(),
             [20.0, 21.0, 22.0, 23.0, 0.0, 1.0, 2.0, 3.0]
         );
+        // Every shortcut of read_shard agrees with cutting the whole tensor.
+        let whole_file = flat.flat_slice(0, 24, vec![6, 4]).unwrap();
+        let two = LazyTensor::joined(
+            vec![
+                flat.flat_slice(0, 12, vec![3, 4]).unwrap(),
+                flat.flat_slice(12, 12, vec![3, 4]).unwrap(),
+            ],
+            TensorSplit::Rows { stride: 1 },
+        )
+        .unwrap();
+        let one = LazyTensor::joined(vec![whole_file.clone()], TensorSplit::Rows { stride: 2 })
+            .unwrap();
+        for (lazy, split, size, rows) in [
+            (&whole_file, TensorSplit::Rows { stride: 2 }, 3, None),
+            (&whole_file, TensorSplit::Rows { stride: 1 }, 2, Some(8)),
+            (&whole_file, TensorSplit::Columns, 2, None),
+            (&two, TensorSplit::Rows { stride: 1 }, 2, None),
+            (&one, TensorSplit::Rows { stride: 2 }, 3, None),
+        ] {
+            let padded = rows.map_or(lazy.clone(), |r| lazy.clone().with_rows(r));
+            for rank in 0..size {
+                let mut expected = lazy.read().unwrap();
+                if let Some(rows) = rows {
+                    expected = fit_vocab_rows(&expected, rows);
+                }
+                let expected = take_shard(&expected, split, rank, size);
+                assert!(
+                    lazy.read_shard(split, rank, size, rows).unwrap().equal(&expected),
+                    "{split:?} rank {rank} of {size}"
+                );
+                assert!(padded
+                    .read_shard(split, rank, size, rows)
+                    .unwrap()
+                    .equal(&expected));
+            }
+        }
         let error = format!(
             "{:#}",
             LazyTensor::in_file(&file, 64, DType::F32, vec![24]).unwrap_err()

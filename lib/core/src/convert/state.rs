@@ -10,7 +10,7 @@ use megatron_checkpoint::DType;
 use tch::{Kind, Tensor};
 
 use super::lazy::LazyTensor;
-use crate::checkpoint::{take_shard, tensor_split, TensorSplit};
+use crate::checkpoint::{tensor_split, TensorSplit};
 use crate::model::GptConfig;
 
 /// Unsplit tensors by Megatron-core name.
@@ -143,11 +143,10 @@ pub fn read_shard(
     rank: usize,
     size: usize,
 ) -> Result<Tensor> {
-    let mut full = tensor.read()?;
-    if is_vocab_tensor(name) {
-        full = fit_vocab_rows(&full, config.padded_vocab_size(size as i64));
-    }
-    Ok(take_shard(&full, tensor_split(name, config), rank, size))
+    let rows = is_vocab_tensor(name).then(|| config.padded_vocab_size(size as i64));
+    tensor
+        .read_shard(tensor_split(name, config), rank, size, rows)
+        .with_context(|| format!("reading {name}"))
 }
 
 impl ModelState {
