@@ -19,7 +19,14 @@ fn make_checkpoint(save: &Path, layers: usize, hidden: usize) {
             .args(["--micro-batch-size", "1", "--global-batch-size", "1"])
             .args(["--lr", "1e-4", "--train-iters", "1", "--mock-data"])
             .args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])
-            .args(["--eval-iters", "0", "--log-interval", "1", "--device", "cpu"])
+            .args([
+                "--eval-iters",
+                "0",
+                "--log-interval",
+                "1",
+                "--device",
+                "cpu",
+            ])
             .arg("--save")
             .arg(save)
             .args(["--save-interval", "1"]),
@@ -101,7 +108,10 @@ fn peak_memory_does_not_grow_with_the_model() {
     // 24 layers of hidden 512: 76M parameters, 1.2 GB with the float32 Adam state.
     make_checkpoint(&large.join("ckpt"), 24, 512);
     let input = directory_bytes(&large.join("ckpt"));
-    assert!(input > 1_000_000_000, "the large checkpoint holds {input} bytes");
+    assert!(
+        input > 1_000_000_000,
+        "the large checkpoint holds {input} bytes"
+    );
     let small = conversions(&tiny.join("ckpt"), &tiny);
     let big = conversions(&large.join("ckpt"), &large);
     let mib = |b: u64| b / (1 << 20);

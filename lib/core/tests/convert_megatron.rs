@@ -204,7 +204,10 @@ fn megatron_torch_tp2_pp2_reads_back_as_the_same_model() {
         assert_eq!(back.weights.len(), state.weights.len(), "{golden}");
         for (name, tensor) in &state.weights {
             assert!(
-                tensor.read().unwrap().equal(&back.weights[name].read().unwrap()),
+                tensor
+                    .read()
+                    .unwrap()
+                    .equal(&back.weights[name].read().unwrap()),
                 "{golden}: {name}"
             );
         }
@@ -261,5 +264,8 @@ fn megatron_torch_carries_llama3_rope_scaling() {
         "{:#}",
         save_megatron_torch(&state, refused.path(), layout).unwrap_err()
     );
-    assert!(error.contains("original_max_position_embeddings"), "{error}");
+    assert!(
+        error.contains("original_max_position_embeddings"),
+        "{error}"
+    );
 }

@@ -7,7 +7,8 @@ use std::path::Path;
 
 use megatron_core::checkpoint::{find_checkpoint, read_tensors};
 use megatron_core::convert::{
-    in_memory, load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState, TargetLayout,
+    in_memory, load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState,
+    TargetLayout,
 };
 use megatron_core::model::{
     Activation, GptConfig, GptModel, ModelOptions, Normalization, PositionEmbeddingType, Recompute,

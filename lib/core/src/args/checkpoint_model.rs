@@ -411,9 +411,18 @@ impl CheckpointModelArgs {
             )?;
             close("--rotary-base", self.rotary_base, config.rotary_base)?;
             match &config.rope_scaling {
-                Some(scaling) => close("--rope-scaling-factor", self.rope_scaling_factor, scaling.factor)?,
+                Some(scaling) => close(
+                    "--rope-scaling-factor",
+                    self.rope_scaling_factor,
+                    scaling.factor,
+                )?,
                 None if self.use_rope_scaling => {
-                    return Err(mismatch("--use-rope-scaling", "given", "no rope scaling", dir))
+                    return Err(mismatch(
+                        "--use-rope-scaling",
+                        "given",
+                        "no rope scaling",
+                        dir,
+                    ))
                 }
                 None => {}
             }

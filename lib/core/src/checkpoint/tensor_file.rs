@@ -197,7 +197,8 @@ pub fn write_tensors_streamed(
             written += len;
             Ok(())
         };
-        produce(i, &mut emit).with_context(|| format!("{}: tensor {}", path.display(), entry.name))?;
+        produce(i, &mut emit)
+            .with_context(|| format!("{}: tensor {}", path.display(), entry.name))?;
         ensure!(
             written == entry.bytes(),
             "{}: tensor {} got {written} bytes of data, its shape {:?} needs {}",
@@ -283,7 +284,10 @@ mod tests {
             write_tensors_streamed(&path, &entries, HashMap::new(), |_, emit| emit(&b))
                 .unwrap_err()
         );
-        assert!(error.contains("tensor a: BFloat16 data for a Float tensor"), "{error}");
+        assert!(
+            error.contains("tensor a: BFloat16 data for a Float tensor"),
+            "{error}"
+        );
     }
 
     #[test]

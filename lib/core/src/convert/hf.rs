@@ -76,7 +76,9 @@ fn imported(recipes: Vec<Recipe>, tensors: &HashMap<String, LazyTensor>) -> Resu
                 .inputs
                 .iter()
                 .map(|(name, shape)| {
-                    let tensor = tensors.get(name).with_context(|| format!("no tensor {name}"))?;
+                    let tensor = tensors
+                        .get(name)
+                        .with_context(|| format!("no tensor {name}"))?;
                     ensure!(
                         tensor.shape() == shape.as_slice(),
                         "tensor {name} has shape {:?}, config.json implies {shape:?}",
@@ -114,9 +116,9 @@ fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
         "default" => Ok(None),
         "llama3" => {
             let number = |key: &str| {
-                parameters[key]
-                    .as_f64()
-                    .with_context(|| format!("config.json: llama3 rope scaling has no number {key}"))
+                parameters[key].as_f64().with_context(|| {
+                    format!("config.json: llama3 rope scaling has no number {key}")
+                })
             };
             let scaling = RopeScaling {
                 factor: number("factor")?,
@@ -130,7 +132,9 @@ fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
                 .context("config.json: llama3 rope scaling")?;
             Ok(Some(scaling))
         }
-        other => bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)"),
+        other => {
+            bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)")
+        }
     }
 }
 
@@ -390,7 +394,9 @@ impl<'a> Exports<'a> {
         let mut shape = self.shape(ours)?;
         shape[0] = vocab;
         let ours = ours.to_string();
-        self.add(hf.to_string(), shape, move |x| Ok(x.get(&ours)?.narrow(0, 0, vocab)));
+        self.add(hf.to_string(), shape, move |x| {
+            Ok(x.get(&ours)?.narrow(0, 0, vocab))
+        });
         Ok(())
     }
 
@@ -457,7 +463,11 @@ pub fn save_hf(
                 "{}: only GPT-2-shaped models (tied, with biases, no GQA) export as GPT2LMHeadModel",
                 state.source
             );
-            out.vocabulary("transformer.wte.weight", "embedding.word_embeddings.weight", vocab)?;
+            out.vocabulary(
+                "transformer.wte.weight",
+                "embedding.word_embeddings.weight",
+                vocab,
+            )?;
             out.copy(
                 "transformer.wpe.weight",
                 "embedding.position_embeddings.weight",
@@ -468,7 +478,10 @@ pub fn save_hf(
                 for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")]
                 {
                     for leaf in ["weight", "bias"] {
-                        out.copy(&t(&format!("{hf_norm}.{leaf}")), &m(&format!("{norm}.{leaf}")))?;
+                        out.copy(
+                            &t(&format!("{hf_norm}.{leaf}")),
+                            &m(&format!("{norm}.{leaf}")),
+                        )?;
                     }
                 }
                 // Megatron's [heads, (q k v), d] rows → GPT-2's [(q k v), heads, d] columns.
@@ -496,7 +509,10 @@ pub fn save_hf(
                         &t(&format!("{hf_linear}.weight")),
                         &m(&format!("{linear}.weight")),
                     )?;
-                    out.copy(&t(&format!("{hf_linear}.bias")), &m(&format!("{linear}.bias")))?;
+                    out.copy(
+                        &t(&format!("{hf_linear}.bias")),
+                        &m(&format!("{linear}.bias")),
+                    )?;
                 }
             }
             out.copy("transformer.ln_f.weight", "decoder.final_layernorm.weight")?;
@@ -526,7 +542,11 @@ pub fn save_hf(
                 "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
                 state.source
             );
-            out.vocabulary("model.embed_tokens.weight", "embedding.word_embeddings.weight", vocab)?;
+            out.vocabulary(
+                "model.embed_tokens.weight",
+                "embedding.word_embeddings.weight",
+                vocab,
+            )?;
             let per_group = n / g;
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
@@ -543,24 +563,34 @@ pub fn save_hf(
                 }
                 for leaf in leaves {
                     let width = if leaf == "weight" { vec![h] } else { vec![] };
-                    for (part, (proj, heads)) in
-                        [("q_proj", n), ("k_proj", g), ("v_proj", g)].into_iter().enumerate()
+                    for (part, (proj, heads)) in [("q_proj", n), ("k_proj", g), ("v_proj", g)]
+                        .into_iter()
+                        .enumerate()
                     {
                         let fused = m(&format!("self_attention.linear_qkv.{leaf}"));
                         let mut shape = vec![heads * d];
                         shape.extend(&width);
-                        let grouped: Vec<i64> =
-                            [g, (per_group + 2) * d].into_iter().chain(width.clone()).collect();
-                        out.add(t(&format!("self_attn.{proj}.{leaf}")), shape.clone(), move |x| {
-                            let parts = x
-                                .get(&fused)?
-                                .view(grouped.as_slice())
-                                .split_with_sizes([per_group * d, d, d], 1);
-                            Ok(parts[part].reshape(shape.as_slice()))
-                        });
+                        let grouped: Vec<i64> = [g, (per_group + 2) * d]
+                            .into_iter()
+                            .chain(width.clone())
+                            .collect();
+                        out.add(
+                            t(&format!("self_attn.{proj}.{leaf}")),
+                            shape.clone(),
+                            move |x| {
+                                let parts = x
+                                    .get(&fused)?
+                                    .view(grouped.as_slice())
+                                    .split_with_sizes([per_group * d, d, d], 1);
+                                Ok(parts[part].reshape(shape.as_slice()))
+                            },
+                        );
                     }
                 }
-                out.copy(&t("self_attn.o_proj.weight"), &m("self_attention.linear_proj.weight"))?;
+                out.copy(
+                    &t("self_attn.o_proj.weight"),
+                    &m("self_attention.linear_proj.weight"),
+                )?;
                 let ffn = config.ffn_hidden_size;
                 for (half, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
                     let fc1 = m("mlp.linear_fc1.weight");

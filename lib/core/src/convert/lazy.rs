@@ -69,7 +69,10 @@ impl InputFile {
 enum Source {
     Memory(Tensor),
     /// C-order little-endian bytes at `offset` of `file`.
-    File { file: Arc<InputFile>, offset: u64 },
+    File {
+        file: Arc<InputFile>,
+        offset: u64,
+    },
     /// 1-D pieces of one flat buffer, concatenated (a distributed optimizer's shards).
     Concat(Vec<LazyTensor>),
     /// Tensor-parallel shards joined in rank order.
@@ -138,7 +141,12 @@ impl From<Tensor> for LazyTensor {
 
 impl LazyTensor {
     /// `shape` of `dtype` stored at `offset` of `file`.
-    pub fn in_file(file: &Arc<InputFile>, offset: u64, dtype: DType, shape: Vec<i64>) -> Result<Self> {
+    pub fn in_file(
+        file: &Arc<InputFile>,
+        offset: u64,
+        dtype: DType,
+        shape: Vec<i64>,
+    ) -> Result<Self> {
         let tensor = LazyTensor {
             shape,
             kind: kind_of(dtype)?,
@@ -226,7 +234,10 @@ impl LazyTensor {
         shape: Vec<i64>,
         make: Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>,
     ) -> Result<Self> {
-        let kind = inputs.first().context("a derived tensor needs inputs")?.kind;
+        let kind = inputs
+            .first()
+            .context("a derived tensor needs inputs")?
+            .kind;
         ensure!(
             inputs.iter().all(|i| i.kind == kind),
             "inputs of different kinds: {inputs:?}"
@@ -284,9 +295,13 @@ impl LazyTensor {
             (Source::Rows(inner), _) if rows == Some(inner.shape[0]) => {
                 return inner.read_shard(split, rank, size, None)
             }
-            (Source::Joined { shards, split: joined }, _)
-                if rows_kept && *joined == split && shards.len() == size =>
-            {
+            (
+                Source::Joined {
+                    shards,
+                    split: joined,
+                },
+                _,
+            ) if rows_kept && *joined == split && shards.len() == size => {
                 return shards[rank].read()
             }
             (Source::Joined { shards, .. }, _) if rows_kept && shards.len() == 1 => {
@@ -297,8 +312,8 @@ impl LazyTensor {
             {
                 let part_rows = self.shape[0] / stride;
                 let count = part_rows / size as i64;
-                let row_bytes =
-                    self.shape[1..].iter().product::<i64>() as usize * self.kind.elt_size_in_bytes();
+                let row_bytes = self.shape[1..].iter().product::<i64>() as usize
+                    * self.kind.elt_size_in_bytes();
                 let mut shape = self.shape.clone();
                 shape[0] = count * stride;
                 let tensor = Tensor::empty(shape.as_slice(), (self.kind, Device::Cpu));
@@ -390,7 +405,12 @@ pub fn safetensors_tensors(path: &Path) -> Result<BTreeMap<String, LazyTensor>> 
     let mut header = vec![0u8; length as usize];
     file.read_at(&mut header, 8)?;
     let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-        .with_context(|| format!("{}: the safetensors header is not a JSON object", path.display()))?;
+        .with_context(|| {
+            format!(
+                "{}: the safetensors header is not a JSON object",
+                path.display()
+            )
+        })?;
     let data = 8 + length;
     let mut out = BTreeMap::new();
     for (name, entry) in header {
@@ -407,7 +427,8 @@ pub fn safetensors_tensors(path: &Path) -> Result<BTreeMap<String, LazyTensor>> 
             .with_context(|| format!("{}: shape", context()))?;
         let offsets: [u64; 2] = serde_json::from_value(entry["data_offsets"].clone())
             .with_context(|| format!("{}: data_offsets", context()))?;
-        let tensor = LazyTensor::in_file(&file, data + offsets[0], dtype, shape).with_context(context)?;
+        let tensor =
+            LazyTensor::in_file(&file, data + offsets[0], dtype, shape).with_context(context)?;
         ensure!(
             offsets[1].checked_sub(offsets[0]) == Some(tensor.bytes() as u64),
             "{}: data_offsets {offsets:?} do not hold a {dtype} tensor of shape {:?}",
@@ -443,7 +464,14 @@ mod tests {
         assert_eq!(columns.shape(), &[3, 8]);
         let padded = rows.with_rows(8).read().unwrap();
         assert!(padded.narrow(0, 0, 6).equal(&whole));
-        assert_eq!(padded.narrow(0, 6, 2).abs().sum(Kind::Float).double_value(&[]), 0.0);
+        assert_eq!(
+            padded
+                .narrow(0, 6, 2)
+                .abs()
+                .sum(Kind::Float)
+                .double_value(&[]),
+            0.0
+        );
         let pieces = LazyTensor::concat(
             vec![
                 flat.flat_slice(20, 4, vec![4]).unwrap(),
@@ -466,8 +494,8 @@ mod tests {
             TensorSplit::Rows { stride: 1 },
         )
         .unwrap();
-        let one = LazyTensor::joined(vec![whole_file.clone()], TensorSplit::Rows { stride: 2 })
-            .unwrap();
+        let one =
+            LazyTensor::joined(vec![whole_file.clone()], TensorSplit::Rows { stride: 2 }).unwrap();
         for (lazy, split, size, rows) in [
             (&whole_file, TensorSplit::Rows { stride: 2 }, 3, None),
             (&whole_file, TensorSplit::Rows { stride: 1 }, 2, Some(8)),
@@ -483,7 +511,9 @@ mod tests {
                 }
                 let expected = take_shard(&expected, split, rank, size);
                 assert!(
-                    lazy.read_shard(split, rank, size, rows).unwrap().equal(&expected),
+                    lazy.read_shard(split, rank, size, rows)
+                        .unwrap()
+                        .equal(&expected),
                     "{split:?} rank {rank} of {size}"
                 );
                 assert!(padded
@@ -496,6 +526,9 @@ mod tests {
             "{:#}",
             LazyTensor::in_file(&file, 64, DType::F32, vec![24]).unwrap_err()
         );
-        assert!(error.contains("flat") && error.contains("past the end"), "{error}");
+        assert!(
+            error.contains("flat") && error.contains("past the end"),
+            "{error}"
+        );
     }
 }

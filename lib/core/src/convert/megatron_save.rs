@@ -13,14 +13,12 @@ use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
 
-use super::ours::TargetLayout;
 use super::megatron_torch::param_groups;
+use super::ours::TargetLayout;
 use super::state::{kind_named, read_shard, shard_shape, ModelState, OptimizerState};
-use crate::optim::excluded_from_weight_decay;
-use crate::checkpoint::{
-    iteration_directory, rank_directory_name, write_tracker,
-};
+use crate::checkpoint::{iteration_directory, rank_directory_name, write_tracker};
 use crate::model::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
+use crate::optim::excluded_from_weight_decay;
 
 fn json_to_value(json: &Json) -> Option<Value> {
     Some(match json {
@@ -102,7 +100,10 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(Strin
         ),
         ("rotary_base", Value::Int(config.rotary_base as i64)),
         ("rotary_percent", Value::Float(config.rotary_percent)),
-        ("use_rope_scaling", Value::Bool(config.rope_scaling.is_some())),
+        (
+            "use_rope_scaling",
+            Value::Bool(config.rope_scaling.is_some()),
+        ),
         (
             "rope_scaling_factor",
             Value::Float(config.rope_scaling.map_or(8.0, |s| s.factor)),
@@ -295,7 +296,11 @@ fn optimizer_entry(
     for members in param_groups(params) {
         let decayed = !excluded_from_weight_decay(
             &params[members[0]].0,
-            &params[members[0]].1.iter().map(|&d| d as i64).collect::<Vec<_>>(),
+            &params[members[0]]
+                .1
+                .iter()
+                .map(|&d| d as i64)
+                .collect::<Vec<_>>(),
         );
         let mut indices = Vec::new();
         let mut group_main = Vec::new();
@@ -310,8 +315,14 @@ fn optimizer_entry(
                 index,
                 Saved::Dict(vec![
                     ("step".into(), tensor(Source::Step(optimizer.step), &[])),
-                    ("exp_avg".into(), tensor(Source::Optimizer(1, global.clone()), shape)),
-                    ("exp_avg_sq".into(), tensor(Source::Optimizer(2, global.clone()), shape)),
+                    (
+                        "exp_avg".into(),
+                        tensor(Source::Optimizer(1, global.clone()), shape),
+                    ),
+                    (
+                        "exp_avg_sq".into(),
+                        tensor(Source::Optimizer(2, global.clone()), shape),
+                    ),
                 ]),
             ));
             group_main.push(tensor(Source::Optimizer(0, global.clone()), shape));
@@ -408,13 +419,20 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                     match global {
                         None => model.push((local, Saved::Value(Value::None))),
                         Some(global) => {
-                            let shape =
-                                shard_shape(&global, state.tensor(&global)?.shape(), config, target.tensor);
+                            let shape = shard_shape(
+                                &global,
+                                state.tensor(&global)?.shape(),
+                                config,
+                                target.tensor,
+                            );
                             slots.push(TensorSlot {
                                 dtype,
                                 shape: shape.iter().map(|&d| d as usize).collect(),
                             });
-                            params.push((global.clone(), slots.last().expect("pushed").shape.clone()));
+                            params.push((
+                                global.clone(),
+                                slots.last().expect("pushed").shape.clone(),
+                            ));
                             sources.push(Source::Weight(global));
                             model.push((local, Saved::Tensor(slots.len() - 1)));
                         }

@@ -12,7 +12,8 @@ use tch::{Kind, Tensor};
 use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
 use super::names::{core_name, layer_of};
 use super::state::{
-    fit_vocab_rows, in_memory, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState, RunState,
+    fit_vocab_rows, in_memory, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState,
+    RunState,
 };
 use crate::checkpoint::{join_shards, tensor_split};
 use crate::optim::excluded_from_weight_decay;

@@ -32,13 +32,23 @@ pub struct TargetLayout {
     pub virtual_stages: usize,
 }
 
-/// The order of one transformer layer's parameters in `GptModel::named_parameters` (read from
-/// a one-layer model of the same architecture, so it follows the model's code).
-fn layer_parameter_order(config: &GptConfig) -> Result<Vec<String>> {
+/// The names of a whole model of `config`'s structure (one layer), in
+/// `GptModel::named_parameters` order, read from a model of the same structure but tiny sizes
+/// (names and order follow the model's code; a full-size probe would hold a layer and the
+/// embeddings of a possibly huge model).
+fn probe_parameter_names(config: &GptConfig) -> Result<Vec<String>> {
+    let heads = config.num_attention_heads;
     let probe = GptConfig {
         num_layers: 1,
+        hidden_size: 2,
+        num_attention_heads: heads / config.num_query_groups,
+        num_query_groups: 1,
+        kv_channels: 2,
+        ffn_hidden_size: 2,
+        max_position_embeddings: 1,
         vocab_size: 1,
         make_vocab_size_divisible_by: 1,
+        rotary_percent: 1.0,
         ..config.clone()
     };
     let options = ModelOptions {
@@ -56,8 +66,43 @@ fn layer_parameter_order(config: &GptConfig) -> Result<Vec<String>> {
     Ok(model
         .named_parameters()
         .into_iter()
-        .filter_map(|p| p.name.strip_prefix("decoder.layers.0.").map(str::to_string))
+        .map(|p| p.name)
         .collect())
+}
+
+/// The order of one transformer layer's parameters in `GptModel::named_parameters`.
+fn layer_parameter_order(config: &GptConfig) -> Result<Vec<String>> {
+    Ok(probe_parameter_names(config)?
+        .into_iter()
+        .filter_map(|name| name.strip_prefix("decoder.layers.0.").map(str::to_string))
+        .collect())
+}
+
+/// The unsplit shape (the vocabulary padded for one rank) of the parameter `name` of a model
+/// of `config`.
+fn parameter_shape(config: &GptConfig, name: &str) -> Result<Vec<i64>> {
+    let h = config.hidden_size;
+    let leaf = name
+        .strip_prefix("decoder.layers.")
+        .and_then(|rest| rest.split_once('.'))
+        .map_or(name, |(_, leaf)| leaf);
+    Ok(match leaf {
+        "embedding.word_embeddings.weight" | "output_layer.weight" => {
+            vec![config.padded_vocab_size(1), h]
+        }
+        "embedding.position_embeddings.weight" => vec![config.max_position_embeddings, h],
+        "self_attention.linear_qkv.weight" => vec![config.qkv_width(), h],
+        "self_attention.linear_qkv.bias" => vec![config.qkv_width()],
+        "self_attention.linear_proj.weight" => {
+            vec![h, config.num_attention_heads * config.kv_channels]
+        }
+        "mlp.linear_fc1.weight" => vec![config.fc1_width(), h],
+        "mlp.linear_fc1.bias" => vec![config.fc1_width()],
+        "mlp.linear_fc2.weight" => vec![h, config.ffn_hidden_size],
+        "self_attention.linear_proj.bias" | "mlp.linear_fc2.bias" => vec![h],
+        norm if norm.contains("layernorm.") => vec![h],
+        _ => bail!("no shape known for parameter {name}"),
+    })
 }
 
 /// `(chunk-local name, global name)` of every parameter of chunk `spec`, in parameter order.
@@ -173,21 +218,33 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
                     Ok(TensorEntry {
                         name: local.clone(),
                         kind,
-                        shape: shard_shape(global, state.tensor(global)?.shape(), config, target.tensor),
+                        shape: shard_shape(
+                            global,
+                            state.tensor(global)?.shape(),
+                            config,
+                            target.tensor,
+                        ),
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
             write_rank_file_streamed(&staging, &rank_dir, MODEL_FILE, &entries, |i, emit| {
                 let global = &params[i].1;
-                emit(&read_shard(global, state.tensor(global)?, config, t, target.tensor)?.to_kind(kind))
+                emit(
+                    &read_shard(global, state.tensor(global)?, config, t, target.tensor)?
+                        .to_kind(kind),
+                )
             })?;
             if let Some(optimizer) = &state.optimizer {
-                let shapes: Vec<(String, Vec<i64>)> =
-                    entries.iter().map(|e| (e.name.clone(), e.shape.clone())).collect();
+                let shapes: Vec<(String, Vec<i64>)> = entries
+                    .iter()
+                    .map(|e| (e.name.clone(), e.shape.clone()))
+                    .collect();
                 let layout = flat_layout(&shapes);
                 // Buffer slots in buffer order, each with its parameter's global name.
-                let globals: HashMap<&str, &str> =
-                    params.iter().map(|(l, g)| (l.as_str(), g.as_str())).collect();
+                let globals: HashMap<&str, &str> = params
+                    .iter()
+                    .map(|(l, g)| (l.as_str(), g.as_str()))
+                    .collect();
                 let mut slots: Vec<_> = layout
                     .slots
                     .iter()
@@ -220,7 +277,10 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
                         let mut at = 0;
                         for &(slot, global) in &slots {
                             if slot.range.start > at {
-                                emit(&Tensor::zeros([(slot.range.start - at) as i64], (Kind::Float, Device::Cpu)))?;
+                                emit(&Tensor::zeros(
+                                    [(slot.range.start - at) as i64],
+                                    (Kind::Float, Device::Cpu),
+                                ))?;
                             }
                             let value = map.get(global).with_context(|| {
                                 format!("{}: no optimizer state for {global}", state.source)
@@ -237,7 +297,10 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
                             at = slot.range.end;
                         }
                         if layout.len > at {
-                            emit(&Tensor::zeros([(layout.len - at) as i64], (Kind::Float, Device::Cpu)))?;
+                            emit(&Tensor::zeros(
+                                [(layout.len - at) as i64],
+                                (Kind::Float, Device::Cpu),
+                            ))?;
                         }
                         Ok(())
                     },
@@ -360,7 +423,10 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
         for stage in 0..pp {
             let rank_dir = rank_directory_name(t, stage, pp);
             let tensors = rank_file(checkpoint, &rank_dir, MODEL_FILE)?.with_context(|| {
-                format!("{}/{rank_dir}: no {MODEL_FILE}", checkpoint.directory.display())
+                format!(
+                    "{}/{rank_dir}: no {MODEL_FILE}",
+                    checkpoint.directory.display()
+                )
             })?;
             let params = rank_parameters(&config, &split, stage, &layer_order)?;
             for (local, global) in &params {
@@ -374,7 +440,10 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
                 if local.ends_with("output_layer.weight") && global != "output_layer.weight" {
                     continue;
                 }
-                parts.entry(global.clone()).or_default().push(tensor.clone());
+                parts
+                    .entry(global.clone())
+                    .or_default()
+                    .push(tensor.clone());
             }
             files.push((t, stage, rank_dir, params, tensors));
         }
@@ -559,7 +628,14 @@ fn load_optimizer(
         }
     }
     let [main, exp_avg, exp_avg_sq] = parts;
-    let join = |parts| join_parts(parts, config, metadata.tensor_model_parallel_size, "optimizer state of");
+    let join = |parts| {
+        join_parts(
+            parts,
+            config,
+            metadata.tensor_model_parallel_size,
+            "optimizer state of",
+        )
+    };
     Ok(OptimizerState {
         step,
         main: join(main)?,
@@ -574,33 +650,18 @@ impl ModelState {
     /// instead of producing a checkpoint that cannot load.
     pub fn validate(&self) -> Result<()> {
         let config = &self.config;
-        let probe = GptConfig {
-            num_layers: 1,
-            ..config.clone()
-        };
-        let options = ModelOptions {
-            params_dtype: Kind::BFloat16,
-            device: Device::Cpu,
-            recompute: Recompute::None,
-            seed: 0,
-        };
-        let model = GptModel::new_chunk(
-            probe,
-            options,
-            &ParallelState::single(),
-            ChunkSpec::whole(1),
-        )?;
         let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-        for parameter in model.named_parameters() {
-            let shape = parameter.tensor.size();
-            match parameter.name.strip_prefix("decoder.layers.0.") {
+        for name in probe_parameter_names(config)? {
+            match name.strip_prefix("decoder.layers.0.") {
                 Some(leaf) => {
                     for layer in 0..config.num_layers {
-                        expected.insert(format!("decoder.layers.{layer}.{leaf}"), shape.clone());
+                        let name = format!("decoder.layers.{layer}.{leaf}");
+                        expected.insert(name.clone(), parameter_shape(config, &name)?);
                     }
                 }
                 None => {
-                    expected.insert(parameter.name, shape);
+                    let shape = parameter_shape(config, &name)?;
+                    expected.insert(name, shape);
                 }
             }
         }
@@ -623,5 +684,70 @@ impl ModelState {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Activation, Normalization, PositionEmbeddingType};
+
+    /// The shape rules and the tiny probe's names agree with a real model of each structure.
+    #[test]
+    fn shape_rules_match_the_model() {
+        let base = crate::model::config::tests::gpt_345m();
+        let small = GptConfig {
+            num_layers: 2,
+            hidden_size: 32,
+            num_attention_heads: 4,
+            num_query_groups: 4,
+            kv_channels: 8,
+            ffn_hidden_size: 48,
+            max_position_embeddings: 16,
+            vocab_size: 100,
+            ..base
+        };
+        let llama = GptConfig {
+            num_query_groups: 2,
+            kv_channels: 12,
+            position_embedding_type: PositionEmbeddingType::Rope,
+            normalization: Normalization::RMSNorm,
+            activation: Activation::Swiglu,
+            add_bias_linear: false,
+            add_qkv_bias: true,
+            untie_embeddings_and_output_weights: true,
+            ..small.clone()
+        };
+        for config in [small, llama] {
+            let options = ModelOptions {
+                params_dtype: Kind::Float,
+                device: Device::Cpu,
+                recompute: Recompute::None,
+                seed: 0,
+            };
+            let model = GptModel::new_chunk(
+                GptConfig {
+                    num_layers: 1,
+                    ..config.clone()
+                },
+                options,
+                &ParallelState::single(),
+                ChunkSpec::whole(1),
+            )
+            .unwrap();
+            let real: Vec<(String, Vec<i64>)> = model
+                .named_parameters()
+                .into_iter()
+                .map(|p| (p.name, p.tensor.size()))
+                .collect();
+            let names = probe_parameter_names(&config).unwrap();
+            assert_eq!(
+                names,
+                real.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()
+            );
+            for (name, shape) in real {
+                assert_eq!(parameter_shape(&config, &name).unwrap(), shape, "{name}");
+            }
+        }
     }
 }

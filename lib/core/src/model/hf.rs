@@ -85,9 +85,12 @@ impl Recipe {
     fn vocabulary(name: &str, hf: &str, config: &GptConfig) -> Self {
         let padded = config.padded_vocab_size(1);
         let (vocab, h) = (config.vocab_size, config.hidden_size);
-        Recipe::new(name, vec![padded, h], vec![(hf.into(), vec![vocab, h])], move |t| {
-            pad_vocab(&t[0], padded)
-        })
+        Recipe::new(
+            name,
+            vec![padded, h],
+            vec![(hf.into(), vec![vocab, h])],
+            move |t| pad_vocab(&t[0], padded),
+        )
     }
 }
 
@@ -114,10 +117,18 @@ fn apply(recipes: Vec<Recipe>, hf: &StateDict) -> Result<StateDict> {
 }
 
 pub fn gpt2_recipes(config: &GptConfig) -> Vec<Recipe> {
-    let (n, d, h) = (config.num_attention_heads, config.kv_channels, config.hidden_size);
+    let (n, d, h) = (
+        config.num_attention_heads,
+        config.kv_channels,
+        config.hidden_size,
+    );
     let (ffn, width) = (config.ffn_hidden_size, n * d);
     let mut out = vec![
-        Recipe::vocabulary("embedding.word_embeddings.weight", "transformer.wte.weight", config),
+        Recipe::vocabulary(
+            "embedding.word_embeddings.weight",
+            "transformer.wte.weight",
+            config,
+        ),
         Recipe::copy(
             "embedding.position_embeddings.weight",
             "transformer.wpe.weight",
@@ -230,7 +241,10 @@ pub fn llama_recipes(config: &GptConfig) -> Vec<Recipe> {
             [("q", n), ("k", g), ("v", g)]
                 .into_iter()
                 .map(|(p, heads)| {
-                    let shape = [heads * d].into_iter().chain(width.iter().copied()).collect();
+                    let shape = [heads * d]
+                        .into_iter()
+                        .chain(width.iter().copied())
+                        .collect();
                     (theirs(&format!("self_attn.{p}_proj.{leaf}")), shape)
                 })
                 .collect()
