@@ -1,7 +1,8 @@
 //! `checkpoint_convert` holds about one tensor at a time: its peak resident memory (the
 //! child's `ru_maxrss`) converting a checkpoint of over a gigabyte (weights and Adam state) is
 //! within a small margin of converting a tiny one, for a TP1 → TP2 reshape with the optimizer,
-//! a HuggingFace export and its import back.
+//! Megatron's torch format out and back in (optimizer included), a HuggingFace export and its
+//! import back.
 
 use std::path::Path;
 use std::process::Command;
@@ -71,15 +72,16 @@ fn directory_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-/// Peak RSS of a TP1 → TP2 reshape (optimizer included), of a HuggingFace export of the
-/// checkpoint under `input` and of that export's import at TP2.
-fn conversions(input: &Path, scratch: &Path) -> [u64; 3] {
+/// Peak RSS of a TP1 → TP2 reshape (optimizer included), of Megatron's torch format written
+/// and read back at TP2, of a HuggingFace export of the checkpoint under `input` and of that
+/// export's import at TP2.
+fn conversions(input: &Path, scratch: &Path) -> [u64; 5] {
     let convert = |loader: &str, saver: &str, save: &str, extra: &[&str]| {
         let mut command = bin("checkpoint_convert");
-        let load = if loader == "hf" {
-            scratch.join("hf")
-        } else {
-            input.to_path_buf()
+        let load = match loader {
+            "hf" => scratch.join("hf"),
+            "core" => scratch.join("megatron"),
+            _ => input.to_path_buf(),
         };
         command
             .args(["--model-type", "GPT", "--loader", loader, "--saver", saver])
@@ -95,6 +97,8 @@ fn conversions(input: &Path, scratch: &Path) -> [u64; 3] {
     let tp2 = ["--target-tensor-parallel-size", "2"];
     [
         convert("megatron-rs", "megatron-rs", "tp2", &tp2),
+        convert("megatron-rs", "core", "megatron", &[]),
+        convert("core", "megatron-rs", "from_megatron", &tp2),
         convert("megatron-rs", "hf", "hf", &["--no-optimizer"]),
         convert("hf", "megatron-rs", "imported", &tp2),
     ]
@@ -120,6 +124,8 @@ fn peak_memory_does_not_grow_with_the_model() {
     let margin = 128 << 20;
     let names = [
         "TP1 → TP2 reshape",
+        "Megatron torch export",
+        "Megatron torch import at TP2",
         "HuggingFace export",
         "HuggingFace import at TP2",
     ];
