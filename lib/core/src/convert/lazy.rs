@@ -307,29 +307,21 @@ impl LazyTensor {
             (Source::Joined { shards, .. }, _) if rows_kept && shards.len() == 1 => {
                 return shards[0].read_shard(split, rank, size, None)
             }
-            (Source::File { file, offset }, TensorSplit::Rows { stride })
-                if rows_kept && self.shape[0] % (stride * size as i64) == 0 =>
+            // Split by rows: each of the `stride` parts contributes a contiguous row range.
+            (_, TensorSplit::Rows { stride })
+                if (rows_kept || stride == 1)
+                    && rows.unwrap_or(self.shape[0]) % (stride * size as i64) == 0 =>
             {
-                let part_rows = self.shape[0] / stride;
+                let part_rows = rows.unwrap_or(self.shape[0]) / stride;
                 let count = part_rows / size as i64;
-                let row_bytes = self.shape[1..].iter().product::<i64>() as usize
-                    * self.kind.elt_size_in_bytes();
-                let mut shape = self.shape.clone();
-                shape[0] = count * stride;
-                let tensor = Tensor::empty(shape.as_slice(), (self.kind, Device::Cpu));
-                let part_bytes = count as usize * row_bytes;
-                // SAFETY: a fresh contiguous CPU tensor of `stride · part_bytes` bytes.
-                let buffer = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        tensor.data_ptr() as *mut u8,
-                        stride as usize * part_bytes,
-                    )
-                };
-                for (p, out) in buffer.chunks_mut(part_bytes.max(1)).enumerate() {
-                    let first_row = p as i64 * part_rows + rank as i64 * count;
-                    file.read_at(out, offset + first_row as u64 * row_bytes as u64)?;
-                }
-                return Ok(tensor);
+                let parts = (0..stride)
+                    .map(|p| self.read_rows(p * part_rows + rank as i64 * count, count))
+                    .collect::<Result<Vec<_>>>()?;
+                return Ok(if parts.len() == 1 {
+                    parts.into_iter().next().expect("one part")
+                } else {
+                    Tensor::cat(&parts, 0)
+                });
             }
             _ => {}
         }
@@ -338,6 +330,64 @@ impl LazyTensor {
             full = fit_vocab_rows(&full, rows);
         }
         Ok(take_shard(&full, split, rank, size))
+    }
+
+    /// Rows `start..start + count`, rows past the tensor's end as zeros, reading only those
+    /// rows where the source allows (a file, row-split shards, a padded tensor).
+    pub fn read_rows(&self, start: i64, count: i64) -> Result<Tensor> {
+        let have = self.shape[0];
+        let mut shape = self.shape.clone();
+        shape[0] = count;
+        let inside = (have - start).clamp(0, count);
+        if inside < count {
+            let mut parts = Vec::new();
+            if inside > 0 {
+                parts.push(self.read_rows(start, inside)?);
+            }
+            shape[0] = count - inside;
+            parts.push(Tensor::zeros(shape.as_slice(), (self.kind, Device::Cpu)));
+            return Ok(Tensor::cat(&parts, 0));
+        }
+        match &self.source {
+            Source::File { file, offset } => {
+                let row_bytes = self.shape[1..].iter().product::<i64>() as usize
+                    * self.kind.elt_size_in_bytes();
+                let tensor = Tensor::empty(shape.as_slice(), (self.kind, Device::Cpu));
+                // SAFETY: a fresh contiguous CPU tensor of `count` rows.
+                let buffer = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        tensor.data_ptr() as *mut u8,
+                        count as usize * row_bytes,
+                    )
+                };
+                file.read_at(buffer, offset + start as u64 * row_bytes as u64)?;
+                Ok(tensor)
+            }
+            Source::Rows(inner) => inner.read_rows(start, count),
+            Source::Joined { shards, split }
+                if shards.len() == 1 || *split == TensorSplit::Rows { stride: 1 } =>
+            {
+                let per_shard = shards[0].shape[0];
+                if shards.len() == 1 {
+                    return shards[0].read_rows(start, count);
+                }
+                let mut parts = Vec::new();
+                let mut at = start;
+                while at < start + count {
+                    let shard = (at / per_shard) as usize;
+                    let local = at % per_shard;
+                    let take = (per_shard - local).min(start + count - at);
+                    parts.push(shards[shard].read_rows(local, take)?);
+                    at += take;
+                }
+                Ok(if parts.len() == 1 {
+                    parts.into_iter().next().expect("one part")
+                } else {
+                    Tensor::cat(&parts, 0)
+                })
+            }
+            _ => Ok(self.read()?.narrow(0, start, count).contiguous()),
+        }
     }
 
     /// The tensor, read from its files now (a CPU tensor of its own).
@@ -360,6 +410,7 @@ impl LazyTensor {
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&pieces, 0).view(self.shape.as_slice())
             }
+            Source::Joined { shards, .. } if shards.len() == 1 => shards[0].read()?,
             Source::Joined { shards, split } => {
                 let shards = shards
                     .iter()
@@ -496,11 +547,17 @@ mod tests {
         .unwrap();
         let one =
             LazyTensor::joined(vec![whole_file.clone()], TensorSplit::Rows { stride: 2 }).unwrap();
+        let padded_two = two.clone().with_rows(8);
         for (lazy, split, size, rows) in [
             (&whole_file, TensorSplit::Rows { stride: 2 }, 3, None),
             (&whole_file, TensorSplit::Rows { stride: 1 }, 2, Some(8)),
+            (&whole_file, TensorSplit::Rows { stride: 1 }, 2, Some(4)),
             (&whole_file, TensorSplit::Columns, 2, None),
             (&two, TensorSplit::Rows { stride: 1 }, 2, None),
+            (&two, TensorSplit::Rows { stride: 1 }, 3, None),
+            (&two, TensorSplit::Rows { stride: 1 }, 4, Some(8)),
+            (&padded_two, TensorSplit::Rows { stride: 1 }, 2, Some(6)),
+            (&padded_two, TensorSplit::Rows { stride: 1 }, 2, Some(10)),
             (&one, TensorSplit::Rows { stride: 2 }, 3, None),
         ] {
             let padded = rows.map_or(lazy.clone(), |r| lazy.clone().with_rows(r));
