@@ -301,8 +301,11 @@ fn untied_output_layer_round_trips() {
     // The untied head `lm_head.output_layer.weight` is a parameter of its own (not a stage's
     // copy of the embeddings): reshaped with its optimizer state.
     let dir = tempfile::tempdir().unwrap();
-    let original =
-        trained_on_two_ranks_with(dir.path(), "255", &["--untie-embeddings-and-output-weights"]);
+    let original = trained_on_two_ranks_with(
+        dir.path(),
+        "255",
+        &["--untie-embeddings-and-output-weights"],
+    );
     let single = dir.path().join("tp1");
     let out = convert(&original, &single, &["--target-tensor-parallel-size", "1"]);
     assert_eq!(verified_difference(&out), 0.0);
