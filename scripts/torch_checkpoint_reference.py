@@ -4,7 +4,8 @@
     torch_checkpoint_reference.py DIST_DIR    torch.distributed.checkpoint, every tensor whole
 
 Prints JSON: {"tensors": {path: [dtype, shape, md5 of the C-order bytes]}, "scalars": {...},
-"args": {...}, "model_keys": [the model state dict's keys in order]}. Paths join dict keys and list indices with "/".
+"args": {...}, "model_keys": [the model state dict's keys in order], "param_groups": [the optimizer's
+param groups, tensors left out]}. Paths join dict keys and list indices with "/".
 """
 import hashlib
 import json
@@ -87,7 +88,13 @@ def main(path):
     args = root.get("args") if isinstance(root, dict) else None
     args = {k: plain(v) for k, v in vars(args).items()} if args is not None else {}
     model_keys = list(root["model"].keys()) if isinstance(root, dict) and "model" in root else []
-    json.dump({"tensors": tensors, "scalars": scalars, "args": args, "model_keys": model_keys}, sys.stdout)
+    optimizer = root.get("optimizer") if isinstance(root, dict) else None
+    if isinstance(optimizer, dict) and "optimizer" in optimizer:
+        optimizer = optimizer["optimizer"]
+    groups = optimizer.get("param_groups", []) if isinstance(optimizer, dict) else []
+    param_groups = [{k: plain(v) for k, v in g.items()} for g in groups]
+    json.dump({"tensors": tensors, "scalars": scalars, "args": args, "model_keys": model_keys,
+               "param_groups": param_groups}, sys.stdout)
 
 
 if __name__ == "__main__":

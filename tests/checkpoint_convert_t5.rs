@@ -139,12 +139,17 @@ fn iteration_dir(root: &Path) -> PathBuf {
 
 /// A T5 trained for 2 steps by two tensor-parallel processes, saved under `dir/tp2`.
 fn trained_on_two_ranks(dir: &Path, vocabulary: &str) -> PathBuf {
+    trained_on_two_ranks_with(dir, vocabulary, &[])
+}
+
+fn trained_on_two_ranks_with(dir: &Path, vocabulary: &str, extra: &[&str]) -> PathBuf {
     let original = dir.join("tp2");
     two_processes(|| {
         let mut command = pretrain(
             vocabulary,
             &["--train-iters", "2", "--tensor-model-parallel-size", "2"],
         );
+        command.args(extra);
         command.arg("--save").arg(&original);
         command
     });
@@ -289,6 +294,27 @@ fn vocabulary_padding_is_cut_and_padded() {
         &["--target-tensor-parallel-size", "2"],
     );
     same_files(&back, &back_again, &["mp_rank_00", "mp_rank_01"]);
+}
+
+#[test]
+fn untied_output_layer_round_trips() {
+    // The untied head `lm_head.output_layer.weight` is a parameter of its own (not a stage's
+    // copy of the embeddings): reshaped with its optimizer state.
+    let dir = tempfile::tempdir().unwrap();
+    let original = trained_on_two_ranks_with(
+        dir.path(),
+        "255",
+        &["--untie-embeddings-and-output-weights"],
+    );
+    let single = dir.path().join("tp1");
+    let out = convert(&original, &single, &["--target-tensor-parallel-size", "1"]);
+    assert_eq!(verified_difference(&out), 0.0);
+    let head = &tensors(&iteration_dir(&single).join("mp_rank_00/model.safetensors"))
+        ["lm_head.output_layer.weight"];
+    assert_eq!(head.1, [256, 32]);
+    let back = dir.path().join("tp2-again");
+    convert(&single, &back, &["--target-tensor-parallel-size", "2"]);
+    same_files(&original, &back, &["mp_rank_00", "mp_rank_01"]);
 }
 
 fn refused(extra: &[&str], message: &str) {

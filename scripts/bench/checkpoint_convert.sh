@@ -2,8 +2,10 @@
 # checkpoint_convert's speed and memory on a randomly initialised GPT checkpoint (default
 # ~1.3B: 24 layers, hidden 2048, 16 heads, GPT-2 vocabulary, bf16, with its optimizer state),
 # made by pretrain_gpt (one iteration, --mock-data): TP1 → TP2 reshape (optimizer included),
-# and export to HuggingFace; each timed (wall time, and peak RSS from getrusage) and
-# reported as GB/s over the bytes the tool read. The reference row is HF transformers'
+# Megatron's torch format with the optimizer, export to HuggingFace and that export's import at
+# TP2; each timed (wall time, and peak RSS from getrusage) and reported as GB/s over the bytes
+# the tool read. Every path streams tensor by tensor: peak RSS should stay flat (well under
+# 1 GB) whatever the model's size. The reference row is HF transformers'
 # conversion of the same checkpoint in PyTorch (scripts/bench/gpt_to_hf.py: load the
 # safetensors, map, save_pretrained). Megatron's tools/checkpoint/convert.py needs Megatron-LM's
 # source tree (and HF's checkpoint_reshaping_and_interoperability.py imports it too), which the
@@ -67,10 +69,21 @@ read -r s rss < <(timed "$CHECKPOINT_CONVERT" --model-type GPT --loader megatron
     --load-dir "$SCRATCH/ckpt" --save-dir "$SCRATCH/tp2" --target-tensor-parallel-size 2)
 row "ours: TP1 → TP2 (optimizer too)" "$INPUT_GB" "$s" "$rss"
 tail -1 "$SCRATCH/out" >&2
+rm -rf "$SCRATCH/tp2"
+read -r s rss < <(timed "$CHECKPOINT_CONVERT" --model-type GPT --loader megatron-rs --saver core \
+    --load-dir "$SCRATCH/ckpt" --save-dir "$SCRATCH/megatron")
+row "ours: → Megatron torch (optimizer too)" "$INPUT_GB" "$s" "$rss"
+tail -1 "$SCRATCH/out" >&2
+rm -rf "$SCRATCH/megatron"
 read -r s rss < <(timed "$CHECKPOINT_CONVERT" --model-type GPT --loader megatron-rs --saver hf \
     --load-dir "$SCRATCH/ckpt" --save-dir "$SCRATCH/hf" --no-optimizer)
 row "ours: → HuggingFace (weights)" "$WEIGHTS_GB" "$s" "$rss"
 tail -1 "$SCRATCH/out" >&2
+read -r s rss < <(timed "$CHECKPOINT_CONVERT" --model-type GPT --loader hf --saver megatron-rs \
+    --load-dir "$SCRATCH/hf" --save-dir "$SCRATCH/imported" --target-tensor-parallel-size 2)
+row "ours: HuggingFace → TP2 (weights)" "$WEIGHTS_GB" "$s" "$rss"
+tail -1 "$SCRATCH/out" >&2
+rm -rf "$SCRATCH/imported"
 cat >"$SCRATCH/reference.py" <<PY
 import sys
 sys.path.insert(0, "$ROOT/scripts/bench")

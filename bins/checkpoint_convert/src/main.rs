@@ -1,6 +1,7 @@
 //! `checkpoint_convert`: Megatron's `tools/checkpoint/convert.py` — same flags — plus
 //! `inspect`. Loaders: megatron-rs, core/mcore and legacy/megatron (Megatron `torch` or
-//! `torch_dist`, detected from the files). Savers: megatron-rs. T5: megatron-rs TP reshapes.
+//! `torch_dist`, detected from the files), hf. Savers: megatron-rs, core (Megatron `torch`), hf.
+//! T5: megatron-rs TP reshapes.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -53,8 +54,8 @@ struct ConvertArgs {
     #[arg(long, default_value = "megatron")]
     loader: String,
     /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's torch format
-    /// (model_optim_rng.pt with core names, weights only: load it with --no-load-optim
-    /// --no-load-rng or --finetune); hf: a HuggingFace model directory with config.json.
+    /// (model_optim_rng.pt with core names and the optimizer state, no RNG state: resume it
+    /// with --no-load-rng); hf: a HuggingFace model directory with config.json.
     #[arg(long, default_value = "megatron-rs")]
     saver: String,
     /// Directory to load the checkpoint from.
@@ -195,17 +196,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     };
     commit(&staging, &save_dir, || saved)?;
     spinner.finish_and_clear();
-    let bytes: i64 = state
-        .weights
-        .values()
-        .chain(state.optimizer.iter().flat_map(|o| {
-            o.main
-                .values()
-                .chain(o.exp_avg.values())
-                .chain(o.exp_avg_sq.values())
-        }))
-        .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
-        .sum();
+    let bytes = state.bytes();
     let seconds = started.elapsed().as_secs_f64();
     let gigabytes = bytes as f64 / 1e9;
     println!(

@@ -146,6 +146,14 @@ impl TorchFile {
             })
     }
 
+    /// Where a contiguous tensor's bytes start in the file (for reading it without the map);
+    /// `None` for a strided view, whose elements are not one byte range.
+    pub fn tensor_offset(&self, tensor: &TensorRef) -> Result<Option<u64>> {
+        let (start, _) = self.storage_range(tensor)?;
+        let at = start + tensor.offset * tensor.storage.dtype.size();
+        Ok(tensor.is_contiguous().then_some(at as u64))
+    }
+
     /// The tensor's elements in C order, little-endian: borrowed from the map when the tensor
     /// is contiguous, gathered otherwise.
     pub fn tensor_bytes(&self, tensor: &TensorRef) -> Result<Cow<'_, [u8]>> {

@@ -27,6 +27,8 @@ pub enum Saved {
     /// `collections.OrderedDict` (what `state_dict()` returns).
     OrderedDict(Vec<(String, Saved)>),
     Dict(Vec<(String, Saved)>),
+    /// A `dict` keyed by integers (an optimizer's per-parameter `state`).
+    IndexedDict(Vec<(i64, Saved)>),
     List(Vec<Saved>),
     /// `argparse.Namespace` with these attributes.
     Namespace(Vec<(String, Saved)>),
@@ -154,6 +156,15 @@ impl Pickler {
                 self.out.push(b'}');
                 self.put();
                 self.entries(entries, tensors)?;
+            }
+            Saved::IndexedDict(entries) => {
+                self.out.push(b'}');
+                self.put();
+                for (key, value) in entries {
+                    self.int(*key);
+                    self.saved(value, tensors)?;
+                    self.out.push(b's');
+                }
             }
             Saved::OrderedDict(entries) => {
                 self.global("collections", "OrderedDict");

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
-    load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, TargetLayout,
+    load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, ModelState, TargetLayout,
 };
 use tch::Tensor;
 
@@ -100,6 +100,26 @@ fn round_trip(kind: &str, as_bin: bool) {
         difference < 1e-4,
         "{kind}: import max |Δ logits| = {difference:e}"
     );
+    if let Some(scaling) = state.config.rope_scaling {
+        // The scaling shows in the logits: without it they are far from HF's.
+        let mut unscaled = state.config.clone();
+        unscaled.rope_scaling = None;
+        let plain = ModelState {
+            config: unscaled,
+            weights: state.weights.clone(),
+            params_dtype: state.params_dtype.clone(),
+            optimizer: None,
+            run: Default::default(),
+            source_parallel: (1, 1),
+            source: "unscaled".into(),
+        };
+        let without = verify::logits(&verify::model_of(&plain).unwrap(), &ids()).unwrap();
+        let difference = max_difference(&without, &reference);
+        assert!(
+            difference > 1e-2,
+            "{kind}: {scaling:?} changes the logits by only {difference:e}"
+        );
+    }
     // Through our format at TP=2 (vocabulary re-padded for two ranks) and back.
     let ours_dir = dir.path().join("ours");
     save_megatron_rs(
@@ -141,6 +161,15 @@ fn round_trip(kind: &str, as_bin: bool) {
         serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
             .unwrap();
     assert_eq!(config["vocab_size"], 1000, "padding rows dropped");
+    if let Some(scaling) = reloaded.config.rope_scaling {
+        let rope = &config["rope_parameters"];
+        assert_eq!(rope["rope_type"], "llama3");
+        assert_eq!(rope["factor"], scaling.factor);
+        assert_eq!(
+            rope["original_max_position_embeddings"],
+            scaling.original_max_position_embeddings
+        );
+    }
     let (exported, tokenizer) = hf_logits(&export);
     assert!(tokenizer.is_some(), "AutoTokenizer loads the export");
     let ours = verify::logits(&verify::model_of(&reloaded).unwrap(), &ids()).unwrap();
@@ -165,6 +194,11 @@ fn gpt2_pytorch_model_bin_round_trip() {
 #[test]
 fn llama_gqa_untied_rope_theta_round_trip() {
     round_trip("llama", false);
+}
+
+#[test]
+fn llama3_rope_scaling_round_trip() {
+    round_trip("llama3", false);
 }
 
 #[test]

@@ -7,7 +7,8 @@ use std::path::Path;
 
 use megatron_core::checkpoint::{find_checkpoint, read_tensors};
 use megatron_core::convert::{
-    load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState, TargetLayout,
+    in_memory, load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState,
+    TargetLayout,
 };
 use megatron_core::model::{
     Activation, GptConfig, GptModel, ModelOptions, Normalization, PositionEmbeddingType, Recompute,
@@ -29,6 +30,7 @@ fn llama_like(tied: bool) -> GptConfig {
         make_vocab_size_divisible_by: 128,
         position_embedding_type: PositionEmbeddingType::Rope,
         rotary_base: 10000.0,
+        rope_scaling: None,
         rotary_percent: 1.0,
         normalization: Normalization::RMSNorm,
         norm_epsilon: 1e-5,
@@ -66,17 +68,14 @@ fn random_state(config: GptConfig) -> ModelState {
     };
     let optimizer = OptimizerState {
         step: 5.0,
-        main: weights.iter().map(|(k, v)| (k.clone(), v.copy())).collect(),
-        exp_avg: random(1e-3),
-        exp_avg_sq: random(1e-3)
-            .into_iter()
-            .map(|(k, v)| (k, v.square()))
-            .collect(),
+        main: in_memory(weights.iter().map(|(k, v)| (k.clone(), v.copy()))),
+        exp_avg: in_memory(random(1e-3)),
+        exp_avg_sq: in_memory(random(1e-3).into_iter().map(|(k, v)| (k, v.square()))),
     };
     ModelState {
         config,
         params_dtype: "float32".into(),
-        weights,
+        weights: in_memory(weights),
         optimizer: Some(optimizer),
         run: RunState {
             iteration: 5,

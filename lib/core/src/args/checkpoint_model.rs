@@ -79,6 +79,12 @@ pub struct CheckpointModelArgs {
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub rotary_base: Option<f64>,
+    /// Checked against the checkpoint (Llama-3 RoPE frequency scaling).
+    #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
+    pub use_rope_scaling: bool,
+    /// Checked against the checkpoint (with --use-rope-scaling).
+    #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
+    pub rope_scaling_factor: Option<f64>,
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub make_vocab_size_divisible_by: Option<i64>,
@@ -408,6 +414,22 @@ impl CheckpointModelArgs {
                 config.rotary_percent,
             )?;
             close("--rotary-base", self.rotary_base, config.rotary_base)?;
+            match &config.rope_scaling {
+                Some(scaling) => close(
+                    "--rope-scaling-factor",
+                    self.rope_scaling_factor,
+                    scaling.factor,
+                )?,
+                None if self.use_rope_scaling => {
+                    return Err(mismatch(
+                        "--use-rope-scaling",
+                        "given",
+                        "no rope scaling",
+                        dir,
+                    ))
+                }
+                None => {}
+            }
         }
         close("--norm-epsilon", self.norm_epsilon, config.norm_epsilon)?;
         check(

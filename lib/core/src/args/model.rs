@@ -3,7 +3,7 @@
 use anyhow::{ensure, Result};
 use clap::Args;
 
-use crate::model::{Activation, GptConfig, Normalization, PositionEmbeddingType};
+use crate::model::{Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling};
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct ModelArgs {
@@ -43,6 +43,13 @@ pub struct ModelArgs {
     /// RoPE base period.
     #[arg(long, default_value_t = 10000.0)]
     pub rotary_base: f64,
+    /// Llama-3.x RoPE frequency scaling (low/high frequency factors 1 and 4, original context
+    /// 8192, as in Megatron).
+    #[arg(long)]
+    pub use_rope_scaling: bool,
+    /// The factor of --use-rope-scaling.
+    #[arg(long, default_value_t = 8.0)]
+    pub rope_scaling_factor: f64,
     /// Pad the vocabulary to a multiple of this (times the tensor-parallel size).
     #[arg(long, default_value_t = 128)]
     pub make_vocab_size_divisible_by: i64,
@@ -154,6 +161,9 @@ impl ModelArgs {
             position_embedding_type,
             rotary_base: self.rotary_base,
             rotary_percent: self.rotary_percent,
+            rope_scaling: self
+                .use_rope_scaling
+                .then(|| RopeScaling::megatron(self.rope_scaling_factor)),
             normalization: Normalization::parse(&self.normalization)?,
             norm_epsilon: self.norm_epsilon,
             apply_layernorm_1p: self.apply_layernorm_1p,

@@ -16,7 +16,7 @@ use super::layout::{
     TRACKER_FILE,
 };
 use super::metadata::CheckpointMetadata;
-use super::tensor_file::{read_tensors, write_tensors};
+use super::tensor_file::{read_tensors, write_tensors, write_tensors_streamed, TensorEntry};
 
 pub const METADATA_FILE: &str = "metadata.json";
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -64,6 +64,21 @@ pub fn write_rank_file(
     fs::create_dir_all(&directory).with_context(|| format!("creating {}", directory.display()))?;
     let header = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_tensors(&directory.join(file), tensors, header)?;
+    sync_directory(&directory)
+}
+
+/// [`write_rank_file`] for tensors produced one at a time ([`write_tensors_streamed`]).
+pub fn write_rank_file_streamed(
+    staging: &Path,
+    rank_dir: &str,
+    file: &str,
+    entries: &[TensorEntry],
+    produce: impl FnMut(usize, &mut dyn FnMut(&Tensor) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    let directory = staging.join(rank_dir);
+    fs::create_dir_all(&directory).with_context(|| format!("creating {}", directory.display()))?;
+    let header = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_tensors_streamed(&directory.join(file), entries, header, produce)?;
     sync_directory(&directory)
 }
 

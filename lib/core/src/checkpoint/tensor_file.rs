@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
+use std::io::Write;
+
+use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
 use tch::{Device, Kind, Tensor};
 
@@ -132,6 +134,88 @@ pub fn write_tensors(
         .with_context(|| format!("syncing {}", path.display()))
 }
 
+/// One tensor of a file written by [`write_tensors_streamed`]: its data arrives later.
+#[derive(Debug, Clone)]
+pub struct TensorEntry {
+    pub name: String,
+    pub kind: Kind,
+    pub shape: Vec<i64>,
+}
+
+impl TensorEntry {
+    fn bytes(&self) -> usize {
+        self.shape.iter().product::<i64>() as usize * self.kind.elt_size_in_bytes()
+    }
+}
+
+/// Writes a safetensors file whose tensors are produced one after another: the header is made
+/// from `entries`, then `produce(i, emit)` hands entry `i`'s data to `emit` as one or more
+/// tensors of its kind whose elements, in order, make it (so a flat buffer can be written
+/// parameter by parameter). Only the tensor being written is in memory.
+pub fn write_tensors_streamed(
+    path: &Path,
+    entries: &[TensorEntry],
+    metadata: HashMap<String, String>,
+    mut produce: impl FnMut(usize, &mut dyn FnMut(&Tensor) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::to_value(&metadata)?);
+    let mut offset = 0;
+    for entry in entries {
+        let dtype = dtype_of(entry.kind).with_context(|| format!("tensor {}", entry.name))?;
+        let end = offset + entry.bytes();
+        header.insert(
+            entry.name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": entry.shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&header)?;
+    // Data starts 8-byte aligned, as the safetensors crate writes it.
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let context = || format!("writing {}", path.display());
+    let file = File::create(path).with_context(context)?;
+    let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .with_context(context)?;
+    out.write_all(&header).with_context(context)?;
+    for (i, entry) in entries.iter().enumerate() {
+        let mut written = 0usize;
+        let mut emit = |tensor: &Tensor| -> Result<()> {
+            ensure!(
+                tensor.kind() == entry.kind,
+                "tensor {}: {:?} data for a {:?} tensor",
+                entry.name,
+                tensor.kind(),
+                entry.kind
+            );
+            let tensor = tensor.to_device(Device::Cpu).contiguous();
+            let len = tensor.numel() * entry.kind.elt_size_in_bytes();
+            // SAFETY: a contiguous CPU tensor of `len` bytes, alive for the borrow.
+            let bytes = unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) };
+            out.write_all(bytes).with_context(context)?;
+            written += len;
+            Ok(())
+        };
+        produce(i, &mut emit)
+            .with_context(|| format!("{}: tensor {}", path.display(), entry.name))?;
+        ensure!(
+            written == entry.bytes(),
+            "{}: tensor {} got {written} bytes of data, its shape {:?} needs {}",
+            path.display(),
+            entry.name,
+            entry.shape,
+            entry.bytes()
+        );
+    }
+    let file = out
+        .into_inner()
+        .map_err(|e| e.into_error())
+        .with_context(context)?;
+    file.sync_all()
+        .with_context(|| format!("syncing {}", path.display()))
+}
+
 /// Reads every tensor of a safetensors file onto `device`, with the header's metadata.
 pub fn read_tensors(
     path: &Path,
@@ -162,6 +246,49 @@ pub fn read_tensors(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streamed_files_read_back_like_written_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.safetensors");
+        let a = Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]);
+        let b = Tensor::from_slice(&[1.5f32, -2.0, 4.0]).to_kind(Kind::BFloat16);
+        let entries = [
+            TensorEntry {
+                name: "b".into(),
+                kind: Kind::BFloat16,
+                shape: vec![3],
+            },
+            TensorEntry {
+                name: "a".into(),
+                kind: Kind::Float,
+                shape: vec![2, 3],
+            },
+        ];
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        write_tensors_streamed(&path, &entries, metadata, |i, emit| match i {
+            0 => emit(&b),
+            // In two pieces, the second one a transposed (non-contiguous) view.
+            _ => {
+                emit(&a.narrow(0, 0, 1))?;
+                emit(&a.narrow(0, 1, 1).transpose(0, 1))
+            }
+        })
+        .unwrap();
+        let (read, meta) = read_tensors(&path, Device::Cpu).unwrap();
+        assert_eq!(meta["format"], "pt");
+        assert!(read["a"].equal(&a));
+        assert!(read["b"].equal(&b));
+        let error = format!(
+            "{:#}",
+            write_tensors_streamed(&path, &entries, HashMap::new(), |_, emit| emit(&b))
+                .unwrap_err()
+        );
+        assert!(
+            error.contains("tensor a: BFloat16 data for a Float tensor"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn round_trip_keeps_values_kinds_and_metadata() {

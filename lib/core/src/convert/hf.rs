@@ -3,21 +3,26 @@
 //! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
 //! safetensors with a `config.json` that `transformers` loads without edits.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
-use megatron_checkpoint::safetensors_file::SafetensorsFile;
 use megatron_checkpoint::TorchFile;
 use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
-use super::state::{tensor_from_bytes, ModelState, RunState};
-use crate::checkpoint::write_tensors;
-use crate::model::{hf as mapping, Activation, GptConfig, Normalization, PositionEmbeddingType};
+use super::lazy::{safetensors_tensors, LazyTensor};
+use super::state::{tensor_from_bytes, ModelState, RunState, Tensors};
+use crate::checkpoint::{write_tensors_streamed, TensorEntry};
+use crate::model::{
+    hf::{self as mapping, Recipe},
+    Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling,
+};
 
-/// Every tensor of a HuggingFace model directory (sharded or not).
-fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
+/// Every tensor of a HuggingFace model directory (sharded or not): safetensors read lazily,
+/// `pytorch_model*.bin` (zip archives of pickles) into memory.
+fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, LazyTensor>> {
     let mut files: Vec<_> = std::fs::read_dir(directory)
         .with_context(|| format!("listing {}", directory.display()))?
         .flatten()
@@ -31,11 +36,7 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     if !safetensors.is_empty() {
         for path in safetensors {
-            let file = SafetensorsFile::open(path)?;
-            for (name, _) in file.tensors() {
-                let (info, bytes) = file.tensor(&name)?;
-                out.insert(name, tensor_from_bytes(info.dtype, &info.shape, bytes)?);
-            }
+            out.extend(safetensors_tensors(path)?);
         }
         return Ok(out);
     }
@@ -58,17 +59,104 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, Tensor>> {
             let bytes = file.tensor_bytes(tensor)?;
             out.insert(
                 name,
-                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?,
+                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into(),
             );
         }
     }
     Ok(out)
 }
 
+/// The Megatron tensors `recipes` make from the HuggingFace `tensors`, each read when a saver
+/// asks for it; every input's shape is checked against the config first.
+fn imported(recipes: Vec<Recipe>, tensors: &HashMap<String, LazyTensor>) -> Result<Tensors> {
+    recipes
+        .into_iter()
+        .map(|recipe| {
+            let inputs = recipe
+                .inputs
+                .iter()
+                .map(|(name, shape)| {
+                    let tensor = tensors
+                        .get(name)
+                        .with_context(|| format!("no tensor {name}"))?;
+                    ensure!(
+                        tensor.shape() == shape.as_slice(),
+                        "tensor {name} has shape {:?}, config.json implies {shape:?}",
+                        tensor.shape()
+                    );
+                    Ok(tensor.clone())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let tensor = LazyTensor::derived(inputs, recipe.shape, recipe.make)?;
+            Ok((recipe.name, tensor))
+        })
+        .collect()
+}
+
 fn int(config: &Json, key: &str) -> Result<i64> {
     config[key]
         .as_i64()
         .with_context(|| format!("config.json has no integer {key}"))
+}
+
+/// The RoPE scaling of a Llama-family `config.json`: transformers ≥ 5 writes
+/// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45).
+fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
+    let parameters = [&hf["rope_parameters"], &hf["rope_scaling"]]
+        .into_iter()
+        .find(|p| p.is_object());
+    let Some(parameters) = parameters else {
+        return Ok(None);
+    };
+    let kind = parameters["rope_type"]
+        .as_str()
+        .or(parameters["type"].as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let number = |key: &str| {
+                parameters[key].as_f64().with_context(|| {
+                    format!("config.json: llama3 rope scaling has no number {key}")
+                })
+            };
+            let scaling = RopeScaling {
+                factor: number("factor")?,
+                low_freq_factor: number("low_freq_factor")?,
+                high_freq_factor: number("high_freq_factor")?,
+                original_max_position_embeddings: number("original_max_position_embeddings")?
+                    as i64,
+            };
+            scaling
+                .validate()
+                .context("config.json: llama3 rope scaling")?;
+            Ok(Some(scaling))
+        }
+        other => {
+            bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)")
+        }
+    }
+}
+
+/// `config.json`'s RoPE entries: `rope_parameters` for transformers ≥ 5, `rope_theta` and
+/// `rope_scaling` for older readers (vLLM, transformers 4).
+fn rope_to_hf(config: &GptConfig, hf: &mut Json) {
+    let mut parameters = json!({"rope_theta": config.rotary_base, "rope_type": "default"});
+    hf["rope_theta"] = json!(config.rotary_base);
+    if let Some(scaling) = &config.rope_scaling {
+        let scaling = json!({
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        });
+        for (key, value) in scaling.as_object().expect("a JSON object") {
+            parameters[key] = value.clone();
+        }
+        hf["rope_scaling"] = scaling;
+    }
+    hf["rope_parameters"] = parameters;
 }
 
 /// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
@@ -101,6 +189,7 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
                 position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
                 rotary_base: 10000.0,
                 rotary_percent: 1.0,
+                rope_scaling: None,
                 normalization: Normalization::LayerNorm,
                 norm_epsilon: hf["layer_norm_epsilon"].as_f64().unwrap_or(1e-5),
                 apply_layernorm_1p: false,
@@ -117,17 +206,7 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
             let hidden = int(hf, "hidden_size")?;
             let heads = int(hf, "num_attention_heads")?;
-            // transformers ≥ 5 writes `rope_parameters`; older versions `rope_theta`/`rope_scaling`.
-            let rope = &hf["rope_parameters"];
-            if let Some(kind) = rope["rope_type"]
-                .as_str()
-                .or(hf["rope_scaling"]["rope_type"].as_str())
-                .or(hf["rope_scaling"]["type"].as_str())
-            {
-                if kind != "default" {
-                    bail!("config.json: rope_scaling {kind} is not supported yet");
-                }
-            }
+            let rope_scaling = rope_scaling_from_hf(hf)?;
             ensure!(
                 hf["hidden_act"].as_str().unwrap_or("silu") == "silu",
                 "config.json: hidden_act {} is not supported (SwiGLU needs silu)",
@@ -149,8 +228,12 @@ pub fn config_from_hf(hf: &Json, make_vocab_size_divisible_by: i64) -> Result<(S
                 vocab_size: int(hf, "vocab_size")?,
                 make_vocab_size_divisible_by,
                 position_embedding_type: PositionEmbeddingType::Rope,
-                rotary_base: rope["rope_theta"].as_f64().or(hf["rope_theta"].as_f64()).unwrap_or(10000.0),
+                rotary_base: hf["rope_parameters"]["rope_theta"]
+                    .as_f64()
+                    .or(hf["rope_theta"].as_f64())
+                    .unwrap_or(10000.0),
                 rotary_percent: 1.0,
+                rope_scaling,
                 normalization: Normalization::RMSNorm,
                 norm_epsilon: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
                 apply_layernorm_1p: false,
@@ -196,12 +279,12 @@ pub fn load_hf(
     let tensors = read_hf_tensors(directory)?;
     let dtype = tensors
         .values()
-        .find(|t| t.is_floating_point())
-        .map(|t| t.kind())
+        .map(LazyTensor::kind)
+        .find(|k| matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16))
         .unwrap_or(Kind::Float);
     let weights = if architecture == "GPT2LMHeadModel" {
         // Older exports prefix names with `transformer.` only sometimes.
-        let tensors: HashMap<String, Tensor> = tensors
+        let tensors: HashMap<String, LazyTensor> = tensors
             .into_iter()
             .map(|(k, v)| {
                 (
@@ -214,7 +297,7 @@ pub fn load_hf(
                 )
             })
             .collect();
-        mapping::gpt2_to_megatron(&tensors, &config)
+        imported(mapping::gpt2_recipes(&config), &tensors)
     } else {
         if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
             bail!(
@@ -222,7 +305,7 @@ pub fn load_hf(
                 directory.display()
             );
         }
-        mapping::llama_to_megatron(&tensors, &config)
+        imported(mapping::llama_recipes(&config), &tensors)
     }
     .with_context(|| directory.display().to_string())?;
     let params_dtype = match dtype {
@@ -231,7 +314,7 @@ pub fn load_hf(
         _ => "float32",
     };
     Ok(ModelState {
-        weights: weights.into_iter().collect(),
+        weights,
         config,
         params_dtype: params_dtype.to_string(),
         optimizer: None,
@@ -242,6 +325,102 @@ pub fn load_hf(
         source_parallel: (1, 1),
         source: format!("HuggingFace {architecture} {}", directory.display()),
     })
+}
+
+type Make<'a> = Box<dyn Fn(&Exports<'a>) -> Result<Tensor> + 'a>;
+
+/// The tensors of an export: each one's name, shape and how it is made from the state, so
+/// that they are read and written one at a time.
+struct Exports<'a> {
+    state: &'a ModelState,
+    kind: Kind,
+    /// The last tensor read: q, k and v (gate and up) come from one fused tensor.
+    last: RefCell<Option<(String, Tensor)>>,
+    entries: Vec<(String, Vec<i64>, Make<'a>)>,
+}
+
+impl<'a> Exports<'a> {
+    fn new(state: &'a ModelState, kind: Kind) -> Self {
+        Exports {
+            state,
+            kind,
+            last: RefCell::new(None),
+            entries: Vec::new(),
+        }
+    }
+
+    /// Our tensor `name` in the export's dtype.
+    fn get(&self, name: &str) -> Result<Tensor> {
+        if let Some((last, tensor)) = &*self.last.borrow() {
+            if last == name {
+                return Ok(tensor.shallow_clone());
+            }
+        }
+        let tensor = self.state.read(name)?.to_kind(self.kind);
+        *self.last.borrow_mut() = Some((name.to_string(), tensor.shallow_clone()));
+        Ok(tensor)
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<i64>> {
+        Ok(self.state.tensor(name)?.shape().to_vec())
+    }
+
+    fn add(
+        &mut self,
+        name: String,
+        shape: Vec<i64>,
+        make: impl Fn(&Exports<'a>) -> Result<Tensor> + 'a,
+    ) {
+        self.entries.push((name, shape, Box::new(make)));
+    }
+
+    fn copy(&mut self, hf: &str, ours: &str) -> Result<()> {
+        let shape = self.shape(ours)?;
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| x.get(&ours));
+        Ok(())
+    }
+
+    fn transposed(&mut self, hf: &str, ours: &str) -> Result<()> {
+        let mut shape = self.shape(ours)?;
+        shape.reverse();
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| Ok(x.get(&ours)?.tr()));
+        Ok(())
+    }
+
+    /// A vocabulary-parallel tensor without its padding rows.
+    fn vocabulary(&mut self, hf: &str, ours: &str, vocab: i64) -> Result<()> {
+        let mut shape = self.shape(ours)?;
+        shape[0] = vocab;
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| {
+            Ok(x.get(&ours)?.narrow(0, 0, vocab))
+        });
+        Ok(())
+    }
+
+    fn write(&self, path: &Path, metadata: HashMap<String, String>) -> Result<()> {
+        let entries: Vec<TensorEntry> = self
+            .entries
+            .iter()
+            .map(|(name, shape, _)| TensorEntry {
+                name: name.clone(),
+                kind: self.kind,
+                shape: shape.clone(),
+            })
+            .collect();
+        write_tensors_streamed(path, &entries, metadata, |i, emit| {
+            let (name, shape, make) = &self.entries[i];
+            let tensor = make(self)?;
+            ensure!(
+                &tensor.size() == shape,
+                "{name} came out of shape {:?}, {shape:?} expected",
+                tensor.size()
+            );
+            emit(&tensor)
+        })
+    }
 }
 
 fn hf_dtype_name(params_dtype: &str) -> &'static str {
@@ -268,8 +447,7 @@ pub fn save_hf(
         config.kv_channels,
         config.hidden_size,
     );
-    let get = |name: &str| state.tensor(name).map(|t| t.to_kind(kind));
-    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut out = Exports::new(state, kind);
     let hf_config = match (
         config.position_embedding_type,
         config.normalization,
@@ -285,61 +463,60 @@ pub fn save_hf(
                 "{}: only GPT-2-shaped models (tied, with biases, no GQA) export as GPT2LMHeadModel",
                 state.source
             );
-            out.insert(
-                "transformer.wte.weight".into(),
-                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
-            );
-            out.insert(
-                "transformer.wpe.weight".into(),
-                get("embedding.position_embeddings.weight")?,
-            );
+            out.vocabulary(
+                "transformer.wte.weight",
+                "embedding.word_embeddings.weight",
+                vocab,
+            )?;
+            out.copy(
+                "transformer.wpe.weight",
+                "embedding.position_embeddings.weight",
+            )?;
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
                 let t = |s: &str| format!("transformer.h.{i}.{s}");
                 for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")]
                 {
-                    out.insert(
-                        t(&format!("{hf_norm}.weight")),
-                        get(&m(&format!("{norm}.weight")))?,
-                    );
-                    out.insert(
-                        t(&format!("{hf_norm}.bias")),
-                        get(&m(&format!("{norm}.bias")))?,
-                    );
+                    for leaf in ["weight", "bias"] {
+                        out.copy(
+                            &t(&format!("{hf_norm}.{leaf}")),
+                            &m(&format!("{norm}.{leaf}")),
+                        )?;
+                    }
                 }
-                let qkv = get(&m("self_attention.linear_qkv.weight"))?
-                    .view([n, 3, d, h])
-                    .permute([1, 0, 2, 3])
-                    .reshape([3 * n * d, h]);
-                out.insert(t("attn.c_attn.weight"), qkv.tr().contiguous());
-                let bias = get(&m("self_attention.linear_qkv.bias"))?
-                    .view([n, 3, d])
-                    .permute([1, 0, 2])
-                    .reshape([-1]);
-                out.insert(t("attn.c_attn.bias"), bias);
+                // Megatron's [heads, (q k v), d] rows → GPT-2's [(q k v), heads, d] columns.
+                let qkv = m("self_attention.linear_qkv.weight");
+                out.add(t("attn.c_attn.weight"), vec![h, 3 * n * d], move |x| {
+                    Ok(x.get(&qkv)?
+                        .view([n, 3, d, h])
+                        .permute([1, 0, 2, 3])
+                        .reshape([3 * n * d, h])
+                        .tr())
+                });
+                let bias = m("self_attention.linear_qkv.bias");
+                out.add(t("attn.c_attn.bias"), vec![3 * n * d], move |x| {
+                    Ok(x.get(&bias)?
+                        .view([n, 3, d])
+                        .permute([1, 0, 2])
+                        .reshape([-1]))
+                });
                 for (linear, hf_linear) in [
                     ("self_attention.linear_proj", "attn.c_proj"),
                     ("mlp.linear_fc1", "mlp.c_fc"),
                     ("mlp.linear_fc2", "mlp.c_proj"),
                 ] {
-                    out.insert(
-                        t(&format!("{hf_linear}.weight")),
-                        get(&m(&format!("{linear}.weight")))?.tr().contiguous(),
-                    );
-                    out.insert(
-                        t(&format!("{hf_linear}.bias")),
-                        get(&m(&format!("{linear}.bias")))?,
-                    );
+                    out.transposed(
+                        &t(&format!("{hf_linear}.weight")),
+                        &m(&format!("{linear}.weight")),
+                    )?;
+                    out.copy(
+                        &t(&format!("{hf_linear}.bias")),
+                        &m(&format!("{linear}.bias")),
+                    )?;
                 }
             }
-            out.insert(
-                "transformer.ln_f.weight".into(),
-                get("decoder.final_layernorm.weight")?,
-            );
-            out.insert(
-                "transformer.ln_f.bias".into(),
-                get("decoder.final_layernorm.bias")?,
-            );
+            out.copy("transformer.ln_f.weight", "decoder.final_layernorm.weight")?;
+            out.copy("transformer.ln_f.bias", "decoder.final_layernorm.bias")?;
             json!({
                 "architectures": ["GPT2LMHeadModel"],
                 "model_type": "gpt2",
@@ -365,55 +542,68 @@ pub fn save_hf(
                 "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
                 state.source
             );
-            out.insert(
-                "model.embed_tokens.weight".into(),
-                get("embedding.word_embeddings.weight")?.narrow(0, 0, vocab),
-            );
+            out.vocabulary(
+                "model.embed_tokens.weight",
+                "embedding.word_embeddings.weight",
+                vocab,
+            )?;
             let per_group = n / g;
             for i in 0..config.num_layers {
                 let m = |s: &str| format!("decoder.layers.{i}.{s}");
                 let t = |s: &str| format!("model.layers.{i}.{s}");
-                out.insert(
-                    t("input_layernorm.weight"),
-                    get(&m("input_layernorm.weight"))?,
-                );
-                out.insert(
-                    t("post_attention_layernorm.weight"),
-                    get(&m("pre_mlp_layernorm.weight"))?,
-                );
-                let qkv =
-                    get(&m("self_attention.linear_qkv.weight"))?.view([g, (per_group + 2) * d, h]);
-                let parts = qkv.split_with_sizes([per_group * d, d, d], 1);
-                out.insert(t("self_attn.q_proj.weight"), parts[0].reshape([n * d, h]));
-                out.insert(t("self_attn.k_proj.weight"), parts[1].reshape([g * d, h]));
-                out.insert(t("self_attn.v_proj.weight"), parts[2].reshape([g * d, h]));
+                out.copy(&t("input_layernorm.weight"), &m("input_layernorm.weight"))?;
+                out.copy(
+                    &t("post_attention_layernorm.weight"),
+                    &m("pre_mlp_layernorm.weight"),
+                )?;
+                // Megatron's fused rows per query group: [q × heads-per-group, k, v].
+                let mut leaves = vec!["weight"];
                 if config.add_qkv_bias {
-                    let bias =
-                        get(&m("self_attention.linear_qkv.bias"))?.view([g, (per_group + 2) * d]);
-                    let parts = bias.split_with_sizes([per_group * d, d, d], 1);
-                    out.insert(t("self_attn.q_proj.bias"), parts[0].reshape([-1]));
-                    out.insert(t("self_attn.k_proj.bias"), parts[1].reshape([-1]));
-                    out.insert(t("self_attn.v_proj.bias"), parts[2].reshape([-1]));
+                    leaves.push("bias");
                 }
-                out.insert(
-                    t("self_attn.o_proj.weight"),
-                    get(&m("self_attention.linear_proj.weight"))?,
-                );
-                let fc1 = get(&m("mlp.linear_fc1.weight"))?.chunk(2, 0);
-                out.insert(t("mlp.gate_proj.weight"), fc1[0].shallow_clone());
-                out.insert(t("mlp.up_proj.weight"), fc1[1].shallow_clone());
-                out.insert(t("mlp.down_proj.weight"), get(&m("mlp.linear_fc2.weight"))?);
+                for leaf in leaves {
+                    let width = if leaf == "weight" { vec![h] } else { vec![] };
+                    for (part, (proj, heads)) in [("q_proj", n), ("k_proj", g), ("v_proj", g)]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let fused = m(&format!("self_attention.linear_qkv.{leaf}"));
+                        let mut shape = vec![heads * d];
+                        shape.extend(&width);
+                        let grouped: Vec<i64> = [g, (per_group + 2) * d]
+                            .into_iter()
+                            .chain(width.clone())
+                            .collect();
+                        out.add(
+                            t(&format!("self_attn.{proj}.{leaf}")),
+                            shape.clone(),
+                            move |x| {
+                                let parts = x
+                                    .get(&fused)?
+                                    .view(grouped.as_slice())
+                                    .split_with_sizes([per_group * d, d, d], 1);
+                                Ok(parts[part].reshape(shape.as_slice()))
+                            },
+                        );
+                    }
+                }
+                out.copy(
+                    &t("self_attn.o_proj.weight"),
+                    &m("self_attention.linear_proj.weight"),
+                )?;
+                let ffn = config.ffn_hidden_size;
+                for (half, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
+                    let fc1 = m("mlp.linear_fc1.weight");
+                    out.add(t(&format!("mlp.{proj}.weight")), vec![ffn, h], move |x| {
+                        Ok(x.get(&fc1)?.chunk(2, 0)[half].shallow_clone())
+                    });
+                }
+                out.copy(&t("mlp.down_proj.weight"), &m("mlp.linear_fc2.weight"))?;
             }
-            out.insert(
-                "model.norm.weight".into(),
-                get("decoder.final_layernorm.weight")?,
-            );
+            out.copy("model.norm.weight", "decoder.final_layernorm.weight")?;
             let tied = !config.untie_embeddings_and_output_weights;
             if !tied {
-                out.insert(
-                    "lm_head.weight".into(),
-                    get("output_layer.weight")?.narrow(0, 0, vocab),
-                );
+                out.vocabulary("lm_head.weight", "output_layer.weight", vocab)?;
             }
             let (architecture, model_type) = if config.add_qkv_bias {
                 ("Qwen2ForCausalLM", "qwen2")
@@ -432,14 +622,13 @@ pub fn save_hf(
                 "head_dim": d,
                 "max_position_embeddings": config.max_position_embeddings,
                 "rms_norm_eps": config.norm_epsilon,
-                "rope_theta": config.rotary_base,
-                "rope_parameters": {"rope_theta": config.rotary_base, "rope_type": "default"},
                 "hidden_act": "silu",
                 "initializer_range": config.init_method_std,
                 "tie_word_embeddings": tied,
                 "attention_dropout": 0.0,
                 "dtype": hf_dtype_name(&state.params_dtype),
             });
+            rope_to_hf(config, &mut hf);
             if model_type == "llama" {
                 hf["attention_bias"] = json!(false);
                 hf["mlp_bias"] = json!(false);
@@ -456,10 +645,8 @@ pub fn save_hf(
     };
     std::fs::create_dir_all(directory)
         .with_context(|| format!("creating {}", directory.display()))?;
-    let tensors: Vec<(String, Tensor)> =
-        out.into_iter().map(|(k, v)| (k, v.contiguous())).collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_tensors(&directory.join("model.safetensors"), &tensors, metadata)?;
+    out.write(&directory.join("model.safetensors"), metadata)?;
     std::fs::write(
         directory.join("config.json"),
         serde_json::to_string_pretty(&hf_config)?,

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use megatron_checkpoint::Value;
 
-use crate::model::{Activation, GptConfig, Normalization, PositionEmbeddingType};
+use crate::model::{Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling};
 
 fn int(args: &Value, key: &str) -> Result<i64> {
     args.get(key)
@@ -73,9 +73,9 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<GptConfig> {
     if flag(args, "qk_layernorm") {
         bail!("checkpoints with --qk-layernorm are not supported");
     }
-    if flag(args, "use_rope_scaling") {
-        bail!("checkpoints with --use-rope-scaling are not supported");
-    }
+    // Megatron applies `--use-rope-scaling` with Llama 3.1's other parameters.
+    let rope_scaling = flag(args, "use_rope_scaling")
+        .then(|| RopeScaling::megatron(float_or(args, "rope_scaling_factor", 8.0)));
     let seq_length = int_or(args, "seq_length", 0);
     Ok(GptConfig {
         num_layers: int(args, "num_layers")? as usize,
@@ -96,6 +96,7 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<GptConfig> {
         position_embedding_type: PositionEmbeddingType::parse(position)?,
         rotary_base: float_or(args, "rotary_base", 10000.0),
         rotary_percent: float_or(args, "rotary_percent", 1.0),
+        rope_scaling,
         normalization: Normalization::parse(normalization)?,
         norm_epsilon: float_or(
             args,

@@ -2,23 +2,23 @@
 //! `mp_rank_XX[_YYY]/model_optim_rng.pt` with Megatron-core names in Megatron's module order
 //! (local-spec `_extra_state` entries included, as Megatron's strict `load_state_dict` expects),
 //! `args` as an `argparse.Namespace`, `checkpoint_version` 3.0, `iteration` and the scheduler.
-//! Weights only: Megatron loads it with `--no-load-optim --no-load-rng` (or `--finetune`).
+//! With the optimizer state when the input has one (Adam's moments and the float32 main
+//! parameters, as Megatron's non-distributed optimizer saves them); without RNG states, so
+//! Megatron resumes it with `--no-load-rng`.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
-use tch::Tensor;
 
+use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
-use super::state::{kind_named, ModelState};
-use crate::checkpoint::{
-    iteration_directory, rank_directory_name, split_for_tensor_parallel, write_tracker,
-};
+use super::state::{kind_named, read_shard, shard_shape, ModelState, OptimizerState};
+use crate::checkpoint::{iteration_directory, rank_directory_name, write_tracker};
 use crate::model::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
+use crate::optim::excluded_from_weight_decay;
 
 fn json_to_value(json: &Json) -> Option<Value> {
     Some(match json {
@@ -41,8 +41,14 @@ fn json_to_value(json: &Json) -> Option<Value> {
 }
 
 /// The args namespace: the source run's flags with the architecture and layout of the output.
-fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Saved)> {
+fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(String, Saved)>> {
     let config = &state.config;
+    if let Some(scaling) = config.rope_scaling.filter(|s| !s.is_megatron_expressible()) {
+        bail!(
+            "{}: Megatron's --use-rope-scaling fixes low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192; this model has {scaling:?}",
+            state.source
+        );
+    }
     let mut args: Vec<(String, Value)> = state
         .run
         .args
@@ -94,6 +100,14 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Save
         ),
         ("rotary_base", Value::Int(config.rotary_base as i64)),
         ("rotary_percent", Value::Float(config.rotary_percent)),
+        (
+            "use_rope_scaling",
+            Value::Bool(config.rope_scaling.is_some()),
+        ),
+        (
+            "rope_scaling_factor",
+            Value::Float(config.rope_scaling.map_or(8.0, |s| s.factor)),
+        ),
         (
             "normalization",
             Value::Str(
@@ -157,9 +171,10 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Vec<(String, Save
             None => args.push((key.to_string(), value)),
         }
     }
-    args.into_iter()
+    Ok(args
+        .into_iter()
         .map(|(k, v)| (k, Saved::Value(v)))
-        .collect()
+        .collect())
 }
 
 /// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`
@@ -229,6 +244,141 @@ fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<St
     out
 }
 
+/// What the `i`th tensor of a rank file holds.
+enum Source {
+    Weight(String),
+    /// Optimizer buffer (main, exp_avg, exp_avg_sq) of a parameter.
+    Optimizer(usize, String),
+    Step(f64),
+}
+
+/// A run flag by Megatron's name: at the top of `args` (Megatron's namespace) or in one of
+/// its groups (our runs record their flags by group).
+fn run_flag(args: &Json, key: &str) -> Option<Json> {
+    args.get(key).cloned().or_else(|| {
+        args.as_object()?
+            .values()
+            .find_map(|group| group.get(key).cloned())
+    })
+}
+
+/// Megatron's `optimizer` entry of a rank file: torch Adam's `state_dict()` (per-parameter
+/// `exp_avg`, `exp_avg_sq` and `step`; the weight-decayed and not-decayed `param_groups`),
+/// wrapped with the float32 main parameters `fp32_from_fp16_params` (and the `grad_scaler`)
+/// when the model is in half precision, as `Float16OptimizerWithFloat16Params` saves it.
+fn optimizer_entry(
+    state: &ModelState,
+    optimizer: &OptimizerState,
+    params: &[(String, Vec<usize>)],
+    slots: &mut Vec<TensorSlot>,
+    sources: &mut Vec<Source>,
+) -> Result<Saved> {
+    let args = &state.run.args;
+    let number = |key: &str, default: f64| {
+        run_flag(args, key)
+            .and_then(|v| v.as_f64())
+            .unwrap_or(default)
+    };
+    let lr = number("lr", 0.0);
+    let weight_decay = number("weight_decay", 0.01);
+    let mut tensor = |source: Source, shape: &[usize]| {
+        slots.push(TensorSlot {
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+        });
+        sources.push(source);
+        Saved::Tensor(slots.len() - 1)
+    };
+    let mut per_parameter = Vec::new();
+    let mut groups = Vec::new();
+    let mut main = Vec::new();
+    let mut index = 0;
+    for members in param_groups(params) {
+        let decayed = !excluded_from_weight_decay(
+            &params[members[0]].0,
+            &params[members[0]]
+                .1
+                .iter()
+                .map(|&d| d as i64)
+                .collect::<Vec<_>>(),
+        );
+        let mut indices = Vec::new();
+        let mut group_main = Vec::new();
+        for &member in &members {
+            let (global, shape) = &params[member];
+            ensure!(
+                optimizer.main.contains_key(global),
+                "{}: no optimizer state for {global}",
+                state.source
+            );
+            per_parameter.push((
+                index,
+                Saved::Dict(vec![
+                    ("step".into(), tensor(Source::Step(optimizer.step), &[])),
+                    (
+                        "exp_avg".into(),
+                        tensor(Source::Optimizer(1, global.clone()), shape),
+                    ),
+                    (
+                        "exp_avg_sq".into(),
+                        tensor(Source::Optimizer(2, global.clone()), shape),
+                    ),
+                ]),
+            ));
+            group_main.push(tensor(Source::Optimizer(0, global.clone()), shape));
+            indices.push(Value::Int(index));
+            index += 1;
+        }
+        main.push(Saved::List(group_main));
+        let wd_mult = if decayed { 1.0 } else { 0.0 };
+        let group: Vec<(&str, Value)> = vec![
+            ("wd_mult", Value::Float(wd_mult)),
+            ("lr_mult", Value::Float(1.0)),
+            ("is_expert_parallel", Value::Bool(false)),
+            ("is_decoupled_lr", Value::Bool(false)),
+            ("max_lr", Value::Float(lr)),
+            ("min_lr", Value::Float(number("min_lr", 0.0))),
+            ("lr", Value::Float(lr)),
+            (
+                "betas",
+                Value::Tuple(vec![
+                    Value::Float(number("adam_beta1", 0.9)),
+                    Value::Float(number("adam_beta2", 0.999)),
+                ]),
+            ),
+            ("eps", Value::Float(number("adam_eps", 1e-8))),
+            ("weight_decay", Value::Float(weight_decay * wd_mult)),
+            ("amsgrad", Value::Bool(false)),
+            ("maximize", Value::Bool(false)),
+            ("foreach", Value::None),
+            ("capturable", Value::Bool(false)),
+            ("differentiable", Value::Bool(false)),
+            ("fused", Value::None),
+            ("decoupled_weight_decay", Value::Bool(true)),
+            ("params", Value::List(indices)),
+        ];
+        groups.push(Saved::Dict(
+            group
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), Saved::Value(v)))
+                .collect(),
+        ));
+    }
+    let adam = Saved::Dict(vec![
+        ("state".into(), Saved::IndexedDict(per_parameter)),
+        ("param_groups".into(), Saved::List(groups)),
+    ]);
+    if state.params_dtype == "float32" {
+        return Ok(adam);
+    }
+    let mut wrapped = vec![("optimizer".to_string(), adam)];
+    if let Some(scaler) = state.run.grad_scaler.as_ref().and_then(json_to_value) {
+        wrapped.push(("grad_scaler".into(), Saved::Value(scaler)));
+    }
+    wrapped.push(("fp32_from_fp16_params".into(), Saved::List(main)));
+    Ok(Saved::Dict(wrapped))
+}
+
 /// Writes `state` in Megatron's torch format under `root` in `target`'s layout.
 pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
     let config = &state.config;
@@ -244,18 +394,14 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
     let dtype = DType::from_torch_name(&state.params_dtype).context("params dtype")?;
     let iteration = state.run.iteration;
     let directory = iteration_directory(root, iteration);
-    let weights: HashMap<String, Tensor> = state
-        .weights
-        .iter()
-        .map(|(k, v)| (k.clone(), v.shallow_clone()))
-        .collect();
-    let args = args_namespace(state, target);
+    let args = args_namespace(state, target)?;
     for t in 0..target.tensor {
-        let shard = split_for_tensor_parallel(&weights, config, t, target.tensor);
         for stage in 0..target.pipeline {
             let chunks = split.chunks_of(stage)?;
             let mut slots = Vec::new();
             let mut sources = Vec::new();
+            // The rank's parameters (global names) in Megatron's order, for the optimizer.
+            let mut params: Vec<(String, Vec<usize>)> = Vec::new();
             let mut root_entries = vec![
                 ("args".to_string(), Saved::Namespace(args.clone())),
                 (
@@ -273,14 +419,21 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                     match global {
                         None => model.push((local, Saved::Value(Value::None))),
                         Some(global) => {
-                            let tensor = shard
-                                .get(&global)
-                                .with_context(|| format!("{}: no tensor {global}", state.source))?;
+                            let shape = shard_shape(
+                                &global,
+                                state.tensor(&global)?.shape(),
+                                config,
+                                target.tensor,
+                            );
                             slots.push(TensorSlot {
                                 dtype,
-                                shape: tensor.size().iter().map(|&d| d as usize).collect(),
+                                shape: shape.iter().map(|&d| d as usize).collect(),
                             });
-                            sources.push(tensor.shallow_clone());
+                            params.push((
+                                global.clone(),
+                                slots.last().expect("pushed").shape.clone(),
+                            ));
+                            sources.push(Source::Weight(global));
                             model.push((local, Saved::Tensor(slots.len() - 1)));
                         }
                     }
@@ -291,6 +444,10 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                     format!("model{c}")
                 };
                 root_entries.push((key, Saved::OrderedDict(model)));
+            }
+            if let Some(optimizer) = &state.optimizer {
+                let saved = optimizer_entry(state, optimizer, &params, &mut slots, &mut sources)?;
+                root_entries.push(("optimizer".into(), saved));
             }
             if let Some(scheduler) = state
                 .run
@@ -312,7 +469,24 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                 &Saved::Dict(root_entries),
                 &slots,
                 |i| {
-                    let tensor = sources[i].to_kind(kind).contiguous();
+                    let tensor = match &sources[i] {
+                        Source::Weight(global) => {
+                            read_shard(global, state.tensor(global)?, config, t, target.tensor)?
+                                .to_kind(kind)
+                        }
+                        Source::Optimizer(buffer, global) => {
+                            let optimizer = state.optimizer.as_ref().expect("listed above");
+                            let map = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
+                                [*buffer];
+                            let value = map.get(global).with_context(|| {
+                                format!("{}: no optimizer state for {global}", state.source)
+                            })?;
+                            read_shard(global, value, config, t, target.tensor)?
+                                .to_kind(tch::Kind::Float)
+                        }
+                        Source::Step(step) => tch::Tensor::from(*step as f32),
+                    }
+                    .contiguous();
                     let mut bytes = vec![0u8; tensor.numel() * tensor.kind().elt_size_in_bytes()];
                     tensor.copy_data_u8(&mut bytes, tensor.numel());
                     Ok(bytes)

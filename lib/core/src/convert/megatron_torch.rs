@@ -3,18 +3,20 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::layout::{rank_directories, rank_file};
 use megatron_checkpoint::{DistCheckpoint, TensorRef, TorchFile, Value};
-use tch::{Kind, Tensor};
+use tch::Kind;
 
+use super::lazy::{InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
 use super::names::{core_name, layer_of};
 use super::state::{
-    fit_vocab_rows, is_vocab_tensor, tensor_from_bytes, ModelState, OptimizerState, RunState,
+    fit_vocab_rows, in_memory, tensor_from_bytes, ModelState, OptimizerState, RunState,
 };
-use crate::checkpoint::{join_shards, tensor_split};
+use crate::checkpoint::{has_vocab_rows, tensor_split};
 use crate::optim::excluded_from_weight_decay;
 
 /// What a loader needs beyond the checkpoint.
@@ -28,9 +30,17 @@ pub struct LoadOptions {
     pub make_vocab_size_divisible_by: Option<i64>,
 }
 
-fn tensor_of(file: &TorchFile, tensor: &TensorRef) -> Result<Tensor> {
-    let bytes = file.tensor_bytes(tensor)?;
-    tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)
+/// A tensor of a rank file, read from `input` (the same file) when a saver asks; strided views
+/// are gathered now.
+fn tensor_of(file: &TorchFile, input: &Arc<InputFile>, tensor: &TensorRef) -> Result<LazyTensor> {
+    let shape: Vec<i64> = tensor.shape.iter().map(|&d| d as i64).collect();
+    match file.tensor_offset(tensor)? {
+        Some(offset) => LazyTensor::in_file(input, offset, tensor.storage.dtype, shape),
+        None => {
+            let bytes = file.tensor_bytes(tensor)?;
+            Ok(tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into())
+        }
+    }
 }
 
 /// Model tensors of one model chunk entry, flattened to dotted names in file order.
@@ -124,7 +134,7 @@ fn check_version(root: &Value, path: &Path) -> Result<()> {
 
 /// Megatron's parameter groups of one rank: weight-decayed and not, each in model order, the
 /// groups ordered by first appearance (as `_get_param_groups` builds them).
-fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
+pub(super) fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
     let mut order: Vec<bool> = Vec::new();
     let mut groups: Vec<Vec<usize>> = Vec::new();
     for (i, (name, shape)) in names.iter().enumerate() {
@@ -145,15 +155,16 @@ fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
 #[derive(Default)]
 struct RankOptimizer {
     step: f64,
-    main: HashMap<String, Tensor>,
-    exp_avg: HashMap<String, Tensor>,
-    exp_avg_sq: HashMap<String, Tensor>,
+    main: HashMap<String, LazyTensor>,
+    exp_avg: HashMap<String, LazyTensor>,
+    exp_avg_sq: HashMap<String, LazyTensor>,
 }
 
 fn rank_optimizer(
     file: &TorchFile,
+    input: &Arc<InputFile>,
     params: &[(String, Vec<usize>)],
-    weights: &HashMap<String, Tensor>,
+    weights: &HashMap<String, LazyTensor>,
 ) -> Result<Option<RankOptimizer>> {
     let path = file.path();
     let Some(optimizer) = file.root.get("optimizer") else {
@@ -197,7 +208,7 @@ fn rank_optimizer(
                 .and_then(|e| e.iter().find(|(k, _)| k == index))
                 .map(|(_, v)| v)
                 .with_context(|| format!("{}: no optimizer state for {name}", path.display()))?;
-            let moment = |key: &str| -> Result<Tensor> {
+            let moment = |key: &str| -> Result<LazyTensor> {
                 match entry.get(key) {
                     Some(Value::Tensor(t)) => {
                         ensure!(
@@ -206,7 +217,7 @@ fn rank_optimizer(
                             path.display(),
                             t.shape
                         );
-                        tensor_of(file, t)
+                        tensor_of(file, input, t)
                     }
                     _ => bail!("{}: optimizer state of {name} has no {key}", path.display()),
                 }
@@ -214,7 +225,7 @@ fn rank_optimizer(
             out.exp_avg.insert(name.clone(), moment("exp_avg")?);
             out.exp_avg_sq.insert(name.clone(), moment("exp_avg_sq")?);
             out.step = match entry.get("step") {
-                Some(Value::Tensor(t)) => tensor_of(file, t)?.double_value(&[]),
+                Some(Value::Tensor(t)) => tensor_of(file, input, t)?.read()?.double_value(&[]),
                 Some(v) => v.as_f64().unwrap_or(0.0),
                 None => 0.0,
             };
@@ -223,12 +234,14 @@ fn rank_optimizer(
                     match groups.get(g).and_then(Value::items).and_then(|p| p.get(j)) {
                         Some(Value::Tensor(t)) => {
                             ensure!(&t.shape == shape, "{}: main parameter of {name} has shape {:?}, the parameter {shape:?}", path.display(), t.shape);
-                            tensor_of(file, t)?
+                            tensor_of(file, input, t)?
                         }
                         _ => bail!("{}: no fp32 main parameter for {name}", path.display()),
                     }
                 }
-                None => weights[name].to_kind(Kind::Float),
+                // A float32 run's main parameters are its weights.
+                None if weights[name].kind() == Kind::Float => weights[name].clone(),
+                None => weights[name].read()?.to_kind(Kind::Float).into(),
             };
             out.main.insert(name.clone(), main);
         }
@@ -247,6 +260,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     let tp = ranks.iter().map(|r| r.tensor_rank).max().unwrap() + 1;
     let pp = ranks.iter().map(|r| r.pipeline_rank).max().unwrap() + 1;
     let mut files: BTreeMap<(usize, usize), TorchFile> = BTreeMap::new();
+    let mut inputs: BTreeMap<(usize, usize), Arc<InputFile>> = BTreeMap::new();
     for t in 0..tp {
         for p in 0..pp {
             let rank = ranks
@@ -261,6 +275,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                 })?;
             let path = rank_file(rank)?;
             files.insert((t, p), TorchFile::open(&path)?);
+            inputs.insert((t, p), InputFile::open(&path)?);
         }
     }
     let first = &files[&(0, 0)];
@@ -316,7 +331,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     );
     let tied = !config.untie_embeddings_and_output_weights;
     // Global names and shards, in the order of tensor-parallel rank.
-    let mut shards: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+    let mut shards: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
     let mut rank_params: BTreeMap<(usize, usize), Vec<(String, Vec<usize>)>> = BTreeMap::new();
     for ((t, p), chunk_list) in &per_rank {
         let file = &files[&(*t, *p)];
@@ -332,7 +347,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                 if is_head_copy {
                     continue;
                 }
-                let value = tensor_of(file, tensor)
+                let value = tensor_of(file, &inputs[&(*t, *p)], tensor)
                     .with_context(|| format!("{}: tensor {name}", file.path().display()))?;
                 shards.entry(global).or_default().push(value);
             }
@@ -341,16 +356,17 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     }
     let padded = config.padded_vocab_size(1);
     let mut weights = BTreeMap::new();
-    let join = |name: &str, parts: &[Tensor]| -> Result<Tensor> {
+    let join = |name: &str, parts: &[LazyTensor]| -> Result<LazyTensor> {
         ensure!(
             parts.len() == tp,
             "{}: tensor {name} found in {} of {tp} tensor-parallel ranks",
             directory.display(),
             parts.len()
         );
-        let joined = join_shards(parts, tensor_split(name, &config));
-        Ok(if is_vocab_tensor(name) {
-            fit_vocab_rows(&joined, padded)
+        let joined = LazyTensor::joined(parts.to_vec(), tensor_split(name, &config))
+            .with_context(|| format!("{}: tensor {name}", directory.display()))?;
+        Ok(if has_vocab_rows(name) {
+            joined.with_rows(padded)
         } else {
             joined
         })
@@ -359,7 +375,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         weights.insert(name.clone(), join(name, parts)?);
     }
     let optimizer = if options.optimizer {
-        let mut merged: BTreeMap<&str, BTreeMap<String, Vec<Tensor>>> = BTreeMap::new();
+        let mut merged: BTreeMap<&str, BTreeMap<String, Vec<LazyTensor>>> = BTreeMap::new();
         let mut step = 0.0;
         let mut complete = true;
         for (key, params) in &rank_params {
@@ -380,11 +396,11 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                             }
                             None => name.clone(),
                         };
-                        weights_for_fp32.insert(global, tensor_of(file, tensor)?);
+                        weights_for_fp32.insert(global, tensor_of(file, &inputs[key], tensor)?);
                     }
                 }
             }
-            match rank_optimizer(file, params, &weights_for_fp32)? {
+            match rank_optimizer(file, &inputs[key], params, &weights_for_fp32)? {
                 None => {
                     complete = false;
                     break;
@@ -497,7 +513,7 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         };
         let (dtype, shape, bytes) = checkpoint.read(name)?;
         let mut value = tensor_from_bytes(dtype, &shape, &bytes)?;
-        if is_vocab_tensor(&global) {
+        if has_vocab_rows(&global) {
             value = fit_vocab_rows(&value, padded);
         }
         weights.insert(global, value);
@@ -505,7 +521,7 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
     Ok(ModelState {
         config,
         params_dtype: params_dtype(args),
-        weights,
+        weights: in_memory(weights),
         optimizer: None,
         run: run_state(root),
         source_parallel: (

@@ -1,9 +1,12 @@
-//! `checkpoint_convert`'s loaders and savers over one in-memory [`ModelState`]: Megatron's
-//! torch and torch_dist checkpoints in, ours in and out in any TP/PP layout (optimizer state
-//! included); our T5 checkpoints reshaped to another TP size (`t5`). File formats are read by
-//! the libtorch-free `megatron-checkpoint` crate; the tensor reshaping uses CPU tensors.
+//! `checkpoint_convert`'s loaders and savers over one [`ModelState`]: Megatron's torch and
+//! torch_dist checkpoints and HuggingFace models in, ours in and out in any TP/PP layout
+//! (optimizer state included); our T5 checkpoints reshaped to another TP size (`t5`). Our
+//! checkpoints are read lazily ([`LazyTensor`]) and every saver writes tensor by tensor, so a
+//! conversion between them holds about one tensor at a time. File formats are read by the
+//! libtorch-free `megatron-checkpoint` crate; the tensor reshaping uses CPU tensors.
 
 pub mod hf;
+pub mod lazy;
 pub mod load;
 pub mod megatron_args;
 pub mod megatron_save;
@@ -15,10 +18,11 @@ pub mod t5;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};
+pub use lazy::LazyTensor;
 pub use load::load_checkpoint;
 pub use megatron_args::vocab_file_size;
 pub use megatron_save::save_megatron_torch;
 pub use megatron_torch::{load_megatron_torch, load_torch_dist, LoadOptions};
 pub use ours::{load_megatron_rs, save_megatron_rs, TargetLayout};
-pub use state::{ModelState, OptimizerState, RunState};
+pub use state::{in_memory, ModelState, OptimizerState, RunState, Tensors};
 pub use t5::{reshape_t5, t5_max_logit_difference, T5Reshape};

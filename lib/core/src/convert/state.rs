@@ -1,14 +1,28 @@
-//! A whole model in memory between a loader and a saver: unsplit tensors in Megatron-core
-//! names (TP=1, PP=1 shapes, the vocabulary padded for one rank), the optimizer state per
-//! parameter, and the counters and schedules a resumed run needs.
+//! A whole model between a loader and a saver: unsplit tensors in Megatron-core names (TP=1,
+//! PP=1 shapes, the vocabulary padded for one rank) as [`LazyTensor`]s that savers read one at
+//! a time, the optimizer state per parameter, and the counters and schedules a resumed run
+//! needs.
 
 use std::collections::BTreeMap;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::DType;
 use tch::{Kind, Tensor};
 
+use super::lazy::LazyTensor;
+use crate::checkpoint::{has_vocab_rows, tensor_split, TensorSplit};
 use crate::model::GptConfig;
+
+/// Unsplit tensors by Megatron-core name.
+pub type Tensors = BTreeMap<String, LazyTensor>;
+
+/// Tensors already in memory as [`Tensors`].
+pub fn in_memory(tensors: impl IntoIterator<Item = (String, Tensor)>) -> Tensors {
+    tensors
+        .into_iter()
+        .map(|(name, tensor)| (name, LazyTensor::from(tensor)))
+        .collect()
+}
 
 /// Adam's state for every parameter, unsplit like the weights.
 #[derive(Debug, Default)]
@@ -16,9 +30,9 @@ pub struct OptimizerState {
     /// The Adam step count of the run.
     pub step: f64,
     /// float32 main parameters.
-    pub main: BTreeMap<String, Tensor>,
-    pub exp_avg: BTreeMap<String, Tensor>,
-    pub exp_avg_sq: BTreeMap<String, Tensor>,
+    pub main: Tensors,
+    pub exp_avg: Tensors,
+    pub exp_avg_sq: Tensors,
 }
 
 /// Counters, schedules and flags of the run that saved a checkpoint.
@@ -40,7 +54,7 @@ pub struct ModelState {
     pub config: GptConfig,
     /// `float32`, `bfloat16` or `float16`.
     pub params_dtype: String,
-    pub weights: BTreeMap<String, Tensor>,
+    pub weights: Tensors,
     pub optimizer: Option<OptimizerState>,
     pub run: RunState,
     /// The source's (tensor, pipeline) parallel sizes: the output's default.
@@ -101,17 +115,61 @@ pub fn fit_vocab_rows(tensor: &Tensor, rows: i64) -> Tensor {
     }
 }
 
-/// Is `name` a vocabulary-parallel tensor whose rows are the padded vocabulary?
-pub fn is_vocab_tensor(name: &str) -> bool {
-    name == "embedding.word_embeddings.weight" || name == "output_layer.weight"
+/// The shape of tensor-parallel rank's shard of `name` (unsplit `shape`) for `size` ranks, the
+/// vocabulary padded for them.
+pub fn shard_shape(name: &str, shape: &[i64], config: &GptConfig, size: usize) -> Vec<i64> {
+    let mut shape = shape.to_vec();
+    if has_vocab_rows(name) {
+        shape[0] = config.padded_vocab_size(size as i64);
+    }
+    match tensor_split(name, config) {
+        TensorSplit::Replicated => {}
+        TensorSplit::Rows { .. } => shape[0] /= size as i64,
+        TensorSplit::Columns => shape[1] /= size as i64,
+    }
+    shape
+}
+
+/// Tensor-parallel rank `rank`'s shard of `name` (unsplit `tensor`) for `size` ranks, read now.
+pub fn read_shard(
+    name: &str,
+    tensor: &LazyTensor,
+    config: &GptConfig,
+    rank: usize,
+    size: usize,
+) -> Result<Tensor> {
+    let rows = has_vocab_rows(name).then(|| config.padded_vocab_size(size as i64));
+    tensor
+        .read_shard(tensor_split(name, config), rank, size, rows)
+        .with_context(|| format!("reading {name}"))
 }
 
 impl ModelState {
-    /// Checks the tensors against the architecture: every name the model has, with its shape.
-    pub fn tensor(&self, name: &str) -> Result<&Tensor> {
+    pub fn tensor(&self, name: &str) -> Result<&LazyTensor> {
         match self.weights.get(name) {
             Some(t) => Ok(t),
             None => bail!("{}: no tensor {name}", self.source),
         }
+    }
+
+    /// The unsplit tensor `name`, read now.
+    pub fn read(&self, name: &str) -> Result<Tensor> {
+        self.tensor(name)?
+            .read()
+            .with_context(|| format!("{}: reading {name}", self.source))
+    }
+
+    /// Bytes of the weights and optimizer state: what a conversion reads.
+    pub fn bytes(&self) -> usize {
+        self.weights
+            .values()
+            .chain(self.optimizer.iter().flat_map(|o| {
+                o.main
+                    .values()
+                    .chain(o.exp_avg.values())
+                    .chain(o.exp_avg_sq.values())
+            }))
+            .map(LazyTensor::bytes)
+            .sum()
     }
 }

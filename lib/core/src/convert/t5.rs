@@ -1,20 +1,19 @@
 //! T5 checkpoints through `checkpoint_convert --model-type T5`: ours reshaped to another
-//! tensor-parallel size, with the optimizer state laid out for the new ranks as for GPT. T5 runs
+//! tensor-parallel size, with the optimizer state laid out for the new ranks as for GPT, read
+//! lazily and written tensor by tensor through GPT's rank reader and writer. T5 runs
 //! without pipeline parallelism, so every output has one stage; HuggingFace's T5 is another
 //! architecture (relative position buckets instead of learned positions, no biases, no
 //! embedding scaling of Megatron's kind), so T5 is not exported there.
 
-use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::ours::{load_optimizer, write_rank};
+use super::ours::{load_optimizer, read_model_files, write_rank, RankShard};
 use super::state::kind_named;
 use crate::checkpoint::{
-    begin_save, finish_save, merge_model_parallel_ranks, rank_directory_name,
-    split_for_tensor_parallel, staging_directory, CheckpointDirectory,
+    begin_save, finish_save, rank_directory_name, staging_directory, CheckpointDirectory,
 };
 use crate::inference::load_t5_for_inference;
 use crate::model::{ModelOptions, Recompute, T5Config, T5Input, T5Model};
@@ -92,12 +91,6 @@ fn t5_config_of(checkpoint: &CheckpointDirectory) -> Result<T5Config> {
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))
 }
 
-fn hash_map(map: &BTreeMap<String, Tensor>) -> HashMap<String, Tensor> {
-    map.iter()
-        .map(|(k, v)| (k.clone(), v.shallow_clone()))
-        .collect()
-}
-
 /// Writes our T5 checkpoint `checkpoint` (any tensor-parallel layout, distributed-optimizer
 /// shards included) under `root` (which must not hold another checkpoint) with `tensor`
 /// tensor-parallel ranks; with `optimizer`, the Adam state too, for one data-parallel rank.
@@ -112,48 +105,39 @@ pub fn reshape_t5(
     config.validate(tensor as i64)?;
     let metadata = &checkpoint.metadata;
     let source = format!("megatron-rs checkpoint {}", checkpoint.directory.display());
-    let weights = merge_model_parallel_ranks(checkpoint, Device::Cpu)?;
     let params = parameter_names(&config)?;
-    for (name, _) in &params {
-        ensure!(
-            weights.contains_key(name),
-            "{source}: missing tensor {name}"
-        );
-    }
-    if let Some(name) = weights
-        .keys()
-        .find(|k| !params.iter().any(|(n, _)| n == *k))
-    {
-        bail!("{source}: unexpected tensor {name} for this architecture");
+    let trunk = &config.transformer;
+    let (weights, files) = read_model_files(checkpoint, trunk, &|_| Ok(params.clone()))?;
+    for (_, _, rank_dir, _, tensors) in &files {
+        if let Some(name) = tensors
+            .keys()
+            .find(|k| !params.iter().any(|(n, _)| n == *k))
+        {
+            bail!("{source}/{rank_dir}: unexpected tensor {name} for this architecture");
+        }
     }
     let with_optimizer = optimizer && metadata.optimizer.as_deref() == Some("adam");
     let state = if with_optimizer {
-        Some(load_optimizer(checkpoint, &config.transformer, &|_| {
-            Ok(params.clone())
-        })?)
+        Some(load_optimizer(checkpoint, trunk, &files)?)
     } else {
         None
     };
     let kind = kind_named(&metadata.params_dtype)?;
     begin_save(root, metadata.iteration)?;
     let staging = staging_directory(root, metadata.iteration);
-    let trunk = &config.transformer;
     for rank in 0..tensor {
-        let shard = split_for_tensor_parallel(&weights, trunk, rank, tensor);
-        let shards = state.as_ref().map(|o| {
-            [&o.main, &o.exp_avg, &o.exp_avg_sq]
-                .map(|map| split_for_tensor_parallel(&hash_map(map), trunk, rank, tensor))
-        });
         write_rank(
             &staging,
             &rank_directory_name(rank, 0, 1),
             &params,
-            &shard,
-            state
-                .as_ref()
-                .zip(shards.as_ref())
-                .map(|(o, s)| (o.step, s)),
-            kind,
+            &weights,
+            state.as_ref(),
+            RankShard {
+                config: trunk,
+                rank,
+                size: tensor,
+                kind,
+            },
             &source,
         )?;
     }
@@ -166,15 +150,16 @@ pub fn reshape_t5(
     written.optimizer = with_optimizer.then(|| "adam".to_string());
     written.has_rng_state = false;
     finish_save(root, &written)?;
-    let size = |t: &Tensor| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64;
-    let mut bytes: i64 = weights.values().map(size).sum();
-    if let Some(o) = &state {
-        bytes += [&o.main, &o.exp_avg, &o.exp_avg_sq]
-            .iter()
-            .flat_map(|m| m.values())
-            .map(size)
-            .sum::<i64>();
-    }
+    let bytes = weights
+        .values()
+        .chain(
+            state
+                .iter()
+                .flat_map(|o| [&o.main, &o.exp_avg, &o.exp_avg_sq])
+                .flat_map(|m| m.values()),
+        )
+        .map(|t| t.bytes() as i64)
+        .sum();
     Ok(T5Reshape {
         tensors: weights.len(),
         bytes,

@@ -21,8 +21,8 @@ pub fn model_of(state: &ModelState) -> Result<GptModel> {
     let weights: HashMap<String, Tensor> = state
         .weights
         .iter()
-        .map(|(k, v)| (k.clone(), v.to_kind(Kind::Float)))
-        .collect();
+        .map(|(k, v)| Ok((k.clone(), v.read()?.to_kind(Kind::Float))))
+        .collect::<Result<_>>()?;
     model
         .load_parameters(&weights)
         .with_context(|| format!("loading {} into our model", state.source))?;

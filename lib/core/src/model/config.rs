@@ -75,6 +75,46 @@ impl Activation {
     }
 }
 
+/// Llama-3.x frequency scaling of RoPE (Megatron's `--use-rope-scaling`, HF's
+/// `rope_type: "llama3"`): wavelengths longer than `original_max_position_embeddings /
+/// low_freq_factor` are stretched by `factor`, shorter than `… / high_freq_factor` kept, and
+/// the band between interpolated smoothly.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: i64,
+}
+
+impl RopeScaling {
+    /// Megatron's `--rope-scaling-factor`: the other parameters are fixed at Llama 3.1's.
+    pub fn megatron(factor: f64) -> Self {
+        RopeScaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }
+    }
+
+    /// Whether Megatron's flags can express it (only the factor is a flag there).
+    pub fn is_megatron_expressible(&self) -> bool {
+        *self == Self::megatron(self.factor)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        ensure!(
+            self.factor > 0.0
+                && self.low_freq_factor > 0.0
+                && self.high_freq_factor > self.low_freq_factor
+                && self.original_max_position_embeddings > 0,
+            "rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0 (got {self:?})"
+        );
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
     pub num_layers: usize,
@@ -91,6 +131,9 @@ pub struct GptConfig {
     pub position_embedding_type: PositionEmbeddingType,
     pub rotary_base: f64,
     pub rotary_percent: f64,
+    /// Llama-3 RoPE frequency scaling; absent in metadata written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     pub normalization: Normalization,
     pub norm_epsilon: f64,
     pub apply_layernorm_1p: bool,
@@ -160,6 +203,13 @@ impl GptConfig {
                 "--rotary-percent gives an odd or empty rotary dimension {rotary}"
             );
         }
+        if let Some(scaling) = &self.rope_scaling {
+            ensure!(
+                self.position_embedding_type == PositionEmbeddingType::Rope,
+                "--use-rope-scaling needs --position-embedding-type rope"
+            );
+            scaling.validate()?;
+        }
         ensure!(
             (0.0..1.0).contains(&self.hidden_dropout)
                 && (0.0..1.0).contains(&self.attention_dropout),
@@ -188,6 +238,7 @@ pub(crate) mod tests {
             position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
             rotary_base: 10000.0,
             rotary_percent: 1.0,
+            rope_scaling: None,
             normalization: Normalization::LayerNorm,
             norm_epsilon: 1e-5,
             apply_layernorm_1p: false,

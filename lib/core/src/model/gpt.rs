@@ -195,8 +195,9 @@ impl GptModel {
                 trunk.tied_output(spec.pre_process)
             }
         });
-        let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope)
-            .then(|| RotaryEmbedding::new(config.rotary_dim(), config.rotary_base));
+        let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope).then(|| {
+            RotaryEmbedding::new(config.rotary_dim(), config.rotary_base, config.rope_scaling)
+        });
         let tensor_parallel = trunk.parallel;
         Ok(GptModel {
             config,

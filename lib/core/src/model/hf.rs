@@ -3,8 +3,9 @@
 //! `MegatronBertForPreTraining`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use tch::Tensor;
 
 use super::bert::BertConfig;
@@ -48,67 +49,147 @@ fn gpt2_qkv_bias(bias: &Tensor, heads: i64, head_dim: i64) -> Tensor {
         .reshape([3 * heads * head_dim])
 }
 
-pub fn gpt2_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict> {
-    let (n, d) = (config.num_attention_heads, config.kv_channels);
-    let padded = config.padded_vocab_size(1);
-    let mut out = StateDict::new();
-    let mut put = |name: String, tensor: Tensor| {
-        out.insert(name, tensor.contiguous());
-    };
-    put(
-        "embedding.word_embeddings.weight".into(),
-        pad_vocab(take(hf, "transformer.wte.weight")?, padded),
-    );
-    put(
-        "embedding.position_embeddings.weight".into(),
-        take(hf, "transformer.wpe.weight")?.shallow_clone(),
-    );
-    for i in 0..config.num_layers {
-        let hf_layer = |name: &str| take(hf, &format!("transformer.h.{i}.{name}"));
-        let ours = |name: &str| format!("decoder.layers.{i}.{name}");
-        for (hf_norm, norm) in [("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")] {
-            put(
-                ours(&format!("{norm}.weight")),
-                hf_layer(&format!("{hf_norm}.weight"))?.shallow_clone(),
-            );
-            put(
-                ours(&format!("{norm}.bias")),
-                hf_layer(&format!("{hf_norm}.bias"))?.shallow_clone(),
-            );
-        }
-        put(
-            ours("self_attention.linear_qkv.weight"),
-            gpt2_qkv_weight(hf_layer("attn.c_attn.weight")?, n, d),
-        );
-        put(
-            ours("self_attention.linear_qkv.bias"),
-            gpt2_qkv_bias(hf_layer("attn.c_attn.bias")?, n, d),
-        );
-        // Conv1D stores [in, out]; Megatron's linears are [out, in].
-        for (hf_linear, linear) in [
-            ("attn.c_proj", "self_attention.linear_proj"),
-            ("mlp.c_fc", "mlp.linear_fc1"),
-            ("mlp.c_proj", "mlp.linear_fc2"),
-        ] {
-            put(
-                ours(&format!("{linear}.weight")),
-                hf_layer(&format!("{hf_linear}.weight"))?.tr(),
-            );
-            put(
-                ours(&format!("{linear}.bias")),
-                hf_layer(&format!("{hf_linear}.bias"))?.shallow_clone(),
-            );
+/// How one Megatron-core tensor is made from HuggingFace tensors: the importers' one
+/// definition of each mapping, applied at once ([`gpt2_to_megatron`], [`llama_to_megatron`])
+/// or tensor by tensor as a converter writes (`convert::hf`).
+pub struct Recipe {
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// The HuggingFace tensors it is made of, with the shapes `config.json` implies.
+    pub inputs: Vec<(String, Vec<i64>)>,
+    pub make: Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>,
+}
+
+impl Recipe {
+    fn new(
+        name: impl Into<String>,
+        shape: Vec<i64>,
+        inputs: Vec<(String, Vec<i64>)>,
+        make: impl Fn(&[Tensor]) -> Tensor + Send + Sync + 'static,
+    ) -> Self {
+        Recipe {
+            name: name.into(),
+            shape,
+            inputs,
+            make: Arc::new(make),
         }
     }
-    put(
-        "decoder.final_layernorm.weight".into(),
-        take(hf, "transformer.ln_f.weight")?.shallow_clone(),
-    );
-    put(
-        "decoder.final_layernorm.bias".into(),
-        take(hf, "transformer.ln_f.bias")?.shallow_clone(),
-    );
+
+    fn copy(name: impl Into<String>, hf: impl Into<String>, shape: Vec<i64>) -> Self {
+        Recipe::new(name, shape.clone(), vec![(hf.into(), shape)], |t| {
+            t[0].shallow_clone()
+        })
+    }
+
+    /// A vocabulary table padded to Megatron's size.
+    fn vocabulary(name: &str, hf: &str, config: &GptConfig) -> Self {
+        let padded = config.padded_vocab_size(1);
+        let (vocab, h) = (config.vocab_size, config.hidden_size);
+        Recipe::new(
+            name,
+            vec![padded, h],
+            vec![(hf.into(), vec![vocab, h])],
+            move |t| pad_vocab(&t[0], padded),
+        )
+    }
+}
+
+/// Applies `recipes` to a whole state dict at once.
+fn apply(recipes: Vec<Recipe>, hf: &StateDict) -> Result<StateDict> {
+    let mut out = StateDict::new();
+    for recipe in recipes {
+        let inputs = recipe
+            .inputs
+            .iter()
+            .map(|(name, shape)| {
+                let tensor = take(hf, name)?;
+                ensure!(
+                    &tensor.size() == shape,
+                    "HuggingFace tensor {name} has shape {:?}, config.json implies {shape:?}",
+                    tensor.size()
+                );
+                Ok(tensor.shallow_clone())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.insert(recipe.name, (recipe.make)(&inputs).contiguous());
+    }
     Ok(out)
+}
+
+pub fn gpt2_recipes(config: &GptConfig) -> Vec<Recipe> {
+    let (n, d, h) = (
+        config.num_attention_heads,
+        config.kv_channels,
+        config.hidden_size,
+    );
+    let (ffn, width) = (config.ffn_hidden_size, n * d);
+    let mut out = vec![
+        Recipe::vocabulary(
+            "embedding.word_embeddings.weight",
+            "transformer.wte.weight",
+            config,
+        ),
+        Recipe::copy(
+            "embedding.position_embeddings.weight",
+            "transformer.wpe.weight",
+            vec![config.max_position_embeddings, h],
+        ),
+    ];
+    for i in 0..config.num_layers {
+        let theirs = |name: &str| format!("transformer.h.{i}.{name}");
+        let ours = |name: &str| format!("decoder.layers.{i}.{name}");
+        for (hf_norm, norm) in [("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")] {
+            for leaf in ["weight", "bias"] {
+                out.push(Recipe::copy(
+                    ours(&format!("{norm}.{leaf}")),
+                    theirs(&format!("{hf_norm}.{leaf}")),
+                    vec![h],
+                ));
+            }
+        }
+        out.push(Recipe::new(
+            ours("self_attention.linear_qkv.weight"),
+            vec![3 * width, h],
+            vec![(theirs("attn.c_attn.weight"), vec![h, 3 * width])],
+            move |t| gpt2_qkv_weight(&t[0], n, d),
+        ));
+        out.push(Recipe::new(
+            ours("self_attention.linear_qkv.bias"),
+            vec![3 * width],
+            vec![(theirs("attn.c_attn.bias"), vec![3 * width])],
+            move |t| gpt2_qkv_bias(&t[0], n, d),
+        ));
+        // Conv1D stores [in, out]; Megatron's linears are [out, in].
+        for (hf_linear, linear, rows, columns) in [
+            ("attn.c_proj", "self_attention.linear_proj", h, width),
+            ("mlp.c_fc", "mlp.linear_fc1", ffn, h),
+            ("mlp.c_proj", "mlp.linear_fc2", h, ffn),
+        ] {
+            out.push(Recipe::new(
+                ours(&format!("{linear}.weight")),
+                vec![rows, columns],
+                vec![(theirs(&format!("{hf_linear}.weight")), vec![columns, rows])],
+                |t| t[0].tr(),
+            ));
+            out.push(Recipe::copy(
+                ours(&format!("{linear}.bias")),
+                theirs(&format!("{hf_linear}.bias")),
+                vec![rows],
+            ));
+        }
+    }
+    for leaf in ["weight", "bias"] {
+        out.push(Recipe::copy(
+            format!("decoder.final_layernorm.{leaf}"),
+            format!("transformer.ln_f.{leaf}"),
+            vec![h],
+        ));
+    }
+    out
+}
+
+pub fn gpt2_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict> {
+    apply(gpt2_recipes(config), hf)
 }
 
 /// Llama's separate q/k/v projections → Megatron's per-group `[q heads of the group; k; v]`
@@ -129,82 +210,100 @@ fn llama_qkv_weight(
     Tensor::cat(&[q, k, v], 1).reshape([(heads + 2 * groups) * head_dim, hidden])
 }
 
-pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict> {
-    let (n, g, d) = (
+pub fn llama_recipes(config: &GptConfig) -> Vec<Recipe> {
+    let (n, g, d, h) = (
         config.num_attention_heads,
         config.num_query_groups,
         config.kv_channels,
+        config.hidden_size,
     );
-    let padded = config.padded_vocab_size(1);
-    let mut out = StateDict::new();
-    let mut put = |name: String, tensor: Tensor| {
-        out.insert(name, tensor.contiguous());
-    };
-    put(
-        "embedding.word_embeddings.weight".into(),
-        pad_vocab(take(hf, "model.embed_tokens.weight")?, padded),
-    );
+    let ffn = config.ffn_hidden_size;
+    let qkv_rows = (n + 2 * g) * d;
+    let mut out = vec![Recipe::vocabulary(
+        "embedding.word_embeddings.weight",
+        "model.embed_tokens.weight",
+        config,
+    )];
     for i in 0..config.num_layers {
-        let hf_layer = |name: &str| take(hf, &format!("model.layers.{i}.{name}"));
+        let theirs = |name: &str| format!("model.layers.{i}.{name}");
         let ours = |name: &str| format!("decoder.layers.{i}.{name}");
-        put(
+        out.push(Recipe::copy(
             ours("input_layernorm.weight"),
-            hf_layer("input_layernorm.weight")?.shallow_clone(),
-        );
-        put(
+            theirs("input_layernorm.weight"),
+            vec![h],
+        ));
+        out.push(Recipe::copy(
             ours("pre_mlp_layernorm.weight"),
-            hf_layer("post_attention_layernorm.weight")?.shallow_clone(),
-        );
-        let qkv = llama_qkv_weight(
-            hf_layer("self_attn.q_proj.weight")?,
-            hf_layer("self_attn.k_proj.weight")?,
-            hf_layer("self_attn.v_proj.weight")?,
-            n,
-            g,
-            d,
-        );
-        put(ours("self_attention.linear_qkv.weight"), qkv);
+            theirs("post_attention_layernorm.weight"),
+            vec![h],
+        ));
+        let projections = |leaf: &str, width: &[i64]| -> Vec<(String, Vec<i64>)> {
+            [("q", n), ("k", g), ("v", g)]
+                .into_iter()
+                .map(|(p, heads)| {
+                    let shape = [heads * d]
+                        .into_iter()
+                        .chain(width.iter().copied())
+                        .collect();
+                    (theirs(&format!("self_attn.{p}_proj.{leaf}")), shape)
+                })
+                .collect()
+        };
+        out.push(Recipe::new(
+            ours("self_attention.linear_qkv.weight"),
+            vec![qkv_rows, h],
+            projections("weight", &[h]),
+            move |t| llama_qkv_weight(&t[0], &t[1], &t[2], n, g, d),
+        ));
         if config.add_qkv_bias {
             // Qwen2's q/k/v biases, in the same per-group order as the weights.
-            let [q, k, v] = ["q", "k", "v"].map(|p| hf_layer(&format!("self_attn.{p}_proj.bias")));
-            let (q, k, v) = (
-                q?.view([g, -1, 1]),
-                k?.view([g, -1, 1]),
-                v?.view([g, -1, 1]),
-            );
-            put(
+            out.push(Recipe::new(
                 ours("self_attention.linear_qkv.bias"),
-                Tensor::cat(&[q, k, v], 1).reshape([-1]),
-            );
+                vec![qkv_rows],
+                projections("bias", &[]),
+                move |t| {
+                    let parts: Vec<Tensor> = t.iter().map(|p| p.view([g, -1, 1])).collect();
+                    Tensor::cat(&parts, 1).reshape([-1])
+                },
+            ));
         }
-        put(
+        out.push(Recipe::copy(
             ours("self_attention.linear_proj.weight"),
-            hf_layer("self_attn.o_proj.weight")?.shallow_clone(),
-        );
-        let fc1 = Tensor::cat(
-            &[
-                hf_layer("mlp.gate_proj.weight")?,
-                hf_layer("mlp.up_proj.weight")?,
+            theirs("self_attn.o_proj.weight"),
+            vec![h, n * d],
+        ));
+        out.push(Recipe::new(
+            ours("mlp.linear_fc1.weight"),
+            vec![2 * ffn, h],
+            vec![
+                (theirs("mlp.gate_proj.weight"), vec![ffn, h]),
+                (theirs("mlp.up_proj.weight"), vec![ffn, h]),
             ],
-            0,
-        );
-        put(ours("mlp.linear_fc1.weight"), fc1);
-        put(
+            |t| Tensor::cat(t, 0),
+        ));
+        out.push(Recipe::copy(
             ours("mlp.linear_fc2.weight"),
-            hf_layer("mlp.down_proj.weight")?.shallow_clone(),
-        );
+            theirs("mlp.down_proj.weight"),
+            vec![h, ffn],
+        ));
     }
-    put(
-        "decoder.final_layernorm.weight".into(),
-        take(hf, "model.norm.weight")?.shallow_clone(),
-    );
+    out.push(Recipe::copy(
+        "decoder.final_layernorm.weight",
+        "model.norm.weight",
+        vec![h],
+    ));
     if config.untie_embeddings_and_output_weights {
-        put(
-            "output_layer.weight".into(),
-            pad_vocab(take(hf, "lm_head.weight")?, padded),
-        );
+        out.push(Recipe::vocabulary(
+            "output_layer.weight",
+            "lm_head.weight",
+            config,
+        ));
     }
-    Ok(out)
+    out
+}
+
+pub fn llama_to_megatron(hf: &StateDict, config: &GptConfig) -> Result<StateDict> {
+    apply(llama_recipes(config), hf)
 }
 
 /// `MegatronBertForPreTraining` (pre-LN BERT with separate q/k/v, the MLM transform and the

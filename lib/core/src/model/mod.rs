@@ -15,7 +15,7 @@ pub mod t5;
 
 pub use bert::{BertConfig, BertModel, BertOutput, TaskHead};
 pub use chunk::ModelChunk;
-pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType};
+pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling};
 pub use cross_entropy::cross_entropy;
 pub use gpt::{
     ChunkInput, ChunkSpec, GptModel, ModelOptions, ParamGate, Recompute, RecomputeMethod,

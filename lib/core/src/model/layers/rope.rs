@@ -1,12 +1,18 @@
 //! Rotary position embeddings, non-interleaved ("rotate half") as Megatron's default (spec §1.2).
 
+use std::f64::consts::PI;
+
 use tch::{Device, Kind, Tensor};
 
-/// `inv_freq[i] = base^(-2i/r)` for the first `r` channels of each head.
+use crate::model::RopeScaling;
+
+/// `inv_freq[i] = base^(-2i/r)` for the first `r` channels of each head, optionally rescaled
+/// as Llama 3.x does.
 #[derive(Clone)]
 pub struct RotaryEmbedding {
     rotary_dim: i64,
     base: f64,
+    scaling: Option<RopeScaling>,
 }
 
 /// cos/sin of the angles for a range of positions, `[s, 1, 1, r]` in float32.
@@ -16,8 +22,12 @@ pub struct RotaryTables {
 }
 
 impl RotaryEmbedding {
-    pub fn new(rotary_dim: i64, base: f64) -> Self {
-        RotaryEmbedding { rotary_dim, base }
+    pub fn new(rotary_dim: i64, base: f64, scaling: Option<RopeScaling>) -> Self {
+        RotaryEmbedding {
+            rotary_dim,
+            base,
+            scaling,
+        }
     }
 
     /// Tables for positions `start..start + length`.
@@ -40,6 +50,10 @@ impl RotaryEmbedding {
         let inv_freq = Tensor::full([] as [i64; 0], self.base, options)
             .pow(&exponents)
             .reciprocal();
+        let inv_freq = match &self.scaling {
+            Some(scaling) => scaled_inv_freq(&inv_freq, scaling),
+            None => inv_freq,
+        };
         let angles = positions.to_kind(Kind::Float).outer(&inv_freq);
         let length = positions.size()[0];
         let angles = Tensor::cat(&[&angles, &angles], -1).view([length, 1, 1, self.rotary_dim]);
@@ -62,6 +76,22 @@ impl RotaryEmbedding {
             sin: shape(flat.sin),
         }
     }
+}
+
+/// Llama 3.x: frequencies whose wavelength exceeds `original / low_freq_factor` are divided
+/// by `factor`, those under `original / high_freq_factor` kept, and the band between blended
+/// linearly in `original / wavelength`. Elementwise on the device (CUDA graph capture).
+fn scaled_inv_freq(inv_freq: &Tensor, scaling: &RopeScaling) -> Tensor {
+    let original = scaling.original_max_position_embeddings as f64;
+    let (low, high) = (scaling.low_freq_factor, scaling.high_freq_factor);
+    let wavelength = inv_freq.reciprocal() * (2.0 * PI);
+    let stretched = inv_freq / scaling.factor;
+    let blend = (original / &wavelength - low) / (high - low);
+    let smoothed = &stretched * (1.0f64 - &blend) + inv_freq * &blend;
+    let long = wavelength.gt(original / low);
+    let short = wavelength.lt(original / high);
+    let between = smoothed.where_self(&short.logical_not(), inv_freq);
+    stretched.where_self(&long, &between)
 }
 
 impl Clone for RotaryTables {
