@@ -137,6 +137,29 @@ struct DataFlags {
     short_seq_prob: f64,
 }
 
+impl DataFlags {
+    /// The training binaries' data flags for these paths (no mock data, no GPT-only options),
+    /// so the samples come from the same dataset code as pretrain_t5's.
+    fn data_args(&self) -> DataArgs {
+        DataArgs {
+            data_path: self.data_path.clone(),
+            data_args_path: self.data_args_path.clone(),
+            train_data_path: self.train_data_path.clone(),
+            valid_data_path: self.valid_data_path.clone(),
+            test_data_path: self.test_data_path.clone(),
+            per_split_data_args_path: self.per_split_data_args_path.clone(),
+            split: self.split.clone(),
+            mock_data: false,
+            data_cache_path: self.data_cache_path.clone(),
+            reset_position_ids: false,
+            reset_attention_mask: false,
+            eod_mask_loss: false,
+            num_workers: 0,
+            dataloader_type: "single".into(),
+        }
+    }
+}
+
 /// Megatron's T5 spellings and defaults on a subcommand's flags: `--encoder-num-layers` and
 /// `--encoder-seq-length` name `--num-layers` and `--seq-length`, and the tokenizer defaults to
 /// BertWordPieceLowerCase as in `pretrain_t5.py`. A flag given twice takes its last value.
@@ -252,22 +275,7 @@ fn dataset(
     if decoder_seq_length as i64 > positions {
         bail!("--decoder-seq-length {decoder_seq_length} exceeds the checkpoint's --max-position-embeddings {positions}");
     }
-    let data = DataArgs {
-        data_path: flags.data_path.clone(),
-        data_args_path: flags.data_args_path.clone(),
-        train_data_path: flags.train_data_path.clone(),
-        valid_data_path: flags.valid_data_path.clone(),
-        test_data_path: flags.test_data_path.clone(),
-        per_split_data_args_path: flags.per_split_data_args_path.clone(),
-        split: flags.split.clone(),
-        mock_data: false,
-        data_cache_path: flags.data_cache_path.clone(),
-        reset_position_ids: false,
-        reset_attention_mask: false,
-        eod_mask_loss: false,
-        num_workers: 0,
-        dataloader_type: "single".into(),
-    };
+    let data = flags.data_args();
     t5_split_dataset(&T5DataRequest {
         data: &data,
         tokenizer: &common.tokenizer,
@@ -396,13 +404,7 @@ fn decode(args: &DecodeArgs) -> Result<()> {
                 })
             })
             .collect::<Result<_>>()?
-    } else if common.data.data_path.is_empty()
-        && common.data.data_args_path.is_none()
-        && common.data.valid_data_path.is_empty()
-        && common.data.train_data_path.is_empty()
-        && common.data.test_data_path.is_empty()
-        && common.data.per_split_data_args_path.is_none()
-    {
+    } else if !common.data.data_args().path_flags().any() {
         bail!("give texts to fill with --input, or data samples with --data-path");
     } else {
         let dataset = dataset(common, &loaded.model, args.num_samples)?;
