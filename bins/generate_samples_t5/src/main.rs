@@ -17,7 +17,7 @@ use megatron_core::loader::{DeviceBatch, T5Batch};
 use megatron_core::model::T5Model;
 use megatron_core::parallel::{Job, ParallelState};
 use megatron_core::training::{t5_split_dataset, Masking, T5DataRequest};
-use megatron_data::blend::SplitDataset;
+use megatron_data::blend::{DataPathFlags, SplitDataset};
 use megatron_data::gpt::Split;
 use megatron_data::masked::{masked_tokenizer, T5MaskedWordPieceDataset, T5Sample};
 use megatron_data::tokenizer::{BertWordPiece, Tokenizer};
@@ -98,28 +98,9 @@ struct Common {
 
 #[derive(Args)]
 struct DataFlags {
-    /// Dataset prefixes of sentence data (preprocess_data --split-sentences), optionally
-    /// weighted: `A`, `A B`, or `0.3 A 0.7 B`.
-    #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX")]
-    data_path: Vec<String>,
-    /// File whose whitespace-separated words are the --data-path list.
-    #[arg(long)]
-    data_args_path: Option<PathBuf>,
-    /// Train-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    train_data_path: Vec<String>,
-    /// Validation-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    valid_data_path: Vec<String>,
-    /// Test-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    test_data_path: Vec<String>,
-    /// JSON {"train": [...], "valid": [...], "test": [...]} (per-split mode).
-    #[arg(long)]
-    per_split_data_args_path: Option<PathBuf>,
-    /// Train/valid/test proportions, e.g. 949,50,1 [default: 969, 30, 1].
-    #[arg(long)]
-    split: Option<String>,
+    /// Sentence data (preprocess_data --split-sentences).
+    #[command(flatten)]
+    paths: DataPathFlags,
     /// Where the sample indices are cached [default: beside each dataset].
     #[arg(long)]
     data_cache_path: Option<PathBuf>,
@@ -142,13 +123,7 @@ impl DataFlags {
     /// so the samples come from the same dataset code as pretrain_t5's.
     fn data_args(&self) -> DataArgs {
         DataArgs {
-            data_path: self.data_path.clone(),
-            data_args_path: self.data_args_path.clone(),
-            train_data_path: self.train_data_path.clone(),
-            valid_data_path: self.valid_data_path.clone(),
-            test_data_path: self.test_data_path.clone(),
-            per_split_data_args_path: self.per_split_data_args_path.clone(),
-            split: self.split.clone(),
+            paths: self.paths.clone(),
             mock_data: false,
             data_cache_path: self.data_cache_path.clone(),
             reset_position_ids: false,
@@ -404,7 +379,7 @@ fn decode(args: &DecodeArgs) -> Result<()> {
                 })
             })
             .collect::<Result<_>>()?
-    } else if !common.data.data_args().path_flags().any() {
+    } else if !common.data.paths.any() {
         bail!("give texts to fill with --input, or data samples with --data-path");
     } else {
         let dataset = dataset(common, &loaded.model, args.num_samples)?;

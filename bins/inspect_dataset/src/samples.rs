@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use megatron_data::blend::{
-    build_gpt_datasets, BlendMember, DataPathFlags, DataSources, SplitDataset,
-};
+use megatron_data::blend::{build_gpt_datasets, BlendMember, DataPathFlags, SplitDataset};
 use megatron_data::gpt::{
     GptDataset, GptDatasetConfig, IndexOrigin, SampleOptions, Split, SplitMatrix, TokenSource,
     TokenizerGeneration, TokenizerIdentity,
@@ -33,27 +31,8 @@ pub struct SamplesArgs {
     /// Whose samples: gpt (raw token windows), bert (masked pairs) or t5 (span corruption).
     #[arg(long, value_enum, default_value = "gpt")]
     model: Model,
-    /// Dataset prefixes, optionally weighted: `A`, `A B`, or `0.3 A 0.7 B`.
-    #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX")]
-    data_path: Vec<String>,
-    /// File whose whitespace-separated words are the --data-path list.
-    #[arg(long)]
-    data_args_path: Option<PathBuf>,
-    /// Train-split prefixes (per-split mode; excludes --data-path and --split).
-    #[arg(long, num_args = 1..)]
-    train_data_path: Vec<String>,
-    /// Validation-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    valid_data_path: Vec<String>,
-    /// Test-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    test_data_path: Vec<String>,
-    /// JSON file {"train": [...], "valid": [...], "test": [...]} (per-split mode).
-    #[arg(long)]
-    per_split_data_args_path: Option<PathBuf>,
-    /// Train/valid/test proportions, e.g. `969,30,1` (hashed verbatim into cache names).
-    #[arg(long)]
-    split: Option<String>,
+    #[command(flatten)]
+    paths: DataPathFlags,
     /// Tokens per sample (GPT: each sample holds one more, the last label; BERT: the padded
     /// length; T5: defaults to --encoder-seq-length).
     #[arg(long, required_unless_present = "encoder_seq_length")]
@@ -118,7 +97,7 @@ pub fn run(args: &SamplesArgs) -> Result<()> {
 
 fn run_gpt(args: &SamplesArgs) -> Result<()> {
     let split = Split::from_name(&args.split_name)?;
-    let (sources, split_string) = data_sources(args)?;
+    let (sources, split_string) = args.paths.sources()?;
     let Some(seq_length) = args.seq_length else {
         bail!("--seq-length is required");
     };
@@ -192,7 +171,7 @@ fn run_gpt(args: &SamplesArgs) -> Result<()> {
 
 fn run_masked(args: &SamplesArgs) -> Result<()> {
     let split = Split::from_name(&args.split_name)?;
-    let (sources, split_string) = data_sources(args)?;
+    let (sources, split_string) = args.paths.sources()?;
     let sizes = parse_sizes(args.num_samples.as_deref())?;
     let Some(vocab_file) = args.vocab_file.clone() else {
         bail!("BERT and T5 samples need --vocab-file (a WordPiece vocab.txt)");
@@ -349,19 +328,6 @@ fn origin(origin: &IndexOrigin) -> String {
         IndexOrigin::BuiltAndCached(dir) => format!("built, cached in {}", dir.display()),
         IndexOrigin::BuiltUncached => "built, not cached".to_string(),
     }
-}
-
-fn data_sources(args: &SamplesArgs) -> Result<(DataSources, Option<String>)> {
-    DataPathFlags {
-        data_path: args.data_path.clone(),
-        data_args_path: args.data_args_path.clone(),
-        train_data_path: args.train_data_path.clone(),
-        valid_data_path: args.valid_data_path.clone(),
-        test_data_path: args.test_data_path.clone(),
-        per_split_data_args_path: args.per_split_data_args_path.clone(),
-        split: args.split.clone(),
-    }
-    .sources()
 }
 
 fn parse_sizes(text: Option<&str>) -> Result<[Option<u64>; 3]> {

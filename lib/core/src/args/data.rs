@@ -8,27 +8,9 @@ use megatron_data::tokenizer::{TikTokenOptions, TokenizerConfig, TokenizerType};
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct DataArgs {
-    /// Dataset prefixes, optionally weighted: `A`, `A B`, or `0.3 A 0.7 B`.
-    #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX")]
-    pub data_path: Vec<String>,
-    /// File whose whitespace-separated words are the --data-path list.
-    #[arg(long)]
-    pub data_args_path: Option<PathBuf>,
-    /// Train-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    pub train_data_path: Vec<String>,
-    /// Validation-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    pub valid_data_path: Vec<String>,
-    /// Test-split prefixes (per-split mode).
-    #[arg(long, num_args = 1..)]
-    pub test_data_path: Vec<String>,
-    /// JSON {"train": [...], "valid": [...], "test": [...]} (per-split mode).
-    #[arg(long)]
-    pub per_split_data_args_path: Option<PathBuf>,
-    /// Train/valid/test proportions, e.g. 949,50,1 [default: 969, 30, 1].
-    #[arg(long)]
-    pub split: Option<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub paths: DataPathFlags,
     /// Synthetic data (Megatron's mock GPT dataset) instead of --data-path.
     #[arg(long)]
     pub mock_data: bool,
@@ -50,20 +32,6 @@ pub struct DataArgs {
     /// Accepted for compatibility: single (the only sampler).
     #[arg(long, default_value = "single")]
     pub dataloader_type: String,
-}
-
-impl DataArgs {
-    pub fn path_flags(&self) -> DataPathFlags {
-        DataPathFlags {
-            data_path: self.data_path.clone(),
-            data_args_path: self.data_args_path.clone(),
-            train_data_path: self.train_data_path.clone(),
-            valid_data_path: self.valid_data_path.clone(),
-            test_data_path: self.test_data_path.clone(),
-            per_split_data_args_path: self.per_split_data_args_path.clone(),
-            split: self.split.clone(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Args, serde::Serialize)]

@@ -106,7 +106,7 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
         }
         out
     } else {
-        let (sources, split) = data.path_flags().sources()?;
+        let (sources, split) = data.paths.sources()?;
         let config = config_for(split)?;
         let open = |prefix: &str| -> Result<Arc<dyn TokenSource>> {
             let dataset = IndexedDataset::open(prefix)?;
@@ -150,7 +150,7 @@ pub fn masked_data_flags(
     masking: &Masking,
     family: &str,
 ) -> Result<(DataSources, MaskedDataFlags)> {
-    let (sources, split) = data.path_flags().sources()?;
+    let (sources, split) = data.paths.sources()?;
     let vocab_file = tokenizer
         .vocab_file
         .as_ref()

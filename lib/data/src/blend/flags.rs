@@ -10,15 +10,31 @@ use super::data_path::Blend;
 /// Megatron's `--split` when only `--data-path` is given.
 pub const DEFAULT_SPLIT: &str = "969, 30, 1";
 
-/// The data-path flags as given on the command line.
-#[derive(Debug, Clone, Default)]
+/// The data-path flags as given on the command line, shared by every binary that reads
+/// Megatron datasets.
+#[derive(Debug, Clone, Default, clap::Args, serde::Serialize)]
 pub struct DataPathFlags {
+    /// Dataset prefixes, optionally weighted: `A`, `A B`, or `0.3 A 0.7 B`.
+    #[arg(long, num_args = 1.., value_name = "[WEIGHT] PREFIX")]
     pub data_path: Vec<String>,
+    /// File whose whitespace-separated words are the --data-path list.
+    #[arg(long)]
     pub data_args_path: Option<PathBuf>,
+    /// Train-split prefixes (per-split mode; excludes --data-path and --split).
+    #[arg(long, num_args = 1..)]
     pub train_data_path: Vec<String>,
+    /// Validation-split prefixes (per-split mode).
+    #[arg(long, num_args = 1..)]
     pub valid_data_path: Vec<String>,
+    /// Test-split prefixes (per-split mode).
+    #[arg(long, num_args = 1..)]
     pub test_data_path: Vec<String>,
+    /// JSON {"train": [...], "valid": [...], "test": [...]} (per-split mode).
+    #[arg(long)]
     pub per_split_data_args_path: Option<PathBuf>,
+    /// Train/valid/test proportions, e.g. 949,50,1 (hashed verbatim into cache names)
+    /// [default: 969, 30, 1].
+    #[arg(long)]
     pub split: Option<String>,
 }
 
