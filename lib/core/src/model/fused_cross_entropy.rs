@@ -433,3 +433,79 @@ mod tests {
         assert_eq!(default_chunk_tokens(1, 1 << 20, 4), 1);
     }
 }
+
+/// Peak memory, measured in child processes of the test binary (a process's peak resident size
+/// is all Linux keeps, so each path gets a fresh process).
+#[cfg(all(test, target_os = "linux"))]
+mod peak_memory {
+    use super::*;
+    use crate::model::cross_entropy::cross_entropy;
+    use crate::parallel::SingleRank;
+    use std::process::Command;
+    use tch::Device;
+
+    const PROBE: &str = "MEGATRON_RS_LOSS_MEMORY_PROBE";
+    const TEST: &str =
+        "model::fused_cross_entropy::peak_memory::the_fused_loss_peaks_far_below_the_unfused_one";
+
+    /// 1024 tokens, a vocabulary of 32768, hidden size 64: the float32 logits are 128 MiB.
+    fn loss_and_backward(fused: bool) {
+        let (s, b, h, v) = (512, 2, 64, 32768);
+        let hidden =
+            (Tensor::randn([s, b, h], (Kind::Float, Device::Cpu)) * 0.1).set_requires_grad(true);
+        let weight = Param::new(Tensor::randn([v, h], (Kind::Float, Device::Cpu)) * 0.1);
+        let labels = Tensor::randint(v, [b, s], (Kind::Int64, Device::Cpu));
+        let mask = Tensor::ones([b, s], (Kind::Float, Device::Cpu));
+        let group: Arc<dyn Communicator> = Arc::new(SingleRank);
+        let loss = if fused {
+            fused_output_cross_entropy(&hidden, &weight, None, &labels, &mask, &group, None)
+                .unwrap()
+        } else {
+            let logits = hidden.linear::<&Tensor>(&*weight, None);
+            (cross_entropy(&logits, &labels, &group).unwrap() * &mask).sum(Kind::Float)
+        };
+        loss.backward();
+        assert!(hidden.grad().defined() && weight.grad().defined());
+    }
+
+    /// The peak resident size of this process, in KiB.
+    fn peak_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    fn child_peak(path: &str) -> u64 {
+        let output = Command::new(std::env::current_exe().unwrap())
+            .args([TEST, "--exact", "--nocapture", "--test-threads", "1"])
+            .env(PROBE, path)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{path} probe failed: {stdout}");
+        // The test harness prints the test's name on the same line.
+        let after = stdout
+            .split("peak_kib=")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no peak from the {path} probe: {stdout}"));
+        let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().unwrap()
+    }
+
+    #[test]
+    fn the_fused_loss_peaks_far_below_the_unfused_one() {
+        if let Ok(path) = std::env::var(PROBE) {
+            loss_and_backward(path == "fused");
+            println!("peak_kib={}", peak_kib());
+            return;
+        }
+        let (fused, unfused) = (child_peak("fused"), child_peak("unfused"));
+        eprintln!("peak resident size: fused {fused} KiB, unfused {unfused} KiB");
+        // The unfused path holds the logits, their float32 log-softmax and the logits'
+        // gradient (128 MiB each); the fused one a few chunks of 8 MiB.
+        assert!(
+            fused + 200 * 1024 < unfused,
+            "fused {fused} KiB vs unfused {unfused} KiB"
+        );
+    }
+}
