@@ -16,7 +16,8 @@
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
 #   NUM_HEADS=16          attention heads
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours, e.g.
-#                         "--no-gradient-accumulation-fusion" (each lever measured on its own)
+#                         "--no-gradient-accumulation-fusion;--cross-entropy-loss-fusion" (each
+#                         lever measured on its own)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
 set -euo pipefail
 

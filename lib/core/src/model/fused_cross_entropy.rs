@@ -65,10 +65,11 @@ pub fn fused_output_cross_entropy(
 }
 
 /// How many tokens a chunk holds by default: a power of two that makes a chunk's logits about
-/// four times the size of all the hidden states (Liger-Kernel takes once; four times keeps the
-/// GEMMs large and the kernel launches few at a few hundred MB of logits for GPT-sized models).
+/// eight times the size of all the hidden states (Liger-Kernel takes once). Each chunk adds its
+/// weight gradient into a float32 `[V/t, h]` buffer, a pass over it, so few large chunks beat
+/// many small ones while a chunk's float32 logits stay at a few hundred MB for GPT-sized models.
 pub fn default_chunk_tokens(tokens: i64, local_vocab: i64, hidden: i64) -> i64 {
-    let ratio = (local_vocab + 4 * hidden - 1) / (4 * hidden).max(1);
+    let ratio = (local_vocab + 8 * hidden - 1) / (8 * hidden).max(1);
     let chunk = (tokens + ratio - 1) / ratio.max(1);
     (chunk.max(1) as u64).next_power_of_two() as i64
 }
@@ -111,8 +112,8 @@ impl FusedOutputCrossEntropy {
             .map(move |start| (start, chunk.min(tokens - start)))
     }
 
-    /// One chunk's logits and its per-token losses, with `softmax - one_hot(target)` when
-    /// `with_grad` (float32 both).
+    /// One chunk's per-token losses (float32) and, when `with_grad`, `softmax - one_hot(target)`
+    /// in the dtype of the logits, rounded once from float32.
     fn chunk_loss(
         &self,
         input: &Tensor,
@@ -123,19 +124,24 @@ impl FusedOutputCrossEntropy {
         if self.group.size() > 1 {
             let softmax = VocabSoftmax::new(&logits, target, &self.group)?;
             let loss = softmax.loss.shallow_clone();
-            return Ok((loss, with_grad.then(|| softmax.into_logit_grad())));
+            let grad = with_grad.then(|| softmax.into_logit_grad().to_kind(logits.kind()));
+            return Ok((loss, grad));
         }
         // One fused log-softmax pass, as the unfused path on one rank.
         let log_probs = logits.log_softmax(-1, Kind::Float);
         let target = target.unsqueeze(-1);
-        let loss = log_probs.gather(-1, &target, false).squeeze_dim(-1).neg();
+        let target_log_probs = log_probs.gather(-1, &target, false);
+        let loss = target_log_probs.squeeze_dim(-1).neg();
         if !with_grad {
             return Ok((loss, None));
         }
-        let mut grad = log_probs;
-        let _ = grad.exp_();
-        let minus_one = Tensor::full([target.size()[0], 1], -1.0, (Kind::Float, grad.device()));
-        let _ = grad.scatter_add_(-1, &target, &minus_one);
+        // The softmax is written in the logits' dtype by the exponential itself (one pass), and
+        // the targets' entries are overwritten with `p - 1` computed in float32: every entry is
+        // rounded once, as in the unfused path.
+        let mut grad = logits.empty_like();
+        let _ = log_probs.exp_out(&grad);
+        let target_grad = (target_log_probs.exp() - 1.0).to_kind(grad.kind());
+        let _ = grad.scatter_(-1, &target, &target_grad);
         Ok((loss, Some(grad)))
     }
 
@@ -173,15 +179,16 @@ impl CustomFunction for FusedOutputCrossEntropy {
             let (loss, grad) = self.chunk_loss(&input, &target, true)?;
             let grad = grad.expect("asked for");
             losses.narrow(0, start, length).copy_(&loss);
-            let token_weights = self.token_weights.narrow(0, start, length);
-            if let Some(grad_bias) = &grad_bias {
-                let row = token_weights.to_kind(Kind::Float).unsqueeze(0);
-                accumulate_product(grad_bias, &row, &grad)?;
-            }
             // Row i of every gradient is token i's weight times its unweighted row: the weights
             // scale the [chunk, h] operands and results instead of the [chunk, V/t] gradient.
-            let grad = grad.to_kind(kind);
-            let row_weights = token_weights.to_kind(kind).unsqueeze(-1);
+            let row_weights = self
+                .token_weights
+                .narrow(0, start, length)
+                .to_kind(kind)
+                .unsqueeze(-1);
+            if let Some(grad_bias) = &grad_bias {
+                accumulate_product(grad_bias, &row_weights.tr(), &grad)?;
+            }
             let mut grad_input = grad_hidden.narrow(0, start, length);
             let _ = grad.mm_out(&grad_input, &self.weight);
             let _ = grad_input.g_mul_(&row_weights);
@@ -425,8 +432,8 @@ mod tests {
     #[test]
     fn a_chunk_holds_a_fraction_of_the_logits_of_gpt_sized_models() {
         // GPT-345M and 1.3B at micro-batch 8 × 1024 tokens, vocabulary 50304 on one rank:
-        // the largest [chunk, V] buffer is 1/8 and 1/4 of the full logits.
-        assert_eq!(default_chunk_tokens(8192, 50304, 1024), 1024);
+        // the largest [chunk, V] buffer is a quarter of the full logits.
+        assert_eq!(default_chunk_tokens(8192, 50304, 1024), 2048);
         assert_eq!(default_chunk_tokens(8192, 50304, 2048), 2048);
         // A power of two, at least one token.
         assert_eq!(default_chunk_tokens(10, 11, 4), 16);
