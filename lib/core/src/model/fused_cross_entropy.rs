@@ -181,13 +181,10 @@ impl CustomFunction for FusedOutputCrossEntropy {
             losses.narrow(0, start, length).copy_(&loss);
             // Row i of every gradient is token i's weight times its unweighted row: the weights
             // scale the [chunk, h] operands and results instead of the [chunk, V/t] gradient.
-            let row_weights = self
-                .token_weights
-                .narrow(0, start, length)
-                .to_kind(kind)
-                .unsqueeze(-1);
+            let token_weights = self.token_weights.narrow(0, start, length).to_kind(kind);
+            let row_weights = token_weights.unsqueeze(-1);
             if let Some(grad_bias) = &grad_bias {
-                accumulate_product(grad_bias, &row_weights.tr(), &grad)?;
+                accumulate_product(grad_bias, &token_weights.unsqueeze(0), &grad)?;
             }
             let mut grad_input = grad_hidden.narrow(0, start, length);
             let _ = grad.mm_out(&grad_input, &self.weight);
@@ -256,15 +253,21 @@ mod tests {
     /// 5 positions × 2 sequences, hidden size 4, a vocabulary of 11; a mask with zeros and a
     /// non-binary weight.
     fn case(kind: Kind) -> Case {
+        case_on(kind, Device::Cpu)
+    }
+
+    fn case_on(kind: Kind, device: Device) -> Case {
         let (s, b, h, v) = (5, 2, 4, 11);
         let labels = (Tensor::arange(b * s, (Kind::Int64, Device::Cpu)) * 7).remainder(v);
         let mask = Tensor::from_slice(&[1.0f32, 1.0, 0.0, 1.0, 0.5, 1.0, 0.0, 1.0, 1.0, 1.0]);
         Case {
-            hidden: values(&[s, b, h], 1.0, kind).set_requires_grad(true),
-            weight: Param::new(values(&[v, h], 2.0, kind)),
-            bias: Param::new(values(&[v], 3.0, kind)),
-            labels: labels.view([b, s]),
-            mask: mask.view([b, s]),
+            hidden: values(&[s, b, h], 1.0, kind)
+                .to_device(device)
+                .set_requires_grad(true),
+            weight: Param::new(values(&[v, h], 2.0, kind).to_device(device)),
+            bias: Param::new(values(&[v], 3.0, kind).to_device(device)),
+            labels: labels.view([b, s]).to_device(device),
+            mask: mask.view([b, s]).to_device(device),
         }
     }
 
@@ -350,6 +353,29 @@ mod tests {
         for (fused, plain) in [(&f_hidden, &hidden), (&f_weight, &weight), (&f_bias, &bias)] {
             assert!(relative_difference(fused, plain) < 2e-2);
         }
+    }
+
+    /// On a GPU the weight and bias gradients accumulate through cuBLAS GEMMs with bf16 inputs
+    /// and a float32 output: the same gradients as the unfused path to bf16 precision, the
+    /// weight's in its main-gradient view.
+    #[test]
+    fn on_a_gpu_bfloat16_gradients_agree_with_the_unfused_path() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        let device = Device::Cuda(0);
+        let (loss, hidden, weight, bias) = run(&case_on(Kind::BFloat16, device), None);
+        let (f_loss, f_hidden, f_weight, f_bias) = run(&case_on(Kind::BFloat16, device), Some(3));
+        assert!((f_loss - loss).abs() <= 1e-3 * loss.abs());
+        for (fused, plain) in [(&f_hidden, &hidden), (&f_weight, &weight), (&f_bias, &bias)] {
+            assert!(relative_difference(fused, plain) < 2e-2);
+        }
+        let c = case_on(Kind::BFloat16, device);
+        let main_grad = Tensor::zeros([11, 4], (Kind::Float, device));
+        c.weight.main_grad().set(Some(main_grad.shallow_clone()));
+        run_backward_only(&c);
+        assert!(relative_difference(&main_grad, &weight) < 2e-2);
     }
 
     #[test]
