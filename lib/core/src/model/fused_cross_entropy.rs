@@ -55,7 +55,8 @@ pub fn fused_output_cross_entropy(
         weight_main_grad: weight.main_grad().get(),
         grads: None,
     };
-    if !grad_mode_enabled(weight) {
+    let differentiable = [Some(hidden), Some(weight.tensor()), bias];
+    if !differentiable.into_iter().flatten().any(records_gradient) {
         return function.loss_only(&hidden.reshape([tokens, h]));
     }
     let mut inputs = vec![hidden, weight.tensor()];
@@ -74,10 +75,10 @@ pub fn default_chunk_tokens(tokens: i64, local_vocab: i64, hidden: i64) -> i64 {
     (chunk.max(1) as u64).next_power_of_two() as i64
 }
 
-/// Whether autograd records operations here (it does not under `no_grad`): a view of a leaf
-/// that requires gradients requires them only then.
-fn grad_mode_enabled(weight: &Tensor) -> bool {
-    weight.requires_grad() && weight.narrow(0, 0, 1).requires_grad()
+/// Whether autograd would record an operation on `tensor`: it requires gradients and gradient
+/// mode is on (under `no_grad` even a view of it does not require gradients).
+fn records_gradient(tensor: &Tensor) -> bool {
+    tensor.requires_grad() && tensor.alias().requires_grad()
 }
 
 struct FusedOutputCrossEntropy {
@@ -432,6 +433,36 @@ mod tests {
         };
         let difference = relative_difference(&tied_loss(true), &tied_loss(false));
         assert!(difference < 1e-6, "tied gradient differs by {difference:e}");
+    }
+
+    #[test]
+    fn a_frozen_output_weight_still_passes_the_gradient_to_the_hidden_states() {
+        let c = case(Kind::Float);
+        let (_, hidden, ..) = run(&c, None);
+        let frozen = case(Kind::Float);
+        let _ = frozen
+            .weight
+            .tensor()
+            .shallow_clone()
+            .set_requires_grad(false);
+        let _ = frozen
+            .bias
+            .tensor()
+            .shallow_clone()
+            .set_requires_grad(false);
+        let group: Arc<dyn Communicator> = Arc::new(SingleRank);
+        let loss = fused_output_cross_entropy(
+            &frozen.hidden,
+            &frozen.weight,
+            Some(&frozen.bias),
+            &frozen.labels,
+            &frozen.mask,
+            &group,
+            Some(3),
+        )
+        .unwrap();
+        (loss * 0.37).backward();
+        assert!(relative_difference(&frozen.hidden.grad(), &hidden) < 1e-6);
     }
 
     #[test]
