@@ -146,7 +146,8 @@ fn gradient_accumulation_fusion_equals_separate_gradients() {
 /// `--cross-entropy-loss-fusion` (the chunked output layer + cross entropy) trains as the
 /// unfused loss: tied output weights on one rank, with TP=2 + SP (vocab-parallel reductions per
 /// chunk) and split over two pipeline stages (the last stage's copy of the embeddings); an
-/// untied output layer with TP=2 + SP; and both without gradient-accumulation fusion.
+/// untied output layer with TP=2 + SP; without gradient-accumulation fusion; and with data
+/// parallelism's overlapped reduction.
 #[test]
 fn cross_entropy_loss_fusion_equals_the_unfused_loss() {
     let reference = train(BASE, 1, 1, 1, &[]);
@@ -170,6 +171,18 @@ fn cross_entropy_loss_fusion_equals_the_unfused_loss() {
         &reference,
         &train(BASE, 1, 1, 1, &[fused, "--no-gradient-accumulation-fusion"]),
         "fused, separate gradients",
+    );
+    // Overlapped reduction hooks the autograd gradients (no main-gradient views).
+    support::assert_equivalent(
+        &reference,
+        &train(
+            BASE,
+            2,
+            1,
+            1,
+            &[fused, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+        ),
+        "fused, DP=2, overlapped reduction",
     );
     let untied: Vec<&str> = BASE.iter().chain(LLAMA_LIKE).copied().collect();
     support::assert_equivalent(
