@@ -21,7 +21,7 @@ use crate::parallel::Communicator;
 /// `Σ loss_mask · cross_entropy(hidden · weightᵀ + bias, labels)`, float32, for `hidden`
 /// `[s, b, h]` (the whole sequence, on every tensor-parallel rank), this rank's output weight
 /// `[V/t, h]` and bias, and `labels`, `loss_mask` `[b, s]`. `chunk_tokens` overrides how many
-/// tokens a chunk holds (see [`chunk_tokens`]). When the optimizer gave the weight a
+/// tokens a chunk holds (see [`default_chunk_tokens`]). When the optimizer gave the weight a
 /// main-gradient view, its gradient is added there in float32.
 pub fn fused_output_cross_entropy(
     hidden: &Tensor,
@@ -138,8 +138,12 @@ impl FusedOutputCrossEntropy {
             let softmax = VocabSoftmax::new(&logits, target, &self.group)?;
             let loss = softmax.loss.shallow_clone();
             let grad = with_grad.then(|| {
-                (softmax.into_logit_grad() * held_gradient_scale(logits.kind()))
-                    .to_kind(logits.kind())
+                let mut grad = softmax.into_logit_grad();
+                let scale = held_gradient_scale(logits.kind());
+                if scale != 1.0 {
+                    let _ = grad.g_mul_scalar_(scale);
+                }
+                grad.to_kind(logits.kind())
             });
             return Ok((loss, grad));
         }
@@ -202,6 +206,7 @@ impl CustomFunction for FusedOutputCrossEntropy {
             losses.narrow(0, start, length).copy_(&loss);
             // Row i of every gradient is token i's weight times its unweighted row: the weights
             // scale the [chunk, h] operands and results instead of the [chunk, V/t] gradient.
+            // (In the activations' dtype, which holds a loss mask's 0 and 1 exactly.)
             let token_weights = self.token_weights.narrow(0, start, length).to_kind(kind);
             let row_weights = token_weights.unsqueeze(-1);
             if let Some(grad_bias) = &grad_bias {
