@@ -313,7 +313,7 @@ mod tests {
             )
             .unwrap(),
             None => {
-                let logits = c.hidden.linear(&*c.weight, Some(&*c.bias));
+                let logits = c.hidden.linear(c.weight.tensor(), Some(c.bias.tensor()));
                 (cross_entropy(&logits, &c.labels, &group).unwrap() * &c.mask).sum(Kind::Float)
             }
         };
@@ -469,7 +469,7 @@ mod tests {
         let group: Arc<dyn Communicator> = Arc::new(SingleRank);
         let tied_loss = |fused: bool| {
             let c = case(Kind::Float);
-            let hidden = Tensor::embedding(&*c.weight, &tokens, -1, false, false);
+            let hidden = Tensor::embedding(c.weight.tensor(), &tokens, -1, false, false);
             let loss = if fused {
                 fused_output_cross_entropy(
                     &hidden,
@@ -482,7 +482,7 @@ mod tests {
                 )
                 .unwrap()
             } else {
-                let logits = hidden.linear::<&Tensor>(&*c.weight, None);
+                let logits = hidden.linear::<&Tensor>(c.weight.tensor(), None);
                 (cross_entropy(&logits, &c.labels, &group).unwrap() * &c.mask).sum(Kind::Float)
             };
             loss.backward();
@@ -582,7 +582,7 @@ mod peak_memory {
             fused_output_cross_entropy(&hidden, &weight, None, &labels, &mask, &group, None)
                 .unwrap()
         } else {
-            let logits = hidden.linear::<&Tensor>(&*weight, None);
+            let logits = hidden.linear::<&Tensor>(weight.tensor(), None);
             (cross_entropy(&logits, &labels, &group).unwrap() * &mask).sum(Kind::Float)
         };
         loss.backward();
