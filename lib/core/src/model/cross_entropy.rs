@@ -49,34 +49,18 @@ struct VocabParallelCrossEntropy {
     group: Arc<dyn Communicator>,
 }
 
-/// The softmax of one token block's logits over the vocabulary split across `group`, with each
-/// token's loss: what the vocab-parallel cross entropy and its chunked fusion with the output
-/// layer share.
-pub(crate) struct VocabSoftmax {
-    /// Per-token loss `logsumexp(z) - z[target]`, float32.
-    pub loss: Tensor,
-    /// This rank's slice of the softmax, float32.
-    pub softmax: Tensor,
-    /// Each target's index in this rank's slice (0 where it lies on another rank).
-    pub local_target: Tensor,
-    /// Whether the target lies on another rank.
-    pub outside: Tensor,
-}
-
-impl VocabSoftmax {
-    /// Megatron's vocab-parallel softmax (spec §2.3): the max, the target logit and the
-    /// partition function are reduced across ranks.
-    pub fn new(logits: &Tensor, target: &Tensor, group: &Arc<dyn Communicator>) -> Result<Self> {
+impl CustomFunction for VocabParallelCrossEntropy {
+    fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        let (logits, target) = (&inputs[0], &inputs[1]);
         let local_vocab = *logits
             .size()
             .last()
             .expect("logits have a vocabulary dimension");
-        let vocab_start = group.rank() as i64 * local_vocab;
+        let vocab_start = self.group.rank() as i64 * local_vocab;
         let z = logits.to_kind(Kind::Float);
         let (max, _) = z.max_dim(-1, true);
-        group.all_reduce(&max, ReduceOp::Max)?;
-        // A new buffer (`z` may be `logits` itself), exponentiated and normalised in place.
-        let mut z = z - max;
+        self.group.all_reduce(&max, ReduceOp::Max)?;
+        let z = z - max;
 
         let local_target = target - vocab_start;
         let outside = local_target.lt(0).logical_or(&local_target.ge(local_vocab));
@@ -85,53 +69,28 @@ impl VocabSoftmax {
             .gather(-1, &local_target.unsqueeze(-1), false)
             .squeeze_dim(-1)
             .masked_fill(&outside, 0.0);
-        group.all_reduce(&target_logit, ReduceOp::Sum)?;
+        self.group.all_reduce(&target_logit, ReduceOp::Sum)?;
 
-        let exp = z.exp_();
+        let exp = z.exp();
         let sum_exp = exp.sum_dim_intlist(-1, false, Kind::Float);
-        group.all_reduce(&sum_exp, ReduceOp::Sum)?;
+        self.group.all_reduce(&sum_exp, ReduceOp::Sum)?;
         let loss = sum_exp.log() - target_logit;
-        let mut softmax = exp;
-        let _ = softmax.divide_(&sum_exp.unsqueeze(-1));
-        Ok(VocabSoftmax {
-            loss,
-            softmax,
-            local_target,
-            outside,
-        })
-    }
 
-    /// `softmax - one_hot(target)`: the gradient of the loss with respect to the logits,
-    /// written over the softmax.
-    pub fn into_logit_grad(self) -> Tensor {
-        let mut grad = self.softmax;
-        subtract_one_hot(&mut grad, &self.local_target, &self.outside);
-        grad
-    }
-}
-
-/// Subtracts 1 from each row's target entry of `probs` (none where the target lies on
-/// another rank), in place.
-fn subtract_one_hot(probs: &mut Tensor, local_target: &Tensor, outside: &Tensor) {
-    let minus_inside = outside.to_kind(Kind::Float).unsqueeze(-1) - 1.0;
-    let _ = probs.scatter_add_(-1, &local_target.unsqueeze(-1), &minus_inside);
-}
-
-impl CustomFunction for VocabParallelCrossEntropy {
-    fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
-        let (logits, target) = (&inputs[0], &inputs[1]);
-        let softmax = VocabSoftmax::new(logits, target, &self.group)?;
-        saved.save(&softmax.softmax);
-        saved.save(&softmax.local_target);
-        saved.save(&softmax.outside);
-        Ok(vec![softmax.loss])
+        let softmax = exp / sum_exp.unsqueeze(-1);
+        saved.save(&softmax);
+        saved.save(&local_target);
+        saved.save(&outside);
+        Ok(vec![loss])
     }
 
     fn backward(&mut self, grads: &[Tensor], saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let (softmax, local_target, outside) = (&saved[0], &saved[1], &saved[2]);
-        let mut grad = softmax.copy();
-        subtract_one_hot(&mut grad, local_target, outside);
-        Ok(vec![Some(grad * grads[0].unsqueeze(-1)), None])
+        let inside = outside.logical_not().to_kind(Kind::Float).unsqueeze(-1);
+        let one_hot = softmax
+            .zeros_like()
+            .scatter(-1, &local_target.unsqueeze(-1), &inside);
+        let grad = (softmax - one_hot) * grads[0].unsqueeze(-1);
+        Ok(vec![Some(grad), None])
     }
 }
 

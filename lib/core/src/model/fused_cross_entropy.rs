@@ -12,11 +12,10 @@ use std::sync::Arc;
 use anyhow::{ensure, Context, Result};
 use tch::{Kind, Tensor};
 
-use super::cross_entropy::VocabSoftmax;
 use super::layers::main_grad_linear::accumulate_product;
 use super::param::Param;
 use crate::autograd::{self, CustomFunction, SavedTensors};
-use crate::parallel::Communicator;
+use crate::parallel::{Communicator, ReduceOp};
 
 /// `Σ loss_mask · cross_entropy(hidden · weightᵀ + bias, labels)`, float32, for `hidden`
 /// `[s, b, h]` (the whole sequence, on every tensor-parallel rank), this rank's output weight
@@ -75,6 +74,14 @@ pub fn default_chunk_tokens(tokens: i64, local_vocab: i64, hidden: i64) -> i64 {
     (chunk.max(1) as u64).next_power_of_two() as i64
 }
 
+/// The log-partition function of each row of `logits` over this rank's slice, from its
+/// log-softmax: the row's largest logit minus its log-probability, which is near 0 and so
+/// exact to float32 rounding.
+fn local_log_partition(logits: &Tensor, log_probs: &Tensor) -> Tensor {
+    let (max, argmax) = logits.max_dim(-1, true);
+    (max.to_kind(Kind::Float) - log_probs.gather(-1, &argmax, false)).squeeze_dim(-1)
+}
+
 /// Whether autograd would record an operation on `tensor`: it requires gradients and gradient
 /// mode is on (under `no_grad` even a view of it does not require gradients).
 fn records_gradient(tensor: &Tensor) -> bool {
@@ -126,7 +133,7 @@ impl FusedOutputCrossEntropy {
     }
 
     /// One chunk's per-token losses (float32) and, when `with_grad`, `softmax - one_hot(target)`
-    /// in the dtype of the logits, rounded once from float32.
+    /// in the dtype of the logits, rounded once from float32 (times the held scale).
     fn chunk_loss(
         &self,
         input: &Tensor,
@@ -134,40 +141,53 @@ impl FusedOutputCrossEntropy {
         with_grad: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let logits = input.linear(&self.weight, self.bias.as_ref());
+        // One fused log-softmax pass over this rank's slice of the vocabulary.
+        let mut log_probs = logits.log_softmax(-1, Kind::Float);
+        let (local_target, inside) = self.local_targets(target, logits.size()[1]);
         if self.group.size() > 1 {
-            let softmax = VocabSoftmax::new(&logits, target, &self.group)?;
-            let loss = softmax.loss.shallow_clone();
-            let grad = with_grad.then(|| {
-                let mut grad = softmax.into_logit_grad();
-                let scale = held_gradient_scale(logits.kind());
-                if scale != 1.0 {
-                    let _ = grad.g_mul_scalar_(scale);
-                }
-                grad.to_kind(logits.kind())
-            });
-            return Ok((loss, grad));
+            // Each rank's slice is normalised by its own partition function: shift every row
+            // by the difference to the global one, `log Σ_ranks exp(lse_rank)`.
+            let local_lse = local_log_partition(&logits, &log_probs);
+            let global_lse = local_lse.copy();
+            self.group.all_reduce(&global_lse, ReduceOp::Max)?;
+            let sum_exp = (&local_lse - &global_lse).exp();
+            self.group.all_reduce(&sum_exp, ReduceOp::Sum)?;
+            let shift = local_lse - (global_lse + sum_exp.log());
+            let _ = log_probs.g_add_(&shift.unsqueeze(-1));
         }
-        // One fused log-softmax pass, as the unfused path on one rank.
-        let log_probs = logits.log_softmax(-1, Kind::Float);
-        let target = target.unsqueeze(-1);
-        let target_log_probs = log_probs.gather(-1, &target, false);
-        let loss = target_log_probs.squeeze_dim(-1).neg();
+        let target_log_probs = log_probs.gather(-1, &local_target, false);
+        let loss = target_log_probs
+            .squeeze_dim(-1)
+            .masked_fill(&inside.logical_not().squeeze_dim(-1), 0.0);
+        if self.group.size() > 1 {
+            self.group.all_reduce(&loss, ReduceOp::Sum)?;
+        }
+        let loss = loss.neg();
         if !with_grad {
             return Ok((loss, None));
         }
-        // The softmax is written in the logits' dtype by the exponential itself (one pass), and
-        // the targets' entries are overwritten with `p - 1` computed in float32: every entry is
-        // rounded once, as in the unfused path (times the held scale).
+        // The softmax is written in the logits' dtype by the exponential itself (one pass); the
+        // targets' entries are overwritten with `p - 1` computed in float32 (a target on another
+        // rank rewrites entry 0 with its own value): every entry is rounded once, as in the
+        // unfused path.
         let scale = held_gradient_scale(logits.kind());
-        let mut exponent = log_probs;
         if scale != 1.0 {
-            let _ = exponent.g_add_scalar_(scale.ln());
+            let _ = log_probs.g_add_scalar_(scale.ln());
         }
         let mut grad = logits.empty_like();
-        let _ = exponent.exp_out(&grad);
-        let target_grad = ((target_log_probs.exp() - 1.0) * scale).to_kind(grad.kind());
-        let _ = grad.scatter_(-1, &target, &target_grad);
+        let _ = log_probs.exp_out(&grad);
+        let target_grad =
+            ((target_log_probs.exp() - inside.to_kind(Kind::Float)) * scale).to_kind(grad.kind());
+        let _ = grad.scatter_(-1, &local_target, &target_grad);
         Ok((loss, Some(grad)))
+    }
+
+    /// Each target's column `[c, 1]` in this rank's slice of `local_vocab` entries (0 where it
+    /// lies on another rank) and whether it lies here.
+    fn local_targets(&self, target: &Tensor, local_vocab: i64) -> (Tensor, Tensor) {
+        let local = (target - self.group.rank() as i64 * local_vocab).unsqueeze(-1);
+        let inside = local.ge(0).logical_and(&local.lt(local_vocab));
+        (local.masked_fill(&inside.logical_not(), 0), inside)
     }
 
     /// The masked loss sum without gradients (evaluation), still chunk by chunk.
