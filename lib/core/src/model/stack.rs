@@ -1,6 +1,6 @@
 //! What every model family's transformer trunk shares: the embeddings' common tail, a block of
 //! layers run under the recompute policy and the parameter gates, the gates themselves, and the
-//! vocabulary-parallel logits of the output layer.
+//! output layer the loss is computed through (`OutputHead`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -399,17 +399,6 @@ impl<'a> LayerStack<'a> {
     }
 }
 
-/// The logits of this tensor-parallel rank's vocabulary slice: `hidden` (`[s, b, h]`, or a
-/// sequence-parallel slice, gathered here) times the output weight `[V/t, h]`, plus `bias`.
-pub fn output_logits(
-    hidden: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    parallel: &TensorParallel,
-) -> Result<Tensor> {
-    Ok(output_layer_input(hidden, parallel)?.linear(weight, bias))
-}
-
 /// `hidden` as the output layer reads it: the whole sequence on every tensor-parallel rank.
 fn output_layer_input(hidden: &Tensor, parallel: &TensorParallel) -> Result<Tensor> {
     let group = &parallel.group;
@@ -432,9 +421,13 @@ pub struct OutputHead<'a> {
 }
 
 impl OutputHead<'_> {
-    /// This rank's logits `[s, b, V/t]`.
+    /// This rank's logits `[s, b, V/t]` (the hidden states gathered along the sequence first
+    /// with sequence parallelism).
     pub fn logits(&self) -> Result<Tensor> {
-        output_logits(&self.hidden, self.weight, self.bias, self.parallel)
+        Ok(
+            output_layer_input(&self.hidden, self.parallel)?
+                .linear(self.weight.tensor(), self.bias),
+        )
     }
 
     /// `Σ loss_mask · cross_entropy` over the tokens (float32), for `labels` and `loss_mask`
