@@ -161,10 +161,22 @@ fn a_tiny_gpt_learns_the_bundled_corpus() {
 
 #[test]
 fn resuming_is_bitwise_identical_to_an_uninterrupted_run() {
+    assert_bitwise_resume(&[]);
+}
+
+#[test]
+fn resuming_with_the_fused_cross_entropy_is_bitwise_identical() {
+    assert_bitwise_resume(&["--cross-entropy-loss-fusion"]);
+}
+
+/// Six steps straight and three + three through a checkpoint give the same losses and the same
+/// bytes of weights, optimizer state and random generators.
+fn assert_bitwise_resume(flags: &[&str]) {
     let corpus = bundled_corpus();
     let dir = tempfile::tempdir().unwrap();
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
-    let common = ["--train-iters", "6", "--save-interval", "3"];
+    let mut common = vec!["--train-iters", "6", "--save-interval", "3"];
+    common.extend(flags);
 
     let straight_metrics = dir.path().join("straight.jsonl");
     run_ok(pretrain(&corpus, &common).args([

@@ -15,6 +15,7 @@
 #                         (transformers is pure Python: PYTHONPATH may point at a copy of it)
 #   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
 #   TORCH_COMPILE=1       0 leaves out the torch.compile reference row
+#   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours (see ours_variants.sh)
 #   EXTRA_FLAGS=""        more flags for every run (e.g. "--micro-batch-size 4")
 set -euo pipefail
 
@@ -35,6 +36,8 @@ source "$ROOT/scripts/torch-env.sh" "$PYTHON"
 SCRATCH="$(mktemp -d -t pretrain-bert-bench.XXXXXX)"
 # shellcheck source=gpu_memory.sh
 source "$ROOT/scripts/bench/gpu_memory.sh"
+# shellcheck source=ours_variants.sh
+source "$ROOT/scripts/bench/ours_variants.sh"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512
@@ -50,6 +53,9 @@ with_memory_peak "$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-
     --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
+run_ours_variants "$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
+    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
+    --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput
 
 REFERENCES=()
 for mode in eager compile; do

@@ -16,7 +16,8 @@
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
 #   NUM_HEADS=16          attention heads
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours, e.g.
-#                         "--no-gradient-accumulation-fusion" (each lever measured on its own)
+#                         "--no-gradient-accumulation-fusion;--cross-entropy-loss-fusion" (each
+#                         lever measured on its own)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
 set -euo pipefail
 
@@ -32,6 +33,8 @@ source "$ROOT/scripts/torch-env.sh" "$PYTHON"
 SCRATCH="$(mktemp -d -t pretrain-bench.XXXXXX)"
 # shellcheck source=gpu_memory.sh
 source "$ROOT/scripts/bench/gpu_memory.sh"
+# shellcheck source=ours_variants.sh
+source "$ROOT/scripts/bench/ours_variants.sh"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
@@ -48,21 +51,9 @@ with_memory_peak "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train
     --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
-OURS_ROWS=("$SCRATCH/ours.log")
-IFS=';' read -r -a VARIANTS <<<"${OURS_VARIANTS:-}"
-for i in "${!VARIANTS[@]}"; do
-    # shellcheck disable=SC2206
-    VARIANT=(${VARIANTS[$i]})
-    echo "== ours with ${VARIANTS[$i]}" >&2
-    echo "${VARIANTS[$i]}" >"$SCRATCH/variant$i.label"
-    exec 3>"$SCRATCH/variant$i.mem"
-    with_memory_peak "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" "${VARIANT[@]}" --lr 1.5e-4 \
-        --train-iters "$ITERS" --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 \
-        --mock-data --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" \
-        --log-throughput >"$SCRATCH/variant$i.log"
-    exec 3>&-
-    cat "$SCRATCH/variant$i.log" >&2
-done
+run_ours_variants "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
+    --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
+    --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput
 
 echo "== reference: PyTorch eager" >&2
 exec 3>"$SCRATCH/eager.mem"

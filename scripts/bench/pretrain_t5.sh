@@ -15,6 +15,7 @@
 #   PYTHON=python3        a python with torch 2.11 (CUDA) for the references
 #   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
 #   TORCH_COMPILE=1       0 leaves out the torch.compile reference row
+#   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours (see ours_variants.sh)
 #   EXTRA_FLAGS=""        more flags for every run (e.g. "--micro-batch-size 8")
 set -euo pipefail
 
@@ -34,6 +35,8 @@ source "$ROOT/scripts/torch-env.sh" "$PYTHON"
 SCRATCH="$(mktemp -d -t pretrain-t5-bench.XXXXXX)"
 # shellcheck source=gpu_memory.sh
 source "$ROOT/scripts/bench/gpu_memory.sh"
+# shellcheck source=ours_variants.sh
+source "$ROOT/scripts/bench/ours_variants.sh"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 SHAPE=(--encoder-num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12
@@ -50,6 +53,9 @@ with_memory_peak "$PRETRAIN_T5" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-it
     --tokenizer-type NullTokenizer --vocab-size 30621 --log-throughput >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
+run_ours_variants "$PRETRAIN_T5" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
+    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
+    --tokenizer-type NullTokenizer --vocab-size 30621 --log-throughput
 
 REFERENCES=()
 for mode in eager compile; do

@@ -90,6 +90,22 @@ fn bert_sequence_parallel_equals_one_rank() {
     check::<BertPretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"], "BERT TP=2 + SP");
 }
 
+/// The fused output layer + cross entropy (the LM head's bias included) trains as the unfused
+/// one-rank run, split over the vocabulary with sequence parallelism and over two stages.
+#[test]
+fn bert_cross_entropy_loss_fusion_equals_the_unfused_loss() {
+    let fused = "--cross-entropy-loss-fusion";
+    check::<BertPretrainArgs>(
+        BASE,
+        2,
+        2,
+        1,
+        &[fused, "--sequence-parallel"],
+        "BERT fused loss, TP=2 + SP",
+    );
+    check::<BertPretrainArgs>(BASE, 2, 1, 2, &[fused], "BERT fused loss, PP=2");
+}
+
 #[test]
 fn bert_pipeline_parallel_equals_one_rank() {
     check::<BertPretrainArgs>(BASE, 2, 1, 2, &[], "BERT PP=2");

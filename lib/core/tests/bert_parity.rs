@@ -118,7 +118,12 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
     })
     .unwrap();
     let vocab = io["prediction_logits"].size()[2];
-    let ours = output.lm_logits.transpose(0, 1).narrow(2, 0, vocab);
+    let ours = output
+        .lm
+        .logits()
+        .unwrap()
+        .transpose(0, 1)
+        .narrow(2, 0, vocab);
     let reference = io["prediction_logits"].to_kind(Kind::Float);
     let lm_difference = (&ours - &reference).abs().max().double_value(&[]);
     assert!(
@@ -136,39 +141,35 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
     );
     eprintln!("max |logit difference|: MLM {lm_difference:e}, SOP {sop_difference:e}");
 
-    let family = BertFamily {
-        config: config.clone(),
-        mask_prob: 0.15,
-        short_seq_prob: 0.1,
-    };
-    let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
-    let total = family
-        .loss(
-            &output.lm_logits,
-            Some(binary),
-            &batch,
-            &parallel,
-            &mut losses,
-        )
-        .unwrap();
-    let reported = losses.reduce(&parallel).unwrap();
-    let (lm, sop) = (
-        io["lm_loss"].double_value(&[0]),
-        io["sop_loss"].double_value(&[0]),
-    );
-    assert_eq!(reported[0].0, "lm loss");
-    assert_eq!(reported[1].0, "sop loss");
-    assert!(
-        (reported[0].1 - lm).abs() < 1e-5,
-        "lm loss {} vs HF {lm}",
-        reported[0].1
-    );
-    assert!(
-        (reported[1].1 - sop).abs() < 1e-5,
-        "sop loss {} vs HF {sop}",
-        reported[1].1
-    );
-    assert!((total.double_value(&[]) - (lm + sop)).abs() < 1e-5);
+    // The loss through the logits and through the fused output layer + cross entropy.
+    for cross_entropy_loss_fusion in [false, true] {
+        let family = BertFamily {
+            config: config.clone(),
+            mask_prob: 0.15,
+            short_seq_prob: 0.1,
+            cross_entropy_loss_fusion,
+        };
+        let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
+        let total = family.loss(&output, &batch, &mut losses).unwrap();
+        let reported = losses.reduce(&parallel).unwrap();
+        let (lm, sop) = (
+            io["lm_loss"].double_value(&[0]),
+            io["sop_loss"].double_value(&[0]),
+        );
+        assert_eq!(reported[0].0, "lm loss");
+        assert_eq!(reported[1].0, "sop loss");
+        assert!(
+            (reported[0].1 - lm).abs() < 1e-5,
+            "lm loss {} vs HF {lm} (fusion {cross_entropy_loss_fusion})",
+            reported[0].1
+        );
+        assert!(
+            (reported[1].1 - sop).abs() < 1e-5,
+            "sop loss {} vs HF {sop}",
+            reported[1].1
+        );
+        assert!((total.double_value(&[]) - (lm + sop)).abs() < 1e-5);
+    }
 
     // Guard against a test that passes whatever the weights: a wrong QKV layout must show.
     let mut wrong = state;
@@ -187,6 +188,11 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
         )
     })
     .unwrap();
-    let ours = output.lm_logits.transpose(0, 1).narrow(2, 0, vocab);
+    let ours = output
+        .lm
+        .logits()
+        .unwrap()
+        .transpose(0, 1)
+        .narrow(2, 0, vocab);
     assert!((ours - reference).abs().max().double_value(&[]) > 1e-3);
 }

@@ -143,6 +143,55 @@ fn gradient_accumulation_fusion_equals_separate_gradients() {
     );
 }
 
+/// `--cross-entropy-loss-fusion` (the chunked output layer + cross entropy) trains as the
+/// unfused loss: tied output weights on one rank, with TP=2 + SP (vocab-parallel reductions per
+/// chunk) and split over two pipeline stages (the last stage's copy of the embeddings); an
+/// untied output layer with TP=2 + SP; without gradient-accumulation fusion; and with data
+/// parallelism's overlapped reduction.
+#[test]
+fn cross_entropy_loss_fusion_equals_the_unfused_loss() {
+    let reference = train(BASE, 1, 1, 1, &[]);
+    let fused = "--cross-entropy-loss-fusion";
+    support::assert_equivalent(
+        &reference,
+        &train(BASE, 1, 1, 1, &[fused]),
+        "fused, one rank",
+    );
+    support::assert_equivalent(
+        &reference,
+        &train(BASE, 2, 2, 1, &[fused, "--sequence-parallel"]),
+        "fused, TP=2 + SP",
+    );
+    support::assert_equivalent(
+        &reference,
+        &train(BASE, 2, 1, 2, &[fused, "--cross-entropy-fusion-impl", "te"]),
+        "fused (te), PP=2",
+    );
+    support::assert_equivalent(
+        &reference,
+        &train(BASE, 1, 1, 1, &[fused, "--no-gradient-accumulation-fusion"]),
+        "fused, separate gradients",
+    );
+    // Overlapped reduction hooks the autograd gradients (no main-gradient views).
+    support::assert_equivalent(
+        &reference,
+        &train(
+            BASE,
+            2,
+            1,
+            1,
+            &[fused, "--overlap-grad-reduce", "--ddp-bucket-size", "20000"],
+        ),
+        "fused, DP=2, overlapped reduction",
+    );
+    let untied: Vec<&str> = BASE.iter().chain(LLAMA_LIKE).copied().collect();
+    support::assert_equivalent(
+        &train(&untied, 1, 1, 1, &[]),
+        &train(&untied, 2, 2, 1, &[fused, "--sequence-parallel"]),
+        "fused, untied, TP=2 + SP",
+    );
+}
+
 #[test]
 fn sequence_parallel_equals_one_rank() {
     check(BASE, 2, 2, 1, &["--sequence-parallel"], "TP=2 + SP");

@@ -98,6 +98,22 @@ fn t5_sequence_parallel_equals_one_rank() {
     check::<T5PretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"], "T5 TP=2 + SP");
 }
 
+/// The fused output layer + cross entropy (tied weights with the LM head's bias) trains as the
+/// unfused one-rank run, on one rank and split over the vocabulary with sequence parallelism.
+#[test]
+fn t5_cross_entropy_loss_fusion_equals_the_unfused_loss() {
+    let fused = "--cross-entropy-loss-fusion";
+    check::<T5PretrainArgs>(BASE, 1, 1, 1, &[fused], "T5 fused loss");
+    check::<T5PretrainArgs>(
+        BASE,
+        2,
+        2,
+        1,
+        &[fused, "--sequence-parallel"],
+        "T5 fused loss, TP=2 + SP",
+    );
+}
+
 #[test]
 fn t5_distributed_optimizer_equals_one_rank() {
     check::<T5PretrainArgs>(

@@ -106,6 +106,7 @@ fn teacher_forced_scores_equal_the_training_loss() {
         vocab_extra_ids: 0,
         mask_prob: 0.15,
         short_seq_prob: 0.1,
+        cross_entropy_loss_fusion: false,
     };
     let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
     tch::no_grad(|| family.forward_step(&model, &batch, None, false, &parallel, &mut losses))

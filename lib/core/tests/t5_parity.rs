@@ -138,29 +138,33 @@ fn t5_logits_and_loss_equal_the_reference() {
         "degenerate logits"
     );
 
-    let family = T5Family {
-        config: config.clone(),
-        decoder_seq_length: 8,
-        vocab_extra_ids: 0,
-        mask_prob: 0.15,
-        short_seq_prob: 0.1,
-    };
-    let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
-    let StepOutput::Loss(loss) =
-        tch::no_grad(|| family.forward_step(&model, &batch, None, false, &parallel, &mut losses))
-            .unwrap()
-    else {
-        panic!("T5 ends in its loss");
-    };
-    let expected = io["loss"].double_value(&[0]);
-    let reported = losses.reduce(&parallel).unwrap();
-    assert_eq!(reported[0].0, "lm loss");
-    assert!(
-        (reported[0].1 - expected).abs() < 1e-5,
-        "lm loss {} vs {expected}",
-        reported[0].1
-    );
-    assert!((loss.double_value(&[]) - expected).abs() < 1e-5);
+    // The loss through the logits and through the fused output layer + cross entropy.
+    for cross_entropy_loss_fusion in [false, true] {
+        let family = T5Family {
+            config: config.clone(),
+            decoder_seq_length: 8,
+            vocab_extra_ids: 0,
+            mask_prob: 0.15,
+            short_seq_prob: 0.1,
+            cross_entropy_loss_fusion,
+        };
+        let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
+        let StepOutput::Loss(loss) = tch::no_grad(|| {
+            family.forward_step(&model, &batch, None, false, &parallel, &mut losses)
+        })
+        .unwrap() else {
+            panic!("T5 ends in its loss");
+        };
+        let expected = io["loss"].double_value(&[0]);
+        let reported = losses.reduce(&parallel).unwrap();
+        assert_eq!(reported[0].0, "lm loss");
+        assert!(
+            (reported[0].1 - expected).abs() < 1e-5,
+            "lm loss {} vs {expected} (fusion {cross_entropy_loss_fusion})",
+            reported[0].1
+        );
+        assert!((loss.double_value(&[]) - expected).abs() < 1e-5);
+    }
 
     // A wrong cross-attention layout must show: swap each head's key and value halves.
     let mut wrong = state;

@@ -112,6 +112,13 @@ pub struct ModelArgs {
     /// Accepted for compatibility: local, transformer_engine (only affects Megatron's key names).
     #[arg(long)]
     pub transformer_impl: Option<String>,
+    /// Compute the output layer and the cross entropy together, chunk by chunk over the
+    /// tokens, without ever holding the full logits (less memory, fewer passes over them).
+    #[arg(long)]
+    pub cross_entropy_loss_fusion: bool,
+    /// native or te: both select the one fused implementation of --cross-entropy-loss-fusion.
+    #[arg(long, default_value = "native", value_parser = ["native", "te"])]
+    pub cross_entropy_fusion_impl: String,
     /// Accepted for compatibility (the model is Megatron-core's GPT).
     #[arg(long)]
     pub use_mcore_models: bool,

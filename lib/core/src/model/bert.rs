@@ -19,8 +19,8 @@ use super::layers::{
 };
 use super::param::{Initializer, Param};
 use super::stack::{
-    embedding_output, output_logits, positions_from_zero, push_embeddings, push_layers, sharded,
-    GateSlot, LayerStack, TrunkBuilder,
+    embedding_output, positions_from_zero, push_embeddings, push_layers, sharded, GateSlot,
+    LayerStack, OutputHead, TrunkBuilder,
 };
 use crate::parallel::{gather_from_sequence_parallel_region, ParallelState};
 
@@ -125,10 +125,10 @@ impl Dense {
     }
 }
 
-/// What a post-process chunk returns: this rank's MLM logits `[s, b, V/t]` and, with the binary
-/// head, the sentence-order logits `[b, 2]`.
-pub struct BertOutput {
-    pub lm_logits: Tensor,
+/// What a post-process chunk returns: the MLM head up to its output layer (whose logits are
+/// this rank's `[s, b, V/t]`) and, with the binary head, the sentence-order logits `[b, 2]`.
+pub struct BertOutput<'a> {
+    pub lm: OutputHead<'a>,
     pub binary_logits: Option<Tensor>,
 }
 
@@ -144,9 +144,9 @@ pub enum BertInput<'a> {
 
 /// One chunk's result: hidden states for the next stage, the pretraining heads' outputs, or the
 /// task head's logits (`[b, num_classes]`, or `[b·choices, 1]` for multiple choice).
-pub enum BertChunkOutput {
+pub enum BertChunkOutput<'a> {
     Hidden(Tensor),
-    Heads(BertOutput),
+    Heads(BertOutput<'a>),
     Task(Tensor),
 }
 
@@ -257,7 +257,7 @@ impl BertModel {
         input: BertInput,
         padding_mask: &Tensor,
         train: bool,
-    ) -> Result<BertChunkOutput> {
+    ) -> Result<BertChunkOutput<'_>> {
         let hidden = match input {
             BertInput::Tokens { tokens, tokentypes } => {
                 self.spec.check_input(true)?;
@@ -318,7 +318,7 @@ impl BertModel {
         tokentypes: Option<&Tensor>,
         padding_mask: &Tensor,
         train: bool,
-    ) -> Result<BertOutput> {
+    ) -> Result<BertOutput<'_>> {
         self.spec.check_whole()?;
         match self.forward_chunk(
             BertInput::Tokens { tokens, tokentypes },
@@ -363,7 +363,7 @@ impl BertModel {
     }
 
     /// Pooler and binary head on position 0, LM head and logits on every position.
-    fn heads(&self, hidden: &Tensor) -> Result<BertOutput> {
+    fn heads(&self, hidden: &Tensor) -> Result<BertOutput<'_>> {
         let binary_logits = match &self.binary_head {
             Some(binary_head) => {
                 let pooled = self.pooled(hidden)?;
@@ -391,12 +391,12 @@ impl BertModel {
             .expect("post-process chunk")
             .weight(self.word_embeddings.as_ref());
         Ok(BertOutput {
-            lm_logits: output_logits(
-                &transformed,
+            lm: OutputHead {
+                hidden: transformed,
                 weight,
-                self.output_bias.as_deref(),
-                &self.parallel,
-            )?,
+                bias: self.output_bias.as_deref(),
+                parallel: &self.parallel,
+            },
             binary_logits,
         })
     }

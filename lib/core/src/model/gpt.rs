@@ -19,8 +19,7 @@ use super::layers::{
 };
 use super::param::Param;
 use super::stack::{
-    embedding_output, output_logits, push_embeddings, push_layers, GateSlot, LayerStack,
-    TrunkBuilder,
+    embedding_output, push_embeddings, push_layers, GateSlot, LayerStack, OutputHead, TrunkBuilder,
 };
 use crate::parallel::{gather_from_tensor_parallel_region, ParallelState};
 
@@ -120,6 +119,13 @@ pub enum ChunkInput<'a> {
         position_ids: &'a Tensor,
     },
     Hidden(&'a Tensor),
+}
+
+/// What a chunk's forward pass ends in: hidden states for the next pipeline stage, or the
+/// post-process chunk's output layer over its last hidden states.
+pub enum ChunkOutput<'a> {
+    Hidden(Tensor),
+    Head(OutputHead<'a>),
 }
 
 /// The output projection of a post-process chunk.
@@ -246,6 +252,21 @@ impl GptModel {
         mask: &AttentionMask,
         train: bool,
     ) -> Result<Tensor> {
+        match self.forward_to_head(input, mask, train)? {
+            ChunkOutput::Hidden(hidden) => Ok(hidden),
+            ChunkOutput::Head(head) => head.logits(),
+        }
+    }
+
+    /// Runs this chunk up to its output layer: the final-normed hidden states with the output
+    /// layer from a post-process chunk (for the loss to apply), hidden states for the next
+    /// stage otherwise.
+    pub fn forward_to_head(
+        &self,
+        input: ChunkInput,
+        mask: &AttentionMask,
+        train: bool,
+    ) -> Result<ChunkOutput<'_>> {
         let hidden = match input {
             ChunkInput::Tokens {
                 tokens,
@@ -275,9 +296,9 @@ impl GptModel {
             Some(norm) => {
                 self.gate("decoder.final_layernorm")?;
                 self.gate("output_layer")?;
-                self.logits(&norm.forward(&hidden))
+                Ok(ChunkOutput::Head(self.head(norm.forward(&hidden))))
             }
-            None => Ok(hidden),
+            None => Ok(ChunkOutput::Hidden(hidden)),
         }
     }
 
@@ -474,12 +495,22 @@ impl GptModel {
     }
 
     fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.head(hidden.shallow_clone()).logits()
+    }
+
+    /// The output layer over the final-normed `hidden`.
+    fn head(&self, hidden: Tensor) -> OutputHead<'_> {
         let weight = self
             .output
             .as_ref()
             .expect("post-process chunks have an output layer")
             .weight(self.word_embeddings.as_ref());
-        output_logits(hidden, weight, None, &self.parallel)
+        OutputHead {
+            hidden,
+            weight,
+            bias: None,
+            parallel: &self.parallel,
+        }
     }
 
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the

@@ -5,6 +5,7 @@ pub mod bert;
 pub mod chunk;
 pub mod config;
 pub mod cross_entropy;
+pub mod fused_cross_entropy;
 pub mod gpt;
 pub mod hf;
 pub mod layers;
@@ -18,8 +19,10 @@ pub use chunk::ModelChunk;
 pub use config::{Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling};
 pub use cross_entropy::cross_entropy;
 pub use gpt::{
-    ChunkInput, ChunkSpec, GptModel, ModelOptions, ParamGate, Recompute, RecomputeMethod,
+    ChunkInput, ChunkOutput, ChunkSpec, GptModel, ModelOptions, ParamGate, Recompute,
+    RecomputeMethod,
 };
 pub use layers::{AttentionMask, NamedParameter, ParamAttributes};
 pub use partition::PipelineSplit;
+pub use stack::OutputHead;
 pub use t5::{T5Config, T5DecoderState, T5Input, T5Model};

@@ -1,6 +1,6 @@
 //! What every model family's transformer trunk shares: the embeddings' common tail, a block of
 //! layers run under the recompute policy and the parameter gates, the gates themselves, and the
-//! vocabulary-parallel logits of the output layer.
+//! output layer the loss is computed through (`OutputHead`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -9,6 +9,8 @@ use anyhow::{ensure, Result};
 use tch::{Kind, Tensor};
 
 use super::config::GptConfig;
+use super::cross_entropy::cross_entropy;
+use super::fused_cross_entropy::fused_output_cross_entropy;
 use super::gpt::{ModelOptions, OutputWeight, ParamGate, Recompute, RecomputeMethod};
 use super::layers::{
     AttentionMask, Memory, NamedTensors, Norm, ParamAttributes, RotaryTables, TensorParallel,
@@ -169,8 +171,10 @@ pub(crate) fn push_embeddings(
     positions: Option<&Param>,
     tied_across_stages: bool,
 ) {
+    // The word embeddings are fusable as the output layer's weight (tied): the fused output
+    // layer and cross entropy adds its gradient straight into the float32 buffer.
     if let Some(word) = word {
-        names.push(
+        names.push_fusable(
             "embedding.word_embeddings.weight",
             &word.weight,
             ParamAttributes {
@@ -200,7 +204,7 @@ impl OutputWeight {
     pub(crate) fn weight<'a>(
         &'a self,
         word_embeddings: Option<&'a VocabParallelEmbedding>,
-    ) -> &'a Tensor {
+    ) -> &'a Param {
         match self {
             OutputWeight::WordEmbeddings => {
                 &word_embeddings
@@ -223,7 +227,7 @@ impl OutputWeight {
                 tied_across_stages: *shared_embedding,
                 ..sharded()
             };
-            names.push("output_layer.weight", weight, attributes);
+            names.push_fusable("output_layer.weight", weight, attributes);
         }
     }
 }
@@ -395,19 +399,58 @@ impl<'a> LayerStack<'a> {
     }
 }
 
-/// The logits of this tensor-parallel rank's vocabulary slice: `hidden` (`[s, b, h]`, or a
-/// sequence-parallel slice, gathered here) times the output weight `[V/t, h]`, plus `bias`.
-pub fn output_logits(
-    hidden: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    parallel: &TensorParallel,
-) -> Result<Tensor> {
+/// `hidden` as the output layer reads it: the whole sequence on every tensor-parallel rank.
+fn output_layer_input(hidden: &Tensor, parallel: &TensorParallel) -> Result<Tensor> {
     let group = &parallel.group;
-    let hidden = if parallel.sequence_parallel {
-        gather_from_sequence_parallel_region(hidden, group, true)?
+    if parallel.sequence_parallel {
+        gather_from_sequence_parallel_region(hidden, group, true)
     } else {
-        copy_to_tensor_parallel_region(hidden, group)?
-    };
-    Ok(hidden.linear(weight, bias))
+        copy_to_tensor_parallel_region(hidden, group)
+    }
+}
+
+/// A post-process chunk's last hidden states with the output layer that turns them into
+/// logits, handed to the loss so that `--cross-entropy-loss-fusion` can compute the loss
+/// without the full logits. GPT, BERT and T5 end in one.
+pub struct OutputHead<'a> {
+    /// `[s, b, h]`, a sequence-parallel slice when enabled.
+    pub hidden: Tensor,
+    pub weight: &'a Param,
+    pub bias: Option<&'a Tensor>,
+    pub parallel: &'a TensorParallel,
+}
+
+impl OutputHead<'_> {
+    /// This rank's logits `[s, b, V/t]` (the hidden states gathered along the sequence first
+    /// with sequence parallelism).
+    pub fn logits(&self) -> Result<Tensor> {
+        Ok(
+            output_layer_input(&self.hidden, self.parallel)?
+                .linear(self.weight.tensor(), self.bias),
+        )
+    }
+
+    /// `Σ loss_mask · cross_entropy` over the tokens (float32), for `labels` and `loss_mask`
+    /// `[b, s]`: through the logits, or with `fused` through the chunked output layer and
+    /// cross entropy, which never hold all the logits.
+    pub fn masked_loss_sum(
+        &self,
+        labels: &Tensor,
+        loss_mask: &Tensor,
+        fused: bool,
+    ) -> Result<Tensor> {
+        if !fused {
+            let token_losses = cross_entropy(&self.logits()?, labels, &self.parallel.group)?;
+            return Ok((token_losses * loss_mask).sum(Kind::Float));
+        }
+        fused_output_cross_entropy(
+            &output_layer_input(&self.hidden, self.parallel)?,
+            self.weight,
+            self.bias,
+            labels,
+            loss_mask,
+            &self.parallel.group,
+            None,
+        )
+    }
 }

@@ -20,8 +20,8 @@ use super::layers::{
 };
 use super::param::Param;
 use super::stack::{
-    embedding_output, output_logits, positions_from_zero, push_embeddings, push_layers, sharded,
-    GateSlot, LayerStack, TrunkBuilder,
+    embedding_output, positions_from_zero, push_embeddings, push_layers, sharded, GateSlot,
+    LayerStack, OutputHead, TrunkBuilder,
 };
 use crate::parallel::{gather_from_tensor_parallel_region, Communicator, ParallelState};
 
@@ -162,8 +162,14 @@ impl T5Model {
 
     /// This rank's logits `[sd, b, V/t]` of every decoder position.
     pub fn forward(&self, input: &T5Input, train: bool) -> Result<Tensor> {
+        self.forward_to_head(input, train)?.logits()
+    }
+
+    /// The model up to its output layer, over the final-normed decoder states (for the loss
+    /// to apply).
+    pub fn forward_to_head(&self, input: &T5Input, train: bool) -> Result<OutputHead<'_>> {
         let memory = self.encode(input.encoder_tokens, input.encoder_mask, train)?;
-        self.decode(input.decoder_tokens, &memory, train)
+        self.decode_to_head(input.decoder_tokens, &memory, train)
     }
 
     /// The encoder's final-normed output `[se, b, h]` (a sequence-parallel slice when enabled)
@@ -191,6 +197,16 @@ impl T5Model {
     /// Self-attention is causal; the decoder's padding follows its real tokens, so the causal
     /// mask already keeps it from every real position (padded positions carry no loss).
     pub fn decode(&self, tokens: &Tensor, memory: &Memory, train: bool) -> Result<Tensor> {
+        self.decode_to_head(tokens, memory, train)?.logits()
+    }
+
+    /// [`decode`](Self::decode) up to the output layer.
+    fn decode_to_head(
+        &self,
+        tokens: &Tensor,
+        memory: &Memory,
+        train: bool,
+    ) -> Result<OutputHead<'_>> {
         let hidden = self.embed(tokens, train)?;
         let stack = LayerStack::new(
             &self.decoder_layers,
@@ -204,19 +220,20 @@ impl T5Model {
         self.gate.before("decoder.final_layernorm")?;
         let hidden = self.decoder_final_layernorm.forward(&hidden);
         self.gate.before("lm_head")?;
-        self.logits(&hidden)
+        Ok(self.head(hidden))
     }
 
-    /// This rank's vocabulary slice of the logits of the final-normed decoder states.
-    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        match &self.output_layer {
-            OutputLayer::Tied { bias } => output_logits(
-                hidden,
-                &self.word_embeddings.weight,
-                Some(bias),
-                &self.parallel,
-            ),
-            OutputLayer::Untied { weight } => output_logits(hidden, weight, None, &self.parallel),
+    /// The output layer over the final-normed decoder states `hidden`.
+    fn head(&self, hidden: Tensor) -> OutputHead<'_> {
+        let (weight, bias) = match &self.output_layer {
+            OutputLayer::Tied { bias } => (&self.word_embeddings.weight, Some(&**bias)),
+            OutputLayer::Untied { weight } => (weight, None),
+        };
+        OutputHead {
+            hidden,
+            weight,
+            bias,
+            parallel: &self.parallel,
         }
     }
 
@@ -290,7 +307,9 @@ impl T5Model {
         for ((layer, cache), memory) in layers {
             hidden = layer.forward_cached_attending(&hidden, cache, memory, &state.mask)?;
         }
-        let logits = self.logits(&self.decoder_final_layernorm.forward(&hidden))?;
+        let logits = self
+            .head(self.decoder_final_layernorm.forward(&hidden))
+            .logits()?;
         gather_from_tensor_parallel_region(&logits, &self.parallel.group)
     }
 
@@ -329,7 +348,7 @@ impl T5Model {
                 names.push("lm_head.output_layer.bias", bias, sharded());
             }
             OutputLayer::Untied { weight } => {
-                names.push("lm_head.output_layer.weight", weight, sharded());
+                names.push_fusable("lm_head.output_layer.weight", weight, sharded());
             }
         }
         out

@@ -16,7 +16,7 @@ use super::runtime::Runtime;
 use crate::args::{BertPretrainArgs, PretrainArgs};
 use crate::loader::{BertBatch, MockBertSource, SampleSource, Splits};
 use crate::model::bert::{BertChunkOutput, BertInput};
-use crate::model::{cross_entropy, BertConfig, BertModel, ChunkSpec, GptConfig, ModelOptions};
+use crate::model::{BertConfig, BertModel, BertOutput, ChunkSpec, GptConfig, ModelOptions};
 use crate::parallel::ParallelState;
 
 pub struct BertFamily {
@@ -24,6 +24,8 @@ pub struct BertFamily {
     /// `--mask-prob` and `--short-seq-prob` of the masked-LM datasets.
     pub mask_prob: f64,
     pub short_seq_prob: f64,
+    /// `--cross-entropy-loss-fusion`.
+    pub cross_entropy_loss_fusion: bool,
 }
 
 const WITH_SOP: &[&str] = &["lm loss", "sop loss"];
@@ -35,21 +37,22 @@ impl BertFamily {
     /// (labels -1 ignored) with the binary head. Each is added to `losses` as one value.
     pub fn loss(
         &self,
-        lm_logits: &Tensor,
-        binary_logits: Option<&Tensor>,
+        output: &BertOutput,
         batch: &BertBatch,
-        parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<Tensor> {
         // Unmasked positions carry label -1; their loss is multiplied by 0, but the lookup
         // needs a valid index.
         let labels = batch.labels.clamp_min(0);
-        let token_losses = cross_entropy(lm_logits, &labels, &parallel.tensor)?;
+        let masked_sum =
+            output
+                .lm
+                .masked_loss_sum(&labels, &batch.loss_mask, self.cross_entropy_loss_fusion)?;
         let masked = batch.loss_mask.sum(Kind::Float);
-        let lm = (token_losses * &batch.loss_mask).sum(Kind::Float) / masked.clamp_min(1.0);
+        let lm = masked_sum / masked.clamp_min(1.0);
         let one = Tensor::ones([], (Kind::Float, lm.device()));
         losses.add(0, &lm, &one);
-        let Some(binary) = binary_logits else {
+        let Some(binary) = &output.binary_logits else {
             return Ok(lm);
         };
         let sop = binary.to_kind(Kind::Float).cross_entropy_loss::<&Tensor>(
@@ -99,7 +102,7 @@ impl ModelFamily for BertFamily {
         batch: &BertBatch,
         input: Option<&Tensor>,
         train: bool,
-        parallel: &ParallelState,
+        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         let input = match input {
@@ -111,13 +114,9 @@ impl ModelFamily for BertFamily {
         };
         match chunk.forward_chunk(input, &batch.padding_mask, train)? {
             BertChunkOutput::Hidden(hidden) => Ok(StepOutput::Hidden(hidden)),
-            BertChunkOutput::Heads(output) => Ok(StepOutput::Loss(self.loss(
-                &output.lm_logits,
-                output.binary_logits.as_ref(),
-                batch,
-                parallel,
-                losses,
-            )?)),
+            BertChunkOutput::Heads(output) => {
+                Ok(StepOutput::Loss(self.loss(&output, batch, losses)?))
+            }
             BertChunkOutput::Task(_) => {
                 bail!("pretraining needs the LM head; this BERT has a finetuning head")
             }
@@ -153,6 +152,7 @@ pub fn pretrain_bert(args: &BertPretrainArgs, runtime: &Runtime) -> Result<Train
         config: args.bert_config(tokenizer.vocab_size() as i64)?,
         mask_prob: args.bert.mask_prob,
         short_seq_prob: args.bert.short_seq_prob,
+        cross_entropy_loss_fusion: args.common.model.cross_entropy_loss_fusion,
     };
     pretrain(&args.common, serde_json::to_value(args)?, &family, runtime)
 }

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use megatron_data::tokenizer::build_tokenizer;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::datasets::{build_datasets, DatasetRequest};
 use super::engine::{pretrain, TrainingSummary};
@@ -11,13 +11,15 @@ use super::family::{LossTotals, ModelFamily, StepOutput};
 use super::runtime::Runtime;
 use crate::args::PretrainArgs;
 use crate::loader::{GptBatch, Splits};
-use crate::model::{cross_entropy, ChunkInput, ChunkSpec, GptConfig, GptModel, ModelOptions};
+use crate::model::{ChunkInput, ChunkOutput, ChunkSpec, GptConfig, GptModel, ModelOptions};
 use crate::parallel::ParallelState;
 
 pub struct GptFamily {
     pub config: GptConfig,
     /// The tokenizer's end-of-document token.
     pub eod: i64,
+    /// `--cross-entropy-loss-fusion`.
+    pub cross_entropy_loss_fusion: bool,
 }
 
 impl ModelFamily for GptFamily {
@@ -51,7 +53,7 @@ impl ModelFamily for GptFamily {
         batch: &GptBatch,
         input: Option<&Tensor>,
         train: bool,
-        parallel: &ParallelState,
+        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         let input = match input {
@@ -61,12 +63,15 @@ impl ModelFamily for GptFamily {
                 position_ids: &batch.position_ids,
             },
         };
-        let output = chunk.forward_chunk(input, &batch.mask(), train)?;
-        if !chunk.spec.post_process {
-            return Ok(StepOutput::Hidden(output));
-        }
-        let token_losses = cross_entropy(&output, &batch.labels, &parallel.tensor)?;
-        let masked_sum = (token_losses * &batch.loss_mask).sum(Kind::Float);
+        let head = match chunk.forward_to_head(input, &batch.mask(), train)? {
+            ChunkOutput::Hidden(hidden) => return Ok(StepOutput::Hidden(hidden)),
+            ChunkOutput::Head(head) => head,
+        };
+        let masked_sum = head.masked_loss_sum(
+            &batch.labels,
+            &batch.loss_mask,
+            self.cross_entropy_loss_fusion,
+        )?;
         let tokens = batch.num_tokens();
         losses.add(0, &masked_sum, &tokens);
         // Megatron divides each micro-batch's loss by its token count.
@@ -95,6 +100,7 @@ pub fn pretrain_gpt(args: &PretrainArgs, runtime: &Runtime) -> Result<TrainingSu
     let family = GptFamily {
         config: args.model.gpt_config(tokenizer.vocab_size() as i64)?,
         eod: eod as i64,
+        cross_entropy_loss_fusion: args.model.cross_entropy_loss_fusion,
     };
     pretrain(args, serde_json::to_value(args)?, &family, runtime)
 }

@@ -9,7 +9,7 @@ use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::Split;
 use megatron_data::masked::{build_t5_datasets, open_indexed, T5MaskedWordPieceDataset};
 use megatron_data::tokenizer::build_tokenizer_with_extra_ids;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::datasets::{masked_data_flags, masked_splits, Masking};
 use super::engine::{pretrain, TrainingSummary};
@@ -18,7 +18,7 @@ use super::flops::FlopsModel;
 use super::runtime::Runtime;
 use crate::args::{DataArgs, PretrainArgs, T5PretrainArgs, TokenizerArgs};
 use crate::loader::{MockT5Source, SampleSource, Splits, T5Batch};
-use crate::model::{cross_entropy, ChunkSpec, GptConfig, ModelOptions, T5Config, T5Input, T5Model};
+use crate::model::{ChunkSpec, GptConfig, ModelOptions, T5Config, T5Input, T5Model};
 use crate::parallel::ParallelState;
 
 pub struct T5Family {
@@ -28,6 +28,8 @@ pub struct T5Family {
     pub vocab_extra_ids: usize,
     pub mask_prob: f64,
     pub short_seq_prob: f64,
+    /// `--cross-entropy-loss-fusion`.
+    pub cross_entropy_loss_fusion: bool,
 }
 
 impl ModelFamily for T5Family {
@@ -65,11 +67,11 @@ impl ModelFamily for T5Family {
         batch: &T5Batch,
         input: Option<&Tensor>,
         train: bool,
-        parallel: &ParallelState,
+        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         ensure!(input.is_none(), "T5 runs on one pipeline stage");
-        let logits = chunk.forward(
+        let head = chunk.forward_to_head(
             &T5Input {
                 encoder_tokens: &batch.text_enc,
                 decoder_tokens: &batch.text_dec,
@@ -79,8 +81,8 @@ impl ModelFamily for T5Family {
         )?;
         // Padding carries label -1 and loss mask 0; the lookup needs a valid index.
         let labels = batch.labels.clamp_min(0);
-        let token_losses = cross_entropy(&logits, &labels, &parallel.tensor)?;
-        let masked_sum = (token_losses * &batch.loss_mask).sum(Kind::Float);
+        let masked_sum =
+            head.masked_loss_sum(&labels, &batch.loss_mask, self.cross_entropy_loss_fusion)?;
         let tokens = batch.num_tokens();
         losses.add(0, &masked_sum, &tokens);
         // As GPT: each micro-batch's loss is divided by its token count.
@@ -141,6 +143,7 @@ pub fn pretrain_t5(args: &T5PretrainArgs, runtime: &Runtime) -> Result<TrainingS
         vocab_extra_ids: args.t5.vocab_extra_ids,
         mask_prob: args.t5.mask_prob,
         short_seq_prob: args.t5.short_seq_prob,
+        cross_entropy_loss_fusion: args.common.model.cross_entropy_loss_fusion,
     };
     pretrain(&args.common, serde_json::to_value(args)?, &family, runtime)
 }

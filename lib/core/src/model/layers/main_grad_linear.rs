@@ -105,7 +105,7 @@ fn ones_row(n: i64, kind: Kind, device: Device) -> Tensor {
 
 /// `target += a · b` with `target` float32 and `a`, `b` of the activations' dtype, rounding
 /// only once, in float32.
-fn accumulate_product(target: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+pub(crate) fn accumulate_product(target: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.kind() == target.kind() {
         let _ = target.shallow_clone().f_addmm_(a, b)?;
     } else if matches!(target.device(), Device::Cuda(_)) {

@@ -5,7 +5,7 @@ mod attention;
 mod embedding;
 mod kv_cache;
 mod linear;
-mod main_grad_linear;
+pub(crate) mod main_grad_linear;
 mod mlp;
 mod norm;
 mod rope;
