@@ -3,8 +3,10 @@
 //! log-probabilities, stop conditions, completions with stop sequences); a request whose client
 //! goes away frees its KV cache blocks at the next step; a tiny KV cache budget is never
 //! exceeded (requests wait, then complete) and a request that can never fit is refused; a full
-//! queue is answered as busy.
+//! queue is answered as busy; first tokens come in arrival order, and with room for every
+//! request none waits for another's completion.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +15,8 @@ use megatron_core::args::ModelArgs;
 use megatron_core::inference::api::ApiRequest;
 use megatron_core::inference::openai::CompletionRequest;
 use megatron_core::inference::{
-    BatchLimits, CancelFlag, ClientGone, KvBudget, ServiceError, TextGenerationService,
+    BatchLimits, Batcher, CancelFlag, ClientGone, Decoder, GenerationRequest, KvBudget, Sampling,
+    ServiceError, StopCondition, TextGenerationService,
 };
 use megatron_core::model::{GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -402,4 +405,123 @@ fn a_full_queue_is_answered_busy() {
         started.elapsed()
     );
     assert!(started.elapsed() < Duration::from_secs(120));
+}
+
+/// Rows of one greedy request: `prompt` ids, `new` tokens after it.
+fn greedy_rows(prompt: usize, new: usize, seed: u64) -> Vec<megatron_core::inference::RowSpec> {
+    GenerationRequest {
+        prompts: vec![(0..prompt as i64)
+            .map(|i| (i * 7 + seed as i64) % 290)
+            .collect()],
+        tokens_to_generate: new,
+        sampling: Sampling::greedy(),
+        stop: StopCondition::Never,
+        prevent_newline_after_colon: None,
+        logprobs: false,
+        pad: 0,
+    }
+    .rows(seed)
+    .unwrap()
+}
+
+/// Runs `batcher` for `steps` steps (or until idle), numbering them from `*step`: records each
+/// request's first-token step and finishing step.
+fn run_steps(
+    model: &GptModel,
+    decoder: &mut Decoder,
+    batcher: &mut Batcher,
+    steps: usize,
+    step: &mut u64,
+    first: &mut HashMap<u64, u64>,
+    done: &mut HashMap<u64, u64>,
+) {
+    for _ in 0..steps {
+        if batcher.is_idle() {
+            return;
+        }
+        *step += 1;
+        let now = *step;
+        let finished = batcher
+            .step(model, decoder, &mut |id, _, _| {
+                first.entry(id).or_insert(now);
+                false
+            })
+            .unwrap();
+        for (id, _) in finished {
+            done.insert(id, now);
+        }
+    }
+}
+
+#[test]
+fn first_tokens_come_in_arrival_order_and_never_wait_for_a_completion() {
+    let model = model();
+    let mut decoder = Decoder::eager();
+    let (mut step, mut first, mut done) = (0, HashMap::new(), HashMap::new());
+    // Prompts prefilled 16 positions a step. Requests 0 and 1 run; request 1 leaves after its
+    // fourth token, while request 2's 64-position prompt is being prefilled and request 3's
+    // waits behind it: the row that leaves must not let request 3 overtake request 2.
+    let mut batcher = Batcher::new(limits(8, 16, 64));
+    batcher
+        .submit(&model, &mut decoder, 0, greedy_rows(3, 100, 0))
+        .unwrap();
+    batcher
+        .submit(&model, &mut decoder, 1, greedy_rows(3, 4, 1))
+        .unwrap();
+    run_steps(
+        &model,
+        &mut decoder,
+        &mut batcher,
+        1,
+        &mut step,
+        &mut first,
+        &mut done,
+    );
+    batcher
+        .submit(&model, &mut decoder, 2, greedy_rows(64, 20, 2))
+        .unwrap();
+    batcher
+        .submit(&model, &mut decoder, 3, greedy_rows(64, 20, 3))
+        .unwrap();
+    run_steps(
+        &model,
+        &mut decoder,
+        &mut batcher,
+        1000,
+        &mut step,
+        &mut first,
+        &mut done,
+    );
+    assert_eq!(done[&1], 4, "request 1 left during request 2's prefill");
+    // 64 positions are 4 steps of prefill, started at step 2.
+    assert_eq!(first[&2], 5, "request 2's first token: {first:?}");
+    assert_eq!(first[&3], 9, "request 3's first token: {first:?}");
+
+    // With room for all of them, 8 requests sent together each get their first token before
+    // any of them finishes: prefill (about 240 positions, 16 a step) takes fewer steps than
+    // the shortest generation.
+    let mut batcher = Batcher::new(limits(8, 16, 64));
+    let (mut step, mut first, mut done) = (0, HashMap::new(), HashMap::new());
+    for id in 0..8u64 {
+        let prompt = 5 + (id as usize * 17) % 56;
+        let rows = greedy_rows(prompt, 24 + id as usize * 3, id);
+        batcher.submit(&model, &mut decoder, id, rows).unwrap();
+    }
+    run_steps(
+        &model,
+        &mut decoder,
+        &mut batcher,
+        1000,
+        &mut step,
+        &mut first,
+        &mut done,
+    );
+    assert_eq!((first.len(), done.len()), (8, 8));
+    let last_first = first.values().max().unwrap();
+    let first_done = done.values().min().unwrap();
+    assert!(
+        last_first < first_done,
+        "a first token at step {last_first}, a completion at step {first_done}: {first:?} {done:?}"
+    );
+    assert_eq!(batcher.cache_use().used_blocks, 0);
 }

@@ -83,13 +83,30 @@ pub struct Decoder {
     inputs: HashMap<i64, GraphInputs>,
 }
 
-/// The static input buffers of the decode graphs of one bucket.
+/// The static input buffers of the decode graphs of one bucket: views of one device buffer,
+/// so that a step's inputs go to the device in one copy.
 struct GraphInputs {
+    /// `[tokens, positions, write slots, tables]` back to back.
+    packed: Tensor,
     tokens: Tensor,
     positions: Tensor,
     write_slots: Tensor,
     /// Block tables, `[bucket · window / BLOCK_SIZE]` used of the largest window.
     tables: Tensor,
+}
+
+impl GraphInputs {
+    fn new(bucket: i64, capacity: i64, device: Device) -> Self {
+        let per_table = bucket * capacity / BLOCK_SIZE;
+        let packed = Tensor::zeros([3 * bucket + per_table], (Kind::Int64, device));
+        GraphInputs {
+            tokens: packed.narrow(0, 0, bucket).view([bucket, 1]),
+            positions: packed.narrow(0, bucket, bucket).view([bucket, 1]),
+            write_slots: packed.narrow(0, 2 * bucket, bucket),
+            tables: packed.narrow(0, 3 * bucket, per_table),
+            packed,
+        }
+    }
 }
 
 struct StepGraph {
@@ -225,15 +242,19 @@ impl Decoder {
                 read[r * window + p as usize] = slot(chunk.blocks, p);
             }
         }
-        let to = |values: &[i64], columns: usize| {
-            Tensor::from_slice(values)
-                .view([rows as i64, columns as i64])
-                .to_device(device)
-        };
-        let positions = to(&positions, width);
+        // One copy to the device; the inputs are views of it.
+        let (rows, width, window) = (rows as i64, width as i64, window as i64);
+        let packed =
+            Tensor::from_slice(&[tokens, positions, write, read].concat()).to_device(device);
+        let tokens = packed.narrow(0, 0, rows * width).view([rows, width]);
+        let positions = packed
+            .narrow(0, rows * width, rows * width)
+            .view([rows, width]);
         let step = PagedStep::new(
-            Tensor::from_slice(&write).to_device(device),
-            to(&read, window),
+            packed.narrow(0, 2 * rows * width, rows * width),
+            packed
+                .narrow(0, 3 * rows * width, rows * window)
+                .view([rows, window]),
             &positions,
             model.options().params_dtype,
         );
@@ -241,8 +262,7 @@ impl Decoder {
             .cache
             .as_mut()
             .expect("prefill after the cache was made");
-        let logits =
-            tch::no_grad(|| model.forward_paged(&to(&tokens, width), &positions, cache, &step))?;
+        let logits = tch::no_grad(|| model.forward_paged(&tokens, &positions, cache, &step))?;
         Ok(chunks
             .iter()
             .enumerate()
@@ -295,9 +315,14 @@ impl Decoder {
                 model, index, bucket, window, &tokens, &positions, &write, &tables,
             )?,
             None => {
-                let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
-                let table = to(&tables).view([padded, per_row]);
-                let (tokens, positions) = (to(&tokens).view([padded, 1]), to(&positions));
+                // One copy to the device; the inputs are views of it.
+                let packed =
+                    Tensor::from_slice(&[&tokens[..], &positions, &write, &tables].concat())
+                        .to_device(device);
+                let part = |k: i64| packed.narrow(0, k * padded, padded);
+                let table = packed
+                    .narrow(0, 3 * padded, padded * per_row)
+                    .view([padded, per_row]);
                 let cache = self
                     .cache
                     .as_mut()
@@ -306,9 +331,9 @@ impl Decoder {
                     decode_step(
                         model,
                         cache,
-                        &tokens,
-                        &positions.view([padded, 1]),
-                        &to(&write),
+                        &part(0).view([padded, 1]),
+                        &part(1).view([padded, 1]),
+                        &part(2),
                         &table,
                     )
                 })?
@@ -333,18 +358,16 @@ impl Decoder {
     ) -> Result<Tensor> {
         let cuda = Device::Cuda(device);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
-        let inputs = self.inputs.entry(bucket).or_insert_with(|| GraphInputs {
-            tokens: Tensor::zeros([bucket, 1], (Kind::Int64, cuda)),
-            positions: Tensor::zeros([bucket, 1], (Kind::Int64, cuda)),
-            write_slots: Tensor::zeros([bucket], (Kind::Int64, cuda)),
-            tables: Tensor::zeros([bucket * capacity / BLOCK_SIZE], (Kind::Int64, cuda)),
-        });
-        let host = |v: &[i64]| Tensor::from_slice(v);
-        inputs.tokens.copy_(&host(tokens).view([bucket, 1]));
-        inputs.positions.copy_(&host(positions).view([bucket, 1]));
-        inputs.write_slots.copy_(&host(write));
+        let inputs = self
+            .inputs
+            .entry(bucket)
+            .or_insert_with(|| GraphInputs::new(bucket, capacity, cuda));
+        let packed = [tokens, positions, write, tables].concat();
+        inputs
+            .packed
+            .narrow(0, 0, packed.len() as i64)
+            .copy_(&Tensor::from_slice(&packed));
         let used = tables.len() as i64;
-        inputs.tables.narrow(0, 0, used).copy_(&host(tables));
         let cache = self
             .cache
             .as_mut()

@@ -522,10 +522,12 @@ impl Batcher {
                 ended.push(i);
             }
         }
-        // Highest index first, so the others keep their places while removed.
+        // Highest index first, so the others keep their places while removed; the rest keep
+        // their admission order, which is the order their prompts are prefilled in (a later
+        // request never overtakes an earlier one's first token).
         ended.sort_unstable_by(|a, b| b.cmp(a));
         for i in ended {
-            let row = self.running.swap_remove(i);
+            let row = self.running.remove(i);
             if let Some(cache) = decoder.existing_cache() {
                 cache.release(row.blocks);
             }
