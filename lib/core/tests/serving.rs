@@ -39,24 +39,45 @@ fn model() -> GptModel {
 }
 
 fn model_on(device: Device) -> GptModel {
+    model_of(
+        device,
+        &["--hidden-size", "64", "--num-attention-heads", "4"],
+        Kind::Float,
+    )
+}
+
+/// A GPU model whose heads have 64 channels (the paged decode kernel's smallest), 8 query heads
+/// in 4 groups.
+fn gpu_model(kind: Kind) -> GptModel {
+    model_of(
+        Device::Cuda(0),
+        &[
+            "--hidden-size",
+            "512",
+            "--num-attention-heads",
+            "8",
+            "--group-query-attention",
+            "--num-query-groups",
+            "4",
+        ],
+        kind,
+    )
+}
+
+fn model_of(device: Device, shape: &[&str], params_dtype: Kind) -> GptModel {
     let positions = POSITIONS.to_string();
-    let argv = [
-        "test",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
+    let mut argv = vec!["test", "--num-layers", "2"];
+    argv.extend_from_slice(shape);
+    argv.extend([
         "--seq-length",
         &positions,
         "--max-position-embeddings",
         &positions,
-    ];
+    ]);
     let flags = Flags::try_parse_from(argv).unwrap();
     let config = flags.model.gpt_config(i64::from(VOCAB) + 1).unwrap();
     let options = ModelOptions {
-        params_dtype: Kind::Float,
+        params_dtype,
         device,
         recompute: Recompute::None,
         seed: 5,
@@ -244,14 +265,14 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
         })
         .collect();
     let alone = service_of(
-        model_on(Device::Cuda(0)),
+        gpu_model(Kind::Float),
         limits(1, 1024, 64),
         KvBudget::Bytes(1 << 30),
     );
     let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
     drop(alone);
     let together = service_of(
-        model_on(Device::Cuda(0)),
+        gpu_model(Kind::Float),
         limits(16, 32, 64),
         KvBudget::Bytes(1 << 30),
     );
@@ -271,6 +292,65 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
         }
     }
     assert!(together.cache_use().peak_rows > 1);
+}
+
+/// On a GPU, decode attention through the paged kernel (blocks read in place) gives the tokens
+/// of gathered attention windows, batched and from CUDA graphs, in fp32 and bf16.
+#[test]
+fn the_paged_decode_kernel_serves_like_gathered_attention_on_a_gpu() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let jobs: Vec<Job> = (0..16u32)
+        .map(|i| {
+            api(json!({
+                "prompts": [prompt(i, 3 + (i * 13) % 90)],
+                "tokens_to_generate": 20 + (i * 17) % 140,
+                "top_k": 1,
+                "logprobs": true,
+            }))
+        })
+        .collect();
+    for (kind, tolerance) in [(Kind::Float, 1e-3), (Kind::BFloat16, 0.1)] {
+        let serve_all = |service: TextGenerationService| -> Vec<Value> {
+            let answers = std::thread::scope(|scope| {
+                let handles: Vec<_> = jobs
+                    .iter()
+                    .map(|job| scope.spawn(|| run(&service, job).unwrap().0))
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(service.cache_use().peak_rows > 1);
+            answers
+        };
+        let limits = limits(16, 32, 64);
+        let budget = KvBudget::Bytes(1 << 30);
+        let gathered =
+            serve_all(service_of(gpu_model(kind), limits, budget).without_paged_attention());
+        let kernel = serve_all(service_of(gpu_model(kind), limits, budget));
+        let mut same_text = 0;
+        for (i, (got, want)) in kernel.iter().zip(&gathered).enumerate() {
+            if kind == Kind::Float {
+                assert_eq!(got["text"], want["text"], "{kind:?} request {i}");
+            }
+            same_text += usize::from(got["text"] == want["text"]);
+            let (a, b) = (&got["logprobs"][0], &want["logprobs"][0]);
+            // Compared up to the first differing token (bf16 may round a near tie apart).
+            let (a, b) = (a.as_array().unwrap(), b.as_array().unwrap());
+            let tokens = |v: &Value| v["segments"][0].as_array().unwrap().clone();
+            let (ta, tb) = (tokens(got), tokens(want));
+            let agree = ta.iter().zip(&tb).take_while(|(x, y)| x == y).count();
+            for (x, y) in a.iter().zip(b).take(agree.saturating_sub(1)) {
+                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                assert!(
+                    (x - y).abs() < tolerance,
+                    "{kind:?} request {i}: {x} vs {y}"
+                );
+            }
+        }
+        assert!(same_text >= 12, "{kind:?}: {same_text} of 16 answers agree");
+    }
 }
 
 /// Streams `request` until its fifth delta, then reports the client gone: the steps run when

@@ -15,6 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::model::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 use crate::model::GptModel;
+use crate::ops::paged_attention;
 use crate::runtime::{cuda_free_memory, cuda_graphs_available, CudaGraph};
 
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
@@ -77,6 +78,8 @@ pub struct PrefillChunk<'a> {
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
     cuda_graphs: bool,
+    /// Decode attention through the paged kernel on CUDA devices (else gathered windows).
+    paged_kernel: bool,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -119,6 +122,7 @@ impl Decoder {
     pub fn eager() -> Self {
         Decoder {
             cuda_graphs: false,
+            paged_kernel: true,
             budget: KvBudget::default(),
             cache: None,
             graphs: HashMap::new(),
@@ -133,6 +137,33 @@ impl Decoder {
             cuda_graphs: cuda_graphs_available(),
             ..Decoder::eager()
         }
+    }
+
+    /// Decode attention gathers each row's window of cache slots and runs libtorch's attention
+    /// under a mask, instead of the paged decode kernel reading the blocks in place (the only
+    /// way on a CPU; on a GPU, to compare the two).
+    pub fn with_gathered_attention(mut self) -> Self {
+        self.paged_kernel = false;
+        self
+    }
+
+    /// Whether decode steps on `device` use the paged decode kernel: on CUDA devices, for the
+    /// head sizes and dtypes it has, once it compiled (a failure is reported once, and the
+    /// gathered attention used instead).
+    fn uses_paged_kernel(&mut self, model: &GptModel) -> bool {
+        let Device::Cuda(index) = model.options().device else {
+            return false;
+        };
+        if !self.paged_kernel
+            || !paged_attention::supports(model.config.kv_channels, model.options().params_dtype)
+        {
+            return false;
+        }
+        if let Err(e) = crate::runtime::nvrtc::kernels(&paged_attention::SOURCE, index) {
+            eprintln!("warning: decoding with gathered attention: {e:#}");
+            self.paged_kernel = false;
+        }
+        self.paged_kernel
     }
 
     /// The KV cache takes at most `budget`.
@@ -187,13 +218,17 @@ impl Decoder {
             _ => return Ok(0),
         };
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let in_place = self.uses_paged_kernel(model);
         let mut size = 1;
         loop {
-            for window in (1..=capacity / WINDOW_STEP).map(|w| w * WINDOW_STEP) {
+            let first = if in_place { capacity / WINDOW_STEP } else { 1 };
+            for window in (first..=capacity / WINDOW_STEP).map(|w| w * WINDOW_STEP) {
                 // Padding rows only: they write to and read the reserved block.
                 let zeros = vec![0i64; size as usize];
                 let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
-                let _ = self.replay(model, index, size, window, &zeros, &zeros, &zeros, &tables)?;
+                let _ = self.replay(
+                    model, index, size, window, &zeros, &zeros, &zeros, &tables, in_place,
+                )?;
             }
             if size >= rows {
                 return Ok(self.graphs.len());
@@ -280,9 +315,16 @@ impl Decoder {
     pub fn decode(&mut self, model: &GptModel, rows: &[DecodeRow]) -> Result<Tensor> {
         let count = rows.len() as i64;
         ensure!(count > 0, "a decode step needs rows");
+        let in_place = self.uses_paged_kernel(model);
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
-        let window = round_up(furthest + 1, WINDOW_STEP).min(capacity);
+        // The kernel reads each row only up to its position, whatever the table's width: one
+        // window (and graph per bucket) serves every step.
+        let window = if in_place {
+            capacity
+        } else {
+            round_up(furthest + 1, WINDOW_STEP).min(capacity)
+        };
         let bucket = bucket(count);
         let device = model.options().device;
         let graphed = match device {
@@ -312,7 +354,7 @@ impl Decoder {
         }
         let logits = match graphed {
             Some(index) => self.replay(
-                model, index, bucket, window, &tokens, &positions, &write, &tables,
+                model, index, bucket, window, &tokens, &positions, &write, &tables, in_place,
             )?,
             None => {
                 // One copy to the device; the inputs are views of it.
@@ -335,6 +377,7 @@ impl Decoder {
                         &part(1).view([padded, 1]),
                         &part(2),
                         &table,
+                        in_place,
                     )
                 })?
             }
@@ -355,6 +398,7 @@ impl Decoder {
         positions: &[i64],
         write: &[i64],
         tables: &[i64],
+        in_place: bool,
     ) -> Result<Tensor> {
         let cuda = Device::Cuda(device);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
@@ -383,6 +427,7 @@ impl Decoder {
                     &inputs.positions,
                     &inputs.write_slots,
                     &table,
+                    in_place,
                 )
             };
             // One eager run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
@@ -409,16 +454,25 @@ fn decode_step(
     positions: &Tensor,
     write_slots: &Tensor,
     table: &Tensor,
+    in_place: bool,
 ) -> Result<Tensor> {
     let (rows, per_row) = (table.size()[0], table.size()[1]);
-    let offsets = Tensor::arange(BLOCK_SIZE, (Kind::Int64, table.device()));
-    let read = (table.unsqueeze(2) * BLOCK_SIZE + offsets).view([rows, per_row * BLOCK_SIZE]);
-    let step = PagedStep::new(
-        write_slots.shallow_clone(),
-        read,
-        positions,
-        model.options().params_dtype,
-    );
+    let step = if in_place {
+        PagedStep::decode_in_place(
+            write_slots.shallow_clone(),
+            table.shallow_clone(),
+            positions.view([rows]),
+        )
+    } else {
+        let offsets = Tensor::arange(BLOCK_SIZE, (Kind::Int64, table.device()));
+        let read = (table.unsqueeze(2) * BLOCK_SIZE + offsets).view([rows, per_row * BLOCK_SIZE]);
+        PagedStep::new(
+            write_slots.shallow_clone(),
+            read,
+            positions,
+            model.options().params_dtype,
+        )
+    };
     Ok(model
         .forward_paged(tokens, positions, cache, &step)?
         .select(0, 0))

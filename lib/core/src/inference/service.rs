@@ -93,6 +93,8 @@ struct Settings {
     limits: BatchLimits,
     budget: KvBudget,
     cuda_graphs: bool,
+    /// Decode attention through the paged kernel (else gathered windows).
+    paged_kernel: bool,
 }
 
 /// What the scheduler thread and the callers share: the model and how requests become rows.
@@ -216,6 +218,7 @@ impl TextGenerationService {
             },
             budget: KvBudget::default(),
             cuda_graphs: true,
+            paged_kernel: true,
         };
         let cache_use = Arc::new(Mutex::new(CacheUse::default()));
         let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
@@ -259,6 +262,13 @@ impl TextGenerationService {
     /// (`--no-cuda-graphs`), e.g. to compare the two.
     pub fn without_cuda_graphs(mut self) -> Self {
         self.core_mut().settings.cuda_graphs = false;
+        self
+    }
+
+    /// Decodes with gathered attention windows instead of the paged decode kernel
+    /// (`--no-paged-attention`), e.g. to compare the two.
+    pub fn without_paged_attention(mut self) -> Self {
+        self.core_mut().settings.paged_kernel = false;
         self
     }
 
@@ -553,11 +563,14 @@ struct Scheduler<'a> {
 impl<'a> Scheduler<'a> {
     fn new(core: &'a Core) -> Self {
         let settings = core.settings;
-        let decoder = if settings.cuda_graphs {
+        let mut decoder = if settings.cuda_graphs {
             Decoder::with_cuda_graphs()
         } else {
             Decoder::eager()
         };
+        if !settings.paged_kernel {
+            decoder = decoder.with_gathered_attention();
+        }
         Scheduler {
             decoder: decoder.with_budget(settings.budget),
             batcher: Batcher::new(settings.limits),

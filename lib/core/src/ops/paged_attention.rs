@@ -1,0 +1,274 @@
+//! Decode attention over a paged KV cache, reading each row's blocks where they lie: one query
+//! position per row (a decode step), grouped-query heads, head dimensions 64 and 128, bf16,
+//! fp16 or fp32, softmax computed online over the row's positions. It replaces gathering every
+//! row's window of slots into a new tensor per layer (and the `[b, 1, 1, window]` mask) before
+//! libtorch's attention: the keys and values are read once instead of three times.
+//!
+//! The kernel is compiled at run time ([`crate::runtime::nvrtc`]) and launched on libtorch's
+//! current stream, so a decode step that uses it can be captured in a CUDA graph.
+
+use std::ffi::c_void;
+
+use anyhow::{ensure, Result};
+use tch::{Device, Kind, Tensor};
+
+use crate::model::layers::BLOCK_SIZE;
+use crate::runtime::nvrtc::{kernels, KernelSource};
+
+/// Warps per (row, head) (the kernel's `WARPS`): they take turns over the row's positions,
+/// four at a time, then merge their partial softmax sums.
+const WARPS: u32 = 8;
+
+/// The kernels' CUDA source: one block of [`WARPS`] warps per (head, row); a warp's lanes hold
+/// `D / 32` consecutive channels of the query and of the running output, and a warp scores four
+/// positions at once so that their loads are in flight together.
+pub const SOURCE: KernelSource = KernelSource {
+    name: "paged_attention",
+    source: r#"
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+
+__device__ __forceinline__ float load(const float* p) { return *p; }
+__device__ __forceinline__ float load(const bf16* p) {
+    return __uint_as_float(((unsigned int)p->bits) << 16);
+}
+__device__ __forceinline__ float load(const f16* p) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
+    return value;
+}
+__device__ __forceinline__ void store(float* p, float value) { *p = value; }
+__device__ __forceinline__ void store(bf16* p, float value) {
+    unsigned short bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    p->bits = bits;
+}
+__device__ __forceinline__ void store(f16* p, float value) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    p->bits = bits;
+}
+
+constexpr int WARPS = 8;
+constexpr int UNROLL = 4;
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+constexpr int BLOCK_SIZE = 16;
+
+// query [rows, heads, D]; pool [slots, groups, 2D] (keys, then values); tables [rows, per_row]
+// block ids; positions [rows]: row r attends to its positions 0..=positions[r]; out like query.
+template <typename T, int D>
+__device__ void paged_decode(const T* query, const T* pool, const long long* tables,
+                             const long long* positions, T* out, int heads, int groups,
+                             int per_row, float scale) {
+    constexpr int PER = D / 32;
+    const int head = blockIdx.x;
+    const long long row = blockIdx.y;
+    const int group = head / (heads / groups);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const T* q = query + (row * heads + head) * D + lane * PER;
+    float qv[PER];
+    float acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = load(q + i) * scale;
+        acc[i] = 0.f;
+    }
+    long long last = positions[row];
+    const long long most = (long long)per_row * BLOCK_SIZE - 1;
+    last = last < most ? last : most;
+    const long long* table = tables + row * per_row;
+    const long long slot_stride = (long long)groups * 2 * D;
+    float m = neg_inf();
+    float l = 0.f;
+    // Each warp takes UNROLL consecutive positions at a time, their keys and values loaded
+    // together;
+    // positions past the row's last are read at the last one and weigh nothing.
+    for (long long base = (long long)warp * UNROLL; base <= last; base += WARPS * UNROLL) {
+        float k[UNROLL][PER];
+        float v[UNROLL][PER];
+        float s[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long p = base + u <= last ? base + u : last;
+            const long long slot = table[p / BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE;
+            const T* kv = pool + slot * slot_stride + (long long)group * 2 * D + lane * PER;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                k[u][i] = load(kv + i);
+                v[u][i] = load(kv + D + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) dot += qv[i] * k[u][i];
+            s[u] = dot;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], offset);
+        }
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u <= last) m_new = fmaxf(m_new, s[u]);
+        }
+        const float keep = __expf(m - m_new);
+        l *= keep;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] *= keep;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const float weight = base + u <= last ? __expf(s[u] - m_new) : 0.f;
+            l += weight;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] += weight * v[u][i];
+        }
+        m = m_new;
+    }
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+    __shared__ float warp_acc[WARPS][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) warp_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+    float top = neg_inf();
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w]);
+    float total = 0.f;
+    float o[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) o[i] = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+        const float factor = warp_max[w] == neg_inf() ? 0.f : __expf(warp_max[w] - top);
+        total += warp_sum[w] * factor;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * factor;
+    }
+    T* target = out + (row * heads + head) * D + lane * PER;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) store(target + i, o[i] / total);
+}
+
+#define PAGED_DECODE(NAME, T, D)                                                              \
+    extern "C" __global__ void NAME(const T* query, const T* pool, const long long* tables,   \
+                                    const long long* positions, T* out, int heads, int groups, \
+                                    int per_row, float scale) {                               \
+        paged_decode<T, D>(query, pool, tables, positions, out, heads, groups, per_row, scale); \
+    }
+
+PAGED_DECODE(paged_decode_bf16_64, bf16, 64)
+PAGED_DECODE(paged_decode_bf16_128, bf16, 128)
+PAGED_DECODE(paged_decode_f16_64, f16, 64)
+PAGED_DECODE(paged_decode_f16_128, f16, 128)
+PAGED_DECODE(paged_decode_f32_64, float, 64)
+PAGED_DECODE(paged_decode_f32_128, float, 128)
+"#,
+    functions: &[
+        "paged_decode_bf16_64",
+        "paged_decode_bf16_128",
+        "paged_decode_f16_64",
+        "paged_decode_f16_128",
+        "paged_decode_f32_64",
+        "paged_decode_f32_128",
+    ],
+};
+
+/// Whether [`paged_decode_attention`] handles these shapes and dtype.
+pub fn supports(head_dim: i64, kind: Kind) -> bool {
+    matches!(head_dim, 64 | 128) && matches!(kind, Kind::BFloat16 | Kind::Half | Kind::Float)
+}
+
+/// Attention of one query position per row: `query` `[b, heads, d]`, over the positions
+/// `0..=positions[r]` of row `r`, whose slots are listed by its block table (`tables`
+/// `[b, per_row]` int64, `BLOCK_SIZE` slots a block) in `pool` (`[slots, groups, 2·d]`, keys in
+/// the first `d` channels); each of the `groups` key/value heads serves `heads / groups` query
+/// heads. Returns `[b, heads, d]`, scaled by `1/√d` as libtorch's attention. On a CUDA device.
+pub fn paged_decode_attention(
+    query: &Tensor,
+    pool: &Tensor,
+    tables: &Tensor,
+    positions: &Tensor,
+) -> Result<Tensor> {
+    let (rows, heads, d) = query.size3()?;
+    let (_, groups, width) = pool.size3()?;
+    let (table_rows, per_row) = tables.size2()?;
+    let kind = query.kind();
+    let Device::Cuda(device) = query.device() else {
+        anyhow::bail!("the paged decode attention kernel runs on CUDA devices");
+    };
+    ensure!(
+        supports(d, kind),
+        "no paged decode kernel for head dim {d} in {kind:?}"
+    );
+    ensure!(
+        pool.kind() == kind && width == 2 * d && groups > 0 && heads % groups == 0,
+        "a KV pool of {:?} {:?} for queries of {kind:?} {:?}",
+        pool.kind(),
+        pool.size(),
+        query.size()
+    );
+    ensure!(
+        table_rows == rows
+            && positions.size() == [rows]
+            && tables.kind() == Kind::Int64
+            && positions.kind() == Kind::Int64,
+        "block tables {:?} and positions {:?} for {rows} rows",
+        tables.size(),
+        positions.size()
+    );
+    ensure!(
+        [pool, tables, positions]
+            .iter()
+            .all(|t| t.device() == query.device() && t.is_contiguous()),
+        "the KV pool, block tables and positions must be contiguous on the query's device"
+    );
+    let query = query.contiguous();
+    let out = query.empty_like();
+    if rows == 0 {
+        return Ok(out);
+    }
+    let dtype = match kind {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    };
+    let function = format!("paged_decode_{dtype}_{d}");
+    let module = kernels(&SOURCE, device)?;
+    let mut pointers = [&query, pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
+    let (mut heads_arg, mut groups_arg, mut per_row_arg) =
+        (heads as i32, groups as i32, per_row as i32);
+    let mut scale = 1.0f32 / (d as f32).sqrt();
+    let mut args: Vec<*mut c_void> = pointers
+        .iter_mut()
+        .map(|p| p as *mut u64 as *mut c_void)
+        .collect();
+    args.extend([
+        &mut heads_arg as *mut i32 as *mut c_void,
+        &mut groups_arg as *mut i32 as *mut c_void,
+        &mut per_row_arg as *mut i32 as *mut c_void,
+        &mut scale as *mut f32 as *mut c_void,
+    ]);
+    debug_assert_eq!(BLOCK_SIZE, 16, "the kernel's BLOCK_SIZE");
+    // SAFETY: the arguments match the kernel's parameters in order and type; the tensors are
+    // contiguous on the device, of the shapes checked above, and are kept alive by the caller
+    // (and, for `query` and `out`, by the returned tensor and this frame) while the stream runs
+    // the kernel: libtorch's caching allocator does not reuse their memory before work queued
+    // on the stream after it completes.
+    unsafe {
+        module.launch(
+            &function,
+            (heads as u32, rows as u32, 1),
+            (32 * WARPS, 1, 1),
+            &mut args,
+        )?;
+    }
+    Ok(out)
+}
