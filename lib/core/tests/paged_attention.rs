@@ -93,7 +93,11 @@ fn largest_difference(
     let b = rows as i64;
     let pool =
         Tensor::randn([total * BLOCK_SIZE, groups, 2 * d], (Kind::Float, device)).to_kind(kind);
-    let query = Tensor::randn([b, heads, 1, d], (Kind::Float, device)).to_kind(kind);
+    // A strided view, as the query is a slice of the QKV projection `[s, b, ..., d]`.
+    let query = Tensor::randn([1, b, 2 * heads, d], (Kind::Float, device))
+        .to_kind(kind)
+        .narrow(2, heads, heads)
+        .permute([1, 2, 0, 3]);
     let kv = Tensor::randn([b, groups, 1, 2 * d], (Kind::Float, device)).to_kind(kind);
     let expand = |t: Tensor| t.repeat_interleave_self_int(heads / groups, 1, None);
 

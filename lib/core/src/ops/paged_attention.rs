@@ -54,19 +54,21 @@ constexpr int UNROLL = 4;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 constexpr int BLOCK_SIZE = 16;
 
-// query [rows, heads, D]; pool [slots, groups, 2D] (keys, then values); tables [rows, per_row]
-// block ids; positions [rows]: row r attends to its positions 0..=positions[r]; out like query.
+// query [rows, heads, D] (channels contiguous, rows and heads at the given strides); pool
+// [slots, groups, 2D] (keys, then values); tables [rows, per_row] block ids; positions [rows]:
+// row r attends to its positions 0..=positions[r]; out [rows, heads, D] contiguous.
 template <typename T, int D>
-__device__ void paged_decode(const T* query, const T* pool, const long long* tables,
-                             const long long* positions, T* out, int heads, int groups,
-                             int per_row, float scale) {
+__device__ void paged_decode(const T* query, long long query_row_stride,
+                             long long query_head_stride, const T* pool,
+                             const long long* tables, const long long* positions, T* out,
+                             int heads, int groups, int per_row, float scale) {
     constexpr int PER = D / 32;
     const int head = blockIdx.x;
     const long long row = blockIdx.y;
     const int group = head / (heads / groups);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const T* q = query + (row * heads + head) * D + lane * PER;
+    const T* q = query + row * query_row_stride + head * query_head_stride + lane * PER;
     float qv[PER];
     float acc[PER];
 #pragma unroll
@@ -157,11 +159,14 @@ __device__ void paged_decode(const T* query, const T* pool, const long long* tab
     for (int i = 0; i < PER; ++i) store(target + i, o[i] / total);
 }
 
-#define PAGED_DECODE(NAME, T, D)                                                              \
-    extern "C" __global__ void NAME(const T* query, const T* pool, const long long* tables,   \
-                                    const long long* positions, T* out, int heads, int groups, \
-                                    int per_row, float scale) {                               \
-        paged_decode<T, D>(query, pool, tables, positions, out, heads, groups, per_row, scale); \
+#define PAGED_DECODE(NAME, T, D)                                                         \
+    extern "C" __global__ void NAME(const T* query, long long query_row_stride,          \
+                                    long long query_head_stride, const T* pool,           \
+                                    const long long* tables, const long long* positions,  \
+                                    T* out, int heads, int groups, int per_row,           \
+                                    float scale) {                                        \
+        paged_decode<T, D>(query, query_row_stride, query_head_stride, pool, tables,      \
+                           positions, out, heads, groups, per_row, scale);                \
     }
 
 PAGED_DECODE(paged_decode_bf16_64, bf16, 64)
@@ -230,8 +235,13 @@ pub fn paged_decode_attention(
             .all(|t| t.device() == query.device() && t.is_contiguous()),
         "the KV pool, block tables and positions must be contiguous on the query's device"
     );
-    let query = query.contiguous();
-    let out = query.empty_like();
+    // Rows and heads may be strided (the query is a view of the QKV projection), channels not.
+    let query = if query.stride()[2] == 1 {
+        query.shallow_clone()
+    } else {
+        query.contiguous()
+    };
+    let out = Tensor::empty([rows, heads, d], (kind, query.device()));
     if rows == 0 {
         return Ok(out);
     }
@@ -242,23 +252,32 @@ pub fn paged_decode_attention(
     };
     let function = format!("paged_decode_{dtype}_{d}");
     let module = kernels(&SOURCE, device)?;
-    let mut pointers = [&query, pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
+    let [mut q, mut pool, mut tables, mut positions, mut out_ptr] =
+        [&query, pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
+    let (mut row_stride, mut head_stride) = (query.stride()[0], query.stride()[1]);
     let (mut heads_arg, mut groups_arg, mut per_row_arg) =
         (heads as i32, groups as i32, per_row as i32);
     let mut scale = 1.0f32 / (d as f32).sqrt();
-    let mut args: Vec<*mut c_void> = pointers
-        .iter_mut()
-        .map(|p| p as *mut u64 as *mut c_void)
-        .collect();
-    args.extend([
-        &mut heads_arg as *mut i32 as *mut c_void,
-        &mut groups_arg as *mut i32 as *mut c_void,
-        &mut per_row_arg as *mut i32 as *mut c_void,
-        &mut scale as *mut f32 as *mut c_void,
-    ]);
+    fn arg<T>(value: &mut T) -> *mut c_void {
+        value as *mut T as *mut c_void
+    }
+    let mut args = [
+        arg(&mut q),
+        arg(&mut row_stride),
+        arg(&mut head_stride),
+        arg(&mut pool),
+        arg(&mut tables),
+        arg(&mut positions),
+        arg(&mut out_ptr),
+        arg(&mut heads_arg),
+        arg(&mut groups_arg),
+        arg(&mut per_row_arg),
+        arg(&mut scale),
+    ];
     debug_assert_eq!(BLOCK_SIZE, 16, "the kernel's BLOCK_SIZE");
-    // SAFETY: the arguments match the kernel's parameters in order and type; the tensors are
-    // contiguous on the device, of the shapes checked above, and are kept alive by the caller
+    // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
+    // strides as i64, counts as i32, the scale as f32); the tensors are on the device, of the
+    // shapes and layouts checked above, and are kept alive by the caller
     // (and, for `query` and `out`, by the returned tensor and this frame) while the stream runs
     // the kernel: libtorch's caching allocator does not reuse their memory before work queued
     // on the stream after it completes.

@@ -225,7 +225,12 @@ impl PagedStep {
     /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots.
     fn store(&self, pool: &mut Tensor, kv: &Tensor) {
         let (b, groups, s, width) = (kv.size()[0], kv.size()[1], kv.size()[2], kv.size()[3]);
-        let rows = kv.permute([0, 2, 1, 3]).reshape([b * s, groups, width]);
+        // One position per row (decode) is a view; more are copied into row-major order.
+        let rows = if s == 1 {
+            kv.select(2, 0)
+        } else {
+            kv.permute([0, 2, 1, 3]).reshape([b * s, groups, width])
+        };
         let _ = pool.index_copy_(0, &self.write_slots, &rows);
     }
 
