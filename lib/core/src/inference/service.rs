@@ -1281,12 +1281,38 @@ struct CompletionStream {
     tokens: Vec<i64>,
     sent: usize,
     finish: Option<&'static str>,
+    /// The text of the first `settled` tokens, which did not end inside a character: each
+    /// step detokenizes only the tokens after them (and a few before, for context), so a
+    /// row's streaming costs the same at its 500th token as at its first.
+    settled_text: String,
+    settled: usize,
 }
+
+/// Tokens before the new ones detokenized with them: tokenizers that drop a word's leading
+/// space at the start of a text (SentencePiece) see the word in its place.
+const DETOKENIZE_CONTEXT: usize = 4;
 
 impl CompletionStream {
     fn text(&self, tokenizer: &dyn Tokenizer) -> String {
-        let ids: Vec<u32> = self.tokens.iter().map(|&t| t as u32).collect();
-        tokenizer.detokenize(&ids).unwrap_or_default()
+        detokenize(tokenizer, &self.tokens)
+    }
+
+    /// The text of every token so far, detokenizing only the tokens since the last settled
+    /// text; the whole text again when the tokenizer's text of the tail does not extend that
+    /// of its context (a tokenizer whose output is not a concatenation).
+    fn text_so_far(&mut self, tokenizer: &dyn Tokenizer) -> String {
+        let anchor = self.settled.saturating_sub(DETOKENIZE_CONTEXT);
+        let context = detokenize(tokenizer, &self.tokens[anchor..self.settled]);
+        let tail = detokenize(tokenizer, &self.tokens[anchor..]);
+        let text = match tail.strip_prefix(&context) {
+            Some(new) => format!("{}{new}", self.settled_text),
+            None => self.text(tokenizer),
+        };
+        if !text.ends_with('\u{FFFD}') {
+            self.settled_text.clone_from(&text);
+            self.settled = self.tokens.len();
+        }
+        text
     }
 
     /// The text up to the first stop sequence, and whether one was found.
@@ -1310,7 +1336,7 @@ impl CompletionStream {
         max_tokens: usize,
         send: &mut dyn FnMut(&str),
     ) -> bool {
-        let text = self.text(tokenizer);
+        let text = self.text_so_far(tokenizer);
         let (mut end, stopped) = Self::cut(&text, stop);
         let ended = stopped || self.tokens.len() >= max_tokens;
         if !ended {
@@ -1347,6 +1373,11 @@ impl CompletionStream {
     }
 }
 
+fn detokenize(tokenizer: &dyn Tokenizer, tokens: &[i64]) -> String {
+    let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    tokenizer.detokenize(&ids).unwrap_or_default()
+}
+
 /// Broadcasts bytes from rank 0 of `group` (its length first); the other ranks pass `None`.
 fn share_bytes(group: &dyn Communicator, device: Device, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
     let length = Tensor::from_slice(&[bytes.map_or(0, |b| b.len() as i64)]).to_device(device);
@@ -1358,4 +1389,52 @@ fn share_bytes(group: &dyn Communicator, device: Device, bytes: Option<&[u8]>) -
     };
     group.broadcast(&payload, 0)?;
     Ok(Vec::<u8>::try_from(payload.to_device(Device::Cpu))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use megatron_data::tokenizer::TokenizerError;
+
+    /// A byte-level tokenizer (id = byte), like GPT-2's BPE at its finest: a character of
+    /// several bytes spans several tokens, its text U+FFFD until the last one arrives.
+    struct Bytes;
+
+    impl Tokenizer for Bytes {
+        fn tokenize_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+            out.extend(text.bytes().map(u32::from));
+            Ok(())
+        }
+        fn vocab_size(&self) -> usize {
+            256
+        }
+        fn eod(&self) -> Option<u32> {
+            None
+        }
+        fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+            let bytes: Vec<u8> = ids.iter().map(|&id| id as u8).collect();
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        }
+    }
+
+    #[test]
+    fn streamed_text_is_the_text_of_all_tokens_detokenized_a_few_at_a_time() {
+        let text = "héllo wörld ✓ — “quoted” 😀 end";
+        let ids = Bytes.tokenize(text).unwrap();
+        let stop = vec!["qu".to_string()];
+        let mut stream = CompletionStream::default();
+        let mut streamed = String::new();
+        for (n, &id) in ids.iter().enumerate() {
+            stream.tokens.push(i64::from(id));
+            let so_far = stream.text_so_far(&Bytes);
+            assert_eq!(so_far, stream.text(&Bytes), "after {} tokens", n + 1);
+            // Only the last few tokens are detokenized again.
+            assert!(stream.settled + 4 >= stream.tokens.len());
+            if stream.advance(&Bytes, &stop, usize::MAX, &mut |t| streamed.push_str(t)) {
+                break;
+            }
+        }
+        assert_eq!(streamed, "héllo wörld ✓ — “");
+        assert_eq!(stream.final_text(&Bytes, &stop), streamed);
+    }
 }
