@@ -27,13 +27,19 @@ fn model(extra: &[&str]) -> GptModel {
 }
 
 fn build(extra: &[&str], positions: i64, device: Device) -> GptModel {
+    build_sized(extra, positions, device, 64)
+}
+
+/// [`build`] with `hidden` channels in 4 heads.
+fn build_sized(extra: &[&str], positions: i64, device: Device, hidden: i64) -> GptModel {
     let positions = positions.to_string();
+    let hidden = hidden.to_string();
     let argv = [
         "test",
         "--num-layers",
         "3",
         "--hidden-size",
-        "64",
+        &hidden,
         "--num-attention-heads",
         "4",
         "--seq-length",
@@ -355,8 +361,10 @@ fn a_reused_decoder_gives_what_a_fresh_one_gives() {
     assert_eq!(reused, generate(&model, &second).unwrap());
 }
 
-/// On a GPU, decode steps replayed from CUDA graphs give the eager decoder's tokens, and
-/// log-probabilities within float32 noise, across several windows and a reused decoder.
+/// On a GPU, decode steps replayed from CUDA graphs with the paged decode kernel (heads of 64
+/// channels, grouped in the Llama-like model) give the tokens of the eager decoder with
+/// gathered attention, and log-probabilities within float32 noise, across several windows and
+/// a reused decoder.
 #[test]
 fn cuda_graph_decoding_equals_eager_decoding() {
     if !tch::Cuda::is_available() {
@@ -369,18 +377,50 @@ fn cuda_graph_decoding_equals_eager_decoding() {
     );
     let learned: [&str; 0] = [];
     for flags in [&learned[..], &LLAMA_FLAGS[..]] {
-        let model = build(flags, 320, Device::Cuda(0));
+        let model = build_sized(flags, 320, Device::Cuda(0), 256);
         let mut graphed = Decoder::with_cuda_graphs();
         for prompts in [prompts(), vec![vec![1, 2, 3], vec![4; 40], vec![250; 7]]] {
             // Up to 40 + 200 positions: the windows of 128 and 256 slots.
             let request = request(prompts, 200, Sampling::greedy(), StopCondition::Never);
-            let eager = generate(&model, &request).unwrap();
+            let mut gathered = Decoder::eager().with_gathered_attention();
+            let eager = generate_tokens(&model, &request, &mut gathered).unwrap();
             let replayed = generate_tokens(&model, &request, &mut graphed).unwrap();
             assert_eq!(replayed.tokens, eager.tokens);
             let (a, b) = (replayed.logprobs.unwrap(), eager.logprobs.unwrap());
             for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
                 assert!((x - y).abs() < 1e-3, "{x} vs {y}");
             }
+        }
+    }
+}
+
+/// `prevent_newline_after_colon`: the "newline" never follows the "colon", whichever rows of
+/// the batch are at a colon, and the rows that never see one are untouched.
+#[test]
+fn no_newline_follows_a_colon_when_asked() {
+    let model = model(&[]);
+    let free = generate(
+        &model,
+        &request(prompts(), 24, Sampling::greedy(), StopCondition::Never),
+    )
+    .unwrap();
+    // The first generated token of row 0 plays the colon, the token it is followed by the
+    // newline.
+    let start = prompts()[0].len();
+    let colon = free.tokens[0][start];
+    let newline = free.tokens[0][start + 1];
+    let mut asked = request(prompts(), 24, Sampling::greedy(), StopCondition::Never);
+    asked.prevent_newline_after_colon = Some((colon, newline));
+    let ruled = generate(&model, &asked).unwrap();
+    assert_ne!(ruled.tokens[0], free.tokens[0]);
+    for (row, tokens) in ruled.tokens.iter().enumerate() {
+        let generated = &tokens[prompts()[row].len() - 1..];
+        assert!(
+            generated.windows(2).all(|w| w != [colon, newline]),
+            "row {row}: {tokens:?}"
+        );
+        if !free.tokens[row].contains(&colon) {
+            assert_eq!(tokens, &free.tokens[row], "row {row}");
         }
     }
 }

@@ -562,14 +562,32 @@ impl Batcher {
     /// Samples the rows `drawing` (running indices) from their `logits` (`[n, vocab]` pieces in
     /// that order): their tokens and, when any row keeps them, the tokens' log-probabilities.
     fn draw(&self, drawing: &[usize], logits: &[Tensor]) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
-        let logits = Tensor::cat(logits, 0);
+        let mut logits = match logits {
+            [one] => one.shallow_clone(),
+            _ => Tensor::cat(logits, 0),
+        };
+        // Newlines after colons are ruled out for all such rows at once.
+        let (mut rows, mut columns) = (Vec::new(), Vec::new());
         for (k, &i) in drawing.iter().enumerate() {
             let row = &self.running[i];
             if let Some((colon, newline)) = row.spec.prevent_newline_after_colon {
                 if row.tokens.last() == Some(&colon) {
-                    let _ = logits.get(k as i64).get(newline).fill_(-1e10);
+                    rows.push(k as i64);
+                    columns.push(newline);
                 }
             }
+        }
+        if !rows.is_empty() {
+            let n = rows.len() as i64;
+            rows.extend(columns);
+            let at = Tensor::from_slice(&rows).to_device(logits.device());
+            let value = Tensor::from(-1e10f32).to_device(logits.device());
+            // A decode step's logits may live in a CUDA graph's output buffer: write to a copy.
+            logits = logits.index_put(
+                &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],
+                &value,
+                false,
+            );
         }
         let settings: Vec<RowSampling> = drawing
             .iter()
