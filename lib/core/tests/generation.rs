@@ -278,7 +278,27 @@ fn beam_search_scores_are_normalised_full_forward_logprobs() {
 /// give each row's cached-forward logits, on the CPU.
 #[test]
 fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
-    for model in [model(&[]), llama_like()] {
+    paged_steps_equal_the_cached_forward(Device::Cpu, 1e-5);
+}
+
+/// The same on a GPU: prefill chunks through the memory-efficient attention kernel, decode
+/// steps through the paged decode kernel (heads of 64 channels).
+#[test]
+fn paged_steps_on_a_gpu_equal_the_cached_forward() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    paged_steps_equal_the_cached_forward(Device::Cuda(0), 1e-4);
+}
+
+fn paged_steps_equal_the_cached_forward(device: Device, tolerance: f64) {
+    let hidden = if device.is_cuda() { 256 } else { 64 };
+    let models = [
+        build_sized(&[], 64, device, hidden),
+        build_sized(&LLAMA_FLAGS, 64, device, hidden),
+    ];
+    for model in models {
         let prompts = [
             vec![5i64, 17, 42, 9, 7],
             vec![8, 1],
@@ -292,7 +312,7 @@ fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
                 (0..3).map(|_| model.new_kv_cache(1, 32).unwrap()).collect();
             let close = |got: &Tensor, want: &Tensor, what: &str| {
                 let diff = (got - want).abs().max().double_value(&[]);
-                assert!(diff < 1e-5, "{what}: logits differ by {diff}");
+                assert!(diff < tolerance, "{what}: logits differ by {diff}");
             };
             // The prompts' halves, three rows of different lengths per forward.
             let split = |prompt: &Vec<i64>| prompt.len() / 2;
@@ -317,7 +337,7 @@ fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
             let _ = decoder.prefill(&model, &halves(true)).unwrap();
             let got = decoder.prefill(&model, &halves(false)).unwrap();
             for (row, prompt) in prompts.iter().enumerate() {
-                let input = Tensor::from_slice(prompt).unsqueeze(0);
+                let input = Tensor::from_slice(prompt).unsqueeze(0).to_device(device);
                 let want = model.forward_cached(&input, &mut references[row]).unwrap();
                 let rest = (prompt.len() - split(prompt)) as i64;
                 let want = want.narrow(0, split(prompt) as i64, rest).select(1, 0);
@@ -334,7 +354,9 @@ fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
                     .collect();
                 let got = decoder.decode(&model, &rows).unwrap();
                 for row in 0..3 {
-                    let input = Tensor::from_slice(&[tokens[row]]).view([1, 1]);
+                    let input = Tensor::from_slice(&[tokens[row]])
+                        .view([1, 1])
+                        .to_device(device);
                     let want = model.forward_cached(&input, &mut references[row]).unwrap();
                     close(
                         &got.get(row as i64),

@@ -249,11 +249,13 @@ impl Decoder {
         ensure!(!chunks.is_empty(), "a prefill needs chunks");
         let device = model.options().device;
         let width = chunks.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+        // In whole steps of WINDOW_STEP (masked past each row's positions): few distinct
+        // attention shapes, and rows of the bias aligned as GPU attention kernels want them.
         let window = chunks
             .iter()
-            .map(|c| c.start as usize + c.tokens.len())
+            .map(|c| c.start + c.tokens.len() as i64)
             .max()
-            .unwrap_or(0);
+            .map_or(0, |end| round_up(end, WINDOW_STEP)) as usize;
         let rows = chunks.len();
         let mut tokens = vec![0i64; rows * width];
         let mut positions = vec![0i64; rows * width];

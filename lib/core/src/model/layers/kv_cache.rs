@@ -270,6 +270,29 @@ impl PagedStep {
                     .permute([0, 2, 1, 3]);
                 let d = width / 2;
                 let (keys, values) = (expand(read.narrow(3, 0, d)), expand(read.narrow(3, d, d)));
+                let (heads, s) = (query.size()[1], query.size()[2]);
+                if query.device().is_cuda() && s > 1 && window % 16 == 0 {
+                    // Prefill chunks straight to the memory-efficient kernel: libtorch's
+                    // dispatcher may pick cuDNN's attention for masked calls on Hopper, which
+                    // builds an execution plan for every new shape (tens of milliseconds each,
+                    // and chunks come in many shapes), in the way of the first tokens.
+                    let bias = bias.expand([b, heads, s, window], false);
+                    // Shapes the kernel turns down go through the dispatcher below.
+                    if let Ok((context, _, _, _)) =
+                        Tensor::f_internal_scaled_dot_product_efficient_attention(
+                            query,
+                            &keys,
+                            &values,
+                            Some(&bias),
+                            false,
+                            0.0,
+                            false,
+                            None,
+                        )
+                    {
+                        return Ok(context);
+                    }
+                }
                 Ok(Tensor::scaled_dot_product_attention(
                     query,
                     &keys,
