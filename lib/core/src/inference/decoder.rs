@@ -147,16 +147,24 @@ impl Decoder {
         self
     }
 
+    /// Whether decode steps use the paged decode kernel (known after the warm-up or the first
+    /// step).
+    pub fn paged_attention(&self) -> bool {
+        self.paged_kernel
+    }
+
     /// Whether decode steps on `device` use the paged decode kernel: on CUDA devices, for the
     /// head sizes and dtypes it has, once it compiled (a failure is reported once, and the
     /// gathered attention used instead).
     fn uses_paged_kernel(&mut self, model: &GptModel) -> bool {
         let Device::Cuda(index) = model.options().device else {
+            self.paged_kernel = false;
             return false;
         };
-        if !self.paged_kernel
-            || !paged_attention::supports(model.config.kv_channels, model.options().params_dtype)
-        {
+        if !paged_attention::supports(model.config.kv_channels, model.options().params_dtype) {
+            self.paged_kernel = false;
+        }
+        if !self.paged_kernel {
             return false;
         }
         if let Err(e) = crate::runtime::nvrtc::kernels(&paged_attention::SOURCE, index) {

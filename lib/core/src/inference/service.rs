@@ -653,8 +653,14 @@ impl<'a> Scheduler<'a> {
         match self.decoder.warm_up(&self.core.model, rows) {
             Ok(0) => {}
             Ok(graphs) => eprintln!(
-                "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}) in {:.1} s",
+                "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}, \
+                 {} attention) in {:.1} s",
                 super::decoder::bucket(rows),
+                if self.decoder.paged_attention() {
+                    "paged decode"
+                } else {
+                    "gathered"
+                },
                 started.elapsed().as_secs_f64()
             ),
             Err(e) => eprintln!("text_generation_server: warming up the decoder failed: {e:#}"),
