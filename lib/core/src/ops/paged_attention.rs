@@ -15,9 +15,10 @@ use tch::{Device, Kind, Tensor};
 use crate::model::layers::BLOCK_SIZE;
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
-/// Warps per (row, head) (the kernel's `WARPS`): they take turns over the row's positions,
-/// four at a time, then merge their partial softmax sums.
-const WARPS: u32 = 8;
+/// Warps per (row, head), at most the kernel's `MAX_WARPS`: they take turns over the row's
+/// positions, four at a time, then merge their partial softmax sums. Many, so that a single
+/// row (batch-1 decoding) still has many loads in flight.
+const WARPS: u32 = 16;
 
 /// The kernels' CUDA source: one block of [`WARPS`] warps per (head, row); a warp's lanes hold
 /// `D / 32` consecutive channels of the query and of the running output, and a warp scores four
@@ -49,7 +50,8 @@ __device__ __forceinline__ void store(f16* p, float value) {
     p->bits = bits;
 }
 
-constexpr int WARPS = 8;
+// Warps per block at most (the launch picks how many).
+constexpr int MAX_WARPS = 16;
 constexpr int UNROLL = 4;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 constexpr int BLOCK_SIZE = 16;
@@ -67,6 +69,7 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
     const long long row = blockIdx.y;
     const int group = head / (heads / groups);
     const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
     const int lane = threadIdx.x % 32;
     const T* q = query + row * query_row_stride + head * query_head_stride + lane * PER;
     float qv[PER];
@@ -86,7 +89,7 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
     // Each warp takes UNROLL consecutive positions at a time, their keys and values loaded
     // together;
     // positions past the row's last are read at the last one and weigh nothing.
-    for (long long base = (long long)warp * UNROLL; base <= last; base += WARPS * UNROLL) {
+    for (long long base = (long long)warp * UNROLL; base <= last; base += warps * UNROLL) {
         float k[UNROLL][PER];
         float v[UNROLL][PER];
         float s[UNROLL];
@@ -131,9 +134,9 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
         }
         m = m_new;
     }
-    __shared__ float warp_max[WARPS];
-    __shared__ float warp_sum[WARPS];
-    __shared__ float warp_acc[WARPS][D];
+    __shared__ float warp_max[MAX_WARPS];
+    __shared__ float warp_sum[MAX_WARPS];
+    __shared__ float warp_acc[MAX_WARPS][D];
     if (lane == 0) {
         warp_max[warp] = m;
         warp_sum[warp] = l;
@@ -143,12 +146,12 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
     __syncthreads();
     if (warp != 0) return;
     float top = neg_inf();
-    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_max[w]);
+    for (int w = 0; w < warps; ++w) top = fmaxf(top, warp_max[w]);
     float total = 0.f;
     float o[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) o[i] = 0.f;
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w < warps; ++w) {
         const float factor = warp_max[w] == neg_inf() ? 0.f : __expf(warp_max[w] - top);
         total += warp_sum[w] * factor;
 #pragma unroll
