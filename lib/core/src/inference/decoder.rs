@@ -5,8 +5,11 @@
 //! A decode step of a 24-layer model is a few hundred small kernels; launched one by one from the
 //! host they take several times longer than the GPU needs to run them. A graph launches them all
 //! at once. Its shapes are fixed, so the batch is padded to the next bucket (a power of two) and
-//! every row attends to a fixed window of its cache slots (masked past its position): there is
-//! one graph per bucket and window, the window in steps of [`WINDOW_STEP`].
+//! every row's block table has a fixed width. With the paged decode kernel
+//! ([`crate::ops::paged_attention`], on GPUs) a row is read through its table up to its own
+//! position, so one graph per bucket serves every length; with gathered attention every row
+//! attends to a fixed window of its cache slots (masked past its position), one graph per
+//! bucket and window, the window in steps of [`WINDOW_STEP`].
 
 use std::collections::HashMap;
 
