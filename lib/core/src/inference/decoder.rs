@@ -5,11 +5,11 @@
 //! A decode step of a 24-layer model is a few hundred small kernels; launched one by one from the
 //! host they take several times longer than the GPU needs to run them. A graph launches them all
 //! at once. Its shapes are fixed, so the batch is padded to the next bucket (a power of two) and
-//! every row's block table has a fixed width. With the paged decode kernel
+//! every row's block table has a fixed width, its window. With the paged decode kernel
 //! ([`crate::ops::paged_attention`], on GPUs) a row is read through its table up to its own
-//! position, so one graph per bucket serves every length; with gathered attention every row
-//! attends to a fixed window of its cache slots (masked past its position), one graph per
-//! bucket and window, the window in steps of [`WINDOW_STEP`].
+//! position, and windows grow in powers of two; with gathered attention every row attends to
+//! its whole window of cache slots (masked past its position), and windows grow in steps of
+//! [`WINDOW_STEP`]. There is one graph per bucket and window.
 
 use std::collections::HashMap;
 
@@ -232,8 +232,7 @@ impl Decoder {
         let in_place = self.uses_paged_kernel(model);
         let mut size = 1;
         loop {
-            let first = if in_place { capacity / WINDOW_STEP } else { 1 };
-            for window in (first..=capacity / WINDOW_STEP).map(|w| w * WINDOW_STEP) {
+            for window in windows(capacity, in_place) {
                 // Padding rows only: they write to and read the reserved block.
                 let zeros = vec![0i64; size as usize];
                 let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
@@ -331,13 +330,7 @@ impl Decoder {
         let in_place = self.uses_paged_kernel(model);
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
-        // The kernel reads each row only up to its position, whatever the table's width: one
-        // window (and graph per bucket) serves every step.
-        let window = if in_place {
-            capacity
-        } else {
-            round_up(furthest + 1, WINDOW_STEP).min(capacity)
-        };
+        let window = window_for(furthest + 1, capacity, in_place);
         let bucket = bucket(count);
         let device = model.options().device;
         let graphed = match device {
@@ -501,6 +494,46 @@ pub fn bucket(rows: i64) -> i64 {
     (rows.max(1) as u64).next_power_of_two() as i64
 }
 
+/// The window of a decode step whose furthest row has `length` positions, of `capacity`
+/// (a multiple of [`WINDOW_STEP`]). The paged kernel reads a row only up to its position,
+/// whatever its table's width, so its windows grow in powers of two (a few graphs per bucket,
+/// block tables at most twice what the rows use); gathered attention reads the whole window,
+/// so its windows grow in steps of [`WINDOW_STEP`].
+fn window_for(length: i64, capacity: i64, in_place: bool) -> i64 {
+    let window = if in_place {
+        (length.max(WINDOW_STEP) as u64).next_power_of_two() as i64
+    } else {
+        round_up(length, WINDOW_STEP)
+    };
+    window.min(capacity)
+}
+
+/// Every window [`window_for`] gives.
+fn windows(capacity: i64, in_place: bool) -> Vec<i64> {
+    let mut all: Vec<i64> = (1..=capacity / WINDOW_STEP)
+        .map(|w| window_for(w * WINDOW_STEP, capacity, in_place))
+        .collect();
+    all.dedup();
+    all
+}
+
 fn round_up(value: i64, step: i64) -> i64 {
     (value + step - 1) / step * step
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_windows_double_and_gathered_windows_step() {
+        assert_eq!(windows(1024, true), [128, 256, 512, 1024]);
+        assert_eq!(windows(384, true), [128, 256, 384]);
+        assert_eq!(windows(384, false), [128, 256, 384]);
+        assert_eq!(windows(1024, false).len(), 8);
+        assert_eq!(window_for(300, 1024, true), 512);
+        assert_eq!(window_for(300, 1024, false), 384);
+        assert_eq!(window_for(1, 1024, true), 128);
+        assert_eq!(window_for(1024, 1024, true), 1024);
+    }
 }
