@@ -15,6 +15,9 @@ use tch::{Device, Kind, Tensor};
 use crate::model::layers::BLOCK_SIZE;
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
+// The kernel's BLOCK_SIZE.
+const _: () = assert!(BLOCK_SIZE == 16);
+
 /// Warps per (row, head), at most the kernel's `MAX_WARPS`: they take turns over the row's
 /// positions, four at a time, then merge their partial softmax sums. Many, so that a single
 /// row (batch-1 decoding) still has many loads in flight.
@@ -277,13 +280,10 @@ pub fn paged_decode_attention(
         arg(&mut per_row_arg),
         arg(&mut scale),
     ];
-    debug_assert_eq!(BLOCK_SIZE, 16, "the kernel's BLOCK_SIZE");
     // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
     // strides as i64, counts as i32, the scale as f32); the tensors are on the device, of the
-    // shapes and layouts checked above, and are kept alive by the caller
-    // (and, for `query` and `out`, by the returned tensor and this frame) while the stream runs
-    // the kernel: libtorch's caching allocator does not reuse their memory before work queued
-    // on the stream after it completes.
+    // shapes and layouts checked above; memory the caching allocator gets back (a copied query
+    // dropped here) is only reused by work queued on the stream after the kernel.
     unsafe {
         module.launch(
             &function,
