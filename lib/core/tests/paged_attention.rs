@@ -159,6 +159,12 @@ fn the_paged_decode_kernel_equals_gathered_attention_on_a_gpu() {
             }
         }
     }
+    // The self-check the decoder runs before it relies on the kernel passes.
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for d in [64, 128] {
+            paged_attention::self_check(0, kind, d).unwrap();
+        }
+    }
     // Shapes it has no kernel for are turned away with a message.
     assert!(!paged_attention::supports(96, Kind::BFloat16));
     let query = Tensor::zeros([1, 4, 96], (Kind::BFloat16, Device::Cuda(0)));

@@ -83,6 +83,8 @@ pub struct Decoder {
     cuda_graphs: bool,
     /// Decode attention through the paged kernel on CUDA devices (else gathered windows).
     paged_kernel: bool,
+    /// The kernel was compiled and checked on this decoder's device.
+    kernel_checked: bool,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -126,6 +128,7 @@ impl Decoder {
         Decoder {
             cuda_graphs: false,
             paged_kernel: true,
+            kernel_checked: false,
             budget: KvBudget::default(),
             cache: None,
             graphs: HashMap::new(),
@@ -157,8 +160,9 @@ impl Decoder {
     }
 
     /// Whether decode steps on `device` use the paged decode kernel: on CUDA devices, for the
-    /// head sizes and dtypes it has, once it compiled (a failure is reported once, and the
-    /// gathered attention used instead).
+    /// head sizes and dtypes it has, once it compiled and passed its self-check (a failure is
+    /// reported once, and the gathered attention used instead). Never called inside a graph
+    /// capture: the warm-up and every decode step ask before they capture.
     fn uses_paged_kernel(&mut self, model: &GptModel) -> bool {
         let Device::Cuda(index) = model.options().device else {
             self.paged_kernel = false;
@@ -170,9 +174,13 @@ impl Decoder {
         if !self.paged_kernel {
             return false;
         }
-        if let Err(e) = crate::runtime::nvrtc::kernels(&paged_attention::SOURCE, index) {
-            eprintln!("warning: decoding with gathered attention: {e:#}");
-            self.paged_kernel = false;
+        if !self.kernel_checked {
+            self.kernel_checked = true;
+            let (kind, d) = (model.options().params_dtype, model.config.kv_channels);
+            if let Err(e) = paged_attention::self_check(index, kind, d) {
+                eprintln!("warning: decoding with gathered attention: {e:#}");
+                self.paged_kernel = false;
+            }
         }
         self.paged_kernel
     }

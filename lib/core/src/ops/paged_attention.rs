@@ -294,3 +294,47 @@ pub fn paged_decode_attention(
     }
     Ok(out)
 }
+
+/// Runs the kernel once on CUDA device `device` for head dim `d` in `kind` on a small made-up
+/// cache (two rows of 5 and 40 positions, two query heads on one key/value head) and compares
+/// it with the same attention computed from plain tensor operations: a launch or a result that
+/// goes wrong is an error here, before any request depends on it.
+pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
+    let cuda = Device::Cuda(device);
+    let made_up = |count: i64, step: f64| {
+        (Tensor::arange(count, (Kind::Float, cuda)) * step)
+            .sin()
+            .to_kind(kind)
+    };
+    let (heads, lengths) = (2, [5i64, 40]);
+    // Row 0 owns blocks 1..=3, row 1 blocks 4..=6 (block 0 is padding).
+    let pool = made_up(7 * BLOCK_SIZE * 2 * d, 0.37).view([7 * BLOCK_SIZE, 1, 2 * d]);
+    let query = made_up(2 * heads * d, 0.11).view([2, heads, d]);
+    let tables = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6])
+        .view([2, 3])
+        .to_device(cuda);
+    let positions = Tensor::from_slice(&[lengths[0] - 1, lengths[1] - 1]).to_device(cuda);
+    let got = paged_decode_attention(&query, &pool, &tables, &positions)?.to_kind(Kind::Float);
+    let tolerance = match kind {
+        Kind::Float => 1e-4,
+        Kind::Half => 1e-2,
+        _ => 5e-2,
+    };
+    for (row, length) in lengths.into_iter().enumerate() {
+        let slots = pool
+            .narrow(0, (1 + 3 * row as i64) * BLOCK_SIZE, length)
+            .select(1, 0)
+            .to_kind(Kind::Float);
+        let (keys, values) = (slots.narrow(1, 0, d), slots.narrow(1, d, d));
+        let q = query.get(row as i64).to_kind(Kind::Float);
+        let weights = (q.matmul(&keys.tr()) / (d as f64).sqrt()).softmax(-1, Kind::Float);
+        let want = weights.matmul(&values);
+        let difference = (got.get(row as i64) - want).abs().max().double_value(&[]);
+        ensure!(
+            difference <= tolerance,
+            "the paged decode kernel's self-check ({kind:?}, head dim {d}) is off by \
+             {difference} on row {row}"
+        );
+    }
+    Ok(())
+}
