@@ -35,16 +35,22 @@ fn checkpoint(dir: &Path) {
 
 /// [`checkpoint`] with `positions` positions (long generations for the hostile-client tests).
 fn checkpoint_with_positions(dir: &Path, positions: usize) {
+    checkpoint_of_shape(dir, positions, 64, 4);
+}
+
+/// [`checkpoint`] of `hidden` channels in `heads` heads.
+fn checkpoint_of_shape(dir: &Path, positions: usize, hidden: usize, heads: usize) {
     let positions = positions.to_string();
+    let (hidden, heads) = (hidden.to_string(), heads.to_string());
     run_ok(
         bin("pretrain_gpt")
             .args([
                 "--num-layers",
                 "2",
                 "--hidden-size",
-                "64",
+                &hidden,
                 "--num-attention-heads",
-                "4",
+                &heads,
                 "--seq-length",
                 "64",
                 "--max-position-embeddings",
@@ -454,9 +460,11 @@ fn assert_same_answer(got: &Value, expected: &Value, tolerance: f64) {
     }
 }
 
-/// On GPUs: decode steps replayed from CUDA graphs answer like eager decoding, on one GPU (the
-/// second request reusing the first one's cache and graphs) and with tensor parallelism over
-/// NCCL, whose collectives are captured in the graphs too. Runs where there are 2 GPUs.
+/// On GPUs: decode steps replayed from CUDA graphs with the paged decode kernel answer like
+/// eager decoding with gathered attention, on one GPU (the second request reusing the first
+/// one's cache and graphs) and with tensor parallelism over NCCL, whose collectives are captured
+/// in the graphs too. Heads of 64 channels, so that the kernel serves them. Runs where there
+/// are 2 GPUs.
 #[test]
 fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
     if visible_gpus() < 2 {
@@ -465,7 +473,7 @@ fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
     }
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    checkpoint(&ckpt);
+    checkpoint_of_shape(&ckpt, 96, 128, 2);
     let bodies = [
         json!({"prompts": ["The data", "x y z w"], "tokens_to_generate": 60, "top_k": 1, "logprobs": true}),
         json!({"prompts": ["Hello there", "A"], "tokens_to_generate": 60, "top_k": 1, "logprobs": true}),
@@ -476,7 +484,12 @@ fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
     };
     let eager = serve(
         server_command(&ckpt)
-            .args(["--device", "cuda", "--no-cuda-graphs"])
+            .args([
+                "--device",
+                "cuda",
+                "--no-cuda-graphs",
+                "--no-paged-attention",
+            ])
             .spawn()
             .unwrap(),
     );

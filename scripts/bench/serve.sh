@@ -3,9 +3,10 @@
 # serving one request at a time (--max-batch-size 1, what the server did before batching), on
 # one GPU with GPT 345M (GPT-2-medium shape: 24 layers, hidden 1024, 16 heads), bf16. 64
 # concurrent clients stream greedy OpenAI completions, prompts of 32-512 tokens, 64-512 new
-# tokens (scripts/bench/serve_load.py; the same requests for both servers). Reports aggregate
-# new tokens/s and p50/p99 time to first token and per-token latency for both, and batch-1
-# decode tokens/s (one request alone: prompt 128, 256 new tokens, through PUT /api).
+# tokens (scripts/bench/serve_load.py; the same requests for every server). Reports aggregate
+# new tokens/s and p50/p99 time to first token and per-token latency for each, and batch-1
+# decode tokens/s of each batching server (one request alone: prompt 128, 256 new tokens,
+# through PUT /api).
 #
 # The weights are a pretrain_gpt checkpoint after one step on mock data (NullTokenizer with
 # GPT-2's 50257 ids, so prompts are token ids). Time to first token and per-token latency are
@@ -18,7 +19,10 @@
 #   REQUESTS=256         requests of the batching run
 #   SERIAL_REQUESTS=48   requests of the one-at-a-time run (its rate needs fewer)
 #   CLIENTS=64           concurrent clients
-#   SERVER_FLAGS=        extra text_generation_server flags for both runs, e.g. --kv-cache-gb 8
+#   SERVER_FLAGS=        extra text_generation_server flags for every run, e.g. --kv-cache-gb 8
+#   VARIANTS=            ';'-separated flag sets, each one more continuous-batching run (batch-1
+#                        decode included) in the same table, e.g.
+#                        VARIANTS="--no-paged-attention;--prefill-chunk-size 2048"
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -79,12 +83,22 @@ print(json.dumps({"decode_tokens_per_s": 255 / (full - first)}))
 PY
 }
 
-echo "== continuous batching" >&2
-start_server
-batch1 >"$SCRATCH/batch1.json"
-"${LOAD[@]}" --requests "${REQUESTS:-256}" --json "$SCRATCH/batched.json"
-grep -E "graph|KV" "$SCRATCH/server.log" >&2 || true
-stop_server
+# One continuous-batching run per flag set: the default, then each of $VARIANTS.
+IFS=';' read -r -a variants <<<"${VARIANTS:-}"
+runs=("")
+for v in "${variants[@]}"; do [[ -n "${v// }" ]] && runs+=("$v"); done
+: >"$SCRATCH/runs.txt"
+for i in "${!runs[@]}"; do
+    flags="${runs[$i]}"
+    echo "== continuous batching ${flags:-(default)}" >&2
+    # shellcheck disable=SC2086
+    start_server $flags
+    batch1 >"$SCRATCH/batch1_$i.json"
+    "${LOAD[@]}" --requests "${REQUESTS:-256}" --json "$SCRATCH/batched_$i.json"
+    grep -E "graph|KV|warning" "$SCRATCH/server.log" >&2 || true
+    stop_server
+    printf '%s\t%s\n' "$i" "$flags" >>"$SCRATCH/runs.txt"
+done
 echo "== one request at a time (--max-batch-size 1)" >&2
 start_server --max-batch-size 1
 "${LOAD[@]}" --requests "${SERIAL_REQUESTS:-48}" --json "$SCRATCH/serial.json"
@@ -93,13 +107,23 @@ stop_server
 "$PYTHON" - "$SCRATCH" <<'PY'
 import json, sys
 scratch = sys.argv[1]
-runs = {name: json.load(open(f"{scratch}/{name}.json")) for name in ("batched", "serial")}
-batch1 = json.load(open(f"{scratch}/batch1.json"))
-print(f"{'':26} {'requests':>8} {'new tokens/s':>13} {'TTFT p50':>10} {'TTFT p99':>10} {'token p50':>10} {'token p99':>10}")
-for name, label in (("batched", "continuous batching"), ("serial", "one at a time")):
-    r = runs[name]
-    print(f"{label:26} {r['requests']:8d} {r['tokens_per_s']:13,.0f} {r['ttft_p50_ms']:8.0f}ms {r['ttft_p99_ms']:8.0f}ms"
-          f" {r['token_latency_p50_ms']:8.1f}ms {r['token_latency_p99_ms']:8.1f}ms")
-print(f"aggregate speed-up: {runs['batched']['tokens_per_s'] / runs['serial']['tokens_per_s']:.1f}x")
-print(f"batch-1 decode: {batch1['decode_tokens_per_s']:,.0f} tokens/s")
+runs = []
+for line in open(f"{scratch}/runs.txt"):
+    index, _, flags = line.rstrip("\n").partition("\t")
+    label = "continuous batching" + (f" {flags}" if flags else "")
+    runs.append((label, json.load(open(f"{scratch}/batched_{index}.json")),
+                 json.load(open(f"{scratch}/batch1_{index}.json"))))
+serial = json.load(open(f"{scratch}/serial.json"))
+width = max(26, *(len(label) for label, _, _ in runs))
+print(f"{'':{width}} {'requests':>8} {'new tokens/s':>13} {'TTFT p50':>10} {'TTFT p99':>10} {'token p50':>10} {'token p99':>10} {'batch-1':>9}")
+def row(label, r, batch1=None):
+    b1 = f"{batch1['decode_tokens_per_s']:9,.0f}" if batch1 else f"{'':9}"
+    print(f"{label:{width}} {r['requests']:8d} {r['tokens_per_s']:13,.0f} {r['ttft_p50_ms']:8.0f}ms {r['ttft_p99_ms']:8.0f}ms"
+          f" {r['token_latency_p50_ms']:8.1f}ms {r['token_latency_p99_ms']:8.1f}ms {b1}")
+for label, r, batch1 in runs:
+    row(label, r, batch1)
+row("one at a time", serial)
+for label, r, _ in runs:
+    print(f"{label}: aggregate speed-up {r['tokens_per_s'] / serial['tokens_per_s']:.1f}x over one at a time")
+print("batch-1: decode tokens/s of one request alone (prompt 128, 256 new tokens)")
 PY

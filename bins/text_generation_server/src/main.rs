@@ -98,6 +98,11 @@ struct Cli {
     /// (same tokens, several times faster at small batches).
     #[arg(long)]
     no_cuda_graphs: bool,
+    /// Decode attention gathers each row's window of KV-cache slots and runs libtorch's
+    /// attention under a mask, instead of the paged decode kernel (compiled at start with
+    /// NVRTC) that reads the cache blocks in place. For comparing the two; CPUs always gather.
+    #[arg(long)]
+    no_paged_attention: bool,
 }
 
 fn main() -> ExitCode {
@@ -113,6 +118,7 @@ fn main() -> ExitCode {
         tch::manual_seed(cli.model.seed as i64);
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
+        let no_paged_attention = cli.no_paged_attention;
         let limits = BatchLimits {
             max_batch_size: cli.max_batch_size,
             prefill_chunk: cli.prefill_chunk_size,
@@ -139,8 +145,13 @@ fn main() -> ExitCode {
                 .with_tensor_parallel(parallel.tensor.clone())
                 .with_limits(limits)
                 .with_kv_budget(budget);
-            Ok(if no_cuda_graphs {
+            let service = if no_cuda_graphs {
                 service.without_cuda_graphs()
+            } else {
+                service
+            };
+            Ok(if no_paged_attention {
+                service.without_paged_attention()
             } else {
                 service
             })

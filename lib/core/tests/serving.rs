@@ -3,8 +3,10 @@
 //! log-probabilities, stop conditions, completions with stop sequences); a request whose client
 //! goes away frees its KV cache blocks at the next step; a tiny KV cache budget is never
 //! exceeded (requests wait, then complete) and a request that can never fit is refused; a full
-//! queue is answered as busy.
+//! queue is answered as busy; first tokens come in arrival order, and with room for every
+//! request none waits for another's completion.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +15,8 @@ use megatron_core::args::ModelArgs;
 use megatron_core::inference::api::ApiRequest;
 use megatron_core::inference::openai::CompletionRequest;
 use megatron_core::inference::{
-    BatchLimits, CancelFlag, ClientGone, KvBudget, ServiceError, TextGenerationService,
+    BatchLimits, Batcher, CancelFlag, ClientGone, Decoder, GenerationRequest, KvBudget, Sampling,
+    ServiceError, StopCondition, TextGenerationService,
 };
 use megatron_core::model::{GptModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
@@ -36,24 +39,45 @@ fn model() -> GptModel {
 }
 
 fn model_on(device: Device) -> GptModel {
+    model_of(
+        device,
+        &["--hidden-size", "64", "--num-attention-heads", "4"],
+        Kind::Float,
+    )
+}
+
+/// A GPU model whose heads have 64 channels (the paged decode kernel's smallest), 8 query heads
+/// in 4 groups.
+fn gpu_model(kind: Kind) -> GptModel {
+    model_of(
+        Device::Cuda(0),
+        &[
+            "--hidden-size",
+            "512",
+            "--num-attention-heads",
+            "8",
+            "--group-query-attention",
+            "--num-query-groups",
+            "4",
+        ],
+        kind,
+    )
+}
+
+fn model_of(device: Device, shape: &[&str], params_dtype: Kind) -> GptModel {
     let positions = POSITIONS.to_string();
-    let argv = [
-        "test",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
+    let mut argv = vec!["test", "--num-layers", "2"];
+    argv.extend_from_slice(shape);
+    argv.extend([
         "--seq-length",
         &positions,
         "--max-position-embeddings",
         &positions,
-    ];
+    ]);
     let flags = Flags::try_parse_from(argv).unwrap();
     let config = flags.model.gpt_config(i64::from(VOCAB) + 1).unwrap();
     let options = ModelOptions {
-        params_dtype: Kind::Float,
+        params_dtype,
         device,
         recompute: Recompute::None,
         seed: 5,
@@ -241,14 +265,14 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
         })
         .collect();
     let alone = service_of(
-        model_on(Device::Cuda(0)),
+        gpu_model(Kind::Float),
         limits(1, 1024, 64),
         KvBudget::Bytes(1 << 30),
     );
     let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
     drop(alone);
     let together = service_of(
-        model_on(Device::Cuda(0)),
+        gpu_model(Kind::Float),
         limits(16, 32, 64),
         KvBudget::Bytes(1 << 30),
     );
@@ -268,6 +292,74 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
         }
     }
     assert!(together.cache_use().peak_rows > 1);
+}
+
+/// On a GPU, decode attention through the paged kernel (blocks read in place) gives the tokens
+/// of gathered attention windows, batched and from CUDA graphs: in fp32 the same texts; in bf16,
+/// where rounding may tip a near tie, log-probabilities within bf16 noise up to the first token
+/// that differs, and mostly the same first tokens.
+#[test]
+fn the_paged_decode_kernel_serves_like_gathered_attention_on_a_gpu() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let prompt_length = |i: u32| 3 + (i * 13) % 90;
+    let jobs: Vec<Job> = (0..16u32)
+        .map(|i| {
+            api(json!({
+                "prompts": [prompt(i, prompt_length(i))],
+                "tokens_to_generate": 20 + (i * 17) % 140,
+                "top_k": 1,
+                "logprobs": true,
+            }))
+        })
+        .collect();
+    for (kind, tolerance) in [(Kind::Float, 1e-3), (Kind::BFloat16, 0.1)] {
+        let serve_all = |service: TextGenerationService| -> Vec<Value> {
+            let answers = std::thread::scope(|scope| {
+                let handles: Vec<_> = jobs
+                    .iter()
+                    .map(|job| scope.spawn(|| run(&service, job).unwrap().0))
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(service.cache_use().peak_rows > 1);
+            answers
+        };
+        let limits = limits(16, 32, 64);
+        let budget = KvBudget::Bytes(1 << 30);
+        let gathered =
+            serve_all(service_of(gpu_model(kind), limits, budget).without_paged_attention());
+        let kernel = serve_all(service_of(gpu_model(kind), limits, budget));
+        let mut same_first_token = 0;
+        for (i, (got, want)) in kernel.iter().zip(&gathered).enumerate() {
+            if kind == Kind::Float {
+                assert_eq!(got["text"], want["text"], "{kind:?} request {i}");
+            }
+            let tokens = |v: &Value| v["segments"][0].as_array().unwrap().clone();
+            let agree = tokens(got)
+                .iter()
+                .zip(&tokens(want))
+                .take_while(|(x, y)| x == y)
+                .count();
+            same_first_token += usize::from(agree > prompt_length(i as u32) as usize);
+            // Log-probability k scores token k + 1: compared while the tokens agree.
+            let (a, b) = (&got["logprobs"][0], &want["logprobs"][0]);
+            let (a, b) = (a.as_array().unwrap(), b.as_array().unwrap());
+            for (x, y) in a.iter().zip(b).take(agree.saturating_sub(1)) {
+                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                assert!(
+                    (x - y).abs() < tolerance,
+                    "{kind:?} request {i}: {x} vs {y}"
+                );
+            }
+        }
+        assert!(
+            same_first_token >= 10,
+            "{kind:?}: {same_first_token} of 16 first tokens agree"
+        );
+    }
 }
 
 /// Streams `request` until its fifth delta, then reports the client gone: the steps run when
@@ -402,4 +494,123 @@ fn a_full_queue_is_answered_busy() {
         started.elapsed()
     );
     assert!(started.elapsed() < Duration::from_secs(120));
+}
+
+/// Rows of one greedy request: `prompt` ids, `new` tokens after it.
+fn greedy_rows(prompt: usize, new: usize, seed: u64) -> Vec<megatron_core::inference::RowSpec> {
+    GenerationRequest {
+        prompts: vec![(0..prompt as i64)
+            .map(|i| (i * 7 + seed as i64) % 290)
+            .collect()],
+        tokens_to_generate: new,
+        sampling: Sampling::greedy(),
+        stop: StopCondition::Never,
+        prevent_newline_after_colon: None,
+        logprobs: false,
+        pad: 0,
+    }
+    .rows(seed)
+    .unwrap()
+}
+
+/// Runs `batcher` for `steps` steps (or until idle), numbering them from `*step`: records each
+/// request's first-token step and finishing step.
+fn run_steps(
+    model: &GptModel,
+    decoder: &mut Decoder,
+    batcher: &mut Batcher,
+    steps: usize,
+    step: &mut u64,
+    first: &mut HashMap<u64, u64>,
+    done: &mut HashMap<u64, u64>,
+) {
+    for _ in 0..steps {
+        if batcher.is_idle() {
+            return;
+        }
+        *step += 1;
+        let now = *step;
+        let finished = batcher
+            .step(model, decoder, &mut |id, _, _| {
+                first.entry(id).or_insert(now);
+                false
+            })
+            .unwrap();
+        for (id, _) in finished {
+            done.insert(id, now);
+        }
+    }
+}
+
+#[test]
+fn first_tokens_come_in_arrival_order_and_never_wait_for_a_completion() {
+    let model = model();
+    let mut decoder = Decoder::eager();
+    let (mut step, mut first, mut done) = (0, HashMap::new(), HashMap::new());
+    // Prompts prefilled 16 positions a step. Requests 0 and 1 run; request 1 leaves after its
+    // fourth token, while request 2's 64-position prompt is being prefilled and request 3's
+    // waits behind it: the row that leaves must not let request 3 overtake request 2.
+    let mut batcher = Batcher::new(limits(8, 16, 64));
+    batcher
+        .submit(&model, &mut decoder, 0, greedy_rows(3, 100, 0))
+        .unwrap();
+    batcher
+        .submit(&model, &mut decoder, 1, greedy_rows(3, 4, 1))
+        .unwrap();
+    run_steps(
+        &model,
+        &mut decoder,
+        &mut batcher,
+        1,
+        &mut step,
+        &mut first,
+        &mut done,
+    );
+    batcher
+        .submit(&model, &mut decoder, 2, greedy_rows(64, 20, 2))
+        .unwrap();
+    batcher
+        .submit(&model, &mut decoder, 3, greedy_rows(64, 20, 3))
+        .unwrap();
+    run_steps(
+        &model,
+        &mut decoder,
+        &mut batcher,
+        1000,
+        &mut step,
+        &mut first,
+        &mut done,
+    );
+    assert_eq!(done[&1], 4, "request 1 left during request 2's prefill");
+    // 64 positions are 4 steps of prefill, started at step 2.
+    assert_eq!(first[&2], 5, "request 2's first token: {first:?}");
+    assert_eq!(first[&3], 9, "request 3's first token: {first:?}");
+
+    // With room for all of them, 8 requests sent together each get their first token before
+    // any of them finishes: prefill (about 240 positions, 16 a step) takes fewer steps than
+    // the shortest generation.
+    let mut batcher = Batcher::new(limits(8, 16, 64));
+    let (mut step, mut first, mut done) = (0, HashMap::new(), HashMap::new());
+    for id in 0..8u64 {
+        let prompt = 5 + (id as usize * 17) % 56;
+        let rows = greedy_rows(prompt, 24 + id as usize * 3, id);
+        batcher.submit(&model, &mut decoder, id, rows).unwrap();
+    }
+    run_steps(
+        &model,
+        &mut decoder,
+        &mut batcher,
+        1000,
+        &mut step,
+        &mut first,
+        &mut done,
+    );
+    assert_eq!((first.len(), done.len()), (8, 8));
+    let last_first = first.values().max().unwrap();
+    let first_done = done.values().min().unwrap();
+    assert!(
+        last_first < first_done,
+        "a first token at step {last_first}, a completion at step {first_done}: {first:?} {done:?}"
+    );
+    assert_eq!(batcher.cache_use().used_blocks, 0);
 }

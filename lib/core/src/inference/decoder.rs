@@ -5,8 +5,11 @@
 //! A decode step of a 24-layer model is a few hundred small kernels; launched one by one from the
 //! host they take several times longer than the GPU needs to run them. A graph launches them all
 //! at once. Its shapes are fixed, so the batch is padded to the next bucket (a power of two) and
-//! every row attends to a fixed window of its cache slots (masked past its position): there is
-//! one graph per bucket and window, the window in steps of [`WINDOW_STEP`].
+//! every row's block table has a fixed width, its window. With the paged decode kernel
+//! ([`crate::ops::paged_attention`], on GPUs) a row is read through its table up to its own
+//! position, and windows grow in powers of two; with gathered attention every row attends to
+//! its whole window of cache slots (masked past its position), and windows grow in steps of
+//! [`WINDOW_STEP`]. There is one graph per bucket and window.
 
 use std::collections::HashMap;
 
@@ -15,6 +18,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::model::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 use crate::model::GptModel;
+use crate::ops::paged_attention;
 use crate::runtime::{cuda_free_memory, cuda_graphs_available, CudaGraph};
 
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
@@ -77,19 +81,40 @@ pub struct PrefillChunk<'a> {
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
     cuda_graphs: bool,
+    /// Decode attention through the paged kernel on CUDA devices (else gathered windows).
+    paged_kernel: bool,
+    /// The kernel was compiled and checked on this decoder's device.
+    kernel_checked: bool,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
     inputs: HashMap<i64, GraphInputs>,
 }
 
-/// The static input buffers of the decode graphs of one bucket.
+/// The static input buffers of the decode graphs of one bucket: views of one device buffer,
+/// so that a step's inputs go to the device in one copy.
 struct GraphInputs {
+    /// `[tokens, positions, write slots, tables]` back to back.
+    packed: Tensor,
     tokens: Tensor,
     positions: Tensor,
     write_slots: Tensor,
     /// Block tables, `[bucket · window / BLOCK_SIZE]` used of the largest window.
     tables: Tensor,
+}
+
+impl GraphInputs {
+    fn new(bucket: i64, capacity: i64, device: Device) -> Self {
+        let per_table = bucket * capacity / BLOCK_SIZE;
+        let packed = Tensor::zeros([3 * bucket + per_table], (Kind::Int64, device));
+        GraphInputs {
+            tokens: packed.narrow(0, 0, bucket).view([bucket, 1]),
+            positions: packed.narrow(0, bucket, bucket).view([bucket, 1]),
+            write_slots: packed.narrow(0, 2 * bucket, bucket),
+            tables: packed.narrow(0, 3 * bucket, per_table),
+            packed,
+        }
+    }
 }
 
 struct StepGraph {
@@ -102,6 +127,8 @@ impl Decoder {
     pub fn eager() -> Self {
         Decoder {
             cuda_graphs: false,
+            paged_kernel: true,
+            kernel_checked: false,
             budget: KvBudget::default(),
             cache: None,
             graphs: HashMap::new(),
@@ -116,6 +143,46 @@ impl Decoder {
             cuda_graphs: cuda_graphs_available(),
             ..Decoder::eager()
         }
+    }
+
+    /// Decode attention gathers each row's window of cache slots and runs libtorch's attention
+    /// under a mask, instead of the paged decode kernel reading the blocks in place (the only
+    /// way on a CPU; on a GPU, to compare the two).
+    pub fn with_gathered_attention(mut self) -> Self {
+        self.paged_kernel = false;
+        self
+    }
+
+    /// Whether decode steps use the paged decode kernel (known after the warm-up or the first
+    /// step).
+    pub fn paged_attention(&self) -> bool {
+        self.paged_kernel
+    }
+
+    /// Whether decode steps on `device` use the paged decode kernel: on CUDA devices, for the
+    /// head sizes and dtypes it has, once it compiled and passed its self-check (a failure is
+    /// reported once, and the gathered attention used instead). Never called inside a graph
+    /// capture: the warm-up and every decode step ask before they capture.
+    fn uses_paged_kernel(&mut self, model: &GptModel) -> bool {
+        let Device::Cuda(index) = model.options().device else {
+            self.paged_kernel = false;
+            return false;
+        };
+        if !paged_attention::supports(model.config.kv_channels, model.options().params_dtype) {
+            self.paged_kernel = false;
+        }
+        if !self.paged_kernel {
+            return false;
+        }
+        if !self.kernel_checked {
+            self.kernel_checked = true;
+            let (kind, d) = (model.options().params_dtype, model.config.kv_channels);
+            if let Err(e) = paged_attention::self_check(index, kind, d) {
+                eprintln!("warning: decoding with gathered attention: {e:#}");
+                self.paged_kernel = false;
+            }
+        }
+        self.paged_kernel
     }
 
     /// The KV cache takes at most `budget`.
@@ -170,13 +237,16 @@ impl Decoder {
             _ => return Ok(0),
         };
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let in_place = self.uses_paged_kernel(model);
         let mut size = 1;
         loop {
-            for window in (1..=capacity / WINDOW_STEP).map(|w| w * WINDOW_STEP) {
+            for window in windows(capacity, in_place) {
                 // Padding rows only: they write to and read the reserved block.
                 let zeros = vec![0i64; size as usize];
                 let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
-                let _ = self.replay(model, index, size, window, &zeros, &zeros, &zeros, &tables)?;
+                let _ = self.replay(
+                    model, index, size, window, &zeros, &zeros, &zeros, &tables, in_place,
+                )?;
             }
             if size >= rows {
                 return Ok(self.graphs.len());
@@ -197,11 +267,13 @@ impl Decoder {
         ensure!(!chunks.is_empty(), "a prefill needs chunks");
         let device = model.options().device;
         let width = chunks.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+        // In whole steps of WINDOW_STEP (masked past each row's positions): few distinct
+        // attention shapes, and rows of the bias aligned as GPU attention kernels want them.
         let window = chunks
             .iter()
-            .map(|c| c.start as usize + c.tokens.len())
+            .map(|c| c.start + c.tokens.len() as i64)
             .max()
-            .unwrap_or(0);
+            .map_or(0, |end| round_up(end, WINDOW_STEP)) as usize;
         let rows = chunks.len();
         let mut tokens = vec![0i64; rows * width];
         let mut positions = vec![0i64; rows * width];
@@ -225,15 +297,19 @@ impl Decoder {
                 read[r * window + p as usize] = slot(chunk.blocks, p);
             }
         }
-        let to = |values: &[i64], columns: usize| {
-            Tensor::from_slice(values)
-                .view([rows as i64, columns as i64])
-                .to_device(device)
-        };
-        let positions = to(&positions, width);
+        // One copy to the device; the inputs are views of it.
+        let (rows, width, window) = (rows as i64, width as i64, window as i64);
+        let packed =
+            Tensor::from_slice(&[tokens, positions, write, read].concat()).to_device(device);
+        let tokens = packed.narrow(0, 0, rows * width).view([rows, width]);
+        let positions = packed
+            .narrow(0, rows * width, rows * width)
+            .view([rows, width]);
         let step = PagedStep::new(
-            Tensor::from_slice(&write).to_device(device),
-            to(&read, window),
+            packed.narrow(0, 2 * rows * width, rows * width),
+            packed
+                .narrow(0, 3 * rows * width, rows * window)
+                .view([rows, window]),
             &positions,
             model.options().params_dtype,
         );
@@ -241,8 +317,7 @@ impl Decoder {
             .cache
             .as_mut()
             .expect("prefill after the cache was made");
-        let logits =
-            tch::no_grad(|| model.forward_paged(&to(&tokens, width), &positions, cache, &step))?;
+        let logits = tch::no_grad(|| model.forward_paged(&tokens, &positions, cache, &step))?;
         Ok(chunks
             .iter()
             .enumerate()
@@ -260,9 +335,10 @@ impl Decoder {
     pub fn decode(&mut self, model: &GptModel, rows: &[DecodeRow]) -> Result<Tensor> {
         let count = rows.len() as i64;
         ensure!(count > 0, "a decode step needs rows");
+        let in_place = self.uses_paged_kernel(model);
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
-        let window = round_up(furthest + 1, WINDOW_STEP).min(capacity);
+        let window = window_for(furthest + 1, capacity, in_place);
         let bucket = bucket(count);
         let device = model.options().device;
         let graphed = match device {
@@ -292,12 +368,17 @@ impl Decoder {
         }
         let logits = match graphed {
             Some(index) => self.replay(
-                model, index, bucket, window, &tokens, &positions, &write, &tables,
+                model, index, bucket, window, &tokens, &positions, &write, &tables, in_place,
             )?,
             None => {
-                let to = |v: &[i64]| Tensor::from_slice(v).to_device(device);
-                let table = to(&tables).view([padded, per_row]);
-                let (tokens, positions) = (to(&tokens).view([padded, 1]), to(&positions));
+                // One copy to the device; the inputs are views of it.
+                let packed =
+                    Tensor::from_slice(&[&tokens[..], &positions, &write, &tables].concat())
+                        .to_device(device);
+                let part = |k: i64| packed.narrow(0, k * padded, padded);
+                let table = packed
+                    .narrow(0, 3 * padded, padded * per_row)
+                    .view([padded, per_row]);
                 let cache = self
                     .cache
                     .as_mut()
@@ -306,10 +387,11 @@ impl Decoder {
                     decode_step(
                         model,
                         cache,
-                        &tokens,
-                        &positions.view([padded, 1]),
-                        &to(&write),
+                        &part(0).view([padded, 1]),
+                        &part(1).view([padded, 1]),
+                        &part(2),
                         &table,
+                        in_place,
                     )
                 })?
             }
@@ -330,21 +412,20 @@ impl Decoder {
         positions: &[i64],
         write: &[i64],
         tables: &[i64],
+        in_place: bool,
     ) -> Result<Tensor> {
         let cuda = Device::Cuda(device);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
-        let inputs = self.inputs.entry(bucket).or_insert_with(|| GraphInputs {
-            tokens: Tensor::zeros([bucket, 1], (Kind::Int64, cuda)),
-            positions: Tensor::zeros([bucket, 1], (Kind::Int64, cuda)),
-            write_slots: Tensor::zeros([bucket], (Kind::Int64, cuda)),
-            tables: Tensor::zeros([bucket * capacity / BLOCK_SIZE], (Kind::Int64, cuda)),
-        });
-        let host = |v: &[i64]| Tensor::from_slice(v);
-        inputs.tokens.copy_(&host(tokens).view([bucket, 1]));
-        inputs.positions.copy_(&host(positions).view([bucket, 1]));
-        inputs.write_slots.copy_(&host(write));
+        let inputs = self
+            .inputs
+            .entry(bucket)
+            .or_insert_with(|| GraphInputs::new(bucket, capacity, cuda));
+        let packed = [tokens, positions, write, tables].concat();
+        inputs
+            .packed
+            .narrow(0, 0, packed.len() as i64)
+            .copy_(&Tensor::from_slice(&packed));
         let used = tables.len() as i64;
-        inputs.tables.narrow(0, 0, used).copy_(&host(tables));
         let cache = self
             .cache
             .as_mut()
@@ -360,6 +441,7 @@ impl Decoder {
                     &inputs.positions,
                     &inputs.write_slots,
                     &table,
+                    in_place,
                 )
             };
             // One eager run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
@@ -386,16 +468,25 @@ fn decode_step(
     positions: &Tensor,
     write_slots: &Tensor,
     table: &Tensor,
+    in_place: bool,
 ) -> Result<Tensor> {
     let (rows, per_row) = (table.size()[0], table.size()[1]);
-    let offsets = Tensor::arange(BLOCK_SIZE, (Kind::Int64, table.device()));
-    let read = (table.unsqueeze(2) * BLOCK_SIZE + offsets).view([rows, per_row * BLOCK_SIZE]);
-    let step = PagedStep::new(
-        write_slots.shallow_clone(),
-        read,
-        positions,
-        model.options().params_dtype,
-    );
+    let step = if in_place {
+        PagedStep::decode_in_place(
+            write_slots.shallow_clone(),
+            table.shallow_clone(),
+            positions.view([rows]),
+        )
+    } else {
+        let offsets = Tensor::arange(BLOCK_SIZE, (Kind::Int64, table.device()));
+        let read = (table.unsqueeze(2) * BLOCK_SIZE + offsets).view([rows, per_row * BLOCK_SIZE]);
+        PagedStep::new(
+            write_slots.shallow_clone(),
+            read,
+            positions,
+            model.options().params_dtype,
+        )
+    };
     Ok(model
         .forward_paged(tokens, positions, cache, &step)?
         .select(0, 0))
@@ -411,6 +502,46 @@ pub fn bucket(rows: i64) -> i64 {
     (rows.max(1) as u64).next_power_of_two() as i64
 }
 
+/// The window of a decode step whose furthest row has `length` positions, of `capacity`
+/// (a multiple of [`WINDOW_STEP`]). The paged kernel reads a row only up to its position,
+/// whatever its table's width, so its windows grow in powers of two (a few graphs per bucket,
+/// block tables at most twice what the rows use); gathered attention reads the whole window,
+/// so its windows grow in steps of [`WINDOW_STEP`].
+fn window_for(length: i64, capacity: i64, in_place: bool) -> i64 {
+    let window = if in_place {
+        (length.max(WINDOW_STEP) as u64).next_power_of_two() as i64
+    } else {
+        round_up(length, WINDOW_STEP)
+    };
+    window.min(capacity)
+}
+
+/// Every window [`window_for`] gives.
+fn windows(capacity: i64, in_place: bool) -> Vec<i64> {
+    let mut all: Vec<i64> = (1..=capacity / WINDOW_STEP)
+        .map(|w| window_for(w * WINDOW_STEP, capacity, in_place))
+        .collect();
+    all.dedup();
+    all
+}
+
 fn round_up(value: i64, step: i64) -> i64 {
     (value + step - 1) / step * step
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_windows_double_and_gathered_windows_step() {
+        assert_eq!(windows(1024, true), [128, 256, 512, 1024]);
+        assert_eq!(windows(384, true), [128, 256, 384]);
+        assert_eq!(windows(384, false), [128, 256, 384]);
+        assert_eq!(windows(1024, false).len(), 8);
+        assert_eq!(window_for(300, 1024, true), 512);
+        assert_eq!(window_for(300, 1024, false), 384);
+        assert_eq!(window_for(1, 1024, true), 128);
+        assert_eq!(window_for(1024, 1024, true), 1024);
+    }
 }

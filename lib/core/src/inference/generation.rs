@@ -407,79 +407,22 @@ impl Batcher {
         self.refresh_use(decoder);
         let vocab = model.config.vocab_size;
         let chunk = self.limits.prefill_chunk.max(1);
-        // Rows that draw a token this step and their logits, prefills first.
-        let mut drawing: Vec<usize> = Vec::new();
-        let mut logits: Vec<Tensor> = Vec::new();
-        tch::no_grad(|| -> Result<()> {
-            let ready: Vec<usize> = (0..self.running.len())
-                .filter(|&i| {
-                    let row = &self.running[i];
-                    row.cached >= row.spec.prompt.len() && row.cached + 1 == row.tokens.len()
-                })
-                .collect();
-            // Chunks start at multiples of the chunk size, whatever else runs: a row's prefill
-            // is the same alone and in a batch. The step takes chunks, in admission order, up
-            // to a chunk size of positions (at least one chunk), all in one forward.
-            let mut budget = chunk;
-            let mut pieces: Vec<(usize, usize)> = Vec::new();
-            for (i, row) in self.running.iter().enumerate() {
-                let length = row.spec.prompt.len();
-                if budget == 0 || row.cached >= length {
-                    continue;
-                }
-                let count = (chunk - row.cached % chunk).min(length - row.cached);
-                if !pieces.is_empty() && count > budget {
-                    break;
-                }
-                budget = budget.saturating_sub(count);
-                pieces.push((i, count));
-            }
-            if !pieces.is_empty() {
-                let chunks: Vec<PrefillChunk> = pieces
-                    .iter()
-                    .map(|&(i, count)| {
-                        let row = &self.running[i];
-                        PrefillChunk {
-                            tokens: &row.tokens[row.cached..row.cached + count],
-                            start: row.cached as i64,
-                            blocks: &row.blocks,
-                        }
-                    })
-                    .collect();
-                let outs = decoder.prefill(model, &chunks)?;
-                for (&(i, count), out) in pieces.iter().zip(outs) {
-                    let row = &mut self.running[i];
-                    let length = row.spec.prompt.len();
-                    let out = out.narrow(1, 0, vocab);
-                    if row.spec.logprobs {
-                        let targets = (length - 1).min(row.cached + count) - row.cached;
-                        if targets > 0 {
-                            let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
-                            let next = Tensor::from_slice(next)
-                                .to_device(out.device())
-                                .unsqueeze(1);
-                            let scores = out
-                                .narrow(0, 0, targets as i64)
-                                .to_kind(Kind::Float)
-                                .log_softmax(1, Kind::Float)
-                                .gather(1, &next, false)
-                                .squeeze_dim(1);
-                            row.logprobs
-                                .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
-                        }
-                    }
-                    row.cached += count;
-                    if row.cached == length {
-                        drawing.push(i);
-                        logits.push(
-                            out.select(0, count as i64 - 1)
-                                .to_kind(Kind::Float)
-                                .unsqueeze(0),
-                        );
-                    }
-                }
-            }
-            if !ready.is_empty() {
+        // Rows decoding this step: those whose last token has no keys and values yet (rows
+        // finishing their prompt now draw their first token from the prefill).
+        let ready: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                let row = &self.running[i];
+                row.cached >= row.spec.prompt.len() && row.cached + 1 == row.tokens.len()
+            })
+            .collect();
+        let mut ended = Vec::new();
+        // First tokens are drawn, and streamed, before the decode step runs.
+        let (prefilled, logits) = tch::no_grad(|| self.prefill_step(model, decoder, chunk))?;
+        if !prefilled.is_empty() {
+            self.take_tokens(&prefilled, &logits, observer, &mut ended)?;
+        }
+        if !ready.is_empty() {
+            let logits = tch::no_grad(|| -> Result<Tensor> {
                 let rows: Vec<DecodeRow> = ready
                     .iter()
                     .map(|&i| {
@@ -492,40 +435,20 @@ impl Batcher {
                     })
                     .collect();
                 let out = decoder.decode(model, &rows)?;
-                logits.push(out.narrow(1, 0, vocab).to_kind(Kind::Float));
-                for &i in &ready {
-                    self.running[i].cached += 1;
-                }
-                drawing.extend(ready);
+                Ok(out.narrow(1, 0, vocab).to_kind(Kind::Float))
+            })?;
+            for &i in &ready {
+                self.running[i].cached += 1;
             }
-            Ok(())
-        })?;
+            self.take_tokens(&ready, &[logits], observer, &mut ended)?;
+        }
         let mut finished = Vec::new();
-        if drawing.is_empty() {
-            return Ok(finished);
-        }
-        let (tokens, scores) = tch::no_grad(|| self.draw(&drawing, &logits))?;
-        let mut ended = Vec::new();
-        for (k, &i) in drawing.iter().enumerate() {
-            let row = &mut self.running[i];
-            let before = *row.tokens.last().expect("rows have tokens");
-            let token = tokens[k];
-            row.tokens.push(token);
-            row.draws += 1;
-            row.sampling = row.sampling.decayed();
-            if let Some(scores) = &scores {
-                row.logprobs.push(scores[k]);
-            }
-            let stopped = stops(&row.spec.stop, token, before);
-            let told = observer(row.request, row.index, token);
-            if stopped || told || row.tokens.len() >= row.spec.total {
-                ended.push(i);
-            }
-        }
-        // Highest index first, so the others keep their places while removed.
+        // Highest index first, so the others keep their places while removed; the rest keep
+        // their admission order, which is the order their prompts are prefilled in (a later
+        // request never overtakes an earlier one's first token).
         ended.sort_unstable_by(|a, b| b.cmp(a));
         for i in ended {
-            let row = self.running.swap_remove(i);
+            let row = self.running.remove(i);
             if let Some(cache) = decoder.existing_cache() {
                 cache.release(row.blocks);
             }
@@ -557,17 +480,139 @@ impl Batcher {
         Ok(finished)
     }
 
+    /// Prefills up to a chunk budget of prompt positions, in admission order, in one forward:
+    /// the rows whose prompt is now complete and their last position's logits (`[1, vocab]`
+    /// each, float). Chunks start at multiples of the chunk size, whatever else runs, so a
+    /// row's prefill is the same alone and in a batch; the step takes at least one chunk.
+    fn prefill_step(
+        &mut self,
+        model: &GptModel,
+        decoder: &mut Decoder,
+        chunk: usize,
+    ) -> Result<(Vec<usize>, Vec<Tensor>)> {
+        let vocab = model.config.vocab_size;
+        let (mut prefilled, mut logits) = (Vec::new(), Vec::new());
+        let mut budget = chunk;
+        let mut pieces: Vec<(usize, usize)> = Vec::new();
+        for (i, row) in self.running.iter().enumerate() {
+            let length = row.spec.prompt.len();
+            if budget == 0 || row.cached >= length {
+                continue;
+            }
+            let count = (chunk - row.cached % chunk).min(length - row.cached);
+            if !pieces.is_empty() && count > budget {
+                break;
+            }
+            budget = budget.saturating_sub(count);
+            pieces.push((i, count));
+        }
+        if pieces.is_empty() {
+            return Ok((prefilled, logits));
+        }
+        let chunks: Vec<PrefillChunk> = pieces
+            .iter()
+            .map(|&(i, count)| {
+                let row = &self.running[i];
+                PrefillChunk {
+                    tokens: &row.tokens[row.cached..row.cached + count],
+                    start: row.cached as i64,
+                    blocks: &row.blocks,
+                }
+            })
+            .collect();
+        let outs = decoder.prefill(model, &chunks)?;
+        for (&(i, count), out) in pieces.iter().zip(outs) {
+            let row = &mut self.running[i];
+            let length = row.spec.prompt.len();
+            let out = out.narrow(1, 0, vocab);
+            if row.spec.logprobs {
+                let targets = (length - 1).min(row.cached + count) - row.cached;
+                if targets > 0 {
+                    let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
+                    let next = Tensor::from_slice(next)
+                        .to_device(out.device())
+                        .unsqueeze(1);
+                    let scores = out
+                        .narrow(0, 0, targets as i64)
+                        .to_kind(Kind::Float)
+                        .log_softmax(1, Kind::Float)
+                        .gather(1, &next, false)
+                        .squeeze_dim(1);
+                    row.logprobs
+                        .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
+                }
+            }
+            row.cached += count;
+            if row.cached == length {
+                prefilled.push(i);
+                logits.push(
+                    out.select(0, count as i64 - 1)
+                        .to_kind(Kind::Float)
+                        .unsqueeze(0),
+                );
+            }
+        }
+        Ok((prefilled, logits))
+    }
+
+    /// Draws a token for each of the rows `drawing` from their `logits`, shows it to
+    /// `observer`, and adds the rows that stop to `ended`.
+    fn take_tokens(
+        &mut self,
+        drawing: &[usize],
+        logits: &[Tensor],
+        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        ended: &mut Vec<usize>,
+    ) -> Result<()> {
+        let (tokens, scores) = tch::no_grad(|| self.draw(drawing, logits))?;
+        for (k, &i) in drawing.iter().enumerate() {
+            let row = &mut self.running[i];
+            let before = *row.tokens.last().expect("rows have tokens");
+            let token = tokens[k];
+            row.tokens.push(token);
+            row.draws += 1;
+            row.sampling = row.sampling.decayed();
+            if let Some(scores) = &scores {
+                row.logprobs.push(scores[k]);
+            }
+            let stopped = stops(&row.spec.stop, token, before);
+            let told = observer(row.request, row.index, token);
+            if stopped || told || row.tokens.len() >= row.spec.total {
+                ended.push(i);
+            }
+        }
+        Ok(())
+    }
+
     /// Samples the rows `drawing` (running indices) from their `logits` (`[n, vocab]` pieces in
     /// that order): their tokens and, when any row keeps them, the tokens' log-probabilities.
     fn draw(&self, drawing: &[usize], logits: &[Tensor]) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
-        let logits = Tensor::cat(logits, 0);
+        let mut logits = match logits {
+            [one] => one.shallow_clone(),
+            _ => Tensor::cat(logits, 0),
+        };
+        // Newlines after colons are ruled out for all such rows at once.
+        let (mut rows, mut columns) = (Vec::new(), Vec::new());
         for (k, &i) in drawing.iter().enumerate() {
             let row = &self.running[i];
             if let Some((colon, newline)) = row.spec.prevent_newline_after_colon {
                 if row.tokens.last() == Some(&colon) {
-                    let _ = logits.get(k as i64).get(newline).fill_(-1e10);
+                    rows.push(k as i64);
+                    columns.push(newline);
                 }
             }
+        }
+        if !rows.is_empty() {
+            let n = rows.len() as i64;
+            rows.extend(columns);
+            let at = Tensor::from_slice(&rows).to_device(logits.device());
+            let value = Tensor::from(-1e10f32).to_device(logits.device());
+            // A decode step's logits may live in a CUDA graph's output buffer: write to a copy.
+            logits = logits.index_put(
+                &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],
+                &value,
+                false,
+            );
         }
         let settings: Vec<RowSampling> = drawing
             .iter()

@@ -97,23 +97,40 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         }
     }
     let device = logits.device();
-    let column = |values: Vec<f64>| {
-        Tensor::from_slice(&values)
-            .to_kind(Kind::Float)
-            .view([batch, 1])
-            .to_device(device)
-    };
-    let temperature = column(
-        rows.iter()
-            .map(|r| {
-                if r.sampling.top_k == 1 {
-                    1.0
-                } else {
-                    r.sampling.temperature
-                }
-            })
-            .collect(),
-    );
+    // Every row's settings go to the device in two copies (floats, integers) instead of one
+    // per setting.
+    let b = batch as usize;
+    let temperatures = rows.iter().map(|r| {
+        if r.sampling.top_k == 1 {
+            1.0
+        } else {
+            r.sampling.temperature
+        }
+    });
+    // Rows without a nucleus never exceed a bound above 1.
+    let nuclei = rows.iter().map(|r| {
+        if r.sampling.top_p > 0.0 {
+            r.sampling.top_p
+        } else {
+            2.0
+        }
+    });
+    let floats: Vec<f64> = temperatures.chain(nuclei).collect();
+    let floats = Tensor::from_slice(&floats)
+        .to_kind(Kind::Float)
+        .to_device(device);
+    let ints: Vec<i64> = rows
+        .iter()
+        .map(|r| (r.sampling.top_k.max(1) - 1).min(vocabulary - 1))
+        .chain(rows.iter().map(|r| i64::from(r.sampling.top_k > 1)))
+        .chain(rows.iter().map(|r| r.seed as i64))
+        .chain(rows.iter().map(|r| r.draws as i64))
+        .chain(rows.iter().map(|r| i64::from(r.sampling.top_k == 1)))
+        .collect();
+    let ints = Tensor::from_slice(&ints).to_device(device);
+    let column = |values: &Tensor, k: i64| values.narrow(0, k * batch, batch).view([batch, 1]);
+    debug_assert_eq!(ints.size()[0], 5 * b as i64);
+    let temperature = column(&floats, 0);
     // Scaling the distance to the largest logit gives the same distribution. A tiny
     // temperature (1e-300 is 0 in single precision) sends the others to -inf; the largest
     // stays 0 instead of 0 / 0 = NaN, so sampling tends to greedy.
@@ -121,13 +138,8 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
     let mut scaled = (&shifted / &temperature).masked_fill(&shifted.eq(0.0), 0.0);
     if rows.iter().any(|r| r.sampling.top_k > 1) {
         let (sorted, _) = scaled.sort(-1, true);
-        let k: Vec<i64> = rows
-            .iter()
-            .map(|r| (r.sampling.top_k.max(1) - 1).min(vocabulary - 1))
-            .collect();
-        let k = Tensor::from_slice(&k).view([batch, 1]).to_device(device);
-        let cut: Vec<bool> = rows.iter().map(|r| r.sampling.top_k > 1).collect();
-        let cut = Tensor::from_slice(&cut).view([batch, 1]).to_device(device);
+        let k = column(&ints, 0);
+        let cut = column(&ints, 1).ne(0);
         let threshold = sorted.gather(1, &k, false);
         let below = scaled.lt_tensor(&threshold).logical_and(&cut);
         scaled = scaled.masked_fill(&below, f64::NEG_INFINITY);
@@ -135,18 +147,7 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
     if rows.iter().any(|r| r.sampling.top_p > 0.0) {
         let (sorted, order) = scaled.sort(-1, true);
         let cumulative = sorted.softmax(-1, Kind::Float).cumsum(-1, Kind::Float);
-        // Rows without a nucleus never exceed a bound above 1.
-        let p = column(
-            rows.iter()
-                .map(|r| {
-                    if r.sampling.top_p > 0.0 {
-                        r.sampling.top_p
-                    } else {
-                        2.0
-                    }
-                })
-                .collect(),
-        );
+        let p = column(&floats, 1);
         // Drop a token once the tokens before it already exceed p; the first always stays.
         let exceeded = cumulative.gt_tensor(&p);
         let drop_sorted = Tensor::cat(
@@ -159,12 +160,9 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         let drop = drop_sorted.zeros_like().scatter(1, &order, &drop_sorted);
         scaled = scaled.masked_fill(&drop, f64::NEG_INFINITY);
     }
-    let seeds: Vec<i64> = rows.iter().map(|r| r.seed as i64).collect();
-    let draws: Vec<i64> = rows.iter().map(|r| r.draws as i64).collect();
-    let noise = gumbel_noise(&seeds, &draws, vocabulary, device);
+    let noise = gumbel_noise(&column(&ints, 2), &column(&ints, 3), vocabulary);
     let drawn = (scaled + noise).argmax(-1, false);
-    let greedy: Vec<bool> = rows.iter().map(|r| r.sampling.top_k == 1).collect();
-    let greedy = Tensor::from_slice(&greedy).to_device(device);
+    let greedy = column(&ints, 4).view([batch]).ne(0);
     Ok(greedy_choice.where_self(&greedy, &drawn))
 }
 
@@ -176,15 +174,11 @@ pub fn row_seed(seed: u64, row: usize) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `[b, vocabulary]` standard Gumbel noise, row `i` keyed by `(seeds[i], draws[i])`: each entry
-/// a SplitMix64 hash of its key and column turned into a uniform number in (0, 1).
-fn gumbel_noise(seeds: &[i64], draws: &[i64], vocabulary: i64, device: tch::Device) -> Tensor {
-    let batch = seeds.len() as i64;
-    let column = |values: &[i64]| {
-        Tensor::from_slice(values)
-            .view([batch, 1])
-            .to_device(device)
-    };
+/// `[b, vocabulary]` standard Gumbel noise, row `i` keyed by `(seeds[i], draws[i])` (`[b, 1]`
+/// int64 on the device): each entry a SplitMix64 hash of its key and column turned into a
+/// uniform number in (0, 1).
+fn gumbel_noise(seeds: &Tensor, draws: &Tensor, vocabulary: i64) -> Tensor {
+    let device = seeds.device();
     // Wrapping 64-bit arithmetic in int64; a logical right shift is an arithmetic one masked.
     let shift = |x: &Tensor, bits: i64| {
         x.bitwise_right_shift_tensor_scalar(bits)
@@ -196,7 +190,7 @@ fn gumbel_noise(seeds: &[i64], draws: &[i64], vocabulary: i64, device: tch::Devi
         x.bitwise_xor_tensor(&shift(&x, 31))
     };
     const GOLDEN: i64 = 0x9E37_79B9_7F4A_7C15u64 as i64;
-    let key = mix(mix(column(seeds) + GOLDEN) + column(draws) * GOLDEN);
+    let key = mix(mix(seeds + GOLDEN) + draws * GOLDEN);
     let tokens = Tensor::arange(vocabulary, (Kind::Int64, device)).view([1, vocabulary]);
     let bits = shift(&mix(key + (tokens + 1) * GOLDEN), 11);
     let uniform = (bits.to_kind(Kind::Double) + 0.5) / (1u64 << 53) as f64;

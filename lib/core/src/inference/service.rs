@@ -93,6 +93,8 @@ struct Settings {
     limits: BatchLimits,
     budget: KvBudget,
     cuda_graphs: bool,
+    /// Decode attention through the paged kernel (else gathered windows).
+    paged_kernel: bool,
 }
 
 /// What the scheduler thread and the callers share: the model and how requests become rows.
@@ -216,6 +218,7 @@ impl TextGenerationService {
             },
             budget: KvBudget::default(),
             cuda_graphs: true,
+            paged_kernel: true,
         };
         let cache_use = Arc::new(Mutex::new(CacheUse::default()));
         let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
@@ -259,6 +262,13 @@ impl TextGenerationService {
     /// (`--no-cuda-graphs`), e.g. to compare the two.
     pub fn without_cuda_graphs(mut self) -> Self {
         self.core_mut().settings.cuda_graphs = false;
+        self
+    }
+
+    /// Decodes with gathered attention windows instead of the paged decode kernel
+    /// (`--no-paged-attention`), e.g. to compare the two.
+    pub fn without_paged_attention(mut self) -> Self {
+        self.core_mut().settings.paged_kernel = false;
         self
     }
 
@@ -553,11 +563,14 @@ struct Scheduler<'a> {
 impl<'a> Scheduler<'a> {
     fn new(core: &'a Core) -> Self {
         let settings = core.settings;
-        let decoder = if settings.cuda_graphs {
+        let mut decoder = if settings.cuda_graphs {
             Decoder::with_cuda_graphs()
         } else {
             Decoder::eager()
         };
+        if !settings.paged_kernel {
+            decoder = decoder.with_gathered_attention();
+        }
         Scheduler {
             decoder: decoder.with_budget(settings.budget),
             batcher: Batcher::new(settings.limits),
@@ -640,8 +653,14 @@ impl<'a> Scheduler<'a> {
         match self.decoder.warm_up(&self.core.model, rows) {
             Ok(0) => {}
             Ok(graphs) => eprintln!(
-                "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}) in {:.1} s",
+                "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}, \
+                 {} attention) in {:.1} s",
                 super::decoder::bucket(rows),
+                if self.decoder.paged_attention() {
+                    "paged decode"
+                } else {
+                    "gathered"
+                },
                 started.elapsed().as_secs_f64()
             ),
             Err(e) => eprintln!("text_generation_server: warming up the decoder failed: {e:#}"),
@@ -1268,12 +1287,38 @@ struct CompletionStream {
     tokens: Vec<i64>,
     sent: usize,
     finish: Option<&'static str>,
+    /// The text of the first `settled` tokens, which did not end inside a character: each
+    /// step detokenizes only the tokens after them (and a few before, for context), so a
+    /// row's streaming costs the same at its 500th token as at its first.
+    settled_text: String,
+    settled: usize,
 }
+
+/// Tokens before the new ones detokenized with them: tokenizers that drop a word's leading
+/// space at the start of a text (SentencePiece) see the word in its place.
+const DETOKENIZE_CONTEXT: usize = 4;
 
 impl CompletionStream {
     fn text(&self, tokenizer: &dyn Tokenizer) -> String {
-        let ids: Vec<u32> = self.tokens.iter().map(|&t| t as u32).collect();
-        tokenizer.detokenize(&ids).unwrap_or_default()
+        detokenize(tokenizer, &self.tokens)
+    }
+
+    /// The text of every token so far, detokenizing only the tokens since the last settled
+    /// text; the whole text again when the tokenizer's text of the tail does not extend that
+    /// of its context (a tokenizer whose output is not a concatenation).
+    fn text_so_far(&mut self, tokenizer: &dyn Tokenizer) -> String {
+        let anchor = self.settled.saturating_sub(DETOKENIZE_CONTEXT);
+        let context = detokenize(tokenizer, &self.tokens[anchor..self.settled]);
+        let tail = detokenize(tokenizer, &self.tokens[anchor..]);
+        let text = match tail.strip_prefix(&context) {
+            Some(new) => format!("{}{new}", self.settled_text),
+            None => self.text(tokenizer),
+        };
+        if !text.ends_with('\u{FFFD}') {
+            self.settled_text.clone_from(&text);
+            self.settled = self.tokens.len();
+        }
+        text
     }
 
     /// The text up to the first stop sequence, and whether one was found.
@@ -1297,7 +1342,7 @@ impl CompletionStream {
         max_tokens: usize,
         send: &mut dyn FnMut(&str),
     ) -> bool {
-        let text = self.text(tokenizer);
+        let text = self.text_so_far(tokenizer);
         let (mut end, stopped) = Self::cut(&text, stop);
         let ended = stopped || self.tokens.len() >= max_tokens;
         if !ended {
@@ -1334,6 +1379,11 @@ impl CompletionStream {
     }
 }
 
+fn detokenize(tokenizer: &dyn Tokenizer, tokens: &[i64]) -> String {
+    let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    tokenizer.detokenize(&ids).unwrap_or_default()
+}
+
 /// Broadcasts bytes from rank 0 of `group` (its length first); the other ranks pass `None`.
 fn share_bytes(group: &dyn Communicator, device: Device, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
     let length = Tensor::from_slice(&[bytes.map_or(0, |b| b.len() as i64)]).to_device(device);
@@ -1345,4 +1395,52 @@ fn share_bytes(group: &dyn Communicator, device: Device, bytes: Option<&[u8]>) -
     };
     group.broadcast(&payload, 0)?;
     Ok(Vec::<u8>::try_from(payload.to_device(Device::Cpu))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use megatron_data::tokenizer::TokenizerError;
+
+    /// A byte-level tokenizer (id = byte), like GPT-2's BPE at its finest: a character of
+    /// several bytes spans several tokens, its text U+FFFD until the last one arrives.
+    struct Bytes;
+
+    impl Tokenizer for Bytes {
+        fn tokenize_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+            out.extend(text.bytes().map(u32::from));
+            Ok(())
+        }
+        fn vocab_size(&self) -> usize {
+            256
+        }
+        fn eod(&self) -> Option<u32> {
+            None
+        }
+        fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+            let bytes: Vec<u8> = ids.iter().map(|&id| id as u8).collect();
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        }
+    }
+
+    #[test]
+    fn streamed_text_is_the_text_of_all_tokens_detokenized_a_few_at_a_time() {
+        let text = "héllo wörld ✓ — “quoted” 😀 end";
+        let ids = Bytes.tokenize(text).unwrap();
+        let stop = vec!["qu".to_string()];
+        let mut stream = CompletionStream::default();
+        let mut streamed = String::new();
+        for (n, &id) in ids.iter().enumerate() {
+            stream.tokens.push(i64::from(id));
+            let so_far = stream.text_so_far(&Bytes);
+            assert_eq!(so_far, stream.text(&Bytes), "after {} tokens", n + 1);
+            // Only the last few tokens are detokenized again.
+            assert!(stream.settled + 4 >= stream.tokens.len());
+            if stream.advance(&Bytes, &stop, usize::MAX, &mut |t| streamed.push_str(t)) {
+                break;
+            }
+        }
+        assert_eq!(streamed, "héllo wörld ✓ — “");
+        assert_eq!(stream.final_text(&Bytes, &stop), streamed);
+    }
 }

@@ -1,6 +1,7 @@
 //! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim.
 
 pub mod multi_tensor;
+pub mod paged_attention;
 
 pub use multi_tensor::{
     foreach_add_, foreach_copy_, foreach_mul_, foreach_zero_, fused_adamw, set_deterministic,

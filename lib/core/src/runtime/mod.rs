@@ -1,6 +1,7 @@
 //! What the linked libtorch offers on this machine, and a self-test of the pieces training needs.
 
 mod cuda_graph;
+pub mod nvrtc;
 mod profiler;
 pub mod self_test;
 

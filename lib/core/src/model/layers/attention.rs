@@ -256,18 +256,7 @@ impl SelfAttention {
         step: &PagedStep,
     ) -> Result<Tensor> {
         let (query, kv) = self.project_side_by_side(hidden, rotary)?;
-        let (keys, values) = step.exchange(pool, &kv);
-        let (keys, values) = (self.expand_groups(keys), self.expand_groups(values));
-        let context = Tensor::scaled_dot_product_attention(
-            &query,
-            &keys,
-            &values,
-            Some(&step.bias),
-            0.0,
-            false,
-            None,
-            false,
-        );
+        let context = step.attend(pool, &query, &kv, |t| self.expand_groups(t))?;
         self.output(&context)
     }
 

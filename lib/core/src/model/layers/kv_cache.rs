@@ -170,11 +170,26 @@ impl PagedKvCache {
 pub struct PagedStep {
     /// The pool slot of each new position, `[b·s]` (row-major over `[b, s]`).
     pub write_slots: Tensor,
-    /// The pool slots each row attends to, `[b, window]`.
-    pub read_slots: Tensor,
-    /// `[b, 1, s, window]` additive bias in the activations' dtype: 0 where a new position may
-    /// attend to a read slot, -inf elsewhere.
-    pub bias: Tensor,
+    read: PagedRead,
+}
+
+/// How a step's queries reach the cached keys and values.
+enum PagedRead {
+    /// Gathered into a window per row, attended under an additive mask.
+    Gathered {
+        /// The pool slots each row attends to, `[b, window]`.
+        read_slots: Tensor,
+        /// `[b, 1, s, window]` additive bias in the activations' dtype: 0 where a new position
+        /// may attend to a read slot, -inf elsewhere.
+        bias: Tensor,
+    },
+    /// Read in place by the paged decode kernel (one new position per row).
+    InPlace {
+        /// Block tables, `[b, blocks per row]`.
+        tables: Tensor,
+        /// Each row's new position, `[b]`: it attends to positions `0..=position`.
+        positions: Tensor,
+    },
 }
 
 impl PagedStep {
@@ -192,23 +207,103 @@ impl PagedStep {
             .unsqueeze(1);
         PagedStep {
             write_slots,
-            read_slots,
-            bias,
+            read: PagedRead::Gathered { read_slots, bias },
         }
     }
 
-    /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots and returns the keys and
-    /// values of the read slots, `[b, groups, window, d]` each.
-    pub fn exchange(&self, pool: &mut Tensor, kv: &Tensor) -> (Tensor, Tensor) {
+    /// A decode step (one new position per row, at `positions`, `[b]` int64) whose attention
+    /// reads the rows' blocks in place through their block `tables` (`[b, blocks per row]`,
+    /// covering every position up to the row's own), with the paged decode kernel
+    /// ([`crate::ops::paged_attention`]; CUDA only).
+    pub fn decode_in_place(write_slots: Tensor, tables: Tensor, positions: Tensor) -> Self {
+        PagedStep {
+            write_slots,
+            read: PagedRead::InPlace { tables, positions },
+        }
+    }
+
+    /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots.
+    fn store(&self, pool: &mut Tensor, kv: &Tensor) {
         let (b, groups, s, width) = (kv.size()[0], kv.size()[1], kv.size()[2], kv.size()[3]);
-        let rows = kv.permute([0, 2, 1, 3]).reshape([b * s, groups, width]);
+        // One position per row (decode) is a view; more are copied into row-major order.
+        let rows = if s == 1 {
+            kv.select(2, 0)
+        } else {
+            kv.permute([0, 2, 1, 3]).reshape([b * s, groups, width])
+        };
         let _ = pool.index_copy_(0, &self.write_slots, &rows);
-        let window = self.read_slots.size()[1];
-        let read = pool
-            .index_select(0, &self.read_slots.reshape([-1]))
-            .view([b, window, groups, width])
-            .permute([0, 2, 1, 3]);
-        let d = width / 2;
-        (read.narrow(3, 0, d), read.narrow(3, d, d))
+    }
+
+    /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` and returns the attention context of
+    /// `query` (`[b, heads, s, d]`) over each row's cached positions up to its own,
+    /// `[b, heads, s, d]`. `expand` turns `[b, groups, window, d]` keys or values into one per
+    /// query head (the gathered path; the kernel maps heads to groups itself).
+    pub fn attend(
+        &self,
+        pool: &mut Tensor,
+        query: &Tensor,
+        kv: &Tensor,
+        expand: impl Fn(Tensor) -> Tensor,
+    ) -> Result<Tensor> {
+        self.store(pool, kv);
+        match &self.read {
+            PagedRead::InPlace { tables, positions } => {
+                ensure!(
+                    query.size()[2] == 1,
+                    "the paged decode kernel takes one new position per row"
+                );
+                let context = crate::ops::paged_attention::paged_decode_attention(
+                    &query.squeeze_dim(2),
+                    pool,
+                    tables,
+                    positions,
+                )?;
+                Ok(context.unsqueeze(2))
+            }
+            PagedRead::Gathered { read_slots, bias } => {
+                let (b, width) = (kv.size()[0], kv.size()[3]);
+                let groups = kv.size()[1];
+                let window = read_slots.size()[1];
+                let read = pool
+                    .index_select(0, &read_slots.reshape([-1]))
+                    .view([b, window, groups, width])
+                    .permute([0, 2, 1, 3]);
+                let d = width / 2;
+                let (keys, values) = (expand(read.narrow(3, 0, d)), expand(read.narrow(3, d, d)));
+                let (heads, s) = (query.size()[1], query.size()[2]);
+                if query.device().is_cuda() && s > 1 && window % 16 == 0 {
+                    // Prefill chunks straight to the memory-efficient kernel: libtorch's
+                    // dispatcher may pick cuDNN's attention for masked calls on Hopper, which
+                    // builds an execution plan for every new shape (tens of milliseconds each,
+                    // and chunks come in many shapes), in the way of the first tokens.
+                    let bias = bias.expand([b, heads, s, window], false);
+                    // Shapes the kernel turns down go through the dispatcher below.
+                    if let Ok((context, _, _, _)) =
+                        Tensor::f_internal_scaled_dot_product_efficient_attention(
+                            query,
+                            &keys,
+                            &values,
+                            Some(&bias),
+                            false,
+                            0.0,
+                            false,
+                            None,
+                        )
+                    {
+                        return Ok(context);
+                    }
+                }
+                Ok(Tensor::scaled_dot_product_attention(
+                    query,
+                    &keys,
+                    &values,
+                    Some(bias),
+                    0.0,
+                    false,
+                    None,
+                    false,
+                ))
+            }
+        }
     }
 }

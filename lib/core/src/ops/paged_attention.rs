@@ -1,0 +1,340 @@
+//! Decode attention over a paged KV cache, reading each row's blocks where they lie: one query
+//! position per row (a decode step), grouped-query heads, head dimensions 64 and 128, bf16,
+//! fp16 or fp32, softmax computed online over the row's positions. It replaces gathering every
+//! row's window of slots into a new tensor per layer (and the `[b, 1, 1, window]` mask) before
+//! libtorch's attention: the keys and values are read once instead of three times.
+//!
+//! The kernel is compiled at run time ([`crate::runtime::nvrtc`]) and launched on libtorch's
+//! current stream, so a decode step that uses it can be captured in a CUDA graph.
+
+use std::ffi::c_void;
+
+use anyhow::{ensure, Result};
+use tch::{Device, Kind, Tensor};
+
+use crate::model::layers::BLOCK_SIZE;
+use crate::runtime::nvrtc::{kernels, KernelSource};
+
+// The kernel's BLOCK_SIZE.
+const _: () = assert!(BLOCK_SIZE == 16);
+
+/// Warps per (row, head), at most the kernel's `MAX_WARPS`: they take turns over the row's
+/// positions, four at a time, then merge their partial softmax sums. Many, so that a single
+/// row (batch-1 decoding) still has many loads in flight.
+const WARPS: u32 = 16;
+
+/// The kernels' CUDA source: one block of [`WARPS`] warps per (head, row); a warp's lanes hold
+/// `D / 32` consecutive channels of the query and of the running output, and a warp scores four
+/// positions at once so that their loads are in flight together.
+pub const SOURCE: KernelSource = KernelSource {
+    name: "paged_attention",
+    source: r#"
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+
+__device__ __forceinline__ float load(const float* p) { return *p; }
+__device__ __forceinline__ float load(const bf16* p) {
+    return __uint_as_float(((unsigned int)p->bits) << 16);
+}
+__device__ __forceinline__ float load(const f16* p) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
+    return value;
+}
+__device__ __forceinline__ void store(float* p, float value) { *p = value; }
+__device__ __forceinline__ void store(bf16* p, float value) {
+    unsigned short bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    p->bits = bits;
+}
+__device__ __forceinline__ void store(f16* p, float value) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    p->bits = bits;
+}
+
+// Warps per block at most (the launch picks how many).
+constexpr int MAX_WARPS = 16;
+constexpr int UNROLL = 4;
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+constexpr int BLOCK_SIZE = 16;
+
+// query [rows, heads, D] (channels contiguous, rows and heads at the given strides); pool
+// [slots, groups, 2D] (keys, then values); tables [rows, per_row] block ids; positions [rows]:
+// row r attends to its positions 0..=positions[r]; out [rows, heads, D] contiguous.
+template <typename T, int D>
+__device__ void paged_decode(const T* query, long long query_row_stride,
+                             long long query_head_stride, const T* pool,
+                             const long long* tables, const long long* positions, T* out,
+                             int heads, int groups, int per_row, float scale) {
+    constexpr int PER = D / 32;
+    const int head = blockIdx.x;
+    const long long row = blockIdx.y;
+    const int group = head / (heads / groups);
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    const int lane = threadIdx.x % 32;
+    const T* q = query + row * query_row_stride + head * query_head_stride + lane * PER;
+    float qv[PER];
+    float acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = load(q + i) * scale;
+        acc[i] = 0.f;
+    }
+    long long last = positions[row];
+    const long long most = (long long)per_row * BLOCK_SIZE - 1;
+    last = last < most ? last : most;
+    const long long* table = tables + row * per_row;
+    const long long slot_stride = (long long)groups * 2 * D;
+    float m = neg_inf();
+    float l = 0.f;
+    // Each warp takes UNROLL consecutive positions at a time, their keys and values loaded
+    // together;
+    // positions past the row's last are read at the last one and weigh nothing.
+    for (long long base = (long long)warp * UNROLL; base <= last; base += warps * UNROLL) {
+        float k[UNROLL][PER];
+        float v[UNROLL][PER];
+        float s[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long p = base + u <= last ? base + u : last;
+            const long long slot = table[p / BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE;
+            const T* kv = pool + slot * slot_stride + (long long)group * 2 * D + lane * PER;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                k[u][i] = load(kv + i);
+                v[u][i] = load(kv + D + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) dot += qv[i] * k[u][i];
+            s[u] = dot;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], offset);
+        }
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u <= last) m_new = fmaxf(m_new, s[u]);
+        }
+        const float keep = __expf(m - m_new);
+        l *= keep;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] *= keep;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const float weight = base + u <= last ? __expf(s[u] - m_new) : 0.f;
+            l += weight;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[i] += weight * v[u][i];
+        }
+        m = m_new;
+    }
+    __shared__ float warp_max[MAX_WARPS];
+    __shared__ float warp_sum[MAX_WARPS];
+    __shared__ float warp_acc[MAX_WARPS][D];
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) warp_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    if (warp != 0) return;
+    float top = neg_inf();
+    for (int w = 0; w < warps; ++w) top = fmaxf(top, warp_max[w]);
+    float total = 0.f;
+    float o[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) o[i] = 0.f;
+    for (int w = 0; w < warps; ++w) {
+        const float factor = warp_max[w] == neg_inf() ? 0.f : __expf(warp_max[w] - top);
+        total += warp_sum[w] * factor;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * factor;
+    }
+    T* target = out + (row * heads + head) * D + lane * PER;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) store(target + i, o[i] / total);
+}
+
+#define PAGED_DECODE(NAME, T, D)                                                         \
+    extern "C" __global__ void NAME(const T* query, long long query_row_stride,          \
+                                    long long query_head_stride, const T* pool,           \
+                                    const long long* tables, const long long* positions,  \
+                                    T* out, int heads, int groups, int per_row,           \
+                                    float scale) {                                        \
+        paged_decode<T, D>(query, query_row_stride, query_head_stride, pool, tables,      \
+                           positions, out, heads, groups, per_row, scale);                \
+    }
+
+PAGED_DECODE(paged_decode_bf16_64, bf16, 64)
+PAGED_DECODE(paged_decode_bf16_128, bf16, 128)
+PAGED_DECODE(paged_decode_f16_64, f16, 64)
+PAGED_DECODE(paged_decode_f16_128, f16, 128)
+PAGED_DECODE(paged_decode_f32_64, float, 64)
+PAGED_DECODE(paged_decode_f32_128, float, 128)
+"#,
+    functions: &[
+        "paged_decode_bf16_64",
+        "paged_decode_bf16_128",
+        "paged_decode_f16_64",
+        "paged_decode_f16_128",
+        "paged_decode_f32_64",
+        "paged_decode_f32_128",
+    ],
+};
+
+/// Whether [`paged_decode_attention`] handles these shapes and dtype.
+pub fn supports(head_dim: i64, kind: Kind) -> bool {
+    matches!(head_dim, 64 | 128) && matches!(kind, Kind::BFloat16 | Kind::Half | Kind::Float)
+}
+
+/// Attention of one query position per row: `query` `[b, heads, d]`, over the positions
+/// `0..=positions[r]` of row `r`, whose slots are listed by its block table (`tables`
+/// `[b, per_row]` int64, `BLOCK_SIZE` slots a block) in `pool` (`[slots, groups, 2·d]`, keys in
+/// the first `d` channels); each of the `groups` key/value heads serves `heads / groups` query
+/// heads. Returns `[b, heads, d]`, scaled by `1/√d` as libtorch's attention. On a CUDA device.
+pub fn paged_decode_attention(
+    query: &Tensor,
+    pool: &Tensor,
+    tables: &Tensor,
+    positions: &Tensor,
+) -> Result<Tensor> {
+    let (rows, heads, d) = query.size3()?;
+    let (_, groups, width) = pool.size3()?;
+    let (table_rows, per_row) = tables.size2()?;
+    let kind = query.kind();
+    let Device::Cuda(device) = query.device() else {
+        anyhow::bail!("the paged decode attention kernel runs on CUDA devices");
+    };
+    ensure!(
+        supports(d, kind),
+        "no paged decode kernel for head dim {d} in {kind:?}"
+    );
+    ensure!(
+        pool.kind() == kind && width == 2 * d && groups > 0 && heads % groups == 0,
+        "a KV pool of {:?} {:?} for queries of {kind:?} {:?}",
+        pool.kind(),
+        pool.size(),
+        query.size()
+    );
+    ensure!(
+        table_rows == rows
+            && positions.size() == [rows]
+            && tables.kind() == Kind::Int64
+            && positions.kind() == Kind::Int64,
+        "block tables {:?} and positions {:?} for {rows} rows",
+        tables.size(),
+        positions.size()
+    );
+    ensure!(
+        [pool, tables, positions]
+            .iter()
+            .all(|t| t.device() == query.device() && t.is_contiguous()),
+        "the KV pool, block tables and positions must be contiguous on the query's device"
+    );
+    // Rows and heads may be strided (the query is a view of the QKV projection), channels not.
+    let query = if query.stride()[2] == 1 {
+        query.shallow_clone()
+    } else {
+        query.contiguous()
+    };
+    let out = Tensor::empty([rows, heads, d], (kind, query.device()));
+    if rows == 0 {
+        return Ok(out);
+    }
+    let dtype = match kind {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    };
+    let function = format!("paged_decode_{dtype}_{d}");
+    let module = kernels(&SOURCE, device)?;
+    let [mut q, mut pool, mut tables, mut positions, mut out_ptr] =
+        [&query, pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
+    let (mut row_stride, mut head_stride) = (query.stride()[0], query.stride()[1]);
+    let (mut heads_arg, mut groups_arg, mut per_row_arg) =
+        (heads as i32, groups as i32, per_row as i32);
+    let mut scale = 1.0f32 / (d as f32).sqrt();
+    fn arg<T>(value: &mut T) -> *mut c_void {
+        value as *mut T as *mut c_void
+    }
+    let mut args = [
+        arg(&mut q),
+        arg(&mut row_stride),
+        arg(&mut head_stride),
+        arg(&mut pool),
+        arg(&mut tables),
+        arg(&mut positions),
+        arg(&mut out_ptr),
+        arg(&mut heads_arg),
+        arg(&mut groups_arg),
+        arg(&mut per_row_arg),
+        arg(&mut scale),
+    ];
+    // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
+    // strides as i64, counts as i32, the scale as f32); the tensors are on the device, of the
+    // shapes and layouts checked above; memory the caching allocator gets back (a copied query
+    // dropped here) is only reused by work queued on the stream after the kernel.
+    unsafe {
+        module.launch(
+            &function,
+            (heads as u32, rows as u32, 1),
+            (32 * WARPS, 1, 1),
+            &mut args,
+        )?;
+    }
+    Ok(out)
+}
+
+/// Runs the kernel once on CUDA device `device` for head dim `d` in `kind` on a small made-up
+/// cache (two rows of 5 and 40 positions, two query heads on one key/value head) and compares
+/// it with the same attention computed from plain tensor operations: a launch or a result that
+/// goes wrong is an error here, before any request depends on it.
+pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
+    let cuda = Device::Cuda(device);
+    let made_up = |count: i64, step: f64| {
+        (Tensor::arange(count, (Kind::Float, cuda)) * step)
+            .sin()
+            .to_kind(kind)
+    };
+    let (heads, lengths) = (2, [5i64, 40]);
+    // Row 0 owns blocks 1..=3, row 1 blocks 4..=6 (block 0 is padding).
+    let pool = made_up(7 * BLOCK_SIZE * 2 * d, 0.37).view([7 * BLOCK_SIZE, 1, 2 * d]);
+    let query = made_up(2 * heads * d, 0.11).view([2, heads, d]);
+    let tables = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6])
+        .view([2, 3])
+        .to_device(cuda);
+    let positions = Tensor::from_slice(&[lengths[0] - 1, lengths[1] - 1]).to_device(cuda);
+    let got = paged_decode_attention(&query, &pool, &tables, &positions)?.to_kind(Kind::Float);
+    let tolerance = match kind {
+        Kind::Float => 1e-4,
+        Kind::Half => 1e-2,
+        _ => 5e-2,
+    };
+    for (row, length) in lengths.into_iter().enumerate() {
+        let slots = pool
+            .narrow(0, (1 + 3 * row as i64) * BLOCK_SIZE, length)
+            .select(1, 0)
+            .to_kind(Kind::Float);
+        let (keys, values) = (slots.narrow(1, 0, d), slots.narrow(1, d, d));
+        let q = query.get(row as i64).to_kind(Kind::Float);
+        let weights = (q.matmul(&keys.tr()) / (d as f64).sqrt()).softmax(-1, Kind::Float);
+        let want = weights.matmul(&values);
+        let difference = (got.get(row as i64) - want).abs().max().double_value(&[]);
+        ensure!(
+            difference <= tolerance,
+            "the paged decode kernel's self-check ({kind:?}, head dim {d}) is off by \
+             {difference} on row {row}"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,231 @@
+//! Small CUDA kernels of our own, compiled at run time with NVRTC (which ships in the torch
+//! wheel as `nvidia/cu13/lib/libnvrtc.so.13`) and launched through the CUDA driver API on
+//! libtorch's current stream, so that they run in order with libtorch's kernels and are
+//! captured in CUDA graphs like them. A kernel module is a [`KernelSource`]: its CUDA C++ text
+//! (no headers: the half-precision conversions are PTX instructions) and the `extern "C"`
+//! functions it exports. Each source is compiled once per device and process; the module and
+//! its functions are kept for the process's life.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{result as driver, sys as driver_sys};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+/// A kernel module's CUDA C++ source and the functions launched from it.
+pub struct KernelSource {
+    /// Names the module in errors and NVRTC's logs.
+    pub name: &'static str,
+    pub source: &'static str,
+    pub functions: &'static [&'static str],
+}
+
+/// The NVRTC library's file name in the torch wheel and on library paths.
+const NVRTC: &str = "libnvrtc.so.13";
+
+/// Loads NVRTC once: `$MEGATRON_RS_NVRTC` (a path), the library path (`scripts/torch-env.sh`
+/// puts the wheel's `nvidia/cu13/lib` on it), or the wheel directory beside the libtorch this
+/// process loaded. Later loads by name (cudarc's) find the loaded library.
+fn load_nvrtc() -> Result<()> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let mut candidates: Vec<PathBuf> = Vec::new();
+            if let Some(path) = std::env::var_os("MEGATRON_RS_NVRTC") {
+                candidates.push(path.into());
+            }
+            candidates.push(NVRTC.into());
+            if let Some(torch_lib) = loaded_libtorch_dir() {
+                candidates.push(torch_lib.join("../../nvidia/cu13/lib").join(NVRTC));
+            }
+            for candidate in &candidates {
+                // NVRTC opens its builtins library by name: the one beside a library loaded by
+                // path goes first.
+                if let Some(dir) = candidate.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    for builtins in builtins_in(dir) {
+                        dlopen_global(&builtins);
+                    }
+                }
+                if dlopen_global(candidate) {
+                    return Ok(());
+                }
+            }
+            Err(format!(
+                "cannot load NVRTC ({NVRTC}); looked for {}; set MEGATRON_RS_NVRTC to its path \
+                 or source scripts/torch-env.sh",
+                candidates
+                    .iter()
+                    .map(|c| c.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+/// Loads a shared library with its symbols global (kept for the process's life); whether it
+/// loaded.
+fn dlopen_global(path: &std::path::Path) -> bool {
+    let Ok(name) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: dlopen of a NUL-terminated name; the handle is never closed.
+    !unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null()
+}
+
+/// NVRTC's builtins libraries in `dir` (`libnvrtc-builtins.so.13.0`).
+fn builtins_in(dir: &std::path::Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc-builtins.so."))
+        })
+        .collect()
+}
+
+/// The directory of the `libtorch_cpu.so` this process mapped (`torch/lib` in a wheel).
+fn loaded_libtorch_dir() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.ends_with("/libtorch_cpu.so"))
+        .and_then(|path| PathBuf::from(path).parent().map(PathBuf::from))
+}
+
+/// PTX of `kernels` for `arch` (e.g. `compute_90`); NVRTC's log on a compile error. Needs no
+/// GPU.
+pub fn compile_ptx(kernels: &KernelSource, arch: &'static str) -> Result<String> {
+    load_nvrtc()?;
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some(format!("{}.cu", kernels.name)),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    match compile_ptx_with_opts(kernels.source, options) {
+        Ok(ptx) => Ok(ptx.to_src()),
+        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => bail!(
+            "NVRTC cannot compile the {} kernels:\n{}",
+            kernels.name,
+            log.to_string_lossy()
+        ),
+        Err(e) => bail!("NVRTC cannot compile the {} kernels: {e:?}", kernels.name),
+    }
+}
+
+/// A kernel module loaded on one device.
+pub struct Kernels {
+    device: usize,
+    context: usize,
+    functions: HashMap<&'static str, usize>,
+}
+
+/// Modules loaded so far, by source name and device; kept for the process's life.
+fn loaded() -> &'static Mutex<HashMap<(&'static str, usize), &'static Kernels>> {
+    static LOADED: OnceLock<Mutex<HashMap<(&'static str, usize), &'static Kernels>>> =
+        OnceLock::new();
+    LOADED.get_or_init(Default::default)
+}
+
+/// `kernels` compiled for CUDA device `device` (its compute capability) and loaded there; the
+/// first call per device compiles, later calls return the same module.
+pub fn kernels(kernels: &'static KernelSource, device: usize) -> Result<&'static Kernels> {
+    let mut loaded = loaded().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(module) = loaded.get(&(kernels.name, device)) {
+        return Ok(module);
+    }
+    let module = load(kernels, device)
+        .with_context(|| format!("loading the {} kernels on cuda:{device}", kernels.name))?;
+    let module: &'static Kernels = Box::leak(Box::new(module));
+    loaded.insert((kernels.name, device), module);
+    Ok(module)
+}
+
+fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
+    fn fail(what: &str) -> impl Fn(driver::DriverError) -> anyhow::Error + '_ {
+        move |e| anyhow!("{what}: {e:?}")
+    }
+    driver::init().map_err(fail("the CUDA driver"))?;
+    let ordinal = driver::device::get(device as i32).map_err(fail("the device"))?;
+    let attribute = |which| {
+        // SAFETY: a device handle from cuDeviceGet and a valid attribute.
+        unsafe { driver::device::get_attribute(ordinal, which) }.map_err(fail("its attributes"))
+    };
+    let major =
+        attribute(driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor =
+        attribute(driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+    let ptx = compile_ptx(source, arch)?;
+    // SAFETY: retains the primary context libtorch's runtime uses; never released.
+    let context = unsafe { driver::primary_ctx::retain(ordinal) }.map_err(fail("its context"))?;
+    make_current(context)?;
+    let image = CString::new(ptx).context("PTX with a NUL byte")?;
+    // SAFETY: a NUL-terminated PTX text; the module is never unloaded.
+    let module = unsafe { driver::module::load_data(image.as_ptr().cast()) }
+        .map_err(fail("loading the PTX"))?;
+    let mut functions = HashMap::new();
+    for &name in source.functions {
+        // SAFETY: a loaded module and a NUL-terminated name.
+        let function = unsafe { driver::module::get_function(module, CString::new(name)?) }
+            .map_err(fail(&format!("function {name}")))?;
+        functions.insert(name, function as usize);
+    }
+    Ok(Kernels {
+        device,
+        context: context as usize,
+        functions,
+    })
+}
+
+/// Makes `context` current on the calling thread unless it is already.
+fn make_current(context: driver_sys::CUcontext) -> Result<()> {
+    let current = driver::ctx::get_current().map_err(|e| anyhow!("the CUDA context: {e:?}"))?;
+    if current != Some(context) {
+        // SAFETY: a retained, live context.
+        unsafe { driver::ctx::set_current(context) }
+            .map_err(|e| anyhow!("the CUDA context: {e:?}"))?;
+    }
+    Ok(())
+}
+
+impl Kernels {
+    /// Launches `function` on libtorch's current stream of the module's device with `grid`
+    /// blocks of `block` threads.
+    ///
+    /// # Safety
+    /// `args` must point at values of the kernel's parameter types, in order, and every device
+    /// pointer among them must stay valid until the kernel has run.
+    pub unsafe fn launch(
+        &self,
+        function: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let handle = *self
+            .functions
+            .get(function)
+            .ok_or_else(|| anyhow!("no kernel {function} in this module"))?;
+        make_current(self.context as driver_sys::CUcontext)?;
+        let stream = super::current_cuda_stream(self.device)?;
+        driver::launch_kernel(
+            handle as driver_sys::CUfunction,
+            grid,
+            block,
+            0,
+            stream as driver_sys::CUstream,
+            args,
+        )
+        .map_err(|e| anyhow!("launching {function}: {e:?}"))
+    }
+}
