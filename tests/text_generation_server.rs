@@ -1223,8 +1223,7 @@ fn hostile_clients_leave_others_served() {
     let steps_before = metric(&server, "megatron_generation_steps_total");
     let mut api = std::net::TcpStream::connect(&server.address).unwrap();
     // Greedy: a sampled end-of-document token would end the request before it is seen running.
-    let body =
-        r#"{"prompts": ["The data"], "tokens_to_generate": 2000, "top_k": 1, "no_log": true}"#;
+    let body = r#"{"prompts": ["The data"], "tokens_to_generate": 2000, "top_k": 1, "no_log": true}"#;
     write!(
         api,
         "PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
