@@ -4,12 +4,13 @@
 //! tensors) and for a shallow one with a huge vocabulary (a word embedding and Adam moments of
 //! 256 MiB each, streamed in row chunks), for a TP1 → TP2 reshape with the optimizer,
 //! Megatron's torch format out and back in (optimizer included), a HuggingFace export and its
-//! import back from safetensors and from `pytorch_model.bin`.
+//! import back from safetensors and from `pytorch_model.bin`; and reading Megatron's
+//! `torch_dist` format, whose `.distcp` chunks are read lazily too.
 
 use std::path::Path;
 use std::process::Command;
 
-use megatron_e2e::{bin, run_ok, test_python};
+use megatron_e2e::{bin, run_ok, shared_dir, test_python};
 
 /// A one-iteration float32 run of `layers × hidden` with a vocabulary of `vocab` saved under
 /// `save`, with its optimizer.
@@ -195,4 +196,102 @@ fn peak_memory_does_not_grow_with_the_largest_tensor() {
     // One layer of hidden 256 and a vocabulary of 262144: the word embedding and each of its
     // Adam tensors are 256 MiB, 1.1 GB in all.
     peak_memory_is_flat("huge vocabulary", 1, 256, 262_144);
+}
+
+/// Rewrites Megatron's `torch_dist` golden (argv[1]) under argv[2] with a word embedding of
+/// argv[3] rows (random, and the args' vocabulary to match) through
+/// `torch.distributed.checkpoint`, as Megatron saves it; `common.pt`'s Megatron classes
+/// (enums in `args`) are stood in for by stubs that pickle back under their own names.
+const BIG_TORCH_DIST: &str = r#"
+import sys, pickle, types, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+golden, out, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def stub(module, name):
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    mod = sys.modules[module]
+    if not hasattr(mod, name):
+        setattr(mod, name, type(name, (), {
+            "__module__": module, "__qualname__": name,
+            "__init__": lambda self, *a: setattr(self, "args", a),
+            "__reduce__": lambda self: (type(self), self.args)}))
+    return getattr(mod, name)
+
+class Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("megatron"):
+            return stub(module, name)
+        return super().find_class(module, name)
+
+stubbed = types.ModuleType("pickle")
+stubbed.Unpickler, stubbed.load = Unpickler, pickle.load
+common = torch.load(f"{golden}/common.pt", map_location="cpu", weights_only=False,
+                    pickle_module=stubbed)
+common["args"].vocab_size = rows - 1  # NullTokenizer adds one id
+common["args"].padded_vocab_size = rows
+state = {k: v for k, v in _load_state_dict_from_keys(checkpoint_id=golden).items()
+         if isinstance(v, torch.Tensor)}
+hidden = state["embedding.word_embeddings.weight"].shape[1]
+state["embedding.word_embeddings.weight"] = torch.randn(rows, hidden).to(torch.bfloat16)
+dcp.save(state, checkpoint_id=out)
+torch.save(common, f"{out}/common.pt")
+"#;
+
+/// Peak RSS of `torch_dist` checkpoint `load` converted to ours at TP2 and to HuggingFace.
+fn torch_dist_conversions(load: &Path, scratch: &Path) -> [u64; 2] {
+    let mut out = [0; 2];
+    for (peak, (saver, extra)) in out.iter_mut().zip([
+        ("megatron-rs", &["--target-tensor-parallel-size", "2"][..]),
+        ("hf", &[][..]),
+    ]) {
+        let save = scratch.join(format!("out_{saver}"));
+        *peak = peak_rss(
+            bin("checkpoint_convert")
+                .args(["--model-type", "GPT", "--loader", "core", "--saver", saver])
+                .arg("--load-dir")
+                .arg(load)
+                .arg("--save-dir")
+                .arg(&save)
+                .args(extra),
+        );
+        std::fs::remove_dir_all(&save).unwrap();
+    }
+    out
+}
+
+#[test]
+fn torch_dist_chunks_are_read_lazily() {
+    let golden = shared_dir().join("golden/megatron_checkpoints/gpt_torch_dist");
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big");
+    // 2M rows of hidden 64 in bfloat16: a 256 MiB embedding (the rest is the golden's).
+    run_ok(
+        Command::new(test_python(&["torch"]))
+            .args(["-c", BIG_TORCH_DIST])
+            .arg(golden.join("iter_0000003"))
+            .arg(big.join("iter_0000003"))
+            .arg((2 << 20).to_string()),
+    );
+    std::fs::write(big.join("latest_checkpointed_iteration.txt"), "3").unwrap();
+    let input = directory_bytes(&big);
+    assert!(input > 256 << 20, "the torch_dist checkpoint holds {input} bytes");
+    let small = torch_dist_conversions(&golden, dir.path());
+    let large = torch_dist_conversions(&big, dir.path());
+    for (what, (tiny, large)) in ["to ours at TP2", "to HuggingFace"]
+        .into_iter()
+        .zip(small.into_iter().zip(large))
+    {
+        let line = format!(
+            "torch_dist {what}: peak RSS {} MiB from a checkpoint of {} MiB, {} MiB from the golden",
+            mib(large),
+            mib(input),
+            mib(tiny)
+        );
+        eprintln!("{line}");
+        assert!(large < tiny + MARGIN, "{line}");
+    }
 }

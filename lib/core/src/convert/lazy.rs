@@ -21,7 +21,28 @@ use crate::checkpoint::{join_shards, take_shard, TensorSplit};
 
 /// Bytes of tensor data a streamed read ([`LazyTensor::for_each_chunk`]) reads, converts and
 /// hands on at a time: what bounds a conversion's memory.
-pub const CHUNK_BYTES: usize = 16 << 20;
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+/// Runs libtorch's operators on the calling thread only. A conversion is bound by memory and
+/// disk bandwidth: its copies gain nothing from libtorch's OpenMP workers, which busy-wait
+/// between them and take the cores that the background file writers need (a third of the
+/// CPU time of a reshape on two cores).
+pub fn use_one_torch_thread() {
+    tch::set_num_threads(1);
+}
+
+/// Hands the allocator's free memory back to the system. A conversion allocates and frees
+/// chunk-sized buffers of many sizes; glibc keeps freed blocks in its heaps (a hundred MiB or
+/// more of them by the end of a large tensor), which would make peak memory grow with the
+/// largest tensor after all. Called once a large tensor is done: within a tensor, buffers of
+/// one size are reused without new page faults.
+fn return_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free pages of the allocator's heaps.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
 
 /// An input file read with positioned reads: nothing of it stays resident after a read
 /// (a memory map would keep every touched page in the process's resident set).
@@ -482,6 +503,10 @@ impl LazyTensor {
                 None => f(&self.read_rows(start, count)?)?,
             }
             start += count;
+        }
+        if self.bytes() > chunk_bytes {
+            drop(whole);
+            return_freed_memory();
         }
         Ok(())
     }
