@@ -3,13 +3,14 @@
 //! tensor at a time, straight from the caller's bytes.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use zip::write::FileOptions;
 use zip::{CompressionMethod, ZipWriter};
 
+use crate::direct_file::DirectWriter;
 use crate::dtype::DType;
 use crate::pickle::Value;
 
@@ -249,7 +250,7 @@ pub fn write_torch_file(
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "archive".into());
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut zip = ZipWriter::new(BufWriter::with_capacity(8 << 20, file));
+    let mut zip = ZipWriter::new(DirectWriter::new(path, file));
     let options = FileOptions::default()
         .compression_method(CompressionMethod::Stored)
         .large_file(true);
@@ -278,11 +279,10 @@ pub fn write_torch_file(
     zip.start_file_aligned(format!("{archive}/version"), options, 64)
         .with_context(context)?;
     zip.write_all(b"3\n").with_context(context)?;
-    let mut writer = zip.finish().with_context(context)?;
-    writer.flush().with_context(context)?;
-    writer
-        .into_inner()
-        .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.error()))?
+    zip.finish()
+        .with_context(context)?
+        .finish()
+        .with_context(context)?
         .sync_all()
         .with_context(context)
 }

@@ -8,6 +8,8 @@ use std::path::Path;
 use std::io::Write;
 
 use anyhow::{bail, ensure, Context, Result};
+
+use megatron_checkpoint::direct_file::DirectWriter;
 use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
 use tch::{Device, Kind, Tensor};
 
@@ -235,8 +237,9 @@ impl Piece {
 /// memory to a few of them.
 const PIECES_IN_FLIGHT: usize = 2;
 
-/// Writes a file from a thread of its own — the copy into the page cache, the checksum and
-/// the final `fsync` — so that they overlap with reading and converting the next pieces.
+/// Writes a file from a thread of its own — the write (bypassing the page cache where it can,
+/// [`DirectWriter`]), the checksum and the final `fsync` — so that they overlap with reading
+/// and converting the next pieces.
 struct BackgroundWriter {
     path: std::path::PathBuf,
     sender: Option<std::sync::mpsc::SyncSender<Piece>>,
@@ -247,9 +250,9 @@ impl BackgroundWriter {
     fn new(path: &Path, file: File) -> Self {
         let (sender, receiver) = std::sync::mpsc::sync_channel::<Piece>(PIECES_IN_FLIGHT);
         let context = path.display().to_string();
+        let target = path.to_path_buf();
         let thread = std::thread::spawn(move || -> Result<(u64, u32)> {
-            // Small pieces (headers, biases) are gathered into fewer writes.
-            let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+            let mut out = DirectWriter::new(&target, file);
             let (mut length, mut crc) = (0u64, 0u32);
             for piece in receiver {
                 let bytes = piece.bytes();
@@ -258,10 +261,7 @@ impl BackgroundWriter {
                 out.write_all(bytes)
                     .with_context(|| format!("writing {context}"))?;
             }
-            let file = out
-                .into_inner()
-                .map_err(|e| e.into_error())
-                .with_context(|| format!("writing {context}"))?;
+            let file = out.finish().with_context(|| format!("writing {context}"))?;
             file.sync_all()
                 .with_context(|| format!("syncing {context}"))?;
             Ok((length, crc))
