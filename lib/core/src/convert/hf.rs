@@ -11,7 +11,7 @@ use megatron_checkpoint::TorchFile;
 use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
-use super::lazy::{safetensors_tensors, InputFile, LazyTensor};
+use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
 use super::megatron_torch::tensor_of;
 use super::state::{ModelState, RunState, Tensors};
 use crate::checkpoint::{write_tensors_streamed, TensorEntry};
@@ -435,7 +435,10 @@ impl<'a> Exports<'a> {
                         "{name} came out of shape {:?}, {shape:?} expected",
                         tensor.size()
                     );
-                    emit(&tensor)
+                    emit(&tensor)?;
+                    drop(tensor);
+                    return_freed_memory();
+                    Ok(())
                 }
             }
         })

@@ -36,7 +36,7 @@ pub fn use_one_torch_thread() {
 /// more of them by the end of a large tensor), which would make peak memory grow with the
 /// largest tensor after all. Called once a large tensor is done: within a tensor, buffers of
 /// one size are reused without new page faults.
-fn return_freed_memory() {
+pub(crate) fn return_freed_memory() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only releases free pages of the allocator's heaps.
     unsafe {
