@@ -239,7 +239,12 @@ impl LazyTensor {
                 }
                 Source::Concat(inside)
             }
-            _ => Source::Memory(self.read()?.reshape([-1]).narrow(0, start, len)),
+            _ => Source::Memory(
+                self.read()?
+                    .reshape([-1])
+                    .narrow(0, start, len)
+                    .reshape(shape.as_slice()),
+            ),
         };
         Ok(LazyTensor {
             shape,

@@ -640,3 +640,44 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         source: format!("Megatron torch_dist checkpoint {}", directory.display()),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    /// `torch_dist` chunks tiling a tensor by row slabs (in any order) or by equal column
+    /// blocks read as the tensor; other tilings are left to the eager reader.
+    #[test]
+    fn chunks_tile_by_rows_or_column_blocks() {
+        let whole = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([6, 4]);
+        let piece = |rows: (i64, i64), columns: (i64, i64)| {
+            let offsets = vec![rows.0 as usize, columns.0 as usize];
+            let block = whole
+                .narrow(0, rows.0, rows.1)
+                .narrow(1, columns.0, columns.1)
+                .contiguous();
+            (offsets, LazyTensor::from(block))
+        };
+        let slabs = vec![piece((2, 4), (0, 4)), piece((0, 2), (0, 4))];
+        let read = tiled(&[6, 4], slabs).unwrap().unwrap().read().unwrap();
+        assert!(read.equal(&whole));
+        let blocks = vec![piece((0, 6), (2, 2)), piece((0, 6), (0, 2))];
+        let read = tiled(&[6, 4], blocks).unwrap().unwrap().read().unwrap();
+        assert!(read.equal(&whole));
+        let grid = vec![
+            piece((0, 3), (0, 2)),
+            piece((0, 3), (2, 2)),
+            piece((3, 3), (0, 2)),
+            piece((3, 3), (2, 2)),
+        ];
+        assert!(tiled(&[6, 4], grid).unwrap().is_none());
+        let gap = vec![piece((0, 2), (0, 4)), piece((3, 3), (0, 4))];
+        assert!(tiled(&[6, 4], gap).unwrap().is_none());
+        // One layer of a stacked [layers, rows, columns] tensor, cut from a slab of layers.
+        let stacked = whole.view([3, 2, 4]);
+        let layers = LazyTensor::from(stacked.narrow(0, 1, 2).contiguous());
+        let second = layers.flat_slice(8, 8, vec![2, 4]).unwrap();
+        assert!(second.read().unwrap().equal(&stacked.get(2)));
+    }
+}
