@@ -444,17 +444,6 @@ impl LazyTensor {
         }
     }
 
-    /// Tensor-parallel rank `rank`'s shard of this tensor ([`LazyTensor::shard`]), read now.
-    pub fn read_shard(
-        &self,
-        split: TensorSplit,
-        rank: usize,
-        size: usize,
-        rows: Option<i64>,
-    ) -> Result<Tensor> {
-        self.shard(split, rank, size, rows)?.read()
-    }
-
     /// Can rows of this tensor be read without materialising all of it?
     fn streams(&self) -> bool {
         match &self.source {
@@ -779,7 +768,7 @@ mod tests {
             Vec::<f32>::try_from(pieces.read().unwrap().reshape([-1])).unwrap(),
             [20.0, 21.0, 22.0, 23.0, 0.0, 1.0, 2.0, 3.0]
         );
-        // Every shortcut of read_shard agrees with cutting the whole tensor.
+        // Every shortcut of shard agrees with cutting the whole tensor.
         let whole_file = flat.flat_slice(0, 24, vec![6, 4]).unwrap();
         let two = LazyTensor::joined(
             vec![
@@ -886,13 +875,17 @@ mod tests {
                 }
                 let expected = take_shard(&expected, split, rank, size);
                 assert!(
-                    lazy.read_shard(split, rank, size, rows)
+                    lazy.shard(split, rank, size, rows)
+                        .unwrap()
+                        .read()
                         .unwrap()
                         .equal(&expected),
                     "{split:?} rank {rank} of {size}"
                 );
                 assert!(padded
-                    .read_shard(split, rank, size, rows)
+                    .shard(split, rank, size, rows)
+                    .unwrap()
+                    .read()
                     .unwrap()
                     .equal(&expected));
                 // Streamed a row (or a few elements) at a time, the pieces make the shard.
