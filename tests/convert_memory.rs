@@ -41,11 +41,18 @@ fn make_checkpoint(save: &Path, layers: usize, hidden: usize, vocab: usize) {
 
 /// Runs `command` to success; its peak resident set in bytes.
 fn peak_rss(command: &mut Command) -> u64 {
-    let child = command
+    let mut child = command
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // Drained as it runs (a full pipe would block the child), for the failure message.
+    let mut pipe = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut pipe, &mut text).unwrap();
+        text
+    });
     let mut status = 0;
     // SAFETY: plain libc call on our own child's pid, with valid out-pointers.
     let usage = unsafe {
@@ -54,9 +61,10 @@ fn peak_rss(command: &mut Command) -> u64 {
         assert_eq!(pid, child.id() as i32, "wait4");
         usage
     };
+    let stderr = stderr.join().unwrap();
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "{command:?} failed"
+        "{command:?} failed: {stderr}"
     );
     // Linux reports ru_maxrss in KiB.
     usage.ru_maxrss as u64 * 1024
@@ -278,7 +286,10 @@ fn torch_dist_chunks_are_read_lazily() {
     );
     std::fs::write(big.join("latest_checkpointed_iteration.txt"), "3").unwrap();
     let input = directory_bytes(&big);
-    assert!(input > 256 << 20, "the torch_dist checkpoint holds {input} bytes");
+    assert!(
+        input > 256 << 20,
+        "the torch_dist checkpoint holds {input} bytes"
+    );
     let small = torch_dist_conversions(&golden, dir.path());
     let large = torch_dist_conversions(&big, dir.path());
     for (what, (tiny, large)) in ["to ours at TP2", "to HuggingFace"]
