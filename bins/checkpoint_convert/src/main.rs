@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand};
 use megatron_core::checkpoint::find_checkpoint;
 use megatron_core::convert::{
     load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reshape_t5, save_hf,
-    save_megatron_rs, save_megatron_torch, t5_max_logit_difference, verify, vocab_file_size,
-    LoadOptions, TargetLayout,
+    save_megatron_rs, save_megatron_torch, t5_max_logit_difference, use_one_torch_thread, verify,
+    vocab_file_size, LoadOptions, TargetLayout,
 };
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
@@ -138,6 +138,7 @@ fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
 }
 
 fn convert(args: &ConvertArgs) -> Result<()> {
+    use_one_torch_thread();
     match args.model_type.as_deref() {
         Some("GPT") => {}
         Some("T5") => return convert_t5(args),

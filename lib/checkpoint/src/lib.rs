@@ -3,6 +3,7 @@
 //! ([`torch_writer`]), Megatron's `torch_dist` checkpoints ([`torch_dist`]), and a summary of
 //! any supported checkpoint directory ([`inspect`]).
 
+pub mod direct_file;
 pub mod dtype;
 pub mod inspect;
 pub mod layout;

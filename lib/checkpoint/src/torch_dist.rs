@@ -206,6 +206,34 @@ impl DistCheckpoint {
         Ok(map)
     }
 
+    /// The path of a data file named by `.metadata`.
+    pub fn data_path(&self, file: &str) -> PathBuf {
+        self.directory.join(file)
+    }
+
+    /// The `torch.save` archive holding `chunk` of tensor `name`, checked to hold a tensor of
+    /// the chunk's shape and the tensor's dtype (its `root`).
+    pub fn chunk_archive(&self, name: &str, chunk: &Chunk) -> Result<TorchFile> {
+        let tensor = self.tensor(name)?;
+        let map = self.map(&chunk.file)?;
+        let path = self.data_path(&chunk.file);
+        let archive = TorchFile::open_within(&path, map, chunk.byte_offset, chunk.byte_length)
+            .with_context(|| format!("tensor {name}"))?;
+        let Value::Tensor(stored) = &archive.root else {
+            bail!("{}: tensor {name}: chunk is not a tensor", path.display());
+        };
+        ensure!(
+            stored.shape == chunk.sizes && stored.storage.dtype == tensor.dtype,
+            "{}: tensor {name}: chunk holds {} {:?}, metadata says {} {:?}",
+            path.display(),
+            stored.storage.dtype,
+            stored.shape,
+            tensor.dtype,
+            chunk.sizes
+        );
+        Ok(archive)
+    }
+
     /// The whole tensor `name` (C order, little-endian bytes) and its shape.
     pub fn read(&self, name: &str) -> Result<(DType, Vec<usize>, Vec<u8>)> {
         let tensor = self.tensor(name)?;
@@ -251,22 +279,10 @@ impl DistCheckpoint {
             if lo >= hi && !tensor.shape.is_empty() {
                 continue;
             }
-            let map = self.map(&chunk.file)?;
-            let path = self.directory.join(&chunk.file);
-            let archive = TorchFile::open_within(&path, map, chunk.byte_offset, chunk.byte_length)
-                .with_context(|| format!("tensor {name}"))?;
+            let archive = self.chunk_archive(name, chunk)?;
             let Value::Tensor(stored) = &archive.root else {
-                bail!("{}: tensor {name}: chunk is not a tensor", path.display());
+                unreachable!("checked by chunk_archive")
             };
-            ensure!(
-                stored.shape == chunk.sizes && stored.storage.dtype == tensor.dtype,
-                "{}: tensor {name}: chunk holds {} {:?}, metadata says {} {:?}",
-                path.display(),
-                stored.storage.dtype,
-                stored.shape,
-                tensor.dtype,
-                chunk.sizes
-            );
             let bytes = archive.tensor_bytes(stored)?;
             if tensor.shape.is_empty() {
                 out.copy_from_slice(&bytes);

@@ -3,13 +3,14 @@
 //! tensor at a time, straight from the caller's bytes.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use zip::write::FileOptions;
 use zip::{CompressionMethod, ZipWriter};
 
+use crate::direct_file::DirectWriter;
 use crate::dtype::DType;
 use crate::pickle::Value;
 
@@ -230,12 +231,13 @@ impl Pickler {
 }
 
 /// Writes `root` as `torch.save` would to `path`; `tensors[i]` describes `Saved::Tensor(i)` and
-/// `bytes(i)` yields its C-order little-endian bytes, asked for one tensor at a time.
+/// `bytes(i, emit)` hands its C-order little-endian bytes to `emit` in one or more pieces, in
+/// order, asked for one tensor at a time (so no tensor need be in memory whole).
 pub fn write_torch_file(
     path: &Path,
     root: &Saved,
     tensors: &[TensorSlot],
-    mut bytes: impl FnMut(usize) -> Result<Vec<u8>>,
+    mut bytes: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<()> {
     let mut pickler = Pickler {
         out: vec![0x80, 2],
@@ -248,7 +250,7 @@ pub fn write_torch_file(
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "archive".into());
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut zip = ZipWriter::new(BufWriter::new(file));
+    let mut zip = ZipWriter::new(DirectWriter::new(path, file));
     let options = FileOptions::default()
         .compression_method(CompressionMethod::Stored)
         .large_file(true);
@@ -260,25 +262,27 @@ pub fn write_torch_file(
         .with_context(context)?;
     zip.write_all(b"little").with_context(context)?;
     for (index, slot) in tensors.iter().enumerate() {
-        let data = bytes(index)?;
         let expected = slot.shape.iter().product::<usize>() * slot.dtype.size();
-        anyhow::ensure!(
-            data.len() == expected,
-            "tensor {index}: {} bytes, {expected} expected",
-            data.len()
-        );
         zip.start_file_aligned(format!("{archive}/data/{index}"), options, 64)
             .with_context(context)?;
-        zip.write_all(&data).with_context(context)?;
+        let mut written = 0;
+        bytes(index, &mut |data| {
+            written += data.len();
+            zip.write_all(data).with_context(context)
+        })?;
+        anyhow::ensure!(
+            written == expected,
+            "{}: tensor {index}: {written} bytes, {expected} expected",
+            path.display()
+        );
     }
     zip.start_file_aligned(format!("{archive}/version"), options, 64)
         .with_context(context)?;
     zip.write_all(b"3\n").with_context(context)?;
-    let mut writer = zip.finish().with_context(context)?;
-    writer.flush().with_context(context)?;
-    writer
-        .into_inner()
-        .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.error()))?
+    zip.finish()
+        .with_context(context)?
+        .finish()
+        .with_context(context)?
         .sync_all()
         .with_context(context)
 }
@@ -311,7 +315,7 @@ mod tests {
             shape: vec![2, 3],
         }];
         let data: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
-        write_torch_file(&path, &root, &tensors, |_| Ok(data.clone())).unwrap();
+        write_torch_file(&path, &root, &tensors, |_, emit| emit(&data)).unwrap();
         let file = TorchFile::open(&path).unwrap();
         assert_eq!(
             file.root.get("checkpoint_version"),

@@ -6,8 +6,9 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,33 @@ const ALGORITHM: &str = "crc32c";
 const BLOCK: usize = 8 << 20;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Checksums of files this process wrote, taken from the bytes as they went out (with each
+/// file's length), so that committing a save does not read every file back.
+static WRITTEN: Mutex<BTreeMap<PathBuf, (u64, u32)>> = Mutex::new(BTreeMap::new());
+
+/// Records the CRC-32C of the `len` bytes just written to `path`.
+pub fn remember_written(path: &Path, len: u64, crc: u32) {
+    WRITTEN
+        .lock()
+        .expect("checksum registry")
+        .insert(path.to_path_buf(), (len, crc));
+}
+
+/// The checksum of `path`: the one recorded as it was written when its length still matches,
+/// else read from the file.
+fn checksum_of_written(path: &Path) -> Result<String> {
+    let recorded = WRITTEN.lock().expect("checksum registry").remove(path);
+    if let Some((len, crc)) = recorded {
+        let on_disk = std::fs::metadata(path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .len();
+        if on_disk == len {
+            return Ok(format!("{ALGORITHM}:{crc:08x}"));
+        }
+    }
+    file_checksum(path)
+}
 
 /// `--no-checkpoint-checksums`: saves record no checksums and loads verify none.
 pub fn set_checksums_enabled(enabled: bool) {
@@ -42,7 +70,8 @@ struct Section {
 }
 
 impl FileChecksums {
-    /// Hashes every file under `directory` (its rank sub-directories), `metadata.json` aside.
+    /// Hashes every file under `directory` (its rank sub-directories), `metadata.json` aside;
+    /// files this process wrote through [`remember_written`] are not read again.
     pub fn of_directory(directory: &Path, metadata_file: &str) -> Result<Self> {
         let mut sums = BTreeMap::new();
         let mut pending = vec![directory.to_path_buf()];
@@ -63,7 +92,7 @@ impl FileChecksums {
                     .to_string_lossy()
                     .into_owned();
                 if relative != metadata_file {
-                    sums.insert(relative, file_checksum(&path)?);
+                    sums.insert(relative, checksum_of_written(&path)?);
                 }
             }
         }

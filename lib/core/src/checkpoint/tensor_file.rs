@@ -8,6 +8,8 @@ use std::path::Path;
 use std::io::Write;
 
 use anyhow::{bail, ensure, Context, Result};
+
+use megatron_checkpoint::direct_file::DirectWriter;
 use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, View};
 use tch::{Device, Kind, Tensor};
 
@@ -175,10 +177,9 @@ pub fn write_tensors_streamed(
     header.resize(header.len().next_multiple_of(8), b' ');
     let context = || format!("writing {}", path.display());
     let file = File::create(path).with_context(context)?;
-    let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
-    out.write_all(&(header.len() as u64).to_le_bytes())
-        .with_context(context)?;
-    out.write_all(&header).with_context(context)?;
+    let mut out = BackgroundWriter::new(path, file);
+    out.send(Piece::Bytes((header.len() as u64).to_le_bytes().to_vec()))?;
+    out.send(Piece::Bytes(header))?;
     for (i, entry) in entries.iter().enumerate() {
         let mut written = 0usize;
         let mut emit = |tensor: &Tensor| -> Result<()> {
@@ -190,12 +191,8 @@ pub fn write_tensors_streamed(
                 entry.kind
             );
             let tensor = tensor.to_device(Device::Cpu).contiguous();
-            let len = tensor.numel() * entry.kind.elt_size_in_bytes();
-            // SAFETY: a contiguous CPU tensor of `len` bytes, alive for the borrow.
-            let bytes = unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) };
-            out.write_all(bytes).with_context(context)?;
-            written += len;
-            Ok(())
+            written += tensor.numel() * entry.kind.elt_size_in_bytes();
+            out.send(Piece::Tensor(tensor))
         };
         produce(i, &mut emit)
             .with_context(|| format!("{}: tensor {}", path.display(), entry.name))?;
@@ -208,12 +205,103 @@ pub fn write_tensors_streamed(
             entry.bytes()
         );
     }
-    let file = out
-        .into_inner()
-        .map_err(|e| e.into_error())
-        .with_context(context)?;
-    file.sync_all()
-        .with_context(|| format!("syncing {}", path.display()))
+    let (length, crc) = out.finish()?;
+    super::checksum::remember_written(path, length, crc);
+    Ok(())
+}
+
+/// Data on its way to a file.
+enum Piece {
+    Bytes(Vec<u8>),
+    /// A contiguous CPU tensor.
+    Tensor(Tensor),
+}
+
+impl Piece {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Piece::Bytes(bytes) => bytes,
+            Piece::Tensor(tensor) => {
+                let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
+                if len == 0 {
+                    return &[];
+                }
+                // SAFETY: a contiguous CPU tensor of `len` bytes, alive as long as `self`.
+                unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) }
+            }
+        }
+    }
+}
+
+/// Pieces in flight to a [`BackgroundWriter`]: enough to keep it busy, few enough to bound
+/// memory to a few of them.
+const PIECES_IN_FLIGHT: usize = 2;
+
+/// Writes a file from a thread of its own — the write (bypassing the page cache where it can,
+/// [`DirectWriter`]), the checksum and the final `fsync` — so that they overlap with reading
+/// and converting the next pieces.
+struct BackgroundWriter {
+    path: std::path::PathBuf,
+    sender: Option<std::sync::mpsc::SyncSender<Piece>>,
+    thread: Option<std::thread::JoinHandle<Result<(u64, u32)>>>,
+}
+
+impl BackgroundWriter {
+    fn new(path: &Path, file: File) -> Self {
+        let (sender, receiver) = std::sync::mpsc::sync_channel::<Piece>(PIECES_IN_FLIGHT);
+        let context = path.display().to_string();
+        let target = path.to_path_buf();
+        let thread = std::thread::spawn(move || -> Result<(u64, u32)> {
+            let mut out = DirectWriter::new(&target, file);
+            let (mut length, mut crc) = (0u64, 0u32);
+            for piece in receiver {
+                let bytes = piece.bytes();
+                crc = crc32c::crc32c_append(crc, bytes);
+                length += bytes.len() as u64;
+                out.write_all(bytes)
+                    .with_context(|| format!("writing {context}"))?;
+            }
+            let file = out.finish().with_context(|| format!("writing {context}"))?;
+            file.sync_all()
+                .with_context(|| format!("syncing {context}"))?;
+            Ok((length, crc))
+        });
+        BackgroundWriter {
+            path: path.to_path_buf(),
+            sender: Some(sender),
+            thread: Some(thread),
+        }
+    }
+
+    fn send(&mut self, piece: Piece) -> Result<()> {
+        let sender = self.sender.as_ref().context("the writer has finished")?;
+        if sender.send(piece).is_ok() {
+            return Ok(());
+        }
+        // The writer stopped on an error: report it.
+        self.finish()?;
+        bail!("{}: the writer stopped early", self.path.display())
+    }
+
+    /// Waits until every piece is written and the file synced: its length and CRC-32C.
+    fn finish(&mut self) -> Result<(u64, u32)> {
+        self.sender = None;
+        let thread = self.thread.take().context("the writer has finished")?;
+        match thread.join() {
+            Ok(result) => result,
+            Err(_) => bail!("{}: the writer thread panicked", self.path.display()),
+        }
+    }
+}
+
+impl Drop for BackgroundWriter {
+    /// A write abandoned on an error still waits for its thread, so that nothing writes into
+    /// a staging directory after it is removed.
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.finish();
+        }
+    }
 }
 
 /// Reads every tensor of a safetensors file onto `device`, with the header's metadata.

@@ -3,7 +3,6 @@
 //! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
 //! safetensors with a `config.json` that `transformers` loads without edits.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -12,16 +11,17 @@ use megatron_checkpoint::TorchFile;
 use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
-use super::lazy::{safetensors_tensors, LazyTensor};
-use super::state::{tensor_from_bytes, ModelState, RunState, Tensors};
+use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
+use super::megatron_torch::tensor_of;
+use super::state::{ModelState, RunState, Tensors};
 use crate::checkpoint::{write_tensors_streamed, TensorEntry};
 use crate::model::{
     hf::{self as mapping, Recipe},
     Activation, GptConfig, Normalization, PositionEmbeddingType, RopeScaling,
 };
 
-/// Every tensor of a HuggingFace model directory (sharded or not): safetensors read lazily,
-/// `pytorch_model*.bin` (zip archives of pickles) into memory.
+/// Every tensor of a HuggingFace model directory (sharded or not), read lazily: from
+/// `*.safetensors` or `pytorch_model*.bin` (zip archives of pickles).
 fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, LazyTensor>> {
     let mut files: Vec<_> = std::fs::read_dir(directory)
         .with_context(|| format!("listing {}", directory.display()))?
@@ -55,12 +55,11 @@ fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, LazyTensor>> {
     );
     for path in bins {
         let file = TorchFile::open(path)?;
+        let input = InputFile::open(path)?;
         for (name, tensor) in file.tensors() {
-            let bytes = file.tensor_bytes(tensor)?;
-            out.insert(
-                name,
-                tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into(),
-            );
+            let lazy = tensor_of(&file, &input, tensor)
+                .with_context(|| format!("{}: tensor {name}", path.display()))?;
+            out.insert(name, lazy);
         }
     }
     Ok(out)
@@ -87,7 +86,15 @@ fn imported(recipes: Vec<Recipe>, tensors: &HashMap<String, LazyTensor>) -> Resu
                     Ok(tensor.clone())
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let tensor = LazyTensor::derived(inputs, recipe.shape, recipe.make)?;
+            let tensor = match recipe.rows {
+                Some(rows) => LazyTensor::row_ranges(
+                    rows.into_iter()
+                        .map(|(input, start, count)| (inputs[input].clone(), start, count))
+                        .collect(),
+                )?
+                .with_rows(recipe.shape[0]),
+                None => LazyTensor::derived(inputs, recipe.shape, recipe.make)?,
+            };
             Ok((recipe.name, tensor))
         })
         .collect()
@@ -329,14 +336,21 @@ pub fn load_hf(
 
 type Make<'a> = Box<dyn Fn(&Exports<'a>) -> Result<Tensor> + 'a>;
 
+/// How one exported tensor is made.
+enum Export<'a> {
+    /// Rows of our tensors, streamed in chunks.
+    Rows(LazyTensor),
+    /// A function of whole tensors (GPT-2's transposed Conv1D weights, one layer's).
+    Make(Make<'a>),
+}
+
 /// The tensors of an export: each one's name, shape and how it is made from the state, so
-/// that they are read and written one at a time.
+/// that they are read and written one at a time, in chunks of rows where they are rows of
+/// ours.
 struct Exports<'a> {
     state: &'a ModelState,
     kind: Kind,
-    /// The last tensor read: q, k and v (gate and up) come from one fused tensor.
-    last: RefCell<Option<(String, Tensor)>>,
-    entries: Vec<(String, Vec<i64>, Make<'a>)>,
+    entries: Vec<(String, Vec<i64>, Export<'a>)>,
 }
 
 impl<'a> Exports<'a> {
@@ -344,21 +358,13 @@ impl<'a> Exports<'a> {
         Exports {
             state,
             kind,
-            last: RefCell::new(None),
             entries: Vec::new(),
         }
     }
 
     /// Our tensor `name` in the export's dtype.
     fn get(&self, name: &str) -> Result<Tensor> {
-        if let Some((last, tensor)) = &*self.last.borrow() {
-            if last == name {
-                return Ok(tensor.shallow_clone());
-            }
-        }
-        let tensor = self.state.read(name)?.to_kind(self.kind);
-        *self.last.borrow_mut() = Some((name.to_string(), tensor.shallow_clone()));
-        Ok(tensor)
+        Ok(self.state.read(name)?.to_kind(self.kind))
     }
 
     fn shape(&self, name: &str) -> Result<Vec<i64>> {
@@ -371,14 +377,28 @@ impl<'a> Exports<'a> {
         shape: Vec<i64>,
         make: impl Fn(&Exports<'a>) -> Result<Tensor> + 'a,
     ) {
-        self.entries.push((name, shape, Box::new(make)));
+        self.entries
+            .push((name, shape, Export::Make(Box::new(make))));
+    }
+
+    /// Row ranges `(start, count)` of our tensor `ours`, stacked.
+    fn rows(&mut self, hf: String, ours: &str, ranges: &[(i64, i64)]) -> Result<()> {
+        let tensor = self.state.tensor(ours)?;
+        let rows = LazyTensor::row_ranges(
+            ranges
+                .iter()
+                .map(|&(start, count)| (tensor.clone(), start, count))
+                .collect(),
+        )
+        .with_context(|| format!("{}: {ours}", self.state.source))?;
+        self.entries
+            .push((hf, rows.shape().to_vec(), Export::Rows(rows)));
+        Ok(())
     }
 
     fn copy(&mut self, hf: &str, ours: &str) -> Result<()> {
-        let shape = self.shape(ours)?;
-        let ours = ours.to_string();
-        self.add(hf.to_string(), shape, move |x| x.get(&ours));
-        Ok(())
+        let rows = self.shape(ours)?[0];
+        self.rows(hf.to_string(), ours, &[(0, rows)])
     }
 
     fn transposed(&mut self, hf: &str, ours: &str) -> Result<()> {
@@ -391,13 +411,7 @@ impl<'a> Exports<'a> {
 
     /// A vocabulary-parallel tensor without its padding rows.
     fn vocabulary(&mut self, hf: &str, ours: &str, vocab: i64) -> Result<()> {
-        let mut shape = self.shape(ours)?;
-        shape[0] = vocab;
-        let ours = ours.to_string();
-        self.add(hf.to_string(), shape, move |x| {
-            Ok(x.get(&ours)?.narrow(0, 0, vocab))
-        });
-        Ok(())
+        self.rows(hf.to_string(), ours, &[(0, vocab)])
     }
 
     fn write(&self, path: &Path, metadata: HashMap<String, String>) -> Result<()> {
@@ -411,14 +425,22 @@ impl<'a> Exports<'a> {
             })
             .collect();
         write_tensors_streamed(path, &entries, metadata, |i, emit| {
-            let (name, shape, make) = &self.entries[i];
-            let tensor = make(self)?;
-            ensure!(
-                &tensor.size() == shape,
-                "{name} came out of shape {:?}, {shape:?} expected",
-                tensor.size()
-            );
-            emit(&tensor)
+            let (name, shape, export) = &self.entries[i];
+            match export {
+                Export::Rows(rows) => rows.for_each_chunk(|chunk| emit(&chunk.to_kind(self.kind))),
+                Export::Make(make) => {
+                    let tensor = make(self)?;
+                    ensure!(
+                        &tensor.size() == shape,
+                        "{name} came out of shape {:?}, {shape:?} expected",
+                        tensor.size()
+                    );
+                    emit(&tensor)?;
+                    drop(tensor);
+                    return_freed_memory();
+                    Ok(())
+                }
+            }
         })
     }
 }
@@ -562,29 +584,16 @@ pub fn save_hf(
                     leaves.push("bias");
                 }
                 for leaf in leaves {
-                    let width = if leaf == "weight" { vec![h] } else { vec![] };
-                    for (part, (proj, heads)) in [("q_proj", n), ("k_proj", g), ("v_proj", g)]
-                        .into_iter()
-                        .enumerate()
-                    {
-                        let fused = m(&format!("self_attention.linear_qkv.{leaf}"));
-                        let mut shape = vec![heads * d];
-                        shape.extend(&width);
-                        let grouped: Vec<i64> = [g, (per_group + 2) * d]
-                            .into_iter()
-                            .chain(width.clone())
+                    let fused = m(&format!("self_attention.linear_qkv.{leaf}"));
+                    for (proj, first, heads) in [
+                        ("q_proj", 0, per_group),
+                        ("k_proj", per_group, 1),
+                        ("v_proj", per_group + 1, 1),
+                    ] {
+                        let ranges: Vec<(i64, i64)> = (0..g)
+                            .map(|group| ((group * (per_group + 2) + first) * d, heads * d))
                             .collect();
-                        out.add(
-                            t(&format!("self_attn.{proj}.{leaf}")),
-                            shape.clone(),
-                            move |x| {
-                                let parts = x
-                                    .get(&fused)?
-                                    .view(grouped.as_slice())
-                                    .split_with_sizes([per_group * d, d, d], 1);
-                                Ok(parts[part].reshape(shape.as_slice()))
-                            },
-                        );
+                        out.rows(t(&format!("self_attn.{proj}.{leaf}")), &fused, &ranges)?;
                     }
                 }
                 out.copy(
@@ -593,10 +602,11 @@ pub fn save_hf(
                 )?;
                 let ffn = config.ffn_hidden_size;
                 for (half, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
-                    let fc1 = m("mlp.linear_fc1.weight");
-                    out.add(t(&format!("mlp.{proj}.weight")), vec![ffn, h], move |x| {
-                        Ok(x.get(&fc1)?.chunk(2, 0)[half].shallow_clone())
-                    });
+                    out.rows(
+                        t(&format!("mlp.{proj}.weight")),
+                        &m("mlp.linear_fc1.weight"),
+                        &[(half as i64 * ffn, ffn)],
+                    )?;
                 }
                 out.copy(&t("mlp.down_proj.weight"), &m("mlp.linear_fc2.weight"))?;
             }

@@ -1,8 +1,10 @@
 //! Tensors of a checkpoint being converted, read from their files only when a saver asks for
-//! them, so that a conversion holds one tensor at a time whatever the model's size. A lazy
-//! tensor knows its shape and kind up front (savers write file headers before any data) and
-//! how to assemble itself: bytes at an offset of an input file, pieces of a flat optimizer
-//! buffer, tensor-parallel shards joined, or a tensor already in memory.
+//! them, and then in pieces of whole rows ([`LazyTensor::for_each_chunk`]), so that a
+//! conversion holds about [`CHUNK_BYTES`] of tensor data whatever the size of the model and of
+//! its largest tensor. A lazy tensor knows its shape and kind up front (savers write file
+//! headers before any data) and how to assemble any range of its rows: bytes at an offset of
+//! an input file, pieces of a flat optimizer buffer, tensor-parallel shards joined, a shard's
+//! row ranges or columns, or a tensor already in memory.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -10,12 +12,37 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::DType;
 use tch::{Device, Kind, Tensor};
 
 use super::state::{fit_vocab_rows, kind_of};
 use crate::checkpoint::{join_shards, take_shard, TensorSplit};
+
+/// Bytes of tensor data a streamed read ([`LazyTensor::for_each_chunk`]) reads, converts and
+/// hands on at a time: what bounds a conversion's memory.
+pub const CHUNK_BYTES: usize = 4 << 20;
+
+/// Runs libtorch's operators on the calling thread only. A conversion is bound by memory and
+/// disk bandwidth: its copies gain nothing from libtorch's OpenMP workers, which busy-wait
+/// between them and take the cores that the background file writers need (a third of the
+/// CPU time of a reshape on two cores).
+pub fn use_one_torch_thread() {
+    tch::set_num_threads(1);
+}
+
+/// Hands the allocator's free memory back to the system. A conversion allocates and frees
+/// chunk-sized buffers of many sizes; glibc keeps freed blocks in its heaps (a hundred MiB or
+/// more of them by the end of a large tensor), which would make peak memory grow with the
+/// largest tensor after all. Called once a large tensor is done: within a tensor, buffers of
+/// one size are reused without new page faults.
+pub(crate) fn return_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free pages of the allocator's heaps.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
 
 /// An input file read with positioned reads: nothing of it stays resident after a read
 /// (a memory map would keep every touched page in the process's resident set).
@@ -82,6 +109,15 @@ enum Source {
     },
     /// Another tensor with its rows cut or padded with zeros (the padded vocabulary).
     Rows(Box<LazyTensor>),
+    /// Row ranges `(tensor, start, count)` of other tensors, stacked in order (a row-parallel
+    /// shard, fused projections).
+    RowRanges(Vec<(LazyTensor, i64, i64)>),
+    /// Columns `start..start + count` of another tensor (a column-parallel shard).
+    Columns {
+        inner: Box<LazyTensor>,
+        start: i64,
+        count: i64,
+    },
     /// Made from other tensors (a HuggingFace import's fused projections).
     Derived {
         inputs: Vec<LazyTensor>,
@@ -110,6 +146,16 @@ impl Clone for LazyTensor {
                 split: *split,
             },
             Source::Rows(inner) => Source::Rows(inner.clone()),
+            Source::RowRanges(ranges) => Source::RowRanges(ranges.clone()),
+            Source::Columns {
+                inner,
+                start,
+                count,
+            } => Source::Columns {
+                inner: inner.clone(),
+                start: *start,
+                count: *count,
+            },
             Source::Derived { inputs, make } => Source::Derived {
                 inputs: inputs.clone(),
                 make: make.clone(),
@@ -166,7 +212,7 @@ impl LazyTensor {
     }
 
     /// Elements `start..start + len` of this tensor taken flat, viewed as `shape`: a parameter
-    /// inside an optimizer's flat buffer.
+    /// inside an optimizer's flat buffer, one layer of a stacked tensor.
     pub fn flat_slice(&self, start: i64, len: i64, shape: Vec<i64>) -> Result<Self> {
         ensure!(
             shape.iter().product::<i64>() == len && start >= 0 && start + len <= self.numel(),
@@ -180,7 +226,25 @@ impl LazyTensor {
                 file: file.clone(),
                 offset: offset + start as u64 * element,
             },
-            _ => Source::Memory(self.read()?.reshape([-1]).narrow(0, start, len)),
+            Source::Concat(pieces) => {
+                let mut inside = Vec::new();
+                let mut at = 0;
+                for piece in pieces {
+                    let n = piece.numel();
+                    let (lo, hi) = (start.max(at), (start + len).min(at + n));
+                    if lo < hi {
+                        inside.push(piece.flat_slice(lo - at, hi - lo, vec![hi - lo])?);
+                    }
+                    at += n;
+                }
+                Source::Concat(inside)
+            }
+            _ => Source::Memory(
+                self.read()?
+                    .reshape([-1])
+                    .narrow(0, start, len)
+                    .reshape(shape.as_slice()),
+            ),
         };
         Ok(LazyTensor {
             shape,
@@ -225,6 +289,54 @@ impl LazyTensor {
             shape,
             kind,
             source: Source::Joined { shards, split },
+        })
+    }
+
+    /// Row ranges `(tensor, start, count)` of tensors of one kind and row shape, stacked.
+    pub fn row_ranges(ranges: Vec<(LazyTensor, i64, i64)>) -> Result<Self> {
+        let (first, _, _) = ranges.first().context("no row ranges to stack")?;
+        let (kind, row) = (
+            first.kind,
+            first.shape.get(1..).unwrap_or_default().to_vec(),
+        );
+        for (tensor, start, count) in &ranges {
+            ensure!(
+                tensor.kind == kind
+                    && tensor.shape.get(1..) == Some(row.as_slice())
+                    && *start >= 0
+                    && *count >= 0
+                    && start + count <= tensor.shape[0],
+                "rows {start}..{} of {tensor:?} stacked with rows of shape {row:?}",
+                start + count
+            );
+        }
+        let shape = std::iter::once(ranges.iter().map(|(_, _, count)| count).sum())
+            .chain(row)
+            .collect();
+        Ok(LazyTensor {
+            shape,
+            kind,
+            source: Source::RowRanges(ranges),
+        })
+    }
+
+    /// Columns `start..start + count` of this tensor.
+    pub fn columns(self, start: i64, count: i64) -> Result<Self> {
+        ensure!(
+            self.shape.len() >= 2 && start >= 0 && start + count <= self.shape[1],
+            "columns {start}..{} of {self:?}",
+            start + count
+        );
+        let mut shape = self.shape.clone();
+        shape[1] = count;
+        Ok(LazyTensor {
+            shape,
+            kind: self.kind,
+            source: Source::Columns {
+                inner: Box::new(self),
+                start,
+                count,
+            },
         })
     }
 
@@ -280,61 +392,123 @@ impl LazyTensor {
     }
 
     /// Tensor-parallel rank `rank`'s shard (of `size`) along `split` of this tensor with its
-    /// rows first cut or padded to `rows`, reading only what the shard needs where the layout
-    /// allows: a source shard that is already the target one, or the row ranges of a tensor
-    /// split by rows.
-    pub fn read_shard(
+    /// rows first cut or padded to `rows`, as a lazy tensor that reads only what the shard
+    /// needs: a source shard that is already the target one, row ranges, or columns.
+    pub fn shard(
         &self,
         split: TensorSplit,
         rank: usize,
         size: usize,
         rows: Option<i64>,
-    ) -> Result<Tensor> {
+    ) -> Result<LazyTensor> {
         let rows_kept = rows.is_none_or(|r| r == self.shape[0]);
-        match (&self.source, split) {
-            (Source::Rows(inner), _) if rows == Some(inner.shape[0]) => {
-                return inner.read_shard(split, rank, size, None)
+        match &self.source {
+            Source::Rows(inner) if rows == Some(inner.shape[0]) => {
+                return inner.shard(split, rank, size, None)
             }
-            (
-                Source::Joined {
-                    shards,
-                    split: joined,
-                },
-                _,
-            ) if rows_kept && *joined == split && shards.len() == size => {
-                return shards[rank].read()
+            Source::Joined {
+                shards,
+                split: joined,
+            } if rows_kept && *joined == split && shards.len() == size => {
+                return Ok(shards[rank].clone())
             }
-            (Source::Joined { shards, .. }, _) if rows_kept && shards.len() == 1 => {
-                return shards[0].read_shard(split, rank, size, None)
-            }
-            // Split by rows: each of the `stride` parts contributes a contiguous row range.
-            (_, TensorSplit::Rows { stride })
-                if (rows_kept || stride == 1)
-                    && rows.unwrap_or(self.shape[0]) % (stride * size as i64) == 0 =>
-            {
-                let part_rows = rows.unwrap_or(self.shape[0]) / stride;
-                let count = part_rows / size as i64;
-                let parts = (0..stride)
-                    .map(|p| self.read_rows(p * part_rows + rank as i64 * count, count))
-                    .collect::<Result<Vec<_>>>()?;
-                return Ok(if parts.len() == 1 {
-                    parts.into_iter().next().expect("one part")
-                } else {
-                    Tensor::cat(&parts, 0)
-                });
+            Source::Joined { shards, .. } if rows_kept && shards.len() == 1 => {
+                return shards[0].shard(split, rank, size, None)
             }
             _ => {}
         }
-        let mut full = self.read()?;
-        if let Some(rows) = rows {
-            full = fit_vocab_rows(&full, rows);
+        let full = match rows {
+            Some(rows) => self.clone().with_rows(rows),
+            None => self.clone(),
+        };
+        let (rank, size) = (rank as i64, size as i64);
+        match split {
+            TensorSplit::Replicated => Ok(full),
+            TensorSplit::Columns if full.shape.len() >= 2 && full.shape[1] % size == 0 => {
+                let count = full.shape[1] / size;
+                full.columns(rank * count, count)
+            }
+            TensorSplit::Rows { stride }
+                if !full.shape.is_empty() && full.shape[0] % (stride * size) == 0 =>
+            {
+                let part = full.shape[0] / stride;
+                let count = part / size;
+                LazyTensor::row_ranges(
+                    (0..stride)
+                        .map(|p| (full.clone(), p * part + rank * count, count))
+                        .collect(),
+                )
+            }
+            // Uneven parts: cut as torch's chunk does, from the whole tensor.
+            _ => Ok(take_shard(&full.read()?, split, rank as usize, size as usize).into()),
         }
-        Ok(take_shard(&full, split, rank, size))
+    }
+
+    /// Can rows of this tensor be read without materialising all of it?
+    fn streams(&self) -> bool {
+        match &self.source {
+            Source::Memory(_) | Source::File { .. } => true,
+            Source::Rows(inner) | Source::Columns { inner, .. } => inner.streams(),
+            Source::Concat(pieces) | Source::Joined { shards: pieces, .. } => {
+                pieces.iter().all(LazyTensor::streams)
+            }
+            Source::RowRanges(ranges) => ranges.iter().all(|(t, _, _)| t.streams()),
+            Source::Derived { .. } => false,
+        }
+    }
+
+    /// Bytes read from the sources per row of this tensor (more than a row's own bytes for a
+    /// column shard, whose source rows are read whole).
+    fn source_row_bytes(&self) -> usize {
+        match &self.source {
+            Source::Columns { inner, .. } => inner.source_row_bytes(),
+            _ => self.bytes() / self.shape.first().map_or(1, |&rows| rows.max(1) as usize),
+        }
+    }
+
+    /// Hands this tensor to `f` in pieces of whole rows, in order, each read when its turn
+    /// comes: about [`CHUNK_BYTES`] at a time whatever the tensor's size (a tensor made by a
+    /// function of whole inputs is read once, then handed on in the same pieces).
+    pub fn for_each_chunk(&self, f: impl FnMut(&Tensor) -> Result<()>) -> Result<()> {
+        self.for_each_chunk_of(CHUNK_BYTES, f)
+    }
+
+    /// [`LazyTensor::for_each_chunk`] in pieces of about `chunk_bytes`.
+    fn for_each_chunk_of(
+        &self,
+        chunk_bytes: usize,
+        mut f: impl FnMut(&Tensor) -> Result<()>,
+    ) -> Result<()> {
+        if self.shape.is_empty() {
+            return f(&self.read()?);
+        }
+        let rows = self.shape[0];
+        let step = (chunk_bytes / self.source_row_bytes().max(1)).max(1) as i64;
+        let whole = if self.streams() {
+            None
+        } else {
+            Some(self.read()?)
+        };
+        let mut start = 0;
+        while start < rows {
+            let count = step.min(rows - start);
+            match &whole {
+                Some(whole) => f(&whole.narrow(0, start, count))?,
+                None => f(&self.read_rows(start, count)?)?,
+            }
+            start += count;
+        }
+        if self.bytes() > chunk_bytes {
+            drop(whole);
+            return_freed_memory();
+        }
+        Ok(())
     }
 
     /// Rows `start..start + count`, rows past the tensor's end as zeros, reading only those
-    /// rows where the source allows (a file, row-split shards, a padded tensor).
+    /// rows from the files (except from a tensor made by a function of whole inputs).
     pub fn read_rows(&self, start: i64, count: i64) -> Result<Tensor> {
+        ensure!(!self.shape.is_empty(), "rows of a scalar");
         let have = self.shape[0];
         let mut shape = self.shape.clone();
         shape[0] = count;
@@ -348,10 +522,11 @@ impl LazyTensor {
             parts.push(Tensor::zeros(shape.as_slice(), (self.kind, Device::Cpu)));
             return Ok(Tensor::cat(&parts, 0));
         }
-        match &self.source {
+        let row_elements = self.shape[1..].iter().product::<i64>();
+        let tensor = match &self.source {
+            Source::Memory(t) => t.narrow(0, start, count).contiguous(),
             Source::File { file, offset } => {
-                let row_bytes = self.shape[1..].iter().product::<i64>() as usize
-                    * self.kind.elt_size_in_bytes();
+                let row_bytes = row_elements as usize * self.kind.elt_size_in_bytes();
                 let tensor = Tensor::empty(shape.as_slice(), (self.kind, Device::Cpu));
                 // SAFETY: a fresh contiguous CPU tensor of `count` rows.
                 let buffer = unsafe {
@@ -361,64 +536,84 @@ impl LazyTensor {
                     )
                 };
                 file.read_at(buffer, offset + start as u64 * row_bytes as u64)?;
-                Ok(tensor)
+                tensor
             }
-            Source::Rows(inner) => inner.read_rows(start, count),
-            Source::Joined { shards, split }
-                if shards.len() == 1 || *split == TensorSplit::Rows { stride: 1 } =>
-            {
-                let per_shard = shards[0].shape[0];
-                if shards.len() == 1 {
-                    return shards[0].read_rows(start, count);
-                }
+            Source::Rows(inner) => inner.read_rows(start, count)?,
+            Source::Concat(pieces) => {
+                let (lo, hi) = (start * row_elements, (start + count) * row_elements);
                 let mut parts = Vec::new();
-                let mut at = start;
-                while at < start + count {
-                    let shard = (at / per_shard) as usize;
-                    let local = at % per_shard;
-                    let take = (per_shard - local).min(start + count - at);
-                    parts.push(shards[shard].read_rows(local, take)?);
-                    at += take;
+                let mut at = 0;
+                for piece in pieces {
+                    let n = piece.numel();
+                    let (from, to) = (lo.max(at), hi.min(at + n));
+                    if from < to {
+                        parts.push(piece.read_rows(from - at, to - from)?.reshape([-1]));
+                    }
+                    at += n;
                 }
-                Ok(if parts.len() == 1 {
-                    parts.into_iter().next().expect("one part")
-                } else {
-                    Tensor::cat(&parts, 0)
-                })
+                cat_rows(parts).view(shape.as_slice())
             }
-            _ => Ok(self.read()?.narrow(0, start, count).contiguous()),
-        }
+            Source::Joined { shards, split } => match *split {
+                TensorSplit::Replicated => shards[0].read_rows(start, count)?,
+                TensorSplit::Columns => {
+                    let parts = shards
+                        .iter()
+                        .map(|s| s.read_rows(start, count))
+                        .collect::<Result<Vec<_>>>()?;
+                    Tensor::cat(&parts, 1)
+                }
+                TensorSplit::Rows { stride } if shards[0].shape[0] % stride == 0 => {
+                    // Joined rows are, per stride part, every shard's part in rank order.
+                    let per = shards[0].shape[0] / stride;
+                    let part_rows = per * shards.len() as i64;
+                    let mut parts = Vec::new();
+                    let mut at = start;
+                    while at < start + count {
+                        let (part, within) = (at / part_rows, at % part_rows);
+                        let (shard, local) = (within / per, within % per);
+                        let take = (per - local).min(start + count - at);
+                        parts.push(shards[shard as usize].read_rows(part * per + local, take)?);
+                        at += take;
+                    }
+                    cat_rows(parts)
+                }
+                TensorSplit::Rows { .. } => self.read()?.narrow(0, start, count).contiguous(),
+            },
+            Source::RowRanges(ranges) => {
+                let mut parts = Vec::new();
+                let mut at = 0;
+                for (tensor, first, n) in ranges {
+                    let (from, to) = (start.max(at), (start + count).min(at + n));
+                    if from < to {
+                        parts.push(tensor.read_rows(first + from - at, to - from)?);
+                    }
+                    at += n;
+                }
+                cat_rows(parts)
+            }
+            Source::Columns {
+                inner,
+                start: column,
+                count: columns,
+            } => inner
+                .read_rows(start, count)?
+                .narrow(1, *column, *columns)
+                .contiguous(),
+            Source::Derived { .. } => self.read()?.narrow(0, start, count).contiguous(),
+        };
+        ensure!(
+            tensor.size() == shape,
+            "read rows of shape {:?} for {:?}",
+            tensor.size(),
+            shape
+        );
+        Ok(tensor)
     }
 
     /// The tensor, read from its files now (a CPU tensor of its own).
     pub fn read(&self) -> Result<Tensor> {
         let tensor = match &self.source {
             Source::Memory(t) => t.shallow_clone(),
-            Source::File { file, offset } => {
-                let tensor = Tensor::empty(self.shape.as_slice(), (self.kind, Device::Cpu));
-                // SAFETY: a fresh contiguous CPU tensor of exactly `bytes()` bytes.
-                let buffer = unsafe {
-                    std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut u8, self.bytes())
-                };
-                file.read_at(buffer, *offset)?;
-                tensor
-            }
-            Source::Concat(pieces) => {
-                let pieces = pieces
-                    .iter()
-                    .map(|p| Ok(p.read()?.reshape([-1])))
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&pieces, 0).view(self.shape.as_slice())
-            }
-            Source::Joined { shards, .. } if shards.len() == 1 => shards[0].read()?,
-            Source::Joined { shards, split } => {
-                let shards = shards
-                    .iter()
-                    .map(LazyTensor::read)
-                    .collect::<Result<Vec<_>>>()?;
-                join_shards(&shards, *split)
-            }
-            Source::Rows(inner) => fit_vocab_rows(&inner.read()?, self.shape[0]),
             Source::Derived { inputs, make } => {
                 let inputs = inputs
                     .iter()
@@ -426,6 +621,23 @@ impl LazyTensor {
                     .collect::<Result<Vec<_>>>()?;
                 make(&inputs)
             }
+            Source::Joined { shards, split } if !self.streams() => {
+                let shards = shards
+                    .iter()
+                    .map(LazyTensor::read)
+                    .collect::<Result<Vec<_>>>()?;
+                join_shards(&shards, *split)
+            }
+            Source::Rows(inner) if !inner.streams() => {
+                fit_vocab_rows(&inner.read()?, self.shape[0])
+            }
+            _ if self.shape.is_empty() => match &self.source {
+                Source::File { .. } | Source::Concat(_) => {
+                    self.flat_slice(0, 1, vec![1])?.read_rows(0, 1)?.view([])
+                }
+                _ => bail!("a scalar {self:?} that is not stored"),
+            },
+            _ => self.read_rows(0, self.shape[0])?,
         };
         ensure!(
             tensor.size() == self.shape,
@@ -434,6 +646,27 @@ impl LazyTensor {
             self.shape
         );
         Ok(tensor)
+    }
+}
+
+/// Hands a CPU tensor's C-order little-endian bytes to `emit`.
+pub fn with_bytes(tensor: &Tensor, emit: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    let tensor = tensor.contiguous();
+    let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
+    if len == 0 {
+        return emit(&[]);
+    }
+    // SAFETY: a contiguous CPU tensor of `len` bytes, alive for the borrow.
+    let bytes = unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) };
+    emit(bytes)
+}
+
+/// Row pieces stacked (one piece as it is).
+fn cat_rows(mut parts: Vec<Tensor>) -> Tensor {
+    if parts.len() == 1 {
+        parts.pop().expect("one part")
+    } else {
+        Tensor::cat(&parts, 0)
     }
 }
 
@@ -535,7 +768,7 @@ mod tests {
             Vec::<f32>::try_from(pieces.read().unwrap().reshape([-1])).unwrap(),
             [20.0, 21.0, 22.0, 23.0, 0.0, 1.0, 2.0, 3.0]
         );
-        // Every shortcut of read_shard agrees with cutting the whole tensor.
+        // Every shortcut of shard agrees with cutting the whole tensor.
         let whole_file = flat.flat_slice(0, 24, vec![6, 4]).unwrap();
         let two = LazyTensor::joined(
             vec![
@@ -548,6 +781,73 @@ mod tests {
         let one =
             LazyTensor::joined(vec![whole_file.clone()], TensorSplit::Rows { stride: 2 }).unwrap();
         let padded_two = two.clone().with_rows(8);
+        // Shards joined with a stride, column blocks, flat pieces and stacked row ranges.
+        let strided = LazyTensor::joined(
+            vec![
+                flat.flat_slice(0, 12, vec![3, 4]).unwrap().with_rows(4),
+                flat.flat_slice(12, 12, vec![3, 4]).unwrap().with_rows(4),
+            ],
+            TensorSplit::Rows { stride: 2 },
+        )
+        .unwrap();
+        let blocks = LazyTensor::joined(
+            vec![
+                flat.flat_slice(0, 12, vec![6, 2]).unwrap(),
+                flat.flat_slice(12, 12, vec![6, 2]).unwrap(),
+            ],
+            TensorSplit::Columns,
+        )
+        .unwrap();
+        let stacked = LazyTensor::row_ranges(vec![
+            (whole_file.clone(), 4, 2),
+            (
+                LazyTensor::concat(
+                    vec![
+                        flat.flat_slice(16, 8, vec![8]).unwrap(),
+                        flat.flat_slice(0, 8, vec![8]).unwrap(),
+                    ],
+                    vec![4, 4],
+                )
+                .unwrap(),
+                0,
+                4,
+            ),
+        ])
+        .unwrap();
+        assert_eq!(stacked.shape(), &[6, 4]);
+        // Row by row they read as the tensors joined whole.
+        let rows_of = |t: &Tensor, ranges: &[(i64, i64)]| {
+            Tensor::cat(
+                &ranges
+                    .iter()
+                    .map(|&(s, n)| t.narrow(0, s, n))
+                    .collect::<Vec<_>>(),
+                0,
+            )
+        };
+        let halves = [
+            fit_vocab_rows(&whole.narrow(0, 0, 3), 4),
+            fit_vocab_rows(&whole.narrow(0, 3, 3), 4),
+        ];
+        assert!(strided
+            .read()
+            .unwrap()
+            .equal(&join_shards(&halves, TensorSplit::Rows { stride: 2 })));
+        let flat_whole = Tensor::from_slice(&values);
+        assert!(blocks.read().unwrap().equal(&Tensor::cat(
+            &[
+                flat_whole.narrow(0, 0, 12).view([6, 2]),
+                flat_whole.narrow(0, 12, 12).view([6, 2])
+            ],
+            1
+        )));
+        assert!(stacked.read().unwrap().equal(&Tensor::cat(
+            &[
+                rows_of(&whole, &[(4, 2)]),
+                rows_of(&whole, &[(4, 2), (0, 2)])
+            ],
+            0
+        )));
         for (lazy, split, size, rows) in [
             (&whole_file, TensorSplit::Rows { stride: 2 }, 3, None),
             (&whole_file, TensorSplit::Rows { stride: 1 }, 2, Some(8)),
@@ -559,6 +859,13 @@ mod tests {
             (&padded_two, TensorSplit::Rows { stride: 1 }, 2, Some(6)),
             (&padded_two, TensorSplit::Rows { stride: 1 }, 2, Some(10)),
             (&one, TensorSplit::Rows { stride: 2 }, 3, None),
+            (&strided, TensorSplit::Rows { stride: 2 }, 2, None),
+            (&strided, TensorSplit::Rows { stride: 1 }, 3, None),
+            (&strided, TensorSplit::Columns, 2, Some(8)),
+            (&blocks, TensorSplit::Columns, 2, None),
+            (&blocks, TensorSplit::Rows { stride: 1 }, 2, None),
+            (&blocks, TensorSplit::Replicated, 1, Some(2)),
+            (&stacked, TensorSplit::Rows { stride: 3 }, 2, None),
         ] {
             let padded = rows.map_or(lazy.clone(), |r| lazy.clone().with_rows(r));
             for rank in 0..size {
@@ -568,15 +875,31 @@ mod tests {
                 }
                 let expected = take_shard(&expected, split, rank, size);
                 assert!(
-                    lazy.read_shard(split, rank, size, rows)
+                    lazy.shard(split, rank, size, rows)
+                        .unwrap()
+                        .read()
                         .unwrap()
                         .equal(&expected),
                     "{split:?} rank {rank} of {size}"
                 );
                 assert!(padded
-                    .read_shard(split, rank, size, rows)
+                    .shard(split, rank, size, rows)
+                    .unwrap()
+                    .read()
                     .unwrap()
                     .equal(&expected));
+                // Streamed a row (or a few elements) at a time, the pieces make the shard.
+                for chunk_bytes in [1, 24] {
+                    let mut pieces = Vec::new();
+                    lazy.shard(split, rank, size, rows)
+                        .unwrap()
+                        .for_each_chunk_of(chunk_bytes, |piece| {
+                            pieces.push(piece.shallow_clone());
+                            Ok(())
+                        })
+                        .unwrap();
+                    assert!(Tensor::cat(&pieces, 0).equal(&expected));
+                }
             }
         }
         let error = format!(

@@ -13,9 +13,10 @@ use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
 
+use super::lazy::with_bytes;
 use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
-use super::state::{kind_named, read_shard, shard_shape, ModelState, OptimizerState};
+use super::state::{kind_named, shard_of, shard_shape, ModelState, OptimizerState};
 use crate::checkpoint::{iteration_directory, rank_directory_name, write_tracker};
 use crate::model::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
 use crate::optim::excluded_from_weight_decay;
@@ -468,12 +469,12 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                 &rank_dir.join("model_optim_rng.pt"),
                 &Saved::Dict(root_entries),
                 &slots,
-                |i| {
-                    let tensor = match &sources[i] {
-                        Source::Weight(global) => {
-                            read_shard(global, state.tensor(global)?, config, t, target.tensor)?
-                                .to_kind(kind)
-                        }
+                |i, emit| {
+                    let (tensor, kind) = match &sources[i] {
+                        Source::Weight(global) => (
+                            shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
+                            kind,
+                        ),
                         Source::Optimizer(buffer, global) => {
                             let optimizer = state.optimizer.as_ref().expect("listed above");
                             let map = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
@@ -481,15 +482,16 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                             let value = map.get(global).with_context(|| {
                                 format!("{}: no optimizer state for {global}", state.source)
                             })?;
-                            read_shard(global, value, config, t, target.tensor)?
-                                .to_kind(tch::Kind::Float)
+                            (
+                                shard_of(global, value, config, t, target.tensor)?,
+                                tch::Kind::Float,
+                            )
                         }
-                        Source::Step(step) => tch::Tensor::from(*step as f32),
-                    }
-                    .contiguous();
-                    let mut bytes = vec![0u8; tensor.numel() * tensor.kind().elt_size_in_bytes()];
-                    tensor.copy_data_u8(&mut bytes, tensor.numel());
-                    Ok(bytes)
+                        Source::Step(step) => {
+                            return with_bytes(&tch::Tensor::from(*step as f32), emit)
+                        }
+                    };
+                    tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
                 },
             )?;
         }

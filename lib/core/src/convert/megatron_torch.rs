@@ -13,9 +13,7 @@ use tch::Kind;
 use super::lazy::{InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
 use super::names::{core_name, layer_of};
-use super::state::{
-    fit_vocab_rows, in_memory, tensor_from_bytes, ModelState, OptimizerState, RunState,
-};
+use super::state::{tensor_from_bytes, ModelState, OptimizerState, RunState};
 use crate::checkpoint::{has_vocab_rows, tensor_split};
 use crate::optim::excluded_from_weight_decay;
 
@@ -32,7 +30,11 @@ pub struct LoadOptions {
 
 /// A tensor of a rank file, read from `input` (the same file) when a saver asks; strided views
 /// are gathered now.
-fn tensor_of(file: &TorchFile, input: &Arc<InputFile>, tensor: &TensorRef) -> Result<LazyTensor> {
+pub(crate) fn tensor_of(
+    file: &TorchFile,
+    input: &Arc<InputFile>,
+    tensor: &TensorRef,
+) -> Result<LazyTensor> {
     let shape: Vec<i64> = tensor.shape.iter().map(|&d| d as i64).collect();
     match file.tensor_offset(tensor)? {
         Some(offset) => LazyTensor::in_file(input, offset, tensor.storage.dtype, shape),
@@ -460,8 +462,84 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     })
 }
 
+/// A `torch_dist` global tensor's saved chunks as lazy tensors, with their offsets, each read
+/// from its `.distcp` file when a saver asks.
+fn dist_chunks(
+    checkpoint: &DistCheckpoint,
+    name: &str,
+    inputs: &mut HashMap<String, Arc<InputFile>>,
+) -> Result<Vec<(Vec<usize>, LazyTensor)>> {
+    let tensor = &checkpoint.tensors[name];
+    tensor
+        .chunks
+        .iter()
+        .map(|chunk| {
+            let input = match inputs.get(&chunk.file) {
+                Some(input) => input.clone(),
+                None => {
+                    let input = InputFile::open(&checkpoint.data_path(&chunk.file))?;
+                    inputs.insert(chunk.file.clone(), input.clone());
+                    input
+                }
+            };
+            let archive = checkpoint.chunk_archive(name, chunk)?;
+            let Value::Tensor(stored) = &archive.root else {
+                bail!("{name}: a chunk that is not a tensor");
+            };
+            let mut offsets = chunk.offsets.clone();
+            offsets.resize(tensor.shape.len(), 0);
+            Ok((offsets, tensor_of(&archive, &input, stored)?))
+        })
+        .collect()
+}
+
+/// The tensor of `shape` that `chunks` (each at its offsets) tile, read lazily where they are
+/// slabs of whole rows or (2-D) equal column blocks; `None` for other tilings.
+fn tiled(shape: &[usize], mut chunks: Vec<(Vec<usize>, LazyTensor)>) -> Result<Option<LazyTensor>> {
+    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    chunks.sort_by(|a, b| a.0.cmp(&b.0));
+    if let [(_, only)] = chunks.as_slice() {
+        return Ok((only.shape() == shape.as_slice()).then(|| only.clone()));
+    }
+    let whole_from = |dim: usize| {
+        chunks.iter().all(|(_, c)| {
+            c.shape().len() == shape.len()
+                && (0..shape.len()).all(|d| d == dim || c.shape()[d] == shape[d])
+        })
+    };
+    if !shape.is_empty() && whole_from(0) {
+        let mut at = 0;
+        for (offsets, c) in &chunks {
+            if offsets[0] as i64 != at {
+                return Ok(None);
+            }
+            at += c.shape()[0];
+        }
+        if at != shape[0] {
+            return Ok(None);
+        }
+        let pieces = chunks
+            .iter()
+            .map(|(_, c)| c.flat_slice(0, c.numel(), vec![c.numel()]))
+            .collect::<Result<Vec<_>>>()?;
+        return LazyTensor::concat(pieces, shape).map(Some);
+    }
+    if shape.len() == 2 && whole_from(1) {
+        let width = chunks[0].1.shape()[1];
+        let tiles = chunks.iter().enumerate().all(|(i, (offsets, c))| {
+            c.shape()[1] == width && offsets[1] as i64 == i as i64 * width
+        });
+        if tiles && width * chunks.len() as i64 == shape[1] {
+            let blocks = chunks.into_iter().map(|(_, c)| c).collect();
+            return LazyTensor::joined(blocks, crate::checkpoint::TensorSplit::Columns).map(Some);
+        }
+    }
+    Ok(None)
+}
+
 /// Loads a `torch_dist` iteration directory (weights only: the optimizer state of this format
-/// is not read).
+/// is not read). Tensors are read lazily from the `.distcp` files where their chunks tile them
+/// by rows or column blocks (how Megatron's tensor and pipeline parallel ranks save them).
 pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
     let checkpoint = DistCheckpoint::open(directory)?;
     let root = &checkpoint.common.root;
@@ -479,11 +557,14 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
     );
     let config = gpt_config(args, vocab)?;
     let padded = config.padded_vocab_size(1);
+    let mut inputs = HashMap::new();
     let mut weights = BTreeMap::new();
     for (name, tensor) in &checkpoint.tensors {
         if name.starts_with("optimizer.") || name.contains("_extra_state") {
             continue;
         }
+        let context = || format!("{}: tensor {name}", directory.display());
+        let chunks = dist_chunks(&checkpoint, name, &mut inputs).with_context(context)?;
         // Homogeneous layer stacks are saved with a leading layer axis.
         if let Some(leaf) = name.strip_prefix("decoder.layers.").filter(|rest| {
             !rest
@@ -498,11 +579,28 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
                 tensor.shape,
                 config.num_layers
             );
+            let layer_shape = &tensor.shape[1..];
             for layer in 0..config.num_layers {
-                let (dtype, shape, bytes) = checkpoint.read_rows(name, layer..layer + 1)?;
-                let value = tensor_from_bytes(dtype, &shape[1..], &bytes)?;
                 let Some(global) = core_name(&format!("decoder.layers.{layer}.{leaf}")) else {
                     continue;
+                };
+                let mut pieces = Vec::new();
+                for (offsets, chunk) in &chunks {
+                    let first = offsets[0];
+                    if !(first..first + chunk.shape()[0] as usize).contains(&layer) {
+                        continue;
+                    }
+                    let inner: Vec<i64> = chunk.shape()[1..].to_vec();
+                    let len = inner.iter().product::<i64>();
+                    let piece = chunk.flat_slice((layer - first) as i64 * len, len, inner)?;
+                    pieces.push((offsets[1..].to_vec(), piece));
+                }
+                let value = match tiled(layer_shape, pieces).with_context(context)? {
+                    Some(value) => value,
+                    None => {
+                        let (dtype, shape, bytes) = checkpoint.read_rows(name, layer..layer + 1)?;
+                        tensor_from_bytes(dtype, &shape[1..], &bytes)?.into()
+                    }
                 };
                 weights.insert(global, value);
             }
@@ -511,17 +609,22 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         let Some(global) = core_name(name) else {
             continue;
         };
-        let (dtype, shape, bytes) = checkpoint.read(name)?;
-        let mut value = tensor_from_bytes(dtype, &shape, &bytes)?;
+        let mut value = match tiled(&tensor.shape, chunks).with_context(context)? {
+            Some(value) => value,
+            None => {
+                let (dtype, shape, bytes) = checkpoint.read(name)?;
+                tensor_from_bytes(dtype, &shape, &bytes)?.into()
+            }
+        };
         if has_vocab_rows(&global) {
-            value = fit_vocab_rows(&value, padded);
+            value = value.with_rows(padded);
         }
         weights.insert(global, value);
     }
     Ok(ModelState {
         config,
         params_dtype: params_dtype(args),
-        weights: in_memory(weights),
+        weights,
         optimizer: None,
         run: run_state(root),
         source_parallel: (
@@ -536,4 +639,45 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         ),
         source: format!("Megatron torch_dist checkpoint {}", directory.display()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    /// `torch_dist` chunks tiling a tensor by row slabs (in any order) or by equal column
+    /// blocks read as the tensor; other tilings are left to the eager reader.
+    #[test]
+    fn chunks_tile_by_rows_or_column_blocks() {
+        let whole = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([6, 4]);
+        let piece = |rows: (i64, i64), columns: (i64, i64)| {
+            let offsets = vec![rows.0 as usize, columns.0 as usize];
+            let block = whole
+                .narrow(0, rows.0, rows.1)
+                .narrow(1, columns.0, columns.1)
+                .contiguous();
+            (offsets, LazyTensor::from(block))
+        };
+        let slabs = vec![piece((2, 4), (0, 4)), piece((0, 2), (0, 4))];
+        let read = tiled(&[6, 4], slabs).unwrap().unwrap().read().unwrap();
+        assert!(read.equal(&whole));
+        let blocks = vec![piece((0, 6), (2, 2)), piece((0, 6), (0, 2))];
+        let read = tiled(&[6, 4], blocks).unwrap().unwrap().read().unwrap();
+        assert!(read.equal(&whole));
+        let grid = vec![
+            piece((0, 3), (0, 2)),
+            piece((0, 3), (2, 2)),
+            piece((3, 3), (0, 2)),
+            piece((3, 3), (2, 2)),
+        ];
+        assert!(tiled(&[6, 4], grid).unwrap().is_none());
+        let gap = vec![piece((0, 2), (0, 4)), piece((3, 3), (0, 4))];
+        assert!(tiled(&[6, 4], gap).unwrap().is_none());
+        // One layer of a stacked [layers, rows, columns] tensor, cut from a slab of layers.
+        let stacked = whole.view([3, 2, 4]);
+        let layers = LazyTensor::from(stacked.narrow(0, 1, 2).contiguous());
+        let second = layers.flat_slice(8, 8, vec![2, 4]).unwrap();
+        assert!(second.read().unwrap().equal(&stacked.get(2)));
+    }
 }

@@ -18,7 +18,7 @@ pub mod t5;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};
-pub use lazy::LazyTensor;
+pub use lazy::{use_one_torch_thread, LazyTensor};
 pub use load::load_checkpoint;
 pub use megatron_args::vocab_file_size;
 pub use megatron_save::save_megatron_torch;

@@ -10,7 +10,7 @@ use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::lazy::{safetensors_tensors, LazyTensor};
-use super::state::{read_shard, shard_shape, ModelState, OptimizerState, RunState, Tensors};
+use super::state::{shard_of, shard_shape, ModelState, OptimizerState, RunState, Tensors};
 use crate::checkpoint::{
     begin_save, finish_save, has_vocab_rows, optimizer_file, rank_directory_name,
     staging_directory, tensor_split, write_rank_file_streamed, CheckpointDirectory,
@@ -228,16 +228,14 @@ pub(crate) fn write_rank(
         .collect::<Result<Vec<_>>>()?;
     write_rank_file_streamed(staging, rank_dir, MODEL_FILE, &entries, |i, emit| {
         let global = &params[i].1;
-        emit(
-            &read_shard(
-                global,
-                tensor(global)?,
-                shard.config,
-                shard.rank,
-                shard.size,
-            )?
-            .to_kind(shard.kind),
-        )
+        shard_of(
+            global,
+            tensor(global)?,
+            shard.config,
+            shard.rank,
+            shard.size,
+        )?
+        .for_each_chunk(|chunk| emit(&chunk.to_kind(shard.kind)))
     })?;
     let Some(optimizer) = optimizer else {
         return Ok(());
@@ -292,15 +290,15 @@ pub(crate) fn write_rank(
                 let value = map
                     .get(global)
                     .with_context(|| format!("{}: no optimizer state for {global}", source))?;
-                let piece = read_shard(global, value, shard.config, shard.rank, shard.size)?;
+                let piece = shard_of(global, value, shard.config, shard.rank, shard.size)?;
                 ensure!(
-                    piece.numel() == slot.range.len(),
+                    piece.numel() as usize == slot.range.len(),
                     "{}: optimizer state of {global} has {} elements for a parameter of {}",
                     source,
                     piece.numel(),
                     slot.range.len()
                 );
-                emit(&piece.to_kind(Kind::Float))?;
+                piece.for_each_chunk(|chunk| emit(&chunk.to_kind(Kind::Float)))?;
                 at = slot.range.end;
             }
             if layout.len > at {

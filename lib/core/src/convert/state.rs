@@ -130,18 +130,20 @@ pub fn shard_shape(name: &str, shape: &[i64], config: &GptConfig, size: usize) -
     shape
 }
 
-/// Tensor-parallel rank `rank`'s shard of `name` (unsplit `tensor`) for `size` ranks, read now.
-pub fn read_shard(
+/// Tensor-parallel rank `rank`'s shard of `name` (unsplit `tensor`) for `size` ranks, the
+/// vocabulary padded for them, as a lazy tensor that savers stream
+/// ([`LazyTensor::for_each_chunk`]).
+pub fn shard_of(
     name: &str,
     tensor: &LazyTensor,
     config: &GptConfig,
     rank: usize,
     size: usize,
-) -> Result<Tensor> {
+) -> Result<LazyTensor> {
     let rows = has_vocab_rows(name).then(|| config.padded_vocab_size(size as i64));
     tensor
-        .read_shard(tensor_split(name, config), rank, size, rows)
-        .with_context(|| format!("reading {name}"))
+        .shard(tensor_split(name, config), rank, size, rows)
+        .with_context(|| format!("cutting {name}"))
 }
 
 impl ModelState {

@@ -58,6 +58,9 @@ pub struct Recipe {
     /// The HuggingFace tensors it is made of, with the shapes `config.json` implies.
     pub inputs: Vec<(String, Vec<i64>)>,
     pub make: Arc<dyn Fn(&[Tensor]) -> Tensor + Send + Sync>,
+    /// Where `make` only stacks rows: the row ranges `(input, start, count)` it stacks, then
+    /// zero rows up to `shape[0]` (so that a converter can stream it in row chunks).
+    pub rows: Option<Vec<(usize, i64, i64)>>,
 }
 
 impl Recipe {
@@ -72,13 +75,24 @@ impl Recipe {
             shape,
             inputs,
             make: Arc::new(make),
+            rows: None,
+        }
+    }
+
+    /// The same recipe, known to stack the row ranges `rows` of its inputs.
+    fn stacking(self, rows: Vec<(usize, i64, i64)>) -> Self {
+        Recipe {
+            rows: Some(rows),
+            ..self
         }
     }
 
     fn copy(name: impl Into<String>, hf: impl Into<String>, shape: Vec<i64>) -> Self {
+        let rows = shape.first().copied().unwrap_or(1);
         Recipe::new(name, shape.clone(), vec![(hf.into(), shape)], |t| {
             t[0].shallow_clone()
         })
+        .stacking(vec![(0, 0, rows)])
     }
 
     /// A vocabulary table padded to Megatron's size.
@@ -91,6 +105,7 @@ impl Recipe {
             vec![(hf.into(), vec![vocab, h])],
             move |t| pad_vocab(&t[0], padded),
         )
+        .stacking(vec![(0, 0, vocab)])
     }
 }
 
@@ -210,6 +225,21 @@ fn llama_qkv_weight(
     Tensor::cat(&[q, k, v], 1).reshape([(heads + 2 * groups) * head_dim, hidden])
 }
 
+/// Megatron's fused q/k/v rows as row ranges of HF's q (input 0), k (1) and v (2): per query
+/// group its heads' q rows, then its k and v rows.
+fn qkv_rows_of_groups(heads: i64, groups: i64, head_dim: i64) -> Vec<(usize, i64, i64)> {
+    let per_group = heads / groups;
+    (0..groups)
+        .flat_map(|group| {
+            [
+                (0, group * per_group * head_dim, per_group * head_dim),
+                (1, group * head_dim, head_dim),
+                (2, group * head_dim, head_dim),
+            ]
+        })
+        .collect()
+}
+
 pub fn llama_recipes(config: &GptConfig) -> Vec<Recipe> {
     let (n, g, d, h) = (
         config.num_attention_heads,
@@ -249,38 +279,47 @@ pub fn llama_recipes(config: &GptConfig) -> Vec<Recipe> {
                 })
                 .collect()
         };
-        out.push(Recipe::new(
-            ours("self_attention.linear_qkv.weight"),
-            vec![qkv_rows, h],
-            projections("weight", &[h]),
-            move |t| llama_qkv_weight(&t[0], &t[1], &t[2], n, g, d),
-        ));
+        out.push(
+            Recipe::new(
+                ours("self_attention.linear_qkv.weight"),
+                vec![qkv_rows, h],
+                projections("weight", &[h]),
+                move |t| llama_qkv_weight(&t[0], &t[1], &t[2], n, g, d),
+            )
+            .stacking(qkv_rows_of_groups(n, g, d)),
+        );
         if config.add_qkv_bias {
             // Qwen2's q/k/v biases, in the same per-group order as the weights.
-            out.push(Recipe::new(
-                ours("self_attention.linear_qkv.bias"),
-                vec![qkv_rows],
-                projections("bias", &[]),
-                move |t| {
-                    let parts: Vec<Tensor> = t.iter().map(|p| p.view([g, -1, 1])).collect();
-                    Tensor::cat(&parts, 1).reshape([-1])
-                },
-            ));
+            out.push(
+                Recipe::new(
+                    ours("self_attention.linear_qkv.bias"),
+                    vec![qkv_rows],
+                    projections("bias", &[]),
+                    move |t| {
+                        let parts: Vec<Tensor> = t.iter().map(|p| p.view([g, -1, 1])).collect();
+                        Tensor::cat(&parts, 1).reshape([-1])
+                    },
+                )
+                .stacking(qkv_rows_of_groups(n, g, d)),
+            );
         }
         out.push(Recipe::copy(
             ours("self_attention.linear_proj.weight"),
             theirs("self_attn.o_proj.weight"),
             vec![h, n * d],
         ));
-        out.push(Recipe::new(
-            ours("mlp.linear_fc1.weight"),
-            vec![2 * ffn, h],
-            vec![
-                (theirs("mlp.gate_proj.weight"), vec![ffn, h]),
-                (theirs("mlp.up_proj.weight"), vec![ffn, h]),
-            ],
-            |t| Tensor::cat(t, 0),
-        ));
+        out.push(
+            Recipe::new(
+                ours("mlp.linear_fc1.weight"),
+                vec![2 * ffn, h],
+                vec![
+                    (theirs("mlp.gate_proj.weight"), vec![ffn, h]),
+                    (theirs("mlp.up_proj.weight"), vec![ffn, h]),
+                ],
+                |t| Tensor::cat(t, 0),
+            )
+            .stacking(vec![(0, 0, ffn), (1, 0, ffn)]),
+        );
         out.push(Recipe::copy(
             ours("mlp.linear_fc2.weight"),
             theirs("mlp.down_proj.weight"),
