@@ -7,9 +7,10 @@
 # the tool read. Every path streams tensor by tensor: peak RSS should stay flat (well under
 # 1 GB) whatever the model's size. The reference row is HF transformers'
 # conversion of the same checkpoint in PyTorch (scripts/bench/gpt_to_hf.py: load the
-# safetensors, map, save_pretrained). Megatron's tools/checkpoint/convert.py needs Megatron-LM's
-# source tree (and HF's checkpoint_reshaping_and_interoperability.py imports it too), which the
-# benchmark machine does not have: those rows are reported as not run.
+# safetensors, map, save_pretrained). Megatron's tools/checkpoint/convert.py (core_v0.14.0) does
+# not convert these models without Transformer Engine or Apex, and HF's
+# checkpoint_reshaping_and_interoperability.py imports the same modules (README: checkpoint_convert):
+# those rows are reported as not run.
 #
 # Environment (all optional):
 #   PYTHON=python3              python with torch + transformers for the reference
@@ -96,4 +97,4 @@ if "$PYTHON" -c "import torch, transformers" 2>/dev/null; then
 else
     echo "HF transformers reference: not run ($PYTHON has no torch/transformers)"
 fi
-echo "Megatron convert.py / HF checkpoint_reshaping_and_interoperability.py: not run (need Megatron-LM's source tree)"
+echo "Megatron convert.py / HF checkpoint_reshaping_and_interoperability.py: not run (they need Transformer Engine or Apex)"
