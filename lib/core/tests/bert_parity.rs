@@ -3,16 +3,15 @@
 //! float32, and Megatron's two losses equal HF's. The reference is made at test time by
 //! `scripts/reference/megatron_bert_reference.py` (float64 forward of float32 weights).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod support;
 
 use clap::Parser;
 use megatron_core::args::{BertArgs, ModelArgs};
-use megatron_core::checkpoint::read_tensors;
 use megatron_core::loader::BertBatch;
 use megatron_core::model::{hf, BertConfig, BertModel, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
 use megatron_core::training::{BertFamily, LossTotals, ModelFamily};
+use support::reference;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Parser)]
@@ -21,17 +20,6 @@ struct Flags {
     model: ModelArgs,
     #[command(flatten)]
     bert: BertArgs,
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// `$MEGATRON_RS_TEST_PYTHON`, else the project venv; it must have torch and transformers.
-fn python() -> PathBuf {
-    std::env::var_os("MEGATRON_RS_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
 }
 
 /// The architecture the reference script builds, from Megatron's flags.
@@ -68,19 +56,9 @@ fn config() -> BertConfig {
 
 #[test]
 fn logits_and_losses_equal_huggingface_megatron_bert() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(python())
-        .arg(workspace_root().join("scripts/reference/megatron_bert_reference.py"))
-        .arg(dir.path())
-        .output()
-        .expect("running the reference script");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (hf_state, _) = read_tensors(&dir.path().join("model.safetensors"), Device::Cpu).unwrap();
-    let (io, _) = read_tensors(&dir.path().join("io.safetensors"), Device::Cpu).unwrap();
+    let dir = reference::run_script("megatron_bert_reference.py", &[]);
+    let hf_state = reference::tensors(&dir, "model.safetensors");
+    let io = reference::tensors(&dir, "io.safetensors");
 
     let config = config();
     assert_eq!(

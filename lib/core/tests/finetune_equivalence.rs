@@ -5,8 +5,6 @@
 //! accuracy counts of the one-rank run; a run stopped inside an epoch resumes bit for bit; a
 //! pretrained checkpoint of one layout starts a run of another.
 
-// Shared with the other equivalence tests, which use the helpers this one does not.
-#[allow(dead_code)]
 mod support;
 
 use std::path::{Path, PathBuf};

@@ -1,6 +1,12 @@
 //! What the equivalence tests of every model family share: a run of a pretraining entry point
 //! with ranks as threads, the losses it logged and its merged weights, and the comparison of a
-//! parallel run with the one-rank run.
+//! parallel run with the one-rank run; and (in [`reference`]) the Python reference scripts the
+//! parity tests compare against.
+
+// Every test crate that declares `mod support` uses only part of it.
+#![allow(dead_code)]
+
+pub mod reference;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -17,6 +23,51 @@ pub trait Pretrain: Sized + Sync {
     fn parse(argv: Vec<String>) -> Self;
     fn sequence_parallel(&self) -> bool;
     fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary>;
+}
+
+/// Three steps of 4 micro-batches of 2 on mock data, fp32, no dropout, a checkpoint after the
+/// last: the training flags of every pretraining equivalence test, after its model's.
+const TINY_TRAINING: &[&str] = &[
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1000",
+    "--adam-eps",
+    "1e-4",
+    "--log-interval",
+    "1",
+    "--save-interval",
+    "3",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--seed",
+    "1234",
+];
+
+/// `model`'s flags followed by [`TINY_TRAINING`].
+pub fn tiny_training(model: &[&'static str]) -> Vec<&'static str> {
+    model.iter().chain(TINY_TRAINING).copied().collect()
 }
 
 pub struct Outcome {
@@ -178,4 +229,42 @@ pub fn check<P: Pretrain>(
     );
     let parallel = train::<P>(flags, world, tensor, pipeline, extra);
     assert_equivalent(&reference, &parallel, what);
+}
+
+/// The losses and the weights of `resumed` are bitwise those of `straight`.
+pub fn assert_bitwise_identical(straight: &Outcome, resumed: &Outcome) {
+    assert_eq!(straight.losses, resumed.losses);
+    for (name, tensor) in &straight.weights {
+        assert!(
+            tensor.equal(&resumed.weights[name]),
+            "{name} differs after resuming"
+        );
+    }
+}
+
+/// A TP=2 + SP run stopped after two steps (saving each step) and resumed from its checkpoint
+/// ends as the uninterrupted run, bit for bit.
+pub fn check_resuming<P: Pretrain>(flags: &[&str]) {
+    let sequence_parallel = "--sequence-parallel";
+    let straight = train::<P>(flags, 2, 2, 1, &[sequence_parallel]);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    let stop_after_two = [
+        sequence_parallel,
+        "--exit-interval",
+        "2",
+        "--save-interval",
+        "1",
+    ];
+    train_in::<P>(dir.path(), flags, 2, 2, 1, &stop_after_two).unwrap();
+    let resumed = train_in::<P>(
+        dir.path(),
+        flags,
+        2,
+        2,
+        1,
+        &[sequence_parallel, "--load", ckpt.as_str()],
+    )
+    .unwrap();
+    assert_bitwise_identical(&straight, &resumed);
 }
