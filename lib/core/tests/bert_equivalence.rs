@@ -7,21 +7,13 @@ mod support;
 
 use std::sync::LazyLock;
 
-use clap::Parser;
 use megatron_core::args::BertPretrainArgs;
 use megatron_core::training::{pretrain_bert, Runtime, TrainingSummary};
 use support::{check, train, Pretrain};
 
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: BertPretrainArgs,
-}
-
 impl Pretrain for BertPretrainArgs {
     fn parse(argv: Vec<String>) -> Self {
-        Flags::try_parse_from(argv).expect("valid flags").args
+        support::parse_flags(argv)
     }
 
     fn sequence_parallel(&self) -> bool {

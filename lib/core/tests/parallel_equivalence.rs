@@ -6,21 +6,13 @@ mod support;
 
 use std::sync::LazyLock;
 
-use clap::Parser;
 use megatron_core::args::GptPretrainArgs;
 use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
 use support::Pretrain;
 
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: GptPretrainArgs,
-}
-
 impl Pretrain for GptPretrainArgs {
     fn parse(argv: Vec<String>) -> Self {
-        Flags::try_parse_from(argv).expect("valid flags").args
+        support::parse_flags(argv)
     }
 
     fn sequence_parallel(&self) -> bool {

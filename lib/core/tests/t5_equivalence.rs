@@ -8,24 +8,13 @@ mod support;
 
 use std::sync::LazyLock;
 
-use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, T5PretrainArgs};
+use megatron_core::args::T5PretrainArgs;
 use megatron_core::training::{pretrain_t5, Runtime, TrainingSummary};
 use support::{check, train, train_in, Pretrain};
 
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: T5PretrainArgs,
-}
-
 impl Pretrain for T5PretrainArgs {
     fn parse(argv: Vec<String>) -> Self {
-        let matches = t5_flags(Flags::command())
-            .try_get_matches_from(argv)
-            .expect("valid flags");
-        Flags::from_arg_matches(&matches).expect("valid flags").args
+        support::parse_t5_flags(argv)
     }
 
     fn sequence_parallel(&self) -> bool {

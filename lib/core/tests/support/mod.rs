@@ -12,10 +12,36 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
+use clap::{CommandFactory, FromArgMatches, Parser};
+use megatron_core::args::{t5_flags, T5PretrainArgs};
 use megatron_core::checkpoint::{find_checkpoint, merge_model_parallel_ranks};
 use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
 use megatron_core::training::{Runtime, TrainingSummary};
 use tch::{Device, Tensor};
+
+/// A binary's flags `A` alone, parsed as the binary parses them (a later flag overrides an
+/// earlier one).
+#[derive(clap::Parser)]
+#[command(args_override_self = true)]
+pub struct Flags<A: clap::Args> {
+    #[command(flatten)]
+    args: A,
+}
+
+/// `argv` (program name first) parsed as `A`.
+pub fn parse_flags<A: clap::Args>(argv: Vec<String>) -> A {
+    Flags::<A>::try_parse_from(argv).expect("valid flags").args
+}
+
+/// `argv` (program name first) parsed as `pretrain_t5` does, with Megatron's T5 flags.
+pub fn parse_t5_flags(argv: Vec<String>) -> T5PretrainArgs {
+    let matches = t5_flags(Flags::<T5PretrainArgs>::command())
+        .try_get_matches_from(argv)
+        .expect("valid flags");
+    Flags::<T5PretrainArgs>::from_arg_matches(&matches)
+        .expect("valid flags")
+        .args
+}
 
 /// A pretraining binary's flags and entry point, as the tests drive it.
 pub trait Pretrain: Sized + Sync {
@@ -25,15 +51,9 @@ pub trait Pretrain: Sized + Sync {
     fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary>;
 }
 
-/// Three steps of 4 micro-batches of 2 on mock data, fp32, no dropout, a checkpoint after the
-/// last: the training flags of every pretraining equivalence test, after its model's.
-const TINY_TRAINING: &[&str] = &[
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "3",
+/// Adam at 1e-3 after one warm-up step, weight decay, clipping, no dropout, on the CPU, logging
+/// every step: the optimization flags of every equivalence test (pretraining and finetuning).
+pub const TINY_OPTIMIZATION: &[&str] = &[
     "--lr",
     "1e-3",
     "--lr-warmup-iters",
@@ -46,17 +66,10 @@ const TINY_TRAINING: &[&str] = &[
     "0",
     "--attention-dropout",
     "0",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "1000",
     "--adam-eps",
     "1e-4",
     "--log-interval",
     "1",
-    "--save-interval",
-    "3",
     "--eval-iters",
     "0",
     "--device",
@@ -65,9 +78,33 @@ const TINY_TRAINING: &[&str] = &[
     "1234",
 ];
 
-/// `model`'s flags followed by [`TINY_TRAINING`].
+/// Three steps of 4 micro-batches of 2 on mock data over 1000 tokens, a checkpoint after the
+/// last.
+const MOCK_PRETRAINING: &[&str] = &[
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1000",
+    "--save-interval",
+    "3",
+];
+
+/// `model`'s flags followed by [`MOCK_PRETRAINING`] and [`TINY_OPTIMIZATION`]: the flags of a
+/// pretraining equivalence test.
 pub fn tiny_training(model: &[&'static str]) -> Vec<&'static str> {
-    model.iter().chain(TINY_TRAINING).copied().collect()
+    model
+        .iter()
+        .chain(MOCK_PRETRAINING)
+        .chain(TINY_OPTIMIZATION)
+        .copied()
+        .collect()
 }
 
 pub struct Outcome {

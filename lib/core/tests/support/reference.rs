@@ -5,8 +5,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, T5PretrainArgs};
 use megatron_core::checkpoint::read_tensors;
 use megatron_core::model::T5Config;
 use tch::{Device, Tensor};
@@ -46,12 +44,6 @@ pub fn tensors(dir: &tempfile::TempDir, file: &str) -> HashMap<String, Tensor> {
     read_tensors(&dir.path().join(file), Device::Cpu).unwrap().0
 }
 
-#[derive(Parser)]
-struct T5Flags {
-    #[command(flatten)]
-    args: T5PretrainArgs,
-}
-
 /// The architecture `megatron_t5_reference.py` builds (2 encoder and 3 decoder layers, hidden
 /// 64, 12 encoder and 8 decoder tokens, 32 positions), from Megatron's T5 flags, over a
 /// vocabulary of `vocab_size`.
@@ -82,9 +74,6 @@ pub fn t5_config(vocab_size: i64) -> T5Config {
         "--micro-batch-size",
         "2",
     ];
-    let matches = t5_flags(T5Flags::command())
-        .try_get_matches_from(argv)
-        .unwrap();
-    let flags = T5Flags::from_arg_matches(&matches).unwrap();
-    flags.args.t5_config(vocab_size).unwrap()
+    let argv = argv.iter().map(|s| s.to_string()).collect();
+    super::parse_t5_flags(argv).t5_config(vocab_size).unwrap()
 }
