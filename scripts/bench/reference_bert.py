@@ -21,14 +21,11 @@ BERT-345M on one GPU:
 
 import argparse
 import json
-import math
 
 import torch
 from transformers import MegatronBertConfig, MegatronBertForPreTraining
 
-from reference_training import train_timed
-
-H100_SXM_BF16_DENSE_TFLOPS = 989.4
+from reference_training import add_training_arguments, finish_training_arguments, train_timed
 
 
 def parse_args(argv=None):
@@ -39,33 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--num-attention-heads", type=int, default=16)
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--max-position-embeddings", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=30522, help="true (unpadded) vocabulary")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    p.add_argument("--hidden-dropout", type=float, default=0.1)
-    p.add_argument("--attention-dropout", type=float, default=0.1)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--global-batch-size", type=int, default=64)
-    p.add_argument("--train-iters", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--skip-timing-iters", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
-    p.add_argument("--torch-compile", action="store_true")
-    p.add_argument("--device", default=None)
+    add_training_arguments(p, vocab_size=30522, micro_batch_size=8, global_batch_size=64)
     args = p.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    multiple = args.make_vocab_size_divisible_by
-    # Megatron pads the vocabulary; the reference uses the same padded size.
-    args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
-    args.num_microbatches = args.global_batch_size // args.micro_batch_size
-    if args.train_iters <= args.skip_timing_iters:
-        p.error("--train-iters must exceed --skip-timing-iters")
-    return args
+    return finish_training_arguments(p, args)
 
 
 def megatron_flops_per_iteration(args):

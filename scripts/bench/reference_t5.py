@@ -25,15 +25,12 @@ T5-220M on one GPU:
 
 import argparse
 import json
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_training import train_timed
-
-H100_SXM_BF16_DENSE_TFLOPS = 989.4
+from reference_training import add_training_arguments, finish_training_arguments, train_timed
 
 
 def parse_args(argv=None):
@@ -48,34 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--encoder-seq-length", type=int, default=512)
     p.add_argument("--decoder-seq-length", type=int, default=128)
     p.add_argument("--max-position-embeddings", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=30622, help="true (unpadded) vocabulary")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    p.add_argument("--hidden-dropout", type=float, default=0.1)
-    p.add_argument("--attention-dropout", type=float, default=0.1)
-    p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--global-batch-size", type=int, default=128)
-    p.add_argument("--train-iters", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--skip-timing-iters", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
-    p.add_argument("--torch-compile", action="store_true")
-    p.add_argument("--device", default=None)
+    add_training_arguments(p, vocab_size=30622, micro_batch_size=16, global_batch_size=128)
     args = p.parse_args(argv)
     args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.encoder_seq_length
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    multiple = args.make_vocab_size_divisible_by
-    args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
-    args.num_microbatches = args.global_batch_size // args.micro_batch_size
-    if args.train_iters <= args.skip_timing_iters:
-        p.error("--train-iters must exceed --skip-timing-iters")
-    return args
+    return finish_training_arguments(p, args)
 
 
 def flops_per_iteration(args):

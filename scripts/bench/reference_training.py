@@ -1,14 +1,53 @@
 """The timed training loop the PyTorch references of the training benchmarks share
 (reference_bert.py, reference_t5.py): AdamW (fused on CUDA) with weight decay on matrices only,
 optional torch.compile and bf16 autocast, gradient accumulation over micro-batches, global-norm
-clipping, Megatron-style progress lines on stderr, and the result row the benchmark tables read.
+clipping, Megatron-style progress lines on stderr, and the result row the benchmark tables read;
+and the flags of that loop, which both references take after their model's.
 """
 
+import math
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
+
+H100_SXM_BF16_DENSE_TFLOPS = 989.4
+
+
+def add_training_arguments(p, vocab_size, micro_batch_size, global_batch_size):
+    """Adds to the parser `p` the vocabulary, dropout, batch, optimizer and benchmark flags,
+    with the model family's defaults for the vocabulary and the batch sizes."""
+    p.add_argument("--vocab-size", type=int, default=vocab_size, help="true (unpadded) vocabulary")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--hidden-dropout", type=float, default=0.1)
+    p.add_argument("--attention-dropout", type=float, default=0.1)
+    p.add_argument("--micro-batch-size", type=int, default=micro_batch_size)
+    p.add_argument("--global-batch-size", type=int, default=global_batch_size)
+    p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--skip-timing-iters", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
+    p.add_argument("--torch-compile", action="store_true")
+    p.add_argument("--device", default=None)
+
+
+def finish_training_arguments(p, args):
+    """Fills in what the flags of add_training_arguments imply (device, padded vocabulary,
+    micro-batches per iteration) and refuses a run too short to time; returns `args`."""
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    multiple = args.make_vocab_size_divisible_by
+    # Megatron pads the vocabulary; the reference uses the same padded size.
+    args.padded_vocab_size = math.ceil(args.vocab_size / multiple) * multiple
+    args.num_microbatches = args.global_batch_size // args.micro_batch_size
+    if args.train_iters <= args.skip_timing_iters:
+        p.error("--train-iters must exceed --skip-timing-iters")
+    return args
 
 
 def train_timed(args, model, name, microbatch_loss, flops_per_iteration, tokens_per_iteration):

@@ -5,21 +5,15 @@
 
 mod support;
 
-use clap::Parser;
+use std::sync::LazyLock;
+
 use megatron_core::args::BertPretrainArgs;
 use megatron_core::training::{pretrain_bert, Runtime, TrainingSummary};
-use support::{check, train, train_in, Pretrain};
-
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: BertPretrainArgs,
-}
+use support::{check, train, Pretrain};
 
 impl Pretrain for BertPretrainArgs {
     fn parse(argv: Vec<String>) -> Self {
-        Flags::try_parse_from(argv).expect("valid flags").args
+        support::parse_flags(argv)
     }
 
     fn sequence_parallel(&self) -> bool {
@@ -32,62 +26,29 @@ impl Pretrain for BertPretrainArgs {
 }
 
 /// A 4-layer BERT on mock masked-LM data, fp32, no dropout, 4 micro-batches of 2 per step.
-const BASE: &[&str] = &[
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "3",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--weight-decay",
-    "0.1",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "1000",
-    "--adam-eps",
-    "1e-4",
-    "--log-interval",
-    "1",
-    "--save-interval",
-    "3",
-    "--eval-iters",
-    "0",
-    "--device",
-    "cpu",
-    "--seed",
-    "1234",
-];
+static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    support::tiny_training(&[
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+    ])
+});
 
 #[test]
 fn bert_tensor_parallel_equals_one_rank() {
-    check::<BertPretrainArgs>(BASE, 2, 2, 1, &[], "BERT TP=2");
+    check::<BertPretrainArgs>(&BASE, 2, 2, 1, &[], "BERT TP=2");
 }
 
 #[test]
 fn bert_sequence_parallel_equals_one_rank() {
-    check::<BertPretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"], "BERT TP=2 + SP");
+    check::<BertPretrainArgs>(&BASE, 2, 2, 1, &["--sequence-parallel"], "BERT TP=2 + SP");
 }
 
 /// The fused output layer + cross entropy (the LM head's bias included) trains as the unfused
@@ -96,19 +57,19 @@ fn bert_sequence_parallel_equals_one_rank() {
 fn bert_cross_entropy_loss_fusion_equals_the_unfused_loss() {
     let fused = "--cross-entropy-loss-fusion";
     check::<BertPretrainArgs>(
-        BASE,
+        &BASE,
         2,
         2,
         1,
         &[fused, "--sequence-parallel"],
         "BERT fused loss, TP=2 + SP",
     );
-    check::<BertPretrainArgs>(BASE, 2, 1, 2, &[fused], "BERT fused loss, PP=2");
+    check::<BertPretrainArgs>(&BASE, 2, 1, 2, &[fused], "BERT fused loss, PP=2");
 }
 
 #[test]
 fn bert_pipeline_parallel_equals_one_rank() {
-    check::<BertPretrainArgs>(BASE, 2, 1, 2, &[], "BERT PP=2");
+    check::<BertPretrainArgs>(&BASE, 2, 1, 2, &[], "BERT PP=2");
 }
 
 #[test]
@@ -124,7 +85,7 @@ fn bert_interleaved_pipeline_with_recompute_equals_one_rank() {
         "1",
     ];
     check::<BertPretrainArgs>(
-        BASE,
+        &BASE,
         2,
         1,
         2,
@@ -132,7 +93,7 @@ fn bert_interleaved_pipeline_with_recompute_equals_one_rank() {
         "BERT PP=2 interleaved, full recompute",
     );
     check::<BertPretrainArgs>(
-        BASE,
+        &BASE,
         2,
         2,
         1,
@@ -144,7 +105,7 @@ fn bert_interleaved_pipeline_with_recompute_equals_one_rank() {
 #[test]
 fn bert_distributed_optimizer_equals_one_rank() {
     check::<BertPretrainArgs>(
-        BASE,
+        &BASE,
         2,
         1,
         1,
@@ -155,7 +116,7 @@ fn bert_distributed_optimizer_equals_one_rank() {
 
 #[test]
 fn bert_without_binary_head_reports_only_the_lm_loss() {
-    let outcome = train::<BertPretrainArgs>(BASE, 1, 1, 1, &["--bert-no-binary-head"]);
+    let outcome = train::<BertPretrainArgs>(&BASE, 1, 1, 1, &["--bert-no-binary-head"]);
     assert!(outcome
         .losses
         .iter()
@@ -163,7 +124,7 @@ fn bert_without_binary_head_reports_only_the_lm_loss() {
     assert!(!outcome.weights.keys().any(|k| k.starts_with("binary_head")
         || k.starts_with("pooler")
         || k.contains("tokentype")));
-    let with = train::<BertPretrainArgs>(BASE, 1, 1, 1, &[]);
+    let with = train::<BertPretrainArgs>(&BASE, 1, 1, 1, &[]);
     assert!(with
         .losses
         .iter()
@@ -184,38 +145,5 @@ fn bert_without_binary_head_reports_only_the_lm_loss() {
 
 #[test]
 fn bert_resuming_is_bitwise_identical() {
-    let straight = train::<BertPretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"]);
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt").display().to_string();
-    train_in::<BertPretrainArgs>(
-        dir.path(),
-        BASE,
-        2,
-        2,
-        1,
-        &[
-            "--sequence-parallel",
-            "--exit-interval",
-            "2",
-            "--save-interval",
-            "1",
-        ],
-    )
-    .unwrap();
-    let resumed = train_in::<BertPretrainArgs>(
-        dir.path(),
-        BASE,
-        2,
-        2,
-        1,
-        &["--sequence-parallel", "--load", ckpt.as_str()],
-    )
-    .unwrap();
-    assert_eq!(straight.losses, resumed.losses);
-    for (name, tensor) in &straight.weights {
-        assert!(
-            tensor.equal(&resumed.weights[name]),
-            "{name} differs after resuming"
-        );
-    }
+    support::check_resuming::<BertPretrainArgs>(&BASE);
 }

@@ -3,16 +3,15 @@
 //! float32, and Megatron's two losses equal HF's. The reference is made at test time by
 //! `scripts/reference/megatron_bert_reference.py` (float64 forward of float32 weights).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod support;
 
 use clap::Parser;
 use megatron_core::args::{BertArgs, ModelArgs};
-use megatron_core::checkpoint::read_tensors;
 use megatron_core::loader::BertBatch;
-use megatron_core::model::{hf, BertConfig, BertModel, ModelOptions, Recompute};
+use megatron_core::model::{hf, BertConfig, BertModel, BertOutput, ModelOptions, Recompute};
 use megatron_core::parallel::ParallelState;
 use megatron_core::training::{BertFamily, LossTotals, ModelFamily};
+use support::reference;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Parser)]
@@ -21,17 +20,6 @@ struct Flags {
     model: ModelArgs,
     #[command(flatten)]
     bert: BertArgs,
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// `$MEGATRON_RS_TEST_PYTHON`, else the project venv; it must have torch and transformers.
-fn python() -> PathBuf {
-    std::env::var_os("MEGATRON_RS_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
 }
 
 /// The architecture the reference script builds, from Megatron's flags.
@@ -66,21 +54,34 @@ fn config() -> BertConfig {
     }
 }
 
+/// The model's outputs for `batch`, without dropout or gradients.
+fn forward<'m>(model: &'m BertModel, batch: &BertBatch) -> BertOutput<'m> {
+    tch::no_grad(|| {
+        model.forward(
+            &batch.tokens,
+            Some(&batch.types),
+            &batch.padding_mask,
+            false,
+        )
+    })
+    .unwrap()
+}
+
+/// The MLM logits as HF lays them out (`[b, s, vocab]`), without Megatron's vocabulary padding.
+fn mlm_logits(output: &BertOutput, vocab: i64) -> Tensor {
+    output
+        .lm
+        .logits()
+        .unwrap()
+        .transpose(0, 1)
+        .narrow(2, 0, vocab)
+}
+
 #[test]
 fn logits_and_losses_equal_huggingface_megatron_bert() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(python())
-        .arg(workspace_root().join("scripts/reference/megatron_bert_reference.py"))
-        .arg(dir.path())
-        .output()
-        .expect("running the reference script");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (hf_state, _) = read_tensors(&dir.path().join("model.safetensors"), Device::Cpu).unwrap();
-    let (io, _) = read_tensors(&dir.path().join("io.safetensors"), Device::Cpu).unwrap();
+    let dir = reference::run_script("megatron_bert_reference.py", &[]);
+    let hf_state = reference::tensors(&dir, "model.safetensors");
+    let io = reference::tensors(&dir, "io.safetensors");
 
     let config = config();
     assert_eq!(
@@ -108,22 +109,9 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
         padding_mask: io["attention_mask"].shallow_clone(),
         sentence_order: io["next_sentence_label"].shallow_clone(),
     };
-    let output = tch::no_grad(|| {
-        model.forward(
-            &batch.tokens,
-            Some(&batch.types),
-            &batch.padding_mask,
-            false,
-        )
-    })
-    .unwrap();
+    let output = forward(&model, &batch);
     let vocab = io["prediction_logits"].size()[2];
-    let ours = output
-        .lm
-        .logits()
-        .unwrap()
-        .transpose(0, 1)
-        .narrow(2, 0, vocab);
+    let ours = mlm_logits(&output, vocab);
     let reference = io["prediction_logits"].to_kind(Kind::Float);
     let lm_difference = (&ours - &reference).abs().max().double_value(&[]);
     assert!(
@@ -179,20 +167,7 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
     let v = &hf_state["bert.encoder.layer.0.attention.self.value.weight"];
     wrong.insert(name.into(), Tensor::cat(&[q, k, v], 0));
     megatron_core::model::ModelChunk::load_parameters(&model, &wrong).unwrap();
-    let output = tch::no_grad(|| {
-        model.forward(
-            &batch.tokens,
-            Some(&batch.types),
-            &batch.padding_mask,
-            false,
-        )
-    })
-    .unwrap();
-    let ours = output
-        .lm
-        .logits()
-        .unwrap()
-        .transpose(0, 1)
-        .narrow(2, 0, vocab);
+    let output = forward(&model, &batch);
+    let ours = mlm_logits(&output, vocab);
     assert!((ours - reference).abs().max().double_value(&[]) > 1e-3);
 }

@@ -5,24 +5,14 @@
 //! accuracy counts of the one-rank run; a run stopped inside an epoch resumes bit for bit; a
 //! pretrained checkpoint of one layout starts a run of another.
 
-// Shared with the other equivalence tests, which use the helpers this one does not.
-#[allow(dead_code)]
 mod support;
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
 use megatron_core::args::FinetuneArgs;
 use megatron_core::tasks::{finetune, EvalObserver};
 use megatron_core::training::{Runtime, TrainingSummary};
 use support::{assert_equivalent, train_in};
-
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: FinetuneArgs,
-}
 
 struct Quiet;
 
@@ -36,7 +26,7 @@ struct Finetune(FinetuneArgs);
 
 impl support::Pretrain for Finetune {
     fn parse(argv: Vec<String>) -> Self {
-        Finetune(Flags::try_parse_from(argv).expect("valid flags").args)
+        Finetune(support::parse_flags(argv))
     }
 
     fn sequence_parallel(&self) -> bool {
@@ -152,32 +142,11 @@ fn flags(dir: &Path, task: &str) -> Vec<String> {
         "32",
         "--max-position-embeddings",
         "32",
-        "--lr",
-        "1e-3",
-        "--lr-warmup-iters",
-        "1",
-        "--weight-decay",
-        "0.1",
-        "--clip-grad",
-        "1.0",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--adam-eps",
-        "1e-4",
-        "--log-interval",
-        "1",
-        "--eval-iters",
-        "0",
-        "--device",
-        "cpu",
-        "--seed",
-        "1234",
         "--tokenizer-type",
         "BertWordPieceLowerCase",
     ]
     .iter()
+    .chain(support::TINY_OPTIMIZATION)
     .map(|s| s.to_string())
     .chain([
         "--vocab-file".into(),

@@ -4,21 +4,15 @@
 
 mod support;
 
-use clap::Parser;
+use std::sync::LazyLock;
+
 use megatron_core::args::GptPretrainArgs;
 use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
 use support::Pretrain;
 
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: GptPretrainArgs,
-}
-
 impl Pretrain for GptPretrainArgs {
     fn parse(argv: Vec<String>) -> Self {
-        Flags::try_parse_from(argv).expect("valid flags").args
+        support::parse_flags(argv)
     }
 
     fn sequence_parallel(&self) -> bool {
@@ -30,58 +24,25 @@ impl Pretrain for GptPretrainArgs {
     }
 }
 
-/// A 4-layer GPT on mock data, fp32, no dropout, 4 micro-batches of 2 per step.
-const BASE: &[&str] = &[
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "3",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "1",
-    "--weight-decay",
-    "0.1",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "1000",
-    "--adam-eps",
-    "1e-4",
-    "--log-interval",
-    "1",
-    "--save-interval",
-    "3",
-    "--eval-iters",
-    "0",
-    "--device",
-    "cpu",
-    "--seed",
-    "1234",
-];
+/// A 4-layer GPT on mock data, fp32, no dropout, 4 micro-batches of 2 per step, cosine decay.
+static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    support::tiny_training(&[
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--min-lr",
+        "1e-4",
+        "--lr-decay-style",
+        "cosine",
+    ])
+});
 
 /// A Llama-style variant: SwiGLU (strided fc1 split), grouped-query attention, RoPE, RMSNorm,
 /// untied output layer, no biases.
@@ -125,7 +86,7 @@ fn check(flags: &[&str], world: usize, tensor: usize, pipeline: usize, extra: &[
 
 #[test]
 fn tensor_parallel_equals_one_rank() {
-    check(BASE, 2, 2, 1, &[], "TP=2");
+    check(&BASE, 2, 2, 1, &[], "TP=2");
 }
 
 /// Every run here fuses gradient accumulation (the default); the unfused path must agree,
@@ -133,12 +94,12 @@ fn tensor_parallel_equals_one_rank() {
 #[test]
 fn gradient_accumulation_fusion_equals_separate_gradients() {
     let unfused = ["--no-gradient-accumulation-fusion"];
-    let reference = train(BASE, 1, 1, 1, &unfused);
-    support::assert_equivalent(&reference, &train(BASE, 1, 1, 1, &[]), "fused, one rank");
+    let reference = train(&BASE, 1, 1, 1, &unfused);
+    support::assert_equivalent(&reference, &train(&BASE, 1, 1, 1, &[]), "fused, one rank");
     let sequence_parallel = ["--sequence-parallel"];
     support::assert_equivalent(
         &reference,
-        &train(BASE, 2, 2, 1, &sequence_parallel),
+        &train(&BASE, 2, 2, 1, &sequence_parallel),
         "fused, TP=2 + SP",
     );
 }
@@ -150,33 +111,45 @@ fn gradient_accumulation_fusion_equals_separate_gradients() {
 /// parallelism's overlapped reduction.
 #[test]
 fn cross_entropy_loss_fusion_equals_the_unfused_loss() {
-    let reference = train(BASE, 1, 1, 1, &[]);
+    let reference = train(&BASE, 1, 1, 1, &[]);
     let fused = "--cross-entropy-loss-fusion";
     support::assert_equivalent(
         &reference,
-        &train(BASE, 1, 1, 1, &[fused]),
+        &train(&BASE, 1, 1, 1, &[fused]),
         "fused, one rank",
     );
     support::assert_equivalent(
         &reference,
-        &train(BASE, 2, 2, 1, &[fused, "--sequence-parallel"]),
+        &train(&BASE, 2, 2, 1, &[fused, "--sequence-parallel"]),
         "fused, TP=2 + SP",
     );
     support::assert_equivalent(
         &reference,
-        &train(BASE, 2, 1, 2, &[fused, "--cross-entropy-fusion-impl", "te"]),
+        &train(
+            &BASE,
+            2,
+            1,
+            2,
+            &[fused, "--cross-entropy-fusion-impl", "te"],
+        ),
         "fused (te), PP=2",
     );
     support::assert_equivalent(
         &reference,
-        &train(BASE, 1, 1, 1, &[fused, "--no-gradient-accumulation-fusion"]),
+        &train(
+            &BASE,
+            1,
+            1,
+            1,
+            &[fused, "--no-gradient-accumulation-fusion"],
+        ),
         "fused, separate gradients",
     );
     // Overlapped reduction hooks the autograd gradients (no main-gradient views).
     support::assert_equivalent(
         &reference,
         &train(
-            BASE,
+            &BASE,
             2,
             1,
             1,
@@ -194,7 +167,7 @@ fn cross_entropy_loss_fusion_equals_the_unfused_loss() {
 
 #[test]
 fn sequence_parallel_equals_one_rank() {
-    check(BASE, 2, 2, 1, &["--sequence-parallel"], "TP=2 + SP");
+    check(&BASE, 2, 2, 1, &["--sequence-parallel"], "TP=2 + SP");
 }
 
 #[test]
@@ -212,13 +185,13 @@ fn tensor_parallel_llama_variant_equals_one_rank() {
 
 #[test]
 fn pipeline_1f1b_equals_one_rank() {
-    check(BASE, 2, 1, 2, &[], "PP=2 (1F1B)");
+    check(&BASE, 2, 1, 2, &[], "PP=2 (1F1B)");
 }
 
 #[test]
 fn pipeline_interleaved_equals_one_rank() {
     check(
-        BASE,
+        &BASE,
         2,
         1,
         2,
@@ -239,18 +212,18 @@ fn uneven_pipeline_with_recompute_equals_one_rank() {
         "--recompute-num-layers",
         "1",
     ];
-    check(BASE, 2, 1, 2, &extra, "PP=2 (1+3 layers), full recompute");
+    check(&BASE, 2, 1, 2, &extra, "PP=2 (1+3 layers), full recompute");
 }
 
 #[test]
 fn data_parallel_equals_one_rank() {
-    check(BASE, 2, 1, 1, &[], "DP=2");
+    check(&BASE, 2, 1, 1, &[], "DP=2");
 }
 
 #[test]
 fn distributed_optimizer_equals_one_rank() {
     check(
-        BASE,
+        &BASE,
         2,
         1,
         1,
@@ -261,7 +234,7 @@ fn distributed_optimizer_equals_one_rank() {
 
 #[test]
 fn tensor_and_pipeline_parallel_equal_one_rank() {
-    check(BASE, 4, 2, 2, &[], "TP=2 × PP=2");
+    check(&BASE, 4, 2, 2, &[], "TP=2 × PP=2");
 }
 
 #[test]
@@ -273,7 +246,7 @@ fn all_dimensions_together_equal_one_rank() {
         "1",
     ];
     check(
-        BASE,
+        &BASE,
         8,
         2,
         2,
@@ -285,7 +258,7 @@ fn all_dimensions_together_equal_one_rank() {
 #[test]
 fn sharded_checkpoints_resume_in_their_layout_and_refuse_another() {
     let extra = ["--use-distributed-optimizer"];
-    let straight = train(BASE, 4, 2, 1, &extra);
+    let straight = train(&BASE, 4, 2, 1, &extra);
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt").display().to_string();
     let first: Vec<&str> = extra
@@ -293,7 +266,7 @@ fn sharded_checkpoints_resume_in_their_layout_and_refuse_another() {
         .copied()
         .chain(["--exit-interval", "2", "--save-interval", "1"])
         .collect();
-    train_in(dir.path(), BASE, 4, 2, 1, &first).unwrap();
+    train_in(dir.path(), &BASE, 4, 2, 1, &first).unwrap();
     let rank_files = std::fs::read_dir(dir.path().join("ckpt/iter_0000002/mp_rank_01"))
         .unwrap()
         .count();
@@ -306,18 +279,12 @@ fn sharded_checkpoints_resume_in_their_layout_and_refuse_another() {
         .copied()
         .chain(["--load", ckpt.as_str()])
         .collect();
-    let resumed = train_in(dir.path(), BASE, 4, 2, 1, &second).unwrap();
-    assert_eq!(straight.losses, resumed.losses);
-    for (name, tensor) in &straight.weights {
-        assert!(
-            tensor.equal(&resumed.weights[name]),
-            "{name} differs after resuming"
-        );
-    }
+    let resumed = train_in(dir.path(), &BASE, 4, 2, 1, &second).unwrap();
+    support::assert_bitwise_identical(&straight, &resumed);
 
     let other = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(other.path()).unwrap();
-    let error = train_in(other.path(), BASE, 2, 1, 1, &["--load", ckpt.as_str()])
+    let error = train_in(other.path(), &BASE, 2, 1, 1, &["--load", ckpt.as_str()])
         .err()
         .expect("a TP=2 checkpoint refuses TP=1");
     let message = format!("{error:#}");
@@ -327,7 +294,7 @@ fn sharded_checkpoints_resume_in_their_layout_and_refuse_another() {
 #[test]
 fn overlapped_grad_reduce_equals_one_rank() {
     let small_buckets = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"];
-    check(BASE, 2, 1, 1, &small_buckets, "DP=2, overlapped reduction");
+    check(&BASE, 2, 1, 1, &small_buckets, "DP=2, overlapped reduction");
     let extra: Vec<&str> = small_buckets
         .iter()
         .copied()
@@ -339,7 +306,7 @@ fn overlapped_grad_reduce_equals_one_rank() {
         ])
         .collect();
     check(
-        BASE,
+        &BASE,
         4,
         1,
         2,
@@ -361,7 +328,7 @@ fn overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_reduction
             "--overlap-grad-reduce should be turned on when using --overlap-param-gather",
         ),
     ] {
-        let error = train_in(dir.path(), BASE, 2, 1, 1, flags)
+        let error = train_in(dir.path(), &BASE, 2, 1, 1, flags)
             .err()
             .expect("refused");
         assert!(format!("{error:#}").contains(message), "{error:#}");

@@ -6,24 +6,15 @@
 
 mod support;
 
-use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, T5PretrainArgs};
+use std::sync::LazyLock;
+
+use megatron_core::args::T5PretrainArgs;
 use megatron_core::training::{pretrain_t5, Runtime, TrainingSummary};
 use support::{check, train, train_in, Pretrain};
 
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Flags {
-    #[command(flatten)]
-    args: T5PretrainArgs,
-}
-
 impl Pretrain for T5PretrainArgs {
     fn parse(argv: Vec<String>) -> Self {
-        let matches = t5_flags(Flags::command())
-            .try_get_matches_from(argv)
-            .expect("valid flags");
-        Flags::from_arg_matches(&matches).expect("valid flags").args
+        support::parse_t5_flags(argv)
     }
 
     fn sequence_parallel(&self) -> bool {
@@ -36,66 +27,33 @@ impl Pretrain for T5PretrainArgs {
 }
 
 /// A 2+3-layer T5 on mock span-corruption data, fp32, no dropout, 4 micro-batches of 2 per step.
-const BASE: &[&str] = &[
-    "--encoder-num-layers",
-    "2",
-    "--decoder-num-layers",
-    "3",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--encoder-seq-length",
-    "32",
-    "--decoder-seq-length",
-    "16",
-    "--max-position-embeddings",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "3",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--weight-decay",
-    "0.1",
-    "--clip-grad",
-    "1.0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "1000",
-    "--adam-eps",
-    "1e-4",
-    "--log-interval",
-    "1",
-    "--save-interval",
-    "3",
-    "--eval-iters",
-    "0",
-    "--device",
-    "cpu",
-    "--seed",
-    "1234",
-];
+static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    support::tiny_training(&[
+        "--encoder-num-layers",
+        "2",
+        "--decoder-num-layers",
+        "3",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--encoder-seq-length",
+        "32",
+        "--decoder-seq-length",
+        "16",
+        "--max-position-embeddings",
+        "32",
+    ])
+});
 
 #[test]
 fn t5_tensor_parallel_equals_one_rank() {
-    check::<T5PretrainArgs>(BASE, 2, 2, 1, &[], "T5 TP=2");
+    check::<T5PretrainArgs>(&BASE, 2, 2, 1, &[], "T5 TP=2");
 }
 
 #[test]
 fn t5_sequence_parallel_equals_one_rank() {
-    check::<T5PretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"], "T5 TP=2 + SP");
+    check::<T5PretrainArgs>(&BASE, 2, 2, 1, &["--sequence-parallel"], "T5 TP=2 + SP");
 }
 
 /// The fused output layer + cross entropy (tied weights with the LM head's bias) trains as the
@@ -103,9 +61,9 @@ fn t5_sequence_parallel_equals_one_rank() {
 #[test]
 fn t5_cross_entropy_loss_fusion_equals_the_unfused_loss() {
     let fused = "--cross-entropy-loss-fusion";
-    check::<T5PretrainArgs>(BASE, 1, 1, 1, &[fused], "T5 fused loss");
+    check::<T5PretrainArgs>(&BASE, 1, 1, 1, &[fused], "T5 fused loss");
     check::<T5PretrainArgs>(
-        BASE,
+        &BASE,
         2,
         2,
         1,
@@ -117,7 +75,7 @@ fn t5_cross_entropy_loss_fusion_equals_the_unfused_loss() {
 #[test]
 fn t5_distributed_optimizer_equals_one_rank() {
     check::<T5PretrainArgs>(
-        BASE,
+        &BASE,
         2,
         1,
         1,
@@ -138,9 +96,9 @@ fn t5_with_recompute_equals_one_rank() {
         "--recompute-num-layers",
         "1",
     ];
-    check::<T5PretrainArgs>(BASE, 1, 1, 1, &full, "T5 full recompute");
+    check::<T5PretrainArgs>(&BASE, 1, 1, 1, &full, "T5 full recompute");
     check::<T5PretrainArgs>(
-        BASE,
+        &BASE,
         2,
         2,
         1,
@@ -151,7 +109,7 @@ fn t5_with_recompute_equals_one_rank() {
 
 #[test]
 fn t5_checkpoint_has_megatron_core_names() {
-    let outcome = train::<T5PretrainArgs>(BASE, 1, 1, 1, &[]);
+    let outcome = train::<T5PretrainArgs>(&BASE, 1, 1, 1, &[]);
     for name in [
         "embedding.word_embeddings.weight",
         "embedding.position_embeddings.weight",
@@ -177,46 +135,13 @@ fn t5_checkpoint_has_megatron_core_names() {
 
 #[test]
 fn t5_resuming_is_bitwise_identical() {
-    let straight = train::<T5PretrainArgs>(BASE, 2, 2, 1, &["--sequence-parallel"]);
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt").display().to_string();
-    train_in::<T5PretrainArgs>(
-        dir.path(),
-        BASE,
-        2,
-        2,
-        1,
-        &[
-            "--sequence-parallel",
-            "--exit-interval",
-            "2",
-            "--save-interval",
-            "1",
-        ],
-    )
-    .unwrap();
-    let resumed = train_in::<T5PretrainArgs>(
-        dir.path(),
-        BASE,
-        2,
-        2,
-        1,
-        &["--sequence-parallel", "--load", ckpt.as_str()],
-    )
-    .unwrap();
-    assert_eq!(straight.losses, resumed.losses);
-    for (name, tensor) in &straight.weights {
-        assert!(
-            tensor.equal(&resumed.weights[name]),
-            "{name} differs after resuming"
-        );
-    }
+    support::check_resuming::<T5PretrainArgs>(&BASE);
 }
 
 #[test]
 fn t5_refuses_pipeline_parallelism_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
-    let error = train_in::<T5PretrainArgs>(dir.path(), BASE, 2, 1, 2, &[])
+    let error = train_in::<T5PretrainArgs>(dir.path(), &BASE, 2, 1, 2, &[])
         .err()
         .expect("pipeline parallelism is refused");
     let message = format!("{error:#}");

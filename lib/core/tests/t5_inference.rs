@@ -5,73 +5,19 @@
 //! the cached decoder's logits equal the full decoder's; two tensor-parallel ranks (threads)
 //! score and decode as one rank, the vocabulary padding they add included.
 
+mod support;
+
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, T5PretrainArgs};
-use megatron_core::checkpoint::{read_tensors, split_for_tensor_parallel};
+use megatron_core::checkpoint::split_for_tensor_parallel;
 use megatron_core::inference::{greedy_decode, score_t5_batch, GreedyOptions, ScoreTotals};
 use megatron_core::loader::{MockT5Source, T5Batch};
-use megatron_core::model::{ModelChunk, ModelOptions, Recompute, T5Config, T5Input, T5Model};
+use megatron_core::model::{ModelChunk, ModelOptions, Recompute, T5Input, T5Model};
 use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
 use megatron_core::training::{LossTotals, ModelFamily, T5Family};
+use support::reference;
 use tch::{Device, Kind, Tensor};
-
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    args: T5PretrainArgs,
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// `$MEGATRON_RS_TEST_PYTHON`, else the project venv; it must have torch and safetensors.
-fn python() -> PathBuf {
-    std::env::var_os("MEGATRON_RS_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
-}
-
-/// The reference script's architecture (2 encoder and 3 decoder layers, hidden 64, 32
-/// positions) over a vocabulary of `vocab_size`.
-fn config(vocab_size: i64) -> T5Config {
-    let argv = [
-        "pretrain_t5",
-        "--encoder-num-layers",
-        "2",
-        "--decoder-num-layers",
-        "3",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--ffn-hidden-size",
-        "128",
-        "--encoder-seq-length",
-        "12",
-        "--decoder-seq-length",
-        "8",
-        "--max-position-embeddings",
-        "32",
-        "--no-bias-gelu-fusion",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--micro-batch-size",
-        "2",
-    ];
-    let matches = t5_flags(Flags::command())
-        .try_get_matches_from(argv)
-        .unwrap();
-    let flags = Flags::from_arg_matches(&matches).unwrap();
-    flags.args.t5_config(vocab_size).unwrap()
-}
 
 fn options(kind: Kind, seed: u64) -> ModelOptions {
     ModelOptions {
@@ -96,7 +42,7 @@ fn mock_batch(vocab_size: i64, rows: u64) -> T5Batch {
 
 #[test]
 fn teacher_forced_scores_equal_the_training_loss() {
-    let config = config(300);
+    let config = reference::t5_config(300);
     let parallel = ParallelState::single();
     let model = T5Model::new(config.clone(), options(Kind::Float, 7), &parallel).unwrap();
     let batch = mock_batch(300, 6);
@@ -140,21 +86,11 @@ fn teacher_forced_scores_equal_the_training_loss() {
 
 /// The reference's weights and its greedy decodings.
 fn reference_greedy() -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(python())
-        .arg(workspace_root().join("scripts/reference/megatron_t5_reference.py"))
-        .arg(dir.path())
-        .arg("greedy")
-        .output()
-        .expect("running the reference script");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (weights, _) = read_tensors(&dir.path().join("model.safetensors"), Device::Cpu).unwrap();
-    let (io, _) = read_tensors(&dir.path().join("greedy.safetensors"), Device::Cpu).unwrap();
-    (weights, io)
+    let dir = reference::run_script("megatron_t5_reference.py", &["greedy"]);
+    (
+        reference::tensors(&dir, "model.safetensors"),
+        reference::tensors(&dir, "greedy.safetensors"),
+    )
 }
 
 /// The rows of a `[b, steps]` token tensor padded with -1, as lists.
@@ -174,7 +110,7 @@ fn rows(tokens: &Tensor) -> Vec<Vec<i64>> {
 fn greedy_tokens_equal_the_reference_greedy_loop() {
     let (weights, io) = reference_greedy();
     let model = T5Model::new(
-        config(128),
+        reference::t5_config(128),
         options(Kind::Double, 1),
         &ParallelState::single(),
     )
@@ -224,7 +160,7 @@ fn greedy_tokens_equal_the_reference_greedy_loop() {
 #[test]
 fn cached_decoder_logits_equal_the_full_decoder() {
     let model = T5Model::new(
-        config(300),
+        reference::t5_config(300),
         options(Kind::Double, 3),
         &ParallelState::single(),
     )
@@ -270,7 +206,7 @@ fn cached_decoder_logits_equal_the_full_decoder() {
 #[test]
 fn two_tensor_parallel_ranks_score_and_decode_as_one() {
     // 300 tokens pad to 384 on one rank and to 512 on two: the extra rows must not count.
-    let config = config(300);
+    let config = reference::t5_config(300);
     let single = T5Model::new(
         config.clone(),
         options(Kind::Double, 11),

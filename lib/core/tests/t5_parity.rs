@@ -4,69 +4,14 @@
 //! loss equals the reference's. On our model: the decoder is causal (a later decoder token
 //! leaves earlier logits unchanged) and the encoder's padding matters only through its mask.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod support;
 
-use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, T5PretrainArgs};
-use megatron_core::checkpoint::read_tensors;
 use megatron_core::loader::T5Batch;
-use megatron_core::model::{ModelChunk, ModelOptions, Recompute, T5Config, T5Input, T5Model};
+use megatron_core::model::{ModelChunk, ModelOptions, Recompute, T5Input, T5Model};
 use megatron_core::parallel::ParallelState;
 use megatron_core::training::{LossTotals, ModelFamily, StepOutput, T5Family};
+use support::reference;
 use tch::{Device, Kind, Tensor};
-
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    args: T5PretrainArgs,
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// `$MEGATRON_RS_TEST_PYTHON`, else the project venv; it must have torch and safetensors.
-fn python() -> PathBuf {
-    std::env::var_os("MEGATRON_RS_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
-}
-
-/// The architecture the reference script builds, from Megatron's T5 flags.
-fn config() -> T5Config {
-    let argv = [
-        "pretrain_t5",
-        "--encoder-num-layers",
-        "2",
-        "--decoder-num-layers",
-        "3",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--ffn-hidden-size",
-        "128",
-        "--encoder-seq-length",
-        "12",
-        "--decoder-seq-length",
-        "8",
-        "--max-position-embeddings",
-        "32",
-        "--no-bias-gelu-fusion",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--micro-batch-size",
-        "2",
-    ];
-    let matches = t5_flags(Flags::command())
-        .try_get_matches_from(argv)
-        .unwrap();
-    let flags = Flags::from_arg_matches(&matches).unwrap();
-    flags.args.t5_config(128).unwrap()
-}
 
 fn logits(model: &T5Model, enc: &Tensor, dec: &Tensor, enc_mask: &Tensor) -> Tensor {
     tch::no_grad(|| {
@@ -89,21 +34,11 @@ fn max_difference(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn t5_logits_and_loss_equal_the_reference() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(python())
-        .arg(workspace_root().join("scripts/reference/megatron_t5_reference.py"))
-        .arg(dir.path())
-        .output()
-        .expect("running the reference script");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let (state, _) = read_tensors(&dir.path().join("model.safetensors"), Device::Cpu).unwrap();
-    let (io, _) = read_tensors(&dir.path().join("io.safetensors"), Device::Cpu).unwrap();
+    let dir = reference::run_script("megatron_t5_reference.py", &[]);
+    let state = reference::tensors(&dir, "model.safetensors");
+    let io = reference::tensors(&dir, "io.safetensors");
 
-    let config = config();
+    let config = reference::t5_config(128);
     assert_eq!(
         (config.encoder_num_layers, config.decoder_num_layers),
         (2, 3)
@@ -181,7 +116,7 @@ fn t5_logits_and_loss_equal_the_reference() {
 
 #[test]
 fn t5_decoder_is_causal_and_encoder_padding_is_masked() {
-    let config = config();
+    let config = reference::t5_config(128);
     let options = ModelOptions {
         params_dtype: Kind::Double,
         device: Device::Cpu,

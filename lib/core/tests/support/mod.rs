@@ -1,15 +1,47 @@
 //! What the equivalence tests of every model family share: a run of a pretraining entry point
 //! with ranks as threads, the losses it logged and its merged weights, and the comparison of a
-//! parallel run with the one-rank run.
+//! parallel run with the one-rank run; and (in [`reference`]) the Python reference scripts the
+//! parity tests compare against.
+
+// Every test crate that declares `mod support` uses only part of it.
+#![allow(dead_code)]
+
+pub mod reference;
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
+use clap::{CommandFactory, FromArgMatches, Parser};
+use megatron_core::args::{t5_flags, T5PretrainArgs};
 use megatron_core::checkpoint::{find_checkpoint, merge_model_parallel_ranks};
 use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
 use megatron_core::training::{Runtime, TrainingSummary};
 use tch::{Device, Tensor};
+
+/// A binary's flags `A` alone, parsed as the binary parses them (a later flag overrides an
+/// earlier one).
+#[derive(clap::Parser)]
+#[command(args_override_self = true)]
+pub struct Flags<A: clap::Args> {
+    #[command(flatten)]
+    args: A,
+}
+
+/// `argv` (program name first) parsed as `A`.
+pub fn parse_flags<A: clap::Args>(argv: Vec<String>) -> A {
+    Flags::<A>::try_parse_from(argv).expect("valid flags").args
+}
+
+/// `argv` (program name first) parsed as `pretrain_t5` does, with Megatron's T5 flags.
+pub fn parse_t5_flags(argv: Vec<String>) -> T5PretrainArgs {
+    let matches = t5_flags(Flags::<T5PretrainArgs>::command())
+        .try_get_matches_from(argv)
+        .expect("valid flags");
+    Flags::<T5PretrainArgs>::from_arg_matches(&matches)
+        .expect("valid flags")
+        .args
+}
 
 /// A pretraining binary's flags and entry point, as the tests drive it.
 pub trait Pretrain: Sized + Sync {
@@ -17,6 +49,62 @@ pub trait Pretrain: Sized + Sync {
     fn parse(argv: Vec<String>) -> Self;
     fn sequence_parallel(&self) -> bool;
     fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary>;
+}
+
+/// Adam at 1e-3 after one warm-up step, weight decay, clipping, no dropout, on the CPU, logging
+/// every step: the optimization flags of every equivalence test (pretraining and finetuning).
+pub const TINY_OPTIMIZATION: &[&str] = &[
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--adam-eps",
+    "1e-4",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--seed",
+    "1234",
+];
+
+/// Three steps of 4 micro-batches of 2 on mock data over 1000 tokens, a checkpoint after the
+/// last.
+const MOCK_PRETRAINING: &[&str] = &[
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1000",
+    "--save-interval",
+    "3",
+];
+
+/// `model`'s flags followed by [`MOCK_PRETRAINING`] and [`TINY_OPTIMIZATION`]: the flags of a
+/// pretraining equivalence test.
+pub fn tiny_training(model: &[&'static str]) -> Vec<&'static str> {
+    model
+        .iter()
+        .chain(MOCK_PRETRAINING)
+        .chain(TINY_OPTIMIZATION)
+        .copied()
+        .collect()
 }
 
 pub struct Outcome {
@@ -178,4 +266,42 @@ pub fn check<P: Pretrain>(
     );
     let parallel = train::<P>(flags, world, tensor, pipeline, extra);
     assert_equivalent(&reference, &parallel, what);
+}
+
+/// The losses and the weights of `resumed` are bitwise those of `straight`.
+pub fn assert_bitwise_identical(straight: &Outcome, resumed: &Outcome) {
+    assert_eq!(straight.losses, resumed.losses);
+    for (name, tensor) in &straight.weights {
+        assert!(
+            tensor.equal(&resumed.weights[name]),
+            "{name} differs after resuming"
+        );
+    }
+}
+
+/// A TP=2 + SP run stopped after two steps (saving each step) and resumed from its checkpoint
+/// ends as the uninterrupted run, bit for bit.
+pub fn check_resuming<P: Pretrain>(flags: &[&str]) {
+    let sequence_parallel = "--sequence-parallel";
+    let straight = train::<P>(flags, 2, 2, 1, &[sequence_parallel]);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    let stop_after_two = [
+        sequence_parallel,
+        "--exit-interval",
+        "2",
+        "--save-interval",
+        "1",
+    ];
+    train_in::<P>(dir.path(), flags, 2, 2, 1, &stop_after_two).unwrap();
+    let resumed = train_in::<P>(
+        dir.path(),
+        flags,
+        2,
+        2,
+        1,
+        &[sequence_parallel, "--load", ckpt.as_str()],
+    )
+    .unwrap();
+    assert_bitwise_identical(&straight, &resumed);
 }

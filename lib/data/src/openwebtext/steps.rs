@@ -7,13 +7,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use super::blacklist::{UrlFilter, UrlRejection};
+use super::blacklist::UrlFilter;
 use super::cleanup::{apply_fix_tasks, Cleanup, CleanupDrop, FixTask};
 use super::find_duplicates::{similar_groups, FindDuplicatesConfig, FingerprintIndex};
 use super::groups::{group_to_python_json, parse_group_line, DuplicateGroups, GroupDeduplicator};
 use super::json::{JsonObject, JsonValue};
 use super::jsonl::{
-    for_each_parallel, parse_line, AtomicOutput, Input, InvalidLineTracker, InvalidLines, LineError,
+    for_each_parallel, parse_line, AtomicOutput, Input, InvalidLineTracker, InvalidLines, Line,
+    LineError,
 };
 use super::ngrams::{clean_pieces, ngrams_in, split_id, NgramConfig, NgramSet};
 
@@ -56,6 +57,69 @@ fn record_invalid(
 ) -> Result<()> {
     tracker.handle(e)?;
     counts.drop_for("invalid line");
+    Ok(())
+}
+
+/// Turns a step's message about `line` into that line's error.
+fn line_error(line: &Line) -> impl FnOnce(String) -> LineError + '_ {
+    |message| LineError {
+        line_no: line.line_no,
+        message,
+    }
+}
+
+/// What a step decides for one document.
+enum Verdict {
+    Write(JsonObject),
+    Drop(&'static str),
+}
+
+/// The shape of most steps: every line of `input` is parsed by `parse` (in parallel), then, in
+/// data order, judged by `judge`; the documents it keeps go to `output`. Invalid lines are
+/// refused or counted per `invalid`.
+fn filter_documents<T: Send>(
+    input: &Input,
+    output: &Path,
+    invalid: InvalidLines,
+    progress: &ProgressBar,
+    parse: impl Fn(&Line) -> Result<T, LineError> + Sync,
+    mut judge: impl FnMut(T) -> Verdict,
+) -> Result<StepCounts> {
+    let mut tracker = InvalidLineTracker::new(invalid, input);
+    let mut out = AtomicOutput::create(output)?;
+    let mut counts = StepCounts::default();
+    for_each_parallel(input, progress, parse, |r| {
+        counts.read += 1;
+        match r {
+            Err(e) => record_invalid(&mut tracker, &mut counts, &e),
+            Ok(parsed) => {
+                match judge(parsed) {
+                    Verdict::Drop(reason) => counts.drop_for(reason),
+                    Verdict::Write(doc) => {
+                        out.write_line(&doc.to_python_json())?;
+                        counts.written += 1;
+                    }
+                }
+                Ok(())
+            }
+        }
+    })?;
+    out.finish()?;
+    Ok(counts)
+}
+
+/// Calls `each` with every line of the small JSON-lines file `input` (pairs, groups, task
+/// texts); an unreadable line or one `each` refuses is an error naming the file and line.
+fn for_each_json_line(
+    input: &Input,
+    mut each: impl FnMut(JsonObject) -> std::result::Result<(), String>,
+) -> Result<()> {
+    for (i, line) in input.open()?.lines().enumerate() {
+        let line = line.with_context(|| format!("reading {}", input.name()))?;
+        JsonObject::parse(&line)
+            .and_then(&mut each)
+            .map_err(|m| anyhow::anyhow!("{}:{}: {m}", input.name(), i + 1))?;
+    }
     Ok(())
 }
 
@@ -115,44 +179,22 @@ pub fn blacklist_documents(
 ) -> Result<StepCounts> {
     let rules = UrlFilter::new();
     let mut seen = UrlFilter::new();
-    let mut tracker = InvalidLineTracker::new(invalid, input);
-    let mut out = AtomicOutput::create(output)?;
-    let mut counts = StepCounts::default();
-    for_each_parallel(
+    filter_documents(
         input,
+        output,
+        invalid,
         progress,
         |line| {
             let doc = parse_line(line)?;
-            let url = doc
-                .get_str(url_key)
-                .map_err(|m| LineError {
-                    line_no: line.line_no,
-                    message: m,
-                })?
-                .to_string();
+            let url = doc.get_str(url_key).map_err(line_error(line))?.to_string();
             let verdict = rules.static_rejection(&url);
             Ok((doc, url, verdict))
         },
-        |r: Result<(JsonObject, String, Option<UrlRejection>), LineError>| {
-            counts.read += 1;
-            match r {
-                Err(e) => record_invalid(&mut tracker, &mut counts, &e),
-                Ok((doc, url, verdict)) => {
-                    let verdict = verdict.or_else(|| seen.check_duplicate(&url));
-                    match verdict {
-                        Some(reason) => counts.drop_for(reason.label()),
-                        None => {
-                            out.write_line(&doc.to_python_json())?;
-                            counts.written += 1;
-                        }
-                    }
-                    Ok(())
-                }
-            }
+        |(doc, url, verdict)| match verdict.or_else(|| seen.check_duplicate(&url)) {
+            Some(reason) => Verdict::Drop(reason.label()),
+            None => Verdict::Write(doc),
         },
-    )?;
-    out.finish()?;
-    Ok(counts)
+    )
 }
 
 /// `cleanup`: ftfy-style fixing, English only, minimum GPT-2 token count.
@@ -163,39 +205,18 @@ pub fn cleanup_file(
     invalid: InvalidLines,
     progress: &ProgressBar,
 ) -> Result<StepCounts> {
-    let mut tracker = InvalidLineTracker::new(invalid, input);
-    let mut out = AtomicOutput::create(output)?;
-    let mut counts = StepCounts::default();
-    for_each_parallel(
+    filter_documents(
         input,
+        output,
+        invalid,
         progress,
-        |line| {
-            let doc = parse_line(line)?;
-            cleanup.apply(doc).map_err(|m| LineError {
-                line_no: line.line_no,
-                message: m,
-            })
+        |line| cleanup.apply(parse_line(line)?).map_err(line_error(line)),
+        |outcome| match outcome.dropped {
+            Some(CleanupDrop::NonEnglish) => Verdict::Drop("non-english"),
+            Some(CleanupDrop::TooShort) => Verdict::Drop("too short"),
+            None => Verdict::Write(outcome.doc),
         },
-        |r| {
-            counts.read += 1;
-            match r {
-                Err(e) => record_invalid(&mut tracker, &mut counts, &e),
-                Ok(outcome) => {
-                    match outcome.dropped {
-                        Some(CleanupDrop::NonEnglish) => counts.drop_for("non-english"),
-                        Some(CleanupDrop::TooShort) => counts.drop_for("too short"),
-                        None => {
-                            out.write_line(&outcome.doc.to_python_json())?;
-                            counts.written += 1;
-                        }
-                    }
-                    Ok(())
-                }
-            }
-        },
-    )?;
-    out.finish()?;
-    Ok(counts)
+    )
 }
 
 /// `cleanup-fix`: writes `<stem>_cleaned<ext>` and `<stem>_filtered<ext>` into `out_dir`.
@@ -224,10 +245,7 @@ pub fn cleanup_fix_file(
         progress,
         |line| {
             let doc = parse_line(line)?;
-            apply_fix_tasks(tasks, doc).map_err(|m| LineError {
-                line_no: line.line_no,
-                message: m,
-            })
+            apply_fix_tasks(tasks, doc).map_err(line_error(line))
         },
         |r| {
             counts.read += 1;
@@ -309,13 +327,7 @@ pub fn find_duplicates_files(
 /// `group-duplicates`: returns (ids in groups, groups).
 pub fn group_duplicates_file(input: &Input, output: &Path, threshold: f64) -> Result<(u64, u64)> {
     let mut groups = DuplicateGroups::default();
-    let reader = input.open()?;
-    for (i, line) in reader.lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", input.name()))?;
-        JsonObject::parse(&line)
-            .and_then(|o| groups.add_pairs_line(&o, threshold))
-            .map_err(|m| anyhow::anyhow!("{}:{}: {m}", input.name(), i + 1))?;
-    }
+    for_each_json_line(input, |pairs| groups.add_pairs_line(&pairs, threshold))?;
     let mut out = AtomicOutput::create(output)?;
     let all = groups.groups();
     let mut members = 0;
@@ -337,48 +349,28 @@ pub fn remove_duplicates_file(
     progress: &ProgressBar,
 ) -> Result<StepCounts> {
     let mut dedup = GroupDeduplicator::default();
-    for (i, line) in groups_file.open()?.lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", groups_file.name()))?;
-        let members = JsonObject::parse(&line)
-            .and_then(|o| parse_group_line(&o))
-            .map_err(|m| anyhow::anyhow!("{}:{}: {m}", groups_file.name(), i + 1))?;
-        dedup.add_group(members);
-    }
-    let mut tracker = InvalidLineTracker::new(invalid, input);
-    let mut out = AtomicOutput::create(output)?;
-    let mut counts = StepCounts::default();
-    for_each_parallel(
+    for_each_json_line(groups_file, |group| {
+        dedup.add_group(parse_group_line(&group)?);
+        Ok(())
+    })?;
+    filter_documents(
         input,
+        output,
+        invalid,
         progress,
         |line| {
             let doc = parse_line(line)?;
-            let id = doc
-                .get_str(key)
-                .map_err(|m| LineError {
-                    line_no: line.line_no,
-                    message: m,
-                })?
-                .to_string();
+            let id = doc.get_str(key).map_err(line_error(line))?.to_string();
             Ok((doc, id))
         },
-        |r: Result<(JsonObject, String), LineError>| {
-            counts.read += 1;
-            match r {
-                Err(e) => record_invalid(&mut tracker, &mut counts, &e),
-                Ok((doc, id)) => {
-                    if dedup.is_duplicate(&id) {
-                        counts.drop_for("near-duplicate");
-                    } else {
-                        out.write_line(&doc.to_python_json())?;
-                        counts.written += 1;
-                    }
-                    Ok(())
-                }
+        |(doc, id)| {
+            if dedup.is_duplicate(&id) {
+                Verdict::Drop("near-duplicate")
+            } else {
+                Verdict::Write(doc)
             }
         },
-    )?;
-    out.finish()?;
-    Ok(counts)
+    )
 }
 
 /// Where `filter-ngrams` gets the texts of one task.
@@ -393,14 +385,10 @@ pub struct TaskSource {
 pub fn task_ngrams(sources: &[TaskSource], config: &NgramConfig) -> Result<NgramSet> {
     let mut set = NgramSet::default();
     for source in sources {
-        let input = Input::File(source.path.clone());
-        for (i, line) in input.open()?.lines().enumerate() {
-            let line = line.with_context(|| format!("reading {}", input.name()))?;
-            let text = JsonObject::parse(&line)
-                .and_then(|o| o.get_str(&source.key).map(str::to_string))
-                .map_err(|m| anyhow::anyhow!("{}:{}: {m}", input.name(), i + 1))?;
-            set.add_task_text(&text, config);
-        }
+        for_each_json_line(&Input::File(source.path.clone()), |task| {
+            set.add_task_text(task.get_str(&source.key)?, config);
+            Ok(())
+        })?;
     }
     Ok(set)
 }
@@ -421,10 +409,7 @@ pub fn rare_task_ngrams(
         progress,
         |line| {
             let doc = parse_line(line)?;
-            let text = doc.get_str(key).map_err(|m| LineError {
-                line_no: line.line_no,
-                message: m,
-            })?;
+            let text = doc.get_str(key).map_err(line_error(line))?;
             Ok(ngrams_in(text, task_set, config))
         },
         |r| match r {
@@ -469,10 +454,7 @@ pub fn filter_ngrams_file(
         progress,
         |line| {
             let doc = parse_line(line)?;
-            let text = doc.get_str(key).map_err(|m| LineError {
-                line_no: line.line_no,
-                message: m,
-            })?;
+            let text = doc.get_str(key).map_err(line_error(line))?;
             let original_chars = text.chars().count();
             let pieces = clean_pieces(text, rare, config);
             Ok((line.line_no, doc, original_chars, pieces))
@@ -556,21 +538,11 @@ pub fn add_id_file(
     invalid: InvalidLines,
     progress: &ProgressBar,
 ) -> Result<StepCounts> {
-    let mut tracker = InvalidLineTracker::new(invalid, input);
-    let mut out = AtomicOutput::create(output)?;
-    let mut counts = StepCounts::default();
-    for_each_parallel(input, progress, parse_line, |r| {
-        counts.read += 1;
-        match r {
-            Err(e) => record_invalid(&mut tracker, &mut counts, &e),
-            Ok(mut doc) => {
-                counts.written += 1;
-                let id = format!("{prefix}-{:010}", counts.written);
-                doc.insert("adlr_id", JsonValue::String(id));
-                out.write_line(&doc.to_python_json())
-            }
-        }
-    })?;
-    out.finish()?;
-    Ok(counts)
+    let mut written = 0u64;
+    filter_documents(input, output, invalid, progress, parse_line, |mut doc| {
+        written += 1;
+        let id = format!("{prefix}-{written:010}");
+        doc.insert("adlr_id", JsonValue::String(id));
+        Verdict::Write(doc)
+    })
 }
