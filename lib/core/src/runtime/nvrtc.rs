@@ -94,11 +94,9 @@ fn builtins_in(dir: &std::path::Path) -> Vec<PathBuf> {
 
 /// The directory of the `libtorch_cpu.so` this process mapped (`torch/lib` in a wheel).
 fn loaded_libtorch_dir() -> Option<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .find(|path| path.ends_with("/libtorch_cpu.so"))
-        .and_then(|path| PathBuf::from(path).parent().map(PathBuf::from))
+    super::loaded_library("libtorch_cpu.so")?
+        .parent()
+        .map(PathBuf::from)
 }
 
 /// PTX of `kernels` for `arch` (e.g. `compute_90`); NVRTC's log on a compile error. Needs no
