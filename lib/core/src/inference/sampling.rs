@@ -99,7 +99,6 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
     let device = logits.device();
     // Every row's settings go to the device in two copies (floats, integers) instead of one
     // per setting.
-    let b = batch as usize;
     let temperatures = rows.iter().map(|r| {
         if r.sampling.top_k == 1 {
             1.0
@@ -129,7 +128,6 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         .collect();
     let ints = Tensor::from_slice(&ints).to_device(device);
     let column = |values: &Tensor, k: i64| values.narrow(0, k * batch, batch).view([batch, 1]);
-    debug_assert_eq!(ints.size()[0], 5 * b as i64);
     let temperature = column(&floats, 0);
     // Scaling the distance to the largest logit gives the same distribution. A tiny
     // temperature (1e-300 is 0 in single precision) sends the others to -inf; the largest
