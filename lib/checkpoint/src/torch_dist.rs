@@ -13,7 +13,7 @@ use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 
 use crate::dtype::DType;
-use crate::pickle::{unpickle, Value};
+use crate::pickle::{unpickle, TensorRef, Value};
 use crate::torch_file::{map_file, TorchFile};
 
 /// One saved chunk of a global tensor.
@@ -211,9 +211,9 @@ impl DistCheckpoint {
         self.directory.join(file)
     }
 
-    /// The `torch.save` archive holding `chunk` of tensor `name`, checked to hold a tensor of
-    /// the chunk's shape and the tensor's dtype (its `root`).
-    pub fn chunk_archive(&self, name: &str, chunk: &Chunk) -> Result<TorchFile> {
+    /// The `torch.save` archive holding `chunk` of tensor `name` and the tensor it holds (its
+    /// `root`), checked to be of the chunk's shape and the tensor's dtype.
+    pub fn chunk_archive(&self, name: &str, chunk: &Chunk) -> Result<(TorchFile, TensorRef)> {
         let tensor = self.tensor(name)?;
         let map = self.map(&chunk.file)?;
         let path = self.data_path(&chunk.file);
@@ -231,7 +231,8 @@ impl DistCheckpoint {
             tensor.dtype,
             chunk.sizes
         );
-        Ok(archive)
+        let stored = stored.clone();
+        Ok((archive, stored))
     }
 
     /// The whole tensor `name` (C order, little-endian bytes) and its shape.
@@ -279,11 +280,8 @@ impl DistCheckpoint {
             if lo >= hi && !tensor.shape.is_empty() {
                 continue;
             }
-            let archive = self.chunk_archive(name, chunk)?;
-            let Value::Tensor(stored) = &archive.root else {
-                unreachable!("checked by chunk_archive")
-            };
-            let bytes = archive.tensor_bytes(stored)?;
+            let (archive, stored) = self.chunk_archive(name, chunk)?;
+            let bytes = archive.tensor_bytes(&stored)?;
             if tensor.shape.is_empty() {
                 out.copy_from_slice(&bytes);
                 covered += 1;

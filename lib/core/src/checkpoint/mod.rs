@@ -33,4 +33,5 @@ pub use store::{
     write_rank_file, write_rank_file_streamed, CheckpointDirectory, METADATA_FILE, MODEL_FILE,
     RNG_FILE,
 };
+pub(crate) use tensor_file::cpu_bytes;
 pub use tensor_file::{read_tensors, write_tensors, write_tensors_streamed, TensorEntry};

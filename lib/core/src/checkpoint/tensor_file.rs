@@ -101,10 +101,7 @@ impl View for &HostTensor {
     }
 
     fn data(&self) -> Cow<'_, [u8]> {
-        // SAFETY: the tensor is contiguous on the CPU and outlives the borrow.
-        Cow::Borrowed(unsafe {
-            std::slice::from_raw_parts(self.tensor.data_ptr() as *const u8, self.data_len())
-        })
+        Cow::Borrowed(cpu_bytes(&self.tensor))
     }
 
     fn data_len(&self) -> usize {
@@ -221,16 +218,23 @@ impl Piece {
     fn bytes(&self) -> &[u8] {
         match self {
             Piece::Bytes(bytes) => bytes,
-            Piece::Tensor(tensor) => {
-                let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
-                if len == 0 {
-                    return &[];
-                }
-                // SAFETY: a contiguous CPU tensor of `len` bytes, alive as long as `self`.
-                unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) }
-            }
+            Piece::Tensor(tensor) => cpu_bytes(tensor),
         }
     }
+}
+
+/// The C-order little-endian bytes of a contiguous CPU tensor, borrowed from it.
+pub(crate) fn cpu_bytes(tensor: &Tensor) -> &[u8] {
+    assert!(
+        tensor.device() == Device::Cpu && tensor.is_contiguous(),
+        "the bytes of a tensor that is not contiguous on the CPU"
+    );
+    let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: a contiguous CPU tensor of `len` bytes, alive for the borrow.
+    unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) }
 }
 
 /// Pieces in flight to a [`BackgroundWriter`]: enough to keep it busy, few enough to bound

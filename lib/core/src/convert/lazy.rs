@@ -17,7 +17,7 @@ use megatron_checkpoint::DType;
 use tch::{Device, Kind, Tensor};
 
 use super::state::{fit_vocab_rows, kind_of};
-use crate::checkpoint::{join_shards, take_shard, TensorSplit};
+use crate::checkpoint::{cpu_bytes, join_shards, take_shard, TensorSplit};
 
 /// Bytes of tensor data a streamed read ([`LazyTensor::for_each_chunk`]) reads, converts and
 /// hands on at a time: what bounds a conversion's memory.
@@ -651,14 +651,7 @@ impl LazyTensor {
 
 /// Hands a CPU tensor's C-order little-endian bytes to `emit`.
 pub fn with_bytes(tensor: &Tensor, emit: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
-    let tensor = tensor.contiguous();
-    let len = tensor.numel() * tensor.kind().elt_size_in_bytes();
-    if len == 0 {
-        return emit(&[]);
-    }
-    // SAFETY: a contiguous CPU tensor of `len` bytes, alive for the borrow.
-    let bytes = unsafe { std::slice::from_raw_parts(tensor.data_ptr() as *const u8, len) };
-    emit(bytes)
+    emit(cpu_bytes(&tensor.contiguous()))
 }
 
 /// Row pieces stacked (one piece as it is).

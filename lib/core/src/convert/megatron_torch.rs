@@ -482,13 +482,10 @@ fn dist_chunks(
                     input
                 }
             };
-            let archive = checkpoint.chunk_archive(name, chunk)?;
-            let Value::Tensor(stored) = &archive.root else {
-                bail!("{name}: a chunk that is not a tensor");
-            };
+            let (archive, stored) = checkpoint.chunk_archive(name, chunk)?;
             let mut offsets = chunk.offsets.clone();
             offsets.resize(tensor.shape.len(), 0);
-            Ok((offsets, tensor_of(&archive, &input, stored)?))
+            Ok((offsets, tensor_of(&archive, &input, &stored)?))
         })
         .collect()
 }
