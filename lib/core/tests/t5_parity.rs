@@ -85,7 +85,7 @@ fn t5_logits_and_loss_equal_the_reference() {
         };
         let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
         let StepOutput::Loss(loss) = tch::no_grad(|| {
-            family.forward_step(&model, &batch, None, false, &parallel, &mut losses)
+            family.forward_step(&model, &batch, None, false, &mut losses)
         })
         .unwrap() else {
             panic!("T5 ends in its loss");
