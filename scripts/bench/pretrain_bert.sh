@@ -45,17 +45,17 @@ SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
 
+# NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30522 in all.
+OURS=("$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS"
+      --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data
+      --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput)
+
 echo "== ours: $PRETRAIN_BERT" >&2
 exec 3>"$SCRATCH/ours.mem"
-# NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30522 in all.
-with_memory_peak "$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
-    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
-    --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput >"$SCRATCH/ours.log"
+with_memory_peak "${OURS[@]}" >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
-run_ours_variants "$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
-    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
-    --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput
+run_ours_variants "${OURS[@]}"
 
 REFERENCES=()
 for mode in eager compile; do

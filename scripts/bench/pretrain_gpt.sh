@@ -44,16 +44,16 @@ SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-head
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
 
+OURS=("$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS"
+      --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data
+      --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput)
+
 echo "== ours: $PRETRAIN_GPT" >&2
 exec 3>"$SCRATCH/ours.mem"
-with_memory_peak "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
-    --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
-    --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput >"$SCRATCH/ours.log"
+with_memory_peak "${OURS[@]}" >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
-run_ours_variants "$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
-    --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
-    --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput
+run_ours_variants "${OURS[@]}"
 
 echo "== reference: PyTorch eager" >&2
 exec 3>"$SCRATCH/eager.mem"

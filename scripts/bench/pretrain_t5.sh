@@ -45,17 +45,17 @@ SHAPE=(--encoder-num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-a
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
 
+# NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30622 in all.
+OURS=("$PRETRAIN_T5" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS"
+      --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data
+      --tokenizer-type NullTokenizer --vocab-size 30621 --log-throughput)
+
 echo "== ours: $PRETRAIN_T5" >&2
 exec 3>"$SCRATCH/ours.mem"
-# NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30622 in all.
-with_memory_peak "$PRETRAIN_T5" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
-    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
-    --tokenizer-type NullTokenizer --vocab-size 30621 --log-throughput >"$SCRATCH/ours.log"
+with_memory_peak "${OURS[@]}" >"$SCRATCH/ours.log"
 exec 3>&-
 cat "$SCRATCH/ours.log" >&2
-run_ours_variants "$PRETRAIN_T5" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS" \
-    --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data \
-    --tokenizer-type NullTokenizer --vocab-size 30621 --log-throughput
+run_ours_variants "${OURS[@]}"
 
 REFERENCES=()
 for mode in eager compile; do

@@ -55,8 +55,7 @@ fn teacher_forced_scores_equal_the_training_loss() {
         cross_entropy_loss_fusion: false,
     };
     let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
-    tch::no_grad(|| family.forward_step(&model, &batch, None, false, &parallel, &mut losses))
-        .unwrap();
+    tch::no_grad(|| family.forward_step(&model, &batch, None, false, &mut losses)).unwrap();
     let training = losses.reduce(&parallel).unwrap()[0].1;
 
     let scores = score_t5_batch(&model, &batch).unwrap();

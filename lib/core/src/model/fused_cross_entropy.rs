@@ -317,21 +317,27 @@ mod tests {
         }
     }
 
+    /// The fused loss of `c` in chunks of `chunk` tokens.
+    fn fused_loss(c: &Case, chunk: i64) -> Tensor {
+        let group: Arc<dyn Communicator> = Arc::new(SingleRank);
+        fused_output_cross_entropy(
+            &c.hidden,
+            &c.weight,
+            Some(&c.bias),
+            &c.labels,
+            &c.mask,
+            &group,
+            Some(chunk),
+        )
+        .unwrap()
+    }
+
     /// The loss (times an upstream gradient that is not 1) and the gradients of the hidden
     /// states, weight and bias.
     fn run(c: &Case, fused: Option<i64>) -> (f64, Tensor, Tensor, Tensor) {
         let group: Arc<dyn Communicator> = Arc::new(SingleRank);
         let loss = match fused {
-            Some(chunk) => fused_output_cross_entropy(
-                &c.hidden,
-                &c.weight,
-                Some(&c.bias),
-                &c.labels,
-                &c.mask,
-                &group,
-                Some(chunk),
-            )
-            .unwrap(),
+            Some(chunk) => fused_loss(c, chunk),
             None => {
                 let logits = c.hidden.linear(c.weight.tensor(), Some(c.bias.tensor()));
                 (cross_entropy(&logits, &c.labels, &group).unwrap() * &c.mask).sum(Kind::Float)
@@ -468,18 +474,7 @@ mod tests {
     }
 
     fn run_backward_only(c: &Case) {
-        let group: Arc<dyn Communicator> = Arc::new(SingleRank);
-        let loss = fused_output_cross_entropy(
-            &c.hidden,
-            &c.weight,
-            Some(&c.bias),
-            &c.labels,
-            &c.mask,
-            &group,
-            Some(4),
-        )
-        .unwrap();
-        (loss * 0.37).backward();
+        (fused_loss(c, 4) * 0.37).backward();
     }
 
     #[test]
@@ -527,18 +522,7 @@ mod tests {
             .tensor()
             .shallow_clone()
             .set_requires_grad(false);
-        let group: Arc<dyn Communicator> = Arc::new(SingleRank);
-        let loss = fused_output_cross_entropy(
-            &frozen.hidden,
-            &frozen.weight,
-            Some(&frozen.bias),
-            &frozen.labels,
-            &frozen.mask,
-            &group,
-            Some(3),
-        )
-        .unwrap();
-        (loss * 0.37).backward();
+        (fused_loss(&frozen, 3) * 0.37).backward();
         assert!(relative_difference(&frozen.hidden.grad(), &hidden) < 1e-6);
     }
 
@@ -546,19 +530,7 @@ mod tests {
     fn without_gradients_only_the_loss_is_computed() {
         let c = case(Kind::Float);
         let (loss, ..) = run(&c, None);
-        let group: Arc<dyn Communicator> = Arc::new(SingleRank);
-        let evaluated = tch::no_grad(|| {
-            fused_output_cross_entropy(
-                &c.hidden,
-                &c.weight,
-                Some(&c.bias),
-                &c.labels,
-                &c.mask,
-                &group,
-                Some(3),
-            )
-        })
-        .unwrap();
+        let evaluated = tch::no_grad(|| fused_loss(&c, 3));
         assert!(!evaluated.requires_grad());
         assert!((evaluated.double_value(&[]) - loss).abs() <= 1e-6 * loss.abs());
     }

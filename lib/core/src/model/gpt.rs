@@ -411,7 +411,7 @@ impl GptModel {
             .as_ref()
             .expect("whole models have the final norm");
         gather_from_tensor_parallel_region(
-            &self.logits(&norm.forward(hidden))?,
+            &self.head(norm.forward(hidden)).logits()?,
             &self.parallel.group,
         )
     }
@@ -492,10 +492,6 @@ impl GptModel {
             embedded = embedded + Tensor::embedding(positions, position_ids, -1, false, false);
         }
         embedding_output(embedded, self.config.hidden_dropout, &self.parallel, train)
-    }
-
-    fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.head(hidden.shallow_clone()).logits()
     }
 
     /// The output layer over the final-normed `hidden`.

@@ -102,7 +102,6 @@ impl ModelFamily for BertFamily {
         batch: &BertBatch,
         input: Option<&Tensor>,
         train: bool,
-        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         let input = match input {

@@ -50,7 +50,6 @@ pub trait ModelFamily: Sync {
         batch: &Self::Batch,
         input: Option<&Tensor>,
         train: bool,
-        parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput>;
     /// The train, validation and test data, sized as Megatron sizes them (samples per split).

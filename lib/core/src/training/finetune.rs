@@ -190,7 +190,6 @@ impl ModelFamily for FinetuneFamily {
         batch: &TaskBatch,
         input: Option<&Tensor>,
         train: bool,
-        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         let logits = match self.run(chunk, batch, input, train)? {

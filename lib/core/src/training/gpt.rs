@@ -53,7 +53,6 @@ impl ModelFamily for GptFamily {
         batch: &GptBatch,
         input: Option<&Tensor>,
         train: bool,
-        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         let input = match input {

@@ -38,7 +38,7 @@ impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
         } else {
             let train = self.optimizer.is_some();
             self.family
-                .forward_step(chunk, batch, input, train, self.parallel, &mut self.totals)?
+                .forward_step(chunk, batch, input, train, &mut self.totals)?
         };
         Ok(match output {
             StepOutput::Hidden(hidden) => hidden,

@@ -67,7 +67,6 @@ impl ModelFamily for T5Family {
         batch: &T5Batch,
         input: Option<&Tensor>,
         train: bool,
-        _parallel: &ParallelState,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
         ensure!(input.is_none(), "T5 runs on one pipeline stage");
