@@ -15,6 +15,9 @@
 #   REFERENCE=compile     compile, eager or none
 #   PROFILE_ITERS=2       profiled steps (after 8 warm-up steps)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--hidden-dropout 0 --attention-dropout 0")
+#   OURS_FLAGS=""         more flags for ours only (e.g. "--cross-entropy-loss-fusion")
+#   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
+#   NUM_HEADS=16          attention heads
 #   TRACE_DIR=dir         keep the traces here [default: a temporary directory]
 #   TOP=0                 also list each run's N most expensive kernels
 set -euo pipefail
@@ -36,14 +39,16 @@ TRACE_DIR="${TRACE_DIR:-$SCRATCH}"
 mkdir -p "$TRACE_DIR"
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
 
-SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-heads "${NUM_HEADS:-16}" --seq-length 1024
        --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --bf16)
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
+# shellcheck disable=SC2206
+OURS_EXTRA=(${OURS_FLAGS:-})
 ITERS=$((WARMUP + PROFILE_ITERS))
 
 echo "== ours: $PRETRAIN_GPT" >&2
-"$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
+"$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" "${OURS_EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
     --log-interval "$ITERS" --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
     --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" \
     --profile --use-pytorch-profiler --profile-step-start "$WARMUP" --profile-step-end "$ITERS" \
