@@ -491,13 +491,13 @@ impl MixedPrecisionOptimizer {
             }
         }
         let norm = self.global_norm(&self.views.counted)?;
-        let grad_norm = norm.double_value(&[]);
         // Megatron scales by clip / (norm + 1e-6) only when that is below one; dividing by
         // the clamped inverse is the identity otherwise, with no branch on the host. Adam
         // divides inside its own kernel, so clipping costs no pass over the gradients.
         let clip_divisor = (self.settings.clip_grad > 0.0).then(|| {
-            ((norm + 1e-6) / Tensor::from(self.settings.clip_grad as f32).to_device(device))
-                .clamp_min(1.0)
+            // A scalar divisor: a tensor made on the host would be a copy that waits for the
+            // device.
+            ((&norm + 1e-6) / self.settings.clip_grad).clamp_min(1.0)
         });
         match self.settings.kind {
             OptimizerKind::Adam { beta1, beta2, eps } => {
@@ -537,6 +537,9 @@ impl MixedPrecisionOptimizer {
         }
         self.publish_main_params()?;
         self.zero_grads()?;
+        // Read last: the read waits for the device, which by then has the whole step queued
+        // instead of idling while the host launches the update.
+        let grad_norm = norm.double_value(&[]);
         Ok(StepOutcome {
             skipped: false,
             grad_norm: Some(grad_norm),
