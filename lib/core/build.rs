@@ -15,6 +15,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/shim.h");
     println!("cargo:rerun-if-changed=csrc/multi_tensor.cpp");
     println!("cargo:rerun-if-changed=csrc/cuda_graph.cpp");
+    println!("cargo:rerun-if-changed=csrc/gemm_epilogue.cpp");
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/protect.h");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -61,6 +62,7 @@ fn main() {
         .file("csrc/shim.cpp")
         .file("csrc/multi_tensor.cpp")
         .file("csrc/cuda_graph.cpp")
+        .file("csrc/gemm_epilogue.cpp")
         .file("csrc/profiler.cpp")
         .compile("megatron_shim");
 

@@ -167,6 +167,21 @@ extern "C" {
         inv_scale: TensorHandle,
     ) -> *mut c_char;
     pub fn mrs_set_deterministic(enabled: c_int) -> *mut c_char;
+    pub fn mrs_gemm_epilogues_available() -> c_int;
+    pub fn mrs_linear_gelu_aux(
+        input: TensorHandle,
+        weight: TensorHandle,
+        bias: TensorHandle,
+        out: *mut TensorHandle,
+        preactivation_out: *mut TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_matmul_dgelu_bgrad(
+        grad: TensorHandle,
+        weight: TensorHandle,
+        preactivation: TensorHandle,
+        out: *mut TensorHandle,
+        bias_grad_out: *mut TensorHandle,
+    ) -> *mut c_char;
 }
 
 /// A borrowed tch tensor as a shim handle (the shim copies it by reference count).

@@ -47,12 +47,21 @@ impl ColumnParallelLinear {
     /// `x · Wᵀ + b` on this rank's output slice. With sequence parallelism the input arrives
     /// split along the sequence and is gathered first.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let input = if self.parallel.sequence_parallel {
-            gather_from_sequence_parallel_region(input, &self.parallel.group, true)?
+        linear(
+            &self.parallel_input(input)?,
+            &self.weight,
+            self.bias.as_ref(),
+        )
+    }
+
+    /// The input this rank multiplies: gathered along the sequence with sequence parallelism,
+    /// else the input itself (whose gradient is summed over the group).
+    pub fn parallel_input(&self, input: &Tensor) -> Result<Tensor> {
+        if self.parallel.sequence_parallel {
+            gather_from_sequence_parallel_region(input, &self.parallel.group, true)
         } else {
-            copy_to_tensor_parallel_region(input, &self.parallel.group)?
-        };
-        linear(&input, &self.weight, self.bias.as_ref())
+            copy_to_tensor_parallel_region(input, &self.parallel.group)
+        }
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -92,19 +101,32 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        let local_bias = self.local_bias();
+        let partial = linear(input, &self.weight, local_bias)?;
+        self.reduce_output(&partial, local_bias.is_some())
+    }
+
+    /// The bias when this rank adds it to its own product: with one rank, where no sum follows.
+    pub fn local_bias(&self) -> Option<&Param> {
+        self.bias
+            .as_ref()
+            .filter(|_| self.parallel.group.size() == 1)
+    }
+
+    /// The layer's output from this rank's product: summed over the group (reduce-scattered
+    /// along the sequence with sequence parallelism), plus the bias unless `bias_added`.
+    pub fn reduce_output(&self, partial: &Tensor, bias_added: bool) -> Result<Tensor> {
         let group = &self.parallel.group;
-        if group.size() == 1 {
-            return linear(input, &self.weight, self.bias.as_ref());
-        }
-        let partial = linear(input, &self.weight, None)?;
-        let output = if self.parallel.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(&partial, group)?
+        let output = if group.size() == 1 {
+            partial.shallow_clone()
+        } else if self.parallel.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(partial, group)?
         } else {
-            reduce_from_tensor_parallel_region(&partial, group)?
+            reduce_from_tensor_parallel_region(partial, group)?
         };
         Ok(match &self.bias {
-            Some(bias) => output + &**bias,
-            None => output,
+            Some(bias) if !bias_added => output + &**bias,
+            _ => output,
         })
     }
 

@@ -68,17 +68,34 @@ impl CustomFunction for MainGradLinear {
         let grad_input = grad.matmul(&self.weight);
         let out_features = grad.size().last().copied().unwrap_or(1);
         let in_features = input.size().last().copied().unwrap_or(1);
-        let grad_2d = grad.reshape([-1, out_features]);
-        let input_2d = input.reshape([-1, in_features]);
-        accumulate_product(&self.weight_grad, &grad_2d.tr(), &input_2d)?;
-        if let Some(bias_grad) = &self.bias_grad {
-            let ones = ones_row(grad_2d.size()[0], grad.kind(), grad.device());
-            accumulate_product(&bias_grad.view([1, out_features]), &ones, &grad_2d)?;
-        }
+        accumulate_parameter_grads(
+            &grad.reshape([-1, out_features]),
+            &input.reshape([-1, in_features]),
+            &self.weight_grad,
+            self.bias_grad.as_ref(),
+        )?;
         let mut grads = vec![Some(grad_input)];
         grads.resize_with(self.inputs, || None);
         Ok(grads)
     }
+}
+
+/// Adds a linear's weight gradient `gradᵀ · input` (and bias gradient, the sum of `grad`'s
+/// rows) for `[rows, out]` output gradients and `[rows, in]` inputs into float32 main-gradient
+/// views.
+pub(crate) fn accumulate_parameter_grads(
+    grad: &Tensor,
+    input: &Tensor,
+    weight_grad: &Tensor,
+    bias_grad: Option<&Tensor>,
+) -> Result<()> {
+    accumulate_product(weight_grad, &grad.tr(), input)?;
+    if let Some(bias_grad) = bias_grad {
+        let (rows, out_features) = (grad.size()[0], grad.size()[1]);
+        let ones = ones_row(rows, grad.kind(), grad.device());
+        accumulate_product(&bias_grad.view([1, out_features]), &ones, grad)?;
+    }
+    Ok(())
 }
 
 thread_local! {

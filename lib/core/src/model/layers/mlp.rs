@@ -3,7 +3,9 @@
 use anyhow::Result;
 use tch::Tensor;
 
+use super::gelu_mlp::{self, GeluMlpParams};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::main_grad_linear::linear;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::{Activation, GptConfig};
 use crate::model::param::Initializer;
@@ -53,7 +55,16 @@ impl Mlp {
     }
 
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        let intermediate = self.linear_fc1.forward(hidden)?;
+        let input = self.linear_fc1.parallel_input(hidden)?;
+        if let Some(partial) = self.fused_bias_gelu(&input)? {
+            let bias_added = self.linear_fc2.local_bias().is_some();
+            return self.linear_fc2.reduce_output(&partial, bias_added);
+        }
+        let intermediate = linear(
+            &input,
+            &self.linear_fc1.weight,
+            self.linear_fc1.bias.as_ref(),
+        )?;
         let activated = match self.activation {
             Activation::GeluTanh => intermediate.gelu("tanh"),
             Activation::GeluErf => intermediate.gelu("none"),
@@ -64,6 +75,24 @@ impl Mlp {
             Activation::SquaredRelu => intermediate.relu().square(),
         };
         self.linear_fc2.forward(&activated)
+    }
+
+    /// This rank's fc2 product through the bias + GeLU GEMM epilogues (Megatron's
+    /// `--bias-gelu-fusion`, tanh GeLU with biases), where they apply.
+    fn fused_bias_gelu(&self, input: &Tensor) -> Result<Option<Tensor>> {
+        let (Activation::GeluTanh, Some(fc1_bias)) = (self.activation, &self.linear_fc1.bias)
+        else {
+            return Ok(None);
+        };
+        gelu_mlp::forward(
+            input,
+            &GeluMlpParams {
+                fc1_weight: &self.linear_fc1.weight,
+                fc1_bias,
+                fc2_weight: &self.linear_fc2.weight,
+                fc2_bias: self.linear_fc2.local_bias(),
+            },
+        )
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {

@@ -3,6 +3,7 @@
 
 mod attention;
 mod embedding;
+mod gelu_mlp;
 mod kv_cache;
 mod linear;
 pub(crate) mod main_grad_linear;
