@@ -28,31 +28,9 @@ const WARPS: u32 = 16;
 /// positions at once so that their loads are in flight together.
 pub const SOURCE: KernelSource = KernelSource {
     name: "paged_attention",
-    source: r#"
-struct bf16 { unsigned short bits; };
-struct f16 { unsigned short bits; };
-
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ float load(const bf16* p) {
-    return __uint_as_float(((unsigned int)p->bits) << 16);
-}
-__device__ __forceinline__ float load(const f16* p) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
-    return value;
-}
-__device__ __forceinline__ void store(float* p, float value) { *p = value; }
-__device__ __forceinline__ void store(bf16* p, float value) {
-    unsigned short bits;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-    p->bits = bits;
-}
-__device__ __forceinline__ void store(f16* p, float value) {
-    unsigned short bits;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-    p->bits = bits;
-}
-
+    source: concat!(
+        cuda_scalars!(),
+        r#"
 // Warps per block at most (the launch picks how many).
 constexpr int MAX_WARPS = 16;
 constexpr int UNROLL = 4;
@@ -181,7 +159,8 @@ PAGED_DECODE(paged_decode_f16_64, f16, 64)
 PAGED_DECODE(paged_decode_f16_128, f16, 128)
 PAGED_DECODE(paged_decode_f32_64, float, 64)
 PAGED_DECODE(paged_decode_f32_128, float, 128)
-"#,
+"#
+    ),
     functions: &[
         "paged_decode_bf16_64",
         "paged_decode_bf16_128",

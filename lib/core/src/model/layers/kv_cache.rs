@@ -171,6 +171,8 @@ pub struct PagedStep {
     /// The pool slot of each new position, `[b·s]` (row-major over `[b, s]`).
     pub write_slots: Tensor,
     read: PagedRead,
+    /// Rows of few tokens run through the fused decode kernels ([`crate::ops::decode_gemv`]).
+    decode_fusion: bool,
 }
 
 /// How a step's queries reach the cached keys and values.
@@ -208,6 +210,7 @@ impl PagedStep {
         PagedStep {
             write_slots,
             read: PagedRead::Gathered { read_slots, bias },
+            decode_fusion: false,
         }
     }
 
@@ -219,7 +222,22 @@ impl PagedStep {
         PagedStep {
             write_slots,
             read: PagedRead::InPlace { tables, positions },
+            decode_fusion: false,
         }
+    }
+
+    /// With `on`, the model runs this step's linear layers (and the norms, bias adds, GeLU and
+    /// residual adds around them) through the fused decode kernels
+    /// ([`crate::ops::decode_gemv`]) where the step has few enough rows and the layer allows it
+    /// (see [`crate::model::GptModel::supports_decode_fusion`]). CUDA only.
+    pub fn with_decode_fusion(mut self, on: bool) -> Self {
+        self.decode_fusion = on;
+        self
+    }
+
+    /// Whether `rows` rows of this step go through the fused decode kernels.
+    pub fn fuses(&self, rows: i64) -> bool {
+        self.decode_fusion && (1..=crate::ops::decode_gemv::MAX_ROWS).contains(&rows)
     }
 
     /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots.

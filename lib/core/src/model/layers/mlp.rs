@@ -7,6 +7,7 @@ use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::{Activation, GptConfig};
 use crate::model::param::Initializer;
+use crate::ops::decode_gemv::Gelu;
 
 #[derive(Clone)]
 pub struct Mlp {
@@ -64,6 +65,15 @@ impl Mlp {
             Activation::SquaredRelu => intermediate.relu().square(),
         };
         self.linear_fc2.forward(&activated)
+    }
+
+    /// The GeLU the fused decode kernels apply for this MLP's activation, if they have it.
+    pub fn gelu(&self) -> Option<Gelu> {
+        match self.activation {
+            Activation::GeluTanh => Some(Gelu::Tanh),
+            Activation::GeluErf => Some(Gelu::Erf),
+            Activation::Swiglu | Activation::SquaredRelu => None,
+        }
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
