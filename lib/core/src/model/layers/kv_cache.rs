@@ -5,6 +5,8 @@
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::ops::paged_attention::{paged_decode_attention, NewKeysValues};
+
 /// One layer's keys and values side by side, `[b, groups, capacity, 2·d]` (keys in the first
 /// `d` channels), valid for the first `len` positions.
 pub struct LayerCache {
@@ -263,22 +265,28 @@ impl PagedStep {
         kv: &Tensor,
         expand: impl Fn(Tensor) -> Tensor,
     ) -> Result<Tensor> {
-        self.store(pool, kv);
         match &self.read {
             PagedRead::InPlace { tables, positions } => {
                 ensure!(
-                    query.size()[2] == 1,
+                    query.size()[2] == 1 && kv.size()[2] == 1,
                     "the paged decode kernel takes one new position per row"
                 );
-                let context = crate::ops::paged_attention::paged_decode_attention(
+                // The kernel stores the new keys and values as it reads them.
+                let new = NewKeysValues {
+                    kv: &kv.select(2, 0),
+                    write_slots: &self.write_slots,
+                };
+                let context = paged_decode_attention(
                     &query.squeeze_dim(2),
                     pool,
                     tables,
                     positions,
+                    Some(&new),
                 )?;
                 Ok(context.unsqueeze(2))
             }
             PagedRead::Gathered { read_slots, bias } => {
+                self.store(pool, kv);
                 let (b, width) = (kv.size()[0], kv.size()[3]);
                 let groups = kv.size()[1];
                 let window = read_slots.size()[1];
