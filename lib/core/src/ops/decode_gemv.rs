@@ -30,7 +30,7 @@ pub const MAX_ROWS: i64 = 8;
 const WARPS: u32 = 8;
 
 /// The kernels' CUDA source: a warp computes `C` output columns (1 for up to 2 rows, else 2)
-/// for all rows; its lanes stride along `K` in 16-byte loads, `4 / C` loads of each column in
+/// for all rows; its lanes stride along `K` in 16-byte loads, `8 / C` loads of each column in
 /// flight, then the warp sums its lanes. A block first computes its rows' norm statistics
 /// (one warp per row) when there is a prologue; the input is read from L1/L2, the weight once.
 pub const SOURCE: KernelSource = KernelSource {
@@ -106,11 +106,30 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
                             const T* __restrict__ residual, int rows, int K, int N, int flags,
                             float eps) {
     constexpr int V = Lanes<T>::N;
-    constexpr int U = 4 / C;
+    constexpr int U = 8 / C;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const bool layer_norm = flags & NORM_LAYER;
     const bool rms_norm = flags & NORM_RMS;
+    const long long first = ((long long)blockIdx.x * WARPS + warp) * C;
+    const bool active = first < N;
+    long long columns[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) columns[c] = first + c < N ? first + c : N - 1;
+    // A round of weight loads: U packs of each column per lane, in flight together. The first
+    // goes out before the norm statistics, so that its latency hides theirs.
+    Pack wp[U][C];
+    auto load_round = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = base + u * 32 * V;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                if (k < K) wp[u][c] = *reinterpret_cast<const Pack*>(w + columns[c] * K + k);
+            }
+        }
+    };
+    if (active) load_round(lane * V);
     __shared__ float shift[R];
     __shared__ float scale[R];
     if (layer_norm || rms_norm) {
@@ -143,11 +162,7 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
         }
         __syncthreads();
     }
-    const long long first = ((long long)blockIdx.x * WARPS + warp) * C;
-    if (first >= N) return;
-    long long columns[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) columns[c] = first + c < N ? first + c : N - 1;
+    if (!active) return;
     float acc[R][C];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -155,25 +170,14 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
         for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
     }
     for (int base = lane * V; base < K; base += 32 * V * U) {
-        // The weight's loads of this round first, so that they are in flight together.
-        float wv[U][C][V];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int k = base + u * 32 * V;
-#pragma unroll
-            for (int c = 0; c < C; ++c) {
-                if (k < K) {
-                    load_pack(w + columns[c] * K + k, wv[u][c]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < V; ++i) wv[u][c][i] = 0.f;
-                }
-            }
-        }
+        if (base != lane * V) load_round(base);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int k = base + u * 32 * V;
             if (k >= K) break;
+            float wv[C][V];
+#pragma unroll
+            for (int c = 0; c < C; ++c) unpack(wp[u][c], w, wv[c]);
             float g[V];
             float b[V];
             if (layer_norm || rms_norm) {
@@ -203,7 +207,7 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
                 for (int c = 0; c < C; ++c) {
 #pragma unroll
-                    for (int i = 0; i < V; ++i) acc[r][c] += xv[i] * wv[u][c][i];
+                    for (int i = 0; i < V; ++i) acc[r][c] += xv[i] * wv[c][i];
                 }
             }
         }
