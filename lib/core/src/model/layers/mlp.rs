@@ -55,7 +55,12 @@ impl Mlp {
 
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let intermediate = self.linear_fc1.forward(hidden)?;
-        let activated = match self.activation {
+        self.linear_fc2.forward(&self.activate(&intermediate))
+    }
+
+    /// The activation of fc1's output.
+    pub fn activate(&self, intermediate: &Tensor) -> Tensor {
+        match self.activation {
             Activation::GeluTanh => intermediate.gelu("tanh"),
             Activation::GeluErf => intermediate.gelu("none"),
             Activation::Swiglu => {
@@ -63,8 +68,7 @@ impl Mlp {
                 halves[0].silu() * &halves[1]
             }
             Activation::SquaredRelu => intermediate.relu().square(),
-        };
-        self.linear_fc2.forward(&activated)
+        }
     }
 
     /// The GeLU the fused decode kernels apply for this MLP's activation, if they have it.

@@ -197,16 +197,16 @@ impl TransformerLayer {
     }
 
     /// Whether decode steps can run this layer through the fused decode kernels
-    /// ([`crate::ops::decode_gemv`]): pre-norm residuals, no cross-attention, a GeLU MLP, the
-    /// inputs of the column-parallel layers whole, the weights in a layout the kernels read.
-    /// Under tensor parallelism the row-parallel layers (attention output, fc2) keep their
-    /// all-reduce before the bias and residual: only the norm + QKV and norm + fc1 + GeLU fuse.
+    /// ([`crate::ops::decode_gemv`]): pre-norm residuals, no cross-attention, the inputs of the
+    /// column-parallel layers whole, the weights in a layout the kernels read. Under tensor
+    /// parallelism the row-parallel layers (attention output, fc2) keep their all-reduce before
+    /// the bias and residual: only the norm + QKV and norm + fc1 (+ GeLU) fuse. Activations
+    /// other than GeLU (SwiGLU, squared ReLU) run between fc1 and fc2 as libtorch operations.
     pub fn supports_decode_fusion(&self) -> bool {
         let (attention, mlp) = (&self.self_attention, &self.mlp);
         let fits = |weight: &Tensor| decode_gemv::fits(1, weight);
         !self.residual_from_norm
             && self.cross.is_none()
-            && mlp.gelu().is_some()
             && attention.linear_qkv.takes_whole_input()
             && mlp.linear_fc1.takes_whole_input()
             && fits(&attention.linear_qkv.weight)
@@ -217,7 +217,8 @@ impl TransformerLayer {
 
     /// [`forward_paged`](Self::forward_paged) of few rows through the fused decode kernels, four
     /// kernels around the attention: the norm, QKV and bias; the output projection, bias and
-    /// residual; the norm, fc1, bias and GeLU; fc2, bias and residual.
+    /// residual; the norm, fc1, bias and GeLU (other activations after it); fc2, bias and
+    /// residual.
     fn forward_paged_fused(
         &self,
         hidden: &Tensor,
@@ -256,16 +257,22 @@ impl TransformerLayer {
         } else {
             &x + projection.forward(&context)?
         };
+        let gelu = mlp.gelu();
         let intermediate = decode_linear(
             &attended,
             &mlp.linear_fc1.weight,
             Some(&self.pre_mlp_layernorm.as_input_norm()),
             &Epilogue {
                 bias: mlp.linear_fc1.bias.as_deref(),
-                gelu: mlp.gelu(),
+                gelu,
                 residual: None,
             },
         )?;
+        let intermediate = if gelu.is_some() {
+            intermediate
+        } else {
+            mlp.activate(&intermediate)
+        };
         let fc2 = &mlp.linear_fc2;
         let out = if fc2.is_whole() {
             decode_linear(
