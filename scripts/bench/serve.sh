@@ -22,7 +22,7 @@
 #   SERVER_FLAGS=        extra text_generation_server flags for every run, e.g. --kv-cache-gb 8
 #   VARIANTS=            ';'-separated flag sets, each one more continuous-batching run (batch-1
 #                        decode included) in the same table, e.g.
-#                        VARIANTS="--no-paged-attention;--prefill-chunk-size 2048"
+#                        VARIANTS="--no-paged-attention;--no-decode-fusion;--prefill-chunk-size 2048"
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

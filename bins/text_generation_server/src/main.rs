@@ -103,6 +103,13 @@ struct Cli {
     /// NVRTC) that reads the cache blocks in place. For comparing the two; CPUs always gather.
     #[arg(long)]
     no_paged_attention: bool,
+    /// Run decode steps of few rows (up to 8) through libtorch's linear layers, with the norms,
+    /// bias adds, GeLU and residual adds as kernels of their own, instead of the fused decode
+    /// kernels (compiled at start with NVRTC: each linear layer with the norm before it and the
+    /// bias, GeLU or residual after it as one kernel reading its weight once). For comparing
+    /// the two; CPUs never fuse.
+    #[arg(long)]
+    no_decode_fusion: bool,
 }
 
 fn main() -> ExitCode {
@@ -118,7 +125,7 @@ fn main() -> ExitCode {
         tch::manual_seed(cli.model.seed as i64);
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
-        let no_paged_attention = cli.no_paged_attention;
+        let (no_paged_attention, no_decode_fusion) = (cli.no_paged_attention, cli.no_decode_fusion);
         let limits = BatchLimits {
             max_batch_size: cli.max_batch_size,
             prefill_chunk: cli.prefill_chunk_size,
@@ -150,8 +157,13 @@ fn main() -> ExitCode {
             } else {
                 service
             };
-            Ok(if no_paged_attention {
+            let service = if no_paged_attention {
                 service.without_paged_attention()
+            } else {
+                service
+            };
+            Ok(if no_decode_fusion {
+                service.without_decode_fusion()
             } else {
                 service
             })

@@ -295,15 +295,35 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
 }
 
 /// On a GPU, decode attention through the paged kernel (blocks read in place) gives the tokens
-/// of gathered attention windows, batched and from CUDA graphs: in fp32 the same texts; in bf16,
-/// where rounding may tip a near tie, log-probabilities within bf16 noise up to the first token
-/// that differs, and mostly the same first tokens.
+/// of gathered attention windows, batched and from CUDA graphs (see [`assert_serves_alike`]).
 #[test]
 fn the_paged_decode_kernel_serves_like_gathered_attention_on_a_gpu() {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");
         return;
     }
+    assert_serves_alike(|s| s.without_paged_attention(), |s| s);
+}
+
+/// On a GPU, decode steps through the fused decode kernels (norm + linear + bias + GeLU or
+/// residual per kernel; batches of up to 8 rows, larger ones unfused) give the tokens of the
+/// unfused layers, batched and from CUDA graphs (see [`assert_serves_alike`]).
+#[test]
+fn the_fused_decode_kernels_serve_like_unfused_layers_on_a_gpu() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    assert_serves_alike(|s| s.without_decode_fusion(), |s| s);
+}
+
+/// 16 concurrent greedy requests served by a GPU model set up by `expected` and by `tested`:
+/// in fp32 the same texts; in bf16, where rounding may tip a near tie, log-probabilities within
+/// bf16 noise up to the first token that differs, and mostly the same first tokens.
+fn assert_serves_alike(
+    expected: impl Fn(TextGenerationService) -> TextGenerationService,
+    tested: impl Fn(TextGenerationService) -> TextGenerationService,
+) {
     let prompt_length = |i: u32| 3 + (i * 13) % 90;
     let jobs: Vec<Job> = (0..16u32)
         .map(|i| {
@@ -329,11 +349,10 @@ fn the_paged_decode_kernel_serves_like_gathered_attention_on_a_gpu() {
         };
         let limits = limits(16, 32, 64);
         let budget = KvBudget::Bytes(1 << 30);
-        let gathered =
-            serve_all(service_of(gpu_model(kind), limits, budget).without_paged_attention());
-        let kernel = serve_all(service_of(gpu_model(kind), limits, budget));
+        let want = serve_all(expected(service_of(gpu_model(kind), limits, budget)));
+        let got = serve_all(tested(service_of(gpu_model(kind), limits, budget)));
         let mut same_first_token = 0;
-        for (i, (got, want)) in kernel.iter().zip(&gathered).enumerate() {
+        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
             if kind == Kind::Float {
                 assert_eq!(got["text"], want["text"], "{kind:?} request {i}");
             }

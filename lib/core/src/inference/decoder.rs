@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::model::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 use crate::model::GptModel;
-use crate::ops::paged_attention;
+use crate::ops::{decode_gemv, paged_attention};
 use crate::runtime::{cuda_free_memory, cuda_graphs_available, CudaGraph};
 
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
@@ -85,6 +85,10 @@ pub struct Decoder {
     paged_kernel: bool,
     /// The kernel was compiled and checked on this decoder's device.
     kernel_checked: bool,
+    /// Decode steps of few rows through the fused decode kernels on CUDA devices.
+    decode_fusion: bool,
+    /// The fused decode kernels were compiled and checked on this decoder's device.
+    fusion_checked: bool,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -129,6 +133,8 @@ impl Decoder {
             cuda_graphs: false,
             paged_kernel: true,
             kernel_checked: false,
+            decode_fusion: true,
+            fusion_checked: false,
             budget: KvBudget::default(),
             cache: None,
             graphs: HashMap::new(),
@@ -185,6 +191,45 @@ impl Decoder {
         self.paged_kernel
     }
 
+    /// Decode steps run every linear layer through libtorch (cuBLAS) with the norms, bias adds,
+    /// GeLU and residual adds as kernels of their own, instead of the fused decode kernels
+    /// ([`crate::ops::decode_gemv`]) for steps of few rows; e.g. to compare the two.
+    pub fn without_decode_fusion(mut self) -> Self {
+        self.decode_fusion = false;
+        self
+    }
+
+    /// Whether decode steps of few rows use the fused decode kernels (known after the warm-up
+    /// or the first step).
+    pub fn decode_fusion(&self) -> bool {
+        self.decode_fusion
+    }
+
+    /// Whether decode steps of `model` use the fused decode kernels: on CUDA devices, for
+    /// models they serve (see [`GptModel::supports_decode_fusion`]), once they compiled and
+    /// passed their self-check (a failure is reported once, and the unfused layers used
+    /// instead). Never called inside a graph capture, like [`Self::uses_paged_kernel`].
+    fn uses_decode_fusion(&mut self, model: &GptModel) -> bool {
+        let Device::Cuda(index) = model.options().device else {
+            self.decode_fusion = false;
+            return false;
+        };
+        if !model.supports_decode_fusion() {
+            self.decode_fusion = false;
+        }
+        if !self.decode_fusion {
+            return false;
+        }
+        if !self.fusion_checked {
+            self.fusion_checked = true;
+            if let Err(e) = decode_gemv::self_check(index, model.options().params_dtype) {
+                eprintln!("warning: decoding without the fused decode kernels: {e:#}");
+                self.decode_fusion = false;
+            }
+        }
+        self.decode_fusion
+    }
+
     /// The KV cache takes at most `budget`.
     pub fn with_budget(mut self, budget: KvBudget) -> Self {
         self.budget = budget;
@@ -238,6 +283,7 @@ impl Decoder {
         };
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
         let in_place = self.uses_paged_kernel(model);
+        let fused = self.uses_decode_fusion(model);
         let mut size = 1;
         loop {
             for window in windows(capacity, in_place) {
@@ -245,7 +291,7 @@ impl Decoder {
                 let zeros = vec![0i64; size as usize];
                 let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
                 let _ = self.replay(
-                    model, index, size, window, &zeros, &zeros, &zeros, &tables, in_place,
+                    model, index, size, window, &zeros, &zeros, &zeros, &tables, in_place, fused,
                 )?;
             }
             if size >= rows {
@@ -336,6 +382,7 @@ impl Decoder {
         let count = rows.len() as i64;
         ensure!(count > 0, "a decode step needs rows");
         let in_place = self.uses_paged_kernel(model);
+        let fused = self.uses_decode_fusion(model);
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
         let window = window_for(furthest + 1, capacity, in_place);
@@ -368,7 +415,7 @@ impl Decoder {
         }
         let logits = match graphed {
             Some(index) => self.replay(
-                model, index, bucket, window, &tokens, &positions, &write, &tables, in_place,
+                model, index, bucket, window, &tokens, &positions, &write, &tables, in_place, fused,
             )?,
             None => {
                 // One copy to the device; the inputs are views of it.
@@ -392,6 +439,7 @@ impl Decoder {
                         &part(2),
                         &table,
                         in_place,
+                        fused,
                     )
                 })?
             }
@@ -413,6 +461,7 @@ impl Decoder {
         write: &[i64],
         tables: &[i64],
         in_place: bool,
+        fused: bool,
     ) -> Result<Tensor> {
         let cuda = Device::Cuda(device);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
@@ -442,6 +491,7 @@ impl Decoder {
                     &inputs.write_slots,
                     &table,
                     in_place,
+                    fused,
                 )
             };
             // One eager run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
@@ -459,8 +509,9 @@ impl Decoder {
 }
 
 /// One decode step of `tokens` (`[b, 1]`) at `positions` (`[b, 1]`), written at `write_slots`
-/// (`[b]`), each row attending to the first positions of the blocks of its `table` row.
-/// Logits `[b, padded vocabulary]`.
+/// (`[b]`), each row attending to the first positions of the blocks of its `table` row, through
+/// the fused decode kernels when `fused`. Logits `[b, padded vocabulary]`.
+#[allow(clippy::too_many_arguments)]
 fn decode_step(
     model: &GptModel,
     cache: &mut PagedKvCache,
@@ -469,6 +520,7 @@ fn decode_step(
     write_slots: &Tensor,
     table: &Tensor,
     in_place: bool,
+    fused: bool,
 ) -> Result<Tensor> {
     let (rows, per_row) = (table.size()[0], table.size()[1]);
     let step = if in_place {
@@ -487,6 +539,7 @@ fn decode_step(
             model.options().params_dtype,
         )
     };
+    let step = step.with_decode_fusion(fused);
     Ok(model
         .forward_paged(tokens, positions, cache, &step)?
         .select(0, 0))

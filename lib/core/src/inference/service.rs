@@ -95,6 +95,8 @@ struct Settings {
     cuda_graphs: bool,
     /// Decode attention through the paged kernel (else gathered windows).
     paged_kernel: bool,
+    /// Decode steps of few rows through the fused decode kernels.
+    decode_fusion: bool,
 }
 
 /// What the scheduler thread and the callers share: the model and how requests become rows.
@@ -219,6 +221,7 @@ impl TextGenerationService {
             budget: KvBudget::default(),
             cuda_graphs: true,
             paged_kernel: true,
+            decode_fusion: true,
         };
         let cache_use = Arc::new(Mutex::new(CacheUse::default()));
         let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
@@ -269,6 +272,14 @@ impl TextGenerationService {
     /// (`--no-paged-attention`), e.g. to compare the two.
     pub fn without_paged_attention(mut self) -> Self {
         self.core_mut().settings.paged_kernel = false;
+        self
+    }
+
+    /// Runs decode steps through libtorch's linear layers and separate norm, bias, GeLU and
+    /// residual kernels instead of the fused decode kernels (`--no-decode-fusion`), e.g. to
+    /// compare the two.
+    pub fn without_decode_fusion(mut self) -> Self {
+        self.core_mut().settings.decode_fusion = false;
         self
     }
 
@@ -571,6 +582,9 @@ impl<'a> Scheduler<'a> {
         if !settings.paged_kernel {
             decoder = decoder.with_gathered_attention();
         }
+        if !settings.decode_fusion {
+            decoder = decoder.without_decode_fusion();
+        }
         Scheduler {
             decoder: decoder.with_budget(settings.budget),
             batcher: Batcher::new(settings.limits),
@@ -654,12 +668,17 @@ impl<'a> Scheduler<'a> {
             Ok(0) => {}
             Ok(graphs) => eprintln!(
                 "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}, \
-                 {} attention) in {:.1} s",
+                 {} attention, {}) in {:.1} s",
                 super::decoder::bucket(rows),
                 if self.decoder.paged_attention() {
                     "paged decode"
                 } else {
                     "gathered"
+                },
+                if self.decoder.decode_fusion() {
+                    "fused decode kernels"
+                } else {
+                    "unfused layers"
                 },
                 started.elapsed().as_secs_f64()
             ),

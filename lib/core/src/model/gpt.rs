@@ -21,6 +21,7 @@ use super::param::Param;
 use super::stack::{
     embedding_output, push_embeddings, push_layers, GateSlot, LayerStack, OutputHead, TrunkBuilder,
 };
+use crate::ops::decode_gemv;
 use crate::parallel::{gather_from_tensor_parallel_region, ParallelState};
 
 /// `--recompute-granularity full --recompute-method ...`.
@@ -473,7 +474,54 @@ impl GptModel {
         for (index, layer) in self.layers.iter().enumerate() {
             hidden = layer.forward_paged(&hidden, rotary.as_ref(), cache.layer_mut(index), step)?;
         }
+        let (s, b, _) = hidden.size3()?;
+        if step.fuses(s * b) && self.head_supports_decode_fusion(hidden.kind()) {
+            return self.fused_inference_head(&hidden);
+        }
         self.inference_head(&hidden)
+    }
+
+    /// Whether decode steps can run some of this model through the fused decode kernels
+    /// ([`crate::ops::decode_gemv`]): a layer (see
+    /// [`TransformerLayer::supports_decode_fusion`]) or the final norm and output layer.
+    pub fn supports_decode_fusion(&self) -> bool {
+        let kind = self.options.params_dtype;
+        self.options.device.is_cuda()
+            && decode_gemv::supports(kind)
+            && self.spec.post_process
+            && (self.head_supports_decode_fusion(kind)
+                || self.layers.iter().any(|l| l.supports_decode_fusion()))
+    }
+
+    /// Whether the final norm and the output layer of hidden states of `kind` can run as one
+    /// fused decode kernel.
+    fn head_supports_decode_fusion(&self, kind: Kind) -> bool {
+        let (Some(output), Some(_)) = (&self.output, &self.final_layernorm) else {
+            return false;
+        };
+        let weight = output.weight(self.word_embeddings.as_ref());
+        weight.kind() == kind && decode_gemv::fits(1, weight) && !self.parallel.sequence_parallel
+    }
+
+    /// [`inference_head`](Self::inference_head) of few rows as one fused decode kernel.
+    fn fused_inference_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let norm = self
+            .final_layernorm
+            .as_ref()
+            .expect("whole models have the final norm");
+        let weight = self
+            .output
+            .as_ref()
+            .expect("post-process chunks have an output layer")
+            .weight(self.word_embeddings.as_ref());
+        let (s, b, h) = hidden.size3()?;
+        let logits = decode_gemv::decode_linear(
+            &hidden.reshape([s * b, h]),
+            weight,
+            Some(&norm.as_input_norm()),
+            &decode_gemv::Epilogue::default(),
+        )?;
+        gather_from_tensor_parallel_region(&logits.view([s, b, -1]), &self.parallel.group)
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {

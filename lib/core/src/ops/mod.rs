@@ -1,5 +1,39 @@
-//! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim.
+//! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim, and
+//! small CUDA kernels of our own compiled at run time ([`crate::runtime::nvrtc`]).
 
+/// CUDA C++ the kernel sources share: 16-bit float types as raw bits (NVRTC gets no headers)
+/// and `load`/`store` between them and float32, the conversions as PTX instructions.
+macro_rules! cuda_scalars {
+    () => {
+        r#"
+struct bf16 { unsigned short bits; };
+struct f16 { unsigned short bits; };
+
+__device__ __forceinline__ float load(const float* p) { return *p; }
+__device__ __forceinline__ float load(const bf16* p) {
+    return __uint_as_float(((unsigned int)p->bits) << 16);
+}
+__device__ __forceinline__ float load(const f16* p) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
+    return value;
+}
+__device__ __forceinline__ void store(float* p, float value) { *p = value; }
+__device__ __forceinline__ void store(bf16* p, float value) {
+    unsigned short bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    p->bits = bits;
+}
+__device__ __forceinline__ void store(f16* p, float value) {
+    unsigned short bits;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+    p->bits = bits;
+}
+"#
+    };
+}
+
+pub mod decode_gemv;
 pub mod gemm_epilogue;
 pub mod multi_tensor;
 pub mod paged_attention;

@@ -28,31 +28,9 @@ const WARPS: u32 = 16;
 /// positions at once so that their loads are in flight together.
 pub const SOURCE: KernelSource = KernelSource {
     name: "paged_attention",
-    source: r#"
-struct bf16 { unsigned short bits; };
-struct f16 { unsigned short bits; };
-
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ float load(const bf16* p) {
-    return __uint_as_float(((unsigned int)p->bits) << 16);
-}
-__device__ __forceinline__ float load(const f16* p) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
-    return value;
-}
-__device__ __forceinline__ void store(float* p, float value) { *p = value; }
-__device__ __forceinline__ void store(bf16* p, float value) {
-    unsigned short bits;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-    p->bits = bits;
-}
-__device__ __forceinline__ void store(f16* p, float value) {
-    unsigned short bits;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-    p->bits = bits;
-}
-
+    source: concat!(
+        cuda_scalars!(),
+        r#"
 // Warps per block at most (the launch picks how many).
 constexpr int MAX_WARPS = 16;
 constexpr int UNROLL = 4;
@@ -61,12 +39,18 @@ constexpr int BLOCK_SIZE = 16;
 
 // query [rows, heads, D] (channels contiguous, rows and heads at the given strides); pool
 // [slots, groups, 2D] (keys, then values); tables [rows, per_row] block ids; positions [rows]:
-// row r attends to its positions 0..=positions[r]; out [rows, heads, D] contiguous.
+// row r attends to its positions 0..=positions[r]; out [rows, heads, D] contiguous. With
+// `fresh` ([rows, groups, 2D], channels contiguous, rows and groups at the given strides: the
+// new position's keys and values, not yet in the pool), position positions[r] is read from
+// there, and the block of each group's first head stores it at pool slot write_slots[r]; no
+// block reads that slot from the pool, so the store needs no ordering with the reads.
 template <typename T, int D>
 __device__ void paged_decode(const T* query, long long query_row_stride,
-                             long long query_head_stride, const T* pool,
+                             long long query_head_stride, T* pool,
                              const long long* tables, const long long* positions, T* out,
-                             int heads, int groups, int per_row, float scale) {
+                             int heads, int groups, int per_row, float scale, const T* fresh,
+                             long long fresh_row_stride, long long fresh_group_stride,
+                             const long long* write_slots) {
     constexpr int PER = D / 32;
     const int head = blockIdx.x;
     const long long row = blockIdx.y;
@@ -82,11 +66,17 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
         qv[i] = load(q + i) * scale;
         acc[i] = 0.f;
     }
-    long long last = positions[row];
+    const long long newest = positions[row];
     const long long most = (long long)per_row * BLOCK_SIZE - 1;
-    last = last < most ? last : most;
+    const long long last = newest < most ? newest : most;
     const long long* table = tables + row * per_row;
     const long long slot_stride = (long long)groups * 2 * D;
+    const T* fresh_kv =
+        fresh ? fresh + row * fresh_row_stride + (long long)group * fresh_group_stride : nullptr;
+    if (fresh_kv && head % (heads / groups) == 0) {
+        T* target = pool + write_slots[row] * slot_stride + (long long)group * 2 * D;
+        for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) target[i] = fresh_kv[i];
+    }
     float m = neg_inf();
     float l = 0.f;
     // Each warp takes UNROLL consecutive positions at a time, their keys and values loaded
@@ -99,8 +89,13 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long p = base + u <= last ? base + u : last;
-            const long long slot = table[p / BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE;
-            const T* kv = pool + slot * slot_stride + (long long)group * 2 * D + lane * PER;
+            const T* kv;
+            if (fresh_kv && p == newest) {
+                kv = fresh_kv + lane * PER;
+            } else {
+                const long long slot = table[p / BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE;
+                kv = pool + slot * slot_stride + (long long)group * 2 * D + lane * PER;
+            }
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
                 k[u][i] = load(kv + i);
@@ -167,12 +162,16 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
 
 #define PAGED_DECODE(NAME, T, D)                                                         \
     extern "C" __global__ void NAME(const T* query, long long query_row_stride,          \
-                                    long long query_head_stride, const T* pool,           \
+                                    long long query_head_stride, T* pool,                 \
                                     const long long* tables, const long long* positions,  \
                                     T* out, int heads, int groups, int per_row,           \
-                                    float scale) {                                        \
+                                    float scale, const T* fresh,                          \
+                                    long long fresh_row_stride,                           \
+                                    long long fresh_group_stride,                         \
+                                    const long long* write_slots) {                       \
         paged_decode<T, D>(query, query_row_stride, query_head_stride, pool, tables,      \
-                           positions, out, heads, groups, per_row, scale);                \
+                           positions, out, heads, groups, per_row, scale, fresh,          \
+                           fresh_row_stride, fresh_group_stride, write_slots);            \
     }
 
 PAGED_DECODE(paged_decode_bf16_64, bf16, 64)
@@ -181,7 +180,8 @@ PAGED_DECODE(paged_decode_f16_64, f16, 64)
 PAGED_DECODE(paged_decode_f16_128, f16, 128)
 PAGED_DECODE(paged_decode_f32_64, float, 64)
 PAGED_DECODE(paged_decode_f32_128, float, 128)
-"#,
+"#
+    ),
     functions: &[
         "paged_decode_bf16_64",
         "paged_decode_bf16_128",
@@ -191,6 +191,16 @@ PAGED_DECODE(paged_decode_f32_128, float, 128)
         "paged_decode_f32_128",
     ],
 };
+
+/// The keys and values of a decode step's new positions, for [`paged_decode_attention`] to
+/// attend to and store.
+pub struct NewKeysValues<'a> {
+    /// `[b, groups, 2·d]`, keys in the first `d` channels; channels contiguous, rows and groups
+    /// at any strides (a view of the QKV projection).
+    pub kv: &'a Tensor,
+    /// The pool slot of each row's new position, `[b]` int64.
+    pub write_slots: &'a Tensor,
+}
 
 /// Whether [`paged_decode_attention`] handles these shapes and dtype.
 pub fn supports(head_dim: i64, kind: Kind) -> bool {
@@ -202,11 +212,15 @@ pub fn supports(head_dim: i64, kind: Kind) -> bool {
 /// `[b, per_row]` int64, `BLOCK_SIZE` slots a block) in `pool` (`[slots, groups, 2·d]`, keys in
 /// the first `d` channels); each of the `groups` key/value heads serves `heads / groups` query
 /// heads. Returns `[b, heads, d]`, scaled by `1/√d` as libtorch's attention. On a CUDA device.
+///
+/// With `new`, the keys and values of each row's position `positions[r]` are taken from there
+/// and stored in `pool` by the same kernel (instead of stored first by a kernel of their own).
 pub fn paged_decode_attention(
     query: &Tensor,
-    pool: &Tensor,
+    pool: &mut Tensor,
     tables: &Tensor,
     positions: &Tensor,
+    new: Option<&NewKeysValues>,
 ) -> Result<Tensor> {
     let (rows, heads, d) = query.size3()?;
     let (_, groups, width) = pool.size3()?;
@@ -236,11 +250,41 @@ pub fn paged_decode_attention(
         positions.size()
     );
     ensure!(
-        [pool, tables, positions]
+        [&*pool, tables, positions]
             .iter()
             .all(|t| t.device() == query.device() && t.is_contiguous()),
         "the KV pool, block tables and positions must be contiguous on the query's device"
     );
+    let new = match new {
+        None => None,
+        Some(new) => {
+            ensure!(
+                new.kv.size() == [rows, groups, 2 * d]
+                    && new.kv.kind() == kind
+                    && new.kv.device() == query.device(),
+                "new keys and values of {:?} {:?} for a pool of {:?} and {rows} rows",
+                new.kv.kind(),
+                new.kv.size(),
+                pool.size()
+            );
+            ensure!(
+                new.write_slots.size() == [rows]
+                    && new.write_slots.kind() == Kind::Int64
+                    && new.write_slots.device() == query.device()
+                    && new.write_slots.is_contiguous(),
+                "write slots {:?} of {:?} for {rows} rows",
+                new.write_slots.size(),
+                new.write_slots.kind()
+            );
+            // Rows and groups may be strided (a view of the QKV projection), channels not.
+            let kv = if new.kv.stride()[2] == 1 {
+                new.kv.shallow_clone()
+            } else {
+                new.kv.contiguous()
+            };
+            Some((kv, new.write_slots))
+        }
+    };
     // Rows and heads may be strided (the query is a view of the QKV projection), channels not.
     let query = if query.stride()[2] == 1 {
         query.shallow_clone()
@@ -259,7 +303,16 @@ pub fn paged_decode_attention(
     let function = format!("paged_decode_{dtype}_{d}");
     let module = kernels(&SOURCE, device)?;
     let [mut q, mut pool, mut tables, mut positions, mut out_ptr] =
-        [&query, pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
+        [&query, &*pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
+    let (mut fresh, mut fresh_row_stride, mut fresh_group_stride, mut write_slots) = match &new {
+        Some((kv, slots)) => (
+            kv.data_ptr() as u64,
+            kv.stride()[0],
+            kv.stride()[1],
+            slots.data_ptr() as u64,
+        ),
+        None => (0u64, 0i64, 0i64, 0u64),
+    };
     let (mut row_stride, mut head_stride) = (query.stride()[0], query.stride()[1]);
     let (mut heads_arg, mut groups_arg, mut per_row_arg) =
         (heads as i32, groups as i32, per_row as i32);
@@ -279,11 +332,16 @@ pub fn paged_decode_attention(
         arg(&mut groups_arg),
         arg(&mut per_row_arg),
         arg(&mut scale),
+        arg(&mut fresh),
+        arg(&mut fresh_row_stride),
+        arg(&mut fresh_group_stride),
+        arg(&mut write_slots),
     ];
     // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
     // strides as i64, counts as i32, the scale as f32); the tensors are on the device, of the
-    // shapes and layouts checked above; memory the caching allocator gets back (a copied query
-    // dropped here) is only reused by work queued on the stream after the kernel.
+    // shapes and layouts checked above (the new keys and values and write slots null together);
+    // memory the caching allocator gets back (a copied query dropped here) is only reused by
+    // work queued on the stream after the kernel.
     unsafe {
         module.launch(
             &function,
@@ -295,10 +353,11 @@ pub fn paged_decode_attention(
     Ok(out)
 }
 
-/// Runs the kernel once on CUDA device `device` for head dim `d` in `kind` on a small made-up
-/// cache (two rows of 5 and 40 positions, two query heads on one key/value head) and compares
-/// it with the same attention computed from plain tensor operations: a launch or a result that
-/// goes wrong is an error here, before any request depends on it.
+/// Runs the kernel on CUDA device `device` for head dim `d` in `kind` on a small made-up cache
+/// (two rows of 5 and 40 positions, two query heads on one key/value head), reading the new
+/// positions from the pool and taking and storing them itself, and compares it with the same
+/// attention computed from plain tensor operations: a launch or a result that goes wrong is an
+/// error here, before any request depends on it.
 pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
     let made_up = |count: i64, step: f64| {
@@ -314,27 +373,60 @@ pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
         .view([2, 3])
         .to_device(cuda);
     let positions = Tensor::from_slice(&[lengths[0] - 1, lengths[1] - 1]).to_device(cuda);
-    let got = paged_decode_attention(&query, &pool, &tables, &positions)?.to_kind(Kind::Float);
+    // The new positions' keys and values as a strided view, and their slots: position 4 in
+    // block 1, position 39 in block 6.
+    let new_kv = made_up(2 * 2 * 2 * d, 0.53)
+        .view([2, 2, 2 * d])
+        .narrow(1, 1, 1);
+    let write_slots = Tensor::from_slice(&[BLOCK_SIZE + 4, 6 * BLOCK_SIZE + 7]).to_device(cuda);
+    let mut stored = pool.copy();
+    let _ = stored.index_copy_(0, &write_slots, &new_kv);
     let tolerance = match kind {
         Kind::Float => 1e-4,
         Kind::Half => 1e-2,
         _ => 5e-2,
     };
-    for (row, length) in lengths.into_iter().enumerate() {
-        let slots = pool
-            .narrow(0, (1 + 3 * row as i64) * BLOCK_SIZE, length)
-            .select(1, 0)
-            .to_kind(Kind::Float);
-        let (keys, values) = (slots.narrow(1, 0, d), slots.narrow(1, d, d));
-        let q = query.get(row as i64).to_kind(Kind::Float);
-        let weights = (q.matmul(&keys.tr()) / (d as f64).sqrt()).softmax(-1, Kind::Float);
-        let want = weights.matmul(&values);
-        let difference = (got.get(row as i64) - want).abs().max().double_value(&[]);
+    for storing in [false, true] {
+        let new = NewKeysValues {
+            kv: &new_kv,
+            write_slots: &write_slots,
+        };
+        let mut kernel_pool = pool.copy();
+        let got = paged_decode_attention(
+            &query,
+            &mut kernel_pool,
+            &tables,
+            &positions,
+            storing.then_some(&new),
+        )?
+        .to_kind(Kind::Float);
+        let expected_pool = if storing { &stored } else { &pool };
         ensure!(
-            difference <= tolerance,
-            "the paged decode kernel's self-check ({kind:?}, head dim {d}) is off by \
-             {difference} on row {row}"
+            kernel_pool.equal(expected_pool),
+            "the paged decode kernel's self-check ({kind:?}, head dim {d}): the pool after the \
+             kernel is not the pool with the new keys and values stored"
         );
+        for (row, length) in lengths.into_iter().enumerate() {
+            let slots = expected_pool
+                .narrow(0, (1 + 3 * row as i64) * BLOCK_SIZE, length)
+                .select(1, 0)
+                .to_kind(Kind::Float);
+            let (keys, values) = (slots.narrow(1, 0, d), slots.narrow(1, d, d));
+            let q = query.get(row as i64).to_kind(Kind::Float);
+            let weights = (q.matmul(&keys.tr()) / (d as f64).sqrt()).softmax(-1, Kind::Float);
+            let want = weights.matmul(&values);
+            let difference = (got.get(row as i64) - want).abs().max().double_value(&[]);
+            ensure!(
+                difference <= tolerance,
+                "the paged decode kernel's self-check ({kind:?}, head dim {d}, new keys and \
+                 values {}) is off by {difference} on row {row}",
+                if storing {
+                    "stored by it"
+                } else {
+                    "in the pool"
+                }
+            );
+        }
     }
     Ok(())
 }

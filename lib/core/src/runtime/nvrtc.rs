@@ -120,6 +120,30 @@ pub fn compile_ptx(kernels: &KernelSource, arch: &'static str) -> Result<String>
     }
 }
 
+/// Compiles `kernels` for `arch` (e.g. `compute_80`) and checks that the PTX targets it and
+/// exports every listed function: what the kernels' CPU tests assert, so that a source that
+/// would not load on some GPU fails without one.
+pub fn check_compiles(kernels: &KernelSource, arch: &'static str) -> Result<()> {
+    let ptx = compile_ptx(kernels, arch)?;
+    let target = format!(".target {}", arch.replace("compute_", "sm_"));
+    if !ptx.contains(&target) {
+        bail!(
+            "the {} PTX for {arch} lacks `{target}`: {}",
+            kernels.name,
+            &ptx[..400.min(ptx.len())]
+        );
+    }
+    for function in kernels.functions {
+        if !ptx.contains(&format!(".entry {function}(")) {
+            bail!(
+                "{function} is missing from the {} PTX for {arch}",
+                kernels.name
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A kernel module loaded on one device.
 pub struct Kernels {
     device: usize,

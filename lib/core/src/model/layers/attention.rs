@@ -134,17 +134,18 @@ impl SelfAttention {
         Ok(qkv.view([s, b, g, (per_group + 2) * d]))
     }
 
-    /// Query `[b, n, s, d]` and key and value side by side `[b, g, s, 2·d]` for the KV cache:
-    /// without rotary embeddings a view of the projection, so storing them is one kernel.
-    fn project_side_by_side(
+    /// Query `[b, n, s, d]` and key and value side by side `[b, g, s, 2·d]` for the KV cache,
+    /// of the QKV projection `qkv` (`[s, b, g·(n/g + 2)·d]`): without rotary embeddings views,
+    /// so storing them is one kernel.
+    fn side_by_side(
         &self,
-        hidden: &Tensor,
+        qkv: &Tensor,
         rotary: Option<&RotaryTables>,
     ) -> Result<(Tensor, Tensor)> {
-        let (n, d) = (self.local_heads, self.head_dim);
-        let per_group = n / self.local_groups;
-        let qkv = self.fused_qkv(hidden)?;
-        let (s, b) = (qkv.size()[0], qkv.size()[1]);
+        let (g, n, d) = (self.local_groups, self.local_heads, self.head_dim);
+        let per_group = n / g;
+        let (s, b, _) = qkv.size3()?;
+        let qkv = qkv.view([s, b, g, (per_group + 2) * d]);
         let mut query = qkv.narrow(-1, 0, per_group * d).reshape([s, b, n, d]);
         let mut kv = qkv.narrow(-1, per_group * d, 2 * d);
         if let Some(tables) = rotary {
@@ -255,9 +256,23 @@ impl SelfAttention {
         pool: &mut Tensor,
         step: &PagedStep,
     ) -> Result<Tensor> {
-        let (query, kv) = self.project_side_by_side(hidden, rotary)?;
-        let context = step.attend(pool, &query, &kv, |t| self.expand_groups(t))?;
+        let qkv = self.linear_qkv.forward(hidden)?;
+        let context = self.attend_paged(&qkv, rotary, pool, step)?;
         self.output(&context)
+    }
+
+    /// The attention context `[b, n, s, d]` of the QKV projection `qkv` (`[s, b, width]`) of
+    /// new positions through a paged KV cache, their keys and values stored first (see
+    /// [`forward_paged`](Self::forward_paged)).
+    pub fn attend_paged(
+        &self,
+        qkv: &Tensor,
+        rotary: Option<&RotaryTables>,
+        pool: &mut Tensor,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        let (query, kv) = self.side_by_side(qkv, rotary)?;
+        step.attend(pool, &query, &kv, |t| self.expand_groups(t))
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {

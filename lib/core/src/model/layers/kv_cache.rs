@@ -5,6 +5,8 @@
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::ops::paged_attention::{paged_decode_attention, NewKeysValues};
+
 /// One layer's keys and values side by side, `[b, groups, capacity, 2·d]` (keys in the first
 /// `d` channels), valid for the first `len` positions.
 pub struct LayerCache {
@@ -171,6 +173,8 @@ pub struct PagedStep {
     /// The pool slot of each new position, `[b·s]` (row-major over `[b, s]`).
     pub write_slots: Tensor,
     read: PagedRead,
+    /// Rows of few tokens run through the fused decode kernels ([`crate::ops::decode_gemv`]).
+    decode_fusion: bool,
 }
 
 /// How a step's queries reach the cached keys and values.
@@ -208,6 +212,7 @@ impl PagedStep {
         PagedStep {
             write_slots,
             read: PagedRead::Gathered { read_slots, bias },
+            decode_fusion: false,
         }
     }
 
@@ -219,7 +224,22 @@ impl PagedStep {
         PagedStep {
             write_slots,
             read: PagedRead::InPlace { tables, positions },
+            decode_fusion: false,
         }
+    }
+
+    /// With `on`, the model runs this step's linear layers (and the norms, bias adds, GeLU and
+    /// residual adds around them) through the fused decode kernels
+    /// ([`crate::ops::decode_gemv`]) where the step has few enough rows and the layer allows it
+    /// (see [`crate::model::GptModel::supports_decode_fusion`]). CUDA only.
+    pub fn with_decode_fusion(mut self, on: bool) -> Self {
+        self.decode_fusion = on;
+        self
+    }
+
+    /// Whether `rows` rows of this step go through the fused decode kernels.
+    pub fn fuses(&self, rows: i64) -> bool {
+        self.decode_fusion && (1..=crate::ops::decode_gemv::MAX_ROWS).contains(&rows)
     }
 
     /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots.
@@ -245,22 +265,28 @@ impl PagedStep {
         kv: &Tensor,
         expand: impl Fn(Tensor) -> Tensor,
     ) -> Result<Tensor> {
-        self.store(pool, kv);
         match &self.read {
             PagedRead::InPlace { tables, positions } => {
                 ensure!(
-                    query.size()[2] == 1,
+                    query.size()[2] == 1 && kv.size()[2] == 1,
                     "the paged decode kernel takes one new position per row"
                 );
-                let context = crate::ops::paged_attention::paged_decode_attention(
+                // The kernel stores the new keys and values as it reads them.
+                let new = NewKeysValues {
+                    kv: &kv.select(2, 0),
+                    write_slots: &self.write_slots,
+                };
+                let context = paged_decode_attention(
                     &query.squeeze_dim(2),
                     pool,
                     tables,
                     positions,
+                    Some(&new),
                 )?;
                 Ok(context.unsqueeze(2))
             }
             PagedRead::Gathered { read_slots, bias } => {
+                self.store(pool, kv);
                 let (b, width) = (kv.size()[0], kv.size()[3]);
                 let groups = kv.size()[1];
                 let window = read_slots.size()[1];

@@ -64,6 +64,12 @@ impl ColumnParallelLinear {
         }
     }
 
+    /// Whether the input reaches this rank whole, so that [`forward`](Self::forward) is the
+    /// plain product (no sequence-parallel gather).
+    pub fn takes_whole_input(&self) -> bool {
+        !self.parallel.sequence_parallel
+    }
+
     pub fn named_tensors(&self, out: &mut NamedTensors) {
         out.push_fusable("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
@@ -98,6 +104,12 @@ impl RowParallelLinear {
             bias,
             parallel,
         }
+    }
+
+    /// Whether this rank holds the whole layer (no tensor parallelism), so that
+    /// [`forward`](Self::forward) is the plain product plus bias.
+    pub fn is_whole(&self) -> bool {
+        self.parallel.group.size() == 1
     }
 
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {

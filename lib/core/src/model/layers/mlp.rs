@@ -9,6 +9,7 @@ use super::main_grad_linear::linear;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::{Activation, GptConfig};
 use crate::model::param::Initializer;
+use crate::ops::decode_gemv::Gelu;
 
 #[derive(Clone)]
 pub struct Mlp {
@@ -65,7 +66,12 @@ impl Mlp {
             &self.linear_fc1.weight,
             self.linear_fc1.bias.as_ref(),
         )?;
-        let activated = match self.activation {
+        self.linear_fc2.forward(&self.activate(&intermediate))
+    }
+
+    /// The activation of fc1's output.
+    pub fn activate(&self, intermediate: &Tensor) -> Tensor {
+        match self.activation {
             Activation::GeluTanh => intermediate.gelu("tanh"),
             Activation::GeluErf => intermediate.gelu("none"),
             Activation::Swiglu => {
@@ -73,8 +79,16 @@ impl Mlp {
                 halves[0].silu() * &halves[1]
             }
             Activation::SquaredRelu => intermediate.relu().square(),
-        };
-        self.linear_fc2.forward(&activated)
+        }
+    }
+
+    /// The GeLU the fused decode kernels apply for this MLP's activation, if they have it.
+    pub fn gelu(&self) -> Option<Gelu> {
+        match self.activation {
+            Activation::GeluTanh => Some(Gelu::Tanh),
+            Activation::GeluErf => Some(Gelu::Erf),
+            Activation::Swiglu | Activation::SquaredRelu => None,
+        }
     }
 
     /// This rank's fc2 product through the bias + GeLU GEMM epilogues (Megatron's

@@ -1,10 +1,11 @@
 //! LayerNorm and RMSNorm over the hidden dimension (spec §1.1 "Normalization").
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::{NamedTensors, ParamAttributes};
 use crate::model::config::Normalization;
 use crate::model::param::{Initializer, Param};
+use crate::ops::decode_gemv::InputNorm;
 
 #[derive(Clone)]
 pub struct Norm {
@@ -40,25 +41,17 @@ impl Norm {
     }
 
     pub fn forward(&self, input: &Tensor) -> Tensor {
-        let gamma = if self.one_plus {
-            &*self.weight + 1.0
-        } else {
-            self.weight.shallow_clone()
-        };
-        let hidden = *input
-            .size()
-            .last()
-            .expect("normalised tensors have a hidden dimension");
-        match self.kind {
-            Normalization::LayerNorm => {
-                input.layer_norm([hidden], Some(&gamma), self.bias.as_deref(), self.eps, true)
-            }
-            Normalization::RMSNorm => {
-                // Statistics in float32 whatever the activation dtype, as Megatron's RMSNorm.
-                let x = input.to_kind(Kind::Float);
-                let inv_rms = (x.square().mean_dim(-1, true, Kind::Float) + self.eps).rsqrt();
-                (x * inv_rms).to_kind(input.kind()) * gamma
-            }
+        self.as_input_norm().apply(input)
+    }
+
+    /// This norm as the decode kernels' prologue takes it (and as plain tensor math).
+    pub fn as_input_norm(&self) -> InputNorm<'_> {
+        InputNorm {
+            kind: self.kind,
+            weight: &self.weight,
+            bias: self.bias.as_deref(),
+            eps: self.eps,
+            one_plus: self.one_plus,
         }
     }
 

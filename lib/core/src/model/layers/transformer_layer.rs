@@ -12,6 +12,7 @@ use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::GptConfig;
 use crate::model::param::Initializer;
+use crate::ops::decode_gemv::{self, decode_linear, Epilogue};
 
 #[derive(Clone)]
 pub struct TransformerLayer {
@@ -172,7 +173,9 @@ impl TransformerLayer {
         })
     }
 
-    /// Inference of new positions of several sequences through a paged KV cache.
+    /// Inference of new positions of several sequences through a paged KV cache; steps that
+    /// ask for it run through the fused decode kernels where this layer allows
+    /// ([`supports_decode_fusion`](Self::supports_decode_fusion)).
     pub fn forward_paged(
         &self,
         hidden: &Tensor,
@@ -180,10 +183,112 @@ impl TransformerLayer {
         pool: &mut Tensor,
         step: &PagedStep,
     ) -> Result<Tensor> {
+        let (s, b, _) = hidden.size3()?;
+        if step.fuses(s * b)
+            && hidden.kind() == self.self_attention.linear_qkv.weight.kind()
+            && self.supports_decode_fusion()
+        {
+            return self.forward_paged_fused(hidden, rotary, pool, step);
+        }
         self.forward_with(hidden, false, |normed| {
             self.self_attention
                 .forward_paged(normed, rotary, pool, step)
         })
+    }
+
+    /// Whether decode steps can run this layer through the fused decode kernels
+    /// ([`crate::ops::decode_gemv`]): pre-norm residuals, no cross-attention, the inputs of the
+    /// column-parallel layers whole, the weights in a layout the kernels read. Under tensor
+    /// parallelism the row-parallel layers (attention output, fc2) keep their all-reduce before
+    /// the bias and residual: only the norm + QKV and norm + fc1 (+ GeLU) fuse. Activations
+    /// other than GeLU (SwiGLU, squared ReLU) run between fc1 and fc2 as libtorch operations.
+    pub fn supports_decode_fusion(&self) -> bool {
+        let (attention, mlp) = (&self.self_attention, &self.mlp);
+        let fits = |weight: &Tensor| decode_gemv::fits(1, weight);
+        !self.residual_from_norm
+            && self.cross.is_none()
+            && attention.linear_qkv.takes_whole_input()
+            && mlp.linear_fc1.takes_whole_input()
+            && fits(&attention.linear_qkv.weight)
+            && fits(&mlp.linear_fc1.weight)
+            && (!attention.linear_proj.is_whole() || fits(&attention.linear_proj.weight))
+            && (!mlp.linear_fc2.is_whole() || fits(&mlp.linear_fc2.weight))
+    }
+
+    /// [`forward_paged`](Self::forward_paged) of few rows through the fused decode kernels, four
+    /// kernels around the attention: the norm, QKV and bias; the output projection, bias and
+    /// residual; the norm, fc1, bias and GeLU (other activations after it); fc2, bias and
+    /// residual.
+    fn forward_paged_fused(
+        &self,
+        hidden: &Tensor,
+        rotary: Option<&RotaryTables>,
+        pool: &mut Tensor,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        let (s, b, h) = hidden.size3()?;
+        let rows = s * b;
+        let x = hidden.reshape([rows, h]);
+        let (attention, mlp) = (&self.self_attention, &self.mlp);
+        let qkv = decode_linear(
+            &x,
+            &attention.linear_qkv.weight,
+            Some(&self.input_layernorm.as_input_norm()),
+            &Epilogue {
+                bias: attention.linear_qkv.bias.as_deref(),
+                ..Epilogue::default()
+            },
+        )?;
+        let context = attention.attend_paged(&qkv.view([s, b, -1]), rotary, pool, step)?;
+        // [b, n, s, d] → [s·b, n·d]
+        let context = context.permute([2, 0, 1, 3]).reshape([rows, -1]);
+        let projection = &attention.linear_proj;
+        let attended = if projection.is_whole() {
+            decode_linear(
+                &context,
+                &projection.weight,
+                None,
+                &Epilogue {
+                    bias: projection.bias.as_deref(),
+                    residual: Some(&x),
+                    ..Epilogue::default()
+                },
+            )?
+        } else {
+            &x + projection.forward(&context)?
+        };
+        let gelu = mlp.gelu();
+        let intermediate = decode_linear(
+            &attended,
+            &mlp.linear_fc1.weight,
+            Some(&self.pre_mlp_layernorm.as_input_norm()),
+            &Epilogue {
+                bias: mlp.linear_fc1.bias.as_deref(),
+                gelu,
+                residual: None,
+            },
+        )?;
+        let intermediate = if gelu.is_some() {
+            intermediate
+        } else {
+            mlp.activate(&intermediate)
+        };
+        let fc2 = &mlp.linear_fc2;
+        let out = if fc2.is_whole() {
+            decode_linear(
+                &intermediate,
+                &fc2.weight,
+                None,
+                &Epilogue {
+                    bias: fc2.bias.as_deref(),
+                    residual: Some(&attended),
+                    ..Epilogue::default()
+                },
+            )?
+        } else {
+            &attended + fc2.forward(&intermediate)?
+        };
+        Ok(out.view([s, b, h]))
     }
 
     /// The layer around its self-attention: norm, attention, residual, norm, MLP, residual.

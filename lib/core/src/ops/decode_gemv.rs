@@ -1,0 +1,672 @@
+//! The linear layers of a decode step of few rows as one kernel each: `[rows, K] · Wᵀ` for a
+//! weight `W` `[N, K]` in `nn.Linear`'s layout, with the input's LayerNorm or RMSNorm computed
+//! on the way in and the bias, a GeLU and a residual added on the way out. At a handful of rows
+//! a linear layer is a matrix-vector product bound by reading its weight; cuBLAS runs these
+//! far below the memory bandwidth, and the norms, bias adds, activations and residual adds
+//! around them are kernels of their own. Here every weight is read once for all rows, in
+//! 16-byte loads, several in flight per lane, and a transformer layer's four linear layers
+//! with everything around them are four kernels.
+//!
+//! Every row is computed alone (no sums across rows), so a row's result does not depend on the
+//! other rows of its batch. Results are rounded to the activations' dtype where the unfused
+//! layers round them (the normed input, the product plus bias, the activation), so that the
+//! two paths agree up to the order of the sums.
+//!
+//! Compiled at run time ([`crate::runtime::nvrtc`]) and launched on libtorch's current stream,
+//! so a decode step using them is captured in CUDA graphs.
+
+use std::ffi::c_void;
+
+use anyhow::{bail, ensure, Result};
+use tch::{Device, Kind, Tensor};
+
+use crate::model::config::Normalization;
+use crate::runtime::nvrtc::{kernels, KernelSource};
+
+/// The most rows the kernels take: more rows are a matrix product, cuBLAS's business.
+pub const MAX_ROWS: i64 = 8;
+
+/// Warps per block (the kernel's `WARPS`): each computes one or two output columns.
+const WARPS: u32 = 8;
+
+/// The kernels' CUDA source: a warp computes `C` output columns (1 for up to 2 rows, else 2)
+/// for all rows; its lanes stride along `K` in 16-byte loads, `8 / C` loads of each column in
+/// flight, then the warp sums its lanes. A block first computes its rows' norm statistics
+/// (one warp per row) when there is a prologue; the input is read from L1/L2, the weight once.
+pub const SOURCE: KernelSource = KernelSource {
+    name: "decode_gemv",
+    source: concat!(
+        cuda_scalars!(),
+        r#"
+constexpr int WARPS = 8;
+// Flags of the prologue and epilogue.
+constexpr int NORM_LAYER = 1;
+constexpr int NORM_RMS = 2;
+constexpr int NORM_ONE_PLUS = 4;
+constexpr int ADD_BIAS = 8;
+constexpr int GELU_TANH = 16;
+constexpr int GELU_ERF = 32;
+constexpr int ADD_RESIDUAL = 64;
+
+// 16 bytes of a row: 8 bf16 or fp16 values, or 4 float32 values.
+struct alignas(16) Pack { unsigned int w[4]; };
+template <typename T> struct Lanes { static constexpr int N = 8; };
+template <> struct Lanes<float> { static constexpr int N = 4; };
+
+__device__ __forceinline__ float half_bits(unsigned short bits) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+}
+__device__ __forceinline__ void unpack(const Pack& p, const bf16*, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(p.w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(p.w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack(const Pack& p, const f16*, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = half_bits((unsigned short)(p.w[i] & 0xffffu));
+        f[2 * i + 1] = half_bits((unsigned short)(p.w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void unpack(const Pack& p, const float*, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(p.w[i]);
+}
+// The 16 bytes at p (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* p, float* f) {
+    const Pack pack = *reinterpret_cast<const Pack*>(p);
+    unpack(pack, p, f);
+}
+// value rounded to T, as the unfused layers store their results.
+template <typename T>
+__device__ __forceinline__ float rounded(float value) {
+    T t;
+    store(&t, value);
+    return load(&t);
+}
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        value += __shfl_xor_sync(0xffffffffu, value, offset);
+    return value;
+}
+
+// out[r, n] = epilogue(sum_k prologue(x)[r, k] * w[n, k]) for r < rows (at most R), n < N.
+// x [rows, K], w [N, K], gamma and beta [K] (16-byte aligned, K a multiple of the lanes of a
+// Pack); bias [N], residual and out [rows, N]; all contiguous.
+template <typename T, int R, int C>
+__device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
+                            T* __restrict__ out, const T* __restrict__ gamma,
+                            const T* __restrict__ beta, const T* __restrict__ bias,
+                            const T* __restrict__ residual, int rows, int K, int N, int flags,
+                            float eps) {
+    constexpr int V = Lanes<T>::N;
+    constexpr int U = 8 / C;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const bool layer_norm = flags & NORM_LAYER;
+    const bool rms_norm = flags & NORM_RMS;
+    const long long first = ((long long)blockIdx.x * WARPS + warp) * C;
+    const bool active = first < N;
+    long long columns[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) columns[c] = first + c < N ? first + c : N - 1;
+    // A round of weight loads: U packs of each column per lane, in flight together. The first
+    // goes out before the norm statistics, so that its latency hides theirs.
+    Pack wp[U][C];
+    auto load_round = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = base + u * 32 * V;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                if (k < K) wp[u][c] = *reinterpret_cast<const Pack*>(w + columns[c] * K + k);
+            }
+        }
+    };
+    if (active) load_round(lane * V);
+    __shared__ float shift[R];
+    __shared__ float scale[R];
+    if (layer_norm || rms_norm) {
+        // Row statistics in float32, two passes (mean, then the mean square around it).
+        for (int r = warp; r < rows && r < R; r += WARPS) {
+            const T* row = x + (long long)r * K;
+            float mean = 0.f;
+            if (layer_norm) {
+                float sum = 0.f;
+                for (int k = lane * V; k < K; k += 32 * V) {
+                    float f[V];
+                    load_pack(row + k, f);
+#pragma unroll
+                    for (int i = 0; i < V; ++i) sum += f[i];
+                }
+                mean = warp_sum(sum) / K;
+            }
+            float squares = 0.f;
+            for (int k = lane * V; k < K; k += 32 * V) {
+                float f[V];
+                load_pack(row + k, f);
+#pragma unroll
+                for (int i = 0; i < V; ++i) squares += (f[i] - mean) * (f[i] - mean);
+            }
+            squares = warp_sum(squares);
+            if (lane == 0) {
+                shift[r] = mean;
+                scale[r] = rsqrtf(squares / K + eps);
+            }
+        }
+        __syncthreads();
+    }
+    if (!active) return;
+    float acc[R][C];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
+    }
+    for (int base = lane * V; base < K; base += 32 * V * U) {
+        if (base != lane * V) load_round(base);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = base + u * 32 * V;
+            if (k >= K) break;
+            float wv[C][V];
+#pragma unroll
+            for (int c = 0; c < C; ++c) unpack(wp[u][c], w, wv[c]);
+            float g[V];
+            float b[V];
+            if (layer_norm || rms_norm) {
+                load_pack(gamma + k, g);
+                if (flags & NORM_ONE_PLUS) {
+#pragma unroll
+                    for (int i = 0; i < V; ++i) g[i] = rounded<T>(g[i] + 1.f);
+                }
+                if (layer_norm) {
+                    load_pack(beta + k, b);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (r >= rows) break;
+                float xv[V];
+                load_pack(x + (long long)r * K + k, xv);
+                if (layer_norm) {
+#pragma unroll
+                    for (int i = 0; i < V; ++i)
+                        xv[i] = rounded<T>((xv[i] - shift[r]) * scale[r] * g[i] + b[i]);
+                } else if (rms_norm) {
+#pragma unroll
+                    for (int i = 0; i < V; ++i)
+                        xv[i] = rounded<T>(rounded<T>(xv[i] * scale[r]) * g[i]);
+                }
+#pragma unroll
+                for (int c = 0; c < C; ++c) {
+#pragma unroll
+                    for (int i = 0; i < V; ++i) acc[r][c] += xv[i] * wv[c][i];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = warp_sum(acc[r][c]);
+    }
+    // Lane r·C + c writes row r, column first + c.
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            if (lane != r * C + c || r >= rows || first + c >= N) continue;
+            const long long n = first + c;
+            float value = acc[r][c];
+            if (flags & ADD_BIAS) value += load(bias + n);
+            value = rounded<T>(value);
+            if (flags & GELU_TANH) {
+                const float inner = 0.7978845608028654f * (value + 0.044715f * value * value * value);
+                value = rounded<T>(0.5f * value * (1.f + tanhf(inner)));
+            } else if (flags & GELU_ERF) {
+                value = rounded<T>(0.5f * value * (1.f + erff(value * 0.7071067811865476f)));
+            }
+            if (flags & ADD_RESIDUAL) value += load(residual + (long long)r * N + n);
+            store(out + (long long)r * N + n, value);
+        }
+    }
+}
+
+#define DECODE_GEMV(NAME, T, R, C)                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                               \
+        NAME(const T* x, const T* w, T* out, const T* gamma, const T* beta, const T* bias,  \
+             const T* residual, int rows, int K, int N, int flags, float eps) {             \
+        decode_gemv<T, R, C>(x, w, out, gamma, beta, bias, residual, rows, K, N, flags,     \
+                             eps);                                                          \
+    }
+
+DECODE_GEMV(decode_gemv_bf16_1, bf16, 1, 1)
+DECODE_GEMV(decode_gemv_bf16_2, bf16, 2, 1)
+DECODE_GEMV(decode_gemv_bf16_4, bf16, 4, 2)
+DECODE_GEMV(decode_gemv_bf16_8, bf16, 8, 2)
+DECODE_GEMV(decode_gemv_f16_1, f16, 1, 1)
+DECODE_GEMV(decode_gemv_f16_2, f16, 2, 1)
+DECODE_GEMV(decode_gemv_f16_4, f16, 4, 2)
+DECODE_GEMV(decode_gemv_f16_8, f16, 8, 2)
+DECODE_GEMV(decode_gemv_f32_1, float, 1, 1)
+DECODE_GEMV(decode_gemv_f32_2, float, 2, 1)
+DECODE_GEMV(decode_gemv_f32_4, float, 4, 2)
+DECODE_GEMV(decode_gemv_f32_8, float, 8, 2)
+"#
+    ),
+    functions: &[
+        "decode_gemv_bf16_1",
+        "decode_gemv_bf16_2",
+        "decode_gemv_bf16_4",
+        "decode_gemv_bf16_8",
+        "decode_gemv_f16_1",
+        "decode_gemv_f16_2",
+        "decode_gemv_f16_4",
+        "decode_gemv_f16_8",
+        "decode_gemv_f32_1",
+        "decode_gemv_f32_2",
+        "decode_gemv_f32_4",
+        "decode_gemv_f32_8",
+    ],
+};
+
+// The kernel's flags.
+const NORM_LAYER: i32 = 1;
+const NORM_RMS: i32 = 2;
+const NORM_ONE_PLUS: i32 = 4;
+const ADD_BIAS: i32 = 8;
+const GELU_TANH: i32 = 16;
+const GELU_ERF: i32 = 32;
+const ADD_RESIDUAL: i32 = 64;
+
+/// A LayerNorm or RMSNorm over the last dimension: the model's norms (see
+/// [`crate::model::layers::Norm`]) as plain tensor math, and as the kernels' prologue.
+pub struct InputNorm<'a> {
+    pub kind: Normalization,
+    pub weight: &'a Tensor,
+    /// LayerNorm's shift (RMSNorm has none).
+    pub bias: Option<&'a Tensor>,
+    pub eps: f64,
+    /// `--apply-layernorm-1p`: the stored weight is zero-centred, gamma = 1 + weight.
+    pub one_plus: bool,
+}
+
+impl InputNorm<'_> {
+    /// The norm of `input` with libtorch's operations.
+    pub fn apply(&self, input: &Tensor) -> Tensor {
+        let gamma = if self.one_plus {
+            self.weight + 1.0
+        } else {
+            self.weight.shallow_clone()
+        };
+        let hidden = *input
+            .size()
+            .last()
+            .expect("normalised tensors have a hidden dimension");
+        match self.kind {
+            Normalization::LayerNorm => {
+                input.layer_norm([hidden], Some(&gamma), self.bias, self.eps, true)
+            }
+            Normalization::RMSNorm => {
+                // Statistics in float32 whatever the activation dtype, as Megatron's RMSNorm.
+                let x = input.to_kind(Kind::Float);
+                let inv_rms = (x.square().mean_dim(-1, true, Kind::Float) + self.eps).rsqrt();
+                (x * inv_rms).to_kind(input.kind()) * gamma
+            }
+        }
+    }
+}
+
+/// The GeLU of the MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gelu {
+    /// The tanh approximation.
+    Tanh,
+    /// The exact one, through erf.
+    Erf,
+}
+
+/// What follows the product, in this order: `+ bias` (`[N]`), the GeLU, `+ residual`
+/// (`[rows, N]`).
+#[derive(Default)]
+pub struct Epilogue<'a> {
+    pub bias: Option<&'a Tensor>,
+    pub gelu: Option<Gelu>,
+    pub residual: Option<&'a Tensor>,
+}
+
+/// Whether the kernels have a version for activations of `kind`.
+pub fn supports(kind: Kind) -> bool {
+    matches!(kind, Kind::BFloat16 | Kind::Half | Kind::Float)
+}
+
+fn aligned(tensor: &Tensor) -> bool {
+    (tensor.data_ptr() as usize).is_multiple_of(16)
+}
+
+/// Whether [`decode_linear`] takes `rows` rows through `weight` (`[N, K]`): 1 to
+/// [`MAX_ROWS`] rows, a contiguous, 16-byte aligned CUDA weight of a supported dtype whose
+/// rows are whole 16-byte loads.
+pub fn fits(rows: i64, weight: &Tensor) -> bool {
+    let size = weight.size();
+    let lanes = 16 / weight.kind().elt_size_in_bytes().max(1) as i64;
+    (1..=MAX_ROWS).contains(&rows)
+        && size.len() == 2
+        && size[0] > 0
+        && size[1] > 0
+        && (size[1] % lanes) == 0
+        && size[0] < i32::MAX as i64
+        && size[1] < i32::MAX as i64
+        && supports(weight.kind())
+        && weight.device().is_cuda()
+        && weight.is_contiguous()
+        && aligned(weight)
+}
+
+/// `epilogue(norm(input) · weightᵀ)`: `input` `[rows, K]` (1 to [`MAX_ROWS`] rows),
+/// `weight` `[N, K]`, the optional `norm` over `K`; returns `[rows, N]` in the input's dtype.
+/// On a CUDA device; the weight must [`fits`].
+pub fn decode_linear(
+    input: &Tensor,
+    weight: &Tensor,
+    norm: Option<&InputNorm>,
+    epilogue: &Epilogue,
+) -> Result<Tensor> {
+    let (rows, k) = input.size2()?;
+    let kind = input.kind();
+    let Device::Cuda(device) = input.device() else {
+        bail!("the decode linear kernels run on CUDA devices");
+    };
+    ensure!(
+        weight.kind() == kind && weight.device() == input.device() && weight.dim() == 2,
+        "a weight of {:?} {:?} on {:?} for an input of {kind:?} {:?}",
+        weight.kind(),
+        weight.size(),
+        weight.device(),
+        input.size()
+    );
+    let n = weight.size()[0];
+    ensure!(
+        weight.size()[1] == k,
+        "a weight of {:?} for inputs of {k} channels",
+        weight.size()
+    );
+    if rows == 0 {
+        return Ok(Tensor::empty([0, n], (kind, input.device())));
+    }
+    ensure!(
+        fits(rows, weight),
+        "no decode linear kernel for {rows} rows through a {kind:?} weight of {:?} (at most \
+         {MAX_ROWS} rows; contiguous, 16-byte aligned rows)",
+        weight.size()
+    );
+    // Contiguous and aligned copies of what is not (the kernel reads rows as 16-byte loads).
+    let ready = |t: &Tensor, shape: &[i64], what: &str| -> Result<Tensor> {
+        ensure!(
+            t.size() == shape && t.kind() == kind && t.device() == input.device(),
+            "the {what} is {:?} {:?} on {:?}; expected {kind:?} {shape:?} on {:?}",
+            t.kind(),
+            t.size(),
+            t.device(),
+            input.device()
+        );
+        let t = t.contiguous();
+        Ok(if aligned(&t) { t } else { t.copy() })
+    };
+    let x = ready(input, &[rows, k], "input")?;
+    let mut flags = 0;
+    let (gamma, beta, eps) = match norm {
+        None => (None, None, 0.0),
+        Some(norm) => {
+            let gamma = ready(norm.weight, &[k], "norm weight")?;
+            let beta = match (norm.kind, norm.bias) {
+                (Normalization::LayerNorm, Some(bias)) => {
+                    flags |= NORM_LAYER;
+                    Some(ready(bias, &[k], "norm bias")?)
+                }
+                (Normalization::LayerNorm, None) => bail!("a LayerNorm without its bias"),
+                (Normalization::RMSNorm, _) => {
+                    flags |= NORM_RMS;
+                    None
+                }
+            };
+            if norm.one_plus {
+                flags |= NORM_ONE_PLUS;
+            }
+            (Some(gamma), beta, norm.eps as f32)
+        }
+    };
+    let bias = epilogue.bias.map(|b| ready(b, &[n], "bias")).transpose()?;
+    if bias.is_some() {
+        flags |= ADD_BIAS;
+    }
+    flags |= match epilogue.gelu {
+        None => 0,
+        Some(Gelu::Tanh) => GELU_TANH,
+        Some(Gelu::Erf) => GELU_ERF,
+    };
+    let residual = epilogue
+        .residual
+        .map(|r| ready(r, &[rows, n], "residual"))
+        .transpose()?;
+    if residual.is_some() {
+        flags |= ADD_RESIDUAL;
+    }
+    let out = Tensor::empty([rows, n], (kind, input.device()));
+    let dtype = match kind {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    };
+    // The kernel of the fewest rows that holds them.
+    let (template_rows, columns_per_warp) = match rows {
+        1 => (1, 1),
+        2 => (2, 1),
+        3 | 4 => (4, 2),
+        _ => (8, 2),
+    };
+    let function = format!("decode_gemv_{dtype}_{template_rows}");
+    let module = kernels(&SOURCE, device)?;
+    let pointer = |t: Option<&Tensor>| t.map_or(0u64, |t| t.data_ptr() as u64);
+    let (mut x_ptr, mut w_ptr, mut out_ptr) = (
+        pointer(Some(&x)),
+        pointer(Some(weight)),
+        pointer(Some(&out)),
+    );
+    let (mut gamma_ptr, mut beta_ptr, mut bias_ptr, mut residual_ptr) = (
+        pointer(gamma.as_ref()),
+        pointer(beta.as_ref()),
+        pointer(bias.as_ref()),
+        pointer(residual.as_ref()),
+    );
+    let (mut rows_arg, mut k_arg, mut n_arg, mut flags_arg, mut eps_arg) =
+        (rows as i32, k as i32, n as i32, flags, eps);
+    fn arg<T>(value: &mut T) -> *mut c_void {
+        value as *mut T as *mut c_void
+    }
+    let mut args = [
+        arg(&mut x_ptr),
+        arg(&mut w_ptr),
+        arg(&mut out_ptr),
+        arg(&mut gamma_ptr),
+        arg(&mut beta_ptr),
+        arg(&mut bias_ptr),
+        arg(&mut residual_ptr),
+        arg(&mut rows_arg),
+        arg(&mut k_arg),
+        arg(&mut n_arg),
+        arg(&mut flags_arg),
+        arg(&mut eps_arg),
+    ];
+    let per_block = (WARPS * columns_per_warp) as i64;
+    let blocks = (n + per_block - 1) / per_block;
+    // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
+    // counts and flags as i32, eps as f32); every tensor is on the device, contiguous, of the
+    // shape checked above, the ones read in 16-byte loads aligned with rows of whole loads
+    // (`fits`, `ready`); null pointers only where the flags say the kernel does not read them.
+    // Copies dropped here return to the caching allocator, which reuses them only for work
+    // queued on the stream after the kernel.
+    unsafe {
+        module.launch(
+            &function,
+            (blocks as u32, 1, 1),
+            (32 * WARPS, 1, 1),
+            &mut args,
+        )?;
+    }
+    Ok(out)
+}
+
+/// What [`decode_linear`] computes, with libtorch's operations (the unfused layers' math).
+pub fn reference_linear(
+    input: &Tensor,
+    weight: &Tensor,
+    norm: Option<&InputNorm>,
+    epilogue: &Epilogue,
+) -> Tensor {
+    let normed = norm.map_or_else(|| input.shallow_clone(), |norm| norm.apply(input));
+    let product = normed.linear(weight, epilogue.bias);
+    let activated = match epilogue.gelu {
+        None => product,
+        Some(Gelu::Tanh) => product.gelu("tanh"),
+        Some(Gelu::Erf) => product.gelu("none"),
+    };
+    match epilogue.residual {
+        Some(residual) => residual + activated,
+        None => activated,
+    }
+}
+
+/// Whether `got` is within `absolute + relative · |want|` of `want` everywhere: the largest
+/// excess, 0 when within.
+pub fn excess_difference(got: &Tensor, want: &Tensor, absolute: f64, relative: f64) -> f64 {
+    let (got, want) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
+    ((got - &want).abs() - want.abs() * relative - absolute)
+        .clamp_min(0.0)
+        .max()
+        .double_value(&[])
+}
+
+/// The tolerances ([`excess_difference`]) of the kernels against [`reference_linear`] in
+/// `kind`: the two round to the same format, a unit in the last place or so apart, with
+/// products of `K ≤ 8192` summed in another order.
+pub fn tolerance(kind: Kind) -> (f64, f64) {
+    match kind {
+        Kind::Float => (1e-4, 1e-4),
+        Kind::Half => (4e-3, 4.0 / 1024.0),
+        _ => (3e-2, 4.0 / 128.0),
+    }
+}
+
+/// Runs the kernels on CUDA device `device` in `kind` on small made-up inputs, each prologue
+/// and epilogue once, and compares them with [`reference_linear`]: a launch or a result that
+/// goes wrong is an error here, before any request depends on them. Draws no random numbers
+/// (seeded sampling must not depend on whether it ran).
+pub fn self_check(device: usize, kind: Kind) -> Result<()> {
+    let cuda = Device::Cuda(device);
+    let made_up = |shape: &[i64], step: f64, scale: f64| {
+        let count: i64 = shape.iter().product();
+        ((Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale)
+            .to_kind(kind)
+            .view(shape)
+    };
+    let (absolute, relative) = tolerance(kind);
+    struct Case {
+        rows: i64,
+        k: i64,
+        n: i64,
+        norm: Option<Normalization>,
+        one_plus: bool,
+        bias: bool,
+        gelu: Option<Gelu>,
+        residual: bool,
+    }
+    let cases = [
+        Case {
+            rows: 1,
+            k: 256,
+            n: 77,
+            norm: Some(Normalization::LayerNorm),
+            one_plus: false,
+            bias: true,
+            gelu: Some(Gelu::Tanh),
+            residual: false,
+        },
+        Case {
+            rows: 3,
+            k: 512,
+            n: 40,
+            norm: Some(Normalization::RMSNorm),
+            one_plus: true,
+            bias: false,
+            gelu: Some(Gelu::Erf),
+            residual: false,
+        },
+        Case {
+            rows: 8,
+            k: 128,
+            n: 200,
+            norm: None,
+            one_plus: false,
+            bias: true,
+            gelu: None,
+            residual: true,
+        },
+        Case {
+            rows: 5,
+            k: 64,
+            n: 33,
+            norm: Some(Normalization::LayerNorm),
+            one_plus: true,
+            bias: true,
+            gelu: None,
+            residual: true,
+        },
+    ];
+    for Case {
+        rows,
+        k,
+        n,
+        norm: norm_kind,
+        one_plus,
+        bias,
+        gelu,
+        residual,
+    } in cases
+    {
+        let input = made_up(&[rows, k], 0.37, 2.0);
+        let weight = made_up(&[n, k], 0.11, 1.0 / (k as f64).sqrt());
+        let gamma = made_up(&[k], 0.7, 0.5) + if one_plus { 0.0 } else { 1.0 };
+        let beta = made_up(&[k], 0.3, 0.1);
+        let bias_tensor = made_up(&[n], 0.9, 0.2);
+        let residual_tensor = made_up(&[rows, n], 0.23, 1.0);
+        let norm = norm_kind.map(|kind| InputNorm {
+            kind,
+            weight: &gamma,
+            bias: (kind == Normalization::LayerNorm).then_some(&beta),
+            eps: 1e-5,
+            one_plus,
+        });
+        let epilogue = Epilogue {
+            bias: bias.then_some(&bias_tensor),
+            gelu,
+            residual: residual.then_some(&residual_tensor),
+        };
+        let got = decode_linear(&input, &weight, norm.as_ref(), &epilogue)?;
+        let want = reference_linear(&input, &weight, norm.as_ref(), &epilogue);
+        let excess = excess_difference(&got, &want, absolute, relative);
+        ensure!(
+            excess == 0.0,
+            "the decode linear kernels' self-check ({kind:?}, {rows} rows, K {k}, N {n}) is off \
+             by {excess} beyond the tolerance"
+        );
+    }
+    Ok(())
+}
