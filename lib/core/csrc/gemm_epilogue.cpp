@@ -1,11 +1,7 @@
-// GEMMs with cuBLASLt epilogues that ATen does not expose, for the MLP's bias + GeLU fusion:
-// - forward, fc1: one GEMM writes GeLU(x·Wᵀ + b) and, as its auxiliary output, the argument
-//   x·Wᵀ + b that GeLU's gradient needs (CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
-// - backward, through fc2: one GEMM computes dy·W₂, multiplies it by GeLU's derivative at that
-//   argument and sums the product over the rows into fc1's bias gradient
-//   (CUBLASLT_EPILOGUE_DGELU_BGRAD).
-// Together they replace the GeLU kernel, its backward kernel and the bias-gradient reduction.
-// GeLU is the tanh approximation (Megatron's bias_gelu fusion).
+// The MLP's fc1 GEMM with the bias and tanh-GeLU in its cuBLASLt epilogue, which ATen does not
+// expose: one GEMM writes GeLU(x·Wᵀ + b) and, as its auxiliary output, the argument x·Wᵀ + b
+// that GeLU's gradient needs (CUBLASLT_EPILOGUE_GELU_AUX_BIAS), replacing the GeLU kernel
+// (Megatron's bias_gelu fusion, tanh approximation).
 //
 // The cuBLASLt entry points are looked up at run time in the libcublasLt that libtorch_cuda
 // loaded, so the build needs no CUDA library to link against. Compiled with MRS_CUDA_GRAPHS (the
@@ -41,7 +37,6 @@ using cublasOperation_t = int;
 constexpr cublasOperation_t CUBLAS_OP_N = 0, CUBLAS_OP_T = 1;
 using cublasLtEpilogue_t = uint32_t;
 constexpr cublasLtEpilogue_t CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4;
-constexpr cublasLtEpilogue_t CUBLASLT_EPILOGUE_DGELU_BGRAD = 64 | 128 | 16;
 // cublasLtMatmulDescAttributes_t
 constexpr int DESC_TRANSA = 3, DESC_TRANSB = 4, DESC_EPILOGUE = 7, DESC_BIAS_POINTER = 8,
               DESC_EPILOGUE_AUX_POINTER = 11, DESC_EPILOGUE_AUX_LD = 12, DESC_BIAS_DATA_TYPE = 26;
@@ -152,7 +147,7 @@ cudaDataType_t data_type(const at::Tensor& t) {
     case at::kHalf:
       return CUDA_R_16F;
     default:
-      throw std::runtime_error("the GeLU GEMM epilogues take bf16 or fp16 tensors, not " +
+      throw std::runtime_error("the GeLU GEMM epilogue takes bf16 or fp16 tensors, not " +
                                std::string(c10::toString(t.scalar_type())));
   }
 }
@@ -315,34 +310,6 @@ char* mrs_linear_gelu_aux(const mrs_tensor input, const mrs_tensor weight, const
   });
 }
 
-char* mrs_matmul_dgelu_bgrad(const mrs_tensor grad, const mrs_tensor weight,
-                             const mrs_tensor preactivation, mrs_tensor* out,
-                             mrs_tensor* bias_grad_out) {
-  return protect([&] {
-    const at::Tensor& g = *grad;
-    const at::Tensor& w = *weight;
-    const at::Tensor& pre = *preactivation;
-    check_operand(g, "the output gradient", 2);
-    check_operand(w, "the weight", 2);
-    check_operand(pre, "the GeLU argument", 2);
-    TORCH_CHECK(g.scalar_type() == w.scalar_type() && pre.scalar_type() == w.scalar_type(),
-                "gradient, weight and GeLU argument differ in dtype");
-    const int64_t rows = g.size(0), outer = w.size(0), features = w.size(1);
-    TORCH_CHECK(g.size(1) == outer, "gradient width ", g.size(1), " is not the weight's ", outer,
-                " rows");
-    TORCH_CHECK(pre.size(0) == rows && pre.size(1) == features,
-                "the GeLU argument is not [rows, ", features, "]");
-    at::Tensor d = at::empty({rows, features}, g.options());
-    at::Tensor bias_grad = at::empty({features}, g.options());
-    // Row-major d = g·W is column-major dᵀ = Wᵀ·gᵀ: A = W stored as features×outer (not
-    // transposed), B = gᵀ; the bias gradient sums over the rows.
-    matmul(w, false, g, d, features, rows, outer, CUBLASLT_EPILOGUE_DGELU_BGRAD,
-           bias_grad.data_ptr(), data_type(bias_grad), pre.data_ptr());
-    *out = new at::Tensor(d);
-    *bias_grad_out = new at::Tensor(bias_grad);
-  });
-}
-
 }  // extern "C"
 
 #else
@@ -354,7 +321,7 @@ namespace {
 char* unavailable() {
   return protect([] {
     throw std::runtime_error(
-        "this build of megatron-rs has no cuBLASLt epilogues: its build found no CUDA runtime "
+        "this build of megatron-rs has no cuBLASLt GeLU epilogue: its build found no CUDA runtime "
         "headers beside a CUDA libtorch");
   });
 }
@@ -367,11 +334,6 @@ int mrs_gemm_epilogues_available(void) { return 0; }
 
 char* mrs_linear_gelu_aux(const mrs_tensor, const mrs_tensor, const mrs_tensor, mrs_tensor*,
                           mrs_tensor*) {
-  return unavailable();
-}
-
-char* mrs_matmul_dgelu_bgrad(const mrs_tensor, const mrs_tensor, const mrs_tensor, mrs_tensor*,
-                             mrs_tensor*) {
   return unavailable();
 }
 

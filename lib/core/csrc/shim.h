@@ -153,17 +153,12 @@ char* mrs_unscale_and_check_finite(const mrs_tensor* tensors, size_t n, const mr
 // torch.use_deterministic_algorithms(enabled) and cuDNN's deterministic/benchmark switches.
 char* mrs_set_deterministic(int enabled);
 
-// cuBLASLt GEMMs with GeLU epilogues (gemm_epilogue.cpp; bf16/fp16, contiguous, 16-byte aligned,
-// widths multiples of 8). Whether this build has them:
+// fc1's GEMM with the bias + tanh-GeLU cuBLASLt epilogue (gemm_epilogue.cpp; bf16/fp16,
+// contiguous, 16-byte aligned, widths multiples of 8). Whether this build has it:
 int mrs_gemm_epilogues_available(void);
 // out = gelu_tanh(input·weightᵀ + bias) and preactivation = input·weightᵀ + bias, [rows, out].
 char* mrs_linear_gelu_aux(const mrs_tensor input, const mrs_tensor weight, const mrs_tensor bias,
                           mrs_tensor* out, mrs_tensor* preactivation_out);
-// out = (grad·weight) ⊙ gelu_tanh'(preactivation), [rows, in], and bias_grad = out summed over
-// the rows.
-char* mrs_matmul_dgelu_bgrad(const mrs_tensor grad, const mrs_tensor weight,
-                             const mrs_tensor preactivation, mrs_tensor* out,
-                             mrs_tensor* bias_grad_out);
 
 #ifdef __cplusplus
 }

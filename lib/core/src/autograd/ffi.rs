@@ -175,13 +175,6 @@ extern "C" {
         out: *mut TensorHandle,
         preactivation_out: *mut TensorHandle,
     ) -> *mut c_char;
-    pub fn mrs_matmul_dgelu_bgrad(
-        grad: TensorHandle,
-        weight: TensorHandle,
-        preactivation: TensorHandle,
-        out: *mut TensorHandle,
-        bias_grad_out: *mut TensorHandle,
-    ) -> *mut c_char;
 }
 
 /// A borrowed tch tensor as a shim handle (the shim copies it by reference count).

@@ -3,8 +3,8 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::gelu_mlp::{self, GeluMlpParams};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::linear_gelu;
 use super::main_grad_linear::linear;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::{Activation, GptConfig};
@@ -57,16 +57,16 @@ impl Mlp {
 
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let input = self.linear_fc1.parallel_input(hidden)?;
-        if let Some(partial) = self.fused_bias_gelu(&input)? {
-            let bias_added = self.linear_fc2.local_bias().is_some();
-            return self.linear_fc2.reduce_output(&partial, bias_added);
-        }
-        let intermediate = linear(
-            &input,
-            &self.linear_fc1.weight,
-            self.linear_fc1.bias.as_ref(),
-        )?;
-        self.linear_fc2.forward(&self.activate(&intermediate))
+        let fc1 = &self.linear_fc1;
+        let fused = match (self.activation, &fc1.bias) {
+            (Activation::GeluTanh, Some(bias)) => linear_gelu::forward(&input, &fc1.weight, bias)?,
+            _ => None,
+        };
+        let activated = match fused {
+            Some(activated) => activated,
+            None => self.activate(&linear(&input, &fc1.weight, fc1.bias.as_ref())?),
+        };
+        self.linear_fc2.forward(&activated)
     }
 
     /// The activation of fc1's output.
@@ -89,24 +89,6 @@ impl Mlp {
             Activation::GeluErf => Some(Gelu::Erf),
             Activation::Swiglu | Activation::SquaredRelu => None,
         }
-    }
-
-    /// This rank's fc2 product through the bias + GeLU GEMM epilogues (Megatron's
-    /// `--bias-gelu-fusion`, tanh GeLU with biases), where they apply.
-    fn fused_bias_gelu(&self, input: &Tensor) -> Result<Option<Tensor>> {
-        let (Activation::GeluTanh, Some(fc1_bias)) = (self.activation, &self.linear_fc1.bias)
-        else {
-            return Ok(None);
-        };
-        gelu_mlp::forward(
-            input,
-            &GeluMlpParams {
-                fc1_weight: &self.linear_fc1.weight,
-                fc1_bias,
-                fc2_weight: &self.linear_fc2.weight,
-                fc2_bias: self.linear_fc2.local_bias(),
-            },
-        )
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {

@@ -3,9 +3,9 @@
 
 mod attention;
 mod embedding;
-mod gelu_mlp;
 mod kv_cache;
 mod linear;
+mod linear_gelu;
 pub(crate) mod main_grad_linear;
 mod mlp;
 mod norm;
