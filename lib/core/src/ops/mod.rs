@@ -1,6 +1,7 @@
 //! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim.
 
 pub mod multi_tensor;
+pub mod optimizer_kernels;
 pub mod paged_attention;
 
 pub use multi_tensor::{
