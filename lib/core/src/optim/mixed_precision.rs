@@ -142,6 +142,8 @@ pub struct MixedPrecisionOptimizer {
     param_gather: Option<Arc<ParamGather>>,
     /// The step's own kernels, where they apply and passed their self-check.
     kernels: Option<StepKernels>,
+    /// `--clip-grad` as a float32 scalar on the device, when clipping.
+    clip: Option<Tensor>,
 }
 
 /// The tables of [`optimizer_kernels`] for this rank's layout: Adam(W) with half-precision model
@@ -282,6 +284,8 @@ impl MixedPrecisionOptimizer {
         let mut optimizer = MixedPrecisionOptimizer {
             views: StepViews::default(),
             kernels: None,
+            clip: (settings.clip_grad > 0.0)
+                .then(|| Tensor::from(settings.clip_grad as f32).to_device(device)),
             param_gather,
             grad_sync,
             settings,
@@ -578,21 +582,21 @@ impl MixedPrecisionOptimizer {
             }
         }
         let norm = self.grad_norm()?;
-        let grad_norm = norm.double_value(&[]);
         // Megatron scales by clip / (norm + 1e-6) only when that is below one; dividing by
         // the clamped inverse is the identity otherwise, with no branch on the host. Adam
         // divides inside its own kernel, so clipping costs no pass over the gradients.
-        let clip_divisor = (self.settings.clip_grad > 0.0).then(|| {
-            ((norm + 1e-6) / Tensor::from(self.settings.clip_grad as f32).to_device(device))
-                .clamp_min(1.0)
-        });
+        let clip_divisor = self
+            .clip
+            .as_ref()
+            .map(|clip| ((&norm + 1e-6) / clip).clamp_min(1.0));
         if let (Some(kernels), OptimizerKind::Adam { beta1, beta2, eps }) =
             (&self.kernels, self.settings.kind)
         {
             self.kernel_step(kernels, lr, weight_decay, (beta1, beta2, eps), clip_divisor)?;
+            // Read once the update is queued: the device runs it while the host waits.
             return Ok(StepOutcome {
                 skipped: false,
-                grad_norm: Some(grad_norm),
+                grad_norm: Some(norm.double_value(&[])),
             });
         }
         match self.settings.kind {
@@ -633,9 +637,10 @@ impl MixedPrecisionOptimizer {
         }
         self.publish_main_params()?;
         self.zero_grads()?;
+        // Read once the update is queued: the device runs it while the host waits.
         Ok(StepOutcome {
             skipped: false,
-            grad_norm: Some(grad_norm),
+            grad_norm: Some(norm.double_value(&[])),
         })
     }
 
