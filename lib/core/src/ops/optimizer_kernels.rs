@@ -234,8 +234,8 @@ pub fn supports(model_kind: Kind) -> bool {
     matches!(model_kind, Kind::BFloat16 | Kind::Half)
 }
 
-/// `ranges` cut into chunks of at most [`CHUNK`] elements, each starting where its range
-/// starts or a multiple of [`CHUNK`] after it.
+/// `range` cut into chunks of at most [`CHUNK`] elements, each starting where the range starts
+/// or a multiple of [`CHUNK`] after it.
 fn chunks_of(range: &Range<usize>) -> impl Iterator<Item = Range<usize>> + '_ {
     range
         .clone()
@@ -243,8 +243,8 @@ fn chunks_of(range: &Range<usize>) -> impl Iterator<Item = Range<usize>> + '_ {
         .map(move |start| start..(start + CHUNK).min(range.end))
 }
 
-/// A table of int64 fields (`fields` per row) on `device`; an empty table holds one unused row
-/// so that its pointer is a real allocation.
+/// A table of int64 rows on `device`; an empty table holds one unused element so that its
+/// pointer is a real allocation.
 fn device_table(rows: &[i64], device: Device) -> Tensor {
     if rows.is_empty() {
         Tensor::zeros([1], (Kind::Int64, device))
