@@ -674,3 +674,82 @@ fn buffer_of(tensor: &Tensor, segment: &AdamwSegment) -> Tensor {
 fn refs(tensors: &[Tensor]) -> Vec<&Tensor> {
     tensors.iter().collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_cover_every_segment_once_in_aligned_chunks() {
+        let segments = [
+            (0, 0, 2 * CHUNK + 5, true),
+            (2 * CHUNK + 64, 2 * CHUNK + 67, 1, false),
+            (3 * CHUNK, 3 * CHUNK + 1, CHUNK, true),
+        ]
+        .map(|(buffer_start, shard_start, len, decayed)| AdamwSegment {
+            buffer_start,
+            shard_start,
+            len,
+            decayed,
+        });
+        let table = AdamwTable::new(&segments, Device::Cpu).unwrap();
+        let rows = Vec::<i64>::try_from(&table.chunks).unwrap();
+        let rows: Vec<&[i64]> = rows.chunks(4).collect();
+        assert_eq!(
+            rows,
+            [
+                [0, 0, CHUNK as i64, 1],
+                [CHUNK as i64, CHUNK as i64, CHUNK as i64, 1],
+                [2 * CHUNK as i64, 2 * CHUNK as i64, 5, 1],
+                [2 * CHUNK as i64 + 64, 2 * CHUNK as i64 + 67, 1, 0],
+                [3 * CHUNK as i64, 3 * CHUNK as i64 + 1, CHUNK as i64, 1],
+            ]
+        );
+        assert_eq!(
+            (table.count, table.buffer_end, table.shard_end),
+            (5, 4 * CHUNK, 4 * CHUNK + 1)
+        );
+        let squares = SquaresTable::new(&[3..3 + CHUNK + 1, 100_000..100_002], Device::Cpu);
+        let rows = Vec::<i64>::try_from(&squares.chunks).unwrap();
+        assert_eq!(rows, [3, CHUNK as i64, 3 + CHUNK as i64, 1, 100_000, 2]);
+        assert_eq!((squares.count, squares.end), (3, 100_002));
+        let empty = SquaresTable::new(&[], Device::Cpu);
+        assert_eq!((empty.count, empty.chunks.numel()), (0, 1));
+    }
+
+    #[test]
+    fn cpu_tensors_are_turned_away_with_a_message() {
+        let values = Tensor::zeros([8], (Kind::Float, Device::Cpu));
+        let table = SquaresTable::new(&[0..8], Device::Cpu);
+        let error = sum_of_squares(&values, &table).unwrap_err().to_string();
+        assert!(error.contains("CUDA"), "{error}");
+        let segments = [AdamwSegment {
+            buffer_start: 0,
+            shard_start: 0,
+            len: 8,
+            decayed: true,
+        }];
+        let table = AdamwTable::new(&segments, Device::Cpu).unwrap();
+        let model = values.to_kind(Kind::BFloat16);
+        let buffers = AdamwBuffers {
+            main: &values,
+            exp_avg: &values,
+            exp_avg_sq: &values,
+            grads: &values,
+            model: &model,
+        };
+        let hyper = AdamwHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let step = Tensor::ones([1], (Kind::Float, Device::Cpu));
+        let error = adamw(&buffers, &table, hyper, &step, None, true)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("CUDA"), "{error}");
+        assert!(supports(Kind::BFloat16) && supports(Kind::Half) && !supports(Kind::Float));
+    }
+}
