@@ -720,7 +720,7 @@ mod tests {
     #[test]
     fn cpu_tensors_are_turned_away_with_a_message() {
         let values = Tensor::zeros([8], (Kind::Float, Device::Cpu));
-        let table = SquaresTable::new(&[0..8], Device::Cpu);
+        let table = SquaresTable::new(std::slice::from_ref(&(0..8)), Device::Cpu);
         let error = sum_of_squares(&values, &table).unwrap_err().to_string();
         assert!(error.contains("CUDA"), "{error}");
         let segments = [AdamwSegment {
