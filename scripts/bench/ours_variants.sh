@@ -3,16 +3,34 @@
 # --cross-entropy-loss-fusion"), each lever measured on its own in the same run: it runs "$@"
 # followed by the set's flags into $SCRATCH/variant<i>.log, with the set as its label
 # (variant<i>.label) and its peak GPU memory (variant<i>.mem), which training_table.py reads.
+# Words of a set of the form NAME=value are set in the run's environment instead (e.g.
+# "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the optimizer step on ATen's kernels).
 run_ours_variants() {
-    local variants variant i
+    local variants i
     IFS=';' read -r -a variants <<<"${OURS_VARIANTS:-}"
     for i in "${!variants[@]}"; do
-        read -r -a variant <<<"${variants[$i]}"
+        split_variant "${variants[$i]}"
         echo "== ours with ${variants[$i]}" >&2
         echo "${variants[$i]}" >"$SCRATCH/variant$i.label"
         exec 3>"$SCRATCH/variant$i.mem"
-        with_memory_peak "$@" "${variant[@]}" >"$SCRATCH/variant$i.log"
+        with_memory_peak env "${VARIANT_ENV[@]}" "$@" "${VARIANT_FLAGS[@]}" >"$SCRATCH/variant$i.log"
         exec 3>&-
         cat "$SCRATCH/variant$i.log" >&2
+    done
+}
+
+# Splits one flag set into VARIANT_ENV (its NAME=value words) and VARIANT_FLAGS (the rest).
+split_variant() {
+    local word
+    local -a words
+    read -r -a words <<<"$1"
+    VARIANT_ENV=()
+    VARIANT_FLAGS=()
+    for word in "${words[@]}"; do
+        if [[ "$word" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then
+            VARIANT_ENV+=("$word")
+        else
+            VARIANT_FLAGS+=("$word")
+        fi
     done
 }

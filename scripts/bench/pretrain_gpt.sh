@@ -17,7 +17,9 @@
 #   NUM_HEADS=16          attention heads
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours, e.g.
 #                         "--no-gradient-accumulation-fusion;--cross-entropy-loss-fusion" (each
-#                         lever measured on its own)
+#                         lever measured on its own); NAME=value words are set in the run's
+#                         environment ("MEGATRON_RS_OPTIMIZER_KERNELS=0": the optimizer step on
+#                         ATen's kernels)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
 set -euo pipefail
 

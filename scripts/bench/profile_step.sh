@@ -20,6 +20,9 @@
 #   NUM_HEADS=16          attention heads
 #   TRACE_DIR=dir         keep the traces here [default: a temporary directory]
 #   TOP=0                 also list each run's N most expensive kernels
+#   OURS_VARIANTS=""      ;-separated flag sets, each profiling ours once more with them, as in
+#                         pretrain_gpt.sh (NAME=value words go to the environment), e.g.
+#                         "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the step on ATen's kernels
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -33,6 +36,8 @@ if [[ -z "${PRETRAIN_GPT:-}" ]]; then
 fi
 # shellcheck source=../torch-env.sh
 source "$ROOT/scripts/torch-env.sh" "$PYTHON"
+# shellcheck source=ours_variants.sh
+source "$ROOT/scripts/bench/ours_variants.sh"
 SCRATCH="$(mktemp -d -t profile-step.XXXXXX)"
 trap 'rm -rf "$SCRATCH"' EXIT
 TRACE_DIR="${TRACE_DIR:-$SCRATCH}"
@@ -47,15 +52,25 @@ EXTRA=(${EXTRA_FLAGS:-})
 OURS_EXTRA=(${OURS_FLAGS:-})
 ITERS=$((WARMUP + PROFILE_ITERS))
 
+OURS=("$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" "${OURS_EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS"
+      --log-interval "$ITERS" --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data
+      --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt"
+      --profile --use-pytorch-profiler --profile-step-start "$WARMUP" --profile-step-end "$ITERS")
 echo "== ours: $PRETRAIN_GPT" >&2
-"$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" "${OURS_EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS" \
-    --log-interval "$ITERS" --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data \
-    --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" \
-    --profile --use-pytorch-profiler --profile-step-start "$WARMUP" --profile-step-end "$ITERS" \
-    --tensorboard-dir "$SCRATCH/ours" >&2
+"${OURS[@]}" --tensorboard-dir "$SCRATCH/ours" >&2
 cp "$SCRATCH/ours/trace_rank0_iter${WARMUP}-${ITERS}.json" "$TRACE_DIR/ours.json"
 TRACES=("$TRACE_DIR/ours.json")
 LABELS=(megatron-rs)
+IFS=';' read -r -a VARIANTS <<<"${OURS_VARIANTS:-}"
+for i in "${!VARIANTS[@]}"; do
+    split_variant "${VARIANTS[$i]}"
+    echo "== ours with ${VARIANTS[$i]}" >&2
+    env "${VARIANT_ENV[@]}" "${OURS[@]}" "${VARIANT_FLAGS[@]}" \
+        --tensorboard-dir "$SCRATCH/variant$i" >&2
+    cp "$SCRATCH/variant$i/trace_rank0_iter${WARMUP}-${ITERS}.json" "$TRACE_DIR/variant$i.json"
+    TRACES+=("$TRACE_DIR/variant$i.json")
+    LABELS+=("ours ${VARIANTS[$i]}")
+done
 
 if [[ "$REFERENCE" != none ]]; then
     echo "== reference: PyTorch $REFERENCE" >&2

@@ -36,6 +36,7 @@ __device__ __forceinline__ void store(f16* p, float value) {
 pub mod decode_gemv;
 pub mod gemm_epilogue;
 pub mod multi_tensor;
+pub mod optimizer_kernels;
 pub mod paged_attention;
 
 pub use multi_tensor::{

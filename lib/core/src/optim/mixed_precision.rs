@@ -15,9 +15,14 @@ use super::grad_sync::{BucketReducer, OverlappedGradSync};
 use super::groups::ParamGroup;
 use super::param_gather::ParamGather;
 use crate::model::{NamedParameter, ParamGate};
+use crate::ops::optimizer_kernels::{self, AdamwBuffers, AdamwSegment, AdamwTable, SquaresTable};
 use crate::ops::{self, AdamwHyper};
 use crate::parallel::{Communicator, ParallelState, ReduceOp};
 use crate::runtime::CudaStream;
+
+/// Set to `0`, the environment variable that keeps the optimizer step on ATen's multi-tensor
+/// kernels instead of [`optimizer_kernels`] (for benchmarks and comparisons).
+pub const OPTIMIZER_KERNELS_VARIABLE: &str = "MEGATRON_RS_OPTIMIZER_KERNELS";
 
 /// Megatron's default `--ddp-bucket-size`: 40M elements.
 pub const DEFAULT_BUCKET_SIZE: usize = 40_000_000;
@@ -102,6 +107,9 @@ enum Moments {
     Adam {
         exp_avg: Tensor,
         exp_avg_sq: Tensor,
+        /// One step count per segment (all equal), float32 as ATen's fused AdamW takes them.
+        step_counts: Tensor,
+        /// Views of `step_counts`, one per segment, for ATen's fused AdamW.
         steps: Vec<Tensor>,
     },
     Sgd {
@@ -132,6 +140,19 @@ pub struct MixedPrecisionOptimizer {
     /// The distributed optimizer's all-gather of updated parameters (overlapped on GPUs with
     /// `--overlap-param-gather` over several ranks).
     param_gather: Option<Arc<ParamGather>>,
+    /// The step's own kernels, where they apply and passed their self-check.
+    kernels: Option<StepKernels>,
+    /// `--clip-grad` as a float32 scalar on the device, when clipping.
+    clip: Option<Tensor>,
+}
+
+/// The tables of [`optimizer_kernels`] for this rank's layout: Adam(W) with half-precision model
+/// parameters and float32 main parameters on a CUDA device.
+struct StepKernels {
+    /// The gradients that count in the norm.
+    squares: SquaresTable,
+    /// Every segment of the shards.
+    adamw: AdamwTable,
 }
 
 impl MixedPrecisionOptimizer {
@@ -197,15 +218,16 @@ impl MixedPrecisionOptimizer {
             Tensor::cat(&shards, 0).to_kind(Kind::Float)
         };
         let moments = match settings.kind {
-            OptimizerKind::Adam { .. } => Moments::Adam {
-                exp_avg: main.zeros_like(),
-                exp_avg_sq: main.zeros_like(),
-                steps: layout
-                    .segments
-                    .iter()
-                    .map(|_| Tensor::zeros([], (Kind::Float, device)))
-                    .collect(),
-            },
+            OptimizerKind::Adam { .. } => {
+                let segments = layout.segments.len() as i64;
+                let step_counts = Tensor::zeros([segments], (Kind::Float, device));
+                Moments::Adam {
+                    exp_avg: main.zeros_like(),
+                    exp_avg_sq: main.zeros_like(),
+                    steps: (0..segments).map(|i| step_counts.select(0, i)).collect(),
+                    step_counts,
+                }
+            }
             OptimizerKind::Sgd { .. } => Moments::Sgd { momentum: None },
         };
         let embedding_slots = layout
@@ -261,6 +283,9 @@ impl MixedPrecisionOptimizer {
         };
         let mut optimizer = MixedPrecisionOptimizer {
             views: StepViews::default(),
+            kernels: None,
+            clip: (settings.clip_grad > 0.0)
+                .then(|| Tensor::from(settings.clip_grad as f32).to_device(device)),
             param_gather,
             grad_sync,
             settings,
@@ -276,7 +301,57 @@ impl MixedPrecisionOptimizer {
             embedding_slots,
         };
         optimizer.views = optimizer.step_views();
+        optimizer.kernels = optimizer.step_kernels()?;
         Ok(optimizer)
+    }
+
+    /// The step's own kernels, for Adam with bf16/fp16 parameters on a CUDA device, unless
+    /// [`OPTIMIZER_KERNELS_VARIABLE`] is `0` or their self-check fails (reported once per
+    /// process, device and dtype; ATen's kernels are used then).
+    fn step_kernels(&self) -> Result<Option<StepKernels>> {
+        let kind = self.param_buffer.kind();
+        let Device::Cuda(index) = self.grad_buffer.device() else {
+            return Ok(None);
+        };
+        if !matches!(self.settings.kind, OptimizerKind::Adam { .. })
+            || self.main_is_params
+            || !optimizer_kernels::supports(kind)
+            || std::env::var(OPTIMIZER_KERNELS_VARIABLE).is_ok_and(|v| v == "0")
+            || !kernels_pass_self_check(index, kind)
+        {
+            return Ok(None);
+        }
+        let segments = &self.layout.segments;
+        let device = self.grad_buffer.device();
+        let counted: Vec<std::ops::Range<usize>> = segments
+            .iter()
+            .filter(|s| self.counted(s))
+            .map(|s| s.buffer.clone())
+            .collect();
+        let adamw: Vec<AdamwSegment> = segments
+            .iter()
+            .map(|s| AdamwSegment {
+                buffer_start: s.buffer.start,
+                shard_start: s.shard.start,
+                len: s.buffer.len(),
+                decayed: self.layout.slots[s.slot].group == ParamGroup::Decayed,
+            })
+            .collect();
+        Ok(Some(StepKernels {
+            squares: SquaresTable::new(&counted, device),
+            adamw: AdamwTable::new(&adamw, device)?,
+        }))
+    }
+
+    /// Whether the step runs on [`optimizer_kernels`] (see [`Self::without_step_kernels`]).
+    pub fn uses_step_kernels(&self) -> bool {
+        self.kernels.is_some()
+    }
+
+    /// Keeps the step on ATen's multi-tensor kernels (to compare the two).
+    pub fn without_step_kernels(mut self) -> Self {
+        self.kernels = None;
+        self
     }
 
     /// The views of [`StepViews`]; the buffers they view are only ever updated in place
@@ -295,6 +370,7 @@ impl MixedPrecisionOptimizer {
                 exp_avg,
                 exp_avg_sq,
                 steps,
+                ..
             } => [ParamGroup::Decayed, ParamGroup::NotDecayed]
                 .into_iter()
                 .map(|group| {
@@ -461,9 +537,24 @@ impl MixedPrecisionOptimizer {
     fn global_norm(&self, views: &[Tensor]) -> Result<Tensor> {
         let refs: Vec<&Tensor> = views.iter().collect();
         let device = self.grad_buffer.device();
-        let squared = ops::total_norm(&refs)?.to_device(device).square();
+        self.replica_norm(ops::total_norm(&refs)?.to_device(device).square())
+    }
+
+    /// The square root of this rank's sum of squares `squared` summed over the replica.
+    fn replica_norm(&self, squared: Tensor) -> Result<Tensor> {
         self.reduce_over_replica(&squared, ReduceOp::Sum)?;
         Ok(squared.sqrt())
+    }
+
+    /// The global norm of the gradients that count.
+    fn grad_norm(&self) -> Result<Tensor> {
+        match &self.kernels {
+            Some(kernels) => self.replica_norm(optimizer_kernels::sum_of_squares(
+                &self.grad_buffer,
+                &kernels.squares,
+            )?),
+            None => self.global_norm(&self.views.counted),
+        }
     }
 
     /// Reduces, unscales (fp16), checks, clips and applies the accumulated gradients, then
@@ -490,15 +581,24 @@ impl MixedPrecisionOptimizer {
                 });
             }
         }
-        let norm = self.global_norm(&self.views.counted)?;
+        let norm = self.grad_norm()?;
         // Megatron scales by clip / (norm + 1e-6) only when that is below one; dividing by
         // the clamped inverse is the identity otherwise, with no branch on the host. Adam
         // divides inside its own kernel, so clipping costs no pass over the gradients.
-        let clip_divisor = (self.settings.clip_grad > 0.0).then(|| {
-            // A scalar divisor: a tensor made on the host would be a copy that waits for the
-            // device.
-            ((&norm + 1e-6) / self.settings.clip_grad).clamp_min(1.0)
-        });
+        let clip_divisor = self
+            .clip
+            .as_ref()
+            .map(|clip| ((&norm + 1e-6) / clip).clamp_min(1.0));
+        if let (Some(kernels), OptimizerKind::Adam { beta1, beta2, eps }) =
+            (&self.kernels, self.settings.kind)
+        {
+            self.kernel_step(kernels, lr, weight_decay, (beta1, beta2, eps), clip_divisor)?;
+            // Read once the update is queued: the device runs it while the host waits.
+            return Ok(StepOutcome {
+                skipped: false,
+                grad_norm: Some(norm.double_value(&[])),
+            });
+        }
         match self.settings.kind {
             OptimizerKind::Adam { beta1, beta2, eps } => {
                 for views in &self.views.adam {
@@ -537,13 +637,64 @@ impl MixedPrecisionOptimizer {
         }
         self.publish_main_params()?;
         self.zero_grads()?;
-        // Read last: the read waits for the device, which by then has the whole step queued
-        // instead of idling while the host launches the update.
-        let grad_norm = norm.double_value(&[]);
+        // Read once the update is queued: the device runs it while the host waits.
         Ok(StepOutcome {
             skipped: false,
-            grad_norm: Some(grad_norm),
+            grad_norm: Some(norm.double_value(&[])),
         })
+    }
+
+    /// The Adam step on [`optimizer_kernels`]: one launch updates the main parameters and
+    /// moments, writes the model parameters and (unless sharded) zeroes the gradients; with the
+    /// distributed optimizer the rest of the gradient buffer, reduced to other ranks' shards,
+    /// still needs its fill.
+    fn kernel_step(
+        &self,
+        kernels: &StepKernels,
+        lr: f64,
+        weight_decay: f64,
+        (beta1, beta2, eps): (f64, f64, f64),
+        clip_divisor: Option<Tensor>,
+    ) -> Result<()> {
+        let Moments::Adam {
+            exp_avg,
+            exp_avg_sq,
+            step_counts,
+            ..
+        } = &self.moments
+        else {
+            anyhow::bail!("the optimizer kernels run Adam only");
+        };
+        tch::no_grad(|| -> Result<()> {
+            let _ = step_counts.shallow_clone().g_add_scalar_(1.0);
+            let buffers = AdamwBuffers {
+                main: &self.main,
+                exp_avg,
+                exp_avg_sq,
+                grads: &self.grad_buffer,
+                model: &self.param_buffer,
+            };
+            let hyper = AdamwHyper {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            };
+            optimizer_kernels::adamw(
+                &buffers,
+                &kernels.adamw,
+                hyper,
+                step_counts,
+                clip_divisor.as_ref(),
+                !self.sharded,
+            )
+        })?;
+        self.gather_params()?;
+        if self.sharded {
+            self.zero_grads()?;
+        }
+        Ok(())
     }
 
     fn sgd_step(&mut self, segments: &[Segment], lr: f64, weight_decay: f64, momentum: f64) {
@@ -590,6 +741,12 @@ impl MixedPrecisionOptimizer {
             let (targets, sources) = &self.views.publish;
             tch::no_grad(|| ops::foreach_copy_(&refs(targets), &refs(sources)))?;
         }
+        self.gather_params()
+    }
+
+    /// With the distributed optimizer, all-gathers every rank's updated shard of the model
+    /// parameters.
+    fn gather_params(&self) -> Result<()> {
         match &self.param_gather {
             Some(gather) => gather.launch(),
             None => Ok(()),
@@ -645,11 +802,13 @@ impl MixedPrecisionOptimizer {
                 exp_avg,
                 exp_avg_sq,
                 steps,
+                ..
             } => {
                 out.push(("exp_avg".to_string(), exp_avg.shallow_clone()));
                 out.push(("exp_avg_sq".to_string(), exp_avg_sq.shallow_clone()));
                 if let Some(step) = steps.first() {
-                    out.push(("step".to_string(), step.shallow_clone()));
+                    // A tensor of its own, not a view into every segment's count.
+                    out.push(("step".to_string(), step.copy()));
                 }
             }
             Moments::Sgd {
@@ -682,14 +841,13 @@ impl MixedPrecisionOptimizer {
                 Moments::Adam {
                     exp_avg,
                     exp_avg_sq,
-                    steps,
+                    step_counts,
+                    ..
                 } => {
                     exp_avg.copy_(get("exp_avg")?);
                     exp_avg_sq.copy_(get("exp_avg_sq")?);
-                    let step = get("step")?;
-                    for s in steps.iter_mut() {
-                        s.copy_(step);
-                    }
+                    // Every segment's count, through the views ATen's fused AdamW reads.
+                    step_counts.copy_(&get("step")?.reshape([-1]).expand_as(step_counts));
                 }
                 Moments::Sgd { momentum } => {
                     *momentum = tensors
@@ -701,6 +859,25 @@ impl MixedPrecisionOptimizer {
         })?;
         self.publish_main_params()
     }
+}
+
+/// Whether [`optimizer_kernels::self_check`] passes on CUDA device `device` for model
+/// parameters of `kind`; checked once per process, a failure reported once.
+fn kernels_pass_self_check(device: usize, kind: Kind) -> bool {
+    static CHECKED: std::sync::Mutex<Vec<(usize, Kind, bool)>> = std::sync::Mutex::new(Vec::new());
+    let mut checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, _, passed)) = checked.iter().find(|c| c.0 == device && c.1 == kind) {
+        return passed;
+    }
+    let passed = match optimizer_kernels::self_check(device, kind) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("warning: the optimizer step runs on ATen's multi-tensor kernels: {e:#}");
+            false
+        }
+    };
+    checked.push((device, kind, passed));
+    passed
 }
 
 /// Sums `tensors` over `group` with one collective (they are flattened into one buffer).
