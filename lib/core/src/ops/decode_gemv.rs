@@ -30,13 +30,14 @@ pub const MAX_ROWS: i64 = 8;
 const WARPS: u32 = 8;
 
 /// The kernels' CUDA source: a warp computes `C` output columns (1 for up to 2 rows, else 2)
-/// for all rows; its lanes stride along `K` in 16-byte loads, `8 / C` loads of each column in
+/// for all rows; its lanes stride along `K` in 16-byte loads, `16 / C` loads of each column in
 /// flight, then the warp sums its lanes. A block first computes its rows' norm statistics
 /// (one warp per row) when there is a prologue; the input is read from L1/L2, the weight once.
 pub const SOURCE: KernelSource = KernelSource {
     name: "decode_gemv",
     source: concat!(
         cuda_scalars!(),
+        dependent_launch!(),
         r#"
 constexpr int WARPS = 8;
 // Flags of the prologue and epilogue.
@@ -106,7 +107,7 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
                             const T* __restrict__ residual, int rows, int K, int N, int flags,
                             float eps) {
     constexpr int V = Lanes<T>::N;
-    constexpr int U = 8 / C;
+    constexpr int U = 16 / C;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const bool layer_norm = flags & NORM_LAYER;
@@ -129,35 +130,40 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
             }
         }
     };
+    // The weights do not depend on earlier kernels: their first round loads while the
+    // previous kernel finishes.
+    let_next_kernel_start();
     if (active) load_round(lane * V);
+    wait_for_previous_kernel();
     __shared__ float shift[R];
     __shared__ float scale[R];
     if (layer_norm || rms_norm) {
-        // Row statistics in float32, two passes (mean, then the mean square around it).
+        // Row statistics in float32 in one pass over the row, its loads in flight together:
+        // sums of the values and squares around a pivot (the row's first value for LayerNorm,
+        // zero for RMSNorm), which keeps the variance E[(x-p)^2] - (E[x-p])^2 free of
+        // cancellation for rows far from zero.
         for (int r = warp; r < rows && r < R; r += WARPS) {
             const T* row = x + (long long)r * K;
-            float mean = 0.f;
-            if (layer_norm) {
-                float sum = 0.f;
-                for (int k = lane * V; k < K; k += 32 * V) {
-                    float f[V];
-                    load_pack(row + k, f);
-#pragma unroll
-                    for (int i = 0; i < V; ++i) sum += f[i];
-                }
-                mean = warp_sum(sum) / K;
-            }
+            const float pivot = layer_norm ? load(row) : 0.f;
+            float sum = 0.f;
             float squares = 0.f;
+#pragma unroll 4
             for (int k = lane * V; k < K; k += 32 * V) {
                 float f[V];
                 load_pack(row + k, f);
 #pragma unroll
-                for (int i = 0; i < V; ++i) squares += (f[i] - mean) * (f[i] - mean);
+                for (int i = 0; i < V; ++i) {
+                    const float d = f[i] - pivot;
+                    sum += d;
+                    squares += d * d;
+                }
             }
-            squares = warp_sum(squares);
+            sum = warp_sum(sum) / K;
+            squares = warp_sum(squares) / K;
             if (lane == 0) {
-                shift[r] = mean;
-                scale[r] = rsqrtf(squares / K + eps);
+                const float variance = layer_norm ? fmaxf(squares - sum * sum, 0.f) : squares;
+                shift[r] = layer_norm ? pivot + sum : 0.f;
+                scale[r] = rsqrtf(variance + eps);
             }
         }
         __syncthreads();
@@ -512,9 +518,10 @@ pub fn decode_linear(
     // shape checked above, the ones read in 16-byte loads aligned with rows of whole loads
     // (`fits`, `ready`); null pointers only where the flags say the kernel does not read them.
     // Copies dropped here return to the caching allocator, which reuses them only for work
-    // queued on the stream after the kernel.
+    // queued on the stream after the kernel. The kernel waits for the previous one before it
+    // reads anything but the weight, and writes only after that wait.
     unsafe {
-        module.launch(
+        module.launch_overlapping(
             &function,
             (blocks as u32, 1, 1),
             (32 * WARPS, 1, 1),

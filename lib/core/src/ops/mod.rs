@@ -33,6 +33,27 @@ __device__ __forceinline__ void store(f16* p, float value) {
     };
 }
 
+/// CUDA C++ for kernels launched with [`crate::runtime::nvrtc::Kernels::launch_overlapping`]:
+/// `let_next_kernel_start()` lets the next such kernel on the stream begin (its blocks then
+/// load what does not depend on this kernel), and `wait_for_previous_kernel()` waits until the
+/// previous kernel has finished and its writes are visible. Both do nothing before Hopper.
+macro_rules! dependent_launch {
+    () => {
+        r#"
+__device__ __forceinline__ void let_next_kernel_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+"#
+    };
+}
+
 pub mod decode_gemv;
 pub mod gemm_epilogue;
 pub mod multi_tensor;

@@ -19,21 +19,25 @@ use crate::runtime::nvrtc::{kernels, KernelSource};
 const _: () = assert!(BLOCK_SIZE == 16);
 
 /// Warps per (row, head), at most the kernel's `MAX_WARPS`: they take turns over the row's
-/// positions, four at a time, then merge their partial softmax sums. Many, so that a single
+/// positions, eight at a time, then merge their partial softmax sums. Many, so that a single
 /// row (batch-1 decoding) still has many loads in flight.
 const WARPS: u32 = 16;
 
 /// The kernels' CUDA source: one block of [`WARPS`] warps per (head, row); a warp's lanes hold
-/// `D / 32` consecutive channels of the query and of the running output, and a warp scores four
+/// `D / 32` consecutive channels of the query and of the running output, and a warp scores eight
 /// positions at once so that their loads are in flight together.
 pub const SOURCE: KernelSource = KernelSource {
     name: "paged_attention",
     source: concat!(
         cuda_scalars!(),
+        dependent_launch!(),
         r#"
 // Warps per block at most (the launch picks how many).
 constexpr int MAX_WARPS = 16;
-constexpr int UNROLL = 4;
+constexpr int UNROLL = 8;
+// Table entries kept in shared memory (positions up to TABLE_CACHE * BLOCK_SIZE), so that a
+// position's load waits for one memory round trip instead of two.
+constexpr int TABLE_CACHE = 256;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 constexpr int BLOCK_SIZE = 16;
 
@@ -51,6 +55,10 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
                              int heads, int groups, int per_row, float scale, const T* fresh,
                              long long fresh_row_stride, long long fresh_group_stride,
                              const long long* write_slots) {
+    // Everything read here may come from the previous kernel (the query, the new keys and
+    // values), so the wait comes first; starting the next kernel lets it load its weights.
+    let_next_kernel_start();
+    wait_for_previous_kernel();
     constexpr int PER = D / 32;
     const int head = blockIdx.x;
     const long long row = blockIdx.y;
@@ -77,6 +85,11 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
         T* target = pool + write_slots[row] * slot_stride + (long long)group * 2 * D;
         for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) target[i] = fresh_kv[i];
     }
+    __shared__ long long table_cache[TABLE_CACHE];
+    const long long used_blocks = last / BLOCK_SIZE + 1;
+    const long long cached = used_blocks < TABLE_CACHE ? used_blocks : TABLE_CACHE;
+    for (long long i = threadIdx.x; i < cached; i += blockDim.x) table_cache[i] = table[i];
+    __syncthreads();
     float m = neg_inf();
     float l = 0.f;
     // Each warp takes UNROLL consecutive positions at a time, their keys and values loaded
@@ -93,7 +106,9 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
             if (fresh_kv && p == newest) {
                 kv = fresh_kv + lane * PER;
             } else {
-                const long long slot = table[p / BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE;
+                const long long entry = p / BLOCK_SIZE;
+                const long long block = entry < TABLE_CACHE ? table_cache[entry] : table[entry];
+                const long long slot = block * BLOCK_SIZE + p % BLOCK_SIZE;
                 kv = pool + slot * slot_stride + (long long)group * 2 * D + lane * PER;
             }
 #pragma unroll
@@ -341,9 +356,9 @@ pub fn paged_decode_attention(
     // strides as i64, counts as i32, the scale as f32); the tensors are on the device, of the
     // shapes and layouts checked above (the new keys and values and write slots null together);
     // memory the caching allocator gets back (a copied query dropped here) is only reused by
-    // work queued on the stream after the kernel.
+    // work queued on the stream after the kernel, which waits for this one before it writes.
     unsafe {
-        module.launch(
+        module.launch_overlapping(
             &function,
             (heads as u32, rows as u32, 1),
             (32 * WARPS, 1, 1),

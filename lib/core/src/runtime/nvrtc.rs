@@ -149,6 +149,9 @@ pub struct Kernels {
     device: usize,
     context: usize,
     functions: HashMap<&'static str, usize>,
+    /// Hopper or newer: kernels may be launched to overlap their predecessor's end
+    /// ([`Kernels::launch_overlapping`]).
+    dependent_launch: bool,
 }
 
 /// Modules loaded so far, by source name and device; kept for the process's life.
@@ -206,6 +209,7 @@ fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
         device,
         context: context as usize,
         functions,
+        dependent_launch: major >= 9,
     })
 }
 
@@ -248,6 +252,58 @@ impl Kernels {
             stream as driver_sys::CUstream,
             args,
         )
+        .map_err(|e| anyhow!("launching {function}: {e:?}"))
+    }
+
+    /// [`Kernels::launch`] as a programmatic dependent launch on Hopper and newer GPUs: the
+    /// kernel may start while the previous kernel on the stream is still running, once that
+    /// one executes `griddepcontrol.launch_dependents`, and must execute `griddepcontrol.wait`
+    /// (see [`crate::ops`]'s `dependent_launch!` prelude) before it touches anything an earlier
+    /// kernel writes or reads. Work before the wait (loading weights) overlaps the previous
+    /// kernel; CUDA graphs capture the dependency. Older GPUs get a plain launch, where the
+    /// two instructions do nothing.
+    ///
+    /// # Safety
+    /// As for [`Kernels::launch`], and the kernel must wait as described.
+    pub unsafe fn launch_overlapping(
+        &self,
+        function: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        if !self.dependent_launch {
+            return self.launch(function, grid, block, args);
+        }
+        let handle = *self
+            .functions
+            .get(function)
+            .ok_or_else(|| anyhow!("no kernel {function} in this module"))?;
+        make_current(self.context as driver_sys::CUcontext)?;
+        let stream = super::current_cuda_stream(self.device)?;
+        let mut attribute: driver_sys::CUlaunchAttribute = std::mem::zeroed();
+        attribute.id =
+            driver_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let config = driver_sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: stream as driver_sys::CUstream,
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        driver_sys::cuLaunchKernelEx(
+            &config,
+            handle as driver_sys::CUfunction,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
         .map_err(|e| anyhow!("launching {function}: {e:?}"))
     }
 }
