@@ -48,6 +48,9 @@ constexpr int ADD_BIAS = 8;
 constexpr int GELU_TANH = 16;
 constexpr int GELU_ERF = 32;
 constexpr int ADD_RESIDUAL = 64;
+// The block copies its input rows into shared memory (normed there), so that the loop over
+// the weight reads them without a round trip to L2 per load.
+constexpr int STAGE_INPUT = 128;
 
 // 16 bytes of a row: 8 bf16 or fp16 values, or 4 float32 values.
 struct alignas(16) Pack { unsigned int w[4]; };
@@ -135,6 +138,18 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
     let_next_kernel_start();
     if (active) load_round(lane * V);
     wait_for_previous_kernel();
+    extern __shared__ __align__(16) unsigned char staged_input[];
+    const bool staged = flags & STAGE_INPUT;
+    if (staged) {
+        T* xs = reinterpret_cast<T*>(staged_input);
+        const int packs = rows * K / V;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < packs; i += blockDim.x)
+            *reinterpret_cast<Pack*>(xs + (long long)i * V) =
+                *reinterpret_cast<const Pack*>(x + (long long)i * V);
+        __syncthreads();
+        x = xs;
+    }
     __shared__ float shift[R];
     __shared__ float scale[R];
     if (layer_norm || rms_norm) {
@@ -167,7 +182,31 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
             }
         }
         __syncthreads();
+        if (staged) {
+            T* xs = reinterpret_cast<T*>(staged_input);
+#pragma unroll 2
+            for (int i = threadIdx.x * V; i < rows * K; i += blockDim.x * V) {
+                const int r = i / K;
+                const int k = i % K;
+                float xv[V];
+                float g[V];
+                float b[V];
+                load_pack(xs + i, xv);
+                load_pack(gamma + k, g);
+                if (layer_norm) load_pack(beta + k, b);
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    if (flags & NORM_ONE_PLUS) g[j] = rounded<T>(g[j] + 1.f);
+                    store(xs + i + j, layer_norm
+                                          ? (xv[j] - shift[r]) * scale[r] * g[j] + b[j]
+                                          : rounded<T>(xv[j] * scale[r]) * g[j]);
+                }
+            }
+            __syncthreads();
+        }
     }
+    // A staged input is normed already.
+    const bool norm_in_loop = (layer_norm || rms_norm) && !staged;
     if (!active) return;
     float acc[R][C];
 #pragma unroll
@@ -186,7 +225,7 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
             for (int c = 0; c < C; ++c) unpack(wp[u][c], w, wv[c]);
             float g[V];
             float b[V];
-            if (layer_norm || rms_norm) {
+            if (norm_in_loop) {
                 load_pack(gamma + k, g);
                 if (flags & NORM_ONE_PLUS) {
 #pragma unroll
@@ -201,11 +240,11 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
                 if (r >= rows) break;
                 float xv[V];
                 load_pack(x + (long long)r * K + k, xv);
-                if (layer_norm) {
+                if (norm_in_loop && layer_norm) {
 #pragma unroll
                     for (int i = 0; i < V; ++i)
                         xv[i] = rounded<T>((xv[i] - shift[r]) * scale[r] * g[i] + b[i]);
-                } else if (rms_norm) {
+                } else if (norm_in_loop) {
 #pragma unroll
                     for (int i = 0; i < V; ++i)
                         xv[i] = rounded<T>(rounded<T>(xv[i] * scale[r]) * g[i]);
@@ -291,6 +330,11 @@ const ADD_BIAS: i32 = 8;
 const GELU_TANH: i32 = 16;
 const GELU_ERF: i32 = 32;
 const ADD_RESIDUAL: i32 = 64;
+const STAGE_INPUT: i32 = 128;
+
+/// The most dynamic shared memory a launch gets without opting in: inputs up to this size are
+/// staged there.
+const MAX_STAGED_BYTES: i64 = 48 * 1024;
 
 /// A LayerNorm or RMSNorm over the last dimension: the model's norms (see
 /// [`crate::model::layers::Norm`]) as plain tensor math, and as the kernels' prologue.
@@ -465,6 +509,13 @@ pub fn decode_linear(
     if residual.is_some() {
         flags |= ADD_RESIDUAL;
     }
+    let staged_bytes = rows * k * kind.elt_size_in_bytes() as i64;
+    let shared_bytes = if staged_bytes <= MAX_STAGED_BYTES {
+        flags |= STAGE_INPUT;
+        staged_bytes as u32
+    } else {
+        0
+    };
     let out = Tensor::empty([rows, n], (kind, input.device()));
     let dtype = match kind {
         Kind::BFloat16 => "bf16",
@@ -525,6 +576,7 @@ pub fn decode_linear(
             &function,
             (blocks as u32, 1, 1),
             (32 * WARPS, 1, 1),
+            shared_bytes,
             &mut args,
         )?;
     }

@@ -362,6 +362,7 @@ pub fn paged_decode_attention(
             &function,
             (heads as u32, rows as u32, 1),
             (32 * WARPS, 1, 1),
+            0,
             &mut args,
         )?;
     }

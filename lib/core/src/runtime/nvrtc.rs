@@ -238,27 +238,14 @@ impl Kernels {
         block: (u32, u32, u32),
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        let handle = *self
-            .functions
-            .get(function)
-            .ok_or_else(|| anyhow!("no kernel {function} in this module"))?;
-        make_current(self.context as driver_sys::CUcontext)?;
-        let stream = super::current_cuda_stream(self.device)?;
-        driver::launch_kernel(
-            handle as driver_sys::CUfunction,
-            grid,
-            block,
-            0,
-            stream as driver_sys::CUstream,
-            args,
-        )
-        .map_err(|e| anyhow!("launching {function}: {e:?}"))
+        self.launch_with(function, grid, block, 0, args, false)
     }
 
-    /// [`Kernels::launch`] as a programmatic dependent launch on Hopper and newer GPUs: the
-    /// kernel may start while the previous kernel on the stream is still running, once that
-    /// one executes `griddepcontrol.launch_dependents`, and must execute `griddepcontrol.wait`
-    /// (see [`crate::ops`]'s `dependent_launch!` prelude) before it touches anything an earlier
+    /// [`Kernels::launch`] with `shared_bytes` of dynamic shared memory per block (at most
+    /// 48 KiB), as a programmatic dependent launch on Hopper and newer GPUs: the kernel may
+    /// start while the previous kernel on the stream is still running, once that one executes
+    /// `griddepcontrol.launch_dependents`, and must execute `griddepcontrol.wait` (see
+    /// [`crate::ops`]'s `dependent_launch!` prelude) before it touches anything an earlier
     /// kernel writes or reads. Work before the wait (loading weights) overlaps the previous
     /// kernel; CUDA graphs capture the dependency. Older GPUs get a plain launch, where the
     /// two instructions do nothing.
@@ -270,11 +257,28 @@ impl Kernels {
         function: &str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
+        shared_bytes: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        if !self.dependent_launch {
-            return self.launch(function, grid, block, args);
-        }
+        self.launch_with(
+            function,
+            grid,
+            block,
+            shared_bytes,
+            args,
+            self.dependent_launch,
+        )
+    }
+
+    unsafe fn launch_with(
+        &self,
+        function: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &mut [*mut c_void],
+        dependent: bool,
+    ) -> Result<()> {
         let handle = *self
             .functions
             .get(function)
@@ -292,10 +296,10 @@ impl Kernels {
             blockDimX: block.0,
             blockDimY: block.1,
             blockDimZ: block.2,
-            sharedMemBytes: 0,
+            sharedMemBytes: shared_bytes,
             hStream: stream as driver_sys::CUstream,
             attrs: &mut attribute,
-            numAttrs: 1,
+            numAttrs: u32::from(dependent),
         };
         driver_sys::cuLaunchKernelEx(
             &config,
