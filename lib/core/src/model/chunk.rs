@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{bail, ensure, Context, Result};
 use tch::Tensor;
 
+use super::fp8::Fp8Plan;
 use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
 use super::layers::NamedParameter;
 
@@ -18,6 +19,8 @@ pub trait ModelChunk: Send {
     fn named_parameters(&self) -> Vec<NamedParameter>;
     /// Installs the gate the forward pass consults before each module (`--overlap-param-gather`).
     fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>);
+    /// Runs the transformer layers' linears that `plan` names in fp8 (`--fp8-format`).
+    fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()>;
     /// The architecture, as checkpoint metadata records it.
     fn config_json(&self) -> Result<serde_json::Value>;
 
@@ -76,7 +79,7 @@ pub(crate) fn join_names(names: &[&String]) -> String {
 }
 
 /// Implements [`ModelChunk`] for a family's model, which has the fields `config` (serialisable),
-/// `spec`, `options` and `gate` and an inherent `named_parameters`.
+/// `spec`, `options` and `gate` and inherent `named_parameters` and `enable_fp8`.
 macro_rules! impl_model_chunk {
     ($model:ty) => {
         impl $crate::model::chunk::ModelChunk for $model {
@@ -94,6 +97,10 @@ macro_rules! impl_model_chunk {
 
             fn set_param_gate(&mut self, gate: std::sync::Arc<dyn $crate::model::ParamGate>) {
                 self.gate.set(gate);
+            }
+
+            fn enable_fp8(&mut self, plan: &$crate::model::fp8::Fp8Plan) -> anyhow::Result<()> {
+                <$model>::enable_fp8(self, plan)
             }
 
             fn config_json(&self) -> anyhow::Result<serde_json::Value> {

@@ -509,6 +509,15 @@ impl GptModel {
         }
     }
 
+    /// Runs the linears of the layers `plan` names in fp8.
+    pub fn enable_fp8(&mut self, plan: &super::fp8::Fp8Plan) -> Result<()> {
+        plan.apply(
+            &mut self.layers,
+            self.spec.layers.clone(),
+            self.config.num_layers,
+        )
+    }
+
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the
     /// chunk, as in Megatron's checkpoints), in construction order.
     pub fn named_parameters(&self) -> Vec<NamedParameter> {

@@ -1,10 +1,14 @@
 //! Column- and row-parallel linears (spec §2.1, §2.2). Weights are `[out, in]` like `nn.Linear`.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use tch::Tensor;
 
-use super::main_grad_linear::linear;
+use super::fp8_linear::{self, Fp8Linear};
+use super::main_grad_linear;
 use super::{NamedTensors, ParamAttributes, TensorParallel};
+use crate::model::fp8::{check_gemm_shape, Fp8Recipe};
 use crate::model::param::{Initializer, Param};
 use crate::parallel::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -22,6 +26,8 @@ pub struct ColumnParallelLinear {
     pub weight: Param,
     pub bias: Option<Param>,
     parallel: TensorParallel,
+    /// Set when the GEMMs run in fp8 (`--fp8-format`).
+    fp8: Option<Arc<Fp8Linear>>,
 }
 
 impl ColumnParallelLinear {
@@ -41,6 +47,7 @@ impl ColumnParallelLinear {
             weight,
             bias,
             parallel,
+            fp8: None,
         }
     }
 
@@ -52,7 +59,14 @@ impl ColumnParallelLinear {
         } else {
             copy_to_tensor_parallel_region(input, &self.parallel.group)?
         };
-        linear(&input, &self.weight, self.bias.as_ref())
+        linear(&input, &self.weight, self.bias.as_ref(), &self.fp8)
+    }
+
+    /// Runs this linear's GEMMs in fp8 from now on; `name` is for the error when the shard's
+    /// shape does not suit fp8 GEMMs.
+    pub fn enable_fp8(&mut self, name: &str, recipe: Fp8Recipe) -> Result<()> {
+        self.fp8 = Some(fp8_for(name, &self.weight, recipe)?);
+        Ok(())
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -71,6 +85,8 @@ pub struct RowParallelLinear {
     pub weight: Param,
     pub bias: Option<Param>,
     parallel: TensorParallel,
+    /// Set when the GEMMs run in fp8 (`--fp8-format`).
+    fp8: Option<Arc<Fp8Linear>>,
 }
 
 impl RowParallelLinear {
@@ -88,15 +104,16 @@ impl RowParallelLinear {
             weight,
             bias,
             parallel,
+            fp8: None,
         }
     }
 
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let group = &self.parallel.group;
         if group.size() == 1 {
-            return linear(input, &self.weight, self.bias.as_ref());
+            return linear(input, &self.weight, self.bias.as_ref(), &self.fp8);
         }
-        let partial = linear(input, &self.weight, None)?;
+        let partial = linear(input, &self.weight, None, &self.fp8)?;
         let output = if self.parallel.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(&partial, group)?
         } else {
@@ -106,6 +123,12 @@ impl RowParallelLinear {
             Some(bias) => output + &**bias,
             None => output,
         })
+    }
+
+    /// See [`ColumnParallelLinear::enable_fp8`].
+    pub fn enable_fp8(&mut self, name: &str, recipe: Fp8Recipe) -> Result<()> {
+        self.fp8 = Some(fp8_for(name, &self.weight, recipe)?);
+        Ok(())
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -118,4 +141,23 @@ impl RowParallelLinear {
             out.push_fusable("bias", bias, attributes);
         }
     }
+}
+
+/// The linear on this rank's shard: in fp8 when enabled, else in the parameters' dtype.
+fn linear(
+    input: &Tensor,
+    weight: &Param,
+    bias: Option<&Param>,
+    fp8: &Option<Arc<Fp8Linear>>,
+) -> Result<Tensor> {
+    match fp8 {
+        Some(fp8) => fp8_linear::linear(input, weight, bias, fp8),
+        None => main_grad_linear::linear(input, weight, bias),
+    }
+}
+
+fn fp8_for(name: &str, weight: &Param, recipe: Fp8Recipe) -> Result<Arc<Fp8Linear>> {
+    let size = weight.size();
+    check_gemm_shape(name, size[0], size[1])?;
+    Ok(Arc::new(Fp8Linear::new(recipe)))
 }

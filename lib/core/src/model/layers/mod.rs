@@ -3,6 +3,7 @@
 
 mod attention;
 mod embedding;
+mod fp8_linear;
 mod kv_cache;
 mod linear;
 pub(crate) mod main_grad_linear;
@@ -13,6 +14,7 @@ mod transformer_layer;
 
 pub use attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
+pub use fp8_linear::Fp8Linear;
 pub use kv_cache::{KvCache, LayerCache, PagedKvCache, PagedStep, BLOCK_SIZE};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;

@@ -11,6 +11,7 @@ use super::norm::Norm;
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::GptConfig;
+use crate::model::fp8::Fp8Recipe;
 use crate::model::param::Initializer;
 
 #[derive(Clone)]
@@ -87,6 +88,31 @@ impl TransformerLayer {
             hidden_dropout: config.hidden_dropout,
             residual_from_norm: config.apply_residual_connection_post_layernorm,
         }
+    }
+
+    /// Runs the layer's linears (attention projections, MLP) in fp8; norms, attention itself and
+    /// everything outside the layers stay in the parameters' dtype, as with Transformer Engine.
+    pub fn enable_fp8(&mut self, recipe: Fp8Recipe) -> Result<()> {
+        let attention = &mut self.self_attention;
+        attention
+            .linear_qkv
+            .enable_fp8("self_attention.linear_qkv", recipe)?;
+        attention
+            .linear_proj
+            .enable_fp8("self_attention.linear_proj", recipe)?;
+        if let Some((_, cross)) = &mut self.cross {
+            cross
+                .linear_q
+                .enable_fp8("cross_attention.linear_q", recipe)?;
+            cross
+                .linear_kv
+                .enable_fp8("cross_attention.linear_kv", recipe)?;
+            cross
+                .linear_proj
+                .enable_fp8("cross_attention.linear_proj", recipe)?;
+        }
+        self.mlp.linear_fc1.enable_fp8("mlp.linear_fc1", recipe)?;
+        self.mlp.linear_fc2.enable_fp8("mlp.linear_fc2", recipe)
     }
 
     pub fn forward(
