@@ -201,7 +201,10 @@ fn amax(x: &Tensor) -> Tensor {
 /// `max / amax / 2^margin`, or `fallback` where amax is zero or not finite (TE's rule); kept
 /// finite for amaxes so small that the quotient overflows float32.
 fn scale_from_amax(amax: &Tensor, max: f64, margin: i32, fallback: &Tensor) -> Tensor {
-    let scale = (amax.reciprocal() * (max / 2f64.powi(margin)))
+    // One float32 division, as Transformer Engine computes it: the scaled values of bf16
+    // tensors can fall exactly on the midpoint between two fp8 values, where a scale one ulp
+    // off rounds them the other way.
+    let scale = (Tensor::full_like(amax, max / 2f64.powi(margin)) / amax)
         .to_kind(Kind::Float)
         .clamp_max(f32::MAX as f64);
     let usable = amax.gt(0.0).logical_and(&amax.isfinite());

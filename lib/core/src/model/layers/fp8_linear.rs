@@ -275,19 +275,25 @@ mod tests {
     /// weighting every output differently; with `main_grad` the gradients of the parameters
     /// come from their float32 main-gradient views.
     fn run(kind: Kind, recipe: Fp8Recipe, main_grad: bool) -> Run {
-        let input = values(&[2, TOKENS / 2, IN], 0.0, kind).set_requires_grad(true);
-        let weight = Param::new(values(&[OUT, IN], 1.0, kind));
-        let bias = Param::new(values(&[OUT], 2.0, kind));
+        run_on(Device::Cpu, kind, recipe, main_grad)
+    }
+
+    fn run_on(device: Device, kind: Kind, recipe: Fp8Recipe, main_grad: bool) -> Run {
+        let input = values(&[2, TOKENS / 2, IN], 0.0, kind)
+            .to_device(device)
+            .set_requires_grad(true);
+        let weight = Param::new(values(&[OUT, IN], 1.0, kind).to_device(device));
+        let bias = Param::new(values(&[OUT], 2.0, kind).to_device(device));
         if main_grad {
             weight
                 .main_grad()
-                .set(Some(Tensor::zeros([OUT, IN], (Kind::Float, Device::Cpu))));
+                .set(Some(Tensor::zeros([OUT, IN], (Kind::Float, device))));
             bias.main_grad()
-                .set(Some(Tensor::zeros([OUT], (Kind::Float, Device::Cpu))));
+                .set(Some(Tensor::zeros([OUT], (Kind::Float, device))));
         }
         let fp8 = Arc::new(Fp8Linear::new(recipe));
         let output = linear(&input, &weight, Some(&bias), &fp8).unwrap();
-        let loss_weights = values(&[2, TOKENS / 2, OUT], 3.0, Kind::Float);
+        let loss_weights = values(&[2, TOKENS / 2, OUT], 3.0, Kind::Float).to_device(device);
         (output.to_kind(Kind::Float) * &loss_weights)
             .sum(Kind::Float)
             .backward();
@@ -300,21 +306,29 @@ mod tests {
         } else {
             (weight.grad(), bias.grad())
         };
+        let cpu = |t: Tensor| t.to_device(Device::Cpu);
         Run {
-            output: output.detach(),
-            input_grad: input.grad(),
-            weight_grad,
-            bias_grad,
+            output: cpu(output.detach()),
+            input_grad: cpu(input.grad()),
+            weight_grad: cpu(weight_grad),
+            bias_grad: cpu(bias_grad),
         }
     }
 
     /// The same linear with every GEMM operand quantized and dequantized explicitly in float32.
     fn reference(format: Fp8Format, fp8_wgrad: bool) -> Run {
+        reference_from(Kind::Float, format, fp8_wgrad)
+    }
+
+    /// [`reference`] for inputs rounded to `kind` first.
+    fn reference_from(kind: Kind, format: Fp8Format, fp8_wgrad: bool) -> Run {
         let grad_kind = recipe(format, true).backward_kind();
-        let x = values(&[TOKENS, IN], 0.0, Kind::Float);
-        let w = values(&[OUT, IN], 1.0, Kind::Float);
-        let b = values(&[OUT], 2.0, Kind::Float);
-        let dy = values(&[TOKENS, OUT], 3.0, Kind::Float);
+        let value = |shape: &[i64], seed| values(shape, seed, kind).to_kind(Kind::Float);
+        let x = value(&[TOKENS, IN], 0.0);
+        let w = value(&[OUT, IN], 1.0);
+        let b = value(&[OUT], 2.0);
+        // The loss weights, as the gradient reaching an output of dtype `kind`.
+        let dy = value(&[TOKENS, OUT], 3.0);
         let (xq, wq, dyq) = (
             fake_quantize(&x, Kind::Float8e4m3fn),
             fake_quantize(&w, Kind::Float8e4m3fn),
@@ -424,5 +438,35 @@ mod tests {
             let bias = values(&[OUT], 2.0, Kind::Float);
             assert!(relative_difference(&(output + bias), &expected) <= 1e-5);
         }
+    }
+
+    /// bf16 operands give the explicit float32 quantization's results to bf16 precision, for
+    /// both formats, both weight-gradient precisions, with main gradients and without.
+    fn check_bf16_against_explicit_quantization(device: Device) {
+        for format in [Fp8Format::Hybrid, Fp8Format::E4m3] {
+            for wgrad in [true, false] {
+                let expected = reference_from(Kind::BFloat16, format, wgrad);
+                for main_grad in [true, false] {
+                    let run = run_on(device, Kind::BFloat16, recipe(format, wgrad), main_grad);
+                    assert_eq!(run.output.kind(), Kind::BFloat16);
+                    assert_close(&run, &expected, 1e-2);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_gemms_equal_explicit_quantization() {
+        check_bf16_against_explicit_quantization(Device::Cpu);
+    }
+
+    /// The same on a GPU, through cuBLASLt's fp8 GEMMs and their layout rules.
+    #[test]
+    fn on_a_gpu_fp8_gemms_equal_explicit_quantization() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        check_bf16_against_explicit_quantization(Device::Cuda(0));
     }
 }
