@@ -13,9 +13,10 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use anyhow::{ensure, Result};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::layers::TransformerLayer;
+use crate::ops::fp8_cast::{self, ScaleSource};
 
 /// `--fp8-format`: which fp8 type each pass uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,9 +112,11 @@ pub fn fp8_max(kind: Kind) -> f64 {
     }
 }
 
-/// An fp8 tensor and the float32 scalar that multiplies it back to the values it stands for.
+/// An fp8 matrix (also transposed, when asked) and the float32 scalar that multiplies it back
+/// to the values it stands for.
 pub struct Fp8Tensor {
     pub data: Tensor,
+    pub data_t: Option<Tensor>,
     pub scale_inv: Tensor,
 }
 
@@ -126,10 +129,14 @@ pub struct TensorScaling {
 
 /// Delayed scaling's state, on the tensor's device so that no step waits on the host.
 struct History {
-    /// Amaxes of the latest uses, newest first.
+    /// Amaxes of the latest uses: newest first on the CPU, a ring on CUDA devices (only their
+    /// maximum and the newest matter).
     amaxes: Tensor,
     /// The scale the next use quantizes with.
     scale: Tensor,
+    /// On CUDA devices, the cast kernel's amax of the current use and the ring's next slot
+    /// (int32, see `ops::fp8_cast`).
+    counters: Tensor,
 }
 
 impl TensorScaling {
@@ -141,15 +148,21 @@ impl TensorScaling {
         }
     }
 
-    /// Quantizes `x` (any float dtype) to this role's fp8 type, and with delayed scaling
-    /// records its amax for the next uses.
-    pub fn quantize(&self, x: &Tensor) -> Result<Fp8Tensor> {
-        let amax = amax(x);
+    /// Quantizes `x` (a matrix of any float dtype; any shape on the CPU) to this role's fp8
+    /// type, also transposed with `transposed`, and with delayed scaling records its amax for
+    /// the next uses. On CUDA devices one kernel reads `x` once (`ops::fp8_cast`).
+    pub fn quantize(&self, x: &Tensor, transposed: bool) -> Result<Fp8Tensor> {
         let max = fp8_max(self.kind);
+        let on_gpu = matches!(x.device(), Device::Cuda(_));
         match self.scaling {
             Fp8Scaling::Tensorwise => {
+                let amax = amax(x);
+                if on_gpu {
+                    let source = ScaleSource::Amax(&amax);
+                    return Ok(fp8_cast::cast(x, self.kind, max, source, transposed)?.into());
+                }
                 let scale = scale_from_amax(&amax, max, 0, &Tensor::ones_like(&amax));
-                Ok(cast(x, &scale, self.kind))
+                Ok(cast(x, &scale, self.kind, transposed))
             }
             Fp8Scaling::Delayed {
                 history_len,
@@ -162,11 +175,32 @@ impl TensorScaling {
                     .map_err(|_| anyhow::anyhow!("fp8 scaling state poisoned by a panic"))?;
                 // Transformer Engine starts from scale 1, which flushes small gradients to
                 // zero in the first step; the first use takes its own amax instead.
-                let history = state.get_or_insert_with(|| History {
-                    amaxes: Tensor::zeros([history_len as i64], (Kind::Float, x.device())),
-                    scale: scale_from_amax(&amax, max, margin, &Tensor::ones_like(&amax)),
+                let history = state.get_or_insert_with(|| {
+                    let amax = amax(x);
+                    History {
+                        amaxes: Tensor::zeros([history_len as i64], (Kind::Float, x.device())),
+                        scale: scale_from_amax(&amax, max, margin, &Tensor::ones_like(&amax)),
+                        counters: Tensor::zeros([2], (Kind::Int, x.device())),
+                    }
                 });
-                let quantized = cast(x, &history.scale, self.kind);
+                let max_over_margin = max / 2f64.powi(margin);
+                if on_gpu {
+                    let source = ScaleSource::Delayed {
+                        scale: &history.scale,
+                        amax_out: &history.counters,
+                    };
+                    let quantized = fp8_cast::cast(x, self.kind, max, source, transposed)?;
+                    fp8_cast::delayed_update(
+                        &history.scale,
+                        &history.counters,
+                        &history.amaxes,
+                        algorithm == AmaxAlgorithm::Max,
+                        max_over_margin,
+                    )?;
+                    return Ok(quantized.into());
+                }
+                let amax = amax(x);
+                let quantized = cast(x, &history.scale, self.kind, transposed);
                 if history_len > 1 {
                     let rolled = history.amaxes.roll([1], [0]);
                     history.amaxes.copy_(&rolled);
@@ -212,15 +246,26 @@ fn scale_from_amax(amax: &Tensor, max: f64, margin: i32, fallback: &Tensor) -> T
 }
 
 /// `fp8(clamp(x · scale, ±max))` in float32 arithmetic, so the only rounding is fp8's.
-fn cast(x: &Tensor, scale: &Tensor, kind: Kind) -> Fp8Tensor {
+fn cast(x: &Tensor, scale: &Tensor, kind: Kind, transposed: bool) -> Fp8Tensor {
     let max = fp8_max(kind);
     let data = (x.detach().to_kind(Kind::Float) * scale)
         .clamp_(-max, max)
         .to_kind(kind)
         .contiguous();
     Fp8Tensor {
+        data_t: transposed.then(|| data.tr().contiguous()),
         data,
         scale_inv: scale.reciprocal(),
+    }
+}
+
+impl From<fp8_cast::Cast> for Fp8Tensor {
+    fn from(cast: fp8_cast::Cast) -> Self {
+        Fp8Tensor {
+            data: cast.data,
+            data_t: cast.data_t,
+            scale_inv: cast.scale_inv,
+        }
     }
 }
 
@@ -251,7 +296,7 @@ mod tests {
     fn tensorwise_scaling_maps_the_amax_to_the_largest_value() {
         let x = Tensor::from_slice(&[0.5f32, -2.0, 1.0, 0.25]);
         let q = TensorScaling::new(Kind::Float8e4m3fn, Fp8Scaling::Tensorwise)
-            .quantize(&x)
+            .quantize(&x, false)
             .unwrap();
         assert_eq!(q.data.kind(), Kind::Float8e4m3fn);
         // Powers of two stay exact: 448/2 = 224 is a multiple of a power of two in e4m3.
@@ -265,7 +310,7 @@ mod tests {
     fn a_zero_tensor_keeps_scale_one() {
         let x = Tensor::zeros([4], (Kind::Float, Device::Cpu));
         let q = TensorScaling::new(Kind::Float8e5m2, Fp8Scaling::Tensorwise)
-            .quantize(&x)
+            .quantize(&x, false)
             .unwrap();
         assert_eq!(q.scale_inv.double_value(&[]), 1.0);
         assert_eq!(
@@ -278,12 +323,12 @@ mod tests {
     fn delayed_scaling_uses_the_previous_amax_and_saturates() {
         let scaling = TensorScaling::new(Kind::Float8e4m3fn, delayed(1, AmaxAlgorithm::MostRecent));
         let first = Tensor::from_slice(&[1.0f32, -0.5]);
-        let q = scaling.quantize(&first).unwrap();
+        let q = scaling.quantize(&first, false).unwrap();
         let inverse = (1.0f32 / 448.0) as f64;
         assert_eq!(q.scale_inv.double_value(&[]), inverse);
         // The second use doubles the amax: quantized with the first use's scale, it saturates.
         let second = Tensor::from_slice(&[2.0f32, 0.5]);
-        let q = scaling.quantize(&second).unwrap();
+        let q = scaling.quantize(&second, false).unwrap();
         assert_eq!(q.scale_inv.double_value(&[]), inverse);
         assert_eq!(q.data.to_kind(Kind::Float).double_value(&[0]), 448.0);
         // ...and the third use scales by it.
@@ -295,11 +340,15 @@ mod tests {
     fn delayed_scaling_with_max_takes_the_largest_amax_of_the_history() {
         let scaling = TensorScaling::new(Kind::Float8e4m3fn, delayed(3, AmaxAlgorithm::Max));
         for amax in [4.0f32, 1.0, 2.0] {
-            scaling.quantize(&Tensor::from_slice(&[amax])).unwrap();
+            scaling
+                .quantize(&Tensor::from_slice(&[amax]), false)
+                .unwrap();
         }
         assert_eq!(scaling.next_scale().unwrap().double_value(&[]), 448.0 / 4.0);
         // The fourth use pushes 4.0 out of the three-long history.
-        scaling.quantize(&Tensor::from_slice(&[0.5f32])).unwrap();
+        scaling
+            .quantize(&Tensor::from_slice(&[0.5f32]), false)
+            .unwrap();
         assert_eq!(scaling.next_scale().unwrap().double_value(&[]), 448.0 / 2.0);
     }
 
@@ -313,7 +362,9 @@ mod tests {
                 margin: 2,
             },
         );
-        scaling.quantize(&Tensor::from_slice(&[7.0f32])).unwrap();
+        scaling
+            .quantize(&Tensor::from_slice(&[7.0f32]), false)
+            .unwrap();
         assert_eq!(
             scaling.next_scale().unwrap().double_value(&[]),
             448.0 / 7.0 / 4.0
@@ -342,5 +393,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("linear_fc1 is [40, 32]"), "{err}");
+    }
+
+    /// On a GPU the cast kernels give the CPU's fp8 values, transposes and inverse scales
+    /// exactly, for bf16, fp16 and float32 inputs of a shape that is no multiple of the tiles,
+    /// both fp8 types, current scaling and delayed scaling over several uses (history of 3,
+    /// max), including an amax that grows past the delayed scale (saturation).
+    #[test]
+    fn on_a_gpu_the_cast_kernels_equal_the_cpu_quantization() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        let cuda = Device::Cuda(0);
+        let uses: Vec<Tensor> = [1.0, 3.0, 0.25, 2.0]
+            .iter()
+            .map(|&size| {
+                let t = (Tensor::arange(70 * 45, (Kind::Float, Device::Cpu)) * 12.9898).sin()
+                    * 43758.5453;
+                (t.frac() * size).view([70, 45])
+            })
+            .collect();
+        for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
+            for fp8 in [Kind::Float8e4m3fn, Kind::Float8e5m2] {
+                for scaling in [Fp8Scaling::Tensorwise, delayed(3, AmaxAlgorithm::Max)] {
+                    let (cpu, gpu) = (
+                        TensorScaling::new(fp8, scaling),
+                        TensorScaling::new(fp8, scaling),
+                    );
+                    for x in &uses {
+                        let x = x.to_kind(kind);
+                        let want = cpu.quantize(&x, true).unwrap();
+                        let got = gpu.quantize(&x.to_device(cuda), true).unwrap();
+                        let bits = |t: &Tensor| t.to_device(Device::Cpu).view_dtype(Kind::Uint8);
+                        let what = format!("{kind:?} to {fp8:?}, {scaling:?}");
+                        assert!(bits(&got.data).equal(&bits(&want.data)), "{what}: data");
+                        let (got_t, want_t) = (got.data_t.unwrap(), want.data_t.unwrap());
+                        assert!(bits(&got_t).equal(&bits(&want_t)), "{what}: transpose");
+                        assert_eq!(
+                            got.scale_inv.double_value(&[]),
+                            want.scale_inv.double_value(&[]),
+                            "{what}: inverse scale"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

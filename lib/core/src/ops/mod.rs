@@ -1,5 +1,6 @@
 //! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim.
 
+pub mod fp8_cast;
 pub mod multi_tensor;
 pub mod paged_attention;
 

@@ -76,12 +76,30 @@ pub fn linear(
         main_grads: fused.then(|| (weight_grad.expect("checked"), bias_grad)),
         params_are_inputs,
         inputs: inputs.len(),
-        weight_fp8: None,
-        input_fp8: None,
+        weight_t: None,
+        input_t: None,
         input_shape: Vec::new(),
     };
     let mut outputs = autograd::apply(function, &inputs).context("fp8 linear")?;
     Ok(outputs.remove(0))
+}
+
+/// An fp8 matrix kept transposed (`[k, m]` contiguous for an `[m, k]` operand) and its inverse
+/// scale: what the backward GEMMs take.
+struct Transposed {
+    data: Tensor,
+    scale_inv: Tensor,
+}
+
+impl Transposed {
+    fn of(tensor: Fp8Tensor) -> Result<Self> {
+        Ok(Transposed {
+            data: tensor
+                .data_t
+                .context("fp8 linear: quantized without its transpose")?,
+            scale_inv: tensor.scale_inv,
+        })
+    }
 }
 
 struct Fp8LinearFunction {
@@ -93,10 +111,12 @@ struct Fp8LinearFunction {
     /// The graph node was given the parameters after the input.
     params_are_inputs: bool,
     inputs: usize,
-    /// Kept from the forward for the backward's GEMMs (not outputs, so no reference cycle).
-    weight_fp8: Option<Fp8Tensor>,
-    /// Set when the weight gradient runs in fp8; otherwise the bf16 input is saved instead.
-    input_fp8: Option<Fp8Tensor>,
+    /// Kept from the forward for the backward's GEMMs (not outputs, so no reference cycle):
+    /// the fp8 weight, transposed, and its inverse scale.
+    weight_t: Option<Transposed>,
+    /// The fp8 input, transposed, when the weight gradient runs in fp8; otherwise the bf16
+    /// input is saved instead.
+    input_t: Option<Transposed>,
     input_shape: Vec<i64>,
 }
 
@@ -110,8 +130,11 @@ impl CustomFunction for Fp8LinearFunction {
         let x = input.reshape([-1, in_features]);
         let tokens = x.size()[0];
         let kind = input.kind();
-        let x_fp8 = self.state.input.quantize(&x)?;
-        let w_fp8 = self.state.weight.quantize(&self.weight)?;
+        // The weight-gradient GEMM takes the tokens as its inner dimension, which fp8 GEMMs
+        // need to be a multiple of 16.
+        let fp8_wgrad = self.state.recipe.wgrad && tokens % 16 == 0;
+        let x_fp8 = self.state.input.quantize(&x, fp8_wgrad)?;
+        let w_fp8 = self.state.weight.quantize(&self.weight, true)?;
         // cuBLASLt adds a bias of the output's dtype in its epilogue; anything else (float32
         // tests) is added after.
         let epilogue_bias = self
@@ -131,12 +154,12 @@ impl CustomFunction for Fp8LinearFunction {
         if let (Some(bias), None) = (&self.bias, epilogue_bias) {
             y = y + bias.to_kind(kind);
         }
-        if self.state.recipe.wgrad && tokens % 16 == 0 {
-            self.input_fp8 = Some(x_fp8);
+        if fp8_wgrad {
+            self.input_t = Some(Transposed::of(x_fp8)?);
         } else {
             saved.save(input);
         }
-        self.weight_fp8 = Some(w_fp8);
+        self.weight_t = Some(Transposed::of(w_fp8)?);
         let mut shape = self.input_shape.clone();
         *shape.last_mut().context("fp8 linear: a 0-d input")? = out_features;
         Ok(vec![y.reshape(shape)])
@@ -152,16 +175,16 @@ impl CustomFunction for Fp8LinearFunction {
         };
         let kind = grad_outputs[0].kind();
         let dy = grad_outputs[0].reshape([-1, out_features]);
-        let dy_fp8 = self.state.grad_output.quantize(&dy)?;
-        let w_fp8 = self
-            .weight_fp8
+        let input_t = self.input_t.take();
+        let dy_fp8 = self.state.grad_output.quantize(&dy, input_t.is_some())?;
+        let w_t = self
+            .weight_t
             .take()
             .context("fp8 linear: backward ran twice")?;
-        let w_t = w_fp8.data.tr().contiguous();
         let dx = dy_fp8.data.f_internal_scaled_mm(
-            &w_t.tr(),
+            &w_t.data.tr(),
             &dy_fp8.scale_inv,
-            &w_fp8.scale_inv,
+            &w_t.scale_inv,
             None::<&Tensor>,
             None::<&Tensor>,
             kind,
@@ -170,12 +193,16 @@ impl CustomFunction for Fp8LinearFunction {
         let grad_input = dx.reshape(self.input_shape.as_slice());
 
         // The weight gradient, in float32 when it comes from the fp8 GEMM.
-        let weight_grad = match (&self.input_fp8.take(), &self.main_grads) {
-            (Some(x_fp8), main) => {
-                let dw = dy_fp8.data.tr().contiguous().f_internal_scaled_mm(
-                    &x_fp8.data.tr().contiguous().tr(),
+        let weight_grad = match (&input_t, &self.main_grads) {
+            (Some(x_t), main) => {
+                let dy_t = dy_fp8
+                    .data_t
+                    .as_ref()
+                    .context("fp8 linear: no transposed dy")?;
+                let dw = dy_t.f_internal_scaled_mm(
+                    &x_t.data.tr(),
                     &dy_fp8.scale_inv,
-                    &x_fp8.scale_inv,
+                    &x_t.scale_inv,
                     None::<&Tensor>,
                     None::<&Tensor>,
                     Kind::Float,
