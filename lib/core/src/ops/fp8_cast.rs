@@ -348,6 +348,9 @@ mod tests {
     use super::*;
     use crate::runtime::nvrtc::compile_ptx;
 
+    /// The kernels compile with NVRTC for Hopper, and their PTX (with the inline fp8
+    /// conversions, which NVRTC passes through unchecked) assembles with the `ptxas` of the test
+    /// Python's torch wheel when it has one; no GPU needed.
     #[test]
     fn the_fp8_cast_kernels_compile_for_hopper() {
         let ptx = compile_ptx(&SOURCE, "compute_90").unwrap();
@@ -357,5 +360,39 @@ mod tests {
                 "{function} is missing from the PTX"
             );
         }
+        let Some(ptxas) = torch_ptxas() else {
+            eprintln!("ptxas not checked: no torch wheel with bin/ptxas");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("fp8_cast.ptx");
+        std::fs::write(&source, &ptx).unwrap();
+        let output = std::process::Command::new(&ptxas)
+            .args(["-arch=sm_90", "-o"])
+            .arg(dir.path().join("fp8_cast.cubin"))
+            .arg(&source)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{} rejects the fp8 cast PTX:\n{}",
+            ptxas.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// `torch/bin/ptxas` of `$MEGATRON_RS_TEST_PYTHON`'s torch, when both exist.
+    fn torch_ptxas() -> Option<std::path::PathBuf> {
+        let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")?;
+        let output = std::process::Command::new(python)
+            .args([
+                "-c",
+                "import os, torch; print(os.path.dirname(torch.__file__))",
+            ])
+            .output()
+            .ok()?;
+        let torch = String::from_utf8(output.stdout).ok()?;
+        let ptxas = std::path::Path::new(torch.trim()).join("bin/ptxas");
+        ptxas.is_file().then_some(ptxas)
     }
 }
