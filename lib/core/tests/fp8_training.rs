@@ -1,7 +1,8 @@
 //! FP8 GEMMs (`--fp8-format`) train a small GPT like bf16 does: the losses fall and stay close
-//! to bf16's step by step, with delayed and with current (tensorwise) scaling, and with tensor
-//! parallelism, where each rank scales its own weight shard (as Transformer Engine does without
-//! amax reduction), so TP=2 is close to TP=1 rather than equal.
+//! to bf16's step by step, with delayed and with current (tensorwise) scaling, with bf16 layers
+//! at the ends, over pipeline stages with full recompute, and with tensor parallelism, where
+//! each rank scales its own weight shard (as Transformer Engine does without amax reduction), so
+//! TP=2 is close to TP=1 rather than equal.
 
 mod support;
 
@@ -47,6 +48,9 @@ static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
     flags
 });
 
+/// The bf16 run every fp8 run is compared with, trained once for all tests.
+static BF16: LazyLock<Vec<f64>> = LazyLock::new(|| lm_losses(1, &[]));
+
 fn lm_losses(tensor: usize, extra: &[&str]) -> Vec<f64> {
     let world = tensor;
     let losses = support::train::<GptPretrainArgs>(&BASE, world, tensor, 1, extra).lm_losses();
@@ -77,7 +81,7 @@ fn assert_tracks(losses: &[f64], reference: &[f64], tolerance: f64, what: &str) 
 
 #[test]
 fn fp8_training_tracks_bf16() {
-    let bf16 = lm_losses(1, &[]);
+    let bf16 = &*BF16;
     for (extra, what) in [
         (&["--fp8-format", "hybrid"][..], "hybrid, delayed"),
         (
@@ -97,7 +101,7 @@ fn fp8_training_tracks_bf16() {
             "e4m3, delayed over 16 uses, bf16 weight gradients",
         ),
     ] {
-        assert_tracks(&lm_losses(1, extra), &bf16, 1e-3, what);
+        assert_tracks(&lm_losses(1, extra), bf16, 1e-3, what);
     }
 }
 
@@ -106,4 +110,37 @@ fn fp8_with_tensor_parallelism_tracks_one_rank() {
     let flags = ["--fp8-format", "hybrid", "--sequence-parallel"];
     let one_rank = lm_losses(1, &flags[..2]);
     assert_tracks(&lm_losses(2, &flags), &one_rank, 1e-3, "TP=2 + SP");
+}
+
+/// `--first-last-layers-bf16` keeps the named layers out of fp8: all four kept gives bf16's
+/// losses exactly, one at each end still trains in fp8 in between.
+#[test]
+fn first_and_last_layers_in_bf16() {
+    let bf16 = &*BF16;
+    let fp8 = ["--fp8-format", "hybrid", "--first-last-layers-bf16"];
+    let all_kept = [&fp8[..], &["--num-layers-at-start-in-bf16", "4"]].concat();
+    assert_eq!(&lm_losses(1, &all_kept), bf16);
+    assert_tracks(
+        &lm_losses(1, &fp8),
+        bf16,
+        1e-3,
+        "first and last layer in bf16",
+    );
+}
+
+/// Pipeline stages enable fp8 in their own layers, and fully recomputed layers run their fp8
+/// linears again in backward.
+#[test]
+fn fp8_with_pipeline_parallelism_and_recompute_tracks_bf16() {
+    let bf16 = &*BF16;
+    let flags = [
+        "--fp8-format",
+        "hybrid",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+    ];
+    let losses = support::train::<GptPretrainArgs>(&BASE, 2, 1, 2, &flags).lm_losses();
+    assert_tracks(&losses, bf16, 1e-3, "PP=2, full recompute");
 }

@@ -226,10 +226,12 @@ impl TensorScaling {
 
 /// The largest magnitude of `x`, a float32 scalar on its device.
 fn amax(x: &Tensor) -> Tensor {
-    // Flattened: over a matrix, `linalg_norm` would take the matrix norm.
+    // Flattened: over a matrix, `linalg_norm` would take the matrix norm. In the input's own
+    // dtype (a maximum is exact in any), so that no float32 copy of the tensor is made.
     x.detach()
         .reshape([-1])
-        .linalg_norm(f64::INFINITY, None::<&[i64]>, false, Kind::Float)
+        .linalg_norm(f64::INFINITY, None::<&[i64]>, false, None::<Kind>)
+        .to_kind(Kind::Float)
 }
 
 /// `max / amax / 2^margin`, or `fallback` where amax is zero or not finite (TE's rule); kept
