@@ -144,3 +144,70 @@ fn fp8_with_pipeline_parallelism_and_recompute_tracks_bf16() {
     let losses = support::train::<GptPretrainArgs>(&BASE, 2, 1, 2, &flags).lm_losses();
     assert_tracks(&losses, bf16, 1e-3, "PP=2, full recompute");
 }
+
+/// The losses of `BASE` with `extra` on CUDA device 0 (one rank).
+fn gpu_lm_losses(extra: &[&str]) -> Vec<f64> {
+    use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let argv: Vec<String> = std::iter::once("pretrain")
+        .chain(BASE.iter().copied())
+        .chain(["--device", "cuda"])
+        .chain(["--metrics-file", metrics.to_str().unwrap()])
+        .chain(extra.iter().copied())
+        .map(String::from)
+        .collect();
+    let args = GptPretrainArgs::parse(argv);
+    let layout = ParallelLayout::new(1, 1, 1).unwrap();
+    let threads = ThreadWorld::new(1, std::time::Duration::from_secs(120));
+    threads
+        .run(|rank| {
+            let parallel = ParallelState::threads(&threads, layout, rank, false)?;
+            args.run(&Runtime {
+                parallel,
+                device: tch::Device::Cuda(0),
+            })
+        })
+        .unwrap();
+    std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            match record.get("split") {
+                Some(_) => None,
+                None => record.get("lm loss")?.as_f64(),
+            }
+        })
+        .collect()
+}
+
+/// On a GPU (cuBLASLt's fp8 GEMMs and our cast kernels) fp8 trains like bf16 too, with both
+/// recipes and both weight-gradient precisions.
+#[test]
+fn on_a_gpu_fp8_training_tracks_bf16() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let bf16 = gpu_lm_losses(&[]);
+    assert_eq!(bf16.len(), STEPS, "{bf16:?}");
+    for extra in [
+        &["--fp8-format", "hybrid"][..],
+        &["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+        &["--fp8-format", "e4m3", "--no-fp8-wgrad"],
+        &[
+            "--fp8-format",
+            "hybrid",
+            "--fp8-amax-history-len",
+            "8",
+            "--fp8-amax-compute-algo",
+            "max",
+        ],
+    ] {
+        let what = extra.join(" ");
+        let losses = gpu_lm_losses(extra);
+        assert_eq!(losses.len(), STEPS, "{what}: {losses:?}");
+        assert_tracks(&losses, &bf16, 5e-3, &what);
+    }
+}
