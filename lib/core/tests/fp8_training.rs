@@ -211,3 +211,24 @@ fn on_a_gpu_fp8_training_tracks_bf16() {
         assert_tracks(&losses, &bf16, 5e-3, &what);
     }
 }
+
+/// The delayed-scaling state (amax histories, scales) is checkpointed with the model, so a
+/// TP=2 + SP fp8 run stopped after two steps and resumed ends as the uninterrupted run, bit for
+/// bit (three steps, a history of 4 uses with max).
+#[test]
+fn an_fp8_run_resumes_bitwise() {
+    let mut flags = BASE.clone();
+    flags.extend([
+        "--train-iters",
+        "3",
+        "--save-interval",
+        "3",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-amax-history-len",
+        "4",
+        "--fp8-amax-compute-algo",
+        "max",
+    ]);
+    support::check_resuming::<GptPretrainArgs>(&flags);
+}

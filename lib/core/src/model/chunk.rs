@@ -8,6 +8,7 @@ use tch::Tensor;
 
 use super::fp8::Fp8Plan;
 use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
+use super::layers::Fp8Linear;
 use super::layers::NamedParameter;
 
 /// One pipeline chunk of a model (the whole model without pipeline parallelism).
@@ -21,6 +22,8 @@ pub trait ModelChunk: Send {
     fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>);
     /// Runs the transformer layers' linears that `plan` names in fp8 (`--fp8-format`).
     fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()>;
+    /// The fp8 linears under their checkpoint names (empty without fp8).
+    fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)>;
     /// The architecture, as checkpoint metadata records it.
     fn config_json(&self) -> Result<serde_json::Value>;
 
@@ -79,7 +82,8 @@ pub(crate) fn join_names(names: &[&String]) -> String {
 }
 
 /// Implements [`ModelChunk`] for a family's model, which has the fields `config` (serialisable),
-/// `spec`, `options` and `gate` and inherent `named_parameters` and `enable_fp8`.
+/// `spec`, `options` and `gate` and inherent `named_parameters`, `enable_fp8` and
+/// `fp8_linears`.
 macro_rules! impl_model_chunk {
     ($model:ty) => {
         impl $crate::model::chunk::ModelChunk for $model {
@@ -101,6 +105,12 @@ macro_rules! impl_model_chunk {
 
             fn enable_fp8(&mut self, plan: &$crate::model::fp8::Fp8Plan) -> anyhow::Result<()> {
                 <$model>::enable_fp8(self, plan)
+            }
+
+            fn fp8_linears(
+                &self,
+            ) -> Vec<(String, std::sync::Arc<$crate::model::layers::Fp8Linear>)> {
+                <$model>::fp8_linears(self)
             }
 
             fn config_json(&self) -> anyhow::Result<serde_json::Value> {

@@ -9,13 +9,14 @@
 //! `2^margin`: with current ("tensorwise") scaling from this very tensor, with delayed scaling
 //! from the amax history of earlier uses of the same tensor (TE's `DelayedScaling`).
 
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::layers::TransformerLayer;
+use super::layers::{Fp8Linear, TransformerLayer};
 use crate::ops::fp8_cast::{self, ScaleSource};
 
 /// `--fp8-format`: which fp8 type each pass uses.
@@ -102,6 +103,21 @@ impl Fp8Plan {
         }
         Ok(())
     }
+}
+
+/// The fp8 linears of `layers` under their checkpoint names, `<scope>.<i>.<linear>` with `i`
+/// counted from 0 within the chunk (as its parameter names are).
+pub fn layer_linears(layers: &[TransformerLayer], scope: &str) -> Vec<(String, Arc<Fp8Linear>)> {
+    layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, layer)| {
+            layer
+                .fp8_linears()
+                .into_iter()
+                .map(move |(name, linear)| (format!("{scope}.{i}.{name}"), linear))
+        })
+        .collect()
 }
 
 /// The largest finite value of an fp8 type.
@@ -215,6 +231,64 @@ impl TensorScaling {
                 Ok(quantized)
             }
         }
+    }
+
+    /// The delayed-scaling state under `prefix` (`<prefix>.amax_history`, `.scale`,
+    /// `.counters`) for a checkpoint; nothing before the first use or with current scaling.
+    pub fn state_tensors(&self, prefix: &str, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        let state = self
+            .delayed
+            .lock()
+            .map_err(|_| anyhow::anyhow!("fp8 scaling state poisoned by a panic"))?;
+        if let Some(history) = state.as_ref() {
+            for (name, tensor) in [
+                ("amax_history", &history.amaxes),
+                ("scale", &history.scale),
+                ("counters", &history.counters),
+            ] {
+                out.push((format!("{prefix}.{name}"), tensor.detach().copy()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Restores what [`state_tensors`](Self::state_tensors) saved under `prefix` onto `device`;
+    /// a state absent from `tensors` starts afresh.
+    pub fn load_state(
+        &self,
+        prefix: &str,
+        tensors: &HashMap<String, Tensor>,
+        device: Device,
+    ) -> Result<()> {
+        let Fp8Scaling::Delayed { history_len, .. } = self.scaling else {
+            return Ok(());
+        };
+        let get = |name: &str| tensors.get(&format!("{prefix}.{name}"));
+        let (Some(amaxes), Some(scale), Some(counters)) =
+            (get("amax_history"), get("scale"), get("counters"))
+        else {
+            return Ok(());
+        };
+        ensure!(
+            amaxes.size() == [history_len as i64]
+                && scale.numel() == 1
+                && counters.size() == [2]
+                && counters.kind() == Kind::Int,
+            "{prefix}: an fp8 amax history of {:?} entries, but --fp8-amax-history-len is \
+             {history_len}",
+            amaxes.size()
+        );
+        let mut state = self
+            .delayed
+            .lock()
+            .map_err(|_| anyhow::anyhow!("fp8 scaling state poisoned by a panic"))?;
+        let on = |t: &Tensor, kind: Kind| t.to_device(device).to_kind(kind).copy();
+        *state = Some(History {
+            amaxes: on(amaxes, Kind::Float),
+            scale: on(scale, Kind::Float).view([]),
+            counters: on(counters, Kind::Int),
+        });
+        Ok(())
     }
 
     /// The scale the next use will quantize with (delayed scaling, after a first use).

@@ -518,6 +518,11 @@ impl GptModel {
         )
     }
 
+    /// The fp8 linears under their checkpoint names.
+    pub fn fp8_linears(&self) -> Vec<(String, Arc<super::layers::Fp8Linear>)> {
+        super::fp8::layer_linears(&self.layers, "decoder.layers")
+    }
+
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the
     /// chunk, as in Megatron's checkpoints), in construction order.
     pub fn named_parameters(&self) -> Vec<NamedParameter> {

@@ -338,6 +338,16 @@ impl T5Model {
         plan.apply(&mut self.decoder_layers, 0..decoder, decoder)
     }
 
+    /// The fp8 linears under their checkpoint names.
+    pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<super::layers::Fp8Linear>)> {
+        let mut linears = super::fp8::layer_linears(&self.encoder_layers, "encoder.layers");
+        linears.extend(super::fp8::layer_linears(
+            &self.decoder_layers,
+            "decoder.layers",
+        ));
+        linears
+    }
+
     /// Every parameter under its Megatron-core T5 name, in construction order.
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();

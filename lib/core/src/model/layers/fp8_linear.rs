@@ -15,10 +15,11 @@
 //! `(Wᵀ).t()`), the weight gradient both `dy` and `x` transposed (the token count is then the
 //! inner dimension: when it is not a multiple of 16 that GEMM runs in bf16).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::main_grad_linear::{accumulate_product, ones_row};
 use crate::autograd::{self, CustomFunction, SavedTensors};
@@ -46,6 +47,35 @@ impl Fp8Linear {
 
     pub fn recipe(&self) -> &Fp8Recipe {
         &self.recipe
+    }
+
+    /// The scaling state of this linear (`<name>.input.scale`, ...) for a checkpoint.
+    pub fn state_tensors(&self, name: &str, out: &mut Vec<(String, Tensor)>) -> Result<()> {
+        for (role, scaling) in self.roles() {
+            scaling.state_tensors(&format!("{name}.{role}"), out)?;
+        }
+        Ok(())
+    }
+
+    /// Restores what [`state_tensors`](Self::state_tensors) saved under `name`.
+    pub fn load_state(
+        &self,
+        name: &str,
+        tensors: &HashMap<String, Tensor>,
+        device: Device,
+    ) -> Result<()> {
+        for (role, scaling) in self.roles() {
+            scaling.load_state(&format!("{name}.{role}"), tensors, device)?;
+        }
+        Ok(())
+    }
+
+    fn roles(&self) -> [(&'static str, &TensorScaling); 3] {
+        [
+            ("input", &self.input),
+            ("weight", &self.weight),
+            ("grad_output", &self.grad_output),
+        ]
     }
 }
 
@@ -252,7 +282,6 @@ impl CustomFunction for Fp8LinearFunction {
 mod tests {
     use super::*;
     use crate::model::fp8::{fp8_max, AmaxAlgorithm, Fp8Format, Fp8Scaling};
-    use tch::Device;
 
     const TOKENS: i64 = 32;
     const IN: i64 = 32;

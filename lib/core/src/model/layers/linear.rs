@@ -69,6 +69,11 @@ impl ColumnParallelLinear {
         Ok(())
     }
 
+    /// The fp8 state, when the GEMMs run in fp8.
+    pub fn fp8(&self) -> Option<&Arc<Fp8Linear>> {
+        self.fp8.as_ref()
+    }
+
     pub fn named_tensors(&self, out: &mut NamedTensors) {
         out.push_fusable("weight", &self.weight, SHARDED);
         if let Some(bias) = &self.bias {
@@ -129,6 +134,11 @@ impl RowParallelLinear {
     pub fn enable_fp8(&mut self, name: &str, recipe: Fp8Recipe) -> Result<()> {
         self.fp8 = Some(fp8_for(name, &self.weight, recipe)?);
         Ok(())
+    }
+
+    /// The fp8 state, when the GEMMs run in fp8.
+    pub fn fp8(&self) -> Option<&Arc<Fp8Linear>> {
+        self.fp8.as_ref()
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
