@@ -45,10 +45,6 @@ impl Fp8Linear {
         }
     }
 
-    pub fn recipe(&self) -> &Fp8Recipe {
-        &self.recipe
-    }
-
     /// The scaling state of this linear (`<name>.input.scale`, ...) for a checkpoint.
     pub fn state_tensors(&self, name: &str, out: &mut Vec<(String, Tensor)>) -> Result<()> {
         for (role, scaling) in self.roles() {
@@ -88,13 +84,15 @@ pub fn linear(
 ) -> Result<Tensor> {
     // Gradient-accumulation fusion needs a main-gradient view for every parameter; otherwise
     // both learn through autograd.
-    let weight_grad = weight.main_grad().get();
-    let bias_grad = bias.and_then(|b| b.main_grad().get());
-    let fused = weight_grad.is_some() && (bias.is_none() || bias_grad.is_some());
+    let main_grads = match (weight.main_grad().get(), bias.map(|b| b.main_grad().get())) {
+        (Some(weight), None) => Some((weight, None)),
+        (Some(weight), Some(Some(bias))) => Some((weight, Some(bias))),
+        _ => None,
+    };
     let mut inputs = vec![input];
     // With fused gradients the parameters are inputs only when the activation alone would not
     // put the node in the graph (see `main_grad_linear`).
-    let params_are_inputs = !fused || !input.requires_grad();
+    let params_are_inputs = main_grads.is_none() || !input.requires_grad();
     if params_are_inputs {
         inputs.push(weight.tensor());
         inputs.extend(bias.map(|b| b.tensor()));
@@ -103,7 +101,7 @@ pub fn linear(
         state: fp8.clone(),
         weight: weight.tensor().shallow_clone(),
         bias: bias.map(|b| b.tensor().shallow_clone()),
-        main_grads: fused.then(|| (weight_grad.expect("checked"), bias_grad)),
+        main_grads,
         params_are_inputs,
         inputs: inputs.len(),
         weight_t: None,
