@@ -180,7 +180,7 @@ impl CustomFunction for Fp8LinearFunction {
             true,
         )?;
         if let (Some(bias), None) = (&self.bias, epilogue_bias) {
-            y = y + bias.to_kind(kind);
+            y += bias.to_kind(kind);
         }
         if fp8_wgrad {
             self.input_t = Some(Transposed::of(x_fp8)?);
@@ -449,7 +449,7 @@ mod tests {
         let input = values(&[2, TOKENS / 2, IN], 0.0, Kind::BFloat16).set_requires_grad(true);
         let weight = Param::new(values(&[OUT, IN], 1.0, Kind::BFloat16));
         let bias = Param::new(values(&[OUT], 2.0, Kind::BFloat16));
-        let output = input.linear(&*weight, Some(&*bias));
+        let output = input.linear(&weight, Some(&*bias));
         let loss_weights = values(&[2, TOKENS / 2, OUT], 3.0, Kind::Float);
         (output.to_kind(Kind::Float) * &loss_weights)
             .sum(Kind::Float)
