@@ -90,8 +90,8 @@ impl Fp8Args {
             }
             "tensorwise" => Fp8Scaling::Tensorwise,
             other => bail!(
-                "--fp8-recipe {other} is not implemented (its block-scaled GEMMs need Blackwell \
-                 or Transformer Engine's kernels); use delayed or tensorwise"
+                "--fp8-recipe {other} is not implemented here (only per-tensor scaling is, not \
+                 block scaling); use delayed or tensorwise"
             ),
         };
         if self.fp8_param_gather {
