@@ -100,6 +100,10 @@ fn fp8_training_tracks_bf16() {
             ][..],
             "e4m3, delayed over 16 uses, bf16 weight gradients",
         ),
+        (
+            &["--fp8-format", "hybrid", "--no-gradient-accumulation-fusion"][..],
+            "hybrid, gradients through autograd",
+        ),
     ] {
         assert_tracks(&lm_losses(1, extra), bf16, 1e-3, what);
     }
@@ -128,10 +132,11 @@ fn first_and_last_layers_in_bf16() {
     );
 }
 
-/// Pipeline stages enable fp8 in their own layers, and fully recomputed layers run their fp8
-/// linears again in backward.
+/// Pipeline stages enable fp8 in their own layers, fully recomputed layers run their fp8
+/// linears again in backward, and data-parallel ranks (each scaling its own micro-batches)
+/// reduce their gradients through the overlapped, hook-driven path.
 #[test]
-fn fp8_with_pipeline_parallelism_and_recompute_tracks_bf16() {
+fn fp8_with_pipeline_and_data_parallelism_tracks_bf16() {
     let bf16 = &*BF16;
     let flags = [
         "--fp8-format",
@@ -143,6 +148,9 @@ fn fp8_with_pipeline_parallelism_and_recompute_tracks_bf16() {
     ];
     let losses = support::train::<GptPretrainArgs>(&BASE, 2, 1, 2, &flags).lm_losses();
     assert_tracks(&losses, bf16, 1e-3, "PP=2, full recompute");
+    let overlapped = ["--fp8-format", "hybrid", "--overlap-grad-reduce"];
+    let losses = support::train::<GptPretrainArgs>(&BASE, 2, 1, 1, &overlapped).lm_losses();
+    assert_tracks(&losses, bf16, 1e-3, "DP=2, overlapped gradient reduction");
 }
 
 /// The losses of `BASE` with `extra` on CUDA device 0 (one rank).
