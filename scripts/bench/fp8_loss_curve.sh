@@ -15,8 +15,10 @@
 #   GLOBAL_BATCH=16       global batch size (micro batch 8)
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
 #   NUM_HEADS=16          attention heads
-#   FP8_VARIANTS="--fp8-format hybrid;--fp8-format hybrid --fp8-recipe tensorwise"
-#                         ;-separated flag sets, one fp8 run each
+#   FP8_VARIANTS="--fp8-format hybrid;--fp8-format hybrid --fp8-recipe tensorwise;
+#                 --fp8-format hybrid --no-fp8-wgrad"
+#                         ;-separated flag sets, one fp8 run each (delayed scaling, current
+#                         scaling, and delayed with the weight gradients in bf16)
 #   EXTRA_FLAGS=""        more flags for every run
 set -euo pipefail
 
@@ -59,7 +61,9 @@ run() {
 }
 
 run run0 "bf16"
-IFS=';' read -r -a variants <<<"${FP8_VARIANTS:---fp8-format hybrid;--fp8-format hybrid --fp8-recipe tensorwise}"
+DEFAULT_VARIANTS="--fp8-format hybrid;--fp8-format hybrid --fp8-recipe tensorwise"
+DEFAULT_VARIANTS+=";--fp8-format hybrid --no-fp8-wgrad"
+IFS=';' read -r -a variants <<<"${FP8_VARIANTS:-$DEFAULT_VARIANTS}"
 for i in "${!variants[@]}"; do
     read -r -a flags <<<"${variants[$i]}"
     run "run$((i + 1))" "${variants[$i]}" "${flags[@]}"
