@@ -44,7 +44,7 @@ RUN=("$PRETRAIN_GPT" --num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}"
      --num-attention-heads "${NUM_HEADS:-16}" --seq-length 1024 --max-position-embeddings 1024
      --micro-batch-size 8 --global-batch-size "${GLOBAL_BATCH:-16}" --bf16
      --hidden-dropout 0 --attention-dropout 0 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
-     --lr-warmup-iters 20 --clip-grad 1.0 --weight-decay 0.1 --seed 1234 --train-iters "$ITERS"
+     --lr-warmup-iters "$((ITERS / 10))" --clip-grad 1.0 --weight-decay 0.1 --seed 1234 --train-iters "$ITERS"
      --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data
      --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput
      "${EXTRA[@]}")
