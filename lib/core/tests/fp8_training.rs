@@ -101,7 +101,11 @@ fn fp8_training_tracks_bf16() {
             "e4m3, delayed over 16 uses, bf16 weight gradients",
         ),
         (
-            &["--fp8-format", "hybrid", "--no-gradient-accumulation-fusion"][..],
+            &[
+                "--fp8-format",
+                "hybrid",
+                "--no-gradient-accumulation-fusion",
+            ][..],
             "hybrid, gradients through autograd",
         ),
     ] {

@@ -472,22 +472,29 @@ mod tests {
     }
 
     /// On a GPU the cast kernels give the CPU's fp8 values, transposes and inverse scales
-    /// exactly, for bf16, fp16 and float32 inputs of a shape that is no multiple of the tiles,
-    /// both fp8 types, current scaling and delayed scaling over several uses (history of 3,
-    /// max), including an amax that grows past the delayed scale (saturation).
+    /// exactly, for bf16, fp16 and float32 inputs, shapes that take the one-element kernels
+    /// (70 × 45, odd) and the four-element ones (96 × 160, 36 × 20: multiples of 4 but not of
+    /// the tiles), both fp8 types, current scaling and delayed scaling over several uses
+    /// (history of 3, max), including an amax that grows past the delayed scale (saturation).
     #[test]
     fn on_a_gpu_the_cast_kernels_equal_the_cpu_quantization() {
         if !tch::Cuda::is_available() {
             eprintln!("skipped: no CUDA device");
             return;
         }
+        for shape in [[70, 45], [96, 160], [36, 20]] {
+            check_cast_kernels(shape);
+        }
+    }
+
+    fn check_cast_kernels([rows, cols]: [i64; 2]) {
         let cuda = Device::Cuda(0);
         let uses: Vec<Tensor> = [1.0, 3.0, 0.25, 2.0]
             .iter()
             .map(|&size| {
-                let t = (Tensor::arange(70 * 45, (Kind::Float, Device::Cpu)) * 12.9898).sin()
+                let t = (Tensor::arange(rows * cols, (Kind::Float, Device::Cpu)) * 12.9898).sin()
                     * 43758.5453;
-                (t.frac() * size).view([70, 45])
+                (t.frac() * size).view([rows, cols])
             })
             .collect();
         for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
@@ -502,7 +509,7 @@ mod tests {
                         let want = cpu.quantize(&x, true).unwrap();
                         let got = gpu.quantize(&x.to_device(cuda), true).unwrap();
                         let bits = |t: &Tensor| t.to_device(Device::Cpu).view_dtype(Kind::Uint8);
-                        let what = format!("{kind:?} to {fp8:?}, {scaling:?}");
+                        let what = format!("{rows}×{cols} {kind:?} to {fp8:?}, {scaling:?}");
                         assert!(bits(&got.data).equal(&bits(&want.data)), "{what}: data");
                         let (got_t, want_t) = (got.data_t.unwrap(), want.data_t.unwrap());
                         assert!(bits(&got_t).equal(&bits(&want_t)), "{what}: transpose");

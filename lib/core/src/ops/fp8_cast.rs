@@ -5,6 +5,10 @@
 //! operations it takes five passes over the tensor and about ten launches per quantization
 //! (`model::fp8` keeps that path for the CPU).
 //!
+//! Matrices whose sides are multiples of 4 (every activation and weight of a model whose sizes
+//! suit fp8 GEMMs) take the four-element kernels: 8- or 16-byte loads and 4-byte stores, in
+//! and out of a shared-memory tile for the transpose; other shapes the one-element ones.
+//!
 //! The scale comes either from the device scalar of the delayed-scaling state or from an amax
 //! computed just before (current scaling), in which case the kernel derives the scale from it
 //! with the same float32 division and fallback as `model::fp8`. Each launch writes the inverse
@@ -18,8 +22,12 @@ use tch::{Device, Kind, Tensor};
 
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
-/// Rows and columns of a tile; a block of 32 × 8 threads casts one tile.
+/// Rows of a tile, and its columns in the one-element kernels; a block of 32 × 8 threads casts
+/// one tile.
 const TILE: i64 = 32;
+
+/// Columns of a tile in the four-element kernels.
+const WIDE: i64 = 128;
 
 /// Threads of the delayed-scaling update.
 const UPDATE_THREADS: u32 = 256;
@@ -119,6 +127,96 @@ __device__ void cast_transpose(const T* x, long long rows, long long cols, unsig
     }
 }
 
+// Four consecutive elements at once (8- or 16-byte loads, 4-byte stores), for matrices whose
+// rows and columns are multiples of 4 and an input aligned to its vector: a block casts a
+// tile of 32 rows × 128 columns, a thread four columns of a row per pass.
+struct alignas(8) u16x4 { unsigned short v[4]; };
+struct alignas(16) f32x4 { float v[4]; };
+
+__device__ __forceinline__ void load4(const float* p, float* o) {
+    const f32x4 w = *reinterpret_cast<const f32x4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = w.v[k];
+}
+__device__ __forceinline__ void load4(const bf16* p, float* o) {
+    const u16x4 w = *reinterpret_cast<const u16x4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = __uint_as_float(((unsigned int)w.v[k]) << 16);
+}
+__device__ __forceinline__ void load4(const f16* p, float* o) {
+    const u16x4 w = *reinterpret_cast<const u16x4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm("cvt.f32.f16 %0, %1;" : "=f"(o[k]) : "h"(w.v[k]));
+}
+
+constexpr int WIDE = 128;
+
+template <typename T, bool E5M2>
+__device__ void cast_transpose4(const T* x, long long rows, long long cols, unsigned char* out,
+                                unsigned char* out_t, const float* scale_in,
+                                const float* amax_in, float max, float* scale_inv,
+                                unsigned int* amax_out) {
+    __shared__ unsigned char tile[TILE][WIDE + 4];
+    __shared__ float warp_amax[ROWS_PER_PASS];
+    const float scale = amax_in ? scale_from_amax(*amax_in, max) : *scale_in;
+    const long long row0 = (long long)blockIdx.x * TILE;
+    const long long col0 = (long long)blockIdx.y * WIDE;
+    const int tx = threadIdx.x;
+    const int ty = threadIdx.y;
+    float amax = 0.f;
+    for (int i = ty; i < TILE; i += ROWS_PER_PASS) {
+        const long long r = row0 + i;
+        const long long c = col0 + 4 * tx;
+        unsigned int packed = 0u;
+        if (r < rows && c < cols) {
+            float v[4];
+            load4(x + r * cols + c, v);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                amax = fmaxf(amax, fabsf(v[k]));
+                packed |= ((unsigned int)to_fp8<E5M2>(v[k] * scale)) << (8 * k);
+            }
+            if (out) *reinterpret_cast<unsigned int*>(out + r * cols + c) = packed;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) tile[i][4 * tx + k] = (unsigned char)(packed >> (8 * k));
+    }
+    if (out_t) {
+        __syncthreads();
+        // out_t's rows col0.. hold this tile's columns; each row's 32 bytes are 8 words of 4
+        // consecutive input rows.
+        const int thread = ty * 32 + tx;
+        for (int word = thread; word < WIDE * (TILE / 4); word += 32 * ROWS_PER_PASS) {
+            const int column = word / (TILE / 4);
+            const int first = 4 * (word % (TILE / 4));
+            const long long c = col0 + column;
+            const long long r = row0 + first;
+            if (r < rows && c < cols) {
+                unsigned int packed = 0u;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    packed |= ((unsigned int)tile[first + k][column]) << (8 * k);
+                }
+                *reinterpret_cast<unsigned int*>(out_t + c * rows + r) = packed;
+            }
+        }
+    }
+    if (amax_out) {
+        for (int offset = 16; offset > 0; offset /= 2) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        }
+        if (tx == 0) warp_amax[ty] = amax;
+        __syncthreads();
+        if (tx == 0 && ty == 0) {
+            for (int w = 1; w < ROWS_PER_PASS; ++w) amax = fmaxf(amax, warp_amax[w]);
+            atomicMax(amax_out, __float_as_uint(amax));
+        }
+    }
+    if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0) {
+        *scale_inv = 1.f / scale;
+    }
+}
+
 #define FP8_CAST(NAME, T, E5M2)                                                             \
     extern "C" __global__ void NAME(const T* x, long long rows, long long cols,             \
                                     unsigned char* out, unsigned char* out_t,                \
@@ -128,12 +226,27 @@ __device__ void cast_transpose(const T* x, long long rows, long long cols, unsig
                                 scale_inv, amax_out);                                        \
     }
 
+#define FP8_CAST4(NAME, T, E5M2)                                                            \
+    extern "C" __global__ void NAME(const T* x, long long rows, long long cols,             \
+                                    unsigned char* out, unsigned char* out_t,                \
+                                    const float* scale_in, const float* amax_in, float max,  \
+                                    float* scale_inv, unsigned int* amax_out) {              \
+        cast_transpose4<T, E5M2>(x, rows, cols, out, out_t, scale_in, amax_in, max,         \
+                                 scale_inv, amax_out);                                       \
+    }
+
 FP8_CAST(fp8_cast_bf16_e4m3, bf16, false)
 FP8_CAST(fp8_cast_bf16_e5m2, bf16, true)
 FP8_CAST(fp8_cast_f16_e4m3, f16, false)
 FP8_CAST(fp8_cast_f16_e5m2, f16, true)
 FP8_CAST(fp8_cast_f32_e4m3, float, false)
 FP8_CAST(fp8_cast_f32_e5m2, float, true)
+FP8_CAST4(fp8_cast4_bf16_e4m3, bf16, false)
+FP8_CAST4(fp8_cast4_bf16_e5m2, bf16, true)
+FP8_CAST4(fp8_cast4_f16_e4m3, f16, false)
+FP8_CAST4(fp8_cast4_f16_e5m2, f16, true)
+FP8_CAST4(fp8_cast4_f32_e4m3, float, false)
+FP8_CAST4(fp8_cast4_f32_e5m2, float, true)
 
 // Delayed scaling after a use: counters [amax of the use (float bits), ring position]; the
 // amax goes into the history ring (len entries), the counters move on, and the scale becomes
@@ -178,6 +291,12 @@ extern "C" __global__ void fp8_delayed_update(float* scale, unsigned int* counte
         "fp8_cast_f16_e5m2",
         "fp8_cast_f32_e4m3",
         "fp8_cast_f32_e5m2",
+        "fp8_cast4_bf16_e4m3",
+        "fp8_cast4_bf16_e5m2",
+        "fp8_cast4_f16_e4m3",
+        "fp8_cast4_f16_e5m2",
+        "fp8_cast4_f32_e4m3",
+        "fp8_cast4_f32_e5m2",
         "fp8_delayed_update",
     ],
 };
@@ -282,7 +401,15 @@ pub fn cast(
         arg(&mut scale_inv_ptr),
         arg(&mut amax_out),
     ];
-    let grid = ((rows + TILE - 1) / TILE, (cols + TILE - 1) / TILE);
+    // Four elements a thread where the shape and the input's alignment allow vector accesses.
+    let vector = 4 * x.kind().elt_size_in_bytes() as u64;
+    let wide = rows % 4 == 0 && cols % 4 == 0 && x_ptr % vector == 0;
+    let (variant, tile_cols) = if wide {
+        ("cast4", WIDE)
+    } else {
+        ("cast", TILE)
+    };
+    let grid = ((rows + TILE - 1) / TILE, (cols + tile_cols - 1) / tile_cols);
     ensure!(
         grid.1 <= 65535,
         "fp8 cast of a matrix with {cols} columns: too wide for one launch"
@@ -294,7 +421,7 @@ pub fn cast(
     // (a copied `x` dropped here) is only reused by work queued on the stream after the kernel.
     unsafe {
         module.launch(
-            &format!("fp8_cast_{input}_{output}"),
+            &format!("fp8_{variant}_{input}_{output}"),
             (grid.0 as u32, grid.1 as u32, 1),
             (TILE as u32, 8, 1),
             &mut args,
