@@ -8,8 +8,7 @@ use tch::Tensor;
 
 use super::fp8::Fp8Plan;
 use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
-use super::layers::Fp8Linear;
-use super::layers::NamedParameter;
+use super::layers::{Fp8Linear, NamedParameter};
 
 /// One pipeline chunk of a model (the whole model without pipeline parallelism).
 pub trait ModelChunk: Send {
