@@ -252,32 +252,37 @@ impl TensorScaling {
         Ok(())
     }
 
-    /// Restores what [`state_tensors`](Self::state_tensors) saved under `prefix` onto `device`;
-    /// a state absent from `tensors` starts afresh.
+    /// Restores what [`state_tensors`](Self::state_tensors) saved under `prefix` onto `device`.
+    /// Whether it did: with current scaling there is nothing to restore, and a state absent
+    /// from `tensors` or saved with another history length starts afresh.
     pub fn load_state(
         &self,
         prefix: &str,
         tensors: &HashMap<String, Tensor>,
         device: Device,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let Fp8Scaling::Delayed { history_len, .. } = self.scaling else {
-            return Ok(());
+            return Ok(true);
         };
         let get = |name: &str| tensors.get(&format!("{prefix}.{name}"));
         let (Some(amaxes), Some(scale), Some(counters)) =
             (get("amax_history"), get("scale"), get("counters"))
         else {
-            return Ok(());
+            return Ok(false);
         };
         ensure!(
-            amaxes.size() == [history_len as i64]
+            amaxes.dim() == 1
                 && scale.numel() == 1
                 && counters.size() == [2]
                 && counters.kind() == Kind::Int,
-            "{prefix}: an fp8 amax history of {:?} entries, but --fp8-amax-history-len is \
-             {history_len}",
-            amaxes.size()
+            "{prefix}: malformed fp8 scaling state (amax history {:?}, scale {:?}, counters {:?})",
+            amaxes.size(),
+            scale.size(),
+            counters.size()
         );
+        if amaxes.size() != [history_len as i64] {
+            return Ok(false);
+        }
         let mut state = self
             .delayed
             .lock()
@@ -288,7 +293,7 @@ impl TensorScaling {
             scale: on(scale, Kind::Float).view([]),
             counters: on(counters, Kind::Int),
         });
-        Ok(())
+        Ok(true)
     }
 
     /// The scale the next use will quantize with (delayed scaling, after a first use).
@@ -445,6 +450,42 @@ mod tests {
             scaling.next_scale().unwrap().double_value(&[]),
             448.0 / 7.0 / 4.0
         );
+    }
+
+    #[test]
+    fn the_delayed_state_round_trips_and_another_history_length_starts_afresh() {
+        let scaling = TensorScaling::new(Kind::Float8e4m3fn, delayed(2, AmaxAlgorithm::Max));
+        for amax in [4.0f32, 2.0] {
+            scaling
+                .quantize(&Tensor::from_slice(&[amax]), false)
+                .unwrap();
+        }
+        let mut saved = Vec::new();
+        scaling.state_tensors("qkv.input", &mut saved).unwrap();
+        let names: Vec<&str> = saved.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "qkv.input.amax_history",
+                "qkv.input.scale",
+                "qkv.input.counters"
+            ]
+        );
+        let saved: HashMap<String, Tensor> = saved.into_iter().collect();
+        let restored = TensorScaling::new(Kind::Float8e4m3fn, delayed(2, AmaxAlgorithm::Max));
+        assert!(restored
+            .load_state("qkv.input", &saved, Device::Cpu)
+            .unwrap());
+        assert_eq!(
+            restored.next_scale().unwrap().double_value(&[]),
+            448.0 / 4.0
+        );
+        let longer = TensorScaling::new(Kind::Float8e4m3fn, delayed(8, AmaxAlgorithm::Max));
+        assert!(!longer.load_state("qkv.input", &saved, Device::Cpu).unwrap());
+        assert!(longer.next_scale().is_none());
+        assert!(!restored
+            .load_state("proj.input", &saved, Device::Cpu)
+            .unwrap());
     }
 
     #[test]

@@ -86,14 +86,22 @@ fn fp8_tensors<C: ModelChunk>(chunks: &[C]) -> Result<Vec<(String, Tensor)>> {
     Ok(tensors)
 }
 
-/// Restores what [`fp8_tensors`] saved; linears it has nothing for start afresh.
+/// Restores what [`fp8_tensors`] saved; linears it has nothing for (or a history of another
+/// `--fp8-amax-history-len`) start afresh, which a note says.
 fn load_fp8_tensors<C: ModelChunk>(chunks: &[C], tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let mut afresh = 0;
     for (c, chunk) in chunks.iter().enumerate() {
         let prefix = chunk_prefix(c, chunks.len());
         let device = chunk.options().device;
         for (name, linear) in chunk.fp8_linears() {
-            linear.load_state(&format!("{prefix}{name}"), tensors, device)?;
+            afresh += linear.load_state(&format!("{prefix}{name}"), tensors, device)?;
         }
+    }
+    if afresh > 0 {
+        eprintln!(
+            "note: {afresh} fp8 scaling states are not in the checkpoint (or have another \
+             --fp8-amax-history-len) and start afresh"
+        );
     }
     Ok(())
 }

@@ -53,17 +53,21 @@ impl Fp8Linear {
         Ok(())
     }
 
-    /// Restores what [`state_tensors`](Self::state_tensors) saved under `name`.
+    /// Restores what [`state_tensors`](Self::state_tensors) saved under `name`; how many of
+    /// its three scaling states start afresh instead (see [`TensorScaling::load_state`]).
     pub fn load_state(
         &self,
         name: &str,
         tensors: &HashMap<String, Tensor>,
         device: Device,
-    ) -> Result<()> {
+    ) -> Result<usize> {
+        let mut afresh = 0;
         for (role, scaling) in self.roles() {
-            scaling.load_state(&format!("{name}.{role}"), tensors, device)?;
+            if !scaling.load_state(&format!("{name}.{role}"), tensors, device)? {
+                afresh += 1;
+            }
         }
-        Ok(())
+        Ok(afresh)
     }
 
     fn roles(&self) -> [(&'static str, &TensorScaling); 3] {
