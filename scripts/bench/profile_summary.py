@@ -3,7 +3,7 @@
 libtorch's Kineto profiler (ours: pretrain_gpt --profile --use-pytorch-profiler; PyTorch:
 torch.profiler's export_chrome_trace).
 
-Each kernel goes to the first kind whose pattern its name matches (GEMMs, attention, normalisation,
+Each kernel goes to the first kind whose pattern its name matches (GEMMs, attention, fp8 casts, normalisation,
 cross entropy, optimizer, communication, other elementwise); memory copies and sets are their own
 kind. "host gaps" is the time inside the profiled window (first to last GPU activity) when no GPU
 work ran: launch overhead, synchronisation, the host waiting on itself. Figures are per step.
@@ -22,6 +22,8 @@ import sys
 KINDS = [
     ("GEMM", r"gemm|nvjet|cutlass|xmma|cublas|splitk|_mm_|addmm|matmul"),
     ("attention", r"flash|fmha|attention|attn|sdpa|cudnn"),
+    # Our fp8 casts and delayed-scaling updates (ops::fp8_cast), and current scaling's amax.
+    ("fp8 casts", r"fp8_cast|fp8_delayed|absmaxops|norminfops"),
     ("normalisation", r"layer_?norm|rms_?norm|gammabeta|_norm_"),
     ("cross entropy", r"softmax|nll_loss|cross_entropy|logsumexp"),
     # "lamb" must not match the "lambda" in templated elementwise kernel names; sum_squares is

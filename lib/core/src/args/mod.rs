@@ -7,6 +7,7 @@ mod checkpoint_model;
 mod checkpointing;
 mod data;
 mod finetune;
+mod fp8;
 mod logging;
 mod model;
 mod parallel;
@@ -18,6 +19,7 @@ pub use checkpoint_model::CheckpointModelArgs;
 pub use checkpointing::CheckpointArgs;
 pub use data::{DataArgs, TokenizerArgs};
 pub use finetune::{FinetuneArgs, FinetuneTaskArgs};
+pub use fp8::Fp8Args;
 pub use logging::LoggingArgs;
 pub use model::ModelArgs;
 pub use parallel::ParallelArgs;
@@ -39,6 +41,8 @@ pub struct PretrainArgs {
     pub precision: MixedPrecisionArgs,
     #[command(flatten, next_help_heading = "Activation recomputation")]
     pub recompute: RecomputeArgs,
+    #[command(flatten, next_help_heading = "Transformer Engine (FP8)")]
+    pub fp8: Fp8Args,
     #[command(flatten, next_help_heading = "Checkpoints")]
     pub checkpoint: CheckpointArgs,
     #[command(flatten, next_help_heading = "Data")]

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use anyhow::{bail, ensure, Context, Result};
 use tch::Tensor;
 
+use super::fp8::Fp8Plan;
 use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
-use super::layers::NamedParameter;
+use super::layers::{Fp8Linear, NamedParameter};
 
 /// One pipeline chunk of a model (the whole model without pipeline parallelism).
 pub trait ModelChunk: Send {
@@ -18,6 +19,10 @@ pub trait ModelChunk: Send {
     fn named_parameters(&self) -> Vec<NamedParameter>;
     /// Installs the gate the forward pass consults before each module (`--overlap-param-gather`).
     fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>);
+    /// Runs the transformer layers' linears that `plan` names in fp8 (`--fp8-format`).
+    fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()>;
+    /// The fp8 linears under their checkpoint names (empty without fp8).
+    fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)>;
     /// The architecture, as checkpoint metadata records it.
     fn config_json(&self) -> Result<serde_json::Value>;
 
@@ -76,7 +81,8 @@ pub(crate) fn join_names(names: &[&String]) -> String {
 }
 
 /// Implements [`ModelChunk`] for a family's model, which has the fields `config` (serialisable),
-/// `spec`, `options` and `gate` and an inherent `named_parameters`.
+/// `spec`, `options` and `gate` and inherent `named_parameters`, `enable_fp8` and
+/// `fp8_linears`.
 macro_rules! impl_model_chunk {
     ($model:ty) => {
         impl $crate::model::chunk::ModelChunk for $model {
@@ -94,6 +100,16 @@ macro_rules! impl_model_chunk {
 
             fn set_param_gate(&mut self, gate: std::sync::Arc<dyn $crate::model::ParamGate>) {
                 self.gate.set(gate);
+            }
+
+            fn enable_fp8(&mut self, plan: &$crate::model::fp8::Fp8Plan) -> anyhow::Result<()> {
+                <$model>::enable_fp8(self, plan)
+            }
+
+            fn fp8_linears(
+                &self,
+            ) -> Vec<(String, std::sync::Arc<$crate::model::layers::Fp8Linear>)> {
+                <$model>::fp8_linears(self)
             }
 
             fn config_json(&self) -> anyhow::Result<serde_json::Value> {

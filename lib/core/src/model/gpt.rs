@@ -557,6 +557,20 @@ impl GptModel {
         }
     }
 
+    /// Runs the linears of the layers `plan` names in fp8.
+    pub fn enable_fp8(&mut self, plan: &super::fp8::Fp8Plan) -> Result<()> {
+        plan.apply(
+            &mut self.layers,
+            self.spec.layers.clone(),
+            self.config.num_layers,
+        )
+    }
+
+    /// The fp8 linears under their checkpoint names.
+    pub fn fp8_linears(&self) -> Vec<(String, Arc<super::layers::Fp8Linear>)> {
+        super::fp8::layer_linears(&self.layers, "decoder.layers")
+    }
+
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the
     /// chunk, as in Megatron's checkpoints), in construction order.
     pub fn named_parameters(&self) -> Vec<NamedParameter> {

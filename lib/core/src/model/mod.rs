@@ -5,6 +5,7 @@ pub mod bert;
 pub mod chunk;
 pub mod config;
 pub mod cross_entropy;
+pub mod fp8;
 pub mod fused_cross_entropy;
 pub mod gpt;
 pub mod hf;

@@ -327,6 +327,27 @@ impl T5Model {
         )
     }
 
+    /// Runs the linears of the layers `plan` names in fp8; the encoder and the decoder are two
+    /// stacks, each with its own first and last layers.
+    pub fn enable_fp8(&mut self, plan: &super::fp8::Fp8Plan) -> Result<()> {
+        let (encoder, decoder) = (
+            self.config.encoder_num_layers,
+            self.config.decoder_num_layers,
+        );
+        plan.apply(&mut self.encoder_layers, 0..encoder, encoder)?;
+        plan.apply(&mut self.decoder_layers, 0..decoder, decoder)
+    }
+
+    /// The fp8 linears under their checkpoint names.
+    pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<super::layers::Fp8Linear>)> {
+        let mut linears = super::fp8::layer_linears(&self.encoder_layers, "encoder.layers");
+        linears.extend(super::fp8::layer_linears(
+            &self.decoder_layers,
+            "decoder.layers",
+        ));
+        linears
+    }
+
     /// Every parameter under its Megatron-core T5 name, in construction order.
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();

@@ -55,6 +55,7 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 }
 
 pub mod decode_gemv;
+pub mod fp8_cast;
 pub mod gemm_epilogue;
 pub mod multi_tensor;
 pub mod optimizer_kernels;

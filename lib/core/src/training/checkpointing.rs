@@ -18,6 +18,9 @@ use crate::optim::MixedPrecisionOptimizer;
 use crate::parallel::ParallelState;
 use crate::rng::{model_parallel_rng_state, set_model_parallel_rng_state, GeneratorState};
 
+/// The per-rank file of the fp8 scaling state (see [`fp8_tensors`]).
+const FP8_FILE: &str = "fp8_state.safetensors";
+
 /// Megatron's current `checkpoint_version` (per-head QKV layout).
 const CHECKPOINT_VERSION: f64 = 3.0;
 
@@ -67,6 +70,40 @@ pub fn model_tensors<C: ModelChunk>(chunks: &[C]) -> Vec<(String, Tensor)> {
                 .map(move |p| (format!("{prefix}{}", p.name), p.tensor.detach()))
         })
         .collect()
+}
+
+/// The delayed-scaling state of this rank's fp8 linears (`--fp8-format`), named after them
+/// like the parameters (`decoder.layers.0.mlp.linear_fc1.input.scale`, ...); empty without
+/// fp8 or before the first step. Transformer Engine keeps it in each module's `_extra_state`.
+fn fp8_tensors<C: ModelChunk>(chunks: &[C]) -> Result<Vec<(String, Tensor)>> {
+    let mut tensors = Vec::new();
+    for (c, chunk) in chunks.iter().enumerate() {
+        let prefix = chunk_prefix(c, chunks.len());
+        for (name, linear) in chunk.fp8_linears() {
+            linear.state_tensors(&format!("{prefix}{name}"), &mut tensors)?;
+        }
+    }
+    Ok(tensors)
+}
+
+/// Restores what [`fp8_tensors`] saved; linears it has nothing for (or a history of another
+/// `--fp8-amax-history-len`) start afresh, which a note says.
+fn load_fp8_tensors<C: ModelChunk>(chunks: &[C], tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let mut afresh = 0;
+    for (c, chunk) in chunks.iter().enumerate() {
+        let prefix = chunk_prefix(c, chunks.len());
+        let device = chunk.options().device;
+        for (name, linear) in chunk.fp8_linears() {
+            afresh += linear.load_state(&format!("{prefix}{name}"), tensors, device)?;
+        }
+    }
+    if afresh > 0 {
+        eprintln!(
+            "note: {afresh} fp8 scaling states are not in the checkpoint (or have another \
+             --fp8-amax-history-len) and start afresh"
+        );
+    }
+    Ok(())
 }
 
 fn load_model_tensors<C: ModelChunk>(
@@ -179,6 +216,10 @@ fn write_and_commit<C: ModelChunk>(request: SaveRequest<'_, C>, iteration: u64) 
         )?;
         if request.save_rng {
             write_rank_file(&staging, &rank_dir, RNG_FILE, &rng_tensors(device)?)?;
+        }
+        let fp8 = fp8_tensors(request.chunks)?;
+        if !fp8.is_empty() {
+            write_rank_file(&staging, &rank_dir, FP8_FILE, &fp8)?;
         }
     }
     if let Some((optimizer, _)) = request.optimizer {
@@ -297,6 +338,10 @@ pub fn load_weights<C: ModelChunk>(
         })?;
     load_model_tensors(chunks, tensors)
         .with_context(|| format!("loading {}", found.directory.display()))?;
+    if let Some(fp8) = found.read(&rank_dir, FP8_FILE, Device::Cpu)? {
+        load_fp8_tensors(chunks, &fp8)
+            .with_context(|| format!("fp8 state of {}", found.directory.display()))?;
+    }
     Ok(Some(found))
 }
 

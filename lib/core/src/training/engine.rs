@@ -272,6 +272,9 @@ pub fn train_with_hooks<F: ModelFamily>(
         recompute: args.recompute.recompute()?,
         seed: args.training.seed,
     };
+    let fp8 = args
+        .fp8
+        .plan(&args.precision, config.num_layers, layout.pipeline)?;
     let virtual_stages = args.parallel.virtual_stages(config.num_layers)?;
     let split = PipelineSplit {
         num_layers: config.num_layers,
@@ -285,6 +288,11 @@ pub fn train_with_hooks<F: ModelFamily>(
         .into_iter()
         .map(|spec| family.build_chunk(options, &parallel, spec))
         .collect::<Result<Vec<_>>>()?;
+    if let Some(plan) = &fp8 {
+        for chunk in &mut chunks {
+            chunk.enable_fp8(plan)?;
+        }
+    }
 
     let micro_batch_size = args.training.micro_batch_size;
     let data_parallel_size = layout.data as u64;

@@ -1,10 +1,14 @@
 //! Column- and row-parallel linears (spec §2.1, §2.2). Weights are `[out, in]` like `nn.Linear`.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use tch::Tensor;
 
-use super::main_grad_linear::linear;
+use super::fp8_linear::{self, Fp8Linear};
+use super::main_grad_linear;
 use super::{NamedTensors, ParamAttributes, TensorParallel};
+use crate::model::fp8::{check_gemm_shape, Fp8Recipe};
 use crate::model::param::{Initializer, Param};
 use crate::parallel::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -22,6 +26,8 @@ pub struct ColumnParallelLinear {
     pub weight: Param,
     pub bias: Option<Param>,
     parallel: TensorParallel,
+    /// Set when the GEMMs run in fp8 (`--fp8-format`).
+    fp8: Option<Arc<Fp8Linear>>,
 }
 
 impl ColumnParallelLinear {
@@ -41,17 +47,14 @@ impl ColumnParallelLinear {
             weight,
             bias,
             parallel,
+            fp8: None,
         }
     }
 
     /// `x · Wᵀ + b` on this rank's output slice. With sequence parallelism the input arrives
     /// split along the sequence and is gathered first.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        linear(
-            &self.parallel_input(input)?,
-            &self.weight,
-            self.bias.as_ref(),
-        )
+        self.local(&self.parallel_input(input)?)
     }
 
     /// The input this rank multiplies: gathered along the sequence with sequence parallelism,
@@ -64,10 +67,27 @@ impl ColumnParallelLinear {
         }
     }
 
+    /// `input · Wᵀ + b` for an input already through [`parallel_input`](Self::parallel_input).
+    pub fn local(&self, input: &Tensor) -> Result<Tensor> {
+        linear(input, &self.weight, self.bias.as_ref(), &self.fp8)
+    }
+
     /// Whether the input reaches this rank whole, so that [`forward`](Self::forward) is the
     /// plain product (no sequence-parallel gather).
     pub fn takes_whole_input(&self) -> bool {
         !self.parallel.sequence_parallel
+    }
+
+    /// Runs this linear's GEMMs in fp8 from now on; `name` is for the error when the shard's
+    /// shape does not suit fp8 GEMMs.
+    pub fn enable_fp8(&mut self, name: &str, recipe: Fp8Recipe) -> Result<()> {
+        self.fp8 = Some(fp8_for(name, &self.weight, recipe)?);
+        Ok(())
+    }
+
+    /// The fp8 state, when the GEMMs run in fp8.
+    pub fn fp8(&self) -> Option<&Arc<Fp8Linear>> {
+        self.fp8.as_ref()
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -86,6 +106,8 @@ pub struct RowParallelLinear {
     pub weight: Param,
     pub bias: Option<Param>,
     parallel: TensorParallel,
+    /// Set when the GEMMs run in fp8 (`--fp8-format`).
+    fp8: Option<Arc<Fp8Linear>>,
 }
 
 impl RowParallelLinear {
@@ -103,6 +125,7 @@ impl RowParallelLinear {
             weight,
             bias,
             parallel,
+            fp8: None,
         }
     }
 
@@ -113,33 +136,31 @@ impl RowParallelLinear {
     }
 
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let local_bias = self.local_bias();
-        let partial = linear(input, &self.weight, local_bias)?;
-        self.reduce_output(&partial, local_bias.is_some())
-    }
-
-    /// The bias when this rank adds it to its own product: with one rank, where no sum follows.
-    pub fn local_bias(&self) -> Option<&Param> {
-        self.bias
-            .as_ref()
-            .filter(|_| self.parallel.group.size() == 1)
-    }
-
-    /// The layer's output from this rank's product: summed over the group (reduce-scattered
-    /// along the sequence with sequence parallelism), plus the bias unless `bias_added`.
-    pub fn reduce_output(&self, partial: &Tensor, bias_added: bool) -> Result<Tensor> {
         let group = &self.parallel.group;
-        let output = if group.size() == 1 {
-            partial.shallow_clone()
-        } else if self.parallel.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(partial, group)?
+        if group.size() == 1 {
+            return linear(input, &self.weight, self.bias.as_ref(), &self.fp8);
+        }
+        let partial = linear(input, &self.weight, None, &self.fp8)?;
+        let output = if self.parallel.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(&partial, group)?
         } else {
-            reduce_from_tensor_parallel_region(partial, group)?
+            reduce_from_tensor_parallel_region(&partial, group)?
         };
         Ok(match &self.bias {
-            Some(bias) if !bias_added => output + &**bias,
-            _ => output,
+            Some(bias) => output + &**bias,
+            None => output,
         })
+    }
+
+    /// See [`ColumnParallelLinear::enable_fp8`].
+    pub fn enable_fp8(&mut self, name: &str, recipe: Fp8Recipe) -> Result<()> {
+        self.fp8 = Some(fp8_for(name, &self.weight, recipe)?);
+        Ok(())
+    }
+
+    /// The fp8 state, when the GEMMs run in fp8.
+    pub fn fp8(&self) -> Option<&Arc<Fp8Linear>> {
+        self.fp8.as_ref()
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -152,4 +173,23 @@ impl RowParallelLinear {
             out.push_fusable("bias", bias, attributes);
         }
     }
+}
+
+/// The linear on this rank's shard: in fp8 when enabled, else in the parameters' dtype.
+fn linear(
+    input: &Tensor,
+    weight: &Param,
+    bias: Option<&Param>,
+    fp8: &Option<Arc<Fp8Linear>>,
+) -> Result<Tensor> {
+    match fp8 {
+        Some(fp8) => fp8_linear::linear(input, weight, bias, fp8),
+        None => main_grad_linear::linear(input, weight, bias),
+    }
+}
+
+fn fp8_for(name: &str, weight: &Param, recipe: Fp8Recipe) -> Result<Arc<Fp8Linear>> {
+    let size = weight.size();
+    check_gemm_shape(name, size[0], size[1])?;
+    Ok(Arc::new(Fp8Linear::new(recipe)))
 }

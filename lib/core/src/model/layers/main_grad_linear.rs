@@ -106,7 +106,7 @@ thread_local! {
 
 /// A `[1, n]` row of ones: the bias gradient is `onesᵀ · grad`, a GEMV that accumulates into
 /// float32 like the weight's GEMM.
-fn ones_row(n: i64, kind: Kind, device: Device) -> Tensor {
+pub(crate) fn ones_row(n: i64, kind: Kind, device: Device) -> Tensor {
     ONES.with(|cache| {
         let mut cache = cache.borrow_mut();
         let fits = cache

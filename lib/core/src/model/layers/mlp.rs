@@ -5,7 +5,6 @@ use tch::Tensor;
 
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::linear_gelu;
-use super::main_grad_linear::linear;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::{Activation, GptConfig};
 use crate::model::param::Initializer;
@@ -58,13 +57,15 @@ impl Mlp {
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let input = self.linear_fc1.parallel_input(hidden)?;
         let fc1 = &self.linear_fc1;
-        let fused = match (self.activation, &fc1.bias) {
-            (Activation::GeluTanh, Some(bias)) => linear_gelu::forward(&input, &fc1.weight, bias)?,
+        let fused = match (self.activation, &fc1.bias, fc1.fp8()) {
+            (Activation::GeluTanh, Some(bias), None) => {
+                linear_gelu::forward(&input, &fc1.weight, bias)?
+            }
             _ => None,
         };
         let activated = match fused {
             Some(activated) => activated,
-            None => self.activate(&linear(&input, &fc1.weight, fc1.bias.as_ref())?),
+            None => self.activate(&fc1.local(&input)?),
         };
         self.linear_fc2.forward(&activated)
     }

@@ -3,6 +3,7 @@
 
 mod attention;
 mod embedding;
+mod fp8_linear;
 mod kv_cache;
 mod linear;
 mod linear_gelu;
@@ -14,6 +15,7 @@ mod transformer_layer;
 
 pub use attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
 pub use embedding::VocabParallelEmbedding;
+pub use fp8_linear::Fp8Linear;
 pub use kv_cache::{KvCache, LayerCache, PagedKvCache, PagedStep, BLOCK_SIZE};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;

@@ -1,16 +1,20 @@
 //! One pre-LN transformer layer (spec §1.1), with T5's cross-attention block in decoder layers
 //! of an encoder-decoder (spec §1.5).
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use tch::Tensor;
 
 use super::attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
+use super::fp8_linear::Fp8Linear;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
 use crate::model::config::GptConfig;
+use crate::model::fp8::Fp8Recipe;
 use crate::model::param::Initializer;
 use crate::ops::decode_gemv::{self, decode_linear, Epilogue};
 
@@ -88,6 +92,55 @@ impl TransformerLayer {
             hidden_dropout: config.hidden_dropout,
             residual_from_norm: config.apply_residual_connection_post_layernorm,
         }
+    }
+
+    /// Runs the layer's linears (attention projections, MLP) in fp8; norms, attention itself and
+    /// everything outside the layers stay in the parameters' dtype, as with Transformer Engine.
+    pub fn enable_fp8(&mut self, recipe: Fp8Recipe) -> Result<()> {
+        let attention = &mut self.self_attention;
+        attention
+            .linear_qkv
+            .enable_fp8("self_attention.linear_qkv", recipe)?;
+        attention
+            .linear_proj
+            .enable_fp8("self_attention.linear_proj", recipe)?;
+        if let Some((_, cross)) = &mut self.cross {
+            cross
+                .linear_q
+                .enable_fp8("cross_attention.linear_q", recipe)?;
+            cross
+                .linear_kv
+                .enable_fp8("cross_attention.linear_kv", recipe)?;
+            cross
+                .linear_proj
+                .enable_fp8("cross_attention.linear_proj", recipe)?;
+        }
+        self.mlp.linear_fc1.enable_fp8("mlp.linear_fc1", recipe)?;
+        self.mlp.linear_fc2.enable_fp8("mlp.linear_fc2", recipe)
+    }
+
+    /// The layer's fp8 linears under their names in the layer, for checkpoints.
+    pub fn fp8_linears(&self) -> Vec<(&'static str, Arc<Fp8Linear>)> {
+        let attention = &self.self_attention;
+        let mut linears = vec![
+            ("self_attention.linear_qkv", attention.linear_qkv.fp8()),
+            ("self_attention.linear_proj", attention.linear_proj.fp8()),
+        ];
+        if let Some((_, cross)) = &self.cross {
+            linears.extend([
+                ("cross_attention.linear_q", cross.linear_q.fp8()),
+                ("cross_attention.linear_kv", cross.linear_kv.fp8()),
+                ("cross_attention.linear_proj", cross.linear_proj.fp8()),
+            ]);
+        }
+        linears.extend([
+            ("mlp.linear_fc1", self.mlp.linear_fc1.fp8()),
+            ("mlp.linear_fc2", self.mlp.linear_fc2.fp8()),
+        ]);
+        linears
+            .into_iter()
+            .filter_map(|(name, fp8)| Some((name, fp8?.clone())))
+            .collect()
     }
 
     pub fn forward(
