@@ -137,6 +137,19 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
     // previous kernel finishes.
     let_next_kernel_start();
     if (active) load_round(lane * V);
+    // So are the bias of the column this lane writes (lane r·C + c writes row r, column
+    // first + c) and the norm's weights of the first pack this thread normalizes.
+    const int my_column = lane % C;
+    const float my_bias = (flags & ADD_BIAS) && active && first + my_column < N
+                              ? load(bias + first + my_column)
+                              : 0.f;
+    const int first_k = (threadIdx.x * V) % K;
+    float g0[V];
+    float b0[V];
+    if ((flags & STAGE_INPUT) && (layer_norm || rms_norm)) {
+        load_pack(gamma + first_k, g0);
+        if (layer_norm) load_pack(beta + first_k, b0);
+    }
     wait_for_previous_kernel();
     extern __shared__ __align__(16) unsigned char staged_input[];
     const bool staged = flags & STAGE_INPUT;
@@ -192,8 +205,16 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
                 float g[V];
                 float b[V];
                 load_pack(xs + i, xv);
-                load_pack(gamma + k, g);
-                if (layer_norm) load_pack(beta + k, b);
+                if (k == first_k) {
+#pragma unroll
+                    for (int j = 0; j < V; ++j) {
+                        g[j] = g0[j];
+                        if (layer_norm) b[j] = b0[j];
+                    }
+                } else {
+                    load_pack(gamma + k, g);
+                    if (layer_norm) load_pack(beta + k, b);
+                }
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     if (flags & NORM_ONE_PLUS) g[j] = rounded<T>(g[j] + 1.f);
@@ -270,7 +291,7 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
             if (lane != r * C + c || r >= rows || first + c >= N) continue;
             const long long n = first + c;
             float value = acc[r][c];
-            if (flags & ADD_BIAS) value += load(bias + n);
+            if (flags & ADD_BIAS) value += my_bias;
             value = rounded<T>(value);
             if (flags & GELU_TANH) {
                 const float inner = 0.7978845608028654f * (value + 0.044715f * value * value * value);
@@ -332,9 +353,9 @@ const GELU_ERF: i32 = 32;
 const ADD_RESIDUAL: i32 = 64;
 const STAGE_INPUT: i32 = 128;
 
-/// The most dynamic shared memory a launch gets without opting in: inputs up to this size are
-/// staged there.
-const MAX_STAGED_BYTES: i64 = 48 * 1024;
+/// Inputs up to this size are staged in dynamic shared memory: what a launch gets without
+/// opting in (48 KiB) less room for the kernel's static shared memory.
+const MAX_STAGED_BYTES: i64 = 47 * 1024;
 
 /// A LayerNorm or RMSNorm over the last dimension: the model's norms (see
 /// [`crate::model::layers::Norm`]) as plain tensor math, and as the kernels' prologue.
