@@ -9,22 +9,8 @@ mod support;
 use std::sync::LazyLock;
 
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
+use megatron_core::training::Runtime;
 use support::Pretrain;
-
-impl Pretrain for GptPretrainArgs {
-    fn parse(argv: Vec<String>) -> Self {
-        support::parse_flags(argv)
-    }
-
-    fn sequence_parallel(&self) -> bool {
-        self.parallel.sequence_parallel
-    }
-
-    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
-        pretrain_gpt(self, runtime)
-    }
-}
 
 const STEPS: usize = 20;
 

@@ -7,22 +7,6 @@ mod support;
 use std::sync::LazyLock;
 
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
-use support::Pretrain;
-
-impl Pretrain for GptPretrainArgs {
-    fn parse(argv: Vec<String>) -> Self {
-        support::parse_flags(argv)
-    }
-
-    fn sequence_parallel(&self) -> bool {
-        self.parallel.sequence_parallel
-    }
-
-    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
-        pretrain_gpt(self, runtime)
-    }
-}
 
 /// A 4-layer GPT on mock data, fp32, no dropout, 4 micro-batches of 2 per step, cosine decay.
 static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {

@@ -34,20 +34,9 @@ const UPDATE_THREADS: u32 = 256;
 
 pub const SOURCE: KernelSource = KernelSource {
     name: "fp8_cast",
-    source: r#"
-struct bf16 { unsigned short bits; };
-struct f16 { unsigned short bits; };
-
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ float load(const bf16* p) {
-    return __uint_as_float(((unsigned int)p->bits) << 16);
-}
-__device__ __forceinline__ float load(const f16* p) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
-    return value;
-}
-
+    source: concat!(
+        cuda_scalars!(),
+        r#"
 __device__ __forceinline__ bool finite(float v) {
     return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
 }
@@ -283,7 +272,8 @@ extern "C" __global__ void fp8_delayed_update(float* scale, unsigned int* counte
         *scale = fminf(max_over_margin / reduced, FLOAT_MAX);
     }
 }
-"#,
+"#
+    ),
     functions: &[
         "fp8_cast_bf16_e4m3",
         "fp8_cast_bf16_e5m2",

@@ -13,10 +13,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, T5PretrainArgs};
+use megatron_core::args::{t5_flags, GptPretrainArgs, T5PretrainArgs};
 use megatron_core::checkpoint::{find_checkpoint, merge_model_parallel_ranks};
 use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
-use megatron_core::training::{Runtime, TrainingSummary};
+use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
 use tch::{Device, Tensor};
 
 /// A binary's flags `A` alone, parsed as the binary parses them (a later flag overrides an
@@ -49,6 +49,20 @@ pub trait Pretrain: Sized + Sync {
     fn parse(argv: Vec<String>) -> Self;
     fn sequence_parallel(&self) -> bool;
     fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary>;
+}
+
+impl Pretrain for GptPretrainArgs {
+    fn parse(argv: Vec<String>) -> Self {
+        parse_flags(argv)
+    }
+
+    fn sequence_parallel(&self) -> bool {
+        self.parallel.sequence_parallel
+    }
+
+    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
+        pretrain_gpt(self, runtime)
+    }
 }
 
 /// Adam at 1e-3 after one warm-up step, weight decay, clipping, no dropout, on the CPU, logging

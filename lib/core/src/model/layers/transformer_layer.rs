@@ -9,6 +9,7 @@ use tch::Tensor;
 use super::attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
 use super::fp8_linear::Fp8Linear;
 use super::kv_cache::{LayerCache, PagedStep};
+use super::linear::RowParallelLinear;
 use super::mlp::Mlp;
 use super::norm::Norm;
 use super::rope::RotaryTables;
@@ -295,21 +296,7 @@ impl TransformerLayer {
         let context = attention.attend_paged(&qkv.view([s, b, -1]), rotary, pool, step)?;
         // [b, n, s, d] → [s·b, n·d]
         let context = context.permute([2, 0, 1, 3]).reshape([rows, -1]);
-        let projection = &attention.linear_proj;
-        let attended = if projection.is_whole() {
-            decode_linear(
-                &context,
-                &projection.weight,
-                None,
-                &Epilogue {
-                    bias: projection.bias.as_deref(),
-                    residual: Some(&x),
-                    ..Epilogue::default()
-                },
-            )?
-        } else {
-            &x + projection.forward(&context)?
-        };
+        let attended = plus_row_parallel(&x, &attention.linear_proj, &context)?;
         let gelu = mlp.gelu();
         let intermediate = decode_linear(
             &attended,
@@ -326,21 +313,7 @@ impl TransformerLayer {
         } else {
             mlp.activate(&intermediate)
         };
-        let fc2 = &mlp.linear_fc2;
-        let out = if fc2.is_whole() {
-            decode_linear(
-                &intermediate,
-                &fc2.weight,
-                None,
-                &Epilogue {
-                    bias: fc2.bias.as_deref(),
-                    residual: Some(&attended),
-                    ..Epilogue::default()
-                },
-            )?
-        } else {
-            &attended + fc2.forward(&intermediate)?
-        };
+        let out = plus_row_parallel(&attended, &mlp.linear_fc2, &intermediate)?;
         Ok(out.view([s, b, h]))
     }
 
@@ -410,4 +383,27 @@ impl Clone for Memory {
             mask: self.mask.clone(),
         }
     }
+}
+
+/// `residual + linear(input)` for a decode step of few rows: one fused kernel (bias and residual
+/// in its epilogue) when the layer is whole on this rank; otherwise the all-reduce has to come
+/// between the product and the bias, so the layer runs unfused.
+fn plus_row_parallel(
+    residual: &Tensor,
+    linear: &RowParallelLinear,
+    input: &Tensor,
+) -> Result<Tensor> {
+    if !linear.is_whole() {
+        return Ok(residual + linear.forward(input)?);
+    }
+    decode_linear(
+        input,
+        &linear.weight,
+        None,
+        &Epilogue {
+            bias: linear.bias.as_deref(),
+            residual: Some(residual),
+            ..Epilogue::default()
+        },
+    )
 }
