@@ -1,0 +1,118 @@
+//! Times batch-1 decode steps of a GPT checkpoint on a GPU the way the server runs them (CUDA
+//! graphs, one row, the argmax and its read on the host after each step) and back to back, with
+//! the fused decode kernels and without, and writes a Kineto trace of 20 steps of each.
+//! `scripts/bench/decode_step.sh` makes the checkpoint and summarises the traces.
+//!
+//! Usage: `decode_step CHECKPOINT TRACE_PREFIX` (writes `TRACE_PREFIX_fused.json` and
+//! `TRACE_PREFIX_unfused.json`).
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use megatron_core::inference::{load_gpt_for_inference, DecodeRow, Decoder, PrefillChunk};
+use megatron_core::model::GptModel;
+use megatron_core::parallel::ParallelState;
+use megatron_core::runtime::KinetoTrace;
+use tch::{Device, Kind};
+
+/// Prompt length before the timed steps.
+const PROMPT: i64 = 128;
+/// Steps timed each way.
+const STEPS: u32 = 200;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, checkpoint, traces] = args.as_slice() else {
+        bail!("usage: decode_step CHECKPOINT TRACE_PREFIX");
+    };
+    if !tch::Cuda::is_available() {
+        bail!("decode_step times CUDA graphs: no CUDA device");
+    }
+    let model = load_gpt_for_inference(
+        Path::new(checkpoint),
+        Device::Cuda(0),
+        Kind::BFloat16,
+        &ParallelState::single(),
+    )
+    .with_context(|| format!("loading {checkpoint}"))?;
+    for fused in [true, false] {
+        let label = if fused { "fused" } else { "unfused" };
+        let trace = format!("{traces}_{label}.json");
+        tch::no_grad(|| time_steps(&model, fused, Path::new(&trace)))
+            .with_context(|| format!("{label} decode steps"))?;
+    }
+    Ok(())
+}
+
+fn time_steps(model: &GptModel, fused: bool, trace: &Path) -> Result<()> {
+    let mut decoder = Decoder::with_cuda_graphs();
+    if !fused {
+        decoder = decoder.without_decode_fusion();
+    }
+    decoder.warm_up(model, 1)?;
+    let positions = PROMPT + 3 * i64::from(STEPS) + 64;
+    let blocks = decoder
+        .cache(model, 1, true)?
+        .allocate((positions + 15) / 16)
+        .context("the KV cache has no room for one row")?;
+    let prompt: Vec<i64> = (0..PROMPT).map(|i| (i * 7919) % 50_000).collect();
+    let logits = decoder.prefill(
+        model,
+        &[PrefillChunk {
+            tokens: &prompt,
+            start: 0,
+            blocks: &blocks,
+        }],
+    )?;
+    let mut token = logits[0].select(0, -1).argmax(-1, false).int64_value(&[]);
+    let mut position = PROMPT;
+    // One step as the server's loop runs it: the step, the argmax, the host reading it.
+    let mut step = |read: bool| -> Result<()> {
+        let row = DecodeRow {
+            token,
+            position,
+            blocks: &blocks,
+        };
+        let logits = decoder.decode(model, &[row])?;
+        position += 1;
+        if read {
+            token = logits.argmax(-1, false).view([-1]).int64_value(&[0]);
+        }
+        Ok(())
+    };
+    for _ in 0..16 {
+        step(true)?;
+    }
+    let started = Instant::now();
+    for _ in 0..STEPS {
+        step(true)?;
+    }
+    let served = started.elapsed().as_secs_f64() / f64::from(STEPS);
+    let started = Instant::now();
+    for _ in 0..STEPS {
+        step(false)?;
+    }
+    tch::Cuda::synchronize(0);
+    let back_to_back = started.elapsed().as_secs_f64() / f64::from(STEPS);
+    let recording = KinetoTrace::start(true, false)?;
+    for _ in 0..20 {
+        step(true)?;
+    }
+    recording.save(trace)?;
+    println!(
+        "{}: {:.1} us a step with the argmax read ({:.0} tokens/s), {:.1} us back to back",
+        if fused { "fused" } else { "--no-decode-fusion" },
+        served * 1e6,
+        1.0 / served,
+        back_to_back * 1e6
+    );
+    Ok(())
+}
