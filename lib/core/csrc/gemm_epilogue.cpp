@@ -22,6 +22,7 @@ using mrs_detail::protect;
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 namespace {
 
@@ -243,18 +244,17 @@ void matmul(const at::Tensor& a, bool transa, const at::Tensor& b, const at::Ten
       ok(f.preference_set(call.preference, PREF_MAX_WORKSPACE_BYTES,
                           &workspace_size, sizeof(workspace_size)),
          "workspace preference");
-      ok(f.preference_set(call.preference, PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                          sizeof(align_a)),
-         "alignment preference");
-      ok(f.preference_set(call.preference, PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                          sizeof(align_b)),
-         "alignment preference");
-      ok(f.preference_set(call.preference, PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                          sizeof(align_d)),
-         "alignment preference");
-      ok(f.preference_set(call.preference, PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                          sizeof(align_d)),
-         "alignment preference");
+      // C is D (beta is zero, and D is passed for it).
+      const std::pair<int, const uint32_t*> alignments[] = {
+          {PREF_MIN_ALIGNMENT_A_BYTES, &align_a},
+          {PREF_MIN_ALIGNMENT_B_BYTES, &align_b},
+          {PREF_MIN_ALIGNMENT_C_BYTES, &align_d},
+          {PREF_MIN_ALIGNMENT_D_BYTES, &align_d},
+      };
+      for (const auto& [attribute, bytes] : alignments) {
+        ok(f.preference_set(call.preference, attribute, bytes, sizeof(*bytes)),
+           "alignment preference");
+      }
       int returned = 0;
       ok(f.heuristic(handle, call.op, call.a, call.b, call.d, call.d, call.preference, 1, &result,
                      &returned),

@@ -26,20 +26,7 @@ impl Pretrain for BertPretrainArgs {
 }
 
 /// A 4-layer BERT on mock masked-LM data, fp32, no dropout, 4 micro-batches of 2 per step.
-static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
-    support::tiny_training(&[
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--max-position-embeddings",
-        "32",
-    ])
-});
+static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| support::tiny_training(support::TINY_MODEL));
 
 #[test]
 fn bert_tensor_parallel_equals_one_rank() {

@@ -17,19 +17,7 @@ const STEPS: usize = 20;
 /// A 4-layer bf16 GPT whose weight shards are multiples of 16 (fp8 GEMMs need it), trained for
 /// `STEPS` steps on mock data.
 static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
-    let mut flags = support::tiny_training(&[
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--max-position-embeddings",
-        "32",
-        "--bf16",
-    ]);
+    let mut flags = support::tiny_training(&[support::TINY_MODEL, &["--bf16"]].concat());
     flags.extend(["--train-iters", "20", "--save-interval", "20"]);
     flags
 });

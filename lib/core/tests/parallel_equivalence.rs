@@ -10,22 +10,13 @@ use megatron_core::args::GptPretrainArgs;
 
 /// A 4-layer GPT on mock data, fp32, no dropout, 4 micro-batches of 2 per step, cosine decay.
 static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {
-    support::tiny_training(&[
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--max-position-embeddings",
-        "32",
-        "--min-lr",
-        "1e-4",
-        "--lr-decay-style",
-        "cosine",
-    ])
+    support::tiny_training(
+        &[
+            support::TINY_MODEL,
+            &["--min-lr", "1e-4", "--lr-decay-style", "cosine"],
+        ]
+        .concat(),
+    )
 });
 
 /// A Llama-style variant: SwiGLU (strided fc1 split), grouped-query attention, RoPE, RMSNorm,

@@ -78,17 +78,56 @@ pub struct PrefillChunk<'a> {
     pub blocks: &'a [i64],
 }
 
+/// Whether decode steps use one of our kernels: wanted unless turned off, and used where it
+/// applies once its self-check passed on the device (a failure is reported once and the
+/// fallback used from then on).
+#[derive(Debug, Clone, Copy)]
+struct KernelChoice {
+    on: bool,
+    checked: bool,
+}
+
+impl KernelChoice {
+    const ON: KernelChoice = KernelChoice {
+        on: true,
+        checked: false,
+    };
+
+    /// Whether the kernel serves steps on `device`, given whether it `applies` to the model;
+    /// `check` runs the self-check on the CUDA device's index the first time. Never called
+    /// inside a graph capture: the warm-up and every decode step ask before they capture.
+    fn usable(
+        &mut self,
+        device: Device,
+        applies: bool,
+        check: impl FnOnce(usize) -> Result<()>,
+        fallback: &str,
+    ) -> bool {
+        let Device::Cuda(index) = device else {
+            self.on = false;
+            return false;
+        };
+        if !applies {
+            self.on = false;
+        }
+        if self.on && !self.checked {
+            self.checked = true;
+            if let Err(e) = check(index) {
+                eprintln!("warning: {fallback}: {e:#}");
+                self.on = false;
+            }
+        }
+        self.on
+    }
+}
+
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
     cuda_graphs: bool,
     /// Decode attention through the paged kernel on CUDA devices (else gathered windows).
-    paged_kernel: bool,
-    /// The kernel was compiled and checked on this decoder's device.
-    kernel_checked: bool,
+    paged_kernel: KernelChoice,
     /// Decode steps of few rows through the fused decode kernels on CUDA devices.
-    decode_fusion: bool,
-    /// The fused decode kernels were compiled and checked on this decoder's device.
-    fusion_checked: bool,
+    decode_fusion: KernelChoice,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -131,10 +170,8 @@ impl Decoder {
     pub fn eager() -> Self {
         Decoder {
             cuda_graphs: false,
-            paged_kernel: true,
-            kernel_checked: false,
-            decode_fusion: true,
-            fusion_checked: false,
+            paged_kernel: KernelChoice::ON,
+            decode_fusion: KernelChoice::ON,
             budget: KvBudget::default(),
             cache: None,
             graphs: HashMap::new(),
@@ -155,14 +192,14 @@ impl Decoder {
     /// under a mask, instead of the paged decode kernel reading the blocks in place (the only
     /// way on a CPU; on a GPU, to compare the two).
     pub fn with_gathered_attention(mut self) -> Self {
-        self.paged_kernel = false;
+        self.paged_kernel.on = false;
         self
     }
 
     /// Whether decode steps use the paged decode kernel (known after the warm-up or the first
     /// step).
     pub fn paged_attention(&self) -> bool {
-        self.paged_kernel
+        self.paged_kernel.on
     }
 
     /// Whether decode steps on `device` use the paged decode kernel: on CUDA devices, for the
@@ -170,39 +207,27 @@ impl Decoder {
     /// reported once, and the gathered attention used instead). Never called inside a graph
     /// capture: the warm-up and every decode step ask before they capture.
     fn uses_paged_kernel(&mut self, model: &GptModel) -> bool {
-        let Device::Cuda(index) = model.options().device else {
-            self.paged_kernel = false;
-            return false;
-        };
-        if !paged_attention::supports(model.config.kv_channels, model.options().params_dtype) {
-            self.paged_kernel = false;
-        }
-        if !self.paged_kernel {
-            return false;
-        }
-        if !self.kernel_checked {
-            self.kernel_checked = true;
-            let (kind, d) = (model.options().params_dtype, model.config.kv_channels);
-            if let Err(e) = paged_attention::self_check(index, kind, d) {
-                eprintln!("warning: decoding with gathered attention: {e:#}");
-                self.paged_kernel = false;
-            }
-        }
-        self.paged_kernel
+        let (kind, d) = (model.options().params_dtype, model.config.kv_channels);
+        self.paged_kernel.usable(
+            model.options().device,
+            paged_attention::supports(d, kind),
+            |index| paged_attention::self_check(index, kind, d),
+            "decoding with gathered attention",
+        )
     }
 
     /// Decode steps run every linear layer through libtorch (cuBLAS) with the norms, bias adds,
     /// GeLU and residual adds as kernels of their own, instead of the fused decode kernels
     /// ([`crate::ops::decode_gemv`]) for steps of few rows; e.g. to compare the two.
     pub fn without_decode_fusion(mut self) -> Self {
-        self.decode_fusion = false;
+        self.decode_fusion.on = false;
         self
     }
 
     /// Whether decode steps of few rows use the fused decode kernels (known after the warm-up
     /// or the first step).
     pub fn decode_fusion(&self) -> bool {
-        self.decode_fusion
+        self.decode_fusion.on
     }
 
     /// Whether decode steps of `model` use the fused decode kernels: on CUDA devices, for
@@ -210,24 +235,13 @@ impl Decoder {
     /// passed their self-check (a failure is reported once, and the unfused layers used
     /// instead). Never called inside a graph capture, like [`Self::uses_paged_kernel`].
     fn uses_decode_fusion(&mut self, model: &GptModel) -> bool {
-        let Device::Cuda(index) = model.options().device else {
-            self.decode_fusion = false;
-            return false;
-        };
-        if !model.supports_decode_fusion() {
-            self.decode_fusion = false;
-        }
-        if !self.decode_fusion {
-            return false;
-        }
-        if !self.fusion_checked {
-            self.fusion_checked = true;
-            if let Err(e) = decode_gemv::self_check(index, model.options().params_dtype) {
-                eprintln!("warning: decoding without the fused decode kernels: {e:#}");
-                self.decode_fusion = false;
-            }
-        }
-        self.decode_fusion
+        let kind = model.options().params_dtype;
+        self.decode_fusion.usable(
+            model.options().device,
+            model.supports_decode_fusion(),
+            |index| decode_gemv::self_check(index, kind),
+            "decoding without the fused decode kernels",
+        )
     }
 
     /// The KV cache takes at most `budget`.

@@ -63,17 +63,38 @@ template <bool E5M2> __device__ __forceinline__ unsigned char to_fp8(float v) {
 constexpr int TILE = 32;
 constexpr int ROWS_PER_PASS = 8;
 
+// The end of a cast block of 32 × ROWS_PER_PASS threads: with amax_out, the block's largest
+// |x| (each thread's `amax`) is max-ed into it (as float bits: non-negative floats order as
+// their bits); block (0, 0) writes 1 / scale to *scale_inv.
+__device__ void finish_block(float amax, unsigned int* amax_out, float scale, float* scale_inv) {
+    __shared__ float warp_amax[ROWS_PER_PASS];
+    const int tx = threadIdx.x;
+    const int ty = threadIdx.y;
+    if (amax_out) {
+        for (int offset = 16; offset > 0; offset /= 2) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        }
+        if (tx == 0) warp_amax[ty] = amax;
+        __syncthreads();
+        if (tx == 0 && ty == 0) {
+            for (int w = 1; w < ROWS_PER_PASS; ++w) amax = fmaxf(amax, warp_amax[w]);
+            atomicMax(amax_out, __float_as_uint(amax));
+        }
+    }
+    if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0) {
+        *scale_inv = 1.f / scale;
+    }
+}
+
 // x [rows, cols] contiguous. out [rows, cols] and out_t [cols, rows] (either may be null).
-// The scale is *scale, or derived from *amax_in when amax_in is not null. Block (0, 0) writes
-// 1 / scale to *scale_inv; with amax_out, the largest |x| is max-ed into it (as float bits:
-// non-negative floats order as their bits).
+// The scale is *scale, or derived from *amax_in when amax_in is not null; see finish_block for
+// scale_inv and amax_out.
 template <typename T, bool E5M2>
 __device__ void cast_transpose(const T* x, long long rows, long long cols, unsigned char* out,
                                unsigned char* out_t, const float* scale_in,
                                const float* amax_in, float max, float* scale_inv,
                                unsigned int* amax_out) {
     __shared__ unsigned char tile[TILE][TILE + 4];
-    __shared__ float warp_amax[ROWS_PER_PASS];
     const float scale = amax_in ? scale_from_amax(*amax_in, max) : *scale_in;
     const long long row0 = (long long)blockIdx.x * TILE;
     const long long col0 = (long long)blockIdx.y * TILE;
@@ -100,20 +121,7 @@ __device__ void cast_transpose(const T* x, long long rows, long long cols, unsig
             if (r < rows && c < cols) out_t[c * rows + r] = tile[tx][i];
         }
     }
-    if (amax_out) {
-        for (int offset = 16; offset > 0; offset /= 2) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        }
-        if (tx == 0) warp_amax[ty] = amax;
-        __syncthreads();
-        if (tx == 0 && ty == 0) {
-            for (int w = 1; w < ROWS_PER_PASS; ++w) amax = fmaxf(amax, warp_amax[w]);
-            atomicMax(amax_out, __float_as_uint(amax));
-        }
-    }
-    if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0) {
-        *scale_inv = 1.f / scale;
-    }
+    finish_block(amax, amax_out, scale, scale_inv);
 }
 
 // Four consecutive elements at once (8- or 16-byte loads, 4-byte stores), for matrices whose
@@ -146,7 +154,6 @@ __device__ void cast_transpose4(const T* x, long long rows, long long cols, unsi
                                 const float* amax_in, float max, float* scale_inv,
                                 unsigned int* amax_out) {
     __shared__ unsigned char tile[TILE][WIDE + 4];
-    __shared__ float warp_amax[ROWS_PER_PASS];
     const float scale = amax_in ? scale_from_amax(*amax_in, max) : *scale_in;
     const long long row0 = (long long)blockIdx.x * TILE;
     const long long col0 = (long long)blockIdx.y * WIDE;
@@ -190,20 +197,7 @@ __device__ void cast_transpose4(const T* x, long long rows, long long cols, unsi
             }
         }
     }
-    if (amax_out) {
-        for (int offset = 16; offset > 0; offset /= 2) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        }
-        if (tx == 0) warp_amax[ty] = amax;
-        __syncthreads();
-        if (tx == 0 && ty == 0) {
-            for (int w = 1; w < ROWS_PER_PASS; ++w) amax = fmaxf(amax, warp_amax[w]);
-            atomicMax(amax_out, __float_as_uint(amax));
-        }
-    }
-    if (scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0) {
-        *scale_inv = 1.f / scale;
-    }
+    finish_block(amax, amax_out, scale, scale_inv);
 }
 
 #define FP8_CAST(NAME, T, E5M2)                                                             \

@@ -110,6 +110,20 @@ const MOCK_PRETRAINING: &[&str] = &[
     "3",
 ];
 
+/// The model of most equivalence tests: 4 layers of width 64 with 4 heads, sequences of 32.
+pub const TINY_MODEL: &[&str] = &[
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+];
+
 /// `model`'s flags followed by [`MOCK_PRETRAINING`] and [`TINY_OPTIMIZATION`]: the flags of a
 /// pretraining equivalence test.
 pub fn tiny_training(model: &[&'static str]) -> Vec<&'static str> {
