@@ -54,6 +54,7 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
     };
 }
 
+pub mod add_norm;
 pub mod decode_gemv;
 pub mod fp8_cast;
 pub mod gemm_epilogue;
