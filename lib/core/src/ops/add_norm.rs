@@ -283,7 +283,8 @@ __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const
         const long long base = live ? row * hidden : 0;
         const float mean = live && !rms ? mean_in[row] : 0.f;
         const float rstd = live ? rstd_in[row] : 0.f;
-        float xhat[VPT][VEC], dxhat[VPT][VEC];
+        // grad_sum is loaded with the rest, so its latency hides behind the row's reduction.
+        float xhat[VPT][VEC], dxhat[VPT][VEC], g[VPT][VEC];
         float a = 0.f, b = 0.f;
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -293,6 +294,7 @@ __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const
                 float x[VEC], dy[VEC], gamma[VEC];
                 load8(sum + at, x);
                 load8(grad_normed + at, dy);
+                load8(grad_sum + at, g[k]);
                 load_gamma(weight + (long long)v * VEC, one_plus, gamma);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
@@ -309,6 +311,7 @@ __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const
                 for (int e = 0; e < VEC; ++e) {
                     xhat[k][e] = 0.f;
                     dxhat[k][e] = 0.f;
+                    g[k][e] = 0.f;
                 }
             }
         }
@@ -319,15 +322,13 @@ __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const
         for (int k = 0; k < VPT; ++k) {
             const int v = threadIdx.x + k * blockDim.x;
             if (live && v < vectors) {
-                const long long at = base + (long long)v * VEC;
-                float g[VEC], out[VEC];
-                load8(grad_sum + at, g);
+                float out[VEC];
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
                     out[e] = rstd * (dxhat[k][e] - mean_dxhat - xhat[k][e] * mean_dxhat_xhat)
-                             + g[e];
+                             + g[k][e];
                 }
-                store8(grad_input + at, out);
+                store8(grad_input + base + (long long)v * VEC, out);
             }
         }
     }
