@@ -254,7 +254,7 @@ fn on_a_gpu_the_fused_node_backpropagates_like_the_unfused_ops() {
     let _environment = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
     for dtype in [Kind::BFloat16, Kind::Float] {
         assert!(
-            add_norm::usable_on(device, dtype),
+            add_norm::usable_on(device, dtype, 128),
             "the self-check failed for {dtype:?}"
         );
         for (kind, one_plus) in NORMS {
@@ -316,7 +316,12 @@ fn on_a_gpu_training_with_the_fusion_tracks_training_without() {
     for (extra, tolerance) in [
         (&["--bf16"][..], 5e-3),
         (
-            &["--bf16", "--normalization", "RMSNorm", "--apply-layernorm-1p"][..],
+            &[
+                "--bf16",
+                "--normalization",
+                "RMSNorm",
+                "--apply-layernorm-1p",
+            ][..],
             5e-3,
         ),
         (&[][..], 1e-4),

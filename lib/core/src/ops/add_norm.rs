@@ -776,28 +776,29 @@ pub fn backward(
     })
 }
 
-/// Whether the fused add + norm should run for `kind` activations on `device`: a CUDA device,
-/// [`VARIABLE`] not `0`, and [`self_check`] passed there (checked once per device and dtype; a
-/// failure is reported once and the unfused ops are used).
-pub fn usable_on(device: Device, kind: Kind) -> bool {
-    static CHECKED: OnceLock<Mutex<HashMap<(Device, Kind), bool>>> = OnceLock::new();
+/// Whether the fused add + norm should run for `kind` activations with rows of `hidden` on
+/// `device`: a CUDA device, a width and dtype the kernels take ([`supports`]), [`VARIABLE`] not
+/// `0`, and [`self_check`] passed there at that width (checked once per device, dtype and
+/// width; a failure is reported once and the unfused ops are used).
+pub fn usable_on(device: Device, kind: Kind, hidden: i64) -> bool {
+    static CHECKED: OnceLock<Mutex<HashMap<(Device, Kind, i64), bool>>> = OnceLock::new();
     let Device::Cuda(index) = device else {
         return false;
     };
-    if !supports(kind, VEC) || std::env::var(VARIABLE).is_ok_and(|v| v == "0") {
+    if !supports(kind, hidden) || std::env::var(VARIABLE).is_ok_and(|v| v == "0") {
         return false;
     }
     let mut checked = CHECKED
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    *checked.entry((device, kind)).or_insert_with(|| {
-        match tch::no_grad(|| self_check(index, kind)) {
+    *checked.entry((device, kind, hidden)).or_insert_with(|| {
+        match tch::no_grad(|| self_check(index, kind, hidden)) {
             Ok(()) => true,
             Err(e) => {
                 eprintln!(
-                    "warning: the fused residual add + norm is off on {device:?} ({e:#}); \
-                     using separate kernels"
+                    "warning: the fused residual add + norm is off for {kind:?} rows of {hidden} \
+                     on {device:?} ({e:#}); using separate kernels"
                 );
                 false
             }
@@ -825,13 +826,13 @@ pub fn tolerance(kind: Kind) -> f64 {
     }
 }
 
-/// Runs the kernels on CUDA device `device` in `kind` on made-up rows (LayerNorm, and RMSNorm
-/// with gamma = 1 + w, an odd row count) and compares outputs and gradients with libtorch's
-/// unfused ops: a launch or a result that goes wrong is an error here, before training depends
-/// on the kernels.
-pub fn self_check(device: usize, kind: Kind) -> Result<()> {
+/// Runs the kernels on CUDA device `device` in `kind` on 37 made-up rows of `hidden`
+/// (LayerNorm, and RMSNorm with gamma = 1 + w) and compares outputs and gradients with
+/// libtorch's unfused ops: a launch or a result that goes wrong is an error here, before
+/// training depends on the kernels.
+pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let (rows, hidden) = (37i64, 320i64);
+    let rows = 37;
     let made_up = |shape: &[i64], step: f64, scale: f64| {
         let count: i64 = shape.iter().product();
         ((Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale)
@@ -968,6 +969,6 @@ mod tests {
         );
         assert!(!supports(Kind::BFloat16, 1020) && !supports(Kind::BFloat16, 8200));
         assert!(!supports(Kind::Double, 1024) && !supports(Kind::BFloat16, 0));
-        assert!(!usable_on(Device::Cpu, Kind::BFloat16));
+        assert!(!usable_on(Device::Cpu, Kind::BFloat16, 1024));
     }
 }

@@ -60,13 +60,12 @@ impl Norm {
         let kind = residual.kind();
         let hidden = self.weight.size()[0];
         let fused = train
-            && add_norm::supports(kind, hidden)
             && [delta.kind(), self.weight.kind()] == [kind, kind]
             && self.bias.as_ref().is_none_or(|b| b.kind() == kind)
             && residual.size() == delta.size()
             && delta.device() == residual.device()
             && self.weight.device() == residual.device()
-            && add_norm::usable_on(residual.device(), kind);
+            && add_norm::usable_on(residual.device(), kind, hidden);
         if !fused {
             let sum = residual + delta;
             let normed = self.forward(&sum);
