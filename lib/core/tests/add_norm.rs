@@ -304,8 +304,8 @@ fn on_the_cpu_add_and_norm_is_the_add_and_the_norm() {
 }
 
 /// A 4-layer GPT (LayerNorm, then RMSNorm with gamma = 1 + w) trains on a GPU with the fused
-/// add + norm as with `MEGATRON_RS_FUSED_ADD_NORM=0`: the losses of 8 steps agree within 5e-3
-/// relative in bf16 (1e-4 in fp32) and fall.
+/// add + norm as with `MEGATRON_RS_FUSED_ADD_NORM=0`: the losses of 8 steps agree within 2e-3
+/// relative in bf16 (2e-5 in fp32; on the CPU bf16 and fp32 runs differ by about 1e-4) and fall.
 #[test]
 fn on_a_gpu_training_with_the_fusion_tracks_training_without() {
     let Some(_) = cuda_or_skip() else {
@@ -314,7 +314,7 @@ fn on_a_gpu_training_with_the_fusion_tracks_training_without() {
     let mut base = support::tiny_training(support::TINY_MODEL);
     base.extend(["--train-iters", "8", "--save-interval", "8"]);
     for (extra, tolerance) in [
-        (&["--bf16"][..], 5e-3),
+        (&["--bf16"][..], 2e-3),
         (
             &[
                 "--bf16",
@@ -322,9 +322,9 @@ fn on_a_gpu_training_with_the_fusion_tracks_training_without() {
                 "RMSNorm",
                 "--apply-layernorm-1p",
             ][..],
-            5e-3,
+            2e-3,
         ),
-        (&[][..], 1e-4),
+        (&[][..], 2e-5),
     ] {
         let flags: Vec<&str> = base.iter().chain(extra).copied().collect();
         let _environment = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());

@@ -781,7 +781,9 @@ pub fn backward(
 /// `0`, and [`self_check`] passed there at that width (checked once per device, dtype and
 /// width; a failure is reported once and the unfused ops are used).
 pub fn usable_on(device: Device, kind: Kind, hidden: i64) -> bool {
-    static CHECKED: OnceLock<Mutex<HashMap<(Device, Kind, i64), bool>>> = OnceLock::new();
+    /// The self-check's verdict by device, dtype and width.
+    type Verdicts = HashMap<(Device, Kind, i64), bool>;
+    static CHECKED: OnceLock<Mutex<Verdicts>> = OnceLock::new();
     let Device::Cuda(index) = device else {
         return false;
     };
