@@ -136,7 +136,11 @@ impl CustomFunction for FusedAddNorm {
         let norm = self.input_norm(&inputs[2], inputs.get(3));
         let out = add_norm::forward(&inputs[0], &inputs[1], &norm)?;
         let kept = &out.saved;
-        for tensor in [&kept.sum, &kept.mean, &kept.rstd]
+        // The sum is an output: it is kept as a detached alias, so the saved tensor never
+        // refers back to this node (no reference cycle), while in-place changes to the output
+        // are still caught by the shared version counter.
+        let sum = kept.sum.detach();
+        for tensor in [&sum, &kept.mean, &kept.rstd]
             .into_iter()
             .chain(&inputs[2..])
         {
