@@ -5,7 +5,8 @@
 //! widths from 8 to 8192; the same inputs give the same bits twice; through autograd
 //! (`Norm::add_and_norm`) residual and delta get their gradients and the parameters theirs; and
 //! a small GPT trains the same with and without the fusion. Off a GPU, and with
-//! `MEGATRON_RS_FUSED_ADD_NORM=0`, the unfused ops run.
+//! `MEGATRON_RS_FUSED_ADD_NORM=0`, the unfused ops run, and layers outside a recomputed block
+//! still hand each other the residual stream.
 
 mod support;
 
@@ -301,6 +302,22 @@ fn on_the_cpu_add_and_norm_is_the_add_and_the_norm() {
         assert!(sum.equal(&expected));
         assert!(normed.equal(&norm.forward(&expected)));
     }
+}
+
+/// Full recompute by blocks: the first two layers recomputed one by one, the last two handing
+/// each other the pending residual stream; training equals training without recompute.
+#[test]
+fn block_recompute_hands_on_the_residual_stream_as_without_recompute() {
+    let flags = support::tiny_training(support::TINY_MODEL);
+    let extra = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "2",
+    ];
+    support::check::<GptPretrainArgs>(&flags, 1, 1, 1, &extra, "recompute of 2 of 4 layers");
 }
 
 /// A 4-layer GPT (LayerNorm, then RMSNorm with gamma = 1 + w) trains on a GPU with the fused

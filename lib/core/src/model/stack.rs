@@ -323,7 +323,7 @@ impl<'a> LayerStack<'a> {
 
     fn run(
         &self,
-        mut hidden: Tensor,
+        hidden: Tensor,
         mask: &AttentionMask,
         rotary: Option<&RotaryTables>,
         memory: Option<&Memory>,
@@ -355,6 +355,8 @@ impl<'a> LayerStack<'a> {
         }
         let chunk = num_layers.max(1);
         let mut start = 0;
+        // Layers run outside recompute hand each other the stream, as without recompute.
+        let mut stream = Residual::Summed(hidden);
         while start < self.layers.len() {
             let (end, recompute) = match method {
                 RecomputeMethod::Uniform => ((start + chunk).min(self.layers.len()), true),
@@ -385,21 +387,20 @@ impl<'a> LayerStack<'a> {
                     }
                     Ok(vec![x.sum()])
                 };
+                let hidden = stream.sum();
                 let mut inputs = vec![&hidden];
                 if let Some(memory) = memory {
                     inputs.push(&memory.states);
                 }
-                hidden = checkpoint(run, &inputs)?.remove(0);
+                stream = Residual::Summed(checkpoint(run, &inputs)?.remove(0));
             } else {
-                let mut stream = Residual::Summed(hidden);
                 for layer in &self.layers[start..end] {
                     stream = layer.forward_residual(stream, mask, rotary, memory, true, false)?;
                 }
-                hidden = stream.sum();
             }
             start = end;
         }
-        Ok(hidden)
+        Ok(stream.sum())
     }
 }
 
