@@ -55,9 +55,15 @@ fn run() -> Result<()> {
                     let call = || -> Result<()> {
                         let (sum, normed) = norm.add_and_norm(&residual, &delta, fused)?;
                         if backward {
-                            megatron_core::autograd::backward(
+                            // Gradients handed back rather than accumulated into `.grad`, which
+                            // would add the same two kernels to both ways.
+                            let mut inputs = vec![&residual, &delta, norm.weight.tensor()];
+                            inputs.extend(norm.bias.as_ref().map(|b| b.tensor()));
+                            megatron_core::autograd::grad(
                                 &[&sum, &normed],
                                 &[&grads[0], &grads[1]],
+                                &inputs,
+                                false,
                                 false,
                             )?;
                         }
