@@ -821,7 +821,7 @@ pub fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
 
 /// The tolerance [`self_check`] allows for `kind`: a few units in the last place of the
 /// largest value.
-pub fn tolerance(kind: Kind) -> f64 {
+fn tolerance(kind: Kind) -> f64 {
     match kind {
         Kind::Float => 1e-4,
         _ => 2e-2,
