@@ -4,7 +4,8 @@
 # followed by the set's flags into $SCRATCH/variant<i>.log, with the set as its label
 # (variant<i>.label) and its peak GPU memory (variant<i>.mem), which training_table.py reads.
 # Words of a set of the form NAME=value are set in the run's environment instead (e.g.
-# "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the optimizer step on ATen's kernels).
+# "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the optimizer step on ATen's kernels,
+# "MEGATRON_RS_FUSED_ADD_NORM=0" for the residual adds and norms on libtorch's separate kernels).
 run_ours_variants() {
     local variants i
     IFS=';' read -r -a variants <<<"${OURS_VARIANTS:-}"

@@ -19,7 +19,8 @@
 #                         "--no-gradient-accumulation-fusion;--cross-entropy-loss-fusion" (each
 #                         lever measured on its own); NAME=value words are set in the run's
 #                         environment ("MEGATRON_RS_OPTIMIZER_KERNELS=0": the optimizer step on
-#                         ATen's kernels)
+#                         ATen's kernels; "MEGATRON_RS_FUSED_ADD_NORM=0": the residual adds and
+#                         norms unfused)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--num-layers 48")
 set -euo pipefail
 

@@ -22,7 +22,8 @@
 #   TOP=0                 also list each run's N most expensive kernels
 #   OURS_VARIANTS=""      ;-separated flag sets, each profiling ours once more with them, as in
 #                         pretrain_gpt.sh (NAME=value words go to the environment), e.g.
-#                         "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the step on ATen's kernels
+#                         "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the step on ATen's kernels,
+#                         "MEGATRON_RS_FUSED_ADD_NORM=0" for the residual adds and norms unfused
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -9,8 +9,6 @@ mod support;
 use std::sync::LazyLock;
 
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::training::Runtime;
-use support::Pretrain;
 
 const STEPS: usize = 20;
 
@@ -133,39 +131,8 @@ fn fp8_with_pipeline_and_data_parallelism_tracks_bf16() {
 
 /// The losses of `BASE` with `extra` on CUDA device 0 (one rank).
 fn gpu_lm_losses(extra: &[&str]) -> Vec<f64> {
-    use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
-    let dir = tempfile::tempdir().unwrap();
-    let metrics = dir.path().join("metrics.jsonl");
-    let argv: Vec<String> = std::iter::once("pretrain")
-        .chain(BASE.iter().copied())
-        .chain(["--device", "cuda"])
-        .chain(["--metrics-file", metrics.to_str().unwrap()])
-        .chain(extra.iter().copied())
-        .map(String::from)
-        .collect();
-    let args = GptPretrainArgs::parse(argv);
-    let layout = ParallelLayout::new(1, 1, 1).unwrap();
-    let threads = ThreadWorld::new(1, std::time::Duration::from_secs(120));
-    threads
-        .run(|rank| {
-            let parallel = ParallelState::threads(&threads, layout, rank, false)?;
-            args.run(&Runtime {
-                parallel,
-                device: tch::Device::Cuda(0),
-            })
-        })
-        .unwrap();
-    std::fs::read_to_string(&metrics)
-        .unwrap()
-        .lines()
-        .filter_map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).unwrap();
-            match record.get("split") {
-                Some(_) => None,
-                None => record.get("lm loss")?.as_f64(),
-            }
-        })
-        .collect()
+    let flags: Vec<&str> = BASE.iter().chain(extra).copied().collect();
+    support::gpu_lm_losses::<GptPretrainArgs>(&flags)
 }
 
 /// On a GPU (cuBLASLt's fp8 GEMMs and our cast kernels) fp8 trains like bf16 too, with both

@@ -13,8 +13,8 @@ use super::cross_entropy::cross_entropy;
 use super::fused_cross_entropy::fused_output_cross_entropy;
 use super::gpt::{ModelOptions, OutputWeight, ParamGate, Recompute, RecomputeMethod};
 use super::layers::{
-    AttentionMask, Memory, NamedTensors, Norm, ParamAttributes, RotaryTables, TensorParallel,
-    TransformerLayer, VocabParallelEmbedding,
+    AttentionMask, Memory, NamedTensors, Norm, ParamAttributes, Residual, RotaryTables,
+    TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
 use super::param::{Initializer, Param};
 use crate::autograd::checkpoint;
@@ -323,7 +323,7 @@ impl<'a> LayerStack<'a> {
 
     fn run(
         &self,
-        mut hidden: Tensor,
+        hidden: Tensor,
         mask: &AttentionMask,
         rotary: Option<&RotaryTables>,
         memory: Option<&Memory>,
@@ -331,10 +331,11 @@ impl<'a> LayerStack<'a> {
     ) -> Result<Tensor> {
         let selective = self.recompute == Recompute::Selective;
         let Recompute::Full { method, num_layers } = self.recompute else {
+            let mut stream = Residual::Summed(hidden);
             for (i, layer) in self.layers.iter().enumerate() {
                 self.gate.layers(self.scope, i..i + 1)?;
-                hidden = layer.forward_attending(
-                    &hidden,
+                stream = layer.forward_residual(
+                    stream,
                     mask,
                     rotary,
                     memory,
@@ -342,17 +343,20 @@ impl<'a> LayerStack<'a> {
                     selective && train,
                 )?;
             }
-            return Ok(hidden);
+            return Ok(stream.sum());
         };
         if !train {
+            let mut stream = Residual::Summed(hidden);
             for (i, layer) in self.layers.iter().enumerate() {
                 self.gate.layers(self.scope, i..i + 1)?;
-                hidden = layer.forward_attending(&hidden, mask, rotary, memory, false, false)?;
+                stream = layer.forward_residual(stream, mask, rotary, memory, false, false)?;
             }
-            return Ok(hidden);
+            return Ok(stream.sum());
         }
         let chunk = num_layers.max(1);
         let mut start = 0;
+        // Layers run outside recompute hand each other the stream, as without recompute.
+        let mut stream = Residual::Summed(hidden);
         while start < self.layers.len() {
             let (end, recompute) = match method {
                 RecomputeMethod::Uniform => ((start + chunk).min(self.layers.len()), true),
@@ -366,14 +370,14 @@ impl<'a> LayerStack<'a> {
                 // flows back to the encoder.
                 let memory_mask = memory.map(|m| m.mask.clone());
                 let run = move |inputs: &[Tensor]| -> Result<Vec<Tensor>> {
-                    let mut x = inputs[0].shallow_clone();
+                    let mut x = Residual::Summed(inputs[0].shallow_clone());
                     let memory = memory_mask.clone().map(|mask| Memory {
                         states: inputs[1].shallow_clone(),
                         mask,
                     });
                     for layer in &block {
-                        x = layer.forward_attending(
-                            &x,
+                        x = layer.forward_residual(
+                            x,
                             &mask,
                             rotary.as_ref(),
                             memory.as_ref(),
@@ -381,21 +385,22 @@ impl<'a> LayerStack<'a> {
                             false,
                         )?;
                     }
-                    Ok(vec![x])
+                    Ok(vec![x.sum()])
                 };
+                let hidden = stream.sum();
                 let mut inputs = vec![&hidden];
                 if let Some(memory) = memory {
                     inputs.push(&memory.states);
                 }
-                hidden = checkpoint(run, &inputs)?.remove(0);
+                stream = Residual::Summed(checkpoint(run, &inputs)?.remove(0));
             } else {
                 for layer in &self.layers[start..end] {
-                    hidden = layer.forward_attending(&hidden, mask, rotary, memory, true, false)?;
+                    stream = layer.forward_residual(stream, mask, rotary, memory, true, false)?;
                 }
             }
             start = end;
         }
-        Ok(hidden)
+        Ok(stream.sum())
     }
 }
 

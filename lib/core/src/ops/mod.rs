@@ -111,6 +111,7 @@ __device__ __forceinline__ float warp_sum(float value) {
     };
 }
 
+pub mod add_norm;
 pub mod decode_gemv;
 pub mod decode_stack;
 pub mod fp8_cast;

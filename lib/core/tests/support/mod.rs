@@ -228,6 +228,36 @@ pub fn train<P: Pretrain>(
     train_in::<P>(dir.path(), flags, world, tensor, pipeline, extra).unwrap()
 }
 
+/// The `lm loss` of every iteration of a one-rank run with `flags` (which must not name a
+/// device) on CUDA device 0.
+pub fn gpu_lm_losses<P: Pretrain>(flags: &[&str]) -> Vec<f64> {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let argv: Vec<String> = std::iter::once("pretrain")
+        .chain(flags.iter().copied())
+        .chain(["--device", "cuda"])
+        .chain(["--metrics-file", metrics.to_str().unwrap()])
+        .map(String::from)
+        .collect();
+    let args = P::parse(argv);
+    let layout = ParallelLayout::new(1, 1, 1).unwrap();
+    let threads = ThreadWorld::new(1, Duration::from_secs(120));
+    threads
+        .run(|rank| {
+            let parallel = ParallelState::threads(&threads, layout, rank, false)?;
+            args.run(&Runtime {
+                parallel,
+                device: Device::Cuda(0),
+            })
+        })
+        .unwrap();
+    Outcome {
+        losses: logged_losses(&metrics),
+        weights: HashMap::new(),
+    }
+    .lm_losses()
+}
+
 /// Three steps with the same losses (relative 1e-5) and weights (1e-5 of the largest).
 pub fn assert_equivalent(reference: &Outcome, parallel: &Outcome, what: &str) {
     assert_eq!(

@@ -21,7 +21,7 @@ pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
 pub use norm::Norm;
 pub use rope::{RotaryEmbedding, RotaryTables};
-pub use transformer_layer::{Memory, TransformerLayer};
+pub use transformer_layer::{Memory, Residual, TransformerLayer};
 
 use std::sync::Arc;
 

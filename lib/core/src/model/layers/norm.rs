@@ -1,10 +1,13 @@
 //! LayerNorm and RMSNorm over the hidden dimension (spec §1.1 "Normalization").
 
+use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::{NamedTensors, ParamAttributes};
+use crate::autograd::{self, CustomFunction, SavedTensors};
 use crate::model::config::Normalization;
 use crate::model::param::{Initializer, Param};
+use crate::ops::add_norm;
 use crate::ops::decode_gemv::InputNorm;
 
 #[derive(Clone)]
@@ -44,6 +47,46 @@ impl Norm {
         self.as_input_norm().apply(input)
     }
 
+    /// `(residual + delta, norm(residual + delta))`. In training on a CUDA device the add and the
+    /// norm run as one kernel, forward and backward ([`add_norm`]), unless
+    /// `MEGATRON_RS_FUSED_ADD_NORM=0`, the width or dtype has no kernel, or its self-check
+    /// failed; otherwise as libtorch's add and norm.
+    pub fn add_and_norm(
+        &self,
+        residual: &Tensor,
+        delta: &Tensor,
+        train: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let kind = residual.kind();
+        let hidden = self.weight.size()[0];
+        let fused = train
+            && [delta.kind(), self.weight.kind()] == [kind, kind]
+            && self.bias.as_ref().is_none_or(|b| b.kind() == kind)
+            && residual.size() == delta.size()
+            && delta.device() == residual.device()
+            && self.weight.device() == residual.device()
+            && add_norm::usable_on(residual.device(), kind, hidden);
+        if !fused {
+            let sum = residual + delta;
+            let normed = self.forward(&sum);
+            return Ok((sum, normed));
+        }
+        let function = FusedAddNorm {
+            kind: self.kind,
+            eps: self.eps,
+            one_plus: self.one_plus,
+        };
+        let mut inputs = vec![residual, delta, self.weight.tensor()];
+        inputs.extend(self.bias.as_ref().map(Param::tensor));
+        let mut outputs =
+            autograd::apply(function, &inputs).context("the fused residual add + norm")?;
+        let normed = outputs
+            .pop()
+            .context("the fused add + norm's normed output")?;
+        let sum = outputs.pop().context("the fused add + norm's sum")?;
+        Ok((sum, normed))
+    }
+
     /// This norm as the decode kernels' prologue takes it (and as plain tensor math).
     pub fn as_input_norm(&self) -> InputNorm<'_> {
         InputNorm {
@@ -64,5 +107,68 @@ impl Norm {
         if let Some(bias) = &self.bias {
             out.push("bias", bias, attributes);
         }
+    }
+}
+
+/// The residual add and the norm after it as one autograd node over [`add_norm`]'s kernels:
+/// inputs `residual, delta, weight[, bias]`, outputs `sum, normed`; backward gives `residual`
+/// and `delta` the same gradient (the norm's input gradient plus the sum's).
+struct FusedAddNorm {
+    kind: Normalization,
+    eps: f64,
+    one_plus: bool,
+}
+
+impl FusedAddNorm {
+    fn input_norm<'a>(&self, weight: &'a Tensor, bias: Option<&'a Tensor>) -> InputNorm<'a> {
+        InputNorm {
+            kind: self.kind,
+            weight,
+            bias,
+            eps: self.eps,
+            one_plus: self.one_plus,
+        }
+    }
+}
+
+impl CustomFunction for FusedAddNorm {
+    fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        let norm = self.input_norm(&inputs[2], inputs.get(3));
+        let out = add_norm::forward(&inputs[0], &inputs[1], &norm)?;
+        let kept = &out.saved;
+        // The sum is an output: it is kept as a detached alias, so the saved tensor never
+        // refers back to this node (no reference cycle), while in-place changes to the output
+        // are still caught by the shared version counter.
+        let sum = kept.sum.detach();
+        for tensor in [&sum, &kept.mean, &kept.rstd]
+            .into_iter()
+            .chain(&inputs[2..])
+        {
+            saved.save(tensor);
+        }
+        Ok(vec![out.saved.sum, out.normed])
+    }
+
+    fn backward(
+        &mut self,
+        grad_outputs: &[Tensor],
+        saved: &[Tensor],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let kept = add_norm::Saved {
+            sum: saved[0].shallow_clone(),
+            mean: saved[1].shallow_clone(),
+            rstd: saved[2].shallow_clone(),
+        };
+        let norm = self.input_norm(&saved[3], saved.get(4));
+        let grads = add_norm::backward(&grad_outputs[1], &grad_outputs[0], &kept, &norm)?;
+        let mut out = vec![
+            Some(grads.input.shallow_clone()),
+            Some(grads.input),
+            Some(grads.weight),
+        ];
+        if let Some(bias) = grads.bias {
+            out.push(Some(bias));
+        }
+        Ok(out)
     }
 }

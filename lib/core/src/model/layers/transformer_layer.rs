@@ -167,15 +167,41 @@ impl TransformerLayer {
         train: bool,
         recompute_core_attention: bool,
     ) -> Result<Tensor> {
-        let hidden = self.attention_block(hidden, train, |normed| {
+        let hidden = Residual::Summed(hidden.shallow_clone());
+        Ok(self
+            .forward_residual(
+                hidden,
+                mask,
+                rotary,
+                memory,
+                train,
+                recompute_core_attention,
+            )?
+            .sum())
+    }
+
+    /// [`forward_attending`](Self::forward_attending) on the residual stream: the input may
+    /// still be a sum to form, and the output is one, so that each add meets the norm after it
+    /// in [`Norm::add_and_norm`] (one kernel in training on GPUs), the next layer's input norm
+    /// included. A stack of layers passes the stream from layer to layer.
+    pub fn forward_residual(
+        &self,
+        hidden: Residual,
+        mask: &AttentionMask,
+        rotary: Option<&RotaryTables>,
+        memory: Option<&Memory>,
+        train: bool,
+        recompute_core_attention: bool,
+    ) -> Result<Residual> {
+        let hidden = self.block(hidden, &self.input_layernorm, train, |normed| {
             self.self_attention
                 .forward(normed, mask, rotary, train, recompute_core_attention)
         })?;
         let hidden = match (&self.cross, memory) {
             (Some((norm, attention)), Some(memory)) => {
-                let normed = norm.forward(&hidden);
-                let attended = attention.forward(&normed, &memory.states, &memory.mask, train)?;
-                self.residual(&normed, &hidden) + attended.dropout(self.hidden_dropout, train)
+                self.block(hidden, norm, train, |normed| {
+                    attention.forward(normed, &memory.states, &memory.mask, train)
+                })?
             }
             (None, None) => hidden,
             (Some(_), None) => {
@@ -183,7 +209,9 @@ impl TransformerLayer {
             }
             (None, Some(_)) => bail!("encoder output given to a layer without cross-attention"),
         };
-        self.mlp_block(&hidden, train)
+        self.block(hidden, &self.pre_mlp_layernorm, train, |normed| {
+            self.mlp.forward(normed)
+        })
     }
 
     /// The keys and values this decoder layer's cross-attention reads from the encoder's
@@ -207,13 +235,18 @@ impl TransformerLayer {
         let Some((norm, attention)) = &self.cross else {
             bail!("encoder output given to a layer without cross-attention");
         };
-        let hidden = self.attention_block(hidden, false, |normed| {
+        let hidden = Residual::Summed(hidden.shallow_clone());
+        let hidden = self.block(hidden, &self.input_layernorm, false, |normed| {
             self.self_attention.forward_cached(normed, None, cache)
         })?;
-        let normed = norm.forward(&hidden);
-        let attended = attention.attend(&normed, memory, mask, false)?;
-        let hidden = self.residual(&normed, &hidden) + attended;
-        self.mlp_block(&hidden, false)
+        let hidden = self.block(hidden, norm, false, |normed| {
+            attention.attend(normed, memory, mask, false)
+        })?;
+        Ok(self
+            .block(hidden, &self.pre_mlp_layernorm, false, |normed| {
+                self.mlp.forward(normed)
+            })?
+            .sum())
     }
 
     /// Inference over new positions, attending through the layer's KV cache.
@@ -359,34 +392,42 @@ impl TransformerLayer {
         train: bool,
         attend: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let hidden = self.attention_block(hidden, train, attend)?;
-        self.mlp_block(&hidden, train)
+        let hidden = Residual::Summed(hidden.shallow_clone());
+        let hidden = self.block(hidden, &self.input_layernorm, train, attend)?;
+        Ok(self
+            .block(hidden, &self.pre_mlp_layernorm, train, |normed| {
+                self.mlp.forward(normed)
+            })?
+            .sum())
     }
 
-    fn attention_block(
+    /// One pre-norm block: the stream's sum (formed here if pending) is normed, `apply`'d and
+    /// dropped out, and added back to the residual branch, which is left pending. Legacy
+    /// models whose residual is the normed input (`--apply-residual-connection-post-layernorm`)
+    /// add at once, with libtorch's ops.
+    fn block(
         &self,
-        hidden: &Tensor,
+        hidden: Residual,
+        norm: &Norm,
         train: bool,
-        attend: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        let normed = self.input_layernorm.forward(hidden);
-        let attention = attend(&normed)?;
-        Ok(self.residual(&normed, hidden) + attention.dropout(self.hidden_dropout, train))
-    }
-
-    fn mlp_block(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
-        let normed = self.pre_mlp_layernorm.forward(hidden);
-        let mlp = self.mlp.forward(&normed)?;
-        Ok(self.residual(&normed, hidden) + mlp.dropout(self.hidden_dropout, train))
-    }
-
-    /// The residual branch: the block's input, or its normed input for legacy models.
-    fn residual<'a>(&self, normed: &'a Tensor, input: &'a Tensor) -> &'a Tensor {
-        if self.residual_from_norm {
-            normed
+        apply: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Residual> {
+        let (input, normed) = match hidden {
+            Residual::Summed(input) => {
+                let normed = norm.forward(&input);
+                (input, normed)
+            }
+            Residual::Pending { residual, delta } => norm.add_and_norm(&residual, &delta, train)?,
+        };
+        let delta = apply(&normed)?.dropout(self.hidden_dropout, train);
+        Ok(if self.residual_from_norm {
+            Residual::Summed(normed + delta)
         } else {
-            input
-        }
+            Residual::Pending {
+                residual: input,
+                delta,
+            }
+        })
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
@@ -401,6 +442,23 @@ impl TransformerLayer {
         self.pre_mlp_layernorm
             .named_tensors(&mut out.scope("pre_mlp_layernorm"));
         self.mlp.named_tensors(&mut out.scope("mlp"));
+    }
+}
+
+/// The residual stream between pre-norm blocks: a tensor, or a block's (dropped-out) output
+/// not yet added to its residual branch, so that the add happens in the next norm's kernel.
+pub enum Residual {
+    Summed(Tensor),
+    Pending { residual: Tensor, delta: Tensor },
+}
+
+impl Residual {
+    /// The stream as one tensor, adding a pending sum with libtorch's add.
+    pub fn sum(self) -> Tensor {
+        match self {
+            Residual::Summed(hidden) => hidden,
+            Residual::Pending { residual, delta } => residual + delta,
+        }
     }
 }
 

@@ -1,0 +1,976 @@
+//! The residual add and the norm that follows it in one kernel, forward and backward, for
+//! training on CUDA devices (what Transformer Engine fuses for Megatron):
+//! - forward `(residual, delta) → (sum, norm(sum))`, keeping each row's mean and reciprocal
+//!   standard deviation in float32 for backward: one read of both inputs and one write of both
+//!   outputs, where libtorch adds in one kernel and normalises in another;
+//! - backward `(grad of the norm's output, grad of the sum) → grad_input`, the norm's input
+//!   gradient plus the sum's (the gradient of both `residual` and `delta`), so no separate add
+//!   of the two gradients; and the gamma/beta gradients without another pass over the
+//!   activations: each block adds up its rows' contributions in registers and writes one
+//!   partial row, and a second kernel adds the partial rows in block order. Both sums run in a
+//!   fixed order, so the same inputs give the same bits run after run.
+//!
+//! A row of `hidden` elements is read as 8-element vectors (16 bytes of bf16/fp16, 32 of
+//! float32) by a group of threads that keeps it in registers; a block holds several such row
+//! groups. LayerNorm and RMSNorm, with `--apply-layernorm-1p`'s gamma = 1 + w, bf16, fp16 and
+//! float32 activations with parameters of the same dtype, hidden sizes that are multiples of 8
+//! up to [`MAX_HIDDEN`].
+//!
+//! The arithmetic follows libtorch's unfused path (`InputNorm::apply`): the sum rounded to the
+//! activation dtype before the norm reads it; LayerNorm as ATen's vectorized kernel,
+//! `gamma · (rstd · (x − mean)) + beta` in float32 with `rstd = rsqrt(var + eps)`; RMSNorm as
+//! ours, `round(round(x · rstd) · gamma)`, with 1 + w rounded to the parameter dtype as the
+//! unfused `weight + 1` is. What differs: the mean and variance are two exact passes over the
+//! registers, summed in another order than ATen's Welford (the last bits of the statistics
+//! differ); the input gradient is computed in float32 throughout, where the unfused RMSNorm
+//! rounds `grad · gamma` to the activation dtype first; the gamma/beta gradients are summed in
+//! another order (float32 either way).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
+
+use anyhow::{bail, ensure, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::decode_gemv::InputNorm;
+use crate::model::config::Normalization;
+use crate::runtime::nvrtc::{kernels, KernelSource};
+
+/// Set to `0`, the environment variable that keeps the residual adds and norms of training on
+/// libtorch's separate kernels (Megatron has no flag for this).
+pub const VARIABLE: &str = "MEGATRON_RS_FUSED_ADD_NORM";
+
+/// The widest row the kernels take: 4 vectors of 8 elements in each of 256 threads.
+pub const MAX_HIDDEN: i64 = 8192;
+
+/// Elements per vector access.
+const VEC: i64 = 8;
+
+/// Threads per block of the forward and backward kernels (row groups × threads per row).
+const BLOCK_THREADS: i64 = 256;
+
+/// The backward kernel gives each row group at least this many rows, and more when that keeps
+/// the partial gamma/beta rows under [`MAX_PARTIALS`].
+const MIN_ROWS_PER_GROUP: i64 = 8;
+const MAX_PARTIALS: i64 = 512;
+
+/// Row groups of the kernel adding up the partial rows (32 columns each).
+const PARAM_GRAD_GROUPS: u32 = 16;
+
+pub const SOURCE: KernelSource = KernelSource {
+    name: "add_norm",
+    source: concat!(
+        cuda_scalars!(),
+        r#"
+constexpr int VEC = 8;
+constexpr int BLOCK_THREADS = 256;
+
+struct alignas(16) Words { unsigned int w[4]; };
+struct alignas(16) Floats { float f[4]; };
+struct Pair { float a, b; };
+
+// 8 consecutive elements (16-byte aligned) to float32 and back; the stores round to nearest even.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) {
+    const Words v = *reinterpret_cast<const Words*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        T low, high;
+        low.bits = (unsigned short)(v.w[k] & 0xffffu);
+        high.bits = (unsigned short)(v.w[k] >> 16);
+        out[2 * k] = load(&low);
+        out[2 * k + 1] = load(&high);
+    }
+}
+__device__ __forceinline__ void load8(const float* p, float* out) {
+    const Floats a = reinterpret_cast<const Floats*>(p)[0];
+    const Floats b = reinterpret_cast<const Floats*>(p)[1];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        out[k] = a.f[k];
+        out[4 + k] = b.f[k];
+    }
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float* in) {
+    Words v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        T low, high;
+        store(&low, in[2 * k]);
+        store(&high, in[2 * k + 1]);
+        v.w[k] = (unsigned int)low.bits | ((unsigned int)high.bits << 16);
+    }
+    *reinterpret_cast<Words*>(p) = v;
+}
+__device__ __forceinline__ void store8(float* p, const float* in) {
+    Floats a, b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        a.f[k] = in[k];
+        b.f[k] = in[4 + k];
+    }
+    reinterpret_cast<Floats*>(p)[0] = a;
+    reinterpret_cast<Floats*>(p)[1] = b;
+}
+
+// `value` rounded to T's precision (unchanged for float).
+template <typename T> __device__ __forceinline__ float rounded(float value) {
+    T t;
+    store(&t, value);
+    return load(&t);
+}
+
+// Gamma from the stored weight: 1 + w rounded to the weight's dtype with --apply-layernorm-1p.
+template <typename T> __device__ __forceinline__ void load_gamma(const T* weight, int one_plus,
+                                                                 float* gamma) {
+    load8(weight, gamma);
+    if (one_plus) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) gamma[e] = rounded<T>(gamma[e] + 1.f);
+    }
+}
+
+// Sums a and b over the threads of this thread's row group (threadIdx.y; blockDim.x threads, a
+// multiple of 32; blockDim.x * blockDim.y <= 1024) in a fixed order; every thread of the group
+// gets the sums. Every thread of the block must call it.
+__device__ __forceinline__ void group_sum2(float& a, float& b) {
+    __shared__ Pair warp_sums[32];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        a += __shfl_xor_sync(0xffffffffu, a, offset);
+        b += __shfl_xor_sync(0xffffffffu, b, offset);
+    }
+    const int warps = blockDim.x / 32;
+    Pair* sums = warp_sums + threadIdx.y * warps;
+    if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = Pair{a, b};
+    __syncthreads();
+    float total_a = 0.f, total_b = 0.f;
+    for (int w = 0; w < warps; ++w) {
+        total_a += sums[w].a;
+        total_b += sums[w].b;
+    }
+    __syncthreads();
+    a = total_a;
+    b = total_b;
+}
+
+// Row group threadIdx.y of block blockIdx.x normalises row blockIdx.x * blockDim.y +
+// threadIdx.y of [rows, hidden]; thread threadIdx.x holds its vectors threadIdx.x + k *
+// blockDim.x (k < VPT). mean/rstd: float32 [rows] (RMSNorm writes a mean of 0). bias may be null.
+template <typename T, int VPT>
+__device__ void add_norm_forward(const T* residual, const T* delta, const T* weight,
+                                 const T* bias, T* sum, T* normed, float* mean_out,
+                                 float* rstd_out, long long rows, int hidden, float eps, int rms,
+                                 int one_plus) {
+    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const bool live = row < rows;
+    const int vectors = hidden / VEC;
+    const long long base = live ? row * hidden : 0;
+    float x[VPT][VEC];
+    float total = 0.f, unused = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int v = threadIdx.x + k * blockDim.x;
+        if (live && v < vectors) {
+            const long long at = base + (long long)v * VEC;
+            float r[VEC], d[VEC];
+            load8(residual + at, r);
+            load8(delta + at, d);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                x[k][e] = rounded<T>(r[e] + d[e]);
+                total += x[k][e];
+            }
+            store8(sum + at, x[k]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) x[k][e] = 0.f;
+        }
+    }
+    float mean = 0.f;
+    if (!rms) {
+        group_sum2(total, unused);
+        mean = total / (float)hidden;
+    }
+    float squares = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int v = threadIdx.x + k * blockDim.x;
+        if (live && v < vectors) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float centred = x[k][e] - mean;
+                squares += centred * centred;
+            }
+        }
+    }
+    unused = 0.f;
+    group_sum2(squares, unused);
+    const float rstd = rsqrtf(squares / (float)hidden + eps);
+    if (live && threadIdx.x == 0) {
+        mean_out[row] = mean;
+        rstd_out[row] = rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int v = threadIdx.x + k * blockDim.x;
+        if (live && v < vectors) {
+            float gamma[VEC], beta[VEC], out[VEC];
+            load_gamma(weight + (long long)v * VEC, one_plus, gamma);
+            if (bias) {
+                load8(bias + (long long)v * VEC, beta);
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) beta[e] = 0.f;
+            }
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                out[e] = rms ? rounded<T>(x[k][e] * rstd) * gamma[e]
+                             : gamma[e] * (rstd * (x[k][e] - mean)) + beta[e];
+            }
+            store8(normed + base + (long long)v * VEC, out);
+        }
+    }
+}
+
+// Adds `values` (this thread's 8 columns of vector v) over the block's row groups in group
+// order; group 0 writes the sums to out[v * VEC ...]. Every thread of the block must call it.
+__device__ __forceinline__ void store_block_sum(const float* values, float* out, int v,
+                                                bool valid) {
+    __shared__ float columns[BLOCK_THREADS * VEC];
+    const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) columns[slot + e] = values[e];
+    __syncthreads();
+    if (threadIdx.y == 0 && valid) {
+        float sums[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) sums[e] = 0.f;
+        for (int y = 0; y < blockDim.y; ++y) {
+            const int from = (y * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) sums[e] += columns[from + e];
+        }
+        store8(out + (long long)v * VEC, sums);
+    }
+    __syncthreads();
+}
+
+// Block blockIdx.x takes rows [blockIdx.x * rows_per_block, + rows_per_block) (a multiple of
+// blockDim.y), row group threadIdx.y every blockDim.y-th of them. grad_input = the norm's input
+// gradient + grad_sum. The block's gamma (and with partial_beta, beta) gradients over its rows
+// go to row blockIdx.x of partial_gamma (partial_beta), float32 [blocks, hidden].
+template <typename T, int VPT>
+__device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const T* sum,
+                                  const float* mean_in, const float* rstd_in, const T* weight,
+                                  T* grad_input, float* partial_gamma, float* partial_beta,
+                                  long long rows, int hidden, int rows_per_block, int rms,
+                                  int one_plus) {
+    const int vectors = hidden / VEC;
+    float dgamma[VPT][VEC], dbeta[VPT][VEC];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            dgamma[k][e] = 0.f;
+            dbeta[k][e] = 0.f;
+        }
+    }
+    const long long first = (long long)blockIdx.x * rows_per_block;
+    for (int i = threadIdx.y; i < rows_per_block; i += blockDim.y) {
+        const long long row = first + i;
+        const bool live = row < rows;
+        const long long base = live ? row * hidden : 0;
+        const float mean = live && !rms ? mean_in[row] : 0.f;
+        const float rstd = live ? rstd_in[row] : 0.f;
+        // grad_sum is loaded with the rest, so its latency hides behind the row's reduction.
+        float xhat[VPT][VEC], dxhat[VPT][VEC], g[VPT][VEC];
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int v = threadIdx.x + k * blockDim.x;
+            if (live && v < vectors) {
+                const long long at = base + (long long)v * VEC;
+                float x[VEC], dy[VEC], gamma[VEC];
+                load8(sum + at, x);
+                load8(grad_normed + at, dy);
+                load8(grad_sum + at, g[k]);
+                load_gamma(weight + (long long)v * VEC, one_plus, gamma);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    xhat[k][e] = (x[e] - mean) * rstd;
+                    // The unfused RMSNorm multiplies gamma by x · rstd rounded to T.
+                    dgamma[k][e] += dy[e] * (rms ? rounded<T>(xhat[k][e]) : xhat[k][e]);
+                    dbeta[k][e] += dy[e];
+                    dxhat[k][e] = dy[e] * gamma[e];
+                    a += dxhat[k][e];
+                    b += dxhat[k][e] * xhat[k][e];
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    xhat[k][e] = 0.f;
+                    dxhat[k][e] = 0.f;
+                    g[k][e] = 0.f;
+                }
+            }
+        }
+        group_sum2(a, b);
+        const float mean_dxhat = rms ? 0.f : a / (float)hidden;
+        const float mean_dxhat_xhat = b / (float)hidden;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int v = threadIdx.x + k * blockDim.x;
+            if (live && v < vectors) {
+                float out[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    out[e] = rstd * (dxhat[k][e] - mean_dxhat - xhat[k][e] * mean_dxhat_xhat)
+                             + g[k][e];
+                }
+                store8(grad_input + base + (long long)v * VEC, out);
+            }
+        }
+    }
+    float* gamma_row = partial_gamma + (long long)blockIdx.x * hidden;
+    float* beta_row = partial_beta ? partial_beta + (long long)blockIdx.x * hidden : nullptr;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int v = threadIdx.x + k * blockDim.x;
+        const bool valid = v < vectors;
+        store_block_sum(dgamma[k], gamma_row, v, valid);
+        if (beta_row) store_block_sum(dbeta[k], beta_row, v, valid);
+    }
+}
+
+// Column blockIdx.x * 32 + threadIdx.x of partials [blocks, hidden] summed over the blocks in
+// order (row group threadIdx.y adds every blockDim.y-th partial row, then the groups are added
+// in order), rounded to T. blockIdx.y 0: partial_gamma → grad_weight; 1: partial_beta →
+// grad_bias.
+template <typename T>
+__device__ void param_grad(const float* partial_gamma, const float* partial_beta,
+                           long long blocks, int hidden, T* grad_weight, T* grad_bias) {
+    __shared__ float sums[32][33];
+    const float* partial = blockIdx.y == 0 ? partial_gamma : partial_beta;
+    T* out = blockIdx.y == 0 ? grad_weight : grad_bias;
+    const int column = blockIdx.x * 32 + threadIdx.x;
+    float sum = 0.f;
+    if (column < hidden) {
+        for (long long b = threadIdx.y; b < blocks; b += blockDim.y) {
+            sum += partial[b * hidden + column];
+        }
+    }
+    sums[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y == 0 && column < hidden) {
+        float total = 0.f;
+        for (int y = 0; y < blockDim.y; ++y) total += sums[y][threadIdx.x];
+        store(out + column, total);
+    }
+}
+
+#define ADD_NORM(SUFFIX, T, VPT)                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                              \
+        add_norm_forward_##SUFFIX##_##VPT(const T* residual, const T* delta, const T* weight, \
+                                          const T* bias, T* sum, T* normed, float* mean,      \
+                                          float* rstd, long long rows, int hidden, float eps, \
+                                          int rms, int one_plus) {                            \
+        add_norm_forward<T, VPT>(residual, delta, weight, bias, sum, normed, mean, rstd,      \
+                                 rows, hidden, eps, rms, one_plus);                           \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                              \
+        add_norm_backward_##SUFFIX##_##VPT(                                                   \
+            const T* grad_normed, const T* grad_sum, const T* sum, const float* mean,         \
+            const float* rstd, const T* weight, T* grad_input, float* partial_gamma,          \
+            float* partial_beta, long long rows, int hidden, int rows_per_block, int rms,     \
+            int one_plus) {                                                                   \
+        add_norm_backward<T, VPT>(grad_normed, grad_sum, sum, mean, rstd, weight, grad_input, \
+                                  partial_gamma, partial_beta, rows, hidden, rows_per_block,  \
+                                  rms, one_plus);                                             \
+    }
+
+#define PARAM_GRAD(SUFFIX, T)                                                                \
+    extern "C" __global__ void add_norm_param_grad_##SUFFIX(                                 \
+        const float* partial_gamma, const float* partial_beta, long long blocks, int hidden, \
+        T* grad_weight, T* grad_bias) {                                                       \
+        param_grad<T>(partial_gamma, partial_beta, blocks, hidden, grad_weight, grad_bias);  \
+    }
+
+ADD_NORM(bf16, bf16, 1)
+ADD_NORM(bf16, bf16, 2)
+ADD_NORM(bf16, bf16, 4)
+ADD_NORM(f16, f16, 1)
+ADD_NORM(f16, f16, 2)
+ADD_NORM(f16, f16, 4)
+ADD_NORM(f32, float, 1)
+ADD_NORM(f32, float, 2)
+ADD_NORM(f32, float, 4)
+PARAM_GRAD(bf16, bf16)
+PARAM_GRAD(f16, f16)
+PARAM_GRAD(f32, float)
+"#
+    ),
+    functions: &[
+        "add_norm_forward_bf16_1",
+        "add_norm_forward_bf16_2",
+        "add_norm_forward_bf16_4",
+        "add_norm_forward_f16_1",
+        "add_norm_forward_f16_2",
+        "add_norm_forward_f16_4",
+        "add_norm_forward_f32_1",
+        "add_norm_forward_f32_2",
+        "add_norm_forward_f32_4",
+        "add_norm_backward_bf16_1",
+        "add_norm_backward_bf16_2",
+        "add_norm_backward_bf16_4",
+        "add_norm_backward_f16_1",
+        "add_norm_backward_f16_2",
+        "add_norm_backward_f16_4",
+        "add_norm_backward_f32_1",
+        "add_norm_backward_f32_2",
+        "add_norm_backward_f32_4",
+        "add_norm_param_grad_bf16",
+        "add_norm_param_grad_f16",
+        "add_norm_param_grad_f32",
+    ],
+};
+
+/// Whether the kernels take activations (and norm parameters) of `kind` with rows of `hidden`.
+pub fn supports(kind: Kind, hidden: i64) -> bool {
+    matches!(kind, Kind::BFloat16 | Kind::Half | Kind::Float)
+        && hidden > 0
+        && hidden % VEC == 0
+        && hidden <= MAX_HIDDEN
+}
+
+/// How the kernels lay a row of `hidden` elements over a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowLayout {
+    /// Vectors of 8 elements each thread holds: 1, 2 or 4.
+    pub vectors_per_thread: i64,
+    /// Threads of a row group (`blockDim.x`), a multiple of 32.
+    pub threads: i64,
+    /// Row groups of a block (`blockDim.y`).
+    pub groups: i64,
+}
+
+impl RowLayout {
+    /// The layout for rows of `hidden` elements ([`supports`] must hold): the fewest vectors per
+    /// thread that fit the row in [`BLOCK_THREADS`] threads, and as many row groups as fit
+    /// beside it.
+    pub fn new(hidden: i64) -> RowLayout {
+        let vectors = hidden / VEC;
+        let vectors_per_thread = [1, 2, 4]
+            .into_iter()
+            .find(|per| ceil_div(vectors, *per) <= BLOCK_THREADS)
+            .unwrap_or(4);
+        let threads = ceil_div(ceil_div(vectors, vectors_per_thread), 32) * 32;
+        RowLayout {
+            vectors_per_thread,
+            threads,
+            groups: (BLOCK_THREADS / threads).max(1),
+        }
+    }
+
+    /// Rows per block of the backward kernel over `rows` rows: a multiple of the row groups,
+    /// each group taking at least [`MIN_ROWS_PER_GROUP`] rows and enough that there are at most
+    /// [`MAX_PARTIALS`] blocks. A function of the shape alone, so the order in which the
+    /// gamma/beta gradients are summed is too.
+    pub fn backward_rows_per_block(&self, rows: i64) -> i64 {
+        let per_group = ceil_div(ceil_div(rows, self.groups), MAX_PARTIALS).max(MIN_ROWS_PER_GROUP);
+        per_group * self.groups
+    }
+}
+
+/// `a / b` rounded up, for positive `b` and non-negative `a`.
+fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+fn dtype_suffix(kind: Kind) -> Result<&'static str> {
+    Ok(match kind {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        Kind::Float => "f32",
+        other => bail!("no fused add + norm kernel for {other:?}"),
+    })
+}
+
+fn arg<T>(value: &mut T) -> *mut c_void {
+    value as *mut T as *mut c_void
+}
+
+fn aligned(tensor: &Tensor) -> bool {
+    (tensor.data_ptr() as usize).is_multiple_of(16)
+}
+
+/// `tensor` contiguous and 16-byte aligned (copied where it is not), checked to be `kind` with
+/// `shape` on `device`.
+fn ready(tensor: &Tensor, kind: Kind, shape: &[i64], device: Device, what: &str) -> Result<Tensor> {
+    ensure!(
+        tensor.kind() == kind && tensor.size() == shape && tensor.device() == device,
+        "the fused add + norm got {what} of {:?} {:?} on {:?}; expected {kind:?} {shape:?} on \
+         {device:?}",
+        tensor.kind(),
+        tensor.size(),
+        tensor.device()
+    );
+    let tensor = tensor.contiguous();
+    Ok(if aligned(&tensor) {
+        tensor
+    } else {
+        tensor.copy()
+    })
+}
+
+/// The norm's shape, dtype and device as the kernels need them: `(device index, hidden)`.
+fn check_norm(norm: &InputNorm, kind: Kind, device: Device) -> Result<(usize, i64)> {
+    let Device::Cuda(index) = device else {
+        bail!("the fused add + norm runs on CUDA devices, not {device:?}");
+    };
+    ensure!(
+        norm.weight.dim() == 1,
+        "the norm's weight is {:?}; expected one dimension",
+        norm.weight.size()
+    );
+    let hidden = norm.weight.size()[0];
+    ensure!(
+        supports(kind, hidden),
+        "no fused add + norm kernel for {kind:?} rows of {hidden} (a multiple of {VEC} up to \
+         {MAX_HIDDEN})"
+    );
+    ensure!(
+        (norm.kind == Normalization::LayerNorm) == norm.bias.is_some(),
+        "LayerNorm has a bias and RMSNorm none"
+    );
+    Ok((index, hidden))
+}
+
+/// What the forward kernel keeps for backward: the sum (shaped like the inputs) and each row's
+/// float32 mean (0 for RMSNorm) and reciprocal standard deviation, `[rows]`.
+pub struct Saved {
+    pub sum: Tensor,
+    pub mean: Tensor,
+    pub rstd: Tensor,
+}
+
+/// What the forward kernel gives: the sum's norm and what backward needs, the sum included.
+pub struct Forward {
+    pub normed: Tensor,
+    pub saved: Saved,
+}
+
+/// `residual + delta` and its norm, in one kernel on libtorch's current stream. Both inputs
+/// are `[..., hidden]` of the norm's dtype on one CUDA device.
+pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Forward> {
+    let (kind, device, shape) = (residual.kind(), residual.device(), residual.size());
+    let (index, hidden) = check_norm(norm, kind, device)?;
+    ensure!(
+        shape.last() == Some(&hidden),
+        "the fused add + norm got rows of {shape:?} for a norm over {hidden}"
+    );
+    let rows = residual.numel() as i64 / hidden;
+    let residual = ready(residual, kind, &shape, device, "a residual")?;
+    let delta = ready(delta, kind, &shape, device, "a delta")?;
+    let weight = ready(norm.weight, kind, &[hidden], device, "a weight")?;
+    let bias = norm
+        .bias
+        .map(|b| ready(b, kind, &[hidden], device, "a bias"))
+        .transpose()?;
+    let sum = Tensor::empty(shape.as_slice(), (kind, device));
+    let normed = Tensor::empty(shape.as_slice(), (kind, device));
+    let mean = Tensor::empty([rows], (Kind::Float, device));
+    let rstd = Tensor::empty([rows], (Kind::Float, device));
+    if rows > 0 {
+        let layout = RowLayout::new(hidden);
+        let blocks = ceil_div(rows, layout.groups);
+        ensure!(
+            blocks <= i32::MAX as i64,
+            "{rows} rows are more blocks than one launch takes"
+        );
+        let module = kernels(&SOURCE, index)?;
+        let function = format!(
+            "add_norm_forward_{}_{}",
+            dtype_suffix(kind)?,
+            layout.vectors_per_thread
+        );
+        let [mut residual_ptr, mut delta_ptr, mut weight_ptr, mut sum_ptr, mut normed_ptr, mut mean_ptr, mut rstd_ptr] =
+            [&residual, &delta, &weight, &sum, &normed, &mean, &rstd].map(|t| t.data_ptr() as u64);
+        let mut bias_ptr = bias.as_ref().map_or(0u64, |b| b.data_ptr() as u64);
+        let (mut rows_arg, mut hidden_arg, mut eps) = (rows, hidden as i32, norm.eps as f32);
+        let mut rms = i32::from(norm.kind == Normalization::RMSNorm);
+        let mut one_plus = i32::from(norm.one_plus);
+        let mut args = [
+            arg(&mut residual_ptr),
+            arg(&mut delta_ptr),
+            arg(&mut weight_ptr),
+            arg(&mut bias_ptr),
+            arg(&mut sum_ptr),
+            arg(&mut normed_ptr),
+            arg(&mut mean_ptr),
+            arg(&mut rstd_ptr),
+            arg(&mut rows_arg),
+            arg(&mut hidden_arg),
+            arg(&mut eps),
+            arg(&mut rms),
+            arg(&mut one_plus),
+        ];
+        // SAFETY: the arguments match the kernel's parameters in order and type (pointers as
+        // u64, rows as i64, the hidden size and flags as i32, eps as f32); the activations are
+        // contiguous, 16-byte aligned [rows, hidden] of the kernel's dtype (hidden a multiple
+        // of 8, so every row starts aligned), the weight and bias [hidden], mean and rstd
+        // float32 [rows], all on this device; the grid covers the rows and the layout's
+        // threads the row's vectors. Memory the caching allocator gets back (copies dropped
+        // here) is reused only by work queued on this stream after the kernel.
+        unsafe {
+            module.launch(
+                &function,
+                (blocks as u32, 1, 1),
+                (layout.threads as u32, layout.groups as u32, 1),
+                &mut args,
+            )?;
+        }
+    }
+    Ok(Forward {
+        normed,
+        saved: Saved { sum, mean, rstd },
+    })
+}
+
+/// What the backward kernels give: the gradient of both `residual` and `delta`, and those of
+/// the norm's weight and (LayerNorm) bias in their dtype.
+pub struct Grads {
+    pub input: Tensor,
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+/// The gradients of [`forward`] from those of its `normed` and `sum` outputs, given what it
+/// saved (`sum`, `mean`, `rstd`) and the same norm.
+pub fn backward(
+    grad_normed: &Tensor,
+    grad_sum: &Tensor,
+    saved: &Saved,
+    norm: &InputNorm,
+) -> Result<Grads> {
+    let (kind, device, shape) = (saved.sum.kind(), saved.sum.device(), saved.sum.size());
+    let (index, hidden) = check_norm(norm, kind, device)?;
+    let rows = saved.sum.numel() as i64 / hidden;
+    // Gradients may arrive in another dtype or layout than the outputs.
+    let as_output = |grad: &Tensor, what: &str| {
+        ensure!(
+            grad.size() == shape,
+            "the gradient of the fused add + norm's {what} is {:?}; expected {shape:?}",
+            grad.size()
+        );
+        ready(&grad.to_kind(kind), kind, &shape, device, what)
+    };
+    let grad_normed = as_output(grad_normed, "normed output")?;
+    let grad_sum = as_output(grad_sum, "sum")?;
+    let sum = ready(&saved.sum, kind, &shape, device, "a saved sum")?;
+    let weight = ready(norm.weight, kind, &[hidden], device, "a weight")?;
+    for (what, stat) in [("mean", &saved.mean), ("rstd", &saved.rstd)] {
+        ensure!(
+            stat.kind() == Kind::Float && stat.size() == [rows] && stat.is_contiguous(),
+            "the fused add + norm's saved {what} is {:?} {:?}; expected float32 [{rows}]",
+            stat.kind(),
+            stat.size()
+        );
+    }
+    let grad_input = Tensor::empty(shape.as_slice(), (kind, device));
+    let mut grad_weight = Tensor::empty([hidden], (kind, device));
+    let grad_bias = norm
+        .bias
+        .is_some()
+        .then(|| Tensor::empty([hidden], (kind, device)));
+    if rows == 0 {
+        return Ok(Grads {
+            input: grad_input,
+            weight: grad_weight.zero_(),
+            bias: grad_bias.map(|mut b| b.zero_()),
+        });
+    }
+    let layout = RowLayout::new(hidden);
+    let rows_per_block = layout.backward_rows_per_block(rows);
+    let blocks = ceil_div(rows, rows_per_block);
+    let partial_gamma = Tensor::empty([blocks, hidden], (Kind::Float, device));
+    let partial_beta = grad_bias
+        .is_some()
+        .then(|| Tensor::empty([blocks, hidden], (Kind::Float, device)));
+    let suffix = dtype_suffix(kind)?;
+    let module = kernels(&SOURCE, index)?;
+    let [mut grad_normed_ptr, mut grad_sum_ptr, mut sum_ptr, mut mean_ptr, mut rstd_ptr, mut weight_ptr, mut grad_input_ptr, mut gamma_ptr] =
+        [
+            &grad_normed,
+            &grad_sum,
+            &sum,
+            &saved.mean,
+            &saved.rstd,
+            &weight,
+            &grad_input,
+            &partial_gamma,
+        ]
+        .map(|t| t.data_ptr() as u64);
+    let mut beta_ptr = partial_beta.as_ref().map_or(0u64, |t| t.data_ptr() as u64);
+    let (mut rows_arg, mut hidden_arg) = (rows, hidden as i32);
+    let mut rows_per_block_arg = i32::try_from(rows_per_block)
+        .context("too many rows for the fused add + norm's backward")?;
+    let mut rms = i32::from(norm.kind == Normalization::RMSNorm);
+    let mut one_plus = i32::from(norm.one_plus);
+    let mut args = [
+        arg(&mut grad_normed_ptr),
+        arg(&mut grad_sum_ptr),
+        arg(&mut sum_ptr),
+        arg(&mut mean_ptr),
+        arg(&mut rstd_ptr),
+        arg(&mut weight_ptr),
+        arg(&mut grad_input_ptr),
+        arg(&mut gamma_ptr),
+        arg(&mut beta_ptr),
+        arg(&mut rows_arg),
+        arg(&mut hidden_arg),
+        arg(&mut rows_per_block_arg),
+        arg(&mut rms),
+        arg(&mut one_plus),
+    ];
+    let (mut partial_gamma_ptr, mut partial_beta_ptr) = (gamma_ptr, beta_ptr);
+    let (mut blocks_arg, mut columns_arg) = (blocks, hidden as i32);
+    let mut grad_weight_ptr = grad_weight.data_ptr() as u64;
+    let mut grad_bias_ptr = grad_bias.as_ref().map_or(0u64, |t| t.data_ptr() as u64);
+    let mut param_args = [
+        arg(&mut partial_gamma_ptr),
+        arg(&mut partial_beta_ptr),
+        arg(&mut blocks_arg),
+        arg(&mut columns_arg),
+        arg(&mut grad_weight_ptr),
+        arg(&mut grad_bias_ptr),
+    ];
+    let param_grids = if grad_bias.is_some() { 2 } else { 1 };
+    // SAFETY: the arguments match the kernels' parameters in order and type (pointers as u64,
+    // rows and the block count as i64, the hidden size, rows per block and flags as i32); the
+    // activations and gradients are contiguous, 16-byte aligned [rows, hidden] of the kernels'
+    // dtype, the weight [hidden], mean and rstd float32 [rows], the partial rows float32
+    // [blocks, hidden] with blocks · rows_per_block >= rows (rows_per_block a multiple of the
+    // row groups), the parameter gradients [hidden]; the bias pointers are null exactly when
+    // there is no bias (then one grid row of the second kernel). All live on this device until
+    // the kernels have run: memory returned to the caching allocator is reused only by work
+    // queued after them on this stream.
+    unsafe {
+        module.launch(
+            &format!("add_norm_backward_{suffix}_{}", layout.vectors_per_thread),
+            (blocks as u32, 1, 1),
+            (layout.threads as u32, layout.groups as u32, 1),
+            &mut args,
+        )?;
+        module.launch(
+            &format!("add_norm_param_grad_{suffix}"),
+            (ceil_div(hidden, 32) as u32, param_grids, 1),
+            (32, PARAM_GRAD_GROUPS, 1),
+            &mut param_args,
+        )?;
+    }
+    Ok(Grads {
+        input: grad_input,
+        weight: grad_weight,
+        bias: grad_bias,
+    })
+}
+
+/// Whether the fused add + norm should run for `kind` activations with rows of `hidden` on
+/// `device`: a CUDA device, a width and dtype the kernels take ([`supports`]), [`VARIABLE`] not
+/// `0`, and [`self_check`] passed there at that width (checked once per device, dtype and
+/// width; a failure is reported once and the unfused ops are used).
+pub fn usable_on(device: Device, kind: Kind, hidden: i64) -> bool {
+    /// The self-check's verdict by device, dtype and width.
+    type Verdicts = HashMap<(Device, Kind, i64), bool>;
+    static CHECKED: OnceLock<Mutex<Verdicts>> = OnceLock::new();
+    let Device::Cuda(index) = device else {
+        return false;
+    };
+    if !supports(kind, hidden) || std::env::var(VARIABLE).is_ok_and(|v| v == "0") {
+        return false;
+    }
+    let mut checked = CHECKED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    *checked.entry((device, kind, hidden)).or_insert_with(|| {
+        match tch::no_grad(|| self_check(index, kind, hidden)) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!(
+                    "warning: the fused residual add + norm is off for {kind:?} rows of {hidden} \
+                     on {device:?} ({e:#}); using separate kernels"
+                );
+                false
+            }
+        }
+    })
+}
+
+/// Largest difference between `got` and `want` relative to `want`'s largest magnitude.
+pub fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
+    let want = want.to_kind(Kind::Double);
+    let scale = want.abs().max().double_value(&[]).max(1e-12);
+    (got.to_kind(Kind::Double) - want)
+        .abs()
+        .max()
+        .double_value(&[])
+        / scale
+}
+
+/// The tolerance [`self_check`] allows for `kind`: a few units in the last place of the
+/// largest value.
+fn tolerance(kind: Kind) -> f64 {
+    match kind {
+        Kind::Float => 1e-4,
+        _ => 2e-2,
+    }
+}
+
+/// Runs the kernels on CUDA device `device` in `kind` on 37 made-up rows of `hidden`
+/// (LayerNorm, and RMSNorm with gamma = 1 + w) and compares outputs and gradients with
+/// libtorch's unfused ops: a launch or a result that goes wrong is an error here, before
+/// training depends on the kernels.
+pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
+    let cuda = Device::Cuda(device);
+    let rows = 37;
+    let made_up = |shape: &[i64], step: f64, scale: f64| {
+        let count: i64 = shape.iter().product();
+        ((Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale)
+            .view(shape)
+            .to_kind(kind)
+    };
+    let residual = made_up(&[rows, hidden], 0.37, 2.0);
+    let delta = made_up(&[rows, hidden], 0.71, 0.5);
+    let grad_normed = made_up(&[rows, hidden], 0.13, 1.0);
+    let grad_sum = made_up(&[rows, hidden], 0.29, 0.3);
+    let weight = made_up(&[hidden], 0.53, 0.5) + 1.0;
+    let bias = made_up(&[hidden], 0.17, 0.2);
+    for (kind_of_norm, one_plus) in [
+        (Normalization::LayerNorm, false),
+        (Normalization::RMSNorm, true),
+    ] {
+        let norm = InputNorm {
+            kind: kind_of_norm,
+            weight: &weight,
+            bias: (kind_of_norm == Normalization::LayerNorm).then_some(&bias),
+            eps: 1e-5,
+            one_plus,
+        };
+        let fused = forward(&residual, &delta, &norm)?;
+        let grads = backward(&grad_normed, &grad_sum, &fused.saved, &norm)?;
+        let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm)?;
+        let mut compared = vec![
+            ("sum", &fused.saved.sum, &want.sum),
+            ("normed output", &fused.normed, &want.normed),
+            ("input gradient", &grads.input, &want.input),
+            ("weight gradient", &grads.weight, &want.weight),
+        ];
+        if let (Some(got), Some(expected)) = (&grads.bias, &want.bias) {
+            compared.push(("bias gradient", got, expected));
+        }
+        for (name, got, expected) in compared {
+            let error = relative_error(got, expected);
+            ensure!(
+                error <= tolerance(kind),
+                "the {kind_of_norm:?} {name} differs from the unfused ops' by {error:.3e} \
+                 (relative)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What the unfused ops give for a fused add + norm, outputs and gradients, the reference the
+/// self-check and the tests compare with.
+pub struct Unfused {
+    pub sum: Tensor,
+    pub normed: Tensor,
+    pub input: Tensor,
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+/// `sum = residual + delta` and `norm(sum)` through libtorch's autograd, and the gradients of
+/// `Σ normed · grad_normed + Σ sum · grad_sum` for the input (one for both summands) and the
+/// norm's parameters.
+pub fn unfused(
+    residual: &Tensor,
+    delta: &Tensor,
+    grad_normed: &Tensor,
+    grad_sum: &Tensor,
+    norm: &InputNorm,
+) -> Result<Unfused> {
+    tch::with_grad(|| {
+        let input = residual.detach().set_requires_grad(true);
+        let weight = norm.weight.detach().set_requires_grad(true);
+        let bias = norm.bias.map(|b| b.detach().set_requires_grad(true));
+        let sum = &input + delta;
+        let normed = InputNorm {
+            weight: &weight,
+            bias: bias.as_ref(),
+            ..*norm
+        }
+        .apply(&sum);
+        let mut inputs = vec![&input, &weight];
+        inputs.extend(bias.as_ref());
+        let grads = crate::autograd::grad(
+            &[&normed, &sum],
+            &[grad_normed, grad_sum],
+            &inputs,
+            false,
+            false,
+        )?;
+        let mut grads = grads.into_iter().map(|g| g.context("an unused input"));
+        let mut next = || grads.next().context("a missing gradient")?;
+        Ok(Unfused {
+            sum: sum.detach(),
+            normed: normed.detach(),
+            input: next()?,
+            weight: next()?,
+            bias: match bias {
+                Some(_) => Some(next()?),
+                None => None,
+            },
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_laid_over_blocks_of_256_threads() {
+        let layout = |hidden| {
+            let l = RowLayout::new(hidden);
+            (l.vectors_per_thread, l.threads, l.groups)
+        };
+        assert_eq!(layout(64), (1, 32, 8));
+        assert_eq!(layout(1000), (1, 128, 2));
+        assert_eq!(layout(1024), (1, 128, 2));
+        assert_eq!(layout(2048), (1, 256, 1));
+        assert_eq!(layout(4096), (2, 256, 1));
+        assert_eq!(layout(6144), (4, 192, 1));
+        assert_eq!(layout(8192), (4, 256, 1));
+        let l = RowLayout::new(1024);
+        assert_eq!(l.backward_rows_per_block(8192), 16);
+        assert_eq!(l.backward_rows_per_block(3), 16);
+        // 2^20 rows in 2 groups: 1024 rows a group keeps 512 blocks.
+        assert_eq!(l.backward_rows_per_block(1 << 20), 2048);
+        assert_eq!(ceil_div(1 << 20, 2048), MAX_PARTIALS);
+    }
+
+    #[test]
+    fn only_row_widths_of_whole_vectors_up_to_8192_are_fused() {
+        assert!(
+            supports(Kind::BFloat16, 1024)
+                && supports(Kind::Half, 8)
+                && supports(Kind::Float, 8192)
+        );
+        assert!(!supports(Kind::BFloat16, 1020) && !supports(Kind::BFloat16, 8200));
+        assert!(!supports(Kind::Double, 1024) && !supports(Kind::BFloat16, 0));
+        assert!(!usable_on(Device::Cpu, Kind::BFloat16, 1024));
+    }
+}
