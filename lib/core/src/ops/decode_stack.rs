@@ -35,7 +35,7 @@ const _: () = assert!(BLOCK_SIZE == 16);
 
 /// Layers one launch runs (the kernel's `MAX_LAYERS`): their weights travel in the kernel's
 /// parameters, which stay within 4 KiB.
-pub const MAX_LAYERS: usize = 32;
+pub const MAX_LAYERS: usize = 16;
 
 /// The most rows a step may have (the kernel's largest row template).
 pub const MAX_ROWS: i64 = 8;
@@ -64,7 +64,7 @@ macro_rules! stack_source {
 #endif
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
-constexpr int MAX_LAYERS = 32;
+constexpr int MAX_LAYERS = 16;
 constexpr int BLOCK_SIZE = 16;
 // Positions a warp scores at once in attention.
 constexpr int UNROLL = 8;
@@ -591,32 +591,23 @@ __device__ void decode_stack(const Stack& s) {
     const int norm = s.flags & (NORM_LAYER | NORM_RMS | NORM_ONE_PLUS);
     const int gelu = s.flags & (GELU_TANH | GELU_ERF);
     unsigned int passed = 0;
-    const long long bytes = sizeof(T);
-    // Each linear stage's weights are asked of L2 a stage or two before it reads them.
-    if (!(DEBUG_FLAGS & 6144)) prefetch_share(s.layers[0].qkv_weight, qkv_width * hidden * bytes);
-    if (DEBUG_FLAGS & 4096) prefetch_layer<T>(s.layers[0], hidden, qkv_width, attn_width, s.ffn);
+    if (s.num_layers > 0) prefetch_layer<T>(s.layers[0], hidden, qkv_width, attn_width, s.ffn);
     for (int l = 0; l < s.num_layers; ++l) {
         const Layer& L = s.layers[l];
-        const bool ahead = !(DEBUG_FLAGS & 6144);
-        if ((DEBUG_FLAGS & 4096) && l + 1 < s.num_layers)
+        if (l + 1 < s.num_layers)
             prefetch_layer<T>(s.layers[l + 1], hidden, qkv_width, attn_width, s.ffn);
         const T* x = (const T*)(l == 0 ? s.input : s.outputs[(l - 1) % 2]);
         T* y = (T*)s.outputs[l % 2];
         T* x1 = (T*)s.x1;
         T* inter = (T*)s.inter;
-        if (ahead) prefetch_share(L.proj_weight, hidden * attn_width * bytes);
         // The first layer's input comes from the kernel before this one.
         linear<T, R>((const T*)L.qkv_weight, (const T*)L.qkv_bias, hidden, qkv_width, x, xs,
                      s.rows, norm, (const T*)L.norm1_weight, (const T*)L.norm1_bias, s.eps, 0,
                      nullptr, (T*)s.qkv, s.sync, passed, l == 0);
-        if (ahead) prefetch_share(L.fc1_weight, s.ffn * hidden * bytes);
         attention_stage<T, D>(s, (T*)L.pool, passed);
-        if (ahead) prefetch_share(L.fc2_weight, hidden * s.ffn * bytes);
         linear<T, R>((const T*)L.proj_weight, (const T*)L.proj_bias, attn_width, hidden,
                      (const T*)s.attn, xs, s.rows, 0, nullptr, nullptr, 0.f, 0, x, x1, s.sync,
                      passed, false);
-        if (ahead && l + 1 < s.num_layers)
-            prefetch_share(s.layers[l + 1].qkv_weight, qkv_width * hidden * bytes);
         linear<T, R>((const T*)L.fc1_weight, (const T*)L.fc1_bias, hidden, s.ffn, x1, xs, s.rows,
                      norm, (const T*)L.norm2_weight, (const T*)L.norm2_bias, s.eps, gelu, nullptr,
                      inter, s.sync, passed, false);
@@ -972,17 +963,7 @@ pub fn decode_stack(
         // after the launch return to the caching allocator, which reuses them only for work
         // queued after the kernel.
         unsafe {
-            if std::env::var("TMP_NO_COOP").is_ok() {
-                module.launch_overlapping(
-                    &function,
-                    (grid, 1, 1),
-                    (THREADS, 1, 1),
-                    shared_bytes,
-                    &mut params,
-                )?;
-            } else {
-                module.launch_cooperative(&function, grid, THREADS, shared_bytes, &mut params)?;
-            }
+            module.launch_cooperative(&function, grid, THREADS, shared_bytes, &mut params)?;
         }
         output = outputs[(chunk.len() - 1) % 2].shallow_clone();
     }
