@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Batch-1 decode steps on one GPU, GPT-345M shape (24 layers, hidden 1024, 16 heads) in bf16
 # with random weights: lib/core/examples/decode_step.rs times steps as the server runs them
-# (CUDA graphs, the argmax read on the host after each) and back to back: the layers as one
-# persistent kernel, with --no-decode-stack (the fused decode kernels layer by layer) and with
-# --no-decode-fusion, then scripts/bench/profile_summary.py lists the kernels of 20 traced steps
-# of each.
+# (CUDA graphs, the argmax read on the host after each) and back to back, with the fused decode
+# kernels and with --no-decode-fusion, then scripts/bench/profile_summary.py lists the kernels of
+# 20 traced steps of each.
 #
 # Environment (all optional):
 #   PYTHON=python3          a python with torch 2.11 (CUDA), for the library path and the summary
@@ -32,6 +31,5 @@ trap 'rm -rf "$SCRATCH"' EXIT
     --eval-iters 0 --save "$SCRATCH/ckpt" >"$SCRATCH/train.log" 2>&1 \
     || { tail -20 "$SCRATCH/train.log" >&2; exit 1; }
 "$DECODE_STEP" "$SCRATCH/ckpt" "$SCRATCH/trace"
-"$PYTHON" "$ROOT/scripts/bench/profile_summary.py" --steps 20 \
-    "$SCRATCH/trace_stacked.json" "$SCRATCH/trace_fused.json" "$SCRATCH/trace_unfused.json" \
-    --labels stacked fused unfused --top "${TOP:-12}"
+"$PYTHON" "$ROOT/scripts/bench/profile_summary.py" --steps 20 "$SCRATCH/trace_fused.json" \
+    "$SCRATCH/trace_unfused.json" --labels fused unfused --top "${TOP:-12}"

@@ -110,13 +110,6 @@ struct Cli {
     /// the two; CPUs never fuse.
     #[arg(long)]
     no_decode_fusion: bool,
-    /// Run fused decode steps layer by layer (four fused kernels and the attention kernel a
-    /// layer) instead of all layers as one persistent kernel (compiled at start with NVRTC; its
-    /// blocks stay resident and meet at grid-wide barriers between a layer's stages). For
-    /// comparing the two; used only where the fused decode kernels are, for GPT layers with a
-    /// GeLU MLP, no rotary embeddings and no tensor parallelism.
-    #[arg(long)]
-    no_decode_stack: bool,
 }
 
 fn main() -> ExitCode {
@@ -133,7 +126,6 @@ fn main() -> ExitCode {
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
         let (no_paged_attention, no_decode_fusion) = (cli.no_paged_attention, cli.no_decode_fusion);
-        let no_decode_stack = cli.no_decode_stack;
         let limits = BatchLimits {
             max_batch_size: cli.max_batch_size,
             prefill_chunk: cli.prefill_chunk_size,
@@ -170,13 +162,8 @@ fn main() -> ExitCode {
             } else {
                 service
             };
-            let service = if no_decode_fusion {
+            Ok(if no_decode_fusion {
                 service.without_decode_fusion()
-            } else {
-                service
-            };
-            Ok(if no_decode_stack {
-                service.without_decode_stack()
             } else {
                 service
             })

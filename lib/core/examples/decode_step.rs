@@ -1,11 +1,10 @@
 //! Times batch-1 decode steps of a GPT checkpoint on a GPU the way the server runs them (CUDA
-//! graphs, one row, the argmax and its read on the host after each step) and back to back: the
-//! layers as one persistent kernel, layer by layer through the fused decode kernels
-//! (`--no-decode-stack`), and unfused (`--no-decode-fusion`), and writes a Kineto trace of 20
-//! steps of each. `scripts/bench/decode_step.sh` makes the checkpoint and summarises the traces.
+//! graphs, one row, the argmax and its read on the host after each step) and back to back, with
+//! the fused decode kernels and without, and writes a Kineto trace of 20 steps of each.
+//! `scripts/bench/decode_step.sh` makes the checkpoint and summarises the traces.
 //!
-//! Usage: `decode_step CHECKPOINT TRACE_PREFIX` (writes `TRACE_PREFIX_stacked.json`,
-//! `TRACE_PREFIX_fused.json` and `TRACE_PREFIX_unfused.json`).
+//! Usage: `decode_step CHECKPOINT TRACE_PREFIX` (writes `TRACE_PREFIX_fused.json` and
+//! `TRACE_PREFIX_unfused.json`).
 
 use std::path::Path;
 use std::time::Instant;
@@ -44,25 +43,20 @@ fn run() -> Result<()> {
         &ParallelState::single(),
     )
     .with_context(|| format!("loading {checkpoint}"))?;
-    for (label, flag) in [
-        ("stacked", ""),
-        ("fused", "--no-decode-stack"),
-        ("unfused", "--no-decode-fusion"),
-    ] {
+    for fused in [true, false] {
+        let label = if fused { "fused" } else { "unfused" };
         let trace = format!("{traces}_{label}.json");
-        let decoder = match label {
-            "stacked" => Decoder::with_cuda_graphs(),
-            "fused" => Decoder::with_cuda_graphs().without_decode_stack(),
-            _ => Decoder::with_cuda_graphs().without_decode_fusion(),
-        };
-        let name = if flag.is_empty() { label } else { flag };
-        tch::no_grad(|| time_steps(&model, decoder, name, Path::new(&trace)))
+        tch::no_grad(|| time_steps(&model, fused, Path::new(&trace)))
             .with_context(|| format!("{label} decode steps"))?;
     }
     Ok(())
 }
 
-fn time_steps(model: &GptModel, mut decoder: Decoder, name: &str, trace: &Path) -> Result<()> {
+fn time_steps(model: &GptModel, fused: bool, trace: &Path) -> Result<()> {
+    let mut decoder = Decoder::with_cuda_graphs();
+    if !fused {
+        decoder = decoder.without_decode_fusion();
+    }
     decoder.warm_up(model, 1)?;
     let positions = PROMPT + 3 * i64::from(STEPS) + 64;
     let blocks = decoder
@@ -114,7 +108,8 @@ fn time_steps(model: &GptModel, mut decoder: Decoder, name: &str, trace: &Path) 
     }
     recording.save(trace)?;
     println!(
-        "{name}: {:.1} us a step with the argmax read ({:.0} tokens/s), {:.1} us back to back",
+        "{}: {:.1} us a step with the argmax read ({:.0} tokens/s), {:.1} us back to back",
+        if fused { "fused" } else { "--no-decode-fusion" },
         served * 1e6,
         1.0 / served,
         back_to_back * 1e6

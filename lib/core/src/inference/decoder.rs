@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::model::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 use crate::model::GptModel;
-use crate::ops::{decode_gemv, decode_stack, paged_attention};
+use crate::ops::{decode_gemv, paged_attention};
 use crate::runtime::{cuda_free_memory, cuda_graphs_available, CudaGraph};
 
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
@@ -128,8 +128,6 @@ pub struct Decoder {
     paged_kernel: KernelChoice,
     /// Decode steps of few rows through the fused decode kernels on CUDA devices.
     decode_fusion: KernelChoice,
-    /// Fused decode steps run the layers as one persistent kernel where the model allows.
-    decode_stack: KernelChoice,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -174,7 +172,6 @@ impl Decoder {
             cuda_graphs: false,
             paged_kernel: KernelChoice::ON,
             decode_fusion: KernelChoice::ON,
-            decode_stack: KernelChoice::ON,
             budget: KvBudget::default(),
             cache: None,
             graphs: HashMap::new(),
@@ -247,40 +244,6 @@ impl Decoder {
         )
     }
 
-    /// Fused decode steps run layer by layer, four fused kernels and the attention each, instead
-    /// of all layers as one persistent kernel ([`crate::ops::decode_stack`]); e.g. to compare
-    /// the two.
-    pub fn without_decode_stack(mut self) -> Self {
-        self.decode_stack.on = false;
-        self
-    }
-
-    /// Whether fused decode steps run the layers as one persistent kernel (known after the
-    /// warm-up or the first step).
-    pub fn decode_stack(&self) -> bool {
-        self.decode_stack.on
-    }
-
-    /// Whether decode steps of `model` run its layers as the decode stack kernel: with the
-    /// fused decode kernels and the paged attention kernel in use (`fused_in_place`), for models
-    /// it serves (see [`GptModel::supports_decode_stack`]), once it compiled and passed its
-    /// self-check (a failure is reported once, and the layers run one by one instead). Never
-    /// called inside a graph capture, like [`Self::uses_paged_kernel`]; after the cache is made.
-    fn uses_decode_stack(&mut self, model: &GptModel, fused_in_place: bool) -> bool {
-        let kind = model.options().params_dtype;
-        let applies = fused_in_place
-            && self
-                .cache
-                .as_ref()
-                .is_some_and(|cache| model.supports_decode_stack(cache));
-        self.decode_stack.usable(
-            model.options().device,
-            applies,
-            |index| decode_stack::self_check(index, kind),
-            "decoding layer by layer instead of with the decode stack kernel",
-        )
-    }
-
     /// The KV cache takes at most `budget`.
     pub fn with_budget(mut self, budget: KvBudget) -> Self {
         self.budget = budget;
@@ -335,12 +298,6 @@ impl Decoder {
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
         let in_place = self.uses_paged_kernel(model);
         let fused = self.uses_decode_fusion(model);
-        let stacked = self.uses_decode_stack(model, fused && in_place);
-        let kernels = StepKernels {
-            in_place,
-            fused,
-            stacked,
-        };
         let mut size = 1;
         loop {
             for window in windows(capacity, in_place) {
@@ -348,7 +305,7 @@ impl Decoder {
                 let zeros = vec![0i64; size as usize];
                 let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
                 let _ = self.replay(
-                    model, index, size, window, &zeros, &zeros, &zeros, &tables, kernels,
+                    model, index, size, window, &zeros, &zeros, &zeros, &tables, in_place, fused,
                 )?;
             }
             if size >= rows {
@@ -440,12 +397,6 @@ impl Decoder {
         ensure!(count > 0, "a decode step needs rows");
         let in_place = self.uses_paged_kernel(model);
         let fused = self.uses_decode_fusion(model);
-        let stacked = self.uses_decode_stack(model, fused && in_place);
-        let kernels = StepKernels {
-            in_place,
-            fused,
-            stacked,
-        };
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
         let window = window_for(furthest + 1, capacity, in_place);
@@ -478,7 +429,7 @@ impl Decoder {
         }
         let logits = match graphed {
             Some(index) => self.replay(
-                model, index, bucket, window, &tokens, &positions, &write, &tables, kernels,
+                model, index, bucket, window, &tokens, &positions, &write, &tables, in_place, fused,
             )?,
             None => {
                 // One copy to the device; the inputs are views of it.
@@ -501,7 +452,8 @@ impl Decoder {
                         &part(1).view([padded, 1]),
                         &part(2),
                         &table,
-                        kernels,
+                        in_place,
+                        fused,
                     )
                 })?
             }
@@ -522,7 +474,8 @@ impl Decoder {
         positions: &[i64],
         write: &[i64],
         tables: &[i64],
-        kernels: StepKernels,
+        in_place: bool,
+        fused: bool,
     ) -> Result<Tensor> {
         let cuda = Device::Cuda(device);
         let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
@@ -551,7 +504,8 @@ impl Decoder {
                     &inputs.positions,
                     &inputs.write_slots,
                     &table,
-                    kernels,
+                    in_place,
+                    fused,
                 )
             };
             // One eager run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
@@ -568,20 +522,10 @@ impl Decoder {
     }
 }
 
-/// Which of our kernels a decode step runs.
-#[derive(Debug, Clone, Copy)]
-struct StepKernels {
-    /// The paged attention kernel reads the cache in place.
-    in_place: bool,
-    /// The fused decode kernels run the linear layers of few rows.
-    fused: bool,
-    /// The decode stack kernel runs the layers of fused in-place steps.
-    stacked: bool,
-}
-
 /// One decode step of `tokens` (`[b, 1]`) at `positions` (`[b, 1]`), written at `write_slots`
 /// (`[b]`), each row attending to the first positions of the blocks of its `table` row, through
-/// the `kernels` chosen. Logits `[b, padded vocabulary]`.
+/// the fused decode kernels when `fused`. Logits `[b, padded vocabulary]`.
+#[allow(clippy::too_many_arguments)]
 fn decode_step(
     model: &GptModel,
     cache: &mut PagedKvCache,
@@ -589,14 +533,10 @@ fn decode_step(
     positions: &Tensor,
     write_slots: &Tensor,
     table: &Tensor,
-    kernels: StepKernels,
+    in_place: bool,
+    fused: bool,
 ) -> Result<Tensor> {
     let (rows, per_row) = (table.size()[0], table.size()[1]);
-    let StepKernels {
-        in_place,
-        fused,
-        stacked,
-    } = kernels;
     let step = if in_place {
         PagedStep::decode_in_place(
             write_slots.shallow_clone(),
@@ -613,7 +553,7 @@ fn decode_step(
             model.options().params_dtype,
         )
     };
-    let step = step.with_decode_fusion(fused).with_decode_stack(stacked);
+    let step = step.with_decode_fusion(fused);
     Ok(model
         .forward_paged(tokens, positions, cache, &step)?
         .select(0, 0))

@@ -97,8 +97,6 @@ struct Settings {
     paged_kernel: bool,
     /// Decode steps of few rows through the fused decode kernels.
     decode_fusion: bool,
-    /// Fused decode steps run the layers as one persistent kernel.
-    decode_stack: bool,
 }
 
 /// What the scheduler thread and the callers share: the model and how requests become rows.
@@ -224,7 +222,6 @@ impl TextGenerationService {
             cuda_graphs: true,
             paged_kernel: true,
             decode_fusion: true,
-            decode_stack: true,
         };
         let cache_use = Arc::new(Mutex::new(CacheUse::default()));
         let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
@@ -283,13 +280,6 @@ impl TextGenerationService {
     /// compare the two.
     pub fn without_decode_fusion(mut self) -> Self {
         self.core_mut().settings.decode_fusion = false;
-        self
-    }
-
-    /// Runs fused decode steps layer by layer instead of all layers as one persistent kernel
-    /// (`--no-decode-stack`), e.g. to compare the two.
-    pub fn without_decode_stack(mut self) -> Self {
-        self.core_mut().settings.decode_stack = false;
         self
     }
 
@@ -595,9 +585,6 @@ impl<'a> Scheduler<'a> {
         if !settings.decode_fusion {
             decoder = decoder.without_decode_fusion();
         }
-        if !settings.decode_stack {
-            decoder = decoder.without_decode_stack();
-        }
         Scheduler {
             decoder: decoder.with_budget(settings.budget),
             batcher: Batcher::new(settings.limits),
@@ -688,10 +675,10 @@ impl<'a> Scheduler<'a> {
                 } else {
                     "gathered"
                 },
-                match (self.decoder.decode_fusion(), self.decoder.decode_stack()) {
-                    (true, true) => "fused decode kernels, layers as one persistent kernel",
-                    (true, false) => "fused decode kernels",
-                    _ => "unfused layers",
+                if self.decoder.decode_fusion() {
+                    "fused decode kernels"
+                } else {
+                    "unfused layers"
                 },
                 started.elapsed().as_secs_f64()
             ),

@@ -22,7 +22,6 @@ use super::stack::{
     embedding_output, push_embeddings, push_layers, GateSlot, LayerStack, OutputHead, TrunkBuilder,
 };
 use crate::ops::decode_gemv;
-use crate::ops::decode_stack::{self, StackLayer, StackShape};
 use crate::parallel::{gather_from_tensor_parallel_region, ParallelState};
 
 /// `--recompute-granularity full --recompute-method ...`.
@@ -471,80 +470,15 @@ impl GptModel {
             self.layers.len()
         );
         let mut hidden = self.embed(tokens, positions, false)?;
-        if let Some(stacked) = self.decode_stack(&hidden, cache, step)? {
-            hidden = stacked;
-        } else {
-            let rotary = self.rotary.as_ref().map(|r| r.tables_per_row(positions));
-            for (index, layer) in self.layers.iter().enumerate() {
-                hidden =
-                    layer.forward_paged(&hidden, rotary.as_ref(), cache.layer_mut(index), step)?;
-            }
+        let rotary = self.rotary.as_ref().map(|r| r.tables_per_row(positions));
+        for (index, layer) in self.layers.iter().enumerate() {
+            hidden = layer.forward_paged(&hidden, rotary.as_ref(), cache.layer_mut(index), step)?;
         }
         let (s, b, _) = hidden.size3()?;
         if step.fuses(s * b) && self.head_supports_decode_fusion(hidden.kind()) {
             return self.fused_inference_head(&hidden);
         }
         self.inference_head(&hidden)
-    }
-
-    /// The layers' output `[s, b, h]` for the decode step `hidden` through the decode stack
-    /// kernel ([`crate::ops::decode_stack`]), when the step asks for it and the model allows
-    /// (see [`Self::supports_decode_stack`]); `None` otherwise.
-    fn decode_stack(
-        &self,
-        hidden: &Tensor,
-        cache: &PagedKvCache,
-        step: &PagedStep,
-    ) -> Result<Option<Tensor>> {
-        let (s, b, h) = hidden.size3()?;
-        let Some(slots) = step.stack_slots(s * b) else {
-            return Ok(None);
-        };
-        let Some((layers, shape)) = self.stack_layers(cache.pools(), s * b) else {
-            return Ok(None);
-        };
-        let out = decode_stack::decode_stack(
-            &hidden.reshape([s * b, h]),
-            &layers,
-            &shape,
-            &slots,
-            cache.sync_words(),
-        )?;
-        Ok(Some(out.view([s, b, h])))
-    }
-
-    /// Every layer as the decode stack kernel reads it, with `pools` their caches, when the
-    /// kernel serves `rows` rows of this model: learned or no position embeddings (no rotary),
-    /// and every layer as [`TransformerLayer::as_stack_layer`] allows, of one shape.
-    fn stack_layers<'a>(
-        &'a self,
-        pools: &'a [Tensor],
-        rows: i64,
-    ) -> Option<(Vec<StackLayer<'a>>, StackShape)> {
-        if self.rotary.is_some() || pools.len() != self.layers.len() || self.layers.is_empty() {
-            return None;
-        }
-        let mut shape = None;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (layer, pool) in self.layers.iter().zip(pools) {
-            let (stacked, its_shape) = layer.as_stack_layer(pool)?;
-            let first = *shape.get_or_insert(its_shape);
-            let same = (first.heads, first.groups, first.head_dim, first.gelu)
-                == (its_shape.heads, its_shape.groups, its_shape.head_dim, its_shape.gelu);
-            if !same {
-                return None;
-            }
-            layers.push(stacked);
-        }
-        let shape = shape?;
-        decode_stack::supports(&layers, &shape, rows, self.options.params_dtype)
-            .then_some((layers, shape))
-    }
-
-    /// Whether decode steps of one row can run this model's layers as the decode stack kernel
-    /// ([`crate::ops::decode_stack`]), given its KV cache.
-    pub fn supports_decode_stack(&self, cache: &PagedKvCache) -> bool {
-        self.options.device.is_cuda() && self.stack_layers(cache.pools(), 1).is_some()
     }
 
     /// Whether decode steps can run some of this model through the fused decode kernels

@@ -38,7 +38,6 @@ pub const SOURCE: KernelSource = KernelSource {
     source: concat!(
         cuda_scalars!(),
         dependent_launch!(),
-        packed_rows!(),
         r#"
 constexpr int WARPS = 8;
 // Flags of the prologue and epilogue.
@@ -52,6 +51,54 @@ constexpr int ADD_RESIDUAL = 64;
 // The block copies its input rows into shared memory (normed there), so that the loop over
 // the weight reads them without a round trip to L2 per load.
 constexpr int STAGE_INPUT = 128;
+
+// 16 bytes of a row: 8 bf16 or fp16 values, or 4 float32 values.
+struct alignas(16) Pack { unsigned int w[4]; };
+template <typename T> struct Lanes { static constexpr int N = 8; };
+template <> struct Lanes<float> { static constexpr int N = 4; };
+
+__device__ __forceinline__ float half_bits(unsigned short bits) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+}
+__device__ __forceinline__ void unpack(const Pack& p, const bf16*, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(p.w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(p.w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack(const Pack& p, const f16*, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = half_bits((unsigned short)(p.w[i] & 0xffffu));
+        f[2 * i + 1] = half_bits((unsigned short)(p.w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void unpack(const Pack& p, const float*, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(p.w[i]);
+}
+// The 16 bytes at p (16-byte aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* p, float* f) {
+    const Pack pack = *reinterpret_cast<const Pack*>(p);
+    unpack(pack, p, f);
+}
+// value rounded to T, as the unfused layers store their results.
+template <typename T>
+__device__ __forceinline__ float rounded(float value) {
+    T t;
+    store(&t, value);
+    return load(&t);
+}
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        value += __shfl_xor_sync(0xffffffffu, value, offset);
+    return value;
+}
 
 // out[r, n] = epilogue(sum_k prologue(x)[r, k] * w[n, k]) for r < rows (at most R), n < N.
 // x [rows, K], w [N, K], gamma and beta [K] (16-byte aligned, K a multiple of the lanes of a

@@ -54,66 +54,8 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
     };
 }
 
-/// CUDA C++ for kernels that read rows of activations and weights in 16-byte loads (after
-/// [`cuda_scalars!`]): a `Pack` of 16 bytes, how many values of each type it holds, its values
-/// as float32, rounding to a storage type, and a warp's sum.
-macro_rules! packed_rows {
-    () => {
-        r#"
-// 16 bytes of a row: 8 bf16 or fp16 values, or 4 float32 values.
-struct alignas(16) Pack { unsigned int w[4]; };
-template <typename T> struct Lanes { static constexpr int N = 8; };
-template <> struct Lanes<float> { static constexpr int N = 4; };
-
-__device__ __forceinline__ float half_bits(unsigned short bits) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
-    return value;
-}
-__device__ __forceinline__ void unpack(const Pack& p, const bf16*, float* f) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(p.w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(p.w[i] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ void unpack(const Pack& p, const f16*, float* f) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = half_bits((unsigned short)(p.w[i] & 0xffffu));
-        f[2 * i + 1] = half_bits((unsigned short)(p.w[i] >> 16));
-    }
-}
-__device__ __forceinline__ void unpack(const Pack& p, const float*, float* f) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(p.w[i]);
-}
-// The 16 bytes at p (16-byte aligned) as floats.
-template <typename T>
-__device__ __forceinline__ void load_pack(const T* p, float* f) {
-    const Pack pack = *reinterpret_cast<const Pack*>(p);
-    unpack(pack, p, f);
-}
-// value rounded to T, as the unfused layers store their results.
-template <typename T>
-__device__ __forceinline__ float rounded(float value) {
-    T t;
-    store(&t, value);
-    return load(&t);
-}
-__device__ __forceinline__ float warp_sum(float value) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-        value += __shfl_xor_sync(0xffffffffu, value, offset);
-    return value;
-}
-"#
-    };
-}
-
 pub mod add_norm;
 pub mod decode_gemv;
-pub mod decode_stack;
 pub mod fp8_cast;
 pub mod gemm_epilogue;
 pub mod multi_tensor;

@@ -11,7 +11,7 @@ use std::ffi::{c_void, CString};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as driver, sys as driver_sys};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
@@ -106,13 +106,7 @@ pub fn compile_ptx(kernels: &KernelSource, arch: &'static str) -> Result<String>
     let options = CompileOptions {
         arch: Some(arch),
         name: Some(format!("{}.cu", kernels.name)),
-        options: {
-            let mut o: Vec<String> = vec!["--std=c++17".into()];
-            if let Ok(d) = std::env::var("TMP_NVRTC_DEFINE") {
-                o.push(d);
-            }
-            o
-        },
+        options: vec!["--std=c++17".into()],
         ..Default::default()
     };
     match compile_ptx_with_opts(kernels.source, options) {
@@ -158,8 +152,6 @@ pub struct Kernels {
     /// Hopper or newer: kernels may be launched to overlap their predecessor's end
     /// ([`Kernels::launch_overlapping`]).
     dependent_launch: bool,
-    /// The device's streaming multiprocessors.
-    multiprocessors: u32,
 }
 
 /// Modules loaded so far, by source name and device; kept for the process's life.
@@ -197,8 +189,6 @@ fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
         attribute(driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor =
         attribute(driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-    let multiprocessors =
-        attribute(driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
     let ptx = compile_ptx(source, arch)?;
     // SAFETY: retains the primary context libtorch's runtime uses; never released.
@@ -220,7 +210,6 @@ fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
         context: context as usize,
         functions,
         dependent_launch: major >= 9,
-        multiprocessors: multiprocessors.max(1) as u32,
     })
 }
 
@@ -281,79 +270,6 @@ impl Kernels {
         )
     }
 
-    /// How many blocks of `threads` threads with `shared_bytes` of dynamic shared memory each
-    /// (beyond 48 KiB allowed here) `function` can keep resident on the whole device at once:
-    /// the grid of a kernel whose blocks wait for each other ([`Kernels::launch_cooperative`]).
-    /// At most `per_multiprocessor` a multiprocessor.
-    pub fn resident_blocks(
-        &self,
-        function: &str,
-        threads: u32,
-        shared_bytes: u32,
-        per_multiprocessor: u32,
-    ) -> Result<u32> {
-        let handle = self.function(function)? as driver_sys::CUfunction;
-        make_current(self.context as driver_sys::CUcontext)?;
-        // SAFETY: a loaded function; attribute and occupancy queries touch no memory of ours.
-        let blocks = unsafe {
-            driver::function::set_function_attribute(
-                handle,
-                driver_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared_bytes as i32,
-            )
-            .map_err(|e| anyhow!("{function}: {shared_bytes} bytes of shared memory: {e:?}"))?;
-            driver::occupancy::max_active_block_per_multiprocessor(
-                handle,
-                threads as i32,
-                shared_bytes as usize,
-            )
-            .map_err(|e| anyhow!("{function}: occupancy: {e:?}"))?
-        };
-        ensure!(
-            blocks > 0,
-            "{function} does not fit a multiprocessor with {threads} threads and {shared_bytes} \
-             bytes of shared memory"
-        );
-        Ok(blocks.min(per_multiprocessor as i32) as u32 * self.multiprocessors)
-    }
-
-    /// [`Kernels::launch_overlapping`] as a cooperative launch: every block of `grid` (at most
-    /// [`Kernels::resident_blocks`]) is resident at once, so blocks may wait for each other.
-    ///
-    /// # Safety
-    /// As for [`Kernels::launch_overlapping`].
-    pub unsafe fn launch_cooperative(
-        &self,
-        function: &str,
-        grid: u32,
-        threads: u32,
-        shared_bytes: u32,
-        args: &mut [*mut c_void],
-    ) -> Result<()> {
-        let mut cooperative: driver_sys::CUlaunchAttribute = std::mem::zeroed();
-        cooperative.id = driver_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-        cooperative.value.cooperative = 1;
-        let mut attributes = vec![cooperative];
-        if self.dependent_launch {
-            attributes.push(programmatic_serialization());
-        }
-        self.launch_config(
-            function,
-            (grid, 1, 1),
-            (threads, 1, 1),
-            shared_bytes,
-            args,
-            &mut attributes,
-        )
-    }
-
-    fn function(&self, function: &str) -> Result<usize> {
-        self.functions
-            .get(function)
-            .copied()
-            .ok_or_else(|| anyhow!("no kernel {function} in this module"))
-    }
-
     unsafe fn launch_with(
         &self,
         function: &str,
@@ -363,25 +279,16 @@ impl Kernels {
         args: &mut [*mut c_void],
         dependent: bool,
     ) -> Result<()> {
-        let mut attributes = Vec::new();
-        if dependent {
-            attributes.push(programmatic_serialization());
-        }
-        self.launch_config(function, grid, block, shared_bytes, args, &mut attributes)
-    }
-
-    unsafe fn launch_config(
-        &self,
-        function: &str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_bytes: u32,
-        args: &mut [*mut c_void],
-        attributes: &mut [driver_sys::CUlaunchAttribute],
-    ) -> Result<()> {
-        let handle = self.function(function)?;
+        let handle = *self
+            .functions
+            .get(function)
+            .ok_or_else(|| anyhow!("no kernel {function} in this module"))?;
         make_current(self.context as driver_sys::CUcontext)?;
         let stream = super::current_cuda_stream(self.device)?;
+        let mut attribute: driver_sys::CUlaunchAttribute = std::mem::zeroed();
+        attribute.id =
+            driver_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
         let config = driver_sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -391,8 +298,8 @@ impl Kernels {
             blockDimZ: block.2,
             sharedMemBytes: shared_bytes,
             hStream: stream as driver_sys::CUstream,
-            attrs: attributes.as_mut_ptr(),
-            numAttrs: attributes.len() as u32,
+            attrs: &mut attribute,
+            numAttrs: u32::from(dependent),
         };
         driver_sys::cuLaunchKernelEx(
             &config,
@@ -403,15 +310,4 @@ impl Kernels {
         .result()
         .map_err(|e| anyhow!("launching {function}: {e:?}"))
     }
-}
-
-/// The launch attribute that lets a kernel start before its predecessor on the stream ends
-/// (see [`Kernels::launch_overlapping`]).
-fn programmatic_serialization() -> driver_sys::CUlaunchAttribute {
-    // SAFETY: a plain C struct of integers and unions, valid zeroed.
-    let mut attribute: driver_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attribute.id =
-        driver_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attribute.value.programmaticStreamSerializationAllowed = 1;
-    attribute
 }

@@ -156,11 +156,6 @@ impl SelfAttention {
         Ok((query.permute([1, 2, 0, 3]), kv.permute([1, 2, 0, 3])))
     }
 
-    /// This rank's query heads, key/value groups and channels per head.
-    pub fn local_shape(&self) -> (i64, i64, i64) {
-        (self.local_heads, self.local_groups, self.head_dim)
-    }
-
     /// Every query head's key and value: grouped heads repeated for their queries.
     fn expand_groups(&self, kv: Tensor) -> Tensor {
         let per_group = self.local_heads / self.local_groups;

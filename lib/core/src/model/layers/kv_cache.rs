@@ -5,7 +5,6 @@
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use crate::ops::decode_stack::{StepSlots, SYNC_WORDS};
 use crate::ops::paged_attention::{paged_decode_attention, NewKeysValues};
 
 /// One layer's keys and values side by side, `[b, groups, capacity, 2·d]` (keys in the first
@@ -97,10 +96,6 @@ pub struct PagedKvCache {
     layers: Vec<Tensor>,
     free: Vec<i64>,
     blocks: i64,
-    /// The decode stack kernel's barrier and counters ([`crate::ops::decode_stack`]), zero
-    /// between its launches: one set per cache, as decode steps through a cache run one at a
-    /// time.
-    sync: Tensor,
 }
 
 impl PagedKvCache {
@@ -129,7 +124,6 @@ impl PagedKvCache {
             // Popped from the end: low blocks first.
             free: (1..blocks).rev().collect(),
             blocks,
-            sync: Tensor::zeros([SYNC_WORDS], (Kind::Int, device)),
         })
     }
 
@@ -171,16 +165,6 @@ impl PagedKvCache {
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
-
-    /// Every layer's pool, `[slots, groups, 2·head_dim]`.
-    pub fn pools(&self) -> &[Tensor] {
-        &self.layers
-    }
-
-    /// The decode stack kernel's sync words ([`SYNC_WORDS`] int32 on the cache's device).
-    pub fn sync_words(&self) -> &Tensor {
-        &self.sync
-    }
 }
 
 /// Where the new positions of a batch go in a [`PagedKvCache`] and what they attend to, as
@@ -191,9 +175,6 @@ pub struct PagedStep {
     read: PagedRead,
     /// Rows of few tokens run through the fused decode kernels ([`crate::ops::decode_gemv`]).
     decode_fusion: bool,
-    /// Fused decode steps run their layers as one persistent kernel
-    /// ([`crate::ops::decode_stack`]) where the model allows.
-    decode_stack: bool,
 }
 
 /// How a step's queries reach the cached keys and values.
@@ -232,7 +213,6 @@ impl PagedStep {
             write_slots,
             read: PagedRead::Gathered { read_slots, bias },
             decode_fusion: false,
-            decode_stack: false,
         }
     }
 
@@ -245,7 +225,6 @@ impl PagedStep {
             write_slots,
             read: PagedRead::InPlace { tables, positions },
             decode_fusion: false,
-            decode_stack: false,
         }
     }
 
@@ -261,29 +240,6 @@ impl PagedStep {
     /// Whether `rows` rows of this step go through the fused decode kernels.
     pub fn fuses(&self, rows: i64) -> bool {
         self.decode_fusion && (1..=crate::ops::decode_gemv::MAX_ROWS).contains(&rows)
-    }
-
-    /// With `on`, a fused step whose attention reads the cache in place runs the model's layers
-    /// as one persistent kernel ([`crate::ops::decode_stack`]) where the model allows (see
-    /// [`crate::model::GptModel::forward_paged`]). CUDA only.
-    pub fn with_decode_stack(mut self, on: bool) -> Self {
-        self.decode_stack = on;
-        self
-    }
-
-    /// The block tables, new positions and write slots of a step of `rows` rows that runs
-    /// through the decode stack kernel; `None` when it does not.
-    pub fn stack_slots(&self, rows: i64) -> Option<StepSlots<'_>> {
-        match &self.read {
-            PagedRead::InPlace { tables, positions } if self.decode_stack && self.fuses(rows) => {
-                Some(StepSlots {
-                    tables,
-                    positions,
-                    write_slots: &self.write_slots,
-                })
-            }
-            _ => None,
-        }
     }
 
     /// Stores `kv` (`[b, groups, s, 2·d]`) in `pool` at the write slots.

@@ -18,7 +18,6 @@ use crate::model::config::GptConfig;
 use crate::model::fp8::Fp8Recipe;
 use crate::model::param::Initializer;
 use crate::ops::decode_gemv::{self, decode_linear, Epilogue};
-use crate::ops::decode_stack::{StackLayer, StackShape};
 
 #[derive(Clone)]
 pub struct TransformerLayer {
@@ -301,40 +300,6 @@ impl TransformerLayer {
             && fits(&mlp.linear_fc1.weight)
             && (!attention.linear_proj.is_whole() || fits(&attention.linear_proj.weight))
             && (!mlp.linear_fc2.is_whole() || fits(&mlp.linear_fc2.weight))
-    }
-
-    /// This layer as the decode stack kernel reads it ([`crate::ops::decode_stack`]), with
-    /// `pool` its KV cache, and its attention and MLP shape; `None` unless the fused decode
-    /// kernels serve it whole: no tensor parallelism and a GeLU MLP.
-    pub fn as_stack_layer<'a>(&'a self, pool: &'a Tensor) -> Option<(StackLayer<'a>, StackShape)> {
-        let (attention, mlp) = (&self.self_attention, &self.mlp);
-        let gelu = mlp.gelu()?;
-        let whole = attention.linear_proj.is_whole() && mlp.linear_fc2.is_whole();
-        if !whole || !self.supports_decode_fusion() {
-            return None;
-        }
-        let (heads, groups, head_dim) = attention.local_shape();
-        Some((
-            StackLayer {
-                input_norm: self.input_layernorm.as_input_norm(),
-                qkv_weight: &attention.linear_qkv.weight,
-                qkv_bias: attention.linear_qkv.bias.as_deref(),
-                proj_weight: &attention.linear_proj.weight,
-                proj_bias: attention.linear_proj.bias.as_deref(),
-                mlp_norm: self.pre_mlp_layernorm.as_input_norm(),
-                fc1_weight: &mlp.linear_fc1.weight,
-                fc1_bias: mlp.linear_fc1.bias.as_deref(),
-                fc2_weight: &mlp.linear_fc2.weight,
-                fc2_bias: mlp.linear_fc2.bias.as_deref(),
-                pool,
-            },
-            StackShape {
-                heads,
-                groups,
-                head_dim,
-                gelu,
-            },
-        ))
     }
 
     /// [`forward_paged`](Self::forward_paged) of few rows through the fused decode kernels, four
