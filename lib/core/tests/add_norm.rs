@@ -132,7 +132,12 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
                 let mut compared = vec![
                     ("normed output", &fused.normed, &want.normed, &exact.normed),
                     ("input gradient", &grads.input, &want.input, &exact.input),
-                    ("weight gradient", &grads.weight, &want.weight, &exact.weight),
+                    (
+                        "weight gradient",
+                        &grads.weight,
+                        &want.weight,
+                        &exact.weight,
+                    ),
                 ];
                 if let (Some(got), Some(expected), Some(exact)) =
                     (&grads.bias, &want.bias, &exact.bias)
@@ -143,7 +148,8 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
                 for (name, got, expected, exact) in compared {
                     assert_eq!(got.kind(), kind, "{what}: {name}");
                     assert_eq!(got.size(), expected.size(), "{what}: {name}");
-                    let (ours, theirs) = (relative_error(got, exact), relative_error(expected, exact));
+                    let (ours, theirs) =
+                        (relative_error(got, exact), relative_error(expected, exact));
                     assert!(
                         ours <= tolerance(kind).max(1.5 * theirs),
                         "{what}: the {name} is off the float32 result by {ours:.3e} (relative), \
@@ -166,6 +172,24 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
     }
 }
 
+/// Made-up LayerNorm weight and bias of `hidden` channels.
+fn layer_norm_params(hidden: i64, kind: Kind, device: Device) -> [Tensor; 2] {
+    [
+        values(&[hidden], 0.53, 0.3, kind, device) + 1.0,
+        values(&[hidden], 0.17, 0.2, kind, device),
+    ]
+}
+
+fn layer_norm<'a>(weight: &'a Tensor, bias: &'a Tensor) -> InputNorm<'a> {
+    InputNorm {
+        kind: Normalization::LayerNorm,
+        weight,
+        bias: Some(bias),
+        eps: 1e-5,
+        one_plus: false,
+    }
+}
+
 /// Strided and misaligned inputs are made contiguous and aligned; the gradients of a
 /// non-contiguous layout arrive the same; no rows give empty outputs and zero parameter
 /// gradients.
@@ -176,15 +200,8 @@ fn on_a_gpu_odd_layouts_and_empty_inputs_are_handled() {
     };
     let kind = Kind::BFloat16;
     let hidden = 256;
-    let weight = values(&[hidden], 0.53, 0.3, kind, device) + 1.0;
-    let bias = values(&[hidden], 0.17, 0.2, kind, device);
-    let norm = InputNorm {
-        kind: Normalization::LayerNorm,
-        weight: &weight,
-        bias: Some(&bias),
-        eps: 1e-5,
-        one_plus: false,
-    };
+    let [weight, bias] = layer_norm_params(hidden, kind, device);
+    let norm = layer_norm(&weight, &bias);
     // A transposed residual and a delta that starts one element into its storage.
     let residual = values(&[hidden, 11], 0.37, 3.0, kind, device).transpose(0, 1);
     let delta = values(&[11 * hidden + 1], 0.71, 1.0, kind, device)
@@ -226,15 +243,8 @@ fn on_a_gpu_the_fused_add_norm_is_deterministic() {
     };
     let kind = Kind::BFloat16;
     let (rows, hidden) = (8191, 1024);
-    let weight = values(&[hidden], 0.53, 0.3, kind, device) + 1.0;
-    let bias = values(&[hidden], 0.17, 0.2, kind, device);
-    let norm = InputNorm {
-        kind: Normalization::LayerNorm,
-        weight: &weight,
-        bias: Some(&bias),
-        eps: 1e-5,
-        one_plus: false,
-    };
+    let [weight, bias] = layer_norm_params(hidden, kind, device);
+    let norm = layer_norm(&weight, &bias);
     let residual = values(&[rows, hidden], 0.37, 3.0, kind, device);
     let delta = values(&[rows, hidden], 0.71, 1.0, kind, device);
     let grad_normed = values(&[rows, hidden], 0.13, 1.0, kind, device);
