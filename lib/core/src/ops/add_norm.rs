@@ -113,13 +113,6 @@ __device__ __forceinline__ void store8(float* p, const float* in) {
     reinterpret_cast<Floats*>(p)[1] = b;
 }
 
-// `value` rounded to T's precision (unchanged for float).
-template <typename T> __device__ __forceinline__ float rounded(float value) {
-    T t;
-    store(&t, value);
-    return load(&t);
-}
-
 // Gamma from the stored weight: 1 + w rounded to the weight's dtype with --apply-layernorm-1p.
 template <typename T> __device__ __forceinline__ void load_gamma(const T* weight, int one_plus,
                                                                  float* gamma) {

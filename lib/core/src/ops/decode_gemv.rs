@@ -86,13 +86,6 @@ __device__ __forceinline__ void load_pack(const T* p, float* f) {
     const Pack pack = *reinterpret_cast<const Pack*>(p);
     unpack(pack, p, f);
 }
-// value rounded to T, as the unfused layers store their results.
-template <typename T>
-__device__ __forceinline__ float rounded(float value) {
-    T t;
-    store(&t, value);
-    return load(&t);
-}
 __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2)

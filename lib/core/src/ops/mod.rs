@@ -1,8 +1,9 @@
 //! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim, and
 //! small CUDA kernels of our own compiled at run time ([`crate::runtime::nvrtc`]).
 
-/// CUDA C++ the kernel sources share: 16-bit float types as raw bits (NVRTC gets no headers)
-/// and `load`/`store` between them and float32, the conversions as PTX instructions.
+/// CUDA C++ the kernel sources share: 16-bit float types as raw bits (NVRTC gets no headers),
+/// `load`/`store` between them and float32 (the conversions as PTX instructions), and
+/// `rounded`, a float32 value rounded to one of them.
 macro_rules! cuda_scalars {
     () => {
         r#"
@@ -28,6 +29,13 @@ __device__ __forceinline__ void store(f16* p, float value) {
     unsigned short bits;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
     p->bits = bits;
+}
+// value rounded to T (unchanged for float), as a kernel storing it in T would round it.
+template <typename T>
+__device__ __forceinline__ float rounded(float value) {
+    T t;
+    store(&t, value);
+    return load(&t);
 }
 "#
     };
