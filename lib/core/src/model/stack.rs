@@ -330,8 +330,9 @@ impl<'a> LayerStack<'a> {
         train: bool,
     ) -> Result<Tensor> {
         let selective = self.recompute == Recompute::Selective;
-        let Recompute::Full { method, num_layers } = self.recompute else {
-            let mut stream = Residual::Summed(hidden);
+        let mut stream = Residual::Summed(hidden);
+        // Full recompute applies to training only.
+        let (Recompute::Full { method, num_layers }, true) = (self.recompute, train) else {
             for (i, layer) in self.layers.iter().enumerate() {
                 self.gate.layers(self.scope, i..i + 1)?;
                 stream = layer.forward_residual(
@@ -345,18 +346,9 @@ impl<'a> LayerStack<'a> {
             }
             return Ok(stream.sum());
         };
-        if !train {
-            let mut stream = Residual::Summed(hidden);
-            for (i, layer) in self.layers.iter().enumerate() {
-                self.gate.layers(self.scope, i..i + 1)?;
-                stream = layer.forward_residual(stream, mask, rotary, memory, false, false)?;
-            }
-            return Ok(stream.sum());
-        }
         let chunk = num_layers.max(1);
         let mut start = 0;
         // Layers run outside recompute hand each other the stream, as without recompute.
-        let mut stream = Residual::Summed(hidden);
         while start < self.layers.len() {
             let (end, recompute) = match method {
                 RecomputeMethod::Uniform => ((start + chunk).min(self.layers.len()), true),

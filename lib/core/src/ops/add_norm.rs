@@ -27,13 +27,13 @@
 //! another order (float32 either way).
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
 
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::decode_gemv::InputNorm;
+use super::{aligned, dtype_name, kernel_arg};
 use crate::model::config::Normalization;
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
@@ -480,23 +480,6 @@ fn ceil_div(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
 }
 
-fn dtype_suffix(kind: Kind) -> Result<&'static str> {
-    Ok(match kind {
-        Kind::BFloat16 => "bf16",
-        Kind::Half => "f16",
-        Kind::Float => "f32",
-        other => bail!("no fused add + norm kernel for {other:?}"),
-    })
-}
-
-fn arg<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
-}
-
-fn aligned(tensor: &Tensor) -> bool {
-    (tensor.data_ptr() as usize).is_multiple_of(16)
-}
-
 /// `tensor` contiguous and 16-byte aligned (copied where it is not), checked to be `kind` with
 /// `shape` on `device`.
 fn ready(tensor: &Tensor, kind: Kind, shape: &[i64], device: Device, what: &str) -> Result<Tensor> {
@@ -584,7 +567,7 @@ pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Fo
         let module = kernels(&SOURCE, index)?;
         let function = format!(
             "add_norm_forward_{}_{}",
-            dtype_suffix(kind)?,
+            dtype_name(kind)?,
             layout.vectors_per_thread
         );
         let [mut residual_ptr, mut delta_ptr, mut weight_ptr, mut sum_ptr, mut normed_ptr, mut mean_ptr, mut rstd_ptr] =
@@ -594,19 +577,19 @@ pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Fo
         let mut rms = i32::from(norm.kind == Normalization::RMSNorm);
         let mut one_plus = i32::from(norm.one_plus);
         let mut args = [
-            arg(&mut residual_ptr),
-            arg(&mut delta_ptr),
-            arg(&mut weight_ptr),
-            arg(&mut bias_ptr),
-            arg(&mut sum_ptr),
-            arg(&mut normed_ptr),
-            arg(&mut mean_ptr),
-            arg(&mut rstd_ptr),
-            arg(&mut rows_arg),
-            arg(&mut hidden_arg),
-            arg(&mut eps),
-            arg(&mut rms),
-            arg(&mut one_plus),
+            kernel_arg(&mut residual_ptr),
+            kernel_arg(&mut delta_ptr),
+            kernel_arg(&mut weight_ptr),
+            kernel_arg(&mut bias_ptr),
+            kernel_arg(&mut sum_ptr),
+            kernel_arg(&mut normed_ptr),
+            kernel_arg(&mut mean_ptr),
+            kernel_arg(&mut rstd_ptr),
+            kernel_arg(&mut rows_arg),
+            kernel_arg(&mut hidden_arg),
+            kernel_arg(&mut eps),
+            kernel_arg(&mut rms),
+            kernel_arg(&mut one_plus),
         ];
         // SAFETY: the arguments match the kernel's parameters in order and type (pointers as
         // u64, rows as i64, the hidden size and flags as i32, eps as f32); the activations are
@@ -690,7 +673,7 @@ pub fn backward(
     let partial_beta = grad_bias
         .is_some()
         .then(|| Tensor::empty([blocks, hidden], (Kind::Float, device)));
-    let suffix = dtype_suffix(kind)?;
+    let suffix = dtype_name(kind)?;
     let module = kernels(&SOURCE, index)?;
     let [mut grad_normed_ptr, mut grad_sum_ptr, mut sum_ptr, mut mean_ptr, mut rstd_ptr, mut weight_ptr, mut grad_input_ptr, mut gamma_ptr] =
         [
@@ -711,32 +694,32 @@ pub fn backward(
     let mut rms = i32::from(norm.kind == Normalization::RMSNorm);
     let mut one_plus = i32::from(norm.one_plus);
     let mut args = [
-        arg(&mut grad_normed_ptr),
-        arg(&mut grad_sum_ptr),
-        arg(&mut sum_ptr),
-        arg(&mut mean_ptr),
-        arg(&mut rstd_ptr),
-        arg(&mut weight_ptr),
-        arg(&mut grad_input_ptr),
-        arg(&mut gamma_ptr),
-        arg(&mut beta_ptr),
-        arg(&mut rows_arg),
-        arg(&mut hidden_arg),
-        arg(&mut rows_per_block_arg),
-        arg(&mut rms),
-        arg(&mut one_plus),
+        kernel_arg(&mut grad_normed_ptr),
+        kernel_arg(&mut grad_sum_ptr),
+        kernel_arg(&mut sum_ptr),
+        kernel_arg(&mut mean_ptr),
+        kernel_arg(&mut rstd_ptr),
+        kernel_arg(&mut weight_ptr),
+        kernel_arg(&mut grad_input_ptr),
+        kernel_arg(&mut gamma_ptr),
+        kernel_arg(&mut beta_ptr),
+        kernel_arg(&mut rows_arg),
+        kernel_arg(&mut hidden_arg),
+        kernel_arg(&mut rows_per_block_arg),
+        kernel_arg(&mut rms),
+        kernel_arg(&mut one_plus),
     ];
     let (mut partial_gamma_ptr, mut partial_beta_ptr) = (gamma_ptr, beta_ptr);
     let (mut blocks_arg, mut columns_arg) = (blocks, hidden as i32);
     let mut grad_weight_ptr = grad_weight.data_ptr() as u64;
     let mut grad_bias_ptr = grad_bias.as_ref().map_or(0u64, |t| t.data_ptr() as u64);
     let mut param_args = [
-        arg(&mut partial_gamma_ptr),
-        arg(&mut partial_beta_ptr),
-        arg(&mut blocks_arg),
-        arg(&mut columns_arg),
-        arg(&mut grad_weight_ptr),
-        arg(&mut grad_bias_ptr),
+        kernel_arg(&mut partial_gamma_ptr),
+        kernel_arg(&mut partial_beta_ptr),
+        kernel_arg(&mut blocks_arg),
+        kernel_arg(&mut columns_arg),
+        kernel_arg(&mut grad_weight_ptr),
+        kernel_arg(&mut grad_bias_ptr),
     ];
     let param_grids = if grad_bias.is_some() { 2 } else { 1 };
     // SAFETY: the arguments match the kernels' parameters in order and type (pointers as u64,

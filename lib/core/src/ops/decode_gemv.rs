@@ -15,11 +15,10 @@
 //! Compiled at run time ([`crate::runtime::nvrtc`]) and launched on libtorch's current stream,
 //! so a decode step using them is captured in CUDA graphs.
 
-use std::ffi::c_void;
-
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::{aligned, dtype_name, kernel_arg};
 use crate::model::config::Normalization;
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
@@ -411,10 +410,6 @@ pub fn supports(kind: Kind) -> bool {
     matches!(kind, Kind::BFloat16 | Kind::Half | Kind::Float)
 }
 
-fn aligned(tensor: &Tensor) -> bool {
-    (tensor.data_ptr() as usize).is_multiple_of(16)
-}
-
 /// Whether [`decode_linear`] takes `rows` rows through `weight` (`[N, K]`): 1 to
 /// [`MAX_ROWS`] rows, a contiguous, 16-byte aligned CUDA weight of a supported dtype whose
 /// rows are whole 16-byte loads.
@@ -531,11 +526,7 @@ pub fn decode_linear(
         0
     };
     let out = Tensor::empty([rows, n], (kind, input.device()));
-    let dtype = match kind {
-        Kind::BFloat16 => "bf16",
-        Kind::Half => "f16",
-        _ => "f32",
-    };
+    let dtype = dtype_name(kind)?;
     // The kernel of the fewest rows that holds them.
     let (template_rows, columns_per_warp) = match rows {
         1 => (1, 1),
@@ -559,22 +550,19 @@ pub fn decode_linear(
     );
     let (mut rows_arg, mut k_arg, mut n_arg, mut flags_arg, mut eps_arg) =
         (rows as i32, k as i32, n as i32, flags, eps);
-    fn arg<T>(value: &mut T) -> *mut c_void {
-        value as *mut T as *mut c_void
-    }
     let mut args = [
-        arg(&mut x_ptr),
-        arg(&mut w_ptr),
-        arg(&mut out_ptr),
-        arg(&mut gamma_ptr),
-        arg(&mut beta_ptr),
-        arg(&mut bias_ptr),
-        arg(&mut residual_ptr),
-        arg(&mut rows_arg),
-        arg(&mut k_arg),
-        arg(&mut n_arg),
-        arg(&mut flags_arg),
-        arg(&mut eps_arg),
+        kernel_arg(&mut x_ptr),
+        kernel_arg(&mut w_ptr),
+        kernel_arg(&mut out_ptr),
+        kernel_arg(&mut gamma_ptr),
+        kernel_arg(&mut beta_ptr),
+        kernel_arg(&mut bias_ptr),
+        kernel_arg(&mut residual_ptr),
+        kernel_arg(&mut rows_arg),
+        kernel_arg(&mut k_arg),
+        kernel_arg(&mut n_arg),
+        kernel_arg(&mut flags_arg),
+        kernel_arg(&mut eps_arg),
     ];
     let per_block = (WARPS * columns_per_warp) as i64;
     let blocks = (n + per_block - 1) / per_block;

@@ -15,11 +15,10 @@
 //! scale of its use to a scalar of its own, which the GEMMs of this use read even after the
 //! delayed state has moved on.
 
-use std::ffi::c_void;
-
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::{dtype_name, kernel_arg};
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
 /// Rows of a tile, and its columns in the one-element kernels; a block of 32 × 8 threads casts
@@ -304,10 +303,6 @@ pub struct Cast {
     pub scale_inv: Tensor,
 }
 
-fn arg<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
-}
-
 fn device_index(tensor: &Tensor) -> Result<usize> {
     match tensor.device() {
         Device::Cuda(index) => Ok(index),
@@ -327,12 +322,7 @@ pub fn cast(
     let device = device_index(x)?;
     let (rows, cols) = x.size2()?;
     let x = x.contiguous();
-    let input = match x.kind() {
-        Kind::BFloat16 => "bf16",
-        Kind::Half => "f16",
-        Kind::Float => "f32",
-        other => anyhow::bail!("no fp8 cast from {other:?}"),
-    };
+    let input = dtype_name(x.kind()).context("the fp8 cast's input")?;
     let output = match kind {
         Kind::Float8e4m3fn => "e4m3",
         Kind::Float8e5m2 => "e5m2",
@@ -374,16 +364,16 @@ pub fn cast(
     let (mut scale_in, mut amax_in, mut amax_out) = (scale_in, amax_in, amax_out);
     let (mut rows_arg, mut cols_arg, mut max_arg) = (rows, cols, max as f32);
     let mut args = [
-        arg(&mut x_ptr),
-        arg(&mut rows_arg),
-        arg(&mut cols_arg),
-        arg(&mut out_ptr),
-        arg(&mut out_t_ptr),
-        arg(&mut scale_in),
-        arg(&mut amax_in),
-        arg(&mut max_arg),
-        arg(&mut scale_inv_ptr),
-        arg(&mut amax_out),
+        kernel_arg(&mut x_ptr),
+        kernel_arg(&mut rows_arg),
+        kernel_arg(&mut cols_arg),
+        kernel_arg(&mut out_ptr),
+        kernel_arg(&mut out_t_ptr),
+        kernel_arg(&mut scale_in),
+        kernel_arg(&mut amax_in),
+        kernel_arg(&mut max_arg),
+        kernel_arg(&mut scale_inv_ptr),
+        kernel_arg(&mut amax_out),
     ];
     // Four elements a thread where the shape and the input's alignment allow vector accesses.
     let vector = 4 * x.kind().elt_size_in_bytes() as u64;
@@ -435,12 +425,12 @@ pub fn delayed_update(
     let mut use_max = use_max as i32;
     let mut max_arg = max_over_margin as f32;
     let mut args = [
-        arg(&mut scale_ptr),
-        arg(&mut counters_ptr),
-        arg(&mut history_ptr),
-        arg(&mut len),
-        arg(&mut use_max),
-        arg(&mut max_arg),
+        kernel_arg(&mut scale_ptr),
+        kernel_arg(&mut counters_ptr),
+        kernel_arg(&mut history_ptr),
+        kernel_arg(&mut len),
+        kernel_arg(&mut use_max),
+        kernel_arg(&mut max_arg),
     ];
     // SAFETY: the arguments match the kernel's parameters in order and type; the tensors are
     // the state's own, of the documented shapes and types, on this device.

@@ -62,6 +62,26 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
     };
 }
 
+/// A kernel parameter as the driver's launch takes it: a pointer to its value.
+fn kernel_arg<T>(value: &mut T) -> *mut std::ffi::c_void {
+    value as *mut T as *mut std::ffi::c_void
+}
+
+/// How our kernels' function names call activations of `kind`: `bf16`, `f16` or `f32`.
+fn dtype_name(kind: tch::Kind) -> anyhow::Result<&'static str> {
+    Ok(match kind {
+        tch::Kind::BFloat16 => "bf16",
+        tch::Kind::Half => "f16",
+        tch::Kind::Float => "f32",
+        other => anyhow::bail!("our kernels take bf16, fp16 or fp32 activations, not {other:?}"),
+    })
+}
+
+/// Whether `tensor`'s data starts on a 16-byte boundary, as the kernels' vector loads need.
+fn aligned(tensor: &tch::Tensor) -> bool {
+    (tensor.data_ptr() as usize).is_multiple_of(16)
+}
+
 pub mod add_norm;
 pub mod decode_gemv;
 pub mod fp8_cast;

@@ -14,12 +14,12 @@
 //! the kernels are compiled at run time ([`crate::runtime::nvrtc`]) and launched on libtorch's
 //! current stream.
 
-use std::ffi::c_void;
 use std::ops::Range;
 
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::kernel_arg;
 use super::multi_tensor::{foreach_copy_, fused_adamw, AdamwHyper};
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
@@ -253,10 +253,6 @@ fn device_table(rows: &[i64], device: Device) -> Tensor {
     }
 }
 
-fn arg<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
-}
-
 fn cuda_index(tensor: &Tensor, what: &str) -> Result<usize> {
     match tensor.device() {
         Device::Cuda(index) => Ok(index),
@@ -325,10 +321,10 @@ pub fn sum_of_squares(values: &Tensor, table: &SquaresTable) -> Result<Tensor> {
     // for work queued after them on this stream.
     unsafe {
         let mut first = [
-            arg(&mut values_ptr),
-            arg(&mut chunks_ptr),
-            arg(&mut n_chunks),
-            arg(&mut partials_ptr),
+            kernel_arg(&mut values_ptr),
+            kernel_arg(&mut chunks_ptr),
+            kernel_arg(&mut n_chunks),
+            kernel_arg(&mut partials_ptr),
         ];
         module.launch(
             "sum_squares_partial",
@@ -336,7 +332,11 @@ pub fn sum_of_squares(values: &Tensor, table: &SquaresTable) -> Result<Tensor> {
             (SQUARES_THREADS, 1, 1),
             &mut first,
         )?;
-        let mut second = [arg(&mut partials_ptr), arg(&mut count), arg(&mut out_ptr)];
+        let mut second = [
+            kernel_arg(&mut partials_ptr),
+            kernel_arg(&mut count),
+            kernel_arg(&mut out_ptr),
+        ];
         module.launch(
             "sum_squares_final",
             (1, 1, 1),
@@ -488,20 +488,20 @@ pub fn adamw(
     .map(|x| x as f32);
     let mut zero = i32::from(zero_grads);
     let mut args = [
-        arg(&mut main_ptr),
-        arg(&mut m_ptr),
-        arg(&mut v_ptr),
-        arg(&mut g_ptr),
-        arg(&mut h_ptr),
-        arg(&mut chunks_ptr),
-        arg(&mut step_ptr),
-        arg(&mut divisor_ptr),
-        arg(&mut lr),
-        arg(&mut beta1),
-        arg(&mut beta2),
-        arg(&mut weight_decay),
-        arg(&mut eps),
-        arg(&mut zero),
+        kernel_arg(&mut main_ptr),
+        kernel_arg(&mut m_ptr),
+        kernel_arg(&mut v_ptr),
+        kernel_arg(&mut g_ptr),
+        kernel_arg(&mut h_ptr),
+        kernel_arg(&mut chunks_ptr),
+        kernel_arg(&mut step_ptr),
+        kernel_arg(&mut divisor_ptr),
+        kernel_arg(&mut lr),
+        kernel_arg(&mut beta1),
+        kernel_arg(&mut beta2),
+        kernel_arg(&mut weight_decay),
+        kernel_arg(&mut eps),
+        kernel_arg(&mut zero),
     ];
     // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
     // hyper-parameters as f32, the flag as i32); every chunk lies inside the buffers (checked

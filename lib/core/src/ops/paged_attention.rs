@@ -7,11 +7,10 @@
 //! The kernel is compiled at run time ([`crate::runtime::nvrtc`]) and launched on libtorch's
 //! current stream, so a decode step that uses it can be captured in a CUDA graph.
 
-use std::ffi::c_void;
-
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::{dtype_name, kernel_arg};
 use crate::model::layers::BLOCK_SIZE;
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
@@ -310,12 +309,7 @@ pub fn paged_decode_attention(
     if rows == 0 {
         return Ok(out);
     }
-    let dtype = match kind {
-        Kind::BFloat16 => "bf16",
-        Kind::Half => "f16",
-        _ => "f32",
-    };
-    let function = format!("paged_decode_{dtype}_{d}");
+    let function = format!("paged_decode_{}_{d}", dtype_name(kind)?);
     let module = kernels(&SOURCE, device)?;
     let [mut q, mut pool, mut tables, mut positions, mut out_ptr] =
         [&query, &*pool, tables, positions, &out].map(|t| t.data_ptr() as u64);
@@ -332,25 +326,22 @@ pub fn paged_decode_attention(
     let (mut heads_arg, mut groups_arg, mut per_row_arg) =
         (heads as i32, groups as i32, per_row as i32);
     let mut scale = 1.0f32 / (d as f32).sqrt();
-    fn arg<T>(value: &mut T) -> *mut c_void {
-        value as *mut T as *mut c_void
-    }
     let mut args = [
-        arg(&mut q),
-        arg(&mut row_stride),
-        arg(&mut head_stride),
-        arg(&mut pool),
-        arg(&mut tables),
-        arg(&mut positions),
-        arg(&mut out_ptr),
-        arg(&mut heads_arg),
-        arg(&mut groups_arg),
-        arg(&mut per_row_arg),
-        arg(&mut scale),
-        arg(&mut fresh),
-        arg(&mut fresh_row_stride),
-        arg(&mut fresh_group_stride),
-        arg(&mut write_slots),
+        kernel_arg(&mut q),
+        kernel_arg(&mut row_stride),
+        kernel_arg(&mut head_stride),
+        kernel_arg(&mut pool),
+        kernel_arg(&mut tables),
+        kernel_arg(&mut positions),
+        kernel_arg(&mut out_ptr),
+        kernel_arg(&mut heads_arg),
+        kernel_arg(&mut groups_arg),
+        kernel_arg(&mut per_row_arg),
+        kernel_arg(&mut scale),
+        kernel_arg(&mut fresh),
+        kernel_arg(&mut fresh_row_stride),
+        kernel_arg(&mut fresh_group_stride),
+        kernel_arg(&mut write_slots),
     ];
     // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
     // strides as i64, counts as i32, the scale as f32); the tensors are on the device, of the
