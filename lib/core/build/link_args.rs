@@ -9,6 +9,7 @@ use std::path::Path;
 ///   libtorch directory, so binaries run without any environment on the machine that built them.
 /// * `libtorch_cuda` behind `--no-as-needed`: nothing references its symbols directly, so with
 ///   rustc's default `--as-needed` the linker drops it and CUDA is silently unavailable.
+/// * `libc10_cuda`, where the shim's CUDA-graph code finds the caching allocator.
 pub fn emit(libtorch_lib: &Path) {
     let canonical = libtorch_lib
         .canonicalize()
@@ -19,5 +20,6 @@ pub fn emit(libtorch_lib: &Path) {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch_cuda");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
+        println!("cargo:rustc-link-arg=-lc10_cuda");
     }
 }

@@ -10,6 +10,7 @@ using mrs_detail::protect;
 #ifdef MRS_CUDA_GRAPHS
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include <memory>
 
@@ -43,6 +44,10 @@ char* mrs_cuda_graph_replay(mrs_cuda_graph* graph) {
 
 void mrs_cuda_graph_free(mrs_cuda_graph* graph) { delete graph; }
 
+char* mrs_cuda_empty_cache(void) {
+  return protect([] { c10::cuda::CUDACachingAllocator::emptyCache(); });
+}
+
 }  // extern "C"
 
 #else
@@ -75,6 +80,8 @@ char* mrs_cuda_graph_capture_end(mrs_cuda_graph*) { return unavailable(); }
 char* mrs_cuda_graph_replay(mrs_cuda_graph*) { return unavailable(); }
 
 void mrs_cuda_graph_free(mrs_cuda_graph* graph) { delete graph; }
+
+char* mrs_cuda_empty_cache(void) { return unavailable(); }
 
 }  // extern "C"
 

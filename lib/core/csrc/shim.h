@@ -128,6 +128,8 @@ char* mrs_cuda_graph_capture_begin(mrs_cuda_graph* share_pool_of, mrs_cuda_graph
 char* mrs_cuda_graph_capture_end(mrs_cuda_graph* graph);
 char* mrs_cuda_graph_replay(mrs_cuda_graph* graph);
 void mrs_cuda_graph_free(mrs_cuda_graph* graph);
+// Returns the caching allocator's unused blocks to the device (torch.cuda.empty_cache()).
+char* mrs_cuda_empty_cache(void);
 
 // Multi-tensor kernels (csrc/multi_tensor.cpp). Each list argument is `n` handles.
 // AdamW step with decoupled weight decay over parameters of one device and dtype; increments

@@ -8,22 +8,7 @@ mod support;
 use std::sync::LazyLock;
 
 use megatron_core::args::BertPretrainArgs;
-use megatron_core::training::{pretrain_bert, Runtime, TrainingSummary};
-use support::{check, train, Pretrain};
-
-impl Pretrain for BertPretrainArgs {
-    fn parse(argv: Vec<String>) -> Self {
-        support::parse_flags(argv)
-    }
-
-    fn sequence_parallel(&self) -> bool {
-        self.common.parallel.sequence_parallel
-    }
-
-    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
-        pretrain_bert(self, runtime)
-    }
-}
+use support::{check, train};
 
 /// A 4-layer BERT on mock masked-LM data, fp32, no dropout, 4 micro-batches of 2 per step.
 static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| support::tiny_training(support::TINY_MODEL));

@@ -55,6 +55,25 @@ pub struct TrainingArgs {
     /// or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Replay each micro-batch's forward and backward from a CUDA graph captured after the
+    /// warm-up steps: one launch instead of a thousand kernel launches, and no gaps while the
+    /// host queues work. On a GPU without pipeline parallelism, --overlap-grad-reduce,
+    /// activation recomputation or attention dropout on the model-parallel random stream
+    /// (attention dropout without --sequence-parallel); otherwise the run says why and trains
+    /// without graphs.
+    #[arg(long)]
+    pub enable_cuda_graph: bool,
+    /// Eager iterations before the graph is captured.
+    #[arg(long, default_value_t = 3)]
+    pub cuda_graph_warmup_steps: u64,
+    /// Accepted for Megatron's scripts: full, attn or full_iteration. Every scope captures the
+    /// whole forward and backward of a micro-batch (the optimizer step stays outside the graph).
+    #[arg(long, default_value = "full", value_parser = ["full", "attn", "full_iteration"])]
+    pub cuda_graph_scope: String,
+    /// Megatron's training-script capture through Transformer Engine: here the same as
+    /// --enable-cuda-graph.
+    #[arg(long)]
+    pub external_cuda_graph: bool,
 }
 
 #[derive(Debug, Clone, Args, serde::Serialize)]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::{anyhow, Result};
-use tch::Device;
+use tch::{Device, Tensor};
 
 /// A split of a model family's dataset: samples by index, collated into host batches.
 pub trait SampleSource: Send + Sync {
@@ -19,9 +19,19 @@ pub trait SampleSource: Send + Sync {
     fn collate(&self, indices: Range<u64>) -> Result<Self::Batch>;
 }
 
-/// A batch that can move to the training device.
+/// A batch of tensors that can move to the training device.
 pub trait DeviceBatch: Send + 'static {
-    fn to_device(&self, device: Device) -> Self;
+    /// The same batch with every tensor replaced by `f` of it.
+    fn map_tensors(&self, f: &mut dyn FnMut(&Tensor) -> Tensor) -> Self;
+    /// Every tensor of the batch, in a fixed order (absent optional ones left out).
+    fn tensors(&self) -> Vec<&Tensor>;
+
+    fn to_device(&self, device: Device) -> Self
+    where
+        Self: Sized,
+    {
+        self.map_tensors(&mut |t| t.to_device_(device, t.kind(), true, false))
+    }
 }
 
 /// A family's train, validation and test splits; a split is absent when empty.

@@ -6,7 +6,7 @@ use std::ops::Range;
 use anyhow::{ensure, Result};
 use megatron_data::blend::SplitDataset;
 use megatron_data::masked::{BertMaskedWordPieceDataset, BertSample};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::background::{DeviceBatch, SampleSource};
 
@@ -49,16 +49,26 @@ impl BertBatch {
 }
 
 impl DeviceBatch for BertBatch {
-    fn to_device(&self, device: Device) -> BertBatch {
-        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
+    fn map_tensors(&self, f: &mut dyn FnMut(&Tensor) -> Tensor) -> BertBatch {
         BertBatch {
-            tokens: move_(&self.tokens),
-            types: move_(&self.types),
-            labels: move_(&self.labels),
-            loss_mask: move_(&self.loss_mask),
-            padding_mask: move_(&self.padding_mask),
-            sentence_order: move_(&self.sentence_order),
+            tokens: f(&self.tokens),
+            types: f(&self.types),
+            labels: f(&self.labels),
+            loss_mask: f(&self.loss_mask),
+            padding_mask: f(&self.padding_mask),
+            sentence_order: f(&self.sentence_order),
         }
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![
+            &self.tokens,
+            &self.types,
+            &self.labels,
+            &self.loss_mask,
+            &self.padding_mask,
+            &self.sentence_order,
+        ]
     }
 }
 

@@ -5,7 +5,7 @@ use std::ops::Range;
 use anyhow::Result;
 use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::GptSample;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::background::{DeviceBatch, SampleSource};
 use crate::model::AttentionMask;
@@ -76,15 +76,25 @@ impl GptBatch {
 }
 
 impl DeviceBatch for GptBatch {
-    fn to_device(&self, device: Device) -> GptBatch {
-        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
+    fn map_tensors(&self, f: &mut dyn FnMut(&Tensor) -> Tensor) -> GptBatch {
         GptBatch {
-            tokens: move_(&self.tokens),
-            labels: move_(&self.labels),
-            loss_mask: move_(&self.loss_mask),
-            position_ids: move_(&self.position_ids),
-            attention_mask: self.attention_mask.as_ref().map(move_),
+            tokens: f(&self.tokens),
+            labels: f(&self.labels),
+            loss_mask: f(&self.loss_mask),
+            position_ids: f(&self.position_ids),
+            attention_mask: self.attention_mask.as_ref().map(&mut *f),
         }
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        let mut tensors = vec![
+            &self.tokens,
+            &self.labels,
+            &self.loss_mask,
+            &self.position_ids,
+        ];
+        tensors.extend(self.attention_mask.as_ref());
+        tensors
     }
 }
 

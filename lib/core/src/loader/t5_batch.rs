@@ -6,7 +6,7 @@ use std::ops::Range;
 use anyhow::{ensure, Result};
 use megatron_data::blend::SplitDataset;
 use megatron_data::masked::{T5MaskedWordPieceDataset, T5Sample};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::background::{DeviceBatch, SampleSource};
 use super::bert_batch::SplitMix;
@@ -54,15 +54,24 @@ impl T5Batch {
 }
 
 impl DeviceBatch for T5Batch {
-    fn to_device(&self, device: Device) -> T5Batch {
-        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
+    fn map_tensors(&self, f: &mut dyn FnMut(&Tensor) -> Tensor) -> T5Batch {
         T5Batch {
-            text_enc: move_(&self.text_enc),
-            text_dec: move_(&self.text_dec),
-            labels: move_(&self.labels),
-            loss_mask: move_(&self.loss_mask),
-            enc_mask: move_(&self.enc_mask),
+            text_enc: f(&self.text_enc),
+            text_dec: f(&self.text_dec),
+            labels: f(&self.labels),
+            loss_mask: f(&self.loss_mask),
+            enc_mask: f(&self.enc_mask),
         }
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![
+            &self.text_enc,
+            &self.text_dec,
+            &self.labels,
+            &self.loss_mask,
+            &self.enc_mask,
+        ]
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Context, Result};
 use megatron_data::tasks::PairInput;
-use tch::{Device, Tensor};
+use tch::Tensor;
 
 use super::background::{DeviceBatch, SampleSource};
 use super::bert_batch::SplitMix;
@@ -62,14 +62,17 @@ impl TaskBatch {
 }
 
 impl DeviceBatch for TaskBatch {
-    fn to_device(&self, device: Device) -> TaskBatch {
-        let move_ = |t: &Tensor| t.to_device_(device, t.kind(), true, false);
+    fn map_tensors(&self, f: &mut dyn FnMut(&Tensor) -> Tensor) -> TaskBatch {
         TaskBatch {
-            tokens: move_(&self.tokens),
-            types: move_(&self.types),
-            padding_mask: move_(&self.padding_mask),
-            labels: move_(&self.labels),
+            tokens: f(&self.tokens),
+            types: f(&self.types),
+            padding_mask: f(&self.padding_mask),
+            labels: f(&self.labels),
         }
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![&self.tokens, &self.types, &self.padding_mask, &self.labels]
     }
 }
 

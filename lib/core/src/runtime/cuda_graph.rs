@@ -13,6 +13,14 @@ pub fn cuda_graphs_available() -> bool {
     unsafe { ffi::mrs_cuda_graphs_available() != 0 }
 }
 
+/// Returns the unused blocks the caching allocator holds to the device, as
+/// `torch.cuda.empty_cache()` does: before a capture, so that the graph's private pool does not
+/// come on top of blocks that eager steps cached and will no longer use.
+pub fn cuda_empty_cache() -> Result<(), TorchError> {
+    // SAFETY: plain call.
+    check(unsafe { ffi::mrs_cuda_empty_cache() })
+}
+
 /// A captured graph. The tensors its capture allocated live in its private memory pool; tensors
 /// it reads or writes that were allocated before the capture must outlive it unchanged in place.
 pub struct CudaGraph {

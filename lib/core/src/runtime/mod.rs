@@ -5,7 +5,7 @@ pub mod nvrtc;
 mod profiler;
 pub mod self_test;
 
-pub use cuda_graph::{cuda_graphs_available, CudaGraph};
+pub use cuda_graph::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
 pub use profiler::{cuda_profiler_start, cuda_profiler_stop, KinetoTrace};
 
 use std::os::raw::{c_int, c_void};

@@ -11,6 +11,7 @@ use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Tensor};
 
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
+use super::cuda_graphs::{self, MicrobatchGraph};
 use super::device::peak_tflops_of;
 use super::family::{LossTotals, ModelFamily};
 use super::flops::{num_floating_point_operations, FlopsModel};
@@ -25,7 +26,7 @@ use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalcu
 use super::profiling::StepProfiler;
 use super::runtime::Runtime;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
-use super::stage::FamilyStage;
+use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
 use crate::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
 use crate::metrics::TrainingMetrics;
@@ -116,6 +117,8 @@ struct Run<'a, F: ModelFamily> {
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
     spikes: LossSpikeTracker,
+    /// `--enable-cuda-graph` when this run can use it.
+    graph: Option<MicrobatchGraph<F::Batch>>,
 }
 
 /// What a caller adds to the engine's loop: `eval_tasks`' finetuning saves and scores the model
@@ -195,7 +198,7 @@ impl<F: ModelFamily> Scorer<'_, F> {
                     batches: &batches,
                     parallel: self.parallel,
                     optimizer: None,
-                    loss_scale: 1.0,
+                    loss_scaling: LossScaling::Host(1.0),
                     totals: LossTotals::new(names, self.device),
                     scoring: true,
                 };
@@ -433,6 +436,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         args_json,
         last_checkpoint: None,
         spikes: LossSpikeTracker::default(),
+        graph: microbatch_graph(args, device, &parallel)?,
     };
     if let (Some(found), Some(request)) = (loaded, &load_request) {
         let state = TrainingState {
@@ -815,11 +819,15 @@ impl<F: ModelFamily> Run<'_, F> {
             batches: &batches,
             parallel: &self.parallel,
             optimizer: Some(&mut self.optimizer),
-            loss_scale: self.scaler.scale() as f64,
+            loss_scaling: LossScaling::Host(self.scaler.scale() as f64),
             totals: LossTotals::new(self.family.loss_names(), self.device),
             scoring: false,
         };
-        forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
+        let replay = self.graph.as_mut().is_some_and(|g| g.replays_this_step());
+        match self.graph.as_mut().filter(|_| replay) {
+            Some(graph) => graph.run(&mut stage, self.scaler.scale() as f64)?,
+            None => forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?,
+        }
         // Reading the losses waits for the device; queueing the optimizer first keeps the GPU
         // busy through that wait (the gradient norm's read is the step's one sync).
         let pending_losses = stage.totals.start_reduce(&self.parallel)?;
@@ -963,7 +971,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 batches: &batches,
                 parallel: &self.parallel,
                 optimizer: None,
-                loss_scale: 1.0,
+                loss_scaling: LossScaling::Host(1.0),
                 totals: LossTotals::new(names, self.device),
                 scoring: false,
             };
@@ -1022,6 +1030,32 @@ impl<F: ModelFamily> Run<'_, F> {
         self.last_checkpoint = Some(directory);
         Ok(())
     }
+}
+
+/// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or `None` when not
+/// asked for or when this run cannot use one (rank 0 says why).
+fn microbatch_graph<B: DeviceBatch>(
+    args: &PretrainArgs,
+    device: Device,
+    parallel: &ParallelState,
+) -> Result<Option<MicrobatchGraph<B>>> {
+    let training = &args.training;
+    if !(training.enable_cuda_graph || training.external_cuda_graph) {
+        return Ok(None);
+    }
+    if let Some(reason) = cuda_graphs::unsupported_reason(args, device, parallel)? {
+        if parallel.rank == 0 {
+            eprintln!("warning: --enable-cuda-graph: {reason}; training without CUDA graphs");
+        }
+        return Ok(None);
+    }
+    let Device::Cuda(index) = device else {
+        unreachable!("unsupported_reason rules out the CPU")
+    };
+    Ok(Some(MicrobatchGraph::new(
+        index,
+        training.cuda_graph_warmup_steps,
+    )))
 }
 
 fn load_request(args: &PretrainArgs) -> Result<Option<LoadRequest<'_>>> {

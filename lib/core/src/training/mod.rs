@@ -4,6 +4,7 @@
 
 mod bert;
 mod checkpointing;
+mod cuda_graphs;
 mod datasets;
 mod device;
 mod engine;

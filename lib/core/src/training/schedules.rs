@@ -76,7 +76,7 @@ pub fn forward_backward(
 
 /// Backward from `output` (the loss when `output_grad` is `None`); returns the gradient of the
 /// received `input`, for the previous stage.
-fn backward_step(
+pub(crate) fn backward_step(
     stage: &mut dyn PipelineStage,
     input: Option<Tensor>,
     output: Tensor,

@@ -10,6 +10,32 @@ use super::schedules::PipelineStage;
 use crate::optim::MixedPrecisionOptimizer;
 use crate::parallel::ParallelState;
 
+/// Megatron divides each micro-batch's loss by the number of micro-batches before backward, and
+/// multiplies it by the fp16 loss scale.
+pub enum LossScaling {
+    /// By the micro-batches the stage runs, times this loss scale.
+    Host(f64),
+    /// By factors held in device scalars, which a CUDA graph reads at each replay: the inverse
+    /// of the step's micro-batches (ATen divides by a host scalar through its float32 inverse
+    /// too, so both paths give the same bits) and the loss scale.
+    Device {
+        inverse_microbatches: Tensor,
+        loss_scale: Tensor,
+    },
+}
+
+impl LossScaling {
+    fn apply(&self, loss: Tensor, microbatches: usize) -> Tensor {
+        match self {
+            LossScaling::Host(scale) => loss / microbatches as f64 * *scale,
+            LossScaling::Device {
+                inverse_microbatches,
+                loss_scale,
+            } => loss * inverse_microbatches * loss_scale,
+        }
+    }
+}
+
 pub struct FamilyStage<'a, F: ModelFamily> {
     pub family: &'a F,
     pub chunks: &'a [F::Chunk],
@@ -17,8 +43,8 @@ pub struct FamilyStage<'a, F: ModelFamily> {
     pub parallel: &'a ParallelState,
     /// Accumulates gradients after every backward; `None` in evaluation.
     pub optimizer: Option<&'a mut MixedPrecisionOptimizer>,
-    /// The fp16 loss scale the loss is multiplied by before backward.
-    pub loss_scale: f64,
+    /// What the loss is multiplied by before backward.
+    pub loss_scaling: LossScaling,
     pub totals: LossTotals,
     /// Runs the family's scoring step (forward only) instead of its loss.
     pub scoring: bool,
@@ -42,9 +68,7 @@ impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
         };
         Ok(match output {
             StepOutput::Hidden(hidden) => hidden,
-            // Megatron divides each micro-batch's loss by the number of micro-batches before
-            // backward.
-            StepOutput::Loss(loss) => loss / self.batches.len() as f64 * self.loss_scale,
+            StepOutput::Loss(loss) => self.loss_scaling.apply(loss, self.batches.len()),
         })
     }
 

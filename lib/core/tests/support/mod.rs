@@ -13,10 +13,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_core::args::{t5_flags, GptPretrainArgs, T5PretrainArgs};
+use megatron_core::args::{t5_flags, BertPretrainArgs, GptPretrainArgs, T5PretrainArgs};
 use megatron_core::checkpoint::{find_checkpoint, merge_model_parallel_ranks};
 use megatron_core::parallel::{ParallelLayout, ParallelState, ThreadWorld};
-use megatron_core::training::{pretrain_gpt, Runtime, TrainingSummary};
+use megatron_core::training::{pretrain_bert, pretrain_gpt, Runtime, TrainingSummary};
 use tch::{Device, Tensor};
 
 /// A binary's flags `A` alone, parsed as the binary parses them (a later flag overrides an
@@ -62,6 +62,20 @@ impl Pretrain for GptPretrainArgs {
 
     fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
         pretrain_gpt(self, runtime)
+    }
+}
+
+impl Pretrain for BertPretrainArgs {
+    fn parse(argv: Vec<String>) -> Self {
+        parse_flags(argv)
+    }
+
+    fn sequence_parallel(&self) -> bool {
+        self.common.parallel.sequence_parallel
+    }
+
+    fn run(&self, runtime: &Runtime) -> anyhow::Result<TrainingSummary> {
+        pretrain_bert(self, runtime)
     }
 }
 
@@ -228,14 +242,15 @@ pub fn train<P: Pretrain>(
     train_in::<P>(dir.path(), flags, world, tensor, pipeline, extra).unwrap()
 }
 
-/// The `lm loss` of every iteration of a one-rank run with `flags` (which must not name a
-/// device) on CUDA device 0.
-pub fn gpu_lm_losses<P: Pretrain>(flags: &[&str]) -> Vec<f64> {
+/// A one-rank run with `flags` (which must not name a device) on CUDA device 0, saving at its
+/// end: the losses it logged and its weights.
+pub fn gpu_train<P: Pretrain>(flags: &[&str]) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
-    let metrics = dir.path().join("metrics.jsonl");
+    let (save, metrics) = (dir.path().join("ckpt"), dir.path().join("metrics.jsonl"));
     let argv: Vec<String> = std::iter::once("pretrain")
         .chain(flags.iter().copied())
         .chain(["--device", "cuda"])
+        .chain(["--save", save.to_str().unwrap()])
         .chain(["--metrics-file", metrics.to_str().unwrap()])
         .map(String::from)
         .collect();
@@ -251,14 +266,20 @@ pub fn gpu_lm_losses<P: Pretrain>(flags: &[&str]) -> Vec<f64> {
             })
         })
         .unwrap();
+    let checkpoint = find_checkpoint(&save)
+        .unwrap()
+        .expect("a checkpoint was saved");
     Outcome {
         losses: logged_losses(&metrics),
-        weights: HashMap::new(),
+        weights: merge_model_parallel_ranks(&checkpoint, Device::Cpu).unwrap(),
     }
-    .lm_losses()
 }
 
-/// Three steps with the same losses (relative 1e-5) and weights (1e-5 of the largest).
+/// The `lm loss` of every iteration of [`gpu_train`].
+pub fn gpu_lm_losses<P: Pretrain>(flags: &[&str]) -> Vec<f64> {
+    gpu_train::<P>(flags).lm_losses()
+}
+
 pub fn assert_equivalent(reference: &Outcome, parallel: &Outcome, what: &str) {
     assert_eq!(
         reference.losses.len(),
