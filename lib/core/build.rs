@@ -18,6 +18,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/gemm_epilogue.cpp");
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/protect.h");
+    println!("cargo:rerun-if-changed=csrc/generator.h");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=build/link_args.rs");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");

@@ -3,6 +3,7 @@
 // Compiled with MRS_CUDA_GRAPHS only when build.rs found the CUDA runtime headers next to a
 // CUDA build of libtorch; otherwise every entry point reports that graphs are unavailable.
 #include "shim.h"
+#include "generator.h"
 #include "protect.h"
 
 using mrs_detail::protect;
@@ -22,9 +23,16 @@ extern "C" {
 
 int mrs_cuda_graphs_available(void) { return 1; }
 
-char* mrs_cuda_graph_capture_begin(mrs_cuda_graph* share_pool_of, mrs_cuda_graph** graph_out) {
+char* mrs_cuda_graph_capture_begin(mrs_cuda_graph* share_pool_of, mrs_generator* const* generators,
+                                   size_t n_generators, mrs_cuda_graph** graph_out) {
   return protect([&] {
     auto owned = std::make_unique<mrs_cuda_graph>();
+    // The default generators register themselves; others whose state kernels draw from while
+    // the default generator is swapped to it (the model-parallel stream) must be registered so
+    // that each replay advances their offsets.
+    for (size_t i = 0; i < n_generators; ++i) {
+      owned->graph.register_generator_state(generators[i]->generator);
+    }
     decltype(owned->graph.pool()) pool{0, 0};
     if (share_pool_of != nullptr) pool = share_pool_of->graph.pool();
     // Thread-local mode: other threads (HTTP workers, the rendezvous watchdog) may go on making
@@ -73,7 +81,10 @@ extern "C" {
 
 int mrs_cuda_graphs_available(void) { return 0; }
 
-char* mrs_cuda_graph_capture_begin(mrs_cuda_graph*, mrs_cuda_graph**) { return unavailable(); }
+char* mrs_cuda_graph_capture_begin(mrs_cuda_graph*, mrs_generator* const*, size_t,
+                                   mrs_cuda_graph**) {
+  return unavailable();
+}
 
 char* mrs_cuda_graph_capture_end(mrs_cuda_graph*) { return unavailable(); }
 

@@ -1,9 +1,11 @@
 // Autograd pieces tch-rs does not expose: custom autograd functions whose forward and backward
 // are Rust callbacks, backward with explicit output gradients, and generator state access.
 #include "shim.h"
+#include "generator.h"
 #include "protect.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <memory>
 #include <ATen/Version.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -189,6 +191,49 @@ char* mrs_rng_manual_seed(int device_index, uint64_t seed) {
     auto generator = default_generator(device_index);
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_current_seed(seed);
+  });
+}
+
+char* mrs_cuda_generator_new(int device_index, uint64_t seed, mrs_generator** generator_out) {
+  return protect([&] {
+    TORCH_CHECK(device_index >= 0, "not a CUDA device index: ", device_index);
+    auto source = default_generator(device_index);
+    auto owned = std::make_unique<mrs_generator>();
+    {
+      std::lock_guard<std::mutex> lock(source.mutex());
+      owned->generator = source.clone();
+    }
+    owned->generator.set_current_seed(seed);
+    *generator_out = owned.release();
+  });
+}
+
+char* mrs_generator_get_state(mrs_generator* generator, mrs_tensor* state_out) {
+  return protect([&] {
+    std::lock_guard<std::mutex> lock(generator->generator.mutex());
+    *state_out = new at::Tensor(generator->generator.get_state());
+  });
+}
+
+char* mrs_generator_set_state(mrs_generator* generator, const mrs_tensor state) {
+  return protect([&] {
+    std::lock_guard<std::mutex> lock(generator->generator.mutex());
+    generator->generator.set_state(*state);
+  });
+}
+
+void mrs_generator_free(mrs_generator* generator) { delete generator; }
+
+char* mrs_rng_swap_default_state(int device_index, const mrs_generator* with,
+                                 mrs_generator** previous_out) {
+  return protect([&] {
+    TORCH_CHECK(device_index >= 0, "not a CUDA device index: ", device_index);
+    auto generator = default_generator(device_index);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    auto previous = std::make_unique<mrs_generator>();
+    previous->generator = generator.graphsafe_get_state();
+    generator.graphsafe_set_state(with->generator);
+    *previous_out = previous.release();
   });
 }
 

@@ -67,6 +67,20 @@ char* mrs_rng_set_state(int device_index, const mrs_tensor state);
 // Reseeds the default generator of a device (device_index < 0: the CPU).
 char* mrs_rng_manual_seed(int device_index, uint64_t seed);
 
+// A generator of its own for CUDA device `device_index`, seeded with `seed` (Megatron's
+// model-parallel stream); its state as a uint8 tensor, and restoring it.
+typedef struct mrs_generator mrs_generator;
+char* mrs_cuda_generator_new(int device_index, uint64_t seed, mrs_generator** generator_out);
+char* mrs_generator_get_state(mrs_generator* generator, mrs_tensor* state_out);
+char* mrs_generator_set_state(mrs_generator* generator, const mrs_tensor state);
+void mrs_generator_free(mrs_generator* generator);
+// Makes the default generator of CUDA device `device_index` draw from the state of `with` (the
+// two then advance one state) and writes a generator holding the state it drew from before, to
+// swap back. Only pointers change hands, so this is allowed while a CUDA graph captures
+// (graphsafe_set_state).
+char* mrs_rng_swap_default_state(int device_index, const mrs_generator* with,
+                                 mrs_generator** previous_out);
+
 // A float32 CPU tensor of N(mean, std) values drawn from a fresh generator seeded with `seed`:
 // the same values on every thread, process and device for the same seed.
 char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double std, uint64_t seed,
@@ -124,7 +138,8 @@ char* mrs_build_config(void);
 // `available` is 0 when the shim was built without CUDA headers; then every call fails.
 typedef struct mrs_cuda_graph mrs_cuda_graph;
 int mrs_cuda_graphs_available(void);
-char* mrs_cuda_graph_capture_begin(mrs_cuda_graph* share_pool_of, mrs_cuda_graph** graph_out);
+char* mrs_cuda_graph_capture_begin(mrs_cuda_graph* share_pool_of, mrs_generator* const* generators,
+                                   size_t n_generators, mrs_cuda_graph** graph_out);
 char* mrs_cuda_graph_capture_end(mrs_cuda_graph* graph);
 char* mrs_cuda_graph_replay(mrs_cuda_graph* graph);
 void mrs_cuda_graph_free(mrs_cuda_graph* graph);

@@ -57,10 +57,8 @@ pub struct TrainingArgs {
     pub device: String,
     /// Replay each micro-batch's forward and backward from a CUDA graph captured after the
     /// warm-up steps: one launch instead of a thousand kernel launches, and no gaps while the
-    /// host queues work. On a GPU without pipeline parallelism, --overlap-grad-reduce,
-    /// activation recomputation or attention dropout on the model-parallel random stream
-    /// (attention dropout without --sequence-parallel); otherwise the run says why and trains
-    /// without graphs.
+    /// host queues work. On a GPU without pipeline parallelism, --overlap-grad-reduce or
+    /// activation recomputation; otherwise the run says why and trains without graphs.
     #[arg(long)]
     pub enable_cuda_graph: bool,
     /// Eager iterations before the graph is captured.

@@ -49,10 +49,18 @@ pub struct CudaGraphHandle {
     _private: [u8; 0],
 }
 
+/// A random generator owned by the shim (`csrc/generator.h`).
+#[repr(C)]
+pub struct GeneratorHandle {
+    _private: [u8; 0],
+}
+
 extern "C" {
     pub fn mrs_cuda_graphs_available() -> c_int;
     pub fn mrs_cuda_graph_capture_begin(
         share_pool_of: *mut CudaGraphHandle,
+        generators: *const *mut GeneratorHandle,
+        n_generators: usize,
         graph_out: *mut *mut CudaGraphHandle,
     ) -> *mut c_char;
     pub fn mrs_cuda_graph_capture_end(graph: *mut CudaGraphHandle) -> *mut c_char;
@@ -111,6 +119,25 @@ extern "C" {
     pub fn mrs_rng_get_state(device_index: c_int, state_out: *mut TensorHandle) -> *mut c_char;
     pub fn mrs_rng_set_state(device_index: c_int, state: TensorHandle) -> *mut c_char;
     pub fn mrs_rng_manual_seed(device_index: c_int, seed: u64) -> *mut c_char;
+    pub fn mrs_cuda_generator_new(
+        device_index: c_int,
+        seed: u64,
+        generator_out: *mut *mut GeneratorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_generator_get_state(
+        generator: *mut GeneratorHandle,
+        state_out: *mut TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_generator_set_state(
+        generator: *mut GeneratorHandle,
+        state: TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_generator_free(generator: *mut GeneratorHandle);
+    pub fn mrs_rng_swap_default_state(
+        device_index: c_int,
+        with: *const GeneratorHandle,
+        previous_out: *mut *mut GeneratorHandle,
+    ) -> *mut c_char;
     pub fn mrs_build_config() -> *mut c_char;
     pub fn mrs_profiler_start(with_cuda: c_int, record_shapes: c_int) -> *mut c_char;
     pub fn mrs_profiler_stop(trace_path: *const c_char) -> *mut c_char;

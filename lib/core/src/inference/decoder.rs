@@ -512,7 +512,8 @@ impl Decoder {
             // not happen inside the capture. It writes the same slots the replay will.
             let _ = tch::no_grad(|| run(cache))?;
             let pool = self.graphs.values().next().map(|g| &g.graph);
-            let (graph, logits) = CudaGraph::capture(device, pool, || tch::no_grad(|| run(cache)))?;
+            let (graph, logits) =
+                CudaGraph::capture(device, pool, &[], || tch::no_grad(|| run(cache)))?;
             self.graphs
                 .insert((bucket, window), StepGraph { graph, logits });
         }

@@ -15,6 +15,7 @@ use tch::{Kind, Tensor};
 use super::layers::main_grad_linear::accumulate_product;
 use super::param::Param;
 use crate::autograd::{self, CustomFunction, SavedTensors};
+use crate::ops::softmax_cross_entropy;
 use crate::parallel::{Communicator, ReduceOp};
 
 /// `Σ loss_mask · cross_entropy(hidden · weightᵀ + bias, labels)`, float32, for `hidden`
@@ -141,6 +142,14 @@ impl FusedOutputCrossEntropy {
         with_grad: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let logits = input.linear(&self.weight, self.bias.as_ref());
+        if self.group.size() == 1
+            && softmax_cross_entropy::usable_on(logits.device(), logits.kind())
+        {
+            // One kernel: the losses, and the gradient written over the logits.
+            let scale = with_grad.then(|| held_gradient_scale(logits.kind()));
+            let loss = softmax_cross_entropy::softmax_cross_entropy(&logits, target, scale)?;
+            return Ok((loss, with_grad.then_some(logits)));
+        }
         // One fused log-softmax pass over this rank's slice of the vocabulary.
         let mut log_probs = logits.log_softmax(-1, Kind::Float);
         let (local_target, inside) = self.local_targets(target, logits.size()[1]);

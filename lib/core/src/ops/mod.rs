@@ -2,8 +2,8 @@
 //! small CUDA kernels of our own compiled at run time ([`crate::runtime::nvrtc`]).
 
 /// CUDA C++ the kernel sources share: 16-bit float types as raw bits (NVRTC gets no headers),
-/// `load`/`store` between them and float32 (the conversions as PTX instructions), and
-/// `rounded`, a float32 value rounded to one of them.
+/// `load`/`store` between them and float32 (the conversions as PTX instructions), `neg_inf`
+/// (NVRTC has no `INFINITY`), and `rounded`, a float32 value rounded to one of them.
 macro_rules! cuda_scalars {
     () => {
         r#"
@@ -30,6 +30,7 @@ __device__ __forceinline__ void store(f16* p, float value) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
     p->bits = bits;
 }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 // value rounded to T (unchanged for float), as a kernel storing it in T would round it.
 template <typename T>
 __device__ __forceinline__ float rounded(float value) {
@@ -89,6 +90,7 @@ pub mod gemm_epilogue;
 pub mod multi_tensor;
 pub mod optimizer_kernels;
 pub mod paged_attention;
+pub mod softmax_cross_entropy;
 
 pub use multi_tensor::{
     foreach_add_, foreach_copy_, foreach_mul_, foreach_zero_, fused_adamw, set_deterministic,

@@ -37,7 +37,6 @@ constexpr int UNROLL = 8;
 // Table entries kept in shared memory (positions up to TABLE_CACHE * BLOCK_SIZE), so that a
 // position's load waits for one memory round trip instead of two.
 constexpr int TABLE_CACHE = 256;
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 constexpr int BLOCK_SIZE = 16;
 
 // query [rows, heads, D] (channels contiguous, rows and heads at the given strides); pool

@@ -3,6 +3,7 @@
 
 use crate::autograd::ffi::{self, CudaGraphHandle};
 use crate::error::check;
+use crate::rng::CudaGenerator;
 use crate::TorchError;
 
 use super::CudaStream;
@@ -33,20 +34,32 @@ unsafe impl Send for CudaGraph {}
 impl CudaGraph {
     /// Captures the kernels `body` enqueues on `device` into a graph; nothing runs. The capture
     /// happens on a side stream ordered after the work enqueued so far. With `share_pool_of`, the
-    /// new graph allocates from that graph's pool: both must never run concurrently.
+    /// new graph allocates from that graph's pool: both must never run concurrently. Kernels
+    /// may draw random numbers from the default generators and from `generators` (swapped into
+    /// a default one, see [`crate::rng::with_model_parallel_rng`]); each replay advances them.
     pub fn capture<T>(
         device: usize,
         share_pool_of: Option<&CudaGraph>,
+        generators: &[&CudaGenerator],
         body: impl FnOnce() -> anyhow::Result<T>,
     ) -> anyhow::Result<(CudaGraph, T)> {
         let current = CudaStream::current(device)?;
         let side = CudaStream::from_pool(device)?;
         side.wait_for(&current)?;
         let pool = share_pool_of.map_or(std::ptr::null_mut(), |g| g.handle);
+        let generators: Vec<_> = generators.iter().map(|g| g.handle()).collect();
         let captured = side.run(|| -> anyhow::Result<(CudaGraph, T)> {
             let mut handle = std::ptr::null_mut();
-            // SAFETY: on success the shim writes an owned graph handle.
-            check(unsafe { ffi::mrs_cuda_graph_capture_begin(pool, &mut handle) })?;
+            // SAFETY: the generator handles are live for the call; on success the shim writes an
+            // owned graph handle.
+            check(unsafe {
+                ffi::mrs_cuda_graph_capture_begin(
+                    pool,
+                    generators.as_ptr(),
+                    generators.len(),
+                    &mut handle,
+                )
+            })?;
             let graph = CudaGraph { handle };
             let out = body();
             // The capture must end whether or not the body failed, or the stream stays capturing.

@@ -169,7 +169,7 @@ fn rng_tensors(device: Device) -> Result<Vec<(String, Tensor)>> {
             GeneratorState::capture(device)?.tensor().copy(),
         ));
     }
-    if let Some(state) = model_parallel_rng_state() {
+    if let Some(state) = model_parallel_rng_state()? {
         states.push(("model_parallel_rng_state".to_string(), state));
     }
     Ok(states)
@@ -431,7 +431,7 @@ pub fn restore_training_state(
                 GeneratorState::from_tensor(device, cuda.shallow_clone()).restore()?;
             }
             if let (Some(state), true) = (rng.get("model_parallel_rng_state"), device.is_cuda()) {
-                set_model_parallel_rng_state(device, state.shallow_clone());
+                set_model_parallel_rng_state(device, state)?;
             }
         }
     }

@@ -16,6 +16,7 @@ use crate::args::PretrainArgs;
 use crate::loader::DeviceBatch;
 use crate::model::Recompute;
 use crate::parallel::ParallelState;
+use crate::rng::{self, CudaGenerator};
 use crate::runtime::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
 
 /// Why this run cannot replay its micro-batches from a CUDA graph, or `None` when it can.
@@ -34,11 +35,6 @@ pub fn unsupported_reason(
         Some("--overlap-grad-reduce starts reductions from hooks on the host during the backward")
     } else if args.recompute.recompute()? != Recompute::None {
         Some("activation recomputation swaps random-generator states on the host in the backward")
-    } else if args.model.attention_dropout > 0.0 && !parallel.sequence_parallel {
-        Some(
-            "attention dropout draws from the model-parallel random stream, which is swapped in \
-             on the host (--attention-dropout 0 or --sequence-parallel allow graphs)",
-        )
     } else {
         None
     })
@@ -136,7 +132,10 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
         // The activations of the eager steps stay cached in the allocator's general pool, where
         // nothing will use them once steps replay; the graph's pool would come on top.
         cuda_empty_cache()?;
-        let (graph, totals) = CudaGraph::capture(self.device, None, || {
+        // Attention dropout forks to the model-parallel stream, whose state the graph advances.
+        let stream = rng::model_parallel_generator();
+        let generators: Vec<&CudaGenerator> = stream.as_deref().into_iter().collect();
+        let (graph, totals) = CudaGraph::capture(self.device, None, &generators, || {
             let mut captured = FamilyStage {
                 family: stage.family,
                 chunks: stage.chunks,
