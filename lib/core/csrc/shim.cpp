@@ -246,6 +246,10 @@ char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double s
   });
 }
 
+char* mrs_pin_memory(const mrs_tensor tensor, mrs_tensor* pinned_out) {
+  return protect([&] { *pinned_out = new at::Tensor(tensor->pin_memory()); });
+}
+
 char* mrs_current_stream(int device_index, void** stream_out) {
   return protect([&] {
     *stream_out = cuda_guard()->getStream(cuda_device(device_index)).native_handle();

@@ -90,6 +90,9 @@ char* mrs_seeded_normal(const int64_t* shape, size_t ndim, double mean, double s
 // its raw cudaStream_t, so that collectives launched outside libtorch (NCCL) are ordered with
 // libtorch's kernels. Both go through c10's device-guard interface and need no CUDA headers.
 char* mrs_current_stream(int device_index, void** stream_out);
+// A copy of the CPU tensor `tensor` in page-locked memory (libtorch's caching host allocator),
+// from which copies to a GPU run asynchronously.
+char* mrs_pin_memory(const mrs_tensor tensor, mrs_tensor* pinned_out);
 // Makes a CUDA device current on the calling thread (torch.cuda.set_device).
 char* mrs_set_device(int device_index);
 

@@ -234,6 +234,52 @@ fn on_a_gpu_odd_layouts_and_empty_inputs_are_handled() {
     assert_eq!(grads.bias.unwrap().abs().max().double_value(&[]), 0.0);
 }
 
+/// With the optimizer's float32 gradients given (gradient-accumulation fusion), the weight and
+/// bias gradients are added to them in float32: the same sums the bf16 gradients round, added to
+/// what the buffers held, and the input gradient is unchanged.
+#[test]
+fn on_a_gpu_parameter_gradients_go_into_the_main_gradients() {
+    let Some(device) = cuda_or_skip() else {
+        return;
+    };
+    let kind = Kind::BFloat16;
+    let (rows, hidden) = (777, 1024);
+    let [weight, bias] = layer_norm_params(hidden, kind, device);
+    let norm = layer_norm(&weight, &bias);
+    let residual = values(&[rows, hidden], 0.37, 3.0, kind, device);
+    let delta = values(&[rows, hidden], 0.71, 1.0, kind, device);
+    let grad_normed = values(&[rows, hidden], 0.13, 1.0, kind, device);
+    let grad_sum = values(&[rows, hidden], 0.29, 0.5, kind, device);
+    let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
+    let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
+    let held = [0.25, -0.5].map(|v| Tensor::full([hidden], v, (Kind::Float, device)));
+    let [main_weight, main_bias] = held.each_ref().map(Tensor::copy);
+    let main = add_norm::MainGrads {
+        weight: &main_weight,
+        bias: Some(&main_bias),
+    };
+    let input =
+        add_norm::backward_into(&grad_normed, &grad_sum, &fused.saved, &norm, main).unwrap();
+    assert!(input.equal(&grads.input), "the input gradient changed");
+    for (name, main, start, rounded) in [
+        ("weight", &main_weight, &held[0], &grads.weight),
+        ("bias", &main_bias, &held[1], grads.bias.as_ref().unwrap()),
+    ] {
+        let added = main - start;
+        // The bf16 gradient is the same float32 sum rounded once (half a unit in its last
+        // place, 2⁻⁹ of the value).
+        let error = relative_error(&added, rounded);
+        assert!(
+            error <= 4e-3,
+            "the {name} gradient added differs from the bf16 one by {error:.3e}"
+        );
+        assert!(
+            added.abs().max().double_value(&[]) > 0.0,
+            "nothing was added"
+        );
+    }
+}
+
 /// The gamma/beta sums run in a fixed order: the same inputs give the same bits, over enough
 /// rows for hundreds of partial rows.
 #[test]

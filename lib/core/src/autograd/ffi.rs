@@ -144,6 +144,7 @@ extern "C" {
     pub fn mrs_cuda_profiler_start() -> *mut c_char;
     pub fn mrs_cuda_profiler_stop() -> *mut c_char;
     pub fn mrs_current_stream(device_index: c_int, stream_out: *mut *mut c_void) -> *mut c_char;
+    pub fn mrs_pin_memory(tensor: TensorHandle, pinned_out: *mut TensorHandle) -> *mut c_char;
     pub fn mrs_set_device(device_index: c_int) -> *mut c_char;
     pub fn mrs_seeded_normal(
         shape: *const i64,

@@ -26,11 +26,23 @@ pub trait DeviceBatch: Send + 'static {
     /// Every tensor of the batch, in a fixed order (absent optional ones left out).
     fn tensors(&self) -> Vec<&Tensor>;
 
+    /// The batch on `device`. Host tensors bound for a GPU go through pinned memory: a copy from
+    /// pageable memory would first wait for everything queued on the stream (the previous
+    /// step's optimizer), so the host could not queue the next step meanwhile.
     fn to_device(&self, device: Device) -> Self
     where
         Self: Sized,
     {
-        self.map_tensors(&mut |t| t.to_device_(device, t.kind(), true, false))
+        self.map_tensors(&mut |t| {
+            let source = match (device, t.device()) {
+                // Without pinned memory (none left) the copy is only slower.
+                (Device::Cuda(_), Device::Cpu) => {
+                    crate::runtime::pinned(t).unwrap_or_else(|_| t.shallow_clone())
+                }
+                _ => t.shallow_clone(),
+            };
+            source.to_device_(device, t.kind(), true, false)
+        })
     }
 }
 

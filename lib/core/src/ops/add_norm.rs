@@ -62,6 +62,7 @@ pub const SOURCE: KernelSource = KernelSource {
     name: "add_norm",
     source: concat!(
         cuda_scalars!(),
+        column_totals!(),
         r#"
 constexpr int VEC = 8;
 constexpr int BLOCK_THREADS = 256;
@@ -336,30 +337,14 @@ __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const
     }
 }
 
-// Column blockIdx.x * 32 + threadIdx.x of partials [blocks, hidden] summed over the blocks in
-// order (row group threadIdx.y adds every blockDim.y-th partial row, then the groups are added
-// in order), rounded to T. blockIdx.y 0: partial_gamma → grad_weight; 1: partial_beta →
-// grad_bias.
+// The column totals rounded to T: partial_gamma → grad_weight, partial_beta → grad_bias.
 template <typename T>
 __device__ void param_grad(const float* partial_gamma, const float* partial_beta,
                            long long blocks, int hidden, T* grad_weight, T* grad_bias) {
-    __shared__ float sums[32][33];
-    const float* partial = blockIdx.y == 0 ? partial_gamma : partial_beta;
-    T* out = blockIdx.y == 0 ? grad_weight : grad_bias;
+    const float total = column_total(partial_gamma, partial_beta, blocks, hidden);
     const int column = blockIdx.x * 32 + threadIdx.x;
-    float sum = 0.f;
-    if (column < hidden) {
-        for (long long b = threadIdx.y; b < blocks; b += blockDim.y) {
-            sum += partial[b * hidden + column];
-        }
-    }
-    sums[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.y == 0 && column < hidden) {
-        float total = 0.f;
-        for (int y = 0; y < blockDim.y; ++y) total += sums[y][threadIdx.x];
-        store(out + column, total);
-    }
+    T* out = blockIdx.y == 0 ? grad_weight : grad_bias;
+    if (threadIdx.y == 0 && column < hidden) store(out + column, total);
 }
 
 #define ADD_NORM(SUFFIX, T, VPT)                                                             \
@@ -425,6 +410,7 @@ PARAM_GRAD(f32, float)
         "add_norm_param_grad_bf16",
         "add_norm_param_grad_f16",
         "add_norm_param_grad_f32",
+        "column_totals_into_main",
     ],
 };
 
@@ -629,6 +615,42 @@ pub fn backward(
     saved: &Saved,
     norm: &InputNorm,
 ) -> Result<Grads> {
+    let (input, params) = run_backward(grad_normed, grad_sum, saved, norm, None)?;
+    let (weight, bias) = params.expect("asked for the parameters' gradients");
+    Ok(Grads {
+        input,
+        weight,
+        bias,
+    })
+}
+
+/// The optimizer's float32 gradients of a norm's weight and (LayerNorm) bias, `[hidden]`.
+pub struct MainGrads<'a> {
+    pub weight: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+}
+
+/// Like [`backward`], with the weight and bias gradients added in float32 to `main` instead of
+/// returned in the parameters' dtype; gives the input gradient.
+pub fn backward_into(
+    grad_normed: &Tensor,
+    grad_sum: &Tensor,
+    saved: &Saved,
+    norm: &InputNorm,
+    main: MainGrads,
+) -> Result<Tensor> {
+    Ok(run_backward(grad_normed, grad_sum, saved, norm, Some(main))?.0)
+}
+
+/// The input gradient and, without `main`, the parameters' gradients.
+#[allow(clippy::type_complexity)]
+fn run_backward(
+    grad_normed: &Tensor,
+    grad_sum: &Tensor,
+    saved: &Saved,
+    norm: &InputNorm,
+    main: Option<MainGrads>,
+) -> Result<(Tensor, Option<(Tensor, Option<Tensor>)>)> {
     let (kind, device, shape) = (saved.sum.kind(), saved.sum.device(), saved.sum.size());
     let (index, hidden) = check_norm(norm, kind, device)?;
     let rows = saved.sum.numel() as i64 / hidden;
@@ -654,23 +676,42 @@ pub fn backward(
         );
     }
     let grad_input = Tensor::empty(shape.as_slice(), (kind, device));
-    let mut grad_weight = Tensor::empty([hidden], (kind, device));
-    let grad_bias = norm
-        .bias
-        .is_some()
-        .then(|| Tensor::empty([hidden], (kind, device)));
+    if let Some(main) = &main {
+        for (what, target) in [("weight", Some(main.weight)), ("bias", main.bias)] {
+            if let Some(target) = target {
+                ensure!(
+                    target.kind() == Kind::Float
+                        && target.size() == [hidden]
+                        && target.is_contiguous()
+                        && target.device() == device,
+                    "the main gradient of the norm's {what} is {:?} {:?}; expected float32 \
+                     [{hidden}] on {device:?}",
+                    target.kind(),
+                    target.size()
+                );
+            }
+        }
+        ensure!(
+            main.bias.is_some() == norm.bias.is_some(),
+            "the norm's bias and its main gradient come together"
+        );
+    }
+    // Without `main`, the parameters' gradients in their dtype.
+    let new_grads = main.is_none().then(|| {
+        let new = || Tensor::empty([hidden], (kind, device));
+        (new(), norm.bias.is_some().then(new))
+    });
     if rows == 0 {
-        return Ok(Grads {
-            input: grad_input,
-            weight: grad_weight.zero_(),
-            bias: grad_bias.map(|mut b| b.zero_()),
-        });
+        let zeroed =
+            new_grads.map(|(mut weight, bias)| (weight.zero_(), bias.map(|mut b| b.zero_())));
+        return Ok((grad_input, zeroed));
     }
     let layout = RowLayout::new(hidden);
     let rows_per_block = layout.backward_rows_per_block(rows);
     let blocks = ceil_div(rows, rows_per_block);
     let partial_gamma = Tensor::empty([blocks, hidden], (Kind::Float, device));
-    let partial_beta = grad_bias
+    let partial_beta = norm
+        .bias
         .is_some()
         .then(|| Tensor::empty([blocks, hidden], (Kind::Float, device)));
     let suffix = dtype_name(kind)?;
@@ -711,8 +752,13 @@ pub fn backward(
     ];
     let (mut partial_gamma_ptr, mut partial_beta_ptr) = (gamma_ptr, beta_ptr);
     let (mut blocks_arg, mut columns_arg) = (blocks, hidden as i32);
-    let mut grad_weight_ptr = grad_weight.data_ptr() as u64;
-    let mut grad_bias_ptr = grad_bias.as_ref().map_or(0u64, |t| t.data_ptr() as u64);
+    let (weight_out, bias_out) = match (&main, &new_grads) {
+        (Some(main), _) => (main.weight, main.bias),
+        (None, Some((weight, bias))) => (weight, bias.as_ref()),
+        (None, None) => unreachable!("new gradients are made without main ones"),
+    };
+    let mut grad_weight_ptr = weight_out.data_ptr() as u64;
+    let mut grad_bias_ptr = bias_out.map_or(0u64, |t| t.data_ptr() as u64);
     let mut param_args = [
         kernel_arg(&mut partial_gamma_ptr),
         kernel_arg(&mut partial_beta_ptr),
@@ -721,13 +767,18 @@ pub fn backward(
         kernel_arg(&mut grad_weight_ptr),
         kernel_arg(&mut grad_bias_ptr),
     ];
-    let param_grids = if grad_bias.is_some() { 2 } else { 1 };
+    let param_grids = if norm.bias.is_some() { 2 } else { 1 };
+    let param_kernel = match main {
+        Some(_) => "column_totals_into_main".to_string(),
+        None => format!("add_norm_param_grad_{suffix}"),
+    };
     // SAFETY: the arguments match the kernels' parameters in order and type (pointers as u64,
     // rows and the block count as i64, the hidden size, rows per block and flags as i32); the
     // activations and gradients are contiguous, 16-byte aligned [rows, hidden] of the kernels'
     // dtype, the weight [hidden], mean and rstd float32 [rows], the partial rows float32
     // [blocks, hidden] with blocks · rows_per_block >= rows (rows_per_block a multiple of the
-    // row groups), the parameter gradients [hidden]; the bias pointers are null exactly when
+    // row groups), the parameter gradients [hidden] (float32 main gradients for
+    // `column_totals_into_main`, checked above); the bias pointers are null exactly when
     // there is no bias (then one grid row of the second kernel). All live on this device until
     // the kernels have run: memory returned to the caching allocator is reused only by work
     // queued after them on this stream.
@@ -739,17 +790,13 @@ pub fn backward(
             &mut args,
         )?;
         module.launch(
-            &format!("add_norm_param_grad_{suffix}"),
+            &param_kernel,
             (ceil_div(hidden, 32) as u32, param_grids, 1),
             (32, PARAM_GRAD_GROUPS, 1),
             &mut param_args,
         )?;
     }
-    Ok(Grads {
-        input: grad_input,
-        weight: grad_weight,
-        bias: grad_bias,
-    })
+    Ok((grad_input, new_grads))
 }
 
 /// Whether the fused add + norm should run for `kind` activations with rows of `hidden` on

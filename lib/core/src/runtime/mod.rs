@@ -37,6 +37,16 @@ pub fn current_cuda_stream(index: usize) -> Result<*mut c_void, TorchError> {
     Ok(stream)
 }
 
+/// A copy of the CPU tensor `tensor` in page-locked memory, from which a copy to a GPU runs
+/// asynchronously (from pageable memory it would first wait for the work queued on the stream).
+pub fn pinned(tensor: &tch::Tensor) -> Result<tch::Tensor, TorchError> {
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: the tensor handle is live for the call; on success the shim writes a new handle.
+    check(unsafe { ffi::mrs_pin_memory(ffi::handle(tensor), &mut handle) })?;
+    // SAFETY: the handle is a fresh tensor we own.
+    Ok(unsafe { tch::Tensor::from_ptr(handle) })
+}
+
 /// Makes CUDA device `index` current on the calling thread, for libraries that act on the
 /// current device (NCCL's communicator setup).
 pub fn set_cuda_device(index: usize) -> Result<(), TorchError> {

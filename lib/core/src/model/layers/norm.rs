@@ -71,10 +71,18 @@ impl Norm {
             let normed = self.forward(&sum);
             return Ok((sum, normed));
         }
+        // With gradient-accumulation fusion the weight and bias gradients go straight into the
+        // optimizer's float32 buffer (no bf16 gradients to accumulate, add there and zero).
+        let main_grads = match (self.weight.main_grad().get(), &self.bias) {
+            (Some(weight), None) => Some((weight, None)),
+            (Some(weight), Some(bias)) => bias.main_grad().get().map(|b| (weight, Some(b))),
+            (None, _) => None,
+        };
         let function = FusedAddNorm {
             kind: self.kind,
             eps: self.eps,
             one_plus: self.one_plus,
+            main_grads,
         };
         let mut inputs = vec![residual, delta, self.weight.tensor()];
         inputs.extend(self.bias.as_ref().map(Param::tensor));
@@ -103,9 +111,9 @@ impl Norm {
             sequence_parallel: self.sequence_parallel,
             ..Default::default()
         };
-        out.push("weight", &self.weight, attributes);
+        out.push_fusable("weight", &self.weight, attributes);
         if let Some(bias) = &self.bias {
-            out.push("bias", bias, attributes);
+            out.push_fusable("bias", bias, attributes);
         }
     }
 }
@@ -117,6 +125,8 @@ struct FusedAddNorm {
     kind: Normalization,
     eps: f64,
     one_plus: bool,
+    /// The optimizer's float32 gradients of the weight and bias, when it gave them.
+    main_grads: Option<(Tensor, Option<Tensor>)>,
 }
 
 impl FusedAddNorm {
@@ -160,6 +170,19 @@ impl CustomFunction for FusedAddNorm {
             rstd: saved[2].shallow_clone(),
         };
         let norm = self.input_norm(&saved[3], saved.get(4));
+        if let Some((weight, bias)) = &self.main_grads {
+            let main = add_norm::MainGrads {
+                weight,
+                bias: bias.as_ref(),
+            };
+            let input =
+                add_norm::backward_into(&grad_outputs[1], &grad_outputs[0], &kept, &norm, main)?;
+            let mut out = vec![Some(input.shallow_clone()), Some(input), None];
+            if bias.is_some() {
+                out.push(None);
+            }
+            return Ok(out);
+        }
         let grads = add_norm::backward(&grad_outputs[1], &grad_outputs[0], &kept, &norm)?;
         let mut out = vec![
             Some(grads.input.shallow_clone()),
