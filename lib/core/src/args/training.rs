@@ -61,7 +61,7 @@ pub struct TrainingArgs {
     /// activation recomputation; otherwise the run says why and trains without graphs.
     #[arg(long)]
     pub enable_cuda_graph: bool,
-    /// Eager iterations before the graph is captured.
+    /// Eager iterations before the graph is captured (at least one).
     #[arg(long, default_value_t = 3)]
     pub cuda_graph_warmup_steps: u64,
     /// Accepted for Megatron's scripts: full, attn or full_iteration. Every scope captures the

@@ -51,7 +51,11 @@ pub fn fused_output_cross_entropy(
         target: labels.transpose(0, 1).reshape([tokens]),
         token_weights: loss_mask.transpose(0, 1).reshape([tokens]),
         group: group.clone(),
-        chunk: chunk_tokens.unwrap_or_else(|| default_chunk_tokens(tokens, local_vocab, h)),
+        chunk: chunk_tokens.unwrap_or_else(|| {
+            let in_place = group.size() == 1
+                && softmax_cross_entropy::usable_on(hidden.device(), hidden.kind());
+            default_chunk_tokens(tokens, local_vocab, h, in_place)
+        }),
         weight_main_grad: weight.main_grad().get(),
         grads: None,
     };
@@ -69,8 +73,12 @@ pub fn fused_output_cross_entropy(
 /// eight times the size of all the hidden states (Liger-Kernel takes once). Each chunk adds its
 /// weight gradient into a float32 `[V/t, h]` buffer, a pass over it, so few large chunks beat
 /// many small ones while a chunk's float32 logits stay at a few hundred MB for GPT-sized models.
-pub fn default_chunk_tokens(tokens: i64, local_vocab: i64, hidden: i64) -> i64 {
-    let ratio = (local_vocab + 8 * hidden - 1) / (8 * hidden).max(1);
+/// With `in_place` (the fused softmax kernel writes the gradient over the 16-bit logits, and no
+/// float32 copy exists) a chunk needs a quarter of the memory per token, so it holds four
+/// times as many.
+pub fn default_chunk_tokens(tokens: i64, local_vocab: i64, hidden: i64, in_place: bool) -> i64 {
+    let per_chunk = if in_place { 32 } else { 8 } * hidden;
+    let ratio = (local_vocab + per_chunk - 1) / per_chunk.max(1);
     let chunk = (tokens + ratio - 1) / ratio.max(1);
     (chunk.max(1) as u64).next_power_of_two() as i64
 }
@@ -547,12 +555,15 @@ mod tests {
     #[test]
     fn a_chunk_holds_a_fraction_of_the_logits_of_gpt_sized_models() {
         // GPT-345M and 1.3B at micro-batch 8 × 1024 tokens, vocabulary 50304 on one rank:
-        // the largest [chunk, V] buffer is a quarter of the full logits.
-        assert_eq!(default_chunk_tokens(8192, 50304, 1024), 2048);
-        assert_eq!(default_chunk_tokens(8192, 50304, 2048), 2048);
+        // the largest [chunk, V] buffer is a quarter of the full logits on libtorch's path.
+        assert_eq!(default_chunk_tokens(8192, 50304, 1024, false), 2048);
+        assert_eq!(default_chunk_tokens(8192, 50304, 2048, false), 2048);
+        // With the gradient written over the bf16 logits: half, and all of them.
+        assert_eq!(default_chunk_tokens(8192, 50304, 1024, true), 4096);
+        assert_eq!(default_chunk_tokens(8192, 50304, 2048, true), 8192);
         // A power of two, at least one token.
-        assert_eq!(default_chunk_tokens(10, 11, 4), 16);
-        assert_eq!(default_chunk_tokens(1, 1 << 20, 4), 1);
+        assert_eq!(default_chunk_tokens(10, 11, 4, false), 16);
+        assert_eq!(default_chunk_tokens(1, 1 << 20, 4, true), 1);
     }
 }
 

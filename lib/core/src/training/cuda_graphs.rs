@@ -58,10 +58,13 @@ struct Captured<B> {
 }
 
 impl<B: DeviceBatch> MicrobatchGraph<B> {
+    /// At least one step runs eagerly, whatever `warmup_steps` says: the first compiles our
+    /// kernels and runs their self-checks, which read results back to the host (not allowed
+    /// while a graph captures).
     pub fn new(device: usize, warmup_steps: u64) -> Self {
         MicrobatchGraph {
             device,
-            warmup_left: warmup_steps,
+            warmup_left: warmup_steps.max(1),
             captured: None,
         }
     }
