@@ -16,8 +16,9 @@ use megatron_core::args::GptPretrainArgs;
 use megatron_core::model::config::Normalization;
 use megatron_core::model::layers::Norm;
 use megatron_core::model::param::Initializer;
-use megatron_core::ops::add_norm::{self, relative_error, unfused, SOURCE};
+use megatron_core::ops::add_norm::{self, unfused, SOURCE};
 use megatron_core::ops::decode_gemv::InputNorm;
+use megatron_core::ops::relative_error;
 use megatron_core::runtime::nvrtc::check_compiles;
 use tch::{Device, Kind, Tensor};
 
@@ -234,6 +235,12 @@ fn on_a_gpu_odd_layouts_and_empty_inputs_are_handled() {
     assert_eq!(grads.bias.unwrap().abs().max().double_value(&[]), 0.0);
 }
 
+/// Made-up `[rows, hidden]` residual, delta and gradients of the normed output and of the sum.
+fn rows_of(rows: i64, hidden: i64, kind: Kind, device: Device) -> [Tensor; 4] {
+    [(0.37, 3.0), (0.71, 1.0), (0.13, 1.0), (0.29, 0.5)]
+        .map(|(step, scale)| values(&[rows, hidden], step, scale, kind, device))
+}
+
 /// With the optimizer's float32 gradients given (gradient-accumulation fusion), the weight and
 /// bias gradients are added to them in float32: the same sums the bf16 gradients round, added to
 /// what the buffers held, and the input gradient is unchanged.
@@ -246,10 +253,7 @@ fn on_a_gpu_parameter_gradients_go_into_the_main_gradients() {
     let (rows, hidden) = (777, 1024);
     let [weight, bias] = layer_norm_params(hidden, kind, device);
     let norm = layer_norm(&weight, &bias);
-    let residual = values(&[rows, hidden], 0.37, 3.0, kind, device);
-    let delta = values(&[rows, hidden], 0.71, 1.0, kind, device);
-    let grad_normed = values(&[rows, hidden], 0.13, 1.0, kind, device);
-    let grad_sum = values(&[rows, hidden], 0.29, 0.5, kind, device);
+    let [residual, delta, grad_normed, grad_sum] = rows_of(rows, hidden, kind, device);
     let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
     let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
     let held = [0.25, -0.5].map(|v| Tensor::full([hidden], v, (Kind::Float, device)));
@@ -291,10 +295,7 @@ fn on_a_gpu_the_fused_add_norm_is_deterministic() {
     let (rows, hidden) = (8191, 1024);
     let [weight, bias] = layer_norm_params(hidden, kind, device);
     let norm = layer_norm(&weight, &bias);
-    let residual = values(&[rows, hidden], 0.37, 3.0, kind, device);
-    let delta = values(&[rows, hidden], 0.71, 1.0, kind, device);
-    let grad_normed = values(&[rows, hidden], 0.13, 1.0, kind, device);
-    let grad_sum = values(&[rows, hidden], 0.29, 0.5, kind, device);
+    let [residual, delta, grad_normed, grad_sum] = rows_of(rows, hidden, kind, device);
     let run = || {
         let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
         let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
@@ -422,21 +423,10 @@ fn on_a_gpu_training_with_the_fusion_tracks_training_without() {
         (&[][..], 2e-5),
     ] {
         let flags: Vec<&str> = base.iter().chain(extra).copied().collect();
+        // The CPU test of this file reads the variable too.
         let _environment = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
-        let fused = support::gpu_lm_losses::<GptPretrainArgs>(&flags);
-        std::env::set_var(add_norm::VARIABLE, "0");
-        let plain = support::gpu_lm_losses::<GptPretrainArgs>(&flags);
-        std::env::remove_var(add_norm::VARIABLE);
-        eprintln!("{extra:?}: fused {fused:?}\nunfused {plain:?}");
-        assert_eq!(fused.len(), 8, "{fused:?}");
-        assert_eq!(plain.len(), 8, "{plain:?}");
-        for (step, (a, b)) in fused.iter().zip(&plain).enumerate() {
-            assert!(
-                (a - b).abs() <= tolerance * b,
-                "{extra:?}: step {} loss {a} fused, {b} unfused",
-                step + 1
-            );
-        }
-        assert!(fused[7] < fused[0], "{extra:?}: {fused:?} did not learn");
+        let (fused, plain) =
+            support::gpu_lm_losses_with_and_without::<GptPretrainArgs>(&flags, add_norm::VARIABLE);
+        support::assert_tracks(&fused, &plain, 8, tolerance, &format!("{extra:?}"));
     }
 }

@@ -11,6 +11,7 @@ use megatron_core::args::GptPretrainArgs;
 use megatron_core::ops::gelu_bias_grad::{
     gelu_backward_with_bias_grad, reference, SOURCE, VARIABLE,
 };
+use megatron_core::ops::relative_error;
 use megatron_core::runtime::nvrtc::check_compiles;
 use tch::{Device, Kind, Tensor};
 
@@ -25,17 +26,6 @@ fn values(rows: i64, columns: i64, step: f64, scale: f64, kind: Kind) -> Tensor 
     ((Tensor::arange(rows * columns, (Kind::Float, Device::Cuda(0))) * step).sin() * scale)
         .view([rows, columns])
         .to_kind(kind)
-}
-
-/// Largest difference relative to `want`'s largest magnitude.
-fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
-    let want = want.to_kind(Kind::Double);
-    let scale = want.abs().max().double_value(&[]).max(1e-12);
-    (got.to_kind(Kind::Double) - want)
-        .abs()
-        .max()
-        .double_value(&[])
-        / scale
 }
 
 #[test]
@@ -91,18 +81,7 @@ fn on_a_gpu_training_on_the_kernel_tracks_libtorchs_ops() {
     }
     let mut flags = support::tiny_training(support::TINY_MODEL);
     flags.extend(["--bf16", "--train-iters", "8"]);
-    let fused = support::gpu_lm_losses::<GptPretrainArgs>(&flags);
-    std::env::set_var(VARIABLE, "0");
-    let plain = support::gpu_lm_losses::<GptPretrainArgs>(&flags);
-    std::env::remove_var(VARIABLE);
-    eprintln!("kernel: {fused:?}\nlibtorch: {plain:?}");
-    assert_eq!(fused.len(), 8);
-    for (step, (a, b)) in fused.iter().zip(&plain).enumerate() {
-        assert!(
-            (a - b).abs() <= 2e-3 * b,
-            "step {}: {a} against {b}",
-            step + 1
-        );
-    }
-    assert!(fused[7] < fused[0], "the loss did not fall: {fused:?}");
+    let (fused, plain) =
+        support::gpu_lm_losses_with_and_without::<GptPretrainArgs>(&flags, VARIABLE);
+    support::assert_tracks(&fused, &plain, 8, 2e-3, "the GeLU + bias gradient kernel");
 }

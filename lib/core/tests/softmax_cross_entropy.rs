@@ -8,6 +8,7 @@
 mod support;
 
 use megatron_core::args::GptPretrainArgs;
+use megatron_core::ops::relative_error;
 use megatron_core::ops::softmax_cross_entropy::{
     reference, softmax_cross_entropy, SOURCE, VARIABLE,
 };
@@ -19,17 +20,6 @@ fn the_softmax_cross_entropy_kernels_compile_for_ampere_and_hopper() {
     for arch in ["compute_80", "compute_90"] {
         check_compiles(&SOURCE, arch).unwrap();
     }
-}
-
-/// Largest difference of `got` from `want` relative to `want`'s largest magnitude (at least 1).
-fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
-    let want = want.to_kind(Kind::Double);
-    let scale = want.abs().max().double_value(&[]).max(1.0);
-    (got.to_kind(Kind::Double) - want)
-        .abs()
-        .max()
-        .double_value(&[])
-        / scale
 }
 
 #[test]
@@ -111,19 +101,8 @@ fn on_a_gpu_training_on_the_kernel_tracks_libtorchs_ops() {
         "--train-iters",
         "8",
     ]);
-    let fused = support::gpu_lm_losses::<GptPretrainArgs>(&flags);
-    std::env::set_var(VARIABLE, "0");
-    let plain = support::gpu_lm_losses::<GptPretrainArgs>(&flags);
-    std::env::remove_var(VARIABLE);
-    eprintln!("kernel: {fused:?}\nlibtorch: {plain:?}");
-    assert_eq!(fused.len(), 8);
+    let (fused, plain) =
+        support::gpu_lm_losses_with_and_without::<GptPretrainArgs>(&flags, VARIABLE);
     assert_ne!(fused, plain, "the variable changed nothing");
-    for (step, (a, b)) in fused.iter().zip(&plain).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-3 * b,
-            "step {}: {a} against {b}",
-            step + 1
-        );
-    }
-    assert!(fused[7] < fused[0], "the loss did not fall: {fused:?}");
+    support::assert_tracks(&fused, &plain, 8, 1e-3, "the softmax cross entropy kernel");
 }

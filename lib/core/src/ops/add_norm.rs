@@ -26,14 +26,14 @@
 //! rounds `grad · gamma` to the activation dtype first; the gamma/beta gradients are summed in
 //! another order (float32 either way).
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::decode_gemv::InputNorm;
-use super::{aligned, dtype_name, kernel_arg};
+use super::{
+    aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
+    COLUMN_TOTAL_GROUPS,
+};
 use crate::model::config::Normalization;
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
@@ -55,64 +55,17 @@ const BLOCK_THREADS: i64 = 256;
 const MIN_ROWS_PER_GROUP: i64 = 8;
 const MAX_PARTIALS: i64 = 512;
 
-/// Row groups of the kernel adding up the partial rows (32 columns each).
-const PARAM_GRAD_GROUPS: u32 = 16;
-
 pub const SOURCE: KernelSource = KernelSource {
     name: "add_norm",
     source: concat!(
         cuda_scalars!(),
+        vectors8!(),
         column_totals!(),
         r#"
 constexpr int VEC = 8;
 constexpr int BLOCK_THREADS = 256;
 
-struct alignas(16) Words { unsigned int w[4]; };
-struct alignas(16) Floats { float f[4]; };
 struct Pair { float a, b; };
-
-// 8 consecutive elements (16-byte aligned) to float32 and back; the stores round to nearest even.
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) {
-    const Words v = *reinterpret_cast<const Words*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        T low, high;
-        low.bits = (unsigned short)(v.w[k] & 0xffffu);
-        high.bits = (unsigned short)(v.w[k] >> 16);
-        out[2 * k] = load(&low);
-        out[2 * k + 1] = load(&high);
-    }
-}
-__device__ __forceinline__ void load8(const float* p, float* out) {
-    const Floats a = reinterpret_cast<const Floats*>(p)[0];
-    const Floats b = reinterpret_cast<const Floats*>(p)[1];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        out[k] = a.f[k];
-        out[4 + k] = b.f[k];
-    }
-}
-template <typename T> __device__ __forceinline__ void store8(T* p, const float* in) {
-    Words v;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        T low, high;
-        store(&low, in[2 * k]);
-        store(&high, in[2 * k + 1]);
-        v.w[k] = (unsigned int)low.bits | ((unsigned int)high.bits << 16);
-    }
-    *reinterpret_cast<Words*>(p) = v;
-}
-__device__ __forceinline__ void store8(float* p, const float* in) {
-    Floats a, b;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        a.f[k] = in[k];
-        b.f[k] = in[4 + k];
-    }
-    reinterpret_cast<Floats*>(p)[0] = a;
-    reinterpret_cast<Floats*>(p)[1] = b;
-}
 
 // Gamma from the stored weight: 1 + w rounded to the weight's dtype with --apply-layernorm-1p.
 template <typename T> __device__ __forceinline__ void load_gamma(const T* weight, int one_plus,
@@ -792,7 +745,7 @@ fn run_backward(
         module.launch(
             &param_kernel,
             (ceil_div(hidden, 32) as u32, param_grids, 1),
-            (32, PARAM_GRAD_GROUPS, 1),
+            (32, COLUMN_TOTAL_GROUPS, 1),
             &mut param_args,
         )?;
     }
@@ -804,42 +757,19 @@ fn run_backward(
 /// `0`, and [`self_check`] passed there at that width (checked once per device, dtype and
 /// width; a failure is reported once and the unfused ops are used).
 pub fn usable_on(device: Device, kind: Kind, hidden: i64) -> bool {
-    /// The self-check's verdict by device, dtype and width.
-    type Verdicts = HashMap<(Device, Kind, i64), bool>;
-    static CHECKED: OnceLock<Mutex<Verdicts>> = OnceLock::new();
     let Device::Cuda(index) = device else {
         return false;
     };
-    if !supports(kind, hidden) || std::env::var(VARIABLE).is_ok_and(|v| v == "0") {
-        return false;
-    }
-    let mut checked = CHECKED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    *checked.entry((device, kind, hidden)).or_insert_with(|| {
-        match tch::no_grad(|| self_check(index, kind, hidden)) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!(
-                    "warning: the fused residual add + norm is off for {kind:?} rows of {hidden} \
-                     on {device:?} ({e:#}); using separate kernels"
-                );
-                false
-            }
-        }
-    })
-}
-
-/// Largest difference between `got` and `want` relative to `want`'s largest magnitude.
-pub fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
-    let want = want.to_kind(Kind::Double);
-    let scale = want.abs().max().double_value(&[]).max(1e-12);
-    (got.to_kind(Kind::Double) - want)
-        .abs()
-        .max()
-        .double_value(&[])
-        / scale
+    supports(kind, hidden)
+        && !turned_off(VARIABLE)
+        && passes_self_check(
+            "the fused residual add + norm",
+            device,
+            kind,
+            hidden,
+            "separate kernels",
+            || self_check(index, kind, hidden),
+        )
 }
 
 /// The tolerance [`self_check`] allows for `kind`: a few units in the last place of the

@@ -9,13 +9,13 @@
 //! in block order, so the same inputs give the same bits. The derivative is ATen's tanh-GeLU
 //! backward in float32.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::{aligned, dtype_name, kernel_arg};
+use super::{
+    aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
+    COLUMN_TOTAL_GROUPS,
+};
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
 /// Set to `0`, the environment variable that keeps fc1's backward on libtorch's GeLU gradient
@@ -30,44 +30,17 @@ const ROW_THREADS: i64 = 8;
 /// Rows a block covers at least; more when that keeps the partial rows under [`MAX_PARTIALS`].
 const MIN_ROWS_PER_BLOCK: i64 = 64;
 const MAX_PARTIALS: i64 = 64;
-/// Row groups of the kernel adding up the partial rows.
-const TOTAL_GROUPS: u32 = 16;
 
 pub const SOURCE: KernelSource = KernelSource {
     name: "gelu_bias_grad",
     source: concat!(
         cuda_scalars!(),
+        vectors8!(),
         column_totals!(),
         r#"
 constexpr int VEC = 8;
 constexpr int COLUMN_THREADS = 32;
 constexpr int ROW_THREADS = 8;
-
-struct alignas(16) Words { unsigned int w[4]; };
-
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) {
-    const Words v = *reinterpret_cast<const Words*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        T low, high;
-        low.bits = (unsigned short)(v.w[k] & 0xffffu);
-        high.bits = (unsigned short)(v.w[k] >> 16);
-        out[2 * k] = load(&low);
-        out[2 * k + 1] = load(&high);
-    }
-}
-
-template <typename T> __device__ __forceinline__ void store8(T* p, const float* in) {
-    Words v;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        T low, high;
-        store(&low, in[2 * k]);
-        store(&high, in[2 * k + 1]);
-        v.w[k] = (unsigned int)low.bits | ((unsigned int)high.bits << 16);
-    }
-    *reinterpret_cast<Words*>(p) = v;
-}
 
 // ATen's tanh-GeLU gradient: g · (½(1 + tanh u) + ½x(1 − tanh²u)·β(1 + 3κx²)), u = β(x + κx³).
 __device__ __forceinline__ float gelu_tanh_grad(float g, float x) {
@@ -275,7 +248,7 @@ pub fn gelu_backward_with_bias_grad(
         module.launch(
             "column_totals_into_main",
             (ceil_div(columns, 32) as u32, 1, 1),
-            (32, TOTAL_GROUPS, 1),
+            (32, COLUMN_TOTAL_GROUPS, 1),
             &mut total_args,
         )?;
     }
@@ -286,29 +259,19 @@ pub fn gelu_backward_with_bias_grad(
 /// [`supports`], [`VARIABLE`] not `0`, and [`self_check`] passed there (once per device and
 /// dtype; a failure is reported once and libtorch's ops are used).
 pub fn usable_on(device: Device, kind: Kind, columns: i64) -> bool {
-    static CHECKED: OnceLock<Mutex<HashMap<(Device, Kind), bool>>> = OnceLock::new();
     let Device::Cuda(index) = device else {
         return false;
     };
-    if !supports(kind, columns) || std::env::var(VARIABLE).is_ok_and(|v| v == "0") {
-        return false;
-    }
-    let mut checked = CHECKED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    *checked.entry((device, kind)).or_insert_with(|| {
-        match tch::no_grad(|| self_check(index, kind)) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!(
-                    "warning: the fused GeLU + bias gradient is off for {kind:?} on {device:?} \
-                     ({e:#}); using libtorch's GeLU backward and a GEMV"
-                );
-                false
-            }
-        }
-    })
+    supports(kind, columns)
+        && !turned_off(VARIABLE)
+        && passes_self_check(
+            "the fused GeLU + bias gradient",
+            device,
+            kind,
+            0,
+            "libtorch's GeLU backward and a GEMV",
+            || self_check(index, kind),
+        )
 }
 
 /// What libtorch's ops give: the GeLU gradient in the activations' dtype and its column sums in
@@ -340,13 +303,7 @@ pub fn self_check(device: usize, kind: Kind) -> Result<()> {
         ("GeLU gradient", &got, &want_input),
         ("bias gradient", &main, &want_sums),
     ] {
-        let want = want.to_kind(Kind::Float);
-        let scale = want.abs().max().double_value(&[]).max(1e-6);
-        let error = (got.to_kind(Kind::Float) - &want)
-            .abs()
-            .max()
-            .double_value(&[])
-            / scale;
+        let error = relative_error(got, want);
         ensure!(
             error <= 1e-2,
             "the {what} differs from libtorch's by {error:.3e} (relative)"

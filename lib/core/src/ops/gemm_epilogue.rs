@@ -6,12 +6,10 @@
 //! unfused ops give on a small problem, so a GPU or driver where cuBLASLt turns it down falls
 //! back to the unfused ops with one warning instead of failing a run.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
 use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::passes_self_check;
 use crate::autograd::ffi;
 use crate::error::check;
 
@@ -50,30 +48,19 @@ pub fn linear_gelu_with_preactivation(
 /// Whether the epilogue works on `device` in `kind`: built in, and equal to the unfused ops on
 /// a small problem (checked once per device and dtype; a failure is reported once).
 pub fn usable_on(device: Device, kind: Kind) -> bool {
-    static CHECKED: OnceLock<Mutex<HashMap<(Device, Kind), bool>>> = OnceLock::new();
-    if !device.is_cuda() || !supports(kind, &[]) {
-        return false;
-    }
     // SAFETY: a query without arguments.
-    if unsafe { ffi::mrs_gemm_epilogues_available() } == 0 {
-        return false;
-    }
-    let mut checked = CHECKED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    *checked.entry((device, kind)).or_insert_with(|| {
-        match tch::no_grad(|| self_check(device, kind)) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!(
-                    "warning: the MLP's bias + GeLU GEMM epilogue is off on {device:?} \
-                     ({e:#}); using separate kernels"
-                );
-                false
-            }
-        }
-    })
+    let built_in = unsafe { ffi::mrs_gemm_epilogues_available() } != 0;
+    device.is_cuda()
+        && supports(kind, &[])
+        && built_in
+        && passes_self_check(
+            "the MLP's bias + GeLU GEMM epilogue",
+            device,
+            kind,
+            0,
+            "separate kernels",
+            || self_check(device, kind),
+        )
 }
 
 /// The epilogue against the unfused ops on a small problem, within the dtype's rounding.

@@ -1,6 +1,9 @@
 //! Tensor operations libtorch has but tch-rs does not bind, reached through the C++ shim, and
 //! small CUDA kernels of our own compiled at run time ([`crate::runtime::nvrtc`]).
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 /// CUDA C++ the kernel sources share: 16-bit float types as raw bits (NVRTC gets no headers),
 /// `load`/`store` between them and float32 (the conversions as PTX instructions), `neg_inf`
 /// (NVRTC has no `INFINITY`), and `rounded`, a float32 value rounded to one of them.
@@ -41,6 +44,63 @@ __device__ __forceinline__ float rounded(float value) {
 "#
     };
 }
+
+/// CUDA C++ for 16-byte vector accesses: `load8`/`store8` move 8 consecutive elements (16-byte
+/// aligned; 32 bytes of float32) between memory and float32 registers.
+macro_rules! vectors8 {
+    () => {
+        r#"
+struct alignas(16) Words { unsigned int w[4]; };
+struct alignas(16) Floats { float f[4]; };
+
+// 8 consecutive elements (16-byte aligned) to float32 and back; the stores round to nearest even.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) {
+    const Words v = *reinterpret_cast<const Words*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        T low, high;
+        low.bits = (unsigned short)(v.w[k] & 0xffffu);
+        high.bits = (unsigned short)(v.w[k] >> 16);
+        out[2 * k] = load(&low);
+        out[2 * k + 1] = load(&high);
+    }
+}
+__device__ __forceinline__ void load8(const float* p, float* out) {
+    const Floats a = reinterpret_cast<const Floats*>(p)[0];
+    const Floats b = reinterpret_cast<const Floats*>(p)[1];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        out[k] = a.f[k];
+        out[4 + k] = b.f[k];
+    }
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float* in) {
+    Words v;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        T low, high;
+        store(&low, in[2 * k]);
+        store(&high, in[2 * k + 1]);
+        v.w[k] = (unsigned int)low.bits | ((unsigned int)high.bits << 16);
+    }
+    *reinterpret_cast<Words*>(p) = v;
+}
+__device__ __forceinline__ void store8(float* p, const float* in) {
+    Floats a, b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        a.f[k] = in[k];
+        b.f[k] = in[4 + k];
+    }
+    reinterpret_cast<Floats*>(p)[0] = a;
+    reinterpret_cast<Floats*>(p)[1] = b;
+}
+"#
+    };
+}
+
+/// Row groups (`blockDim.y`) of `column_totals_into_main` and its kin, 32 columns a block.
+const COLUMN_TOTAL_GROUPS: u32 = 16;
 
 /// CUDA C++ for gradients summed over rows in two deterministic steps: a first kernel writes one
 /// float32 partial row per block (`[blocks, columns]`), then `column_total` adds the partial rows
@@ -102,6 +162,59 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 }
 "#
     };
+}
+
+/// Whether one of our kernels (`kernel`, as the warning names it) may run on `device` for
+/// `kind` and `width` (0 where the width does not matter): its self-check `check` passed there,
+/// run once per kernel, device, dtype and width; a failure is reported once, with what runs
+/// `instead`, and the kernel stays off for that case.
+fn passes_self_check(
+    kernel: &'static str,
+    device: tch::Device,
+    kind: tch::Kind,
+    width: i64,
+    instead: &str,
+    check: impl FnOnce() -> anyhow::Result<()>,
+) -> bool {
+    type Verdicts = HashMap<(&'static str, tch::Device, tch::Kind, i64), bool>;
+    static VERDICTS: OnceLock<Mutex<Verdicts>> = OnceLock::new();
+    let mut verdicts = VERDICTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    *verdicts
+        .entry((kernel, device, kind, width))
+        .or_insert_with(|| match tch::no_grad(check) {
+            Ok(()) => true,
+            Err(e) => {
+                let case = if width > 0 {
+                    format!("{kind:?} rows of {width}")
+                } else {
+                    format!("{kind:?}")
+                };
+                eprintln!(
+                    "warning: {kernel} is off for {case} on {device:?} ({e:#}); using {instead}"
+                );
+                false
+            }
+        })
+}
+
+/// Whether the environment variable `variable` is `0`, which keeps one of our kernels off.
+fn turned_off(variable: &str) -> bool {
+    std::env::var(variable).is_ok_and(|v| v == "0")
+}
+
+/// Largest difference between `got` and `want` relative to `want`'s largest magnitude (the
+/// measure of our kernels' self-checks and tests).
+pub fn relative_error(got: &tch::Tensor, want: &tch::Tensor) -> f64 {
+    let want = want.to_kind(tch::Kind::Double);
+    let scale = want.abs().max().double_value(&[]).max(1e-12);
+    (got.to_kind(tch::Kind::Double) - want)
+        .abs()
+        .max()
+        .double_value(&[])
+        / scale
 }
 
 /// A kernel parameter as the driver's launch takes it: a pointer to its value.

@@ -12,13 +12,10 @@
 //! rounded. A target outside the row (another rank's, or an ignored label) has loss 0 and
 //! leaves the gradient a plain softmax.
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::{aligned, dtype_name, kernel_arg};
+use super::{aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off};
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
 /// Set to `0`, the environment variable that keeps the fused loss on libtorch's log-softmax
@@ -32,58 +29,20 @@ pub const SOURCE: KernelSource = KernelSource {
     name: "softmax_cross_entropy",
     source: concat!(
         cuda_scalars!(),
+        vectors8!(),
         r#"
 constexpr int BLOCK_THREADS = 512;
 constexpr int WARPS = BLOCK_THREADS / 32;
 
-struct alignas(16) Words { unsigned int w[4]; };
-
-// N consecutive elements to float32 and back: 8 of a 16-bit type or 4 floats are one 16-byte
-// access (the pointer aligned), N = 1 a plain element.
+// N consecutive elements to float32 and back: 8 (one or two 16-byte accesses, the pointer
+// aligned) or 1.
 template <typename T, int N> struct Vec {
-    static __device__ __forceinline__ void load(const T* p, float* out) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) out[k] = ::load(p + k);
-    }
-    static __device__ __forceinline__ void store(T* p, const float* in) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) ::store(p + k, in[k]);
-    }
+    static __device__ __forceinline__ void load(const T* p, float* out) { load8(p, out); }
+    static __device__ __forceinline__ void store(T* p, const float* in) { store8(p, in); }
 };
-template <typename T> struct Vec16 {
-    static __device__ __forceinline__ void load(const T* p, float* out) {
-        const Words v = *reinterpret_cast<const Words*>(p);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            T low, high;
-            low.bits = (unsigned short)(v.w[k] & 0xffffu);
-            high.bits = (unsigned short)(v.w[k] >> 16);
-            out[2 * k] = ::load(&low);
-            out[2 * k + 1] = ::load(&high);
-        }
-    }
-    static __device__ __forceinline__ void store(T* p, const float* in) {
-        Words v;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            T low, high;
-            ::store(&low, in[2 * k]);
-            ::store(&high, in[2 * k + 1]);
-            v.w[k] = (unsigned int)low.bits | ((unsigned int)high.bits << 16);
-        }
-        *reinterpret_cast<Words*>(p) = v;
-    }
-};
-template <> struct Vec<bf16, 8> : Vec16<bf16> {};
-template <> struct Vec<f16, 8> : Vec16<f16> {};
-template <> struct Vec<float, 4> {
-    static __device__ __forceinline__ void load(const float* p, float* out) {
-        const float4 v = *reinterpret_cast<const float4*>(p);
-        out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-    }
-    static __device__ __forceinline__ void store(float* p, const float* in) {
-        *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
-    }
+template <typename T> struct Vec<T, 1> {
+    static __device__ __forceinline__ void load(const T* p, float* out) { out[0] = ::load(p); }
+    static __device__ __forceinline__ void store(T* p, const float* in) { ::store(p, in[0]); }
 };
 
 // Merges the running maximum and sum of exponentials (relative to that maximum) of two parts.
@@ -162,7 +121,7 @@ SOFTMAX_CROSS_ENTROPY(bf16, bf16, 8)
 SOFTMAX_CROSS_ENTROPY(bf16, bf16, 1)
 SOFTMAX_CROSS_ENTROPY(f16, f16, 8)
 SOFTMAX_CROSS_ENTROPY(f16, f16, 1)
-SOFTMAX_CROSS_ENTROPY(f32, float, 4)
+SOFTMAX_CROSS_ENTROPY(f32, float, 8)
 SOFTMAX_CROSS_ENTROPY(f32, float, 1)
 "#
     ),
@@ -171,19 +130,13 @@ SOFTMAX_CROSS_ENTROPY(f32, float, 1)
         "softmax_cross_entropy_bf16_1",
         "softmax_cross_entropy_f16_8",
         "softmax_cross_entropy_f16_1",
-        "softmax_cross_entropy_f32_4",
+        "softmax_cross_entropy_f32_8",
         "softmax_cross_entropy_f32_1",
     ],
 };
 
-/// Elements of `kind` in one 16-byte access.
-fn vector_width(kind: Kind) -> i64 {
-    if kind == Kind::Float {
-        4
-    } else {
-        8
-    }
-}
+/// Elements of a vector access.
+const VEC: i64 = 8;
 
 /// For each row of `logits` (`[rows, vocab]`, contiguous, bf16, fp16 or float32 on a CUDA
 /// device) and its target (`[rows]` int64): the loss `log Σ exp(row) − row[target]` in float32
@@ -219,9 +172,8 @@ pub fn softmax_cross_entropy(
         return Ok(losses);
     }
     let targets = targets.contiguous();
-    let width = vector_width(kind);
-    let vector = if vocab % width == 0 && aligned(logits) {
-        width
+    let vector = if vocab % VEC == 0 && aligned(logits) {
+        VEC
     } else {
         1
     };
@@ -281,29 +233,19 @@ pub fn reference(logits: &Tensor, targets: &Tensor, grad_scale: f64) -> (Tensor,
 /// [`VARIABLE`] not `0`, and [`self_check`] passed there (once per device and dtype; a failure
 /// is reported once and libtorch's ops are used).
 pub fn usable_on(device: Device, kind: Kind) -> bool {
-    static CHECKED: OnceLock<Mutex<HashMap<(Device, Kind), bool>>> = OnceLock::new();
     let Device::Cuda(index) = device else {
         return false;
     };
-    if dtype_name(kind).is_err() || std::env::var(VARIABLE).is_ok_and(|v| v == "0") {
-        return false;
-    }
-    let mut checked = CHECKED
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    *checked.entry((device, kind)).or_insert_with(|| {
-        match tch::no_grad(|| self_check(index, kind)) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!(
-                    "warning: the fused softmax cross entropy is off for {kind:?} on {device:?} \
-                     ({e:#}); using libtorch's log-softmax"
-                );
-                false
-            }
-        }
-    })
+    dtype_name(kind).is_ok()
+        && !turned_off(VARIABLE)
+        && passes_self_check(
+            "the fused softmax cross entropy",
+            device,
+            kind,
+            0,
+            "libtorch's log-softmax",
+            || self_check(index, kind),
+        )
 }
 
 /// Runs the kernel on CUDA device `device` on made-up rows of `kind` (a vector-aligned width and
@@ -324,13 +266,10 @@ pub fn self_check(device: usize, kind: Kind) -> Result<()> {
             ("loss", &losses, &want_losses),
             ("gradient", &grad, &want_grad),
         ] {
-            let error = (got.to_kind(Kind::Float) - want)
-                .abs()
-                .max()
-                .double_value(&[]);
+            let error = relative_error(got, want);
             ensure!(
                 error <= 2e-2,
-                "the {what} over rows of {vocab} differs from libtorch's by {error:.3e}"
+                "the {what} over rows of {vocab} differs from libtorch's by {error:.3e} (relative)"
             );
         }
     }

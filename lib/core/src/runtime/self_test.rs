@@ -3,6 +3,7 @@
 //! computation written out by hand, so a broken kernel or a silently missing backend fails.
 
 use crate::autograd::{self, CustomFunction, SavedTensors};
+use crate::ops::relative_error;
 use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
@@ -29,20 +30,12 @@ pub fn run(device: Device) -> Vec<CheckResult> {
         .collect()
 }
 
-fn max_relative_error(got: &Tensor, want: &Tensor) -> f64 {
-    let diff = (got.to_kind(Kind::Float) - want.to_kind(Kind::Float))
-        .abs()
-        .max()
-        .double_value(&[]);
-    diff / want.abs().max().double_value(&[]).max(f64::MIN_POSITIVE)
-}
-
 fn bf16_matmul(device: Device) -> Result<String> {
     let a = Tensor::randn([256, 512], (Kind::Float, device));
     let b = Tensor::randn([512, 384], (Kind::Float, device));
     let got = a.to_kind(Kind::BFloat16).matmul(&b.to_kind(Kind::BFloat16));
     ensure!(got.kind() == Kind::BFloat16, "result is {:?}", got.kind());
-    let error = max_relative_error(&got, &a.matmul(&b));
+    let error = relative_error(&got, &a.matmul(&b));
     ensure!(
         error < 2e-2,
         "bf16 matmul differs from fp32 by {error:.3e} (relative)"
@@ -84,7 +77,7 @@ fn bf16_attention(device: Device) -> Result<String> {
     let want = reference_attention(&ref_leaves[0], &ref_leaves[1], &ref_leaves[2]);
     autograd::backward(&[&want], &[&upstream], false)?;
 
-    let mut worst = max_relative_error(&out, &want);
+    let mut worst = relative_error(&out, &want);
     ensure!(
         worst < 3e-2,
         "SDPA output differs from fp32 attention by {worst:.3e}"
@@ -93,7 +86,7 @@ fn bf16_attention(device: Device) -> Result<String> {
         .iter()
         .zip(leaves.iter().zip(&ref_leaves))
     {
-        let error = max_relative_error(&got.grad(), &want.grad());
+        let error = relative_error(&got.grad(), &want.grad());
         ensure!(
             error < 5e-2,
             "SDPA {name} differs from fp32 attention by {error:.3e}"
@@ -121,7 +114,7 @@ fn shim_round_trip(device: Device) -> Result<String> {
     ensure!(y.device() == device, "output on {:?}", y.device());
     let upstream = Tensor::randn([1024], (Kind::Float, device));
     autograd::backward(&[y], &[&upstream], false)?;
-    let error = max_relative_error(&x.grad(), &(&upstream * 2.0));
+    let error = relative_error(&x.grad(), &(&upstream * 2.0));
     ensure!(
         error == 0.0,
         "custom backward gave a gradient off by {error:.3e}"
@@ -157,7 +150,7 @@ fn recompute_with_dropout(device: Device) -> Result<String> {
         recomputed.equal(plain),
         "checkpointed forward differs from the plain forward"
     );
-    let error = max_relative_error(&w.grad(), &dw).max(max_relative_error(&x.grad(), &dx));
+    let error = relative_error(&w.grad(), &dw).max(relative_error(&x.grad(), &dx));
     ensure!(error < 1e-5, "recomputed gradients differ by {error:.3e}");
     Ok(format!(
         "gradients equal to the plain block (max rel. error {error:.1e})"

@@ -275,6 +275,40 @@ pub fn gpu_train<P: Pretrain>(flags: &[&str]) -> Outcome {
     }
 }
 
+/// The `lm loss` of every iteration of [`gpu_train`] with `flags`, once with the kernel that
+/// the environment variable `variable` keeps off at `0` and once with it off: `(on, off)`.
+pub fn gpu_lm_losses_with_and_without<P: Pretrain>(
+    flags: &[&str],
+    variable: &str,
+) -> (Vec<f64>, Vec<f64>) {
+    static ENVIRONMENT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _environment = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
+    let on = gpu_lm_losses::<P>(flags);
+    std::env::set_var(variable, "0");
+    let off = gpu_lm_losses::<P>(flags);
+    std::env::remove_var(variable);
+    (on, off)
+}
+
+/// Two runs' losses track each other: `steps` of them each, every step's within `tolerance`
+/// (relative) of the other's, and the first run learned (its last loss below its first).
+pub fn assert_tracks(losses: &[f64], reference: &[f64], steps: usize, tolerance: f64, what: &str) {
+    eprintln!("{what}: {losses:?}\nreference: {reference:?}");
+    assert_eq!(losses.len(), steps, "{what}: {losses:?}");
+    assert_eq!(reference.len(), steps, "{what}: {reference:?}");
+    for (step, (a, b)) in losses.iter().zip(reference).enumerate() {
+        assert!(
+            (a - b).abs() <= tolerance * b,
+            "{what}: step {} loss {a} against {b}",
+            step + 1
+        );
+    }
+    assert!(
+        losses[steps - 1] < losses[0],
+        "{what}: the loss did not fall: {losses:?}"
+    );
+}
+
 /// The `lm loss` of every iteration of [`gpu_train`].
 pub fn gpu_lm_losses<P: Pretrain>(flags: &[&str]) -> Vec<f64> {
     gpu_train::<P>(flags).lm_losses()

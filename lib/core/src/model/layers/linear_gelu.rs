@@ -103,22 +103,13 @@ impl CustomFunction for LinearGelu {
 mod tests {
     use super::*;
     use crate::model::layers::main_grad_linear::linear;
+    use crate::ops::relative_error;
     use tch::{Device, Kind};
 
     /// Deterministic values without the global generator, which parallel tests share.
     fn values(shape: &[i64], seed: f64, scale: f64) -> Tensor {
         let count: i64 = shape.iter().product();
         ((Tensor::arange(count, (Kind::Float, Device::Cpu)) * seed).sin() * scale).view(shape)
-    }
-
-    fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
-        let want = want.to_kind(Kind::Float);
-        let scale = want.abs().max().double_value(&[]).max(1e-12);
-        (got.to_kind(Kind::Float) - want)
-            .abs()
-            .max()
-            .double_value(&[])
-            / scale
     }
 
     /// On a GPU, in bf16: two forward/backward passes through the fused fc1 give what the
