@@ -45,17 +45,18 @@ pub fn fused_output_cross_entropy(
         loss_mask.size()
     );
     let tokens = s * b;
+    // The logits have the hidden states' dtype.
+    let softmax_kernel =
+        group.size() == 1 && softmax_cross_entropy::usable_on(hidden.device(), hidden.kind());
     let function = FusedOutputCrossEntropy {
         weight: weight.tensor().shallow_clone(),
         bias: bias.map(Tensor::shallow_clone),
         target: labels.transpose(0, 1).reshape([tokens]),
         token_weights: loss_mask.transpose(0, 1).reshape([tokens]),
         group: group.clone(),
-        chunk: chunk_tokens.unwrap_or_else(|| {
-            let in_place = group.size() == 1
-                && softmax_cross_entropy::usable_on(hidden.device(), hidden.kind());
-            default_chunk_tokens(tokens, local_vocab, h, in_place)
-        }),
+        chunk: chunk_tokens
+            .unwrap_or_else(|| default_chunk_tokens(tokens, local_vocab, h, softmax_kernel)),
+        softmax_kernel,
         weight_main_grad: weight.main_grad().get(),
         grads: None,
     };
@@ -117,6 +118,9 @@ struct FusedOutputCrossEntropy {
     token_weights: Tensor,
     group: Arc<dyn Communicator>,
     chunk: i64,
+    /// One rank on a GPU: the loss and its gradient are one kernel of ours
+    /// ([`softmax_cross_entropy`]), writing the gradient over the logits.
+    softmax_kernel: bool,
     weight_main_grad: Option<Tensor>,
     /// What the forward pass computed for the backward pass.
     grads: Option<UnscaledGrads>,
@@ -150,9 +154,7 @@ impl FusedOutputCrossEntropy {
         with_grad: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let logits = input.linear(&self.weight, self.bias.as_ref());
-        if self.group.size() == 1
-            && softmax_cross_entropy::usable_on(logits.device(), logits.kind())
-        {
+        if self.softmax_kernel {
             // One kernel: the losses, and the gradient written over the logits.
             let scale = with_grad.then(|| held_gradient_scale(logits.kind()));
             let loss = softmax_cross_entropy::softmax_cross_entropy(&logits, target, scale)?;

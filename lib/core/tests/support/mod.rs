@@ -197,10 +197,28 @@ pub fn train_in<P: Pretrain>(
     pipeline: usize,
     extra: &[&str],
 ) -> anyhow::Result<Outcome> {
+    train_on::<P>(dir, flags, world, tensor, pipeline, extra, Device::Cpu)
+}
+
+/// [`train_in`] on `device` (a CUDA device is named on the command line, after `flags`).
+fn train_on<P: Pretrain>(
+    dir: &Path,
+    flags: &[&str],
+    world: usize,
+    tensor: usize,
+    pipeline: usize,
+    extra: &[&str],
+    device: Device,
+) -> anyhow::Result<Outcome> {
     let save = dir.join("ckpt");
     let metrics = dir.join("metrics.jsonl");
+    let device_flag: &[&str] = if device.is_cuda() {
+        &["--device", "cuda"]
+    } else {
+        &[]
+    };
     let argv: Vec<String> = std::iter::once("pretrain".to_string())
-        .chain(flags.iter().map(|s| s.to_string()))
+        .chain(flags.iter().chain(device_flag).map(|s| s.to_string()))
         .chain([
             "--tensor-model-parallel-size".into(),
             tensor.to_string(),
@@ -218,10 +236,7 @@ pub fn train_in<P: Pretrain>(
     let threads = ThreadWorld::new(world, Duration::from_secs(120));
     threads.run(|rank| {
         let parallel = ParallelState::threads(&threads, layout, rank, args.sequence_parallel())?;
-        args.run(&Runtime {
-            parallel,
-            device: Device::Cpu,
-        })
+        args.run(&Runtime { parallel, device })
     })?;
     let checkpoint = find_checkpoint(&save)?.expect("a checkpoint was saved");
     Ok(Outcome {
@@ -246,33 +261,7 @@ pub fn train<P: Pretrain>(
 /// end: the losses it logged and its weights.
 pub fn gpu_train<P: Pretrain>(flags: &[&str]) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
-    let (save, metrics) = (dir.path().join("ckpt"), dir.path().join("metrics.jsonl"));
-    let argv: Vec<String> = std::iter::once("pretrain")
-        .chain(flags.iter().copied())
-        .chain(["--device", "cuda"])
-        .chain(["--save", save.to_str().unwrap()])
-        .chain(["--metrics-file", metrics.to_str().unwrap()])
-        .map(String::from)
-        .collect();
-    let args = P::parse(argv);
-    let layout = ParallelLayout::new(1, 1, 1).unwrap();
-    let threads = ThreadWorld::new(1, Duration::from_secs(120));
-    threads
-        .run(|rank| {
-            let parallel = ParallelState::threads(&threads, layout, rank, false)?;
-            args.run(&Runtime {
-                parallel,
-                device: Device::Cuda(0),
-            })
-        })
-        .unwrap();
-    let checkpoint = find_checkpoint(&save)
-        .unwrap()
-        .expect("a checkpoint was saved");
-    Outcome {
-        losses: logged_losses(&metrics),
-        weights: merge_model_parallel_ranks(&checkpoint, Device::Cpu).unwrap(),
-    }
+    train_on::<P>(dir.path(), flags, 1, 1, 1, &[], Device::Cuda(0)).unwrap()
 }
 
 /// The `lm loss` of every iteration of [`gpu_train`] with `flags`, once with the kernel that
