@@ -19,8 +19,8 @@ use std::ops::Range;
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::kernel_arg;
 use super::multi_tensor::{foreach_copy_, fused_adamw, AdamwHyper};
+use super::{kernel_arg, passes_self_check, turned_off};
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
 /// Elements per chunk of a table, a multiple of 4 so that the chunks of a 16-byte aligned
@@ -229,9 +229,29 @@ ADAMW(adamw_f16, F16)
     ],
 };
 
+/// Set to `0`, the environment variable that keeps the optimizer step on ATen's multi-tensor
+/// kernels instead of these (for benchmarks and comparisons).
+pub const VARIABLE: &str = "MEGATRON_RS_OPTIMIZER_KERNELS";
+
 /// Whether the AdamW kernel writes model copies of this dtype.
 pub fn supports(model_kind: Kind) -> bool {
     matches!(model_kind, Kind::BFloat16 | Kind::Half)
+}
+
+/// Whether the step should run on these kernels for model parameters of `kind` on CUDA device
+/// `device`: a dtype they take, [`VARIABLE`] not `0`, and [`self_check`] passed there (once per
+/// device and dtype; a failure is reported once and ATen's multi-tensor kernels are used).
+pub fn usable_on(device: usize, kind: Kind) -> bool {
+    supports(kind)
+        && !turned_off(VARIABLE)
+        && passes_self_check(
+            "the optimizer step's own kernels",
+            Device::Cuda(device),
+            kind,
+            0,
+            "ATen's multi-tensor kernels",
+            || self_check(device, kind),
+        )
 }
 
 /// `range` cut into chunks of at most [`CHUNK`] elements, each starting where the range starts

@@ -20,10 +20,6 @@ use crate::ops::{self, AdamwHyper};
 use crate::parallel::{Communicator, ParallelState, ReduceOp};
 use crate::runtime::CudaStream;
 
-/// Set to `0`, the environment variable that keeps the optimizer step on ATen's multi-tensor
-/// kernels instead of [`optimizer_kernels`] (for benchmarks and comparisons).
-pub const OPTIMIZER_KERNELS_VARIABLE: &str = "MEGATRON_RS_OPTIMIZER_KERNELS";
-
 /// Megatron's default `--ddp-bucket-size`: 40M elements.
 pub const DEFAULT_BUCKET_SIZE: usize = 40_000_000;
 
@@ -306,8 +302,7 @@ impl MixedPrecisionOptimizer {
     }
 
     /// The step's own kernels, for Adam with bf16/fp16 parameters on a CUDA device, unless
-    /// [`OPTIMIZER_KERNELS_VARIABLE`] is `0` or their self-check fails (reported once per
-    /// process, device and dtype; ATen's kernels are used then).
+    /// [`optimizer_kernels::usable_on`] says no (ATen's kernels are used then).
     fn step_kernels(&self) -> Result<Option<StepKernels>> {
         let kind = self.param_buffer.kind();
         let Device::Cuda(index) = self.grad_buffer.device() else {
@@ -315,9 +310,7 @@ impl MixedPrecisionOptimizer {
         };
         if !matches!(self.settings.kind, OptimizerKind::Adam { .. })
             || self.main_is_params
-            || !optimizer_kernels::supports(kind)
-            || std::env::var(OPTIMIZER_KERNELS_VARIABLE).is_ok_and(|v| v == "0")
-            || !kernels_pass_self_check(index, kind)
+            || !optimizer_kernels::usable_on(index, kind)
         {
             return Ok(None);
         }
@@ -859,25 +852,6 @@ impl MixedPrecisionOptimizer {
         })?;
         self.publish_main_params()
     }
-}
-
-/// Whether [`optimizer_kernels::self_check`] passes on CUDA device `device` for model
-/// parameters of `kind`; checked once per process, a failure reported once.
-fn kernels_pass_self_check(device: usize, kind: Kind) -> bool {
-    static CHECKED: std::sync::Mutex<Vec<(usize, Kind, bool)>> = std::sync::Mutex::new(Vec::new());
-    let mut checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(&(_, _, passed)) = checked.iter().find(|c| c.0 == device && c.1 == kind) {
-        return passed;
-    }
-    let passed = match optimizer_kernels::self_check(device, kind) {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("warning: the optimizer step runs on ATen's multi-tensor kernels: {e:#}");
-            false
-        }
-    };
-    checked.push((device, kind, passed));
-    passed
 }
 
 /// Sums `tensors` over `group` with one collective (they are flattened into one buffer).
