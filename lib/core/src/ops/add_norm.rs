@@ -365,6 +365,7 @@ PARAM_GRAD(f32, float)
         "add_norm_param_grad_f32",
         "column_totals_into_main",
     ],
+    prefer_shared_memory: false,
 };
 
 /// Whether the kernels take activations (and norm parameters) of `kind` with rows of `hidden`.

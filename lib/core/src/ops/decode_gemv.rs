@@ -5,7 +5,10 @@
 //! far below the memory bandwidth, and the norms, bias adds, activations and residual adds
 //! around them are kernels of their own. Here every weight is read once for all rows, in
 //! 16-byte loads, several in flight per lane, and a transformer layer's four linear layers
-//! with everything around them are four kernels.
+//! with everything around them are four kernels. Where a weight's slices fit, each block
+//! first copies its slice into shared memory, before waiting for the previous kernel, so that
+//! the weights of the next kernels stream in while one computes (`*_cached`); larger weights
+//! (a language-model head, wide models) are read in the loop.
 //!
 //! Every row is computed alone (no sums across rows), so a row's result does not depend on the
 //! other rows of its batch. Results are rounded to the activations' dtype where the unfused
@@ -18,9 +21,9 @@
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::{aligned, dtype_name, kernel_arg};
+use super::{aligned, dtype_name, kernel_arg, turned_off};
 use crate::model::config::Normalization;
-use crate::runtime::nvrtc::{kernels, KernelSource};
+use crate::runtime::nvrtc::{kernels, KernelSource, Kernels};
 
 /// The most rows the kernels take: more rows are a matrix product, cuBLAS's business.
 pub const MAX_ROWS: i64 = 8;
@@ -92,9 +95,125 @@ __device__ __forceinline__ float warp_sum(float value) {
     return value;
 }
 
-// out[r, n] = epilogue(sum_k prologue(x)[r, k] * w[n, k]) for r < rows (at most R), n < N.
-// x [rows, K], w [N, K], gamma and beta [K] (16-byte aligned, K a multiple of the lanes of a
-// Pack); bias [N], residual and out [rows, N]; all contiguous.
+// The block's input rows, ready for the loop over the weight. Staged (flags & STAGE_INPUT):
+// copied into xs (shared memory) and normed there, and xs is returned. Otherwise x itself, and
+// a norm is applied in the loop with the row statistics left in shift and scale. g0 and b0 are
+// the norm weights of the pack at first_k, which this thread loaded before waiting.
+template <typename T, int R>
+__device__ const T* prepare_input(const T* __restrict__ x, T* xs, const T* __restrict__ gamma,
+                                  const T* __restrict__ beta, int rows, int K, int flags,
+                                  float eps, const float* g0, const float* b0, int first_k,
+                                  float* shift, float* scale) {
+    constexpr int V = Lanes<T>::N;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const bool layer_norm = flags & NORM_LAYER;
+    const bool rms_norm = flags & NORM_RMS;
+    const bool staged = flags & STAGE_INPUT;
+    if (staged) {
+        const int packs = rows * K / V;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < packs; i += blockDim.x)
+            *reinterpret_cast<Pack*>(xs + (long long)i * V) =
+                *reinterpret_cast<const Pack*>(x + (long long)i * V);
+        __syncthreads();
+        x = xs;
+    }
+    if (!(layer_norm || rms_norm)) return x;
+    // Row statistics in float32 in one pass over the row, its loads in flight together: sums
+    // of the values and squares around a pivot (the row's first value for LayerNorm, zero for
+    // RMSNorm), which keeps the variance E[(x-p)^2] - (E[x-p])^2 free of cancellation for rows
+    // far from zero.
+    for (int r = warp; r < rows && r < R; r += WARPS) {
+        const T* row = x + (long long)r * K;
+        const float pivot = layer_norm ? load(row) : 0.f;
+        float sum = 0.f;
+        float squares = 0.f;
+#pragma unroll 4
+        for (int k = lane * V; k < K; k += 32 * V) {
+            float f[V];
+            load_pack(row + k, f);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const float d = f[i] - pivot;
+                sum += d;
+                squares += d * d;
+            }
+        }
+        sum = warp_sum(sum) / K;
+        squares = warp_sum(squares) / K;
+        if (lane == 0) {
+            const float variance = layer_norm ? fmaxf(squares - sum * sum, 0.f) : squares;
+            shift[r] = layer_norm ? pivot + sum : 0.f;
+            scale[r] = rsqrtf(variance + eps);
+        }
+    }
+    __syncthreads();
+    if (!staged) return x;
+#pragma unroll 2
+    for (int i = threadIdx.x * V; i < rows * K; i += blockDim.x * V) {
+        const int r = i / K;
+        const int k = i % K;
+        float xv[V];
+        float g[V];
+        float b[V];
+        load_pack(xs + i, xv);
+        if (k == first_k) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                g[j] = g0[j];
+                if (layer_norm) b[j] = b0[j];
+            }
+        } else {
+            load_pack(gamma + k, g);
+            if (layer_norm) load_pack(beta + k, b);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            if (flags & NORM_ONE_PLUS) g[j] = rounded<T>(g[j] + 1.f);
+            store(xs + i + j, layer_norm ? (xv[j] - shift[r]) * scale[r] * g[j] + b[j]
+                                         : rounded<T>(xv[j] * scale[r]) * g[j]);
+        }
+    }
+    __syncthreads();
+    return xs;
+}
+
+// The norm weights of the first pack this thread normalizes, loaded before the wait.
+template <typename T>
+__device__ __forceinline__ int load_first_norm_pack(const T* __restrict__ gamma,
+                                                    const T* __restrict__ beta, int K, int flags,
+                                                    float* g0, float* b0) {
+    constexpr int V = Lanes<T>::N;
+    const int first_k = (threadIdx.x * V) % K;
+    if ((flags & STAGE_INPUT) && (flags & (NORM_LAYER | NORM_RMS))) {
+        load_pack(gamma + first_k, g0);
+        if (flags & NORM_LAYER) load_pack(beta + first_k, b0);
+    }
+    return first_k;
+}
+
+// out[r, n] = epilogue(sum + bias): the product rounded, the GeLU, the residual.
+template <typename T>
+__device__ __forceinline__ void finish(float value, float bias, const T* __restrict__ residual,
+                                       T* __restrict__ out, int r, long long n, int N,
+                                       int flags) {
+    if (flags & ADD_BIAS) value += bias;
+    value = rounded<T>(value);
+    if (flags & GELU_TANH) {
+        const float inner = 0.7978845608028654f * (value + 0.044715f * value * value * value);
+        value = rounded<T>(0.5f * value * (1.f + tanhf(inner)));
+    } else if (flags & GELU_ERF) {
+        value = rounded<T>(0.5f * value * (1.f + erff(value * 0.7071067811865476f)));
+    }
+    if (flags & ADD_RESIDUAL) value += load(residual + (long long)r * N + n);
+    store(out + (long long)r * N + n, value);
+}
+
+// out[r, n] = epilogue(sum_k prologue(x)[r, k] * w[n, k]) for r < rows (at most R), n < N,
+// the weight streamed from global memory. x [rows, K], w [N, K], gamma and beta [K] (16-byte
+// aligned, K a multiple of the lanes of a Pack); bias [N], residual and out [rows, N]; all
+// contiguous.
 template <typename T, int R, int C>
 __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
                             T* __restrict__ out, const T* __restrict__ gamma,
@@ -135,91 +254,17 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
     const float my_bias = (flags & ADD_BIAS) && active && first + my_column < N
                               ? load(bias + first + my_column)
                               : 0.f;
-    const int first_k = (threadIdx.x * V) % K;
     float g0[V];
     float b0[V];
-    if ((flags & STAGE_INPUT) && (layer_norm || rms_norm)) {
-        load_pack(gamma + first_k, g0);
-        if (layer_norm) load_pack(beta + first_k, b0);
-    }
+    const int first_k = load_first_norm_pack(gamma, beta, K, flags, g0, b0);
     wait_for_previous_kernel();
     extern __shared__ __align__(16) unsigned char staged_input[];
-    const bool staged = flags & STAGE_INPUT;
-    if (staged) {
-        T* xs = reinterpret_cast<T*>(staged_input);
-        const int packs = rows * K / V;
-#pragma unroll 4
-        for (int i = threadIdx.x; i < packs; i += blockDim.x)
-            *reinterpret_cast<Pack*>(xs + (long long)i * V) =
-                *reinterpret_cast<const Pack*>(x + (long long)i * V);
-        __syncthreads();
-        x = xs;
-    }
     __shared__ float shift[R];
     __shared__ float scale[R];
-    if (layer_norm || rms_norm) {
-        // Row statistics in float32 in one pass over the row, its loads in flight together:
-        // sums of the values and squares around a pivot (the row's first value for LayerNorm,
-        // zero for RMSNorm), which keeps the variance E[(x-p)^2] - (E[x-p])^2 free of
-        // cancellation for rows far from zero.
-        for (int r = warp; r < rows && r < R; r += WARPS) {
-            const T* row = x + (long long)r * K;
-            const float pivot = layer_norm ? load(row) : 0.f;
-            float sum = 0.f;
-            float squares = 0.f;
-#pragma unroll 4
-            for (int k = lane * V; k < K; k += 32 * V) {
-                float f[V];
-                load_pack(row + k, f);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    const float d = f[i] - pivot;
-                    sum += d;
-                    squares += d * d;
-                }
-            }
-            sum = warp_sum(sum) / K;
-            squares = warp_sum(squares) / K;
-            if (lane == 0) {
-                const float variance = layer_norm ? fmaxf(squares - sum * sum, 0.f) : squares;
-                shift[r] = layer_norm ? pivot + sum : 0.f;
-                scale[r] = rsqrtf(variance + eps);
-            }
-        }
-        __syncthreads();
-        if (staged) {
-            T* xs = reinterpret_cast<T*>(staged_input);
-#pragma unroll 2
-            for (int i = threadIdx.x * V; i < rows * K; i += blockDim.x * V) {
-                const int r = i / K;
-                const int k = i % K;
-                float xv[V];
-                float g[V];
-                float b[V];
-                load_pack(xs + i, xv);
-                if (k == first_k) {
-#pragma unroll
-                    for (int j = 0; j < V; ++j) {
-                        g[j] = g0[j];
-                        if (layer_norm) b[j] = b0[j];
-                    }
-                } else {
-                    load_pack(gamma + k, g);
-                    if (layer_norm) load_pack(beta + k, b);
-                }
-#pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    if (flags & NORM_ONE_PLUS) g[j] = rounded<T>(g[j] + 1.f);
-                    store(xs + i + j, layer_norm
-                                          ? (xv[j] - shift[r]) * scale[r] * g[j] + b[j]
-                                          : rounded<T>(xv[j] * scale[r]) * g[j]);
-                }
-            }
-            __syncthreads();
-        }
-    }
+    x = prepare_input<T, R>(x, reinterpret_cast<T*>(staged_input), gamma, beta, rows, K, flags,
+                            eps, g0, b0, first_k, shift, scale);
     // A staged input is normed already.
-    const bool norm_in_loop = (layer_norm || rms_norm) && !staged;
+    const bool norm_in_loop = (layer_norm || rms_norm) && !(flags & STAGE_INPUT);
     if (!active) return;
     float acc[R][C];
 #pragma unroll
@@ -281,18 +326,83 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
         for (int c = 0; c < C; ++c) {
             if (lane != r * C + c || r >= rows || first + c >= N) continue;
-            const long long n = first + c;
-            float value = acc[r][c];
-            if (flags & ADD_BIAS) value += my_bias;
-            value = rounded<T>(value);
-            if (flags & GELU_TANH) {
-                const float inner = 0.7978845608028654f * (value + 0.044715f * value * value * value);
-                value = rounded<T>(0.5f * value * (1.f + tanhf(inner)));
-            } else if (flags & GELU_ERF) {
-                value = rounded<T>(0.5f * value * (1.f + erff(value * 0.7071067811865476f)));
+            finish(acc[r][c], my_bias, residual, out, r, first + c, N, flags);
+        }
+    }
+}
+
+// 16 bytes from global to shared memory without passing through registers (sm_80 and newer).
+__device__ __forceinline__ void copy_16_async(void* shared, const void* global) {
+    const unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global)
+                 : "memory");
+}
+
+// decode_gemv with the block's whole weight slice in shared memory: block b computes the
+// `columns` columns from b·columns, whose weights are one contiguous stretch of w. The slice
+// is copied in before the wait, so that it streams in while earlier kernels still run (blocks
+// of several kernels fit an SM side by side), and the loop reads it from shared memory. Dynamic
+// shared memory: the slice, then the staged input rows (always staged), then the biases.
+// Each warp computes whole columns, its lanes summing the same products in the same order as
+// decode_gemv's, so the two give the same bits.
+template <typename T, int R>
+__device__ void decode_gemv_cached(const T* __restrict__ x, const T* __restrict__ w,
+                                   T* __restrict__ out, const T* __restrict__ gamma,
+                                   const T* __restrict__ beta, const T* __restrict__ bias,
+                                   const T* __restrict__ residual, int rows, int K, int N,
+                                   int flags, float eps, int columns) {
+    constexpr int V = Lanes<T>::N;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const long long first = (long long)blockIdx.x * columns;
+    const int count = (int)min((long long)columns, N - first);
+    extern __shared__ __align__(16) unsigned char dynamic_shared[];
+    T* ws = reinterpret_cast<T*>(dynamic_shared);
+    T* xs = ws + (long long)columns * K;
+    float* biases = reinterpret_cast<float*>(xs + (long long)R * K);
+    let_next_kernel_start();
+    const T* slice = w + first * K;
+    const int packs = count * K / V;
+    for (int i = threadIdx.x; i < packs; i += blockDim.x)
+        copy_16_async(ws + (long long)i * V, slice + (long long)i * V);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    if (flags & ADD_BIAS) {
+        for (int c = threadIdx.x; c < count; c += blockDim.x) biases[c] = load(bias + first + c);
+    }
+    float g0[V];
+    float b0[V];
+    const int first_k = load_first_norm_pack(gamma, beta, K, flags, g0, b0);
+    wait_for_previous_kernel();
+    __shared__ float shift[R];
+    __shared__ float scale[R];
+    prepare_input<T, R>(x, xs, gamma, beta, rows, K, flags, eps, g0, b0, first_k, shift, scale);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    for (int c = warp; c < count; c += WARPS) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.f;
+        const T* column = ws + (long long)c * K;
+#pragma unroll 4
+        for (int k = lane * V; k < K; k += 32 * V) {
+            float wv[V];
+            load_pack(column + k, wv);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (r >= rows) break;
+                float xv[V];
+                load_pack(xs + (long long)r * K + k, xv);
+#pragma unroll
+                for (int i = 0; i < V; ++i) acc[r] += xv[i] * wv[i];
             }
-            if (flags & ADD_RESIDUAL) value += load(residual + (long long)r * N + n);
-            store(out + (long long)r * N + n, value);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (lane == r && r < rows)
+                finish(acc[r], (flags & ADD_BIAS) ? biases[c] : 0.f, residual, out, r,
+                       first + c, N, flags);
         }
     }
 }
@@ -303,6 +413,13 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
              const T* residual, int rows, int K, int N, int flags, float eps) {             \
         decode_gemv<T, R, C>(x, w, out, gamma, beta, bias, residual, rows, K, N, flags,     \
                              eps);                                                          \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                               \
+        NAME##_cached(const T* x, const T* w, T* out, const T* gamma, const T* beta,        \
+                      const T* bias, const T* residual, int rows, int K, int N, int flags,  \
+                      float eps, int columns) {                                             \
+        decode_gemv_cached<T, R>(x, w, out, gamma, beta, bias, residual, rows, K, N, flags, \
+                                 eps, columns);                                             \
     }
 
 DECODE_GEMV(decode_gemv_bf16_1, bf16, 1, 1)
@@ -321,18 +438,31 @@ DECODE_GEMV(decode_gemv_f32_8, float, 8, 2)
     ),
     functions: &[
         "decode_gemv_bf16_1",
+        "decode_gemv_bf16_1_cached",
         "decode_gemv_bf16_2",
+        "decode_gemv_bf16_2_cached",
         "decode_gemv_bf16_4",
+        "decode_gemv_bf16_4_cached",
         "decode_gemv_bf16_8",
+        "decode_gemv_bf16_8_cached",
         "decode_gemv_f16_1",
+        "decode_gemv_f16_1_cached",
         "decode_gemv_f16_2",
+        "decode_gemv_f16_2_cached",
         "decode_gemv_f16_4",
+        "decode_gemv_f16_4_cached",
         "decode_gemv_f16_8",
+        "decode_gemv_f16_8_cached",
         "decode_gemv_f32_1",
+        "decode_gemv_f32_1_cached",
         "decode_gemv_f32_2",
+        "decode_gemv_f32_2_cached",
         "decode_gemv_f32_4",
+        "decode_gemv_f32_4_cached",
         "decode_gemv_f32_8",
+        "decode_gemv_f32_8_cached",
     ],
+    prefer_shared_memory: true,
 };
 
 // The kernel's flags.
@@ -348,6 +478,56 @@ const STAGE_INPUT: i32 = 128;
 /// Inputs up to this size are staged in dynamic shared memory: what a launch gets without
 /// opting in (48 KiB) less room for the kernel's static shared memory.
 const MAX_STAGED_BYTES: i64 = 47 * 1024;
+
+/// `MEGATRON_RS_DECODE_CACHED_WEIGHTS=0` keeps every weight streamed (to compare).
+pub const CACHED_WEIGHTS_VARIABLE: &str = "MEGATRON_RS_DECODE_CACHED_WEIGHTS";
+
+/// Shared memory the system keeps for each resident block.
+const RESERVED_SHARED_BYTES_PER_BLOCK: i64 = 1024;
+
+/// How one call runs.
+enum Launch {
+    /// Each block's weight slice copied into shared memory first (`decode_gemv_*_cached`).
+    Cached(CachedLayout),
+    /// The weight read from global memory in the loop (`decode_gemv_*`).
+    Streamed { blocks: u32, shared_bytes: u32 },
+}
+
+/// The grid and shared memory of `decode_gemv_*_cached`: `blocks` blocks of `columns` weight
+/// rows each; a block's dynamic shared memory holds its rows, the input rows of the kernel's
+/// row count, and the biases in float32.
+struct CachedLayout {
+    blocks: u32,
+    columns: i32,
+    shared_bytes: u32,
+}
+
+impl CachedLayout {
+    /// One block per multiprocessor, its slice of an `[n, k]` weight of `element`-byte values
+    /// in shared memory, where all that takes at most a third of a multiprocessor's shared
+    /// memory: then the blocks of three successive kernels fit side by side, and each kernel
+    /// copies its slices in while the ones before it run. `None` for weights too large (a
+    /// language-model head, wide models), which stream.
+    fn of(module: &Kernels, template_rows: i64, k: i64, n: i64, element: i64) -> Option<Self> {
+        if turned_off(CACHED_WEIGHTS_VARIABLE) {
+            return None;
+        }
+        let multiprocessors = i64::from(module.multiprocessors.max(1));
+        let columns = (n + multiprocessors - 1) / multiprocessors;
+        let blocks = (n + columns - 1) / columns;
+        let shared_bytes = (columns + template_rows) * k * element + columns * 4;
+        // The kernel's static shared memory: the rows' norm statistics.
+        let static_bytes = 2 * template_rows * 4;
+        let share = i64::from(module.shared_bytes_per_multiprocessor) / 3
+            - RESERVED_SHARED_BYTES_PER_BLOCK
+            - static_bytes;
+        (shared_bytes <= share).then(|| CachedLayout {
+            blocks: blocks as u32,
+            columns: columns as i32,
+            shared_bytes: shared_bytes as u32,
+        })
+    }
+}
 
 /// A LayerNorm or RMSNorm over the last dimension: the model's norms (see
 /// [`crate::model::layers::Norm`]) as plain tensor math, and as the kernels' prologue.
@@ -518,13 +698,6 @@ pub fn decode_linear(
     if residual.is_some() {
         flags |= ADD_RESIDUAL;
     }
-    let staged_bytes = rows * k * kind.elt_size_in_bytes() as i64;
-    let shared_bytes = if staged_bytes <= MAX_STAGED_BYTES {
-        flags |= STAGE_INPUT;
-        staged_bytes as u32
-    } else {
-        0
-    };
     let out = Tensor::empty([rows, n], (kind, input.device()));
     let dtype = dtype_name(kind)?;
     // The kernel of the fewest rows that holds them.
@@ -534,8 +707,23 @@ pub fn decode_linear(
         3 | 4 => (4, 2),
         _ => (8, 2),
     };
-    let function = format!("decode_gemv_{dtype}_{template_rows}");
     let module = kernels(&SOURCE, device)?;
+    let element = kind.elt_size_in_bytes() as i64;
+    let layout = match CachedLayout::of(module, template_rows, k, n, element) {
+        Some(cached) => Launch::Cached(cached),
+        None => {
+            let staged_bytes = rows * k * element;
+            let staged = staged_bytes <= MAX_STAGED_BYTES;
+            if staged {
+                flags |= STAGE_INPUT;
+            }
+            let per_block = (WARPS * columns_per_warp) as i64;
+            Launch::Streamed {
+                blocks: ((n + per_block - 1) / per_block) as u32,
+                shared_bytes: if staged { staged_bytes as u32 } else { 0 },
+            }
+        }
+    };
     let pointer = |t: Option<&Tensor>| t.map_or(0u64, |t| t.data_ptr() as u64);
     let (mut x_ptr, mut w_ptr, mut out_ptr) = (
         pointer(Some(&x)),
@@ -548,9 +736,16 @@ pub fn decode_linear(
         pointer(bias.as_ref()),
         pointer(residual.as_ref()),
     );
-    let (mut rows_arg, mut k_arg, mut n_arg, mut flags_arg, mut eps_arg) =
-        (rows as i32, k as i32, n as i32, flags, eps);
-    let mut args = [
+    let (mut rows_arg, mut k_arg, mut n_arg, mut eps_arg) = (rows as i32, k as i32, n as i32, eps);
+    let mut flags_arg = match layout {
+        Launch::Cached(_) => flags | STAGE_INPUT,
+        Launch::Streamed { .. } => flags,
+    };
+    let mut columns_arg = match &layout {
+        Launch::Cached(cached) => cached.columns,
+        Launch::Streamed { .. } => 0,
+    };
+    let mut args = vec![
         kernel_arg(&mut x_ptr),
         kernel_arg(&mut w_ptr),
         kernel_arg(&mut out_ptr),
@@ -564,19 +759,37 @@ pub fn decode_linear(
         kernel_arg(&mut flags_arg),
         kernel_arg(&mut eps_arg),
     ];
-    let per_block = (WARPS * columns_per_warp) as i64;
-    let blocks = (n + per_block - 1) / per_block;
+    let (function, blocks, shared_bytes) = match &layout {
+        Launch::Cached(cached) => {
+            args.push(kernel_arg(&mut columns_arg));
+            (
+                format!("decode_gemv_{dtype}_{template_rows}_cached"),
+                cached.blocks,
+                cached.shared_bytes,
+            )
+        }
+        Launch::Streamed {
+            blocks,
+            shared_bytes,
+        } => (
+            format!("decode_gemv_{dtype}_{template_rows}"),
+            *blocks,
+            *shared_bytes,
+        ),
+    };
     // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
     // counts and flags as i32, eps as f32); every tensor is on the device, contiguous, of the
     // shape checked above, the ones read in 16-byte loads aligned with rows of whole loads
-    // (`fits`, `ready`); null pointers only where the flags say the kernel does not read them.
+    // (`fits`, `ready`); null pointers only where the flags say the kernel does not read them;
+    // the shared memory holds what the kernel puts there (`CachedLayout`, `MAX_STAGED_BYTES`).
     // Copies dropped here return to the caching allocator, which reuses them only for work
     // queued on the stream after the kernel. The kernel waits for the previous one before it
-    // reads anything but the weight, and writes only after that wait.
+    // reads anything but the weight, the bias and the norm's weights, and writes only after
+    // that wait.
     unsafe {
         module.launch_overlapping(
             &function,
-            (blocks as u32, 1, 1),
+            (blocks, 1, 1),
             (32 * WARPS, 1, 1),
             shared_bytes,
             &mut args,

@@ -282,6 +282,7 @@ extern "C" __global__ void fp8_delayed_update(float* scale, unsigned int* counte
         "fp8_cast4_f32_e5m2",
         "fp8_delayed_update",
     ],
+    prefer_shared_memory: false,
 };
 
 /// Where a cast takes its scale from.

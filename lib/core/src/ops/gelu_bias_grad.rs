@@ -138,6 +138,7 @@ GELU_BIAS_GRAD(f16, f16)
         "gelu_bias_grad_f16",
         "column_totals_into_main",
     ],
+    prefer_shared_memory: false,
 };
 
 /// Whether the kernel takes `[rows, columns]` gradients of `kind`.

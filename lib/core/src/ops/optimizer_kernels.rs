@@ -227,6 +227,7 @@ ADAMW(adamw_f16, F16)
         "adamw_bf16",
         "adamw_f16",
     ],
+    prefer_shared_memory: false,
 };
 
 /// Set to `0`, the environment variable that keeps the optimizer step on ATen's multi-tensor

@@ -203,6 +203,7 @@ PAGED_DECODE(paged_decode_f32_128, float, 128)
         "paged_decode_f32_64",
         "paged_decode_f32_128",
     ],
+    prefer_shared_memory: true,
 };
 
 /// The keys and values of a decode step's new positions, for [`paged_decode_attention`] to

@@ -133,6 +133,7 @@ SOFTMAX_CROSS_ENTROPY(f32, float, 1)
         "softmax_cross_entropy_f32_8",
         "softmax_cross_entropy_f32_1",
     ],
+    prefer_shared_memory: false,
 };
 
 /// Elements of a vector access.

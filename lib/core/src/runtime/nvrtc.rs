@@ -21,6 +21,10 @@ pub struct KernelSource {
     pub name: &'static str,
     pub source: &'static str,
     pub functions: &'static [&'static str],
+    /// Asks for all of each multiprocessor's unified L1/shared memory as shared memory. The
+    /// decode kernels do: blocks of successive kernels stay resident side by side only where
+    /// they ask for the same split, which the driver otherwise picks per kernel.
+    pub prefer_shared_memory: bool,
 }
 
 /// The NVRTC library's file name in the torch wheel and on library paths.
@@ -152,6 +156,10 @@ pub struct Kernels {
     /// Hopper or newer: kernels may be launched to overlap their predecessor's end
     /// ([`Kernels::launch_overlapping`]).
     dependent_launch: bool,
+    /// The device's streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Shared memory of one multiprocessor, for the blocks resident on it together.
+    pub shared_bytes_per_multiprocessor: u32,
 }
 
 /// Modules loaded so far, by source name and device; kept for the process's life.
@@ -198,11 +206,39 @@ fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
     // SAFETY: a NUL-terminated PTX text; the module is never unloaded.
     let module = unsafe { driver::module::load_data(image.as_ptr().cast()) }
         .map_err(fail("loading the PTX"))?;
+    let shared_per_block = attribute(
+        driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+    )?;
     let mut functions = HashMap::new();
     for &name in source.functions {
         // SAFETY: a loaded module and a NUL-terminated name.
         let function = unsafe { driver::module::get_function(module, CString::new(name)?) }
             .map_err(fail(&format!("function {name}")))?;
+        // Launches may ask for more than the default 48 KiB of dynamic shared memory: all the
+        // block may have beside the function's static shared memory.
+        // SAFETY: a function handle of the loaded module and valid attributes.
+        unsafe {
+            use driver_sys::CUfunction_attribute as function_attribute;
+            let fixed = driver::function::get_function_attribute(
+                function,
+                function_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+            )
+            .map_err(fail(&format!("function {name}'s shared memory")))?;
+            driver::function::set_function_attribute(
+                function,
+                function_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared_per_block - fixed,
+            )
+            .map_err(fail(&format!("function {name}'s shared memory")))?;
+            if source.prefer_shared_memory {
+                driver::function::set_function_attribute(
+                    function,
+                    function_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    driver_sys::CUshared_carveout::CU_SHAREDMEM_CARVEOUT_MAX_SHARED as i32,
+                )
+                .map_err(fail(&format!("function {name}'s carveout")))?;
+            }
+        }
         functions.insert(name, function as usize);
     }
     Ok(Kernels {
@@ -210,6 +246,12 @@ fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
         context: context as usize,
         functions,
         dependent_launch: major >= 9,
+        multiprocessors: attribute(
+            driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32,
+        shared_bytes_per_multiprocessor: attribute(
+            driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )? as u32,
     })
 }
 
@@ -241,8 +283,8 @@ impl Kernels {
         self.launch_with(function, grid, block, 0, args, false)
     }
 
-    /// [`Kernels::launch`] with `shared_bytes` of dynamic shared memory per block (at most
-    /// 48 KiB), as a programmatic dependent launch on Hopper and newer GPUs: the kernel may
+    /// [`Kernels::launch`] with `shared_bytes` of dynamic shared memory per block, as a
+    /// programmatic dependent launch on Hopper and newer GPUs: the kernel may
     /// start while the previous kernel on the stream is still running, once that one executes
     /// `griddepcontrol.launch_dependents`, and must execute `griddepcontrol.wait` (see
     /// [`crate::ops`]'s `dependent_launch!` prelude) before it touches anything an earlier
