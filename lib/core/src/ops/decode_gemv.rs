@@ -521,7 +521,7 @@ impl CachedLayout {
         let share = i64::from(module.shared_bytes_per_multiprocessor) / 3
             - RESERVED_SHARED_BYTES_PER_BLOCK
             - static_bytes;
-        (shared_bytes <= share).then(|| CachedLayout {
+        (shared_bytes <= share).then_some(CachedLayout {
             blocks: blocks as u32,
             columns: columns as i32,
             shared_bytes: shared_bytes as u32,
