@@ -1,8 +1,9 @@
-# Sourced by the training benchmarks (after gpu_memory.sh). run_ours_variants adds a row of ours
-# per ;-separated flag set of OURS_VARIANTS (e.g. "--no-gradient-accumulation-fusion;
-# --cross-entropy-loss-fusion"), each lever measured on its own in the same run: it runs "$@"
-# followed by the set's flags into $SCRATCH/variant<i>.log, with the set as its label
-# (variant<i>.label) and its peak GPU memory (variant<i>.mem), which training_table.py reads.
+# Sourced by the training benchmarks (after gpu_memory.sh), and by serve.sh for split_variant.
+# run_ours_variants adds a row of ours per ;-separated flag set of OURS_VARIANTS (e.g.
+# "--no-gradient-accumulation-fusion;--cross-entropy-loss-fusion"), each lever measured on its
+# own in the same run: it runs "$@" followed by the set's flags into $SCRATCH/variant<i>.log,
+# with the set as its label (variant<i>.label) and its peak GPU memory (variant<i>.mem), which
+# training_table.py reads.
 # Words of a set of the form NAME=value are set in the run's environment instead (e.g.
 # "MEGATRON_RS_OPTIMIZER_KERNELS=0" for the optimizer step on ATen's kernels,
 # "MEGATRON_RS_FUSED_ADD_NORM=0" for the residual adds and norms on libtorch's separate kernels).

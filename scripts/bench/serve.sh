@@ -22,7 +22,9 @@
 #   SERVER_FLAGS=        extra text_generation_server flags for every run, e.g. --kv-cache-gb 8
 #   VARIANTS=            ';'-separated flag sets, each one more continuous-batching run (batch-1
 #                        decode included) in the same table, e.g.
-#                        VARIANTS="--no-paged-attention;--no-decode-fusion;--prefill-chunk-size 2048"
+#                        VARIANTS="--no-paged-attention;--no-decode-fusion;--prefill-chunk-size 2048";
+#                        NAME=value words go to the server's environment, e.g.
+#                        "MEGATRON_RS_DECODE_CACHED_WEIGHTS=0" (every decode weight streamed)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -33,6 +35,8 @@ if [[ -z "${BIN:-}" ]]; then
 fi
 # shellcheck source=../torch-env.sh
 source "$ROOT/scripts/torch-env.sh" "$PYTHON"
+# shellcheck source=ours_variants.sh
+source "$ROOT/scripts/bench/ours_variants.sh"
 SCRATCH="$(mktemp -d -t serve-bench.XXXXXX)"
 SERVER=""
 trap '[[ -n "$SERVER" ]] && kill "$SERVER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
@@ -46,8 +50,10 @@ echo "== checkpoint" >&2
 
 PORT="${PORT:-5123}"
 # Starts the server with extra flags "$@" and waits until it serves.
+# The server runs with $SERVER_ENV (NAME=value words) in its environment.
+SERVER_ENV=()
 start_server() {
-    "$BIN/text_generation_server" --load "$SCRATCH/ckpt" "${TOKENIZER[@]}" --port "$PORT" --bf16 \
+    env "${SERVER_ENV[@]}" "$BIN/text_generation_server" --load "$SCRATCH/ckpt" "${TOKENIZER[@]}" --port "$PORT" --bf16 \
         --max-tokens-to-oom 100000 "$@" ${SERVER_FLAGS:-} >"$SCRATCH/server.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 600); do
@@ -91,8 +97,10 @@ for v in "${variants[@]}"; do [[ -n "${v// }" ]] && runs+=("$v"); done
 for i in "${!runs[@]}"; do
     flags="${runs[$i]}"
     echo "== continuous batching ${flags:-(default)}" >&2
-    # shellcheck disable=SC2086
-    start_server $flags
+    split_variant "$flags"
+    SERVER_ENV=("${VARIANT_ENV[@]}")
+    start_server "${VARIANT_FLAGS[@]}"
+    SERVER_ENV=()
     batch1 >"$SCRATCH/batch1_$i.json"
     "${LOAD[@]}" --requests "${REQUESTS:-256}" --json "$SCRATCH/batched_$i.json"
     grep -E "graph|KV|warning" "$SCRATCH/server.log" >&2 || true
