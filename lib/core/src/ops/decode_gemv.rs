@@ -485,14 +485,6 @@ pub const CACHED_WEIGHTS_VARIABLE: &str = "MEGATRON_RS_DECODE_CACHED_WEIGHTS";
 /// Shared memory the system keeps for each resident block.
 const RESERVED_SHARED_BYTES_PER_BLOCK: i64 = 1024;
 
-/// How one call runs.
-enum Launch {
-    /// Each block's weight slice copied into shared memory first (`decode_gemv_*_cached`).
-    Cached(CachedLayout),
-    /// The weight read from global memory in the loop (`decode_gemv_*`).
-    Streamed { blocks: u32, shared_bytes: u32 },
-}
-
 /// The grid and shared memory of `decode_gemv_*_cached`: `blocks` blocks of `columns` weight
 /// rows each; a block's dynamic shared memory holds its rows, the input rows of the kernel's
 /// row count, and the biases in float32.
@@ -709,21 +701,34 @@ pub fn decode_linear(
     };
     let module = kernels(&SOURCE, device)?;
     let element = kind.elt_size_in_bytes() as i64;
-    let layout = match CachedLayout::of(module, template_rows, k, n, element) {
-        Some(cached) => Launch::Cached(cached),
-        None => {
-            let staged_bytes = rows * k * element;
-            let staged = staged_bytes <= MAX_STAGED_BYTES;
-            if staged {
+    // The cached kernel always stages its input (its shared memory has room for it) and takes
+    // its columns per block as one more argument.
+    let (function, blocks, shared_bytes, mut columns) =
+        match CachedLayout::of(module, template_rows, k, n, element) {
+            Some(cached) => {
                 flags |= STAGE_INPUT;
+                (
+                    format!("decode_gemv_{dtype}_{template_rows}_cached"),
+                    cached.blocks,
+                    cached.shared_bytes,
+                    Some(cached.columns),
+                )
             }
-            let per_block = (WARPS * columns_per_warp) as i64;
-            Launch::Streamed {
-                blocks: ((n + per_block - 1) / per_block) as u32,
-                shared_bytes: if staged { staged_bytes as u32 } else { 0 },
+            None => {
+                let staged_bytes = rows * k * element;
+                let staged = staged_bytes <= MAX_STAGED_BYTES;
+                if staged {
+                    flags |= STAGE_INPUT;
+                }
+                let per_block = (WARPS * columns_per_warp) as i64;
+                (
+                    format!("decode_gemv_{dtype}_{template_rows}"),
+                    ((n + per_block - 1) / per_block) as u32,
+                    if staged { staged_bytes as u32 } else { 0 },
+                    None,
+                )
             }
-        }
-    };
+        };
     let pointer = |t: Option<&Tensor>| t.map_or(0u64, |t| t.data_ptr() as u64);
     let (mut x_ptr, mut w_ptr, mut out_ptr) = (
         pointer(Some(&x)),
@@ -736,15 +741,8 @@ pub fn decode_linear(
         pointer(bias.as_ref()),
         pointer(residual.as_ref()),
     );
-    let (mut rows_arg, mut k_arg, mut n_arg, mut eps_arg) = (rows as i32, k as i32, n as i32, eps);
-    let mut flags_arg = match layout {
-        Launch::Cached(_) => flags | STAGE_INPUT,
-        Launch::Streamed { .. } => flags,
-    };
-    let mut columns_arg = match &layout {
-        Launch::Cached(cached) => cached.columns,
-        Launch::Streamed { .. } => 0,
-    };
+    let (mut rows_arg, mut k_arg, mut n_arg, mut flags_arg, mut eps_arg) =
+        (rows as i32, k as i32, n as i32, flags, eps);
     let mut args = vec![
         kernel_arg(&mut x_ptr),
         kernel_arg(&mut w_ptr),
@@ -759,24 +757,9 @@ pub fn decode_linear(
         kernel_arg(&mut flags_arg),
         kernel_arg(&mut eps_arg),
     ];
-    let (function, blocks, shared_bytes) = match &layout {
-        Launch::Cached(cached) => {
-            args.push(kernel_arg(&mut columns_arg));
-            (
-                format!("decode_gemv_{dtype}_{template_rows}_cached"),
-                cached.blocks,
-                cached.shared_bytes,
-            )
-        }
-        Launch::Streamed {
-            blocks,
-            shared_bytes,
-        } => (
-            format!("decode_gemv_{dtype}_{template_rows}"),
-            *blocks,
-            *shared_bytes,
-        ),
-    };
+    if let Some(columns) = columns.as_mut() {
+        args.push(kernel_arg(columns));
+    }
     // SAFETY: the arguments match the kernel's parameters in order and type (pointers as u64,
     // counts and flags as i32, eps as f32); every tensor is on the device, contiguous, of the
     // shape checked above, the ones read in 16-byte loads aligned with rows of whole loads
