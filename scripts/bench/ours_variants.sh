@@ -36,3 +36,14 @@ split_variant() {
         fi
     done
 }
+
+# The log interval of a run of $1 iterations: ours reports the mean of its last full interval, so
+# the interval is 10 when there are at least two of them and half the run otherwise, keeping the
+# first iteration (allocator growth, autotuning, graph capture) out of what is reported.
+log_interval() {
+    if (( $1 < 2 )); then
+        echo "ITERS=$1: a training benchmark needs at least 2 iterations" >&2
+        return 1
+    fi
+    if (( $1 >= 20 )); then echo 10; else echo $(( $1 / 2 )); fi
+}

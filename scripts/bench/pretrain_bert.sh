@@ -13,7 +13,8 @@
 #   PRETRAIN_BERT=path    the binary to time [default: target/release/pretrain_bert, built here]
 #   PYTHON=python3        a python with torch 2.11 (CUDA) and transformers 5.23 for the references
 #                         (transformers is pure Python: PYTHONPATH may point at a copy of it)
-#   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
+#   ITERS=30              iterations per run; ours reports the mean of the last log interval
+#                         (10, or half the run below 20 iterations)
 #   TORCH_COMPILE=1       0 leaves out the torch.compile reference row
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours (see ours_variants.sh)
 #   EXTRA_FLAGS=""        more flags for every run (e.g. "--micro-batch-size 4")
@@ -38,6 +39,7 @@ SCRATCH="$(mktemp -d -t pretrain-bert-bench.XXXXXX)"
 source "$ROOT/scripts/bench/gpu_memory.sh"
 # shellcheck source=ours_variants.sh
 source "$ROOT/scripts/bench/ours_variants.sh"
+LOG_INTERVAL="$(log_interval "$ITERS")"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 SHAPE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512
@@ -47,7 +49,7 @@ EXTRA=(${EXTRA_FLAGS:-})
 
 # NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30522 in all.
 OURS=("$PRETRAIN_BERT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS"
-      --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data
+      --log-interval "$LOG_INTERVAL" --eval-interval 100000 --eval-iters 1 --mock-data
       --tokenizer-type NullTokenizer --vocab-size 30521 --log-throughput)
 
 echo "== ours: $PRETRAIN_BERT" >&2
@@ -65,7 +67,7 @@ for mode in eager compile; do
     [[ "$mode" == compile ]] && flag=(--torch-compile)
     exec 3>"$SCRATCH/$mode.mem"
     with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_bert.py" "${SHAPE[@]}" "${EXTRA[@]}" \
-        --train-iters "$ITERS" --log-interval 10 "${flag[@]}" >"$SCRATCH/$mode.json"
+        --train-iters "$ITERS" --log-interval "$LOG_INTERVAL" "${flag[@]}" >"$SCRATCH/$mode.json"
     exec 3>&-
     cat "$SCRATCH/$mode.json" >&2
     REFERENCES+=("$SCRATCH/$mode.json")

@@ -10,7 +10,8 @@
 # Environment (all optional):
 #   PRETRAIN_GPT=path     the binary to time [default: target/release/pretrain_gpt, built here]
 #   PYTHON=python3        a python with torch 2.11 (CUDA) for the reference and the library path
-#   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
+#   ITERS=30              iterations per run; ours reports the mean of the last log interval
+#                         (10, or half the run below 20 iterations)
 #   TORCH_COMPILE=0       1 adds a torch.compile reference row
 #   GLOBAL_BATCH=64       global batch size (micro batch 8)
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
@@ -38,6 +39,7 @@ SCRATCH="$(mktemp -d -t pretrain-bench.XXXXXX)"
 source "$ROOT/scripts/bench/gpu_memory.sh"
 # shellcheck source=ours_variants.sh
 source "$ROOT/scripts/bench/ours_variants.sh"
+LOG_INTERVAL="$(log_interval "$ITERS")"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
@@ -48,7 +50,7 @@ SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-head
 EXTRA=(${EXTRA_FLAGS:-})
 
 OURS=("$PRETRAIN_GPT" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1.5e-4 --train-iters "$ITERS"
-      --log-interval 10 --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data
+      --log-interval "$LOG_INTERVAL" --eval-interval 100000 --eval-iters 1 --split 98,1,1 --mock-data
       --vocab-file "$SCRATCH/vocab.json" --merge-file "$SCRATCH/merges.txt" --log-throughput)
 
 echo "== ours: $PRETRAIN_GPT" >&2
@@ -61,7 +63,7 @@ run_ours_variants "${OURS[@]}"
 echo "== reference: PyTorch eager" >&2
 exec 3>"$SCRATCH/eager.mem"
 with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
-    --train-iters "$ITERS" --log-interval 10 >"$SCRATCH/eager.json"
+    --train-iters "$ITERS" --log-interval "$LOG_INTERVAL" >"$SCRATCH/eager.json"
 exec 3>&-
 cat "$SCRATCH/eager.json" >&2
 REFERENCES=("$SCRATCH/eager.json")
@@ -69,7 +71,7 @@ if [[ "${TORCH_COMPILE:-0}" == 1 ]]; then
     echo "== reference: torch.compile" >&2
     exec 3>"$SCRATCH/compile.mem"
     with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
-        --train-iters "$ITERS" --log-interval 10 --torch-compile >"$SCRATCH/compile.json"
+        --train-iters "$ITERS" --log-interval "$LOG_INTERVAL" --torch-compile >"$SCRATCH/compile.json"
     exec 3>&-
     REFERENCES+=("$SCRATCH/compile.json")
 fi

@@ -13,7 +13,8 @@
 # Environment (all optional):
 #   PRETRAIN_T5=path      the binary to time [default: target/release/pretrain_t5, built here]
 #   PYTHON=python3        a python with torch 2.11 (CUDA) for the references
-#   ITERS=30              iterations per run; ours reports the mean of the last log interval (10)
+#   ITERS=30              iterations per run; ours reports the mean of the last log interval
+#                         (10, or half the run below 20 iterations)
 #   TORCH_COMPILE=1       0 leaves out the torch.compile reference row
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours (see ours_variants.sh)
 #   EXTRA_FLAGS=""        more flags for every run (e.g. "--micro-batch-size 8")
@@ -37,6 +38,7 @@ SCRATCH="$(mktemp -d -t pretrain-t5-bench.XXXXXX)"
 source "$ROOT/scripts/bench/gpu_memory.sh"
 # shellcheck source=ours_variants.sh
 source "$ROOT/scripts/bench/ours_variants.sh"
+LOG_INTERVAL="$(log_interval "$ITERS")"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 SHAPE=(--encoder-num-layers 12 --decoder-num-layers 12 --hidden-size 768 --num-attention-heads 12
@@ -47,7 +49,7 @@ EXTRA=(${EXTRA_FLAGS:-})
 
 # NullTokenizer's --vocab-size n gives n + 1 tokens (end-of-document last): 30622 in all.
 OURS=("$PRETRAIN_T5" "${SHAPE[@]}" "${EXTRA[@]}" --lr 1e-4 --train-iters "$ITERS"
-      --log-interval 10 --eval-interval 100000 --eval-iters 1 --mock-data
+      --log-interval "$LOG_INTERVAL" --eval-interval 100000 --eval-iters 1 --mock-data
       --tokenizer-type NullTokenizer --vocab-size 30621 --log-throughput)
 
 echo "== ours: $PRETRAIN_T5" >&2
@@ -65,7 +67,7 @@ for mode in eager compile; do
     [[ "$mode" == compile ]] && flag=(--torch-compile)
     exec 3>"$SCRATCH/$mode.mem"
     with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_t5.py" "${SHAPE[@]}" "${EXTRA[@]}" \
-        --vocab-size 30622 --train-iters "$ITERS" --log-interval 10 "${flag[@]}" >"$SCRATCH/$mode.json"
+        --vocab-size 30622 --train-iters "$ITERS" --log-interval "$LOG_INTERVAL" "${flag[@]}" >"$SCRATCH/$mode.json"
     exec 3>&-
     cat "$SCRATCH/$mode.json" >&2
     REFERENCES+=("$SCRATCH/$mode.json")

@@ -7,7 +7,7 @@
 # kernels, memory copies and host gaps.
 #
 # Default shape: GPT-345M (24 layers, hidden 1024, 16 heads, seq 1024), micro batch 8, global
-# batch 8, bf16, synthetic data (--mock-data, a GPT-2-sized vocabulary).
+# batch 8 (GLOBAL_BATCH), bf16, synthetic data (--mock-data, a GPT-2-sized vocabulary).
 #
 # Environment (all optional):
 #   PRETRAIN_GPT=path     the binary to profile [default: target/release/pretrain_gpt, built here]
@@ -16,6 +16,8 @@
 #   PROFILE_ITERS=2       profiled steps (after 8 warm-up steps)
 #   EXTRA_FLAGS=""        more flags for both runs (e.g. "--hidden-dropout 0 --attention-dropout 0")
 #   OURS_FLAGS=""         more flags for ours only (e.g. "--cross-entropy-loss-fusion")
+#   GLOBAL_BATCH=8        global batch size (micro batch 8): above 8 a step holds several
+#                         micro-batches and the optimizer step's share shrinks
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
 #   NUM_HEADS=16          attention heads
 #   TRACE_DIR=dir         keep the traces here [default: a temporary directory]
@@ -46,7 +48,7 @@ mkdir -p "$TRACE_DIR"
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
 
 SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-heads "${NUM_HEADS:-16}" --seq-length 1024
-       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8 --bf16)
+       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size "${GLOBAL_BATCH:-8}" --bf16)
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
 # shellcheck disable=SC2206

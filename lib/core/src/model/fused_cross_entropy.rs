@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::{ensure, Context, Result};
 use tch::{Kind, Tensor};
 
-use super::layers::main_grad_linear::accumulate_product;
+use super::layers::main_grad_linear::{accumulate_product, product_in_float};
 use super::param::Param;
 use crate::autograd::{self, CustomFunction, SavedTensors};
 use crate::ops::softmax_cross_entropy;
@@ -232,7 +232,8 @@ impl CustomFunction for FusedOutputCrossEntropy {
         let local_vocab = self.weight.size()[0];
         let losses = Tensor::empty([tokens], (Kind::Float, device));
         let grad_hidden = Tensor::empty([tokens, h], (kind, device));
-        let grad_weight = Tensor::zeros([local_vocab, h], (Kind::Float, device));
+        // Written by the first chunk's product (no zero fill of a vocabulary-sized buffer).
+        let mut grad_weight: Option<Tensor> = None;
         let grad_bias = self
             .bias
             .as_ref()
@@ -254,8 +255,17 @@ impl CustomFunction for FusedOutputCrossEntropy {
             let mut grad_input = grad_hidden.narrow(0, start, length);
             let _ = grad.mm_out(&grad_input, &self.weight);
             let _ = grad_input.g_mul_(&row_weights);
-            accumulate_product(&grad_weight, &grad.tr(), &(&input * &row_weights))?;
+            let weighted_input = &input * &row_weights;
+            grad_weight = Some(match grad_weight {
+                None => product_in_float(&grad.tr(), &weighted_input)?,
+                Some(sum) => {
+                    accumulate_product(&sum, &grad.tr(), &weighted_input)?;
+                    sum
+                }
+            });
         }
+        let grad_weight =
+            grad_weight.unwrap_or_else(|| Tensor::zeros([local_vocab, h], (Kind::Float, device)));
         self.grads = Some(UnscaledGrads {
             hidden: grad_hidden,
             hidden_shape,
@@ -276,14 +286,15 @@ impl CustomFunction for FusedOutputCrossEntropy {
             .context("the fused output cross entropy's backward ran twice")?;
         let scale = &grad_outputs[0] / held_gradient_scale(grads.hidden.kind());
         let grad_hidden = (grads.hidden * &scale).view(grads.hidden_shape.as_slice());
-        let mut grad_weight = grads.weight;
-        let _ = grad_weight.g_mul_(&scale);
+        // Scaled as it is added: one pass over the vocabulary-sized buffers, not two.
         let grad_weight = match &self.weight_main_grad {
             Some(main_grad) => {
-                let _ = main_grad.shallow_clone().g_add_(&grad_weight);
+                let _ = main_grad
+                    .shallow_clone()
+                    .f_addcmul_(&grads.weight, &scale)?;
                 None
             }
-            None => Some(grad_weight.to_kind(self.weight.kind())),
+            None => Some((grads.weight * &scale).to_kind(self.weight.kind())),
         };
         let mut out = vec![Some(grad_hidden), grad_weight];
         if let (Some(bias), Some(grad_bias)) = (&self.bias, grads.bias) {

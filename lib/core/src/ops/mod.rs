@@ -238,9 +238,9 @@ fn aligned(tensor: &tch::Tensor) -> bool {
 }
 
 pub mod add_norm;
+pub mod bias_grad;
 pub mod decode_gemv;
 pub mod fp8_cast;
-pub mod gelu_bias_grad;
 pub mod gemm_epilogue;
 pub mod multi_tensor;
 pub mod optimizer_kernels;

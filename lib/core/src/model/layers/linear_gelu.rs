@@ -2,7 +2,7 @@
 //! ([`crate::ops::gemm_epilogue`]): one GEMM writes GeLU's output and keeps its argument for
 //! backward, so the forward GeLU is no kernel of its own (Megatron's `--bias-gelu-fusion`).
 //! Backward is GeLU's gradient with fc1's bias gradient summed from it in one kernel
-//! ([`crate::ops::gelu_bias_grad`]; ATen's GeLU gradient and a GEMV where that kernel is off),
+//! ([`crate::ops::bias_grad`]; ATen's GeLU gradient and a GEMV where that kernel is off),
 //! and the fused weight-gradient accumulation of [`super::main_grad_linear`]. (cuBLASLt's matching backward epilogue, GeLU gradient plus
 //! bias gradient, runs as a separate slow kernel on Hopper: 0.3 ms a call for GPT-345M's fc1
 //! against 0.09 ms for the two ops it replaces, so it is not used.)
@@ -13,7 +13,7 @@ use tch::Tensor;
 use super::main_grad_linear::accumulate_parameter_grads;
 use crate::autograd::{self, CustomFunction, SavedTensors};
 use crate::model::param::Param;
-use crate::ops::{gelu_bias_grad, gemm_epilogue};
+use crate::ops::{bias_grad, gemm_epilogue};
 
 /// `gelu_tanh(input · weightᵀ + bias)` through the epilogue, or `None` where it does not apply:
 /// no gradient wanted, not a CUDA bf16/fp16 model, widths the epilogue cannot take, or
@@ -73,9 +73,9 @@ impl CustomFunction for LinearGelu {
         let grad_rows = grad.reshape([-1, grad.size()[grad.dim() - 1]]);
         let columns = grad_rows.size()[1];
         let grad_preactivation =
-            if gelu_bias_grad::usable_on(grad_rows.device(), grad_rows.kind(), columns) {
+            if bias_grad::usable_on(grad_rows.device(), grad_rows.kind(), columns) {
                 // One pass: GeLU's gradient and, summed from it, the bias's.
-                let grad_preactivation = gelu_bias_grad::gelu_backward_with_bias_grad(
+                let grad_preactivation = bias_grad::gelu_backward_with_bias_grad(
                     &grad_rows,
                     preactivation,
                     &self.bias_grad,

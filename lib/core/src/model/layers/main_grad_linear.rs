@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::autograd::{self, CustomFunction, SavedTensors};
 use crate::model::param::Param;
+use crate::ops::bias_grad;
 
 /// `input · weightᵀ (+ bias)`; when the optimizer gave `weight` (and `bias`) a main-gradient
 /// view, their gradients go there and their `grad` stays undefined. Otherwise a plain linear.
@@ -81,8 +82,8 @@ impl CustomFunction for MainGradLinear {
 }
 
 /// Adds a linear's weight gradient `gradᵀ · input` (and bias gradient, the sum of `grad`'s
-/// rows) for `[rows, out]` output gradients and `[rows, in]` inputs into float32 main-gradient
-/// views.
+/// rows: our column-sum kernel for narrow layers on a GPU, else a GEMV) for `[rows, out]` output
+/// gradients and `[rows, in]` inputs into float32 main-gradient views.
 pub(crate) fn accumulate_parameter_grads(
     grad: &Tensor,
     input: &Tensor,
@@ -92,8 +93,14 @@ pub(crate) fn accumulate_parameter_grads(
     accumulate_product(weight_grad, &grad.tr(), input)?;
     if let Some(bias_grad) = bias_grad {
         let (rows, out_features) = (grad.size()[0], grad.size()[1]);
-        let ones = ones_row(rows, grad.kind(), grad.device());
-        accumulate_product(&bias_grad.view([1, out_features]), &ones, grad)?;
+        if out_features <= bias_grad::NARROW_BIAS_COLUMNS
+            && bias_grad::usable_on(grad.device(), grad.kind(), out_features)
+        {
+            bias_grad::add_bias_grad(grad, bias_grad)?;
+        } else {
+            let ones = ones_row(rows, grad.kind(), grad.device());
+            accumulate_product(&bias_grad.view([1, out_features]), &ones, grad)?;
+        }
     }
     Ok(())
 }
@@ -134,6 +141,18 @@ pub(crate) fn accumulate_product(target: &Tensor, a: &Tensor, b: &Tensor) -> Res
             .f_add_(&a.matmul(b).to_kind(Kind::Float))?;
     }
     Ok(())
+}
+
+/// `a · b` in float32 for `a`, `b` of the activations' dtype, rounding only once, in float32.
+pub(crate) fn product_in_float(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.kind() == Kind::Float {
+        Ok(a.f_matmul(b)?)
+    } else if matches!(a.device(), Device::Cuda(_)) {
+        Ok(a.f_mm_dtype(b, Kind::Float)?)
+    } else {
+        // libtorch's CPU GEMMs have no mixed-precision output.
+        Ok(a.f_matmul(b)?.to_kind(Kind::Float))
+    }
 }
 
 #[cfg(test)]

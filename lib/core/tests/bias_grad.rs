@@ -1,22 +1,22 @@
-//! The fused GeLU + bias gradient of fc1's backward (`ops::gelu_bias_grad`): its source compiles
-//! with NVRTC for Ampere and Hopper; on a GPU its GeLU gradient equals libtorch's tanh-GeLU
-//! backward and the bias gradient it adds to a float32 buffer equals the column sums of that
-//! gradient, for bf16 and fp16, widths from 8 to 4096, one row to many, and inputs off a 16-byte
-//! boundary; the same inputs give the same bits twice; and a GPT trained with it tracks the same
-//! run on libtorch's ops.
+//! The bias-gradient kernels (`ops::bias_grad`): their source compiles with NVRTC for Ampere and
+//! Hopper; on a GPU the fused GeLU gradient of fc1's backward equals libtorch's tanh-GeLU
+//! backward, and the bias gradients both kernels add to a float32 buffer equal the column sums
+//! (of that gradient, or of a linear's output gradient), for bf16 and fp16, widths from 8 to
+//! 4096, one row to many, and inputs off a 16-byte boundary; the same inputs give the same bits
+//! twice; and a GPT trained with them tracks the same run on libtorch's ops.
 
 mod support;
 
 use megatron_core::args::GptPretrainArgs;
-use megatron_core::ops::gelu_bias_grad::{
-    gelu_backward_with_bias_grad, reference, SOURCE, VARIABLE,
+use megatron_core::ops::bias_grad::{
+    add_bias_grad, gelu_backward_with_bias_grad, reference, SOURCE, VARIABLE,
 };
 use megatron_core::ops::relative_error;
 use megatron_core::runtime::nvrtc::check_compiles;
 use tch::{Device, Kind, Tensor};
 
 #[test]
-fn the_gelu_bias_grad_kernels_compile_for_ampere_and_hopper() {
+fn the_bias_grad_kernels_compile_for_ampere_and_hopper() {
     for arch in ["compute_80", "compute_90"] {
         check_compiles(&SOURCE, arch).unwrap();
     }
@@ -29,7 +29,7 @@ fn values(rows: i64, columns: i64, step: f64, scale: f64, kind: Kind) -> Tensor 
 }
 
 #[test]
-fn on_a_gpu_the_kernel_equals_libtorchs_gelu_backward_and_bias_gemv() {
+fn on_a_gpu_the_kernels_equal_libtorchs_gelu_backward_and_bias_sums() {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");
         return;
@@ -69,12 +69,36 @@ fn on_a_gpu_the_kernel_equals_libtorchs_gelu_backward_and_bias_gemv() {
             let from_shifted =
                 gelu_backward_with_bias_grad(&shifted, &preactivation, &main_shifted).unwrap();
             assert!(from_shifted.equal(&got), "{what}: misaligned input");
+
+            // The plain bias gradient: column sums of the gradient itself.
+            let plain_sums =
+                grad.to_kind(Kind::Float)
+                    .sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+            let plain = start.copy();
+            add_bias_grad(&grad, &plain).unwrap();
+            let plain_error = relative_error(&(&plain - &start), &plain_sums);
+            assert!(
+                plain_error <= 1e-3,
+                "{what}: plain bias gradients differ by {plain_error:.3e}"
+            );
+            let plain_again = start.copy();
+            add_bias_grad(&grad, &plain_again).unwrap();
+            assert!(
+                plain_again.equal(&plain),
+                "{what}: plain sums not deterministic"
+            );
+            let plain_shifted = start.copy();
+            add_bias_grad(&shifted, &plain_shifted).unwrap();
+            assert!(
+                plain_shifted.equal(&plain),
+                "{what}: misaligned plain input"
+            );
         }
     }
 }
 
 #[test]
-fn on_a_gpu_training_on_the_kernel_tracks_libtorchs_ops() {
+fn on_a_gpu_training_on_the_kernels_tracks_libtorchs_ops() {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device");
         return;
@@ -83,5 +107,5 @@ fn on_a_gpu_training_on_the_kernel_tracks_libtorchs_ops() {
     flags.extend(["--bf16", "--train-iters", "8"]);
     let (fused, plain) =
         support::gpu_lm_losses_with_and_without::<GptPretrainArgs>(&flags, VARIABLE);
-    support::assert_tracks(&fused, &plain, 8, 2e-3, "the GeLU + bias gradient kernel");
+    support::assert_tracks(&fused, &plain, 8, 2e-3, "the bias-gradient kernels");
 }
