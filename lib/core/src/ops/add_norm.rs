@@ -31,7 +31,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::decode_gemv::InputNorm;
 use super::{
-    aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
+    contiguous_aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
     COLUMN_TOTAL_GROUPS,
 };
 use crate::model::config::Normalization;
@@ -431,12 +431,7 @@ fn ready(tensor: &Tensor, kind: Kind, shape: &[i64], device: Device, what: &str)
         tensor.size(),
         tensor.device()
     );
-    let tensor = tensor.contiguous();
-    Ok(if aligned(&tensor) {
-        tensor
-    } else {
-        tensor.copy()
-    })
+    Ok(contiguous_aligned(tensor))
 }
 
 /// The norm's shape, dtype and device as the kernels need them: `(device index, hidden)`.

@@ -17,7 +17,7 @@ use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
+    contiguous_aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
     COLUMN_TOTAL_GROUPS,
 };
 use crate::runtime::nvrtc::{kernels, KernelSource};
@@ -26,8 +26,9 @@ use crate::runtime::nvrtc::{kernels, KernelSource};
 /// fc1's GeLU gradient on libtorch's kernel); Megatron has no flag for this.
 pub const VARIABLE: &str = "MEGATRON_RS_FUSED_BIAS_GRAD";
 
-/// The widest linear whose bias gradient [`add_bias_grad`] sums (see the module's figures).
-pub const NARROW_BIAS_COLUMNS: i64 = 2048;
+/// The widest linear whose bias gradient [`add_bias_grad`] sums ([`sums_bias_of`]; see the
+/// module's figures).
+const NARROW_BIAS_COLUMNS: i64 = 2048;
 
 /// Elements per thread (one 16-byte access of bf16/fp16).
 const VEC: i64 = 8;
@@ -237,16 +238,8 @@ fn column_sums_into(
         columns <= i32::MAX as i64,
         "{columns} columns are more than the kernel takes"
     );
-    let ready = |t: &Tensor| {
-        let t = t.contiguous();
-        if aligned(&t) {
-            t
-        } else {
-            t.copy()
-        }
-    };
-    let grad = ready(grad);
-    let preactivation = preactivation.map(ready);
+    let grad = contiguous_aligned(grad);
+    let preactivation = preactivation.map(contiguous_aligned);
     let grad_input = preactivation
         .as_ref()
         .map(|_| Tensor::empty([rows, columns], (kind, device)));
@@ -315,6 +308,13 @@ fn column_sums_into(
         )?;
     }
     Ok(grad_input)
+}
+
+/// Whether [`add_bias_grad`] should sum the bias gradient of a linear with `columns` outputs:
+/// a narrow one ([`NARROW_BIAS_COLUMNS`]; libtorch's GEMV is as fast from 3,072 on) where
+/// [`usable_on`] holds.
+pub fn sums_bias_of(device: Device, kind: Kind, columns: i64) -> bool {
+    columns <= NARROW_BIAS_COLUMNS && usable_on(device, kind, columns)
 }
 
 /// Whether the kernels should run for `kind` gradients of `columns` on `device`: a CUDA device,

@@ -21,7 +21,7 @@
 use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::{aligned, dtype_name, kernel_arg, turned_off};
+use super::{aligned, contiguous_aligned, dtype_name, kernel_arg, turned_off};
 use crate::model::config::Normalization;
 use crate::runtime::nvrtc::{kernels, KernelSource, Kernels};
 
@@ -648,8 +648,7 @@ pub fn decode_linear(
             t.device(),
             input.device()
         );
-        let t = t.contiguous();
-        Ok(if aligned(&t) { t } else { t.copy() })
+        Ok(contiguous_aligned(t))
     };
     let x = ready(input, &[rows, k], "input")?;
     let mut flags = 0;

@@ -237,6 +237,17 @@ fn aligned(tensor: &tch::Tensor) -> bool {
     (tensor.data_ptr() as usize).is_multiple_of(16)
 }
 
+/// `tensor` contiguous and starting on a 16-byte boundary: itself where it already is, else a
+/// copy (the kernels read rows as 16-byte loads).
+fn contiguous_aligned(tensor: &tch::Tensor) -> tch::Tensor {
+    let tensor = tensor.contiguous();
+    if aligned(&tensor) {
+        tensor
+    } else {
+        tensor.copy()
+    }
+}
+
 pub mod add_norm;
 pub mod bias_grad;
 pub mod decode_gemv;

@@ -93,9 +93,7 @@ pub(crate) fn accumulate_parameter_grads(
     accumulate_product(weight_grad, &grad.tr(), input)?;
     if let Some(bias_grad) = bias_grad {
         let (rows, out_features) = (grad.size()[0], grad.size()[1]);
-        if out_features <= bias_grad::NARROW_BIAS_COLUMNS
-            && bias_grad::usable_on(grad.device(), grad.kind(), out_features)
-        {
+        if bias_grad::sums_bias_of(grad.device(), grad.kind(), out_features) {
             bias_grad::add_bias_grad(grad, bias_grad)?;
         } else {
             let ones = ones_row(rows, grad.kind(), grad.device());
