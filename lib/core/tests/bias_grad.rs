@@ -3,13 +3,16 @@
 //! backward, and the bias gradients both kernels add to a float32 buffer equal the column sums
 //! (of that gradient, or of a linear's output gradient), for bf16 and fp16, widths from 8 to
 //! 4096, one row to many, and inputs off a 16-byte boundary; the same inputs give the same bits
-//! twice; and a GPT trained with them tracks the same run on libtorch's ops.
+//! twice; the packed QKV gradient equals the concatenation of its parts, whatever their memory
+//! order, with the plain kernel's column sums of it bit for bit; and a GPT trained with them
+//! tracks the same run on libtorch's ops.
 
 mod support;
 
 use megatron_core::args::GptPretrainArgs;
 use megatron_core::ops::bias_grad::{
-    add_bias_grad, gelu_backward_with_bias_grad, reference, SOURCE, VARIABLE,
+    add_bias_grad, gelu_backward_with_bias_grad, made_up_qkv_grad, pack_qkv_grad, reference,
+    SOURCE, VARIABLE,
 };
 use megatron_core::ops::relative_error;
 use megatron_core::runtime::nvrtc::check_compiles;
@@ -94,6 +97,79 @@ fn on_a_gpu_the_kernels_equal_libtorchs_gelu_backward_and_bias_sums() {
                 "{what}: misaligned plain input"
             );
         }
+    }
+}
+
+/// Query, key and value gradients `[s, b, groups, width]` of a GPT-shaped layer as attention's
+/// backward leaves them (`[b, heads, s, d]` memory order) or as views of one tensor.
+fn attention_like_parts(
+    packed: &Tensor,
+    s: i64,
+    b: i64,
+    groups: i64,
+    query_width: i64,
+    head_dim: i64,
+    strided: bool,
+) -> [Tensor; 3] {
+    let packed = packed.view([s, b, groups, query_width + 2 * head_dim]);
+    let parts = packed.split_with_sizes([query_width, head_dim, head_dim], -1);
+    let part = |t: &Tensor| {
+        if strided {
+            t.shallow_clone()
+        } else {
+            t.permute([1, 2, 0, 3]).contiguous().permute([2, 0, 1, 3])
+        }
+    };
+    [part(&parts[0]), part(&parts[1]), part(&parts[2])]
+}
+
+#[test]
+fn on_a_gpu_the_packed_qkv_gradient_is_the_concatenation_with_its_column_sums() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let cuda = Device::Cuda(0);
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let (want, query, key, value) = made_up_qkv_grad(cuda, kind);
+        let main = Tensor::zeros([want.size()[1]], (Kind::Float, cuda));
+        let got = pack_qkv_grad(&query, &key, &value, &main).unwrap();
+        assert!(got.equal(&want), "{kind:?}: made-up parts");
+        // (s, b, groups, query width, head dim): GPT-1.3B's shape, a grouped-query one, one
+        // row, rows that fill no block.
+        for (s, b, groups, query_width, head_dim) in [
+            (1024, 8, 32, 64, 64),
+            (128, 3, 4, 4 * 128, 128),
+            (1, 1, 2, 8, 8),
+            (67, 5, 3, 16, 8),
+        ] {
+            let columns = groups * (query_width + 2 * head_dim);
+            let packed = values(s * b, columns, 0.31, 2.0, kind);
+            for strided in [true, false] {
+                let what = format!("{kind:?} {s}×{b}, {groups} groups of {query_width} + 2×{head_dim}, strided {strided}");
+                let [q, k, v] =
+                    attention_like_parts(&packed, s, b, groups, query_width, head_dim, strided);
+                let start = Tensor::full([columns], 0.25, (Kind::Float, cuda));
+                let main = start.copy();
+                let got = pack_qkv_grad(&q, &k, &v, &main).unwrap();
+                assert!(got.equal(&packed), "{what}: packed gradient");
+                let plain = start.copy();
+                add_bias_grad(&packed, &plain).unwrap();
+                assert!(main.equal(&plain), "{what}: bias gradient");
+            }
+        }
+        // Parts off a 16-byte boundary are copied, not misread.
+        let (s, b, groups, query_width, head_dim) = (16, 2, 4, 64, 64);
+        let columns = groups * (query_width + 2 * head_dim);
+        let storage = Tensor::empty([s * b * columns + 1], (kind, cuda));
+        let shifted = storage.narrow(0, 1, s * b * columns).view([s * b, columns]);
+        shifted
+            .shallow_clone()
+            .copy_(&values(s * b, columns, 0.17, 1.0, kind));
+        let [q, k, v] = attention_like_parts(&shifted, s, b, groups, query_width, head_dim, true);
+        let main = Tensor::zeros([columns], (Kind::Float, cuda));
+        let got = pack_qkv_grad(&q, &k, &v, &main).unwrap();
+        assert!(got.equal(&shifted), "{kind:?}: misaligned parts");
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tch::Device;
 
-use super::device::resolve_device;
+use super::device::{gemms_without_workspace, resolve_device};
 use super::engine::TrainingSummary;
 use crate::args::ParallelArgs;
 use crate::parallel::{Backend, Job, LaunchEnv, ParallelLayout, ParallelState};
@@ -17,14 +17,18 @@ pub struct Runtime {
 }
 
 /// Joins the job (torchrun or Slurm variables; a lone process otherwise), picks this rank's
-/// device from `--device` and `LOCAL_RANK`, and builds the groups of `--tensor-model-parallel-size`
-/// × `--pipeline-model-parallel-size` × the data-parallel rest. On CPUs the gloo backend is used
-/// whatever `--distributed-backend` says, since NCCL cannot run there.
+/// device from `--device` and `LOCAL_RANK` (on a GPU, cuBLAS without a workspace), and builds
+/// the groups of `--tensor-model-parallel-size` × `--pipeline-model-parallel-size` × the
+/// data-parallel rest. On CPUs the gloo backend is used whatever `--distributed-backend` says,
+/// since NCCL cannot run there.
 pub fn join_job(parallel: &ParallelArgs, device: &str) -> Result<(Job, Runtime)> {
     let env = LaunchEnv::from_env()?;
     let timeout = Duration::from_secs_f64(parallel.distributed_timeout_minutes * 60.0);
     let local_rank = parallel.local_rank.unwrap_or(env.local_rank);
     let device = resolve_device(device, local_rank)?;
+    if device.is_cuda() {
+        gemms_without_workspace();
+    }
     let layout = ParallelLayout::new(
         env.world_size,
         parallel.tensor_model_parallel_size,

@@ -6,6 +6,7 @@ use tch::Tensor;
 
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::qkv_projection::{self, QkvLayout};
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
 use crate::autograd::checkpoint;
@@ -107,9 +108,13 @@ impl SelfAttention {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (n, d) = (self.local_heads, self.head_dim);
         let per_group = n / self.local_groups;
-        let qkv = self.fused_qkv(hidden)?;
-        let (s, b) = (qkv.size()[0], qkv.size()[1]);
-        let parts = qkv.split_with_sizes([per_group * d, d, d], -1);
+        let parts: Vec<Tensor> = match self.projection_with_packed_grad(hidden)? {
+            Some(parts) => parts.into(),
+            None => self
+                .fused_qkv(hidden)?
+                .split_with_sizes([per_group * d, d, d], -1),
+        };
+        let (s, b) = (parts[0].size()[0], parts[0].size()[1]);
         let mut query = parts[0].reshape([s, b, n, d]);
         let mut key = parts[1].shallow_clone();
         if let Some(tables) = rotary {
@@ -122,6 +127,31 @@ impl SelfAttention {
             key.permute([1, 2, 0, 3]),
             parts[2].permute([1, 2, 0, 3]),
         ))
+    }
+
+    /// The query, key and value parts of the fused projection of `hidden` (`[s, b, g, width]`
+    /// each) through [`qkv_projection`], whose backward packs their gradients and sums the
+    /// bias gradient in one pass; `None` where it does not apply (fp8 GEMMs among them).
+    fn projection_with_packed_grad(&self, hidden: &Tensor) -> Result<Option<[Tensor; 3]>> {
+        if self.linear_qkv.fp8().is_some() || !hidden.requires_grad() {
+            return Ok(None);
+        }
+        let layout = QkvLayout {
+            groups: self.local_groups,
+            query_width: self.local_heads / self.local_groups * self.head_dim,
+            head_dim: self.head_dim,
+        };
+        let Some(projection) = qkv_projection::fused(
+            &self.linear_qkv.weight,
+            self.linear_qkv.bias.as_ref(),
+            layout,
+            hidden.kind(),
+            hidden.device(),
+        ) else {
+            return Ok(None);
+        };
+        let input = self.linear_qkv.parallel_input(hidden)?;
+        projection.apply(&input).map(Some)
     }
 
     /// The fused projection of `hidden` per query group, `[s, b, g, (n/g + 2)·d]`: each group's

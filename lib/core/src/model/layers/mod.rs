@@ -10,6 +10,7 @@ mod linear_gelu;
 pub(crate) mod main_grad_linear;
 mod mlp;
 mod norm;
+mod qkv_projection;
 mod rope;
 mod transformer_layer;
 
