@@ -323,15 +323,7 @@ fn column_sums_into(
         supports(kind, columns),
         "no fused bias gradient kernel for {kind:?} rows of {columns}"
     );
-    ensure!(
-        bias_main_grad.size() == [columns]
-            && bias_main_grad.kind() == Kind::Float
-            && bias_main_grad.is_contiguous()
-            && bias_main_grad.device() == device,
-        "the bias's main gradient is {:?} {:?}; expected float32 [{columns}]",
-        bias_main_grad.kind(),
-        bias_main_grad.size()
-    );
+    check_main_grad(bias_main_grad, columns, device)?;
     ensure!(
         columns <= i32::MAX as i64,
         "{columns} columns are more than the kernel takes"
@@ -387,6 +379,22 @@ fn column_sums_into(
         )?;
     }
     Ok(grad_input)
+}
+
+/// That `bias_main_grad` is what the column totals add into: contiguous float32 `[columns]` on
+/// `device`.
+fn check_main_grad(bias_main_grad: &Tensor, columns: i64, device: Device) -> Result<()> {
+    ensure!(
+        bias_main_grad.size() == [columns]
+            && bias_main_grad.kind() == Kind::Float
+            && bias_main_grad.is_contiguous()
+            && bias_main_grad.device() == device,
+        "the bias's main gradient is {:?} {:?} on {:?}; expected float32 [{columns}] on {device:?}",
+        bias_main_grad.kind(),
+        bias_main_grad.size(),
+        bias_main_grad.device()
+    );
+    Ok(())
 }
 
 /// How the kernels split `rows` into blocks of rows: each block writes one float32 partial row
@@ -509,15 +517,7 @@ pub fn pack_qkv_grad(
         rows <= u32::MAX as i64 && columns <= i32::MAX as i64,
         "[{rows}, {columns}] is more than the packed QKV gradient kernel takes"
     );
-    ensure!(
-        bias_main_grad.size() == [columns]
-            && bias_main_grad.kind() == Kind::Float
-            && bias_main_grad.is_contiguous()
-            && bias_main_grad.device() == device,
-        "the QKV bias's main gradient is {:?} {:?}; expected float32 [{columns}]",
-        bias_main_grad.kind(),
-        bias_main_grad.size()
-    );
+    check_main_grad(bias_main_grad, columns, device)?;
     let packed = Tensor::empty([rows, columns], (kind, device));
     if rows == 0 {
         return Ok(packed);
