@@ -2,9 +2,11 @@
 //! and value parts as views of the output. Attention's backward returns the three parts'
 //! gradients as separate tensors; libtorch would concatenate them into the packed layout the
 //! projection's backward multiplies, and a GEMV would read that again for the bias gradient.
-//! Here one kernel ([`crate::ops::bias_grad::pack_qkv_grad`]) writes the packed gradient and
+//! On GPUs one kernel ([`crate::ops::bias_grad::pack_qkv_grad`]) writes the packed gradient and
 //! sums the bias gradient into its float32 main gradient in the same pass (GPT-1.3B on an H100:
-//! a 70 µs concatenation and a 43 µs GEMV a layer and micro-batch).
+//! a 70 µs concatenation and a 43 µs GEMV a layer and micro-batch). Where the kernel does not
+//! run (CPUs, fp32, `MEGATRON_RS_FUSED_BIAS_GRAD=0`) the backward concatenates and sums as the
+//! plain linear does, the same values, so the CPU suites run this function too.
 
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
@@ -30,9 +32,8 @@ impl QkvLayout {
 }
 
 /// The fused projection for `weight` and `bias` with `layout`, for activations of `kind` on
-/// `device`, or `None` where its backward does not apply: no bias, parameters without
-/// main-gradient views (gradient-accumulation fusion off), or where the kernel does not run
-/// (CPU, fp32, widths not multiples of 8, `MEGATRON_RS_FUSED_BIAS_GRAD=0`).
+/// `device`, or `None` where its backward does not apply: no bias, or parameters without
+/// main-gradient views (gradient-accumulation fusion off).
 pub fn fused(
     weight: &Param,
     bias: Option<&Param>,
@@ -42,19 +43,19 @@ pub fn fused(
 ) -> Option<QkvProjection> {
     let bias = bias?;
     let columns = layout.groups * layout.group_width();
-    let applies = weight.size()[0] == columns
-        && bias_grad::supports(kind, layout.query_width)
-        && bias_grad::supports(kind, layout.head_dim)
-        && bias_grad::usable_on(device, kind, columns);
-    if !applies {
+    if weight.size()[0] != columns {
         return None;
     }
+    let kernel = bias_grad::supports(kind, layout.query_width)
+        && bias_grad::supports(kind, layout.head_dim)
+        && bias_grad::usable_on(device, kind, columns);
     Some(QkvProjection {
         weight: weight.tensor().shallow_clone(),
         bias: bias.tensor().shallow_clone(),
         weight_grad: weight.main_grad().get()?,
         bias_grad: bias.main_grad().get()?,
         layout,
+        kernel,
     })
 }
 
@@ -75,6 +76,8 @@ pub struct QkvProjection {
     weight_grad: Tensor,
     bias_grad: Tensor,
     layout: QkvLayout,
+    /// Whether backward packs the gradient with [`bias_grad::pack_qkv_grad`].
+    kernel: bool,
 }
 
 impl CustomFunction for QkvProjection {
@@ -121,8 +124,22 @@ impl CustomFunction for QkvProjection {
                 }
             })
             .collect();
-        let packed = bias_grad::pack_qkv_grad(&parts[0], &parts[1], &parts[2], &self.bias_grad)?;
-        accumulate_parameter_grads(&packed, &input.view([s * b, h]), &self.weight_grad, None)?;
+        let input_rows = input.reshape([s * b, h]);
+        let packed = if self.kernel {
+            let packed =
+                bias_grad::pack_qkv_grad(&parts[0], &parts[1], &parts[2], &self.bias_grad)?;
+            accumulate_parameter_grads(&packed, &input_rows, &self.weight_grad, None)?;
+            packed
+        } else {
+            let packed = Tensor::cat(&parts, -1).view([s * b, -1]);
+            accumulate_parameter_grads(
+                &packed,
+                &input_rows,
+                &self.weight_grad,
+                Some(&self.bias_grad),
+            )?;
+            packed
+        };
         Ok(vec![Some(packed.matmul(&self.weight).view([s, b, h]))])
     }
 }
@@ -143,17 +160,12 @@ mod tests {
         param
     }
 
-    /// On a GPU, the fused projection gives the same outputs as the linear then split, and
-    /// after two backward passes (parts' gradients in attention's `[b, heads, s, d]` memory
-    /// order, one part without a gradient in the second) the same input gradients and main
-    /// gradients: the weight's bit for bit (the same GEMMs on the same packed gradient), the
-    /// bias's within float32 rounding of a different summation order.
-    #[test]
-    fn on_a_gpu_the_fused_qkv_projection_equals_linear_then_split() {
-        if !tch::Cuda::is_available() {
-            return;
-        }
-        let device = Device::Cuda(0);
+    /// The fused projection gives the same outputs as the linear then split, and after two
+    /// backward passes (parts' gradients in attention's `[b, heads, s, d]` memory order, one
+    /// part without a gradient in the second) the same input gradients and main gradients:
+    /// the weight's bit for bit (the same GEMMs on the same packed gradient), the bias's within
+    /// float32 rounding of a different summation order (on a GPU, where the kernel sums it).
+    fn check_equals_linear_then_split(device: Device) {
         let layout = QkvLayout {
             groups: 4,
             query_width: 2 * 64,
@@ -242,5 +254,17 @@ mod tests {
             scale > 0.0 && difference <= 1e-5 * scale,
             "bias gradients differ by {difference}"
         );
+    }
+
+    #[test]
+    fn on_the_cpu_the_fused_qkv_projection_equals_linear_then_split() {
+        check_equals_linear_then_split(Device::Cpu);
+    }
+
+    #[test]
+    fn on_a_gpu_the_fused_qkv_projection_equals_linear_then_split() {
+        if tch::Cuda::is_available() {
+            check_equals_linear_then_split(Device::Cuda(0));
+        }
     }
 }
