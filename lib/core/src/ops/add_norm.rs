@@ -31,8 +31,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::decode_gemv::InputNorm;
 use super::{
-    contiguous_aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
-    COLUMN_TOTAL_GROUPS,
+    ceil_div, contiguous_aligned, dtype_name, kernel_arg, passes_self_check, relative_error,
+    turned_off, COLUMN_TOTAL_GROUPS,
 };
 use crate::model::config::Normalization;
 use crate::runtime::nvrtc::{kernels, KernelSource};
@@ -413,11 +413,6 @@ impl RowLayout {
         let per_group = ceil_div(ceil_div(rows, self.groups), MAX_PARTIALS).max(MIN_ROWS_PER_GROUP);
         per_group * self.groups
     }
-}
-
-/// `a / b` rounded up, for positive `b` and non-negative `a`.
-fn ceil_div(a: i64, b: i64) -> i64 {
-    (a + b - 1) / b
 }
 
 /// `tensor` contiguous and 16-byte aligned (copied where it is not), checked to be `kind` with

@@ -22,8 +22,8 @@ use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    contiguous_aligned, dtype_name, kernel_arg, passes_self_check, relative_error, turned_off,
-    COLUMN_TOTAL_GROUPS,
+    aligned, ceil_div, contiguous_aligned, dtype_name, kernel_arg, passes_self_check,
+    relative_error, turned_off, COLUMN_TOTAL_GROUPS,
 };
 use crate::runtime::nvrtc::{kernels, KernelSource};
 
@@ -273,11 +273,6 @@ pub fn supports(kind: Kind, columns: i64) -> bool {
     matches!(kind, Kind::BFloat16 | Kind::Half) && columns > 0 && columns % VEC == 0
 }
 
-/// `a / b` rounded up, for positive `b` and non-negative `a`.
-fn ceil_div(a: i64, b: i64) -> i64 {
-    (a + b - 1) / b
-}
-
 /// The gradient of `gelu_tanh(preactivation)` given `grad` (both `[rows, columns]`, bf16 or
 /// fp16, on one CUDA device; `columns` a multiple of 8), with its column sums added to
 /// `bias_main_grad` (float32 `[columns]`).
@@ -471,9 +466,7 @@ impl RowBlocks {
 /// 8 elements (itself), or a contiguous aligned copy.
 fn kernel_readable_part(part: &Tensor) -> Tensor {
     let strides = part.stride();
-    let readable = strides[3] == 1
-        && strides[..3].iter().all(|s| s % VEC == 0)
-        && (part.data_ptr() as usize).is_multiple_of(16);
+    let readable = strides[3] == 1 && strides[..3].iter().all(|s| s % VEC == 0) && aligned(part);
     if readable {
         part.shallow_clone()
     } else {

@@ -232,6 +232,11 @@ fn dtype_name(kind: tch::Kind) -> anyhow::Result<&'static str> {
     })
 }
 
+/// `a / b` rounded up, for positive `b` and non-negative `a` (kernel grids and row blocks).
+fn ceil_div(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
 /// Whether `tensor`'s data starts on a 16-byte boundary, as the kernels' vector loads need.
 fn aligned(tensor: &tch::Tensor) -> bool {
     (tensor.data_ptr() as usize).is_multiple_of(16)

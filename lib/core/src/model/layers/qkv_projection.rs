@@ -29,6 +29,11 @@ impl QkvLayout {
     fn group_width(&self) -> i64 {
         self.query_width + 2 * self.head_dim
     }
+
+    /// The widths of the query, key and value parts of a group.
+    fn widths(&self) -> [i64; 3] {
+        [self.query_width, self.head_dim, self.head_dim]
+    }
 }
 
 /// The fused projection for `weight` and `bias` with `layout`, for activations of `kind` on
@@ -84,19 +89,14 @@ impl CustomFunction for QkvProjection {
     fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
         let input = &inputs[0];
         let (s, b, _) = input.size3()?;
-        let QkvLayout {
-            groups,
-            query_width,
-            head_dim,
-        } = self.layout;
         saved.save(input);
         let packed = input.linear(&self.weight, Some(&self.bias)).view([
             s,
             b,
-            groups,
+            self.layout.groups,
             self.layout.group_width(),
         ]);
-        Ok(packed.split_with_sizes([query_width, head_dim, head_dim], -1))
+        Ok(packed.split_with_sizes(self.layout.widths(), -1))
     }
 
     fn backward(
@@ -106,16 +106,11 @@ impl CustomFunction for QkvProjection {
     ) -> Result<Vec<Option<Tensor>>> {
         let input = &saved[0];
         let (s, b, h) = input.size3()?;
-        let QkvLayout {
-            groups,
-            query_width,
-            head_dim,
-        } = self.layout;
         // A part no loss depends on has no gradient: its share of the packed one is zero.
-        let widths = [query_width, head_dim, head_dim];
+        let groups = self.layout.groups;
         let parts: Vec<Tensor> = grad_outputs
             .iter()
-            .zip(widths)
+            .zip(self.layout.widths())
             .map(|(grad, width)| {
                 if grad.defined() {
                     grad.shallow_clone()
@@ -124,22 +119,23 @@ impl CustomFunction for QkvProjection {
                 }
             })
             .collect();
-        let input_rows = input.reshape([s * b, h]);
-        let packed = if self.kernel {
+        // The kernel sums the bias gradient as it packs; without it the plain linear's sums do.
+        let (packed, bias_grad) = if self.kernel {
             let packed =
                 bias_grad::pack_qkv_grad(&parts[0], &parts[1], &parts[2], &self.bias_grad)?;
-            accumulate_parameter_grads(&packed, &input_rows, &self.weight_grad, None)?;
-            packed
+            (packed, None)
         } else {
-            let packed = Tensor::cat(&parts, -1).view([s * b, -1]);
-            accumulate_parameter_grads(
-                &packed,
-                &input_rows,
-                &self.weight_grad,
+            (
+                Tensor::cat(&parts, -1).view([s * b, -1]),
                 Some(&self.bias_grad),
-            )?;
-            packed
+            )
         };
+        accumulate_parameter_grads(
+            &packed,
+            &input.reshape([s * b, h]),
+            &self.weight_grad,
+            bias_grad,
+        )?;
         Ok(vec![Some(packed.matmul(&self.weight).view([s, b, h]))])
     }
 }
