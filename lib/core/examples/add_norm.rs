@@ -1,8 +1,9 @@
 //! Times one residual add + norm of a training step on a GPU, forward and forward + backward, as
 //! the fused kernels run it (`Norm::add_and_norm` in training) and as libtorch's add and norm
 //! (`MEGATRON_RS_FUSED_ADD_NORM=0`'s path): the activations of GPT-345M at micro batch 8
-//! (`[1024, 8, 1024]`) and of GPT-1.3B (`[1024, 8, 2048]`), bf16, LayerNorm and RMSNorm.
-//! `scripts/bench/add_norm.sh` runs it.
+//! (`[1024, 8, 1024]`) and of GPT-1.3B (`[1024, 8, 2048]`), bf16, LayerNorm and RMSNorm. With
+//! hidden dropout 0.1 the fused kernels drop the delta out themselves, against libtorch's dropout
+//! followed by the fused add + norm. `scripts/bench/add_norm.sh` runs it.
 
 use std::time::Instant;
 
@@ -29,10 +30,17 @@ fn run() -> Result<()> {
     }
     let device = Device::Cuda(0);
     let kind = Kind::BFloat16;
-    println!("| shape | norm | fused forward µs | unfused forward µs | fused fwd+bwd µs | unfused fwd+bwd µs |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| shape | norm | dropout | fused forward µs | unfused forward µs | fused fwd+bwd µs | \
+         unfused fwd+bwd µs |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for hidden in [1024, 2048] {
-        for normalization in [Normalization::LayerNorm, Normalization::RMSNorm] {
+        for (normalization, dropout) in [
+            (Normalization::LayerNorm, 0.0),
+            (Normalization::RMSNorm, 0.0),
+            (Normalization::LayerNorm, 0.1),
+        ] {
             let init = Initializer::new(kind, device, 0, 1, 1234).scope("norm");
             let norm = Norm::new(&init, normalization, hidden, 1e-5, false, false);
             if !add_norm::usable_on(device, kind, hidden) {
@@ -48,12 +56,26 @@ fn run() -> Result<()> {
                 Tensor::randn(shape, (kind, device)),
                 Tensor::randn(shape, (kind, device)),
             ];
-            let mut row = format!("| {shape:?} | {normalization:?} |");
+            let unfused = if dropout > 0.0 {
+                "libtorch's dropout, then the fused add + norm"
+            } else {
+                "libtorch's add and norm"
+            };
+            let mut row = format!("| {shape:?} | {normalization:?} | {dropout} ({unfused}) |");
             let mut times = Vec::new();
             for backward in [false, true] {
                 for fused in [true, false] {
                     let call = || -> Result<()> {
-                        let (sum, normed) = norm.add_and_norm(&residual, &delta, fused)?;
+                        let (sum, normed) = match (fused, dropout > 0.0) {
+                            (true, _) => norm.add_and_norm(&residual, &delta, dropout, true)?,
+                            (false, true) => norm.add_and_norm(
+                                &residual,
+                                &delta.dropout(dropout, true),
+                                0.0,
+                                true,
+                            )?,
+                            (false, false) => norm.add_and_norm(&residual, &delta, 0.0, false)?,
+                        };
                         if backward {
                             // Gradients handed back rather than accumulated into `.grad`, which
                             // would add the same two kernels to both ways.

@@ -4,7 +4,9 @@
 //! RMSNorm, with and without gamma = 1 + w, in bf16, fp16 and fp32, over odd row counts and
 //! widths from 8 to 8192; the same inputs give the same bits twice; through autograd
 //! (`Norm::add_and_norm`) residual and delta get their gradients and the parameters theirs; and
-//! a small GPT trains the same with and without the fusion. Off a GPU, and with
+//! a small GPT trains the same with and without the fusion. With hidden dropout inside the
+//! kernels, everything equals the unfused ops under the kernels' mask, and the mask drops p of
+//! the elements, independently and anew for each seed. Off a GPU, and with
 //! `MEGATRON_RS_FUSED_ADD_NORM=0`, the unfused ops run, and layers outside a recomputed block
 //! still hand each other the residual stream.
 
@@ -24,6 +26,14 @@ use tch::{Device, Kind, Tensor};
 
 /// Held by the tests that read or set `MEGATRON_RS_FUSED_ADD_NORM`.
 static ENVIRONMENT: Mutex<()> = Mutex::new(());
+
+/// Held by the tests that train: a run reseeds libtorch's process-wide generators, from which
+/// a run beside it would draw.
+static TRAINING: Mutex<()> = Mutex::new(());
+
+fn training() -> std::sync::MutexGuard<'static, ()> {
+    TRAINING.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 #[test]
 fn the_add_norm_kernels_compile_for_ampere_and_hopper() {
@@ -108,10 +118,10 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
                     eps: 1e-5,
                     one_plus,
                 };
-                let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
+                let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
                 let grads =
                     add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
-                let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm).unwrap();
+                let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm, None).unwrap();
                 // The same math in float32 from the same inputs: both paths are measured
                 // against it, so that rounding the unfused path does is not held against ours.
                 let float = |t: &Tensor| t.to_kind(Kind::Float);
@@ -126,13 +136,14 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
                         bias: norm.bias.map(|_| &float_bias),
                         ..norm
                     },
+                    None,
                 )
                 .unwrap();
                 // The sum is one rounding of the same float32 sum on both paths.
                 assert!(fused.saved.sum.equal(&want.sum), "{what}: the sums differ");
                 let mut compared = vec![
                     ("normed output", &fused.normed, &want.normed, &exact.normed),
-                    ("input gradient", &grads.input, &want.input, &exact.input),
+                    ("input gradient", &grads.inputs.residual, &want.input, &exact.input),
                     (
                         "weight gradient",
                         &grads.weight,
@@ -210,13 +221,13 @@ fn on_a_gpu_odd_layouts_and_empty_inputs_are_handled() {
         .view([11, hidden]);
     let grad_normed = values(&[11, hidden], 0.13, 1.0, kind, device);
     let grad_sum = values(&[hidden, 11], 0.29, 0.5, kind, device).transpose(0, 1);
-    let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
+    let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
     let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
-    let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm).unwrap();
+    let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm, None).unwrap();
     assert!(fused.saved.sum.equal(&want.sum));
     for (name, got, expected) in [
         ("normed output", &fused.normed, &want.normed),
-        ("input gradient", &grads.input, &want.input),
+        ("input gradient", &grads.inputs.residual, &want.input),
         ("weight gradient", &grads.weight, &want.weight),
     ] {
         let error = relative_error(got, expected);
@@ -227,10 +238,10 @@ fn on_a_gpu_odd_layouts_and_empty_inputs_are_handled() {
     }
 
     let empty = Tensor::zeros([0, 4, hidden], (kind, device));
-    let fused = add_norm::forward(&empty, &empty, &norm).unwrap();
+    let fused = add_norm::forward(&empty, &empty, &norm, None).unwrap();
     assert_eq!(fused.normed.size(), [0, 4, hidden]);
     let grads = add_norm::backward(&empty, &empty, &fused.saved, &norm).unwrap();
-    assert_eq!(grads.input.size(), [0, 4, hidden]);
+    assert_eq!(grads.inputs.residual.size(), [0, 4, hidden]);
     assert_eq!(grads.weight.abs().max().double_value(&[]), 0.0);
     assert_eq!(grads.bias.unwrap().abs().max().double_value(&[]), 0.0);
 }
@@ -254,7 +265,7 @@ fn on_a_gpu_parameter_gradients_go_into_the_main_gradients() {
     let [weight, bias] = layer_norm_params(hidden, kind, device);
     let norm = layer_norm(&weight, &bias);
     let [residual, delta, grad_normed, grad_sum] = rows_of(rows, hidden, kind, device);
-    let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
+    let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
     let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
     let held = [0.25, -0.5].map(|v| Tensor::full([hidden], v, (Kind::Float, device)));
     let [main_weight, main_bias] = held.each_ref().map(Tensor::copy);
@@ -262,9 +273,12 @@ fn on_a_gpu_parameter_gradients_go_into_the_main_gradients() {
         weight: &main_weight,
         bias: Some(&main_bias),
     };
-    let input =
+    let inputs =
         add_norm::backward_into(&grad_normed, &grad_sum, &fused.saved, &norm, main).unwrap();
-    assert!(input.equal(&grads.input), "the input gradient changed");
+    assert!(
+        inputs.residual.equal(&grads.inputs.residual),
+        "the input gradient changed"
+    );
     for (name, main, start, rounded) in [
         ("weight", &main_weight, &held[0], &grads.weight),
         ("bias", &main_bias, &held[1], grads.bias.as_ref().unwrap()),
@@ -297,9 +311,9 @@ fn on_a_gpu_the_fused_add_norm_is_deterministic() {
     let norm = layer_norm(&weight, &bias);
     let [residual, delta, grad_normed, grad_sum] = rows_of(rows, hidden, kind, device);
     let run = || {
-        let fused = add_norm::forward(&residual, &delta, &norm).unwrap();
+        let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
         let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
-        [fused.normed, grads.input, grads.weight, grads.bias.unwrap()]
+        [fused.normed, grads.inputs.residual, grads.weight, grads.bias.unwrap()]
     };
     let (first, second) = (run(), run());
     for (a, b) in first.iter().zip(&second) {
@@ -345,7 +359,7 @@ fn on_a_gpu_the_fused_node_backpropagates_like_the_unfused_ops() {
                 let residual =
                     values(&[7, 3, 128], 0.37, 3.0, dtype, device).set_requires_grad(true);
                 let delta = values(&[7, 3, 128], 0.71, 1.0, dtype, device).set_requires_grad(true);
-                let (sum, normed) = norm.add_and_norm(&residual, &delta, train).unwrap();
+                let (sum, normed) = norm.add_and_norm(&residual, &delta, 0.0, train).unwrap();
                 let loss = (normed.to_kind(Kind::Float)
                     * values(&[7, 3, 128], 0.13, 1.0, Kind::Float, device))
                 .sum(Kind::Float)
@@ -369,6 +383,210 @@ fn on_a_gpu_the_fused_node_backpropagates_like_the_unfused_ops() {
     }
 }
 
+/// A fixed dropout seed on `device` (a test's own, not drawn from the shared generator).
+fn fixed_dropout(p: f64, seed: i64, device: Device) -> add_norm::Dropout {
+    add_norm::Dropout {
+        p,
+        seed: Tensor::from_slice(&[seed]).to_device(device),
+    }
+}
+
+/// With dropout inside the kernels, outputs and gradients equal the unfused ops that drop out
+/// `delta` under the kernels' own mask (libtorch's arithmetic: kept elements scaled in float32
+/// and rounded): the sum bit for bit, the rest within the dtype's rounding; `delta`'s gradient
+/// is the residual's through the mask and scale, zero where dropped.
+#[test]
+fn on_a_gpu_dropout_inside_the_add_norm_equals_the_unfused_ops_under_its_mask() {
+    let Some(device) = cuda_or_skip() else {
+        return;
+    };
+    let shapes: [&[i64]; 3] = [&[37, 1024], &[13, 3, 1000], &[5, 6144]];
+    for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
+        for (index, shape) in shapes.into_iter().enumerate() {
+            let hidden = *shape.last().unwrap();
+            for (norm_kind, one_plus) in [NORMS[0], NORMS[3]] {
+                for p in [0.1, 0.5] {
+                    let what = format!("{kind:?} {norm_kind:?} {shape:?} p={p}");
+                    let dropout = fixed_dropout(p, 1_000_003 * index as i64 + 17, device);
+                    let residual = values(shape, 0.37, 3.0, kind, device);
+                    let delta = values(shape, 0.71, 1.0, kind, device) + 0.5;
+                    let grad_normed = values(shape, 0.13, 1.0, kind, device);
+                    let grad_sum = values(shape, 0.29, 0.5, kind, device);
+                    let weight = values(&[hidden], 0.53, 0.3, kind, device) + 1.0;
+                    let bias = values(&[hidden], 0.17, 0.2, kind, device);
+                    let norm = InputNorm {
+                        kind: norm_kind,
+                        weight: &weight,
+                        bias: (norm_kind == Normalization::LayerNorm).then_some(&bias),
+                        eps: 1e-5,
+                        one_plus,
+                    };
+                    let mask = add_norm::kept_mask(&dropout, shape, &norm).unwrap();
+                    let fused =
+                        add_norm::forward(&residual, &delta, &norm, Some(dropout)).unwrap();
+                    let grads =
+                        add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
+                    let want = unfused(
+                        &residual,
+                        &delta,
+                        &grad_normed,
+                        &grad_sum,
+                        &norm,
+                        Some((&mask, p)),
+                    )
+                    .unwrap();
+                    assert!(fused.saved.sum.equal(&want.sum), "{what}: the sums differ");
+                    for (name, got, expected) in [
+                        ("normed output", &fused.normed, &want.normed),
+                        ("residual gradient", &grads.inputs.residual, &want.input),
+                        ("delta gradient", &grads.inputs.delta, &want.delta),
+                        ("weight gradient", &grads.weight, &want.weight),
+                    ] {
+                        let error = relative_error(got, expected);
+                        assert!(
+                            error <= tolerance(kind),
+                            "{what}: the {name} differs by {error:.3e}"
+                        );
+                    }
+                    let dropped_grad = grads.inputs.delta.to_kind(Kind::Float) * mask.eq(0.0).to_kind(Kind::Float);
+                    assert_eq!(
+                        dropped_grad.abs().max().double_value(&[]),
+                        0.0,
+                        "{what}: a dropped element has a gradient"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Fraction of `a`'s elements that are 1 where `b`'s are too (float32 masks of ones and zeros).
+fn both(a: &Tensor, b: &Tensor) -> f64 {
+    (a * b).mean(Kind::Float).double_value(&[])
+}
+
+/// The mask drops p of the elements, independently of each other (neighbours in a row and in a
+/// column are both dropped p² of the time), and every seed draws a mask of its own, whichever
+/// half of its bits differs: two masks are both dropped p² of the time. The same seed draws the
+/// same mask; seeds drawn from the generator repeat after `manual_seed`. Bounds are 6 standard
+/// deviations of the fractions over 4M elements.
+#[test]
+fn on_a_gpu_the_dropout_mask_drops_p_independently_and_anew_for_each_seed() {
+    let Some(device) = cuda_or_skip() else {
+        return;
+    };
+    let (rows, hidden) = (4096, 1024);
+    let n = (rows * hidden) as f64;
+    let [weight, bias] = layer_norm_params(hidden, Kind::BFloat16, device);
+    let norm = layer_norm(&weight, &bias);
+    let p = 0.1;
+    let dropped = |seed: i64| -> Tensor {
+        let kept = add_norm::kept_mask(&fixed_dropout(p, seed, device), &[rows, hidden], &norm);
+        kept.unwrap().eq(0.0).to_kind(Kind::Float)
+    };
+    let within = |got: f64, want: f64, what: &str| {
+        let sigma = (want * (1.0 - want) / n).sqrt();
+        assert!(
+            (got - want).abs() <= 6.0 * sigma,
+            "{what}: {got:.6} against {want:.6} (σ {sigma:.2e})"
+        );
+    };
+    let base = 0x1234_5678_9abc_def0_i64;
+    let mask = dropped(base);
+    within(mask.mean(Kind::Float).double_value(&[]), p, "dropped fraction");
+    let flat = mask.view([-1]);
+    let count = flat.size()[0];
+    within(
+        both(&flat.narrow(0, 0, count - 1), &flat.narrow(0, 1, count - 1)),
+        p * p,
+        "neighbours in a row",
+    );
+    within(
+        both(&mask.narrow(0, 0, rows - 1), &mask.narrow(0, 1, rows - 1)),
+        p * p,
+        "neighbours in a column",
+    );
+    assert!(mask.equal(&dropped(base)), "the same seed drew another mask");
+    for (other, what) in [
+        (base + 1, "a seed one apart"),
+        (base ^ (1 << 40), "a seed differing in its high bits"),
+        (base ^ 0x8000, "a seed differing in its low bits"),
+    ] {
+        within(both(&mask, &dropped(other)), p * p, what);
+    }
+    let _training = training();
+    let drawn = || {
+        tch::manual_seed(31);
+        let first = add_norm::Dropout::draw(p, device).unwrap().seed;
+        let second = add_norm::Dropout::draw(p, device).unwrap().seed;
+        (first, second)
+    };
+    let (first, second) = drawn();
+    assert!(!first.equal(&second), "two draws gave the same seed");
+    assert!(drawn().0.equal(&first), "a seeded draw did not repeat");
+}
+
+/// Through autograd: `Norm::add_and_norm` with dropout in training on a GPU draws its seed from
+/// the generator (so a seeded call repeats its mask) and gives residual, delta and the
+/// parameters the unfused ops' gradients under that mask.
+#[test]
+fn on_a_gpu_the_fused_node_drops_out_delta_like_the_unfused_ops() {
+    let Some(device) = cuda_or_skip() else {
+        return;
+    };
+    let _environment = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
+    // Seeded draws: no training run may reseed the generator in between.
+    let _training = training();
+    let (dtype, p) = (Kind::BFloat16, 0.25);
+    let shape = [7, 3, 128];
+    for (kind, one_plus) in [NORMS[0], NORMS[3]] {
+        let what = format!("{kind:?} 1p={one_plus}");
+        let norm = made_up_norm(kind, one_plus, dtype, device);
+        tch::manual_seed(5);
+        let zeros = Tensor::zeros(shape, (dtype, device));
+        let ones = Tensor::ones(shape, (dtype, device));
+        let (kept, _) = norm.add_and_norm(&zeros, &ones, p, true).unwrap();
+        let mask = kept.ne(0.0).to_kind(Kind::Float);
+        let fraction = mask.mean(Kind::Float).double_value(&[]);
+        assert!(
+            (0.6..0.9).contains(&fraction),
+            "{what}: kept {fraction:.3} at p={p}"
+        );
+
+        tch::manual_seed(5);
+        let residual = values(&shape, 0.37, 3.0, dtype, device).set_requires_grad(true);
+        let delta = values(&shape, 0.71, 1.0, dtype, device).set_requires_grad(true);
+        let (sum, normed) = norm.add_and_norm(&residual, &delta, p, true).unwrap();
+        let grad_normed = values(&shape, 0.13, 1.0, dtype, device);
+        let grad_sum = values(&shape, 0.29, 0.5, dtype, device);
+        let loss = (normed.to_kind(Kind::Float) * grad_normed.to_kind(Kind::Float))
+            .sum(Kind::Float)
+            + (sum.to_kind(Kind::Float) * grad_sum.to_kind(Kind::Float)).sum(Kind::Float);
+        loss.backward();
+        let want = unfused(
+            &residual,
+            &delta,
+            &grad_normed,
+            &grad_sum,
+            &norm.as_input_norm(),
+            Some((&mask, p)),
+        )
+        .unwrap();
+        assert!(sum.equal(&want.sum), "{what}: the sums differ");
+        for (name, got, expected) in [
+            ("residual", residual.grad(), &want.input),
+            ("delta", delta.grad(), &want.delta),
+            ("weight", norm.weight.grad(), &want.weight),
+        ] {
+            let error = relative_error(&got, expected);
+            assert!(
+                error <= tolerance(dtype),
+                "{what}: the {name} gradients differ by {error:.3e}"
+            );
+        }
+    }
+}
+
 /// Off a GPU the unfused ops run, training or not: the same values as the add and the norm.
 #[test]
 fn on_the_cpu_add_and_norm_is_the_add_and_the_norm() {
@@ -376,17 +594,68 @@ fn on_the_cpu_add_and_norm_is_the_add_and_the_norm() {
         let norm = made_up_norm(kind, one_plus, Kind::Float, Device::Cpu);
         let residual = values(&[5, 128], 0.37, 3.0, Kind::Float, Device::Cpu);
         let delta = values(&[5, 128], 0.71, 1.0, Kind::Float, Device::Cpu);
-        let (sum, normed) = norm.add_and_norm(&residual, &delta, true).unwrap();
+        let (sum, normed) = norm.add_and_norm(&residual, &delta, 0.0, true).unwrap();
         let expected = &residual + &delta;
         assert!(sum.equal(&expected));
         assert!(normed.equal(&norm.forward(&expected)));
     }
 }
 
+/// Dropout flags of the tests below, after [`support::tiny_training`]'s: 8 steps.
+fn with_dropout(extra: &[&'static str]) -> Vec<&'static str> {
+    let mut flags = support::tiny_training(support::TINY_MODEL);
+    flags.extend([
+        "--train-iters",
+        "8",
+        "--save-interval",
+        "8",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+    ]);
+    flags.extend(extra);
+    flags
+}
+
+/// On the CPU a block's hidden dropout waits for the next add + norm (the fused kernel's place)
+/// and then runs as libtorch's dropout: nothing draws random numbers in between (attention
+/// dropout included), so training ends bit for bit as with `--no-bias-dropout-fusion`, which
+/// drops out at once. One rank: thread ranks share the CPU generator, so their draws interleave.
+#[test]
+fn on_the_cpu_the_deferred_hidden_dropout_draws_as_the_immediate_one() {
+    let _training = training();
+    let flags = with_dropout(&[]);
+    let fused = support::train::<GptPretrainArgs>(&flags, 1, 1, 1, &[]);
+    let immediate =
+        support::train::<GptPretrainArgs>(&flags, 1, 1, 1, &["--no-bias-dropout-fusion"]);
+    assert_eq!(fused.lm_losses().len(), 8);
+    support::assert_bitwise_identical(&fused, &immediate);
+}
+
+/// On a GPU, a small GPT with hidden dropout 0.1 inside the add + norm kernel learns as with
+/// libtorch's dropout (`--no-bias-dropout-fusion`): other masks, so losses within 3% of each
+/// other, both falling.
+#[test]
+fn on_a_gpu_dropout_inside_the_add_norm_trains_like_libtorch_dropout() {
+    let Some(_) = cuda_or_skip() else {
+        return;
+    };
+    let _training = training();
+    let fused = support::gpu_lm_losses::<GptPretrainArgs>(&with_dropout(&["--bf16"]));
+    let plain = support::gpu_lm_losses::<GptPretrainArgs>(&with_dropout(&[
+        "--bf16",
+        "--no-bias-dropout-fusion",
+    ]));
+    support::assert_tracks(&fused, &plain, 8, 3e-2, "dropout inside the add + norm");
+    assert_ne!(fused, plain, "the fused run drew libtorch's masks");
+}
+
 /// Full recompute by blocks: the first two layers recomputed one by one, the last two handing
 /// each other the pending residual stream; training equals training without recompute.
 #[test]
 fn block_recompute_hands_on_the_residual_stream_as_without_recompute() {
+    let _training = training();
     let flags = support::tiny_training(support::TINY_MODEL);
     let extra = [
         "--recompute-granularity",
@@ -425,6 +694,7 @@ fn on_a_gpu_training_with_the_fusion_tracks_training_without() {
         let flags: Vec<&str> = base.iter().chain(extra).copied().collect();
         // The CPU test of this file reads the variable too.
         let _environment = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
+        let _training = training();
         let (fused, plain) =
             support::gpu_lm_losses_with_and_without::<GptPretrainArgs>(&flags, add_norm::VARIABLE);
         support::assert_tracks(&fused, &plain, 8, tolerance, &format!("{extra:?}"));

@@ -93,6 +93,7 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 1234,
+        bias_dropout_fusion: true,
     };
     let parallel = ParallelState::single();
     let model = BertModel::new(config.clone(), options, &parallel).unwrap();

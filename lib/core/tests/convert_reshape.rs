@@ -53,6 +53,7 @@ fn random_state(config: GptConfig) -> ModelState {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 7,
+        bias_dropout_fusion: true,
     };
     let model = GptModel::new(config.clone(), options, &ParallelState::single()).unwrap();
     let weights: BTreeMap<String, Tensor> = model

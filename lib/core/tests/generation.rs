@@ -56,6 +56,7 @@ fn build_sized(extra: &[&str], positions: i64, device: Device, hidden: i64) -> G
         device,
         recompute: Recompute::None,
         seed: 7,
+        bias_dropout_fusion: true,
     };
     GptModel::new(config, options, &ParallelState::single()).unwrap()
 }

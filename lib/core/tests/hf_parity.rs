@@ -60,6 +60,7 @@ fn load(case: &str) -> Fixture {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 1234,
+        bias_dropout_fusion: true,
     };
     let model = GptModel::new(gpt, options, &ParallelState::single()).unwrap();
     let (hf_state, _) = read_tensors(&dir.join("model.safetensors"), Device::Cpu).unwrap();

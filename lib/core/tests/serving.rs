@@ -81,6 +81,7 @@ fn model_of(device: Device, shape: &[&str], params_dtype: Kind) -> GptModel {
         device,
         recompute: Recompute::None,
         seed: 5,
+        bias_dropout_fusion: true,
     };
     GptModel::new(config, options, &ParallelState::single()).unwrap()
 }

@@ -25,6 +25,7 @@ fn options(kind: Kind, seed: u64) -> ModelOptions {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed,
+        bias_dropout_fusion: true,
     }
 }
 

@@ -48,6 +48,7 @@ fn t5_logits_and_loss_equal_the_reference() {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 1234,
+        bias_dropout_fusion: true,
     };
     let parallel = ParallelState::single();
     let model = T5Model::new(config.clone(), options, &parallel).unwrap();
@@ -121,6 +122,7 @@ fn t5_decoder_is_causal_and_encoder_padding_is_masked() {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 99,
+        bias_dropout_fusion: true,
     };
     let model = T5Model::new(config, options, &ParallelState::single()).unwrap();
     let enc = Tensor::randint_low(10, 128, [2, 12], (Kind::Int64, Device::Cpu));

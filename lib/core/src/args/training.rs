@@ -72,6 +72,11 @@ pub struct TrainingArgs {
     /// --enable-cuda-graph.
     #[arg(long)]
     pub external_cuda_graph: bool,
+    /// Run libtorch's dropout on each attention and MLP output before its residual add, instead
+    /// of dropping it out inside the fused residual add + norm kernel on GPUs (Megatron's default
+    /// `--bias-dropout-fusion`); this flag turns the fusion off.
+    #[arg(long)]
+    pub no_bias_dropout_fusion: bool,
 }
 
 #[derive(Debug, Clone, Args, serde::Serialize)]

@@ -54,6 +54,7 @@ fn probe_parameter_names(config: &GptConfig) -> Result<Vec<String>> {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 0,
+        bias_dropout_fusion: true,
     };
     let model = GptModel::new_chunk(
         probe,
@@ -801,6 +802,7 @@ mod tests {
                 device: Device::Cpu,
                 recompute: Recompute::None,
                 seed: 0,
+                bias_dropout_fusion: true,
             };
             let model = GptModel::new_chunk(
                 GptConfig {

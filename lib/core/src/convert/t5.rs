@@ -46,6 +46,7 @@ fn parameter_names(config: &T5Config) -> Result<Vec<(String, String)>> {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 0,
+        bias_dropout_fusion: true,
     };
     let model = T5Model::new(probe, options, &ParallelState::single())?;
     let probe_names: Vec<String> = crate::model::ModelChunk::named_parameters(&model)

@@ -16,6 +16,7 @@ pub fn model_of(state: &ModelState) -> Result<GptModel> {
         device: Device::Cpu,
         recompute: Recompute::None,
         seed: 0,
+        bias_dropout_fusion: true,
     };
     let model = GptModel::new(state.config.clone(), options, &ParallelState::single())?;
     let weights: HashMap<String, Tensor> = state

@@ -100,6 +100,7 @@ fn inference_options(device: Device, dtype: Kind) -> ModelOptions {
         device,
         recompute: Recompute::None,
         seed: 0,
+        bias_dropout_fusion: true,
     }
 }
 

@@ -53,6 +53,9 @@ pub struct ModelOptions {
     pub device: Device,
     pub recompute: Recompute,
     pub seed: u64,
+    /// Hidden dropout inside the next residual add + norm kernel in training on GPUs (Megatron's
+    /// `--bias-dropout-fusion`, on by default); off, libtorch's dropout runs first.
+    pub bias_dropout_fusion: bool,
 }
 
 /// Which part of the model a chunk holds.

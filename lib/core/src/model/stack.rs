@@ -59,6 +59,7 @@ pub(crate) struct TrunkBuilder<'a> {
     pub parallel: TensorParallel,
     pub config: &'a GptConfig,
     pub padded_vocab: i64,
+    bias_dropout_fusion: bool,
 }
 
 impl<'a> TrunkBuilder<'a> {
@@ -78,6 +79,7 @@ impl<'a> TrunkBuilder<'a> {
             },
             config,
             padded_vocab: config.padded_vocab_size(tp),
+            bias_dropout_fusion: options.bias_dropout_fusion,
         }
     }
 
@@ -107,7 +109,7 @@ impl<'a> TrunkBuilder<'a> {
         range
             .map(|i| {
                 let init = self.init.scope(&format!("{scope}.{i}"));
-                if cross {
+                let layer = if cross {
                     TransformerLayer::with_cross_attention(
                         &init,
                         self.config,
@@ -115,7 +117,8 @@ impl<'a> TrunkBuilder<'a> {
                     )
                 } else {
                     TransformerLayer::new(&init, self.config, self.parallel.clone())
-                }
+                };
+                layer.with_bias_dropout_fusion(self.bias_dropout_fusion)
             })
             .collect()
     }

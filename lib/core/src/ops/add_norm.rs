@@ -67,6 +67,37 @@ constexpr int BLOCK_THREADS = 256;
 
 struct Pair { float a, b; };
 
+// A 32-bit integer mixer (xor-shift-multiply rounds): every input bit reaches every output bit.
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// Dropout of the 8 elements of delta from `index` (a multiple of 8) on, as libtorch's kernel
+// computes it: a kept element scaled in float32 and rounded to T, a dropped one 0. An element is
+// dropped when the top 24 bits of its hash fall below `threshold` (the drop probability times
+// 2^24). Counter-based, so backward draws the same mask again instead of reading a stored one:
+// two mixer rounds key the vector's index with the 64-bit seed, and one more round per element
+// spreads that over the vector's 8 elements (a third of the work of hashing each element alone,
+// which made the forward kernel compute-bound).
+template <typename T> __device__ __forceinline__ void drop8(float* values, unsigned long long seed,
+                                                            unsigned long long index,
+                                                            unsigned int threshold, float scale) {
+    const unsigned long long vector = index / VEC;
+    const unsigned int first = mix32((unsigned int)vector ^ (unsigned int)seed);
+    const unsigned int key = mix32(first + (unsigned int)(seed >> 32)
+                                   + (unsigned int)(vector >> 32) * 0x9e3779b9u);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        const unsigned int h = mix32(key + (unsigned int)e * 0x9e3779b9u);
+        values[e] = (h >> 8) >= threshold ? rounded<T>(values[e] * scale) : 0.f;
+    }
+}
+
 // Gamma from the stored weight: 1 + w rounded to the weight's dtype with --apply-layernorm-1p.
 template <typename T> __device__ __forceinline__ void load_gamma(const T* weight, int one_plus,
                                                                  float* gamma) {
@@ -104,11 +135,13 @@ __device__ __forceinline__ void group_sum2(float& a, float& b) {
 // Row group threadIdx.y of block blockIdx.x normalises row blockIdx.x * blockDim.y +
 // threadIdx.y of [rows, hidden]; thread threadIdx.x holds its vectors threadIdx.x + k *
 // blockDim.x (k < VPT). mean/rstd: float32 [rows] (RMSNorm writes a mean of 0). bias may be null.
+// With a seed (else null), delta is dropped out first (drop8).
 template <typename T, int VPT>
 __device__ void add_norm_forward(const T* residual, const T* delta, const T* weight,
                                  const T* bias, T* sum, T* normed, float* mean_out,
                                  float* rstd_out, long long rows, int hidden, float eps, int rms,
-                                 int one_plus) {
+                                 int one_plus, const unsigned long long* seed,
+                                 unsigned int threshold, float scale) {
     const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
     const bool live = row < rows;
     const int vectors = hidden / VEC;
@@ -123,6 +156,7 @@ __device__ void add_norm_forward(const T* residual, const T* delta, const T* wei
             float r[VEC], d[VEC];
             load8(residual + at, r);
             load8(delta + at, d);
+            if (seed) drop8<T>(d, *seed, at, threshold, scale);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 x[k][e] = rounded<T>(r[e] + d[e]);
@@ -206,13 +240,16 @@ __device__ __forceinline__ void store_block_sum(const float* values, float* out,
 // Block blockIdx.x takes rows [blockIdx.x * rows_per_block, + rows_per_block) (a multiple of
 // blockDim.y), row group threadIdx.y every blockDim.y-th of them. grad_input = the norm's input
 // gradient + grad_sum. The block's gamma (and with partial_beta, beta) gradients over its rows
-// go to row blockIdx.x of partial_gamma (partial_beta), float32 [blocks, hidden].
+// go to row blockIdx.x of partial_gamma (partial_beta), float32 [blocks, hidden]. With a seed
+// (else null), delta was dropped out: its gradient, grad_input through the same mask and scale
+// (as libtorch scales grad_input rounded to T), goes to grad_delta.
 template <typename T, int VPT>
 __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const T* sum,
                                   const float* mean_in, const float* rstd_in, const T* weight,
                                   T* grad_input, float* partial_gamma, float* partial_beta,
                                   long long rows, int hidden, int rows_per_block, int rms,
-                                  int one_plus) {
+                                  int one_plus, T* grad_delta, const unsigned long long* seed,
+                                  unsigned int threshold, float scale) {
     const int vectors = hidden / VEC;
     float dgamma[VPT][VEC], dbeta[VPT][VEC];
 #pragma unroll
@@ -275,7 +312,14 @@ __device__ void add_norm_backward(const T* grad_normed, const T* grad_sum, const
                     out[e] = rstd * (dxhat[k][e] - mean_dxhat - xhat[k][e] * mean_dxhat_xhat)
                              + g[k][e];
                 }
-                store8(grad_input + base + (long long)v * VEC, out);
+                const long long at = base + (long long)v * VEC;
+                store8(grad_input + at, out);
+                if (seed) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) out[e] = rounded<T>(out[e]);
+                    drop8<T>(out, *seed, at, threshold, scale);
+                    store8(grad_delta + at, out);
+                }
             }
         }
     }
@@ -305,19 +349,21 @@ __device__ void param_grad(const float* partial_gamma, const float* partial_beta
         add_norm_forward_##SUFFIX##_##VPT(const T* residual, const T* delta, const T* weight, \
                                           const T* bias, T* sum, T* normed, float* mean,      \
                                           float* rstd, long long rows, int hidden, float eps, \
-                                          int rms, int one_plus) {                            \
+                                          int rms, int one_plus, const unsigned long long* seed,  \
+                                          unsigned int threshold, float scale) {              \
         add_norm_forward<T, VPT>(residual, delta, weight, bias, sum, normed, mean, rstd,      \
-                                 rows, hidden, eps, rms, one_plus);                           \
+                                 rows, hidden, eps, rms, one_plus, seed, threshold, scale);   \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(BLOCK_THREADS)                              \
         add_norm_backward_##SUFFIX##_##VPT(                                                   \
             const T* grad_normed, const T* grad_sum, const T* sum, const float* mean,         \
             const float* rstd, const T* weight, T* grad_input, float* partial_gamma,          \
             float* partial_beta, long long rows, int hidden, int rows_per_block, int rms,     \
-            int one_plus) {                                                                   \
+            int one_plus, T* grad_delta, const unsigned long long* seed, unsigned int threshold,  \
+            float scale) {                                                                    \
         add_norm_backward<T, VPT>(grad_normed, grad_sum, sum, mean, rstd, weight, grad_input, \
                                   partial_gamma, partial_beta, rows, hidden, rows_per_block,  \
-                                  rms, one_plus);                                             \
+                                  rms, one_plus, grad_delta, seed, threshold, scale);         \
     }
 
 #define PARAM_GRAD(SUFFIX, T)                                                                \
@@ -452,12 +498,78 @@ fn check_norm(norm: &InputNorm, kind: Kind, device: Device) -> Result<(usize, i6
     Ok((index, hidden))
 }
 
-/// What the forward kernel keeps for backward: the sum (shaped like the inputs) and each row's
-/// float32 mean (0 for RMSNorm) and reciprocal standard deviation, `[rows]`.
+/// Dropout of `delta` inside the kernels, before the add (where Megatron's bias-dropout-add
+/// fusion drops it out): an element is dropped with probability `p` and the others are scaled by
+/// `1 / (1 − p)`, as libtorch's dropout does, but the mask comes from a counter-based hash of
+/// `seed` and the element's index (rounds of a 32-bit mixer, 24 bits compared with p · 2²⁴), so
+/// backward draws it again instead of storing and reading a mask. `seed` is int64 `[1]` on
+/// the device, drawn from libtorch's generator ([`Dropout::draw`]): seeded runs repeat, and CUDA
+/// graphs replay a new seed each time.
+pub struct Dropout {
+    pub p: f64,
+    pub seed: Tensor,
+}
+
+impl Dropout {
+    /// Dropout with probability `p` (`0 < p < 1`) and a seed drawn from the current generator of
+    /// `device`.
+    pub fn draw(p: f64, device: Device) -> Result<Dropout> {
+        ensure!(
+            p > 0.0 && p < 1.0,
+            "the fused dropout takes probabilities in (0, 1), not {p}"
+        );
+        let seed = Tensor::empty([1], (Kind::Int64, device)).f_random_()?;
+        Ok(Dropout { p, seed })
+    }
+
+    /// The kernels' arguments: the seed's address, the drop threshold of the hash's 24 bits and
+    /// the scale of kept elements.
+    fn arguments(&self, device: Device) -> Result<(u64, u32, f32)> {
+        ensure!(
+            self.p > 0.0 && self.p < 1.0,
+            "the fused dropout takes probabilities in (0, 1), not {}",
+            self.p
+        );
+        ensure!(
+            self.seed.kind() == Kind::Int64
+                && self.seed.numel() == 1
+                && self.seed.device() == device,
+            "the fused dropout's seed is {:?} {:?} on {:?}; expected one int64 on {device:?}",
+            self.seed.kind(),
+            self.seed.size(),
+            self.seed.device()
+        );
+        let threshold = (self.p * (1u32 << 24) as f64).round() as u32;
+        Ok((
+            self.seed.data_ptr() as u64,
+            threshold,
+            (1.0 / (1.0 - self.p)) as f32,
+        ))
+    }
+}
+
+impl Clone for Dropout {
+    fn clone(&self) -> Dropout {
+        Dropout {
+            p: self.p,
+            seed: self.seed.shallow_clone(),
+        }
+    }
+}
+
+/// The kernels' dropout arguments: a null seed when there is none.
+fn dropout_arguments(dropout: Option<&Dropout>, device: Device) -> Result<(u64, u32, f32)> {
+    dropout.map_or(Ok((0, 0, 1.0)), |d| d.arguments(device))
+}
+
+/// What the forward kernel keeps for backward: the sum (shaped like the inputs), each row's
+/// float32 mean (0 for RMSNorm) and reciprocal standard deviation, `[rows]`, and the dropout
+/// of `delta`, if any.
 pub struct Saved {
     pub sum: Tensor,
     pub mean: Tensor,
     pub rstd: Tensor,
+    pub dropout: Option<Dropout>,
 }
 
 /// What the forward kernel gives: the sum's norm and what backward needs, the sum included.
@@ -466,9 +578,15 @@ pub struct Forward {
     pub saved: Saved,
 }
 
-/// `residual + delta` and its norm, in one kernel on libtorch's current stream. Both inputs
-/// are `[..., hidden]` of the norm's dtype on one CUDA device.
-pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Forward> {
+/// `residual + delta` and its norm, in one kernel on libtorch's current stream, with `delta`
+/// dropped out first under `dropout`. Both inputs are `[..., hidden]` of the norm's dtype on
+/// one CUDA device.
+pub fn forward(
+    residual: &Tensor,
+    delta: &Tensor,
+    norm: &InputNorm,
+    dropout: Option<Dropout>,
+) -> Result<Forward> {
     let (kind, device, shape) = (residual.kind(), residual.device(), residual.size());
     let (index, hidden) = check_norm(norm, kind, device)?;
     ensure!(
@@ -487,6 +605,7 @@ pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Fo
     let normed = Tensor::empty(shape.as_slice(), (kind, device));
     let mean = Tensor::empty([rows], (Kind::Float, device));
     let rstd = Tensor::empty([rows], (Kind::Float, device));
+    let (mut seed_ptr, mut threshold, mut scale) = dropout_arguments(dropout.as_ref(), device)?;
     if rows > 0 {
         let layout = RowLayout::new(hidden);
         let blocks = ceil_div(rows, layout.groups);
@@ -520,9 +639,13 @@ pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Fo
             kernel_arg(&mut eps),
             kernel_arg(&mut rms),
             kernel_arg(&mut one_plus),
+            kernel_arg(&mut seed_ptr),
+            kernel_arg(&mut threshold),
+            kernel_arg(&mut scale),
         ];
         // SAFETY: the arguments match the kernel's parameters in order and type (pointers as
-        // u64, rows as i64, the hidden size and flags as i32, eps as f32); the activations are
+        // u64, rows as i64, the hidden size and flags as i32, the threshold as u32, eps and the
+        // scale as f32); the seed is null or one int64 on this device; the activations are
         // contiguous, 16-byte aligned [rows, hidden] of the kernel's dtype (hidden a multiple
         // of 8, so every row starts aligned), the weight and bias [hidden], mean and rstd
         // float32 [rows], all on this device; the grid covers the rows and the layout's
@@ -539,14 +662,27 @@ pub fn forward(residual: &Tensor, delta: &Tensor, norm: &InputNorm) -> Result<Fo
     }
     Ok(Forward {
         normed,
-        saved: Saved { sum, mean, rstd },
+        saved: Saved {
+            sum,
+            mean,
+            rstd,
+            dropout,
+        },
     })
 }
 
-/// What the backward kernels give: the gradient of both `residual` and `delta`, and those of
-/// the norm's weight and (LayerNorm) bias in their dtype.
+/// The gradients of [`forward`]'s inputs: the sum's (the norm's input gradient plus the
+/// sum's own), which is `residual`'s, and `delta`'s, the same tensor unless `delta` was dropped
+/// out.
+pub struct InputGrads {
+    pub residual: Tensor,
+    pub delta: Tensor,
+}
+
+/// What the backward kernels give: the inputs' gradients, and those of the norm's weight and
+/// (LayerNorm) bias in their dtype.
 pub struct Grads {
-    pub input: Tensor,
+    pub inputs: InputGrads,
     pub weight: Tensor,
     pub bias: Option<Tensor>,
 }
@@ -559,10 +695,10 @@ pub fn backward(
     saved: &Saved,
     norm: &InputNorm,
 ) -> Result<Grads> {
-    let (input, params) = run_backward(grad_normed, grad_sum, saved, norm, None)?;
+    let (inputs, params) = run_backward(grad_normed, grad_sum, saved, norm, None)?;
     let (weight, bias) = params.expect("asked for the parameters' gradients");
     Ok(Grads {
-        input,
+        inputs,
         weight,
         bias,
     })
@@ -575,18 +711,18 @@ pub struct MainGrads<'a> {
 }
 
 /// Like [`backward`], with the weight and bias gradients added in float32 to `main` instead of
-/// returned in the parameters' dtype; gives the input gradient.
+/// returned in the parameters' dtype; gives the inputs' gradients.
 pub fn backward_into(
     grad_normed: &Tensor,
     grad_sum: &Tensor,
     saved: &Saved,
     norm: &InputNorm,
     main: MainGrads,
-) -> Result<Tensor> {
+) -> Result<InputGrads> {
     Ok(run_backward(grad_normed, grad_sum, saved, norm, Some(main))?.0)
 }
 
-/// The input gradient and, without `main`, the parameters' gradients.
+/// The inputs' gradients and, without `main`, the parameters' gradients.
 #[allow(clippy::type_complexity)]
 fn run_backward(
     grad_normed: &Tensor,
@@ -594,7 +730,7 @@ fn run_backward(
     saved: &Saved,
     norm: &InputNorm,
     main: Option<MainGrads>,
-) -> Result<(Tensor, Option<(Tensor, Option<Tensor>)>)> {
+) -> Result<(InputGrads, Option<(Tensor, Option<Tensor>)>)> {
     let (kind, device, shape) = (saved.sum.kind(), saved.sum.device(), saved.sum.size());
     let (index, hidden) = check_norm(norm, kind, device)?;
     let rows = saved.sum.numel() as i64 / hidden;
@@ -620,6 +756,20 @@ fn run_backward(
         );
     }
     let grad_input = Tensor::empty(shape.as_slice(), (kind, device));
+    let grad_delta = match &saved.dropout {
+        Some(_) => Tensor::empty(shape.as_slice(), (kind, device)),
+        None => grad_input.shallow_clone(),
+    };
+    let (mut seed_ptr, mut threshold, mut scale) =
+        dropout_arguments(saved.dropout.as_ref(), device)?;
+    let mut grad_delta_ptr = match &saved.dropout {
+        Some(_) => grad_delta.data_ptr() as u64,
+        None => 0,
+    };
+    let inputs = InputGrads {
+        residual: grad_input.shallow_clone(),
+        delta: grad_delta,
+    };
     if let Some(main) = &main {
         for (what, target) in [("weight", Some(main.weight)), ("bias", main.bias)] {
             if let Some(target) = target {
@@ -648,7 +798,7 @@ fn run_backward(
     if rows == 0 {
         let zeroed =
             new_grads.map(|(mut weight, bias)| (weight.zero_(), bias.map(|mut b| b.zero_())));
-        return Ok((grad_input, zeroed));
+        return Ok((inputs, zeroed));
     }
     let layout = RowLayout::new(hidden);
     let rows_per_block = layout.backward_rows_per_block(rows);
@@ -693,6 +843,10 @@ fn run_backward(
         kernel_arg(&mut rows_per_block_arg),
         kernel_arg(&mut rms),
         kernel_arg(&mut one_plus),
+        kernel_arg(&mut grad_delta_ptr),
+        kernel_arg(&mut seed_ptr),
+        kernel_arg(&mut threshold),
+        kernel_arg(&mut scale),
     ];
     let (mut partial_gamma_ptr, mut partial_beta_ptr) = (gamma_ptr, beta_ptr);
     let (mut blocks_arg, mut columns_arg) = (blocks, hidden as i32);
@@ -717,9 +871,10 @@ fn run_backward(
         None => format!("add_norm_param_grad_{suffix}"),
     };
     // SAFETY: the arguments match the kernels' parameters in order and type (pointers as u64,
-    // rows and the block count as i64, the hidden size, rows per block and flags as i32); the
-    // activations and gradients are contiguous, 16-byte aligned [rows, hidden] of the kernels'
-    // dtype, the weight [hidden], mean and rstd float32 [rows], the partial rows float32
+    // rows and the block count as i64, the hidden size, rows per block and flags as i32, the
+    // threshold as u32, the scale as f32); the activations and gradients (grad_delta too, when
+    // the seed, one int64 on this device, is not null) are contiguous, 16-byte aligned
+    // [rows, hidden] of the kernels' dtype, the weight [hidden], mean and rstd float32 [rows], the partial rows float32
     // [blocks, hidden] with blocks · rows_per_block >= rows (rows_per_block a multiple of the
     // row groups), the parameter gradients [hidden] (float32 main gradients for
     // `column_totals_into_main`, checked above); the bias pointers are null exactly when
@@ -740,7 +895,7 @@ fn run_backward(
             &mut param_args,
         )?;
     }
-    Ok((grad_input, new_grads))
+    Ok((inputs, new_grads))
 }
 
 /// Whether the fused add + norm should run for `kind` activations with rows of `hidden` on
@@ -773,9 +928,10 @@ fn tolerance(kind: Kind) -> f64 {
 }
 
 /// Runs the kernels on CUDA device `device` in `kind` on 37 made-up rows of `hidden`
-/// (LayerNorm, and RMSNorm with gamma = 1 + w) and compares outputs and gradients with
-/// libtorch's unfused ops: a launch or a result that goes wrong is an error here, before
-/// training depends on the kernels.
+/// (LayerNorm, and RMSNorm with gamma = 1 + w; LayerNorm again with dropout 0.5 under a fixed
+/// seed, so the check draws nothing from the generator) and compares outputs and gradients with
+/// libtorch's unfused ops (under the kernels' mask): a launch or a result that goes wrong is an
+/// error here, before training depends on the kernels.
 pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
     let rows = 37;
@@ -791,9 +947,14 @@ pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
     let grad_sum = made_up(&[rows, hidden], 0.29, 0.3);
     let weight = made_up(&[hidden], 0.53, 0.5) + 1.0;
     let bias = made_up(&[hidden], 0.17, 0.2);
-    for (kind_of_norm, one_plus) in [
-        (Normalization::LayerNorm, false),
-        (Normalization::RMSNorm, true),
+    let fixed_seed = Dropout {
+        p: 0.5,
+        seed: Tensor::from_slice(&[0x5eed_1234_abcd_i64]).to_device(cuda),
+    };
+    for (kind_of_norm, one_plus, dropout) in [
+        (Normalization::LayerNorm, false, None),
+        (Normalization::RMSNorm, true, None),
+        (Normalization::LayerNorm, false, Some(fixed_seed)),
     ] {
         let norm = InputNorm {
             kind: kind_of_norm,
@@ -802,23 +963,38 @@ pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
             eps: 1e-5,
             one_plus,
         };
-        let fused = forward(&residual, &delta, &norm)?;
+        let kept = match &dropout {
+            Some(d) => {
+                let mask = kept_mask(d, &[rows, hidden], &norm)?;
+                let fraction = mask.mean(Kind::Float).double_value(&[]);
+                ensure!(
+                    (0.4..=0.6).contains(&fraction),
+                    "dropout 0.5 kept {fraction:.3} of the elements"
+                );
+                Some((mask, d.p))
+            }
+            None => None,
+        };
+        let fused = forward(&residual, &delta, &norm, dropout)?;
         let grads = backward(&grad_normed, &grad_sum, &fused.saved, &norm)?;
-        let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm)?;
+        let dropped = kept.as_ref().map(|(mask, p)| (mask, *p));
+        let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm, dropped)?;
         let mut compared = vec![
             ("sum", &fused.saved.sum, &want.sum),
             ("normed output", &fused.normed, &want.normed),
-            ("input gradient", &grads.input, &want.input),
+            ("input gradient", &grads.inputs.residual, &want.input),
+            ("delta gradient", &grads.inputs.delta, &want.delta),
             ("weight gradient", &grads.weight, &want.weight),
         ];
         if let (Some(got), Some(expected)) = (&grads.bias, &want.bias) {
             compared.push(("bias gradient", got, expected));
         }
+        let what = if kept.is_some() { " with dropout" } else { "" };
         for (name, got, expected) in compared {
             let error = relative_error(got, expected);
             ensure!(
                 error <= tolerance(kind),
-                "the {kind_of_norm:?} {name} differs from the unfused ops' by {error:.3e} \
+                "the {kind_of_norm:?}{what} {name} differs from the unfused ops' by {error:.3e} \
                  (relative)"
             );
         }
@@ -826,38 +1002,59 @@ pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
     Ok(())
 }
 
+/// The elements `dropout` keeps of a delta of `shape` (rows of the norm's width), as float32
+/// ones (kept) and zeros (dropped): the kernel's sum of a zero residual and a delta of ones.
+pub fn kept_mask(dropout: &Dropout, shape: &[i64], norm: &InputNorm) -> Result<Tensor> {
+    let (kind, device) = (norm.weight.kind(), norm.weight.device());
+    let zeros = Tensor::zeros(shape, (kind, device));
+    let ones = Tensor::ones(shape, (kind, device));
+    let out = forward(&zeros, &ones, norm, Some(dropout.clone()))?;
+    Ok(out.saved.sum.ne(0.0).to_kind(Kind::Float))
+}
+
 /// What the unfused ops give for a fused add + norm, outputs and gradients, the reference the
 /// self-check and the tests compare with.
 pub struct Unfused {
     pub sum: Tensor,
     pub normed: Tensor,
+    /// The residual's gradient (and the sum's).
     pub input: Tensor,
+    pub delta: Tensor,
     pub weight: Tensor,
     pub bias: Option<Tensor>,
 }
 
 /// `sum = residual + delta` and `norm(sum)` through libtorch's autograd, and the gradients of
-/// `Σ normed · grad_normed + Σ sum · grad_sum` for the input (one for both summands) and the
-/// norm's parameters.
+/// `Σ normed · grad_normed + Σ sum · grad_sum` for both summands and the norm's parameters.
+/// With `dropped`, a [`kept_mask`] and its probability, `delta` is dropped out first as
+/// libtorch's dropout computes it: kept elements scaled in float32 and rounded.
 pub fn unfused(
     residual: &Tensor,
     delta: &Tensor,
     grad_normed: &Tensor,
     grad_sum: &Tensor,
     norm: &InputNorm,
+    dropped: Option<(&Tensor, f64)>,
 ) -> Result<Unfused> {
     tch::with_grad(|| {
         let input = residual.detach().set_requires_grad(true);
+        let delta = delta.detach().set_requires_grad(true);
         let weight = norm.weight.detach().set_requires_grad(true);
         let bias = norm.bias.map(|b| b.detach().set_requires_grad(true));
-        let sum = &input + delta;
+        let added = match dropped {
+            Some((mask, p)) => {
+                (delta.to_kind(Kind::Float) * mask * (1.0 / (1.0 - p))).to_kind(delta.kind())
+            }
+            None => delta.shallow_clone(),
+        };
+        let sum = &input + &added;
         let normed = InputNorm {
             weight: &weight,
             bias: bias.as_ref(),
             ..*norm
         }
         .apply(&sum);
-        let mut inputs = vec![&input, &weight];
+        let mut inputs = vec![&input, &delta, &weight];
         inputs.extend(bias.as_ref());
         let grads = crate::autograd::grad(
             &[&normed, &sum],
@@ -872,6 +1069,7 @@ pub fn unfused(
             sum: sum.detach(),
             normed: normed.detach(),
             input: next()?,
+            delta: next()?,
             weight: next()?,
             bias: match bias {
                 Some(_) => Some(next()?),

@@ -274,6 +274,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         device,
         recompute: args.recompute.recompute()?,
         seed: args.training.seed,
+        bias_dropout_fusion: !args.training.no_bias_dropout_fusion,
     };
     let fp8 = args
         .fp8

@@ -47,14 +47,16 @@ impl Norm {
         self.as_input_norm().apply(input)
     }
 
-    /// `(residual + delta, norm(residual + delta))`. In training on a CUDA device the add and the
-    /// norm run as one kernel, forward and backward ([`add_norm`]), unless
-    /// `MEGATRON_RS_FUSED_ADD_NORM=0`, the width or dtype has no kernel, or its self-check
-    /// failed; otherwise as libtorch's add and norm.
+    /// `(residual + dropout(delta), norm(residual + dropout(delta)))`, with dropout of
+    /// probability `dropout` in training only. In training on a CUDA device the dropout, the add
+    /// and the norm run as one kernel, forward and backward ([`add_norm`], its mask from a hash
+    /// of a seed drawn here), unless `MEGATRON_RS_FUSED_ADD_NORM=0`, the width or dtype has no
+    /// kernel, or its self-check failed; otherwise as libtorch's dropout, add and norm.
     pub fn add_and_norm(
         &self,
         residual: &Tensor,
         delta: &Tensor,
+        dropout: f64,
         train: bool,
     ) -> Result<(Tensor, Tensor)> {
         let kind = residual.kind();
@@ -65,12 +67,18 @@ impl Norm {
             && residual.size() == delta.size()
             && delta.device() == residual.device()
             && self.weight.device() == residual.device()
+            && dropout < 1.0
             && add_norm::usable_on(residual.device(), kind, hidden);
         if !fused {
-            let sum = residual + delta;
+            let sum = residual + delta.dropout(dropout, train);
             let normed = self.forward(&sum);
             return Ok((sum, normed));
         }
+        let dropout = if dropout > 0.0 {
+            Some(add_norm::Dropout::draw(dropout, residual.device())?)
+        } else {
+            None
+        };
         // With gradient-accumulation fusion the weight and bias gradients go straight into the
         // optimizer's float32 buffer (no bf16 gradients to accumulate, add there and zero).
         let main_grads = match (self.weight.main_grad().get(), &self.bias) {
@@ -83,6 +91,7 @@ impl Norm {
             eps: self.eps,
             one_plus: self.one_plus,
             main_grads,
+            dropout,
         };
         let mut inputs = vec![residual, delta, self.weight.tensor()];
         inputs.extend(self.bias.as_ref().map(Param::tensor));
@@ -120,13 +129,16 @@ impl Norm {
 
 /// The residual add and the norm after it as one autograd node over [`add_norm`]'s kernels:
 /// inputs `residual, delta, weight[, bias]`, outputs `sum, normed`; backward gives `residual`
-/// and `delta` the same gradient (the norm's input gradient plus the sum's).
+/// the norm's input gradient plus the sum's, and `delta` the same (through the dropout's mask
+/// and scale, with dropout).
 struct FusedAddNorm {
     kind: Normalization,
     eps: f64,
     one_plus: bool,
     /// The optimizer's float32 gradients of the weight and bias, when it gave them.
     main_grads: Option<(Tensor, Option<Tensor>)>,
+    /// The dropout of `delta` (its seed is kept here until backward).
+    dropout: Option<add_norm::Dropout>,
 }
 
 impl FusedAddNorm {
@@ -144,7 +156,7 @@ impl FusedAddNorm {
 impl CustomFunction for FusedAddNorm {
     fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
         let norm = self.input_norm(&inputs[2], inputs.get(3));
-        let out = add_norm::forward(&inputs[0], &inputs[1], &norm)?;
+        let out = add_norm::forward(&inputs[0], &inputs[1], &norm, self.dropout.clone())?;
         let kept = &out.saved;
         // The sum is an output: it is kept as a detached alias, so the saved tensor never
         // refers back to this node (no reference cycle), while in-place changes to the output
@@ -168,6 +180,7 @@ impl CustomFunction for FusedAddNorm {
             sum: saved[0].shallow_clone(),
             mean: saved[1].shallow_clone(),
             rstd: saved[2].shallow_clone(),
+            dropout: self.dropout.clone(),
         };
         let norm = self.input_norm(&saved[3], saved.get(4));
         if let Some((weight, bias)) = &self.main_grads {
@@ -175,9 +188,9 @@ impl CustomFunction for FusedAddNorm {
                 weight,
                 bias: bias.as_ref(),
             };
-            let input =
+            let inputs =
                 add_norm::backward_into(&grad_outputs[1], &grad_outputs[0], &kept, &norm, main)?;
-            let mut out = vec![Some(input.shallow_clone()), Some(input), None];
+            let mut out = vec![Some(inputs.residual), Some(inputs.delta), None];
             if bias.is_some() {
                 out.push(None);
             }
@@ -185,8 +198,8 @@ impl CustomFunction for FusedAddNorm {
         }
         let grads = add_norm::backward(&grad_outputs[1], &grad_outputs[0], &kept, &norm)?;
         let mut out = vec![
-            Some(grads.input.shallow_clone()),
-            Some(grads.input),
+            Some(grads.inputs.residual),
+            Some(grads.inputs.delta),
             Some(grads.weight),
         ];
         if let Some(bias) = grads.bias {

@@ -28,6 +28,8 @@ pub struct TransformerLayer {
     pub pre_mlp_layernorm: Norm,
     pub mlp: Mlp,
     hidden_dropout: f64,
+    /// The hidden dropout waits for the next residual add + norm, whose kernel runs it.
+    bias_dropout_fusion: bool,
     residual_from_norm: bool,
 }
 
@@ -91,8 +93,16 @@ impl TransformerLayer {
             pre_mlp_layernorm,
             mlp,
             hidden_dropout: config.hidden_dropout,
+            bias_dropout_fusion: true,
             residual_from_norm: config.apply_residual_connection_post_layernorm,
         }
+    }
+
+    /// With `fused` false (`--no-bias-dropout-fusion`) the hidden dropout runs as libtorch's
+    /// dropout on the attention or MLP output at once, before its residual add + norm.
+    pub fn with_bias_dropout_fusion(mut self, fused: bool) -> Self {
+        self.bias_dropout_fusion = fused;
+        self
     }
 
     /// Runs the layer's linears (attention projections, MLP) in fp8; norms, attention itself and
@@ -382,15 +392,26 @@ impl TransformerLayer {
                 let normed = norm.forward(&input);
                 (input, normed)
             }
-            Residual::Pending { residual, delta } => norm.add_and_norm(&residual, &delta, train)?,
+            Residual::Pending {
+                residual,
+                delta,
+                dropout,
+            } => norm.add_and_norm(&residual, &delta, dropout, train)?,
         };
-        let delta = apply(&normed)?.dropout(self.hidden_dropout, train);
+        let delta = apply(&normed)?;
         Ok(if self.residual_from_norm {
-            Residual::Summed(normed + delta)
-        } else {
+            Residual::Summed(normed + delta.dropout(self.hidden_dropout, train))
+        } else if self.bias_dropout_fusion && train {
             Residual::Pending {
                 residual: input,
                 delta,
+                dropout: self.hidden_dropout,
+            }
+        } else {
+            Residual::Pending {
+                residual: input,
+                delta: delta.dropout(self.hidden_dropout, train),
+                dropout: 0.0,
             }
         })
     }
@@ -410,19 +431,28 @@ impl TransformerLayer {
     }
 }
 
-/// The residual stream between pre-norm blocks: a tensor, or a block's (dropped-out) output
-/// not yet added to its residual branch, so that the add happens in the next norm's kernel.
+/// The residual stream between pre-norm blocks: a tensor, or a block's output not yet dropped
+/// out (with probability `dropout`, 0 outside training) and added to its residual branch, so
+/// that the dropout and the add happen in the next norm's kernel.
 pub enum Residual {
     Summed(Tensor),
-    Pending { residual: Tensor, delta: Tensor },
+    Pending {
+        residual: Tensor,
+        delta: Tensor,
+        dropout: f64,
+    },
 }
 
 impl Residual {
-    /// The stream as one tensor, adding a pending sum with libtorch's add.
+    /// The stream as one tensor, with libtorch's dropout and add for a pending sum.
     pub fn sum(self) -> Tensor {
         match self {
             Residual::Summed(hidden) => hidden,
-            Residual::Pending { residual, delta } => residual + delta,
+            Residual::Pending {
+                residual,
+                delta,
+                dropout,
+            } => residual + delta.dropout(dropout, dropout > 0.0),
         }
     }
 }
