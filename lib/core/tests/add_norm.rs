@@ -121,7 +121,8 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
                 let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
                 let grads =
                     add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
-                let want = unfused(&residual, &delta, &grad_normed, &grad_sum, &norm, None).unwrap();
+                let want =
+                    unfused(&residual, &delta, &grad_normed, &grad_sum, &norm, None).unwrap();
                 // The same math in float32 from the same inputs: both paths are measured
                 // against it, so that rounding the unfused path does is not held against ours.
                 let float = |t: &Tensor| t.to_kind(Kind::Float);
@@ -143,7 +144,12 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
                 assert!(fused.saved.sum.equal(&want.sum), "{what}: the sums differ");
                 let mut compared = vec![
                     ("normed output", &fused.normed, &want.normed, &exact.normed),
-                    ("input gradient", &grads.inputs.residual, &want.input, &exact.input),
+                    (
+                        "input gradient",
+                        &grads.inputs.residual,
+                        &want.input,
+                        &exact.input,
+                    ),
                     (
                         "weight gradient",
                         &grads.weight,
@@ -313,7 +319,12 @@ fn on_a_gpu_the_fused_add_norm_is_deterministic() {
     let run = || {
         let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
         let grads = add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
-        [fused.normed, grads.inputs.residual, grads.weight, grads.bias.unwrap()]
+        [
+            fused.normed,
+            grads.inputs.residual,
+            grads.weight,
+            grads.bias.unwrap(),
+        ]
     };
     let (first, second) = (run(), run());
     for (a, b) in first.iter().zip(&second) {
@@ -422,8 +433,7 @@ fn on_a_gpu_dropout_inside_the_add_norm_equals_the_unfused_ops_under_its_mask() 
                         one_plus,
                     };
                     let mask = add_norm::kept_mask(&dropout, shape, &norm).unwrap();
-                    let fused =
-                        add_norm::forward(&residual, &delta, &norm, Some(dropout)).unwrap();
+                    let fused = add_norm::forward(&residual, &delta, &norm, Some(dropout)).unwrap();
                     let grads =
                         add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
                     let want = unfused(
@@ -448,7 +458,8 @@ fn on_a_gpu_dropout_inside_the_add_norm_equals_the_unfused_ops_under_its_mask() 
                             "{what}: the {name} differs by {error:.3e}"
                         );
                     }
-                    let dropped_grad = grads.inputs.delta.to_kind(Kind::Float) * mask.eq(0.0).to_kind(Kind::Float);
+                    let dropped_grad =
+                        grads.inputs.delta.to_kind(Kind::Float) * mask.eq(0.0).to_kind(Kind::Float);
                     assert_eq!(
                         dropped_grad.abs().max().double_value(&[]),
                         0.0,
@@ -493,7 +504,11 @@ fn on_a_gpu_the_dropout_mask_drops_p_independently_and_anew_for_each_seed() {
     };
     let base = 0x1234_5678_9abc_def0_i64;
     let mask = dropped(base);
-    within(mask.mean(Kind::Float).double_value(&[]), p, "dropped fraction");
+    within(
+        mask.mean(Kind::Float).double_value(&[]),
+        p,
+        "dropped fraction",
+    );
     let flat = mask.view([-1]);
     let count = flat.size()[0];
     within(
@@ -506,7 +521,10 @@ fn on_a_gpu_the_dropout_mask_drops_p_independently_and_anew_for_each_seed() {
         p * p,
         "neighbours in a column",
     );
-    assert!(mask.equal(&dropped(base)), "the same seed drew another mask");
+    assert!(
+        mask.equal(&dropped(base)),
+        "the same seed drew another mask"
+    );
     for (other, what) in [
         (base + 1, "a seed one apart"),
         (base ^ (1 << 40), "a seed differing in its high bits"),
