@@ -122,6 +122,32 @@ pub struct ModelArgs {
     /// Accepted for compatibility (the model is Megatron-core's GPT).
     #[arg(long)]
     pub use_mcore_models: bool,
+    /// Accepted for compatibility: attention's softmax always runs inside libtorch's
+    /// scaled_dot_product_attention kernels.
+    #[arg(long)]
+    pub no_masked_softmax_fusion: bool,
+    /// Accepted for compatibility, as --no-masked-softmax-fusion.
+    #[arg(long)]
+    pub masked_softmax_fusion: bool,
+    /// Accepted for compatibility: flash, fused, unfused, local or auto; attention always runs
+    /// through libtorch's scaled_dot_product_attention, which picks its kernel.
+    #[arg(long, value_parser = ["flash", "fused", "unfused", "local", "auto"])]
+    pub attention_backend: Option<String>,
+    /// Accepted for compatibility: rotary embeddings have one implementation, the same values
+    /// either way.
+    #[arg(long)]
+    pub no_rope_fusion: bool,
+    /// Accepted for compatibility: norms run as the fused residual add + norm kernels in
+    /// training on GPUs, as libtorch's elsewhere.
+    #[arg(long)]
+    pub no_persist_layer_norm: bool,
+    /// Accepted for compatibility: SwiGLU has one implementation, the same values either way.
+    #[arg(long)]
+    pub no_bias_swiglu_fusion: bool,
+    /// Accepted for compatibility (deprecated in Megatron): tensor-parallel all-reduces are not
+    /// overlapped with the weight-gradient GEMMs.
+    #[arg(long)]
+    pub no_async_tensor_model_parallel_allreduce: bool,
 }
 
 impl ModelArgs {
@@ -189,5 +215,55 @@ impl ModelArgs {
             attention_dropout: self.attention_dropout,
             init_method_std: self.init_method_std,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        model: ModelArgs,
+    }
+
+    fn config(extra: &[&str]) -> GptConfig {
+        let shape = [
+            "pretrain",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+        ];
+        let flags = Flags::try_parse_from(shape.iter().chain(extra)).unwrap();
+        flags.model.gpt_config(1000).unwrap()
+    }
+
+    /// Megatron's scripts pass kernel switches (softmax, RoPE, layer norm, SwiGLU fusion, the
+    /// attention backend): they parse and leave the architecture as it is.
+    #[test]
+    fn megatrons_kernel_switches_are_accepted_and_change_no_architecture() {
+        let switches = [
+            "--no-masked-softmax-fusion",
+            "--masked-softmax-fusion",
+            "--attention-backend",
+            "flash",
+            "--no-rope-fusion",
+            "--no-persist-layer-norm",
+            "--no-bias-swiglu-fusion",
+            "--no-async-tensor-model-parallel-allreduce",
+            "--use-flash-attn",
+            "--attention-softmax-in-fp32",
+            "--transformer-impl",
+            "local",
+        ];
+        let plain = serde_json::to_value(config(&[])).unwrap();
+        assert_eq!(serde_json::to_value(config(&switches)).unwrap(), plain);
     }
 }
