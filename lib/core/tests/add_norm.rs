@@ -81,6 +81,53 @@ const NORMS: [(Normalization, bool); 4] = [
     (Normalization::RMSNorm, true),
 ];
 
+/// Made-up inputs of one add + norm: activations and gradients of one shape (their values'
+/// frequencies scaled by `spread`) and the norm's parameters.
+struct Case {
+    residual: Tensor,
+    delta: Tensor,
+    grad_normed: Tensor,
+    grad_sum: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    kind: Normalization,
+    one_plus: bool,
+}
+
+impl Case {
+    fn new(
+        shape: &[i64],
+        dtype: Kind,
+        kind: Normalization,
+        one_plus: bool,
+        spread: f64,
+        device: Device,
+    ) -> Case {
+        let hidden = *shape.last().unwrap();
+        Case {
+            residual: values(shape, 0.37 * spread, 3.0, dtype, device),
+            delta: values(shape, 0.71 * spread, 1.0, dtype, device) + 0.5,
+            grad_normed: values(shape, 0.13 * spread, 1.0, dtype, device),
+            grad_sum: values(shape, 0.29 * spread, 0.5, dtype, device),
+            weight: values(&[hidden], 0.53, 0.3, dtype, device) + if one_plus { 0.0 } else { 1.0 },
+            bias: values(&[hidden], 0.17, 0.2, dtype, device),
+            kind,
+            one_plus,
+        }
+    }
+
+    /// The norm over the case's parameters (a bias for LayerNorm only).
+    fn norm(&self) -> InputNorm<'_> {
+        InputNorm {
+            kind: self.kind,
+            weight: &self.weight,
+            bias: (self.kind == Normalization::LayerNorm).then_some(&self.bias),
+            eps: 1e-5,
+            one_plus: self.one_plus,
+        }
+    }
+}
+
 #[test]
 fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
     let Some(device) = cuda_or_skip() else {
@@ -103,21 +150,17 @@ fn on_a_gpu_the_fused_add_norm_equals_the_unfused_ops() {
             let hidden = *shape.last().unwrap();
             for (index, (norm_kind, one_plus)) in NORMS.into_iter().enumerate() {
                 let what = format!("{kind:?} {norm_kind:?} 1p={one_plus} {shape:?}");
-                let seed = 0.1 + index as f64;
-                let residual = values(shape, 0.37 * seed, 3.0, kind, device);
-                let delta = values(shape, 0.71 * seed, 1.0, kind, device) + 0.5;
-                let grad_normed = values(shape, 0.13 * seed, 1.0, kind, device);
-                let grad_sum = values(shape, 0.29 * seed, 0.5, kind, device);
-                let weight =
-                    values(&[hidden], 0.53, 0.3, kind, device) + if one_plus { 0.0 } else { 1.0 };
-                let bias = values(&[hidden], 0.17, 0.2, kind, device);
-                let norm = InputNorm {
-                    kind: norm_kind,
-                    weight: &weight,
-                    bias: (norm_kind == Normalization::LayerNorm).then_some(&bias),
-                    eps: 1e-5,
-                    one_plus,
-                };
+                let case = Case::new(shape, kind, norm_kind, one_plus, 0.1 + index as f64, device);
+                let Case {
+                    residual,
+                    delta,
+                    grad_normed,
+                    grad_sum,
+                    weight,
+                    bias,
+                    ..
+                } = &case;
+                let norm = case.norm();
                 let fused = add_norm::forward(&residual, &delta, &norm, None).unwrap();
                 let grads =
                     add_norm::backward(&grad_normed, &grad_sum, &fused.saved, &norm).unwrap();
@@ -414,24 +457,19 @@ fn on_a_gpu_dropout_inside_the_add_norm_equals_the_unfused_ops_under_its_mask() 
     let shapes: [&[i64]; 3] = [&[37, 1024], &[13, 3, 1000], &[5, 6144]];
     for kind in [Kind::BFloat16, Kind::Half, Kind::Float] {
         for (index, shape) in shapes.into_iter().enumerate() {
-            let hidden = *shape.last().unwrap();
             for (norm_kind, one_plus) in [NORMS[0], NORMS[3]] {
                 for p in [0.1, 0.5] {
                     let what = format!("{kind:?} {norm_kind:?} {shape:?} p={p}");
                     let dropout = fixed_dropout(p, 1_000_003 * index as i64 + 17, device);
-                    let residual = values(shape, 0.37, 3.0, kind, device);
-                    let delta = values(shape, 0.71, 1.0, kind, device) + 0.5;
-                    let grad_normed = values(shape, 0.13, 1.0, kind, device);
-                    let grad_sum = values(shape, 0.29, 0.5, kind, device);
-                    let weight = values(&[hidden], 0.53, 0.3, kind, device) + 1.0;
-                    let bias = values(&[hidden], 0.17, 0.2, kind, device);
-                    let norm = InputNorm {
-                        kind: norm_kind,
-                        weight: &weight,
-                        bias: (norm_kind == Normalization::LayerNorm).then_some(&bias),
-                        eps: 1e-5,
-                        one_plus,
-                    };
+                    let case = Case::new(shape, kind, norm_kind, one_plus, 1.0, device);
+                    let Case {
+                        residual,
+                        delta,
+                        grad_normed,
+                        grad_sum,
+                        ..
+                    } = &case;
+                    let norm = case.norm();
                     let mask = add_norm::kept_mask(&dropout, shape, &norm).unwrap();
                     let fused = add_norm::forward(&residual, &delta, &norm, Some(dropout)).unwrap();
                     let grads =
