@@ -441,6 +441,17 @@ fn start_tensor_parallel(checkpoint: &Path, extra: &[&str]) -> (Server, Child) {
     (server, ranks.next().unwrap())
 }
 
+/// Each body's answer from `server`, all requests sent at once from threads of their own.
+fn all_at_once(server: &Server, bodies: &[String]) -> Vec<Value> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| scope.spawn(|| request(server, b).unwrap()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// The same texts, and log-probabilities within `tolerance`.
 fn assert_same_answer(got: &Value, expected: &Value, tolerance: f64) {
     assert_eq!(got["text"], expected["text"]);
@@ -509,6 +520,49 @@ fn cuda_graph_decoding_serves_like_eager_decoding_on_gpus() {
     for (got, want) in answers(&server).iter().zip(&expected) {
         assert_same_answer(got, want, 1e-3);
     }
+    terminate(server.child);
+    wait_success(follower, "rank 1 after rank 0 stopped");
+}
+
+/// On GPUs: 16 clients at once of a tensor-parallel server (TP=2 over NCCL, continuous batching
+/// over the paged cache, decode steps from CUDA graphs) each get the greedy answer the same
+/// server gives them one at a time, and the server batched them (fewer steps than tokens). Runs
+/// where there are 2 GPUs.
+#[test]
+fn continuous_batching_with_tensor_parallelism_on_gpus_answers_like_serving_alone() {
+    if visible_gpus() < 2 {
+        eprintln!("skipped: needs 2 GPUs");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint_of_shape(&ckpt, 256, 128, 2);
+    let bodies: Vec<String> = (0..16)
+        .map(|i| {
+            let prompt = format!("The data {i} and ").repeat(1 + i % 7);
+            json!({"prompts": [prompt], "tokens_to_generate": 16 + (i * 13) % 48, "top_k": 1,
+                   "logprobs": true})
+            .to_string()
+        })
+        .collect();
+    let (server, follower) = start_tensor_parallel(&ckpt, &["--device", "cuda"]);
+    let alone: Vec<Value> = bodies
+        .iter()
+        .map(|b| request(&server, b).unwrap())
+        .collect();
+    let tokens_before = metric(&server, "megatron_generation_tokens_total");
+    let steps_before = metric(&server, "megatron_generation_steps_total");
+    let together = all_at_once(&server, &bodies);
+    for (got, want) in together.iter().zip(&alone) {
+        assert_same_answer(got, want, 1e-3);
+    }
+    let tokens = metric(&server, "megatron_generation_tokens_total") - tokens_before;
+    let steps = metric(&server, "megatron_generation_steps_total") - steps_before;
+    eprintln!("together: {tokens} tokens in {steps} steps");
+    assert!(
+        tokens >= 2.0 * steps,
+        "{tokens} tokens in {steps} steps: not batched"
+    );
     terminate(server.child);
     wait_success(follower, "rank 1 after rank 0 stopped");
 }
@@ -880,13 +934,7 @@ fn batching_flags_serve_concurrent_clients_like_one_at_a_time() {
         .iter()
         .map(|b| request(&server, b).unwrap())
         .collect();
-    let together: Vec<Value> = std::thread::scope(|scope| {
-        let handles: Vec<_> = bodies
-            .iter()
-            .map(|b| scope.spawn(|| request(&server, b).unwrap()))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let together = all_at_once(&server, &bodies);
     for (got, want) in together.iter().zip(&alone) {
         assert_same_answer(got, want, 1e-4);
     }

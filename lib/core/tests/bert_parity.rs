@@ -94,6 +94,7 @@ fn logits_and_losses_equal_huggingface_megatron_bert() {
         recompute: Recompute::None,
         seed: 1234,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let parallel = ParallelState::single();
     let model = BertModel::new(config.clone(), options, &parallel).unwrap();

@@ -54,6 +54,7 @@ fn random_state(config: GptConfig) -> ModelState {
         recompute: Recompute::None,
         seed: 7,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let model = GptModel::new(config.clone(), options, &ParallelState::single()).unwrap();
     let weights: BTreeMap<String, Tensor> = model

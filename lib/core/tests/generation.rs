@@ -57,6 +57,7 @@ fn build_sized(extra: &[&str], positions: i64, device: Device, hidden: i64) -> G
         recompute: Recompute::None,
         seed: 7,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     GptModel::new(config, options, &ParallelState::single()).unwrap()
 }

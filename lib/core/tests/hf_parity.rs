@@ -61,6 +61,7 @@ fn load(case: &str) -> Fixture {
         recompute: Recompute::None,
         seed: 1234,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let model = GptModel::new(gpt, options, &ParallelState::single()).unwrap();
     let (hf_state, _) = read_tensors(&dir.join("model.safetensors"), Device::Cpu).unwrap();

@@ -82,6 +82,7 @@ fn model_of(device: Device, shape: &[&str], params_dtype: Kind) -> GptModel {
         recompute: Recompute::None,
         seed: 5,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     GptModel::new(config, options, &ParallelState::single()).unwrap()
 }

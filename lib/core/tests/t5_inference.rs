@@ -26,6 +26,7 @@ fn options(kind: Kind, seed: u64) -> ModelOptions {
         recompute: Recompute::None,
         seed,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     }
 }
 

@@ -49,6 +49,7 @@ fn t5_logits_and_loss_equal_the_reference() {
         recompute: Recompute::None,
         seed: 1234,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let parallel = ParallelState::single();
     let model = T5Model::new(config.clone(), options, &parallel).unwrap();
@@ -123,6 +124,7 @@ fn t5_decoder_is_causal_and_encoder_padding_is_masked() {
         recompute: Recompute::None,
         seed: 99,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let model = T5Model::new(config, options, &ParallelState::single()).unwrap();
     let enc = Tensor::randint_low(10, 128, [2, 12], (Kind::Int64, Device::Cpu));

@@ -133,8 +133,8 @@ pub struct ModelArgs {
     /// through libtorch's scaled_dot_product_attention, which picks its kernel.
     #[arg(long, value_parser = ["flash", "fused", "unfused", "local", "auto"])]
     pub attention_backend: Option<String>,
-    /// Accepted for compatibility: rotary embeddings have one implementation, the same values
-    /// either way.
+    /// Rotary embeddings through libtorch's ops instead of the fused kernel that rotates each
+    /// query and key channel in one pass forward and one backward (training on GPUs).
     #[arg(long)]
     pub no_rope_fusion: bool,
     /// Accepted for compatibility: norms run as the fused residual add + norm kernels in

@@ -55,6 +55,7 @@ fn probe_parameter_names(config: &GptConfig) -> Result<Vec<String>> {
         recompute: Recompute::None,
         seed: 0,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let model = GptModel::new_chunk(
         probe,
@@ -803,6 +804,7 @@ mod tests {
                 recompute: Recompute::None,
                 seed: 0,
                 bias_dropout_fusion: true,
+                rope_fusion: false,
             };
             let model = GptModel::new_chunk(
                 GptConfig {

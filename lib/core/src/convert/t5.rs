@@ -47,6 +47,7 @@ fn parameter_names(config: &T5Config) -> Result<Vec<(String, String)>> {
         recompute: Recompute::None,
         seed: 0,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let model = T5Model::new(probe, options, &ParallelState::single())?;
     let probe_names: Vec<String> = crate::model::ModelChunk::named_parameters(&model)

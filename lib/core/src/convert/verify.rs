@@ -17,6 +17,7 @@ pub fn model_of(state: &ModelState) -> Result<GptModel> {
         recompute: Recompute::None,
         seed: 0,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     };
     let model = GptModel::new(state.config.clone(), options, &ParallelState::single())?;
     let weights: HashMap<String, Tensor> = state

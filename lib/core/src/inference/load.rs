@@ -101,6 +101,7 @@ fn inference_options(device: Device, dtype: Kind) -> ModelOptions {
         recompute: Recompute::None,
         seed: 0,
         bias_dropout_fusion: true,
+        rope_fusion: false,
     }
 }
 

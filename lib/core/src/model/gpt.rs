@@ -56,6 +56,11 @@ pub struct ModelOptions {
     /// Hidden dropout inside the next residual add + norm kernel in training on GPUs (Megatron's
     /// `--bias-dropout-fusion`, on by default); off, libtorch's dropout runs first.
     pub bias_dropout_fusion: bool,
+    /// Rotary embeddings as one kernel each way on GPUs (Megatron's `apply_rope_fusion`, on by
+    /// default in training); off, libtorch's ops. Inference keeps it off: its batched decode
+    /// steps rotate rows at their own positions through libtorch's ops, and a request's tokens
+    /// must not depend on whether it was batched.
+    pub rope_fusion: bool,
 }
 
 /// Which part of the model a chunk holds.
@@ -206,7 +211,12 @@ impl GptModel {
             }
         });
         let rotary = (config.position_embedding_type == PositionEmbeddingType::Rope).then(|| {
-            RotaryEmbedding::new(config.rotary_dim(), config.rotary_base, config.rope_scaling)
+            RotaryEmbedding::new(
+                config.rotary_dim(),
+                config.rotary_base,
+                config.rope_scaling,
+                options.rope_fusion,
+            )
         });
         let tensor_parallel = trunk.parallel;
         Ok(GptModel {

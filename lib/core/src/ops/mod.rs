@@ -261,6 +261,7 @@ pub mod gemm_epilogue;
 pub mod multi_tensor;
 pub mod optimizer_kernels;
 pub mod paged_attention;
+pub mod rope;
 pub mod softmax_cross_entropy;
 
 pub use multi_tensor::{

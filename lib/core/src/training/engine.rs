@@ -275,6 +275,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         recompute: args.recompute.recompute()?,
         seed: args.training.seed,
         bias_dropout_fusion: !args.training.no_bias_dropout_fusion,
+        rope_fusion: !args.model.no_rope_fusion,
     };
     let fp8 = args
         .fp8

@@ -118,8 +118,8 @@ impl SelfAttention {
         let mut query = parts[0].reshape([s, b, n, d]);
         let mut key = parts[1].shallow_clone();
         if let Some(tables) = rotary {
-            query = tables.apply(&query);
-            key = tables.apply(&key);
+            query = tables.apply(&query)?;
+            key = tables.apply(&key)?;
         }
         // [s, b, heads, d] → [b, heads, s, d] for SDPA.
         Ok((
@@ -179,8 +179,8 @@ impl SelfAttention {
         let mut query = qkv.narrow(-1, 0, per_group * d).reshape([s, b, n, d]);
         let mut kv = qkv.narrow(-1, per_group * d, 2 * d);
         if let Some(tables) = rotary {
-            query = tables.apply(&query);
-            let key = tables.apply(&kv.narrow(-1, 0, d));
+            query = tables.apply(&query)?;
+            let key = tables.apply(&kv.narrow(-1, 0, d))?;
             kv = Tensor::cat(&[&key, &kv.narrow(-1, d, d)], -1);
         }
         Ok((query.permute([1, 2, 0, 3]), kv.permute([1, 2, 0, 3])))

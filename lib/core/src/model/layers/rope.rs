@@ -1,10 +1,16 @@
 //! Rotary position embeddings, non-interleaved ("rotate half") as Megatron's default (spec §1.2).
+//! In training on GPUs the rotation is one kernel forward and one backward
+//! ([`crate::ops::rope`], Megatron's `apply_rope_fusion`); elsewhere, and with
+//! `--no-rope-fusion`, libtorch's ops.
 
 use std::f64::consts::PI;
 
+use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::autograd::{self, CustomFunction, SavedTensors};
 use crate::model::RopeScaling;
+use crate::ops::rope::{self as rope_kernel, Direction};
 
 /// `inv_freq[i] = base^(-2i/r)` for the first `r` channels of each head, optionally rescaled
 /// as Llama 3.x does.
@@ -13,20 +19,27 @@ pub struct RotaryEmbedding {
     rotary_dim: i64,
     base: f64,
     scaling: Option<RopeScaling>,
+    fused: bool,
 }
 
-/// cos/sin of the angles for a range of positions, `[s, 1, 1, r]` in float32.
+/// cos/sin of the angles for a range of positions, `[s, 1, 1, r]` in float32 (`[s, b, 1, r]`
+/// for rows at their own positions).
 pub struct RotaryTables {
     cos: Tensor,
     sin: Tensor,
+    /// Whether the rotation may run as the fused kernel.
+    fused: bool,
 }
 
 impl RotaryEmbedding {
-    pub fn new(rotary_dim: i64, base: f64, scaling: Option<RopeScaling>) -> Self {
+    /// `fused`: whether rotations run as the fused kernel where it applies (training;
+    /// `--no-rope-fusion` turns it off).
+    pub fn new(rotary_dim: i64, base: f64, scaling: Option<RopeScaling>, fused: bool) -> Self {
         RotaryEmbedding {
             rotary_dim,
             base,
             scaling,
+            fused,
         }
     }
 
@@ -60,6 +73,7 @@ impl RotaryEmbedding {
         RotaryTables {
             cos: angles.cos(),
             sin: angles.sin(),
+            fused: self.fused,
         }
     }
 }
@@ -74,6 +88,7 @@ impl RotaryEmbedding {
         RotaryTables {
             cos: shape(flat.cos),
             sin: shape(flat.sin),
+            fused: flat.fused,
         }
     }
 }
@@ -99,13 +114,30 @@ impl Clone for RotaryTables {
         RotaryTables {
             cos: self.cos.shallow_clone(),
             sin: self.sin.shallow_clone(),
+            fused: self.fused,
         }
     }
 }
 
 impl RotaryTables {
-    /// Rotates the first `r` channels of `x` (`[s, b, heads, d]`); the rest pass through.
-    pub fn apply(&self, x: &Tensor) -> Tensor {
+    /// Rotates the first `r` channels of `x` (`[s, b, heads, d]`); the rest pass through. With
+    /// fusion on, GPUs run the fused kernel where the tables are shared by the batch's rows
+    /// (training and its evaluation, a recomputed forward alike).
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let shared_by_rows = self.cos.size().get(1) == Some(&1);
+        if self.fused && shared_by_rows && rope_kernel::usable_on(x.device(), x.kind()) {
+            let function = FusedRotation {
+                cos: self.cos.shallow_clone(),
+                sin: self.sin.shallow_clone(),
+            };
+            let mut outputs = autograd::apply(function, &[x]).context("fused rotary embedding")?;
+            return Ok(outputs.remove(0));
+        }
+        Ok(self.apply_unfused(x))
+    }
+
+    /// [`RotaryTables::apply`] by libtorch's ops, in `x`'s dtype.
+    fn apply_unfused(&self, x: &Tensor) -> Tensor {
         let rotary_dim = *self
             .cos
             .size()
@@ -126,5 +158,26 @@ impl RotaryTables {
                 -1,
             )
         }
+    }
+}
+
+/// The rotation as one kernel each way; the tables are constants, not inputs.
+struct FusedRotation {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl CustomFunction for FusedRotation {
+    fn forward(&mut self, inputs: &[Tensor], _: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        let rotated = rope_kernel::rotate(&inputs[0], &self.cos, &self.sin, Direction::Forward)?;
+        Ok(vec![rotated])
+    }
+
+    fn backward(&mut self, grads: &[Tensor], _: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        if !grads[0].defined() {
+            return Ok(vec![None]);
+        }
+        let grad = rope_kernel::rotate(&grads[0], &self.cos, &self.sin, Direction::Backward)?;
+        Ok(vec![Some(grad)])
     }
 }
