@@ -129,10 +129,10 @@ fn on_a_gpu_the_fused_rotation_backpropagates_like_libtorchs_ops() {
         let [(fused_y, fused_grad), (plain_y, plain_grad)] = [&grads[0], &grads[1]];
         let what = format!("{kind:?}");
         assert!(
-            relative_error(&fused_y, &plain_y) <= tolerance,
+            relative_error(fused_y, plain_y) <= tolerance,
             "{what}: outputs"
         );
-        let error = relative_error(&fused_grad, &plain_grad);
+        let error = relative_error(fused_grad, plain_grad);
         assert!(
             error <= tolerance,
             "{what}: input gradients differ by {error:.3e}"
