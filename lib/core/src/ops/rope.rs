@@ -166,19 +166,33 @@ pub fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, direction: Direction) -> R
     Ok(out)
 }
 
-/// The same rotation by libtorch's ops in float32 (the reference of the self-check and the
+/// The rotation by libtorch's ops in `x`'s dtype, the tables rounded to it first and each
+/// product and the sum after (the path of `--no-rope-fusion`, CPUs and inference). The tables
+/// broadcast over `x`: `[s, 1, 1, r]`, or `[s, b, 1, r]` for rows at positions of their own.
+pub fn rotate_unfused(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let rotary_dim = *cos.size().last().expect("tables have a channel dimension");
+    let head_dim = *x.size().last().expect("heads have a channel dimension");
+    let rotated_part = x.narrow(-1, 0, rotary_dim);
+    let halves = rotated_part.chunk(2, -1);
+    let rotate_half = Tensor::cat(&[&halves[1].neg(), &halves[0]], -1);
+    let out = rotated_part * cos.to_kind(x.kind()) + rotate_half * sin.to_kind(x.kind());
+    if rotary_dim == head_dim {
+        out
+    } else {
+        Tensor::cat(
+            &[&out, &x.narrow(-1, rotary_dim, head_dim - rotary_dim)],
+            -1,
+        )
+    }
+}
+
+/// The kernel's rotation by libtorch's ops in float32 (the reference of the self-check and the
 /// tests), `[s, b, heads, d]` float32.
 pub fn reference(x: &Tensor, cos: &Tensor, sin: &Tensor, direction: Direction) -> Tensor {
-    let (s, _, _, d) = x.size4().expect("[s, b, heads, d]");
+    let s = x.size()[0];
     let r = *cos.size().last().expect("tables have channels");
-    let x = x.to_kind(Kind::Float);
-    let cos = cos.view([s, 1, 1, r]);
     let sin = sin.view([s, 1, 1, r]) * f64::from(direction.sine_sign());
-    let rotated = x.narrow(-1, 0, r);
-    let halves = rotated.chunk(2, -1);
-    let rotate_half = Tensor::cat(&[&halves[1].neg(), &halves[0]], -1);
-    let out = rotated * cos + rotate_half * sin;
-    Tensor::cat(&[&out, &x.narrow(-1, r, d - r)], -1)
+    rotate_unfused(&x.to_kind(Kind::Float), &cos.view([s, 1, 1, r]), &sin)
 }
 
 /// Whether the kernel should run for `kind` activations on `device`: a CUDA device, a dtype it

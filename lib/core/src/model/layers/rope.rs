@@ -27,7 +27,7 @@ pub struct RotaryEmbedding {
 pub struct RotaryTables {
     cos: Tensor,
     sin: Tensor,
-    /// Whether the rotation may run as the fused kernel.
+    /// Whether the rotation may run as the fused kernel (never for tables per row).
     fused: bool,
 }
 
@@ -80,7 +80,8 @@ impl RotaryEmbedding {
 
 impl RotaryEmbedding {
     /// Tables for the positions of every row, `positions` `[b, s]` (int64, on the device):
-    /// `[s, b, 1, r]`, for batches whose rows sit at different positions.
+    /// `[s, b, 1, r]`, for batches whose rows sit at different positions. They rotate through
+    /// libtorch's ops: the kernel takes one table row per position.
     pub fn tables_per_row(&self, positions: &Tensor) -> RotaryTables {
         let (b, s) = (positions.size()[0], positions.size()[1]);
         let flat = self.tables_at(&positions.reshape([-1]));
@@ -88,7 +89,7 @@ impl RotaryEmbedding {
         RotaryTables {
             cos: shape(flat.cos),
             sin: shape(flat.sin),
-            fused: flat.fused,
+            fused: false,
         }
     }
 }
@@ -121,11 +122,10 @@ impl Clone for RotaryTables {
 
 impl RotaryTables {
     /// Rotates the first `r` channels of `x` (`[s, b, heads, d]`); the rest pass through. With
-    /// fusion on, GPUs run the fused kernel where the tables are shared by the batch's rows
-    /// (training and its evaluation, a recomputed forward alike).
+    /// fusion on, GPUs run the fused kernel (training and its evaluation, a recomputed forward
+    /// alike).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let shared_by_rows = self.cos.size().get(1) == Some(&1);
-        if self.fused && shared_by_rows && rope_kernel::usable_on(x.device(), x.kind()) {
+        if self.fused && rope_kernel::usable_on(x.device(), x.kind()) {
             let function = FusedRotation {
                 cos: self.cos.shallow_clone(),
                 sin: self.sin.shallow_clone(),
@@ -133,31 +133,7 @@ impl RotaryTables {
             let mut outputs = autograd::apply(function, &[x]).context("fused rotary embedding")?;
             return Ok(outputs.remove(0));
         }
-        Ok(self.apply_unfused(x))
-    }
-
-    /// [`RotaryTables::apply`] by libtorch's ops, in `x`'s dtype.
-    fn apply_unfused(&self, x: &Tensor) -> Tensor {
-        let rotary_dim = *self
-            .cos
-            .size()
-            .last()
-            .expect("tables have a channel dimension");
-        let head_dim = *x.size().last().expect("heads have a channel dimension");
-        let rotated_part = x.narrow(-1, 0, rotary_dim);
-        let halves = rotated_part.chunk(2, -1);
-        let rotate_half = Tensor::cat(&[&halves[1].neg(), &halves[0]], -1);
-        let cos = self.cos.to_kind(x.kind());
-        let sin = self.sin.to_kind(x.kind());
-        let out = rotated_part * cos + rotate_half * sin;
-        if rotary_dim == head_dim {
-            out
-        } else {
-            Tensor::cat(
-                &[&out, &x.narrow(-1, rotary_dim, head_dim - rotary_dim)],
-                -1,
-            )
-        }
+        Ok(rope_kernel::rotate_unfused(x, &self.cos, &self.sin))
     }
 }
 
