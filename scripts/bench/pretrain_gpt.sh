@@ -13,6 +13,9 @@
 #   ITERS=30              iterations per run; ours reports the mean of the last log interval
 #                         (10, or half the run below 20 iterations)
 #   TORCH_COMPILE=0       1 adds a torch.compile reference row
+#   REFERENCE=eager       none runs ours and its variants alone, for models the reference lacks
+#                         (e.g. EXTRA_FLAGS="--position-embedding-type rope" with
+#                         OURS_VARIANTS="--no-rope-fusion": the fused RoPE's A/B)
 #   GLOBAL_BATCH=64       global batch size (micro batch 8)
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
 #   NUM_HEADS=16          attention heads
@@ -60,14 +63,17 @@ exec 3>&-
 cat "$SCRATCH/ours.log" >&2
 run_ours_variants "${OURS[@]}"
 
-echo "== reference: PyTorch eager" >&2
-exec 3>"$SCRATCH/eager.mem"
-with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
-    --train-iters "$ITERS" --log-interval "$LOG_INTERVAL" >"$SCRATCH/eager.json"
-exec 3>&-
-cat "$SCRATCH/eager.json" >&2
-REFERENCES=("$SCRATCH/eager.json")
-if [[ "${TORCH_COMPILE:-0}" == 1 ]]; then
+REFERENCES=()
+if [[ "${REFERENCE:-eager}" != none ]]; then
+    echo "== reference: PyTorch eager" >&2
+    exec 3>"$SCRATCH/eager.mem"
+    with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
+        --train-iters "$ITERS" --log-interval "$LOG_INTERVAL" >"$SCRATCH/eager.json"
+    exec 3>&-
+    cat "$SCRATCH/eager.json" >&2
+    REFERENCES=("$SCRATCH/eager.json")
+fi
+if [[ "${REFERENCE:-eager}" != none && "${TORCH_COMPILE:-0}" == 1 ]]; then
     echo "== reference: torch.compile" >&2
     exec 3>"$SCRATCH/compile.mem"
     with_memory_peak "$PYTHON" "$ROOT/scripts/bench/reference_gpt.py" "${SHAPE[@]}" "${EXTRA[@]}" \
@@ -76,4 +82,4 @@ if [[ "${TORCH_COMPILE:-0}" == 1 ]]; then
     REFERENCES+=("$SCRATCH/compile.json")
 fi
 
-"$PYTHON" "$ROOT/scripts/bench/training_table.py" "$SCRATCH" "${REFERENCES[@]}"
+"$PYTHON" "$ROOT/scripts/bench/training_table.py" "$SCRATCH" ${REFERENCES[@]+"${REFERENCES[@]}"}
