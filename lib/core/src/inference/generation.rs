@@ -435,7 +435,9 @@ impl Batcher {
                     })
                     .collect();
                 let out = decoder.decode(model, &rows)?;
-                Ok(out.narrow(1, 0, vocab).to_kind(Kind::Float))
+                // In the model's dtype: greedy rows take the argmax as it is (float32 would
+                // pick the same token), sampling converts.
+                Ok(out.narrow(1, 0, vocab))
             })?;
             for &i in &ready {
                 self.running[i].cached += 1;
@@ -606,7 +608,9 @@ impl Batcher {
             let n = rows.len() as i64;
             rows.extend(columns);
             let at = Tensor::from_slice(&rows).to_device(logits.device());
-            let value = Tensor::from(-1e10f32).to_device(logits.device());
+            let value = Tensor::from(-1e10f32)
+                .to_kind(logits.kind())
+                .to_device(logits.device());
             // A decode step's logits may live in a CUDA graph's output buffer: write to a copy.
             logits = logits.index_put(
                 &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],

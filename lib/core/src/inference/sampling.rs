@@ -73,8 +73,8 @@ pub struct RowSampling {
     pub draws: u64,
 }
 
-/// One token per row of `logits` (`[b, vocabulary]`, float) under each row's settings, on
-/// their device. A row draws by the Gumbel-max trick: the argmax of its scaled, cut logits
+/// One token per row of `logits` (`[b, vocabulary]`, any float dtype; sampled in float32)
+/// under each row's settings, on their device. A row draws by the Gumbel-max trick: the argmax of its scaled, cut logits
 /// plus Gumbel noise made from counter-based hashes of `(seed, draws, token)` — the same
 /// distribution as drawing from the softmax, reproducible row by row on any device.
 pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
@@ -84,10 +84,11 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         "{} sampling settings for {batch} rows",
         rows.len()
     );
-    let greedy_choice = logits.argmax(-1, false);
+    let greedy_choice = crate::ops::argmax::greedy(logits)?;
     if rows.iter().all(|r| r.sampling.top_k == 1) {
         return Ok(greedy_choice);
     }
+    let logits = &logits.to_kind(Kind::Float);
     for row in rows {
         if row.sampling.top_k > vocabulary {
             bail!(

@@ -31,15 +31,11 @@ pub const MAX_ROWS: i64 = 8;
 /// Warps per block (the kernel's `WARPS`): each computes one or two output columns.
 const WARPS: u32 = 8;
 
-/// The kernels' CUDA source: a warp computes `C` output columns (1 for up to 2 rows, else 2)
-/// for all rows; its lanes stride along `K` in 16-byte loads, `16 / C` loads of each column in
-/// flight, then the warp sums its lanes. A block first computes its rows' norm statistics
-/// (one warp per row) when there is a prologue; the input is read from L1/L2, the weight once.
-pub const SOURCE: KernelSource = KernelSource {
-    name: "decode_gemv",
-    source: concat!(
-        cuda_scalars!(),
-        dependent_launch!(),
+/// CUDA C++ of the decode linear kernels that the fused decode attention kernel
+/// ([`super::decode_attention`]) shares: 16-byte packs, the staged and normed input rows,
+/// the epilogue, asynchronous copies into shared memory, a column's sums. Needs `cuda_scalars!()` before it.
+macro_rules! decode_gemv_parts {
+    () => {
         r#"
 constexpr int WARPS = 8;
 // Flags of the prologue and epilogue.
@@ -210,6 +206,55 @@ __device__ __forceinline__ void finish(float value, float bias, const T* __restr
     store(out + (long long)r * N + n, value);
 }
 
+// 16 bytes from global to shared memory without passing through registers (sm_80 and newer).
+__device__ __forceinline__ void copy_16_async(void* shared, const void* global) {
+    const unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global)
+                 : "memory");
+}
+
+// acc[r] = sum_k xs[r, k] * column[k] for the rows of a staged input (both in shared memory),
+// in every lane of the warp: its lanes stride along K in packs, then the warp sums them, in the
+// order decode_gemv sums a column.
+template <typename T, int R>
+__device__ __forceinline__ void column_sums(const T* column, const T* xs, int rows, int K,
+                                            float (&acc)[R]) {
+    constexpr int V = Lanes<T>::N;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll 4
+    for (int k = lane * V; k < K; k += 32 * V) {
+        float wv[V];
+        load_pack(column + k, wv);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r >= rows) break;
+            float xv[V];
+            load_pack(xs + (long long)r * K + k, xv);
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[r] += xv[i] * wv[i];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+}
+"#
+    };
+}
+pub(crate) use decode_gemv_parts;
+
+/// The kernels' CUDA source: a warp computes `C` output columns (1 for up to 2 rows, else 2)
+/// for all rows; its lanes stride along `K` in 16-byte loads, `16 / C` loads of each column in
+/// flight, then the warp sums its lanes. A block first computes its rows' norm statistics
+/// (one warp per row) when there is a prologue; the input is read from L1/L2, the weight once.
+pub const SOURCE: KernelSource = KernelSource {
+    name: "decode_gemv",
+    source: concat!(
+        cuda_scalars!(),
+        dependent_launch!(),
+        decode_gemv_parts!(),
+        r#"
 // out[r, n] = epilogue(sum_k prologue(x)[r, k] * w[n, k]) for r < rows (at most R), n < N,
 // the weight streamed from global memory. x [rows, K], w [N, K], gamma and beta [K] (16-byte
 // aligned, K a multiple of the lanes of a Pack); bias [N], residual and out [rows, N]; all
@@ -226,11 +271,16 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
     const int lane = threadIdx.x % 32;
     const bool layer_norm = flags & NORM_LAYER;
     const bool rms_norm = flags & NORM_RMS;
-    const long long first = ((long long)blockIdx.x * WARPS + warp) * C;
-    const bool active = first < N;
+    // Warps stride over groups of C columns: a block stages and norms its input once for all
+    // its groups (a grid of one group per warp would run in many waves, each paying that).
+    const long long stride = (long long)gridDim.x * WARPS * C;
+    long long first = ((long long)blockIdx.x * WARPS + warp) * C;
     long long columns[C];
+    auto aim = [&](long long group) {
 #pragma unroll
-    for (int c = 0; c < C; ++c) columns[c] = first + c < N ? first + c : N - 1;
+        for (int c = 0; c < C; ++c) columns[c] = group + c < N ? group + c : N - 1;
+    };
+    aim(first);
     // A round of weight loads: U packs of each column per lane, in flight together. The first
     // goes out before the norm statistics, so that its latency hides theirs.
     Pack wp[U][C];
@@ -247,13 +297,15 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
     // The weights do not depend on earlier kernels: their first round loads while the
     // previous kernel finishes.
     let_next_kernel_start();
-    if (active) load_round(lane * V);
+    if (first < N) load_round(lane * V);
     // So are the bias of the column this lane writes (lane r·C + c writes row r, column
     // first + c) and the norm's weights of the first pack this thread normalizes.
     const int my_column = lane % C;
-    const float my_bias = (flags & ADD_BIAS) && active && first + my_column < N
-                              ? load(bias + first + my_column)
-                              : 0.f;
+    auto bias_of = [&](long long group) {
+        return (flags & ADD_BIAS) && group + my_column < N ? load(bias + group + my_column)
+                                                           : 0.f;
+    };
+    float my_bias = bias_of(first);
     float g0[V];
     float b0[V];
     const int first_k = load_first_norm_pack(gamma, beta, K, flags, g0, b0);
@@ -265,77 +317,80 @@ __device__ void decode_gemv(const T* __restrict__ x, const T* __restrict__ w,
                             eps, g0, b0, first_k, shift, scale);
     // A staged input is normed already.
     const bool norm_in_loop = (layer_norm || rms_norm) && !(flags & STAGE_INPUT);
-    if (!active) return;
-    float acc[R][C];
+    for (; first < N; first += stride) {
+        float acc[R][C];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < R; ++r) {
 #pragma unroll
-        for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
-    }
-    for (int base = lane * V; base < K; base += 32 * V * U) {
-        if (base != lane * V) load_round(base);
+            for (int c = 0; c < C; ++c) acc[r][c] = 0.f;
+        }
+        for (int base = lane * V; base < K; base += 32 * V * U) {
+            if (base != lane * V) load_round(base);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int k = base + u * 32 * V;
-            if (k >= K) break;
-            float wv[C][V];
+            for (int u = 0; u < U; ++u) {
+                const int k = base + u * 32 * V;
+                if (k >= K) break;
+                float wv[C][V];
 #pragma unroll
-            for (int c = 0; c < C; ++c) unpack(wp[u][c], w, wv[c]);
-            float g[V];
-            float b[V];
-            if (norm_in_loop) {
-                load_pack(gamma + k, g);
-                if (flags & NORM_ONE_PLUS) {
+                for (int c = 0; c < C; ++c) unpack(wp[u][c], w, wv[c]);
+                float g[V];
+                float b[V];
+                if (norm_in_loop) {
+                    load_pack(gamma + k, g);
+                    if (flags & NORM_ONE_PLUS) {
 #pragma unroll
-                    for (int i = 0; i < V; ++i) g[i] = rounded<T>(g[i] + 1.f);
-                }
-                if (layer_norm) {
-                    load_pack(beta + k, b);
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (r >= rows) break;
-                float xv[V];
-                load_pack(x + (long long)r * K + k, xv);
-                if (norm_in_loop && layer_norm) {
-#pragma unroll
-                    for (int i = 0; i < V; ++i)
-                        xv[i] = rounded<T>((xv[i] - shift[r]) * scale[r] * g[i] + b[i]);
-                } else if (norm_in_loop) {
-#pragma unroll
-                    for (int i = 0; i < V; ++i)
-                        xv[i] = rounded<T>(rounded<T>(xv[i] * scale[r]) * g[i]);
+                        for (int i = 0; i < V; ++i) g[i] = rounded<T>(g[i] + 1.f);
+                    }
+                    if (layer_norm) {
+                        load_pack(beta + k, b);
+                    }
                 }
 #pragma unroll
-                for (int c = 0; c < C; ++c) {
+                for (int r = 0; r < R; ++r) {
+                    if (r >= rows) break;
+                    float xv[V];
+                    load_pack(x + (long long)r * K + k, xv);
+                    if (norm_in_loop && layer_norm) {
 #pragma unroll
-                    for (int i = 0; i < V; ++i) acc[r][c] += xv[i] * wv[c][i];
+                        for (int i = 0; i < V; ++i)
+                            xv[i] = rounded<T>((xv[i] - shift[r]) * scale[r] * g[i] + b[i]);
+                    } else if (norm_in_loop) {
+#pragma unroll
+                        for (int i = 0; i < V; ++i)
+                            xv[i] = rounded<T>(rounded<T>(xv[i] * scale[r]) * g[i]);
+                    }
+#pragma unroll
+                    for (int c = 0; c < C; ++c) {
+#pragma unroll
+                        for (int i = 0; i < V; ++i) acc[r][c] += xv[i] * wv[c][i];
+                    }
                 }
             }
         }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) acc[r][c] = warp_sum(acc[r][c]);
-    }
-    // Lane r·C + c writes row r, column first + c.
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-            if (lane != r * C + c || r >= rows || first + c >= N) continue;
-            finish(acc[r][c], my_bias, residual, out, r, first + c, N, flags);
+        // The next group's first round goes out before this group's sums and stores.
+        const long long next = first + stride;
+        float next_bias = 0.f;
+        if (next < N) {
+            aim(next);
+            load_round(lane * V);
+            next_bias = bias_of(next);
         }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int c = 0; c < C; ++c) acc[r][c] = warp_sum(acc[r][c]);
+        }
+        // Lane r·C + c writes row r, column first + c.
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                if (lane != r * C + c || r >= rows || first + c >= N) continue;
+                finish(acc[r][c], my_bias, residual, out, r, first + c, N, flags);
+            }
+        }
+        my_bias = next_bias;
     }
-}
-
-// 16 bytes from global to shared memory without passing through registers (sm_80 and newer).
-__device__ __forceinline__ void copy_16_async(void* shared, const void* global) {
-    const unsigned int address = (unsigned int)__cvta_generic_to_shared(shared);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global)
-                 : "memory");
 }
 
 // decode_gemv with the block's whole weight slice in shared memory: block b computes the
@@ -380,24 +435,7 @@ __device__ void decode_gemv_cached(const T* __restrict__ x, const T* __restrict_
     __syncthreads();
     for (int c = warp; c < count; c += WARPS) {
         float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = 0.f;
-        const T* column = ws + (long long)c * K;
-#pragma unroll 4
-        for (int k = lane * V; k < K; k += 32 * V) {
-            float wv[V];
-            load_pack(column + k, wv);
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (r >= rows) break;
-                float xv[V];
-                load_pack(xs + (long long)r * K + k, xv);
-#pragma unroll
-                for (int i = 0; i < V; ++i) acc[r] += xv[i] * wv[i];
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+        column_sums<T, R>(ws + (long long)c * K, xs, rows, K, acc);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             if (lane == r && r < rows)
@@ -469,11 +507,11 @@ DECODE_GEMV(decode_gemv_f32_8, float, 8, 2)
 const NORM_LAYER: i32 = 1;
 const NORM_RMS: i32 = 2;
 const NORM_ONE_PLUS: i32 = 4;
-const ADD_BIAS: i32 = 8;
+pub(super) const ADD_BIAS: i32 = 8;
 const GELU_TANH: i32 = 16;
 const GELU_ERF: i32 = 32;
 const ADD_RESIDUAL: i32 = 64;
-const STAGE_INPUT: i32 = 128;
+pub(super) const STAGE_INPUT: i32 = 128;
 
 /// Inputs up to this size are staged in dynamic shared memory: what a launch gets without
 /// opting in (48 KiB) less room for the kernel's static shared memory.
@@ -483,7 +521,7 @@ const MAX_STAGED_BYTES: i64 = 47 * 1024;
 pub const CACHED_WEIGHTS_VARIABLE: &str = "MEGATRON_RS_DECODE_CACHED_WEIGHTS";
 
 /// Shared memory the system keeps for each resident block.
-const RESERVED_SHARED_BYTES_PER_BLOCK: i64 = 1024;
+pub(super) const RESERVED_SHARED_BYTES_PER_BLOCK: i64 = 1024;
 
 /// The grid and shared memory of `decode_gemv_*_cached`: `blocks` blocks of `columns` weight
 /// rows each; a block's dynamic shared memory holds its rows, the input rows of the kernel's
@@ -557,6 +595,55 @@ impl InputNorm<'_> {
             }
         }
     }
+}
+
+/// A norm as the kernels' prologue reads it: its weights and its flags.
+pub(super) struct NormPrologue {
+    pub gamma: Tensor,
+    /// LayerNorm's shift.
+    pub beta: Option<Tensor>,
+    pub flags: i32,
+}
+
+impl InputNorm<'_> {
+    /// The norm's weights (contiguous, aligned copies where needed) for `input`'s rows and its
+    /// flags, as the kernels take them.
+    pub(super) fn prologue(&self, input: &Tensor) -> Result<NormPrologue> {
+        let k = *input.size().last().unwrap_or(&0);
+        let gamma = kernel_input(self.weight, &[k], input, "norm weight")?;
+        let (beta, mut flags) = match (self.kind, self.bias) {
+            (Normalization::LayerNorm, Some(bias)) => (
+                Some(kernel_input(bias, &[k], input, "norm bias")?),
+                NORM_LAYER,
+            ),
+            (Normalization::LayerNorm, None) => bail!("a LayerNorm without its bias"),
+            (Normalization::RMSNorm, _) => (None, NORM_RMS),
+        };
+        if self.one_plus {
+            flags |= NORM_ONE_PLUS;
+        }
+        Ok(NormPrologue { gamma, beta, flags })
+    }
+}
+
+/// `t` as a kernel reads it beside `input`: of `shape`, `input`'s dtype and device (else an
+/// error naming it `what`), contiguous and 16-byte aligned (a copy where it is not).
+pub(super) fn kernel_input(
+    t: &Tensor,
+    shape: &[i64],
+    input: &Tensor,
+    what: &str,
+) -> Result<Tensor> {
+    let kind = input.kind();
+    ensure!(
+        t.size() == shape && t.kind() == kind && t.device() == input.device(),
+        "the {what} is {:?} {:?} on {:?}; expected {kind:?} {shape:?} on {:?}",
+        t.kind(),
+        t.size(),
+        t.device(),
+        input.device()
+    );
+    Ok(contiguous_aligned(t))
 }
 
 /// The GeLU of the MLP.
@@ -639,38 +726,15 @@ pub fn decode_linear(
         weight.size()
     );
     // Contiguous and aligned copies of what is not (the kernel reads rows as 16-byte loads).
-    let ready = |t: &Tensor, shape: &[i64], what: &str| -> Result<Tensor> {
-        ensure!(
-            t.size() == shape && t.kind() == kind && t.device() == input.device(),
-            "the {what} is {:?} {:?} on {:?}; expected {kind:?} {shape:?} on {:?}",
-            t.kind(),
-            t.size(),
-            t.device(),
-            input.device()
-        );
-        Ok(contiguous_aligned(t))
-    };
+    let ready = |t: &Tensor, shape: &[i64], what: &str| kernel_input(t, shape, input, what);
     let x = ready(input, &[rows, k], "input")?;
     let mut flags = 0;
     let (gamma, beta, eps) = match norm {
         None => (None, None, 0.0),
         Some(norm) => {
-            let gamma = ready(norm.weight, &[k], "norm weight")?;
-            let beta = match (norm.kind, norm.bias) {
-                (Normalization::LayerNorm, Some(bias)) => {
-                    flags |= NORM_LAYER;
-                    Some(ready(bias, &[k], "norm bias")?)
-                }
-                (Normalization::LayerNorm, None) => bail!("a LayerNorm without its bias"),
-                (Normalization::RMSNorm, _) => {
-                    flags |= NORM_RMS;
-                    None
-                }
-            };
-            if norm.one_plus {
-                flags |= NORM_ONE_PLUS;
-            }
-            (Some(gamma), beta, norm.eps as f32)
+            let prologue = norm.prologue(input)?;
+            flags |= prologue.flags;
+            (Some(prologue.gamma), prologue.beta, norm.eps as f32)
         }
     };
     let bias = epilogue.bias.map(|b| ready(b, &[n], "bias")).transpose()?;
@@ -720,12 +784,15 @@ pub fn decode_linear(
                     flags |= STAGE_INPUT;
                 }
                 let per_block = (WARPS * columns_per_warp) as i64;
-                (
-                    format!("decode_gemv_{dtype}_{template_rows}"),
-                    ((n + per_block - 1) / per_block) as u32,
-                    if staged { staged_bytes as u32 } else { 0 },
-                    None,
-                )
+                let function = format!("decode_gemv_{dtype}_{template_rows}");
+                let shared_bytes = if staged { staged_bytes as u32 } else { 0 };
+                // One wave of blocks, striding over the columns: a language-model head has
+                // thousands of column groups, and a block per group would run in many waves,
+                // each staging and norming the input again.
+                let resident = module.resident_blocks(&function, 32 * WARPS, shared_bytes)?;
+                let wave = i64::from(module.multiprocessors) * i64::from(resident);
+                let blocks = ((n + per_block - 1) / per_block).min(wave);
+                (function, blocks as u32, shared_bytes, None)
             }
         };
     let pointer = |t: Option<&Tensor>| t.map_or(0u64, |t| t.data_ptr() as u64);

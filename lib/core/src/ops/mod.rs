@@ -254,7 +254,9 @@ fn contiguous_aligned(tensor: &tch::Tensor) -> tch::Tensor {
 }
 
 pub mod add_norm;
+pub mod argmax;
 pub mod bias_grad;
+pub mod decode_attention;
 pub mod decode_gemv;
 pub mod fp8_cast;
 pub mod gemm_epilogue;

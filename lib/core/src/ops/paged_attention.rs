@@ -22,6 +22,80 @@ const _: () = assert!(BLOCK_SIZE == 16);
 /// row (batch-1 decoding) still has many loads in flight.
 const WARPS: u32 = 16;
 
+/// CUDA C++ of the paged decode kernel that the fused decode attention kernel
+/// ([`super::decode_attention`]) shares: a warp's round of online softmax over a few
+/// positions, and the merge of partial softmax sums. Needs `cuda_scalars!()` before it.
+macro_rules! attention_parts {
+    () => {
+        r#"
+// One round of a warp's online softmax over UNROLL positions: their scores (the query qv, lanes
+// holding PER channels each, times each key k[u], summed over the warp) folded into the running
+// maximum m, total l and output acc with their values v[u]; positions u >= valid weigh nothing.
+template <int PER, int UNROLL>
+__device__ __forceinline__ void softmax_round(const float (&qv)[PER],
+                                              const float (&k)[UNROLL][PER],
+                                              const float (&v)[UNROLL][PER], long long valid,
+                                              float& m, float& l, float (&acc)[PER]) {
+    float s[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) dot += qv[i] * k[u][i];
+        s[u] = dot;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], offset);
+    }
+    float m_new = m;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        if (u < valid) m_new = fmaxf(m_new, s[u]);
+    }
+    const float keep = __expf(m - m_new);
+    l *= keep;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] *= keep;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const float weight = u < valid ? __expf(s[u] - m_new) : 0.f;
+        l += weight;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] += weight * v[u][i];
+    }
+    m = m_new;
+}
+
+// The merge, in order, of `count` partial softmax sums: partial j's maximum and total at
+// maxima[j·scalar_stride] and totals[j·scalar_stride], its output at outputs[j·output_stride],
+// of which this lane merges channels lane·PER on. Leaves the largest maximum in top, the total
+// in total and the lane's channels (not yet divided by the total) in o.
+template <int PER>
+__device__ __forceinline__ void merge_partials(int count, const float* maxima,
+                                               const float* totals, long long scalar_stride,
+                                               const float* outputs, long long output_stride,
+                                               int lane, float& top, float& total,
+                                               float (&o)[PER]) {
+    top = neg_inf();
+    for (int j = 0; j < count; ++j) top = fmaxf(top, maxima[j * scalar_stride]);
+    total = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) o[i] = 0.f;
+    for (int j = 0; j < count; ++j) {
+        const float maximum = maxima[j * scalar_stride];
+        const float factor = maximum == neg_inf() ? 0.f : __expf(maximum - top);
+        total += totals[j * scalar_stride] * factor;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] += outputs[j * output_stride + lane * PER + i] * factor;
+    }
+}
+"#
+    };
+}
+pub(crate) use attention_parts;
+
 /// The kernels' CUDA source: one block of [`WARPS`] warps per (head, row); a warp's lanes hold
 /// `D / 32` consecutive channels of the query and of the running output, and a warp scores eight
 /// positions at once so that their loads are in flight together.
@@ -30,6 +104,7 @@ pub const SOURCE: KernelSource = KernelSource {
     source: concat!(
         cuda_scalars!(),
         dependent_launch!(),
+        attention_parts!(),
         r#"
 // Warps per block at most (the launch picks how many).
 constexpr int MAX_WARPS = 16;
@@ -96,7 +171,6 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
     for (long long base = (long long)warp * UNROLL; base <= last; base += warps * UNROLL) {
         float k[UNROLL][PER];
         float v[UNROLL][PER];
-        float s[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long p = base + u <= last ? base + u : last;
@@ -115,35 +189,7 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
                 v[u][i] = load(kv + D + i);
             }
         }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            float dot = 0.f;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) dot += qv[i] * k[u][i];
-            s[u] = dot;
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], offset);
-        }
-        float m_new = m;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (base + u <= last) m_new = fmaxf(m_new, s[u]);
-        }
-        const float keep = __expf(m - m_new);
-        l *= keep;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) acc[i] *= keep;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const float weight = base + u <= last ? __expf(s[u] - m_new) : 0.f;
-            l += weight;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) acc[i] += weight * v[u][i];
-        }
-        m = m_new;
+        softmax_round<PER, UNROLL>(qv, k, v, last + 1 - base, m, l, acc);
     }
     __shared__ float warp_max[MAX_WARPS];
     __shared__ float warp_sum[MAX_WARPS];
@@ -156,18 +202,10 @@ __device__ void paged_decode(const T* query, long long query_row_stride,
     for (int i = 0; i < PER; ++i) warp_acc[warp][lane * PER + i] = acc[i];
     __syncthreads();
     if (warp != 0) return;
-    float top = neg_inf();
-    for (int w = 0; w < warps; ++w) top = fmaxf(top, warp_max[w]);
-    float total = 0.f;
+    float top;
+    float total;
     float o[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) o[i] = 0.f;
-    for (int w = 0; w < warps; ++w) {
-        const float factor = warp_max[w] == neg_inf() ? 0.f : __expf(warp_max[w] - top);
-        total += warp_sum[w] * factor;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) o[i] += warp_acc[w][lane * PER + i] * factor;
-    }
+    merge_partials<PER>(warps, warp_max, warp_sum, 1, &warp_acc[0][0], D, lane, top, total, o);
     T* target = out + (row * heads + head) * D + lane * PER;
 #pragma unroll
     for (int i = 0; i < PER; ++i) store(target + i, o[i] / total);

@@ -160,6 +160,8 @@ pub struct Kernels {
     pub multiprocessors: u32,
     /// Shared memory of one multiprocessor, for the blocks resident on it together.
     pub shared_bytes_per_multiprocessor: u32,
+    /// [`Kernels::resident_blocks`] answers so far, by function, block size and shared memory.
+    occupancy: Mutex<HashMap<(&'static str, u32, u32), u32>>,
 }
 
 /// Modules loaded so far, by source name and device; kept for the process's life.
@@ -252,6 +254,7 @@ fn load(source: &KernelSource, device: usize) -> Result<Kernels> {
         shared_bytes_per_multiprocessor: attribute(
             driver_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )? as u32,
+        occupancy: Mutex::default(),
     })
 }
 
@@ -310,6 +313,38 @@ impl Kernels {
             args,
             self.dependent_launch,
         )
+    }
+
+    /// How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory of
+    /// `function` one multiprocessor holds at once (at least 1).
+    pub fn resident_blocks(&self, function: &str, threads: u32, shared_bytes: u32) -> Result<u32> {
+        let (&name, &handle) = self
+            .functions
+            .get_key_value(function)
+            .ok_or_else(|| anyhow!("no kernel {function} in this module"))?;
+        let mut known = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&blocks) = known.get(&(name, threads, shared_bytes)) {
+            return Ok(blocks);
+        }
+        make_current(self.context as driver_sys::CUcontext)?;
+        // SAFETY: a function of this loaded module.
+        let blocks = unsafe {
+            driver::occupancy::max_active_block_per_multiprocessor(
+                handle as driver_sys::CUfunction,
+                threads as i32,
+                shared_bytes as usize,
+            )
+        }
+        .map_err(|e| anyhow!("the occupancy of {function}: {e:?}"))?
+        .max(1) as u32;
+        known.insert((name, threads, shared_bytes), blocks);
+        Ok(blocks)
+    }
+
+    /// Whether the device runs thread-block clusters (Hopper or newer): kernels declared with
+    /// `__cluster_dims__` launch only there.
+    pub fn has_clusters(&self) -> bool {
+        self.dependent_launch
     }
 
     unsafe fn launch_with(

@@ -12,6 +12,8 @@ use super::{NamedTensors, TensorParallel};
 use crate::autograd::checkpoint;
 use crate::model::config::GptConfig;
 use crate::model::param::Initializer;
+use crate::ops::decode_attention::{self, decode_qkv_attention, AttentionShape, CacheStep};
+use crate::ops::decode_gemv::{decode_linear, Epilogue, InputNorm};
 use crate::rng::with_model_parallel_rng;
 
 /// Which positions a query may attend to: the attention mask kind of the model family (GPT's
@@ -303,6 +305,55 @@ impl SelfAttention {
     ) -> Result<Tensor> {
         let (query, kv) = self.side_by_side(qkv, rotary)?;
         step.attend(pool, &query, &kv, |t| self.expand_groups(t))
+    }
+
+    /// The attention context `[s·b, n·d]` of a decode step of few rows (`hidden` `[s, b, h]`,
+    /// the layer's input before `norm`) through the fused decode kernels: on a GPU that has it
+    /// ([`decode_attention::usable`]), for a step of one position per row that reads the cache
+    /// in place without rotary embeddings, one kernel for the norm, the QKV projection, its bias, the store of the new
+    /// keys and values and the attention; otherwise the norm, projection and bias as one decode
+    /// linear kernel and [`attend_paged`](Self::attend_paged).
+    pub fn decode_attention(
+        &self,
+        hidden: &Tensor,
+        norm: &InputNorm,
+        rotary: Option<&RotaryTables>,
+        pool: &mut Tensor,
+        step: &PagedStep,
+    ) -> Result<Tensor> {
+        let (s, b, h) = hidden.size3()?;
+        let rows = s * b;
+        let x = hidden.reshape([rows, h]);
+        let shape = AttentionShape {
+            rows,
+            hidden: h,
+            heads: self.local_heads,
+            groups: self.local_groups,
+            head_dim: self.head_dim,
+        };
+        let weight = &self.linear_qkv.weight;
+        let bias = self.linear_qkv.bias.as_deref();
+        if let (None, Some((tables, positions)), 1) = (rotary, step.in_place(), s) {
+            if decode_attention::usable(x.device(), x.kind(), &shape) {
+                let cache = CacheStep {
+                    pool,
+                    tables,
+                    positions,
+                    write_slots: &step.write_slots,
+                };
+                let context =
+                    decode_qkv_attention(&x, weight, bias, norm, cache, self.local_heads)?;
+                return Ok(context.view([rows, -1]));
+            }
+        }
+        let epilogue = Epilogue {
+            bias,
+            ..Epilogue::default()
+        };
+        let qkv = decode_linear(&x, weight, Some(norm), &epilogue)?;
+        let context = self.attend_paged(&qkv.view([s, b, -1]), rotary, pool, step)?;
+        // [b, n, s, d] → [s·b, n·d]
+        Ok(context.permute([2, 0, 1, 3]).reshape([rows, -1]))
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {

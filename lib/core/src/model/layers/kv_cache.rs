@@ -237,6 +237,15 @@ impl PagedStep {
         self
     }
 
+    /// The block tables and positions of a decode step read in place
+    /// ([`decode_in_place`](Self::decode_in_place)); `None` for gathered steps.
+    pub fn in_place(&self) -> Option<(&Tensor, &Tensor)> {
+        match &self.read {
+            PagedRead::InPlace { tables, positions } => Some((tables, positions)),
+            PagedRead::Gathered { .. } => None,
+        }
+    }
+
     /// Whether `rows` rows of this step go through the fused decode kernels.
     pub fn fuses(&self, rows: i64) -> bool {
         self.decode_fusion && (1..=crate::ops::decode_gemv::MAX_ROWS).contains(&rows)

@@ -312,8 +312,9 @@ impl TransformerLayer {
             && (!mlp.linear_fc2.is_whole() || fits(&mlp.linear_fc2.weight))
     }
 
-    /// [`forward_paged`](Self::forward_paged) of few rows through the fused decode kernels, four
-    /// kernels around the attention: the norm, QKV and bias; the output projection, bias and
+    /// [`forward_paged`](Self::forward_paged) of few rows through the fused decode kernels: the
+    /// norm, QKV, bias and attention (one kernel where
+    /// [`SelfAttention::decode_attention`] can, else two); the output projection, bias and
     /// residual; the norm, fc1, bias and GeLU (other activations after it); fc2, bias and
     /// residual.
     fn forward_paged_fused(
@@ -327,18 +328,13 @@ impl TransformerLayer {
         let rows = s * b;
         let x = hidden.reshape([rows, h]);
         let (attention, mlp) = (&self.self_attention, &self.mlp);
-        let qkv = decode_linear(
-            &x,
-            &attention.linear_qkv.weight,
-            Some(&self.input_layernorm.as_input_norm()),
-            &Epilogue {
-                bias: attention.linear_qkv.bias.as_deref(),
-                ..Epilogue::default()
-            },
+        let context = attention.decode_attention(
+            hidden,
+            &self.input_layernorm.as_input_norm(),
+            rotary,
+            pool,
+            step,
         )?;
-        let context = attention.attend_paged(&qkv.view([s, b, -1]), rotary, pool, step)?;
-        // [b, n, s, d] → [s·b, n·d]
-        let context = context.permute([2, 0, 1, 3]).reshape([rows, -1]);
         let attended = plus_row_parallel(&x, &attention.linear_proj, &context)?;
         let gelu = mlp.gelu();
         let intermediate = decode_linear(
