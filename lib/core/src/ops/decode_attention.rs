@@ -28,8 +28,8 @@ use anyhow::{bail, ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::decode_gemv::{
-    decode_gemv_parts, kernel_input, reference_linear, Epilogue, InputNorm, NormPrologue, ADD_BIAS,
-    RESERVED_SHARED_BYTES_PER_BLOCK, STAGE_INPUT,
+    decode_gemv_parts, kernel_input, reference_linear, template_rows, third_of_multiprocessor,
+    Epilogue, InputNorm, NormPrologue, ADD_BIAS, STAGE_INPUT,
 };
 use super::paged_attention::attention_parts;
 use super::{aligned, dtype_name, kernel_arg, passes_self_check, turned_off};
@@ -186,19 +186,8 @@ __device__ void decode_attend(const T* __restrict__ x, const T* __restrict__ w,
         }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    if (flags & ADD_BIAS) {
-        for (int c = threadIdx.x; c < columns; c += blockDim.x)
-            biases[c] = load(bias + first + c);
-    }
-    float g0[V];
-    float b0[V];
-    const int first_k = load_first_norm_pack(gamma, beta, K, flags, g0, b0);
-    wait_for_previous_kernel();
-    __shared__ float shift[R];
-    __shared__ float scale[R];
-    prepare_input<T, R>(x, xs, gamma, beta, rows, K, flags, eps, g0, b0, first_k, shift, scale);
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();
+    stage_after_copies<T, R>(x, xs, gamma, beta, bias, biases, first, columns, rows, K, flags,
+                             eps);
     cluster_wait();
     // The projection, as decode_gemv_cached computes a column; lane r has row r's channel and
     // sends it to every block, a key or value channel to the row's cache slot too.
@@ -403,14 +392,9 @@ impl AttentionShape {
         (self.heads / self.groups + 2) * self.head_dim
     }
 
-    /// The kernel's template rows: the fewest of 1, 2, 4, 8 that hold the rows.
+    /// The kernel's template rows (see [`template_rows`]).
     fn template_rows(&self) -> i64 {
-        match self.rows {
-            1 => 1,
-            2 => 2,
-            3 | 4 => 4,
-            _ => 8,
-        }
+        template_rows(self.rows)
     }
 
     /// Partial sums a block merges at most: `rows · per_group` pairs over the cluster.
@@ -443,9 +427,7 @@ impl AttentionShape {
     /// kernels before and after it run beside it (see the cached decode linear kernels); the
     /// staged positions take what the third leaves. `None` where even no staged position fits.
     fn layout(&self, module: &Kernels, element: i64) -> Option<(i64, i64)> {
-        let share = i64::from(module.shared_bytes_per_multiprocessor) / 3
-            - RESERVED_SHARED_BYTES_PER_BLOCK
-            - self.static_bytes();
+        let share = third_of_multiprocessor(module, self.static_bytes());
         let fixed = self.fixed_bytes(element);
         let position = self.template_rows() * 2 * self.head_dim * element;
         (fixed <= share).then(|| {

@@ -239,6 +239,32 @@ __device__ __forceinline__ void column_sums(const T* column, const T* xs, int ro
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
+
+// What a block whose weight slice is being copied in (cp.async, committed) does next: loads
+// the biases of its `count` columns from `first` into `biases` (float) and the norm's weights of
+// its first pack, waits for the previous kernel, stages and norms the input rows into xs, and
+// waits for its copies.
+template <typename T, int R>
+__device__ __forceinline__ void stage_after_copies(const T* __restrict__ x, T* xs,
+                                                   const T* __restrict__ gamma,
+                                                   const T* __restrict__ beta,
+                                                   const T* __restrict__ bias, float* biases,
+                                                   long long first, int count, int rows, int K,
+                                                   int flags, float eps) {
+    constexpr int V = Lanes<T>::N;
+    if (flags & ADD_BIAS) {
+        for (int c = threadIdx.x; c < count; c += blockDim.x) biases[c] = load(bias + first + c);
+    }
+    float g0[V];
+    float b0[V];
+    const int first_k = load_first_norm_pack(gamma, beta, K, flags, g0, b0);
+    wait_for_previous_kernel();
+    __shared__ float shift[R];
+    __shared__ float scale[R];
+    prepare_input<T, R>(x, xs, gamma, beta, rows, K, flags, eps, g0, b0, first_k, shift, scale);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+}
 "#
     };
 }
@@ -421,18 +447,8 @@ __device__ void decode_gemv_cached(const T* __restrict__ x, const T* __restrict_
     for (int i = threadIdx.x; i < packs; i += blockDim.x)
         copy_16_async(ws + (long long)i * V, slice + (long long)i * V);
     asm volatile("cp.async.commit_group;" ::: "memory");
-    if (flags & ADD_BIAS) {
-        for (int c = threadIdx.x; c < count; c += blockDim.x) biases[c] = load(bias + first + c);
-    }
-    float g0[V];
-    float b0[V];
-    const int first_k = load_first_norm_pack(gamma, beta, K, flags, g0, b0);
-    wait_for_previous_kernel();
-    __shared__ float shift[R];
-    __shared__ float scale[R];
-    prepare_input<T, R>(x, xs, gamma, beta, rows, K, flags, eps, g0, b0, first_k, shift, scale);
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();
+    stage_after_copies<T, R>(x, xs, gamma, beta, bias, biases, first, count, rows, K, flags,
+                             eps);
     for (int c = warp; c < count; c += WARPS) {
         float acc[R];
         column_sums<T, R>(ws + (long long)c * K, xs, rows, K, acc);
@@ -521,7 +537,7 @@ const MAX_STAGED_BYTES: i64 = 47 * 1024;
 pub const CACHED_WEIGHTS_VARIABLE: &str = "MEGATRON_RS_DECODE_CACHED_WEIGHTS";
 
 /// Shared memory the system keeps for each resident block.
-pub(super) const RESERVED_SHARED_BYTES_PER_BLOCK: i64 = 1024;
+const RESERVED_SHARED_BYTES_PER_BLOCK: i64 = 1024;
 
 /// The grid and shared memory of `decode_gemv_*_cached`: `blocks` blocks of `columns` weight
 /// rows each; a block's dynamic shared memory holds its rows, the input rows of the kernel's
@@ -530,6 +546,25 @@ struct CachedLayout {
     blocks: u32,
     columns: i32,
     shared_bytes: u32,
+}
+
+/// The kernel template (1, 2, 4 or 8 rows) of the fewest rows that holds `rows`.
+pub(super) fn template_rows(rows: i64) -> i64 {
+    match rows {
+        1 => 1,
+        2 => 2,
+        3 | 4 => 4,
+        _ => 8,
+    }
+}
+
+/// Dynamic shared memory a block may take when it takes at most a third of a multiprocessor's
+/// (so that blocks of three successive kernels fit side by side) beside `static_bytes` of
+/// static shared memory.
+pub(super) fn third_of_multiprocessor(module: &Kernels, static_bytes: i64) -> i64 {
+    i64::from(module.shared_bytes_per_multiprocessor) / 3
+        - RESERVED_SHARED_BYTES_PER_BLOCK
+        - static_bytes
 }
 
 impl CachedLayout {
@@ -548,9 +583,7 @@ impl CachedLayout {
         let shared_bytes = (columns + template_rows) * k * element + columns * 4;
         // The kernel's static shared memory: the rows' norm statistics.
         let static_bytes = 2 * template_rows * 4;
-        let share = i64::from(module.shared_bytes_per_multiprocessor) / 3
-            - RESERVED_SHARED_BYTES_PER_BLOCK
-            - static_bytes;
+        let share = third_of_multiprocessor(module, static_bytes);
         (shared_bytes <= share).then_some(CachedLayout {
             blocks: blocks as u32,
             columns: columns as i32,
@@ -756,12 +789,8 @@ pub fn decode_linear(
     let out = Tensor::empty([rows, n], (kind, input.device()));
     let dtype = dtype_name(kind)?;
     // The kernel of the fewest rows that holds them.
-    let (template_rows, columns_per_warp) = match rows {
-        1 => (1, 1),
-        2 => (2, 1),
-        3 | 4 => (4, 2),
-        _ => (8, 2),
-    };
+    let template_rows = template_rows(rows);
+    let columns_per_warp = if template_rows <= 2 { 1 } else { 2 };
     let module = kernels(&SOURCE, device)?;
     let element = kind.elt_size_in_bytes() as i64;
     // The cached kernel always stages its input (its shared memory has room for it) and takes
