@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Batch-1 decode steps on one GPU, GPT-345M shape (24 layers, hidden 1024, 16 heads) in bf16
-# with random weights: lib/core/examples/decode_step.rs times steps as the server runs them
-# (CUDA graphs, the argmax read on the host after each) and back to back, with the fused decode
-# kernels and with --no-decode-fusion, then scripts/bench/profile_summary.py lists the kernels of
-# 20 traced steps of each.
+# with random weights: lib/core/examples/decode_step.rs times steps with the argmax read on the
+# host after each and as the server runs them (the next step queued first, reading the argmax on
+# the GPU), with the fused decode kernels and with --no-decode-fusion, then
+# scripts/bench/profile_summary.py lists the kernels of 20 traced steps of each (as the server
+# runs them).
 #
 # Environment (all optional):
 #   PYTHON=python3          a python with torch 2.11 (CUDA), for the library path and the summary

@@ -110,6 +110,12 @@ struct Cli {
     /// the two; CPUs never fuse.
     #[arg(long)]
     no_decode_fusion: bool,
+    /// Read each decode step's tokens before queuing the next step, instead of queuing the
+    /// next step first whenever it runs the same rows one position on (its tokens read on the
+    /// GPU where the last step drew them), so that the host's reading, streaming and launching
+    /// overlap the GPU's work. For comparing the two.
+    #[arg(long)]
+    no_decode_overlap: bool,
 }
 
 fn main() -> ExitCode {
@@ -126,6 +132,7 @@ fn main() -> ExitCode {
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
         let (no_paged_attention, no_decode_fusion) = (cli.no_paged_attention, cli.no_decode_fusion);
+        let no_decode_overlap = cli.no_decode_overlap;
         let limits = BatchLimits {
             max_batch_size: cli.max_batch_size,
             prefill_chunk: cli.prefill_chunk_size,
@@ -162,8 +169,13 @@ fn main() -> ExitCode {
             } else {
                 service
             };
-            Ok(if no_decode_fusion {
+            let service = if no_decode_fusion {
                 service.without_decode_fusion()
+            } else {
+                service
+            };
+            Ok(if no_decode_overlap {
+                service.without_decode_overlap()
             } else {
                 service
             })

@@ -307,6 +307,20 @@ char* mrs_event_destroy(int device_index, void* event) {
   return protect([&] { cuda_guard()->destroyEvent(event, cuda_device(device_index).index()); });
 }
 
+char* mrs_event_synchronize(void* event) {
+  return protect([&] { cuda_guard()->synchronizeEvent(event); });
+}
+
+char* mrs_copy_from_host(mrs_tensor dst, const mrs_tensor src) {
+  return protect([&] {
+    if (dst->is_cuda()) {
+      dst->copy_(src->pin_memory(), /*non_blocking=*/true);
+    } else {
+      dst->copy_(*src);
+    }
+  });
+}
+
 char* mrs_build_config(void) { return malloc_string(at::show_config()); }
 
 }  // extern "C"

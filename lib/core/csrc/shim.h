@@ -120,6 +120,12 @@ char* mrs_exchange_stream(int device_index, int64_t stream_id, int64_t* previous
 char* mrs_event_record(int device_index, int64_t stream_id, void** event_out);
 char* mrs_event_block(int device_index, void* event, int64_t stream_id);
 char* mrs_event_destroy(int device_index, void* event);
+// Blocks the calling thread until the work recorded by `event` is done.
+char* mrs_event_synchronize(void* event);
+// `dst.copy_(src, non_blocking=true)` from a page-locked copy of the CPU tensor `src`: on a GPU
+// it is queued on the current stream and the thread goes on (the page-locked block is not
+// reused before the copy is done).
+char* mrs_copy_from_host(mrs_tensor dst, const mrs_tensor src);
 
 // libtorch's Kineto profiler on the calling thread (and the autograd threads it starts): CPU
 // operators, plus CUDA kernels and copies when `with_cuda`. `stop` saves a Chrome trace (JSON) at

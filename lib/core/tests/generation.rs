@@ -354,7 +354,7 @@ fn paged_steps_equal_the_cached_forward(device: Device, tolerance: f64) {
                         blocks: &blocks[row],
                     })
                     .collect();
-                let got = decoder.decode(&model, &rows).unwrap();
+                let got = decoder.decode(&model, &rows, None).unwrap();
                 for row in 0..3 {
                     let input = Tensor::from_slice(&[tokens[row]])
                         .view([1, 1])

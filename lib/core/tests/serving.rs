@@ -223,8 +223,9 @@ fn sixteen_jobs() -> Vec<Job> {
 #[test]
 fn sixteen_concurrent_requests_each_get_what_they_get_alone() {
     let jobs = sixteen_jobs();
-    // Alone: one request at a time, prompts prefilled whole.
-    let alone = service(limits(1, 1024, 64), KvBudget::default());
+    // Alone: one request at a time, prompts prefilled whole, each step's tokens read before
+    // the next step is queued.
+    let alone = service(limits(1, 1024, 64), KvBudget::default()).without_decode_overlap();
     let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
     drop(alone);
     // Together: at most 8 rows at once (the rest wait), prompts prefilled 8 positions a step.
@@ -246,6 +247,10 @@ fn sixteen_concurrent_requests_each_get_what_they_get_alone() {
     let usage = together.cache_use();
     assert_eq!(usage.used_blocks, 0, "every block is back: {usage:?}");
     assert_eq!(usage.peak_rows, 8, "the batch filled up: {usage:?}");
+    assert!(
+        usage.steps_ahead > usage.steps / 4,
+        "steps were queued ahead: {usage:?}"
+    );
 }
 
 /// On a GPU, with decode steps replayed from CUDA graphs at bucketed batch sizes: greedy
@@ -270,7 +275,8 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
         gpu_model(Kind::Float),
         limits(1, 1024, 64),
         KvBudget::Bytes(1 << 30),
-    );
+    )
+    .without_decode_overlap();
     let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
     drop(alone);
     let together = service_of(
@@ -293,7 +299,9 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
             assert!((x - y).abs() < 1e-3, "request {i}: {x} vs {y}");
         }
     }
-    assert!(together.cache_use().peak_rows > 1);
+    let usage = together.cache_use();
+    assert!(usage.peak_rows > 1, "{usage:?}");
+    assert!(usage.steps_ahead > 0, "steps were queued ahead: {usage:?}");
 }
 
 /// On a GPU, decode attention through the paged kernel (blocks read in place) gives the tokens
@@ -570,7 +578,9 @@ fn first_tokens_come_in_arrival_order_and_never_wait_for_a_completion() {
     let (mut step, mut first, mut done) = (0, HashMap::new(), HashMap::new());
     // Prompts prefilled 16 positions a step. Requests 0 and 1 run; request 1 leaves after its
     // fourth token, while request 2's 64-position prompt is being prefilled and request 3's
-    // waits behind it: the row that leaves must not let request 3 overtake request 2.
+    // waits behind it: the row that leaves must not let request 3 overtake request 2. A decode
+    // step's tokens are read at the step after it, request 1's fourth at step 5, before that
+    // step's prefill completes request 2's prompt.
     let mut batcher = Batcher::new(limits(8, 16, 64));
     batcher
         .submit(&model, &mut decoder, 0, greedy_rows(3, 100, 0))
@@ -602,7 +612,7 @@ fn first_tokens_come_in_arrival_order_and_never_wait_for_a_completion() {
         &mut first,
         &mut done,
     );
-    assert_eq!(done[&1], 4, "request 1 left during request 2's prefill");
+    assert_eq!(done[&1], 5, "request 1 left during request 2's prefill");
     // 64 positions are 4 steps of prefill, started at step 2.
     assert_eq!(first[&2], 5, "request 2's first token: {first:?}");
     assert_eq!(first[&3], 9, "request 3's first token: {first:?}");

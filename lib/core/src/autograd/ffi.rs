@@ -80,6 +80,8 @@ extern "C" {
     ) -> *mut c_char;
     pub fn mrs_event_block(device_index: c_int, event: *mut c_void, stream_id: i64) -> *mut c_char;
     pub fn mrs_event_destroy(device_index: c_int, event: *mut c_void) -> *mut c_char;
+    pub fn mrs_event_synchronize(event: *mut c_void) -> *mut c_char;
+    pub fn mrs_copy_from_host(dst: TensorHandle, src: TensorHandle) -> *mut c_char;
     pub fn mrs_current_stream_id(device_index: c_int, stream_id: *mut i64) -> *mut c_char;
     pub fn mrs_exchange_stream(
         device_index: c_int,

@@ -19,7 +19,9 @@ use tch::{Device, Kind, Tensor};
 use crate::model::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 use crate::model::GptModel;
 use crate::ops::{decode_gemv, paged_attention};
-use crate::runtime::{cuda_free_memory, cuda_graphs_available, CudaGraph};
+use crate::runtime::{
+    copy_from_host, cuda_free_memory, cuda_graphs_available, to_device_async, CudaGraph,
+};
 
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
 pub const WINDOW_STEP: i64 = 128;
@@ -158,6 +160,15 @@ impl GraphInputs {
             packed,
         }
     }
+}
+
+/// A decode step's inputs as [`Decoder::decode`] lays them out, padded to the bucket.
+struct StepInputs<'a> {
+    tokens: &'a [i64],
+    drawn: Option<&'a Tensor>,
+    positions: &'a [i64],
+    write: &'a [i64],
+    tables: &'a [i64],
 }
 
 struct StepGraph {
@@ -304,9 +315,14 @@ impl Decoder {
                 // Padding rows only: they write to and read the reserved block.
                 let zeros = vec![0i64; size as usize];
                 let tables = vec![0i64; (size * window / BLOCK_SIZE) as usize];
-                let _ = self.replay(
-                    model, index, size, window, &zeros, &zeros, &zeros, &tables, in_place, fused,
-                )?;
+                let inputs = StepInputs {
+                    tokens: &zeros,
+                    drawn: None,
+                    positions: &zeros,
+                    write: &zeros,
+                    tables: &tables,
+                };
+                let _ = self.replay(model, index, size, window, inputs, in_place, fused)?;
             }
             if size >= rows {
                 return Ok(self.graphs.len());
@@ -391,10 +407,25 @@ impl Decoder {
 
     /// Logits `[rows, padded vocabulary]` of one decode step of `rows`, each token's keys and
     /// values stored at its position. On a GPU with graphs the logits live in the graph's
-    /// output buffer until the next step.
-    pub fn decode(&mut self, model: &GptModel, rows: &[DecodeRow]) -> Result<Tensor> {
+    /// output buffer until the next step. `drawn`, when given, holds the rows' tokens on the
+    /// device (`[rows]` int64, as the previous step drew them) and is read instead of their
+    /// `token`s: the step is queued before those tokens reach the host. On a GPU nothing here
+    /// waits for the work queued before.
+    pub fn decode(
+        &mut self,
+        model: &GptModel,
+        rows: &[DecodeRow],
+        drawn: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let count = rows.len() as i64;
         ensure!(count > 0, "a decode step needs rows");
+        if let Some(drawn) = drawn {
+            ensure!(
+                drawn.size() == [count],
+                "{:?} drawn tokens for {count} rows",
+                drawn.size()
+            );
+        }
         let in_place = self.uses_paged_kernel(model);
         let fused = self.uses_decode_fusion(model);
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
@@ -429,14 +460,31 @@ impl Decoder {
         }
         let logits = match graphed {
             Some(index) => self.replay(
-                model, index, bucket, window, &tokens, &positions, &write, &tables, in_place, fused,
+                model,
+                index,
+                bucket,
+                window,
+                StepInputs {
+                    tokens: &tokens,
+                    drawn,
+                    positions: &positions,
+                    write: &write,
+                    tables: &tables,
+                },
+                in_place,
+                fused,
             )?,
             None => {
                 // One copy to the device; the inputs are views of it.
-                let packed =
-                    Tensor::from_slice(&[&tokens[..], &positions, &write, &tables].concat())
-                        .to_device(device);
+                let packed = to_device_async(
+                    &Tensor::from_slice(&[&tokens[..], &positions, &write, &tables].concat()),
+                    device,
+                )?;
                 let part = |k: i64| packed.narrow(0, k * padded, padded);
+                let step_tokens = match drawn {
+                    Some(drawn) => drawn.view([padded, 1]),
+                    None => part(0).view([padded, 1]),
+                };
                 let table = packed
                     .narrow(0, 3 * padded, padded * per_row)
                     .view([padded, per_row]);
@@ -448,7 +496,7 @@ impl Decoder {
                     decode_step(
                         model,
                         cache,
-                        &part(0).view([padded, 1]),
+                        &step_tokens,
                         &part(1).view([padded, 1]),
                         &part(2),
                         &table,
@@ -470,10 +518,7 @@ impl Decoder {
         device: usize,
         bucket: i64,
         window: i64,
-        tokens: &[i64],
-        positions: &[i64],
-        write: &[i64],
-        tables: &[i64],
+        step: StepInputs,
         in_place: bool,
         fused: bool,
     ) -> Result<Tensor> {
@@ -483,12 +528,19 @@ impl Decoder {
             .inputs
             .entry(bucket)
             .or_insert_with(|| GraphInputs::new(bucket, capacity, cuda));
-        let packed = [tokens, positions, write, tables].concat();
-        inputs
-            .packed
-            .narrow(0, 0, packed.len() as i64)
-            .copy_(&Tensor::from_slice(&packed));
-        let used = tables.len() as i64;
+        let packed = [step.tokens, step.positions, step.write, step.tables].concat();
+        copy_from_host(
+            &inputs.packed.narrow(0, 0, packed.len() as i64),
+            &Tensor::from_slice(&packed),
+        )?;
+        if let Some(drawn) = step.drawn {
+            let count = drawn.size()[0];
+            inputs
+                .tokens
+                .narrow(0, 0, count)
+                .copy_(&drawn.view([count, 1]));
+        }
+        let used = step.tables.len() as i64;
         let cache = self
             .cache
             .as_mut()

@@ -10,7 +10,8 @@ use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::decoder::{DecodeRow, Decoder, PrefillChunk};
-use super::sampling::{row_seed, sample, RowSampling, Sampling};
+use super::in_flight::{Draw, Drawn, InFlight};
+use super::sampling::{row_seed, RowSampling, Sampling};
 use crate::model::layers::{PagedKvCache, BLOCK_SIZE};
 use crate::model::GptModel;
 
@@ -199,19 +200,28 @@ pub struct CacheUse {
     pub waiting_requests: usize,
     /// Steps run so far.
     pub steps: u64,
+    /// Decode steps queued before the tokens of the step before them were read.
+    pub steps_ahead: u64,
 }
 
 /// Continuous batching: requests wait in a queue, join the running batch at a step boundary
 /// when the KV cache has blocks for their rows' whole length, get their prompts prefilled in
 /// chunks, decode one token per step together with every other row, and leave — their blocks
 /// freed — as soon as their last row stops. Each row samples from its own settings and random
-/// stream, so its tokens do not depend on the rows beside it.
+/// stream, so its tokens do not depend on the rows beside it. A decode step is queued on the
+/// device and read at the next step, after the step that follows it was queued when it could be
+/// (see [`super::in_flight`]).
 pub struct Batcher {
     limits: BatchLimits,
     waiting: VecDeque<Waiting>,
     running: Vec<Row>,
     requests: HashMap<u64, Progress>,
     use_: CacheUse,
+    /// The decode step queued and not read yet.
+    in_flight: Option<InFlight>,
+    /// Whether the next decode step may be queued before the last one's tokens are read.
+    overlap: bool,
+    next_row: u64,
 }
 
 struct Waiting {
@@ -221,6 +231,8 @@ struct Waiting {
 }
 
 struct Row {
+    /// Unique among the batcher's rows.
+    id: u64,
     request: u64,
     index: usize,
     spec: RowSpec,
@@ -248,7 +260,16 @@ impl Batcher {
             running: Vec::new(),
             requests: HashMap::new(),
             use_: CacheUse::default(),
+            in_flight: None,
+            overlap: true,
+            next_row: 0,
         }
+    }
+
+    /// Reads each decode step's tokens before queuing the next step, e.g. to compare the two.
+    pub fn without_overlap(mut self) -> Self {
+        self.overlap = false;
+        self
     }
 
     /// Queues request `id` (its rows are admitted together), or says why not.
@@ -330,8 +351,16 @@ impl Batcher {
                 cache.release(row.blocks);
             }
         }
+        self.forget_orphaned_step();
         self.refresh_use(decoder);
         known
+    }
+
+    /// Drops the queued step once none of its rows is running: nobody reads it.
+    fn forget_orphaned_step(&mut self) {
+        if self.running.is_empty() {
+            self.in_flight = None;
+        }
     }
 
     /// Drops every request (after a failed step) and frees their blocks.
@@ -378,7 +407,9 @@ impl Batcher {
                 for _ in 0..spec.decays {
                     sampling = sampling.decayed();
                 }
+                self.next_row += 1;
                 self.running.push(Row {
+                    id: self.next_row,
                     request: waiting.id,
                     index,
                     tokens: spec.prompt.clone(),
@@ -393,10 +424,80 @@ impl Batcher {
         }
     }
 
-    /// One step: admits what fits, prefills up to a chunk budget of prompt positions, decodes
-    /// one token for every row past its prompt, and returns the requests that finished.
-    /// `observer(request, row, token)` sees every new token; `true` ends that row there.
+    /// One step: reads the decode step queued at the previous one (queuing the next first when
+    /// it runs the same rows one position on), or else admits what fits, prefills up to a chunk
+    /// budget of prompt positions and queues a decode step of every row past its prompt; returns
+    /// the requests that finished. `observer(request, row, token)` sees every new token; `true`
+    /// ends that row there.
     pub fn step(
+        &mut self,
+        model: &GptModel,
+        decoder: &mut Decoder,
+        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+    ) -> Result<Vec<(u64, Generation)>> {
+        let mut finished = Vec::new();
+        if let Some(flight) = self.in_flight.take() {
+            if self.continues(&flight) {
+                let blocks: Vec<&[i64]> = self.running.iter().map(|r| &r.blocks[..]).collect();
+                self.in_flight = Some(flight.queue_next(model, decoder, &blocks)?);
+                self.use_.steps += 1;
+                self.use_.steps_ahead += 1;
+            }
+            let mut ended = Vec::new();
+            self.land(flight, observer, &mut ended)?;
+            finished = self.retire(ended, decoder);
+        }
+        if self.in_flight.is_none() && !self.is_idle() {
+            finished.extend(self.start_step(model, decoder, observer)?);
+        }
+        self.forget_orphaned_step();
+        self.refresh_use(decoder);
+        Ok(finished)
+    }
+
+    /// Whether the step after `flight` can be queued before its tokens are read: it runs the
+    /// same rows (nothing joined or left since, so no prompt waits for its prefill) one position
+    /// on, none of them reaches its length at `flight`, and none bans a token after the one
+    /// `flight` draws.
+    fn continues(&self, flight: &InFlight) -> bool {
+        self.overlap
+            && self.running.len() == flight.rows.len()
+            && self.running.iter().zip(&flight.rows).all(|(row, &id)| {
+                row.id == id
+                    && row.tokens.len() + 1 < row.spec.total
+                    && row.spec.prevent_newline_after_colon.is_none()
+            })
+    }
+
+    /// Gives `flight`'s tokens to its rows still running, adding those that stop to `ended`.
+    fn land(
+        &mut self,
+        flight: InFlight,
+        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        ended: &mut Vec<usize>,
+    ) -> Result<()> {
+        let (tokens, scores) = flight.drawn.read()?;
+        let at: HashMap<u64, usize> = self
+            .running
+            .iter()
+            .enumerate()
+            .map(|(i, row)| (row.id, i))
+            .collect();
+        for (k, id) in flight.rows.iter().enumerate() {
+            // Rows cancelled since the step was queued are gone.
+            let Some(&i) = at.get(id) else {
+                continue;
+            };
+            self.running[i].cached += 1;
+            let score = scores.as_ref().map(|s| s[k]);
+            self.accept(i, tokens[k], score, observer, ended);
+        }
+        Ok(())
+    }
+
+    /// A step after a read one (or none): admits what fits, prefills up to a chunk budget of
+    /// prompt positions, and queues a decode step of every row past its prompt.
+    fn start_step(
         &mut self,
         model: &GptModel,
         decoder: &mut Decoder,
@@ -405,7 +506,6 @@ impl Batcher {
         self.admit(decoder);
         self.use_.steps += 1;
         self.refresh_use(decoder);
-        let vocab = model.config.vocab_size;
         let chunk = self.limits.prefill_chunk.max(1);
         // Rows decoding this step: those whose last token has no keys and values yet (rows
         // finishing their prompt now draw their first token from the prefill).
@@ -416,34 +516,33 @@ impl Batcher {
             })
             .collect();
         let mut ended = Vec::new();
-        // First tokens are drawn, and streamed, before the decode step runs.
+        // First tokens are drawn, and streamed, before the decode step is queued.
         let (prefilled, logits) = tch::no_grad(|| self.prefill_step(model, decoder, chunk))?;
         if !prefilled.is_empty() {
             self.take_tokens(&prefilled, &logits, observer, &mut ended)?;
         }
         if !ready.is_empty() {
-            let logits = tch::no_grad(|| -> Result<Tensor> {
-                let rows: Vec<DecodeRow> = ready
-                    .iter()
-                    .map(|&i| {
-                        let row = &self.running[i];
-                        DecodeRow {
-                            token: row.tokens[row.cached],
-                            position: row.cached as i64,
-                            blocks: &row.blocks,
-                        }
-                    })
-                    .collect();
-                let out = decoder.decode(model, &rows)?;
-                // In the model's dtype: greedy rows take the argmax as it is (float32 would
-                // pick the same token), sampling converts.
-                Ok(out.narrow(1, 0, vocab))
-            })?;
-            for &i in &ready {
-                self.running[i].cached += 1;
-            }
-            self.take_tokens(&ready, &[logits], observer, &mut ended)?;
+            let rows: Vec<DecodeRow> = ready
+                .iter()
+                .map(|&i| {
+                    let row = &self.running[i];
+                    DecodeRow {
+                        token: row.tokens[row.cached],
+                        position: row.cached as i64,
+                        blocks: &row.blocks,
+                    }
+                })
+                .collect();
+            let ids = ready.iter().map(|&i| self.running[i].id).collect();
+            let draws = ready.iter().map(|&i| self.running[i].draw()).collect();
+            self.in_flight = Some(InFlight::queue(model, decoder, ids, &rows, draws)?);
         }
+        Ok(self.retire(ended, decoder))
+    }
+
+    /// Removes the rows `ended` (running indices), freeing their blocks, and returns the
+    /// requests whose last row this was.
+    fn retire(&mut self, mut ended: Vec<usize>, decoder: &mut Decoder) -> Vec<(u64, Generation)> {
         let mut finished = Vec::new();
         // Highest index first, so the others keep their places while removed; the rest keep
         // their admission order, which is the order their prompts are prefilled in (a later
@@ -478,8 +577,7 @@ impl Batcher {
                 ));
             }
         }
-        self.refresh_use(decoder);
-        Ok(finished)
+        finished
     }
 
     /// Prefills up to a chunk budget of prompt positions, in admission order, in one forward:
@@ -557,8 +655,8 @@ impl Batcher {
         Ok((prefilled, logits))
     }
 
-    /// Draws a token for each of the rows `drawing` from their `logits`, shows it to
-    /// `observer`, and adds the rows that stop to `ended`.
+    /// Draws a token for each of the rows `drawing` from their `logits` (`[n, vocab]` pieces
+    /// in that order), shows it to `observer`, and adds the rows that stop to `ended`.
     fn take_tokens(
         &mut self,
         drawing: &[usize],
@@ -566,82 +664,61 @@ impl Batcher {
         observer: &mut dyn FnMut(u64, usize, i64) -> bool,
         ended: &mut Vec<usize>,
     ) -> Result<()> {
-        let (tokens, scores) = tch::no_grad(|| self.draw(drawing, logits))?;
+        let logits = match logits {
+            [one] => one.shallow_clone(),
+            _ => Tensor::cat(logits, 0),
+        };
+        let draws: Vec<Draw> = drawing.iter().map(|&i| self.running[i].draw()).collect();
+        let (tokens, scores) = tch::no_grad(|| Drawn::new(&logits, &draws))?.read()?;
         for (k, &i) in drawing.iter().enumerate() {
-            let row = &mut self.running[i];
-            let before = *row.tokens.last().expect("rows have tokens");
-            let token = tokens[k];
-            row.tokens.push(token);
-            row.draws += 1;
-            row.sampling = row.sampling.decayed();
-            if let Some(scores) = &scores {
-                row.logprobs.push(scores[k]);
-            }
-            let stopped = stops(&row.spec.stop, token, before);
-            let told = observer(row.request, row.index, token);
-            if stopped || told || row.tokens.len() >= row.spec.total {
-                ended.push(i);
-            }
+            let score = scores.as_ref().map(|s| s[k]);
+            self.accept(i, tokens[k], score, observer, ended);
         }
         Ok(())
     }
 
-    /// Samples the rows `drawing` (running indices) from their `logits` (`[n, vocab]` pieces in
-    /// that order): their tokens and, when any row keeps them, the tokens' log-probabilities.
-    fn draw(&self, drawing: &[usize], logits: &[Tensor]) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
-        let mut logits = match logits {
-            [one] => one.shallow_clone(),
-            _ => Tensor::cat(logits, 0),
-        };
-        // Newlines after colons are ruled out for all such rows at once.
-        let (mut rows, mut columns) = (Vec::new(), Vec::new());
-        for (k, &i) in drawing.iter().enumerate() {
-            let row = &self.running[i];
-            if let Some((colon, newline)) = row.spec.prevent_newline_after_colon {
-                if row.tokens.last() == Some(&colon) {
-                    rows.push(k as i64);
-                    columns.push(newline);
-                }
-            }
+    /// Appends `token` (drawn with log-probability `score`) to running row `i`, shows it to
+    /// `observer`, and adds the row to `ended` when it stops there.
+    fn accept(
+        &mut self,
+        i: usize,
+        token: i64,
+        score: Option<f32>,
+        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        ended: &mut Vec<usize>,
+    ) {
+        let row = &mut self.running[i];
+        let before = *row.tokens.last().expect("rows have tokens");
+        row.tokens.push(token);
+        row.draws += 1;
+        row.sampling = row.sampling.decayed();
+        if let Some(score) = score {
+            row.logprobs.push(score);
         }
-        if !rows.is_empty() {
-            let n = rows.len() as i64;
-            rows.extend(columns);
-            let at = Tensor::from_slice(&rows).to_device(logits.device());
-            let value = Tensor::from(-1e10f32)
-                .to_kind(logits.kind())
-                .to_device(logits.device());
-            // A decode step's logits may live in a CUDA graph's output buffer: write to a copy.
-            logits = logits.index_put(
-                &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],
-                &value,
-                false,
-            );
+        let stopped = stops(&row.spec.stop, token, before);
+        let told = observer(row.request, row.index, token);
+        if stopped || told || row.tokens.len() >= row.spec.total {
+            ended.push(i);
         }
-        let settings: Vec<RowSampling> = drawing
-            .iter()
-            .map(|&i| {
-                let row = &self.running[i];
-                RowSampling {
-                    sampling: row.sampling,
-                    seed: row.spec.seed,
-                    draws: row.draws,
-                }
-            })
-            .collect();
-        let chosen = sample(&logits, &settings)?;
-        let keep = drawing.iter().any(|&i| self.running[i].spec.logprobs);
-        let scores = keep.then(|| {
-            logits
-                .log_softmax(1, Kind::Float)
-                .gather(1, &chosen.unsqueeze(1), false)
-                .squeeze_dim(1)
-        });
-        let tokens = Vec::<i64>::try_from(chosen.to_device(Device::Cpu))?;
-        let scores = scores
-            .map(|s| Vec::<f32>::try_from(s.to_device(Device::Cpu)))
-            .transpose()?;
-        Ok((tokens, scores))
+    }
+}
+
+impl Row {
+    /// How the row draws its next token.
+    fn draw(&self) -> Draw {
+        let banned = self
+            .spec
+            .prevent_newline_after_colon
+            .and_then(|(colon, newline)| (self.tokens.last() == Some(&colon)).then_some(newline));
+        Draw {
+            sampling: RowSampling {
+                sampling: self.sampling,
+                seed: self.spec.seed,
+                draws: self.draws,
+            },
+            logprobs: self.spec.logprobs,
+            banned,
+        }
     }
 }
 

@@ -81,6 +81,8 @@ pub struct Gauges {
     pub kv_blocks_peak: u64,
     /// Generation steps run so far.
     pub steps: u64,
+    /// Decode steps queued before the previous step's tokens were read.
+    pub steps_ahead: u64,
     pub open_connections: usize,
     pub draining: bool,
 }
@@ -228,6 +230,13 @@ impl ServerMetrics {
             gauges.steps.to_string(),
         );
         metric(
+            "megatron_generation_steps_ahead_total",
+            "counter",
+            "Decode steps queued before the previous step's tokens were read (the host's work \
+             overlapping the GPU's).",
+            gauges.steps_ahead.to_string(),
+        );
+        metric(
             "megatron_open_connections",
             "gauge",
             "Open HTTP connections.",
@@ -298,6 +307,7 @@ mod tests {
             kv_blocks_total: 64,
             kv_blocks_peak: 7,
             steps: 11,
+            steps_ahead: 6,
             open_connections: 9,
             draining: false,
         });
@@ -324,6 +334,7 @@ mod tests {
         assert_eq!(value(&text, "megatron_kv_cache_blocks_total "), 64.0);
         assert_eq!(value(&text, "megatron_kv_cache_blocks_peak "), 7.0);
         assert_eq!(value(&text, "megatron_generation_steps_total "), 11.0);
+        assert_eq!(value(&text, "megatron_generation_steps_ahead_total "), 6.0);
         let ttft = "megatron_time_to_first_token_seconds_bucket";
         assert_eq!(value(&text, &format!("{ttft}{{le=\"0.025\"}}")), 0.0);
         assert_eq!(value(&text, &format!("{ttft}{{le=\"0.05\"}}")), 1.0);

@@ -9,6 +9,7 @@ mod beam_search;
 pub mod chat;
 mod decoder;
 mod generation;
+mod in_flight;
 mod load;
 mod metrics;
 pub mod openai;

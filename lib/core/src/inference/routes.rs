@@ -621,6 +621,7 @@ fn metrics(shared: &Shared) -> Response<ResponseBody> {
         kv_blocks_total: cache.total_blocks.max(0) as u64,
         kv_blocks_peak: cache.peak_blocks.max(0) as u64,
         steps: cache.steps,
+        steps_ahead: cache.steps_ahead,
         open_connections: shared.connections.load(Ordering::SeqCst),
         draining: shared.draining(),
     };

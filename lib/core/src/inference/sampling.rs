@@ -5,6 +5,8 @@
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
+use crate::runtime::to_device_async;
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
     pub temperature: f64,
@@ -116,9 +118,8 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         }
     });
     let floats: Vec<f64> = temperatures.chain(nuclei).collect();
-    let floats = Tensor::from_slice(&floats)
-        .to_kind(Kind::Float)
-        .to_device(device);
+    // Queued copies: a decode step may still run ahead of them.
+    let floats = to_device_async(&Tensor::from_slice(&floats).to_kind(Kind::Float), device)?;
     let ints: Vec<i64> = rows
         .iter()
         .map(|r| (r.sampling.top_k.max(1) - 1).min(vocabulary - 1))
@@ -127,7 +128,7 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling]) -> Result<Tensor> {
         .chain(rows.iter().map(|r| r.draws as i64))
         .chain(rows.iter().map(|r| i64::from(r.sampling.top_k == 1)))
         .collect();
-    let ints = Tensor::from_slice(&ints).to_device(device);
+    let ints = to_device_async(&Tensor::from_slice(&ints), device)?;
     let column = |values: &Tensor, k: i64| values.narrow(0, k * batch, batch).view([batch, 1]);
     let temperature = column(&floats, 0);
     // Scaling the distance to the largest logit gives the same distribution. A tiny

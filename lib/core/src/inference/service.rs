@@ -97,6 +97,8 @@ struct Settings {
     paged_kernel: bool,
     /// Decode steps of few rows through the fused decode kernels.
     decode_fusion: bool,
+    /// The next decode step queued before the last one's tokens are read.
+    decode_overlap: bool,
 }
 
 /// What the scheduler thread and the callers share: the model and how requests become rows.
@@ -222,6 +224,7 @@ impl TextGenerationService {
             cuda_graphs: true,
             paged_kernel: true,
             decode_fusion: true,
+            decode_overlap: true,
         };
         let cache_use = Arc::new(Mutex::new(CacheUse::default()));
         let longest_request = (model.config.max_position_embeddings as usize).min(max_tokens);
@@ -280,6 +283,14 @@ impl TextGenerationService {
     /// compare the two.
     pub fn without_decode_fusion(mut self) -> Self {
         self.core_mut().settings.decode_fusion = false;
+        self
+    }
+
+    /// Reads each decode step's tokens before queuing the next step (`--no-decode-overlap`),
+    /// instead of queuing the next one first when it runs the same rows, e.g. to compare the
+    /// two.
+    pub fn without_decode_overlap(mut self) -> Self {
+        self.core_mut().settings.decode_overlap = false;
         self
     }
 
@@ -585,9 +596,14 @@ impl<'a> Scheduler<'a> {
         if !settings.decode_fusion {
             decoder = decoder.without_decode_fusion();
         }
+        let batcher = Batcher::new(settings.limits);
         Scheduler {
             decoder: decoder.with_budget(settings.budget),
-            batcher: Batcher::new(settings.limits),
+            batcher: if settings.decode_overlap {
+                batcher
+            } else {
+                batcher.without_overlap()
+            },
             core,
             active: HashMap::new(),
         }

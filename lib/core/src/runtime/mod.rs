@@ -4,9 +4,11 @@ mod cuda_graph;
 pub mod nvrtc;
 mod profiler;
 pub mod self_test;
+mod transfer;
 
 pub use cuda_graph::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
 pub use profiler::{cuda_profiler_start, cuda_profiler_stop, KinetoTrace};
+pub use transfer::{copy_from_host, to_device_async, HostCopy};
 
 use std::os::raw::{c_int, c_void};
 
@@ -124,6 +126,12 @@ impl CudaEvent {
     pub fn block(&self, stream: &CudaStream) -> Result<(), TorchError> {
         // SAFETY: the event is live and belongs to the stream's device.
         check(unsafe { ffi::mrs_event_block(cuda_index(self.device)?, self.raw, stream.id) })
+    }
+
+    /// Blocks the calling thread until the recorded work is done.
+    pub fn wait(&self) -> Result<(), TorchError> {
+        // SAFETY: the event is live.
+        check(unsafe { ffi::mrs_event_synchronize(self.raw) })
     }
 }
 
