@@ -389,15 +389,8 @@ impl Batcher {
 
     /// Takes waiting requests, in order, while their rows fit the batch and the cache.
     fn admit(&mut self, decoder: &mut Decoder) {
-        let Some(cache) = decoder.existing_cache() else {
-            return;
-        };
-        while let Some(front) = self.waiting.front() {
-            let crowded = !self.running.is_empty()
-                && self.running.len() + front.rows.len() > self.limits.max_batch_size;
-            if crowded || cache.free_blocks() < front.blocks {
-                break;
-            }
+        while self.front_fits(decoder) {
+            let cache = decoder.existing_cache().expect("a request fits the cache");
             let waiting = self.waiting.pop_front().expect("a front");
             for (index, spec) in waiting.rows.into_iter().enumerate() {
                 let blocks = cache
@@ -437,9 +430,15 @@ impl Batcher {
     ) -> Result<Vec<(u64, Generation)>> {
         let mut finished = Vec::new();
         if let Some(flight) = self.in_flight.take() {
-            if self.continues(&flight) {
-                let blocks: Vec<&[i64]> = self.running.iter().map(|r| &r.blocks[..]).collect();
-                self.in_flight = Some(flight.queue_next(model, decoder, &blocks)?);
+            if let Some(kept) = self.continuing(&flight, decoder) {
+                // The running rows are the flight's still running, in its order.
+                let blocks: Vec<&[i64]> =
+                    kept.iter().map(|&k| &self.running[k].blocks[..]).collect();
+                let kept: Vec<usize> = kept
+                    .iter()
+                    .map(|&k| self.flight_index(&flight, k))
+                    .collect();
+                self.in_flight = Some(flight.queue_next(model, decoder, &kept, &blocks)?);
                 self.use_.steps += 1;
                 self.use_.steps_ahead += 1;
             }
@@ -455,18 +454,46 @@ impl Batcher {
         Ok(finished)
     }
 
-    /// Whether the step after `flight` can be queued before its tokens are read: it runs the
-    /// same rows (nothing joined or left since, so no prompt waits for its prefill) one position
-    /// on, none of them reaches its length at `flight`, and none bans a token after the one
-    /// `flight` draws.
-    fn continues(&self, flight: &InFlight) -> bool {
-        self.overlap
-            && self.running.len() == flight.rows.len()
-            && self.running.iter().zip(&flight.rows).all(|(row, &id)| {
-                row.id == id
-                    && row.tokens.len() + 1 < row.spec.total
-                    && row.spec.prevent_newline_after_colon.is_none()
-            })
+    /// The running rows (indices) of the step after `flight` when it can be queued before
+    /// `flight`'s tokens are read: nothing joined since (every running row is in `flight`, so
+    /// no prompt waits for its prefill), no waiting request fits now, and none of the rows bans
+    /// a token after the one `flight` draws. It runs them one position on, but for those that
+    /// reach their length at `flight`; rows that stop there otherwise (a stop token or
+    /// sequence) waste their slot of it. `None` also when no row is left.
+    fn continuing(&self, flight: &InFlight, decoder: &mut Decoder) -> Option<Vec<usize>> {
+        let in_flight: std::collections::HashSet<u64> = flight.rows.iter().copied().collect();
+        let same_rows = self.running.iter().all(|row| in_flight.contains(&row.id));
+        let banning = self
+            .running
+            .iter()
+            .any(|row| row.spec.prevent_newline_after_colon.is_some());
+        if !self.overlap || !same_rows || banning || self.front_fits(decoder) {
+            return None;
+        }
+        let kept: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].tokens.len() + 1 < self.running[i].spec.total)
+            .collect();
+        (!kept.is_empty()).then_some(kept)
+    }
+
+    /// Where running row `i` is in `flight`'s rows (it is there).
+    fn flight_index(&self, flight: &InFlight, i: usize) -> usize {
+        let id = self.running[i].id;
+        flight
+            .rows
+            .iter()
+            .position(|&r| r == id)
+            .expect("running rows are in the flight")
+    }
+
+    /// Whether the first waiting request would be admitted now.
+    fn front_fits(&self, decoder: &mut Decoder) -> bool {
+        let (Some(front), Some(cache)) = (self.waiting.front(), decoder.existing_cache()) else {
+            return false;
+        };
+        let crowded = !self.running.is_empty()
+            && self.running.len() + front.rows.len() > self.limits.max_batch_size;
+        !crowded && cache.free_blocks() >= front.blocks
     }
 
     /// Gives `flight`'s tokens to its rows still running, adding those that stop to `ended`.

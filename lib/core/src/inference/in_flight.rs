@@ -1,9 +1,10 @@
 //! Decode steps queued on the device ahead of the host. Reading a step's tokens waits for the
 //! GPU; while the host then bookkeeps, streams and launches the next step, the GPU idles (at
 //! batch 1 that is most of the gap between two steps). So when the next step's rows and inputs
-//! are known without its tokens — the same rows one position on — it is queued first, reading
-//! the drawn tokens where they lie on the device, and the host reads this step's tokens while
-//! the GPU runs it. A row that stopped at the step read wastes its slot of the queued one, whose
+//! are known without its tokens — this step's rows one position on, less those that reach their
+//! length — it is queued first, reading the drawn tokens where they lie on the device, and the
+//! host reads this step's tokens while the GPU runs it. A row that stopped at the step read
+//! otherwise (a stop token or sequence, a client gone) wastes its slot of the queued one, whose
 //! token for it is dropped.
 
 use anyhow::Result;
@@ -112,33 +113,35 @@ impl InFlight {
         Self::queue_reading(model, decoder, ids, rows, draws, None)
     }
 
-    /// Queues the step after this one for the same rows, whose `blocks` (in the step's order)
-    /// hold one position more: its tokens are the ones this step draws, read on the device.
+    /// Queues the step after this one for its rows `kept` (indices into [`Self::rows`], in
+    /// order), whose `blocks` (in that order) hold one position more: its tokens are the ones
+    /// this step draws, read on the device.
     pub fn queue_next(
         &self,
         model: &GptModel,
         decoder: &mut Decoder,
+        kept: &[usize],
         blocks: &[&[i64]],
     ) -> Result<InFlight> {
-        let rows: Vec<DecodeRow> = self
-            .positions
+        let rows: Vec<DecodeRow> = kept
             .iter()
             .zip(blocks)
-            .map(|(&position, blocks)| DecodeRow {
+            .map(|(&k, blocks)| DecodeRow {
                 token: 0,
-                position: position + 1,
+                position: self.positions[k] + 1,
                 blocks,
             })
             .collect();
-        let draws = self.draws.iter().map(|d| d.next()).collect();
-        Self::queue_reading(
-            model,
-            decoder,
-            self.rows.clone(),
-            &rows,
-            draws,
-            Some(&self.drawn.tokens),
-        )
+        let draws = kept.iter().map(|&k| self.draws[k].next()).collect();
+        let ids = kept.iter().map(|&k| self.rows[k]).collect();
+        let tokens = if kept.len() == self.rows.len() {
+            self.drawn.tokens.shallow_clone()
+        } else {
+            let kept: Vec<i64> = kept.iter().map(|&k| k as i64).collect();
+            let at = to_device_async(&Tensor::from_slice(&kept), self.drawn.tokens.device())?;
+            self.drawn.tokens.index_select(0, &at)
+        };
+        Self::queue_reading(model, decoder, ids, &rows, draws, Some(&tokens))
     }
 
     fn queue_reading(

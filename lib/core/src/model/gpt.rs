@@ -21,7 +21,7 @@ use super::param::Param;
 use super::stack::{
     embedding_output, push_embeddings, push_layers, GateSlot, LayerStack, OutputHead, TrunkBuilder,
 };
-use crate::ops::decode_gemv;
+use crate::ops::{decode_embedding, decode_gemv};
 use crate::parallel::{gather_from_tensor_parallel_region, ParallelState};
 
 /// `--recompute-granularity full --recompute-method ...`.
@@ -482,7 +482,7 @@ impl GptModel {
             cache.num_layers(),
             self.layers.len()
         );
-        let mut hidden = self.embed(tokens, positions, false)?;
+        let mut hidden = self.embed_paged(tokens, positions, step)?;
         let rotary = self.rotary.as_ref().map(|r| r.tables_per_row(positions));
         for (index, layer) in self.layers.iter().enumerate() {
             hidden = layer.forward_paged(&hidden, rotary.as_ref(), cache.layer_mut(index), step)?;
@@ -535,6 +535,25 @@ impl GptModel {
             &decode_gemv::Epilogue::default(),
         )?;
         gather_from_tensor_parallel_region(&logits.view([s, b, -1]), &self.parallel.group)
+    }
+
+    /// [`embed`](Self::embed) for inference through a paged cache: a decode step of few rows
+    /// with the decode kernels on runs it as one kernel ([`decode_embedding`]) where the kernel
+    /// serves the tables (whole on this rank, no sequence parallelism).
+    fn embed_paged(&self, tokens: &Tensor, positions: &Tensor, step: &PagedStep) -> Result<Tensor> {
+        let (rows, length) = tokens.size2()?;
+        let tables = self
+            .word_embeddings
+            .as_ref()
+            .and_then(|w| w.whole_table())
+            .filter(|_| length == 1 && step.fuses(rows) && !self.parallel.sequence_parallel);
+        if let Some(words) = tables {
+            let places = self.position_embeddings.as_ref().map(Param::tensor);
+            if decode_embedding::usable(words, places) {
+                return decode_embedding::embed(words, places, tokens, positions);
+            }
+        }
+        self.embed(tokens, positions, false)
     }
 
     fn embed(&self, tokens: &Tensor, position_ids: &Tensor, train: bool) -> Result<Tensor> {

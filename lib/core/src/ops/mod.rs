@@ -257,6 +257,7 @@ pub mod add_norm;
 pub mod argmax;
 pub mod bias_grad;
 pub mod decode_attention;
+pub mod decode_embedding;
 pub mod decode_gemv;
 pub mod fp8_cast;
 pub mod gemm_epilogue;

@@ -34,6 +34,11 @@ impl VocabParallelEmbedding {
         }
     }
 
+    /// The whole table when this rank holds it (no tensor parallelism).
+    pub fn whole_table(&self) -> Option<&Tensor> {
+        (self.group.size() == 1).then(|| self.weight.tensor())
+    }
+
     /// `[b, s]` ids → `[b, s, h]`. Ids outside this rank's rows look up row 0 and are zeroed;
     /// the sum over ranks then holds every row exactly once.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
