@@ -418,9 +418,9 @@ impl Batcher {
     }
 
     /// One step: reads the decode step queued at the previous one (queuing the next first when
-    /// it runs the same rows one position on), or else admits what fits, prefills up to a chunk
-    /// budget of prompt positions and queues a decode step of every row past its prompt; returns
-    /// the requests that finished. `observer(request, row, token)` sees every new token; `true`
+    /// nothing joined, see [`Self::continuing`]); unless it queued the next, admits what fits,
+    /// prefills up to a chunk budget of prompt positions and queues a decode step of every row
+    /// past its prompt. Returns the requests that finished. `observer(request, row, token)` sees every new token; `true`
     /// ends that row there.
     pub fn step(
         &mut self,
