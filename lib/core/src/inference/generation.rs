@@ -431,13 +431,11 @@ impl Batcher {
         let mut finished = Vec::new();
         if let Some(flight) = self.in_flight.take() {
             if let Some(kept) = self.continuing(&flight, decoder) {
-                // The running rows are the flight's still running, in its order.
-                let blocks: Vec<&[i64]> =
-                    kept.iter().map(|&k| &self.running[k].blocks[..]).collect();
-                let kept: Vec<usize> = kept
+                let blocks: Vec<&[i64]> = kept
                     .iter()
-                    .map(|&k| self.flight_index(&flight, k))
+                    .map(|&(i, _)| &self.running[i].blocks[..])
                     .collect();
+                let kept: Vec<usize> = kept.iter().map(|&(_, k)| k).collect();
                 self.in_flight = Some(flight.queue_next(model, decoder, &kept, &blocks)?);
                 self.use_.steps += 1;
                 self.use_.steps_ahead += 1;
@@ -454,36 +452,32 @@ impl Batcher {
         Ok(finished)
     }
 
-    /// The running rows (indices) of the step after `flight` when it can be queued before
-    /// `flight`'s tokens are read: nothing joined since (every running row is in `flight`, so
-    /// no prompt waits for its prefill), no waiting request fits now, and none of the rows bans
-    /// a token after the one `flight` draws. It runs them one position on, but for those that
-    /// reach their length at `flight`; rows that stop there otherwise (a stop token or
-    /// sequence) waste their slot of it. `None` also when no row is left.
-    fn continuing(&self, flight: &InFlight, decoder: &mut Decoder) -> Option<Vec<usize>> {
-        let in_flight: std::collections::HashSet<u64> = flight.rows.iter().copied().collect();
-        let same_rows = self.running.iter().all(|row| in_flight.contains(&row.id));
+    /// The rows of the step after `flight` when it can be queued before `flight`'s tokens are
+    /// read, as (running index, index in `flight`) pairs: nothing joined since (every running
+    /// row is in `flight`, so no prompt waits for its prefill), no waiting request fits now,
+    /// and none of the rows bans a token after the one `flight` draws. It runs them one
+    /// position on, but for those that reach their length at `flight`; rows that stop there
+    /// otherwise (a stop token or sequence) waste their slot of it. `None` also when no row is
+    /// left.
+    fn continuing(&self, flight: &InFlight, decoder: &mut Decoder) -> Option<Vec<(usize, usize)>> {
         let banning = self
             .running
             .iter()
             .any(|row| row.spec.prevent_newline_after_colon.is_some());
-        if !self.overlap || !same_rows || banning || self.front_fits(decoder) {
+        if !self.overlap || banning || self.front_fits(decoder) {
             return None;
         }
-        let kept: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].tokens.len() + 1 < self.running[i].spec.total)
-            .collect();
+        // Rows keep their order, so the running rows are the flight's still running, in its
+        // order; a row the walk does not find there joined since.
+        let mut in_flight = flight.rows.iter().enumerate();
+        let mut kept = Vec::new();
+        for (i, row) in self.running.iter().enumerate() {
+            let (k, _) = in_flight.find(|&(_, &id)| id == row.id)?;
+            if row.tokens.len() + 1 < row.spec.total {
+                kept.push((i, k));
+            }
+        }
         (!kept.is_empty()).then_some(kept)
-    }
-
-    /// Where running row `i` is in `flight`'s rows (it is there).
-    fn flight_index(&self, flight: &InFlight, i: usize) -> usize {
-        let id = self.running[i].id;
-        flight
-            .rows
-            .iter()
-            .position(|&r| r == id)
-            .expect("running rows are in the flight")
     }
 
     /// Whether the first waiting request would be admitted now.

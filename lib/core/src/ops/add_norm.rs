@@ -935,12 +935,7 @@ fn tolerance(kind: Kind) -> f64 {
 pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
     let rows = 37;
-    let made_up = |shape: &[i64], step: f64, scale: f64| {
-        let count: i64 = shape.iter().product();
-        ((Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale)
-            .view(shape)
-            .to_kind(kind)
-    };
+    let made_up = super::made_up(kind, cuda);
     let residual = made_up(&[rows, hidden], 0.37, 2.0);
     let delta = made_up(&[rows, hidden], 0.71, 0.5);
     let grad_normed = made_up(&[rows, hidden], 0.13, 1.0);

@@ -618,12 +618,11 @@ pub fn reference(grad: &Tensor, preactivation: &Tensor) -> (Tensor, Tensor) {
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
     let (rows, columns) = (300, 1032);
-    let made_up = |step: f64, scale: f64| {
-        ((Tensor::arange(rows * columns, (Kind::Float, cuda)) * step).sin() * scale)
-            .view([rows, columns])
-            .to_kind(kind)
-    };
-    let (grad, preactivation) = (made_up(0.37, 1.0), made_up(0.11, 3.0));
+    let made_up = super::made_up(kind, cuda);
+    let (grad, preactivation) = (
+        made_up(&[rows, columns], 0.37, 1.0),
+        made_up(&[rows, columns], 0.11, 3.0),
+    );
     let (want_input, want_sums) = reference(&grad, &preactivation);
     let main = Tensor::zeros([columns], (Kind::Float, cuda));
     let got = gelu_backward_with_bias_grad(&grad, &preactivation, &main)?;

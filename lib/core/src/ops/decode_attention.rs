@@ -735,12 +735,7 @@ pub fn tolerance(kind: Kind) -> f64 {
 /// Draws no random numbers.
 pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = |shape: &[i64], step: f64, scale: f64| {
-        let count: i64 = shape.iter().product();
-        ((Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale)
-            .to_kind(kind)
-            .view(shape)
-    };
+    let made_up = super::made_up(kind, cuda);
     // Small enough for every dtype's slice to fit beside other kernels.
     let (hidden, heads, groups) = (128, 4, 2);
     let lengths = [1i64, 37, 300];

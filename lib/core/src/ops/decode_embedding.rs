@@ -167,10 +167,11 @@ pub fn reference(
     tokens: &Tensor,
     positions: &Tensor,
 ) -> Tensor {
-    let mut out = Tensor::embedding(words, tokens, -1, false, false);
-    if let Some(places) = places {
-        out = out + Tensor::embedding(places, positions, -1, false, false);
-    }
+    let looked_up = Tensor::embedding(words, tokens, -1, false, false);
+    let out = match places {
+        Some(places) => looked_up + Tensor::embedding(places, positions, -1, false, false),
+        None => looked_up,
+    };
     out.transpose(0, 1)
 }
 
@@ -178,13 +179,8 @@ pub fn reference(
 /// [`reference`]: the same bits, with and without position embeddings, on repeated tokens.
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = |rows: i64, columns: i64, step: f64| {
-        (Tensor::arange(rows * columns, (Kind::Float, cuda)) * step)
-            .sin()
-            .to_kind(kind)
-            .view([rows, columns])
-    };
-    let (words, places) = (made_up(97, 72, 0.37), made_up(40, 72, 0.11));
+    let made_up = super::made_up(kind, cuda);
+    let (words, places) = (made_up(&[97, 72], 0.37, 1.0), made_up(&[40, 72], 0.11, 1.0));
     let tokens = Tensor::from_slice(&[5i64, 96, 0, 5, 41])
         .to_device(cuda)
         .view([5, 1]);

@@ -923,12 +923,7 @@ pub fn tolerance(kind: Kind) -> (f64, f64) {
 /// (seeded sampling must not depend on whether it ran).
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = |shape: &[i64], step: f64, scale: f64| {
-        let count: i64 = shape.iter().product();
-        ((Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale)
-            .to_kind(kind)
-            .view(shape)
-    };
+    let made_up = super::made_up(kind, cuda);
     let (absolute, relative) = tolerance(kind);
     struct Case {
         rows: i64,

@@ -547,9 +547,7 @@ pub fn adamw(
 /// depends on the kernels.
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = |count: i64, step: f64, scale: f64| {
-        (Tensor::arange(count, (Kind::Float, cuda)) * step).sin() * scale
-    };
+    let made_up = super::made_up(Kind::Float, cuda);
     // (buffer start, shard start, length, decayed): the last starts off 16-byte alignment.
     let layout = [
         (0, 0, 2 * CHUNK + 37, true),
@@ -566,10 +564,10 @@ pub fn self_check(device: usize, kind: Kind) -> Result<()> {
         })
         .collect();
     let len = (2 * CHUNK + 384) as i64;
-    let grads = made_up(len, 0.71, 1e-2);
-    let main = made_up(len, 0.13, 1.0);
-    let exp_avg = made_up(len, 0.29, 1e-3);
-    let exp_avg_sq = made_up(len, 0.53, 1e-4).square();
+    let grads = made_up(&[len], 0.71, 1e-2);
+    let main = made_up(&[len], 0.13, 1.0);
+    let exp_avg = made_up(&[len], 0.29, 1e-3);
+    let exp_avg_sq = made_up(&[len], 0.53, 1e-4).square();
     let model = main.to_kind(kind);
     let divisor = Tensor::from(1.5f32).to_device(cuda);
     let step = Tensor::from(3.0f32).to_device(cuda);
