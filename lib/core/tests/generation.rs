@@ -4,6 +4,8 @@
 //! paged decode step CUDA graphs replay (rows at different positions) against the cached forward, and on a GPU the
 //! graphed decoder against the eager one.
 
+use std::sync::Mutex;
+
 use clap::Parser;
 use megatron_core::args::ModelArgs;
 use megatron_core::inference::{
@@ -80,8 +82,23 @@ fn llama_like() -> GptModel {
 }
 
 /// Generation with a fresh eager decoder.
+/// Generation draws each request's seed from libtorch's default CPU generator, which the tests
+/// of this binary share across their threads: generating holds this lock, and a test that seeds
+/// the generator holds it from the seed to the generation, so that no other test draws between.
+static DEFAULT_GENERATOR: Mutex<()> = Mutex::new(());
+
 fn generate(model: &GptModel, request: &GenerationRequest) -> anyhow::Result<Generation> {
-    generate_tokens(model, request, &mut Decoder::eager())
+    generate_with(model, request, &mut Decoder::eager())
+}
+
+/// [`generate_tokens`] under [`DEFAULT_GENERATOR`].
+fn generate_with(
+    model: &GptModel,
+    request: &GenerationRequest,
+    decoder: &mut Decoder,
+) -> anyhow::Result<Generation> {
+    let _drawing = DEFAULT_GENERATOR.lock().unwrap_or_else(|p| p.into_inner());
+    generate_tokens(model, request, decoder)
 }
 
 /// Log-softmax of the full-forward logits over the true vocabulary, `[s, V]`.
@@ -221,12 +238,10 @@ fn sampling_is_reproducible_for_a_seed_and_stays_in_the_vocabulary() {
         top_p_bound: 0.5,
     };
     let run = |seed: i64| {
+        let _drawing = DEFAULT_GENERATOR.lock().unwrap_or_else(|p| p.into_inner());
         tch::manual_seed(seed);
-        generate(
-            &model,
-            &request(prompts(), 16, sampling, StopCondition::Never),
-        )
-        .unwrap()
+        let request = request(prompts(), 16, sampling, StopCondition::Never);
+        generate_tokens(&model, &request, &mut Decoder::eager()).unwrap()
     };
     let (a, b, c) = (run(11), run(11), run(12));
     assert_eq!(a, b);
@@ -380,8 +395,8 @@ fn a_reused_decoder_gives_what_a_fresh_one_gives() {
     let mut second = first.clone();
     second.prompts = vec![vec![9, 9, 9, 9, 9, 9], vec![3], vec![200, 100, 50]];
     let mut decoder = Decoder::eager();
-    generate_tokens(&model, &first, &mut decoder).unwrap();
-    let reused = generate_tokens(&model, &second, &mut decoder).unwrap();
+    generate_with(&model, &first, &mut decoder).unwrap();
+    let reused = generate_with(&model, &second, &mut decoder).unwrap();
     assert_eq!(reused, generate(&model, &second).unwrap());
 }
 
@@ -407,8 +422,8 @@ fn cuda_graph_decoding_equals_eager_decoding() {
             // Up to 40 + 200 positions: the windows of 128 and 256 slots.
             let request = request(prompts, 200, Sampling::greedy(), StopCondition::Never);
             let mut gathered = Decoder::eager().with_gathered_attention();
-            let eager = generate_tokens(&model, &request, &mut gathered).unwrap();
-            let replayed = generate_tokens(&model, &request, &mut graphed).unwrap();
+            let eager = generate_with(&model, &request, &mut gathered).unwrap();
+            let replayed = generate_with(&model, &request, &mut graphed).unwrap();
             assert_eq!(replayed.tokens, eager.tokens);
             let (a, b) = (replayed.logprobs.unwrap(), eager.logprobs.unwrap());
             for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
