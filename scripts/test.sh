@@ -24,13 +24,9 @@ if ! cmp -s scripts/test-requirements.txt "$stamp"; then
 fi
 export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
 
-# The data crate, the data tools and the checkpoint-format crate must never pull in libtorch.
-for crate in megatron-data megatron-checkpoint; do
-  if cargo tree --locked -p "$crate" -e normal,build --prefix none | grep -Eq '^(tch|torch-sys) '; then
-    echo "test: error: $crate depends on libtorch" >&2
-    exit 1
-  fi
-done
+# The layering: crates depend on lower floors only, no libtorch on the data side, no HTTP in
+# the training binaries.
+scripts/check_layout.sh
 
 cargo build --locked --workspace --bins
 cargo test --locked --workspace "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Batch-1 decode steps on one GPU, GPT-345M shape (24 layers, hidden 1024, 16 heads) in bf16
-# with random weights: lib/core/examples/decode_step.rs times steps with the argmax read on the
+# with random weights: lib/inference/examples/decode_step.rs times steps with the argmax read on the
 # host after each and as the server runs them (the next step queued first, reading the argmax on
 # the GPU), with the fused decode kernels and with --no-decode-fusion, then
 # scripts/bench/profile_summary.py lists the kernels of 20 traced steps of each (as the server
@@ -17,7 +17,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 if [[ -z "${PRETRAIN_GPT:-}" || -z "${DECODE_STEP:-}" ]]; then
     (cd "$ROOT" && cargo build --release --quiet -p pretrain_gpt \
-        && cargo build --release --quiet -p megatron-core --example decode_step)
+        && cargo build --release --quiet -p megatron-inference --example decode_step)
 fi
 PRETRAIN_GPT="${PRETRAIN_GPT:-${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_gpt}"
 DECODE_STEP="${DECODE_STEP:-${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/decode_step}"

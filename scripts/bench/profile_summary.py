@@ -27,7 +27,7 @@ KINDS = [
     ("normalisation", r"layer_?norm|rms_?norm|gammabeta|_norm_"),
     ("cross entropy", r"softmax|nll_loss|cross_entropy|logsumexp"),
     # "lamb" must not match the "lambda" in templated elementwise kernel names; sum_squares is
-    # the gradient norm of our own optimizer kernels (lib/core/src/ops/optimizer_kernels.rs).
+    # the gradient norm of our own optimizer kernels (lib/kernels/src/ops/optimizer_kernels.rs).
     ("optimizer", r"adam|multi_tensor|foreach|lamb(?!da)|sgd|sum_squares"),
     ("communication", r"nccl"),
     ("elementwise/other", r"."),

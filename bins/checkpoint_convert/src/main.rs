@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use megatron_core::checkpoint::find_checkpoint;
-use megatron_core::convert::{
+use megatron_convert::{
     load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reshape_t5, save_hf,
     save_megatron_rs, save_megatron_torch, t5_max_logit_difference, use_one_torch_thread, verify,
     vocab_file_size, LoadOptions, TargetLayout,
 };
+use megatron_store::find_checkpoint;
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
 ///

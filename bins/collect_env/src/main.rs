@@ -3,7 +3,7 @@
 
 use anyhow::ensure;
 use clap::Parser;
-use megatron_core::runtime::{self, self_test};
+use megatron_kernels::runtime::{self, self_test};
 use std::process::ExitCode;
 use tch::Device;
 

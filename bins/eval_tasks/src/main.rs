@@ -9,12 +9,14 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::ProgressBar;
-use megatron_core::args::{CheckpointModelArgs, FinetuneArgs, TokenizerArgs};
-use megatron_core::tasks::{
+use megatron_data::flags::TokenizerArgs;
+use megatron_data::tokenizer::build_tokenizer;
+use megatron_inference::CheckpointModelArgs;
+use megatron_training::args::FinetuneArgs;
+use megatron_training::join_job;
+use megatron_training::tasks::{
     evaluate, finetune, EvalModel, EvalObserver, EvalOptions, FinetuneTask, LambadaReportKind, Task,
 };
-use megatron_core::training::join_job;
-use megatron_data::tokenizer::build_tokenizer;
 
 /// Evaluate a GPT checkpoint as Megatron's `tasks/main.py` does:
 /// `eval_tasks --task LAMBADA --valid-data lambada_test.jsonl --strict-lambada --load ckpt
@@ -150,17 +152,17 @@ fn main() -> ExitCode {
 
 fn run_finetune(args: &FinetuneArgs) -> Result<()> {
     let common = &args.model.common;
-    let (job, runtime) = join_job(&common.parallel, &common.training.device)?;
+    let (job, placement) = join_job(&common.parallel, &common.training.device)?;
     let mut console = Console {
-        print: runtime.parallel.is_logging_rank(),
+        print: placement.parallel.is_logging_rank(),
         bar: None,
     };
-    let summary = finetune(args, &runtime, &mut console)?;
+    let summary = finetune(args, &placement, &mut console)?;
     if let (Some(path), true) = (&args.task.results_json, console.print) {
         write_results(path, &summary.json())?;
     }
     console.log(&summary.line());
-    drop(runtime);
+    drop(placement);
     job.finish()
 }
 

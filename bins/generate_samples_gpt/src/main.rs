@@ -8,13 +8,12 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
-use megatron_core::inference::{
-    generate_tokens, Decoder, GenerationRequest, Sampling, StopCondition,
-};
-use megatron_core::parallel::ParallelState;
-use megatron_core::training::resolve_device;
+use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::build_tokenizer;
+use megatron_inference::CheckpointModelArgs;
+use megatron_inference::{generate_tokens, Decoder, GenerationRequest, Sampling, StopCondition};
+use megatron_kernels::runtime::resolve_device;
+use megatron_parallel::ParallelState;
 
 /// Continue prompts with a GPT checkpoint: `--prompt` texts, or one prompt per line of
 /// `--sample-input-file`; each continuation is printed (or written to `--sample-output-file`

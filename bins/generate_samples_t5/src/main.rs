@@ -9,18 +9,19 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use megatron_core::args::{CheckpointModelArgs, DataArgs, TokenizerArgs};
-use megatron_core::inference::{
-    encode_with_sentinels, greedy_decode, score_t5_batch, GreedyOptions, ScoreTotals, T5Decoding,
-};
-use megatron_core::loader::{DeviceBatch, T5Batch};
-use megatron_core::model::T5Model;
-use megatron_core::parallel::{Job, ParallelState};
-use megatron_core::training::{t5_split_dataset, Masking, T5DataRequest};
 use megatron_data::blend::{DataPathFlags, SplitDataset};
+use megatron_data::flags::{DataArgs, TokenizerArgs};
 use megatron_data::gpt::Split;
 use megatron_data::masked::{masked_tokenizer, T5MaskedWordPieceDataset, T5Sample};
 use megatron_data::tokenizer::{BertWordPiece, Tokenizer};
+use megatron_inference::CheckpointModelArgs;
+use megatron_inference::{
+    encode_with_sentinels, greedy_decode, score_t5_batch, GreedyOptions, ScoreTotals, T5Decoding,
+};
+use megatron_models::loader::{DeviceBatch, T5Batch};
+use megatron_models::T5Model;
+use megatron_parallel::{Job, ParallelState};
+use megatron_training::{t5_split_dataset, Masking, T5DataRequest};
 use tch::{Device, Kind, Tensor};
 
 /// Look into a T5 checkpoint trained by pretrain_t5: `score` gives the teacher-forced decoder

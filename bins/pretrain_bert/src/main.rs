@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use megatron_core::args::BertPretrainArgs;
-use megatron_core::training::{pretrain_bert, run_job};
+use megatron_training::args::BertPretrainArgs;
+use megatron_training::{pretrain_bert, run_job};
 
 /// Pretrain a BERT model (masked-LM and, unless --bert-no-binary-head, sentence-order
 /// prediction) on Megatron indexed datasets preprocessed with --split-sentences (or

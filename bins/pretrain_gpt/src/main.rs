@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use megatron_core::args::GptPretrainArgs;
-use megatron_core::training::{pretrain_gpt, run_job};
+use megatron_training::args::GptPretrainArgs;
+use megatron_training::{pretrain_gpt, run_job};
 
 /// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU, many GPUs
 /// (launched by torchrun or srun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT or

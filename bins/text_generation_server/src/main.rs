@@ -7,15 +7,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use megatron_core::args::{CheckpointModelArgs, TokenizerArgs};
-use megatron_core::inference::chat::ChatTemplate;
-use megatron_core::inference::{
-    BatchLimits, GenerationServer, KvBudget, ServerOptions, TextGenerationService,
-    DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNK,
-};
-use megatron_core::parallel::ParallelState;
-use megatron_core::signals::{exit_requested, install_exit_handler};
+use megatron_cli::signals::{exit_requested, install_exit_handler};
+use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
+use megatron_inference::CheckpointModelArgs;
+use megatron_inference::{BatchLimits, KvBudget, DEFAULT_PREFILL_CHUNK};
+use megatron_parallel::ParallelState;
+use megatron_serving::chat::ChatTemplate;
+use megatron_serving::{
+    GenerationServer, ServerOptions, TextGenerationService, DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS,
+};
 
 /// Serve a GPT checkpoint over HTTP: `curl -X PUT localhost:5000/api -H 'Content-Type:
 /// application/json' -d '{"prompts": ["Hello"], "tokens_to_generate": 16}'`.
@@ -127,7 +129,7 @@ fn main() -> ExitCode {
         cli.model.print_ignored_flag_notes("text_generation_server");
         let (job, parallel, device) = cli.model.join_job()?;
         let rank = job.env.rank;
-        megatron_core::rng::manual_seed(device, cli.model.seed)?;
+        megatron_kernels::rng::manual_seed(device, cli.model.seed)?;
         tch::manual_seed(cli.model.seed as i64);
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
         let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);

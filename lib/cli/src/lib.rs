@@ -8,6 +8,9 @@
 //! * long work draws an indicatif progress bar on stderr (only when stderr is a terminal) and ends
 //!   with a one-line summary on stdout.
 
+pub mod python_format;
+pub mod signals;
+
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
 use std::time::Duration;

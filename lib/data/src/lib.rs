@@ -2,6 +2,7 @@
 //! install and can run on machines without a GPU stack.
 pub mod blend;
 pub mod cache;
+pub mod flags;
 pub mod gpt;
 pub mod indexed;
 pub mod masked;

@@ -4,14 +4,12 @@
 
 mod generator;
 mod mt19937;
-mod mt19937_64;
 mod pcg64;
 mod random_state;
 mod seed_sequence;
 
 pub use generator::Generator;
-pub use mt19937::Mt19937;
-pub use mt19937_64::Mt19937_64;
+pub use mt19937::{Mt19937, Mt19937_64};
 pub use pcg64::Pcg64;
 pub use random_state::RandomState;
 pub use seed_sequence::SeedSequence;

@@ -1,0 +1,700 @@
+//! HuggingFace checkpoints in and out: `GPT2LMHeadModel` and the Llama family
+//! (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`: GQA, untied output,
+//! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
+//! safetensors with a `config.json` that `transformers` loads without edits.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use megatron_checkpoint::TorchFile;
+use serde_json::{json, Value as Json};
+use tch::{Kind, Tensor};
+
+use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
+use super::megatron_torch::tensor_of;
+use super::state::{ModelState, RunState, Tensors};
+use megatron_models::{
+    hf::{self as mapping, Recipe},
+    Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
+};
+use megatron_store::{write_tensors_streamed, TensorEntry};
+
+/// Every tensor of a HuggingFace model directory (sharded or not), read lazily: from
+/// `*.safetensors` or `pytorch_model*.bin` (zip archives of pickles).
+fn read_hf_tensors(directory: &Path) -> Result<HashMap<String, LazyTensor>> {
+    let mut files: Vec<_> = std::fs::read_dir(directory)
+        .with_context(|| format!("listing {}", directory.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    let safetensors: Vec<_> = files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    let mut out = HashMap::new();
+    if !safetensors.is_empty() {
+        for path in safetensors {
+            out.extend(safetensors_tensors(path)?);
+        }
+        return Ok(out);
+    }
+    let bins: Vec<_> = files
+        .iter()
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("pytorch_model") && n.ends_with(".bin"))
+        })
+        .collect();
+    ensure!(
+        !bins.is_empty(),
+        "{}: no *.safetensors or pytorch_model*.bin weights",
+        directory.display()
+    );
+    for path in bins {
+        let file = TorchFile::open(path)?;
+        let input = InputFile::open(path)?;
+        for (name, tensor) in file.tensors() {
+            let lazy = tensor_of(&file, &input, tensor)
+                .with_context(|| format!("{}: tensor {name}", path.display()))?;
+            out.insert(name, lazy);
+        }
+    }
+    Ok(out)
+}
+
+/// The Megatron tensors `recipes` make from the HuggingFace `tensors`, each read when a saver
+/// asks for it; every input's shape is checked against the config first.
+fn imported(recipes: Vec<Recipe>, tensors: &HashMap<String, LazyTensor>) -> Result<Tensors> {
+    recipes
+        .into_iter()
+        .map(|recipe| {
+            let inputs = recipe
+                .inputs
+                .iter()
+                .map(|(name, shape)| {
+                    let tensor = tensors
+                        .get(name)
+                        .with_context(|| format!("no tensor {name}"))?;
+                    ensure!(
+                        tensor.shape() == shape.as_slice(),
+                        "tensor {name} has shape {:?}, config.json implies {shape:?}",
+                        tensor.shape()
+                    );
+                    Ok(tensor.clone())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let tensor = match recipe.rows {
+                Some(rows) => LazyTensor::row_ranges(
+                    rows.into_iter()
+                        .map(|(input, start, count)| (inputs[input].clone(), start, count))
+                        .collect(),
+                )?
+                .with_rows(recipe.shape[0]),
+                None => LazyTensor::derived(inputs, recipe.shape, recipe.make)?,
+            };
+            Ok((recipe.name, tensor))
+        })
+        .collect()
+}
+
+fn int(config: &Json, key: &str) -> Result<i64> {
+    config[key]
+        .as_i64()
+        .with_context(|| format!("config.json has no integer {key}"))
+}
+
+/// The RoPE scaling of a Llama-family `config.json`: transformers ≥ 5 writes
+/// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45).
+fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
+    let parameters = [&hf["rope_parameters"], &hf["rope_scaling"]]
+        .into_iter()
+        .find(|p| p.is_object());
+    let Some(parameters) = parameters else {
+        return Ok(None);
+    };
+    let kind = parameters["rope_type"]
+        .as_str()
+        .or(parameters["type"].as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let number = |key: &str| {
+                parameters[key].as_f64().with_context(|| {
+                    format!("config.json: llama3 rope scaling has no number {key}")
+                })
+            };
+            let scaling = RopeScaling {
+                factor: number("factor")?,
+                low_freq_factor: number("low_freq_factor")?,
+                high_freq_factor: number("high_freq_factor")?,
+                original_max_position_embeddings: number("original_max_position_embeddings")?
+                    as i64,
+            };
+            scaling
+                .validate()
+                .context("config.json: llama3 rope scaling")?;
+            Ok(Some(scaling))
+        }
+        other => {
+            bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)")
+        }
+    }
+}
+
+/// `config.json`'s RoPE entries: `rope_parameters` for transformers ≥ 5, `rope_theta` and
+/// `rope_scaling` for older readers (vLLM, transformers 4).
+fn rope_to_hf(config: &TransformerConfig, hf: &mut Json) {
+    let mut parameters = json!({"rope_theta": config.rotary_base, "rope_type": "default"});
+    hf["rope_theta"] = json!(config.rotary_base);
+    if let Some(scaling) = &config.rope_scaling {
+        let scaling = json!({
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        });
+        for (key, value) in scaling.as_object().expect("a JSON object") {
+            parameters[key] = value.clone();
+        }
+        hf["rope_scaling"] = scaling;
+    }
+    hf["rope_parameters"] = parameters;
+}
+
+/// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
+pub fn config_from_hf(
+    hf: &Json,
+    make_vocab_size_divisible_by: i64,
+) -> Result<(String, TransformerConfig)> {
+    let architecture = hf["architectures"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let tie = hf["tie_word_embeddings"].as_bool();
+    let config = match architecture.as_str() {
+        "GPT2LMHeadModel" => {
+            let hidden = int(hf, "n_embd")?;
+            let heads = int(hf, "n_head")?;
+            let activation = match hf["activation_function"].as_str().unwrap_or("gelu_new") {
+                "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
+                "gelu" => Activation::GeluErf,
+                other => bail!("config.json: activation_function {other} is not supported"),
+            };
+            ensure!(tie != Some(false), "config.json: untied GPT-2 output layers are not supported");
+            TransformerConfig {
+                num_layers: int(hf, "n_layer")? as usize,
+                hidden_size: hidden,
+                num_attention_heads: heads,
+                num_query_groups: heads,
+                kv_channels: hidden / heads,
+                ffn_hidden_size: hf["n_inner"].as_i64().unwrap_or(4 * hidden),
+                max_position_embeddings: int(hf, "n_positions")?,
+                vocab_size: int(hf, "vocab_size")?,
+                make_vocab_size_divisible_by,
+                position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
+                rotary_base: 10000.0,
+                rotary_percent: 1.0,
+                rope_scaling: None,
+                normalization: Normalization::LayerNorm,
+                norm_epsilon: hf["layer_norm_epsilon"].as_f64().unwrap_or(1e-5),
+                apply_layernorm_1p: false,
+                activation,
+                add_bias_linear: true,
+                add_qkv_bias: true,
+                untie_embeddings_and_output_weights: false,
+                apply_residual_connection_post_layernorm: false,
+                hidden_dropout: 0.0,
+                attention_dropout: 0.0,
+                init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+            }
+        }
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+            let hidden = int(hf, "hidden_size")?;
+            let heads = int(hf, "num_attention_heads")?;
+            let rope_scaling = rope_scaling_from_hf(hf)?;
+            ensure!(
+                hf["hidden_act"].as_str().unwrap_or("silu") == "silu",
+                "config.json: hidden_act {} is not supported (SwiGLU needs silu)",
+                hf["hidden_act"]
+            );
+            let qkv_bias = architecture == "Qwen2ForCausalLM" || hf["attention_bias"].as_bool() == Some(true);
+            ensure!(
+                hf["mlp_bias"].as_bool() != Some(true),
+                "config.json: mlp_bias is not supported"
+            );
+            TransformerConfig {
+                num_layers: int(hf, "num_hidden_layers")? as usize,
+                hidden_size: hidden,
+                num_attention_heads: heads,
+                num_query_groups: hf["num_key_value_heads"].as_i64().unwrap_or(heads),
+                kv_channels: hf["head_dim"].as_i64().unwrap_or(hidden / heads),
+                ffn_hidden_size: int(hf, "intermediate_size")?,
+                max_position_embeddings: int(hf, "max_position_embeddings")?,
+                vocab_size: int(hf, "vocab_size")?,
+                make_vocab_size_divisible_by,
+                position_embedding_type: PositionEmbeddingType::Rope,
+                rotary_base: hf["rope_parameters"]["rope_theta"]
+                    .as_f64()
+                    .or(hf["rope_theta"].as_f64())
+                    .unwrap_or(10000.0),
+                rotary_percent: 1.0,
+                rope_scaling,
+                normalization: Normalization::RMSNorm,
+                norm_epsilon: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+                apply_layernorm_1p: false,
+                activation: Activation::Swiglu,
+                add_bias_linear: false,
+                add_qkv_bias: qkv_bias,
+                untie_embeddings_and_output_weights: tie != Some(true),
+                apply_residual_connection_post_layernorm: false,
+                hidden_dropout: 0.0,
+                attention_dropout: 0.0,
+                init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+            }
+        }
+        "" => bail!("config.json names no architecture"),
+        other => bail!(
+            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
+        ),
+    };
+    Ok((architecture, config))
+}
+
+/// Loads a HuggingFace model directory.
+pub fn load_hf(
+    directory: &Path,
+    make_vocab_size_divisible_by: i64,
+    true_vocab_size: Option<i64>,
+) -> Result<ModelState> {
+    let path = directory.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let hf: Json =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let (architecture, config) = config_from_hf(&hf, make_vocab_size_divisible_by)
+        .with_context(|| path.display().to_string())?;
+    if let Some(size) = true_vocab_size {
+        ensure!(
+            size == config.vocab_size,
+            "--true-vocab-size {size} disagrees with {} (vocab_size {})",
+            path.display(),
+            config.vocab_size
+        );
+    }
+    let tensors = read_hf_tensors(directory)?;
+    let dtype = tensors
+        .values()
+        .map(LazyTensor::kind)
+        .find(|k| matches!(k, Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16))
+        .unwrap_or(Kind::Float);
+    let weights = if architecture == "GPT2LMHeadModel" {
+        // Older exports prefix names with `transformer.` only sometimes.
+        let tensors: HashMap<String, LazyTensor> = tensors
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    if k.starts_with("transformer.") || k.starts_with("lm_head") {
+                        k
+                    } else {
+                        format!("transformer.{k}")
+                    },
+                    v,
+                )
+            })
+            .collect();
+        imported(mapping::gpt2_recipes(&config), &tensors)
+    } else {
+        if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
+            bail!(
+                "{}: untied model without lm_head.weight",
+                directory.display()
+            );
+        }
+        imported(mapping::llama_recipes(&config), &tensors)
+    }
+    .with_context(|| directory.display().to_string())?;
+    let params_dtype = match dtype {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    };
+    Ok(ModelState {
+        weights,
+        config,
+        params_dtype: params_dtype.to_string(),
+        optimizer: None,
+        run: RunState {
+            args: json!({"hf_architecture": architecture}),
+            ..Default::default()
+        },
+        source_parallel: (1, 1),
+        source: format!("HuggingFace {architecture} {}", directory.display()),
+    })
+}
+
+type Make<'a> = Box<dyn Fn(&Exports<'a>) -> Result<Tensor> + 'a>;
+
+/// How one exported tensor is made.
+enum Export<'a> {
+    /// Rows of our tensors, streamed in chunks.
+    Rows(LazyTensor),
+    /// A function of whole tensors (GPT-2's transposed Conv1D weights, one layer's).
+    Make(Make<'a>),
+}
+
+/// The tensors of an export: each one's name, shape and how it is made from the state, so
+/// that they are read and written one at a time, in chunks of rows where they are rows of
+/// ours.
+struct Exports<'a> {
+    state: &'a ModelState,
+    kind: Kind,
+    entries: Vec<(String, Vec<i64>, Export<'a>)>,
+}
+
+impl<'a> Exports<'a> {
+    fn new(state: &'a ModelState, kind: Kind) -> Self {
+        Exports {
+            state,
+            kind,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Our tensor `name` in the export's dtype.
+    fn get(&self, name: &str) -> Result<Tensor> {
+        Ok(self.state.read(name)?.to_kind(self.kind))
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<i64>> {
+        Ok(self.state.tensor(name)?.shape().to_vec())
+    }
+
+    fn add(
+        &mut self,
+        name: String,
+        shape: Vec<i64>,
+        make: impl Fn(&Exports<'a>) -> Result<Tensor> + 'a,
+    ) {
+        self.entries
+            .push((name, shape, Export::Make(Box::new(make))));
+    }
+
+    /// Row ranges `(start, count)` of our tensor `ours`, stacked.
+    fn rows(&mut self, hf: String, ours: &str, ranges: &[(i64, i64)]) -> Result<()> {
+        let tensor = self.state.tensor(ours)?;
+        let rows = LazyTensor::row_ranges(
+            ranges
+                .iter()
+                .map(|&(start, count)| (tensor.clone(), start, count))
+                .collect(),
+        )
+        .with_context(|| format!("{}: {ours}", self.state.source))?;
+        self.entries
+            .push((hf, rows.shape().to_vec(), Export::Rows(rows)));
+        Ok(())
+    }
+
+    fn copy(&mut self, hf: &str, ours: &str) -> Result<()> {
+        let rows = self.shape(ours)?[0];
+        self.rows(hf.to_string(), ours, &[(0, rows)])
+    }
+
+    fn transposed(&mut self, hf: &str, ours: &str) -> Result<()> {
+        let mut shape = self.shape(ours)?;
+        shape.reverse();
+        let ours = ours.to_string();
+        self.add(hf.to_string(), shape, move |x| Ok(x.get(&ours)?.tr()));
+        Ok(())
+    }
+
+    /// A vocabulary-parallel tensor without its padding rows.
+    fn vocabulary(&mut self, hf: &str, ours: &str, vocab: i64) -> Result<()> {
+        self.rows(hf.to_string(), ours, &[(0, vocab)])
+    }
+
+    fn write(&self, path: &Path, metadata: HashMap<String, String>) -> Result<()> {
+        let entries: Vec<TensorEntry> = self
+            .entries
+            .iter()
+            .map(|(name, shape, _)| TensorEntry {
+                name: name.clone(),
+                kind: self.kind,
+                shape: shape.clone(),
+            })
+            .collect();
+        write_tensors_streamed(path, &entries, metadata, |i, emit| {
+            let (name, shape, export) = &self.entries[i];
+            match export {
+                Export::Rows(rows) => rows.for_each_chunk(|chunk| emit(&chunk.to_kind(self.kind))),
+                Export::Make(make) => {
+                    let tensor = make(self)?;
+                    ensure!(
+                        &tensor.size() == shape,
+                        "{name} came out of shape {:?}, {shape:?} expected",
+                        tensor.size()
+                    );
+                    emit(&tensor)?;
+                    drop(tensor);
+                    return_freed_memory();
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+fn hf_dtype_name(params_dtype: &str) -> &'static str {
+    match params_dtype {
+        "bfloat16" => "bfloat16",
+        "float16" => "float16",
+        _ => "float32",
+    }
+}
+
+/// Writes `state` as a HuggingFace model into `directory` (created), with `tokenizer_files`
+/// copied beside it.
+pub fn save_hf(
+    state: &ModelState,
+    directory: &Path,
+    tokenizer_files: &[(&Path, &str)],
+) -> Result<()> {
+    let config = &state.config;
+    let vocab = config.vocab_size;
+    let kind = super::state::kind_named(&state.params_dtype)?;
+    let (n, g, d, h) = (
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+        config.hidden_size,
+    );
+    let mut out = Exports::new(state, kind);
+    let hf_config = match (
+        config.position_embedding_type,
+        config.normalization,
+        config.activation,
+    ) {
+        (
+            PositionEmbeddingType::LearnedAbsolute,
+            Normalization::LayerNorm,
+            Activation::GeluTanh | Activation::GeluErf,
+        ) => {
+            ensure!(
+                !config.untie_embeddings_and_output_weights && config.add_bias_linear && n == g && d * n == h,
+                "{}: only GPT-2-shaped models (tied, with biases, no GQA) export as GPT2LMHeadModel",
+                state.source
+            );
+            out.vocabulary(
+                "transformer.wte.weight",
+                "embedding.word_embeddings.weight",
+                vocab,
+            )?;
+            out.copy(
+                "transformer.wpe.weight",
+                "embedding.position_embeddings.weight",
+            )?;
+            for i in 0..config.num_layers {
+                let m = |s: &str| format!("decoder.layers.{i}.{s}");
+                let t = |s: &str| format!("transformer.h.{i}.{s}");
+                for (norm, hf_norm) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")]
+                {
+                    for leaf in ["weight", "bias"] {
+                        out.copy(
+                            &t(&format!("{hf_norm}.{leaf}")),
+                            &m(&format!("{norm}.{leaf}")),
+                        )?;
+                    }
+                }
+                // Megatron's [heads, (q k v), d] rows → GPT-2's [(q k v), heads, d] columns.
+                let qkv = m("self_attention.linear_qkv.weight");
+                out.add(t("attn.c_attn.weight"), vec![h, 3 * n * d], move |x| {
+                    Ok(x.get(&qkv)?
+                        .view([n, 3, d, h])
+                        .permute([1, 0, 2, 3])
+                        .reshape([3 * n * d, h])
+                        .tr())
+                });
+                let bias = m("self_attention.linear_qkv.bias");
+                out.add(t("attn.c_attn.bias"), vec![3 * n * d], move |x| {
+                    Ok(x.get(&bias)?
+                        .view([n, 3, d])
+                        .permute([1, 0, 2])
+                        .reshape([-1]))
+                });
+                for (linear, hf_linear) in [
+                    ("self_attention.linear_proj", "attn.c_proj"),
+                    ("mlp.linear_fc1", "mlp.c_fc"),
+                    ("mlp.linear_fc2", "mlp.c_proj"),
+                ] {
+                    out.transposed(
+                        &t(&format!("{hf_linear}.weight")),
+                        &m(&format!("{linear}.weight")),
+                    )?;
+                    out.copy(
+                        &t(&format!("{hf_linear}.bias")),
+                        &m(&format!("{linear}.bias")),
+                    )?;
+                }
+            }
+            out.copy("transformer.ln_f.weight", "decoder.final_layernorm.weight")?;
+            out.copy("transformer.ln_f.bias", "decoder.final_layernorm.bias")?;
+            json!({
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": vocab,
+                "n_positions": config.max_position_embeddings,
+                "n_embd": h,
+                "n_layer": config.num_layers,
+                "n_head": n,
+                "n_inner": config.ffn_hidden_size,
+                "activation_function": if config.activation == Activation::GeluTanh { "gelu_new" } else { "gelu" },
+                "layer_norm_epsilon": config.norm_epsilon,
+                "initializer_range": config.init_method_std,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": true,
+                "bos_token_id": vocab - 1,
+                "eos_token_id": vocab - 1,
+                "dtype": hf_dtype_name(&state.params_dtype),
+            })
+        }
+        (PositionEmbeddingType::Rope, Normalization::RMSNorm, Activation::Swiglu) => {
+            ensure!(
+                !config.add_bias_linear && config.rotary_percent == 1.0,
+                "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
+                state.source
+            );
+            out.vocabulary(
+                "model.embed_tokens.weight",
+                "embedding.word_embeddings.weight",
+                vocab,
+            )?;
+            let per_group = n / g;
+            for i in 0..config.num_layers {
+                let m = |s: &str| format!("decoder.layers.{i}.{s}");
+                let t = |s: &str| format!("model.layers.{i}.{s}");
+                out.copy(&t("input_layernorm.weight"), &m("input_layernorm.weight"))?;
+                out.copy(
+                    &t("post_attention_layernorm.weight"),
+                    &m("pre_mlp_layernorm.weight"),
+                )?;
+                // Megatron's fused rows per query group: [q × heads-per-group, k, v].
+                let mut leaves = vec!["weight"];
+                if config.add_qkv_bias {
+                    leaves.push("bias");
+                }
+                for leaf in leaves {
+                    let fused = m(&format!("self_attention.linear_qkv.{leaf}"));
+                    for (proj, first, heads) in [
+                        ("q_proj", 0, per_group),
+                        ("k_proj", per_group, 1),
+                        ("v_proj", per_group + 1, 1),
+                    ] {
+                        let ranges: Vec<(i64, i64)> = (0..g)
+                            .map(|group| ((group * (per_group + 2) + first) * d, heads * d))
+                            .collect();
+                        out.rows(t(&format!("self_attn.{proj}.{leaf}")), &fused, &ranges)?;
+                    }
+                }
+                out.copy(
+                    &t("self_attn.o_proj.weight"),
+                    &m("self_attention.linear_proj.weight"),
+                )?;
+                let ffn = config.ffn_hidden_size;
+                for (half, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
+                    out.rows(
+                        t(&format!("mlp.{proj}.weight")),
+                        &m("mlp.linear_fc1.weight"),
+                        &[(half as i64 * ffn, ffn)],
+                    )?;
+                }
+                out.copy(&t("mlp.down_proj.weight"), &m("mlp.linear_fc2.weight"))?;
+            }
+            out.copy("model.norm.weight", "decoder.final_layernorm.weight")?;
+            let tied = !config.untie_embeddings_and_output_weights;
+            if !tied {
+                out.vocabulary("lm_head.weight", "output_layer.weight", vocab)?;
+            }
+            let (architecture, model_type) = if config.add_qkv_bias {
+                ("Qwen2ForCausalLM", "qwen2")
+            } else {
+                ("LlamaForCausalLM", "llama")
+            };
+            let mut hf = json!({
+                "architectures": [architecture],
+                "model_type": model_type,
+                "vocab_size": vocab,
+                "hidden_size": h,
+                "intermediate_size": config.ffn_hidden_size,
+                "num_hidden_layers": config.num_layers,
+                "num_attention_heads": n,
+                "num_key_value_heads": g,
+                "head_dim": d,
+                "max_position_embeddings": config.max_position_embeddings,
+                "rms_norm_eps": config.norm_epsilon,
+                "hidden_act": "silu",
+                "initializer_range": config.init_method_std,
+                "tie_word_embeddings": tied,
+                "attention_dropout": 0.0,
+                "dtype": hf_dtype_name(&state.params_dtype),
+            });
+            rope_to_hf(config, &mut hf);
+            if model_type == "llama" {
+                hf["attention_bias"] = json!(false);
+                hf["mlp_bias"] = json!(false);
+            }
+            hf
+        }
+        _ => bail!(
+            "{}: no HuggingFace architecture matches this model ({:?} positions, {:?}, {:?})",
+            state.source,
+            config.position_embedding_type,
+            config.normalization,
+            config.activation
+        ),
+    };
+    std::fs::create_dir_all(directory)
+        .with_context(|| format!("creating {}", directory.display()))?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    out.write(&directory.join("model.safetensors"), metadata)?;
+    std::fs::write(
+        directory.join("config.json"),
+        serde_json::to_string_pretty(&hf_config)?,
+    )?;
+    for (source, name) in tokenizer_files {
+        std::fs::copy(source, directory.join(name)).with_context(|| {
+            format!("copying {} into {}", source.display(), directory.display())
+        })?;
+    }
+    // AutoTokenizer needs to know which class reads the copied files.
+    let class = if tokenizer_files
+        .iter()
+        .any(|(_, name)| *name == "tokenizer.json")
+    {
+        Some("PreTrainedTokenizerFast")
+    } else if tokenizer_files
+        .iter()
+        .any(|(_, name)| *name == "vocab.json")
+    {
+        Some("GPT2Tokenizer")
+    } else {
+        None
+    };
+    if let Some(class) = class {
+        let mut tokenizer_config =
+            json!({"tokenizer_class": class, "model_max_length": config.max_position_embeddings});
+        if class == "GPT2Tokenizer" {
+            for key in ["bos_token", "eos_token", "unk_token"] {
+                tokenizer_config[key] = json!("<|endoftext|>");
+            }
+        }
+        std::fs::write(
+            directory.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tokenizer_config)?,
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,500 @@
+//! Writing Megatron's `--ckpt-format torch` checkpoints (`--saver core`/`legacy`): per rank
+//! `mp_rank_XX[_YYY]/model_optim_rng.pt` with Megatron-core names in Megatron's module order
+//! (local-spec `_extra_state` entries included, as Megatron's strict `load_state_dict` expects),
+//! `args` as an `argparse.Namespace`, `checkpoint_version` 3.0, `iteration` and the scheduler.
+//! With the optimizer state when the input has one (Adam's moments and the float32 main
+//! parameters, as Megatron's non-distributed optimizer saves them); without RNG states, so
+//! Megatron resumes it with `--no-load-rng`.
+
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
+use megatron_checkpoint::{DType, Value};
+use serde_json::Value as Json;
+
+use super::lazy::with_bytes;
+use super::megatron_torch::param_groups;
+use super::ours::TargetLayout;
+use super::state::{kind_named, shard_of, shard_shape, ModelState, OptimizerState};
+use megatron_models::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
+use megatron_optim::excluded_from_weight_decay;
+use megatron_store::{iteration_directory, rank_directory_name, write_tracker};
+
+fn json_to_value(json: &Json) -> Option<Value> {
+    Some(match json {
+        Json::Null => Value::None,
+        Json::Bool(b) => Value::Bool(*b),
+        Json::Number(n) => match n.as_i64() {
+            Some(i) => Value::Int(i),
+            None => Value::Float(n.as_f64()?),
+        },
+        // Megatron's enums were read as opaque values; Megatron fills them from its own flags.
+        Json::String(s) if s.starts_with("megatron.") && s.contains('(') => return None,
+        Json::String(s) => Value::Str(s.clone()),
+        Json::Array(items) => Value::List(items.iter().filter_map(json_to_value).collect()),
+        Json::Object(map) => Value::Dict(
+            map.iter()
+                .filter_map(|(k, v)| Some((Value::Str(k.clone()), json_to_value(v)?)))
+                .collect(),
+        ),
+    })
+}
+
+/// The args namespace: the source run's flags with the architecture and layout of the output.
+fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(String, Saved)>> {
+    let config = &state.config;
+    if let Some(scaling) = config.rope_scaling.filter(|s| !s.is_megatron_expressible()) {
+        bail!(
+            "{}: Megatron's --use-rope-scaling fixes low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192; this model has {scaling:?}",
+            state.source
+        );
+    }
+    let mut args: Vec<(String, Value)> = state
+        .run
+        .args
+        .as_object()
+        .map(|map| {
+            map.iter()
+                .filter_map(|(k, v)| Some((k.clone(), json_to_value(v)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let dtype = state.params_dtype.as_str();
+    let vp = (target.virtual_stages > 1).then_some(target.virtual_stages as i64);
+    let overrides: Vec<(&str, Value)> = vec![
+        ("num_layers", Value::Int(config.num_layers as i64)),
+        ("hidden_size", Value::Int(config.hidden_size)),
+        ("ffn_hidden_size", Value::Int(config.ffn_hidden_size)),
+        (
+            "num_attention_heads",
+            Value::Int(config.num_attention_heads),
+        ),
+        (
+            "group_query_attention",
+            Value::Bool(config.num_query_groups != config.num_attention_heads),
+        ),
+        ("num_query_groups", Value::Int(config.num_query_groups)),
+        ("kv_channels", Value::Int(config.kv_channels)),
+        (
+            "max_position_embeddings",
+            Value::Int(config.max_position_embeddings),
+        ),
+        (
+            "padded_vocab_size",
+            Value::Int(config.padded_vocab_size(target.tensor as i64)),
+        ),
+        (
+            "make_vocab_size_divisible_by",
+            Value::Int(config.make_vocab_size_divisible_by),
+        ),
+        (
+            "position_embedding_type",
+            Value::Str(
+                match config.position_embedding_type {
+                    PositionEmbeddingType::LearnedAbsolute => "learned_absolute",
+                    PositionEmbeddingType::Rope => "rope",
+                    PositionEmbeddingType::None => "none",
+                }
+                .into(),
+            ),
+        ),
+        ("rotary_base", Value::Int(config.rotary_base as i64)),
+        ("rotary_percent", Value::Float(config.rotary_percent)),
+        (
+            "use_rope_scaling",
+            Value::Bool(config.rope_scaling.is_some()),
+        ),
+        (
+            "rope_scaling_factor",
+            Value::Float(config.rope_scaling.map_or(8.0, |s| s.factor)),
+        ),
+        (
+            "normalization",
+            Value::Str(
+                match config.normalization {
+                    Normalization::LayerNorm => "LayerNorm",
+                    Normalization::RMSNorm => "RMSNorm",
+                }
+                .into(),
+            ),
+        ),
+        ("norm_epsilon", Value::Float(config.norm_epsilon)),
+        ("apply_layernorm_1p", Value::Bool(config.apply_layernorm_1p)),
+        (
+            "swiglu",
+            Value::Bool(config.activation == Activation::Swiglu),
+        ),
+        (
+            "squared_relu",
+            Value::Bool(config.activation == Activation::SquaredRelu),
+        ),
+        ("add_bias_linear", Value::Bool(config.add_bias_linear)),
+        ("add_qkv_bias", Value::Bool(config.add_qkv_bias)),
+        (
+            "untie_embeddings_and_output_weights",
+            Value::Bool(config.untie_embeddings_and_output_weights),
+        ),
+        (
+            "tensor_model_parallel_size",
+            Value::Int(target.tensor as i64),
+        ),
+        (
+            "pipeline_model_parallel_size",
+            Value::Int(target.pipeline as i64),
+        ),
+        (
+            "virtual_pipeline_model_parallel_size",
+            vp.map_or(Value::None, Value::Int),
+        ),
+        (
+            "params_dtype",
+            Value::Global {
+                module: "torch".into(),
+                name: dtype.into(),
+            },
+        ),
+        ("bf16", Value::Bool(dtype == "bfloat16")),
+        ("fp16", Value::Bool(dtype == "float16")),
+        ("iteration", Value::Int(state.run.iteration as i64)),
+        (
+            "consumed_train_samples",
+            Value::Int(state.run.consumed_train_samples as i64),
+        ),
+        (
+            "consumed_valid_samples",
+            Value::Int(state.run.consumed_valid_samples as i64),
+        ),
+    ];
+    for (key, value) in overrides {
+        match args.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = value,
+            None => args.push((key.to_string(), value)),
+        }
+    }
+    Ok(args
+        .into_iter()
+        .map(|(k, v)| (k, Saved::Value(v)))
+        .collect())
+}
+
+/// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`
+/// as the global name for an `_extra_state` entry.
+fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<String>)> {
+    let config = &state.config;
+    let has = |name: &str| state.weights.contains_key(name);
+    let mut out = Vec::new();
+    let mut push = |local: String, global: Option<String>| out.push((local, global));
+    if spec.pre_process {
+        for name in [
+            "embedding.word_embeddings.weight",
+            "embedding.position_embeddings.weight",
+        ] {
+            if has(name) {
+                push(name.into(), Some(name.into()));
+            }
+        }
+    }
+    for (local, global) in spec.layers.clone().enumerate() {
+        let module_order: [(&str, bool); 6] = [
+            ("input_layernorm", false),
+            ("self_attention.linear_proj", true),
+            ("self_attention.linear_qkv", true),
+            ("pre_mlp_layernorm", false),
+            ("mlp.linear_fc1", true),
+            ("mlp.linear_fc2", true),
+        ];
+        for (module, linear) in module_order {
+            for parameter in ["weight", "bias"] {
+                let name = format!("decoder.layers.{global}.{module}.{parameter}");
+                if has(&name) {
+                    push(
+                        format!("decoder.layers.{local}.{module}.{parameter}"),
+                        Some(name),
+                    );
+                }
+            }
+            if linear {
+                push(
+                    format!("decoder.layers.{local}.{module}._extra_state"),
+                    None,
+                );
+            }
+        }
+    }
+    if spec.post_process {
+        for parameter in ["weight", "bias"] {
+            let name = format!("decoder.final_layernorm.{parameter}");
+            if has(&name) {
+                push(name.clone(), Some(name));
+            }
+        }
+        if config.untie_embeddings_and_output_weights {
+            push(
+                "output_layer.weight".into(),
+                Some("output_layer.weight".into()),
+            );
+        } else if !spec.pre_process {
+            push(
+                "output_layer.weight".into(),
+                Some("embedding.word_embeddings.weight".into()),
+            );
+        }
+        push("output_layer._extra_state".into(), None);
+    }
+    out
+}
+
+/// What the `i`th tensor of a rank file holds.
+enum Source {
+    Weight(String),
+    /// Optimizer buffer (main, exp_avg, exp_avg_sq) of a parameter.
+    Optimizer(usize, String),
+    Step(f64),
+}
+
+/// A run flag by Megatron's name: at the top of `args` (Megatron's namespace) or in one of
+/// its groups (our runs record their flags by group).
+fn run_flag(args: &Json, key: &str) -> Option<Json> {
+    args.get(key).cloned().or_else(|| {
+        args.as_object()?
+            .values()
+            .find_map(|group| group.get(key).cloned())
+    })
+}
+
+/// Megatron's `optimizer` entry of a rank file: torch Adam's `state_dict()` (per-parameter
+/// `exp_avg`, `exp_avg_sq` and `step`; the weight-decayed and not-decayed `param_groups`),
+/// wrapped with the float32 main parameters `fp32_from_fp16_params` (and the `grad_scaler`)
+/// when the model is in half precision, as `Float16OptimizerWithFloat16Params` saves it.
+fn optimizer_entry(
+    state: &ModelState,
+    optimizer: &OptimizerState,
+    params: &[(String, Vec<usize>)],
+    slots: &mut Vec<TensorSlot>,
+    sources: &mut Vec<Source>,
+) -> Result<Saved> {
+    let args = &state.run.args;
+    let number = |key: &str, default: f64| {
+        run_flag(args, key)
+            .and_then(|v| v.as_f64())
+            .unwrap_or(default)
+    };
+    let lr = number("lr", 0.0);
+    let weight_decay = number("weight_decay", 0.01);
+    let mut tensor = |source: Source, shape: &[usize]| {
+        slots.push(TensorSlot {
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+        });
+        sources.push(source);
+        Saved::Tensor(slots.len() - 1)
+    };
+    let mut per_parameter = Vec::new();
+    let mut groups = Vec::new();
+    let mut main = Vec::new();
+    let mut index = 0;
+    for members in param_groups(params) {
+        let decayed = !excluded_from_weight_decay(
+            &params[members[0]].0,
+            &params[members[0]]
+                .1
+                .iter()
+                .map(|&d| d as i64)
+                .collect::<Vec<_>>(),
+        );
+        let mut indices = Vec::new();
+        let mut group_main = Vec::new();
+        for &member in &members {
+            let (global, shape) = &params[member];
+            ensure!(
+                optimizer.main.contains_key(global),
+                "{}: no optimizer state for {global}",
+                state.source
+            );
+            per_parameter.push((
+                index,
+                Saved::Dict(vec![
+                    ("step".into(), tensor(Source::Step(optimizer.step), &[])),
+                    (
+                        "exp_avg".into(),
+                        tensor(Source::Optimizer(1, global.clone()), shape),
+                    ),
+                    (
+                        "exp_avg_sq".into(),
+                        tensor(Source::Optimizer(2, global.clone()), shape),
+                    ),
+                ]),
+            ));
+            group_main.push(tensor(Source::Optimizer(0, global.clone()), shape));
+            indices.push(Value::Int(index));
+            index += 1;
+        }
+        main.push(Saved::List(group_main));
+        let wd_mult = if decayed { 1.0 } else { 0.0 };
+        let group: Vec<(&str, Value)> = vec![
+            ("wd_mult", Value::Float(wd_mult)),
+            ("lr_mult", Value::Float(1.0)),
+            ("is_expert_parallel", Value::Bool(false)),
+            ("is_decoupled_lr", Value::Bool(false)),
+            ("max_lr", Value::Float(lr)),
+            ("min_lr", Value::Float(number("min_lr", 0.0))),
+            ("lr", Value::Float(lr)),
+            (
+                "betas",
+                Value::Tuple(vec![
+                    Value::Float(number("adam_beta1", 0.9)),
+                    Value::Float(number("adam_beta2", 0.999)),
+                ]),
+            ),
+            ("eps", Value::Float(number("adam_eps", 1e-8))),
+            ("weight_decay", Value::Float(weight_decay * wd_mult)),
+            ("amsgrad", Value::Bool(false)),
+            ("maximize", Value::Bool(false)),
+            ("foreach", Value::None),
+            ("capturable", Value::Bool(false)),
+            ("differentiable", Value::Bool(false)),
+            ("fused", Value::None),
+            ("decoupled_weight_decay", Value::Bool(true)),
+            ("params", Value::List(indices)),
+        ];
+        groups.push(Saved::Dict(
+            group
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), Saved::Value(v)))
+                .collect(),
+        ));
+    }
+    let adam = Saved::Dict(vec![
+        ("state".into(), Saved::IndexedDict(per_parameter)),
+        ("param_groups".into(), Saved::List(groups)),
+    ]);
+    if state.params_dtype == "float32" {
+        return Ok(adam);
+    }
+    let mut wrapped = vec![("optimizer".to_string(), adam)];
+    if let Some(scaler) = state.run.grad_scaler.as_ref().and_then(json_to_value) {
+        wrapped.push(("grad_scaler".into(), Saved::Value(scaler)));
+    }
+    wrapped.push(("fp32_from_fp16_params".into(), Saved::List(main)));
+    Ok(Saved::Dict(wrapped))
+}
+
+/// Writes `state` in Megatron's torch format under `root` in `target`'s layout.
+pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
+    let config = &state.config;
+    config.validate(target.tensor as i64)?;
+    let split = PipelineSplit {
+        num_layers: config.num_layers,
+        stages: target.pipeline,
+        chunks: target.virtual_stages,
+        first_stage_layers: None,
+        last_stage_layers: None,
+    };
+    let kind = kind_named(&state.params_dtype)?;
+    let dtype = DType::from_torch_name(&state.params_dtype).context("params dtype")?;
+    let iteration = state.run.iteration;
+    let directory = iteration_directory(root, iteration);
+    let args = args_namespace(state, target)?;
+    for t in 0..target.tensor {
+        for stage in 0..target.pipeline {
+            let chunks = split.chunks_of(stage)?;
+            let mut slots = Vec::new();
+            let mut sources = Vec::new();
+            // The rank's parameters (global names) in Megatron's order, for the optimizer.
+            let mut params: Vec<(String, Vec<usize>)> = Vec::new();
+            let mut root_entries = vec![
+                ("args".to_string(), Saved::Namespace(args.clone())),
+                (
+                    "checkpoint_version".to_string(),
+                    Saved::Value(Value::Float(3.0)),
+                ),
+                (
+                    "iteration".to_string(),
+                    Saved::Value(Value::Int(iteration as i64)),
+                ),
+            ];
+            for (c, spec) in chunks.iter().enumerate() {
+                let mut model = Vec::new();
+                for (local, global) in chunk_entries(state, spec) {
+                    match global {
+                        None => model.push((local, Saved::Value(Value::None))),
+                        Some(global) => {
+                            let shape = shard_shape(
+                                &global,
+                                state.tensor(&global)?.shape(),
+                                config,
+                                target.tensor,
+                            );
+                            slots.push(TensorSlot {
+                                dtype,
+                                shape: shape.iter().map(|&d| d as usize).collect(),
+                            });
+                            params.push((
+                                global.clone(),
+                                slots.last().expect("pushed").shape.clone(),
+                            ));
+                            sources.push(Source::Weight(global));
+                            model.push((local, Saved::Tensor(slots.len() - 1)));
+                        }
+                    }
+                }
+                let key = if chunks.len() == 1 {
+                    "model".to_string()
+                } else {
+                    format!("model{c}")
+                };
+                root_entries.push((key, Saved::OrderedDict(model)));
+            }
+            if let Some(optimizer) = &state.optimizer {
+                let saved = optimizer_entry(state, optimizer, &params, &mut slots, &mut sources)?;
+                root_entries.push(("optimizer".into(), saved));
+            }
+            if let Some(scheduler) = state
+                .run
+                .opt_param_scheduler
+                .as_ref()
+                .and_then(json_to_value)
+            {
+                root_entries.push(("opt_param_scheduler".into(), Saved::Value(scheduler)));
+            }
+            root_entries.push((
+                "num_floating_point_operations_so_far".into(),
+                Saved::Value(Value::Float(state.run.num_floating_point_operations_so_far)),
+            ));
+            let rank_dir = directory.join(rank_directory_name(t, stage, target.pipeline));
+            std::fs::create_dir_all(&rank_dir)
+                .with_context(|| format!("creating {}", rank_dir.display()))?;
+            write_torch_file(
+                &rank_dir.join("model_optim_rng.pt"),
+                &Saved::Dict(root_entries),
+                &slots,
+                |i, emit| {
+                    let (tensor, kind) = match &sources[i] {
+                        Source::Weight(global) => (
+                            shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
+                            kind,
+                        ),
+                        Source::Optimizer(buffer, global) => {
+                            let optimizer = state.optimizer.as_ref().expect("listed above");
+                            let map = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
+                                [*buffer];
+                            let value = map.get(global).with_context(|| {
+                                format!("{}: no optimizer state for {global}", state.source)
+                            })?;
+                            (
+                                shard_of(global, value, config, t, target.tensor)?,
+                                tch::Kind::Float,
+                            )
+                        }
+                        Source::Step(step) => {
+                            return with_bytes(&tch::Tensor::from(*step as f32), emit)
+                        }
+                    };
+                    tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
+                },
+            )?;
+        }
+    }
+    write_tracker(root, iteration)
+}

@@ -1,0 +1,680 @@
+//! Loading Megatron's own checkpoints: `--ckpt-format torch` (`mp_rank_XX[_YYY]/model_optim_rng.pt`,
+//! any TP/PP, virtual stages, legacy nested or core flat names) and `torch_dist`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use megatron_checkpoint::layout::{rank_directories, rank_file};
+use megatron_checkpoint::{DistCheckpoint, TensorRef, TorchFile, Value};
+use tch::Kind;
+
+use super::lazy::{InputFile, LazyTensor};
+use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
+use super::names::{core_name, layer_of};
+use super::state::{tensor_from_bytes, ModelState, OptimizerState, RunState};
+use megatron_optim::excluded_from_weight_decay;
+use megatron_store::{has_vocab_rows, tensor_split};
+
+/// What a loader needs beyond the checkpoint.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// `--true-vocab-size` (or the size of `--vocab-file`).
+    pub true_vocab_size: Option<i64>,
+    /// Read the optimizer state too, where the checkpoint has one.
+    pub optimizer: bool,
+    /// HuggingFace imports pad the vocabulary to a multiple of this (× TP) [default: 128].
+    pub make_vocab_size_divisible_by: Option<i64>,
+}
+
+/// A tensor of a rank file, read from `input` (the same file) when a saver asks; strided views
+/// are gathered now.
+pub(crate) fn tensor_of(
+    file: &TorchFile,
+    input: &Arc<InputFile>,
+    tensor: &TensorRef,
+) -> Result<LazyTensor> {
+    let shape: Vec<i64> = tensor.shape.iter().map(|&d| d as i64).collect();
+    match file.tensor_offset(tensor)? {
+        Some(offset) => LazyTensor::in_file(input, offset, tensor.storage.dtype, shape),
+        None => {
+            let bytes = file.tensor_bytes(tensor)?;
+            Ok(tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into())
+        }
+    }
+}
+
+/// Model tensors of one model chunk entry, flattened to dotted names in file order.
+fn flatten<'a>(value: &'a Value, prefix: &str, out: &mut Vec<(String, &'a TensorRef)>) {
+    if let Some(entries) = value.entries() {
+        for (key, v) in entries {
+            let key = match key {
+                Value::Str(s) => s.clone(),
+                other => other.describe(),
+            };
+            let name = if prefix.is_empty() {
+                key
+            } else {
+                format!("{prefix}.{key}")
+            };
+            match v {
+                Value::Tensor(t) => out.push((name, t)),
+                other => flatten(other, &name, out),
+            }
+        }
+    }
+}
+
+/// The `model` entries of a rank file: `model`, or `model0`, `model1`, … with virtual stages.
+fn model_chunks(root: &Value, path: &Path) -> Result<Vec<Vec<(String, TensorRef)>>> {
+    let mut chunks = Vec::new();
+    if let Some(model) = root.get("model") {
+        chunks.push(model);
+    } else {
+        while let Some(model) = root.get(&format!("model{}", chunks.len())) {
+            chunks.push(model);
+        }
+    }
+    ensure!(
+        !chunks.is_empty(),
+        "{}: no model state (saved with --no-save-model?)",
+        path.display()
+    );
+    Ok(chunks
+        .into_iter()
+        .map(|chunk| {
+            let mut out = Vec::new();
+            flatten(chunk, "", &mut out);
+            out.into_iter()
+                .filter_map(|(name, t)| core_name(&name).map(|n| (n, t.clone())))
+                .collect()
+        })
+        .collect())
+}
+
+fn run_state(root: &Value) -> RunState {
+    let args = root.get("args").cloned().unwrap_or(Value::None);
+    let get = |key: &str| args.get(key).and_then(Value::as_i64).unwrap_or(0).max(0) as u64;
+    RunState {
+        iteration: root
+            .get("iteration")
+            .or_else(|| root.get("total_iters"))
+            .and_then(Value::as_i64)
+            .unwrap_or(0)
+            .max(0) as u64,
+        consumed_train_samples: get("consumed_train_samples"),
+        consumed_valid_samples: get("consumed_valid_samples"),
+        num_floating_point_operations_so_far: root
+            .get("num_floating_point_operations_so_far")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0),
+        opt_param_scheduler: root
+            .get("opt_param_scheduler")
+            .or_else(|| root.get("lr_scheduler"))
+            .map(Value::to_json),
+        grad_scaler: root
+            .get("optimizer")
+            .and_then(|o| o.get("grad_scaler"))
+            .map(Value::to_json),
+        args: args.to_json(),
+    }
+}
+
+fn check_version(root: &Value, path: &Path) -> Result<()> {
+    let version = root
+        .get("checkpoint_version")
+        .and_then(Value::as_f64)
+        .unwrap_or(0.0);
+    ensure!(
+        version >= 2.0,
+        "{}: checkpoint_version {version} stores QKV in a layout older than 2.0; load and re-save it with a Megatron of that era first",
+        path.display()
+    );
+    Ok(())
+}
+
+/// Megatron's parameter groups of one rank: weight-decayed and not, each in model order, the
+/// groups ordered by first appearance (as `_get_param_groups` builds them).
+pub(super) fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
+    let mut order: Vec<bool> = Vec::new();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, (name, shape)) in names.iter().enumerate() {
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let no_wd = excluded_from_weight_decay(name, &shape);
+        match order.iter().position(|&g| g == no_wd) {
+            Some(g) => groups[g].push(i),
+            None => {
+                order.push(no_wd);
+                groups.push(vec![i]);
+            }
+        }
+    }
+    groups
+}
+
+/// Adam state of one rank file, by the rank's (global) parameter names.
+#[derive(Default)]
+struct RankOptimizer {
+    step: f64,
+    main: HashMap<String, LazyTensor>,
+    exp_avg: HashMap<String, LazyTensor>,
+    exp_avg_sq: HashMap<String, LazyTensor>,
+}
+
+fn rank_optimizer(
+    file: &TorchFile,
+    input: &Arc<InputFile>,
+    params: &[(String, Vec<usize>)],
+    weights: &HashMap<String, LazyTensor>,
+) -> Result<Option<RankOptimizer>> {
+    let path = file.path();
+    let Some(optimizer) = file.root.get("optimizer") else {
+        return Ok(None);
+    };
+    let (inner, fp32) = match optimizer.get("optimizer") {
+        Some(inner) => (inner, optimizer.get("fp32_from_fp16_params")),
+        None => (optimizer, None),
+    };
+    let (Some(state), Some(groups)) = (
+        inner.get("state"),
+        inner.get("param_groups").and_then(Value::items),
+    ) else {
+        bail!("{}: optimizer state without state/param_groups (distributed optimizer? its distrib_optim.pt is not read; convert without the optimizer)", path.display());
+    };
+    let ours = param_groups(params);
+    ensure!(
+        groups.len() == ours.len(),
+        "{}: {} optimizer parameter groups, {} expected from the model",
+        path.display(),
+        groups.len(),
+        ours.len()
+    );
+    let mut out = RankOptimizer::default();
+    for (g, (group, members)) in groups.iter().zip(&ours).enumerate() {
+        let indices = group
+            .get("params")
+            .and_then(Value::items)
+            .context("param group without params")?;
+        ensure!(
+            indices.len() == members.len(),
+            "{}: optimizer group {g} has {} parameters, the model {}",
+            path.display(),
+            indices.len(),
+            members.len()
+        );
+        for (j, (index, &member)) in indices.iter().zip(members).enumerate() {
+            let (name, shape) = &params[member];
+            let entry = state
+                .entries()
+                .and_then(|e| e.iter().find(|(k, _)| k == index))
+                .map(|(_, v)| v)
+                .with_context(|| format!("{}: no optimizer state for {name}", path.display()))?;
+            let moment = |key: &str| -> Result<LazyTensor> {
+                match entry.get(key) {
+                    Some(Value::Tensor(t)) => {
+                        ensure!(
+                            &t.shape == shape,
+                            "{}: optimizer {key} of {name} has shape {:?}, the parameter {shape:?}",
+                            path.display(),
+                            t.shape
+                        );
+                        tensor_of(file, input, t)
+                    }
+                    _ => bail!("{}: optimizer state of {name} has no {key}", path.display()),
+                }
+            };
+            out.exp_avg.insert(name.clone(), moment("exp_avg")?);
+            out.exp_avg_sq.insert(name.clone(), moment("exp_avg_sq")?);
+            out.step = match entry.get("step") {
+                Some(Value::Tensor(t)) => tensor_of(file, input, t)?.read()?.double_value(&[]),
+                Some(v) => v.as_f64().unwrap_or(0.0),
+                None => 0.0,
+            };
+            let main = match fp32.and_then(Value::items) {
+                Some(groups) => {
+                    match groups.get(g).and_then(Value::items).and_then(|p| p.get(j)) {
+                        Some(Value::Tensor(t)) => {
+                            ensure!(&t.shape == shape, "{}: main parameter of {name} has shape {:?}, the parameter {shape:?}", path.display(), t.shape);
+                            tensor_of(file, input, t)?
+                        }
+                        _ => bail!("{}: no fp32 main parameter for {name}", path.display()),
+                    }
+                }
+                // A float32 run's main parameters are its weights.
+                None if weights[name].kind() == Kind::Float => weights[name].clone(),
+                None => weights[name].read()?.to_kind(Kind::Float).into(),
+            };
+            out.main.insert(name.clone(), main);
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Loads a `--ckpt-format torch` iteration directory.
+pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
+    let ranks = rank_directories(directory)?;
+    ensure!(
+        !ranks.is_empty(),
+        "{}: no mp_rank_* directories",
+        directory.display()
+    );
+    let tp = ranks.iter().map(|r| r.tensor_rank).max().unwrap() + 1;
+    let pp = ranks.iter().map(|r| r.pipeline_rank).max().unwrap() + 1;
+    let mut files: BTreeMap<(usize, usize), TorchFile> = BTreeMap::new();
+    let mut inputs: BTreeMap<(usize, usize), Arc<InputFile>> = BTreeMap::new();
+    for t in 0..tp {
+        for p in 0..pp {
+            let rank = ranks
+                .iter()
+                .find(|r| r.tensor_rank == t && r.pipeline_rank == p)
+                .with_context(|| {
+                    format!(
+                        "{}: missing shard {} of a TP={tp} PP={pp} checkpoint",
+                        directory.display(),
+                        megatron_store::rank_directory_name(t, p, pp)
+                    )
+                })?;
+            let path = rank_file(rank)?;
+            files.insert((t, p), TorchFile::open(&path)?);
+            inputs.insert((t, p), InputFile::open(&path)?);
+        }
+    }
+    let first = &files[&(0, 0)];
+    check_version(&first.root, first.path())?;
+    let args = first
+        .root
+        .get("args")
+        .with_context(|| format!("{}: no args", first.path().display()))?;
+    // Chunk c of stage p: its local layers, in Megatron's global order (chunk-major).
+    let mut per_rank: BTreeMap<(usize, usize), Vec<Vec<(String, TensorRef)>>> = BTreeMap::new();
+    for (&key, file) in &files {
+        per_rank.insert(key, model_chunks(&file.root, file.path())?);
+    }
+    let chunks = per_rank[&(0, 0)].len();
+    let mut offsets: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    let mut next = 0;
+    for c in 0..chunks {
+        for p in 0..pp {
+            offsets.insert((c, p), next);
+            let layers = per_rank[&(0, p)]
+                .get(c)
+                .with_context(|| format!("pipeline stage {p} has fewer model chunks than stage 0"))?
+                .iter()
+                .filter_map(|(name, _)| layer_of(name).map(|(i, _)| i + 1))
+                .max()
+                .unwrap_or(0);
+            next += layers;
+        }
+    }
+    let padded_rows = first
+        .root
+        .get("args")
+        .and_then(|a| a.get("padded_vocab_size"))
+        .and_then(Value::as_i64);
+    let word_rows = per_rank[&(0, 0)][0]
+        .iter()
+        .find(|(n, _)| n == "embedding.word_embeddings.weight")
+        .map(|(_, t)| t.shape[0] as i64 * tp as i64);
+    let rows = padded_rows
+        .or(word_rows)
+        .context("no word embeddings on the first stage")?;
+    let vocab = true_vocab_size(args, rows, options.true_vocab_size);
+    ensure!(
+        vocab <= rows,
+        "--true-vocab-size {vocab} exceeds the checkpoint's {rows} embedding rows"
+    );
+    let config = gpt_config(args, vocab)?;
+    ensure!(
+        config.num_layers == next,
+        "{}: the args say {} layers, the rank files hold {next}",
+        directory.display(),
+        config.num_layers
+    );
+    let tied = !config.untie_embeddings_and_output_weights;
+    // Global names and shards, in the order of tensor-parallel rank.
+    let mut shards: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
+    let mut rank_params: BTreeMap<(usize, usize), Vec<(String, Vec<usize>)>> = BTreeMap::new();
+    for ((t, p), chunk_list) in &per_rank {
+        let file = &files[&(*t, *p)];
+        let mut params = Vec::new();
+        for (c, tensors) in chunk_list.iter().enumerate() {
+            for (name, tensor) in tensors {
+                let global = match layer_of(name) {
+                    Some((i, leaf)) => format!("decoder.layers.{}.{leaf}", i + offsets[&(c, *p)]),
+                    None => name.clone(),
+                };
+                params.push((global.clone(), tensor.shape.clone()));
+                let is_head_copy = tied && global == "output_layer.weight";
+                if is_head_copy {
+                    continue;
+                }
+                let value = tensor_of(file, &inputs[&(*t, *p)], tensor)
+                    .with_context(|| format!("{}: tensor {name}", file.path().display()))?;
+                shards.entry(global).or_default().push(value);
+            }
+        }
+        rank_params.insert((*t, *p), params);
+    }
+    let padded = config.padded_vocab_size(1);
+    let mut weights = BTreeMap::new();
+    let join = |name: &str, parts: &[LazyTensor]| -> Result<LazyTensor> {
+        ensure!(
+            parts.len() == tp,
+            "{}: tensor {name} found in {} of {tp} tensor-parallel ranks",
+            directory.display(),
+            parts.len()
+        );
+        let joined = LazyTensor::joined(parts.to_vec(), tensor_split(name, &config))
+            .with_context(|| format!("{}: tensor {name}", directory.display()))?;
+        Ok(if has_vocab_rows(name) {
+            joined.with_rows(padded)
+        } else {
+            joined
+        })
+    };
+    for (name, parts) in &shards {
+        weights.insert(name.clone(), join(name, parts)?);
+    }
+    let optimizer = if options.optimizer {
+        let mut merged: BTreeMap<&str, BTreeMap<String, Vec<LazyTensor>>> = BTreeMap::new();
+        let mut step = 0.0;
+        let mut complete = true;
+        for (key, params) in &rank_params {
+            let file = &files[key];
+            // Pure float32 runs keep no separate main parameters: they are the model's own.
+            let mut weights_for_fp32 = HashMap::new();
+            if file
+                .root
+                .get("optimizer")
+                .and_then(|o| o.get("fp32_from_fp16_params"))
+                .is_none()
+            {
+                for (c, chunk) in per_rank[key].iter().enumerate() {
+                    for (name, tensor) in chunk {
+                        let global = match layer_of(name) {
+                            Some((i, leaf)) => {
+                                format!("decoder.layers.{}.{leaf}", i + offsets[&(c, key.1)])
+                            }
+                            None => name.clone(),
+                        };
+                        weights_for_fp32.insert(global, tensor_of(file, &inputs[key], tensor)?);
+                    }
+                }
+            }
+            match rank_optimizer(file, &inputs[key], params, &weights_for_fp32)? {
+                None => {
+                    complete = false;
+                    break;
+                }
+                Some(state) => {
+                    step = state.step;
+                    for (kind, map) in [
+                        ("main", state.main),
+                        ("exp_avg", state.exp_avg),
+                        ("exp_avg_sq", state.exp_avg_sq),
+                    ] {
+                        for (name, tensor) in map {
+                            if tied && name == "output_layer.weight" {
+                                continue;
+                            }
+                            merged
+                                .entry(kind)
+                                .or_default()
+                                .entry(name)
+                                .or_default()
+                                .push(tensor);
+                        }
+                    }
+                }
+            }
+        }
+        if complete && !merged.is_empty() {
+            let mut state = OptimizerState {
+                step,
+                ..Default::default()
+            };
+            for (kind, map) in merged {
+                let target = match kind {
+                    "main" => &mut state.main,
+                    "exp_avg" => &mut state.exp_avg,
+                    _ => &mut state.exp_avg_sq,
+                };
+                for (name, parts) in map {
+                    target.insert(name.clone(), join(&name, &parts)?);
+                }
+            }
+            Some(state)
+        } else {
+            None
+        }
+    } else {
+        None
+    };
+    Ok(ModelState {
+        config,
+        params_dtype: params_dtype(args),
+        weights,
+        optimizer,
+        run: run_state(&first.root),
+        source_parallel: (tp, pp),
+        source: format!("Megatron torch checkpoint {}", directory.display()),
+    })
+}
+
+/// A `torch_dist` global tensor's saved chunks as lazy tensors, with their offsets, each read
+/// from its `.distcp` file when a saver asks.
+fn dist_chunks(
+    checkpoint: &DistCheckpoint,
+    name: &str,
+    inputs: &mut HashMap<String, Arc<InputFile>>,
+) -> Result<Vec<(Vec<usize>, LazyTensor)>> {
+    let tensor = &checkpoint.tensors[name];
+    tensor
+        .chunks
+        .iter()
+        .map(|chunk| {
+            let input = match inputs.get(&chunk.file) {
+                Some(input) => input.clone(),
+                None => {
+                    let input = InputFile::open(&checkpoint.data_path(&chunk.file))?;
+                    inputs.insert(chunk.file.clone(), input.clone());
+                    input
+                }
+            };
+            let (archive, stored) = checkpoint.chunk_archive(name, chunk)?;
+            let mut offsets = chunk.offsets.clone();
+            offsets.resize(tensor.shape.len(), 0);
+            Ok((offsets, tensor_of(&archive, &input, &stored)?))
+        })
+        .collect()
+}
+
+/// The tensor of `shape` that `chunks` (each at its offsets) tile, read lazily where they are
+/// slabs of whole rows or (2-D) equal column blocks; `None` for other tilings.
+fn tiled(shape: &[usize], mut chunks: Vec<(Vec<usize>, LazyTensor)>) -> Result<Option<LazyTensor>> {
+    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    chunks.sort_by(|a, b| a.0.cmp(&b.0));
+    if let [(_, only)] = chunks.as_slice() {
+        return Ok((only.shape() == shape.as_slice()).then(|| only.clone()));
+    }
+    let whole_from = |dim: usize| {
+        chunks.iter().all(|(_, c)| {
+            c.shape().len() == shape.len()
+                && (0..shape.len()).all(|d| d == dim || c.shape()[d] == shape[d])
+        })
+    };
+    if !shape.is_empty() && whole_from(0) {
+        let mut at = 0;
+        for (offsets, c) in &chunks {
+            if offsets[0] as i64 != at {
+                return Ok(None);
+            }
+            at += c.shape()[0];
+        }
+        if at != shape[0] {
+            return Ok(None);
+        }
+        let pieces = chunks
+            .iter()
+            .map(|(_, c)| c.flat_slice(0, c.numel(), vec![c.numel()]))
+            .collect::<Result<Vec<_>>>()?;
+        return LazyTensor::concat(pieces, shape).map(Some);
+    }
+    if shape.len() == 2 && whole_from(1) {
+        let width = chunks[0].1.shape()[1];
+        let tiles = chunks.iter().enumerate().all(|(i, (offsets, c))| {
+            c.shape()[1] == width && offsets[1] as i64 == i as i64 * width
+        });
+        if tiles && width * chunks.len() as i64 == shape[1] {
+            let blocks = chunks.into_iter().map(|(_, c)| c).collect();
+            return LazyTensor::joined(blocks, megatron_store::TensorSplit::Columns).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// Loads a `torch_dist` iteration directory (weights only: the optimizer state of this format
+/// is not read). Tensors are read lazily from the `.distcp` files where their chunks tile them
+/// by rows or column blocks (how Megatron's tensor and pipeline parallel ranks save them).
+pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
+    let checkpoint = DistCheckpoint::open(directory)?;
+    let root = &checkpoint.common.root;
+    check_version(root, checkpoint.common.path())?;
+    let args = root.get("args").context("common.pt has no args")?;
+    let rows = checkpoint
+        .tensors
+        .get("embedding.word_embeddings.weight")
+        .map(|t| t.shape[0] as i64)
+        .context("no embedding.word_embeddings.weight")?;
+    let vocab = true_vocab_size(args, rows, options.true_vocab_size);
+    ensure!(
+        vocab <= rows,
+        "--true-vocab-size {vocab} exceeds the checkpoint's {rows} embedding rows"
+    );
+    let config = gpt_config(args, vocab)?;
+    let padded = config.padded_vocab_size(1);
+    let mut inputs = HashMap::new();
+    let mut weights = BTreeMap::new();
+    for (name, tensor) in &checkpoint.tensors {
+        if name.starts_with("optimizer.") || name.contains("_extra_state") {
+            continue;
+        }
+        let context = || format!("{}: tensor {name}", directory.display());
+        let chunks = dist_chunks(&checkpoint, name, &mut inputs).with_context(context)?;
+        // Homogeneous layer stacks are saved with a leading layer axis.
+        if let Some(leaf) = name.strip_prefix("decoder.layers.").filter(|rest| {
+            !rest
+                .split('.')
+                .next()
+                .is_some_and(|i| i.parse::<usize>().is_ok())
+        }) {
+            ensure!(
+                tensor.shape.first() == Some(&config.num_layers),
+                "{}: stacked tensor {name} has shape {:?} for {} layers",
+                directory.display(),
+                tensor.shape,
+                config.num_layers
+            );
+            let layer_shape = &tensor.shape[1..];
+            for layer in 0..config.num_layers {
+                let Some(global) = core_name(&format!("decoder.layers.{layer}.{leaf}")) else {
+                    continue;
+                };
+                let mut pieces = Vec::new();
+                for (offsets, chunk) in &chunks {
+                    let first = offsets[0];
+                    if !(first..first + chunk.shape()[0] as usize).contains(&layer) {
+                        continue;
+                    }
+                    let inner: Vec<i64> = chunk.shape()[1..].to_vec();
+                    let len = inner.iter().product::<i64>();
+                    let piece = chunk.flat_slice((layer - first) as i64 * len, len, inner)?;
+                    pieces.push((offsets[1..].to_vec(), piece));
+                }
+                let value = match tiled(layer_shape, pieces).with_context(context)? {
+                    Some(value) => value,
+                    None => {
+                        let (dtype, shape, bytes) = checkpoint.read_rows(name, layer..layer + 1)?;
+                        tensor_from_bytes(dtype, &shape[1..], &bytes)?.into()
+                    }
+                };
+                weights.insert(global, value);
+            }
+            continue;
+        }
+        let Some(global) = core_name(name) else {
+            continue;
+        };
+        let mut value = match tiled(&tensor.shape, chunks).with_context(context)? {
+            Some(value) => value,
+            None => {
+                let (dtype, shape, bytes) = checkpoint.read(name)?;
+                tensor_from_bytes(dtype, &shape, &bytes)?.into()
+            }
+        };
+        if has_vocab_rows(&global) {
+            value = value.with_rows(padded);
+        }
+        weights.insert(global, value);
+    }
+    Ok(ModelState {
+        config,
+        params_dtype: params_dtype(args),
+        weights,
+        optimizer: None,
+        run: run_state(root),
+        source_parallel: (
+            args.get("tensor_model_parallel_size")
+                .and_then(Value::as_i64)
+                .unwrap_or(1)
+                .max(1) as usize,
+            args.get("pipeline_model_parallel_size")
+                .and_then(Value::as_i64)
+                .unwrap_or(1)
+                .max(1) as usize,
+        ),
+        source: format!("Megatron torch_dist checkpoint {}", directory.display()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    /// `torch_dist` chunks tiling a tensor by row slabs (in any order) or by equal column
+    /// blocks read as the tensor; other tilings are left to the eager reader.
+    #[test]
+    fn chunks_tile_by_rows_or_column_blocks() {
+        let whole = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([6, 4]);
+        let piece = |rows: (i64, i64), columns: (i64, i64)| {
+            let offsets = vec![rows.0 as usize, columns.0 as usize];
+            let block = whole
+                .narrow(0, rows.0, rows.1)
+                .narrow(1, columns.0, columns.1)
+                .contiguous();
+            (offsets, LazyTensor::from(block))
+        };
+        let slabs = vec![piece((2, 4), (0, 4)), piece((0, 2), (0, 4))];
+        let read = tiled(&[6, 4], slabs).unwrap().unwrap().read().unwrap();
+        assert!(read.equal(&whole));
+        let blocks = vec![piece((0, 6), (2, 2)), piece((0, 6), (0, 2))];
+        let read = tiled(&[6, 4], blocks).unwrap().unwrap().read().unwrap();
+        assert!(read.equal(&whole));
+        let grid = vec![
+            piece((0, 3), (0, 2)),
+            piece((0, 3), (2, 2)),
+            piece((3, 3), (0, 2)),
+            piece((3, 3), (2, 2)),
+        ];
+        assert!(tiled(&[6, 4], grid).unwrap().is_none());
+        let gap = vec![piece((0, 2), (0, 4)), piece((3, 3), (0, 4))];
+        assert!(tiled(&[6, 4], gap).unwrap().is_none());
+        // One layer of a stacked [layers, rows, columns] tensor, cut from a slab of layers.
+        let stacked = whole.view([3, 2, 4]);
+        let layers = LazyTensor::from(stacked.narrow(0, 1, 2).contiguous());
+        let second = layers.flat_slice(8, 8, vec![2, 4]).unwrap();
+        assert!(second.read().unwrap().equal(&stacked.get(2)));
+    }
+}

@@ -1,0 +1,837 @@
+//! Our own checkpoints (safetensors + `metadata.json`) in and out of a [`ModelState`], through
+//! the checkpoint module's writer and reader, in any TP/PP (interleaved too) layout, with the
+//! optimizer's float32 main parameters and Adam moments laid out in each rank's flat buffer
+//! exactly as `MixedPrecisionOptimizer` keeps them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::lazy::{safetensors_tensors, LazyTensor};
+use super::state::{shard_of, shard_shape, ModelState, OptimizerState, RunState, Tensors};
+use megatron_models::ParamAttributes;
+use megatron_models::{
+    ChunkSpec, GptModel, ModelOptions, PipelineSplit, Recompute, TransformerConfig,
+};
+use megatron_optim::{BufferLayout, ParamShape};
+use megatron_parallel::ParallelState;
+use megatron_store::{
+    begin_save, finish_save, has_vocab_rows, optimizer_file, rank_directory_name,
+    staging_directory, tensor_split, write_rank_file_streamed, CheckpointDirectory,
+    CheckpointMetadata, TensorEntry, CHECKPOINT_FORMAT, MODEL_FILE,
+};
+
+/// The model-parallel layout to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TargetLayout {
+    pub tensor: usize,
+    pub pipeline: usize,
+    /// Model chunks per pipeline stage (1 without interleaving).
+    pub virtual_stages: usize,
+}
+
+/// The names of a whole model of `config`'s structure (one layer), in
+/// `GptModel::named_parameters` order, read from a model of the same structure but tiny sizes
+/// (names and order follow the model's code; a full-size probe would hold a layer and the
+/// embeddings of a possibly huge model).
+fn probe_parameter_names(config: &TransformerConfig) -> Result<Vec<String>> {
+    let heads = config.num_attention_heads;
+    let probe = TransformerConfig {
+        num_layers: 1,
+        hidden_size: 2,
+        num_attention_heads: heads / config.num_query_groups,
+        num_query_groups: 1,
+        kv_channels: 2,
+        ffn_hidden_size: 2,
+        max_position_embeddings: 1,
+        vocab_size: 1,
+        make_vocab_size_divisible_by: 1,
+        rotary_percent: 1.0,
+        ..config.clone()
+    };
+    let options = ModelOptions {
+        params_dtype: Kind::BFloat16,
+        device: Device::Cpu,
+        recompute: Recompute::None,
+        seed: 0,
+        bias_dropout_fusion: true,
+        rope_fusion: false,
+    };
+    let model = GptModel::new_chunk(
+        probe,
+        options,
+        &ParallelState::single(),
+        ChunkSpec::whole(1),
+    )?;
+    Ok(model
+        .named_parameters()
+        .into_iter()
+        .map(|p| p.name)
+        .collect())
+}
+
+/// The order of one transformer layer's parameters in `GptModel::named_parameters`.
+fn layer_parameter_order(config: &TransformerConfig) -> Result<Vec<String>> {
+    Ok(probe_parameter_names(config)?
+        .into_iter()
+        .filter_map(|name| name.strip_prefix("decoder.layers.0.").map(str::to_string))
+        .collect())
+}
+
+/// The unsplit shape (the vocabulary padded for one rank) of the parameter `name` of a model
+/// of `config`.
+fn parameter_shape(config: &TransformerConfig, name: &str) -> Result<Vec<i64>> {
+    let h = config.hidden_size;
+    let leaf = name
+        .strip_prefix("decoder.layers.")
+        .and_then(|rest| rest.split_once('.'))
+        .map_or(name, |(_, leaf)| leaf);
+    Ok(match leaf {
+        "embedding.word_embeddings.weight" | "output_layer.weight" => {
+            vec![config.padded_vocab_size(1), h]
+        }
+        "embedding.position_embeddings.weight" => vec![config.max_position_embeddings, h],
+        "self_attention.linear_qkv.weight" => vec![config.qkv_width(), h],
+        "self_attention.linear_qkv.bias" => vec![config.qkv_width()],
+        "self_attention.linear_proj.weight" => {
+            vec![h, config.num_attention_heads * config.kv_channels]
+        }
+        "mlp.linear_fc1.weight" => vec![config.fc1_width(), h],
+        "mlp.linear_fc1.bias" => vec![config.fc1_width()],
+        "mlp.linear_fc2.weight" => vec![h, config.ffn_hidden_size],
+        "self_attention.linear_proj.bias" | "mlp.linear_fc2.bias" => vec![h],
+        norm if norm.contains("layernorm.") => vec![h],
+        _ => bail!("no shape known for parameter {name}"),
+    })
+}
+
+/// `(chunk-local name, global name)` of every parameter of chunk `spec`, in parameter order.
+fn chunk_parameters(
+    config: &TransformerConfig,
+    spec: &ChunkSpec,
+    layer_order: &[String],
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let same = |name: &str| (name.to_string(), name.to_string());
+    if spec.pre_process {
+        out.push(same("embedding.word_embeddings.weight"));
+        if config.position_embedding_type == megatron_models::PositionEmbeddingType::LearnedAbsolute
+        {
+            out.push(same("embedding.position_embeddings.weight"));
+        }
+    }
+    for (local, global) in spec.layers.clone().enumerate() {
+        for leaf in layer_order {
+            out.push((
+                format!("decoder.layers.{local}.{leaf}"),
+                format!("decoder.layers.{global}.{leaf}"),
+            ));
+        }
+    }
+    if spec.post_process {
+        for leaf in layer_order
+            .iter()
+            .filter_map(|l| l.strip_prefix("input_layernorm."))
+        {
+            let name = format!("decoder.final_layernorm.{leaf}");
+            out.push(same(&name));
+        }
+        if config.untie_embeddings_and_output_weights {
+            out.push(same("output_layer.weight"));
+        } else if !spec.pre_process {
+            // The last stage's copy of the tied word embeddings.
+            out.push((
+                "output_layer.weight".into(),
+                "embedding.word_embeddings.weight".into(),
+            ));
+        }
+    }
+    out
+}
+
+fn chunk_prefix(chunk: usize, chunks: usize) -> String {
+    if chunks == 1 {
+        String::new()
+    } else {
+        format!("model{chunk}.")
+    }
+}
+
+/// Every rank's `(rank file name, global name)` parameters in optimizer order.
+fn rank_parameters(
+    config: &TransformerConfig,
+    split: &PipelineSplit,
+    stage: usize,
+    layer_order: &[String],
+) -> Result<Vec<(String, String)>> {
+    let chunks = split.chunks_of(stage)?;
+    let count = chunks.len();
+    Ok(chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(c, spec)| {
+            let prefix = chunk_prefix(c, count);
+            chunk_parameters(config, spec, layer_order)
+                .into_iter()
+                .map(move |(local, global)| (format!("{prefix}{local}"), global))
+        })
+        .collect())
+}
+
+/// The rank's flat optimizer buffer layout (one data-parallel rank, not sharded).
+fn flat_layout(names: &[(String, Vec<i64>)]) -> BufferLayout {
+    let shapes: Vec<ParamShape> = names
+        .iter()
+        .map(|(name, shape)| ParamShape {
+            name,
+            shape: shape.clone(),
+            attributes: ParamAttributes::default(),
+        })
+        .collect();
+    BufferLayout::new(&shapes, usize::MAX, 0, 1, false)
+}
+
+/// Which tensor-parallel shard a rank file holds, and in which dtype.
+#[derive(Clone, Copy)]
+pub(crate) struct RankShard<'a> {
+    /// The (trunk) configuration that decides tensor splits and vocabulary padding.
+    pub config: &'a TransformerConfig,
+    pub rank: usize,
+    pub size: usize,
+    pub kind: Kind,
+}
+
+/// Writes one rank's model file and, with `optimizer`, its flat optimizer buffer laid out as
+/// `MixedPrecisionOptimizer` keeps it (one data-parallel rank), one tensor at a time: each
+/// tensor is read from `weights` (unsplit, by global name) and cut for `shard` as it is
+/// written. `params` are the rank's `(file name, global name)` parameters in model order.
+pub(crate) fn write_rank(
+    staging: &Path,
+    rank_dir: &str,
+    params: &[(String, String)],
+    weights: &Tensors,
+    optimizer: Option<&OptimizerState>,
+    shard: RankShard,
+    source: &str,
+) -> Result<()> {
+    let tensor = |name: &str| {
+        weights
+            .get(name)
+            .with_context(|| format!("{source}: no tensor {name} for this architecture"))
+    };
+    let entries = params
+        .iter()
+        .map(|(local, global)| {
+            Ok(TensorEntry {
+                name: local.clone(),
+                kind: shard.kind,
+                shape: shard_shape(global, tensor(global)?.shape(), shard.config, shard.size),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    write_rank_file_streamed(staging, rank_dir, MODEL_FILE, &entries, |i, emit| {
+        let global = &params[i].1;
+        shard_of(
+            global,
+            tensor(global)?,
+            shard.config,
+            shard.rank,
+            shard.size,
+        )?
+        .for_each_chunk(|chunk| emit(&chunk.to_kind(shard.kind)))
+    })?;
+    let Some(optimizer) = optimizer else {
+        return Ok(());
+    };
+    let shapes: Vec<(String, Vec<i64>)> = entries
+        .iter()
+        .map(|e| (e.name.clone(), e.shape.clone()))
+        .collect();
+    let layout = flat_layout(&shapes);
+    // Buffer slots in buffer order, each with its parameter's global name.
+    let globals: HashMap<&str, &str> = params
+        .iter()
+        .map(|(l, g)| (l.as_str(), g.as_str()))
+        .collect();
+    let mut slots: Vec<_> = layout
+        .slots
+        .iter()
+        .map(|slot| (slot, globals[slot.name.as_str()]))
+        .collect();
+    slots.sort_by_key(|(slot, _)| slot.range.start);
+    let buffers = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq];
+    let mut entries: Vec<TensorEntry> = ["main", "exp_avg", "exp_avg_sq"]
+        .iter()
+        .map(|name| TensorEntry {
+            name: name.to_string(),
+            kind: Kind::Float,
+            shape: vec![layout.len as i64],
+        })
+        .collect();
+    entries.push(TensorEntry {
+        name: "step".into(),
+        kind: Kind::Float,
+        shape: vec![],
+    });
+    write_rank_file_streamed(
+        staging,
+        rank_dir,
+        &optimizer_file(None),
+        &entries,
+        |i, emit| {
+            let Some(map) = buffers.get(i) else {
+                return emit(&Tensor::from(optimizer.step as f32));
+            };
+            let mut at = 0;
+            for &(slot, global) in &slots {
+                if slot.range.start > at {
+                    emit(&Tensor::zeros(
+                        [(slot.range.start - at) as i64],
+                        (Kind::Float, Device::Cpu),
+                    ))?;
+                }
+                let value = map
+                    .get(global)
+                    .with_context(|| format!("{}: no optimizer state for {global}", source))?;
+                let piece = shard_of(global, value, shard.config, shard.rank, shard.size)?;
+                ensure!(
+                    piece.numel() as usize == slot.range.len(),
+                    "{}: optimizer state of {global} has {} elements for a parameter of {}",
+                    source,
+                    piece.numel(),
+                    slot.range.len()
+                );
+                piece.for_each_chunk(|chunk| emit(&chunk.to_kind(Kind::Float)))?;
+                at = slot.range.end;
+            }
+            if layout.len > at {
+                emit(&Tensor::zeros(
+                    [(layout.len - at) as i64],
+                    (Kind::Float, Device::Cpu),
+                ))?;
+            }
+            Ok(())
+        },
+    )?;
+    Ok(())
+}
+
+/// Writes `state` as our checkpoint under `root` (which must not hold another checkpoint) in
+/// `target`'s layout, one tensor at a time: each rank file's tensors are read from `state`
+/// and cut as they are written.
+pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
+    let config = &state.config;
+    config.validate(target.tensor as i64)?;
+    let split = PipelineSplit {
+        num_layers: config.num_layers,
+        stages: target.pipeline,
+        chunks: target.virtual_stages,
+        first_stage_layers: None,
+        last_stage_layers: None,
+    };
+    let layer_order = layer_parameter_order(config)?;
+    let kind = super::state::kind_named(&state.params_dtype)?;
+    let iteration = state.run.iteration;
+    begin_save(root, iteration)?;
+    let staging = staging_directory(root, iteration);
+    for t in 0..target.tensor {
+        for stage in 0..target.pipeline {
+            let params = rank_parameters(config, &split, stage, &layer_order)?;
+            let rank_dir = rank_directory_name(t, stage, target.pipeline);
+            write_rank(
+                &staging,
+                &rank_dir,
+                &params,
+                &state.weights,
+                state.optimizer.as_ref(),
+                RankShard {
+                    config,
+                    rank: t,
+                    size: target.tensor,
+                    kind,
+                },
+                &state.source,
+            )?;
+        }
+    }
+    let metadata = CheckpointMetadata {
+        format: CHECKPOINT_FORMAT.to_string(),
+        checkpoint_version: 3.0,
+        iteration,
+        model_type: "GPT".to_string(),
+        model: serde_json::to_value(config)?,
+        params_dtype: state.params_dtype.clone(),
+        tensor_model_parallel_size: target.tensor,
+        pipeline_model_parallel_size: target.pipeline,
+        virtual_pipeline_stages: target.virtual_stages,
+        decoder_first_pipeline_num_layers: None,
+        decoder_last_pipeline_num_layers: None,
+        data_parallel_size: 1,
+        distributed_optimizer: false,
+        consumed_train_samples: state.run.consumed_train_samples,
+        consumed_valid_samples: state.run.consumed_valid_samples,
+        num_floating_point_operations_so_far: state.run.num_floating_point_operations_so_far,
+        opt_param_scheduler: state.run.opt_param_scheduler.clone(),
+        grad_scaler: state.run.grad_scaler.clone(),
+        optimizer: state.optimizer.as_ref().map(|_| "adam".to_string()),
+        has_rng_state: false,
+        args: state.run.args.clone(),
+    };
+    finish_save(root, &metadata)?;
+    Ok(())
+}
+
+/// The tensors of `rank_dir/file` of `checkpoint`, read lazily (after checking the file's
+/// checksum where the checkpoint has them); `None` when the file is absent.
+fn rank_file(
+    checkpoint: &CheckpointDirectory,
+    rank_dir: &str,
+    file: &str,
+) -> Result<Option<BTreeMap<String, LazyTensor>>> {
+    let directory = checkpoint.directory.join(rank_dir);
+    ensure!(
+        directory.is_dir(),
+        "{} has no {rank_dir} (saved with {})",
+        checkpoint.directory.display(),
+        checkpoint.metadata.describe_layout()
+    );
+    let path = directory.join(file);
+    if !path.exists() {
+        return Ok(None);
+    }
+    checkpoint
+        .checksums
+        .verify(&format!("{rank_dir}/{file}"), &path)?;
+    safetensors_tensors(&path).map(Some)
+}
+
+/// The pipeline split `metadata` was saved with.
+fn saved_split(metadata: &CheckpointMetadata, config: &TransformerConfig) -> PipelineSplit {
+    PipelineSplit {
+        num_layers: config.num_layers,
+        stages: metadata.pipeline_model_parallel_size,
+        chunks: metadata.virtual_pipeline_stages.max(1),
+        first_stage_layers: metadata.decoder_first_pipeline_num_layers,
+        last_stage_layers: metadata.decoder_last_pipeline_num_layers,
+    }
+}
+
+/// Tensor-parallel parts (rank order) of each unsplit tensor joined lazily, the vocabulary
+/// padded for one rank.
+fn join_parts(
+    parts: BTreeMap<String, Vec<LazyTensor>>,
+    config: &TransformerConfig,
+    tp: usize,
+    what: &str,
+) -> Result<Tensors> {
+    let padded = config.padded_vocab_size(1);
+    parts
+        .into_iter()
+        .map(|(name, parts)| {
+            ensure!(
+                parts.len() == tp,
+                "{what} {name} found in {} of {tp} tensor-parallel ranks",
+                parts.len()
+            );
+            let mut joined = LazyTensor::joined(parts, tensor_split(&name, config))
+                .with_context(|| format!("{what} {name}"))?;
+            if has_vocab_rows(&name) {
+                joined = joined.with_rows(padded);
+            }
+            Ok((name, joined))
+        })
+        .collect()
+}
+
+/// Reads our checkpoint `checkpoint` (any layout) into a [`ModelState`] whose tensors are read
+/// from the files when a saver asks; with `optimizer`, the float32 main parameters and Adam
+/// moments too.
+pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Result<ModelState> {
+    let metadata = &checkpoint.metadata;
+    if metadata.model_type == "T5" {
+        bail!(
+            "{}: a T5 checkpoint; convert it with --model-type T5",
+            checkpoint.directory.display()
+        );
+    }
+    if metadata.model_type != "GPT" {
+        bail!(
+            "{}: converting {} checkpoints is not supported",
+            checkpoint.directory.display(),
+            metadata.model_type
+        );
+    }
+    let config: TransformerConfig = serde_json::from_value(metadata.model.clone())
+        .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
+    let split = saved_split(metadata, &config);
+    let layer_order = layer_parameter_order(&config)?;
+    let (weights, files) = read_model_files(checkpoint, &config, &|stage| {
+        rank_parameters(&config, &split, stage, &layer_order)
+    })?;
+    let optimizer = match (optimizer, metadata.optimizer.as_deref()) {
+        (true, Some("adam")) => Some(load_optimizer(checkpoint, &config, &files)?),
+        _ => None,
+    };
+    Ok(ModelState {
+        config,
+        params_dtype: metadata.params_dtype.clone(),
+        weights,
+        optimizer,
+        run: RunState {
+            iteration: metadata.iteration,
+            consumed_train_samples: metadata.consumed_train_samples,
+            consumed_valid_samples: metadata.consumed_valid_samples,
+            num_floating_point_operations_so_far: metadata.num_floating_point_operations_so_far,
+            opt_param_scheduler: metadata.opt_param_scheduler.clone(),
+            grad_scaler: metadata.grad_scaler.clone(),
+            args: metadata.args.clone(),
+        },
+        source_parallel: (
+            metadata.tensor_model_parallel_size,
+            metadata.pipeline_model_parallel_size,
+        ),
+        source: format!("megatron-rs checkpoint {}", checkpoint.directory.display()),
+    })
+}
+
+/// The model files of `checkpoint` (any TP/PP layout) read lazily: the unsplit weights (tensor
+/// parallel parts joined, the vocabulary padded for one rank) and every rank file.
+/// `rank_params(stage)` lists a pipeline stage's `(file name, global name)` parameters in
+/// model order; `config` is the trunk's (tensor splits, vocabulary).
+pub(crate) fn read_model_files(
+    checkpoint: &CheckpointDirectory,
+    config: &TransformerConfig,
+    rank_params: &dyn Fn(usize) -> Result<Vec<(String, String)>>,
+) -> Result<(Tensors, Vec<RankFile>)> {
+    let metadata = &checkpoint.metadata;
+    let (tp, pp) = (
+        metadata.tensor_model_parallel_size,
+        metadata.pipeline_model_parallel_size,
+    );
+    let mut parts: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
+    let mut files = Vec::new();
+    for t in 0..tp {
+        for stage in 0..pp {
+            let rank_dir = rank_directory_name(t, stage, pp);
+            let tensors = rank_file(checkpoint, &rank_dir, MODEL_FILE)?.with_context(|| {
+                format!(
+                    "{}/{rank_dir}: no {MODEL_FILE}",
+                    checkpoint.directory.display()
+                )
+            })?;
+            let params = rank_params(stage)?;
+            for (local, global) in &params {
+                let tensor = tensors.get(local).with_context(|| {
+                    format!(
+                        "{}/{rank_dir}/{MODEL_FILE}: no tensor {local}",
+                        checkpoint.directory.display()
+                    )
+                })?;
+                // The last stage's copy of tied embeddings equals the first stage's.
+                if is_tied_copy(local, global) {
+                    continue;
+                }
+                parts
+                    .entry(global.clone())
+                    .or_default()
+                    .push(tensor.clone());
+            }
+            files.push((t, stage, rank_dir, params, tensors));
+        }
+    }
+    let weights = join_parts(parts, config, tp, "tensor")
+        .with_context(|| checkpoint.directory.display().to_string())?;
+    Ok((weights, files))
+}
+
+/// Is the rank file's `local` tensor the last pipeline stage's copy of the tied word
+/// embeddings (GPT's `output_layer.weight` read as `global` embeddings)? T5's untied
+/// `lm_head.output_layer.weight` is a parameter of its own.
+fn is_tied_copy(local: &str, global: &str) -> bool {
+    local.ends_with("output_layer.weight") && global == "embedding.word_embeddings.weight"
+}
+
+/// A rank's model file as `read_model_files` read it: `(t, stage, rank directory, (local,
+/// global) parameters, tensors)`.
+pub(crate) type RankFile = (
+    usize,
+    usize,
+    String,
+    Vec<(String, String)>,
+    BTreeMap<String, LazyTensor>,
+);
+
+/// The per-parameter optimizer state (unsplit) of `checkpoint`'s rank `files` (any TP/PP
+/// layout, distributed-optimizer shards included); `config` is the trunk's.
+pub(crate) fn load_optimizer(
+    checkpoint: &CheckpointDirectory,
+    config: &TransformerConfig,
+    files: &[RankFile],
+) -> Result<OptimizerState> {
+    let metadata = &checkpoint.metadata;
+    let sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
+    let tied = !config.untie_embeddings_and_output_weights;
+    let ranks = if sharded {
+        metadata.data_parallel_size
+    } else {
+        1
+    };
+    let mut parts: [BTreeMap<String, Vec<LazyTensor>>; 3] = Default::default();
+    let mut step = 0.0;
+    for (_, _, rank_dir, params, tensors) in files {
+        let where_ = |file: &str| format!("{}/{rank_dir}/{file}", checkpoint.directory.display());
+        let shapes: Vec<(String, Vec<i64>)> = params
+            .iter()
+            .map(|(local, _)| (local.clone(), tensors[local].shape().to_vec()))
+            .collect();
+        // The distributed optimizer keeps embeddings tied across stages in a bucket of their
+        // own (as GptModel marks them).
+        let param_shapes: Vec<ParamShape> = shapes
+            .iter()
+            .zip(params)
+            .map(|((n, s), (_, global))| ParamShape {
+                name: n,
+                shape: s.clone(),
+                attributes: ParamAttributes {
+                    tied_across_stages: tied
+                        && metadata.pipeline_model_parallel_size > 1
+                        && global == "embedding.word_embeddings.weight",
+                    ..ParamAttributes::default()
+                },
+            })
+            .collect();
+        // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size). Our
+        // runs record their flags by group, conversions of Megatron's flat.
+        let bucket = metadata
+            .args
+            .get("parallel")
+            .unwrap_or(&metadata.args)
+            .get("ddp_bucket_size")
+            .and_then(|v| v.as_u64())
+            .map_or(
+                megatron_optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks),
+                |v| v as usize,
+            );
+        let layout = if sharded {
+            BufferLayout::new(&param_shapes, bucket, 0, ranks, true)
+        } else {
+            flat_layout(&shapes)
+        };
+        // Per buffer and slot: (start in the full buffer, the piece).
+        let mut pieces: [Vec<Vec<(usize, LazyTensor)>>; 3] =
+            std::array::from_fn(|_| vec![Vec::new(); layout.slots.len()]);
+        for d in 0..ranks {
+            let file = optimizer_file(sharded.then_some(d));
+            let state = rank_file(checkpoint, rank_dir, &file)?.with_context(|| {
+                format!("{}: missing (saved with --no-save-optim?)", where_(&file))
+            })?;
+            if let Some(s) = state.get("step") {
+                step = s.read()?.double_value(&[]);
+            }
+            let rank_layout =
+                sharded.then(|| BufferLayout::new(&param_shapes, bucket, d, ranks, true));
+            for (i, key) in ["main", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+                let part = state
+                    .get(*key)
+                    .with_context(|| format!("{}: no tensor {key}", where_(&file)))?;
+                match &rank_layout {
+                    None => {
+                        ensure!(
+                            part.numel() as usize >= layout.len,
+                            "{}: the optimizer buffer {key} holds {} elements, the model needs {}",
+                            where_(&file),
+                            part.numel(),
+                            layout.len
+                        );
+                        for (s, slot) in layout.slots.iter().enumerate() {
+                            let piece = part.flat_slice(
+                                slot.range.start as i64,
+                                slot.range.len() as i64,
+                                vec![slot.range.len() as i64],
+                            )?;
+                            pieces[i][s].push((slot.range.start, piece));
+                        }
+                    }
+                    Some(rank_layout) => {
+                        ensure!(
+                            part.numel() as usize == rank_layout.shard_len,
+                            "{}: {key} holds {} elements, the layout {}",
+                            where_(&file),
+                            part.numel(),
+                            rank_layout.shard_len
+                        );
+                        for segment in &rank_layout.segments {
+                            let piece = part.flat_slice(
+                                segment.shard.start as i64,
+                                segment.shard.len() as i64,
+                                vec![segment.shard.len() as i64],
+                            )?;
+                            pieces[i][segment.slot].push((segment.buffer.start, piece));
+                        }
+                    }
+                }
+            }
+        }
+        for (i, buffer) in pieces.into_iter().enumerate() {
+            for (slot, mut slot_pieces) in layout.slots.iter().zip(buffer) {
+                let global = &params
+                    .iter()
+                    .find(|(local, _)| *local == slot.name)
+                    .expect("listed")
+                    .1;
+                if is_tied_copy(&slot.name, global) {
+                    continue;
+                }
+                slot_pieces.sort_by_key(|(start, _)| *start);
+                let mut at = slot.range.start;
+                for (start, piece) in &slot_pieces {
+                    ensure!(
+                        *start == at,
+                        "{}/{rank_dir}: the optimizer shards do not cover {}",
+                        checkpoint.directory.display(),
+                        slot.name
+                    );
+                    at += piece.numel() as usize;
+                }
+                ensure!(
+                    at == slot.range.end,
+                    "{}/{rank_dir}: the optimizer shards do not cover {}",
+                    checkpoint.directory.display(),
+                    slot.name
+                );
+                let value = LazyTensor::concat(
+                    slot_pieces.into_iter().map(|(_, p)| p).collect(),
+                    slot.shape.clone(),
+                )?;
+                parts[i].entry(global.clone()).or_default().push(value);
+            }
+        }
+    }
+    let [main, exp_avg, exp_avg_sq] = parts;
+    let join = |parts| {
+        join_parts(
+            parts,
+            config,
+            metadata.tensor_model_parallel_size,
+            "optimizer state of",
+        )
+    };
+    Ok(OptimizerState {
+        step,
+        main: join(main)?,
+        exp_avg: join(exp_avg)?,
+        exp_avg_sq: join(exp_avg_sq)?,
+    })
+}
+
+impl ModelState {
+    /// Checks every weight against the architecture — each tensor the model has, with its
+    /// shape, and nothing else — so a corrupt or foreign input fails here, naming the tensor,
+    /// instead of producing a checkpoint that cannot load.
+    pub fn validate(&self) -> Result<()> {
+        let config = &self.config;
+        let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for name in probe_parameter_names(config)? {
+            match name.strip_prefix("decoder.layers.0.") {
+                Some(leaf) => {
+                    for layer in 0..config.num_layers {
+                        let name = format!("decoder.layers.{layer}.{leaf}");
+                        expected.insert(name.clone(), parameter_shape(config, &name)?);
+                    }
+                }
+                None => {
+                    let shape = parameter_shape(config, &name)?;
+                    expected.insert(name, shape);
+                }
+            }
+        }
+        for (name, shape) in &expected {
+            let tensor = self
+                .weights
+                .get(name)
+                .with_context(|| format!("{}: missing tensor {name}", self.source))?;
+            ensure!(
+                tensor.shape() == shape.as_slice(),
+                "{}: tensor {name} has shape {:?}, the architecture needs {shape:?}",
+                self.source,
+                tensor.shape()
+            );
+        }
+        if let Some(name) = self.weights.keys().find(|k| !expected.contains_key(*k)) {
+            bail!(
+                "{}: unexpected tensor {name} for this architecture",
+                self.source
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use megatron_models::{Activation, Normalization, PositionEmbeddingType};
+
+    /// The shape rules and the tiny probe's names agree with a real model of each structure.
+    #[test]
+    fn shape_rules_match_the_model() {
+        let base = TransformerConfig::gpt_345m();
+        let small = TransformerConfig {
+            num_layers: 2,
+            hidden_size: 32,
+            num_attention_heads: 4,
+            num_query_groups: 4,
+            kv_channels: 8,
+            ffn_hidden_size: 48,
+            max_position_embeddings: 16,
+            vocab_size: 100,
+            ..base
+        };
+        let llama = TransformerConfig {
+            num_query_groups: 2,
+            kv_channels: 12,
+            position_embedding_type: PositionEmbeddingType::Rope,
+            normalization: Normalization::RMSNorm,
+            activation: Activation::Swiglu,
+            add_bias_linear: false,
+            add_qkv_bias: true,
+            untie_embeddings_and_output_weights: true,
+            ..small.clone()
+        };
+        for config in [small, llama] {
+            let options = ModelOptions {
+                params_dtype: Kind::Float,
+                device: Device::Cpu,
+                recompute: Recompute::None,
+                seed: 0,
+                bias_dropout_fusion: true,
+                rope_fusion: false,
+            };
+            let model = GptModel::new_chunk(
+                TransformerConfig {
+                    num_layers: 1,
+                    ..config.clone()
+                },
+                options,
+                &ParallelState::single(),
+                ChunkSpec::whole(1),
+            )
+            .unwrap();
+            let real: Vec<(String, Vec<i64>)> = model
+                .named_parameters()
+                .into_iter()
+                .map(|p| (p.name, p.tensor.size()))
+                .collect();
+            let names = probe_parameter_names(&config).unwrap();
+            assert_eq!(
+                names,
+                real.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()
+            );
+            for (name, shape) in real {
+                assert_eq!(parameter_shape(&config, &name).unwrap(), shape, "{name}");
+            }
+        }
+    }
+}

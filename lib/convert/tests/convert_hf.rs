@@ -1,0 +1,222 @@
+//! HuggingFace round trips against `transformers` itself (scripts/hf_reference.py): tiny
+//! random models made by `save_pretrained` are imported (our logits equal HF's within 1e-4 in
+//! float32), taken through our checkpoint format in another layout, and exported again
+//! (`from_pretrained` reports no missing or unexpected keys, and its logits equal ours).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use megatron_convert::{
+    load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, ModelState, TargetLayout,
+};
+use megatron_store::find_checkpoint;
+use tch::Tensor;
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn python(args: &[&str]) -> String {
+    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+    let out = Command::new(python)
+        .arg(workspace_root().join("scripts/hf_reference.py"))
+        .args(args)
+        .output()
+        .expect("running scripts/hf_reference.py (MEGATRON_RS_TEST_PYTHON with transformers)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+const IDS: &str = "1,17,256,999,3,42,7,500;5,6,7,8,9,10,11,12";
+
+fn ids() -> Tensor {
+    let rows: Vec<Vec<i64>> = IDS
+        .split(';')
+        .map(|r| r.split(',').map(|t| t.parse().unwrap()).collect())
+        .collect();
+    Tensor::from_slice(&rows.concat()).view([rows.len() as i64, -1])
+}
+
+/// HF's logits for [`IDS`] from `dir`, after checking that every key loaded.
+fn hf_logits(dir: &Path) -> (Tensor, Option<String>) {
+    let reply: serde_json::Value =
+        serde_json::from_str(&python(&["logits", dir.to_str().unwrap(), IDS])).unwrap();
+    assert_eq!(reply["missing"], serde_json::json!([]), "missing keys");
+    assert_eq!(
+        reply["unexpected"],
+        serde_json::json!([]),
+        "unexpected keys"
+    );
+    let values: Vec<f32> = reply["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| b.as_array().unwrap().iter())
+        .flat_map(|s| {
+            s.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+        })
+        .collect();
+    let tokens = ids();
+    let (b, s) = tokens.size2().unwrap();
+    (
+        Tensor::from_slice(&values).view([b, s, -1]),
+        reply["tokenizer"].as_str().map(str::to_string),
+    )
+}
+
+fn max_difference(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+fn round_trip(kind: &str, as_bin: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("hf");
+    let mut make = vec!["make", kind, source.to_str().unwrap()];
+    if as_bin {
+        make.push("--bin");
+    }
+    python(&make);
+    let (reference, _) = hf_logits(&source);
+    // Import: our model on the imported weights gives HF's logits.
+    let state = load_hf(&source, 128, None).unwrap();
+    assert_eq!(state.config.vocab_size, 1000);
+    assert_eq!(
+        state.config.padded_vocab_size(1),
+        1024,
+        "padded as Megatron pads"
+    );
+    let ours = verify::logits(&verify::model_of(&state).unwrap(), &ids()).unwrap();
+    let difference = max_difference(&ours, &reference);
+    assert!(
+        difference < 1e-4,
+        "{kind}: import max |Δ logits| = {difference:e}"
+    );
+    if let Some(scaling) = state.config.rope_scaling {
+        // The scaling shows in the logits: without it they are far from HF's.
+        let mut unscaled = state.config.clone();
+        unscaled.rope_scaling = None;
+        let plain = ModelState {
+            config: unscaled,
+            weights: state.weights.clone(),
+            params_dtype: state.params_dtype.clone(),
+            optimizer: None,
+            run: Default::default(),
+            source_parallel: (1, 1),
+            source: "unscaled".into(),
+        };
+        let without = verify::logits(&verify::model_of(&plain).unwrap(), &ids()).unwrap();
+        let difference = max_difference(&without, &reference);
+        assert!(
+            difference > 1e-2,
+            "{kind}: {scaling:?} changes the logits by only {difference:e}"
+        );
+    }
+    // Through our format at TP=2 (vocabulary re-padded for two ranks) and back.
+    let ours_dir = dir.path().join("ours");
+    save_megatron_rs(
+        &state,
+        &ours_dir,
+        TargetLayout {
+            tensor: 2,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
+    let checkpoint = find_checkpoint(&ours_dir).unwrap().unwrap();
+    assert_eq!(
+        checkpoint.metadata.model["vocab_size"], 1000,
+        "the architecture is in our metadata"
+    );
+    let reloaded = load_megatron_rs(&checkpoint, false).unwrap();
+    // Export: transformers loads it with no missing or unexpected keys and the same logits.
+    let export = dir.path().join("export");
+    let vocab = dir.path().join("vocab.json");
+    let merges = dir.path().join("merges.txt");
+    // A byte-level BPE vocabulary of 1000 entries with one merge (t + 0 → t0).
+    let vocab_entries: serde_json::Map<String, serde_json::Value> = ["t", "0", "t0"]
+        .into_iter()
+        .map(str::to_string)
+        .chain((3..1000).map(|i| format!("x{i}")))
+        .enumerate()
+        .map(|(i, token)| (token, serde_json::json!(i)))
+        .collect();
+    std::fs::write(&vocab, serde_json::to_string(&vocab_entries).unwrap()).unwrap();
+    std::fs::write(&merges, "#version: 0.2\nt 0\n").unwrap();
+    let tokenizer_files = [
+        (vocab.as_path(), "vocab.json"),
+        (merges.as_path(), "merges.txt"),
+    ];
+    save_hf(&reloaded, &export, &tokenizer_files).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["vocab_size"], 1000, "padding rows dropped");
+    if let Some(scaling) = reloaded.config.rope_scaling {
+        let rope = &config["rope_parameters"];
+        assert_eq!(rope["rope_type"], "llama3");
+        assert_eq!(rope["factor"], scaling.factor);
+        assert_eq!(
+            rope["original_max_position_embeddings"],
+            scaling.original_max_position_embeddings
+        );
+    }
+    let (exported, tokenizer) = hf_logits(&export);
+    assert!(tokenizer.is_some(), "AutoTokenizer loads the export");
+    let ours = verify::logits(&verify::model_of(&reloaded).unwrap(), &ids()).unwrap();
+    let difference = max_difference(&ours, &exported);
+    assert!(
+        difference < 1e-4,
+        "{kind}: export max |Δ logits| = {difference:e}"
+    );
+    assert!(max_difference(&exported, &reference) < 1e-4);
+}
+
+#[test]
+fn gpt2_safetensors_round_trip() {
+    round_trip("gpt2", false);
+}
+
+#[test]
+fn gpt2_pytorch_model_bin_round_trip() {
+    round_trip("gpt2", true);
+}
+
+#[test]
+fn llama_gqa_untied_rope_theta_round_trip() {
+    round_trip("llama", false);
+}
+
+#[test]
+fn llama3_rope_scaling_round_trip() {
+    round_trip("llama3", false);
+}
+
+#[test]
+fn qwen2_qkv_bias_tied_round_trip() {
+    round_trip("qwen2", false);
+}
+
+#[test]
+fn unknown_architectures_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"architectures": ["FalconForCausalLM"]}"#,
+    )
+    .unwrap();
+    let error = format!("{:#}", load_hf(dir.path(), 128, None).unwrap_err());
+    assert!(
+        error.contains("FalconForCausalLM") && error.contains("config.json"),
+        "{error}"
+    );
+}

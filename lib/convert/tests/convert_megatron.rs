@@ -1,0 +1,271 @@
+//! Megatron-LM's own checkpoints (../shared/golden/megatron_checkpoints) converted to ours:
+//! the architecture comes from their args, every weight and optimizer tensor lands under its
+//! name, and our model runs forward on the result with the logits of the source.
+
+use std::path::{Path, PathBuf};
+
+use megatron_convert::{
+    load_megatron_rs, load_megatron_torch, load_torch_dist, save_megatron_rs, verify, LazyTensor,
+    LoadOptions, TargetLayout,
+};
+use megatron_models::{Activation, Normalization, PositionEmbeddingType};
+use megatron_store::find_checkpoint;
+use tch::Kind;
+
+fn goldens() -> PathBuf {
+    let shared = std::env::var_os("MEGATRON_RS_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
+    shared.join("golden/megatron_checkpoints")
+}
+
+fn with_optimizer() -> LoadOptions {
+    LoadOptions {
+        true_vocab_size: None,
+        optimizer: true,
+        make_vocab_size_divisible_by: None,
+    }
+}
+
+#[test]
+fn gpt_torch_weights_and_adam_state_map_to_our_names() {
+    let state =
+        load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
+    let config = &state.config;
+    assert_eq!(
+        (
+            config.num_layers,
+            config.hidden_size,
+            config.num_attention_heads
+        ),
+        (2, 64, 4)
+    );
+    assert_eq!(
+        config.vocab_size, 8193,
+        "NullTokenizer --vocab-size 8192 plus its end of document"
+    );
+    assert_eq!(config.padded_vocab_size(1), 8320);
+    assert_eq!(
+        config.activation,
+        Activation::GeluErf,
+        "--no-bias-gelu-fusion"
+    );
+    assert_eq!(
+        config.position_embedding_type,
+        PositionEmbeddingType::LearnedAbsolute
+    );
+    assert_eq!(state.params_dtype, "bfloat16");
+    assert_eq!(state.run.iteration, 3);
+    assert_eq!(state.run.consumed_train_samples, 12);
+    let scheduler = state.run.opt_param_scheduler.as_ref().unwrap();
+    assert_eq!(scheduler["num_steps"], 12);
+    assert_eq!(state.weights.len(), 28);
+    let optimizer = state
+        .optimizer
+        .as_ref()
+        .expect("gpt_torch was saved with its optimizer");
+    assert_eq!(optimizer.step, 3.0);
+    // Megatron copies each fp32 main parameter into the bf16 model after the step: if a main
+    // parameter landed under another tensor's name, this would not hold.
+    for (name, weight) in &state.weights {
+        let (main, weight) = (optimizer.main[name].read().unwrap(), weight.read().unwrap());
+        assert_eq!(main.size(), weight.size(), "{name}");
+        assert!(
+            main.to_kind(Kind::BFloat16).equal(&weight),
+            "main parameter of {name}"
+        );
+        let (exp_avg, exp_avg_sq) = (
+            optimizer.exp_avg[name].read().unwrap(),
+            optimizer.exp_avg_sq[name].read().unwrap(),
+        );
+        assert!(exp_avg_sq.min().double_value(&[]) >= 0.0, "{name}");
+        assert!(exp_avg.abs().max().double_value(&[]) > 0.0, "{name}");
+    }
+}
+
+#[test]
+fn gpt_torch_converts_to_ours_with_the_same_logits() {
+    let state =
+        load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let root = out.path().join("ours");
+    save_megatron_rs(
+        &state,
+        &root,
+        TargetLayout {
+            tensor: 1,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
+    let checkpoint = find_checkpoint(&root).unwrap().unwrap();
+    assert_eq!(checkpoint.metadata.iteration, 3);
+    let written = load_megatron_rs(&checkpoint, true).unwrap();
+    assert_eq!(verify::max_logit_difference(&state, &written).unwrap(), 0.0);
+    let tokens = verify::sample_tokens(&state, 2);
+    let logits = verify::logits(&verify::model_of(&written).unwrap(), &tokens).unwrap();
+    assert!(logits.isfinite().all().int64_value(&[]) == 1);
+    let (a, b) = (state.optimizer.unwrap(), written.optimizer.unwrap());
+    let same = |x: &LazyTensor, y: &LazyTensor| x.read().unwrap().equal(&y.read().unwrap());
+    for (name, main) in &a.main {
+        assert!(same(main, &b.main[name]), "{name}");
+        assert!(same(&a.exp_avg_sq[name], &b.exp_avg_sq[name]), "{name}");
+    }
+}
+
+#[test]
+fn llama_torch_converts_with_swiglu_gqa_rope_and_untied_output() {
+    let state = load_megatron_torch(
+        &goldens().join("llama_torch/iter_0000003"),
+        &with_optimizer(),
+    )
+    .unwrap();
+    let config = &state.config;
+    assert_eq!(config.activation, Activation::Swiglu);
+    assert_eq!(config.normalization, Normalization::RMSNorm);
+    assert_eq!(config.position_embedding_type, PositionEmbeddingType::Rope);
+    assert_eq!(config.num_query_groups, 2);
+    assert!(config.untie_embeddings_and_output_weights && !config.add_bias_linear);
+    assert!(state.optimizer.is_none(), "saved with --no-save-optim");
+    let out = tempfile::tempdir().unwrap();
+    let root = out.path().join("ours");
+    save_megatron_rs(
+        &state,
+        &root,
+        TargetLayout {
+            tensor: 2,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
+    let written = load_megatron_rs(&find_checkpoint(&root).unwrap().unwrap(), false).unwrap();
+    assert_eq!(verify::max_logit_difference(&state, &written).unwrap(), 0.0);
+}
+
+#[test]
+fn torch_dist_converts_and_runs_forward() {
+    let dist = load_torch_dist(
+        &goldens().join("gpt_torch_dist/iter_0000003"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(dist.weights.len(), 28);
+    assert_eq!(dist.config.vocab_size, 8193);
+    let out = tempfile::tempdir().unwrap();
+    let root = out.path().join("ours");
+    save_megatron_rs(
+        &dist,
+        &root,
+        TargetLayout {
+            tensor: 1,
+            pipeline: 2,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
+    let written = load_megatron_rs(&find_checkpoint(&root).unwrap().unwrap(), false).unwrap();
+    assert_eq!(verify::max_logit_difference(&dist, &written).unwrap(), 0.0);
+    // The same run saved in the torch format has the same architecture.
+    let torch = load_megatron_torch(
+        &goldens().join("gpt_torch/iter_0000003"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(torch.config, dist.config);
+}
+
+/// Megatron's torch format written in a TP2·PP2 layout reads back as the same model: the
+/// loader joins `mp_rank_XX_YYY` shards (SwiGLU's interleaved gate/up, GQA, untied output,
+/// the vocabulary padded for two ranks) and makes pipeline-local layers global.
+#[test]
+fn megatron_torch_tp2_pp2_reads_back_as_the_same_model() {
+    use megatron_convert::save_megatron_torch;
+    for golden in ["gpt_torch", "llama_torch"] {
+        // gpt_torch has its optimizer state, which goes along into every rank file.
+        let options = with_optimizer();
+        let state =
+            load_megatron_torch(&goldens().join(golden).join("iter_0000003"), &options).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let layout = TargetLayout {
+            tensor: 2,
+            pipeline: 2,
+            virtual_stages: 1,
+        };
+        save_megatron_torch(&state, out.path(), layout).unwrap();
+        assert!(out
+            .path()
+            .join("iter_0000003/mp_rank_01_001/model_optim_rng.pt")
+            .is_file());
+        let back = load_megatron_torch(&out.path().join("iter_0000003"), &options).unwrap();
+        assert_eq!(back.config, state.config, "{golden}");
+        assert_eq!(back.source_parallel, (2, 2));
+        assert_eq!(back.weights.len(), state.weights.len(), "{golden}");
+        for (name, tensor) in &state.weights {
+            assert!(
+                tensor
+                    .read()
+                    .unwrap()
+                    .equal(&back.weights[name].read().unwrap()),
+                "{golden}: {name}"
+            );
+        }
+        assert_eq!(
+            state.optimizer.is_some(),
+            back.optimizer.is_some(),
+            "{golden}"
+        );
+        if let (Some(a), Some(b)) = (&state.optimizer, &back.optimizer) {
+            assert_eq!(a.step, b.step);
+            for (x, y) in [
+                (&a.main, &b.main),
+                (&a.exp_avg, &b.exp_avg),
+                (&a.exp_avg_sq, &b.exp_avg_sq),
+            ] {
+                assert_eq!(x.len(), y.len());
+                for (name, tensor) in x {
+                    assert!(
+                        tensor.read().unwrap().equal(&y[name].read().unwrap()),
+                        "{golden}: optimizer state of {name}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `--use-rope-scaling` and `--rope-scaling-factor` travel through Megatron's args; a scaling
+/// Megatron's flags cannot express is refused by name instead of being saved wrong.
+#[test]
+fn megatron_torch_carries_llama3_rope_scaling() {
+    use megatron_convert::save_megatron_torch;
+    use megatron_models::RopeScaling;
+    let options = LoadOptions::default();
+    let mut state =
+        load_megatron_torch(&goldens().join("llama_torch/iter_0000003"), &options).unwrap();
+    assert_eq!(state.config.rope_scaling, None);
+    state.config.rope_scaling = Some(RopeScaling::megatron(32.0));
+    let layout = TargetLayout {
+        tensor: 1,
+        pipeline: 1,
+        virtual_stages: 1,
+    };
+    let out = tempfile::tempdir().unwrap();
+    save_megatron_torch(&state, out.path(), layout).unwrap();
+    let back = load_megatron_torch(&out.path().join("iter_0000003"), &options).unwrap();
+    assert_eq!(back.config.rope_scaling, Some(RopeScaling::megatron(32.0)));
+    state.config.rope_scaling = Some(RopeScaling {
+        original_max_position_embeddings: 16,
+        ..RopeScaling::megatron(8.0)
+    });
+    let refused = tempfile::tempdir().unwrap();
+    let error = format!(
+        "{:#}",
+        save_megatron_torch(&state, refused.path(), layout).unwrap_err()
+    );
+    assert!(
+        error.contains("original_max_position_embeddings"),
+        "{error}"
+    );
+}

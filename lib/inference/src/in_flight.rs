@@ -1,0 +1,170 @@
+//! Decode steps queued on the device ahead of the host. Reading a step's tokens waits for the
+//! GPU; while the host then bookkeeps, streams and launches the next step, the GPU idles (at
+//! batch 1 that is most of the gap between two steps). So when the next step's rows and inputs
+//! are known without its tokens — this step's rows one position on, less those that reach their
+//! length — it is queued first, reading the drawn tokens where they lie on the device, and the
+//! host reads this step's tokens while the GPU runs it. A row that stopped at the step read
+//! otherwise (a stop token or sequence, a client gone) wastes its slot of the queued one, whose
+//! token for it is dropped.
+
+use anyhow::Result;
+use tch::{Kind, Tensor};
+
+use super::decoder::{DecodeRow, Decoder};
+use super::sampling::{sample, RowSampling};
+use megatron_kernels::runtime::{to_device_async, HostCopy};
+use megatron_models::GptModel;
+
+/// How a row draws one token: its settings and random stream, whether its log-probability is
+/// kept, and a token it may not draw (the newline right after a colon).
+#[derive(Debug, Clone, Copy)]
+pub struct Draw {
+    pub sampling: RowSampling,
+    pub logprobs: bool,
+    pub banned: Option<i64>,
+}
+
+impl Draw {
+    /// The row's next draw when nothing bans a token: its nucleus decayed once more.
+    fn next(self) -> Draw {
+        Draw {
+            sampling: RowSampling {
+                sampling: self.sampling.sampling.decayed(),
+                seed: self.sampling.seed,
+                draws: self.sampling.draws + 1,
+            },
+            logprobs: self.logprobs,
+            banned: None,
+        }
+    }
+}
+
+/// Tokens drawn on the device and, when a row keeps them, their log-probabilities under the
+/// raw logits, on their way to the host.
+pub struct Drawn {
+    tokens: Tensor,
+    landing: HostCopy,
+}
+
+impl Drawn {
+    /// Draws one token per row of `logits` (`[rows, vocabulary]`) under `draws`.
+    pub fn new(logits: &Tensor, draws: &[Draw]) -> Result<Drawn> {
+        let mut logits = logits.shallow_clone();
+        let banned: Vec<(i64, i64)> = draws
+            .iter()
+            .enumerate()
+            .filter_map(|(k, d)| d.banned.map(|token| (k as i64, token)))
+            .collect();
+        if !banned.is_empty() {
+            let (rows, columns): (Vec<i64>, Vec<i64>) = banned.into_iter().unzip();
+            let at = to_device_async(
+                &Tensor::from_slice(&[rows, columns].concat()),
+                logits.device(),
+            )?;
+            let n = at.size()[0] / 2;
+            let value = Tensor::from(-1e10f32).to_kind(logits.kind());
+            // A decode step's logits may live in a CUDA graph's output buffer: write to a copy.
+            logits = logits.index_put(
+                &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],
+                &to_device_async(&value, logits.device())?,
+                false,
+            );
+        }
+        let settings: Vec<RowSampling> = draws.iter().map(|d| d.sampling).collect();
+        let tokens = sample(&logits, &settings)?;
+        let scores = draws.iter().any(|d| d.logprobs).then(|| {
+            logits
+                .log_softmax(1, Kind::Float)
+                .gather(1, &tokens.unsqueeze(1), false)
+                .squeeze_dim(1)
+        });
+        let copies: Vec<&Tensor> = std::iter::once(&tokens).chain(scores.as_ref()).collect();
+        let landing = HostCopy::start(&copies)?;
+        Ok(Drawn { tokens, landing })
+    }
+
+    /// Waits for the tokens and their log-probabilities on the host.
+    pub fn read(self) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
+        let mut copies = self.landing.read()?.into_iter();
+        let tokens = Vec::<i64>::try_from(copies.next().expect("the tokens"))?;
+        let scores = copies.next().map(Vec::<f32>::try_from).transpose()?;
+        Ok((tokens, scores))
+    }
+}
+
+/// A decode step queued on the device whose tokens have not been read yet.
+pub struct InFlight {
+    /// Its rows (by id, in the step's order), with their positions and draws.
+    pub rows: Vec<u64>,
+    positions: Vec<i64>,
+    draws: Vec<Draw>,
+    pub drawn: Drawn,
+}
+
+impl InFlight {
+    /// Queues a decode step of `rows` (ids `ids`), drawing each row's token under `draws`.
+    pub fn queue(
+        model: &GptModel,
+        decoder: &mut Decoder,
+        ids: Vec<u64>,
+        rows: &[DecodeRow],
+        draws: Vec<Draw>,
+    ) -> Result<InFlight> {
+        Self::queue_reading(model, decoder, ids, rows, draws, None)
+    }
+
+    /// Queues the step after this one for its rows `kept` (indices into [`Self::rows`], in
+    /// order), whose `blocks` (in that order) hold one position more: its tokens are the ones
+    /// this step draws, read on the device.
+    pub fn queue_next(
+        &self,
+        model: &GptModel,
+        decoder: &mut Decoder,
+        kept: &[usize],
+        blocks: &[&[i64]],
+    ) -> Result<InFlight> {
+        let rows: Vec<DecodeRow> = kept
+            .iter()
+            .zip(blocks)
+            .map(|(&k, blocks)| DecodeRow {
+                token: 0,
+                position: self.positions[k] + 1,
+                blocks,
+            })
+            .collect();
+        let draws = kept.iter().map(|&k| self.draws[k].next()).collect();
+        let ids = kept.iter().map(|&k| self.rows[k]).collect();
+        let tokens = if kept.len() == self.rows.len() {
+            self.drawn.tokens.shallow_clone()
+        } else {
+            let kept: Vec<i64> = kept.iter().map(|&k| k as i64).collect();
+            let at = to_device_async(&Tensor::from_slice(&kept), self.drawn.tokens.device())?;
+            self.drawn.tokens.index_select(0, &at)
+        };
+        Self::queue_reading(model, decoder, ids, &rows, draws, Some(&tokens))
+    }
+
+    fn queue_reading(
+        model: &GptModel,
+        decoder: &mut Decoder,
+        ids: Vec<u64>,
+        rows: &[DecodeRow],
+        draws: Vec<Draw>,
+        drawn: Option<&Tensor>,
+    ) -> Result<InFlight> {
+        tch::no_grad(|| {
+            let logits = decoder
+                .decode(model, rows, drawn)?
+                .narrow(1, 0, model.config.vocab_size);
+            // In the model's dtype: greedy rows take the argmax as it is (float32 would pick
+            // the same token), sampling converts.
+            let drawn = Drawn::new(&logits, &draws)?;
+            Ok(InFlight {
+                rows: ids,
+                positions: rows.iter().map(|r| r.position).collect(),
+                draws,
+                drawn,
+            })
+        })
+    }
+}

@@ -1,0 +1,26 @@
+//! Inference: a trained GPT or T5 loaded from its checkpoint alone (any TP/PP layout, or a
+//! HuggingFace model imported on the fly: [`CheckpointModelArgs`]); Megatron's generation as
+//! continuous batching over a paged KV cache with per-row sampling, decode steps replayed from
+//! CUDA graphs on a GPU; beam search; T5's teacher-forced scoring and greedy decoding. The HTTP
+//! server in front of it is `megatron-serving`.
+
+mod beam_search;
+mod checkpoint_model;
+mod decoder;
+mod generation;
+mod in_flight;
+mod sampling;
+mod t5;
+
+pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
+pub use checkpoint_model::CheckpointModelArgs;
+pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, PrefillChunk, WINDOW_STEP};
+pub use generation::{
+    generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
+    GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,
+};
+pub use sampling::{row_seed, sample, RowSampling, Sampling};
+pub use t5::{
+    encode_with_sentinels, fill_spans, greedy_decode, score_t5_batch, split_spans, DecodedSpan,
+    GreedyOptions, SampleScore, ScoreTotals, T5Decoding,
+};

@@ -1,0 +1,119 @@
+//! What the training engine needs of a model family's pipeline chunk, whatever the family.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use tch::Tensor;
+
+use super::fp8::Fp8Plan;
+use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
+use super::layers::{Fp8Linear, NamedParameter};
+
+/// One pipeline chunk of a model (the whole model without pipeline parallelism).
+pub trait ModelChunk: Send {
+    /// Which part of the model the chunk holds.
+    fn spec(&self) -> &ChunkSpec;
+    fn options(&self) -> &ModelOptions;
+    /// Every parameter under its Megatron-core name (layer indices local to the chunk).
+    fn named_parameters(&self) -> Vec<NamedParameter>;
+    /// Installs the gate the forward pass consults before each module (`--overlap-param-gather`).
+    fn set_param_gate(&mut self, gate: Arc<dyn ParamGate>);
+    /// Runs the transformer layers' linears that `plan` names in fp8 (`--fp8-format`).
+    fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()>;
+    /// The fp8 linears under their checkpoint names (empty without fp8).
+    fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)>;
+    /// The architecture, as checkpoint metadata records it.
+    fn config_json(&self) -> Result<serde_json::Value>;
+
+    /// Copies `tensors` into the parameters; see [`load_named`].
+    fn load_parameters(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
+        load_named(&self.named_parameters(), tensors)
+    }
+}
+
+/// Copies `tensors` (Megatron-core names, any float dtype) into `parameters`. Every parameter
+/// must be present with its exact shape and no unknown name may remain, so a checkpoint of
+/// another architecture fails loudly instead of half-loading.
+pub fn load_named(parameters: &[NamedParameter], tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let mut unknown: Vec<&String> = tensors
+        .keys()
+        .filter(|k| !parameters.iter().any(|p| &p.name == *k))
+        .collect();
+    if !unknown.is_empty() {
+        unknown.sort();
+        bail!(
+            "unexpected tensors for this model: {}",
+            join_names(&unknown)
+        );
+    }
+    tch::no_grad(|| -> Result<()> {
+        for parameter in parameters {
+            let name = &parameter.name;
+            let source = tensors
+                .get(name)
+                .with_context(|| format!("missing tensor {name}"))?;
+            ensure!(
+                source.size() == parameter.tensor.size(),
+                "tensor {name}: shape {:?} but the model expects {:?}",
+                source.size(),
+                parameter.tensor.size()
+            );
+            parameter.tensor.shallow_clone().copy_(source);
+        }
+        Ok(())
+    })
+}
+
+/// Up to 8 names joined by commas, then how many more there are.
+pub fn join_names(names: &[&String]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .map(|s| s.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
+}
+
+/// Implements [`ModelChunk`] for a family's model, which has the fields `config` (serialisable),
+/// `spec`, `options` and `gate` and inherent `named_parameters`, `enable_fp8` and
+/// `fp8_linears`.
+macro_rules! impl_model_chunk {
+    ($model:ty) => {
+        impl $crate::chunk::ModelChunk for $model {
+            fn spec(&self) -> &$crate::ChunkSpec {
+                &self.spec
+            }
+
+            fn options(&self) -> &$crate::ModelOptions {
+                &self.options
+            }
+
+            fn named_parameters(&self) -> Vec<$crate::NamedParameter> {
+                <$model>::named_parameters(self)
+            }
+
+            fn set_param_gate(&mut self, gate: std::sync::Arc<dyn $crate::ParamGate>) {
+                self.gate.set(gate);
+            }
+
+            fn enable_fp8(&mut self, plan: &$crate::fp8::Fp8Plan) -> anyhow::Result<()> {
+                <$model>::enable_fp8(self, plan)
+            }
+
+            fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<$crate::layers::Fp8Linear>)> {
+                <$model>::fp8_linears(self)
+            }
+
+            fn config_json(&self) -> anyhow::Result<serde_json::Value> {
+                Ok(serde_json::to_value(&self.config)?)
+            }
+        }
+    };
+}
+pub(crate) use impl_model_chunk;

@@ -1,0 +1,156 @@
+//! Parallel state: the communicators of the tensor-, pipeline- and data-parallel groups a rank
+//! belongs to, and the autograd regions tensor-parallel layers are built from.
+//!
+//! Layers only talk to a [`Communicator`]; with one rank per group every collective is the
+//! identity and the regions vanish, so the single-GPU model is the tensor-parallel model at
+//! `t = 1`, not a separate implementation.
+
+mod communicator;
+mod host;
+mod job;
+mod launch;
+mod layout;
+mod nccl;
+mod placement;
+mod regions;
+mod rendezvous;
+mod tcp;
+mod threads;
+
+pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
+pub use job::{Backend, Job};
+pub use launch::{first_host, LaunchEnv, DEFAULT_MASTER_PORT};
+pub use layout::{Coordinates, GroupKind, ParallelLayout};
+pub use nccl::NcclCommunicator;
+pub use placement::{join_launched_job, JoinOptions, Placement};
+pub use regions::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+};
+pub use rendezvous::Rendezvous;
+pub use tcp::TcpMesh;
+pub use threads::ThreadWorld;
+
+use std::sync::Arc;
+
+use anyhow::Result;
+
+/// The groups of one rank (Megatron's `parallel_state`).
+#[derive(Clone)]
+pub struct ParallelState {
+    pub layout: ParallelLayout,
+    /// This rank's index in the world.
+    pub rank: usize,
+    pub tensor: Arc<dyn Communicator>,
+    pub pipeline: Arc<dyn Communicator>,
+    pub data: Arc<dyn Communicator>,
+    /// Tensor × pipeline: reductions over one model replica (gradient norm, overflow flag).
+    pub model: Arc<dyn Communicator>,
+    /// First and last pipeline stage, for the tied word embeddings.
+    pub embedding: Arc<dyn Communicator>,
+    pub world: Arc<dyn Communicator>,
+    /// `--sequence-parallel` (only meaningful with tensor parallelism).
+    pub sequence_parallel: bool,
+}
+
+impl ParallelState {
+    /// One process, one GPU (or the CPU): every group has a single rank.
+    pub fn single() -> Self {
+        let single: Arc<dyn Communicator> = Arc::new(SingleRank);
+        ParallelState {
+            layout: ParallelLayout::single(),
+            rank: 0,
+            tensor: single.clone(),
+            pipeline: single.clone(),
+            data: single.clone(),
+            model: single.clone(),
+            embedding: single.clone(),
+            world: single,
+            sequence_parallel: false,
+        }
+    }
+
+    /// The state of `rank` in `layout`, with each group's communicator made by `group`
+    /// (called with the group's kind and its world ranks, in the same order on every rank, for
+    /// groups of more than one rank).
+    pub fn build(
+        layout: ParallelLayout,
+        rank: usize,
+        sequence_parallel: bool,
+        mut group: impl FnMut(GroupKind, &[usize]) -> Result<Arc<dyn Communicator>>,
+    ) -> Result<Self> {
+        // A group of one needs no backend: every collective is the identity.
+        let mut make = |kind: GroupKind| -> Result<Arc<dyn Communicator>> {
+            let members = layout.group(kind, rank);
+            if members.len() == 1 {
+                return Ok(Arc::new(SingleRank));
+            }
+            group(kind, &members)
+        };
+        Ok(ParallelState {
+            layout,
+            rank,
+            tensor: make(GroupKind::Tensor)?,
+            pipeline: make(GroupKind::Pipeline)?,
+            data: make(GroupKind::Data)?,
+            model: make(GroupKind::Model)?,
+            embedding: make(GroupKind::Embedding)?,
+            world: make(GroupKind::World)?,
+            sequence_parallel: sequence_parallel && layout.tensor > 1,
+        })
+    }
+
+    /// The state of `rank` in a world of threads.
+    pub fn threads(
+        world: &ThreadWorld,
+        layout: ParallelLayout,
+        rank: usize,
+        sequence_parallel: bool,
+    ) -> Result<Self> {
+        Self::build(layout, rank, sequence_parallel, |kind, members| {
+            world.group(kind.name(), members, rank)
+        })
+    }
+
+    pub fn coordinates(&self) -> Coordinates {
+        self.layout.coordinates(self.rank)
+    }
+
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.tensor.size()
+    }
+
+    pub fn tensor_parallel_rank(&self) -> usize {
+        self.tensor.rank()
+    }
+
+    pub fn pipeline_parallel_size(&self) -> usize {
+        self.pipeline.size()
+    }
+
+    pub fn pipeline_parallel_rank(&self) -> usize {
+        self.pipeline.rank()
+    }
+
+    pub fn is_first_stage(&self) -> bool {
+        self.pipeline.rank() == 0
+    }
+
+    pub fn is_last_stage(&self) -> bool {
+        self.pipeline.rank() + 1 == self.pipeline.size()
+    }
+
+    pub fn data_parallel_size(&self) -> usize {
+        self.data.size()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.layout.world_size
+    }
+
+    /// Megatron prints the training log on the last rank (last stage, which has the loss).
+    pub fn is_logging_rank(&self) -> bool {
+        self.rank + 1 == self.world_size()
+    }
+}

@@ -1,0 +1,54 @@
+//! Megatron's command-line flags, shared by the binaries (same names, same
+//! defaults as Megatron's `arguments.py`, core_v0.13). Each group is a clap `Args` struct the
+//! binaries flatten into their parser.
+
+mod bert;
+mod checkpointing;
+mod finetune;
+mod fp8;
+mod logging;
+mod model;
+mod parallel;
+mod t5;
+mod training;
+
+pub use bert::{BertArgs, BertPretrainArgs};
+pub use checkpointing::CheckpointArgs;
+pub use finetune::{FinetuneArgs, FinetuneTaskArgs};
+pub use fp8::Fp8Args;
+pub use logging::LoggingArgs;
+pub use megatron_data::flags::{DataArgs, TokenizerArgs};
+pub use model::ModelArgs;
+pub use parallel::ParallelArgs;
+pub use t5::{t5_flags, T5Args, T5PretrainArgs};
+pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
+
+/// The flags every pretraining binary shares: all of `pretrain_gpt`'s.
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
+pub struct PretrainArgs {
+    #[command(flatten, next_help_heading = "Model")]
+    pub model: ModelArgs,
+    #[command(flatten, next_help_heading = "Training")]
+    pub training: TrainingArgs,
+    #[command(flatten, next_help_heading = "Parallelism")]
+    pub parallel: ParallelArgs,
+    #[command(flatten, next_help_heading = "Optimizer and schedule")]
+    pub optimizer: OptimizerArgs,
+    #[command(flatten, next_help_heading = "Mixed precision")]
+    pub precision: MixedPrecisionArgs,
+    #[command(flatten, next_help_heading = "Activation recomputation")]
+    pub recompute: RecomputeArgs,
+    #[command(flatten, next_help_heading = "Transformer Engine (FP8)")]
+    pub fp8: Fp8Args,
+    #[command(flatten, next_help_heading = "Checkpoints")]
+    pub checkpoint: CheckpointArgs,
+    #[command(flatten, next_help_heading = "Data")]
+    pub data: DataArgs,
+    #[command(flatten, next_help_heading = "Tokenizer")]
+    pub tokenizer: TokenizerArgs,
+    #[command(flatten, next_help_heading = "Logging")]
+    pub logging: LoggingArgs,
+}
+
+/// Every flag of `pretrain_gpt`.
+pub type GptPretrainArgs = PretrainArgs;

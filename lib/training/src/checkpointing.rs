@@ -1,0 +1,449 @@
+//! A training run's state to and from checkpoints, every rank writing and reading its part.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::loss_scale::{LossScaler, LossScalerState};
+use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
+use megatron_kernels::rng::{
+    model_parallel_rng_state, set_model_parallel_rng_state, GeneratorState,
+};
+use megatron_models::{ModelChunk, PipelineSplit};
+use megatron_optim::MixedPrecisionOptimizer;
+use megatron_parallel::ParallelState;
+use megatron_store::{
+    abandon_save, begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file,
+    rank_directory_name, write_rank_file, CheckpointDirectory, CheckpointMetadata,
+    CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
+};
+
+/// The per-rank file of the fp8 scaling state (see [`fp8_tensors`]).
+const FP8_FILE: &str = "fp8_state.safetensors";
+
+/// Megatron's current `checkpoint_version` (per-head QKV layout).
+const CHECKPOINT_VERSION: f64 = 3.0;
+
+/// Counters that move with training and are checkpointed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Progress {
+    pub iteration: u64,
+    pub consumed_train_samples: u64,
+    pub consumed_valid_samples: u64,
+    pub floating_point_operations: f64,
+}
+
+pub fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    }
+}
+
+/// This rank's directory: `mp_rank_TT` or `mp_rank_TT_PPP`.
+fn rank_directory(parallel: &ParallelState) -> String {
+    let c = parallel.coordinates();
+    rank_directory_name(c.tensor, c.pipeline, parallel.layout.pipeline)
+}
+
+/// With virtual pipeline stages the chunks' tensors are prefixed `model0.`, `model1.`, …,
+/// as Megatron keys them.
+fn chunk_prefix(chunk: usize, chunks: usize) -> String {
+    if chunks == 1 {
+        String::new()
+    } else {
+        format!("model{chunk}.")
+    }
+}
+
+/// Every tensor of this rank's model chunks under its checkpoint name.
+pub fn model_tensors<C: ModelChunk>(chunks: &[C]) -> Vec<(String, Tensor)> {
+    chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(c, chunk)| {
+            let prefix = chunk_prefix(c, chunks.len());
+            chunk
+                .named_parameters()
+                .into_iter()
+                .map(move |p| (format!("{prefix}{}", p.name), p.tensor.detach()))
+        })
+        .collect()
+}
+
+/// The delayed-scaling state of this rank's fp8 linears (`--fp8-format`), named after them
+/// like the parameters (`decoder.layers.0.mlp.linear_fc1.input.scale`, ...); empty without
+/// fp8 or before the first step. Transformer Engine keeps it in each module's `_extra_state`.
+fn fp8_tensors<C: ModelChunk>(chunks: &[C]) -> Result<Vec<(String, Tensor)>> {
+    let mut tensors = Vec::new();
+    for (c, chunk) in chunks.iter().enumerate() {
+        let prefix = chunk_prefix(c, chunks.len());
+        for (name, linear) in chunk.fp8_linears() {
+            linear.state_tensors(&format!("{prefix}{name}"), &mut tensors)?;
+        }
+    }
+    Ok(tensors)
+}
+
+/// Restores what [`fp8_tensors`] saved; linears it has nothing for (or a history of another
+/// `--fp8-amax-history-len`) start afresh, which a note says.
+fn load_fp8_tensors<C: ModelChunk>(chunks: &[C], tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let mut afresh = 0;
+    for (c, chunk) in chunks.iter().enumerate() {
+        let prefix = chunk_prefix(c, chunks.len());
+        let device = chunk.options().device;
+        for (name, linear) in chunk.fp8_linears() {
+            afresh += linear.load_state(&format!("{prefix}{name}"), tensors, device)?;
+        }
+    }
+    if afresh > 0 {
+        eprintln!(
+            "note: {afresh} fp8 scaling states are not in the checkpoint (or have another \
+             --fp8-amax-history-len) and start afresh"
+        );
+    }
+    Ok(())
+}
+
+fn load_model_tensors<C: ModelChunk>(
+    chunks: &[C],
+    mut tensors: HashMap<String, Tensor>,
+) -> Result<()> {
+    for (c, chunk) in chunks.iter().enumerate() {
+        let prefix = chunk_prefix(c, chunks.len());
+        let mine: HashMap<String, Tensor> = if prefix.is_empty() {
+            std::mem::take(&mut tensors)
+        } else {
+            let keys: Vec<String> = tensors
+                .keys()
+                .filter(|k| k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            keys.into_iter()
+                .map(|k| {
+                    (
+                        k[prefix.len()..].to_string(),
+                        tensors.remove(&k).expect("listed"),
+                    )
+                })
+                .collect()
+        };
+        chunk
+            .load_parameters(&mine)
+            .with_context(|| format!("model chunk {c}"))?;
+    }
+    ensure!(
+        tensors.is_empty(),
+        "tensors for no model chunk: {:?}",
+        tensors.keys().take(5).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+pub struct SaveRequest<'a, C: ModelChunk> {
+    pub root: &'a Path,
+    /// `GPT`, `BERT`.
+    pub model_type: &'static str,
+    pub progress: Progress,
+    pub chunks: &'a [C],
+    /// How the layers are spread over the pipeline, recorded so tools can merge the ranks.
+    pub split: PipelineSplit,
+    pub optimizer: Option<(&'a MixedPrecisionOptimizer, &'a str)>,
+    pub distributed_optimizer: bool,
+    pub scheduler: &'a OptimizerParamScheduler,
+    pub scaler: &'a LossScaler,
+    pub save_rng: bool,
+    pub args: serde_json::Value,
+    pub parallel: &'a ParallelState,
+}
+
+fn rng_tensors(device: Device) -> Result<Vec<(String, Tensor)>> {
+    let mut states = vec![(
+        "cpu_rng_state".to_string(),
+        GeneratorState::capture(Device::Cpu)?.tensor().copy(),
+    )];
+    if device.is_cuda() {
+        states.push((
+            "cuda_rng_state".to_string(),
+            GeneratorState::capture(device)?.tensor().copy(),
+        ));
+    }
+    if let Some(state) = model_parallel_rng_state()? {
+        states.push(("model_parallel_rng_state".to_string(), state));
+    }
+    Ok(states)
+}
+
+/// Saves the checkpoint of `request.progress.iteration`; every rank calls it. Data-parallel
+/// rank 0 of each model-parallel rank writes the model, RNG and (unsharded) optimizer state;
+/// with the distributed optimizer every rank writes its shard. Rank 0 commits.
+pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
+    let parallel = request.parallel;
+    let world = &parallel.world;
+    let (root, iteration) = (request.root, request.progress.iteration);
+    world.barrier()?;
+    if parallel.rank == 0 {
+        begin_save(root, iteration)?;
+    }
+    world.barrier()?;
+    let written = write_and_commit(request, iteration);
+    if written.is_err() {
+        // A save that cannot finish (a full disk) leaves nothing behind; the tracker still
+        // names the previous checkpoint.
+        abandon_save(root, iteration);
+    }
+    written?;
+    world.barrier()?;
+    Ok(iteration_directory(root, iteration))
+}
+
+/// Every rank's files, then rank 0's metadata and commit.
+fn write_and_commit<C: ModelChunk>(request: SaveRequest<'_, C>, iteration: u64) -> Result<()> {
+    let parallel = request.parallel;
+    let world = &parallel.world;
+    let chunk = &request.chunks[0];
+    let device = chunk.options().device;
+    let staging = megatron_store::staging_directory(request.root, iteration);
+    let rank_dir = rank_directory(parallel);
+    let data_rank = parallel.data.rank();
+    if data_rank == 0 {
+        write_rank_file(
+            &staging,
+            &rank_dir,
+            MODEL_FILE,
+            &model_tensors(request.chunks),
+        )?;
+        if request.save_rng {
+            write_rank_file(&staging, &rank_dir, RNG_FILE, &rng_tensors(device)?)?;
+        }
+        let fp8 = fp8_tensors(request.chunks)?;
+        if !fp8.is_empty() {
+            write_rank_file(&staging, &rank_dir, FP8_FILE, &fp8)?;
+        }
+    }
+    if let Some((optimizer, _)) = request.optimizer {
+        let sharded = request.distributed_optimizer && parallel.data_parallel_size() > 1;
+        if sharded || data_rank == 0 {
+            let file = optimizer_file(sharded.then_some(data_rank));
+            write_rank_file(&staging, &rank_dir, &file, &optimizer.state_tensors())?;
+        }
+    }
+    world.barrier()?;
+    if parallel.rank == 0 {
+        let layout = parallel.layout;
+        let metadata = CheckpointMetadata {
+            format: CHECKPOINT_FORMAT.to_string(),
+            checkpoint_version: CHECKPOINT_VERSION,
+            iteration,
+            model_type: request.model_type.to_string(),
+            model: chunk.config_json()?,
+            params_dtype: dtype_name(chunk.options().params_dtype).to_string(),
+            tensor_model_parallel_size: layout.tensor,
+            pipeline_model_parallel_size: layout.pipeline,
+            virtual_pipeline_stages: request.chunks.len(),
+            decoder_first_pipeline_num_layers: request.split.first_stage_layers,
+            decoder_last_pipeline_num_layers: request.split.last_stage_layers,
+            data_parallel_size: layout.data,
+            distributed_optimizer: request.distributed_optimizer,
+            consumed_train_samples: request.progress.consumed_train_samples,
+            consumed_valid_samples: request.progress.consumed_valid_samples,
+            num_floating_point_operations_so_far: request.progress.floating_point_operations,
+            opt_param_scheduler: Some(serde_json::to_value(request.scheduler.state())?),
+            grad_scaler: request
+                .scaler
+                .state()
+                .map(serde_json::to_value)
+                .transpose()?,
+            optimizer: request.optimizer.map(|(_, name)| name.to_string()),
+            has_rng_state: request.save_rng,
+            args: request.args,
+        };
+        finish_save(request.root, &metadata)?;
+    }
+    Ok(())
+}
+
+/// What resuming restored.
+pub enum Resumed {
+    /// Weights only (`--finetune`, `--pretrained-checkpoint`, or a `release` checkpoint).
+    Weights { directory: PathBuf },
+    Full {
+        directory: PathBuf,
+        progress: Progress,
+    },
+}
+
+pub struct LoadRequest<'a> {
+    pub root: &'a Path,
+    pub finetune: bool,
+    pub load_optimizer: bool,
+    pub load_rng: bool,
+    pub scheduler_policy: SchedulerLoadPolicy,
+}
+
+/// Loads this rank's model weights from the checkpoint under `request.root` into `chunks`,
+/// after checking that the checkpoint has the same architecture and model-parallel layout.
+/// Returns the checkpoint for [`restore_training_state`] once the optimizer exists.
+pub fn load_weights<C: ModelChunk>(
+    request: &LoadRequest,
+    model_type: &str,
+    chunks: &[C],
+    parallel: &ParallelState,
+) -> Result<Option<CheckpointDirectory>> {
+    let Some(found) = find_checkpoint(request.root)? else {
+        return Ok(None);
+    };
+    let model = &chunks[0];
+    if found.metadata.model_type != model_type {
+        bail!(
+            "{} holds a {} model, not {model_type}",
+            found.directory.display(),
+            found.metadata.model_type
+        );
+    }
+    let ours = model.config_json()?;
+    if found.metadata.model != ours {
+        bail!(
+            "{} was saved with a different architecture: {}",
+            found.directory.display(),
+            config_differences(&found.metadata.model, &ours)
+        );
+    }
+    let metadata = &found.metadata;
+    let layout = parallel.layout;
+    if (
+        metadata.tensor_model_parallel_size,
+        metadata.pipeline_model_parallel_size,
+        metadata.virtual_pipeline_stages,
+    ) != (layout.tensor, layout.pipeline, chunks.len())
+    {
+        bail!(
+            "{} was saved with {} but this run uses TP={} PP={}{}; the model-parallel layout must match to load it",
+            found.directory.display(),
+            metadata.describe_layout(),
+            layout.tensor,
+            layout.pipeline,
+            if chunks.len() > 1 { format!(" ({} virtual stages)", chunks.len()) } else { String::new() }
+        );
+    }
+    let rank_dir = rank_directory(parallel);
+    let tensors = found
+        .read(&rank_dir, MODEL_FILE, model.options().device)?
+        .with_context(|| {
+            format!(
+                "{} has no {rank_dir}/{MODEL_FILE}",
+                found.directory.display()
+            )
+        })?;
+    load_model_tensors(chunks, tensors)
+        .with_context(|| format!("loading {}", found.directory.display()))?;
+    if let Some(fp8) = found.read(&rank_dir, FP8_FILE, Device::Cpu)? {
+        load_fp8_tensors(chunks, &fp8)
+            .with_context(|| format!("fp8 state of {}", found.directory.display()))?;
+    }
+    Ok(Some(found))
+}
+
+pub(super) fn config_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> String {
+    let (Some(saved), Some(ours)) = (saved.as_object(), ours.as_object()) else {
+        return String::new();
+    };
+    saved
+        .iter()
+        .filter(|(k, v)| ours.get(*k) != Some(v))
+        .map(|(k, v)| {
+            format!(
+                "{k} = {v} in the checkpoint, {} now",
+                ours.get(k).cloned().unwrap_or_default()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+pub struct TrainingState<'a> {
+    pub optimizer: &'a mut MixedPrecisionOptimizer,
+    pub distributed_optimizer: bool,
+    pub scheduler: &'a mut OptimizerParamScheduler,
+    pub scaler: &'a mut LossScaler,
+}
+
+/// Restores counters, optimizer, scheduler, loss scaler and generators from a checkpoint.
+pub fn restore_training_state(
+    found: CheckpointDirectory,
+    request: &LoadRequest,
+    state: TrainingState,
+    parallel: &ParallelState,
+    device: Device,
+) -> Result<Resumed> {
+    let directory = found.directory.clone();
+    if request.finetune || found.release {
+        return Ok(Resumed::Weights { directory });
+    }
+    let metadata = &found.metadata;
+    if let Some(scheduler) = &metadata.opt_param_scheduler {
+        let saved: SchedulerState =
+            serde_json::from_value(scheduler.clone()).context("checkpoint scheduler state")?;
+        state
+            .scheduler
+            .load_state(&saved, request.scheduler_policy)
+            .with_context(|| format!("resuming {}", directory.display()))?;
+    }
+    if let (Some(scaler), true) = (&metadata.grad_scaler, state.scaler.is_dynamic()) {
+        let saved: LossScalerState =
+            serde_json::from_value(scaler.clone()).context("checkpoint loss scaler state")?;
+        state.scaler.load_state(&saved)?;
+    }
+    let rank_dir = rank_directory(parallel);
+    if request.load_optimizer {
+        let sharded = state.distributed_optimizer && parallel.data_parallel_size() > 1;
+        let saved_sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
+        if metadata.optimizer.is_some()
+            && (sharded, sharded.then_some(metadata.data_parallel_size))
+                != (
+                    saved_sharded,
+                    sharded.then_some(parallel.data_parallel_size()),
+                )
+        {
+            bail!(
+                "{}: the optimizer state was saved with {} but this run uses DP={}{}; pass --no-load-optim to start the optimizer afresh",
+                directory.display(),
+                metadata.describe_layout(),
+                parallel.data_parallel_size(),
+                if state.distributed_optimizer { ", distributed optimizer" } else { "" }
+            );
+        }
+        let file = optimizer_file(sharded.then(|| parallel.data.rank()));
+        if let Some(tensors) = found.read(&rank_dir, &file, device)? {
+            state
+                .optimizer
+                .load_state_tensors(&tensors)
+                .with_context(|| format!("optimizer state of {}", directory.display()))?;
+        }
+    }
+    if request.load_rng {
+        if let Some(rng) = found.read(&rank_dir, RNG_FILE, Device::Cpu)? {
+            if let Some(cpu) = rng.get("cpu_rng_state") {
+                GeneratorState::from_tensor(Device::Cpu, cpu.shallow_clone()).restore()?;
+            }
+            if let (Some(cuda), true) = (rng.get("cuda_rng_state"), device.is_cuda()) {
+                GeneratorState::from_tensor(device, cuda.shallow_clone()).restore()?;
+            }
+            if let (Some(state), true) = (rng.get("model_parallel_rng_state"), device.is_cuda()) {
+                set_model_parallel_rng_state(device, state)?;
+            }
+        }
+    }
+    Ok(Resumed::Full {
+        directory,
+        progress: Progress {
+            iteration: metadata.iteration,
+            consumed_train_samples: metadata.consumed_train_samples,
+            consumed_valid_samples: metadata.consumed_valid_samples,
+            floating_point_operations: metadata.num_floating_point_operations_so_far,
+        },
+    })
+}

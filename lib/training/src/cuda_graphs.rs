@@ -1,0 +1,167 @@
+//! `--enable-cuda-graph` (Megatron's flag): after `--cuda-graph-warmup-steps` eager iterations,
+//! the forward and backward of one micro-batch — its loss, the loss's scaling and the
+//! gradients' accumulation into the float32 buffers included — is captured into a CUDA graph.
+//! Every later micro-batch copies its tensors into the graph's static inputs and replays it: one
+//! launch instead of about a thousand, and no gap while the host queues kernels. The optimizer
+//! step stays outside the graph: its learning rate and step count change every iteration, and
+//! it is a handful of launches.
+
+use anyhow::{ensure, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::family::{LossTotals, ModelFamily};
+use super::schedules::{backward_step, PipelineStage};
+use super::stage::{FamilyStage, LossScaling};
+use crate::args::PretrainArgs;
+use megatron_kernels::rng::{self, CudaGenerator};
+use megatron_kernels::runtime::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
+use megatron_models::loader::DeviceBatch;
+use megatron_models::Recompute;
+use megatron_parallel::ParallelState;
+
+/// Why this run cannot replay its micro-batches from a CUDA graph, or `None` when it can.
+pub fn unsupported_reason(
+    args: &PretrainArgs,
+    device: Device,
+    parallel: &ParallelState,
+) -> Result<Option<&'static str>> {
+    Ok(if !device.is_cuda() {
+        Some("training runs on the CPU")
+    } else if !cuda_graphs_available() {
+        Some("this build has no CUDA graphs (its shim found no CUDA runtime headers)")
+    } else if parallel.layout.pipeline > 1 {
+        Some("pipeline stages exchange activations between a micro-batch's forward and backward")
+    } else if args.parallel.overlap_grad_reduce {
+        Some("--overlap-grad-reduce starts reductions from hooks on the host during the backward")
+    } else if args.recompute.recompute()? != Recompute::None {
+        Some("activation recomputation swaps random-generator states on the host in the backward")
+    } else {
+        None
+    })
+}
+
+/// The warm-up count and, once captured, the graph of one micro-batch's forward and backward.
+pub struct MicrobatchGraph<B> {
+    device: usize,
+    warmup_left: u64,
+    captured: Option<Captured<B>>,
+}
+
+struct Captured<B> {
+    graph: CudaGraph,
+    /// The static batch the graph reads; each micro-batch is copied into it before a replay.
+    inputs: B,
+    inverse_microbatches: Tensor,
+    loss_scale: Tensor,
+    /// The replayed micro-batch's losses (the graph zeroes them first).
+    totals: LossTotals,
+}
+
+impl<B: DeviceBatch> MicrobatchGraph<B> {
+    /// At least one step runs eagerly, whatever `warmup_steps` says: the first compiles our
+    /// kernels and runs their self-checks, which read results back to the host (not allowed
+    /// while a graph captures).
+    pub fn new(device: usize, warmup_steps: u64) -> Self {
+        MicrobatchGraph {
+            device,
+            warmup_left: warmup_steps.max(1),
+            captured: None,
+        }
+    }
+
+    /// Counts one training iteration: whether its micro-batches replay the graph (the warm-up
+    /// is over).
+    pub fn replays_this_step(&mut self) -> bool {
+        if self.warmup_left > 0 {
+            self.warmup_left -= 1;
+            false
+        } else {
+            true
+        }
+    }
+
+    /// The forward and backward of every micro-batch of `stage` (no pipelining), through the
+    /// graph, captured first on the first call; the losses go to `stage.totals` as the eager
+    /// schedule would add them.
+    pub fn run<F: ModelFamily<Batch = B>>(
+        &mut self,
+        stage: &mut FamilyStage<'_, F>,
+        loss_scale: f64,
+    ) -> Result<()> {
+        let batches = stage.batches;
+        let Some(first) = batches.first() else {
+            return Ok(());
+        };
+        if self.captured.is_none() {
+            self.captured = Some(
+                self.capture(stage, first)
+                    .context("--enable-cuda-graph: capturing a micro-batch's forward and backward failed; run without the flag")?,
+            );
+        }
+        let captured = self.captured.as_mut().expect("captured above");
+        let inverse = f64::from(1.0 / batches.len() as f32);
+        let _ = captured.inverse_microbatches.fill_(inverse);
+        let _ = captured.loss_scale.fill_(loss_scale);
+        for batch in batches {
+            let (targets, sources) = (captured.inputs.tensors(), batch.tensors());
+            ensure!(
+                targets.len() == sources.len()
+                    && targets
+                        .iter()
+                        .zip(&sources)
+                        .all(|(t, s)| t.size() == s.size()),
+                "--enable-cuda-graph: a micro-batch's tensors differ from those the graph was \
+                 captured with"
+            );
+            for (target, source) in targets.into_iter().zip(sources) {
+                target.shallow_clone().copy_(source);
+            }
+            captured.graph.replay()?;
+            stage.totals.absorb(&captured.totals);
+        }
+        Ok(())
+    }
+
+    fn capture<F: ModelFamily<Batch = B>>(
+        &self,
+        stage: &mut FamilyStage<'_, F>,
+        first: &B,
+    ) -> Result<Captured<B>> {
+        let device = Device::Cuda(self.device);
+        let inputs = first.map_tensors(&mut |t| t.copy());
+        let scalar = || Tensor::ones([], (Kind::Float, device));
+        let (inverse_microbatches, loss_scale) = (scalar(), scalar());
+        let names = stage.family.loss_names();
+        // The activations of the eager steps stay cached in the allocator's general pool, where
+        // nothing will use them once steps replay; the graph's pool would come on top.
+        cuda_empty_cache()?;
+        // Attention dropout forks to the model-parallel stream, whose state the graph advances.
+        let stream = rng::model_parallel_generator();
+        let generators: Vec<&CudaGenerator> = stream.as_deref().into_iter().collect();
+        let (graph, totals) = CudaGraph::capture(self.device, None, &generators, || {
+            let mut captured = FamilyStage {
+                family: stage.family,
+                chunks: stage.chunks,
+                batches: std::slice::from_ref(&inputs),
+                parallel: stage.parallel,
+                optimizer: stage.optimizer.as_deref_mut(),
+                loss_scaling: LossScaling::Device {
+                    inverse_microbatches: inverse_microbatches.shallow_clone(),
+                    loss_scale: loss_scale.shallow_clone(),
+                },
+                totals: LossTotals::new(names, device),
+                scoring: stage.scoring,
+            };
+            let loss = captured.forward(0, 0, None)?;
+            backward_step(&mut captured, None, loss, None)?;
+            Ok(captured.totals)
+        })?;
+        Ok(Captured {
+            graph,
+            inputs,
+            inverse_microbatches,
+            loss_scale,
+            totals,
+        })
+    }
+}

@@ -1,0 +1,1163 @@
+//! The training engine: Megatron's `pretrain()` for any [`ModelFamily`] on one rank of a
+//! (possibly single-rank) tensor × pipeline × data-parallel job — set-up from the flags, resume,
+//! the iteration loop over the pipeline schedule, evaluation, logging, checkpoints and the exit
+//! conditions (spec §4).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use tch::{Device, Tensor};
+
+use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
+use super::cuda_graphs::{self, MicrobatchGraph};
+use super::device::peak_tflops_of;
+use super::family::{LossTotals, ModelFamily};
+use super::flops::{num_floating_point_operations, FlopsModel};
+use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
+use super::loss_scale::{LossScaleFlags, LossScaler};
+use super::loss_spikes::LossSpikeTracker;
+use super::lr_schedule::{
+    LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy,
+    WdIncrStyle, WsdDecayStyle,
+};
+use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
+use super::profiling::StepProfiler;
+use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
+use super::stage::{FamilyStage, LossScaling};
+use crate::args::PretrainArgs;
+use crate::metrics::TrainingMetrics;
+use megatron_cli::signals::{exit_requested, install_exit_handler};
+use megatron_kernels::rng;
+use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
+use megatron_models::{ModelChunk, ModelOptions, PipelineSplit};
+use megatron_optim::{
+    MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,
+};
+use megatron_parallel::Placement;
+use megatron_parallel::{ParallelState, ReduceOp};
+
+/// How a run ended, for the binary's one-line summary.
+#[derive(Debug, Clone)]
+pub struct TrainingSummary {
+    pub iterations: u64,
+    pub consumed_samples: u64,
+    /// The first reported loss (`lm loss`) of the last iteration that stepped.
+    pub last_lm_loss: Option<f64>,
+    /// Every reported loss of that iteration.
+    pub last_losses: Vec<(&'static str, f64)>,
+    /// The first reported loss of the last evaluation on the validation set.
+    pub validation_loss: Option<f64>,
+    pub last_checkpoint: Option<PathBuf>,
+    pub exit_reason: &'static str,
+    pub seconds: f64,
+}
+
+impl TrainingSummary {
+    /// The binary's closing line: `<binary>: N iterations, M samples, <losses>, <validation
+    /// label> X, checkpoint C, T s (exit reason)`. The losses are `lm loss X` of the last step,
+    /// or with `all_losses` every loss it reported.
+    pub fn line(&self, binary: &str, all_losses: bool, validation_label: &str) -> String {
+        let value = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        let losses = if all_losses && !self.last_losses.is_empty() {
+            let losses: Vec<String> = self
+                .last_losses
+                .iter()
+                .map(|(name, v)| format!("{name} {v:.4}"))
+                .collect();
+            losses.join(", ")
+        } else {
+            format!("lm loss {}", value(self.last_lm_loss))
+        };
+        let checkpoint = self
+            .last_checkpoint
+            .as_ref()
+            .map_or("none".to_string(), |p| p.display().to_string());
+        format!(
+            "{binary}: {} iterations, {} samples, {losses}, {validation_label} {}, checkpoint {checkpoint}, {:.1} s ({})",
+            self.iterations,
+            self.consumed_samples,
+            value(self.validation_loss),
+            self.seconds,
+            self.exit_reason
+        )
+    }
+}
+
+/// Interval statistics behind the log line (Megatron's `total_loss_dict`).
+#[derive(Default)]
+struct IntervalStats {
+    /// Per reported loss, its sum over the iterations that stepped.
+    loss_sums: Vec<f64>,
+    advanced: u64,
+    skipped: u64,
+    nan: u64,
+    iterations: u64,
+    started: Option<Instant>,
+}
+
+struct Run<'a, F: ModelFamily> {
+    args: &'a PretrainArgs,
+    family: &'a F,
+    chunks: Vec<F::Chunk>,
+    split: PipelineSplit,
+    optimizer: MixedPrecisionOptimizer,
+    scheduler: OptimizerParamScheduler,
+    scaler: LossScaler,
+    batches: MicrobatchCalculator,
+    parallel: ParallelState,
+    progress: Progress,
+    train_iters: u64,
+    device: Device,
+    activation: ActivationSpec,
+    flops: FlopsModel,
+    peak_tflops: Option<f64>,
+    metrics: Option<TrainingMetrics>,
+    args_json: serde_json::Value,
+    last_checkpoint: Option<PathBuf>,
+    spikes: LossSpikeTracker,
+    /// `--enable-cuda-graph` when this run can use it.
+    graph: Option<MicrobatchGraph<F::Batch>>,
+}
+
+/// What a caller adds to the engine's loop: `eval_tasks`' finetuning saves and scores the model
+/// at the end of every epoch (spec §7.6).
+pub trait TrainingHooks<F: ModelFamily> {
+    /// Whether to save a checkpoint (with `--save`) after `iteration`, besides
+    /// `--save-interval`, the exits and the last iteration.
+    fn save_after(&self, _iteration: u64) -> bool {
+        false
+    }
+
+    /// Runs after `iteration` and its save, before the exit checks.
+    fn after_iteration(&mut self, _iteration: u64, _model: &Scorer<'_, F>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs once, in place of the loop, when the run has no iterations to train.
+    fn without_training(&mut self, _model: &Scorer<'_, F>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Pretraining adds nothing to the loop.
+pub struct NoHooks;
+
+impl<F: ModelFamily> TrainingHooks<F> for NoHooks {}
+
+/// The model as it stands, for scoring whole datasets with the family's
+/// [`score_step`](ModelFamily::score_step).
+pub struct Scorer<'a, F: ModelFamily> {
+    family: &'a F,
+    chunks: &'a [F::Chunk],
+    parallel: &'a ParallelState,
+    activation: &'a ActivationSpec,
+    device: Device,
+    micro_batch_size: u64,
+}
+
+impl<F: ModelFamily> Scorer<'_, F> {
+    /// The training micro-batch size (`--micro-batch-size`).
+    pub fn micro_batch_size(&self) -> u64 {
+        self.micro_batch_size
+    }
+
+    /// Global batches (a micro-batch of `micro` samples per data-parallel rank) that
+    /// [`score`](Self::score) runs over `samples` samples.
+    pub fn batches(&self, samples: u64, micro: u64) -> u64 {
+        samples.div_ceil(micro.max(1) * self.parallel.data_parallel_size() as u64)
+    }
+
+    /// Scores every sample of `source` once, in order, `micro` samples per forward: each
+    /// data-parallel rank takes its micro-batch of every global batch (the last ones may be
+    /// short or empty). Returns each of `names` as `(sum, count)` over the whole job;
+    /// `on_batch` follows the global batches.
+    pub fn score(
+        &self,
+        source: &dyn SampleSource<Batch = F::Batch>,
+        names: &'static [&'static str],
+        micro: u64,
+        on_batch: &mut dyn FnMut(),
+    ) -> Result<Vec<(f64, f64)>> {
+        ensure!(
+            self.parallel.pipeline_parallel_size() == 1,
+            "scoring runs without pipeline parallelism"
+        );
+        let (micro, data_rank) = (micro.max(1), self.parallel.data.rank() as u64);
+        let global = micro * self.parallel.data_parallel_size() as u64;
+        let mut totals = LossTotals::new(names, self.device);
+        for batch in 0..self.batches(source.len(), micro) {
+            let first = (batch * global + data_rank * micro).min(source.len());
+            let end = (first + micro).min(source.len());
+            if first < end {
+                let batches = [source.collate(first..end)?.to_device(self.device)];
+                let mut stage = FamilyStage {
+                    family: self.family,
+                    chunks: self.chunks,
+                    batches: &batches,
+                    parallel: self.parallel,
+                    optimizer: None,
+                    loss_scaling: LossScaling::Host(1.0),
+                    totals: LossTotals::new(names, self.device),
+                    scoring: true,
+                };
+                let shape = ScheduleShape {
+                    microbatches: 1,
+                    chunks: self.chunks.len(),
+                    group_size: 1,
+                    forward_only: true,
+                };
+                tch::no_grad(|| {
+                    forward_backward(&mut stage, &self.parallel.pipeline, self.activation, shape)
+                })?;
+                totals.absorb(&stage.totals);
+            }
+            on_batch();
+        }
+        Ok(totals
+            .reduce_totals(self.parallel)?
+            .into_iter()
+            .map(|(_, sum, count)| (sum, count))
+            .collect())
+    }
+}
+
+/// Trains `family` as the common flags `args` say; `args_json` is every flag of the run (the
+/// family's own included), recorded in checkpoints.
+pub fn pretrain<F: ModelFamily>(
+    args: &PretrainArgs,
+    args_json: serde_json::Value,
+    family: &F,
+    placement: &Placement,
+) -> Result<TrainingSummary> {
+    train_with_hooks(args, args_json, family, placement, &mut NoHooks)
+}
+
+/// [`pretrain`] with `hooks` added to the loop.
+pub fn train_with_hooks<F: ModelFamily>(
+    args: &PretrainArgs,
+    args_json: serde_json::Value,
+    family: &F,
+    placement: &Placement,
+    hooks: &mut dyn TrainingHooks<F>,
+) -> Result<TrainingSummary> {
+    let started = Instant::now();
+    install_exit_handler();
+    megatron_store::set_checksums_enabled(!args.checkpoint.no_checkpoint_checksums);
+    let parallel = placement.parallel.clone();
+    let device = placement.device;
+    let layout = parallel.layout;
+    ensure!(
+        (layout.tensor, layout.pipeline) == (args.parallel.tensor_model_parallel_size, args.parallel.pipeline_model_parallel_size),
+        "the job's layout {} does not match the flags' --tensor-model-parallel-size {} --pipeline-model-parallel-size {}",
+        layout.describe(),
+        args.parallel.tensor_model_parallel_size,
+        args.parallel.pipeline_model_parallel_size
+    );
+    if args.parallel.sequence_parallel && layout.tensor == 1 {
+        eprintln!("warning: --sequence-parallel has no effect without tensor parallelism");
+    }
+    // Megatron's seeds (spec §3.2): offset by the pipeline stage, and a per-tensor-rank stream
+    // for dropout on split tensors.
+    let coordinates = parallel.coordinates();
+    let seed = args.training.seed + 100 * coordinates.pipeline as u64;
+    tch::manual_seed(seed as i64);
+    rng::manual_seed(device, seed)?;
+    rng::seed_model_parallel_rng(device, seed + 2718 + coordinates.tensor as u64)?;
+    if args.training.deterministic_mode {
+        megatron_kernels::ops::set_deterministic(true)?;
+    }
+    let config = family.transformer().clone();
+    let options = ModelOptions {
+        params_dtype: args.precision.params_dtype(),
+        device,
+        recompute: args.recompute.recompute()?,
+        seed: args.training.seed,
+        bias_dropout_fusion: !args.training.no_bias_dropout_fusion,
+        rope_fusion: !args.model.no_rope_fusion,
+    };
+    let fp8 = args
+        .fp8
+        .plan(&args.precision, config.num_layers, layout.pipeline)?;
+    let virtual_stages = args.parallel.virtual_stages(config.num_layers)?;
+    let split = PipelineSplit {
+        num_layers: config.num_layers,
+        stages: layout.pipeline,
+        chunks: virtual_stages,
+        first_stage_layers: args.parallel.decoder_first_pipeline_num_layers,
+        last_stage_layers: args.parallel.decoder_last_pipeline_num_layers,
+    };
+    let mut chunks = split
+        .chunks_of(coordinates.pipeline)?
+        .into_iter()
+        .map(|spec| family.build_chunk(options, &parallel, spec))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(plan) = &fp8 {
+        for chunk in &mut chunks {
+            chunk.enable_fp8(plan)?;
+        }
+    }
+
+    let micro_batch_size = args.training.micro_batch_size;
+    let data_parallel_size = layout.data as u64;
+    let global_batch_size = args
+        .training
+        .global_batch_size
+        .unwrap_or(micro_batch_size * data_parallel_size);
+    let rampup = args
+        .training
+        .rampup_batch_size
+        .as_deref()
+        .map(BatchRampup::from_flag_values)
+        .transpose()?;
+    let batches = MicrobatchCalculator::new(
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        rampup.clone(),
+        args.training.decrease_batch_size_if_needed,
+    )?;
+    let train_iters = match (args.training.train_iters, args.training.train_samples) {
+        (Some(iters), None) => iters,
+        (None, Some(samples)) => {
+            train_iters_from_samples(samples, global_batch_size, rampup.as_ref())?
+        }
+        (Some(_), Some(_)) => bail!("give only one of --train-iters and --train-samples"),
+        (None, None) if args.training.skip_train => 0,
+        (None, None) => bail!("give --train-iters or --train-samples"),
+    };
+    if rampup.is_some() && args.training.train_samples.is_none() {
+        bail!("--rampup-batch-size needs sample-based training (--train-samples)");
+    }
+    let scheduler = OptimizerParamScheduler::new(SchedulerConfig::from_flags(&schedule_flags(
+        args,
+        global_batch_size,
+    )?)?)?;
+    let scaler = LossScaler::from_flags(&LossScaleFlags {
+        fp16: args.precision.fp16,
+        loss_scale: args.precision.loss_scale,
+        initial_loss_scale: args.precision.initial_loss_scale,
+        min_loss_scale: args.precision.min_loss_scale,
+        loss_scale_window: args.precision.loss_scale_window,
+        hysteresis: args.precision.hysteresis as u32,
+    })?;
+
+    let load_request = load_request(args)?;
+    let mut loaded = None;
+    if let Some(request) = &load_request {
+        loaded = checkpointing::load_weights(request, family.model_type(), &chunks, &parallel)?;
+    }
+    let pretrained = match (&loaded, &args.checkpoint.pretrained_checkpoint) {
+        (None, Some(path)) => Some(family.load_pretrained(path, &chunks, &parallel)?),
+        _ => None,
+    };
+    if loaded.is_none() && pretrained.is_none() && args.checkpoint.exit_on_missing_checkpoint {
+        bail!(
+            "--exit-on-missing-checkpoint: no checkpoint under {}",
+            args.checkpoint
+                .load
+                .as_ref()
+                .map_or("--load (not given)".to_string(), |p| p
+                    .display()
+                    .to_string())
+        );
+    }
+
+    let parameters = chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(c, chunk)| {
+            chunk.named_parameters().into_iter().map(move |mut p| {
+                if virtual_stages > 1 {
+                    p.name = format!("model{c}.{}", p.name);
+                }
+                p
+            })
+        })
+        .collect();
+    let optimizer = MixedPrecisionOptimizer::new(
+        parameters,
+        optimizer_settings(args, layout.data)?,
+        &parallel,
+    )?;
+    let prefixes: Vec<String> = (0..chunks.len())
+        .map(|c| {
+            if virtual_stages > 1 {
+                format!("model{c}.")
+            } else {
+                String::new()
+            }
+        })
+        .collect();
+    for (chunk, gate) in chunks.iter_mut().zip(optimizer.param_gates(&prefixes)) {
+        chunk.set_param_gate(gate);
+    }
+    let logging_rank = parallel.is_logging_rank();
+    let metrics_path = args.logging.metrics_file.clone().or_else(|| {
+        args.logging
+            .tensorboard_dir
+            .as_ref()
+            .map(|d| d.join("metrics.jsonl"))
+    });
+    let metrics = logging_rank
+        .then(|| {
+            TrainingMetrics::new(
+                args.logging.tensorboard_dir.as_deref(),
+                metrics_path.as_deref(),
+            )
+        })
+        .transpose()?;
+    let sequence = args.model.seq_length
+        / if parallel.sequence_parallel {
+            layout.tensor as i64
+        } else {
+            1
+        };
+    let mut run = Run {
+        args,
+        family,
+        chunks,
+        split,
+        optimizer,
+        scheduler,
+        scaler,
+        batches,
+        parallel: parallel.clone(),
+        progress: Progress::default(),
+        train_iters,
+        device,
+        activation: ActivationSpec {
+            shape: vec![sequence, micro_batch_size as i64, config.hidden_size],
+            kind: options.params_dtype,
+            device,
+        },
+        flops: family.flops(args.model.seq_length),
+        peak_tflops: peak_tflops_of(device),
+        metrics,
+        args_json,
+        last_checkpoint: None,
+        spikes: LossSpikeTracker::default(),
+        graph: microbatch_graph(args, device, &parallel)?,
+    };
+    if let (Some(found), Some(request)) = (loaded, &load_request) {
+        let state = TrainingState {
+            optimizer: &mut run.optimizer,
+            distributed_optimizer: args.parallel.use_distributed_optimizer,
+            scheduler: &mut run.scheduler,
+            scaler: &mut run.scaler,
+        };
+        match checkpointing::restore_training_state(found, request, state, &parallel, device)? {
+            Resumed::Full {
+                directory,
+                progress,
+            } => {
+                run.print_rank0(&format!(
+                    "loaded checkpoint {} at iteration {}",
+                    directory.display(),
+                    progress.iteration
+                ));
+                run.spikes.record_loaded(&directory);
+                run.progress = progress;
+            }
+            Resumed::Weights { directory } => run.print_rank0(&format!(
+                "loaded weights from {} (starting at iteration 0)",
+                directory.display()
+            )),
+        }
+    }
+    if let Some(directory) = pretrained {
+        run.print_rank0(&format!(
+            "loaded pretrained weights from {}",
+            directory.display()
+        ));
+    }
+    run.batches
+        .update(run.progress.consumed_train_samples, false)?;
+    run.print_model_summary()?;
+
+    let datasets =
+        family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
+    run.train_and_evaluate(&datasets, started, hooks)
+}
+
+impl<F: ModelFamily> Run<'_, F> {
+    fn print_rank0(&self, message: &str) {
+        if self.parallel.rank == 0 {
+            println!("{message}");
+        }
+    }
+
+    /// Megatron's parameter-count line, over all stages (the last stage's copy of the tied
+    /// embeddings counted once).
+    fn print_model_summary(&self) -> Result<()> {
+        let config = self.family.transformer();
+        let local: i64 = self
+            .chunks
+            .iter()
+            .flat_map(|c| c.named_parameters())
+            .filter(|p| !p.attributes.shared_embedding)
+            .map(|p| p.tensor.numel() as i64)
+            .sum();
+        let counts = Tensor::from_slice(&[local as f64]).to_device(self.device);
+        // Each tensor-parallel rank holds different parameters: sum over the model group.
+        self.parallel.model.all_reduce(&counts, ReduceOp::Sum)?;
+        let total = counts.double_value(&[0]) as i64;
+        let replicated: i64 = self
+            .chunks
+            .iter()
+            .flat_map(|c| c.named_parameters())
+            .filter(|p| !p.attributes.tensor_parallel && !p.attributes.shared_embedding)
+            .map(|p| p.tensor.numel() as i64)
+            .sum();
+        let replicated_total = Tensor::from_slice(&[replicated as f64]).to_device(self.device);
+        self.parallel
+            .pipeline
+            .all_reduce(&replicated_total, ReduceOp::Sum)?;
+        let duplicates = (self.parallel.tensor_parallel_size() as i64 - 1)
+            * replicated_total.double_value(&[0]) as i64;
+        self.print_rank0(&format!(
+            "> {} model: {} parameters, padded vocab {} (from {}), {} on {:?}, {}",
+            self.family.model_type(),
+            total - duplicates,
+            config.padded_vocab_size(self.parallel.tensor_parallel_size() as i64),
+            config.vocab_size,
+            checkpointing::dtype_name(self.chunks[0].options().params_dtype),
+            self.device,
+            self.parallel.layout.describe()
+        ));
+        self.print_rank0(&format!(
+            "> parameters, gradients and optimizer state: {:.1} bytes per parameter on this rank",
+            self.optimizer.bytes_per_parameter()
+        ));
+        Ok(())
+    }
+
+    fn scorer(&self) -> Scorer<'_, F> {
+        Scorer {
+            family: self.family,
+            chunks: &self.chunks,
+            parallel: &self.parallel,
+            activation: &self.activation,
+            device: self.device,
+            micro_batch_size: self.args.training.micro_batch_size,
+        }
+    }
+
+    fn train_and_evaluate(
+        &mut self,
+        datasets: &Splits<F::Batch>,
+        started: Instant,
+        hooks: &mut dyn TrainingHooks<F>,
+    ) -> Result<TrainingSummary> {
+        let mut summary = TrainingSummary {
+            iterations: self.progress.iteration,
+            consumed_samples: self.progress.consumed_train_samples,
+            last_lm_loss: None,
+            last_losses: Vec::new(),
+            validation_loss: None,
+            last_checkpoint: None,
+            exit_reason: "finished",
+            seconds: 0.0,
+        };
+        let mut valid_loader = datasets
+            .valid
+            .as_ref()
+            .map(|d| self.loader(d.clone(), "valid", self.progress.consumed_valid_samples));
+        if !self.args.training.skip_train && self.progress.iteration < self.train_iters {
+            let train = datasets
+                .train
+                .clone()
+                .context("the training split is empty")?;
+            let mut train_loader =
+                self.loader(train, "train", self.progress.consumed_train_samples);
+            summary.exit_reason = self.train(
+                &mut train_loader,
+                valid_loader.as_mut(),
+                &mut summary,
+                started,
+                hooks,
+            )?;
+        } else if self.train_iters == 0 {
+            hooks.without_training(&self.scorer())?;
+        }
+        summary.iterations = self.progress.iteration;
+        summary.consumed_samples = self.progress.consumed_train_samples;
+        // As Megatron's do_valid/do_test: nothing is evaluated with --eval-iters 0.
+        if summary.exit_reason == "finished" && self.args.training.eval_iters > 0 {
+            let label = format!("iteration {} on validation set", self.progress.iteration);
+            if let Some(loader) = valid_loader.as_mut() {
+                let losses = self.evaluate(loader, &label, !self.args.training.skip_train)?;
+                summary.validation_loss = losses.first().map(|(_, loss)| *loss);
+            }
+            if let Some(test) = &datasets.test {
+                let mut loader = self.loader(test.clone(), "test", 0);
+                let label = format!("iteration {} on test set", self.progress.iteration);
+                self.evaluate_without_counting(&mut loader, &label)?;
+            }
+        }
+        summary.last_checkpoint = self.last_checkpoint.clone();
+        summary.seconds = started.elapsed().as_secs_f64();
+        Ok(summary)
+    }
+
+    fn loader(
+        &self,
+        dataset: Arc<dyn SampleSource<Batch = F::Batch>>,
+        name: &'static str,
+        start: u64,
+    ) -> BatchLoader<F::Batch> {
+        let position = SamplerPosition {
+            start,
+            micro_batch_size: self.args.training.micro_batch_size,
+            data_parallel_rank: self.parallel.data.rank() as u64,
+            data_parallel_size: self.parallel.data_parallel_size() as u64,
+        };
+        BatchLoader::spawn(dataset, name, position, self.args.data.num_workers.max(1))
+    }
+
+    fn train(
+        &mut self,
+        train: &mut BatchLoader<F::Batch>,
+        mut valid: Option<&mut BatchLoader<F::Batch>>,
+        summary: &mut TrainingSummary,
+        started: Instant,
+        hooks: &mut dyn TrainingHooks<F>,
+    ) -> Result<&'static str> {
+        let mut interval = IntervalStats {
+            started: Some(Instant::now()),
+            ..Default::default()
+        };
+        let logging = &self.args.logging;
+        let checkpoint = &self.args.checkpoint;
+        let mut profiler =
+            StepProfiler::from_args(logging, self.parallel.rank, self.device.is_cuda())?;
+        while self.progress.iteration < self.train_iters {
+            let global_batch = self.batches.current_global_batch_size();
+            if let Some(profiler) = profiler.as_mut() {
+                profiler.before_step(self.progress.iteration)?;
+            }
+            let iteration_started = Instant::now();
+            let (losses, outcome) = self.train_step(train)?;
+            self.progress.iteration += 1;
+            if let Some(done) = profiler
+                .as_mut()
+                .map(|p| p.after_step(self.progress.iteration))
+            {
+                self.print_profiler_note(done?);
+            }
+            self.progress.consumed_train_samples += global_batch;
+            self.progress.floating_point_operations +=
+                num_floating_point_operations(&self.flops, global_batch);
+            self.batches
+                .update(self.progress.consumed_train_samples, true)?;
+            let iteration = self.progress.iteration;
+
+            interval.iterations += 1;
+            if outcome.skipped {
+                interval.skipped += 1;
+                if losses.iter().any(|(_, loss)| !loss.is_finite()) {
+                    interval.nan += 1;
+                }
+            } else {
+                interval.loss_sums.resize(losses.len(), 0.0);
+                for (sum, (_, loss)) in interval.loss_sums.iter_mut().zip(&losses) {
+                    *sum += loss;
+                }
+                interval.advanced += 1;
+                summary.last_lm_loss = losses.first().map(|(_, loss)| *loss);
+                summary.last_losses = losses.clone();
+            }
+            if iteration % logging.tensorboard_log_interval.max(1) == 0 {
+                let mut scalars = vec![
+                    ("learning-rate", self.scheduler.lr()),
+                    ("batch-size", global_batch as f64),
+                    ("loss-scale", self.scaler.scale() as f64),
+                    ("world-size", self.parallel.world_size() as f64),
+                    ("iteration-time", iteration_started.elapsed().as_secs_f64()),
+                ];
+                if !outcome.skipped {
+                    scalars.extend(losses.iter().copied());
+                }
+                if let Some(norm) = outcome.grad_norm {
+                    scalars.push(("grad-norm", norm));
+                }
+                if let Some(metrics) = self.metrics.as_mut() {
+                    metrics.record_iteration(
+                        iteration,
+                        self.progress.consumed_train_samples,
+                        &scalars,
+                    )?;
+                }
+            }
+            if iteration % logging.log_interval.max(1) == 0 {
+                self.print_log_line(&mut interval, global_batch, outcome.grad_norm)?;
+            }
+            if let Some(loader) = valid.as_deref_mut() {
+                if self.args.training.eval_interval > 0
+                    && iteration % self.args.training.eval_interval == 0
+                {
+                    let losses = self.evaluate(loader, &format!("iteration {iteration}"), true)?;
+                    summary.validation_loss = losses.first().map(|(_, loss)| *loss);
+                }
+            }
+
+            let mut saved_now = false;
+            if let (Some(_), Some(interval)) = (&checkpoint.save, checkpoint.save_interval) {
+                if interval > 0 && iteration % interval == 0 {
+                    self.save()?;
+                    saved_now = true;
+                }
+            }
+            if checkpoint.save.is_some() && !saved_now && hooks.save_after(iteration) {
+                self.save()?;
+                saved_now = true;
+            }
+            hooks.after_iteration(iteration, &self.scorer())?;
+            let reason = self.exit_reason(iteration, started)?;
+            if let Some(reason) = reason {
+                if checkpoint.save.is_some() && !saved_now {
+                    self.save()?;
+                }
+                if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
+                    self.print_profiler_note(done?);
+                }
+                self.print_rank0(&format!("exiting at iteration {iteration} ({reason})"));
+                return Ok(reason);
+            }
+            if self.progress.iteration == self.train_iters
+                && checkpoint.save.is_some()
+                && !saved_now
+            {
+                self.save()?;
+            }
+        }
+        if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
+            self.print_profiler_note(done?);
+        }
+        Ok("finished")
+    }
+
+    /// The profiler reports from the rank it runs on, which need not be rank 0.
+    fn print_profiler_note(&self, note: Option<String>) {
+        if let Some(note) = note {
+            println!("[rank {}] {note}", self.parallel.rank);
+        }
+    }
+
+    /// Megatron's exit checks, agreed by all ranks: a signal on any rank, the longest elapsed
+    /// time, or the exit interval.
+    fn exit_reason(&self, iteration: u64, started: Instant) -> Result<Option<&'static str>> {
+        let flags = Tensor::from_slice(&[
+            f64::from(u8::from(exit_requested())),
+            started.elapsed().as_secs_f64() / 60.0,
+        ]);
+        if self.parallel.world_size() > 1 {
+            let flags_on_device = flags.to_device(self.device);
+            self.parallel
+                .world
+                .all_reduce(&flags_on_device, ReduceOp::Max)?;
+            flags.shallow_clone().copy_(&flags_on_device);
+        }
+        let (signal, minutes) = (flags.double_value(&[0]) > 0.0, flags.double_value(&[1]));
+        Ok(if signal {
+            Some("signal")
+        } else if self
+            .args
+            .training
+            .exit_duration_in_mins
+            .is_some_and(|m| minutes > m)
+        {
+            Some("exit-duration-in-mins")
+        } else if self
+            .args
+            .training
+            .exit_interval
+            .is_some_and(|n| n > 0 && iteration % n == 0)
+        {
+            Some("exit-interval")
+        } else {
+            None
+        })
+    }
+
+    fn next_microbatches(
+        &self,
+        loader: &mut BatchLoader<F::Batch>,
+        count: u64,
+    ) -> Result<Vec<F::Batch>> {
+        (0..count)
+            .map(|_| Ok(loader.next_batch()?.to_device(self.device)))
+            .collect()
+    }
+
+    fn schedule_shape(&self, microbatches: u64, forward_only: bool) -> ScheduleShape {
+        ScheduleShape {
+            microbatches: microbatches as usize,
+            chunks: self.chunks.len(),
+            group_size: self
+                .args
+                .parallel
+                .microbatch_group_size_per_virtual_pipeline_stage
+                .unwrap_or(self.parallel.pipeline_parallel_size()),
+            forward_only,
+        }
+    }
+
+    /// One iteration: forward/backward over the micro-batches through the pipeline schedule,
+    /// then the optimizer step. Returns the iteration's reported losses (for GPT `lm loss`,
+    /// Σ loss / Σ tokens over its micro-batches and data-parallel ranks).
+    fn train_step(
+        &mut self,
+        loader: &mut BatchLoader<F::Batch>,
+    ) -> Result<(Vec<(&'static str, f64)>, StepOutcome)> {
+        let microbatches = self.batches.num_microbatches();
+        let batches = self.next_microbatches(loader, microbatches)?;
+        let shape = self.schedule_shape(microbatches, false);
+        self.optimizer.begin_step(microbatches as usize);
+        let mut stage = FamilyStage {
+            family: self.family,
+            chunks: &self.chunks,
+            batches: &batches,
+            parallel: &self.parallel,
+            optimizer: Some(&mut self.optimizer),
+            loss_scaling: LossScaling::Host(self.scaler.scale() as f64),
+            totals: LossTotals::new(self.family.loss_names(), self.device),
+            scoring: false,
+        };
+        let replay = self.graph.as_mut().is_some_and(|g| g.replays_this_step());
+        match self.graph.as_mut().filter(|_| replay) {
+            Some(graph) => graph.run(&mut stage, self.scaler.scale() as f64)?,
+            None => forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?,
+        }
+        // Reading the losses waits for the device; queueing the optimizer first keeps the GPU
+        // busy through that wait (the gradient norm's read is the step's one sync).
+        let pending_losses = stage.totals.start_reduce(&self.parallel)?;
+        let lr = self.scheduler.lr();
+        let weight_decay = self.scheduler.weight_decay();
+        let fp16 = self.args.precision.fp16;
+        let outcome = self
+            .optimizer
+            .step(lr, weight_decay, fp16.then(|| self.scaler.scale()))?;
+        let losses = pending_losses.values()?;
+        // Every family reports its language-model loss first: the spike rule follows it.
+        let lm_loss = losses[0].1;
+        if !fp16 || lm_loss.is_finite() {
+            self.spikes
+                .record_loss(self.progress.iteration + 1, lm_loss);
+        }
+        if let Some((name, loss)) = losses.iter().find(|(_, loss)| !loss.is_finite()) {
+            if !fp16 {
+                bail!(self.nan_message(name, *loss));
+            }
+        }
+        if fp16 {
+            self.scaler.update(outcome.skipped);
+        }
+        if let Some(norm) = outcome.grad_norm {
+            if !norm.is_finite() {
+                bail!(self.nan_message("gradient norm", norm));
+            }
+        }
+        if !outcome.skipped {
+            self.scheduler
+                .step(self.batches.current_global_batch_size());
+        }
+        Ok((losses, outcome))
+    }
+
+    fn nan_message(&self, what: &str, value: f64) -> String {
+        let kept = self.spikes.advice();
+        format!(
+            "{what} is {value} at iteration {}; stopping ({kept})",
+            self.progress.iteration + 1
+        )
+    }
+
+    fn print_log_line(
+        &mut self,
+        interval: &mut IntervalStats,
+        global_batch: u64,
+        grad_norm: Option<f64>,
+    ) -> Result<()> {
+        let params_norm = if self.args.logging.log_params_norm {
+            Some(self.optimizer.params_norm()?)
+        } else {
+            None
+        };
+        let elapsed = interval.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        let per_iteration = elapsed / interval.iterations.max(1) as f64;
+        let world = self.parallel.world_size() as f64;
+        let tflops = num_floating_point_operations(&self.flops, global_batch)
+            / (per_iteration * 1e12 * world);
+        let tokens_per_second =
+            (global_batch * self.args.model.seq_length as u64) as f64 / per_iteration;
+        let losses = if interval.advanced > 0 {
+            self.family
+                .loss_names()
+                .iter()
+                .zip(&interval.loss_sums)
+                .map(|(name, sum)| (name.to_string(), sum / interval.advanced as f64))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let log = IterationLog {
+            timestamp: local_timestamp(),
+            iteration: self.progress.iteration,
+            train_iters: self.train_iters,
+            consumed_samples: self.progress.consumed_train_samples,
+            skipped_samples: None,
+            elapsed_ms_per_iter: per_iteration * 1000.0,
+            throughput_tflops: self.args.logging.log_throughput.then_some(tflops),
+            learning_rate: self.scheduler.lr(),
+            decoupled_learning_rate: None,
+            global_batch_size: global_batch,
+            losses,
+            loss_scale: self.scaler.scale() as f64,
+            grad_norm,
+            num_zeros: None,
+            params_norm,
+            skipped_iterations: interval.skipped,
+            nan_iterations: interval.nan,
+            tokens_per_second: Some(tokens_per_second),
+            mfu_percent: self.peak_tflops.map(|peak| 100.0 * tflops / peak),
+        };
+        if self.parallel.is_logging_rank() {
+            println!("{}", format_iteration_line(&log));
+        }
+        *interval = IntervalStats {
+            started: Some(Instant::now()),
+            ..Default::default()
+        };
+        Ok(())
+    }
+
+    /// `--eval-iters` global batches of the validation split, forward only; advances the
+    /// validation sample counter like Megatron.
+    fn evaluate(
+        &mut self,
+        loader: &mut BatchLoader<F::Batch>,
+        label: &str,
+        record: bool,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        let losses = self.evaluate_without_counting(loader, label)?;
+        self.progress.consumed_valid_samples +=
+            self.args.training.eval_iters * self.batches.current_global_batch_size();
+        if record {
+            if let Some(metrics) = self.metrics.as_mut() {
+                metrics.record_eval(
+                    self.progress.iteration,
+                    self.progress.consumed_train_samples,
+                    &losses,
+                )?;
+            }
+        }
+        Ok(losses)
+    }
+
+    fn evaluate_without_counting(
+        &mut self,
+        loader: &mut BatchLoader<F::Batch>,
+        label: &str,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        let microbatches = self.batches.num_microbatches();
+        let names = self.family.loss_names();
+        let mut totals = LossTotals::new(names, self.device);
+        for _ in 0..self.args.training.eval_iters {
+            let batches = self.next_microbatches(loader, microbatches)?;
+            let shape = self.schedule_shape(microbatches, true);
+            let mut stage = FamilyStage {
+                family: self.family,
+                chunks: &self.chunks,
+                batches: &batches,
+                parallel: &self.parallel,
+                optimizer: None,
+                loss_scaling: LossScaling::Host(1.0),
+                totals: LossTotals::new(names, self.device),
+                scoring: false,
+            };
+            tch::no_grad(|| {
+                forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)
+            })?;
+            totals.absorb(&stage.totals);
+        }
+        let losses = totals.reduce(&self.parallel)?;
+        if self.parallel.is_logging_rank() {
+            let named: Vec<(String, f64)> = losses
+                .iter()
+                .map(|(name, loss)| (name.to_string(), *loss))
+                .collect();
+            println!("{}", format_eval_block(label, &named));
+        }
+        Ok(losses)
+    }
+
+    fn save(&mut self) -> Result<()> {
+        self.optimizer.wait_for_params()?;
+        let root = self
+            .args
+            .checkpoint
+            .save
+            .as_ref()
+            .expect("save is only called with --save");
+        let optimizer_name = if self.args.optimizer.optimizer == "sgd" {
+            "sgd"
+        } else {
+            "adam"
+        };
+        let started = Instant::now();
+        let directory = checkpointing::save(SaveRequest {
+            root,
+            model_type: self.family.model_type(),
+            progress: self.progress,
+            chunks: &self.chunks,
+            split: self.split,
+            optimizer: (!self.args.checkpoint.no_save_optim)
+                .then_some((&self.optimizer, optimizer_name)),
+            distributed_optimizer: self.args.parallel.use_distributed_optimizer,
+            scheduler: &self.scheduler,
+            scaler: &self.scaler,
+            save_rng: !self.args.checkpoint.no_save_rng,
+            args: self.args_json.clone(),
+            parallel: &self.parallel,
+        })?;
+        self.print_rank0(&format!(
+            "  successfully saved checkpoint from iteration {:7} to {} [ {:.1} ms ]",
+            self.progress.iteration,
+            root.display(),
+            started.elapsed().as_secs_f64() * 1000.0
+        ));
+        self.spikes.record_save(self.progress.iteration, &directory);
+        self.last_checkpoint = Some(directory);
+        Ok(())
+    }
+}
+
+/// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or `None` when not
+/// asked for or when this run cannot use one (rank 0 says why).
+fn microbatch_graph<B: DeviceBatch>(
+    args: &PretrainArgs,
+    device: Device,
+    parallel: &ParallelState,
+) -> Result<Option<MicrobatchGraph<B>>> {
+    let training = &args.training;
+    if !(training.enable_cuda_graph || training.external_cuda_graph) {
+        return Ok(None);
+    }
+    if let Some(reason) = cuda_graphs::unsupported_reason(args, device, parallel)? {
+        if parallel.rank == 0 {
+            eprintln!("warning: --enable-cuda-graph: {reason}; training without CUDA graphs");
+        }
+        return Ok(None);
+    }
+    let Device::Cuda(index) = device else {
+        unreachable!("unsupported_reason rules out the CPU")
+    };
+    Ok(Some(MicrobatchGraph::new(
+        index,
+        training.cuda_graph_warmup_steps,
+    )))
+}
+
+fn load_request(args: &PretrainArgs) -> Result<Option<LoadRequest<'_>>> {
+    let optimizer = &args.optimizer;
+    let policy = match (optimizer.override_opt_param_scheduler, optimizer.use_checkpoint_opt_param_scheduler) {
+        (true, true) => bail!("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
+        (true, false) => SchedulerLoadPolicy::OverrideFromCli,
+        (false, true) => SchedulerLoadPolicy::UseCheckpoint,
+        (false, false) => SchedulerLoadPolicy::RequireMatch,
+    };
+    Ok(args.checkpoint.load.as_deref().map(|root| LoadRequest {
+        root,
+        finetune: args.checkpoint.finetune,
+        load_optimizer: !args.checkpoint.no_load_optim,
+        load_rng: !args.checkpoint.no_load_rng,
+        scheduler_policy: policy,
+    }))
+}
+
+fn schedule_flags(args: &PretrainArgs, global_batch_size: u64) -> Result<ScheduleFlags> {
+    let o = &args.optimizer;
+    let lr = match (o.lr, args.training.skip_train) {
+        (Some(lr), _) => Some(lr),
+        (None, true) => Some(0.0),
+        (None, false) => bail!("--lr is required for training"),
+    };
+    Ok(ScheduleFlags {
+        lr,
+        min_lr: o.min_lr,
+        lr_warmup_init: o.lr_warmup_init,
+        lr_decay_style: o.lr_decay_style.parse::<LrDecayStyle>()?,
+        lr_decay_iters: o.lr_decay_iters,
+        lr_decay_samples: o.lr_decay_samples,
+        lr_warmup_fraction: o.lr_warmup_fraction,
+        lr_warmup_iters: o.lr_warmup_iters,
+        lr_warmup_samples: o.lr_warmup_samples,
+        lr_wsd_decay_style: o.lr_wsd_decay_style.parse::<WsdDecayStyle>()?,
+        lr_wsd_decay_iters: o.lr_wsd_decay_iters,
+        lr_wsd_decay_samples: o.lr_wsd_decay_samples,
+        weight_decay: o.weight_decay,
+        start_weight_decay: o.start_weight_decay,
+        end_weight_decay: o.end_weight_decay,
+        weight_decay_incr_style: o.weight_decay_incr_style.parse::<WdIncrStyle>()?,
+        train_iters: args
+            .training
+            .train_iters
+            .or(args.training.skip_train.then_some(1)),
+        train_samples: args.training.train_samples,
+        global_batch_size,
+    })
+}
+
+fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {
+    let o = &args.optimizer;
+    let kind = match o.optimizer.as_str() {
+        "adam" => OptimizerKind::Adam {
+            beta1: o.adam_beta1,
+            beta2: o.adam_beta2,
+            eps: o.adam_eps,
+        },
+        "sgd" => OptimizerKind::Sgd {
+            momentum: o.sgd_momentum,
+        },
+        other => bail!("--optimizer {other:?}: expected adam or sgd"),
+    };
+    let bucket_size = args
+        .parallel
+        .ddp_bucket_size
+        .unwrap_or_else(|| DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size));
+    let parallel = &args.parallel;
+    if parallel.overlap_param_gather {
+        ensure!(
+            parallel.use_distributed_optimizer,
+            "--overlap-param-gather only supported with distributed optimizer"
+        );
+        ensure!(
+            parallel.overlap_grad_reduce,
+            "--overlap-grad-reduce should be turned on when using --overlap-param-gather"
+        );
+    }
+    Ok(OptimizerSettings {
+        kind,
+        clip_grad: o.clip_grad,
+        distributed: parallel.use_distributed_optimizer,
+        bucket_size,
+        overlap_grad_reduce: parallel.overlap_grad_reduce,
+        overlap_param_gather: parallel.overlap_param_gather,
+        gradient_accumulation_fusion: !o.no_gradient_accumulation_fusion,
+    })
+}
+
+/// Megatron's requested sample counts: train, `(iters // eval_interval + 1) · eval_iters · gbs`
+/// validation, `eval_iters · gbs` test.
+fn dataset_sizes(args: &PretrainArgs, train_iters: u64, global_batch_size: u64) -> [u64; 3] {
+    let t = &args.training;
+    let train = t.train_samples.unwrap_or(train_iters * global_batch_size);
+    let evaluations = train_iters / t.eval_interval.max(1) + 1;
+    [
+        train,
+        evaluations * t.eval_iters * global_batch_size,
+        t.eval_iters * global_batch_size,
+    ]
+}

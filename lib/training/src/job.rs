@@ -1,0 +1,42 @@
+//! A pretraining binary's run: joining the job with the pretraining flags, training, leaving.
+
+use std::time::Duration;
+
+use anyhow::Result;
+
+use super::device::gemms_without_workspace;
+use super::engine::TrainingSummary;
+use crate::args::ParallelArgs;
+use megatron_parallel::{join_launched_job, Backend, Job, JoinOptions, Placement};
+
+/// Joins the job with the pretraining flags (`--device`, `--local-rank`, the parallel sizes,
+/// `--distributed-backend`, `--distributed-timeout-minutes`); on a GPU, cuBLAS without a
+/// workspace.
+pub fn join_job(parallel: &ParallelArgs, device: &str) -> Result<(Job, Placement)> {
+    let (job, placement) = join_launched_job(&JoinOptions {
+        device,
+        local_rank: parallel.local_rank,
+        tensor_parallel: parallel.tensor_model_parallel_size,
+        pipeline_parallel: parallel.pipeline_model_parallel_size,
+        sequence_parallel: parallel.sequence_parallel,
+        backend: Backend::parse(&parallel.distributed_backend)?,
+        timeout: Duration::from_secs_f64(parallel.distributed_timeout_minutes * 60.0),
+    })?;
+    if placement.device.is_cuda() {
+        gemms_without_workspace();
+    }
+    Ok((job, placement))
+}
+
+/// A pretraining binary's run: joins the job, runs `train` on this rank and leaves the job. The
+/// summary comes back on the rank that logs, `None` on the others.
+pub fn run_job(
+    parallel: &ParallelArgs,
+    device: &str,
+    train: impl FnOnce(&Placement) -> Result<TrainingSummary>,
+) -> Result<Option<TrainingSummary>> {
+    let (job, placement) = join_job(parallel, device)?;
+    let summary = train(&placement)?;
+    job.finish()?;
+    Ok(placement.parallel.is_logging_rank().then_some(summary))
+}

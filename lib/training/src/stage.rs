@@ -1,0 +1,81 @@
+//! One rank's model chunks as a pipeline stage: the family's forward step on a micro-batch, the
+//! loss scaled for backward on the last stage, and the float32 gradient accumulation after each
+//! backward.
+
+use anyhow::Result;
+use tch::Tensor;
+
+use super::family::{LossTotals, ModelFamily, StepOutput};
+use super::schedules::PipelineStage;
+use megatron_optim::MixedPrecisionOptimizer;
+use megatron_parallel::ParallelState;
+
+/// Megatron divides each micro-batch's loss by the number of micro-batches before backward, and
+/// multiplies it by the fp16 loss scale.
+pub enum LossScaling {
+    /// By the micro-batches the stage runs, times this loss scale.
+    Host(f64),
+    /// By factors held in device scalars, which a CUDA graph reads at each replay: the inverse
+    /// of the step's micro-batches (ATen divides by a host scalar through its float32 inverse
+    /// too, so both paths give the same bits) and the loss scale.
+    Device {
+        inverse_microbatches: Tensor,
+        loss_scale: Tensor,
+    },
+}
+
+impl LossScaling {
+    fn apply(&self, loss: Tensor, microbatches: usize) -> Tensor {
+        match self {
+            LossScaling::Host(scale) => loss / microbatches as f64 * *scale,
+            LossScaling::Device {
+                inverse_microbatches,
+                loss_scale,
+            } => loss * inverse_microbatches * loss_scale,
+        }
+    }
+}
+
+pub struct FamilyStage<'a, F: ModelFamily> {
+    pub family: &'a F,
+    pub chunks: &'a [F::Chunk],
+    pub batches: &'a [F::Batch],
+    pub parallel: &'a ParallelState,
+    /// Accumulates gradients after every backward; `None` in evaluation.
+    pub optimizer: Option<&'a mut MixedPrecisionOptimizer>,
+    /// What the loss is multiplied by before backward.
+    pub loss_scaling: LossScaling,
+    pub totals: LossTotals,
+    /// Runs the family's scoring step (forward only) instead of its loss.
+    pub scoring: bool,
+}
+
+impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
+    fn forward(
+        &mut self,
+        chunk: usize,
+        microbatch: usize,
+        input: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (chunk, batch) = (&self.chunks[chunk], &self.batches[microbatch]);
+        let output = if self.scoring {
+            self.family
+                .score_step(chunk, batch, input, self.parallel, &mut self.totals)?
+        } else {
+            let train = self.optimizer.is_some();
+            self.family
+                .forward_step(chunk, batch, input, train, &mut self.totals)?
+        };
+        Ok(match output {
+            StepOutput::Hidden(hidden) => hidden,
+            StepOutput::Loss(loss) => self.loss_scaling.apply(loss, self.batches.len()),
+        })
+    }
+
+    fn backward_done(&mut self) -> Result<()> {
+        match self.optimizer.as_deref_mut() {
+            Some(optimizer) => optimizer.accumulate_grads(),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! `--enable-cuda-graph`: after the warm-up steps each micro-batch's forward and backward is
+//! replayed from one CUDA graph. A replay runs the very kernels of an eager step on the same
+//! inputs, so a run with graphs must give the losses and weights of the same run without them,
+//! bit for bit: with gradient accumulation over micro-batches, the fused loss, dropout (the graph
+//! draws the same random numbers as the eager step, attention dropout from the model-parallel
+//! stream), fp16 loss scaling, fp8 and for BERT. Settings the graph cannot hold (activation
+//! recomputation) train without graphs, and Megatron's graph flags are accepted everywhere.
+
+mod support;
+
+use megatron_training::args::{BertPretrainArgs, GptPretrainArgs};
+use support::{assert_bitwise_identical, Outcome, Pretrain};
+
+/// A 4-layer model, 4 micro-batches of 2 per step, 8 steps: graphs from the third step on.
+fn flags(extra: &[&'static str]) -> Vec<&'static str> {
+    let mut flags = support::tiny_training(support::TINY_MODEL);
+    flags.extend(["--train-iters", "8", "--save-interval", "8"]);
+    flags.extend(extra);
+    flags
+}
+
+const GRAPHS: &[&str] = &["--enable-cuda-graph", "--cuda-graph-warmup-steps", "2"];
+
+fn with_and_without_graphs<P: Pretrain>(extra: &[&'static str]) -> (Outcome, Outcome) {
+    let eager = support::gpu_train::<P>(&flags(extra));
+    let graphed = support::gpu_train::<P>(&[flags(extra).as_slice(), GRAPHS].concat());
+    (eager, graphed)
+}
+
+#[test]
+fn on_a_gpu_graphs_train_bitwise_like_eager() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    for extra in [
+        &["--bf16"][..],
+        &["--bf16", "--cross-entropy-loss-fusion"],
+        &["--bf16", "--hidden-dropout", "0.1"],
+        &[
+            "--bf16",
+            "--hidden-dropout",
+            "0.1",
+            "--attention-dropout",
+            "0.1",
+        ],
+        &[
+            "--fp16",
+            "--initial-loss-scale",
+            "65536",
+            "--loss-scale-window",
+            "2",
+        ],
+        &["--bf16", "--fp8-format", "hybrid"],
+    ] {
+        let (eager, graphed) = with_and_without_graphs::<GptPretrainArgs>(extra);
+        eprintln!("{extra:?}: {:?}", graphed.lm_losses());
+        assert_bitwise_identical(&eager, &graphed);
+        // fp16 skips the steps whose gradients overflow (and logs no loss for them).
+        let losses = graphed.lm_losses();
+        assert!(losses.len() >= 6, "{extra:?}: {losses:?}");
+        assert!(
+            losses[losses.len() - 3..]
+                .iter()
+                .all(|&l| l < losses[0] - 0.05),
+            "{extra:?}: the run did not learn"
+        );
+    }
+    let (eager, graphed) = with_and_without_graphs::<BertPretrainArgs>(&["--bf16"]);
+    assert_bitwise_identical(&eager, &graphed);
+}
+
+/// Activation recomputation swaps generator states on the host in the backward, which a graph
+/// cannot hold: the run warns and trains without graphs, as it would without the flag.
+#[test]
+fn on_a_gpu_recomputation_trains_without_graphs() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let recompute = [
+        "--bf16",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+    ];
+    let (eager, graphed) = with_and_without_graphs::<GptPretrainArgs>(&recompute);
+    assert_bitwise_identical(&eager, &graphed);
+}
+
+/// On the CPU the flags of Megatron's CUDA-graph scripts are accepted and change nothing.
+#[test]
+fn megatron_graph_flags_are_accepted_on_a_cpu() {
+    let reference = support::train::<GptPretrainArgs>(&flags(&[]), 1, 1, 1, &[]);
+    let extra = [
+        "--enable-cuda-graph",
+        "--cuda-graph-scope",
+        "full_iteration",
+        "--cuda-graph-warmup-steps",
+        "1",
+        "--external-cuda-graph",
+    ];
+    let graphed = support::train::<GptPretrainArgs>(&flags(&[]), 1, 1, 1, &extra);
+    assert_bitwise_identical(&reference, &graphed);
+}
