@@ -465,7 +465,7 @@ pub fn save_hf(
 ) -> Result<()> {
     let config = &state.config;
     let vocab = config.vocab_size;
-    let kind = super::state::kind_named(&state.params_dtype)?;
+    let kind = super::tensors::kind_named(&state.params_dtype)?;
     let (n, g, d, h) = (
         config.num_attention_heads,
         config.num_query_groups,

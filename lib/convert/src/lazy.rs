@@ -16,7 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::DType;
 use tch::{Device, Kind, Tensor};
 
-use super::state::{fit_vocab_rows, kind_of};
+use super::tensors::{fit_vocab_rows, kind_of};
 use megatron_store::{cpu_bytes, join_shards, take_shard, TensorSplit};
 
 /// Bytes of tensor data a streamed read ([`LazyTensor::for_each_chunk`]) reads, converts and

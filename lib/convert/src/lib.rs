@@ -15,6 +15,7 @@ pub mod names;
 pub mod ours;
 pub mod state;
 pub mod t5;
+pub mod tensors;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};

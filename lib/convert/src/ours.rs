@@ -332,7 +332,7 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
         last_stage_layers: None,
     };
     let layer_order = layer_parameter_order(config)?;
-    let kind = super::state::kind_named(&state.params_dtype)?;
+    let kind = super::tensors::kind_named(&state.params_dtype)?;
     let iteration = state.run.iteration;
     begin_save(root, iteration)?;
     let staging = staging_directory(root, iteration);

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::ours::{load_optimizer, read_model_files, write_rank, RankShard};
-use super::state::kind_named;
+use super::tensors::kind_named;
 use megatron_models::{ModelOptions, Recompute, T5Config, T5Input, T5Model};
 use megatron_parallel::ParallelState;
 use megatron_store::load_t5_for_inference;

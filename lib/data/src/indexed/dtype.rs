@@ -1,4 +1,7 @@
-use super::IndexError;
+/// A dtype code outside Megatron's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dtype code {0} (valid codes are 1..=8)")]
+pub struct UnknownDType(pub u8);
 
 /// Element type of the token ids in a `.bin` file, with Megatron's `.idx` dtype codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,11 +42,11 @@ impl DType {
         }
     }
 
-    pub fn from_code(code: u8) -> Result<Self, IndexError> {
+    pub fn from_code(code: u8) -> Result<Self, UnknownDType> {
         DType::ALL
             .into_iter()
             .find(|d| d.code() == code)
-            .ok_or(IndexError::UnknownDType(code))
+            .ok_or(UnknownDType(code))
     }
 
     /// Bytes per element.

@@ -13,8 +13,6 @@ pub enum IndexError {
     Foreign { path: PathBuf, reason: String },
     #[error("{path}: unsupported index version {version} (only version 1 exists)")]
     Version { path: PathBuf, version: u64 },
-    #[error("unknown dtype code {0} (valid codes are 1..=8)")]
-    UnknownDType(u8),
     #[error("{path}: corrupt index: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error("{path}: size mismatch: {reason}")]

@@ -12,7 +12,7 @@ mod reader;
 mod token_range;
 mod writer;
 
-pub use dtype::DType;
+pub use dtype::{DType, UnknownDType};
 pub use error::IndexError;
 pub use header::{IndexHeader, HEADER_LEN, MAGIC};
 pub use merge::{merge_datasets, prefixes_in_directory};
