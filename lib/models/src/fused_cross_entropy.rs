@@ -591,8 +591,12 @@ mod peak_memory {
     use tch::Device;
 
     const PROBE: &str = "MEGATRON_RS_LOSS_MEMORY_PROBE";
-    const TEST: &str =
-        "model::fused_cross_entropy::peak_memory::the_fused_loss_peaks_far_below_the_unfused_one";
+
+    /// This test's name as the harness knows it (its module path without the crate's name).
+    fn this_test() -> String {
+        let module = module_path!().split_once("::").expect("inside a crate").1;
+        format!("{module}::the_fused_loss_peaks_far_below_the_unfused_one")
+    }
 
     /// 1024 tokens, a vocabulary of 32768, hidden size 64: the float32 logits are 128 MiB.
     fn loss_and_backward(fused: bool) {
@@ -623,7 +627,7 @@ mod peak_memory {
 
     fn child_peak(path: &str) -> u64 {
         let output = Command::new(std::env::current_exe().unwrap())
-            .args([TEST, "--exact", "--nocapture", "--test-threads", "1"])
+            .args([this_test().as_str(), "--exact", "--nocapture", "--test-threads", "1"])
             .env(PROBE, path)
             .output()
             .unwrap();
