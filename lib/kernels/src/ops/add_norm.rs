@@ -608,13 +608,13 @@ fn tolerance(kind: Kind) -> f64 {
 pub fn self_check(device: usize, kind: Kind, hidden: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
     let rows = 37;
-    let made_up = super::made_up(kind, cuda);
-    let residual = made_up(&[rows, hidden], 0.37, 2.0);
-    let delta = made_up(&[rows, hidden], 0.71, 0.5);
-    let grad_normed = made_up(&[rows, hidden], 0.13, 1.0);
-    let grad_sum = made_up(&[rows, hidden], 0.29, 0.3);
-    let weight = made_up(&[hidden], 0.53, 0.5) + 1.0;
-    let bias = made_up(&[hidden], 0.17, 0.2);
+    let inputs = super::self_check_inputs(kind, cuda);
+    let residual = inputs(&[rows, hidden], 0.37, 2.0);
+    let delta = inputs(&[rows, hidden], 0.71, 0.5);
+    let grad_normed = inputs(&[rows, hidden], 0.13, 1.0);
+    let grad_sum = inputs(&[rows, hidden], 0.29, 0.3);
+    let weight = inputs(&[hidden], 0.53, 0.5) + 1.0;
+    let bias = inputs(&[hidden], 0.17, 0.2);
     let fixed_seed = Dropout {
         p: 0.5,
         seed: Tensor::from_slice(&[0x5eed_1234_abcd_i64]).to_device(cuda),

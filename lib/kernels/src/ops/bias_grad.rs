@@ -411,10 +411,10 @@ pub fn reference(grad: &Tensor, preactivation: &Tensor) -> (Tensor, Tensor) {
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
     let (rows, columns) = (300, 1032);
-    let made_up = super::made_up(kind, cuda);
+    let inputs = super::self_check_inputs(kind, cuda);
     let (grad, preactivation) = (
-        made_up(&[rows, columns], 0.37, 1.0),
-        made_up(&[rows, columns], 0.11, 3.0),
+        inputs(&[rows, columns], 0.37, 1.0),
+        inputs(&[rows, columns], 0.11, 3.0),
     );
     let (want_input, want_sums) = reference(&grad, &preactivation);
     let main = Tensor::zeros([columns], (Kind::Float, cuda));

@@ -446,7 +446,7 @@ pub fn tolerance(kind: Kind) -> f64 {
 /// Draws no random numbers.
 pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = super::made_up(kind, cuda);
+    let inputs = super::self_check_inputs(kind, cuda);
     // Small enough for every dtype's slice to fit beside other kernels.
     let (hidden, heads, groups) = (128, 4, 2);
     let lengths = [1i64, 37, 300];
@@ -465,17 +465,17 @@ pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
         .collect();
     let write_slots = Tensor::from_slice(&slots).to_device(cuda);
     let pool_slots = (1 + rows * per_row) * BLOCK_SIZE;
-    let pool = made_up(&[pool_slots, groups, 2 * d], 0.37, 1.0);
-    let input = made_up(&[rows, hidden], 0.29, 2.0);
+    let pool = inputs(&[pool_slots, groups, 2 * d], 0.37, 1.0);
+    let input = inputs(&[rows, hidden], 0.29, 2.0);
     let width = (heads / groups + 2) * d;
-    let weight = made_up(
+    let weight = inputs(
         &[groups * width, hidden],
         0.11,
         1.0 / (hidden as f64).sqrt(),
     );
-    let bias = made_up(&[groups * width], 0.9, 0.2);
-    let gamma = made_up(&[hidden], 0.7, 0.5) + 1.0;
-    let beta = made_up(&[hidden], 0.3, 0.1);
+    let bias = inputs(&[groups * width], 0.9, 0.2);
+    let gamma = inputs(&[hidden], 0.7, 0.5) + 1.0;
+    let beta = inputs(&[hidden], 0.3, 0.1);
     let norm = InputNorm {
         kind: Normalization::LayerNorm,
         weight: &gamma,

@@ -141,8 +141,8 @@ pub fn reference(
 /// [`reference`]: the same bits, with and without position embeddings, on repeated tokens.
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = super::made_up(kind, cuda);
-    let (words, places) = (made_up(&[97, 72], 0.37, 1.0), made_up(&[40, 72], 0.11, 1.0));
+    let inputs = super::self_check_inputs(kind, cuda);
+    let (words, places) = (inputs(&[97, 72], 0.37, 1.0), inputs(&[40, 72], 0.11, 1.0));
     let tokens = Tensor::from_slice(&[5i64, 96, 0, 5, 41])
         .to_device(cuda)
         .view([5, 1]);

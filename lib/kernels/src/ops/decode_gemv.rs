@@ -470,7 +470,7 @@ pub fn tolerance(kind: Kind) -> (f64, f64) {
 /// (seeded sampling must not depend on whether it ran).
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = super::made_up(kind, cuda);
+    let inputs = super::self_check_inputs(kind, cuda);
     let (absolute, relative) = tolerance(kind);
     struct Case {
         rows: i64,
@@ -535,12 +535,12 @@ pub fn self_check(device: usize, kind: Kind) -> Result<()> {
         residual,
     } in cases
     {
-        let input = made_up(&[rows, k], 0.37, 2.0);
-        let weight = made_up(&[n, k], 0.11, 1.0 / (k as f64).sqrt());
-        let gamma = made_up(&[k], 0.7, 0.5) + if one_plus { 0.0 } else { 1.0 };
-        let beta = made_up(&[k], 0.3, 0.1);
-        let bias_tensor = made_up(&[n], 0.9, 0.2);
-        let residual_tensor = made_up(&[rows, n], 0.23, 1.0);
+        let input = inputs(&[rows, k], 0.37, 2.0);
+        let weight = inputs(&[n, k], 0.11, 1.0 / (k as f64).sqrt());
+        let gamma = inputs(&[k], 0.7, 0.5) + if one_plus { 0.0 } else { 1.0 };
+        let beta = inputs(&[k], 0.3, 0.1);
+        let bias_tensor = inputs(&[n], 0.9, 0.2);
+        let residual_tensor = inputs(&[rows, n], 0.23, 1.0);
         let norm = norm_kind.map(|kind| InputNorm {
             kind,
             weight: &gamma,

@@ -81,10 +81,13 @@ fn turned_off(variable: &str) -> bool {
     std::env::var(variable).is_ok_and(|v| v == "0")
 }
 
-/// Made-up values for our kernels' self-checks, the same on every run: element `i` of a
-/// `shape` tensor is `sin(i · step) · scale`, in `kind` on `device`. Draws no random numbers,
-/// so seeded sampling does not depend on whether a check ran.
-fn made_up(kind: tch::Kind, device: tch::Device) -> impl Fn(&[i64], f64, f64) -> tch::Tensor {
+/// The inputs of our kernels' self-checks, the same on every run: element `i` of a `shape`
+/// tensor is `sin(i · step) · scale`, in `kind` on `device`. Draws no random numbers, so seeded
+/// sampling does not depend on whether a check ran.
+fn self_check_inputs(
+    kind: tch::Kind,
+    device: tch::Device,
+) -> impl Fn(&[i64], f64, f64) -> tch::Tensor {
     move |shape, step, scale| {
         let count: i64 = shape.iter().product();
         ((tch::Tensor::arange(count, (tch::Kind::Float, device)) * step).sin() * scale)

@@ -371,7 +371,7 @@ pub fn adamw(
 /// depends on the kernels.
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = super::made_up(Kind::Float, cuda);
+    let inputs = super::self_check_inputs(Kind::Float, cuda);
     // (buffer start, shard start, length, decayed): the last starts off 16-byte alignment.
     let layout = [
         (0, 0, 2 * CHUNK + 37, true),
@@ -388,10 +388,10 @@ pub fn self_check(device: usize, kind: Kind) -> Result<()> {
         })
         .collect();
     let len = (2 * CHUNK + 384) as i64;
-    let grads = made_up(&[len], 0.71, 1e-2);
-    let main = made_up(&[len], 0.13, 1.0);
-    let exp_avg = made_up(&[len], 0.29, 1e-3);
-    let exp_avg_sq = made_up(&[len], 0.53, 1e-4).square();
+    let grads = inputs(&[len], 0.71, 1e-2);
+    let main = inputs(&[len], 0.13, 1.0);
+    let exp_avg = inputs(&[len], 0.29, 1e-3);
+    let exp_avg_sq = inputs(&[len], 0.53, 1e-4).square();
     let model = main.to_kind(kind);
     let divisor = Tensor::from(1.5f32).to_device(cuda);
     let step = Tensor::from(3.0f32).to_device(cuda);

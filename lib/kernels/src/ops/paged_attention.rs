@@ -202,18 +202,18 @@ pub fn paged_decode_attention(
 /// error here, before any request depends on it.
 pub fn self_check(device: usize, kind: Kind, d: i64) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = super::made_up(kind, cuda);
+    let inputs = super::self_check_inputs(kind, cuda);
     let (heads, lengths) = (2, [5i64, 40]);
     // Row 0 owns blocks 1..=3, row 1 blocks 4..=6 (block 0 is padding).
-    let pool = made_up(&[7 * BLOCK_SIZE, 1, 2 * d], 0.37, 1.0);
-    let query = made_up(&[2, heads, d], 0.11, 1.0);
+    let pool = inputs(&[7 * BLOCK_SIZE, 1, 2 * d], 0.37, 1.0);
+    let query = inputs(&[2, heads, d], 0.11, 1.0);
     let tables = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6])
         .view([2, 3])
         .to_device(cuda);
     let positions = Tensor::from_slice(&[lengths[0] - 1, lengths[1] - 1]).to_device(cuda);
     // The new positions' keys and values as a strided view, and their slots: position 4 in
     // block 1, position 39 in block 6.
-    let new_kv = made_up(&[2, 2, 2 * d], 0.53, 1.0).narrow(1, 1, 1);
+    let new_kv = inputs(&[2, 2, 2 * d], 0.53, 1.0).narrow(1, 1, 1);
     let write_slots = Tensor::from_slice(&[BLOCK_SIZE + 4, 6 * BLOCK_SIZE + 7]).to_device(cuda);
     let mut stored = pool.copy();
     let _ = stored.index_copy_(0, &write_slots, &new_kv);
