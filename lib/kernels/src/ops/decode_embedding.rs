@@ -22,49 +22,11 @@ pub const VARIABLE: &str = "MEGATRON_RS_DECODE_EMBEDDING";
 /// Threads of a block (one row).
 const THREADS: u32 = 128;
 
-/// The kernel's CUDA source.
+/// The kernel's CUDA source (`lib/kernels/cuda/decode_embedding.cu`).
 pub const SOURCE: KernelSource = KernelSource {
     name: "decode_embedding",
-    source: concat!(
-        cuda_scalars!(),
-        dependent_launch!(),
-        r#"
-// Block r writes out[r, :] = words[tokens[r], :] (+ places[positions[r], :] when `places`),
-// summed in float32 and rounded once. A token or position outside its table gives a row of
-// NaN rather than a read out of bounds.
-template <typename T>
-__device__ void embed(const T* words, long long vocabulary, const T* places, long long places_rows,
-                      const long long* tokens, const long long* positions, int hidden, T* out) {
-    let_next_kernel_start();
-    const long long row = blockIdx.x;
-    const long long token = tokens[row];
-    const long long position = places ? positions[row] : 0;
-    const bool inside = token >= 0 && token < vocabulary &&
-                        (!places || (position >= 0 && position < places_rows));
-    const T* word = words + token * hidden;
-    const T* place = places + position * hidden;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-        float value = __int_as_float(0x7fc00000);
-        if (inside) {
-            value = load(word + c);
-            if (places) value += load(place + c);
-        }
-        store(out + row * hidden + c, value);
-    }
-}
-
-#define EMBED(NAME, T)                                                                        \
-    extern "C" __global__ void NAME(const T* words, long long vocabulary, const T* places,    \
-                                    long long places_rows, const long long* tokens,           \
-                                    const long long* positions, int hidden, T* out) {         \
-        embed<T>(words, vocabulary, places, places_rows, tokens, positions, hidden, out);     \
-    }
-
-EMBED(decode_embed_bf16, bf16)
-EMBED(decode_embed_f16, f16)
-EMBED(decode_embed_f32, float)
-"#
-    ),
+    source: include_str!("../../cuda/decode_embedding.cu"),
+    headers: super::HEADERS,
     functions: &["decode_embed_bf16", "decode_embed_f16", "decode_embed_f32"],
     prefer_shared_memory: false,
 };
@@ -179,8 +141,8 @@ pub fn reference(
 /// [`reference`]: the same bits, with and without position embeddings, on repeated tokens.
 pub fn self_check(device: usize, kind: Kind) -> Result<()> {
     let cuda = Device::Cuda(device);
-    let made_up = super::made_up(kind, cuda);
-    let (words, places) = (made_up(&[97, 72], 0.37, 1.0), made_up(&[40, 72], 0.11, 1.0));
+    let inputs = super::self_check_inputs(kind, cuda);
+    let (words, places) = (inputs(&[97, 72], 0.37, 1.0), inputs(&[40, 72], 0.11, 1.0));
     let tokens = Tensor::from_slice(&[5i64, 96, 0, 5, 41])
         .to_device(cuda)
         .view([5, 1]);

@@ -4,165 +4,41 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-/// CUDA C++ the kernel sources share: 16-bit float types as raw bits (NVRTC gets no headers),
-/// `load`/`store` between them and float32 (the conversions as PTX instructions), `neg_inf`
-/// (NVRTC has no `INFINITY`), and `rounded`, a float32 value rounded to one of them.
-macro_rules! cuda_scalars {
-    () => {
-        r#"
-struct bf16 { unsigned short bits; };
-struct f16 { unsigned short bits; };
+use crate::runtime::nvrtc::CudaHeader;
 
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ float load(const bf16* p) {
-    return __uint_as_float(((unsigned int)p->bits) << 16);
-}
-__device__ __forceinline__ float load(const f16* p) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(p->bits));
-    return value;
-}
-__device__ __forceinline__ void store(float* p, float value) { *p = value; }
-__device__ __forceinline__ void store(bf16* p, float value) {
-    unsigned short bits;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-    p->bits = bits;
-}
-__device__ __forceinline__ void store(f16* p, float value) {
-    unsigned short bits;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-    p->bits = bits;
-}
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-// value rounded to T (unchanged for float), as a kernel storing it in T would round it.
-template <typename T>
-__device__ __forceinline__ float rounded(float value) {
-    T t;
-    store(&t, value);
-    return load(&t);
-}
-"#
-    };
-}
+/// The headers of our kernel sources (`lib/kernels/cuda/*.cuh`), by the names the sources
+/// include them by; every [`crate::runtime::nvrtc::KernelSource`] of ours hands NVRTC all of
+/// them.
+const HEADERS: &[CudaHeader] = &[
+    CudaHeader {
+        name: "scalars.cuh",
+        text: include_str!("../../cuda/scalars.cuh"),
+    },
+    CudaHeader {
+        name: "vectors8.cuh",
+        text: include_str!("../../cuda/vectors8.cuh"),
+    },
+    CudaHeader {
+        name: "column_totals.cuh",
+        text: include_str!("../../cuda/column_totals.cuh"),
+    },
+    CudaHeader {
+        name: "dependent_launch.cuh",
+        text: include_str!("../../cuda/dependent_launch.cuh"),
+    },
+    CudaHeader {
+        name: "online_softmax.cuh",
+        text: include_str!("../../cuda/online_softmax.cuh"),
+    },
+    CudaHeader {
+        name: "decode_gemv_parts.cuh",
+        text: include_str!("../../cuda/decode_gemv_parts.cuh"),
+    },
+];
 
-/// CUDA C++ for 16-byte vector accesses: `load8`/`store8` move 8 consecutive elements (16-byte
-/// aligned; 32 bytes of float32) between memory and float32 registers.
-macro_rules! vectors8 {
-    () => {
-        r#"
-struct alignas(16) Words { unsigned int w[4]; };
-struct alignas(16) Floats { float f[4]; };
-
-// 8 consecutive elements (16-byte aligned) to float32 and back; the stores round to nearest even.
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* out) {
-    const Words v = *reinterpret_cast<const Words*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        T low, high;
-        low.bits = (unsigned short)(v.w[k] & 0xffffu);
-        high.bits = (unsigned short)(v.w[k] >> 16);
-        out[2 * k] = load(&low);
-        out[2 * k + 1] = load(&high);
-    }
-}
-__device__ __forceinline__ void load8(const float* p, float* out) {
-    const Floats a = reinterpret_cast<const Floats*>(p)[0];
-    const Floats b = reinterpret_cast<const Floats*>(p)[1];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        out[k] = a.f[k];
-        out[4 + k] = b.f[k];
-    }
-}
-template <typename T> __device__ __forceinline__ void store8(T* p, const float* in) {
-    Words v;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        T low, high;
-        store(&low, in[2 * k]);
-        store(&high, in[2 * k + 1]);
-        v.w[k] = (unsigned int)low.bits | ((unsigned int)high.bits << 16);
-    }
-    *reinterpret_cast<Words*>(p) = v;
-}
-__device__ __forceinline__ void store8(float* p, const float* in) {
-    Floats a, b;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        a.f[k] = in[k];
-        b.f[k] = in[4 + k];
-    }
-    reinterpret_cast<Floats*>(p)[0] = a;
-    reinterpret_cast<Floats*>(p)[1] = b;
-}
-"#
-    };
-}
-
-/// Row groups (`blockDim.y`) of `column_totals_into_main` and its kin, 32 columns a block.
+/// Row groups (`blockDim.y`) of `column_totals_into_main` and its kin (`column_totals.cuh`), 32
+/// columns a block.
 const COLUMN_TOTAL_GROUPS: u32 = 16;
-
-/// CUDA C++ for gradients summed over rows in two deterministic steps: a first kernel writes one
-/// float32 partial row per block (`[blocks, columns]`), then `column_total` adds the partial rows
-/// of a column in block order (row group `threadIdx.y` every `blockDim.y`-th row, then the
-/// groups in order; the total lands in thread row 0), for grids of `columns / 32` × 1 or 2
-/// blocks of 32 × `blockDim.y` threads (`blockIdx.y` picks the first or second partials), and
-/// `column_totals_into_main` adds the totals to the optimizer's float32 gradients.
-macro_rules! column_totals {
-    () => {
-        r#"
-__device__ float column_total(const float* partial_a, const float* partial_b, long long blocks,
-                              int columns) {
-    __shared__ float sums[32][33];
-    const float* partial = blockIdx.y == 0 ? partial_a : partial_b;
-    const int column = blockIdx.x * 32 + threadIdx.x;
-    float sum = 0.f;
-    if (column < columns) {
-        for (long long b = threadIdx.y; b < blocks; b += blockDim.y) {
-            sum += partial[b * columns + column];
-        }
-    }
-    sums[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    float total = 0.f;
-    if (threadIdx.y == 0) {
-        for (int y = 0; y < blockDim.y; ++y) total += sums[y][threadIdx.x];
-    }
-    return total;
-}
-
-extern "C" __global__ void column_totals_into_main(const float* partial_a, const float* partial_b,
-                                                   long long blocks, int columns, float* main_a,
-                                                   float* main_b) {
-    const float total = column_total(partial_a, partial_b, blocks, columns);
-    const int column = blockIdx.x * 32 + threadIdx.x;
-    float* out = blockIdx.y == 0 ? main_a : main_b;
-    if (threadIdx.y == 0 && column < columns) out[column] += total;
-}
-"#
-    };
-}
-
-/// CUDA C++ for kernels launched with [`crate::runtime::nvrtc::Kernels::launch_overlapping`]:
-/// `let_next_kernel_start()` lets the next such kernel on the stream begin (its blocks then
-/// load what does not depend on this kernel), and `wait_for_previous_kernel()` waits until the
-/// previous kernel has finished and its writes are visible. Both do nothing before Hopper.
-macro_rules! dependent_launch {
-    () => {
-        r#"
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-"#
-    };
-}
 
 /// Whether one of our kernels (`kernel`, as the warning names it) may run on `device` for
 /// `kind` and `width` (0 where the width does not matter): its self-check `check` passed there,
@@ -205,10 +81,13 @@ fn turned_off(variable: &str) -> bool {
     std::env::var(variable).is_ok_and(|v| v == "0")
 }
 
-/// Made-up values for our kernels' self-checks, the same on every run: element `i` of a
-/// `shape` tensor is `sin(i · step) · scale`, in `kind` on `device`. Draws no random numbers,
-/// so seeded sampling does not depend on whether a check ran.
-fn made_up(kind: tch::Kind, device: tch::Device) -> impl Fn(&[i64], f64, f64) -> tch::Tensor {
+/// The inputs of our kernels' self-checks, the same on every run: element `i` of a `shape`
+/// tensor is `sin(i · step) · scale`, in `kind` on `device`. Draws no random numbers, so seeded
+/// sampling does not depend on whether a check ran.
+fn self_check_inputs(
+    kind: tch::Kind,
+    device: tch::Device,
+) -> impl Fn(&[i64], f64, f64) -> tch::Tensor {
     move |shape, step, scale| {
         let count: i64 = shape.iter().product();
         ((tch::Tensor::arange(count, (tch::Kind::Float, device)) * step).sin() * scale)

@@ -2,24 +2,33 @@
 //! wheel as `nvidia/cu13/lib/libnvrtc.so.13`) and launched through the CUDA driver API on
 //! libtorch's current stream, so that they run in order with libtorch's kernels and are
 //! captured in CUDA graphs like them. A kernel module is a [`KernelSource`]: its CUDA C++ text
-//! (no headers: the half-precision conversions are PTX instructions) and the `extern "C"`
-//! functions it exports. Each source is compiled once per device and process; the module and
-//! its functions are kept for the process's life.
+//! (a `.cu` file of `lib/kernels/cuda/`), the headers it may include, handed to NVRTC in memory
+//! (no system headers: the half-precision conversions are PTX instructions), and the
+//! `extern "C"` functions it exports. Each source is compiled once per device and process; the
+//! module and its functions are kept for the process's life.
 
 use std::collections::HashMap;
-use std::ffi::{c_void, CString};
+use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as driver, sys as driver_sys};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+
+/// A header kernel sources include (`#include "name"`), handed to NVRTC in memory.
+pub struct CudaHeader {
+    pub name: &'static str,
+    pub text: &'static str,
+}
 
 /// A kernel module's CUDA C++ source and the functions launched from it.
 pub struct KernelSource {
-    /// Names the module in errors and NVRTC's logs.
+    /// Names the module in errors and NVRTC's logs (as `name.cu`).
     pub name: &'static str,
     pub source: &'static str,
+    /// The headers the source may include (NVRTC is given no include path).
+    pub headers: &'static [CudaHeader],
     pub functions: &'static [&'static str],
     /// Asks for all of each multiprocessor's unified L1/shared memory as shared memory. The
     /// decode kernels do: blocks of successive kernels stay resident side by side only where
@@ -107,21 +116,97 @@ fn loaded_libtorch_dir() -> Option<PathBuf> {
 /// GPU.
 pub fn compile_ptx(kernels: &KernelSource, arch: &'static str) -> Result<String> {
     load_nvrtc()?;
-    let options = CompileOptions {
-        arch: Some(arch),
-        name: Some(format!("{}.cu", kernels.name)),
-        options: vec!["--std=c++17".into()],
-        ..Default::default()
-    };
-    match compile_ptx_with_opts(kernels.source, options) {
-        Ok(ptx) => Ok(ptx.to_src()),
-        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => bail!(
-            "NVRTC cannot compile the {} kernels:\n{}",
+    let program = Program::new(kernels)?;
+    let options = [format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    // SAFETY: a live program.
+    if let Err(e) = unsafe { nvrtc::compile_program(program.handle, &options) } {
+        bail!(
+            "NVRTC cannot compile the {} kernels ({e:?}):\n{}",
             kernels.name,
-            log.to_string_lossy()
-        ),
-        Err(e) => bail!("NVRTC cannot compile the {} kernels: {e:?}", kernels.name),
+            program.log()
+        );
     }
+    program.ptx()
+}
+
+/// An NVRTC program of one kernel source and its headers; destroyed on drop.
+struct Program {
+    handle: nvrtc_sys::nvrtcProgram,
+    /// The texts and names NVRTC was given, kept until the program is destroyed in case it
+    /// points into them.
+    _strings: Vec<CString>,
+}
+
+impl Program {
+    fn new(kernels: &KernelSource) -> Result<Self> {
+        let text = |what: &str, s: &str| {
+            CString::new(s)
+                .with_context(|| format!("a NUL byte in {what} of the {} kernels", kernels.name))
+        };
+        let source = text("the source", kernels.source)?;
+        let name = text("the name", &format!("{}.cu", kernels.name))?;
+        let mut header_texts = Vec::new();
+        let mut header_names = Vec::new();
+        for header in kernels.headers {
+            header_texts.push(text(header.name, header.text)?);
+            header_names.push(text("a header name", header.name)?);
+        }
+        let texts: Vec<*const c_char> = header_texts.iter().map(|s| s.as_ptr()).collect();
+        let names: Vec<*const c_char> = header_names.iter().map(|s| s.as_ptr()).collect();
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: NUL-terminated source and name, and as many header texts as names, all
+        // alive while the program is (moved into it below).
+        unsafe {
+            nvrtc_sys::nvrtcCreateProgram(
+                &mut handle,
+                source.as_ptr(),
+                name.as_ptr(),
+                texts.len() as c_int,
+                texts.as_ptr(),
+                names.as_ptr(),
+            )
+        }
+        .result()
+        .map_err(|e| anyhow!("NVRTC cannot take the {} kernels: {e:?}", kernels.name))?;
+        let mut strings = vec![source, name];
+        strings.extend(header_texts);
+        strings.extend(header_names);
+        Ok(Self {
+            handle,
+            _strings: strings,
+        })
+    }
+
+    /// NVRTC's log of the compilation.
+    fn log(&self) -> String {
+        // SAFETY: a live program.
+        match unsafe { nvrtc::get_program_log(self.handle) } {
+            Ok(log) => c_text(&log),
+            Err(e) => format!("(no log: {e:?})"),
+        }
+    }
+
+    /// The compiled PTX.
+    fn ptx(&self) -> Result<String> {
+        // SAFETY: a live, compiled program.
+        let ptx =
+            unsafe { nvrtc::get_ptx(self.handle) }.map_err(|e| anyhow!("NVRTC's PTX: {e:?}"))?;
+        Ok(c_text(&ptx))
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: a live program, destroyed once; nothing can be done about a failure here.
+        let _ = unsafe { nvrtc::destroy_program(self.handle) };
+    }
+}
+
+/// The text of a buffer NVRTC filled, up to its terminating NUL.
+fn c_text(buffer: &[c_char]) -> String {
+    let bytes: Vec<u8> = buffer.iter().map(|&c| c as u8).collect();
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
 }
 
 /// Compiles `kernels` for `arch` (e.g. `compute_80`) and checks that the PTX targets it and
@@ -290,7 +375,7 @@ impl Kernels {
     /// programmatic dependent launch on Hopper and newer GPUs: the kernel may
     /// start while the previous kernel on the stream is still running, once that one executes
     /// `griddepcontrol.launch_dependents`, and must execute `griddepcontrol.wait` (see
-    /// [`crate::ops`]'s `dependent_launch!` prelude) before it touches anything an earlier
+    /// `lib/kernels/cuda/dependent_launch.cuh`) before it touches anything an earlier
     /// kernel writes or reads. Work before the wait (loading weights) overlaps the previous
     /// kernel; CUDA graphs capture the dependency. Older GPUs get a plain launch, where the
     /// two instructions do nothing.
@@ -386,5 +471,51 @@ impl Kernels {
         )
         .result()
         .map_err(|e| anyhow!("launching {function}: {e:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEVEN: CudaHeader = CudaHeader {
+        name: "seven.cuh",
+        text: "#ifndef SEVEN_CUH\n#define SEVEN_CUH\nconstexpr int SEVEN = 7;\n#endif\n",
+    };
+    const SQUARE: CudaHeader = CudaHeader {
+        name: "square.cuh",
+        text: "#include \"seven.cuh\"\n__device__ int seven_squared() { return SEVEN * SEVEN; }\n",
+    };
+
+    /// A source including a header directly and through another header.
+    fn source(headers: &'static [CudaHeader]) -> KernelSource {
+        KernelSource {
+            name: "header_test",
+            source: "#include \"seven.cuh\"\n#include \"square.cuh\"\n\
+                     extern \"C\" __global__ void write_343(int* out) {\n\
+                         *out = seven_squared() * SEVEN;\n\
+                     }\n",
+            headers,
+            functions: &["write_343"],
+            prefer_shared_memory: false,
+        }
+    }
+
+    #[test]
+    fn nvrtc_compiles_a_source_with_the_headers_it_includes() {
+        let source = source(&[SEVEN, SQUARE]);
+        check_compiles(&source, "compute_80").unwrap();
+        let ptx = compile_ptx(&source, "compute_80").unwrap();
+        assert!(ptx.contains("343;"), "{ptx}");
+    }
+
+    #[test]
+    fn a_header_not_handed_to_nvrtc_is_named_in_the_error() {
+        let error = compile_ptx(&source(&[SEVEN]), "compute_80").unwrap_err();
+        let message = format!("{error:#}");
+        assert!(
+            message.contains("header_test") && message.contains("square.cuh"),
+            "{message}"
+        );
     }
 }
