@@ -14,8 +14,9 @@ use tch::{Kind, Tensor};
 use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
 use super::megatron_torch::tensor_of;
 use super::state::{ModelState, RunState, Tensors};
+use megatron_models::gpt::hf::{gpt2_recipes, llama_recipes};
+use megatron_models::hf::Recipe;
 use megatron_models::{
-    hf::{self as mapping, Recipe},
     Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
 };
 use megatron_store::{write_tensors_streamed, TensorEntry};
@@ -307,7 +308,7 @@ pub fn load_hf(
                 )
             })
             .collect();
-        imported(mapping::gpt2_recipes(&config), &tensors)
+        imported(gpt2_recipes(&config), &tensors)
     } else {
         if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
             bail!(
@@ -315,7 +316,7 @@ pub fn load_hf(
                 directory.display()
             );
         }
-        imported(mapping::llama_recipes(&config), &tensors)
+        imported(llama_recipes(&config), &tensors)
     }
     .with_context(|| directory.display().to_string())?;
     let params_dtype = match dtype {
