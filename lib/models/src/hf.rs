@@ -33,8 +33,8 @@ pub(crate) fn pad_vocab(table: &Tensor, padded: i64) -> Tensor {
 }
 
 /// How one Megatron-core tensor is made from HuggingFace tensors: the importers' one
-/// definition of each mapping, applied at once ([`gpt2_to_megatron`](crate::gpt::hf::gpt2_to_megatron))
-/// or tensor by tensor as a converter writes (`convert::hf`).
+/// definition of each mapping, applied at once (`gpt::hf::gpt2_to_megatron`) or tensor by tensor
+/// as a converter writes (`convert::hf`).
 pub struct Recipe {
     pub name: String,
     pub shape: Vec<i64>,

@@ -4,6 +4,8 @@
 
 mod batch;
 pub mod hf;
+pub mod hf_config;
+pub mod megatron_names;
 mod model;
 
 pub use batch::GptBatch;
