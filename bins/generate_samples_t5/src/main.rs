@@ -18,7 +18,8 @@ use megatron_inference::CheckpointModelArgs;
 use megatron_inference::{
     encode_with_sentinels, greedy_decode, score_t5_batch, GreedyOptions, ScoreTotals, T5Decoding,
 };
-use megatron_models::loader::{DeviceBatch, T5Batch};
+use megatron_models::loader::DeviceBatch;
+use megatron_models::T5Batch;
 use megatron_models::T5Model;
 use megatron_parallel::{Job, ParallelState};
 use megatron_training::{t5_split_dataset, Masking, T5DataRequest};

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use megatron_training::args::BertPretrainArgs;
+use megatron_training::BertPretrainArgs;
 use megatron_training::{pretrain_bert, run_job};
 
 /// Pretrain a BERT model (masked-LM and, unless --bert-no-binary-head, sentence-order

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 use megatron_training::{pretrain_gpt, run_job};
 
 /// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU, many GPUs

@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
-use megatron_training::args::{t5_flags, T5PretrainArgs};
 use megatron_training::{pretrain_t5, run_job};
+use megatron_training::{t5_flags, T5PretrainArgs};
 
 /// Pretrain a T5 encoder-decoder (span corruption: the encoder reads the text with spans
 /// replaced by sentinels, the decoder predicts the spans) on Megatron indexed datasets

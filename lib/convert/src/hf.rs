@@ -14,10 +14,10 @@ use tch::{Kind, Tensor};
 use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
 use super::megatron_torch::tensor_of;
 use super::state::{ModelState, RunState, Tensors};
-use megatron_models::{
-    hf::{self as mapping, Recipe},
-    Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
-};
+use megatron_models::gpt::hf::{gpt2_recipes, llama_recipes};
+use megatron_models::gpt::hf_config::{config_from_hf, rope_to_hf};
+use megatron_models::hf::Recipe;
+use megatron_models::{Activation, Normalization, PositionEmbeddingType};
 use megatron_store::{write_tensors_streamed, TensorEntry};
 
 /// Every tensor of a HuggingFace model directory (sharded or not), read lazily: from
@@ -100,171 +100,6 @@ fn imported(recipes: Vec<Recipe>, tensors: &HashMap<String, LazyTensor>) -> Resu
         .collect()
 }
 
-fn int(config: &Json, key: &str) -> Result<i64> {
-    config[key]
-        .as_i64()
-        .with_context(|| format!("config.json has no integer {key}"))
-}
-
-/// The RoPE scaling of a Llama-family `config.json`: transformers ≥ 5 writes
-/// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45).
-fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
-    let parameters = [&hf["rope_parameters"], &hf["rope_scaling"]]
-        .into_iter()
-        .find(|p| p.is_object());
-    let Some(parameters) = parameters else {
-        return Ok(None);
-    };
-    let kind = parameters["rope_type"]
-        .as_str()
-        .or(parameters["type"].as_str())
-        .unwrap_or("default");
-    match kind {
-        "default" => Ok(None),
-        "llama3" => {
-            let number = |key: &str| {
-                parameters[key].as_f64().with_context(|| {
-                    format!("config.json: llama3 rope scaling has no number {key}")
-                })
-            };
-            let scaling = RopeScaling {
-                factor: number("factor")?,
-                low_freq_factor: number("low_freq_factor")?,
-                high_freq_factor: number("high_freq_factor")?,
-                original_max_position_embeddings: number("original_max_position_embeddings")?
-                    as i64,
-            };
-            scaling
-                .validate()
-                .context("config.json: llama3 rope scaling")?;
-            Ok(Some(scaling))
-        }
-        other => {
-            bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)")
-        }
-    }
-}
-
-/// `config.json`'s RoPE entries: `rope_parameters` for transformers ≥ 5, `rope_theta` and
-/// `rope_scaling` for older readers (vLLM, transformers 4).
-fn rope_to_hf(config: &TransformerConfig, hf: &mut Json) {
-    let mut parameters = json!({"rope_theta": config.rotary_base, "rope_type": "default"});
-    hf["rope_theta"] = json!(config.rotary_base);
-    if let Some(scaling) = &config.rope_scaling {
-        let scaling = json!({
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        });
-        for (key, value) in scaling.as_object().expect("a JSON object") {
-            parameters[key] = value.clone();
-        }
-        hf["rope_scaling"] = scaling;
-    }
-    hf["rope_parameters"] = parameters;
-}
-
-/// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
-pub fn config_from_hf(
-    hf: &Json,
-    make_vocab_size_divisible_by: i64,
-) -> Result<(String, TransformerConfig)> {
-    let architecture = hf["architectures"][0]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let tie = hf["tie_word_embeddings"].as_bool();
-    let config = match architecture.as_str() {
-        "GPT2LMHeadModel" => {
-            let hidden = int(hf, "n_embd")?;
-            let heads = int(hf, "n_head")?;
-            let activation = match hf["activation_function"].as_str().unwrap_or("gelu_new") {
-                "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
-                "gelu" => Activation::GeluErf,
-                other => bail!("config.json: activation_function {other} is not supported"),
-            };
-            ensure!(tie != Some(false), "config.json: untied GPT-2 output layers are not supported");
-            TransformerConfig {
-                num_layers: int(hf, "n_layer")? as usize,
-                hidden_size: hidden,
-                num_attention_heads: heads,
-                num_query_groups: heads,
-                kv_channels: hidden / heads,
-                ffn_hidden_size: hf["n_inner"].as_i64().unwrap_or(4 * hidden),
-                max_position_embeddings: int(hf, "n_positions")?,
-                vocab_size: int(hf, "vocab_size")?,
-                make_vocab_size_divisible_by,
-                position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
-                rotary_base: 10000.0,
-                rotary_percent: 1.0,
-                rope_scaling: None,
-                normalization: Normalization::LayerNorm,
-                norm_epsilon: hf["layer_norm_epsilon"].as_f64().unwrap_or(1e-5),
-                apply_layernorm_1p: false,
-                activation,
-                add_bias_linear: true,
-                add_qkv_bias: true,
-                untie_embeddings_and_output_weights: false,
-                apply_residual_connection_post_layernorm: false,
-                hidden_dropout: 0.0,
-                attention_dropout: 0.0,
-                init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
-            }
-        }
-        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
-            let hidden = int(hf, "hidden_size")?;
-            let heads = int(hf, "num_attention_heads")?;
-            let rope_scaling = rope_scaling_from_hf(hf)?;
-            ensure!(
-                hf["hidden_act"].as_str().unwrap_or("silu") == "silu",
-                "config.json: hidden_act {} is not supported (SwiGLU needs silu)",
-                hf["hidden_act"]
-            );
-            let qkv_bias = architecture == "Qwen2ForCausalLM" || hf["attention_bias"].as_bool() == Some(true);
-            ensure!(
-                hf["mlp_bias"].as_bool() != Some(true),
-                "config.json: mlp_bias is not supported"
-            );
-            TransformerConfig {
-                num_layers: int(hf, "num_hidden_layers")? as usize,
-                hidden_size: hidden,
-                num_attention_heads: heads,
-                num_query_groups: hf["num_key_value_heads"].as_i64().unwrap_or(heads),
-                kv_channels: hf["head_dim"].as_i64().unwrap_or(hidden / heads),
-                ffn_hidden_size: int(hf, "intermediate_size")?,
-                max_position_embeddings: int(hf, "max_position_embeddings")?,
-                vocab_size: int(hf, "vocab_size")?,
-                make_vocab_size_divisible_by,
-                position_embedding_type: PositionEmbeddingType::Rope,
-                rotary_base: hf["rope_parameters"]["rope_theta"]
-                    .as_f64()
-                    .or(hf["rope_theta"].as_f64())
-                    .unwrap_or(10000.0),
-                rotary_percent: 1.0,
-                rope_scaling,
-                normalization: Normalization::RMSNorm,
-                norm_epsilon: hf["rms_norm_eps"].as_f64().unwrap_or(1e-6),
-                apply_layernorm_1p: false,
-                activation: Activation::Swiglu,
-                add_bias_linear: false,
-                add_qkv_bias: qkv_bias,
-                untie_embeddings_and_output_weights: tie != Some(true),
-                apply_residual_connection_post_layernorm: false,
-                hidden_dropout: 0.0,
-                attention_dropout: 0.0,
-                init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
-            }
-        }
-        "" => bail!("config.json names no architecture"),
-        other => bail!(
-            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
-        ),
-    };
-    Ok((architecture, config))
-}
-
 /// Loads a HuggingFace model directory.
 pub fn load_hf(
     directory: &Path,
@@ -307,7 +142,7 @@ pub fn load_hf(
                 )
             })
             .collect();
-        imported(mapping::gpt2_recipes(&config), &tensors)
+        imported(gpt2_recipes(&config), &tensors)
     } else {
         if config.untie_embeddings_and_output_weights && !tensors.contains_key("lm_head.weight") {
             bail!(
@@ -315,7 +150,7 @@ pub fn load_hf(
                 directory.display()
             );
         }
-        imported(mapping::llama_recipes(&config), &tensors)
+        imported(llama_recipes(&config), &tensors)
     }
     .with_context(|| directory.display().to_string())?;
     let params_dtype = match dtype {

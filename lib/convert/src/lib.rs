@@ -11,7 +11,6 @@ pub mod load;
 pub mod megatron_args;
 pub mod megatron_save;
 pub mod megatron_torch;
-pub mod names;
 pub mod ours;
 pub mod state;
 pub mod t5;

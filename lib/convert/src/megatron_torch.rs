@@ -12,9 +12,9 @@ use tch::Kind;
 
 use super::lazy::{InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
-use super::names::{core_name, layer_of};
 use super::state::{ModelState, OptimizerState, RunState};
 use super::tensors::tensor_from_bytes;
+use megatron_models::gpt::megatron_names::{core_name, layer_of};
 use megatron_optim::excluded_from_weight_decay;
 use megatron_store::{has_vocab_rows, tensor_split};
 

@@ -13,7 +13,8 @@ use super::lazy::{safetensors_tensors, LazyTensor};
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState, RunState, Tensors};
 use megatron_models::ParamAttributes;
 use megatron_models::{
-    ChunkSpec, GptModel, ModelOptions, PipelineSplit, Recompute, TransformerConfig,
+    ChunkSpec, FamilyModel, GptModel, ModelOptions, PipelineSplit, Recompute, T5Model,
+    TransformerConfig,
 };
 use megatron_optim::{BufferLayout, ParamShape};
 use megatron_parallel::ParallelState;
@@ -360,7 +361,7 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
         format: CHECKPOINT_FORMAT.to_string(),
         checkpoint_version: 3.0,
         iteration,
-        model_type: "GPT".to_string(),
+        model_type: GptModel::MODEL_TYPE.to_string(),
         model: serde_json::to_value(config)?,
         params_dtype: state.params_dtype.clone(),
         tensor_model_parallel_size: target.tensor,
@@ -450,13 +451,13 @@ fn join_parts(
 /// moments too.
 pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Result<ModelState> {
     let metadata = &checkpoint.metadata;
-    if metadata.model_type == "T5" {
+    if metadata.model_type == T5Model::MODEL_TYPE {
         bail!(
             "{}: a T5 checkpoint; convert it with --model-type T5",
             checkpoint.directory.display()
         );
     }
-    if metadata.model_type != "GPT" {
+    if metadata.model_type != GptModel::MODEL_TYPE {
         bail!(
             "{}: converting {} checkpoints is not supported",
             checkpoint.directory.display(),

@@ -12,9 +12,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::ours::{load_optimizer, read_model_files, write_rank, RankShard};
 use super::tensors::kind_named;
-use megatron_models::{ModelOptions, Recompute, T5Config, T5Input, T5Model};
+use megatron_models::{FamilyModel, ModelOptions, Recompute, T5Config, T5Input, T5Model};
 use megatron_parallel::ParallelState;
-use megatron_store::load_t5_for_inference;
+use megatron_store::load_for_inference;
 use megatron_store::{
     begin_save, finish_save, rank_directory_name, staging_directory, CheckpointDirectory,
 };
@@ -81,7 +81,7 @@ fn parameter_names(config: &T5Config) -> Result<Vec<(String, String)>> {
 
 fn t5_config_of(checkpoint: &CheckpointDirectory) -> Result<T5Config> {
     let metadata = &checkpoint.metadata;
-    if metadata.model_type != "T5" {
+    if metadata.model_type != T5Model::MODEL_TYPE {
         bail!(
             "{} holds a {} model, not a T5 (--model-type {} converts it)",
             checkpoint.directory.display(),
@@ -173,8 +173,8 @@ pub fn reshape_t5(
 /// padded encoder inputs and decoder inputs.
 pub fn t5_max_logit_difference(a: &Path, b: &Path) -> Result<f64> {
     let single = ParallelState::single();
-    let left = load_t5_for_inference(a, Device::Cpu, Kind::Float, &single)?;
-    let right = load_t5_for_inference(b, Device::Cpu, Kind::Float, &single)?;
+    let left: T5Model = load_for_inference(a, Device::Cpu, Kind::Float, &single)?;
+    let right: T5Model = load_for_inference(b, Device::Cpu, Kind::Float, &single)?;
     let trunk = &left.config.transformer;
     let positions = trunk.max_position_embeddings;
     let (encoder, decoder) = (positions.min(16), positions.min(8));

@@ -16,7 +16,7 @@ use megatron_kernels::ops::argmax::greedy;
 use megatron_kernels::runtime::{HostCopy, KinetoTrace};
 use megatron_models::GptModel;
 use megatron_parallel::ParallelState;
-use megatron_store::load_gpt_for_inference;
+use megatron_store::load_for_inference;
 use tch::{Device, Kind, Tensor};
 
 /// Prompt length before the timed steps.
@@ -48,7 +48,7 @@ fn run() -> Result<()> {
     if !tch::Cuda::is_available() {
         bail!("decode_step times CUDA graphs: no CUDA device");
     }
-    let model = load_gpt_for_inference(
+    let model: GptModel = load_for_inference(
         Path::new(checkpoint),
         Device::Cuda(0),
         Kind::BFloat16,

@@ -20,9 +20,7 @@ use megatron_models::{
 use megatron_parallel::{
     join_launched_job, Backend, Job, JoinOptions, LaunchEnv, ParallelState, Placement,
 };
-use megatron_store::{
-    checkpoint_gpt_config, checkpoint_t5_config, load_gpt_for_inference, load_t5_for_inference,
-};
+use megatron_store::{checkpoint_config, load_for_inference};
 
 #[derive(Debug, Clone, Args)]
 pub struct CheckpointModelArgs {
@@ -555,7 +553,7 @@ impl CheckpointModelArgs {
     /// The checkpoint's architecture, once the given flags are checked against it.
     pub fn checked_config(&self) -> Result<TransformerConfig> {
         megatron_store::set_checksums_enabled(!self.no_checkpoint_checksums);
-        let (dir, config) = checkpoint_gpt_config(self.checkpoint()?)?;
+        let (dir, config) = checkpoint_config::<GptModel>(self.checkpoint()?)?;
         self.check_architecture(&config, &dir)?;
         Ok(config)
     }
@@ -564,14 +562,14 @@ impl CheckpointModelArgs {
     /// model for `parallel`'s tensor-parallel rank (any saved layout is merged first).
     pub fn load_model(&self, device: Device, parallel: &ParallelState) -> Result<GptModel> {
         self.checked_config()?;
-        load_gpt_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
+        load_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
     }
 
     /// The checkpoint's T5 architecture, once the given flags are checked against it
     /// (`--num-layers` is the encoder's depth).
     pub fn checked_t5_config(&self) -> Result<T5Config> {
         megatron_store::set_checksums_enabled(!self.no_checkpoint_checksums);
-        let (dir, config) = checkpoint_t5_config(self.checkpoint()?)?;
+        let (dir, config) = checkpoint_config::<T5Model>(self.checkpoint()?)?;
         self.check_architecture(&config.transformer, &dir)?;
         Ok(config)
     }
@@ -579,7 +577,7 @@ impl CheckpointModelArgs {
     /// [`load_model`](Self::load_model) for a T5 checkpoint.
     pub fn load_t5_model(&self, device: Device, parallel: &ParallelState) -> Result<T5Model> {
         self.checked_t5_config()?;
-        load_t5_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
+        load_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
     }
 }
 

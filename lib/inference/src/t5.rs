@@ -8,8 +8,8 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use megatron_cli::python_format::format_exp_upper;
-use megatron_models::loader::T5Batch;
 use megatron_models::mask_extra_vocabulary;
+use megatron_models::T5Batch;
 use megatron_models::{cross_entropy, T5Input, T5Model};
 use megatron_parallel::gather_from_tensor_parallel_region;
 

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use megatron_inference::{greedy_decode, score_t5_batch, GreedyOptions, ScoreTotals};
-use megatron_models::loader::{MockT5Source, T5Batch};
+use megatron_models::t5::{MockT5Source, T5Batch};
 use megatron_models::{ModelChunk, ModelOptions, Recompute, T5Input, T5Model};
 use megatron_parallel::{ParallelLayout, ParallelState, ThreadWorld};
 use megatron_store::split_for_tensor_parallel;

@@ -1,14 +1,74 @@
-//! What the training engine needs of a model family's pipeline chunk, whatever the family.
+//! What the training engine needs of a model family's pipeline chunk, whatever the family: which
+//! part of the model it holds and what it does with its parameters.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use tch::Tensor;
 
 use super::fp8::Fp8Plan;
-use super::gpt::{ChunkSpec, ModelOptions, ParamGate};
 use super::layers::{Fp8Linear, NamedParameter};
+use super::options::ModelOptions;
+use super::stack::ParamGate;
+
+/// Which part of the model a chunk holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkSpec {
+    /// The chunk has the embeddings (first pipeline stage, first virtual chunk).
+    pub pre_process: bool,
+    /// The chunk has the final norm and the output layer (last stage, last virtual chunk).
+    pub post_process: bool,
+    /// Global indices of its transformer layers.
+    pub layers: Range<usize>,
+}
+
+impl ChunkSpec {
+    pub fn whole(num_layers: usize) -> Self {
+        ChunkSpec {
+            pre_process: true,
+            post_process: true,
+            layers: 0..num_layers,
+        }
+    }
+
+    /// Fails when the chunk's layers run past the model's `num_layers`.
+    pub fn check_layers(&self, num_layers: usize) -> Result<()> {
+        ensure!(
+            self.layers.end <= num_layers,
+            "chunk layers {:?} beyond --num-layers {num_layers}",
+            self.layers
+        );
+        Ok(())
+    }
+
+    /// Fails unless the chunk is the whole model.
+    pub fn check_whole(&self) -> Result<()> {
+        ensure!(
+            self.pre_process && self.post_process,
+            "forward needs the whole model; this is a pipeline chunk"
+        );
+        Ok(())
+    }
+
+    /// Fails unless the chunk takes token ids (`tokens`) or hidden states (not `tokens`): only
+    /// the chunk with the embeddings reads tokens.
+    pub fn check_input(&self, tokens: bool) -> Result<()> {
+        if tokens {
+            ensure!(
+                self.pre_process,
+                "token input for a chunk without embeddings"
+            );
+        } else {
+            ensure!(
+                !self.pre_process,
+                "hidden-state input for the chunk with the embeddings"
+            );
+        }
+        Ok(())
+    }
+}
 
 /// One pipeline chunk of a model (the whole model without pipeline parallelism).
 pub trait ModelChunk: Send {

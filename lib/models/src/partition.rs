@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use anyhow::{ensure, Result};
 
-use super::gpt::ChunkSpec;
+use super::chunk::ChunkSpec;
 
 /// How the layers are spread over the pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

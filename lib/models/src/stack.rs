@@ -11,11 +11,11 @@ use tch::{Kind, Tensor};
 use super::config::TransformerConfig;
 use super::cross_entropy::cross_entropy;
 use super::fused_cross_entropy::fused_output_cross_entropy;
-use super::gpt::{ModelOptions, OutputWeight, ParamGate, Recompute, RecomputeMethod};
 use super::layers::{
     AttentionMask, Memory, NamedTensors, Norm, ParamAttributes, Residual, RotaryTables,
     TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
+use super::options::{ModelOptions, Recompute, RecomputeMethod};
 use super::param::{Initializer, Param};
 use megatron_kernels::autograd;
 use megatron_kernels::rng::with_model_parallel_rng;
@@ -23,6 +23,13 @@ use megatron_parallel::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region, ParallelState,
 };
+
+/// Told before a module's parameters are first read in a forward pass, by the parameter-name
+/// prefix of the module (`embedding`, `decoder.layers.3`, `decoder.final_layernorm`,
+/// `output_layer`): with `--overlap-param-gather` their all-gather may still be running.
+pub trait ParamGate: Send + Sync {
+    fn before(&self, module: &str) -> Result<()>;
+}
 
 /// The gate a chunk consults before each module's parameters are read (`--overlap-param-gather`).
 #[derive(Default, Clone)]
@@ -204,6 +211,17 @@ pub(crate) fn push_layers(names: &mut NamedTensors, scope: &str, layers: &[Trans
     for (i, layer) in layers.iter().enumerate() {
         layer.named_tensors(&mut names.scope(&format!("{scope}.{i}")));
     }
+}
+
+/// The output projection of a post-process chunk.
+pub(crate) enum OutputWeight {
+    /// Tied, and the word embeddings are in this chunk.
+    WordEmbeddings,
+    /// The untied `output_layer`, or the last stage's copy of the tied word embeddings.
+    Own {
+        weight: Param,
+        shared_embedding: bool,
+    },
 }
 
 impl OutputWeight {

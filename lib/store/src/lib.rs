@@ -24,9 +24,7 @@ pub use layout::{
     iteration_directory, rank_directory_name, read_tracker, write_tracker, TrackedCheckpoint,
     TRACKER_FILE,
 };
-pub use load::{
-    checkpoint_gpt_config, checkpoint_t5_config, load_gpt_for_inference, load_t5_for_inference,
-};
+pub use load::{checkpoint_config, load_for_inference};
 pub use merge::{
     has_vocab_rows, join_shards, merge_model_parallel_ranks, split_for_tensor_parallel, take_shard,
     tensor_split, TensorSplit,

@@ -1,4 +1,4 @@
-//! A GPT or T5 rebuilt from checkpoint metadata, so inference tools need no model flags.
+//! Any family's model rebuilt from checkpoint metadata, so inference tools need no model flags.
 
 use std::path::{Path, PathBuf};
 
@@ -8,21 +8,13 @@ use tch::{Device, Kind};
 use crate::{
     find_checkpoint, merge_model_parallel_ranks, split_for_tensor_parallel, CheckpointDirectory,
 };
-use megatron_models::{
-    GptModel, ModelChunk, ModelOptions, Recompute, T5Config, T5Model, TransformerConfig,
-};
+use megatron_models::{FamilyModel, ModelOptions, Recompute, TransformerConfig};
 use megatron_parallel::ParallelState;
 
-/// The directory of the checkpoint the tracker under `root` names and its GPT architecture.
-pub fn checkpoint_gpt_config(root: &Path) -> Result<(PathBuf, TransformerConfig)> {
-    let checkpoint = find_model_checkpoint(root, "GPT")?;
-    let config = model_config_of(&checkpoint)?;
-    Ok((checkpoint.directory, config))
-}
-
-/// The directory of the checkpoint the tracker under `root` names and its T5 architecture.
-pub fn checkpoint_t5_config(root: &Path) -> Result<(PathBuf, T5Config)> {
-    let checkpoint = find_model_checkpoint(root, "T5")?;
+/// The directory of the checkpoint the tracker under `root` names and its architecture, which
+/// must be of the family of `M`.
+pub fn checkpoint_config<M: FamilyModel>(root: &Path) -> Result<(PathBuf, M::Config)> {
+    let checkpoint = find_model_checkpoint(root, M::MODEL_TYPE)?;
     let config = model_config_of(&checkpoint)?;
     Ok((checkpoint.directory, config))
 }
@@ -59,37 +51,20 @@ fn model_config_of<C: serde::de::DeserializeOwned>(checkpoint: &CheckpointDirect
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))
 }
 
-/// Loads the GPT checkpoint the tracker under `root` names, in `dtype` on `device`, with
-/// dropout irrelevant (inference runs with `train = false`). Whatever layout it was saved in,
-/// the ranks are merged and cut again for `parallel`'s tensor-parallel rank (one model without
-/// it).
-pub fn load_gpt_for_inference(
+/// Loads the checkpoint of the family of `M` that the tracker under `root` names, in `dtype` on
+/// `device`, with dropout irrelevant (inference runs with `train = false`). Whatever layout it
+/// was saved in, the ranks are merged and cut again for `parallel`'s tensor-parallel rank (one
+/// model without it).
+pub fn load_for_inference<M: FamilyModel>(
     root: &Path,
     device: Device,
     dtype: Kind,
     parallel: &ParallelState,
-) -> Result<GptModel> {
-    let checkpoint = find_model_checkpoint(root, "GPT")?;
-    let config: TransformerConfig = model_config_of(&checkpoint)?;
-    let tensors = rank_tensors(&checkpoint, &config, parallel)?;
-    let model = GptModel::new(config, inference_options(device, dtype), parallel)?;
-    model
-        .load_parameters(&tensors)
-        .with_context(|| format!("loading {}", checkpoint.directory.display()))?;
-    Ok(model)
-}
-
-/// [`load_gpt_for_inference`] for a T5 checkpoint.
-pub fn load_t5_for_inference(
-    root: &Path,
-    device: Device,
-    dtype: Kind,
-    parallel: &ParallelState,
-) -> Result<T5Model> {
-    let checkpoint = find_model_checkpoint(root, "T5")?;
-    let config: T5Config = model_config_of(&checkpoint)?;
-    let tensors = rank_tensors(&checkpoint, &config.transformer, parallel)?;
-    let model = T5Model::new(config, inference_options(device, dtype), parallel)?;
+) -> Result<M> {
+    let checkpoint = find_model_checkpoint(root, M::MODEL_TYPE)?;
+    let config: M::Config = model_config_of(&checkpoint)?;
+    let tensors = rank_tensors(&checkpoint, M::trunk(&config), parallel)?;
+    let model = M::build(config, inference_options(device, dtype), parallel)?;
     model
         .load_parameters(&tensors)
         .with_context(|| format!("loading {}", checkpoint.directory.display()))?;

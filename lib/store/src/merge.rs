@@ -9,7 +9,9 @@ use tch::{Device, Tensor};
 
 use super::layout::rank_directory_name;
 use super::store::{CheckpointDirectory, MODEL_FILE};
-use megatron_models::{Activation, PipelineSplit, TransformerConfig};
+use megatron_models::{
+    Activation, BertModel, FamilyModel, GptModel, PipelineSplit, T5Model, TransformerConfig,
+};
 
 /// How a GPT tensor is divided over the tensor-parallel ranks (spec §2.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +156,12 @@ pub fn merge_model_parallel_ranks(
     device: Device,
 ) -> Result<HashMap<String, Tensor>> {
     let metadata = &checkpoint.metadata;
-    if !["GPT", "BERT", "T5"].contains(&metadata.model_type.as_str()) {
+    let families = [
+        GptModel::MODEL_TYPE,
+        BertModel::MODEL_TYPE,
+        T5Model::MODEL_TYPE,
+    ];
+    if !families.contains(&metadata.model_type.as_str()) {
         bail!(
             "{}: merging {} checkpoints is not supported, only GPT, BERT and T5",
             checkpoint.directory.display(),

@@ -9,10 +9,10 @@
 use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::family::{LossTotals, ModelFamily};
 use super::schedules::{backward_step, PipelineStage};
 use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
+use crate::families::{LossTotals, ModelFamily};
 use megatron_kernels::rng::{self, CudaGenerator};
 use megatron_kernels::runtime::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
 use megatron_models::loader::DeviceBatch;

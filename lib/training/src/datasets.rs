@@ -14,7 +14,8 @@ use megatron_data::indexed::IndexedDataset;
 use megatron_data::masked::MaskedDataFlags;
 
 use crate::args::{DataArgs, PretrainArgs, TokenizerArgs};
-use megatron_models::loader::{GptBatch, SampleSource, Splits};
+use megatron_models::loader::{SampleSource, Splits};
+use megatron_models::GptBatch;
 
 /// Megatron's split for `--mock-data`.
 const MOCK_SPLIT: &str = "1,1,1";

@@ -1,18 +1,16 @@
 //! Training: the arithmetic of Megatron's loop (LR schedules, batch ramp-up, loss scaling,
 //! FLOPs, log lines), the pipeline schedules, the engine that runs any model family through
-//! them, and the families themselves (`pretrain_gpt`, `pretrain_bert`) with their data glue.
+//! them, and the families themselves (`families`: `pretrain_gpt`, `pretrain_bert`,
+//! `pretrain_t5`, finetuning) with their data glue.
 
 pub mod args;
-mod bert;
 mod checkpointing;
 mod cuda_graphs;
 mod datasets;
 mod device;
 mod engine;
-pub mod family;
-mod finetune;
+pub mod families;
 pub mod flops;
-mod gpt;
 mod job;
 pub mod log_line;
 pub mod loss_scale;
@@ -23,16 +21,15 @@ pub mod microbatches;
 mod profiling;
 pub mod schedules;
 mod stage;
-mod t5;
 pub mod tasks;
 
-pub use bert::{pretrain_bert, BertFamily};
 pub use checkpointing::{model_tensors, Progress};
 pub use datasets::Masking;
 pub use engine::{pretrain, train_with_hooks, NoHooks, Scorer, TrainingHooks, TrainingSummary};
-pub use family::{LossTotals, ModelFamily, StepOutput};
-pub use finetune::FinetuneFamily;
-pub use gpt::{pretrain_gpt, GptFamily};
+pub use families::{
+    pretrain_bert, pretrain_gpt, pretrain_t5, t5_flags, t5_split_dataset, BertFamily,
+    BertPretrainArgs, FinetuneFamily, GptFamily, GptPretrainArgs, LossTotals, ModelFamily,
+    StepOutput, T5DataRequest, T5Family, T5PretrainArgs,
+};
 pub use job::{join_job, run_job};
 pub use profiling::StepProfiler;
-pub use t5::{pretrain_t5, t5_split_dataset, T5DataRequest, T5Family};

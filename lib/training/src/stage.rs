@@ -5,8 +5,8 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::family::{LossTotals, ModelFamily, StepOutput};
 use super::schedules::PipelineStage;
+use crate::families::{LossTotals, ModelFamily, StepOutput};
 use megatron_optim::MixedPrecisionOptimizer;
 use megatron_parallel::ParallelState;
 

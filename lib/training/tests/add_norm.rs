@@ -21,7 +21,7 @@ use megatron_kernels::runtime::nvrtc::check_compiles;
 use megatron_models::config::Normalization;
 use megatron_models::layers::Norm;
 use megatron_models::param::Initializer;
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 use tch::{Device, Kind, Tensor};
 
 /// Held by the tests that read or set `MEGATRON_RS_FUSED_ADD_NORM`.

@@ -7,7 +7,7 @@ mod support;
 
 use std::sync::LazyLock;
 
-use megatron_training::args::BertPretrainArgs;
+use megatron_training::BertPretrainArgs;
 use support::{check, train};
 
 /// A 4-layer BERT on mock masked-LM data, fp32, no dropout, 4 micro-batches of 2 per step.

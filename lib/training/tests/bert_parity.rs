@@ -6,10 +6,11 @@
 mod support;
 
 use clap::Parser;
-use megatron_models::loader::BertBatch;
-use megatron_models::{hf, BertConfig, BertModel, BertOutput, ModelOptions, Recompute};
+use megatron_models::bert::{hf, BertArgs};
+use megatron_models::BertBatch;
+use megatron_models::{BertConfig, BertModel, BertOutput, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
-use megatron_training::args::{BertArgs, ModelArgs};
+use megatron_training::args::ModelArgs;
 use megatron_training::{BertFamily, LossTotals, ModelFamily};
 use support::reference;
 use tch::{Device, Kind, Tensor};

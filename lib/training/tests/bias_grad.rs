@@ -15,7 +15,7 @@ use megatron_kernels::ops::bias_grad::{
 };
 use megatron_kernels::ops::relative_error;
 use megatron_kernels::runtime::nvrtc::check_compiles;
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 use tch::{Device, Kind, Tensor};
 
 #[test]

@@ -8,7 +8,7 @@
 
 mod support;
 
-use megatron_training::args::{BertPretrainArgs, GptPretrainArgs};
+use megatron_training::{BertPretrainArgs, GptPretrainArgs};
 use support::{assert_bitwise_identical, Outcome, Pretrain};
 
 /// A 4-layer model, 4 micro-batches of 2 per step, 8 steps: graphs from the third step on.

@@ -8,7 +8,7 @@ mod support;
 
 use std::sync::LazyLock;
 
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 
 const STEPS: usize = 20;
 

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use clap::Parser;
-use megatron_models::{hf, AttentionMask, GptModel, ModelOptions, Recompute};
+use megatron_models::gpt::hf;
+use megatron_models::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
 use megatron_store::read_tensors;
 use megatron_training::args::ModelArgs;

@@ -6,7 +6,7 @@ mod support;
 
 use std::sync::LazyLock;
 
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 
 /// A 4-layer GPT on mock data, fp32, no dropout, 4 micro-batches of 2 per step, cosine decay.
 static BASE: LazyLock<Vec<&str>> = LazyLock::new(|| {

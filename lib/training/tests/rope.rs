@@ -11,7 +11,7 @@ use megatron_kernels::ops::relative_error;
 use megatron_kernels::ops::rope::{reference, rotate, Direction, SOURCE};
 use megatron_kernels::runtime::nvrtc::check_compiles;
 use megatron_models::layers::RotaryEmbedding;
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 use tch::{Device, Kind, Tensor};
 
 #[test]

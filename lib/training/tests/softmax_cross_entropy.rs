@@ -12,7 +12,7 @@ use megatron_kernels::ops::softmax_cross_entropy::{
     reference, softmax_cross_entropy, SOURCE, VARIABLE,
 };
 use megatron_kernels::runtime::nvrtc::check_compiles;
-use megatron_training::args::GptPretrainArgs;
+use megatron_training::GptPretrainArgs;
 use tch::{Device, Kind, Tensor};
 
 #[test]

@@ -9,7 +9,7 @@ mod support;
 use std::sync::LazyLock;
 
 use megatron_parallel::Placement;
-use megatron_training::args::T5PretrainArgs;
+use megatron_training::T5PretrainArgs;
 use megatron_training::{pretrain_t5, TrainingSummary};
 use support::{check, train, train_in, Pretrain};
 

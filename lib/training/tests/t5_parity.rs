@@ -6,7 +6,7 @@
 
 mod support;
 
-use megatron_models::loader::T5Batch;
+use megatron_models::T5Batch;
 use megatron_models::{ModelChunk, ModelOptions, Recompute, T5Input, T5Model};
 use megatron_parallel::ParallelState;
 use megatron_training::{LossTotals, ModelFamily, StepOutput, T5Family};

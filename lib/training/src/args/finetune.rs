@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::BertPretrainArgs;
+use crate::families::BertPretrainArgs;
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct FinetuneTaskArgs {

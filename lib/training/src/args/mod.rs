@@ -1,18 +1,17 @@
 //! Megatron's command-line flags, shared by the binaries (same names, same
 //! defaults as Megatron's `arguments.py`, core_v0.13). Each group is a clap `Args` struct the
-//! binaries flatten into their parser.
+//! binaries flatten into their parser. A family's own flags are in its folder of
+//! `megatron-models` (`BertArgs`, `T5Args`), and the flags of its pretraining binary in its
+//! training file (`families::bert::BertPretrainArgs`).
 
-mod bert;
 mod checkpointing;
 mod finetune;
 mod fp8;
 mod logging;
 mod model;
 mod parallel;
-mod t5;
 mod training;
 
-pub use bert::{BertArgs, BertPretrainArgs};
 pub use checkpointing::CheckpointArgs;
 pub use finetune::{FinetuneArgs, FinetuneTaskArgs};
 pub use fp8::Fp8Args;
@@ -20,7 +19,6 @@ pub use logging::LoggingArgs;
 pub use megatron_data::flags::{DataArgs, TokenizerArgs};
 pub use model::ModelArgs;
 pub use parallel::ParallelArgs;
-pub use t5::{t5_flags, T5Args, T5PretrainArgs};
 pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
 
 /// The flags every pretraining binary shares: all of `pretrain_gpt`'s.
@@ -49,6 +47,3 @@ pub struct PretrainArgs {
     #[command(flatten, next_help_heading = "Logging")]
     pub logging: LoggingArgs,
 }
-
-/// Every flag of `pretrain_gpt`.
-pub type GptPretrainArgs = PretrainArgs;

@@ -17,8 +17,8 @@ use serde_json::{json, Value};
 use super::EvalObserver;
 use crate::args::{FinetuneArgs, PretrainArgs, TokenizerArgs};
 use crate::{train_with_hooks, FinetuneFamily, Scorer, TrainingHooks, TrainingSummary};
-use megatron_models::loader::{TaskExample, TaskExamples};
-use megatron_models::TaskHead;
+use megatron_models::bert::{BertModel, TaskExample, TaskExamples, TaskHead};
+use megatron_models::FamilyModel;
 use megatron_parallel::Placement;
 use megatron_store::find_checkpoint;
 
@@ -344,7 +344,8 @@ fn set_run_length(common: &mut PretrainArgs, iterations: u64, global_batch_size:
 fn refuse_pretraining_checkpoint(load: &Path) -> Result<()> {
     if let Some(found) = find_checkpoint(load)? {
         let metadata = &found.metadata;
-        if metadata.model_type == "BERT" && metadata.model.get("task_head").is_none() {
+        if metadata.model_type == BertModel::MODEL_TYPE && metadata.model.get("task_head").is_none()
+        {
             bail!(
                 "--load {}: {} holds a pretrained BERT without a task head; start from it with --pretrained-checkpoint (--load resumes a finetuning run)",
                 load.display(),

@@ -16,8 +16,8 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 use megatron_parallel::Placement;
 use megatron_parallel::{ParallelLayout, ParallelState, ThreadWorld};
 use megatron_store::{find_checkpoint, merge_model_parallel_ranks};
-use megatron_training::args::{t5_flags, BertPretrainArgs, GptPretrainArgs, T5PretrainArgs};
 use megatron_training::{pretrain_bert, pretrain_gpt, TrainingSummary};
+use megatron_training::{t5_flags, BertPretrainArgs, GptPretrainArgs, T5PretrainArgs};
 use tch::{Device, Tensor};
 
 /// A binary's flags `A` alone, parsed as the binary parses them (a later flag overrides an

@@ -4,101 +4,26 @@
 //! binary head the pooler (tanh over position 0) and the sentence-order classifier. For
 //! finetuning (`eval_tasks --task RACE|MNLI|QQP`, spec §7.4–7.5) a [`TaskHead`] replaces the LM
 //! and binary heads: pooler → dropout → linear. A `BertModel` is one pipeline chunk, like
-//! [`GptModel`](super::GptModel).
+//! [`GptModel`](crate::GptModel).
 
-use anyhow::{bail, ensure, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::{bail, Result};
 use tch::Tensor;
 
-use super::chunk::impl_model_chunk;
-use super::config::{Activation, PositionEmbeddingType, TransformerConfig};
-use super::gpt::{ChunkSpec, ModelOptions, OutputWeight};
-use super::layers::{
+use super::config::{BertConfig, TaskHead};
+use crate::chunk::{impl_model_chunk, ChunkSpec};
+use crate::config::{Activation, TransformerConfig};
+use crate::family::FamilyModel;
+use crate::layers::{
     AttentionMask, NamedParameter, NamedTensors, Norm, ParamAttributes, TensorParallel,
     TransformerLayer, VocabParallelEmbedding,
 };
-use super::param::{Initializer, Param};
-use super::stack::{
+use crate::options::ModelOptions;
+use crate::param::{Initializer, Param};
+use crate::stack::{
     embedding_output, positions_from_zero, push_embeddings, push_layers, sharded, GateSlot,
-    LayerStack, OutputHead, TrunkBuilder,
+    LayerStack, OutputHead, OutputWeight, TrunkBuilder,
 };
 use megatron_parallel::{gather_from_sequence_parallel_region, ParallelState};
-
-/// The architecture of a Megatron BERT: the transformer trunk's flags plus BERT's own.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BertConfig {
-    #[serde(flatten)]
-    pub transformer: TransformerConfig,
-    /// The pooler and the sentence-order (binary) head, and two token types
-    /// (`--bert-binary-head`, Megatron's default; off with `--bert-no-binary-head`).
-    pub binary_head: bool,
-    /// The LM head's GeLU: exact erf unless `--openai-gelu` (spec §1.1).
-    pub lm_head_activation: Activation,
-    /// The finetuning head that replaces the LM and binary heads; `None` when pretraining.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub task_head: Option<TaskHead>,
-}
-
-/// A finetuning head on the pooled output (Megatron's `Classification` and `MultipleChoice`
-/// models): pooler → dropout (`--hidden-dropout`) → linear.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TaskHead {
-    /// One logit per class (MNLI: 3, QQP: 2); the tensors are `classification_head.*`.
-    Classification { num_classes: i64 },
-    /// One score per encoded choice (RACE), compared across a question's choices; the tensors
-    /// are `multichoice_head.*`.
-    MultipleChoice,
-}
-
-impl TaskHead {
-    fn outputs(self) -> i64 {
-        match self {
-            TaskHead::Classification { num_classes } => num_classes,
-            TaskHead::MultipleChoice => 1,
-        }
-    }
-
-    /// Megatron's name of the head's linear layer.
-    pub fn tensor_prefix(self) -> &'static str {
-        match self {
-            TaskHead::Classification { .. } => "classification_head",
-            TaskHead::MultipleChoice => "multichoice_head",
-        }
-    }
-}
-
-impl BertConfig {
-    /// Token types in the embeddings: 2 with the binary head or a task head, none without.
-    pub fn num_tokentypes(&self) -> i64 {
-        if self.binary_head || self.task_head.is_some() {
-            2
-        } else {
-            0
-        }
-    }
-
-    /// Megatron's BERT checks on top of the trunk's.
-    pub fn validate(&self, tensor_parallel_size: i64) -> Result<()> {
-        self.transformer.validate(tensor_parallel_size)?;
-        if self.transformer.untie_embeddings_and_output_weights {
-            bail!("BERT ties its output layer to the word embeddings: --untie-embeddings-and-output-weights is not supported");
-        }
-        if self.transformer.position_embedding_type != PositionEmbeddingType::LearnedAbsolute {
-            bail!("BERT uses learned absolute position embeddings (--position-embedding-type learned_absolute)");
-        }
-        if self.binary_head && self.task_head.is_some() {
-            bail!("a finetuning head replaces the binary head: a BERT cannot have both");
-        }
-        if let Some(TaskHead::Classification { num_classes }) = self.task_head {
-            ensure!(
-                num_classes >= 2,
-                "a classification head needs at least 2 classes, got {num_classes}"
-            );
-        }
-        Ok(())
-    }
-}
 
 /// A bias-carrying replicated linear (pooler, LM-head dense, binary head).
 #[derive(Clone)]
@@ -402,14 +327,14 @@ impl BertModel {
     }
 
     /// Runs the linears of the layers `plan` names in fp8.
-    pub fn enable_fp8(&mut self, plan: &super::fp8::Fp8Plan) -> Result<()> {
+    pub fn enable_fp8(&mut self, plan: &crate::fp8::Fp8Plan) -> Result<()> {
         let num_layers = self.config.transformer.num_layers;
         plan.apply(&mut self.layers, self.spec.layers.clone(), num_layers)
     }
 
     /// The fp8 linears under their checkpoint names.
-    pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<super::layers::Fp8Linear>)> {
-        super::fp8::layer_linears(&self.layers, "encoder.layers")
+    pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<crate::layers::Fp8Linear>)> {
+        crate::fp8::layer_linears(&self.layers, "encoder.layers")
     }
 
     /// Every parameter of this chunk under its Megatron-core name, in construction order.
@@ -468,3 +393,16 @@ impl BertModel {
 }
 
 impl_model_chunk!(BertModel);
+
+impl FamilyModel for BertModel {
+    const MODEL_TYPE: &'static str = "BERT";
+    type Config = BertConfig;
+
+    fn trunk(config: &BertConfig) -> &TransformerConfig {
+        &config.transformer
+    }
+
+    fn build(config: BertConfig, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
+        BertModel::new(config, options, parallel)
+    }
+}

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::checkpointing::{load_weights, LoadRequest};
-use super::flops::FlopsModel;
-use super::lr_schedule::SchedulerLoadPolicy;
 use crate::args::PretrainArgs;
+use crate::checkpointing::{load_weights, LoadRequest};
+use crate::flops::FlopsModel;
+use crate::lr_schedule::SchedulerLoadPolicy;
 use megatron_models::loader::{DeviceBatch, Splits};
-use megatron_models::{ChunkSpec, ModelChunk, ModelOptions, TransformerConfig};
+use megatron_models::{ChunkSpec, FamilyModel, ModelOptions, TransformerConfig};
 use megatron_parallel::{ParallelState, ReduceOp};
 
 /// What a chunk's forward step produced.
@@ -26,11 +26,9 @@ pub enum StepOutput {
 
 /// A model family (GPT, BERT, ...) as the engine drives it.
 pub trait ModelFamily: Sync {
-    type Chunk: ModelChunk;
+    type Chunk: FamilyModel;
     type Batch: DeviceBatch;
 
-    /// Megatron's model type, recorded in checkpoints: `GPT`, `BERT`.
-    fn model_type(&self) -> &'static str;
     /// The transformer trunk (hidden size, layers, vocabulary), for the activations exchanged
     /// between stages, the FLOPs and the summary line.
     fn transformer(&self) -> &TransformerConfig;
@@ -94,6 +92,11 @@ pub trait ModelFamily: Sync {
                 )
             })?
             .directory)
+    }
+
+    /// Megatron's model type, recorded in checkpoints: the chunk's (`GPT`, `BERT`, `T5`).
+    fn model_type(&self) -> &'static str {
+        Self::Chunk::MODEL_TYPE
     }
 
     /// Megatron's FLOPs model of the trunk at `seq_length`.

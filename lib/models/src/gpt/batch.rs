@@ -7,8 +7,8 @@ use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::GptSample;
 use tch::{Kind, Tensor};
 
-use super::background::{DeviceBatch, SampleSource};
-use crate::AttentionMask;
+use crate::layers::AttentionMask;
+use crate::loader::{DeviceBatch, SampleSource};
 
 pub struct GptBatch {
     /// `[b, s]` int64.

@@ -4,121 +4,28 @@
 //! the embeddings on the first stage and the head on the last.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
-use super::chunk::{impl_model_chunk, load_named};
-use super::config::{PositionEmbeddingType, TransformerConfig};
-use super::layers::{
-    AttentionMask, KvCache, LayerCache, NamedParameter, NamedTensors, Norm, PagedKvCache,
-    PagedStep, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
+use crate::chunk::{impl_model_chunk, load_named, ChunkSpec};
+use crate::config::{PositionEmbeddingType, TransformerConfig};
+use crate::family::FamilyModel;
+use crate::fp8::{layer_linears, Fp8Plan};
+use crate::layers::{
+    AttentionMask, Fp8Linear, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
+    PagedKvCache, PagedStep, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
     VocabParallelEmbedding,
 };
-use super::param::Param;
-use super::stack::{
-    embedding_output, push_embeddings, push_layers, GateSlot, LayerStack, OutputHead, TrunkBuilder,
+use crate::options::ModelOptions;
+use crate::param::Param;
+use crate::stack::{
+    embedding_output, push_embeddings, push_layers, GateSlot, LayerStack, OutputHead, OutputWeight,
+    ParamGate, TrunkBuilder,
 };
 use megatron_kernels::ops::{decode_embedding, decode_gemv};
 use megatron_parallel::{gather_from_tensor_parallel_region, ParallelState};
-
-/// `--recompute-granularity full --recompute-method ...`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecomputeMethod {
-    /// Checkpoint the input of every chunk of `num_layers` layers.
-    Uniform,
-    /// Checkpoint the first `num_layers` layers individually, run the rest normally.
-    Block,
-}
-
-/// What to recompute in backward instead of keeping activations (spec §4.7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Recompute {
-    None,
-    /// `--recompute-activations`: the attention core only.
-    Selective,
-    Full {
-        method: RecomputeMethod,
-        num_layers: usize,
-    },
-}
-
-/// How the model is materialised: parameter dtype, device, recompute policy and the seed its
-/// weights are drawn with.
-#[derive(Debug, Clone, Copy)]
-pub struct ModelOptions {
-    pub params_dtype: Kind,
-    pub device: Device,
-    pub recompute: Recompute,
-    pub seed: u64,
-    /// Hidden dropout inside the next residual add + norm kernel in training on GPUs (Megatron's
-    /// `--bias-dropout-fusion`, on by default); off, libtorch's dropout runs first.
-    pub bias_dropout_fusion: bool,
-    /// Rotary embeddings as one kernel each way on GPUs (Megatron's `apply_rope_fusion`, on by
-    /// default in training); off, libtorch's ops. Inference keeps it off: its batched decode
-    /// steps rotate rows at their own positions through libtorch's ops, and a request's tokens
-    /// must not depend on whether it was batched.
-    pub rope_fusion: bool,
-}
-
-/// Which part of the model a chunk holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkSpec {
-    /// The chunk has the embeddings (first pipeline stage, first virtual chunk).
-    pub pre_process: bool,
-    /// The chunk has the final norm and the output layer (last stage, last virtual chunk).
-    pub post_process: bool,
-    /// Global indices of its transformer layers.
-    pub layers: Range<usize>,
-}
-
-impl ChunkSpec {
-    pub fn whole(num_layers: usize) -> Self {
-        ChunkSpec {
-            pre_process: true,
-            post_process: true,
-            layers: 0..num_layers,
-        }
-    }
-
-    /// Fails when the chunk's layers run past the model's `num_layers`.
-    pub fn check_layers(&self, num_layers: usize) -> Result<()> {
-        ensure!(
-            self.layers.end <= num_layers,
-            "chunk layers {:?} beyond --num-layers {num_layers}",
-            self.layers
-        );
-        Ok(())
-    }
-
-    /// Fails unless the chunk is the whole model.
-    pub fn check_whole(&self) -> Result<()> {
-        ensure!(
-            self.pre_process && self.post_process,
-            "forward needs the whole model; this is a pipeline chunk"
-        );
-        Ok(())
-    }
-
-    /// Fails unless the chunk takes token ids (`tokens`) or hidden states (not `tokens`): only
-    /// the chunk with the embeddings reads tokens.
-    pub fn check_input(&self, tokens: bool) -> Result<()> {
-        if tokens {
-            ensure!(
-                self.pre_process,
-                "token input for a chunk without embeddings"
-            );
-        } else {
-            ensure!(
-                !self.pre_process,
-                "hidden-state input for the chunk with the embeddings"
-            );
-        }
-        Ok(())
-    }
-}
 
 /// What a chunk consumes: token ids on the first stage, the previous stage's hidden states
 /// (`[s, b, h]`, `[s/t, b, h]` with sequence parallelism) elsewhere.
@@ -135,24 +42,6 @@ pub enum ChunkInput<'a> {
 pub enum ChunkOutput<'a> {
     Hidden(Tensor),
     Head(OutputHead<'a>),
-}
-
-/// The output projection of a post-process chunk.
-pub(crate) enum OutputWeight {
-    /// Tied, and the word embeddings are in this chunk.
-    WordEmbeddings,
-    /// The untied `output_layer`, or the last stage's copy of the tied word embeddings.
-    Own {
-        weight: Param,
-        shared_embedding: bool,
-    },
-}
-
-/// Told before a module's parameters are first read in a forward pass, by the parameter-name
-/// prefix of the module (`embedding`, `decoder.layers.3`, `decoder.final_layernorm`,
-/// `output_layer`): with `--overlap-param-gather` their all-gather may still be running.
-pub trait ParamGate: Send + Sync {
-    fn before(&self, module: &str) -> Result<()>;
 }
 
 pub struct GptModel {
@@ -594,7 +483,7 @@ impl GptModel {
     }
 
     /// Runs the linears of the layers `plan` names in fp8.
-    pub fn enable_fp8(&mut self, plan: &super::fp8::Fp8Plan) -> Result<()> {
+    pub fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()> {
         plan.apply(
             &mut self.layers,
             self.spec.layers.clone(),
@@ -603,8 +492,8 @@ impl GptModel {
     }
 
     /// The fp8 linears under their checkpoint names.
-    pub fn fp8_linears(&self) -> Vec<(String, Arc<super::layers::Fp8Linear>)> {
-        super::fp8::layer_linears(&self.layers, "decoder.layers")
+    pub fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)> {
+        layer_linears(&self.layers, "decoder.layers")
     }
 
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the
@@ -646,3 +535,20 @@ impl GptModel {
 }
 
 impl_model_chunk!(GptModel);
+
+impl FamilyModel for GptModel {
+    const MODEL_TYPE: &'static str = "GPT";
+    type Config = TransformerConfig;
+
+    fn trunk(config: &TransformerConfig) -> &TransformerConfig {
+        config
+    }
+
+    fn build(
+        config: TransformerConfig,
+        options: ModelOptions,
+        parallel: &ParallelState,
+    ) -> Result<Self> {
+        GptModel::new(config, options, parallel)
+    }
+}

@@ -5,16 +5,18 @@ use anyhow::{Context, Result};
 use megatron_data::tokenizer::build_tokenizer;
 use tch::Tensor;
 
-use super::datasets::{build_datasets, DatasetRequest};
-use super::engine::{pretrain, TrainingSummary};
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use crate::args::PretrainArgs;
-use megatron_models::loader::{GptBatch, Splits};
-use megatron_models::{
-    ChunkInput, ChunkOutput, ChunkSpec, GptModel, ModelOptions, TransformerConfig,
-};
+use crate::datasets::{build_datasets, DatasetRequest};
+use crate::engine::{pretrain, TrainingSummary};
+use megatron_models::gpt::{ChunkInput, ChunkOutput, GptBatch, GptModel};
+use megatron_models::loader::Splits;
+use megatron_models::{ChunkSpec, ModelOptions, TransformerConfig};
 use megatron_parallel::ParallelState;
 use megatron_parallel::Placement;
+
+/// Every flag of `pretrain_gpt`: GPT has no flags beyond the common pretraining flags.
+pub type GptPretrainArgs = PretrainArgs;
 
 pub struct GptFamily {
     pub config: TransformerConfig,
@@ -27,10 +29,6 @@ pub struct GptFamily {
 impl ModelFamily for GptFamily {
     type Chunk = GptModel;
     type Batch = GptBatch;
-
-    fn model_type(&self) -> &'static str {
-        "GPT"
-    }
 
     fn transformer(&self) -> &TransformerConfig {
         &self.config

@@ -10,8 +10,7 @@ use anyhow::{ensure, Context, Result};
 use megatron_data::tasks::PairInput;
 use tch::Tensor;
 
-use super::background::{DeviceBatch, SampleSource};
-use super::bert_batch::SplitMix;
+use crate::loader::{DeviceBatch, SampleSource, SplitMix};
 
 /// One finetuning example.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,10 +1,10 @@
-//! `pretrain_bert`'s own flags (Megatron's `_add_bert_args` and the masked-LM data flags).
+//! BERT's own flags (Megatron's `_add_bert_args` and the masked-LM data flags), which
+//! `pretrain_bert` adds to the pretraining flags every family shares.
 
-use anyhow::Result;
 use clap::Args;
 
-use super::PretrainArgs;
-use megatron_models::{Activation, BertConfig};
+use super::config::BertConfig;
+use crate::config::{Activation, TransformerConfig};
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct BertArgs {
@@ -27,32 +27,19 @@ impl BertArgs {
     pub fn binary_head(&self) -> bool {
         !self.bert_no_binary_head
     }
-}
 
-/// Every flag of `pretrain_bert`: the common pretraining flags and BERT's.
-#[derive(Debug, Clone, Args, serde::Serialize)]
-pub struct BertPretrainArgs {
-    #[command(flatten)]
-    #[serde(flatten)]
-    pub common: PretrainArgs,
-    #[command(flatten, next_help_heading = "BERT")]
-    #[serde(flatten)]
-    pub bert: BertArgs,
-}
-
-impl BertPretrainArgs {
-    /// The architecture for a tokenizer of `vocab_size` tokens.
-    pub fn bert_config(&self, vocab_size: i64) -> Result<BertConfig> {
-        let model = &self.common.model;
-        Ok(BertConfig {
-            transformer: model.gpt_config(vocab_size)?,
-            binary_head: self.bert.binary_head(),
-            lm_head_activation: if model.openai_gelu {
+    /// The architecture over the trunk `transformer`; `openai_gelu` (`--openai-gelu`) picks the
+    /// LM head's GeLU.
+    pub fn config(&self, transformer: TransformerConfig, openai_gelu: bool) -> BertConfig {
+        BertConfig {
+            transformer,
+            binary_head: self.binary_head(),
+            lm_head_activation: if openai_gelu {
                 Activation::GeluTanh
             } else {
                 Activation::GeluErf
             },
             task_head: None,
-        })
+        }
     }
 }

@@ -5,21 +5,60 @@
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
+use clap::{Args, Command};
 use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::Split;
 use megatron_data::masked::{build_t5_datasets, open_indexed, T5MaskedWordPieceDataset};
 use megatron_data::tokenizer::build_tokenizer_with_extra_ids;
 use tch::Tensor;
 
-use super::datasets::{masked_data_flags, masked_splits, Masking};
-use super::engine::{pretrain, TrainingSummary};
 use super::family::{LossTotals, ModelFamily, StepOutput};
-use super::flops::FlopsModel;
-use crate::args::{DataArgs, PretrainArgs, T5PretrainArgs, TokenizerArgs};
-use megatron_models::loader::{MockT5Source, SampleSource, Splits, T5Batch};
-use megatron_models::{ChunkSpec, ModelOptions, T5Config, T5Input, T5Model, TransformerConfig};
+use crate::args::{DataArgs, PretrainArgs, TokenizerArgs};
+use crate::datasets::{masked_data_flags, masked_splits, Masking};
+use crate::engine::{pretrain, TrainingSummary};
+use crate::flops::FlopsModel;
+use megatron_models::loader::{SampleSource, Splits};
+use megatron_models::t5::{MockT5Source, T5Args, T5Batch, T5Config, T5Input, T5Model};
+use megatron_models::{ChunkSpec, ModelOptions, TransformerConfig};
 use megatron_parallel::ParallelState;
 use megatron_parallel::Placement;
+
+/// Every flag of `pretrain_t5`: the common pretraining flags and T5's.
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct T5PretrainArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: PretrainArgs,
+    #[command(flatten, next_help_heading = "T5")]
+    #[serde(flatten)]
+    pub t5: T5Args,
+}
+
+/// T5's spelling of the trunk's flags on a parser holding [`T5PretrainArgs`]: Megatron's
+/// `--encoder-num-layers` and `--encoder-seq-length` name the trunk's `--num-layers` and
+/// `--seq-length` (either spelling works), and the tokenizer defaults to
+/// BertWordPieceLowerCase as in `pretrain_t5.py`.
+pub fn t5_flags(command: Command) -> Command {
+    command
+        .mut_arg("num_layers", |arg| {
+            arg.visible_alias("encoder-num-layers")
+                .help("Encoder layers (also the decoder's without --decoder-num-layers)")
+        })
+        .mut_arg("seq_length", |arg| {
+            arg.visible_alias("encoder-seq-length")
+                .help("Maximum encoder sequence length")
+        })
+        .mut_arg("tokenizer_type", |arg| {
+            arg.default_value("BertWordPieceLowerCase")
+        })
+}
+
+impl T5PretrainArgs {
+    /// The architecture for a tokenizer of `vocab_size` tokens (sentinels included).
+    pub fn t5_config(&self, vocab_size: i64) -> Result<T5Config> {
+        self.t5.config(self.common.model.gpt_config(vocab_size)?)
+    }
+}
 
 pub struct T5Family {
     pub config: T5Config,
@@ -35,10 +74,6 @@ pub struct T5Family {
 impl ModelFamily for T5Family {
     type Chunk = T5Model;
     type Batch = T5Batch;
-
-    fn model_type(&self) -> &'static str {
-        "T5"
-    }
 
     fn transformer(&self) -> &TransformerConfig {
         &self.config.transformer

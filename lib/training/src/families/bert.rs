@@ -5,21 +5,44 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+use clap::Args;
 use megatron_data::masked::{build_bert_datasets, open_indexed};
 use megatron_data::tokenizer::build_tokenizer;
 use tch::{Kind, Reduction, Tensor};
 
-use super::datasets::{masked_splits, Masking};
-use super::engine::{pretrain, TrainingSummary};
 use super::family::{LossTotals, ModelFamily, StepOutput};
-use crate::args::{BertPretrainArgs, PretrainArgs};
-use megatron_models::bert::{BertChunkOutput, BertInput};
-use megatron_models::loader::{BertBatch, MockBertSource, SampleSource, Splits};
-use megatron_models::{
-    BertConfig, BertModel, BertOutput, ChunkSpec, ModelOptions, TransformerConfig,
+use crate::args::PretrainArgs;
+use crate::datasets::{masked_splits, Masking};
+use crate::engine::{pretrain, TrainingSummary};
+use megatron_models::bert::{
+    BertArgs, BertBatch, BertChunkOutput, BertConfig, BertInput, BertModel, BertOutput,
+    MockBertSource,
 };
+use megatron_models::loader::{SampleSource, Splits};
+use megatron_models::{ChunkSpec, ModelOptions, TransformerConfig};
 use megatron_parallel::ParallelState;
 use megatron_parallel::Placement;
+
+/// Every flag of `pretrain_bert`: the common pretraining flags and BERT's.
+#[derive(Debug, Clone, Args, serde::Serialize)]
+pub struct BertPretrainArgs {
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub common: PretrainArgs,
+    #[command(flatten, next_help_heading = "BERT")]
+    #[serde(flatten)]
+    pub bert: BertArgs,
+}
+
+impl BertPretrainArgs {
+    /// The architecture for a tokenizer of `vocab_size` tokens.
+    pub fn bert_config(&self, vocab_size: i64) -> Result<BertConfig> {
+        let model = &self.common.model;
+        Ok(self
+            .bert
+            .config(model.gpt_config(vocab_size)?, model.openai_gelu))
+    }
+}
 
 pub struct BertFamily {
     pub config: BertConfig,
@@ -72,10 +95,6 @@ impl BertFamily {
 impl ModelFamily for BertFamily {
     type Chunk = BertModel;
     type Batch = BertBatch;
-
-    fn model_type(&self) -> &'static str {
-        "BERT"
-    }
 
     fn transformer(&self) -> &TransformerConfig {
         &self.config.transformer

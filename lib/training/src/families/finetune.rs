@@ -10,15 +10,16 @@ use std::sync::Arc;
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Reduction, Tensor};
 
-use super::checkpointing::config_differences;
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use crate::args::PretrainArgs;
-use megatron_models::bert::{BertChunkOutput, BertInput};
-use megatron_models::chunk::join_names;
-use megatron_models::loader::{
-    CycledExamples, EpochOrder, SampleSource, Splits, TaskBatch, TaskExample,
+use crate::checkpointing::config_differences;
+use megatron_models::bert::{
+    BertChunkOutput, BertConfig, BertInput, BertModel, CycledExamples, EpochOrder, TaskBatch,
+    TaskExample,
 };
-use megatron_models::{BertConfig, BertModel, ChunkSpec, ModelOptions, TransformerConfig};
+use megatron_models::chunk::join_names;
+use megatron_models::loader::{SampleSource, Splits};
+use megatron_models::{ChunkSpec, FamilyModel, ModelOptions, TransformerConfig};
 use megatron_parallel::ParallelState;
 use megatron_store::{find_checkpoint, merge_model_parallel_ranks, split_for_tensor_parallel};
 
@@ -163,10 +164,6 @@ impl ModelFamily for FinetuneFamily {
     type Chunk = BertModel;
     type Batch = TaskBatch;
 
-    fn model_type(&self) -> &'static str {
-        "BERT"
-    }
-
     fn transformer(&self) -> &TransformerConfig {
         &self.config.transformer
     }
@@ -266,7 +263,7 @@ impl ModelFamily for FinetuneFamily {
         let directory = found.directory.clone();
         let model_type = &found.metadata.model_type;
         ensure!(
-            model_type == "BERT",
+            model_type == BertModel::MODEL_TYPE,
             "--pretrained-checkpoint {} holds a {model_type} model; finetuning starts from a BERT (pretrain_bert)",
             directory.display()
         );

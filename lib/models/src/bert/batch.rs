@@ -8,7 +8,7 @@ use megatron_data::blend::SplitDataset;
 use megatron_data::masked::{BertMaskedWordPieceDataset, BertSample};
 use tch::{Kind, Tensor};
 
-use super::background::{DeviceBatch, SampleSource};
+use crate::loader::{DeviceBatch, SampleSource, SplitMix};
 
 pub struct BertBatch {
     /// `[b, s]` int64.
@@ -91,27 +91,6 @@ const CLS: i64 = 1;
 const SEP: i64 = 2;
 const MASK: i64 = 3;
 const FIRST_ORDINARY: i64 = 4;
-
-/// SplitMix64: a small, well-mixed generator for the per-sample draws.
-pub(super) struct SplitMix(pub(super) u64);
-
-impl SplitMix {
-    pub(super) fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    pub(super) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    pub(super) fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-}
 
 impl MockBertSource {
     pub fn row(&self, index: u64) -> BertSample {

@@ -1,4 +1,5 @@
-//! Megatron's tensor names over the years (spec §5.3) → the Megatron-core names we use.
+//! GPT's tensors under Megatron's names over the years (spec §5.3) → the Megatron-core names we
+//! use: what `checkpoint_convert` reads Megatron's GPT checkpoints through.
 
 /// The core name of a Megatron model tensor (legacy nested or core flat, local or Transformer
 /// Engine spec); `None` for entries that are not weights (`_extra_state`).

@@ -7,60 +7,24 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::{ensure, Result};
 use tch::{Kind, Tensor};
 
-use super::chunk::impl_model_chunk;
-use super::config::{PositionEmbeddingType, TransformerConfig};
-use super::gpt::{ChunkSpec, ModelOptions};
-use super::layers::{
+use super::config::T5Config;
+use crate::chunk::{impl_model_chunk, ChunkSpec};
+use crate::config::TransformerConfig;
+use crate::family::FamilyModel;
+use crate::layers::{
     AttentionMask, KvCache, LayerCache, Memory, MemoryKeysValues, NamedParameter, NamedTensors,
     Norm, TensorParallel, TransformerLayer, VocabParallelEmbedding,
 };
-use super::param::Param;
-use super::stack::{
+use crate::options::ModelOptions;
+use crate::param::Param;
+use crate::stack::{
     embedding_output, positions_from_zero, push_embeddings, push_layers, sharded, GateSlot,
     LayerStack, OutputHead, TrunkBuilder,
 };
 use megatron_parallel::{gather_from_tensor_parallel_region, Communicator, ParallelState};
-
-/// The architecture of a Megatron T5: the trunk's flags (`num_layers` is the encoder's) plus the
-/// decoder's depth.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct T5Config {
-    #[serde(flatten)]
-    pub transformer: TransformerConfig,
-    /// `--encoder-num-layers` (the trunk's `num_layers`, repeated for the metadata's readers).
-    pub encoder_num_layers: usize,
-    /// `--decoder-num-layers`.
-    pub decoder_num_layers: usize,
-}
-
-impl T5Config {
-    /// Megatron's T5 checks on top of the trunk's.
-    pub fn validate(&self, tensor_parallel_size: i64) -> Result<()> {
-        self.transformer.validate(tensor_parallel_size)?;
-        let trunk = &self.transformer;
-        if trunk.position_embedding_type != PositionEmbeddingType::LearnedAbsolute {
-            bail!("T5 uses learned absolute position embeddings (--position-embedding-type learned_absolute)");
-        }
-        if trunk.num_query_groups != trunk.num_attention_heads {
-            bail!("T5's cross-attention has no grouped-query form: --group-query-attention is not supported");
-        }
-        ensure!(
-            self.encoder_num_layers == trunk.num_layers,
-            "the encoder's depth {} differs from the trunk's {}",
-            self.encoder_num_layers,
-            trunk.num_layers
-        );
-        ensure!(
-            self.decoder_num_layers > 0,
-            "--decoder-num-layers must be at least 1"
-        );
-        Ok(())
-    }
-}
 
 /// One micro-batch as the model reads it.
 pub struct T5Input<'a> {
@@ -329,7 +293,7 @@ impl T5Model {
 
     /// Runs the linears of the layers `plan` names in fp8; the encoder and the decoder are two
     /// stacks, each with its own first and last layers.
-    pub fn enable_fp8(&mut self, plan: &super::fp8::Fp8Plan) -> Result<()> {
+    pub fn enable_fp8(&mut self, plan: &crate::fp8::Fp8Plan) -> Result<()> {
         let (encoder, decoder) = (
             self.config.encoder_num_layers,
             self.config.decoder_num_layers,
@@ -339,9 +303,9 @@ impl T5Model {
     }
 
     /// The fp8 linears under their checkpoint names.
-    pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<super::layers::Fp8Linear>)> {
-        let mut linears = super::fp8::layer_linears(&self.encoder_layers, "encoder.layers");
-        linears.extend(super::fp8::layer_linears(
+    pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<crate::layers::Fp8Linear>)> {
+        let mut linears = crate::fp8::layer_linears(&self.encoder_layers, "encoder.layers");
+        linears.extend(crate::fp8::layer_linears(
             &self.decoder_layers,
             "decoder.layers",
         ));
@@ -377,3 +341,16 @@ impl T5Model {
 }
 
 impl_model_chunk!(T5Model);
+
+impl FamilyModel for T5Model {
+    const MODEL_TYPE: &'static str = "T5";
+    type Config = T5Config;
+
+    fn trunk(config: &T5Config) -> &TransformerConfig {
+        &config.transformer
+    }
+
+    fn build(config: T5Config, options: ModelOptions, parallel: &ParallelState) -> Result<Self> {
+        T5Model::new(config, options, parallel)
+    }
+}

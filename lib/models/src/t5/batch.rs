@@ -8,8 +8,7 @@ use megatron_data::blend::SplitDataset;
 use megatron_data::masked::{T5MaskedWordPieceDataset, T5Sample};
 use tch::{Kind, Tensor};
 
-use super::background::{DeviceBatch, SampleSource};
-use super::bert_batch::SplitMix;
+use crate::loader::{DeviceBatch, SampleSource, SplitMix};
 
 pub struct T5Batch {
     /// `[b, se]` int64 encoder input.
