@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Checks the workspace's layering (ARCHITECTURE.md): every library crate depends only on crates
-# of lower floors, the data-side crates never link libtorch, and the training binaries link
-# neither the inference engine nor the HTTP stack. scripts/test.sh runs it before building.
+# of lower floors, no two modules of a crate import each other in a circle, the data-side crates
+# never link libtorch, and the training binaries link neither the inference engine nor the HTTP
+# stack. scripts/test.sh runs it before building.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# No import circles between the modules of a crate.
+python3 scripts/module_cycles.py
 
 metadata=$(mktemp)
 trap 'rm -f "$metadata"' EXIT
@@ -72,6 +76,6 @@ for error in errors:
     print(f"check_layout: error: {error}", file=sys.stderr)
 if errors:
     sys.exit(1)
-print("check_layout: every crate depends on lower floors only; training binaries link no HTTP stack",
+print("check_layout: dependencies run down the floors, no import circles, no HTTP stack in training",
       file=sys.stderr)
 EOF

@@ -10,13 +10,11 @@
 //! from the amax history of earlier uses of the same tensor (TE's `DelayedScaling`).
 
 use std::collections::HashMap;
-use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::layers::{Fp8Linear, TransformerLayer};
 use megatron_kernels::ops::fp8_cast::{self, ScaleSource};
 
 /// `--fp8-format`: which fp8 type each pass uses.
@@ -88,36 +86,6 @@ impl Fp8Plan {
     pub fn in_fp8(&self, layer: usize, num_layers: usize) -> bool {
         layer >= self.bf16_layers_at_start && layer + self.bf16_layers_at_end < num_layers
     }
-
-    /// Enables fp8 in those of `layers` (global indices `global`) that the plan puts in fp8.
-    pub fn apply(
-        &self,
-        layers: &mut [TransformerLayer],
-        global: Range<usize>,
-        num_layers: usize,
-    ) -> Result<()> {
-        for (layer, index) in layers.iter_mut().zip(global) {
-            if self.in_fp8(index, num_layers) {
-                layer.enable_fp8(self.recipe)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The fp8 linears of `layers` under their checkpoint names, `<scope>.<i>.<linear>` with `i`
-/// counted from 0 within the chunk (as its parameter names are).
-pub fn layer_linears(layers: &[TransformerLayer], scope: &str) -> Vec<(String, Arc<Fp8Linear>)> {
-    layers
-        .iter()
-        .enumerate()
-        .flat_map(|(i, layer)| {
-            layer
-                .fp8_linears()
-                .into_iter()
-                .map(move |(name, linear)| (format!("{scope}.{i}.{name}"), linear))
-        })
-        .collect()
 }
 
 /// The largest finite value of an fp8 type.

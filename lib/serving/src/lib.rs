@@ -7,13 +7,15 @@ pub mod api;
 pub mod chat;
 mod metrics;
 pub mod openai;
+mod options;
 mod routes;
 mod server;
 mod service;
 mod worker;
 mod write_timeout;
 
-pub use server::{GenerationServer, ServerOptions};
+pub use options::ServerOptions;
+pub use server::GenerationServer;
 pub use service::{
     CacheUseReader, CancelFlag, ClientGone, ServiceError, TextGenerationService,
     DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS,

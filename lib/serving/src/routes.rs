@@ -25,7 +25,7 @@ use super::api::ApiRequest;
 use super::chat::{chat_body, chat_chunk, ChatRequest, ChatTemplate};
 use super::metrics::{Gauges, ServerMetrics};
 use super::openai::{delta_body, CompletionRequest};
-use super::server::ServerOptions;
+use super::options::ServerOptions;
 use super::service::{CacheUseReader, CancelFlag, ServiceError};
 use super::worker::{Activity, Event, Job, Queue, Refused, Work};
 

@@ -23,33 +23,11 @@ use tokio::sync::Semaphore;
 
 use super::chat::ChatTemplate;
 use super::metrics::ServerMetrics;
+use super::options::ServerOptions;
 use super::routes::{route, too_many_connections, Shared};
 use super::service::TextGenerationService;
 use super::worker::{work, Activity, Queue};
 use super::write_timeout::WriteTimeout;
-
-#[derive(Debug, Clone)]
-pub struct ServerOptions {
-    pub host: String,
-    pub port: u16,
-    /// Requests that may wait for the model while it loads (at least 1): the service's queue
-    /// limit (`--max-queued`), so that no request waits that the service would refuse.
-    pub max_queued: usize,
-    /// Largest request body accepted.
-    pub max_body_bytes: usize,
-    /// Threads of the runtime that serves the connections (each serves many).
-    pub http_threads: usize,
-    /// Connections open at once; more are answered 503 and closed.
-    pub max_connections: usize,
-    /// Time to send a request's head, and the longest a kept-alive connection may idle.
-    pub header_timeout: Duration,
-    /// Time to send a request's body.
-    pub body_timeout: Duration,
-    /// The longest an answer may wait for the client to read it.
-    pub write_timeout: Duration,
-    /// The model's id in `/v1/models`.
-    pub model_name: String,
-}
 
 /// How often the server looks at its stop condition.
 const STOP_POLL: Duration = Duration::from_millis(50);

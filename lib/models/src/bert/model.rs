@@ -329,12 +329,17 @@ impl BertModel {
     /// Runs the linears of the layers `plan` names in fp8.
     pub fn enable_fp8(&mut self, plan: &crate::fp8::Fp8Plan) -> Result<()> {
         let num_layers = self.config.transformer.num_layers;
-        plan.apply(&mut self.layers, self.spec.layers.clone(), num_layers)
+        crate::layers::enable_planned_fp8(
+            plan,
+            &mut self.layers,
+            self.spec.layers.clone(),
+            num_layers,
+        )
     }
 
     /// The fp8 linears under their checkpoint names.
     pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<crate::layers::Fp8Linear>)> {
-        crate::fp8::layer_linears(&self.layers, "encoder.layers")
+        crate::layers::scoped_fp8_linears(&self.layers, "encoder.layers")
     }
 
     /// Every parameter of this chunk under its Megatron-core name, in construction order.

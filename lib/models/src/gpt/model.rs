@@ -12,7 +12,8 @@ use tch::{Kind, Tensor};
 use crate::chunk::{impl_model_chunk, load_named, ChunkSpec};
 use crate::config::{PositionEmbeddingType, TransformerConfig};
 use crate::family::FamilyModel;
-use crate::fp8::{layer_linears, Fp8Plan};
+use crate::fp8::Fp8Plan;
+use crate::layers::scoped_fp8_linears;
 use crate::layers::{
     AttentionMask, Fp8Linear, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
     PagedKvCache, PagedStep, RotaryEmbedding, RotaryTables, TensorParallel, TransformerLayer,
@@ -484,7 +485,8 @@ impl GptModel {
 
     /// Runs the linears of the layers `plan` names in fp8.
     pub fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()> {
-        plan.apply(
+        crate::layers::enable_planned_fp8(
+            plan,
             &mut self.layers,
             self.spec.layers.clone(),
             self.config.num_layers,
@@ -493,7 +495,7 @@ impl GptModel {
 
     /// The fp8 linears under their checkpoint names.
     pub fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)> {
-        layer_linears(&self.layers, "decoder.layers")
+        scoped_fp8_linears(&self.layers, "decoder.layers")
     }
 
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the

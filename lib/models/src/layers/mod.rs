@@ -22,7 +22,9 @@ pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
 pub use norm::Norm;
 pub use rope::{RotaryEmbedding, RotaryTables};
-pub use transformer_layer::{Memory, Residual, TransformerLayer};
+pub use transformer_layer::{
+    enable_planned_fp8, scoped_fp8_linears, Memory, Residual, TransformerLayer,
+};
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! One pre-LN transformer layer (spec §1.1), with T5's cross-attention block in decoder layers
 //! of an encoder-decoder (spec §1.5).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
@@ -15,7 +16,7 @@ use super::norm::Norm;
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
 use crate::config::TransformerConfig;
-use crate::fp8::Fp8Recipe;
+use crate::fp8::{Fp8Plan, Fp8Recipe};
 use crate::param::Initializer;
 use megatron_kernels::ops::decode_gemv::{self, decode_linear, Epilogue};
 
@@ -490,4 +491,38 @@ fn plus_row_parallel(
             ..Epilogue::default()
         },
     )
+}
+
+/// Enables fp8 in those of `layers` (global indices `global`, of a stack of `num_layers`) that
+/// `plan` puts in fp8.
+pub fn enable_planned_fp8(
+    plan: &Fp8Plan,
+    layers: &mut [TransformerLayer],
+    global: Range<usize>,
+    num_layers: usize,
+) -> Result<()> {
+    for (layer, index) in layers.iter_mut().zip(global) {
+        if plan.in_fp8(index, num_layers) {
+            layer.enable_fp8(plan.recipe)?;
+        }
+    }
+    Ok(())
+}
+
+/// The fp8 linears of `layers` under their checkpoint names, `<scope>.<i>.<linear>` with `i`
+/// counted from 0 within the chunk (as its parameter names are).
+pub fn scoped_fp8_linears(
+    layers: &[TransformerLayer],
+    scope: &str,
+) -> Vec<(String, Arc<Fp8Linear>)> {
+    layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, layer)| {
+            layer
+                .fp8_linears()
+                .into_iter()
+                .map(move |(name, linear)| (format!("{scope}.{i}.{name}"), linear))
+        })
+        .collect()
 }

@@ -298,14 +298,14 @@ impl T5Model {
             self.config.encoder_num_layers,
             self.config.decoder_num_layers,
         );
-        plan.apply(&mut self.encoder_layers, 0..encoder, encoder)?;
-        plan.apply(&mut self.decoder_layers, 0..decoder, decoder)
+        crate::layers::enable_planned_fp8(plan, &mut self.encoder_layers, 0..encoder, encoder)?;
+        crate::layers::enable_planned_fp8(plan, &mut self.decoder_layers, 0..decoder, decoder)
     }
 
     /// The fp8 linears under their checkpoint names.
     pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<crate::layers::Fp8Linear>)> {
-        let mut linears = crate::fp8::layer_linears(&self.encoder_layers, "encoder.layers");
-        linears.extend(crate::fp8::layer_linears(
+        let mut linears = crate::layers::scoped_fp8_linears(&self.encoder_layers, "encoder.layers");
+        linears.extend(crate::layers::scoped_fp8_linears(
             &self.decoder_layers,
             "decoder.layers",
         ));
