@@ -9,11 +9,11 @@ use std::collections::{HashMap, VecDeque};
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::causal_lm::CausalLm;
 use super::decoder::{DecodeRow, Decoder, PrefillChunk};
 use super::in_flight::{Draw, Drawn, InFlight};
 use super::sampling::{row_seed, RowSampling, Sampling};
 use megatron_models::layers::{PagedKvCache, BLOCK_SIZE};
-use megatron_models::GptModel;
 
 /// When a row stops before its length budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,8 +54,8 @@ pub struct Generation {
 
 /// Runs the loop on `model`'s device through `decoder`; the rows' random streams are seeded
 /// from libtorch's default CPU generator (`tch::manual_seed`).
-pub fn generate_tokens(
-    model: &GptModel,
+pub fn generate_tokens<M: CausalLm + ?Sized>(
+    model: &M,
     request: &GenerationRequest,
     decoder: &mut Decoder,
 ) -> Result<Generation> {
@@ -67,8 +67,8 @@ pub fn generate_tokens(
 pub type TokenObserver<'a> = &'a mut dyn FnMut(usize, i64) -> bool;
 
 /// [`generate_tokens`], telling `observer` every new token (streaming answers).
-pub fn generate_tokens_observed(
-    model: &GptModel,
+pub fn generate_tokens_observed<M: CausalLm + ?Sized>(
+    model: &M,
     request: &GenerationRequest,
     decoder: &mut Decoder,
     mut observer: Option<TokenObserver>,
@@ -273,14 +273,14 @@ impl Batcher {
     }
 
     /// Queues request `id` (its rows are admitted together), or says why not.
-    pub fn submit(
+    pub fn submit<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         id: u64,
         rows: Vec<RowSpec>,
     ) -> Result<(), Refusal> {
-        let positions = model.config.max_position_embeddings as usize;
+        let positions = model.max_positions() as usize;
         if let Some(row) = rows
             .iter()
             .find(|r| r.total > positions || r.prompt.is_empty())
@@ -422,9 +422,9 @@ impl Batcher {
     /// prefills up to a chunk budget of prompt positions and queues a decode step of every row
     /// past its prompt. Returns the requests that finished. `observer(request, row, token)` sees every new token; `true`
     /// ends that row there.
-    pub fn step(
+    pub fn step<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         observer: &mut dyn FnMut(u64, usize, i64) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
@@ -518,9 +518,9 @@ impl Batcher {
 
     /// A step after a read one (or none): admits what fits, prefills up to a chunk budget of
     /// prompt positions, and queues a decode step of every row past its prompt.
-    fn start_step(
+    fn start_step<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         observer: &mut dyn FnMut(u64, usize, i64) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
@@ -605,13 +605,13 @@ impl Batcher {
     /// the rows whose prompt is now complete and their last position's logits (`[1, vocab]`
     /// each, float). Chunks start at multiples of the chunk size, whatever else runs, so a
     /// row's prefill is the same alone and in a batch; the step takes at least one chunk.
-    fn prefill_step(
+    fn prefill_step<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         chunk: usize,
     ) -> Result<(Vec<usize>, Vec<Tensor>)> {
-        let vocab = model.config.vocab_size;
+        let vocab = model.vocab_size();
         let (mut prefilled, mut logits) = (Vec::new(), Vec::new());
         let mut budget = chunk;
         let mut pieces: Vec<(usize, usize)> = Vec::new();
@@ -744,8 +744,11 @@ impl Row {
 }
 
 /// The whole request scored (`tokens_to_generate = 0`).
-fn score_request(model: &GptModel, request: &GenerationRequest) -> Result<Generation> {
-    let device = model.options().device;
+fn score_request<M: CausalLm + ?Sized>(
+    model: &M,
+    request: &GenerationRequest,
+) -> Result<Generation> {
+    let device = model.device();
     let lengths: Vec<i64> = request.prompts.iter().map(|p| p.len() as i64).collect();
     let max_len = *lengths.iter().max().expect("prompts");
     let batch = request.prompts.len() as i64;
@@ -776,15 +779,15 @@ fn stops(stop: &StopCondition, token: i64, before: i64) -> bool {
 }
 
 /// `tokens_to_generate = 0`: one forward over the prompts, scoring every token after the first.
-fn score_prompts(
-    model: &GptModel,
+fn score_prompts<M: CausalLm + ?Sized>(
+    model: &M,
     tokens: &Tensor,
     lengths: &[i64],
     max_len: i64,
 ) -> Result<Generation> {
     let batch = tokens.size()[0];
     let mut cache = model.new_kv_cache(batch, max_len)?;
-    let vocab = model.config.vocab_size;
+    let vocab = model.vocab_size();
     let logits = model
         .forward_cached(&tokens.narrow(1, 0, max_len), &mut cache)?
         .transpose(0, 1)

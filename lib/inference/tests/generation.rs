@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use megatron_inference::{
-    beam_search, generate_tokens, BeamSearchRequest, DecodeRow, Decoder, Generation,
+    beam_search, generate_tokens, BeamSearchRequest, CausalLm, DecodeRow, Decoder, Generation,
     GenerationRequest, PrefillChunk, Sampling, StopCondition,
 };
 use megatron_models::{AttentionMask, GptModel, ModelOptions, Recompute};
@@ -87,13 +87,16 @@ fn llama_like() -> GptModel {
 /// the generator holds it from the seed to the generation, so that no other test draws between.
 static DEFAULT_GENERATOR: Mutex<()> = Mutex::new(());
 
-fn generate(model: &GptModel, request: &GenerationRequest) -> anyhow::Result<Generation> {
+fn generate<M: CausalLm + ?Sized>(
+    model: &M,
+    request: &GenerationRequest,
+) -> anyhow::Result<Generation> {
     generate_with(model, request, &mut Decoder::eager())
 }
 
 /// [`generate_tokens`] under [`DEFAULT_GENERATOR`].
-fn generate_with(
-    model: &GptModel,
+fn generate_with<M: CausalLm + ?Sized>(
+    model: &M,
     request: &GenerationRequest,
     decoder: &mut Decoder,
 ) -> anyhow::Result<Generation> {
@@ -398,6 +401,37 @@ fn a_reused_decoder_gives_what_a_fresh_one_gives() {
     generate_with(&model, &first, &mut decoder).unwrap();
     let reused = generate_with(&model, &second, &mut decoder).unwrap();
     assert_eq!(reused, generate(&model, &second).unwrap());
+}
+
+/// The engine takes any [`CausalLm`]: through a trait object, as a server holding any model
+/// family would, it generates, scores prompts and beam-searches exactly as with the concrete
+/// model.
+#[test]
+fn a_model_behind_the_causal_lm_trait_generates_as_the_concrete_one() {
+    let model = llama_like();
+    let any: &dyn CausalLm = &model;
+    for tokens_to_generate in [12, 0] {
+        let request = request(
+            prompts(),
+            tokens_to_generate,
+            Sampling::greedy(),
+            StopCondition::Never,
+        );
+        let concrete = generate(&model, &request).unwrap();
+        assert_eq!(generate(any, &request).unwrap(), concrete);
+    }
+    let search = BeamSearchRequest {
+        prompt: vec![5, 17, 42],
+        tokens_to_generate: 6,
+        beam_width: 3,
+        stop_token: -1,
+        length_penalty: 1.0,
+        prevent_newline_after_colon: None,
+    };
+    assert_eq!(
+        beam_search(any, &search).unwrap(),
+        beam_search(&model, &search).unwrap()
+    );
 }
 
 /// On a GPU, decode steps replayed from CUDA graphs with the paged decode kernel (heads of 64
