@@ -91,10 +91,10 @@ struct KernelChoice {
 }
 
 impl KernelChoice {
-    const ON: KernelChoice = KernelChoice {
-        on: true,
-        checked: false,
-    };
+    /// Wanted when `on`, not yet self-checked.
+    fn wanted(on: bool) -> Self {
+        KernelChoice { on, checked: false }
+    }
 
     /// Whether the kernel serves steps on `device`, given whether it `applies` to the model;
     /// `check` runs the self-check on the CUDA device's index the first time. Never called
@@ -124,13 +124,51 @@ impl KernelChoice {
     }
 }
 
+/// How decode steps run and how much memory the KV cache may take. Everything is on by
+/// default; the server's `--no-*` flags turn each off, e.g. to compare the two ways.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeSettings {
+    /// Decode steps replayed from CUDA graphs when the model runs on a GPU and this build can
+    /// capture them (see [`cuda_graphs_available`]); else launched kernel by kernel.
+    pub cuda_graphs: bool,
+    /// Decode attention through the paged decode kernel
+    /// ([`megatron_kernels::ops::paged_attention`]), reading the blocks in place on GPUs, instead
+    /// of gathering each row's window of cache slots for libtorch's attention under a mask (the
+    /// only way on a CPU).
+    pub paged_attention: bool,
+    /// Decode steps of few rows through the fused decode kernels
+    /// ([`megatron_kernels::ops::decode_gemv`]) on GPUs, instead of libtorch's linear layers
+    /// (cuBLAS) with the norms, bias adds, GeLU and residual adds as kernels of their own.
+    pub fused_kernels: bool,
+    /// The next decode step queued before the last one's tokens are read when it runs the same
+    /// rows one position on (see [`crate::Batcher`]), instead of reading each step's tokens
+    /// first.
+    pub overlap: bool,
+    /// The memory the KV cache may take.
+    pub kv_budget: KvBudget,
+}
+
+impl Default for DecodeSettings {
+    fn default() -> Self {
+        DecodeSettings {
+            cuda_graphs: true,
+            paged_attention: true,
+            fused_kernels: true,
+            overlap: true,
+            kv_budget: KvBudget::default(),
+        }
+    }
+}
+
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
+    /// Decode steps replayed from CUDA graphs on CUDA devices.
     cuda_graphs: bool,
     /// Decode attention through the paged kernel on CUDA devices (else gathered windows).
     paged_kernel: KernelChoice,
     /// Decode steps of few rows through the fused decode kernels on CUDA devices.
     decode_fusion: KernelChoice,
+    overlap: bool,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -178,34 +216,30 @@ struct StepGraph {
 }
 
 impl Decoder {
-    /// Every step launched kernel by kernel.
-    pub fn eager() -> Self {
+    pub fn new(settings: DecodeSettings) -> Self {
         Decoder {
-            cuda_graphs: false,
-            paged_kernel: KernelChoice::ON,
-            decode_fusion: KernelChoice::ON,
-            budget: KvBudget::default(),
+            cuda_graphs: settings.cuda_graphs && cuda_graphs_available(),
+            paged_kernel: KernelChoice::wanted(settings.paged_attention),
+            decode_fusion: KernelChoice::wanted(settings.fused_kernels),
+            overlap: settings.overlap,
+            budget: settings.kv_budget,
             cache: None,
             graphs: HashMap::new(),
             inputs: HashMap::new(),
         }
     }
 
-    /// Decode steps from CUDA graphs when the model runs on a GPU and this build can capture
-    /// them (see [`cuda_graphs_available`]); eager otherwise.
-    pub fn with_cuda_graphs() -> Self {
-        Decoder {
-            cuda_graphs: cuda_graphs_available(),
-            ..Decoder::eager()
-        }
+    /// Every step launched kernel by kernel, everything else as [`DecodeSettings::default`].
+    pub fn eager() -> Self {
+        Decoder::new(DecodeSettings {
+            cuda_graphs: false,
+            ..DecodeSettings::default()
+        })
     }
 
-    /// Decode attention gathers each row's window of cache slots and runs libtorch's attention
-    /// under a mask, instead of the paged decode kernel reading the blocks in place (the only
-    /// way on a CPU; on a GPU, to compare the two).
-    pub fn with_gathered_attention(mut self) -> Self {
-        self.paged_kernel.on = false;
-        self
+    /// Whether the next decode step may be queued before the last one's tokens are read.
+    pub fn overlap(&self) -> bool {
+        self.overlap
     }
 
     /// Whether decode steps use the paged decode kernel (known after the warm-up or the first
@@ -228,14 +262,6 @@ impl Decoder {
         )
     }
 
-    /// Decode steps run every linear layer through libtorch (cuBLAS) with the norms, bias adds,
-    /// GeLU and residual adds as kernels of their own, instead of the fused decode kernels
-    /// ([`megatron_kernels::ops::decode_gemv`]) for steps of few rows; e.g. to compare the two.
-    pub fn without_decode_fusion(mut self) -> Self {
-        self.decode_fusion.on = false;
-        self
-    }
-
     /// Whether decode steps of few rows use the fused decode kernels (known after the warm-up
     /// or the first step).
     pub fn decode_fusion(&self) -> bool {
@@ -254,13 +280,6 @@ impl Decoder {
             |index| decode_gemv::self_check(index, kind),
             "decoding without the fused decode kernels",
         )
-    }
-
-    /// The KV cache takes at most `budget`.
-    pub fn with_budget(mut self, budget: KvBudget) -> Self {
-        self.budget = budget;
-        self.reset();
-        self
     }
 
     /// Drops the cache and graphs (every sequence in it is forgotten).

@@ -178,6 +178,15 @@ pub enum Refusal {
     Failed(anyhow::Error),
 }
 
+impl Refusal {
+    /// The queue of `max_queued` waiting requests is full.
+    pub fn busy(max_queued: usize) -> Self {
+        Refusal::Busy(format!(
+            "the server is busy ({max_queued} requests are waiting); try again later"
+        ))
+    }
+}
+
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -210,7 +219,8 @@ pub struct CacheUse {
 /// freed — as soon as their last row stops. Each row samples from its own settings and random
 /// stream, so its tokens do not depend on the rows beside it. A decode step is queued on the
 /// device and read at the next step, after the step that follows it was queued when it could be
-/// (see [`super::in_flight`]).
+/// (see [`super::in_flight`]) when the decoder's settings allow it
+/// ([`super::DecodeSettings::overlap`]).
 pub struct Batcher {
     limits: BatchLimits,
     waiting: VecDeque<Waiting>,
@@ -219,8 +229,6 @@ pub struct Batcher {
     use_: CacheUse,
     /// The decode step queued and not read yet.
     in_flight: Option<InFlight>,
-    /// Whether the next decode step may be queued before the last one's tokens are read.
-    overlap: bool,
     next_row: u64,
 }
 
@@ -261,15 +269,8 @@ impl Batcher {
             requests: HashMap::new(),
             use_: CacheUse::default(),
             in_flight: None,
-            overlap: true,
             next_row: 0,
         }
-    }
-
-    /// Reads each decode step's tokens before queuing the next step, e.g. to compare the two.
-    pub fn without_overlap(mut self) -> Self {
-        self.overlap = false;
-        self
     }
 
     /// Queues request `id` (its rows are admitted together), or says why not.
@@ -321,10 +322,7 @@ impl Batcher {
         if self.waiting.len() > self.limits.max_queued {
             self.waiting.pop_back();
             self.requests.remove(&id);
-            return Err(Refusal::Busy(format!(
-                "the server is busy ({} requests are waiting); try again later",
-                self.limits.max_queued
-            )));
+            return Err(Refusal::busy(self.limits.max_queued));
         }
         self.refresh_use(decoder);
         Ok(())
@@ -464,7 +462,7 @@ impl Batcher {
             .running
             .iter()
             .any(|row| row.spec.prevent_newline_after_colon.is_some());
-        if !self.overlap || banning || self.front_fits(decoder) {
+        if !decoder.overlap() || banning || self.front_fits(decoder) {
             return None;
         }
         // Rows keep their order, so the running rows are the flight's still running, in its

@@ -17,7 +17,9 @@ mod t5;
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use causal_lm::CausalLm;
 pub use checkpoint_model::CheckpointModelArgs;
-pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, PrefillChunk, WINDOW_STEP};
+pub use decoder::{
+    bucket, DecodeRow, DecodeSettings, Decoder, KvBudget, PrefillChunk, WINDOW_STEP,
+};
 pub use generation::{
     generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
     GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use megatron_inference::{
-    beam_search, generate_tokens, BeamSearchRequest, CausalLm, DecodeRow, Decoder, Generation,
-    GenerationRequest, PrefillChunk, Sampling, StopCondition,
+    beam_search, generate_tokens, BeamSearchRequest, CausalLm, DecodeRow, DecodeSettings, Decoder,
+    Generation, GenerationRequest, PrefillChunk, Sampling, StopCondition,
 };
 use megatron_models::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
@@ -451,11 +451,15 @@ fn cuda_graph_decoding_equals_eager_decoding() {
     let learned: [&str; 0] = [];
     for flags in [&learned[..], &LLAMA_FLAGS[..]] {
         let model = build_sized(flags, 320, Device::Cuda(0), 256);
-        let mut graphed = Decoder::with_cuda_graphs();
+        let mut graphed = Decoder::new(DecodeSettings::default());
         for prompts in [prompts(), vec![vec![1, 2, 3], vec![4; 40], vec![250; 7]]] {
             // Up to 40 + 200 positions: the windows of 128 and 256 slots.
             let request = request(prompts, 200, Sampling::greedy(), StopCondition::Never);
-            let mut gathered = Decoder::eager().with_gathered_attention();
+            let mut gathered = Decoder::new(DecodeSettings {
+                cuda_graphs: false,
+                paged_attention: false,
+                ..DecodeSettings::default()
+            });
             let eager = generate_with(&model, &request, &mut gathered).unwrap();
             let replayed = generate_with(&model, &request, &mut graphed).unwrap();
             assert_eq!(replayed.tokens, eager.tokens);
