@@ -11,7 +11,9 @@ use clap::Parser;
 use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::build_tokenizer;
 use megatron_inference::CheckpointModelArgs;
-use megatron_inference::{generate_tokens, Decoder, GenerationRequest, Sampling, StopCondition};
+use megatron_inference::{
+    generate_tokens, DecodeSettings, Decoder, GenerationRequest, Sampling, StopCondition,
+};
 use megatron_kernels::runtime::resolve_device;
 use megatron_parallel::ParallelState;
 
@@ -113,7 +115,7 @@ fn run(cli: &Cli) -> Result<()> {
         None => Box::new(std::io::stdout().lock()),
     };
     let mut generated = 0;
-    let mut decoder = Decoder::with_cuda_graphs();
+    let mut decoder = Decoder::new(DecodeSettings::default());
     for prompt in &prompts {
         let ids: Vec<i64> = tokenizer
             .tokenize(prompt)?

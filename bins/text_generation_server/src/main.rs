@@ -11,12 +11,12 @@ use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
 use megatron_inference::CheckpointModelArgs;
-use megatron_inference::{BatchLimits, KvBudget, DEFAULT_PREFILL_CHUNK};
+use megatron_inference::{BatchLimits, DecodeSettings, KvBudget, DEFAULT_PREFILL_CHUNK};
 use megatron_parallel::ParallelState;
 use megatron_serving::chat::ChatTemplate;
 use megatron_serving::{
-    GenerationServer, ServerOptions, TextGenerationService, DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS,
+    GenerationServer, ServerOptions, ServingSettings, TextGenerationService,
+    DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUED, DEFAULT_MAX_TOKENS,
 };
 
 /// Serve a GPT checkpoint over HTTP: `curl -X PUT localhost:5000/api -H 'Content-Type:
@@ -132,21 +132,7 @@ fn main() -> ExitCode {
         megatron_kernels::rng::manual_seed(device, cli.model.seed)?;
         tch::manual_seed(cli.model.seed as i64);
         let tokenizer: Arc<dyn Tokenizer> = Arc::from(build_tokenizer(&cli.tokenizer.config()?)?);
-        let (max_tokens, no_cuda_graphs) = (cli.max_tokens_to_oom, cli.no_cuda_graphs);
-        let (no_paged_attention, no_decode_fusion) = (cli.no_paged_attention, cli.no_decode_fusion);
-        let no_decode_overlap = cli.no_decode_overlap;
-        let limits = BatchLimits {
-            max_batch_size: cli.max_batch_size,
-            prefill_chunk: cli.prefill_chunk_size,
-            max_queued: cli.max_queued,
-        };
-        let budget = match cli.kv_cache_gb {
-            Some(gb) if gb.is_finite() && gb > 0.0 => {
-                KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
-            }
-            Some(gb) => anyhow::bail!("--kv-cache-gb must be a positive number of GiB, got {gb}"),
-            None => KvBudget::default(),
-        };
+        let settings = serving_settings(&cli)?;
         let build = |parallel: &ParallelState,
                      tokenizer: Arc<dyn Tokenizer>|
          -> anyhow::Result<TextGenerationService> {
@@ -157,30 +143,8 @@ fn main() -> ExitCode {
                 tokenizer.vocab_size(),
                 model.config.vocab_size
             );
-            let service = TextGenerationService::new(model, tokenizer, max_tokens)?
-                .with_tensor_parallel(parallel.tensor.clone())
-                .with_limits(limits)
-                .with_kv_budget(budget);
-            let service = if no_cuda_graphs {
-                service.without_cuda_graphs()
-            } else {
-                service
-            };
-            let service = if no_paged_attention {
-                service.without_paged_attention()
-            } else {
-                service
-            };
-            let service = if no_decode_fusion {
-                service.without_decode_fusion()
-            } else {
-                service
-            };
-            Ok(if no_decode_overlap {
-                service.without_decode_overlap()
-            } else {
-                service
-            })
+            Ok(TextGenerationService::new(model, tokenizer, settings)?
+                .with_tensor_parallel(parallel.tensor.clone()))
         };
         if rank != 0 {
             build(&parallel, tokenizer)?.follow()?;
@@ -228,16 +192,42 @@ fn main() -> ExitCode {
         let serving = format!(
             "text_generation_server: serving {load} on http://{address}/api ({device:?}, TP={tp})"
         );
-        let service = move || {
-            let service = build(&parallel, tokenizer)?;
-            // The KV cache and decode graphs are made before the first request.
-            service.start();
-            Ok(service)
-        };
-        server.run(service, &serving, exit_requested)?;
+        // The generation thread makes the KV cache and captures the decode graphs before it
+        // takes the first request.
+        server.run(
+            move || build(&parallel, tokenizer),
+            &serving,
+            exit_requested,
+        )?;
         job.finish()?;
         println!("text_generation_server: stopped");
         Ok(())
+    })
+}
+
+/// How the service batches and decodes, from the flags.
+fn serving_settings(cli: &Cli) -> anyhow::Result<ServingSettings> {
+    let kv_budget = match cli.kv_cache_gb {
+        Some(gb) if gb.is_finite() && gb > 0.0 => {
+            KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
+        }
+        Some(gb) => anyhow::bail!("--kv-cache-gb must be a positive number of GiB, got {gb}"),
+        None => KvBudget::default(),
+    };
+    Ok(ServingSettings {
+        limits: BatchLimits {
+            max_batch_size: cli.max_batch_size,
+            prefill_chunk: cli.prefill_chunk_size,
+            max_queued: cli.max_queued,
+        },
+        decode: DecodeSettings {
+            cuda_graphs: !cli.no_cuda_graphs,
+            paged_attention: !cli.no_paged_attention,
+            fused_kernels: !cli.no_decode_fusion,
+            overlap: !cli.no_decode_overlap,
+            kv_budget,
+        },
+        max_tokens: cli.max_tokens_to_oom,
     })
 }
 

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use megatron_inference::{DecodeRow, Decoder, PrefillChunk};
+use megatron_inference::{DecodeRow, DecodeSettings, Decoder, PrefillChunk};
 use megatron_kernels::ops::argmax::greedy;
 use megatron_kernels::runtime::{HostCopy, KinetoTrace};
 use megatron_models::GptModel;
@@ -65,10 +65,10 @@ fn run() -> Result<()> {
 }
 
 fn time_steps(model: &GptModel, fused: bool, trace: &Path) -> Result<()> {
-    let mut decoder = Decoder::with_cuda_graphs();
-    if !fused {
-        decoder = decoder.without_decode_fusion();
-    }
+    let mut decoder = Decoder::new(DecodeSettings {
+        fused_kernels: fused,
+        ..DecodeSettings::default()
+    });
     decoder.warm_up(model, 1)?;
     let positions = PROMPT + 3 * i64::from(STEPS) + 64;
     let blocks = decoder

@@ -5,7 +5,7 @@
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
-use megatron_models::GptModel;
+use super::causal_lm::CausalLm;
 
 #[derive(Debug, Clone)]
 pub struct BeamSearchRequest {
@@ -67,18 +67,20 @@ impl Finished {
     }
 }
 
-pub fn beam_search(model: &GptModel, request: &BeamSearchRequest) -> Result<BeamSearchResult> {
+pub fn beam_search<M: CausalLm + ?Sized>(
+    model: &M,
+    request: &BeamSearchRequest,
+) -> Result<BeamSearchResult> {
     let prompt_len = request.prompt.len() as i64;
     ensure!(prompt_len > 0, "the prompt has no tokens");
-    let total =
-        (prompt_len + request.tokens_to_generate as i64).min(model.config.max_position_embeddings);
+    let total = (prompt_len + request.tokens_to_generate as i64).min(model.max_positions());
     ensure!(
         prompt_len < total,
         "context length + tokens_to_generate too large"
     );
     let beam = request.beam_width as i64;
-    let device = model.options().device;
-    let vocab = model.config.vocab_size;
+    let device = model.device();
+    let vocab = model.vocab_size();
     let mut padded = request.prompt.clone();
     padded.resize(total as usize, request.stop_token);
     let mut tokens = Tensor::from_slice(&padded)

@@ -21,7 +21,8 @@ use megatron_kernels::runtime::{
     copy_from_host, cuda_free_memory, cuda_graphs_available, to_device_async, CudaGraph,
 };
 use megatron_models::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
-use megatron_models::GptModel;
+
+use super::causal_lm::CausalLm;
 
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
 pub const WINDOW_STEP: i64 = 128;
@@ -90,10 +91,10 @@ struct KernelChoice {
 }
 
 impl KernelChoice {
-    const ON: KernelChoice = KernelChoice {
-        on: true,
-        checked: false,
-    };
+    /// Wanted when `on`, not yet self-checked.
+    fn wanted(on: bool) -> Self {
+        KernelChoice { on, checked: false }
+    }
 
     /// Whether the kernel serves steps on `device`, given whether it `applies` to the model;
     /// `check` runs the self-check on the CUDA device's index the first time. Never called
@@ -123,13 +124,51 @@ impl KernelChoice {
     }
 }
 
+/// How decode steps run and how much memory the KV cache may take. Everything is on by
+/// default; the server's `--no-*` flags turn each off, e.g. to compare the two ways.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeSettings {
+    /// Decode steps replayed from CUDA graphs when the model runs on a GPU and this build can
+    /// capture them (see [`cuda_graphs_available`]); else launched kernel by kernel.
+    pub cuda_graphs: bool,
+    /// Decode attention through the paged decode kernel
+    /// ([`megatron_kernels::ops::paged_attention`]), reading the blocks in place on GPUs, instead
+    /// of gathering each row's window of cache slots for libtorch's attention under a mask (the
+    /// only way on a CPU).
+    pub paged_attention: bool,
+    /// Decode steps of few rows through the fused decode kernels
+    /// ([`megatron_kernels::ops::decode_gemv`]) on GPUs, instead of libtorch's linear layers
+    /// (cuBLAS) with the norms, bias adds, GeLU and residual adds as kernels of their own.
+    pub fused_kernels: bool,
+    /// The next decode step queued before the last one's tokens are read when it runs the same
+    /// rows one position on (see [`crate::Batcher`]), instead of reading each step's tokens
+    /// first.
+    pub overlap: bool,
+    /// The memory the KV cache may take.
+    pub kv_budget: KvBudget,
+}
+
+impl Default for DecodeSettings {
+    fn default() -> Self {
+        DecodeSettings {
+            cuda_graphs: true,
+            paged_attention: true,
+            fused_kernels: true,
+            overlap: true,
+            kv_budget: KvBudget::default(),
+        }
+    }
+}
+
 /// Runs prefill and decode steps of generations; keep one per model and reuse it.
 pub struct Decoder {
+    /// Decode steps replayed from CUDA graphs on CUDA devices.
     cuda_graphs: bool,
     /// Decode attention through the paged kernel on CUDA devices (else gathered windows).
     paged_kernel: KernelChoice,
     /// Decode steps of few rows through the fused decode kernels on CUDA devices.
     decode_fusion: KernelChoice,
+    overlap: bool,
     budget: KvBudget,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
@@ -177,34 +216,30 @@ struct StepGraph {
 }
 
 impl Decoder {
-    /// Every step launched kernel by kernel.
-    pub fn eager() -> Self {
+    pub fn new(settings: DecodeSettings) -> Self {
         Decoder {
-            cuda_graphs: false,
-            paged_kernel: KernelChoice::ON,
-            decode_fusion: KernelChoice::ON,
-            budget: KvBudget::default(),
+            cuda_graphs: settings.cuda_graphs && cuda_graphs_available(),
+            paged_kernel: KernelChoice::wanted(settings.paged_attention),
+            decode_fusion: KernelChoice::wanted(settings.fused_kernels),
+            overlap: settings.overlap,
+            budget: settings.kv_budget,
             cache: None,
             graphs: HashMap::new(),
             inputs: HashMap::new(),
         }
     }
 
-    /// Decode steps from CUDA graphs when the model runs on a GPU and this build can capture
-    /// them (see [`cuda_graphs_available`]); eager otherwise.
-    pub fn with_cuda_graphs() -> Self {
-        Decoder {
-            cuda_graphs: cuda_graphs_available(),
-            ..Decoder::eager()
-        }
+    /// Every step launched kernel by kernel, everything else as [`DecodeSettings::default`].
+    pub fn eager() -> Self {
+        Decoder::new(DecodeSettings {
+            cuda_graphs: false,
+            ..DecodeSettings::default()
+        })
     }
 
-    /// Decode attention gathers each row's window of cache slots and runs libtorch's attention
-    /// under a mask, instead of the paged decode kernel reading the blocks in place (the only
-    /// way on a CPU; on a GPU, to compare the two).
-    pub fn with_gathered_attention(mut self) -> Self {
-        self.paged_kernel.on = false;
-        self
+    /// Whether the next decode step may be queued before the last one's tokens are read.
+    pub fn overlap(&self) -> bool {
+        self.overlap
     }
 
     /// Whether decode steps use the paged decode kernel (known after the warm-up or the first
@@ -217,22 +252,14 @@ impl Decoder {
     /// head sizes and dtypes it has, once it compiled and passed its self-check (a failure is
     /// reported once, and the gathered attention used instead). Never called inside a graph
     /// capture: the warm-up and every decode step ask before they capture.
-    fn uses_paged_kernel(&mut self, model: &GptModel) -> bool {
-        let (kind, d) = (model.options().params_dtype, model.config.kv_channels);
+    fn uses_paged_kernel<M: CausalLm + ?Sized>(&mut self, model: &M) -> bool {
+        let (kind, d) = (model.dtype(), model.head_size());
         self.paged_kernel.usable(
-            model.options().device,
+            model.device(),
             paged_attention::supports(d, kind),
             |index| paged_attention::self_check(index, kind, d),
             "decoding with gathered attention",
         )
-    }
-
-    /// Decode steps run every linear layer through libtorch (cuBLAS) with the norms, bias adds,
-    /// GeLU and residual adds as kernels of their own, instead of the fused decode kernels
-    /// ([`megatron_kernels::ops::decode_gemv`]) for steps of few rows; e.g. to compare the two.
-    pub fn without_decode_fusion(mut self) -> Self {
-        self.decode_fusion.on = false;
-        self
     }
 
     /// Whether decode steps of few rows use the fused decode kernels (known after the warm-up
@@ -242,24 +269,17 @@ impl Decoder {
     }
 
     /// Whether decode steps of `model` use the fused decode kernels: on CUDA devices, for
-    /// models they serve (see [`GptModel::supports_decode_fusion`]), once they compiled and
+    /// models they serve (see [`CausalLm::supports_decode_fusion`]), once they compiled and
     /// passed their self-check (a failure is reported once, and the unfused layers used
     /// instead). Never called inside a graph capture, like [`Self::uses_paged_kernel`].
-    fn uses_decode_fusion(&mut self, model: &GptModel) -> bool {
-        let kind = model.options().params_dtype;
+    fn uses_decode_fusion<M: CausalLm + ?Sized>(&mut self, model: &M) -> bool {
+        let kind = model.dtype();
         self.decode_fusion.usable(
-            model.options().device,
+            model.device(),
             model.supports_decode_fusion(),
             |index| decode_gemv::self_check(index, kind),
             "decoding without the fused decode kernels",
         )
-    }
-
-    /// The KV cache takes at most `budget`.
-    pub fn with_budget(mut self, budget: KvBudget) -> Self {
-        self.budget = budget;
-        self.reset();
-        self
     }
 
     /// Drops the cache and graphs (every sequence in it is forgotten).
@@ -273,14 +293,18 @@ impl Decoder {
     /// The cache, made on first use with room for `rows` sequences of the model's full length
     /// at most, within the budget; remade larger when `empty` says no sequence lives in it and
     /// the budget allows more blocks than it has.
-    pub fn cache(&mut self, model: &GptModel, rows: i64, empty: bool) -> Result<&mut PagedKvCache> {
-        let wanted =
-            rows.max(1) * PagedKvCache::blocks_for(model.config.max_position_embeddings) + 1;
+    pub fn cache<M: CausalLm + ?Sized>(
+        &mut self,
+        model: &M,
+        rows: i64,
+        empty: bool,
+    ) -> Result<&mut PagedKvCache> {
+        let wanted = rows.max(1) * PagedKvCache::blocks_for(model.max_positions()) + 1;
         let has = |cache: &Option<PagedKvCache>| cache.as_ref().map(|c| c.usable_blocks() + 1);
         let settled = has(&self.cache).is_some_and(|blocks| blocks >= wanted || !empty);
         if !settled {
             let block = model.kv_block_bytes()?;
-            let budget = self.budget.bytes(model.options().device)?;
+            let budget = self.budget.bytes(model.device())?;
             let blocks = (budget / block.max(1)).min(wanted as u64) as i64;
             if has(&self.cache).is_none_or(|held| held < blocks) {
                 ensure!(
@@ -300,13 +324,13 @@ impl Decoder {
     /// Makes the cache (room for `rows` sequences) and, on a GPU with graphs, captures the
     /// decode graph of every bucket up to `rows` rows and every window, so that no request
     /// waits for a capture. Returns the number of graphs.
-    pub fn warm_up(&mut self, model: &GptModel, rows: i64) -> Result<usize> {
+    pub fn warm_up<M: CausalLm + ?Sized>(&mut self, model: &M, rows: i64) -> Result<usize> {
         self.cache(model, rows, true)?;
-        let index = match model.options().device {
+        let index = match model.device() {
             Device::Cuda(index) if self.cuda_graphs => index,
             _ => return Ok(0),
         };
-        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let capacity = round_up(model.max_positions(), WINDOW_STEP);
         let in_place = self.uses_paged_kernel(model);
         let fused = self.uses_decode_fusion(model);
         let mut size = 1;
@@ -339,9 +363,13 @@ impl Decoder {
     /// Prompt chunks of several sequences in one forward: each chunk's logits
     /// (`[its length, padded vocabulary]`), its keys and values stored in its blocks. Shorter
     /// chunks are padded with positions that write to and read the reserved block.
-    pub fn prefill(&mut self, model: &GptModel, chunks: &[PrefillChunk]) -> Result<Vec<Tensor>> {
+    pub fn prefill<M: CausalLm + ?Sized>(
+        &mut self,
+        model: &M,
+        chunks: &[PrefillChunk],
+    ) -> Result<Vec<Tensor>> {
         ensure!(!chunks.is_empty(), "a prefill needs chunks");
-        let device = model.options().device;
+        let device = model.device();
         let width = chunks.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
         // In whole steps of WINDOW_STEP (masked past each row's positions): few distinct
         // attention shapes, and rows of the bias aligned as GPU attention kernels want them.
@@ -387,7 +415,7 @@ impl Decoder {
                 .narrow(0, 3 * rows * width, rows * window)
                 .view([rows, window]),
             &positions,
-            model.options().params_dtype,
+            model.dtype(),
         );
         let cache = self
             .cache
@@ -411,9 +439,9 @@ impl Decoder {
     /// device (`[rows]` int64, as the previous step drew them) and is read instead of their
     /// `token`s: the step is queued before those tokens reach the host. On a GPU nothing here
     /// waits for the work queued before.
-    pub fn decode(
+    pub fn decode<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         rows: &[DecodeRow],
         drawn: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -429,10 +457,10 @@ impl Decoder {
         let in_place = self.uses_paged_kernel(model);
         let fused = self.uses_decode_fusion(model);
         let furthest = rows.iter().map(|r| r.position).max().unwrap_or(0);
-        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let capacity = round_up(model.max_positions(), WINDOW_STEP);
         let window = window_for(furthest + 1, capacity, in_place);
         let bucket = bucket(count);
-        let device = model.options().device;
+        let device = model.device();
         let graphed = match device {
             Device::Cuda(index) if self.cuda_graphs => Some(index),
             _ => None,
@@ -512,9 +540,9 @@ impl Decoder {
     /// Copies the step's inputs into the bucket's static buffers and replays the graph of its
     /// bucket and window, capturing it first if needed.
     #[allow(clippy::too_many_arguments)]
-    fn replay(
+    fn replay<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         device: usize,
         bucket: i64,
         window: i64,
@@ -523,7 +551,7 @@ impl Decoder {
         fused: bool,
     ) -> Result<Tensor> {
         let cuda = Device::Cuda(device);
-        let capacity = round_up(model.config.max_position_embeddings, WINDOW_STEP);
+        let capacity = round_up(model.max_positions(), WINDOW_STEP);
         let inputs = self
             .inputs
             .entry(bucket)
@@ -579,8 +607,8 @@ impl Decoder {
 /// (`[b]`), each row attending to the first positions of the blocks of its `table` row, through
 /// the fused decode kernels when `fused`. Logits `[b, padded vocabulary]`.
 #[allow(clippy::too_many_arguments)]
-fn decode_step(
-    model: &GptModel,
+fn decode_step<M: CausalLm + ?Sized>(
+    model: &M,
     cache: &mut PagedKvCache,
     tokens: &Tensor,
     positions: &Tensor,
@@ -599,12 +627,7 @@ fn decode_step(
     } else {
         let offsets = Tensor::arange(BLOCK_SIZE, (Kind::Int64, table.device()));
         let read = (table.unsqueeze(2) * BLOCK_SIZE + offsets).view([rows, per_row * BLOCK_SIZE]);
-        PagedStep::new(
-            write_slots.shallow_clone(),
-            read,
-            positions,
-            model.options().params_dtype,
-        )
+        PagedStep::new(write_slots.shallow_clone(), read, positions, model.dtype())
     };
     let step = step.with_decode_fusion(fused);
     Ok(model

@@ -9,11 +9,11 @@ use std::collections::{HashMap, VecDeque};
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::causal_lm::CausalLm;
 use super::decoder::{DecodeRow, Decoder, PrefillChunk};
 use super::in_flight::{Draw, Drawn, InFlight};
 use super::sampling::{row_seed, RowSampling, Sampling};
 use megatron_models::layers::{PagedKvCache, BLOCK_SIZE};
-use megatron_models::GptModel;
 
 /// When a row stops before its length budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,8 +54,8 @@ pub struct Generation {
 
 /// Runs the loop on `model`'s device through `decoder`; the rows' random streams are seeded
 /// from libtorch's default CPU generator (`tch::manual_seed`).
-pub fn generate_tokens(
-    model: &GptModel,
+pub fn generate_tokens<M: CausalLm + ?Sized>(
+    model: &M,
     request: &GenerationRequest,
     decoder: &mut Decoder,
 ) -> Result<Generation> {
@@ -67,8 +67,8 @@ pub fn generate_tokens(
 pub type TokenObserver<'a> = &'a mut dyn FnMut(usize, i64) -> bool;
 
 /// [`generate_tokens`], telling `observer` every new token (streaming answers).
-pub fn generate_tokens_observed(
-    model: &GptModel,
+pub fn generate_tokens_observed<M: CausalLm + ?Sized>(
+    model: &M,
     request: &GenerationRequest,
     decoder: &mut Decoder,
     mut observer: Option<TokenObserver>,
@@ -178,6 +178,15 @@ pub enum Refusal {
     Failed(anyhow::Error),
 }
 
+impl Refusal {
+    /// The queue of `max_queued` waiting requests is full.
+    pub fn busy(max_queued: usize) -> Self {
+        Refusal::Busy(format!(
+            "the server is busy ({max_queued} requests are waiting); try again later"
+        ))
+    }
+}
+
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -210,7 +219,8 @@ pub struct CacheUse {
 /// freed — as soon as their last row stops. Each row samples from its own settings and random
 /// stream, so its tokens do not depend on the rows beside it. A decode step is queued on the
 /// device and read at the next step, after the step that follows it was queued when it could be
-/// (see [`super::in_flight`]).
+/// (see [`super::in_flight`]) when the decoder's settings allow it
+/// ([`super::DecodeSettings::overlap`]).
 pub struct Batcher {
     limits: BatchLimits,
     waiting: VecDeque<Waiting>,
@@ -219,8 +229,6 @@ pub struct Batcher {
     use_: CacheUse,
     /// The decode step queued and not read yet.
     in_flight: Option<InFlight>,
-    /// Whether the next decode step may be queued before the last one's tokens are read.
-    overlap: bool,
     next_row: u64,
 }
 
@@ -261,26 +269,19 @@ impl Batcher {
             requests: HashMap::new(),
             use_: CacheUse::default(),
             in_flight: None,
-            overlap: true,
             next_row: 0,
         }
     }
 
-    /// Reads each decode step's tokens before queuing the next step, e.g. to compare the two.
-    pub fn without_overlap(mut self) -> Self {
-        self.overlap = false;
-        self
-    }
-
     /// Queues request `id` (its rows are admitted together), or says why not.
-    pub fn submit(
+    pub fn submit<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         id: u64,
         rows: Vec<RowSpec>,
     ) -> Result<(), Refusal> {
-        let positions = model.config.max_position_embeddings as usize;
+        let positions = model.max_positions() as usize;
         if let Some(row) = rows
             .iter()
             .find(|r| r.total > positions || r.prompt.is_empty())
@@ -321,10 +322,7 @@ impl Batcher {
         if self.waiting.len() > self.limits.max_queued {
             self.waiting.pop_back();
             self.requests.remove(&id);
-            return Err(Refusal::Busy(format!(
-                "the server is busy ({} requests are waiting); try again later",
-                self.limits.max_queued
-            )));
+            return Err(Refusal::busy(self.limits.max_queued));
         }
         self.refresh_use(decoder);
         Ok(())
@@ -422,9 +420,9 @@ impl Batcher {
     /// prefills up to a chunk budget of prompt positions and queues a decode step of every row
     /// past its prompt. Returns the requests that finished. `observer(request, row, token)` sees every new token; `true`
     /// ends that row there.
-    pub fn step(
+    pub fn step<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         observer: &mut dyn FnMut(u64, usize, i64) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
@@ -464,7 +462,7 @@ impl Batcher {
             .running
             .iter()
             .any(|row| row.spec.prevent_newline_after_colon.is_some());
-        if !self.overlap || banning || self.front_fits(decoder) {
+        if !decoder.overlap() || banning || self.front_fits(decoder) {
             return None;
         }
         // Rows keep their order, so the running rows are the flight's still running, in its
@@ -518,9 +516,9 @@ impl Batcher {
 
     /// A step after a read one (or none): admits what fits, prefills up to a chunk budget of
     /// prompt positions, and queues a decode step of every row past its prompt.
-    fn start_step(
+    fn start_step<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         observer: &mut dyn FnMut(u64, usize, i64) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
@@ -605,13 +603,13 @@ impl Batcher {
     /// the rows whose prompt is now complete and their last position's logits (`[1, vocab]`
     /// each, float). Chunks start at multiples of the chunk size, whatever else runs, so a
     /// row's prefill is the same alone and in a batch; the step takes at least one chunk.
-    fn prefill_step(
+    fn prefill_step<M: CausalLm + ?Sized>(
         &mut self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         chunk: usize,
     ) -> Result<(Vec<usize>, Vec<Tensor>)> {
-        let vocab = model.config.vocab_size;
+        let vocab = model.vocab_size();
         let (mut prefilled, mut logits) = (Vec::new(), Vec::new());
         let mut budget = chunk;
         let mut pieces: Vec<(usize, usize)> = Vec::new();
@@ -744,8 +742,11 @@ impl Row {
 }
 
 /// The whole request scored (`tokens_to_generate = 0`).
-fn score_request(model: &GptModel, request: &GenerationRequest) -> Result<Generation> {
-    let device = model.options().device;
+fn score_request<M: CausalLm + ?Sized>(
+    model: &M,
+    request: &GenerationRequest,
+) -> Result<Generation> {
+    let device = model.device();
     let lengths: Vec<i64> = request.prompts.iter().map(|p| p.len() as i64).collect();
     let max_len = *lengths.iter().max().expect("prompts");
     let batch = request.prompts.len() as i64;
@@ -776,15 +777,15 @@ fn stops(stop: &StopCondition, token: i64, before: i64) -> bool {
 }
 
 /// `tokens_to_generate = 0`: one forward over the prompts, scoring every token after the first.
-fn score_prompts(
-    model: &GptModel,
+fn score_prompts<M: CausalLm + ?Sized>(
+    model: &M,
     tokens: &Tensor,
     lengths: &[i64],
     max_len: i64,
 ) -> Result<Generation> {
     let batch = tokens.size()[0];
     let mut cache = model.new_kv_cache(batch, max_len)?;
-    let vocab = model.config.vocab_size;
+    let vocab = model.vocab_size();
     let logits = model
         .forward_cached(&tokens.narrow(1, 0, max_len), &mut cache)?
         .transpose(0, 1)

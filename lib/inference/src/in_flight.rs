@@ -10,10 +10,10 @@
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
+use super::causal_lm::CausalLm;
 use super::decoder::{DecodeRow, Decoder};
 use super::sampling::{sample, RowSampling};
 use megatron_kernels::runtime::{to_device_async, HostCopy};
-use megatron_models::GptModel;
 
 /// How a row draws one token: its settings and random stream, whether its log-probability is
 /// kept, and a token it may not draw (the newline right after a colon).
@@ -103,8 +103,8 @@ pub struct InFlight {
 
 impl InFlight {
     /// Queues a decode step of `rows` (ids `ids`), drawing each row's token under `draws`.
-    pub fn queue(
-        model: &GptModel,
+    pub fn queue<M: CausalLm + ?Sized>(
+        model: &M,
         decoder: &mut Decoder,
         ids: Vec<u64>,
         rows: &[DecodeRow],
@@ -116,9 +116,9 @@ impl InFlight {
     /// Queues the step after this one for its rows `kept` (indices into [`Self::rows`], in
     /// order), whose `blocks` (in that order) hold one position more: its tokens are the ones
     /// this step draws, read on the device.
-    pub fn queue_next(
+    pub fn queue_next<M: CausalLm + ?Sized>(
         &self,
-        model: &GptModel,
+        model: &M,
         decoder: &mut Decoder,
         kept: &[usize],
         blocks: &[&[i64]],
@@ -144,8 +144,8 @@ impl InFlight {
         Self::queue_reading(model, decoder, ids, &rows, draws, Some(&tokens))
     }
 
-    fn queue_reading(
-        model: &GptModel,
+    fn queue_reading<M: CausalLm + ?Sized>(
+        model: &M,
         decoder: &mut Decoder,
         ids: Vec<u64>,
         rows: &[DecodeRow],
@@ -155,7 +155,7 @@ impl InFlight {
         tch::no_grad(|| {
             let logits = decoder
                 .decode(model, rows, drawn)?
-                .narrow(1, 0, model.config.vocab_size);
+                .narrow(1, 0, model.vocab_size());
             // In the model's dtype: greedy rows take the argmax as it is (float32 would pick
             // the same token), sampling converts.
             let drawn = Drawn::new(&logits, &draws)?;

@@ -1,10 +1,12 @@
 //! Inference: a trained GPT or T5 loaded from its checkpoint alone (any TP/PP layout, or a
 //! HuggingFace model imported on the fly: [`CheckpointModelArgs`]); Megatron's generation as
 //! continuous batching over a paged KV cache with per-row sampling, decode steps replayed from
-//! CUDA graphs on a GPU; beam search; T5's teacher-forced scoring and greedy decoding. The HTTP
-//! server in front of it is `megatron-serving`.
+//! CUDA graphs on a GPU; beam search; T5's teacher-forced scoring and greedy decoding. The
+//! engine runs any [`CausalLm`] (GPT implements it). The HTTP server in front of it is
+//! `megatron-serving`.
 
 mod beam_search;
+mod causal_lm;
 mod checkpoint_model;
 mod decoder;
 mod generation;
@@ -13,8 +15,11 @@ mod sampling;
 mod t5;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
+pub use causal_lm::CausalLm;
 pub use checkpoint_model::CheckpointModelArgs;
-pub use decoder::{bucket, DecodeRow, Decoder, KvBudget, PrefillChunk, WINDOW_STEP};
+pub use decoder::{
+    bucket, DecodeRow, DecodeSettings, Decoder, KvBudget, PrefillChunk, WINDOW_STEP,
+};
 pub use generation::{
     generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
     GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,

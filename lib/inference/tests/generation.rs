@@ -8,8 +8,8 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use megatron_inference::{
-    beam_search, generate_tokens, BeamSearchRequest, DecodeRow, Decoder, Generation,
-    GenerationRequest, PrefillChunk, Sampling, StopCondition,
+    beam_search, generate_tokens, BeamSearchRequest, CausalLm, DecodeRow, DecodeSettings, Decoder,
+    Generation, GenerationRequest, PrefillChunk, Sampling, StopCondition,
 };
 use megatron_models::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
@@ -87,13 +87,16 @@ fn llama_like() -> GptModel {
 /// the generator holds it from the seed to the generation, so that no other test draws between.
 static DEFAULT_GENERATOR: Mutex<()> = Mutex::new(());
 
-fn generate(model: &GptModel, request: &GenerationRequest) -> anyhow::Result<Generation> {
+fn generate<M: CausalLm + ?Sized>(
+    model: &M,
+    request: &GenerationRequest,
+) -> anyhow::Result<Generation> {
     generate_with(model, request, &mut Decoder::eager())
 }
 
 /// [`generate_tokens`] under [`DEFAULT_GENERATOR`].
-fn generate_with(
-    model: &GptModel,
+fn generate_with<M: CausalLm + ?Sized>(
+    model: &M,
     request: &GenerationRequest,
     decoder: &mut Decoder,
 ) -> anyhow::Result<Generation> {
@@ -400,6 +403,37 @@ fn a_reused_decoder_gives_what_a_fresh_one_gives() {
     assert_eq!(reused, generate(&model, &second).unwrap());
 }
 
+/// The engine takes any [`CausalLm`]: through a trait object, as a server holding any model
+/// family would, it generates, scores prompts and beam-searches exactly as with the concrete
+/// model.
+#[test]
+fn a_model_behind_the_causal_lm_trait_generates_as_the_concrete_one() {
+    let model = llama_like();
+    let any: &dyn CausalLm = &model;
+    for tokens_to_generate in [12, 0] {
+        let request = request(
+            prompts(),
+            tokens_to_generate,
+            Sampling::greedy(),
+            StopCondition::Never,
+        );
+        let concrete = generate(&model, &request).unwrap();
+        assert_eq!(generate(any, &request).unwrap(), concrete);
+    }
+    let search = BeamSearchRequest {
+        prompt: vec![5, 17, 42],
+        tokens_to_generate: 6,
+        beam_width: 3,
+        stop_token: -1,
+        length_penalty: 1.0,
+        prevent_newline_after_colon: None,
+    };
+    assert_eq!(
+        beam_search(any, &search).unwrap(),
+        beam_search(&model, &search).unwrap()
+    );
+}
+
 /// On a GPU, decode steps replayed from CUDA graphs with the paged decode kernel (heads of 64
 /// channels, grouped in the Llama-like model) give the tokens of the eager decoder with
 /// gathered attention, and log-probabilities within float32 noise, across several windows and
@@ -417,11 +451,15 @@ fn cuda_graph_decoding_equals_eager_decoding() {
     let learned: [&str; 0] = [];
     for flags in [&learned[..], &LLAMA_FLAGS[..]] {
         let model = build_sized(flags, 320, Device::Cuda(0), 256);
-        let mut graphed = Decoder::with_cuda_graphs();
+        let mut graphed = Decoder::new(DecodeSettings::default());
         for prompts in [prompts(), vec![vec![1, 2, 3], vec![4; 40], vec![250; 7]]] {
             // Up to 40 + 200 positions: the windows of 128 and 256 slots.
             let request = request(prompts, 200, Sampling::greedy(), StopCondition::Never);
-            let mut gathered = Decoder::eager().with_gathered_attention();
+            let mut gathered = Decoder::new(DecodeSettings {
+                cuda_graphs: false,
+                paged_attention: false,
+                ..DecodeSettings::default()
+            });
             let eager = generate_with(&model, &request, &mut gathered).unwrap();
             let replayed = generate_with(&model, &request, &mut graphed).unwrap();
             assert_eq!(replayed.tokens, eager.tokens);

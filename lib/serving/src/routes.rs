@@ -1,9 +1,10 @@
 //! The server's endpoints: Megatron's `PUT /api`, OpenAI's `POST /v1/completions`,
 //! `POST /v1/chat/completions` (streamed as server-sent events on request) and
 //! `GET /v1/models`, and `GET /metrics` and `GET /health` for operators. Bodies are read
-//! within a time and size limit; generation requests go to the generation thread, which hands
-//! each to the batching service, and are refused with 503 and `Retry-After` when the service's
-//! queue is full or the server is stopping. A client that goes away cancels its request.
+//! within a time and size limit; a generation request is submitted straight to the scheduler's
+//! queue and its handler awaits the answer (or streams its events), refused with 503 and
+//! `Retry-After` when the queue is full or the server is stopping. A client that goes away
+//! cancels its request.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -11,7 +12,6 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
@@ -26,8 +26,9 @@ use super::chat::{chat_body, chat_chunk, ChatRequest, ChatTemplate};
 use super::metrics::{Gauges, ServerMetrics};
 use super::openai::{delta_body, CompletionRequest};
 use super::options::ServerOptions;
-use super::service::{CacheUseReader, CancelFlag, ServiceError};
-use super::worker::{Activity, Event, Job, Queue, Refused, Work};
+use super::service::queue::{Event, Refused, Reply, RequestQueue, Submission};
+use super::service::tensor_parallel::SharedJob;
+use super::service::{CancelFlag, ServiceError, Workload};
 
 pub(super) type ResponseBody = UnsyncBoxBody<Bytes, Infallible>;
 
@@ -39,10 +40,10 @@ const RETRY_WHEN_UNAVAILABLE: u64 = 5;
 /// What the connections share with each other and the generation thread.
 pub(super) struct Shared {
     pub options: ServerOptions,
-    pub queue: Queue,
-    pub activity: Activity,
-    /// The service's KV cache and batch, once the model is loaded.
-    pub cache_use: OnceLock<CacheUseReader>,
+    /// The scheduler's queue.
+    pub queue: RequestQueue,
+    /// What the scheduler is doing, once the model is loaded.
+    pub workload: OnceLock<Arc<Workload>>,
     pub metrics: ServerMetrics,
     pub chat: ChatTemplate,
     /// The model is loaded.
@@ -259,31 +260,20 @@ async fn read_json(
     serde_json::from_slice(&collected).map_err(|e| (400, format!("malformed JSON: {e}")))
 }
 
-/// Queues `work`, or the answer to give instead (503 when full or stopping).
+/// Submits a request to the scheduler, or gives the answer to give instead (503 when the queue
+/// is full or the server is stopping).
 fn admit(
     shared: &Arc<Shared>,
-    work: Work,
+    submission: Submission,
     style: Style,
 ) -> Result<InFlight, Response<ResponseBody>> {
     let in_flight = InFlight::new(shared);
     if shared.draining() {
         return Err(stopping(style, shared));
     }
-    let job = Job {
-        arrived: Instant::now(),
-        work,
-    };
-    match shared.queue.submit(job) {
+    match shared.queue.submit(submission) {
         Ok(()) => Ok(in_flight),
-        Err(Refused::Full) => Err(unavailable(
-            style,
-            shared,
-            &format!(
-                "the server is busy ({} requests are waiting); try again later",
-                shared.queue.limit()
-            ),
-            RETRY_WHEN_BUSY,
-        )),
+        Err(Refused::Full(text)) => Err(unavailable(style, shared, &text, RETRY_WHEN_BUSY)),
         Err(Refused::Closed) => Err(stopping(style, shared)),
     }
 }
@@ -313,12 +303,8 @@ async fn megatron_api(
     let (reply, answer) = oneshot::channel();
     let cancel = CancelFlag::new();
     let _cancel_on_drop = CancelOnDrop(cancel.clone());
-    let work = Work::Api {
-        request: parsed,
-        reply,
-        cancel,
-    };
-    let _in_flight = match admit(shared, work, style) {
+    let submission = Submission::new(SharedJob::Api(parsed), false, Reply::Api(reply), cancel);
+    let _in_flight = match admit(shared, submission, style) {
         Ok(in_flight) => in_flight,
         Err(response) => return response,
     };
@@ -500,23 +486,21 @@ async fn run_completion<F: StreamFormat>(
 ) -> Response<ResponseBody> {
     let style = Style::OpenAi;
     let stream = request.stream;
-    let (sender, mut received) = events::unbounded_channel();
+    let (events, mut received) = events::unbounded_channel();
     let cancel = CancelFlag::new();
     let cancel_on_drop = CancelOnDrop(cancel.clone());
-    let work = Work::Completion {
-        request,
+    let reply = Reply::Completion {
+        events,
         id,
         created,
-        fill_context,
-        events: sender,
-        cancel,
     };
-    let in_flight = match admit(shared, work, style) {
+    let submission = Submission::new(SharedJob::Completion(request), fill_context, reply, cancel);
+    let in_flight = match admit(shared, submission, style) {
         Ok(in_flight) => in_flight,
         Err(response) => return response,
     };
     if stream {
-        // The status goes out with the first event: a request the generation thread rejects
+        // The status goes out with the first event: a request the scheduler rejects
         // before any text (too long, say) is answered 400 like an unstreamed one.
         let first = match received.recv().await {
             Some(Event::Done(Err(e))) => return service_error(style, shared, e),
@@ -607,12 +591,9 @@ fn models(shared: &Shared) -> Response<ResponseBody> {
 }
 
 fn metrics(shared: &Shared) -> Response<ResponseBody> {
-    let cache = shared
-        .cache_use
-        .get()
-        .map(CacheUseReader::read)
-        .unwrap_or_default();
-    let serving = shared.activity.serving.load(Ordering::SeqCst);
+    let workload = shared.workload.get();
+    let cache = workload.map(|w| w.cache_use()).unwrap_or_default();
+    let serving = workload.map_or(0, |w| w.serving());
     let gauges = Gauges {
         queued: shared.queue.waiting() + cache.waiting_requests,
         running: serving.saturating_sub(cache.waiting_requests),

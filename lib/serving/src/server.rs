@@ -2,9 +2,9 @@
 //! costs no thread while it waits. Request heads and bodies must arrive within their timeouts
 //! (an idle keep-alive connection is closed after the head timeout), a client must read its
 //! answer (a write stalled beyond the write timeout drops the connection), connections beyond
-//! `--max-connections` are answered 503 and closed, and generation requests go to the thread
-//! that owns the batching service, which serves each on a thread of its own
-//! ([`super::worker`]). On SIGTERM the server drains: new generation requests get 503 with
+//! `--max-connections` are answered 503 and closed, and generation requests are submitted to the
+//! queue of the scheduler, which runs on the generation thread once the model is loaded
+//! ([`super::service`]). On SIGTERM the server drains: new generation requests get 503 with
 //! `Retry-After`, those in flight finish.
 
 use std::net::SocketAddr;
@@ -25,9 +25,10 @@ use super::chat::ChatTemplate;
 use super::metrics::ServerMetrics;
 use super::options::ServerOptions;
 use super::routes::{route, too_many_connections, Shared};
+use super::service::queue::RequestQueue;
 use super::service::TextGenerationService;
-use super::worker::{work, Activity, Queue};
 use super::write_timeout::WriteTimeout;
+use megatron_inference::CausalLm;
 
 /// How often the server looks at its stop condition.
 const STOP_POLL: Duration = Duration::from_millis(50);
@@ -78,20 +79,19 @@ impl GenerationServer {
     }
 
     /// Serves until `stop()` is true, then finishes the requests in flight and returns.
-    /// `service` is built on the generation thread, which keeps it for the server's life;
-    /// requests that arrive meanwhile wait (at most `max_queued` of them). `serving` is printed
-    /// once it is built (and `/health` answers 200).
-    pub fn run(
+    /// `service` is built on the generation thread, which then runs its scheduler for the
+    /// server's life; requests that arrive meanwhile wait (at most `max_queued` of them).
+    /// `serving` is printed once it is built (and `/health` answers 200).
+    pub fn run<M: CausalLm>(
         self,
-        service: impl FnOnce() -> Result<TextGenerationService> + Send,
+        service: impl FnOnce() -> Result<TextGenerationService<M>> + Send,
         serving: &str,
         stop: impl Fn() -> bool + Sync,
     ) -> Result<()> {
-        let (queue, jobs) = Queue::new(self.options.max_queued);
+        let (queue, inbox) = RequestQueue::new(self.options.max_queued);
         let shared = Arc::new(Shared {
             queue,
-            activity: Activity::default(),
-            cache_use: std::sync::OnceLock::new(),
+            workload: std::sync::OnceLock::new(),
             metrics: ServerMetrics::default(),
             chat: self.chat,
             ready: AtomicBool::new(false),
@@ -106,18 +106,12 @@ impl GenerationServer {
         });
         let generation_ended = AtomicBool::new(false);
         std::thread::scope(|scope| -> Result<()> {
-            let worker = scope.spawn(|| -> Result<()> {
-                let outcome = service().map(|service| {
-                    let _ = shared.cache_use.set(service.cache_use_reader());
+            let generation = scope.spawn(|| -> Result<()> {
+                let outcome = service().and_then(|service| {
+                    let _ = shared.workload.set(service.workload());
                     shared.ready.store(true, Ordering::SeqCst);
                     println!("{serving}");
-                    work(
-                        &service,
-                        jobs,
-                        &shared.queue,
-                        &shared.activity,
-                        &shared.metrics,
-                    );
+                    service.serve(inbox, &shared.metrics)
                 });
                 generation_ended.store(true, Ordering::SeqCst);
                 outcome
@@ -136,7 +130,7 @@ impl GenerationServer {
             }));
             shared.queue.close();
             runtime.shutdown_timeout(Duration::from_secs(1));
-            let generated = worker
+            let generated = generation
                 .join()
                 .map_err(|_| anyhow::anyhow!("the generation thread panicked"))?;
             served.and(generated)

@@ -13,13 +13,16 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use megatron_data::tokenizer::NullTokenizer;
 use megatron_inference::{
-    BatchLimits, Batcher, Decoder, GenerationRequest, KvBudget, Sampling, StopCondition,
+    BatchLimits, Batcher, DecodeSettings, Decoder, GenerationRequest, KvBudget, Sampling,
+    StopCondition,
 };
 use megatron_models::{GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
 use megatron_serving::api::ApiRequest;
 use megatron_serving::openai::CompletionRequest;
-use megatron_serving::{CancelFlag, ClientGone, ServiceError, TextGenerationService};
+use megatron_serving::{
+    CancelFlag, ClientGone, ServiceError, ServingSettings, TextGenerationService,
+};
 use megatron_training::args::ModelArgs;
 use serde_json::{json, Value};
 use tch::{Device, Kind};
@@ -88,14 +91,30 @@ fn model_of(device: Device, shape: &[&str], params_dtype: Kind) -> GptModel {
 }
 
 fn service(limits: BatchLimits, budget: KvBudget) -> TextGenerationService {
-    service_of(model(), limits, budget)
+    service_of(model(), settings(limits, budget))
 }
 
-fn service_of(model: GptModel, limits: BatchLimits, budget: KvBudget) -> TextGenerationService {
-    TextGenerationService::new(model, Arc::new(NullTokenizer::new(VOCAB)), 100_000)
-        .unwrap()
-        .with_limits(limits)
-        .with_kv_budget(budget)
+fn service_of(model: GptModel, settings: ServingSettings) -> TextGenerationService {
+    TextGenerationService::new(model, Arc::new(NullTokenizer::new(VOCAB)), settings).unwrap()
+}
+
+/// The server's settings but for `limits` and the KV cache's `budget`.
+fn settings(limits: BatchLimits, kv_budget: KvBudget) -> ServingSettings {
+    ServingSettings {
+        limits,
+        decode: DecodeSettings {
+            kv_budget,
+            ..DecodeSettings::default()
+        },
+        max_tokens: 100_000,
+    }
+}
+
+/// [`settings`], each decode step's tokens read before the next step is queued.
+fn unoverlapped(limits: BatchLimits, kv_budget: KvBudget) -> ServingSettings {
+    let mut settings = settings(limits, kv_budget);
+    settings.decode.overlap = false;
+    settings
 }
 
 fn limits(max_batch_size: usize, prefill_chunk: usize, max_queued: usize) -> BatchLimits {
@@ -225,7 +244,10 @@ fn sixteen_concurrent_requests_each_get_what_they_get_alone() {
     let jobs = sixteen_jobs();
     // Alone: one request at a time, prompts prefilled whole, each step's tokens read before
     // the next step is queued.
-    let alone = service(limits(1, 1024, 64), KvBudget::default()).without_decode_overlap();
+    let alone = service_of(
+        model(),
+        unoverlapped(limits(1, 1024, 64), KvBudget::default()),
+    );
     let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
     drop(alone);
     // Together: at most 8 rows at once (the rest wait), prompts prefilled 8 positions a step.
@@ -273,16 +295,13 @@ fn continuous_batching_on_a_gpu_equals_serving_alone() {
         .collect();
     let alone = service_of(
         gpu_model(Kind::Float),
-        limits(1, 1024, 64),
-        KvBudget::Bytes(1 << 30),
-    )
-    .without_decode_overlap();
+        unoverlapped(limits(1, 1024, 64), KvBudget::Bytes(1 << 30)),
+    );
     let expected: Vec<_> = jobs.iter().map(|job| run(&alone, job).unwrap()).collect();
     drop(alone);
     let together = service_of(
         gpu_model(Kind::Float),
-        limits(16, 32, 64),
-        KvBudget::Bytes(1 << 30),
+        settings(limits(16, 32, 64), KvBudget::Bytes(1 << 30)),
     );
     let answers: Vec<_> = std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
@@ -312,7 +331,7 @@ fn the_paged_decode_kernel_serves_like_gathered_attention_on_a_gpu() {
         eprintln!("skipped: no CUDA device");
         return;
     }
-    assert_serves_alike(|s| s.without_paged_attention(), |s| s);
+    assert_serves_alike(|decode| decode.paged_attention = false, |_| {});
 }
 
 /// On a GPU, decode steps through the fused decode kernels (norm + linear + bias + GeLU or
@@ -324,15 +343,16 @@ fn the_fused_decode_kernels_serve_like_unfused_layers_on_a_gpu() {
         eprintln!("skipped: no CUDA device");
         return;
     }
-    assert_serves_alike(|s| s.without_decode_fusion(), |s| s);
+    assert_serves_alike(|decode| decode.fused_kernels = false, |_| {});
 }
 
-/// 16 concurrent greedy requests served by a GPU model set up by `expected` and by `tested`:
+/// 16 concurrent greedy requests served by a GPU model whose decode settings `expected` and
+/// `tested` change:
 /// in fp32 the same texts; in bf16, where rounding may tip a near tie, log-probabilities within
 /// bf16 noise up to the first token that differs, and mostly the same first tokens.
 fn assert_serves_alike(
-    expected: impl Fn(TextGenerationService) -> TextGenerationService,
-    tested: impl Fn(TextGenerationService) -> TextGenerationService,
+    expected: impl Fn(&mut DecodeSettings),
+    tested: impl Fn(&mut DecodeSettings),
 ) {
     let prompt_length = |i: u32| 3 + (i * 13) % 90;
     let jobs: Vec<Job> = (0..16u32)
@@ -357,10 +377,13 @@ fn assert_serves_alike(
             assert!(service.cache_use().peak_rows > 1);
             answers
         };
-        let limits = limits(16, 32, 64);
-        let budget = KvBudget::Bytes(1 << 30);
-        let want = serve_all(expected(service_of(gpu_model(kind), limits, budget)));
-        let got = serve_all(tested(service_of(gpu_model(kind), limits, budget)));
+        let served = |change: &dyn Fn(&mut DecodeSettings)| {
+            let mut settings = settings(limits(16, 32, 64), KvBudget::Bytes(1 << 30));
+            change(&mut settings.decode);
+            service_of(gpu_model(kind), settings)
+        };
+        let want = serve_all(served(&expected));
+        let got = serve_all(served(&tested));
         let mut same_first_token = 0;
         for (i, (got, want)) in got.iter().zip(&want).enumerate() {
             if kind == Kind::Float {

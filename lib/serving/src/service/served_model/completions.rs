@@ -1,0 +1,432 @@
+//! OpenAI's completions over the batch: the checks, echoed prompts, text streamed as it is
+//! generated (held back while it may still turn into a stop sequence or an incomplete
+//! character), and the answer with its choices, finish reasons, log-probabilities and usage.
+
+use megatron_data::tokenizer::Tokenizer;
+use megatron_inference::{CausalLm, Generation, GenerationRequest, Sampling, StopCondition};
+use tch::{Device, Kind, Tensor};
+
+use super::{Prepared, ServedModel, Start};
+use crate::metrics::ServerMetrics;
+use crate::openai::{completion_body, text_offsets, Choice, CompletionRequest};
+use crate::service::queue::{Answer, Caller, Usage};
+use crate::service::ServiceError;
+
+/// A completion while its rows run: the prompts and each choice's stream.
+pub(crate) struct CompletionState {
+    request: CompletionRequest,
+    prompts: Vec<Vec<i64>>,
+    prompt_texts: Vec<String>,
+    streams: Vec<ChoiceStream>,
+}
+
+impl<M: CausalLm> ServedModel<M> {
+    /// OpenAI's checks, the echoed prompts sent, then the rows to batch (or, for
+    /// `max_tokens = 0`, the answer).
+    pub fn prepare_completion(
+        &self,
+        request: &CompletionRequest,
+        caller: Option<&Caller>,
+    ) -> Result<Start, ServiceError> {
+        let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
+        let (prompts, prompt_texts) = match &request.prompt_token_ids {
+            Some(rows) => {
+                let vocab = self.tokenizer.vocab_size();
+                if let Some(&bad) = rows.iter().flatten().find(|&&id| id as usize >= vocab) {
+                    return Err(ServiceError::Rejected(format!(
+                        "prompt token id {bad} is outside the vocabulary of {vocab} tokens"
+                    )));
+                }
+                let texts = rows
+                    .iter()
+                    .map(|ids| self.tokenizer.detokenize(ids))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ServiceError::Rejected(e.to_string()))?;
+                let ids = rows
+                    .iter()
+                    .map(|ids| ids.iter().map(|&id| i64::from(id)).collect())
+                    .collect();
+                (ids, texts)
+            }
+            None => (
+                self.tokenize(&request.prompts, false).map_err(failed)?,
+                request.prompts.clone(),
+            ),
+        };
+        if prompts.iter().any(Vec::is_empty) {
+            return Err(ServiceError::Rejected("prompt must not be empty".into()));
+        }
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        self.check_top_k(request.top_k)?;
+        if longest.saturating_add(request.max_tokens) > self.model.max_positions() as usize {
+            return Err(ServiceError::Rejected(format!(
+                "prompt ({longest} tokens) + max_tokens ({}) exceed the model's {} positions",
+                request.max_tokens,
+                self.model.max_positions()
+            )));
+        }
+        if prompts.len() * (longest + request.max_tokens) > self.settings.max_tokens {
+            return Err(ServiceError::Rejected(format!(
+                "too many tokens: more than {}",
+                self.settings.max_tokens
+            )));
+        }
+        if request.echo {
+            // A streamed echo starts with the prompt, as the whole answer does.
+            if let Some(caller) = caller {
+                for (row, prompt) in prompt_texts.iter().enumerate() {
+                    caller.echo(row, prompt);
+                }
+            }
+        }
+        let sampling = if request.temperature == 0.0 {
+            Sampling::greedy()
+        } else {
+            let top_p = if request.top_p >= 1.0 {
+                0.0
+            } else {
+                request.top_p
+            };
+            Sampling {
+                temperature: request.temperature,
+                top_k: request.top_k,
+                top_p,
+                top_p_decay: 0.0,
+                top_p_bound: 0.0,
+            }
+        };
+        let generation = GenerationRequest {
+            prompts: prompts.clone(),
+            tokens_to_generate: request.max_tokens,
+            sampling,
+            stop: StopCondition::Token(self.special.eod),
+            prevent_newline_after_colon: None,
+            logprobs: request.logprobs,
+            pad: self.special.eod,
+        };
+        let state = CompletionState {
+            request: request.clone(),
+            streams: prompts.iter().map(|_| ChoiceStream::default()).collect(),
+            prompts,
+            prompt_texts,
+        };
+        self.start(
+            Prepared::Completion(Box::new(state)),
+            &generation,
+            request.seed,
+        )
+    }
+
+    /// A completion's new token: streams what is certain of its text; `true` ends the row (the
+    /// end-of-document token, a stop sequence or `max_tokens`).
+    pub fn observe(
+        &self,
+        state: &mut CompletionState,
+        mut caller: Option<&mut Caller>,
+        row: usize,
+        token: i64,
+        metrics: Option<&ServerMetrics>,
+    ) -> bool {
+        let stream = &mut state.streams[row];
+        if token == self.special.eod {
+            stream.finish = Some("stop");
+            return true;
+        }
+        stream.tokens.push(token);
+        stream.advance(
+            self.tokenizer.as_ref(),
+            &state.request.stop,
+            state.request.max_tokens,
+            &mut |text| {
+                if let Some(caller) = caller.as_deref_mut() {
+                    caller.stream(row, text, metrics);
+                }
+            },
+        )
+    }
+
+    /// The completion's answer from its streams and the generated tokens (`id` and `created`
+    /// are filled in where it is sent).
+    pub fn finish_completion(
+        &self,
+        mut state: CompletionState,
+        out: Generation,
+    ) -> Result<Answer, ServiceError> {
+        let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
+        let request = &state.request;
+        let prompts = &state.prompts;
+        let prompt_texts = &state.prompt_texts;
+        let mut choices = Vec::with_capacity(prompts.len());
+        let mut completion_tokens = 0;
+        for (row, stream) in state.streams.iter_mut().enumerate() {
+            if stream.finish.is_none() && stream.tokens.len() < request.max_tokens {
+                stream.finish = Some("stop");
+            }
+            let text = stream.final_text(self.tokenizer.as_ref(), &request.stop);
+            let mut choice = Choice {
+                text: if request.echo {
+                    format!("{}{text}", prompt_texts[row])
+                } else {
+                    text
+                },
+                finish_reason: Some(stream.finish.unwrap_or("length")),
+                ..Default::default()
+            };
+            completion_tokens += stream.tokens.len();
+            if let Some(logprobs) = &out.logprobs {
+                // With echo the prompt's tokens come first, the very first without a
+                // log-probability (nothing precedes it), as OpenAI answers.
+                let first = if request.echo { 0 } else { prompts[row].len() };
+                let end = prompts[row].len() + stream.tokens.len();
+                let shown = &out.tokens[row][first..end];
+                choice.tokens = shown
+                    .iter()
+                    .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
+                    .collect();
+                let ids: Vec<u32> = shown.iter().map(|&t| t as u32).collect();
+                choice.text_offset = text_offsets(&ids, |prefix| {
+                    self.tokenizer.detokenize(prefix).unwrap_or_default()
+                });
+                choice.token_logprobs = (first..end)
+                    .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
+                    .collect();
+                if request.top_logprobs > 0 {
+                    let (chosen, alternatives) = self
+                        .top_alternatives(&out.tokens[row][..end], request.top_logprobs)
+                        .map_err(failed)?;
+                    // Both from one forward, so a greedy token's value equals the top one
+                    // exactly (lm-eval compares them with `==`).
+                    choice.token_logprobs = (first..end)
+                        .map(|i| (i > 0).then(|| chosen[i - 1]))
+                        .collect();
+                    choice.top_logprobs = Some(
+                        (first..end)
+                            .map(|i| {
+                                (i > 0).then(|| {
+                                    alternatives[i - 1]
+                                        .iter()
+                                        .map(|&(t, l)| {
+                                            (
+                                                self.tokenizer
+                                                    .detokenize(&[t as u32])
+                                                    .unwrap_or_default(),
+                                                l,
+                                            )
+                                        })
+                                        .collect()
+                                })
+                            })
+                            .collect(),
+                    );
+                }
+            }
+            choices.push(choice);
+        }
+        let prompt_tokens = prompts.iter().map(Vec::len).sum();
+        Ok(Answer {
+            body: completion_body(
+                "",
+                0,
+                &request.model,
+                &choices,
+                Some((prompt_tokens, completion_tokens)),
+            ),
+            usage: Usage {
+                prompt: prompt_tokens as u64,
+                generated: completion_tokens as u64,
+            },
+        })
+    }
+
+    /// For every position after the first of `tokens`, its log-probability and the `n` most
+    /// likely tokens there with theirs, over the true vocabulary (one forward over the
+    /// sequence; every tensor-parallel rank runs it).
+    #[allow(clippy::type_complexity)]
+    fn top_alternatives(
+        &self,
+        tokens: &[i64],
+        n: usize,
+    ) -> anyhow::Result<(Vec<f32>, Vec<Vec<(i64, f32)>>)> {
+        let device = self.model.device();
+        let length = tokens.len() as i64;
+        let input = Tensor::from_slice(tokens)
+            .view([1, length])
+            .to_device(device);
+        let positions = Tensor::arange(length, (Kind::Int64, device)).unsqueeze(0);
+        let logits = tch::no_grad(|| self.model.causal_logits(&input, &positions))?;
+        let log_probs = logits
+            .select(1, 0)
+            .narrow(1, 0, self.model.vocab_size())
+            .log_softmax(-1, Kind::Float);
+        let targets = input.select(0, 0).narrow(0, 1, length - 1).unsqueeze(1);
+        let chosen = log_probs
+            .narrow(0, 0, length - 1)
+            .gather(1, &targets, false)
+            .squeeze_dim(1)
+            .to_device(Device::Cpu);
+        let chosen: Vec<f32> = Vec::try_from(chosen)?;
+        let (values, indices) = log_probs.topk(n as i64, -1, true, true);
+        let values = values.narrow(0, 0, length - 1).to_device(Device::Cpu);
+        let indices = indices.narrow(0, 0, length - 1).to_device(Device::Cpu);
+        let values: Vec<Vec<f32>> = Vec::try_from(values)?;
+        let indices: Vec<Vec<i64>> = Vec::try_from(indices)?;
+        let alternatives = indices
+            .into_iter()
+            .zip(values)
+            .map(|(ids, logprobs)| ids.into_iter().zip(logprobs).collect())
+            .collect();
+        Ok((chosen, alternatives))
+    }
+}
+
+/// A choice of a completion being streamed: its tokens, the text already sent, and why it
+/// ended.
+#[derive(Default)]
+struct ChoiceStream {
+    tokens: Vec<i64>,
+    sent: usize,
+    finish: Option<&'static str>,
+    /// The text of the first `settled` tokens, which did not end inside a character: each
+    /// step detokenizes only the tokens after them (and a few before, for context), so a
+    /// row's streaming costs the same at its 500th token as at its first.
+    settled_text: String,
+    settled: usize,
+}
+
+/// Tokens before the new ones detokenized with them: tokenizers that drop a word's leading
+/// space at the start of a text (SentencePiece) see the word in its place.
+const DETOKENIZE_CONTEXT: usize = 4;
+
+impl ChoiceStream {
+    fn text(&self, tokenizer: &dyn Tokenizer) -> String {
+        detokenize(tokenizer, &self.tokens)
+    }
+
+    /// The text of every token so far, detokenizing only the tokens since the last settled
+    /// text; the whole text again when the tokenizer's text of the tail does not extend that
+    /// of its context (a tokenizer whose output is not a concatenation).
+    fn text_so_far(&mut self, tokenizer: &dyn Tokenizer) -> String {
+        let anchor = self.settled.saturating_sub(DETOKENIZE_CONTEXT);
+        let context = detokenize(tokenizer, &self.tokens[anchor..self.settled]);
+        let tail = detokenize(tokenizer, &self.tokens[anchor..]);
+        let text = match tail.strip_prefix(&context) {
+            Some(new) => format!("{}{new}", self.settled_text),
+            None => self.text(tokenizer),
+        };
+        if !text.ends_with('\u{FFFD}') {
+            self.settled_text.clone_from(&text);
+            self.settled = self.tokens.len();
+        }
+        text
+    }
+
+    /// The text up to the first stop sequence, and whether one was found.
+    fn cut(text: &str, stop: &[String]) -> (usize, bool) {
+        match stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| text.find(s.as_str()))
+            .min()
+        {
+            Some(at) => (at, true),
+            None => (text.len(), false),
+        }
+    }
+
+    /// Sends what is certain of the text so far; `true` when the completion has ended.
+    fn advance(
+        &mut self,
+        tokenizer: &dyn Tokenizer,
+        stop: &[String],
+        max_tokens: usize,
+        send: &mut dyn FnMut(&str),
+    ) -> bool {
+        let text = self.text_so_far(tokenizer);
+        let (mut end, stopped) = Self::cut(&text, stop);
+        let ended = stopped || self.tokens.len() >= max_tokens;
+        if !ended {
+            // Hold back a possible start of a stop sequence and an unfinished character.
+            let held = stop
+                .iter()
+                .map(|s| {
+                    (1..s.len())
+                        .rev()
+                        .find(|&n| s.is_char_boundary(n) && text.ends_with(&s[..n]))
+                        .unwrap_or(0)
+                })
+                .max()
+                .unwrap_or(0);
+            end -= held;
+            while end > self.sent && text[..end].ends_with('\u{FFFD}') {
+                end -= '\u{FFFD}'.len_utf8();
+            }
+        }
+        if end > self.sent && text.is_char_boundary(end) && text.is_char_boundary(self.sent) {
+            send(&text[self.sent..end]);
+            self.sent = end;
+        }
+        if ended {
+            self.finish = Some(if stopped { "stop" } else { "length" });
+        }
+        ended
+    }
+
+    fn final_text(&self, tokenizer: &dyn Tokenizer, stop: &[String]) -> String {
+        let text = self.text(tokenizer);
+        let (end, _) = Self::cut(&text, stop);
+        text[..end].to_string()
+    }
+}
+
+fn detokenize(tokenizer: &dyn Tokenizer, tokens: &[i64]) -> String {
+    let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    tokenizer.detokenize(&ids).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use megatron_data::tokenizer::TokenizerError;
+
+    /// A byte-level tokenizer (id = byte), like GPT-2's BPE at its finest: a character of
+    /// several bytes spans several tokens, its text U+FFFD until the last one arrives.
+    struct Bytes;
+
+    impl Tokenizer for Bytes {
+        fn tokenize_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+            out.extend(text.bytes().map(u32::from));
+            Ok(())
+        }
+        fn vocab_size(&self) -> usize {
+            256
+        }
+        fn eod(&self) -> Option<u32> {
+            None
+        }
+        fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+            let bytes: Vec<u8> = ids.iter().map(|&id| id as u8).collect();
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        }
+    }
+
+    #[test]
+    fn streamed_text_is_the_text_of_all_tokens_detokenized_a_few_at_a_time() {
+        let text = "héllo wörld ✓ — “quoted” 😀 end";
+        let ids = Bytes.tokenize(text).unwrap();
+        let stop = vec!["qu".to_string()];
+        let mut stream = ChoiceStream::default();
+        let mut streamed = String::new();
+        for (n, &id) in ids.iter().enumerate() {
+            stream.tokens.push(i64::from(id));
+            let so_far = stream.text_so_far(&Bytes);
+            assert_eq!(so_far, stream.text(&Bytes), "after {} tokens", n + 1);
+            // Only the last few tokens are detokenized again.
+            assert!(stream.settled + 4 >= stream.tokens.len());
+            if stream.advance(&Bytes, &stop, usize::MAX, &mut |t| streamed.push_str(t)) {
+                break;
+            }
+        }
+        assert_eq!(streamed, "héllo wörld ✓ — “");
+        assert_eq!(stream.final_text(&Bytes, &stop), streamed);
+    }
+}
