@@ -28,5 +28,8 @@ export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
 # the training binaries.
 scripts/check_layout.sh
 
-cargo build --locked --workspace --bins
+# The tests are built with the binaries so both resolve features alike: dev-dependencies
+# (proptest) turn on features of shared crates (getrandom), and a plain `--bins` build would
+# compile the whole workspace a second time for `cargo test`.
+cargo build --locked --workspace --bins --tests
 cargo test --locked --workspace "$@"
