@@ -1,5 +1,6 @@
 // FP8 quantization in one pass, optionally transposed, with the amax for delayed scaling
-// (ops::fp8_cast). The e4m3/e5m2 conversions need sm_89 or newer.
+// (ops::fp8_cast). The e4m3/e5m2 conversions need sm_89 or newer:
+// requires: sm_89
 
 #include "scalars.cuh"
 

@@ -6,34 +6,26 @@ use std::sync::{Mutex, OnceLock};
 
 use crate::runtime::nvrtc::CudaHeader;
 
+/// A header of `lib/kernels/cuda/`, under the name the sources `#include`.
+macro_rules! cuda_header {
+    ($name:literal) => {
+        CudaHeader {
+            name: $name,
+            text: include_str!(concat!("../../cuda/", $name)),
+        }
+    };
+}
+
 /// The headers of our kernel sources (`lib/kernels/cuda/*.cuh`), by the names the sources
 /// include them by; every [`crate::runtime::nvrtc::KernelSource`] of ours hands NVRTC all of
 /// them.
 const HEADERS: &[CudaHeader] = &[
-    CudaHeader {
-        name: "scalars.cuh",
-        text: include_str!("../../cuda/scalars.cuh"),
-    },
-    CudaHeader {
-        name: "vectors8.cuh",
-        text: include_str!("../../cuda/vectors8.cuh"),
-    },
-    CudaHeader {
-        name: "column_totals.cuh",
-        text: include_str!("../../cuda/column_totals.cuh"),
-    },
-    CudaHeader {
-        name: "dependent_launch.cuh",
-        text: include_str!("../../cuda/dependent_launch.cuh"),
-    },
-    CudaHeader {
-        name: "online_softmax.cuh",
-        text: include_str!("../../cuda/online_softmax.cuh"),
-    },
-    CudaHeader {
-        name: "decode_gemv_parts.cuh",
-        text: include_str!("../../cuda/decode_gemv_parts.cuh"),
-    },
+    cuda_header!("scalars.cuh"),
+    cuda_header!("vectors8.cuh"),
+    cuda_header!("column_totals.cuh"),
+    cuda_header!("dependent_launch.cuh"),
+    cuda_header!("online_softmax.cuh"),
+    cuda_header!("decode_gemv_parts.cuh"),
 ];
 
 /// Row groups (`blockDim.y`) of `column_totals_into_main` and its kin (`column_totals.cuh`), 32
