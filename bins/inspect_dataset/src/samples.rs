@@ -8,9 +8,10 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use megatron_data::blend::{build_gpt_datasets, BlendMember, DataPathFlags, SplitDataset};
+use megatron_data::flags::TokenizerArgs;
 use megatron_data::gpt::{
     GptDataset, GptDatasetConfig, IndexOrigin, SampleOptions, Split, SplitMatrix, TokenSource,
-    TokenizerGeneration, TokenizerIdentity,
+    TokenizerIdentity,
 };
 use megatron_data::indexed::IndexedDataset;
 use megatron_data::masked::{
@@ -70,19 +71,11 @@ pub struct SamplesArgs {
     /// Index cache directory; without it indices go to PREFIX/cache/GPTDataset_indices.
     #[arg(long)]
     data_cache_path: Option<PathBuf>,
-    /// Tokenizer type (enters the cache file names, as in Megatron).
-    #[arg(long, default_value = "GPT2BPETokenizer")]
-    tokenizer_type: String,
-    /// Tokenizer vocabulary path, as training is given it (GPT: recorded, not read; BERT/T5: read
-    /// for the special ids and recorded).
-    #[arg(long)]
-    vocab_file: Option<String>,
-    /// BPE merges path, as training is given it (recorded, not read).
-    #[arg(long)]
-    merge_file: Option<String>,
-    /// Name caches like Megatron's legacy tokenizers (`--legacy-tokenizer`, up to core_v0.14).
-    #[arg(long)]
-    legacy_tokenizer: bool,
+    /// The tokenizer, named as training is given it: its flags enter the cache file names as in
+    /// Megatron (GPT: recorded, not read; BERT/T5: the WordPiece vocabulary is read for the
+    /// special ids and recorded).
+    #[command(flatten)]
+    tokenizer: TokenizerArgs,
     /// Extra fraction of samples built for each member of a weighted blend.
     #[arg(long, default_value_t = 0.005)]
     mid_level_dataset_surplus: f64,
@@ -101,17 +94,7 @@ fn run_gpt(args: &SamplesArgs) -> Result<()> {
     let Some(seq_length) = args.seq_length else {
         bail!("--seq-length is required");
     };
-    let generation = if args.legacy_tokenizer {
-        TokenizerGeneration::Legacy
-    } else {
-        TokenizerGeneration::Current
-    };
-    let tokenizer = TokenizerIdentity::from_flags(
-        &args.tokenizer_type,
-        args.vocab_file.as_deref(),
-        args.merge_file.as_deref(),
-        generation,
-    )?;
+    let tokenizer = TokenizerIdentity::from_flags(&args.tokenizer, args.vocab_extra_ids)?;
     let split_matrix = split_string
         .as_deref()
         .map(SplitMatrix::parse)
@@ -173,7 +156,7 @@ fn run_masked(args: &SamplesArgs) -> Result<()> {
     let split = Split::from_name(&args.split_name)?;
     let (sources, split_string) = args.paths.sources()?;
     let sizes = parse_sizes(args.num_samples.as_deref())?;
-    let Some(vocab_file) = args.vocab_file.clone() else {
+    let Some(vocab_file) = args.tokenizer.vocab_file.as_ref() else {
         bail!("BERT and T5 samples need --vocab-file (a WordPiece vocab.txt)");
     };
     let seq_length = match args.model {
@@ -194,8 +177,8 @@ fn run_masked(args: &SamplesArgs) -> Result<()> {
         split: split_string,
         data_cache_path: args.data_cache_path.clone(),
         mid_level_dataset_surplus: args.mid_level_dataset_surplus,
-        tokenizer_type: args.tokenizer_type.clone(),
-        vocab_file,
+        tokenizer_type: args.tokenizer.tokenizer_type.clone(),
+        vocab_file: vocab_file.to_string_lossy().into_owned(),
         vocab_extra_ids: args.vocab_extra_ids,
     };
     let stdout = std::io::stdout();

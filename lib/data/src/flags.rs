@@ -53,16 +53,19 @@ pub struct TokenizerArgs {
     /// Vocabulary size of the NullTokenizer; TikTokenizer's whole vocabulary (default 131072).
     #[arg(long)]
     pub vocab_size: Option<u32>,
-    /// TikTokenizer: pre-tokenization pattern, v1 or v2 (Megatron's PATTERN_TIKTOKEN(_V2)).
-    #[arg(long, default_value = "v2")]
-    pub tiktoken_pattern: String,
+    /// TikTokenizer: pre-tokenization pattern, v1 or v2 (Megatron's PATTERN_TIKTOKEN(_V2))
+    /// [default: v2]. Whether it was given enters cache descriptions, as in Megatron.
+    #[arg(long, value_parser = ["v1", "v2"])]
+    pub tiktoken_pattern: Option<String>,
     /// TikTokenizer: ids reserved for special tokens in front of the BPE ranks.
     #[arg(long, default_value_t = 1000)]
     pub tiktoken_num_special_tokens: usize,
     /// TikTokenizer: the special tokens (must include <unk>, <s>, </s>; default exactly those).
     #[arg(long, num_args = 1..)]
     pub tiktoken_special_tokens: Option<Vec<String>>,
-    /// Name index caches like Megatron's legacy tokenizers (up to core_v0.14).
+    /// Megatron's legacy tokenizers (up to core_v0.14): index caches named as they name them,
+    /// and WordPiece with their [BOS]/[EOS] additions (the vocabulary `preprocess_data`
+    /// tokenizes with unless given --tokenizer-hf-include-special-tokens).
     #[arg(long)]
     pub legacy_tokenizer: bool,
 }
@@ -77,12 +80,14 @@ impl TokenizerArgs {
             tokenizer_model: self.tokenizer_model.clone(),
             vocab_size: self.vocab_size,
             tiktoken: TikTokenOptions {
-                pattern: self.tiktoken_pattern.clone(),
+                pattern: self.tiktoken_pattern.clone().unwrap_or_else(|| "v2".into()),
                 num_special_tokens: self.tiktoken_num_special_tokens,
                 special_tokens: self.tiktoken_special_tokens.clone(),
                 ..Default::default()
             },
-            include_special_tokens: true,
+            // The generations differ for WordPiece: the legacy one adds [BOS] and [EOS] (the
+            // end of document), the current one wraps texts in [CLS] ... [SEP].
+            include_special_tokens: !self.legacy_tokenizer,
         })
     }
 }

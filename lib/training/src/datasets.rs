@@ -5,10 +5,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use megatron_data::blend::{build_gpt_datasets, BlendMember, DataSources, SplitDataset};
-use megatron_data::cache::PyJson;
 use megatron_data::gpt::{
     GptDataset, GptDatasetConfig, MockTokenSource, SampleOptions, Split, SplitMatrix, TokenSource,
-    TokenizerGeneration, TokenizerIdentity,
+    TokenizerIdentity,
 };
 use megatron_data::indexed::IndexedDataset;
 use megatron_data::masked::MaskedDataFlags;
@@ -43,31 +42,7 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
         // must not see each other.
         create_attention_mask: data.reset_attention_mask,
     };
-    let generation = if request.tokenizer.legacy_tokenizer {
-        TokenizerGeneration::Legacy
-    } else {
-        TokenizerGeneration::Current
-    };
-    let path_string =
-        |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.to_string_lossy().into_owned());
-    let identity = TokenizerIdentity::from_flags(
-        &request.tokenizer.tokenizer_type,
-        path_string(&request.tokenizer.vocab_file).as_deref(),
-        path_string(&request.tokenizer.merge_file).as_deref(),
-        generation,
-    );
-    let tokenizer = match identity {
-        Ok(identity) => identity,
-        // Mock data without --data-cache-path keeps its indices in memory: the description is
-        // never hashed into a file name, so any tokenizer will do.
-        Err(_) if data.mock_data && data.data_cache_path.is_none() => {
-            TokenizerIdentity(PyJson::Map(vec![(
-                "class".to_string(),
-                PyJson::str(request.tokenizer.tokenizer_type.as_str()),
-            )]))
-        }
-        Err(e) => return Err(e),
-    };
+    let tokenizer = TokenizerIdentity::from_flags(request.tokenizer, 0)?;
     let sizes = request.sizes.map(Some);
     let config_for = |split: Option<String>| -> Result<Arc<GptDatasetConfig>> {
         Ok(Arc::new(GptDatasetConfig {

@@ -140,6 +140,42 @@ pub fn python_float_repr(value: f64) -> String {
     }
 }
 
+/// Python's `str(list_of_strings)`, e.g. `['<unk>', "it's"]`: what Megatron records for a list
+/// option of a tokenizer.
+pub fn python_str_list_repr(items: &[String]) -> String {
+    let items: Vec<String> = items.iter().map(|s| python_str_repr(s)).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// Python's `repr(str)`: single quotes unless the text holds a single quote and no double
+/// quote; backslashes, the quote and control characters escaped.
+fn python_str_repr(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::from(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c == '\u{7f}' => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +218,19 @@ mod tests {
             value.dumps(),
             "{\n    \"a\": [\n        0,\n        0.5\n    ],\n    \"b\": [],\n    \
              \"c\": \"\\u00e9\\\"\\ud83d\\ude00\\n\",\n    \"d\": null\n}"
+        );
+    }
+
+    #[test]
+    fn string_lists_print_like_python_str() {
+        let list = |items: &[&str]| {
+            python_str_list_repr(&items.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        };
+        assert_eq!(list(&[]), "[]");
+        assert_eq!(list(&["<unk>", "<s>", "</s>"]), "['<unk>', '<s>', '</s>']");
+        assert_eq!(
+            list(&["it's", "a\\b", "say \"x\" 'y'", "tab\t"]),
+            r#"["it's", 'a\\b', 'say "x" \'y\'', 'tab\t']"#
         );
     }
 }

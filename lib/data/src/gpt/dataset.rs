@@ -9,12 +9,13 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::cache::{description_hash, CacheEntry, PyJson};
 
-use super::config::{GptDatasetConfig, TokenizerIdentity};
+use super::config::GptDatasetConfig;
 use super::epochs::EpochPlan;
 use super::indices::{GptIndices, IndexRequest};
 use super::sample::GptSample;
 use super::source::TokenSource;
 use super::split::{Split, SplitMatrix};
+use super::tokenizer_identity::TokenizerIdentity;
 
 const CLASS: &str = "GPTDataset";
 const CACHE_FILES: [&str; 4] = [

@@ -12,8 +12,9 @@ mod sample_index;
 mod shuffle_index;
 mod source;
 mod split;
+mod tokenizer_identity;
 
-pub use config::{GptDatasetConfig, SampleOptions, TokenizerGeneration, TokenizerIdentity};
+pub use config::{GptDatasetConfig, SampleOptions};
 pub use dataset::{base_identifiers, BaseIdentifiers, GptDataset, IndexOrigin, SampleText};
 pub use document_index::build_document_index;
 pub use epochs::EpochPlan;
@@ -24,3 +25,4 @@ pub use sample_index::{build_sample_index, SampleIndexInput};
 pub use shuffle_index::build_shuffle_index;
 pub use source::{SentenceSource, TokenSource};
 pub use split::{Bookend, Split, SplitMatrix};
+pub use tokenizer_identity::{TokenizerGeneration, TokenizerIdentity};

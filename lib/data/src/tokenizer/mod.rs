@@ -20,7 +20,7 @@ pub use gpt2::Gpt2Bpe;
 pub use huggingface::HuggingFace;
 pub use null::NullTokenizer;
 pub use sentencepiece::{SentencePiece, SentencePieceFlavor};
-pub use tiktoken::{TikToken, TikTokenOptions};
+pub use tiktoken::{pattern_regex, TikToken, TikTokenOptions};
 pub use train::{
     read_texts, train_byte_level_bpe, BpeTrainingOptions, TrainError, TrainedBpe, END_OF_TEXT,
 };

@@ -62,17 +62,20 @@ fn bad_file(path: &Path, reason: impl Into<String>) -> TokenizerError {
     }
 }
 
+/// The regular expression `--tiktoken-pattern` names (`v1` or `v2`).
+pub fn pattern_regex(name: &str) -> Result<&'static str, TokenizerError> {
+    match name {
+        "v1" => Ok(PATTERN_V1),
+        "v2" => Ok(PATTERN_V2),
+        other => Err(TokenizerError::Config(format!(
+            "--tiktoken-pattern must be v1 or v2, not {other:?}"
+        ))),
+    }
+}
+
 impl TikToken {
     pub fn from_file(path: &Path, options: &TikTokenOptions) -> Result<Self, TokenizerError> {
-        let pattern = match options.pattern.as_str() {
-            "v1" => PATTERN_V1,
-            "v2" => PATTERN_V2,
-            other => {
-                return Err(TokenizerError::Config(format!(
-                    "--tiktoken-pattern must be v1 or v2, not {other:?}"
-                )))
-            }
-        };
+        let pattern = pattern_regex(&options.pattern)?;
         let mut specials: Vec<String> = options
             .special_tokens
             .clone()
