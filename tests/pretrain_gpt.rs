@@ -471,3 +471,86 @@ fn profiler_flags_that_cannot_work_are_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The logging flags of Megatron's scripts: zeros in the gradient and the parameter norm in the
+/// log line and metrics, the test set's result in the metrics, and the flags that change
+/// nothing here each noted once.
+#[test]
+fn logging_flags_of_megatron_scripts_are_honoured_or_noted() {
+    let corpus = bundled_corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let flags = [
+        "--train-iters",
+        "2",
+        "--lr-warmup-iters",
+        "0",
+        "--log-interval",
+        "1",
+        "--split",
+        "90,5,5",
+        "--untie-embeddings-and-output-weights",
+        "--log-num-zeros-in-grad",
+        "--log-params-norm",
+        "--log-validation-ppl-to-tensorboard",
+        "--log-world-size-to-tensorboard",
+        "--manual-gc",
+        "--manual-gc-interval",
+        "100",
+        "--no-mmap-bin-files",
+        "--context-parallel-size",
+        "1",
+        "--use-rotary-position-embeddings",
+    ];
+    let out = run_ok(pretrain(&corpus, &flags).args(["--metrics-file", path_str(&metrics)]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for flag in [
+        "--manual-gc ",
+        "--manual-gc-interval",
+        "--no-mmap-bin-files",
+    ] {
+        let note = format!("note: {flag}");
+        assert_eq!(stderr.matches(&note).count(), 1, "{flag}: {stderr}");
+    }
+    assert_eq!(stderr.matches("note: ").count(), 5, "{stderr}");
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    // Each step sees at most 8 x 32 distinct tokens, so every other row of the untied 4096 x 32
+    // input embedding has a zero gradient.
+    let floor = ((4096 - 8 * 32) * 32) as f64;
+    for iteration in [1, 2] {
+        let record = records
+            .iter()
+            .find(|r| r["iteration"] == iteration && r.get("split").is_none())
+            .unwrap_or_else(|| panic!("no record of iteration {iteration}: {records:?}"));
+        let zeros = record["num-zeros"].as_f64().unwrap();
+        assert!(zeros >= floor, "num-zeros {zeros} below {floor}");
+        assert!(record["params-norm"].as_f64().unwrap() > 0.0, "{record}");
+        let line = format!("iteration        {iteration}/       2 |");
+        let logged = stdout.lines().find(|l| l.contains(&line)).unwrap();
+        assert!(
+            logged.contains(&format!("num zeros: {zeros} |")),
+            "{logged}"
+        );
+    }
+    let test = records
+        .iter()
+        .find(|r| r["split"] == "test")
+        .unwrap_or_else(|| panic!("no test-set record: {records:?}"));
+    let logged_test = stdout.lines().find(|l| l.contains("on test set")).unwrap();
+    let printed: f64 = logged_test
+        .split("lm loss value: ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no test loss in {logged_test:?}"));
+    let recorded = test["lm loss"].as_f64().unwrap();
+    assert!(
+        (printed - recorded).abs() <= 1e-6 * recorded,
+        "{printed} vs {recorded}"
+    );
+}

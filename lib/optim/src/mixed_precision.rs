@@ -71,6 +71,9 @@ pub struct StepOutcome {
     pub skipped: bool,
     /// Global L2 norm of the (unscaled) gradients before clipping; `None` when skipped.
     pub grad_norm: Option<f64>,
+    /// Zeros in the reduced gradients before clipping, when counted
+    /// ([`MixedPrecisionOptimizer::counting_zeros`]); `None` otherwise or when skipped.
+    pub num_zeros: Option<u64>,
 }
 
 /// Views of the flat buffers that every step passes to the multi-tensor kernels, made once:
@@ -142,6 +145,8 @@ pub struct MixedPrecisionOptimizer {
     kernels: Option<StepKernels>,
     /// `--clip-grad` as a float32 scalar on the device, when clipping.
     clip: Option<Tensor>,
+    /// Whether each step counts the zeros in the gradients ([`Self::counting_zeros`]).
+    count_zeros: bool,
 }
 
 /// The tables of [`optimizer_kernels`] for this rank's layout: Adam(W) with half-precision model
@@ -282,6 +287,7 @@ impl MixedPrecisionOptimizer {
         let mut optimizer = MixedPrecisionOptimizer {
             views: StepViews::default(),
             kernels: None,
+            count_zeros: false,
             clip: (settings.clip_grad > 0.0)
                 .then(|| Tensor::from(settings.clip_grad as f32).to_device(device)),
             param_gather,
@@ -341,6 +347,13 @@ impl MixedPrecisionOptimizer {
     /// Whether the step runs on [`optimizer_kernels`] (see [`Self::without_step_kernels`]).
     pub fn uses_step_kernels(&self) -> bool {
         self.kernels.is_some()
+    }
+
+    /// Makes every step count the zeros in the reduced gradients (`--log-num-zeros-in-grad`),
+    /// in [`StepOutcome::num_zeros`]; a pass over the gradients and a reduction more.
+    pub fn counting_zeros(mut self) -> Self {
+        self.count_zeros = true;
+        self
     }
 
     /// Keeps the step on ATen's multi-tensor kernels (to compare the two).
@@ -541,6 +554,18 @@ impl MixedPrecisionOptimizer {
         Ok(squared.sqrt())
     }
 
+    /// The zeros in the gradients that count, over the whole replica (Megatron's
+    /// `--log-num-zeros-in-grad`).
+    fn grad_zeros(&self) -> Result<u64> {
+        let device = self.grad_buffer.device();
+        let mut zeros = Tensor::zeros([], (Kind::Double, device));
+        for view in &self.views.counted {
+            zeros += view.eq(0.0).sum(Kind::Double);
+        }
+        self.reduce_over_replica(&zeros, ReduceOp::Sum)?;
+        Ok(zeros.double_value(&[]) as u64)
+    }
+
     /// The global norm of the gradients that count.
     fn grad_norm(&self) -> Result<Tensor> {
         match &self.kernels {
@@ -573,10 +598,16 @@ impl MixedPrecisionOptimizer {
                 return Ok(StepOutcome {
                     skipped: true,
                     grad_norm: None,
+                    num_zeros: None,
                 });
             }
         }
         let norm = self.grad_norm()?;
+        let num_zeros = if self.count_zeros {
+            Some(self.grad_zeros()?)
+        } else {
+            None
+        };
         // Megatron scales by clip / (norm + 1e-6) only when that is below one; dividing by
         // the clamped inverse is the identity otherwise, with no branch on the host. Adam
         // divides inside its own kernel, so clipping costs no pass over the gradients.
@@ -592,6 +623,7 @@ impl MixedPrecisionOptimizer {
             return Ok(StepOutcome {
                 skipped: false,
                 grad_norm: Some(norm.double_value(&[])),
+                num_zeros,
             });
         }
         match self.settings.kind {
@@ -636,6 +668,7 @@ impl MixedPrecisionOptimizer {
         Ok(StepOutcome {
             skipped: false,
             grad_norm: Some(norm.double_value(&[])),
+            num_zeros,
         })
     }
 

@@ -27,7 +27,7 @@ use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
 use crate::families::{LossTotals, ModelFamily};
-use crate::metrics::TrainingMetrics;
+use crate::metrics::{EvalSplit, TrainingMetrics};
 use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_kernels::rng;
 use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
@@ -255,6 +255,11 @@ pub fn train_with_hooks<F: ModelFamily>(
         args.parallel.tensor_model_parallel_size,
         args.parallel.pipeline_model_parallel_size
     );
+    if parallel.is_logging_rank() {
+        for note in args.compatibility.notes() {
+            eprintln!("{note}");
+        }
+    }
     if args.parallel.sequence_parallel && layout.tensor == 1 {
         eprintln!("warning: --sequence-parallel has no effect without tensor parallelism");
     }
@@ -376,11 +381,14 @@ pub fn train_with_hooks<F: ModelFamily>(
             })
         })
         .collect();
-    let optimizer = MixedPrecisionOptimizer::new(
+    let mut optimizer = MixedPrecisionOptimizer::new(
         parameters,
         optimizer_settings(args, layout.data)?,
         &parallel,
     )?;
+    if args.logging.log_num_zeros_in_grad {
+        optimizer = optimizer.counting_zeros();
+    }
     let prefixes: Vec<String> = (0..chunks.len())
         .map(|c| {
             if virtual_stages > 1 {
@@ -593,7 +601,11 @@ impl<F: ModelFamily> Run<'_, F> {
             if let Some(test) = &datasets.test {
                 let mut loader = self.loader(test.clone(), "test", 0);
                 let label = format!("iteration {} on test set", self.progress.iteration);
-                self.evaluate_without_counting(&mut loader, &label)?;
+                let losses = self.evaluate_without_counting(&mut loader, &label)?;
+                // As Megatron: recorded like the validation set, unless only evaluating.
+                if !self.args.training.skip_train {
+                    self.record_eval(EvalSplit::Test, &losses)?;
+                }
             }
         }
         summary.last_checkpoint = self.last_checkpoint.clone();
@@ -682,6 +694,12 @@ impl<F: ModelFamily> Run<'_, F> {
                 if let Some(norm) = outcome.grad_norm {
                     scalars.push(("grad-norm", norm));
                 }
+                if let Some(zeros) = outcome.num_zeros {
+                    scalars.push(("num-zeros", zeros as f64));
+                }
+                if self.metrics.is_some() && logging.log_params_norm {
+                    scalars.push(("params-norm", self.optimizer.params_norm()?));
+                }
                 if let Some(metrics) = self.metrics.as_mut() {
                     metrics.record_iteration(
                         iteration,
@@ -691,7 +709,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 }
             }
             if iteration % logging.log_interval.max(1) == 0 {
-                self.print_log_line(&mut interval, global_batch, outcome.grad_norm)?;
+                self.print_log_line(&mut interval, global_batch, &outcome)?;
             }
             if let Some(loader) = valid.as_deref_mut() {
                 if self.args.training.eval_interval > 0
@@ -878,7 +896,7 @@ impl<F: ModelFamily> Run<'_, F> {
         &mut self,
         interval: &mut IntervalStats,
         global_batch: u64,
-        grad_norm: Option<f64>,
+        outcome: &StepOutcome,
     ) -> Result<()> {
         let params_norm = if self.args.logging.log_params_norm {
             Some(self.optimizer.params_norm()?)
@@ -915,8 +933,8 @@ impl<F: ModelFamily> Run<'_, F> {
             global_batch_size: global_batch,
             losses,
             loss_scale: self.scaler.scale() as f64,
-            grad_norm,
-            num_zeros: None,
+            grad_norm: outcome.grad_norm,
+            num_zeros: outcome.num_zeros,
             params_norm,
             skipped_iterations: interval.skipped,
             nan_iterations: interval.nan,
@@ -945,15 +963,21 @@ impl<F: ModelFamily> Run<'_, F> {
         self.progress.consumed_valid_samples +=
             self.args.training.eval_iters * self.batches.current_global_batch_size();
         if record {
-            if let Some(metrics) = self.metrics.as_mut() {
-                metrics.record_eval(
-                    self.progress.iteration,
-                    self.progress.consumed_train_samples,
-                    &losses,
-                )?;
-            }
+            self.record_eval(EvalSplit::Validation, &losses)?;
         }
         Ok(losses)
+    }
+
+    fn record_eval(&mut self, split: EvalSplit, losses: &[(&'static str, f64)]) -> Result<()> {
+        if let Some(metrics) = self.metrics.as_mut() {
+            metrics.record_eval(
+                self.progress.iteration,
+                self.progress.consumed_train_samples,
+                split,
+                losses,
+            )?;
+        }
+        Ok(())
     }
 
     fn evaluate_without_counting(

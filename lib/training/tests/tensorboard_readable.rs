@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megatron_training::metrics::TrainingMetrics;
+use megatron_training::metrics::{EvalSplit, TrainingMetrics};
 use serde_json::Value;
 
 fn workspace_root() -> PathBuf {
@@ -91,7 +91,9 @@ fn tensorboard_reads_training_and_validation_scalars() {
             ],
         )
         .unwrap();
-    metrics.record_eval(2, 16, &[("lm loss", 9.0)]).unwrap();
+    metrics
+        .record_eval(2, 16, EvalSplit::Validation, &[("lm loss", 9.0)])
+        .unwrap();
     drop(metrics);
 
     let (file_version, scalars) = read_with_tensorboard(&tb_dir);

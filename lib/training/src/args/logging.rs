@@ -18,9 +18,13 @@ pub struct LoggingArgs {
     /// Add Megatron's throughput field (TFLOP/s per GPU) to the log line.
     #[arg(long)]
     pub log_throughput: bool,
-    /// Add the L2 norm of the parameters to the log line.
+    /// Add the L2 norm of the parameters to the log line and TensorBoard (`params-norm`).
     #[arg(long)]
     pub log_params_norm: bool,
+    /// Add the number of zeros in the gradient (after reduction, before clipping) to the log
+    /// line and TensorBoard (`num-zeros`).
+    #[arg(long)]
+    pub log_num_zeros_in_grad: bool,
     /// JSON-lines file of per-iteration metrics [default: TENSORBOARD_DIR/metrics.jsonl].
     #[arg(long)]
     pub metrics_file: Option<PathBuf>,

@@ -5,6 +5,7 @@
 //! training file (`families::bert::BertPretrainArgs`).
 
 mod checkpointing;
+mod compatibility;
 mod finetune;
 mod fp8;
 mod logging;
@@ -13,6 +14,7 @@ mod parallel;
 mod training;
 
 pub use checkpointing::CheckpointArgs;
+pub use compatibility::CompatibilityArgs;
 pub use finetune::{FinetuneArgs, FinetuneTaskArgs};
 pub use fp8::Fp8Args;
 pub use logging::LoggingArgs;
@@ -46,4 +48,9 @@ pub struct PretrainArgs {
     pub tokenizer: TokenizerArgs,
     #[command(flatten, next_help_heading = "Logging")]
     pub logging: LoggingArgs,
+    #[command(
+        flatten,
+        next_help_heading = "Accepted from Megatron's scripts, changing nothing here"
+    )]
+    pub compatibility: CompatibilityArgs,
 }

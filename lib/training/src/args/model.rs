@@ -39,6 +39,9 @@ pub struct ModelArgs {
     /// learned_absolute, rope or none.
     #[arg(long, default_value = "learned_absolute")]
     pub position_embedding_type: String,
+    /// Megatron's older spelling of --position-embedding-type rope.
+    #[arg(long)]
+    pub use_rotary_position_embeddings: bool,
     /// Fraction of each head's channels rotated by RoPE.
     #[arg(long, default_value_t = 1.0)]
     pub rotary_percent: f64,
@@ -172,7 +175,11 @@ impl ModelArgs {
             4 * self.hidden_size
         });
         let max_position_embeddings = self.max_position_embeddings.unwrap_or(self.seq_length);
-        let position_embedding_type = PositionEmbeddingType::parse(&self.position_embedding_type)?;
+        let position_embedding_type = if self.use_rotary_position_embeddings {
+            PositionEmbeddingType::Rope
+        } else {
+            PositionEmbeddingType::parse(&self.position_embedding_type)?
+        };
         if position_embedding_type == PositionEmbeddingType::LearnedAbsolute {
             ensure!(
                 max_position_embeddings >= self.seq_length,

@@ -15,6 +15,9 @@ pub struct ParallelArgs {
     /// parallelism).
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Context-parallel size: only 1 (no context parallelism) is supported so far.
+    #[arg(long, default_value_t = 1, value_parser = context_parallel_size)]
+    pub context_parallel_size: usize,
     /// Layers per virtual pipeline stage (interleaved 1F1B schedule).
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
@@ -76,5 +79,15 @@ impl ParallelArgs {
             (None, Some(chunks)) => Ok(chunks.max(1)),
             (None, None) => Ok(1),
         }
+    }
+}
+
+/// `--context-parallel-size`: scripts pass 1 explicitly; larger sizes are refused by name.
+fn context_parallel_size(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(1) => Ok(1),
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(_) => Err("context parallelism is not supported yet: only 1 is".into()),
+        Err(e) => Err(e.to_string()),
     }
 }

@@ -40,6 +40,13 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde_json::Map;
 
+/// Which split an evaluation scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalSplit {
+    Validation,
+    Test,
+}
+
 /// Megatron caps the exponent so that a diverged loss still gives a finite perplexity.
 const MAX_PPL_EXPONENT: f64 = 20.0;
 
@@ -98,13 +105,15 @@ impl TrainingMetrics {
         self.write_jsonl(iteration, consumed_samples, None, scalars)
     }
 
-    /// Logs a validation pass: for each `(key, loss)`, `"<key> validation"` and
-    /// `"<key> validation ppl"` with their twins, and the JSON line
-    /// `{"iteration", "consumed_samples", "split": "validation", <key>: loss, "<key> ppl": ppl}`.
+    /// Logs an evaluation of `split`: for each `(key, loss)`, `"<key> validation"` and
+    /// `"<key> validation ppl"` with their twins (Megatron writes the test set under the same
+    /// tags), and the JSON line
+    /// `{"iteration", "consumed_samples", "split": "validation"|"test", <key>: loss, "<key> ppl": ppl}`.
     pub fn record_eval(
         &mut self,
         iteration: u64,
         consumed_samples: u64,
+        split: EvalSplit,
         losses: &[(&str, f64)],
     ) -> Result<()> {
         let mut scalar_tags = Vec::with_capacity(2 * losses.len());
@@ -118,7 +127,11 @@ impl TrainingMetrics {
         }
         self.write_tensorboard(iteration, consumed_samples, &scalar_tags)?;
         let fields: Vec<(&str, f64)> = fields.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        self.write_jsonl(iteration, consumed_samples, Some("validation"), &fields)
+        let split = match split {
+            EvalSplit::Validation => "validation",
+            EvalSplit::Test => "test",
+        };
+        self.write_jsonl(iteration, consumed_samples, Some(split), &fields)
     }
 
     /// Writes `(tag, value, with_twin)` scalars, each followed by its twin when asked for.
@@ -216,7 +229,9 @@ mod tests {
         metrics
             .record_iteration(10, 320, &[("lm loss", 7.25), ("learning-rate", 1e-4)])
             .unwrap();
-        metrics.record_eval(10, 320, &[("lm loss", 1.0)]).unwrap();
+        metrics
+            .record_eval(10, 320, EvalSplit::Validation, &[("lm loss", 1.0)])
+            .unwrap();
         metrics
             .record_iteration(11, 352, &[("lm loss", f64::NAN)])
             .unwrap();
