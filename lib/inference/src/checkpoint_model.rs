@@ -73,6 +73,9 @@ pub struct CheckpointModelArgs {
     /// Checked against the checkpoint: learned_absolute, rope or none.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub position_embedding_type: Option<String>,
+    /// Megatron's older spelling of --position-embedding-type rope (checked the same way).
+    #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
+    pub use_rotary_position_embeddings: bool,
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub rotary_percent: Option<f64>,
@@ -388,7 +391,8 @@ impl CheckpointModelArgs {
             text(self.max_position_embeddings),
             config.max_position_embeddings.to_string(),
         )?;
-        if let Some(kind) = &self.position_embedding_type {
+        let rope = self.use_rotary_position_embeddings.then(|| "rope".to_string());
+        if let Some(kind) = rope.as_ref().or(self.position_embedding_type.as_ref()) {
             let given = PositionEmbeddingType::parse(kind)?;
             if given != config.position_embedding_type {
                 return Err(mismatch(
@@ -678,6 +682,13 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--seq-length 256"));
+        // The older spelling of rope is checked as rope: this checkpoint has learned positions.
+        let rope = parse(&["--use-rotary-position-embeddings"]);
+        let error = rope
+            .check_architecture(&config(), dir)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--position-embedding-type rope"), "{error}");
     }
 
     #[test]
