@@ -1443,3 +1443,41 @@ fn connection_limits_and_timeouts() {
     assert!(answer.contains("did not arrive within 2 s"), "{answer}");
     terminate(server.child);
 }
+
+/// The paths Megatron's servers answer to beside ours give what ours give: `/completions`,
+/// `/chat/completions` and `/v1/health`; `GET /v1/models/{id}` describes the served model.
+#[test]
+fn megatrons_paths_answer_as_ours() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let address = &server.address;
+    assert_eq!(
+        http(address, "GET", "/v1/health", "").2,
+        http(address, "GET", "/health", "").2
+    );
+    let completion = r#"{"prompt": "The data", "max_tokens": 6, "temperature": 0}"#;
+    let text = |path: &str, body: &str| {
+        let (status, _, reply) = http(address, "POST", path, body);
+        assert_eq!(status, 200, "{path}: {reply}");
+        serde_json::from_str::<Value>(&reply).unwrap()["choices"][0].clone()
+    };
+    assert_eq!(
+        text("/completions", completion)["text"],
+        text("/v1/completions", completion)["text"]
+    );
+    let (status, _, model) = http(address, "GET", "/v1/models/ckpt", "");
+    assert_eq!(status, 200, "{model}");
+    let model: Value = serde_json::from_str(&model).unwrap();
+    assert_eq!(
+        (model["id"].as_str(), model["object"].as_str()),
+        (Some("ckpt"), Some("model"))
+    );
+    let (status, _, missing) = http(address, "GET", "/v1/models/gpt-4", "");
+    assert_eq!(status, 404, "{missing}");
+    assert!(missing.contains("gpt-4"), "{missing}");
+    let (status, _, wrong_method) = http(address, "GET", "/completions", "");
+    assert_eq!(status, 405, "{wrong_method}");
+    assert!(wrong_method.contains("POST /completions"), "{wrong_method}");
+}

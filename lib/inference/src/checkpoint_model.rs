@@ -391,7 +391,9 @@ impl CheckpointModelArgs {
             text(self.max_position_embeddings),
             config.max_position_embeddings.to_string(),
         )?;
-        let rope = self.use_rotary_position_embeddings.then(|| "rope".to_string());
+        let rope = self
+            .use_rotary_position_embeddings
+            .then(|| "rope".to_string());
         if let Some(kind) = rope.as_ref().or(self.position_embedding_type.as_ref()) {
             let given = PositionEmbeddingType::parse(kind)?;
             if given != config.position_embedding_type {

@@ -171,14 +171,37 @@ fn service_error(style: Style, shared: &Shared, failure: ServiceError) -> Respon
 }
 
 /// The routes, each with its label in the metrics.
-const ENDPOINTS: [&str; 6] = [
+const ENDPOINTS: [&str; 7] = [
     "/api",
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
+    "/v1/models/{id}",
     "/metrics",
     "/health",
 ];
+
+/// The route a path names: ours, or the spelling Megatron's servers answer to (`/completions`,
+/// `/chat/completions`, `/v1/health`), counted under our route in the metrics.
+fn endpoint_of(path: &str) -> &'static str {
+    let path = match path {
+        "/completions" => "/v1/completions",
+        "/chat/completions" => "/v1/chat/completions",
+        "/v1/health" => "/health",
+        path if path
+            .strip_prefix("/v1/models/")
+            .is_some_and(|id| !id.is_empty()) =>
+        {
+            "/v1/models/{id}"
+        }
+        path => path,
+    };
+    ENDPOINTS
+        .iter()
+        .copied()
+        .find(|e| *e == path)
+        .unwrap_or("other")
+}
 
 pub(super) async fn route(
     request: Request<Incoming>,
@@ -186,32 +209,29 @@ pub(super) async fn route(
     peer: SocketAddr,
 ) -> Result<Response<ResponseBody>, Infallible> {
     let path = request.uri().path().to_string();
-    let endpoint = ENDPOINTS
-        .iter()
-        .copied()
-        .find(|e| *e == path)
-        .unwrap_or("other");
+    let endpoint = endpoint_of(&path);
     let method = request.method().clone();
     let response = match (endpoint, method) {
         ("/api", Method::PUT) => megatron_api(request, &shared, peer).await,
         ("/v1/completions", Method::POST) => completions(request, &shared).await,
         ("/v1/chat/completions", Method::POST) => chat(request, &shared).await,
         ("/v1/models", Method::GET) => models(&shared),
+        ("/v1/models/{id}", Method::GET) => model(&shared, &path["/v1/models/".len()..]),
         ("/metrics", Method::GET) => metrics(&shared),
         ("/health", Method::GET) => health(&shared),
         ("/api", _) => error(Style::Megatron, 405, "use PUT /api"),
         ("/v1/completions" | "/v1/chat/completions", _) => {
-            error(Style::OpenAi, 405, &format!("use POST {endpoint}"))
+            error(Style::OpenAi, 405, &format!("use POST {path}"))
         }
         ("other", _) => error(
             Style::Megatron,
             404,
             &format!(
                 "no such endpoint: {path} (PUT /api, POST /v1/completions, POST \
-                 /v1/chat/completions, GET /v1/models, /metrics or /health)"
+                 /v1/chat/completions, GET /v1/models, /v1/models/{{id}}, /metrics or /health)"
             ),
         ),
-        (_, _) => error(Style::Megatron, 405, &format!("use GET {endpoint}")),
+        (_, _) => error(Style::Megatron, 405, &format!("use GET {path}")),
     };
     shared
         .metrics
@@ -582,12 +602,33 @@ async fn chat(request: Request<Incoming>, shared: &Arc<Shared>) -> Response<Resp
     .await
 }
 
+/// The served model as OpenAI's model object.
+fn model_object(shared: &Shared) -> Value {
+    json!({"id": shared.options.model_name, "object": "model", "created": shared.started,
+           "owned_by": "megatron-rs"})
+}
+
 fn models(shared: &Shared) -> Response<ResponseBody> {
     json_response(
         200,
-        &json!({"object": "list", "data": [{"id": shared.options.model_name, "object": "model",
-                "created": shared.started, "owned_by": "megatron-rs"}]}),
+        &json!({"object": "list", "data": [model_object(shared)]}),
     )
+}
+
+/// `GET /v1/models/{id}`: the served model, or OpenAI's 404 for any other id.
+fn model(shared: &Shared, id: &str) -> Response<ResponseBody> {
+    if id == shared.options.model_name {
+        json_response(200, &model_object(shared))
+    } else {
+        error(
+            Style::OpenAi,
+            404,
+            &format!(
+                "the model {id:?} does not exist; this server serves {:?}",
+                shared.options.model_name
+            ),
+        )
+    }
 }
 
 fn metrics(shared: &Shared) -> Response<ResponseBody> {
