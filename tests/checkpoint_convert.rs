@@ -608,3 +608,60 @@ fn megatron_torch_format_output_loads_with_torch_like_the_golden() {
     let text = String::from_utf8_lossy(&inspected.stdout);
     assert!(text.contains("format: Megatron torch"), "{text}");
 }
+
+/// `docs/llama_mistral.md`'s import command runs as written (`--bf16 --loader llama_mistral
+/// --checkpoint-type hf --model-size llama3 --tokenizer-model ...`), and `--fp16` instead writes
+/// float16 parameters; Meta's original format is refused by name.
+#[test]
+fn megatrons_llama_import_command_runs_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    run_ok(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "core", "--saver", "hf"])
+            .arg("--load-dir")
+            .arg(golden("llama_torch"))
+            .arg("--save-dir")
+            .arg(&hf),
+    );
+    let import = |precision: &str, checkpoint_type: &str, save: &Path| {
+        let mut command = bin("checkpoint_convert");
+        command
+            .args([
+                precision,
+                "--model-type",
+                "GPT",
+                "--loader",
+                "llama_mistral",
+            ])
+            .args(["--saver", "core", "--target-tensor-parallel-size", "1"])
+            .args(["--checkpoint-type", checkpoint_type, "--load-dir"])
+            .arg(&hf)
+            .arg("--save-dir")
+            .arg(save)
+            .arg("--tokenizer-model")
+            .arg(shared_dir().join("data/gpt2-tokenizer.json"))
+            .args(["--model-size", "llama3"]);
+        command
+    };
+    for (precision, dtype) in [("--bf16", "bfloat16"), ("--fp16", "float16")] {
+        let save = dir.path().join(&precision[2..]);
+        run_ok(&mut import(precision, "hf", &save));
+        let inspected = run_ok(bin("checkpoint_convert").arg("inspect").arg(&save));
+        let text = String::from_utf8_lossy(&inspected.stdout);
+        let weights: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("model/decoder"))
+            .collect();
+        assert!(!weights.is_empty(), "{text}");
+        for line in weights {
+            assert!(
+                line.contains(&format!("  {dtype}  ")),
+                "{precision}: {line}"
+            );
+        }
+    }
+    let error = stderr_of(&mut import("--bf16", "meta", &dir.path().join("meta")));
+    assert!(error.contains("--checkpoint-type meta"), "{error}");
+    assert!(!dir.path().join("meta").exists());
+}

@@ -110,6 +110,23 @@ struct ConvertArgs {
     /// Run both models forward on a few sequences and print the largest logit difference.
     #[arg(long)]
     verify: bool,
+    /// Write the parameters in bfloat16 [default: the input's dtype].
+    #[arg(long, conflicts_with = "fp16")]
+    bf16: bool,
+    /// Write the parameters in float16 [default: the input's dtype].
+    #[arg(long)]
+    fp16: bool,
+    /// The llama_mistral loader's input format: hf, a HuggingFace model directory (Meta's
+    /// original consolidated.*.pth files, `meta`, are not read here).
+    #[arg(long, value_parser = ["hf", "meta"])]
+    checkpoint_type: Option<String>,
+    /// The llama_mistral loader's model family and size; the architecture itself is read from
+    /// the HuggingFace config.json, so this names what is expected.
+    #[arg(long, value_parser = [
+        "llama2-7B", "llama2-13B", "llama2-70B", "llama2-7Bf", "llama2-13Bf", "llama2-70Bf",
+        "llama3", "mistral", "yi-34B", "qwen2.5",
+    ])]
+    model_size: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -121,6 +138,17 @@ fn main() -> ExitCode {
         }
         None => convert(&cli.convert),
     })
+}
+
+/// `--bf16` / `--fp16`: the dtype the savers write.
+fn output_dtype(args: &ConvertArgs) -> Option<&'static str> {
+    if args.bf16 {
+        Some("bfloat16")
+    } else if args.fp16 {
+        Some("float16")
+    } else {
+        None
+    }
 }
 
 fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
@@ -162,7 +190,17 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         args.load_dir.as_ref().unwrap().display()
     ));
     let load_dir = args.load_dir.as_deref().context("--load-dir is required")?;
-    let state = load_checkpoint(load_dir, Some(&args.loader), &options)?;
+    if args.checkpoint_type.as_deref() == Some("meta") {
+        bail!(
+            "--checkpoint-type meta: Meta's original consolidated.*.pth checkpoints are not read \
+             here; convert them to a HuggingFace directory first (transformers' \
+             convert_llama_weights_to_hf.py), then use --checkpoint-type hf"
+        );
+    }
+    let mut state = load_checkpoint(load_dir, Some(&args.loader), &options)?;
+    if let Some(dtype) = output_dtype(args) {
+        state.params_dtype = dtype.to_string();
+    }
     spinner.set_position(state.weights.len() as u64);
     let target = TargetLayout {
         tensor: args
