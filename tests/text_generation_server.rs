@@ -1452,7 +1452,7 @@ fn megatrons_paths_answer_as_ours() {
     let ckpt = dir.path().join("ckpt");
     checkpoint(&ckpt);
     let server = start_server(&ckpt);
-    let address = &server.address;
+    let address = &server.address.clone();
     assert_eq!(
         http(address, "GET", "/v1/health", "").2,
         http(address, "GET", "/health", "").2
@@ -1480,4 +1480,5 @@ fn megatrons_paths_answer_as_ours() {
     let (status, _, wrong_method) = http(address, "GET", "/completions", "");
     assert_eq!(status, 405, "{wrong_method}");
     assert!(wrong_method.contains("POST /completions"), "{wrong_method}");
+    terminate(server.child);
 }
