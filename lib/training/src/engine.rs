@@ -558,6 +558,9 @@ impl<F: ModelFamily> Run<'_, F> {
         started: Instant,
         hooks: &mut dyn TrainingHooks<F>,
     ) -> Result<TrainingSummary> {
+        if let Some(metrics) = self.metrics.as_mut() {
+            metrics.record_args(self.progress.iteration, &self.args_json)?;
+        }
         let mut summary = TrainingSummary {
             iterations: self.progress.iteration,
             consumed_samples: self.progress.consumed_train_samples,

@@ -32,9 +32,8 @@ fn python_with_tensorboard() -> PathBuf {
     python
 }
 
-/// Runs check_tensorboard.py on `dir`: the file version TensorBoard parsed from the
-/// `brain.Event:<n>` header and every tag's `[step, value]` pairs.
-fn read_with_tensorboard(dir: &Path) -> (Option<f64>, BTreeMap<String, Vec<(i64, f64)>>) {
+/// What check_tensorboard.py reports of `dir`.
+fn tensorboard_report(dir: &Path) -> Value {
     let out = Command::new(python_with_tensorboard())
         .arg(workspace_root().join("scripts/check_tensorboard.py"))
         .arg(dir)
@@ -45,8 +44,13 @@ fn read_with_tensorboard(dir: &Path) -> (Option<f64>, BTreeMap<String, Vec<(i64,
         "check_tensorboard.py failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let report: Value =
-        serde_json::from_slice(&out.stdout).expect("check_tensorboard.py prints JSON");
+    serde_json::from_slice(&out.stdout).expect("check_tensorboard.py prints JSON")
+}
+
+/// Runs check_tensorboard.py on `dir`: the file version TensorBoard parsed from the
+/// `brain.Event:<n>` header and every tag's `[step, value]` pairs.
+fn read_with_tensorboard(dir: &Path) -> (Option<f64>, BTreeMap<String, Vec<(i64, f64)>>) {
+    let report = tensorboard_report(dir);
     let scalars = report["scalars"]
         .as_object()
         .expect("a scalars object")
@@ -118,4 +122,43 @@ fn tensorboard_reads_training_and_validation_scalars() {
     .map(|(tag, points)| (tag.to_owned(), points))
     .collect();
     assert_eq!(scalars, expected);
+}
+
+/// The run's flags are written as Megatron's `write_args_to_tensorboard` writes them: one text
+/// summary per argument, Python's `str()` of its value, which TensorBoard's text plugin reads.
+#[test]
+fn tensorboard_reads_the_args_as_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let tb_dir = dir.path().join("tensorboard");
+    let mut metrics = TrainingMetrics::new(Some(&tb_dir), None).unwrap();
+    let args = serde_json::json!({
+        "seed": 1234, "lr": 1e-5, "bf16": true, "split": null,
+        "lr_decay_style": "cosine", "profile_ranks": [0, 1],
+    });
+    metrics.record_args(7, &args).unwrap();
+    drop(metrics);
+    let report = tensorboard_report(&tb_dir);
+    let texts: BTreeMap<String, Value> = report["texts"]
+        .as_object()
+        .expect("a texts object")
+        .iter()
+        .map(|(tag, points)| (tag.clone(), points.clone()))
+        .collect();
+    let expected: BTreeMap<String, Value> = [
+        ("seed", "1234"),
+        ("lr", "1e-05"),
+        ("bf16", "True"),
+        ("split", "None"),
+        ("lr_decay_style", "cosine"),
+        ("profile_ranks", "[0, 1]"),
+    ]
+    .into_iter()
+    .map(|(name, text)| {
+        (
+            format!("{name}/text_summary"),
+            serde_json::json!([[7, text]]),
+        )
+    })
+    .collect();
+    assert_eq!(texts, expected);
 }

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use md5::{Digest, Md5};
 
 pub use npy::{Dtype, IndexArray, NpyArray, NpyError};
-pub use python_json::{python_float_repr, python_str_list_repr, PyJson};
+pub use python_json::{python_float_repr, python_str_list_repr, python_str_of_json, PyJson};
 
 /// Hex MD5 of a description text: the prefix of every cache file of that dataset.
 pub fn description_hash(description: &str) -> String {

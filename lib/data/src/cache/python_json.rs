@@ -147,6 +147,38 @@ pub fn python_str_list_repr(items: &[String]) -> String {
     format!("[{}]", items.join(", "))
 }
 
+/// Python's `str()` of a JSON value as Python would hold it: strings as they are, `True`,
+/// `False`, `None`, ints, float reprs, and lists and dicts as their reprs (strings quoted).
+pub fn python_str_of_json(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => s.clone(),
+        other => python_repr_of_json(other),
+    }
+}
+
+fn python_repr_of_json(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match value {
+        Value::Null => "None".into(),
+        Value::Bool(true) => "True".into(),
+        Value::Bool(false) => "False".into(),
+        Value::Number(n) if n.is_f64() => python_float_repr(n.as_f64().unwrap_or(f64::NAN)),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => python_str_repr(s),
+        Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(python_repr_of_json).collect();
+            format!("[{}]", items.join(", "))
+        }
+        Value::Object(entries) => {
+            let entries: Vec<String> = entries
+                .iter()
+                .map(|(k, v)| format!("{}: {}", python_str_repr(k), python_repr_of_json(v)))
+                .collect();
+            format!("{{{}}}", entries.join(", "))
+        }
+    }
+}
+
 /// Python's `repr(str)`: single quotes unless the text holds a single quote and no double
 /// quote; backslashes, the quote and control characters escaped.
 fn python_str_repr(s: &str) -> String {
@@ -232,5 +264,18 @@ mod tests {
             list(&["it's", "a\\b", "say \"x\" 'y'", "tab\t"]),
             r#"["it's", 'a\\b', 'say "x" \'y\'', 'tab\t']"#
         );
+    }
+
+    #[test]
+    fn json_values_print_like_python_str() {
+        let str_of = |text: &str| python_str_of_json(&serde_json::from_str(text).unwrap());
+        assert_eq!(str_of("true"), "True");
+        assert_eq!(str_of("null"), "None");
+        assert_eq!(str_of("1e-05"), "1e-05");
+        assert_eq!(str_of("0.5"), "0.5");
+        assert_eq!(str_of("1234"), "1234");
+        assert_eq!(str_of(r#""cosine""#), "cosine");
+        assert_eq!(str_of(r#"[0, "a", null, 2.0]"#), "[0, 'a', None, 2.0]");
+        assert_eq!(str_of(r#"{"k": [true]}"#), "{'k': [True]}");
     }
 }

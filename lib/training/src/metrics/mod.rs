@@ -38,6 +38,7 @@ pub use tensorboard::TensorBoardWriter;
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use megatron_data::cache::python_str_of_json;
 use serde_json::Map;
 
 /// Which split an evaluation scored.
@@ -103,6 +104,21 @@ impl TrainingMetrics {
             .collect();
         self.write_tensorboard(iteration, consumed_samples, &scalar_tags)?;
         self.write_jsonl(iteration, consumed_samples, None, scalars)
+    }
+
+    /// Writes every flag of the run as a TensorBoard text summary at step `iteration`, as
+    /// Megatron's `write_args_to_tensorboard` does: the tag is the argument's name, the text
+    /// Python's `str()` of its value.
+    pub fn record_args(&mut self, iteration: u64, args: &serde_json::Value) -> Result<()> {
+        let Some(writer) = self.tensorboard.as_mut() else {
+            return Ok(());
+        };
+        if let Some(flags) = args.as_object() {
+            for (name, value) in flags {
+                writer.add_text(name, &python_str_of_json(value), iteration as i64)?;
+            }
+        }
+        writer.flush()
     }
 
     /// Logs an evaluation of `split`: for each `(key, loss)`, `"<key> validation"` and

@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 
-use super::event::{file_version_event, scalar_event};
+use super::event::{file_version_event, scalar_event, text_event};
 use super::tfrecord::write_record;
 
 /// An open `events.out.tfevents.*` file. Records are buffered; `flush` hands them to the OS and
@@ -45,6 +45,13 @@ impl TensorBoardWriter {
     /// Appends a scalar summary `tag` = `value` at `step`, stamped with the current time.
     pub fn add_scalar(&mut self, tag: &str, value: f32, step: i64) -> Result<()> {
         self.write(&scalar_event(wall_time(), step, tag, value))
+    }
+
+    /// Appends a text summary at `step` under `<tag>/text_summary`, the tag PyTorch's
+    /// `add_text` (which Megatron calls) gives it.
+    pub fn add_text(&mut self, tag: &str, text: &str, step: i64) -> Result<()> {
+        let tag = format!("{tag}/text_summary");
+        self.write(&text_event(wall_time(), step, &tag, text))
     }
 
     pub fn flush(&mut self) -> Result<()> {
