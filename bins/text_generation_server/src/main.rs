@@ -153,14 +153,9 @@ fn main() -> ExitCode {
             drop(parallel);
             return job.finish();
         }
-        let checkpoint = cli.model.checkpoint()?.to_path_buf();
-        // An imported HuggingFace model is named, and finds its chat template, by its own
-        // directory rather than the converted copy's.
-        let source = cli
-            .model
-            .load_hf
-            .clone()
-            .unwrap_or_else(|| checkpoint.clone());
+        // An imported HuggingFace or Megatron model is named, and finds its chat template, by
+        // its own directory rather than the converted copy's.
+        let source = cli.model.given_checkpoint()?.to_path_buf();
         let chat = chat_template(&cli, &source)?;
         let options = ServerOptions {
             host: cli.host.clone(),
@@ -185,7 +180,7 @@ fn main() -> ExitCode {
             .address()
             .map_or_else(|| format!("{}:{}", cli.host, cli.port), |a| a.to_string());
         let (load, tp) = (
-            checkpoint.display().to_string(),
+            source.display().to_string(),
             cli.model.tensor_model_parallel_size,
         );
         println!("text_generation_server: chat template: {chat_origin}");

@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tch::{Device, Kind};
 
+use megatron_checkpoint::layout::Format;
 use megatron_models::{
     Activation, GptModel, Normalization, PositionEmbeddingType, T5Config, T5Model,
     TransformerConfig,
@@ -35,7 +36,8 @@ pub struct CheckpointModelArgs {
     /// checkpoint_convert's loader.
     #[arg(long, conflicts_with_all = ["load", "pretrained_checkpoint"])]
     pub load_hf: Option<PathBuf>,
-    /// The --load-hf import, made once and removed when the flags are dropped.
+    /// The import of a --load-hf checkpoint, or of a Megatron one given to --load, made once
+    /// and removed when the flags are dropped.
     #[arg(skip)]
     imported: Arc<OnceLock<tempfile::TempDir>>,
     /// auto, cpu, cuda or cuda:N.
@@ -244,21 +246,34 @@ fn mismatch(
 }
 
 impl CheckpointModelArgs {
-    /// `--load`, else `--pretrained-checkpoint`.
+    /// `--load`, else `--pretrained-checkpoint`; a HuggingFace (`--load-hf`) or Megatron
+    /// (`torch`, `torch_dist`) checkpoint is imported into one of ours first.
     pub fn checkpoint(&self) -> Result<&Path> {
-        if let Some(hf) = &self.load_hf {
-            if self.imported.get().is_none() {
-                // A concurrent import loses the race and is dropped; both are the same model.
-                let _ = self
-                    .imported
-                    .set(import_hf(hf, self.make_vocab_size_divisible_by)?);
+        let given = self.given_checkpoint()?;
+        let loader = if self.load_hf.is_some() {
+            "hf"
+        } else {
+            match megatron_checkpoint::layout::detect(given) {
+                Ok((Format::MegatronTorch | Format::TorchDist, _)) => "core",
+                _ => return Ok(given),
             }
-            if let Some(dir) = self.imported.get() {
-                return Ok(dir.path());
-            }
+        };
+        if self.imported.get().is_none() {
+            // A concurrent import loses the race and is dropped; both are the same model.
+            let _ = self
+                .imported
+                .set(import(given, loader, self.make_vocab_size_divisible_by)?);
         }
-        self.load
+        let imported = self.imported.get().expect("the import was just made");
+        Ok(imported.path())
+    }
+
+    /// The checkpoint directory as the flags name it (`--load-hf`, `--load` or
+    /// `--pretrained-checkpoint`), before any import.
+    pub fn given_checkpoint(&self) -> Result<&Path> {
+        self.load_hf
             .as_deref()
+            .or(self.load.as_deref())
             .or(self.pretrained_checkpoint.as_deref())
             .context("give the checkpoint with --load (or --pretrained-checkpoint)")
     }
@@ -587,22 +602,27 @@ impl CheckpointModelArgs {
     }
 }
 
-/// `dir` (a HuggingFace checkpoint) converted into one of ours in a temporary directory.
-fn import_hf(dir: &Path, make_vocab_size_divisible_by: Option<i64>) -> Result<tempfile::TempDir> {
+/// `dir` (a HuggingFace checkpoint for `loader` hf, a Megatron one for core) converted into one
+/// of ours in a temporary directory, with checkpoint_convert's loader.
+fn import(
+    dir: &Path,
+    loader: &str,
+    make_vocab_size_divisible_by: Option<i64>,
+) -> Result<tempfile::TempDir> {
     let state = megatron_convert::load_checkpoint(
         dir,
-        Some("hf"),
+        Some(loader),
         &megatron_convert::LoadOptions {
             true_vocab_size: None,
             optimizer: false,
             make_vocab_size_divisible_by,
         },
     )
-    .with_context(|| format!("importing the HuggingFace checkpoint {}", dir.display()))?;
+    .with_context(|| format!("importing the checkpoint {}", dir.display()))?;
     let imported = tempfile::Builder::new()
-        .prefix("megatron-rs-hf-import")
+        .prefix("megatron-rs-import")
         .tempdir()
-        .context("creating a temporary directory for the --load-hf import")?;
+        .context("creating a temporary directory for the checkpoint's import")?;
     let single = megatron_convert::TargetLayout {
         tensor: 1,
         pipeline: 1,
