@@ -1,18 +1,9 @@
-//! The row argmax kernels (greedy decoding's token): their source compiles with NVRTC for
-//! Ampere and Hopper (no GPU needed), and on a GPU they answer as libtorch's `argmax(-1)` on
+//! The row argmax kernels (greedy decoding's token): on a GPU they answer as libtorch's `argmax(-1)` on
 //! random rows with ties, -inf and NaN, in bf16, fp16 and fp32, contiguous and strided, from 1
 //! to 64 rows of 1 to 128,256 values.
 
-use megatron_kernels::ops::argmax::{argmax_rows, greedy, SOURCE};
-use megatron_kernels::runtime::nvrtc::check_compiles;
+use megatron_kernels::ops::argmax::{argmax_rows, greedy};
 use tch::{Device, Kind, Tensor};
-
-#[test]
-fn the_argmax_kernels_compile_for_ampere_and_hopper() {
-    for arch in ["compute_80", "compute_90"] {
-        check_compiles(&SOURCE, arch).unwrap();
-    }
-}
 
 #[test]
 fn the_argmax_kernels_answer_as_libtorch_on_a_gpu() {

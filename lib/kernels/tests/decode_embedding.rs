@@ -1,19 +1,10 @@
 //! The decode embedding kernel (a decode step's word and position lookups and their sum as one
-//! kernel): its source compiles with NVRTC for Ampere and Hopper (no GPU needed), and on a GPU
-//! it gives the bits of libtorch's lookups and add, with and without position embeddings, in
+//! kernel): on a GPU it gives the bits of libtorch's lookups and add, with and without position embeddings, in
 //! bf16, fp16 and fp32, for 1 to 64 rows and hidden sizes that are not whole vectors; a token
 //! outside the table gives a row of NaN, not a read out of bounds.
 
-use megatron_kernels::ops::decode_embedding::{embed, reference, usable, SOURCE};
-use megatron_kernels::runtime::nvrtc::check_compiles;
+use megatron_kernels::ops::decode_embedding::{embed, reference, usable};
 use tch::{Device, Kind, Tensor};
-
-#[test]
-fn the_decode_embedding_kernel_compiles_for_ampere_and_hopper() {
-    for arch in ["compute_80", "compute_90"] {
-        check_compiles(&SOURCE, arch).unwrap();
-    }
-}
 
 #[test]
 fn the_decode_embedding_kernel_equals_libtorchs_lookups_on_a_gpu() {

@@ -1,23 +1,13 @@
-//! The fused decode linear kernels: their source compiles with NVRTC for Ampere and Hopper (no
-//! GPU needed, so a syntax error fails CI), and on a GPU they equal libtorch's unfused math
+//! The fused decode linear kernels: on a GPU they equal libtorch's unfused math
 //! (norm, linear, bias, GeLU, residual add) over K from 64 to 8192, odd N, 1 to 8 rows, fp32,
 //! bf16 and fp16, each prologue and epilogue, strided and misaligned inputs; a row's result is
 //! the same alone and in a batch; shapes they have no kernel for are turned away.
 
 use megatron_kernels::ops::decode_gemv::{
     self, decode_linear, excess_difference, reference_linear, tolerance, Epilogue, Gelu, InputNorm,
-    SOURCE,
 };
-use megatron_kernels::runtime::nvrtc::check_compiles;
 use megatron_models::config::Normalization;
 use tch::{Device, Kind, Tensor};
-
-#[test]
-fn the_decode_linear_kernels_compile_for_ampere_and_hopper() {
-    for arch in ["compute_80", "compute_90"] {
-        check_compiles(&SOURCE, arch).unwrap();
-    }
-}
 
 /// A prologue and epilogue combination of the kernels.
 #[derive(Debug, Clone, Copy)]

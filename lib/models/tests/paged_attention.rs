@@ -1,21 +1,12 @@
-//! The paged decode attention kernel: its source compiles with NVRTC for Ampere and Hopper (no
-//! GPU needed, so a syntax error fails CI), and on a GPU it equals the gathered path (each
+//! The paged decode attention kernel: on a GPU it equals the gathered path (each
 //! row's window of slots gathered, libtorch's attention under a mask) on random pools with rows
 //! of 1 to 2,000 positions, several batch sizes, grouped-query heads, head dims 64 and 128, in
 //! fp32, bf16 and fp16, the new position's keys and values stored by both (by the kernel itself,
 //! from a strided view, as it attends).
 
-use megatron_kernels::ops::paged_attention::{self, SOURCE};
-use megatron_kernels::runtime::nvrtc::check_compiles;
+use megatron_kernels::ops::paged_attention::{self};
 use megatron_models::layers::{PagedStep, BLOCK_SIZE};
 use tch::{Device, Kind, Tensor};
-
-#[test]
-fn the_paged_decode_kernels_compile_for_ampere_and_hopper() {
-    for arch in ["compute_80", "compute_90"] {
-        check_compiles(&SOURCE, arch).unwrap();
-    }
-}
 
 /// A small deterministic generator for the test's layout (lengths and block order).
 struct Lcg(u64);

@@ -1,5 +1,4 @@
-//! The bias-gradient kernels (`ops::bias_grad`): their source compiles with NVRTC for Ampere and
-//! Hopper; on a GPU the fused GeLU gradient of fc1's backward equals libtorch's tanh-GeLU
+//! The bias-gradient kernels (`ops::bias_grad`): on a GPU the fused GeLU gradient of fc1's backward equals libtorch's tanh-GeLU
 //! backward, and the bias gradients both kernels add to a float32 buffer equal the column sums
 //! (of that gradient, or of a linear's output gradient), for bf16 and fp16, widths from 8 to
 //! 4096, one row to many, and inputs off a 16-byte boundary; the same inputs give the same bits
@@ -11,19 +10,11 @@ mod support;
 
 use megatron_kernels::ops::bias_grad::{
     add_bias_grad, gelu_backward_with_bias_grad, made_up_qkv_grad, pack_qkv_grad, reference,
-    SOURCE, VARIABLE,
+    VARIABLE,
 };
 use megatron_kernels::ops::relative_error;
-use megatron_kernels::runtime::nvrtc::check_compiles;
 use megatron_training::GptPretrainArgs;
 use tch::{Device, Kind, Tensor};
-
-#[test]
-fn the_bias_grad_kernels_compile_for_ampere_and_hopper() {
-    for arch in ["compute_80", "compute_90"] {
-        check_compiles(&SOURCE, arch).unwrap();
-    }
-}
 
 fn values(rows: i64, columns: i64, step: f64, scale: f64, kind: Kind) -> Tensor {
     ((Tensor::arange(rows * columns, (Kind::Float, Device::Cuda(0))) * step).sin() * scale)
