@@ -14,8 +14,7 @@
 use anyhow::{bail, Result};
 
 use crate::cache::{python_str_list_repr, PyJson};
-use crate::flags::TokenizerArgs;
-use crate::tokenizer::{pattern_regex, TokenizerType};
+use crate::tokenizer::{pattern_regex, TokenizerArgs, TokenizerType};
 
 /// The tokenizer's entry in cache descriptions: a JSON object in Megatron's key order.
 #[derive(Debug, Clone, PartialEq)]

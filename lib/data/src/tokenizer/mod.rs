@@ -5,6 +5,7 @@
 //! `HuggingFaceTokenizer` loads any `tokenizer.json` through the `tokenizers` crate;
 //! SentencePiece `.model` files and Megatron's tiktoken JSON vocabularies are read here too.
 
+mod args;
 mod bert;
 mod build;
 mod gpt2;
@@ -14,6 +15,7 @@ mod sentencepiece;
 mod tiktoken;
 mod train;
 
+pub use args::TokenizerArgs;
 pub use bert::BertWordPiece;
 pub use build::{build_tokenizer, build_tokenizer_with_extra_ids, TokenizerConfig, TokenizerType};
 pub use gpt2::Gpt2Bpe;
