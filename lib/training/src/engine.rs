@@ -3,7 +3,7 @@
 //! the iteration loop over the pipeline schedule, evaluation, logging, checkpoints and the exit
 //! conditions (spec §4).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -452,18 +452,18 @@ pub fn train_with_hooks<F: ModelFamily>(
                 directory,
                 progress,
             } => {
-                run.print_rank0(&format!(
-                    "loaded checkpoint {} at iteration {}",
-                    directory.display(),
-                    progress.iteration
+                run.print_rank0(&loaded_checkpoint_line(
+                    request.root,
+                    &parallel,
+                    progress.iteration,
                 ));
                 run.spikes.record_loaded(&directory);
                 run.progress = progress;
             }
-            Resumed::Weights { directory } => run.print_rank0(&format!(
-                "loaded weights from {} (starting at iteration 0)",
-                directory.display()
-            )),
+            // Megatron counts a finetune or release load from iteration 0 and says so.
+            Resumed::Weights => {
+                run.print_rank0(&loaded_checkpoint_line(request.root, &parallel, 0))
+            }
         }
     }
     if let Some(directory) = pretrained {
@@ -1058,6 +1058,19 @@ fn microbatch_graph<B: DeviceBatch>(
         index,
         training.cuda_graph_warmup_steps,
     )))
+}
+
+/// Megatron's line after a checkpoint is loaded, which scripts and people grep for: the `--load`
+/// directory, this rank's tensor and pipeline position (1-based) and the iteration resumed.
+fn loaded_checkpoint_line(load_dir: &Path, parallel: &ParallelState, iteration: u64) -> String {
+    format!(
+        "  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {iteration}",
+        load_dir.display(),
+        parallel.tensor.rank() + 1,
+        parallel.tensor.size(),
+        parallel.pipeline.rank() + 1,
+        parallel.pipeline.size(),
+    )
 }
 
 fn load_request(args: &PretrainArgs) -> Result<Option<LoadRequest<'_>>> {
