@@ -312,7 +312,7 @@ fn bad_flags_and_inputs_are_named() {
     )
     .output()
     .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("wiggly"));
     let out = pretrain(
         &corpus,
@@ -473,6 +473,7 @@ fn profiler_flags_that_cannot_work_are_refused() {
     )
     .output()
     .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--tensorboard-dir"),
         "{}",

@@ -1,7 +1,8 @@
 //! Conventions every megatron-rs binary follows, so that scripts can rely on them:
 //!
 //! * exit code 0 on success, 1 on a runtime error, 2 on a usage error (clap's own code for bad
-//!   flags, which every binary parses with clap);
+//!   flags, which every binary parses with clap; checks of the flags made after parsing return a
+//!   [`UsageError`] for the same code);
 //! * a runtime error prints one `error: ...` line to stderr with its whole context chain, e.g.
 //!   `error: reading corpus.jsonl: line 12: missing key "text"`;
 //! * writing into a closed pipe (`| head`) ends the program quietly, like other Unix tools;
@@ -10,6 +11,9 @@
 
 pub mod python_format;
 pub mod signals;
+mod usage;
+
+pub use usage::{is_usage_error, usage_error, UsageError};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
@@ -17,12 +21,23 @@ use std::time::Duration;
 
 /// Exit code of a runtime error.
 pub const EXIT_RUNTIME_ERROR: u8 = 1;
+/// Exit code of a usage error: clap's own, so a bad command line exits alike whether clap or a
+/// later check of the flags found it.
+pub const EXIT_USAGE_ERROR: u8 = 2;
 
-/// Runs a binary's body and turns its outcome into the exit code and message convention.
+/// Runs a binary's body and turns its outcome into the exit code and message convention: a
+/// [`UsageError`] anywhere in the error's chain exits 2 with clap's closing hint, anything else 1.
 pub fn run(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     restore_default_sigpipe();
     match body() {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if is_usage_error(&error) => {
+            eprintln!(
+                "error: {}\n\nFor more information, try '--help'.",
+                error_text(&error)
+            );
+            ExitCode::from(EXIT_USAGE_ERROR)
+        }
         Err(error) => {
             eprintln!("error: {}", error_text(&error));
             ExitCode::from(EXIT_RUNTIME_ERROR)
@@ -95,6 +110,11 @@ mod tests {
     fn runtime_errors_exit_with_one() {
         assert_eq!(run(|| Ok(())), ExitCode::SUCCESS);
         assert_eq!(run(|| anyhow::bail!("disk full")), ExitCode::from(1));
+        let io = std::io::Error::from_raw_os_error(2);
+        assert_eq!(
+            run(|| Err(anyhow::Error::new(io).context("opening ckpt"))),
+            ExitCode::from(1)
+        );
     }
 
     #[test]
@@ -117,6 +137,17 @@ mod tests {
         );
         let plain = anyhow::anyhow!("disk full").context("writing b.bin");
         assert_eq!(error_text(&plain), "writing b.bin: disk full");
+    }
+
+    #[test]
+    fn usage_errors_exit_with_two_even_under_context() {
+        assert_eq!(
+            run(|| Err(usage_error("--saver hf: T5 has no HuggingFace form"))),
+            ExitCode::from(2)
+        );
+        let wrapped = Err(usage_error("--load is required"))
+            .map_err(|e: anyhow::Error| e.context("starting the server"));
+        assert_eq!(run(|| wrapped), ExitCode::from(2));
     }
 
     #[test]

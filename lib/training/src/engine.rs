@@ -28,6 +28,7 @@ use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
 use crate::families::{LossTotals, ModelFamily};
 use crate::metrics::TrainingMetrics;
+use megatron_cli::bail_usage;
 use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_kernels::rng;
 use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
@@ -323,12 +324,12 @@ pub fn train_with_hooks<F: ModelFamily>(
         (None, Some(samples)) => {
             train_iters_from_samples(samples, global_batch_size, rampup.as_ref())?
         }
-        (Some(_), Some(_)) => bail!("give only one of --train-iters and --train-samples"),
+        (Some(_), Some(_)) => bail_usage!("give only one of --train-iters and --train-samples"),
         (None, None) if args.training.skip_train => 0,
-        (None, None) => bail!("give --train-iters or --train-samples"),
+        (None, None) => bail_usage!("give --train-iters or --train-samples"),
     };
     if rampup.is_some() && args.training.train_samples.is_none() {
-        bail!("--rampup-batch-size needs sample-based training (--train-samples)");
+        bail_usage!("--rampup-batch-size needs sample-based training (--train-samples)");
     }
     let scheduler = OptimizerParamScheduler::new(SchedulerConfig::from_flags(&schedule_flags(
         args,
@@ -1076,7 +1077,7 @@ fn loaded_checkpoint_line(load_dir: &Path, parallel: &ParallelState, iteration: 
 fn load_request(args: &PretrainArgs) -> Result<Option<LoadRequest<'_>>> {
     let optimizer = &args.optimizer;
     let policy = match (optimizer.override_opt_param_scheduler, optimizer.use_checkpoint_opt_param_scheduler) {
-        (true, true) => bail!("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
+        (true, true) => bail_usage!("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
         (true, false) => SchedulerLoadPolicy::OverrideFromCli,
         (false, true) => SchedulerLoadPolicy::UseCheckpoint,
         (false, false) => SchedulerLoadPolicy::RequireMatch,
@@ -1095,7 +1096,7 @@ fn schedule_flags(args: &PretrainArgs, global_batch_size: u64) -> Result<Schedul
     let lr = match (o.lr, args.training.skip_train) {
         (Some(lr), _) => Some(lr),
         (None, true) => Some(0.0),
-        (None, false) => bail!("--lr is required for training"),
+        (None, false) => bail_usage!("--lr is required for training"),
     };
     Ok(ScheduleFlags {
         lr,
