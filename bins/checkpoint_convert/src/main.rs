@@ -3,6 +3,8 @@
 //! `torch_dist`, detected from the files), hf. Savers: megatron-rs, core (Megatron `torch`), hf.
 //! T5: megatron-rs TP reshapes.
 
+mod progress;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -11,11 +13,12 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use megatron_cli::bail_usage;
 use megatron_convert::{
-    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reshape_t5, save_hf,
-    save_megatron_rs, save_megatron_torch, t5_max_logit_difference, use_one_torch_thread, verify,
-    vocab_file_size, LoadOptions, TargetLayout,
+    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reporting_progress,
+    reshape_t5, save_hf, save_megatron_rs, save_megatron_torch, t5_max_logit_difference,
+    use_one_torch_thread, verify, vocab_file_size, ConversionProgress, LoadOptions, TargetLayout,
 };
 use megatron_store::find_checkpoint;
+use progress::TensorBytesBar;
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
 ///
@@ -153,7 +156,8 @@ struct ConvertArgs {
     /// Pad the vocabulary of imports to a multiple of this times the target TP size.
     #[arg(long)]
     make_vocab_size_divisible_by: Option<i64>,
-    /// Convert the weights only, leaving the optimizer state behind.
+    /// Convert the weights only, leaving the optimizer state behind (HuggingFace exports
+    /// always do).
     #[arg(long)]
     no_optimizer: bool,
     /// Do not verify the per-file checksums of a megatron-rs checkpoint read (recorded in its
@@ -204,14 +208,11 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     let save_dir = empty_save_dir(args)?;
     let options = LoadOptions {
         true_vocab_size: true_vocab_size(args)?,
-        optimizer: !args.no_optimizer,
+        optimizer: !args.no_optimizer && args.saver != Saver::Hf,
         make_vocab_size_divisible_by: args.make_vocab_size_divisible_by,
     };
     let started = Instant::now();
-    let spinner = megatron_cli::spinner("tensors");
-    spinner.set_message(format!("loading {}", load_dir(args).display()));
     let state = load_checkpoint(load_dir(args), Some(args.loader.name()), &options)?;
-    spinner.set_position(state.weights.len() as u64);
     let target = TargetLayout {
         tensor: args
             .target_tensor_parallel_size
@@ -222,8 +223,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         virtual_stages: args.target_virtual_pipeline_parallel_size.unwrap_or(1),
     };
     let staging = staging_for(&save_dir)?;
-    spinner.set_message(format!("writing {}", save_dir.display()));
-    let saved = match args.saver {
+    let bar = TensorBytesBar::new(format!("writing {}", save_dir.display()));
+    bar.total(state.bytes() as u64);
+    let saved = reporting_progress(bar.clone(), || match args.saver {
         Saver::MegatronRs => save_megatron_rs(&state, &staging, target),
         Saver::Core => save_megatron_torch(&state, &staging, target),
         Saver::Hf => {
@@ -239,9 +241,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             }
             save_hf(&state, &staging, &files)
         }
-    };
+    });
     commit(&staging, &save_dir, || saved)?;
-    spinner.finish_and_clear();
+    bar.finish();
     let bytes = state.bytes();
     let seconds = started.elapsed().as_secs_f64();
     let gigabytes = bytes as f64 / 1e9;
@@ -344,20 +346,16 @@ fn convert_t5(args: &ConvertArgs) -> Result<()> {
         .target_tensor_parallel_size
         .unwrap_or(checkpoint.metadata.tensor_model_parallel_size);
     let started = Instant::now();
-    let spinner = megatron_cli::spinner("tensors");
-    spinner.set_message(format!("reshaping {}", load_dir.display()));
+    let bar = TensorBytesBar::new(format!("reshaping {}", load_dir.display()));
     let staging = staging_for(&save_dir)?;
     let mut moved = None;
     commit(&staging, &save_dir, || {
-        moved = Some(reshape_t5(
-            &checkpoint,
-            &staging,
-            tensor,
-            !args.no_optimizer,
-        )?);
+        moved = Some(reporting_progress(bar.clone(), || {
+            reshape_t5(&checkpoint, &staging, tensor, !args.no_optimizer)
+        })?);
         Ok(())
     })?;
-    spinner.finish_and_clear();
+    bar.finish();
     let moved = moved.expect("written above");
     let seconds = started.elapsed().as_secs_f64();
     let gigabytes = moved.bytes as f64 / 1e9;

@@ -9,15 +9,16 @@
 //! * long work draws an indicatif progress bar on stderr (only when stderr is a terminal) and ends
 //!   with a one-line summary on stdout.
 
+pub mod progress;
 pub mod python_format;
 pub mod signals;
 mod usage;
 
+pub use indicatif::ProgressBar;
+pub use progress::{byte_progress_bar, progress_bar, spinner};
 pub use usage::{is_usage_error, usage_error, UsageError};
 
-use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
-use std::time::Duration;
 
 /// Exit code of a runtime error.
 pub const EXIT_RUNTIME_ERROR: u8 = 1;
@@ -75,33 +76,6 @@ fn restore_default_sigpipe() {
     }
 }
 
-/// A progress bar over `total` units of work (`unit` names them, e.g. "docs"), with rate and ETA.
-pub fn progress_bar(total: u64, unit: &str) -> ProgressBar {
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{elapsed_precise}} [{{wide_bar}}] {{human_pos}}/{{human_len}} {unit} ({{per_sec}}, ETA {{eta}}) {{msg}}"
-        ))
-        .expect("static template is valid")
-        .progress_chars("=> "),
-    );
-    bar.enable_steady_tick(Duration::from_millis(200));
-    bar
-}
-
-/// A spinner for work of unknown size (a stream from stdin, say), counting `unit`s with their rate.
-pub fn spinner(unit: &str) -> ProgressBar {
-    let bar = ProgressBar::new_spinner();
-    bar.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{spinner}} {{elapsed_precise}} {{human_pos}} {unit} ({{per_sec}}) {{msg}}"
-        ))
-        .expect("static template is valid"),
-    );
-    bar.enable_steady_tick(Duration::from_millis(200));
-    bar
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,16 +122,5 @@ mod tests {
         let wrapped = Err(usage_error("--load is required"))
             .map_err(|e: anyhow::Error| e.context("starting the server"));
         assert_eq!(run(|| wrapped), ExitCode::from(2));
-    }
-
-    #[test]
-    fn bars_count_their_work() {
-        let bar = progress_bar(10, "docs");
-        bar.inc(4);
-        assert_eq!(bar.position(), 4);
-        assert_eq!(bar.length(), Some(10));
-        let spin = spinner("docs");
-        spin.inc(3);
-        assert_eq!(spin.position(), 3);
     }
 }
