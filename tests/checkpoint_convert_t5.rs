@@ -317,7 +317,9 @@ fn untied_output_layer_round_trips() {
     same_files(&original, &back, &["mp_rank_00", "mp_rank_01"]);
 }
 
-fn refused(extra: &[&str], message: &str) {
+/// `checkpoint_convert --model-type T5` with `extra` exits `code` (2: a usage error, 1: a
+/// failure of the work) with `message`, and writes nothing.
+fn refused(extra: &[&str], code: i32, message: &str) {
     let dir = tempfile::tempdir().unwrap();
     let out = bin("checkpoint_convert")
         .args(["--model-type", "T5"])
@@ -329,7 +331,7 @@ fn refused(extra: &[&str], message: &str) {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
     assert!(stderr.contains(message), "expected {message:?} in {stderr}");
     assert!(!dir.path().join("out").exists());
 }
@@ -338,6 +340,7 @@ fn refused(extra: &[&str], message: &str) {
 fn what_t5_cannot_do_is_refused_by_name() {
     refused(
         &["--loader", "megatron-rs", "--saver", "hf"],
+        2,
         "Megatron's T5 has no HuggingFace form",
     );
     refused(
@@ -347,14 +350,17 @@ fn what_t5_cannot_do_is_refused_by_name() {
             "--target-pipeline-parallel-size",
             "2",
         ],
+        2,
         "--target-pipeline-parallel-size 2: T5 runs without pipeline parallelism",
     );
     refused(
         &["--loader", "core"],
-        "T5 checkpoints are read from megatron-rs checkpoints only",
+        2,
+        "--model-type T5 reads megatron-rs checkpoints only: give --loader megatron-rs",
     );
     refused(
         &["--loader", "megatron-rs"],
+        1,
         "holds no megatron-rs checkpoint",
     );
 

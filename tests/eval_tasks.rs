@@ -494,9 +494,14 @@ fn megatron_model_flags_are_checked_and_bad_input_is_named() {
             .arg(&empty),
         "wiki.empty.tokens: the file is empty",
     );
-    fails_with(
-        &mut eval_tasks(fixture, &["--task", "LAMBADA"]),
-        "give the data file with --valid-data",
+    let out = eval_tasks(fixture, &["--task", "LAMBADA"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "a usage error: {stderr}");
+    assert!(
+        stderr.contains("give the data file with --valid-data"),
+        "{stderr}"
     );
     fails_with(
         bin("eval_tasks")

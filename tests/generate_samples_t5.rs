@@ -240,9 +240,18 @@ fn decoding_fills_the_spans_of_samples_and_inputs() {
 }
 
 fn fails_with(command: &mut Command, message: &str) {
+    exits_with(command, 1, message);
+}
+
+/// A usage error: exit 2 and `message`.
+fn refused_as_usage(command: &mut Command, message: &str) {
+    exits_with(command, 2, message);
+}
+
+fn exits_with(command: &mut Command, code: i32, message: &str) {
     let out = command.output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
     assert!(stderr.contains(message), "expected {message:?} in {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
@@ -258,7 +267,7 @@ fn bad_input_is_a_clear_error() {
         tool("decode", fixture).args(["--input", "a <extra_id_100> b"]),
         "the tokenizer has 100 sentinels",
     );
-    fails_with(
+    refused_as_usage(
         bin("generate_samples_t5")
             .arg("decode")
             .arg("--load")
@@ -290,7 +299,7 @@ fn bad_input_is_a_clear_error() {
         tool("score", fixture).args(["--decoder-seq-length", "64"]),
         "--decoder-seq-length 64 exceeds",
     );
-    fails_with(
+    refused_as_usage(
         tool("score", fixture).args(["--num-samples", "0"]),
         "--num-samples must be at least 1",
     );

@@ -204,7 +204,12 @@ fn assert_bitwise_resume(flags: &[&str]) {
         "--metrics-file",
         path_str(&resumed_metrics),
     ]));
-    assert!(String::from_utf8_lossy(&second.stdout).contains("at iteration 3"));
+    let resumed_line = format!(
+        "  successfully loaded checkpoint from {} [ t 1/1, p 1/1 ] at iteration 3",
+        path_str(&resumed)
+    );
+    let stdout = String::from_utf8_lossy(&second.stdout);
+    assert!(stdout.lines().any(|line| line == resumed_line), "{stdout}");
 
     assert_eq!(losses(&straight_metrics), losses(&resumed_metrics));
     for file in [
@@ -280,7 +285,10 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
     ]));
     let stdout = String::from_utf8_lossy(&resumed.stdout);
     assert!(
-        stdout.contains(&format!("at iteration {tracked}")),
+        stdout.contains(&format!(
+            "successfully loaded checkpoint from {} [ t 1/1, p 1/1 ] at iteration {tracked}",
+            path_str(&save)
+        )),
         "{stdout}"
     );
     let leftovers: Vec<String> = std::fs::read_dir(&save)
@@ -304,7 +312,7 @@ fn bad_flags_and_inputs_are_named() {
     )
     .output()
     .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("wiggly"));
     let out = pretrain(
         &corpus,
@@ -465,6 +473,7 @@ fn profiler_flags_that_cannot_work_are_refused() {
     )
     .output()
     .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a usage error");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--tensorboard-dir"),
         "{}",

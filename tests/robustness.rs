@@ -149,6 +149,29 @@ fn corrupted_bytes_and_nan_weights_are_named() {
             .args(["--prompt", "x", "--out-seq-length", "2", "--device", "cpu"])
             .arg("--no-checkpoint-checksums"),
     );
+    // checkpoint_convert reads our checkpoints too, and takes the flag its message names.
+    let convert = |extra: &[&str], output: &str| {
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "megatron-rs"])
+            .args(["--load-dir", path_str(&ckpt)])
+            .arg("--save-dir")
+            .arg(dir.path().join(output))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let stderr = error_of(&convert(&[], "refused"));
+    assert!(
+        stderr.contains(corrupt) && stderr.contains("(--no-checkpoint-checksums loads it anyway)"),
+        "{stderr}"
+    );
+    let converted = convert(&["--no-checkpoint-checksums"], "converted");
+    let stderr = String::from_utf8_lossy(&converted.stderr);
+    assert!(converted.status.success(), "{stderr}");
+    assert!(dir
+        .path()
+        .join("converted/latest_checkpointed_iteration.txt")
+        .is_file());
 
     // NaN weights (checksums off, as for a checkpoint saved without them): the tensor is named.
     let mut poisoned = pristine;

@@ -1298,10 +1298,10 @@ fn hostile_clients_leave_others_served() {
             && metric(&server, "megatron_batch_size") == 1.0
             && metric(&server, "megatron_kv_cache_blocks_used") > 0.0
     });
-    let total = metric(&server, "megatron_kv_cache_blocks_total");
+    let capacity = metric(&server, "megatron_kv_cache_blocks_capacity");
     assert!(
-        total >= metric(&server, "megatron_kv_cache_blocks_used"),
-        "{total}"
+        capacity >= metric(&server, "megatron_kv_cache_blocks_used"),
+        "{capacity}"
     );
     drop(api);
     wait_for("the cancelled /api request to stop", || {

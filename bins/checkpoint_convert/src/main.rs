@@ -3,18 +3,22 @@
 //! `torch_dist`, detected from the files), hf. Savers: megatron-rs, core (Megatron `torch`), hf.
 //! T5: megatron-rs TP reshapes.
 
+mod progress;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
+use megatron_cli::bail_usage;
 use megatron_convert::{
-    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reshape_t5, save_hf,
-    save_megatron_rs, save_megatron_torch, t5_max_logit_difference, use_one_torch_thread, verify,
-    vocab_file_size, LoadOptions, TargetLayout,
+    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reporting_progress,
+    reshape_t5, save_hf, save_megatron_rs, save_megatron_torch, t5_max_logit_difference,
+    use_one_torch_thread, verify, vocab_file_size, ConversionProgress, LoadOptions, TargetLayout,
 };
 use megatron_store::find_checkpoint;
+use progress::TensorBytesBar;
 
 /// Convert a checkpoint between formats and model-parallel layouts, or describe one.
 ///
@@ -22,7 +26,14 @@ use megatron_store::find_checkpoint;
 /// HuggingFace's files needs no torch and no Python. The output is written under a temporary
 /// name and renamed into place when complete.
 #[derive(Parser)]
-#[command(version, about, long_about = None, args_conflicts_with_subcommands = true, max_term_width = 100)]
+#[command(
+    version,
+    about,
+    long_about = None,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    max_term_width = 100
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -40,38 +51,79 @@ enum Command {
     },
 }
 
+/// `--model-type`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ModelType {
+    #[value(name = "GPT")]
+    Gpt,
+    #[value(name = "T5")]
+    T5,
+}
+
+/// `--loader`: the names convert.py knows, each format under one name and its aliases.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Loader {
+    #[value(name = "megatron-rs")]
+    MegatronRs,
+    #[value(alias = "mcore", alias = "legacy", alias = "megatron")]
+    Core,
+    #[value(alias = "llama_mistral")]
+    Hf,
+}
+
+impl Loader {
+    /// The name `load_checkpoint` takes.
+    fn name(self) -> &'static str {
+        match self {
+            Loader::MegatronRs => "megatron-rs",
+            Loader::Core => "core",
+            Loader::Hf => "hf",
+        }
+    }
+}
+
+/// `--saver`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Saver {
+    #[value(name = "megatron-rs")]
+    MegatronRs,
+    #[value(alias = "mcore", alias = "legacy", alias = "megatron")]
+    Core,
+    Hf,
+}
+
 #[derive(clap::Args)]
 struct ConvertArgs {
     /// GPT, or T5 (our T5 checkpoints reshaped to another tensor-parallel size, with
     /// --loader megatron-rs --saver megatron-rs; T5 has no pipeline stages and no HuggingFace
     /// form).
-    #[arg(long)]
-    model_type: Option<String>,
+    #[arg(long, required = true)]
+    model_type: Option<ModelType>,
     /// megatron-rs; core (alias mcore) or legacy (alias megatron): Megatron's torch or
     /// torch_dist checkpoints, detected from the files; hf (alias llama_mistral): a
     /// HuggingFace GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM
     /// directory (safetensors or pytorch_model.bin).
     #[arg(long, default_value = "megatron")]
-    loader: String,
+    loader: Loader,
     /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's torch format
     /// (model_optim_rng.pt with core names and the optimizer state, no RNG state: resume it
     /// with --no-load-rng); hf: a HuggingFace model directory with config.json.
     #[arg(long, default_value = "megatron-rs")]
-    saver: String,
+    saver: Saver,
     /// Directory to load the checkpoint from.
-    #[arg(long)]
+    #[arg(long, required = true)]
     load_dir: Option<PathBuf>,
     /// Directory to write the converted checkpoint to (must not exist, or be empty).
-    #[arg(long)]
+    #[arg(long, required = true)]
     save_dir: Option<PathBuf>,
     /// Tensor-parallel size of the output [default: the input's].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_tensor_parallel_size: Option<usize>,
     /// Pipeline-parallel size of the output [default: the input's].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_pipeline_parallel_size: Option<usize>,
     /// Model chunks per pipeline stage of the output (interleaved schedule) [default: 1].
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_virtual_pipeline_parallel_size: Option<usize>,
     /// The tokenizer's real vocabulary size (embedding rows beyond it are padding).
     #[arg(long)]
@@ -104,9 +156,14 @@ struct ConvertArgs {
     /// Pad the vocabulary of imports to a multiple of this times the target TP size.
     #[arg(long)]
     make_vocab_size_divisible_by: Option<i64>,
-    /// Convert the weights only, leaving the optimizer state behind.
+    /// Convert the weights only, leaving the optimizer state behind (HuggingFace exports
+    /// always do).
     #[arg(long)]
     no_optimizer: bool,
+    /// Do not verify the per-file checksums of a megatron-rs checkpoint read (recorded in its
+    /// metadata.json), nor record them in one written.
+    #[arg(long)]
+    no_checkpoint_checksums: bool,
     /// Run both models forward on a few sequences and print the largest logit difference.
     #[arg(long)]
     verify: bool,
@@ -157,7 +214,7 @@ fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
         None => None,
     };
     match (args.true_vocab_size, from_file) {
-        (Some(given), Some(counted)) if given != counted => bail!(
+        (Some(given), Some(counted)) if given != counted => bail_usage!(
             "--true-vocab-size {given} disagrees with --vocab-file {} ({counted} entries)",
             args.vocab_file.as_ref().unwrap().display()
         ),
@@ -165,43 +222,35 @@ fn true_vocab_size(args: &ConvertArgs) -> Result<Option<i64>> {
     }
 }
 
+/// `--load-dir`, which clap requires unless a subcommand runs.
+fn load_dir(args: &ConvertArgs) -> &Path {
+    args.load_dir.as_deref().expect("clap requires --load-dir")
+}
+
 fn convert(args: &ConvertArgs) -> Result<()> {
     use_one_torch_thread();
-    match args.model_type.as_deref() {
-        Some("GPT") => {}
-        Some("T5") => return convert_t5(args),
-        Some(other) => {
-            bail!("--model-type {other}: GPT and T5 checkpoints can be converted so far")
-        }
-        None => {
-            bail!("--model-type is required (GPT or T5), or use `checkpoint_convert inspect DIR`")
-        }
+    megatron_store::set_checksums_enabled(!args.no_checkpoint_checksums);
+    if args.model_type == Some(ModelType::T5) {
+        return convert_t5(args);
     }
     let save_dir = empty_save_dir(args)?;
     let options = LoadOptions {
         true_vocab_size: true_vocab_size(args)?,
-        optimizer: !args.no_optimizer,
+        optimizer: !args.no_optimizer && args.saver != Saver::Hf,
         make_vocab_size_divisible_by: args.make_vocab_size_divisible_by,
     };
     let started = Instant::now();
-    let spinner = megatron_cli::spinner("tensors");
-    spinner.set_message(format!(
-        "loading {}",
-        args.load_dir.as_ref().unwrap().display()
-    ));
-    let load_dir = args.load_dir.as_deref().context("--load-dir is required")?;
     if args.checkpoint_type.as_deref() == Some("meta") {
-        bail!(
+        bail_usage!(
             "--checkpoint-type meta: Meta's original consolidated.*.pth checkpoints are not read \
              here; convert them to a HuggingFace directory first (transformers' \
              convert_llama_weights_to_hf.py), then use --checkpoint-type hf"
         );
     }
-    let mut state = load_checkpoint(load_dir, Some(&args.loader), &options)?;
+    let mut state = load_checkpoint(load_dir(args), Some(args.loader.name()), &options)?;
     if let Some(dtype) = output_dtype(args) {
         state.params_dtype = dtype.to_string();
     }
-    spinner.set_position(state.weights.len() as u64);
     let target = TargetLayout {
         tensor: args
             .target_tensor_parallel_size
@@ -212,11 +261,12 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         virtual_stages: args.target_virtual_pipeline_parallel_size.unwrap_or(1),
     };
     let staging = staging_for(&save_dir)?;
-    spinner.set_message(format!("writing {}", save_dir.display()));
-    let saved = match args.saver.as_str() {
-        "megatron-rs" => save_megatron_rs(&state, &staging, target),
-        "core" | "mcore" | "legacy" | "megatron" => save_megatron_torch(&state, &staging, target),
-        "hf" => {
+    let bar = TensorBytesBar::new(format!("writing {}", save_dir.display()));
+    bar.total(state.bytes() as u64);
+    let saved = reporting_progress(bar.clone(), || match args.saver {
+        Saver::MegatronRs => save_megatron_rs(&state, &staging, target),
+        Saver::Core => save_megatron_torch(&state, &staging, target),
+        Saver::Hf => {
             let mut files = Vec::new();
             if let Some(vocab) = &args.vocab_file {
                 files.push((vocab.as_path(), "vocab.json"));
@@ -229,12 +279,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             }
             save_hf(&state, &staging, &files)
         }
-        other => Err(anyhow::anyhow!(
-            "--saver {other}: expected megatron-rs, core, mcore, legacy, megatron or hf"
-        )),
-    };
+    });
     commit(&staging, &save_dir, || saved)?;
-    spinner.finish_and_clear();
+    bar.finish();
     let bytes = state.bytes();
     let seconds = started.elapsed().as_secs_f64();
     let gigabytes = bytes as f64 / 1e9;
@@ -249,9 +296,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         gigabytes / seconds.max(1e-9)
     );
     if args.verify {
-        let written = if args.saver == "hf" {
+        let written = if args.saver == Saver::Hf {
             load_hf(&save_dir, state.config.make_vocab_size_divisible_by, None)?
-        } else if args.saver != "megatron-rs" {
+        } else if args.saver == Saver::Core {
             let options = LoadOptions {
                 true_vocab_size: Some(state.config.vocab_size),
                 optimizer: false,
@@ -273,7 +320,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
 
 /// `--save-dir`, which must not exist or be empty.
 fn empty_save_dir(args: &ConvertArgs) -> Result<PathBuf> {
-    let save_dir = args.save_dir.clone().context("--save-dir is required")?;
+    let save_dir = args.save_dir.clone().expect("clap requires --save-dir");
     if save_dir.exists() && std::fs::read_dir(&save_dir)?.next().is_some() {
         bail!("--save-dir {} exists and is not empty", save_dir.display());
     }
@@ -296,32 +343,37 @@ fn commit(staging: &Path, save_dir: &Path, write: impl FnOnce() -> Result<()>) -
 
 /// `--model-type T5`: our T5 checkpoints reshaped to another tensor-parallel size.
 fn convert_t5(args: &ConvertArgs) -> Result<()> {
-    match args.saver.as_str() {
-        "megatron-rs" => {}
-        "hf" => bail!(
+    match args.saver {
+        Saver::MegatronRs => {}
+        Saver::Hf => bail_usage!(
             "--saver hf: Megatron's T5 has no HuggingFace form (HuggingFace's T5 is another \
              architecture: relative position buckets instead of learned positions, no biases, \
              RMS layer norms); T5 checkpoints are reshaped between megatron-rs layouts"
         ),
-        other => bail!("--saver {other}: T5 checkpoints are written as megatron-rs only"),
+        Saver::Core => bail_usage!(
+            "--saver core: T5 checkpoints are written as megatron-rs only (--saver megatron-rs)"
+        ),
     }
-    if args.loader != "megatron-rs" {
-        bail!(
-            "--loader {}: T5 checkpoints are read from megatron-rs checkpoints only (--loader megatron-rs)",
-            args.loader
+    if args.loader != Loader::MegatronRs {
+        bail_usage!(
+            "--model-type T5 reads megatron-rs checkpoints only: give --loader megatron-rs"
         );
     }
     if let Some(pipeline) = args.target_pipeline_parallel_size.filter(|&p| p != 1) {
-        bail!("--target-pipeline-parallel-size {pipeline}: T5 runs without pipeline parallelism; give 1");
+        bail_usage!(
+            "--target-pipeline-parallel-size {pipeline}: T5 runs without pipeline parallelism; give 1"
+        );
     }
     if let Some(chunks) = args
         .target_virtual_pipeline_parallel_size
         .filter(|&v| v != 1)
     {
-        bail!("--target-virtual-pipeline-parallel-size {chunks}: T5 runs without pipeline parallelism");
+        bail_usage!(
+            "--target-virtual-pipeline-parallel-size {chunks}: T5 runs without pipeline parallelism"
+        );
     }
     let save_dir = empty_save_dir(args)?;
-    let load_dir = args.load_dir.as_deref().context("--load-dir is required")?;
+    let load_dir = load_dir(args);
     let checkpoint = find_checkpoint(load_dir)?.with_context(|| {
         format!(
             "{} holds no megatron-rs checkpoint (no latest_checkpointed_iteration.txt)",
@@ -332,20 +384,16 @@ fn convert_t5(args: &ConvertArgs) -> Result<()> {
         .target_tensor_parallel_size
         .unwrap_or(checkpoint.metadata.tensor_model_parallel_size);
     let started = Instant::now();
-    let spinner = megatron_cli::spinner("tensors");
-    spinner.set_message(format!("reshaping {}", load_dir.display()));
+    let bar = TensorBytesBar::new(format!("reshaping {}", load_dir.display()));
     let staging = staging_for(&save_dir)?;
     let mut moved = None;
     commit(&staging, &save_dir, || {
-        moved = Some(reshape_t5(
-            &checkpoint,
-            &staging,
-            tensor,
-            !args.no_optimizer,
-        )?);
+        moved = Some(reporting_progress(bar.clone(), || {
+            reshape_t5(&checkpoint, &staging, tensor, !args.no_optimizer)
+        })?);
         Ok(())
     })?;
-    spinner.finish_and_clear();
+    bar.finish();
     let moved = moved.expect("written above");
     let seconds = started.elapsed().as_secs_f64();
     let gigabytes = moved.bytes as f64 / 1e9;

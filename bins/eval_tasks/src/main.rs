@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::ProgressBar;
+use megatron_cli::bail_usage;
 use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::build_tokenizer;
 use megatron_inference::CheckpointModelArgs;
@@ -32,7 +33,7 @@ use megatron_training::tasks::{
 struct Cli {
     /// LAMBADA (accuracy) or WIKITEXT103 (perplexity); RACE, MNLI and QQP finetune a BERT
     /// (see `eval_tasks --task MNLI --help`).
-    #[arg(long)]
+    #[arg(long, value_parser = ["LAMBADA", "WIKITEXT103", "RACE", "MNLI", "QQP"], hide_possible_values = true)]
     task: String,
     /// The data file: LAMBADA's JSON lines (key "text"), or WikiText's raw `wiki.*.tokens`
     /// (the detokenizer is picked from the path as Megatron does: ptb, wiki or lambada).
@@ -51,7 +52,7 @@ struct Cli {
     eval_micro_batch_size: Option<usize>,
     /// LAMBADA numbers to print: megatron (its formulation), lm-eval (lm-evaluation-harness's
     /// lambada_openai formulation), or both, each labelled.
-    #[arg(long, default_value = "megatron")]
+    #[arg(long, default_value = "megatron", value_parser = ["megatron", "lm-eval", "both"], hide_possible_values = true)]
     report: String,
     /// Also write the numbers to this JSON file.
     #[arg(long)]
@@ -179,8 +180,8 @@ fn run(cli: &Cli) -> Result<()> {
     let report = LambadaReportKind::parse(&cli.report)?;
     let valid_data = match cli.valid_data.as_slice() {
         [one] => one.clone(),
-        [] => bail!("give the data file with --valid-data"),
-        many => bail!(
+        [] => bail_usage!("give the data file with --valid-data"),
+        many => bail_usage!(
             "--valid-data takes one file for {}, got {}",
             task.name(),
             many.len()

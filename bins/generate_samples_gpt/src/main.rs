@@ -28,7 +28,7 @@ struct Cli {
     #[command(flatten, next_help_heading = "Tokenizer")]
     tokenizer: TokenizerArgs,
     /// A prompt; repeat for several.
-    #[arg(long)]
+    #[arg(long, required_unless_present = "sample_input_file")]
     prompt: Vec<String>,
     /// A file with one prompt per line.
     #[arg(long)]
@@ -71,7 +71,13 @@ fn run(cli: &Cli) -> Result<()> {
         }
     }
     if prompts.is_empty() {
-        bail!("give --prompt or --sample-input-file");
+        bail!(
+            "{} holds no prompt (every line is blank)",
+            cli.sample_input_file
+                .as_ref()
+                .expect("clap requires --prompt or --sample-input-file")
+                .display()
+        );
     }
     cli.model.print_ignored_flag_notes("generate_samples_gpt");
     cli.model.validate_run_time(1)?;

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use megatron_cli::{bail_usage, usage_error};
 use megatron_data::blend::{DataPathFlags, SplitDataset};
 use megatron_data::flags::{DataArgs, TokenizerArgs};
 use megatron_data::gpt::Split;
@@ -201,11 +202,14 @@ fn load(common: &Common) -> Result<Loaded> {
         }
     }
     if common.vocab_extra_ids == 0 {
-        bail!("T5 needs its sentinel tokens: pass --vocab-extra-ids as in training (the T5 example uses 100)");
+        bail_usage!("T5 needs its sentinel tokens: pass --vocab-extra-ids as in training (the T5 example uses 100)");
     }
-    let vocab_file = common.tokenizer.vocab_file.as_ref().context(
-        "generate_samples_t5 needs --vocab-file (the WordPiece vocabulary the model was trained with)",
-    )?;
+    let vocab_file = common.tokenizer.vocab_file.as_ref().ok_or_else(|| {
+        usage_error(
+            "generate_samples_t5 needs --vocab-file (the WordPiece vocabulary the model was \
+             trained with)",
+        )
+    })?;
     let tokenizer = masked_tokenizer(
         &common.tokenizer.tokenizer_type,
         vocab_file,
@@ -239,7 +243,7 @@ fn dataset(
 ) -> Result<SplitDataset<T5MaskedWordPieceDataset>> {
     let flags = &common.data;
     if num_samples == 0 {
-        bail!("--num-samples must be at least 1");
+        bail_usage!("--num-samples must be at least 1");
     }
     let encoder_seq_length = common
         .model
@@ -382,7 +386,7 @@ fn decode(args: &DecodeArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?
     } else if !common.data.paths.any() {
-        bail!("give texts to fill with --input, or data samples with --data-path");
+        bail_usage!("give texts to fill with --input, or data samples with --data-path");
     } else {
         let dataset = dataset(common, &loaded.model, args.num_samples)?;
         let count = (args.num_samples as usize).min(dataset.len());

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use megatron_cli::bail_usage;
 use megatron_data::blend::{build_gpt_datasets, BlendMember, DataPathFlags, SplitDataset};
 use megatron_data::flags::TokenizerArgs;
 use megatron_data::gpt::{
@@ -92,7 +93,7 @@ fn run_gpt(args: &SamplesArgs) -> Result<()> {
     let split = Split::from_name(&args.split_name)?;
     let (sources, split_string) = args.paths.sources()?;
     let Some(seq_length) = args.seq_length else {
-        bail!("--seq-length is required");
+        bail_usage!("--seq-length is required");
     };
     let tokenizer = TokenizerIdentity::from_flags(&args.tokenizer, args.vocab_extra_ids)?;
     let split_matrix = split_string
@@ -120,7 +121,7 @@ fn run_gpt(args: &SamplesArgs) -> Result<()> {
         },
     });
     if seq_length < 2 {
-        bail!("--seq-length must be at least 2");
+        bail_usage!("--seq-length must be at least 2");
     }
     let sizes = parse_sizes(args.num_samples.as_deref())?;
     let open = |prefix: &str| -> Result<Arc<dyn TokenSource>> {
@@ -157,17 +158,20 @@ fn run_masked(args: &SamplesArgs) -> Result<()> {
     let (sources, split_string) = args.paths.sources()?;
     let sizes = parse_sizes(args.num_samples.as_deref())?;
     let Some(vocab_file) = args.tokenizer.vocab_file.as_ref() else {
-        bail!("BERT and T5 samples need --vocab-file (a WordPiece vocab.txt)");
+        bail_usage!("BERT and T5 samples need --vocab-file (a WordPiece vocab.txt)");
     };
     let seq_length = match args.model {
         Model::T5 => args.encoder_seq_length.or(args.seq_length),
         _ => args.seq_length,
     };
     let Some(seq_length) = seq_length else {
-        bail!(match args.model {
-            Model::T5 => "--encoder-seq-length (or --seq-length) is required",
-            _ => "--seq-length is required",
-        });
+        bail_usage!(
+            "{}",
+            match args.model {
+                Model::T5 => "--encoder-seq-length (or --seq-length) is required",
+                _ => "--seq-length is required",
+            }
+        );
     };
     let flags = MaskedDataFlags {
         seed: args.seed,
@@ -198,10 +202,10 @@ fn run_masked(args: &SamplesArgs) -> Result<()> {
         )
     } else {
         let Some(decoder_seq_length) = args.decoder_seq_length else {
-            bail!("--model t5 needs --decoder-seq-length");
+            bail_usage!("--model t5 needs --decoder-seq-length");
         };
         if args.vocab_extra_ids == 0 {
-            bail!("--model t5 needs sentinel tokens: pass --vocab-extra-ids N (usually 100)");
+            bail_usage!("--model t5 needs sentinel tokens: pass --vocab-extra-ids N (usually 100)");
         }
         let config = Arc::new(flags.t5(decoder_seq_length)?);
         let mut datasets = build_t5_datasets(&sources, sizes, config, &open_indexed)?;
@@ -319,7 +323,7 @@ fn parse_sizes(text: Option<&str>) -> Result<[Option<u64>; 3]> {
     };
     let parts: Vec<&str> = text.split(',').map(str::trim).collect();
     if parts.len() != 3 {
-        bail!("--num-samples {text:?} needs three comma-separated values (train,valid,test)");
+        bail_usage!("--num-samples {text:?} needs three comma-separated values (train,valid,test)");
     }
     let mut sizes = [None; 3];
     for (size, part) in sizes.iter_mut().zip(&parts) {

@@ -4,6 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use megatron_cli::bail_usage;
 use megatron_data::openwebtext::cleanup::{Cleanup, FixTask, MIN_DOCUMENT_TOKENS};
 use megatron_data::openwebtext::find_duplicates::FindDuplicatesConfig;
 use megatron_data::openwebtext::groups::DEFAULT_GROUP_THRESHOLD;
@@ -82,7 +83,7 @@ impl DedupArgs {
         let heuristic_iter = match self.heuristic_iter {
             -1 => None,
             n if n >= 1 => Some(n as usize),
-            n => bail!("--heuristic-iter must be -1 or at least 1, got {n}"),
+            n => bail_usage!("--heuristic-iter must be -1 or at least 1, got {n}"),
         };
         Ok(FindDuplicatesConfig {
             seed: self.seed,
@@ -182,7 +183,7 @@ impl NgramArgs {
                     key: "text".into(),
                 });
             } else {
-                bail!("task {task} needs its texts as a local file: --task-file {task}=PATH[:KEY] (the original downloaded them from the Hugging Face hub)");
+                bail_usage!("task {task} needs its texts as a local file: --task-file {task}=PATH[:KEY] (the original downloaded them from the Hugging Face hub)");
             }
         }
         Ok(sources)

@@ -2,11 +2,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use megatron_data::preprocess::{
-    expand_inputs, preprocess, Encoder, PreprocessOptions, Progress, Summary,
+    expand_inputs, input_size, preprocess, Encoder, PreprocessOptions, Progress, Summary,
 };
 use megatron_data::sentence::{
     download_punkt_tab, find_punkt_dir, nltk_download_root, PunktParameters, SentenceError,
@@ -143,7 +144,7 @@ fn download_punkt(lang: &str, missing: SentenceError) -> Result<PathBuf> {
         "preprocess_data: downloading NLTK's punkt_tab into {}",
         root.join("tokenizers").display()
     );
-    let bar = megatron_cli::progress_bar(0, "bytes");
+    let bar = megatron_cli::byte_progress_bar(0);
     let downloaded = download_punkt_tab(&root, lang, &mut |received, total| {
         if let Some(total) = total {
             bar.set_length(total);
@@ -154,21 +155,17 @@ fn download_punkt(lang: &str, missing: SentenceError) -> Result<PathBuf> {
     downloaded.map_err(|reason| anyhow::anyhow!("{missing}; downloading them failed: {reason}"))
 }
 
-fn rate_line(p: &Progress) -> String {
-    let secs = p.elapsed.as_secs_f64().max(1e-9);
+/// Documents and text per second since the start, for the log lines and the summary.
+fn rate_line(documents: u64, text_bytes: u64, elapsed: Duration) -> String {
+    let secs = elapsed.as_secs_f64().max(1e-9);
     format!(
         "{:.1} docs/s, {:.2} MB/s",
-        p.documents as f64 / secs,
-        p.bytes as f64 / secs / 1024.0 / 1024.0
+        documents as f64 / secs,
+        text_bytes as f64 / secs / 1024.0 / 1024.0
     )
 }
 
 fn summary_line(s: &Summary) -> String {
-    let progress = Progress {
-        documents: s.documents,
-        bytes: s.bytes,
-        elapsed: s.elapsed,
-    };
     let outputs: Vec<String> = s
         .outputs
         .iter()
@@ -182,7 +179,7 @@ fn summary_line(s: &Summary) -> String {
         s.tokens,
         s.dtype,
         s.elapsed.as_secs_f64(),
-        rate_line(&progress),
+        rate_line(s.documents, s.bytes, s.elapsed),
         outputs.join(", ")
     )
 }
@@ -202,13 +199,26 @@ fn run(args: Args) -> Result<()> {
         keep_sequential_samples: args.keep_sequential_samples,
         skip_invalid: args.skip_invalid,
     };
-    let bar = megatron_cli::spinner("docs");
+    // Files have a size to measure the run against; standard input only a count.
+    let total = input_size(&options.inputs);
+    let bar = match total {
+        Some(bytes) => megatron_cli::byte_progress_bar(bytes),
+        None => megatron_cli::spinner("docs"),
+    };
     let mut next_log = args.log_interval;
-    let summary = preprocess(&options, &encoder, |p| {
-        bar.set_position(p.documents);
-        bar.set_message(rate_line(p));
+    let summary = preprocess(&options, &encoder, |p: &Progress| {
+        if total.is_some() {
+            bar.set_position(p.input_bytes);
+            bar.set_message(format!("{} docs", p.documents));
+        } else {
+            bar.set_position(p.documents);
+        }
         if bar.is_hidden() && p.documents >= next_log {
-            eprintln!("Processed {} documents ({}).", p.documents, rate_line(p));
+            eprintln!(
+                "Processed {} documents ({}).",
+                p.documents,
+                rate_line(p.documents, p.bytes, p.elapsed)
+            );
             next_log = (p.documents / args.log_interval + 1) * args.log_interval;
         }
     })?;

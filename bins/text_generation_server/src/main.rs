@@ -206,7 +206,9 @@ fn serving_settings(cli: &Cli) -> anyhow::Result<ServingSettings> {
         Some(gb) if gb.is_finite() && gb > 0.0 => {
             KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
         }
-        Some(gb) => anyhow::bail!("--kv-cache-gb must be a positive number of GiB, got {gb}"),
+        Some(gb) => {
+            megatron_cli::bail_usage!("--kv-cache-gb must be a positive number of GiB, got {gb}")
+        }
         None => KvBudget::default(),
     };
     Ok(ServingSettings {

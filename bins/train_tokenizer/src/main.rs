@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
+use megatron_cli::bail_usage;
 use megatron_data::preprocess::expand_inputs;
 use megatron_data::tokenizer::{read_texts, train_byte_level_bpe, BpeTrainingOptions, END_OF_TEXT};
 
@@ -34,11 +35,12 @@ struct Args {
 }
 
 fn run(args: Args) -> Result<()> {
-    ensure!(
-        args.vocab_size > 256,
-        "--vocab-size {} leaves no room for <|endoftext|> beside the 256 bytes",
-        args.vocab_size
-    );
+    if args.vocab_size <= 256 {
+        bail_usage!(
+            "--vocab-size {} leaves no room for <|endoftext|> beside the 256 bytes",
+            args.vocab_size
+        );
+    }
     let inputs = expand_inputs(&args.input)?;
     let spinner = megatron_cli::spinner("documents");
     spinner.set_message("reading");

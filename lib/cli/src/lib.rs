@@ -1,28 +1,44 @@
 //! Conventions every megatron-rs binary follows, so that scripts can rely on them:
 //!
 //! * exit code 0 on success, 1 on a runtime error, 2 on a usage error (clap's own code for bad
-//!   flags, which every binary parses with clap);
+//!   flags, which every binary parses with clap; checks of the flags made after parsing return a
+//!   [`UsageError`] for the same code);
 //! * a runtime error prints one `error: ...` line to stderr with its whole context chain, e.g.
 //!   `error: reading corpus.jsonl: line 12: missing key "text"`;
 //! * writing into a closed pipe (`| head`) ends the program quietly, like other Unix tools;
 //! * long work draws an indicatif progress bar on stderr (only when stderr is a terminal) and ends
 //!   with a one-line summary on stdout.
 
+pub mod progress;
 pub mod python_format;
 pub mod signals;
+mod usage;
 
-use indicatif::{ProgressBar, ProgressStyle};
+pub use indicatif::ProgressBar;
+pub use progress::{byte_progress_bar, progress_bar, spinner};
+pub use usage::{is_usage_error, usage_error, UsageError};
+
 use std::process::ExitCode;
-use std::time::Duration;
 
 /// Exit code of a runtime error.
 pub const EXIT_RUNTIME_ERROR: u8 = 1;
+/// Exit code of a usage error: clap's own, so a bad command line exits alike whether clap or a
+/// later check of the flags found it.
+pub const EXIT_USAGE_ERROR: u8 = 2;
 
-/// Runs a binary's body and turns its outcome into the exit code and message convention.
+/// Runs a binary's body and turns its outcome into the exit code and message convention: a
+/// [`UsageError`] anywhere in the error's chain exits 2 with clap's closing hint, anything else 1.
 pub fn run(body: impl FnOnce() -> anyhow::Result<()>) -> ExitCode {
     restore_default_sigpipe();
     match body() {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if is_usage_error(&error) => {
+            eprintln!(
+                "error: {}\n\nFor more information, try '--help'.",
+                error_text(&error)
+            );
+            ExitCode::from(EXIT_USAGE_ERROR)
+        }
         Err(error) => {
             eprintln!("error: {}", error_text(&error));
             ExitCode::from(EXIT_RUNTIME_ERROR)
@@ -60,33 +76,6 @@ fn restore_default_sigpipe() {
     }
 }
 
-/// A progress bar over `total` units of work (`unit` names them, e.g. "docs"), with rate and ETA.
-pub fn progress_bar(total: u64, unit: &str) -> ProgressBar {
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{elapsed_precise}} [{{wide_bar}}] {{human_pos}}/{{human_len}} {unit} ({{per_sec}}, ETA {{eta}}) {{msg}}"
-        ))
-        .expect("static template is valid")
-        .progress_chars("=> "),
-    );
-    bar.enable_steady_tick(Duration::from_millis(200));
-    bar
-}
-
-/// A spinner for work of unknown size (a stream from stdin, say), counting `unit`s with their rate.
-pub fn spinner(unit: &str) -> ProgressBar {
-    let bar = ProgressBar::new_spinner();
-    bar.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{spinner}} {{elapsed_precise}} {{human_pos}} {unit} ({{per_sec}}) {{msg}}"
-        ))
-        .expect("static template is valid"),
-    );
-    bar.enable_steady_tick(Duration::from_millis(200));
-    bar
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +84,11 @@ mod tests {
     fn runtime_errors_exit_with_one() {
         assert_eq!(run(|| Ok(())), ExitCode::SUCCESS);
         assert_eq!(run(|| anyhow::bail!("disk full")), ExitCode::from(1));
+        let io = std::io::Error::from_raw_os_error(2);
+        assert_eq!(
+            run(|| Err(anyhow::Error::new(io).context("opening ckpt"))),
+            ExitCode::from(1)
+        );
     }
 
     #[test]
@@ -120,13 +114,13 @@ mod tests {
     }
 
     #[test]
-    fn bars_count_their_work() {
-        let bar = progress_bar(10, "docs");
-        bar.inc(4);
-        assert_eq!(bar.position(), 4);
-        assert_eq!(bar.length(), Some(10));
-        let spin = spinner("docs");
-        spin.inc(3);
-        assert_eq!(spin.position(), 3);
+    fn usage_errors_exit_with_two_even_under_context() {
+        assert_eq!(
+            run(|| Err(usage_error("--saver hf: T5 has no HuggingFace form"))),
+            ExitCode::from(2)
+        );
+        let wrapped = Err(usage_error("--load is required"))
+            .map_err(|e: anyhow::Error| e.context("starting the server"));
+        assert_eq!(run(|| wrapped), ExitCode::from(2));
     }
 }

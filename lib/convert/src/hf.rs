@@ -13,6 +13,7 @@ use tch::{Kind, Tensor};
 
 use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
 use super::megatron_torch::tensor_of;
+use super::progress::report_written;
 use super::state::{ModelState, RunState, Tensors};
 use megatron_models::gpt::hf::{gpt2_recipes, llama_recipes};
 use megatron_models::gpt::hf_config::{config_from_hf, rope_to_hf};
@@ -274,6 +275,7 @@ impl<'a> Exports<'a> {
                         tensor.size()
                     );
                     emit(&tensor)?;
+                    report_written((tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64);
                     drop(tensor);
                     return_freed_memory();
                     Ok(())

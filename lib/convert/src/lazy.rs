@@ -16,6 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::DType;
 use tch::{Device, Kind, Tensor};
 
+use super::progress::report_written;
 use super::tensors::{fit_vocab_rows, kind_of};
 use megatron_store::{cpu_bytes, join_shards, take_shard, TensorSplit};
 
@@ -479,6 +480,11 @@ impl LazyTensor {
         chunk_bytes: usize,
         mut f: impl FnMut(&Tensor) -> Result<()>,
     ) -> Result<()> {
+        let mut f = |chunk: &Tensor| {
+            f(chunk)?;
+            report_written((chunk.numel() * self.kind.elt_size_in_bytes()) as u64);
+            Ok(())
+        };
         if self.shape.is_empty() {
             return f(&self.read()?);
         }

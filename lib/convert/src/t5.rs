@@ -10,7 +10,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::lazy::LazyTensor;
 use super::ours::{load_optimizer, read_model_files, write_rank, RankShard};
+use super::progress::report_total;
 use super::tensors::kind_named;
 use megatron_models::{FamilyModel, ModelOptions, Recompute, T5Config, T5Input, T5Model};
 use megatron_parallel::ParallelState;
@@ -124,6 +126,17 @@ pub fn reshape_t5(
     } else {
         None
     };
+    let bytes = weights
+        .values()
+        .chain(
+            state
+                .iter()
+                .flat_map(|o| [&o.main, &o.exp_avg, &o.exp_avg_sq])
+                .flat_map(|m| m.values()),
+        )
+        .map(LazyTensor::bytes)
+        .sum::<usize>();
+    report_total(bytes as u64);
     let kind = kind_named(&metadata.params_dtype)?;
     begin_save(root, metadata.iteration)?;
     let staging = staging_directory(root, metadata.iteration);
@@ -152,19 +165,9 @@ pub fn reshape_t5(
     written.optimizer = with_optimizer.then(|| "adam".to_string());
     written.has_rng_state = false;
     finish_save(root, &written)?;
-    let bytes = weights
-        .values()
-        .chain(
-            state
-                .iter()
-                .flat_map(|o| [&o.main, &o.exp_avg, &o.exp_avg_sq])
-                .flat_map(|m| m.values()),
-        )
-        .map(|t| t.bytes() as i64)
-        .sum();
     Ok(T5Reshape {
         tensors: weights.len(),
-        bytes,
+        bytes: bytes as i64,
         with_optimizer,
     })
 }

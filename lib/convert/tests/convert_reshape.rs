@@ -2,12 +2,14 @@
 //! same files bit for bit — weights and the optimizer's float32 main parameters and Adam
 //! moments — for SwiGLU, GQA, untied embeddings and a vocabulary whose padding changes with TP.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::rc::Rc;
 
 use megatron_convert::{
-    in_memory, load_megatron_rs, save_megatron_rs, ModelState, OptimizerState, RunState,
-    TargetLayout,
+    in_memory, load_megatron_rs, reporting_progress, save_megatron_rs, ConversionProgress,
+    ModelState, OptimizerState, RunState, TargetLayout,
 };
 use megatron_models::{
     Activation, GptModel, ModelOptions, Normalization, PositionEmbeddingType, Recompute,
@@ -184,4 +186,42 @@ fn tp2_pp2_round_trips_bitwise_untied() {
 #[test]
 fn tp2_pp2_interleaved_round_trips_bitwise_tied() {
     round_trip(llama_like(true), 2);
+}
+
+/// The byte counts a conversion reported, in order.
+#[derive(Default)]
+struct Reports(RefCell<Vec<u64>>);
+
+impl ConversionProgress for Reports {
+    fn total(&self, _: u64) {}
+    fn written(&self, bytes: u64) {
+        self.0.borrow_mut().push(bytes);
+    }
+}
+
+#[test]
+fn a_save_reports_its_tensor_bytes_as_it_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = random_state(llama_like(false));
+    let single = TargetLayout {
+        tensor: 1,
+        pipeline: 1,
+        virtual_stages: 1,
+    };
+    let reports = Rc::new(Reports::default());
+    reporting_progress(reports.clone(), || {
+        save_megatron_rs(&state, &dir.path().join("out"), single)
+    })
+    .unwrap();
+    let written = reports.0.borrow().clone();
+    // Weights and the three Adam buffers of every parameter, a report per tensor at least.
+    assert!(
+        written.len() >= 4 * state.weights.len(),
+        "{}",
+        written.len()
+    );
+    assert_eq!(written.iter().sum::<u64>(), state.bytes() as u64);
+    // Outside `reporting_progress` nothing is reported.
+    save_megatron_rs(&state, &dir.path().join("again"), single).unwrap();
+    assert_eq!(reports.0.borrow().len(), written.len());
 }

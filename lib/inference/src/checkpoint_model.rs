@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use megatron_cli::{bail_usage, usage_error};
 use tch::{Device, Kind};
 
 use megatron_checkpoint::layout::Format;
@@ -26,7 +27,7 @@ use megatron_store::{checkpoint_config, load_for_inference};
 #[derive(Debug, Clone, Args)]
 pub struct CheckpointModelArgs {
     /// Checkpoint directory (the iteration its tracker names is used; any TP/PP layout).
-    #[arg(long)]
+    #[arg(long, required_unless_present_any = ["pretrained_checkpoint", "load_hf"])]
     pub load: Option<PathBuf>,
     /// Weights to evaluate when --load is not given (Megatron's tasks accept either).
     #[arg(long)]
@@ -275,7 +276,9 @@ impl CheckpointModelArgs {
             .as_deref()
             .or(self.load.as_deref())
             .or(self.pretrained_checkpoint.as_deref())
-            .context("give the checkpoint with --load (or --pretrained-checkpoint)")
+            .ok_or_else(|| {
+                usage_error("give the checkpoint with --load (or --pretrained-checkpoint)")
+            })
     }
 
     /// One line per given flag that has no effect in `tool`, for the user to see.
@@ -342,21 +345,21 @@ impl CheckpointModelArgs {
     /// The checks that do not need the checkpoint.
     pub fn validate_run_time(&self, world_size: usize) -> Result<()> {
         if self.pipeline_model_parallel_size != 1 {
-            bail!(
+            bail_usage!(
                 "--pipeline-model-parallel-size {}: inference tools merge a checkpoint's pipeline stages into one model \
                  (any saved layout loads); give 1 and split with --tensor-model-parallel-size",
                 self.pipeline_model_parallel_size
             );
         }
         if world_size != self.tensor_model_parallel_size {
-            bail!(
+            bail_usage!(
                 "{world_size} processes were launched for --tensor-model-parallel-size {}; \
                  inference runs one process per tensor-parallel rank",
                 self.tensor_model_parallel_size
             );
         }
         if self.micro_batch_size == Some(0) {
-            bail!("--micro-batch-size must be at least 1");
+            bail_usage!("--micro-batch-size must be at least 1");
         }
         Ok(())
     }
@@ -643,8 +646,10 @@ mod tests {
         model: CheckpointModelArgs,
     }
 
+    /// The flags `args`, after `--load ckpt`.
     fn parse(args: &[&str]) -> CheckpointModelArgs {
-        Flags::try_parse_from(std::iter::once("tool").chain(args.iter().copied()))
+        let argv = ["tool", "--load", "ckpt"].into_iter();
+        Flags::try_parse_from(argv.chain(args.iter().copied()))
             .unwrap()
             .model
     }
@@ -731,8 +736,15 @@ mod tests {
                 "note: --transformer-impl does not apply to eval_tasks; ignored"
             ]
         );
-        assert!(args.validate_run_time(1).is_err());
+        assert!(megatron_cli::is_usage_error(
+            &args.validate_run_time(1).unwrap_err()
+        ));
         assert_eq!(parse(&["--fp16"]).dtype(Device::Cpu), Kind::Float);
-        assert!(parse(&[]).checkpoint().is_err());
+        let missing = Flags::try_parse_from(["tool"]).err().unwrap();
+        assert_eq!(
+            missing.kind(),
+            clap::error::ErrorKind::MissingRequiredArgument
+        );
+        assert!(Flags::try_parse_from(["tool", "--load-hf", "hf"]).is_ok());
     }
 }

@@ -29,10 +29,10 @@ impl PipelineSplit {
         let last = self.last_stage_layers.filter(|_| stages > 1);
         let fixed = first.unwrap_or(0) + last.unwrap_or(0);
         let middle = stages - usize::from(first.is_some()) - usize::from(last.is_some());
-        ensure!(fixed <= layers, "--decoder-first/last-pipeline-num-layers ({fixed} together) exceed --num-layers {layers}");
+        ensure!(fixed <= layers, "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers ({fixed} together) exceed --num-layers {layers}");
         let rest = layers - fixed;
         let each = if middle == 0 {
-            ensure!(rest == 0, "{rest} layers are left for no middle stage; adjust --decoder-first/last-pipeline-num-layers");
+            ensure!(rest == 0, "{rest} layers are left for no middle stage; adjust --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers");
             0
         } else {
             ensure!(
@@ -73,7 +73,7 @@ impl PipelineSplit {
         }
         ensure!(
             self.first_stage_layers.is_none() && self.last_stage_layers.is_none(),
-            "--decoder-first/last-pipeline-num-layers cannot be combined with virtual pipeline stages"
+            "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers cannot be combined with virtual pipeline stages"
         );
         ensure!(
             p > 1,

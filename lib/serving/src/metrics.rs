@@ -68,6 +68,7 @@ impl Histogram {
 }
 
 /// The gauges read from the server's state at the time of the scrape.
+#[derive(Default)]
 pub struct Gauges {
     /// Requests waiting for room in the batch (or for the model to load).
     pub queued: usize,
@@ -76,7 +77,8 @@ pub struct Gauges {
     /// Sequences (prompts or beams) decoded together.
     pub batch_size: usize,
     pub kv_blocks_used: u64,
-    pub kv_blocks_total: u64,
+    /// KV cache blocks the budget (`--kv-cache-gb`) holds.
+    pub kv_blocks_capacity: u64,
     /// The most KV cache blocks used at once so far.
     pub kv_blocks_peak: u64,
     /// Generation steps run so far.
@@ -212,10 +214,10 @@ impl ServerMetrics {
             gauges.kv_blocks_used.to_string(),
         );
         metric(
-            "megatron_kv_cache_blocks_total",
+            "megatron_kv_cache_blocks_capacity",
             "gauge",
             "KV cache blocks within the budget (--kv-cache-gb).",
-            gauges.kv_blocks_total.to_string(),
+            gauges.kv_blocks_capacity.to_string(),
         );
         metric(
             "megatron_kv_cache_blocks_peak",
@@ -304,7 +306,7 @@ mod tests {
             running: 1,
             batch_size: 2,
             kv_blocks_used: 5,
-            kv_blocks_total: 64,
+            kv_blocks_capacity: 64,
             kv_blocks_peak: 7,
             steps: 11,
             steps_ahead: 6,
@@ -331,7 +333,7 @@ mod tests {
         assert_eq!(value(&text, "megatron_queue_depth "), 4.0);
         assert_eq!(value(&text, "megatron_batch_size "), 2.0);
         assert_eq!(value(&text, "megatron_kv_cache_blocks_used "), 5.0);
-        assert_eq!(value(&text, "megatron_kv_cache_blocks_total "), 64.0);
+        assert_eq!(value(&text, "megatron_kv_cache_blocks_capacity "), 64.0);
         assert_eq!(value(&text, "megatron_kv_cache_blocks_peak "), 7.0);
         assert_eq!(value(&text, "megatron_generation_steps_total "), 11.0);
         assert_eq!(value(&text, "megatron_generation_steps_ahead_total "), 6.0);
@@ -350,5 +352,25 @@ mod tests {
             2.0
         );
         assert_eq!(value(&text, &format!("{duration}_sum ")), 400.7);
+    }
+
+    /// Prometheus reserves the `_total` suffix for counters: a gauge named so reads as a
+    /// cumulative count to dashboards and linters.
+    #[test]
+    fn only_counters_are_named_total() {
+        let text = ServerMetrics::default().render(&Gauges::default());
+        let typed: Vec<(&str, &str)> = text
+            .lines()
+            .filter_map(|line| line.strip_prefix("# TYPE "))
+            .filter_map(|rest| rest.split_once(' '))
+            .collect();
+        assert!(typed.len() >= 16, "{text}");
+        for (name, kind) in typed {
+            assert_eq!(
+                name.ends_with("_total"),
+                kind == "counter",
+                "{name} is a {kind}"
+            );
+        }
     }
 }

@@ -640,7 +640,7 @@ fn metrics(shared: &Shared) -> Response<ResponseBody> {
         running: serving.saturating_sub(cache.waiting_requests),
         batch_size: cache.running_rows,
         kv_blocks_used: cache.used_blocks.max(0) as u64,
-        kv_blocks_total: cache.total_blocks.max(0) as u64,
+        kv_blocks_capacity: cache.total_blocks.max(0) as u64,
         kv_blocks_peak: cache.peak_blocks.max(0) as u64,
         steps: cache.steps,
         steps_ahead: cache.steps_ahead,

@@ -269,7 +269,7 @@ fn write_and_commit<C: ModelChunk>(request: SaveRequest<'_, C>, iteration: u64) 
 /// What resuming restored.
 pub enum Resumed {
     /// Weights only (`--finetune`, `--pretrained-checkpoint`, or a `release` checkpoint).
-    Weights { directory: PathBuf },
+    Weights,
     Full {
         directory: PathBuf,
         progress: Progress,
@@ -379,10 +379,10 @@ pub fn restore_training_state(
     parallel: &ParallelState,
     device: Device,
 ) -> Result<Resumed> {
-    let directory = found.directory.clone();
     if request.finetune || found.release {
-        return Ok(Resumed::Weights { directory });
+        return Ok(Resumed::Weights);
     }
+    let directory = found.directory.clone();
     let metadata = &found.metadata;
     if let Some(scheduler) = &metadata.opt_param_scheduler {
         let saved: SchedulerState =

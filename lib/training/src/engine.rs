@@ -3,7 +3,7 @@
 //! the iteration loop over the pipeline schedule, evaluation, logging, checkpoints and the exit
 //! conditions (spec §4).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,6 +28,7 @@ use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
 use crate::families::{LossTotals, ModelFamily};
 use crate::metrics::{EvalSplit, TrainingMetrics};
+use megatron_cli::bail_usage;
 use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_kernels::rng;
 use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
@@ -328,12 +329,12 @@ pub fn train_with_hooks<F: ModelFamily>(
         (None, Some(samples)) => {
             train_iters_from_samples(samples, global_batch_size, rampup.as_ref())?
         }
-        (Some(_), Some(_)) => bail!("give only one of --train-iters and --train-samples"),
+        (Some(_), Some(_)) => bail_usage!("give only one of --train-iters and --train-samples"),
         (None, None) if args.training.skip_train => 0,
-        (None, None) => bail!("give --train-iters or --train-samples"),
+        (None, None) => bail_usage!("give --train-iters or --train-samples"),
     };
     if rampup.is_some() && args.training.train_samples.is_none() {
-        bail!("--rampup-batch-size needs sample-based training (--train-samples)");
+        bail_usage!("--rampup-batch-size needs sample-based training (--train-samples)");
     }
     let scheduler = OptimizerParamScheduler::new(SchedulerConfig::from_flags(&schedule_flags(
         args,
@@ -460,18 +461,18 @@ pub fn train_with_hooks<F: ModelFamily>(
                 directory,
                 progress,
             } => {
-                run.print_rank0(&format!(
-                    "loaded checkpoint {} at iteration {}",
-                    directory.display(),
-                    progress.iteration
+                run.print_rank0(&loaded_checkpoint_line(
+                    request.root,
+                    &parallel,
+                    progress.iteration,
                 ));
                 run.spikes.record_loaded(&directory);
                 run.progress = progress;
             }
-            Resumed::Weights { directory } => run.print_rank0(&format!(
-                "loaded weights from {} (starting at iteration 0)",
-                directory.display()
-            )),
+            // Megatron counts a finetune or release load from iteration 0 and says so.
+            Resumed::Weights => {
+                run.print_rank0(&loaded_checkpoint_line(request.root, &parallel, 0))
+            }
         }
     }
     if let Some(directory) = pretrained {
@@ -1087,10 +1088,23 @@ fn microbatch_graph<B: DeviceBatch>(
     )))
 }
 
+/// Megatron's line after a checkpoint is loaded, which scripts and people grep for: the `--load`
+/// directory, this rank's tensor and pipeline position (1-based) and the iteration resumed.
+fn loaded_checkpoint_line(load_dir: &Path, parallel: &ParallelState, iteration: u64) -> String {
+    format!(
+        "  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {iteration}",
+        load_dir.display(),
+        parallel.tensor.rank() + 1,
+        parallel.tensor.size(),
+        parallel.pipeline.rank() + 1,
+        parallel.pipeline.size(),
+    )
+}
+
 fn load_request(args: &PretrainArgs) -> Result<Option<LoadRequest<'_>>> {
     let optimizer = &args.optimizer;
     let policy = match (optimizer.override_opt_param_scheduler, optimizer.use_checkpoint_opt_param_scheduler) {
-        (true, true) => bail!("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
+        (true, true) => bail_usage!("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"),
         (true, false) => SchedulerLoadPolicy::OverrideFromCli,
         (false, true) => SchedulerLoadPolicy::UseCheckpoint,
         (false, false) => SchedulerLoadPolicy::RequireMatch,
@@ -1109,7 +1123,7 @@ fn schedule_flags(args: &PretrainArgs, global_batch_size: u64) -> Result<Schedul
     let lr = match (o.lr, args.training.skip_train) {
         (Some(lr), _) => Some(lr),
         (None, true) => Some(0.0),
-        (None, false) => bail!("--lr is required for training"),
+        (None, false) => bail_usage!("--lr is required for training"),
     };
     Ok(ScheduleFlags {
         lr,

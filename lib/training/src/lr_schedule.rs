@@ -4,6 +4,7 @@
 //! the checkpointed state with Megatron's field names.
 
 use anyhow::{anyhow, bail, Result};
+use megatron_cli::{bail_usage, usage_error};
 use serde::{Deserialize, Serialize};
 use std::f64::consts::PI;
 use std::fmt;
@@ -238,17 +239,19 @@ enum TrainingHorizon {
 impl SchedulerConfig {
     /// Megatron's `get_optimizer_param_scheduler` together with the argument checks it relies on.
     pub fn from_flags(flags: &ScheduleFlags) -> Result<Self> {
-        let max_lr = flags
-            .lr
-            .ok_or_else(|| anyhow!("--lr is required: the learning-rate schedule has no peak"))?;
+        let max_lr = flags.lr.ok_or_else(|| {
+            usage_error("--lr is required: the learning-rate schedule has no peak")
+        })?;
         let gbs = flags.global_batch_size;
         let horizon = match (flags.train_iters, flags.train_samples) {
             (Some(iters), None) => TrainingHorizon::Iterations(iters),
             (None, Some(samples)) => TrainingHorizon::Samples(samples),
             (Some(_), Some(_)) => {
-                bail!("--train-iters and --train-samples are exclusive: give only one of them")
+                bail_usage!(
+                    "--train-iters and --train-samples are exclusive: give only one of them"
+                )
             }
-            (None, None) => bail!("either --train-iters or --train-samples must be given"),
+            (None, None) => bail_usage!("either --train-iters or --train-samples must be given"),
         };
         let (decay_steps, warmup_steps, wsd_decay_steps, wd_incr_steps) = match horizon {
             TrainingHorizon::Iterations(train_iters) => {
@@ -257,11 +260,11 @@ impl SchedulerConfig {
                     (flags.lr_warmup_samples != 0, "--lr-warmup-samples"),
                 ] {
                     if given {
-                        bail!("{flag} is for sample-based training (--train-samples); with --train-iters use the -iters flag");
+                        bail_usage!("{flag} is for sample-based training (--train-samples); with --train-iters use the -iters flag");
                     }
                 }
                 if flags.lr_warmup_fraction.is_some() && flags.lr_warmup_iters != 0 {
-                    bail!("give only one of --lr-warmup-fraction and --lr-warmup-iters");
+                    bail_usage!("give only one of --lr-warmup-fraction and --lr-warmup-iters");
                 }
                 let decay_iters = flags.lr_decay_iters.unwrap_or(train_iters);
                 let decay_steps = iterations_to_samples(decay_iters, gbs, "--lr-decay-iters")?;
@@ -283,11 +286,11 @@ impl SchedulerConfig {
                     (flags.lr_warmup_iters != 0, "--lr-warmup-iters"),
                 ] {
                     if given {
-                        bail!("{flag} is for iteration-based training (--train-iters); with --train-samples use the -samples flag");
+                        bail_usage!("{flag} is for iteration-based training (--train-iters); with --train-samples use the -samples flag");
                     }
                 }
                 if flags.lr_warmup_fraction.is_some() && flags.lr_warmup_samples != 0 {
-                    bail!("give only one of --lr-warmup-fraction and --lr-warmup-samples");
+                    bail_usage!("give only one of --lr-warmup-fraction and --lr-warmup-samples");
                 }
                 let decay_steps = flags.lr_decay_samples.unwrap_or(train_samples);
                 let warmup_steps = match flags.lr_warmup_fraction {
@@ -305,13 +308,13 @@ impl SchedulerConfig {
         let (start_wd, end_wd) = match flags.weight_decay_incr_style {
             WdIncrStyle::Constant => {
                 if flags.start_weight_decay.is_some() || flags.end_weight_decay.is_some() {
-                    bail!("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine (with the default constant style, --weight-decay applies throughout)");
+                    bail_usage!("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine (with the default constant style, --weight-decay applies throughout)");
                 }
                 (flags.weight_decay, flags.weight_decay)
             }
             style => match (flags.start_weight_decay, flags.end_weight_decay) {
                 (Some(start), Some(end)) => (start, end),
-                _ => bail!("--weight-decay-incr-style {style} needs both --start-weight-decay and --end-weight-decay"),
+                _ => bail_usage!("--weight-decay-incr-style {style} needs both --start-weight-decay and --end-weight-decay"),
             },
         };
         let config = Self {
@@ -365,7 +368,7 @@ impl SchedulerConfig {
             );
         }
         if self.decay_style == LrDecayStyle::Wsd && self.wsd_decay_steps.is_none() {
-            bail!("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)");
+            bail_usage!("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)");
         }
         if self.start_wd.is_nan() || self.start_wd < 0.0 {
             bail!(
@@ -975,8 +978,13 @@ mod tests {
             ),
         ];
         for (flags, needle) in cases {
-            let error = SchedulerConfig::from_flags(&flags).unwrap_err().to_string();
-            assert!(error.contains(needle), "expected '{needle}' in: {error}");
+            let error = SchedulerConfig::from_flags(&flags).unwrap_err();
+            let text = error.to_string();
+            assert!(text.contains(needle), "expected '{needle}' in: {text}");
+            // Flags that cannot go together are usage errors; values that cannot work (a
+            // warmup longer than the decay) are checked again on a restored schedule too.
+            let usage = !matches!(needle, "--min-lr" | "shorter than the decay");
+            assert_eq!(megatron_cli::is_usage_error(&error), usage, "{text}");
         }
     }
 

@@ -37,7 +37,7 @@ impl StepProfiler {
             return Ok(None);
         }
         if args.profile_step_end <= args.profile_step_start {
-            bail!(
+            megatron_cli::bail_usage!(
                 "--profile-step-end ({}) must be greater than --profile-step-start ({})",
                 args.profile_step_end,
                 args.profile_step_start
@@ -45,7 +45,9 @@ impl StepProfiler {
         }
         let mode = if args.use_pytorch_profiler {
             let Some(dir) = &args.tensorboard_dir else {
-                bail!("--use-pytorch-profiler writes its trace into --tensorboard-dir: set it");
+                megatron_cli::bail_usage!(
+                    "--use-pytorch-profiler writes its trace into --tensorboard-dir: set it"
+                );
             };
             Mode::Kineto {
                 dir: dir.clone(),

@@ -14,6 +14,7 @@ mod pipeline;
 pub use document::{parse_line, FieldText};
 pub use encode::{EncodedField, Encoder};
 pub use error::PreprocessError;
-pub use input::{expand_inputs, open_input, InputSource};
+use input::open_counted_input;
+pub use input::{expand_inputs, input_size, open_input, InputSource};
 pub use output::{output_prefix, Level};
 pub use pipeline::{preprocess, PreprocessOptions, Progress, Summary};

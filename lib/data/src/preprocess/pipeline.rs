@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::document::parse_line;
 use super::{
-    open_input, output_prefix, EncodedField, Encoder, InputSource, Level, PreprocessError,
+    open_counted_input, output_prefix, EncodedField, Encoder, InputSource, Level, PreprocessError,
 };
 use crate::indexed::{DType, IndexedDatasetBuilder};
 
@@ -37,7 +37,11 @@ pub struct PreprocessOptions {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Progress {
     pub documents: u64,
+    /// Text of the lines processed (decompressed).
     pub bytes: u64,
+    /// Bytes of the inputs as stored (compressed ones compressed) behind the lines processed:
+    /// out of [`input_size`](super::input_size), how far the run is.
+    pub input_bytes: u64,
     pub elapsed: Duration,
 }
 
@@ -58,6 +62,8 @@ struct Line {
     source: usize,
     number: u64,
     text: String,
+    /// Stored bytes of all inputs up to the end of this line.
+    input_offset: u64,
 }
 
 type Batch = Result<Vec<Line>, PreprocessError>;
@@ -68,8 +74,9 @@ fn spawn_reader(inputs: Vec<InputSource>) -> Receiver<Batch> {
     std::thread::spawn(move || {
         let mut batch = Vec::new();
         let mut batch_bytes = 0;
+        let mut earlier_inputs_bytes = 0;
         for (source, input) in inputs.iter().enumerate() {
-            let mut reader = match open_input(input) {
+            let mut reader = match open_counted_input(input) {
                 Ok(r) => r,
                 Err(e) => {
                     let _ = tx.send(Err(e));
@@ -77,12 +84,13 @@ fn spawn_reader(inputs: Vec<InputSource>) -> Receiver<Batch> {
                 }
             };
             let mut number = 0u64;
+            let mut text_bytes = 0u64;
             let mut buf = Vec::new();
             loop {
                 buf.clear();
-                match reader.read_until(b'\n', &mut buf) {
+                match reader.lines.read_until(b'\n', &mut buf) {
                     Ok(0) => break,
-                    Ok(_) => {}
+                    Ok(n) => text_bytes += n as u64,
                     Err(e) => {
                         let _ = tx.send(Err(PreprocessError::Io {
                             what: format!("{}: read error after line {number}", input.name()),
@@ -108,6 +116,7 @@ fn spawn_reader(inputs: Vec<InputSource>) -> Receiver<Batch> {
                     source,
                     number,
                     text,
+                    input_offset: earlier_inputs_bytes + reader.stored_bytes_behind(text_bytes),
                 });
                 if batch.len() >= BATCH_LINES || batch_bytes >= BATCH_BYTES {
                     batch_bytes = 0;
@@ -116,6 +125,7 @@ fn spawn_reader(inputs: Vec<InputSource>) -> Receiver<Batch> {
                     }
                 }
             }
+            earlier_inputs_bytes += reader.stored_bytes_behind(text_bytes);
         }
         if !batch.is_empty() {
             let _ = tx.send(Ok(batch));
@@ -300,6 +310,7 @@ pub fn preprocess(
         });
         for (line, result) in batch.iter().zip(encoded) {
             progress.bytes += line.text.len() as u64;
+            progress.input_bytes = line.input_offset;
             match result {
                 Ok(fields) => {
                     for f in &fields {
@@ -370,6 +381,51 @@ mod tests {
         };
         let encoder = Encoder::new(Box::new(NullTokenizer::new(100)), None, append_eod).unwrap();
         preprocess(&opts, &encoder, |_| {})
+    }
+
+    /// The `input_bytes` of every progress report of a run over `inputs` (keys text, title).
+    fn input_positions(dir: &std::path::Path, inputs: Vec<InputSource>) -> Vec<u64> {
+        let opts = PreprocessOptions {
+            inputs,
+            json_keys: vec!["text".into(), "title".into()],
+            output_prefix: dir.join("out"),
+            workers: 2,
+            partitions: 1,
+            keep_sequential_samples: false,
+            skip_invalid: false,
+        };
+        let encoder = Encoder::new(Box::new(NullTokenizer::new(100)), None, false).unwrap();
+        let mut positions = Vec::new();
+        preprocess(&opts, &encoder, |p| positions.push(p.input_bytes)).unwrap();
+        positions
+    }
+
+    #[test]
+    fn progress_counts_the_inputs_stored_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = "{\"text\": \"1 2\", \"title\": \"3\"}\n";
+        let second = "{\"text\": \"4 5 6 7\", \"title\": \"8\"}\n";
+        // A blank line is input read too: it counts toward the next document.
+        let plain_text = format!("{first}\n{second}");
+        let plain = dir.path().join("a.jsonl");
+        std::fs::write(&plain, &plain_text).unwrap();
+        let gz = dir.path().join("b.jsonl.gz");
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut encoder, second.repeat(40).as_bytes()).unwrap();
+        let compressed = encoder.finish().unwrap();
+        std::fs::write(&gz, &compressed).unwrap();
+
+        let inputs = vec![InputSource::File(plain), InputSource::File(gz)];
+        let total = super::super::input_size(&inputs).unwrap();
+        assert_eq!(total, (plain_text.len() + compressed.len()) as u64);
+        let positions = input_positions(dir.path(), inputs);
+        assert_eq!(positions.len(), 42);
+        assert_eq!(
+            positions[..2],
+            [first.len() as u64, plain_text.len() as u64]
+        );
+        // The decompressor takes the small file whole before the first line comes out.
+        assert!(positions[2..].iter().all(|&p| p == total), "{positions:?}");
     }
 
     #[test]

@@ -11,7 +11,12 @@ pub struct TokenizerArgs {
     /// GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer,
     /// SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or
     /// NullTokenizer.
-    #[arg(long, default_value = "GPT2BPETokenizer")]
+    #[arg(
+        long,
+        default_value = "GPT2BPETokenizer",
+        value_parser = clap::builder::PossibleValuesParser::new(TokenizerType::NAMES),
+        hide_possible_values = true
+    )]
     pub tokenizer_type: String,
     /// Vocabulary file (GPT-2 encoder JSON or BERT vocab.txt).
     #[arg(long)]

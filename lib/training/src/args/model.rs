@@ -37,7 +37,12 @@ pub struct ModelArgs {
     #[arg(long)]
     pub max_position_embeddings: Option<i64>,
     /// learned_absolute, rope or none.
-    #[arg(long, default_value = "learned_absolute")]
+    #[arg(
+        long,
+        default_value = "learned_absolute",
+        value_parser = ["learned_absolute", "rope", "none"],
+        hide_possible_values = true
+    )]
     pub position_embedding_type: String,
     /// Megatron's older spelling of --position-embedding-type rope.
     #[arg(long)]
@@ -59,7 +64,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 128)]
     pub make_vocab_size_divisible_by: i64,
     /// LayerNorm or RMSNorm.
-    #[arg(long, default_value = "LayerNorm")]
+    #[arg(long, default_value = "LayerNorm", value_parser = ["LayerNorm", "RMSNorm"], hide_possible_values = true)]
     pub normalization: String,
     /// Epsilon of the normalisation layers (alias: --layernorm-epsilon).
     #[arg(long, alias = "layernorm-epsilon", default_value_t = 1e-5)]

@@ -65,7 +65,7 @@ impl ParallelArgs {
     pub fn virtual_stages(&self, num_layers: usize) -> anyhow::Result<usize> {
         let p = self.pipeline_model_parallel_size;
         match (self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank) {
-            (Some(_), Some(_)) => anyhow::bail!(
+            (Some(_), Some(_)) => megatron_cli::bail_usage!(
                 "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
             ),
             (Some(per_stage), None) => {

@@ -2,6 +2,7 @@
 
 use anyhow::{bail, ensure, Result};
 use clap::Args;
+use megatron_cli::bail_usage;
 use tch::Kind;
 
 use megatron_models::{Recompute, RecomputeMethod};
@@ -82,7 +83,7 @@ pub struct TrainingArgs {
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct OptimizerArgs {
     /// adam (AdamW, decoupled weight decay) or sgd.
-    #[arg(long, default_value = "adam")]
+    #[arg(long, default_value = "adam", value_parser = ["adam", "sgd"], hide_possible_values = true)]
     pub optimizer: String,
     #[arg(long, default_value_t = 0.9)]
     pub adam_beta1: f64,
@@ -108,7 +109,12 @@ pub struct OptimizerArgs {
     #[arg(long, default_value_t = 0.0)]
     pub min_lr: f64,
     /// constant, linear, cosine, inverse-square-root or WSD.
-    #[arg(long, default_value = "linear")]
+    #[arg(
+        long,
+        default_value = "linear",
+        value_parser = ["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        hide_possible_values = true
+    )]
     pub lr_decay_style: String,
     /// Iterations to decay over [default: --train-iters].
     #[arg(long)]
@@ -129,7 +135,12 @@ pub struct OptimizerArgs {
     #[arg(long, default_value_t = 0.0)]
     pub lr_warmup_init: f64,
     /// Annealing shape of WSD: linear, cosine, exponential or minus_sqrt.
-    #[arg(long, default_value = "exponential")]
+    #[arg(
+        long,
+        default_value = "exponential",
+        value_parser = ["linear", "cosine", "exponential", "minus_sqrt"],
+        hide_possible_values = true
+    )]
     pub lr_wsd_decay_style: String,
     /// WSD annealing iterations.
     #[arg(long)]
@@ -147,7 +158,7 @@ pub struct OptimizerArgs {
     #[arg(long)]
     pub end_weight_decay: Option<f64>,
     /// constant, linear or cosine.
-    #[arg(long, default_value = "constant")]
+    #[arg(long, default_value = "constant", value_parser = ["constant", "linear", "cosine"], hide_possible_values = true)]
     pub weight_decay_incr_style: String,
     /// On load, take the scheduler settings from the command line.
     #[arg(long = "override-opt_param-scheduler")]
@@ -203,10 +214,10 @@ pub struct RecomputeArgs {
     #[arg(long)]
     pub recompute_activations: bool,
     /// full or selective.
-    #[arg(long)]
+    #[arg(long, value_parser = ["full", "selective"], hide_possible_values = true)]
     pub recompute_granularity: Option<String>,
     /// uniform or block (with --recompute-granularity full).
-    #[arg(long)]
+    #[arg(long, value_parser = ["uniform", "block"], hide_possible_values = true)]
     pub recompute_method: Option<String>,
     /// Layers per recomputed chunk (uniform) or recomputed layers (block).
     #[arg(long, default_value_t = 1)]
@@ -227,7 +238,7 @@ impl RecomputeArgs {
                     Some("uniform") => RecomputeMethod::Uniform,
                     Some("block") => RecomputeMethod::Block,
                     Some(other) => bail!("--recompute-method {other:?}: expected uniform or block"),
-                    None => bail!(
+                    None => bail_usage!(
                         "--recompute-granularity full needs --recompute-method uniform or block"
                     ),
                 };
