@@ -38,14 +38,7 @@ pub fn scalar_event(wall_time: f64, step: i64, tag: &str, value: f32) -> Vec<u8>
     let mut summary_value = MessageEncoder::new();
     summary_value.string(VALUE_TAG, tag);
     summary_value.float(VALUE_SIMPLE_VALUE, value);
-    let mut summary = MessageEncoder::new();
-    summary.message(SUMMARY_VALUE, summary_value);
-
-    let mut event = MessageEncoder::new();
-    event.double(EVENT_WALL_TIME, wall_time);
-    event.int64(EVENT_STEP, step);
-    event.message(EVENT_SUMMARY, summary);
-    event.into_bytes()
+    summary_event(wall_time, step, summary_value)
 }
 
 /// `Event { wall_time, step, summary { value { tag, metadata { plugin_data { plugin_name:
@@ -68,9 +61,13 @@ pub fn text_event(wall_time: f64, step: i64, tag: &str, text: &str) -> Vec<u8> {
     summary_value.string(VALUE_TAG, tag);
     summary_value.message(VALUE_TENSOR, tensor);
     summary_value.message(VALUE_METADATA, metadata);
+    summary_event(wall_time, step, summary_value)
+}
+
+/// `Event { wall_time, step, summary { value } }` around one summary value.
+fn summary_event(wall_time: f64, step: i64, summary_value: MessageEncoder) -> Vec<u8> {
     let mut summary = MessageEncoder::new();
     summary.message(SUMMARY_VALUE, summary_value);
-
     let mut event = MessageEncoder::new();
     event.double(EVENT_WALL_TIME, wall_time);
     event.int64(EVENT_STEP, step);
