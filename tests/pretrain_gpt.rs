@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, workspace_root};
+use megatron_e2e::{bin, metrics_losses, run_ok, workspace_root};
 
 struct Corpus {
     _dir: tempfile::TempDir,
@@ -101,24 +101,6 @@ fn pretrain(corpus: &Corpus, extra: &[&str]) -> Command {
     command
 }
 
-/// `lm loss` of every iteration from a metrics file, as exact JSON text.
-fn losses(metrics: &Path) -> Vec<(u64, String)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .filter_map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).unwrap();
-            if record.get("split").is_some() {
-                return None;
-            }
-            Some((
-                record["iteration"].as_u64().unwrap(),
-                record.get("lm loss")?.to_string(),
-            ))
-        })
-        .collect()
-}
-
 fn path_str(path: &Path) -> &str {
     path.to_str().unwrap()
 }
@@ -146,7 +128,7 @@ fn a_tiny_gpt_learns_the_bundled_corpus() {
         stdout.contains("iteration      100/     100 | consumed samples:          800 |"),
         "{stdout}"
     );
-    let values: Vec<f64> = losses(&metrics)
+    let values: Vec<f64> = metrics_losses(&metrics)
         .iter()
         .map(|(_, v)| v.parse().unwrap())
         .collect();
@@ -211,7 +193,10 @@ fn assert_bitwise_resume(flags: &[&str]) {
     let stdout = String::from_utf8_lossy(&second.stdout);
     assert!(stdout.lines().any(|line| line == resumed_line), "{stdout}");
 
-    assert_eq!(losses(&straight_metrics), losses(&resumed_metrics));
+    assert_eq!(
+        metrics_losses(&straight_metrics),
+        metrics_losses(&resumed_metrics)
+    );
     for file in [
         "model.safetensors",
         "optimizer.safetensors",

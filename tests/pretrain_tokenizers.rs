@@ -3,13 +3,15 @@
 //! writes are named as Megatron names them (the description is what Python's `json.dumps`
 //! prints for it, holds the tokenizer's identity, and its MD5 is the files' prefix);
 //! `inspect_dataset samples` with the same tokenizer flags finds those caches, and `eval_tasks`
-//! scores the checkpoint on WikiText with it.
+//! scores the checkpoint on WikiText with it. BERT and T5 train on sentence data of the one
+//! SentencePiece flavor Megatron gives `[CLS]`, `[SEP]` and `[MASK]` (`SentencePieceTokenizer`),
+//! and their samples are made of its special tokens.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use megatron_e2e::{bin, run_ok, shared_dir, test_python, workspace_root};
+use megatron_e2e::{bin, metrics_losses, run_ok, shared_dir, test_python, workspace_root};
 use serde_json::Value;
 
 /// Models trained for the test by `fixtures/tokenizer_references.py` (a SentencePiece unigram
@@ -18,6 +20,10 @@ struct Fixtures {
     dir: tempfile::TempDir,
     tiktoken_vocab_size: String,
     tiktoken_num_special: String,
+    /// The ids of Megatron's SentencePieceTokenizer special tokens for the unigram model (with
+    /// T5's sentinels) by role, as the fixture computes them with the `sentencepiece` package.
+    sentencepiece_roles: Value,
+    t5_extra_ids: String,
 }
 
 fn fixtures() -> &'static Fixtures {
@@ -36,6 +42,8 @@ fn fixtures() -> &'static Fixtures {
         Fixtures {
             tiktoken_vocab_size: expected["tiktoken_vocab_size"].to_string(),
             tiktoken_num_special: expected["tiktoken_num_special"].to_string(),
+            sentencepiece_roles: expected["megatron_unigram_roles"].clone(),
+            t5_extra_ids: expected["t5_extra_ids"].to_string(),
             dir,
         }
     })
@@ -101,24 +109,6 @@ fn null_corpus(dir: &Path) -> PathBuf {
         .collect();
     std::fs::write(&path, documents.join("\n") + "\n").unwrap();
     path
-}
-
-/// `lm loss` of every iteration from a metrics file, as exact JSON text.
-fn losses(metrics: &Path) -> Vec<(u64, String)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .filter_map(|line| {
-            let record: Value = serde_json::from_str(line).unwrap();
-            if record.get("split").is_some() {
-                return None;
-            }
-            Some((
-                record["iteration"].as_u64().unwrap(),
-                record.get("lm loss")?.to_string(),
-            ))
-        })
-        .collect()
 }
 
 fn pretrain(data: &Path, cache: &Path, case: &Case, extra: &[&str]) -> Command {
@@ -228,11 +218,11 @@ fn train_stop_resume_and_inspect(name: &str, case: Case) {
         "{name}: {}",
         String::from_utf8_lossy(&resumed.stdout)
     );
-    let straight = losses(Path::new(&straight_metrics));
+    let straight = metrics_losses(Path::new(&straight_metrics));
     assert_eq!(straight.len(), 4, "{name}: {straight:?}");
     assert_eq!(
         straight,
-        losses(Path::new(&resumed_metrics)),
+        metrics_losses(Path::new(&resumed_metrics)),
         "{name}: the resumed run's losses"
     );
     assert_eq!(
@@ -392,4 +382,228 @@ fn tiktoken() {
 fn null() {
     let flags = strings(&["--tokenizer-type", "NullTokenizer", "--vocab-size", "511"]);
     train_stop_resume_and_inspect("null", current(flags));
+}
+
+/// Sentence-level data (`--split-sentences`) of the fixture corpus, tokenized by Megatron's
+/// SentencePieceTokenizer.
+fn sentencepiece_sentences(dir: &Path) -> PathBuf {
+    run_ok(
+        bin("preprocess_data")
+            .arg("--input")
+            .arg(fixture("input.jsonl"))
+            .arg("--output-prefix")
+            .arg(dir.join("sp"))
+            .args(["--split-sentences", "--workers", "1", "--punkt-dir"])
+            .arg(shared_dir().join("data/punkt_tab_english"))
+            .args(sentencepiece("SentencePieceTokenizer")),
+    );
+    dir.join("sp_text_sentence")
+}
+
+/// A tiny BERT or T5 (`binary`) on `data` for 4 iterations, with the SentencePiece tokenizer.
+fn pretrain_masked(binary: &str, data: &Path, cache: &Path, extra: &[&str]) -> Command {
+    let mut command = bin(binary);
+    command
+        .args(["--num-layers", "1", "--hidden-size", "32"])
+        .args(["--num-attention-heads", "4", "--seq-length", "32"])
+        .args(["--max-position-embeddings", "32"])
+        .args(["--micro-batch-size", "2", "--global-batch-size", "4"])
+        .args(["--lr", "3e-3", "--train-iters", "4", "--log-interval", "1"])
+        .args(["--split", "90,5,5", "--eval-interval", "1000"])
+        .args([
+            "--eval-iters",
+            "1",
+            "--device",
+            "cpu",
+            "--deterministic-mode",
+        ])
+        .arg("--data-path")
+        .arg(data)
+        .arg("--data-cache-path")
+        .arg(cache)
+        .args(sentencepiece("SentencePieceTokenizer"))
+        .args(extra);
+    command
+}
+
+/// Trains straight through, then stops at iteration 2 and resumes: the losses agree bitwise
+/// and every cache is named for Megatron's `_SentencePieceTokenizer`.
+fn straight_stop_and_resume(binary: &str, data: &Path, dir: &Path, extra: &[&str]) {
+    let cache = dir.join(format!("{binary}-cache"));
+    let metrics = |name: &str| dir.join(format!("{binary}-{name}.jsonl"));
+    let (straight, resumed) = (metrics("straight"), metrics("resumed"));
+    let with_metrics = |path: &Path| vec!["--metrics-file".to_string(), path.display().to_string()];
+    run_ok(pretrain_masked(binary, data, &cache, extra).args(with_metrics(&straight)));
+    let save = dir
+        .join(format!("{binary}-checkpoint"))
+        .display()
+        .to_string();
+    let stop = [
+        "--save",
+        &save,
+        "--save-interval",
+        "2",
+        "--exit-interval",
+        "2",
+    ];
+    run_ok(
+        pretrain_masked(binary, data, &cache, extra)
+            .args(stop)
+            .args(with_metrics(&resumed)),
+    );
+    run_ok(
+        pretrain_masked(binary, data, &cache, extra)
+            .args(["--load", &save, "--save", &save])
+            .args(with_metrics(&resumed)),
+    );
+    let losses = metrics_losses(&straight);
+    assert_eq!(losses.len(), 4, "{binary}: {losses:?}");
+    assert_eq!(
+        losses,
+        metrics_losses(&resumed),
+        "{binary}: the resumed run's losses"
+    );
+    assert_eq!(
+        check_descriptions(&cache, "_SentencePieceTokenizer"),
+        3,
+        "{binary}: one description per split"
+    );
+}
+
+/// The first `count` training samples `inspect_dataset` prints for `model` with the flags
+/// training used, one JSON object each.
+fn inspect_masked(
+    model: &str,
+    data: &Path,
+    dir: &Path,
+    extra: &[&str],
+    count: usize,
+) -> Vec<Value> {
+    let out = run_ok(
+        bin("inspect_dataset")
+            .args(["samples", "--model", model, "--data-path"])
+            .arg(data)
+            .arg("--data-cache-path")
+            .arg(dir.join(format!("pretrain_{model}-cache")))
+            .args([
+                "--split",
+                "90,5,5",
+                "--num-samples",
+                "16,4,4",
+                "--seq-length",
+                "32",
+            ])
+            .args(["--first", &count.to_string()])
+            .args(sentencepiece("SentencePieceTokenizer"))
+            .args(extra),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("loaded from"),
+        "{model}: training's caches: {stderr}"
+    );
+    let samples: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(samples.len(), count);
+    samples
+}
+
+fn ids(value: &Value) -> Vec<i64> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect()
+}
+
+#[test]
+fn sentencepiece_bert_and_t5() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = sentencepiece_sentences(dir.path());
+    let roles = &fixtures().sentencepiece_roles;
+    let role = |name: &str| roles[name].as_i64().unwrap();
+
+    straight_stop_and_resume("pretrain_bert", &data, dir.path(), &[]);
+    let mut masked_reading_mask = 0;
+    for sample in inspect_masked("bert", &data, dir.path(), &[], 8) {
+        let text = ids(&sample["text"]);
+        let padding = ids(&sample["padding_mask"]);
+        let real = padding.iter().filter(|&&p| p == 1).count();
+        // [CLS] A [SEP] B [SEP], then padding.
+        assert_eq!(text[0], role("cls"), "{sample}");
+        assert_eq!(text[real - 1], role("sep"), "{sample}");
+        assert_eq!(
+            text[..real].iter().filter(|&&t| t == role("sep")).count(),
+            2
+        );
+        assert!(text[real..].iter().all(|&t| t == role("pad")), "{sample}");
+        // [MASK] stands only where a label is set (80% of those; the rest hold a random or
+        // their own token).
+        let labels = ids(&sample["labels"]);
+        assert!(
+            (0..real).all(|i| labels[i] != -1 || text[i] != role("mask")),
+            "{sample}"
+        );
+        masked_reading_mask += (0..real)
+            .filter(|&i| labels[i] != -1 && text[i] == role("mask"))
+            .count();
+    }
+    assert!(masked_reading_mask > 0, "no sample has a [MASK]");
+
+    let extra_ids = fixtures().t5_extra_ids.clone();
+    let t5 = [
+        "--vocab-extra-ids",
+        extra_ids.as_str(),
+        "--decoder-seq-length",
+        "16",
+    ];
+    straight_stop_and_resume("pretrain_t5", &data, dir.path(), &t5);
+    let sentinels = ids(&roles["sentinels"]);
+    for sample in inspect_masked("t5", &data, dir.path(), &t5, 4) {
+        let (encoder, decoder) = (ids(&sample["text_enc"]), ids(&sample["text_dec"]));
+        let labels = ids(&sample["labels"]);
+        // Each masked span is one sentinel in the encoder's input, in order, and opens the
+        // decoder's span; the decoder starts at the bos and its labels end at the eos.
+        let used: Vec<i64> = encoder
+            .iter()
+            .copied()
+            .filter(|t| sentinels.contains(t))
+            .collect();
+        assert!(!used.is_empty(), "{sample}");
+        assert_eq!(used, sentinels[..used.len()], "{sample}");
+        assert_eq!(decoder[0], role("bos"), "{sample}");
+        assert_eq!(decoder[1], sentinels[0], "{sample}");
+        let ends = labels.iter().position(|&t| t == role("eos")).unwrap();
+        assert!(labels[ends + 1..].iter().all(|&t| t == -1), "{sample}");
+    }
+}
+
+#[test]
+fn masked_families_refuse_tokenizers_without_mask_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut flags = strings(&[
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+    ]);
+    flags.push(shared("gpt2-tokenizer.json"));
+    let data = sentencepiece_sentences(dir.path());
+    let t5: &[&str] = &["--vocab-extra-ids", "10", "--decoder-seq-length", "16"];
+    for (binary, extra) in [("pretrain_bert", &[][..]), ("pretrain_t5", t5)] {
+        let out = pretrain_masked(binary, &data, &dir.path().join("cache"), extra)
+            .args(&flags)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{binary}: {stderr}");
+        assert!(
+            stderr.contains("Megatron's HuggingFaceTokenizer does not have")
+                && stderr.contains("SentencePieceTokenizer"),
+            "{binary}: {stderr}"
+        );
+    }
 }

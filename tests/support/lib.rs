@@ -107,3 +107,22 @@ pub fn free_port() -> String {
         .port()
         .to_string()
 }
+
+/// `lm loss` of every training iteration in a `--metrics-file`, as exact JSON text (the
+/// evaluation records, which carry a `split`, are left out).
+pub fn metrics_losses(metrics: &std::path::Path) -> Vec<(u64, String)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            if record.get("split").is_some() {
+                return None;
+            }
+            Some((
+                record["iteration"].as_u64().unwrap(),
+                record.get("lm loss")?.to_string(),
+            ))
+        })
+        .collect()
+}

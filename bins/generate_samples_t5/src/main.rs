@@ -9,12 +9,11 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use megatron_cli::{bail_usage, usage_error};
+use megatron_cli::bail_usage;
 use megatron_data::blend::{DataPathFlags, SplitDataset};
 use megatron_data::flags::{DataArgs, TokenizerArgs};
 use megatron_data::gpt::Split;
-use megatron_data::masked::{masked_tokenizer, T5MaskedWordPieceDataset, T5Sample};
-use megatron_data::tokenizer::{BertWordPiece, Tokenizer};
+use megatron_data::masked::{MaskedTokenizer, T5MaskedWordPieceDataset, T5Sample};
 use megatron_inference::CheckpointModelArgs;
 use megatron_inference::{
     encode_with_sentinels, greedy_decode, score_t5_batch, GreedyOptions, ScoreTotals, T5Decoding,
@@ -177,7 +176,7 @@ struct Loaded {
     parallel: ParallelState,
     device: Device,
     model: T5Model,
-    tokenizer: BertWordPiece,
+    tokenizer: MaskedTokenizer,
 }
 
 impl Loaded {
@@ -204,23 +203,13 @@ fn load(common: &Common) -> Result<Loaded> {
     if common.vocab_extra_ids == 0 {
         bail_usage!("T5 needs its sentinel tokens: pass --vocab-extra-ids as in training (the T5 example uses 100)");
     }
-    let vocab_file = common.tokenizer.vocab_file.as_ref().ok_or_else(|| {
-        usage_error(
-            "generate_samples_t5 needs --vocab-file (the WordPiece vocabulary the model was \
-             trained with)",
-        )
-    })?;
-    let tokenizer = masked_tokenizer(
-        &common.tokenizer.tokenizer_type,
-        vocab_file,
-        common.vocab_extra_ids,
-    )?;
-    if tokenizer.vocab_size() as i64 != config.transformer.vocab_size {
+    let tokenizer = MaskedTokenizer::from_flags(&common.tokenizer, common.vocab_extra_ids)?;
+    let vocab_size = tokenizer.tokenizer.vocab_size();
+    if vocab_size as i64 != config.transformer.vocab_size {
         bail!(
-            "the tokenizer has {} tokens (--vocab-file {} with --vocab-extra-ids {}) but the \
-             checkpoint was trained with {}",
-            tokenizer.vocab_size(),
-            vocab_file.display(),
+            "the tokenizer has {vocab_size} tokens (--tokenizer-type {} with --vocab-extra-ids {}) \
+             but the checkpoint was trained with {}",
+            common.tokenizer.tokenizer_type,
             common.vocab_extra_ids,
             config.transformer.vocab_size
         );
@@ -412,11 +401,11 @@ fn decode(args: &DecodeArgs) -> Result<()> {
         max_decode_length,
         bos: args
             .bos
-            .or(tokenizer.bos().map(i64::from))
+            .or(tokenizer.vocab.bos)
             .context("the tokenizer has no [BOS]: give --bos")?,
-        eos: args.eos.or(tokenizer.eos().map(i64::from)),
+        eos: args.eos.or(tokenizer.vocab.eos),
     };
-    let pad = i64::from(tokenizer.token_id("[PAD]").unwrap_or(0));
+    let pad = tokenizer.vocab.pad;
     let print = loaded.parallel.is_logging_rank();
     let mut out = std::io::stdout().lock();
     let (mut decoded_tokens, mut exact) = (0, 0);

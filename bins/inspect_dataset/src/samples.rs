@@ -157,9 +157,6 @@ fn run_masked(args: &SamplesArgs) -> Result<()> {
     let split = Split::from_name(&args.split_name)?;
     let (sources, split_string) = args.paths.sources()?;
     let sizes = parse_sizes(args.num_samples.as_deref())?;
-    let Some(vocab_file) = args.tokenizer.vocab_file.as_ref() else {
-        bail_usage!("BERT and T5 samples need --vocab-file (a WordPiece vocab.txt)");
-    };
     let seq_length = match args.model {
         Model::T5 => args.encoder_seq_length.or(args.seq_length),
         _ => args.seq_length,
@@ -181,8 +178,7 @@ fn run_masked(args: &SamplesArgs) -> Result<()> {
         split: split_string,
         data_cache_path: args.data_cache_path.clone(),
         mid_level_dataset_surplus: args.mid_level_dataset_surplus,
-        tokenizer_type: args.tokenizer.tokenizer_type.clone(),
-        vocab_file: vocab_file.to_string_lossy().into_owned(),
+        tokenizer: args.tokenizer.clone(),
         vocab_extra_ids: args.vocab_extra_ids,
     };
     let stdout = std::io::stdout();

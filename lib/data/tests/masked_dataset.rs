@@ -11,6 +11,7 @@ use megatron_data::masked::{
     build_bert_datasets, build_t5_datasets, open_indexed, BertMaskedWordPieceDataset,
     MaskedDataFlags, MaskedWordPieceDataset, SentenceSourceOpener, T5MaskedWordPieceDataset,
 };
+use megatron_data::tokenizer::TokenizerArgs;
 use serde_json::Value;
 
 /// `../shared` beside the workspace (or `MEGATRON_RS_SHARED`).
@@ -31,11 +32,15 @@ fn flags(vocab_extra_ids: usize, seq_length: usize, cache: &Path) -> MaskedDataF
         split: Some("969,30,1".into()),
         data_cache_path: Some(cache.to_path_buf()),
         mid_level_dataset_surplus: 0.005,
-        tokenizer_type: "BertWordPieceLowerCase".into(),
-        vocab_file: shared_dir()
-            .join("data/bert-large-uncased-vocab.txt")
-            .to_string_lossy()
-            .into_owned(),
+        tokenizer: TokenizerArgs::from_flags([
+            "--tokenizer-type",
+            "BertWordPieceLowerCase",
+            "--vocab-file",
+            &shared_dir()
+                .join("data/bert-large-uncased-vocab.txt")
+                .to_string_lossy(),
+        ])
+        .unwrap(),
         vocab_extra_ids,
     }
 }

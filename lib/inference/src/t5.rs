@@ -3,7 +3,7 @@
 //! with the decoder's keys and values cached step by step.
 
 use anyhow::{bail, ensure, Result};
-use megatron_data::tokenizer::{BertWordPiece, Tokenizer};
+use megatron_data::masked::MaskedTokenizer;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
@@ -185,8 +185,8 @@ const SENTINEL_OPEN: &str = "<extra_id_";
 /// The encoder ids of `text`, in which `<extra_id_N>` marks a masked span (the sentinels of
 /// `--vocab-extra-ids`, which the tokenizer's own rules would split into pieces); the text
 /// between sentinels is tokenized as the data is.
-pub fn encode_with_sentinels(tokenizer: &BertWordPiece, text: &str) -> Result<Vec<i64>> {
-    let sentinels = tokenizer.additional_special_tokens_ids();
+pub fn encode_with_sentinels(tokenizer: &MaskedTokenizer, text: &str) -> Result<Vec<i64>> {
+    let sentinels = &tokenizer.vocab.sentinels;
     let mut ids = Vec::new();
     let mut rest = text;
     let mut any = false;
@@ -211,15 +211,22 @@ pub fn encode_with_sentinels(tokenizer: &BertWordPiece, text: &str) -> Result<Ve
         };
         ids.extend(
             tokenizer
+                .tokenizer
                 .tokenize(&rest[..at])?
                 .iter()
                 .map(|&t| i64::from(t)),
         );
-        ids.push(i64::from(sentinel));
+        ids.push(sentinel);
         any = true;
         rest = &after[digits + 1..];
     }
-    ids.extend(tokenizer.tokenize(rest)?.iter().map(|&t| i64::from(t)));
+    ids.extend(
+        tokenizer
+            .tokenizer
+            .tokenize(rest)?
+            .iter()
+            .map(|&t| i64::from(t)),
+    );
     if !any {
         bail!(
             "{text:?} has no sentinel: mark the spans for T5 to fill with <extra_id_0>, \
@@ -292,7 +299,7 @@ impl T5Decoding {
     /// `encoder` (the real tokens), the `decoded` tokens and the data's `target` tokens (the
     /// labels before `[EOS]`), as text.
     pub fn new(
-        tokenizer: &BertWordPiece,
+        tokenizer: &MaskedTokenizer,
         encoder: &[i64],
         decoded: &[i64],
         target: Option<&[i64]>,
@@ -302,14 +309,9 @@ impl T5Decoding {
                 .iter()
                 .map(|&id| u32::try_from(id))
                 .collect::<std::result::Result<Vec<u32>, _>>()?;
-            Ok(tokenizer.detokenize(&ids)?)
+            Ok(tokenizer.tokenizer.detokenize(&ids)?)
         };
-        let sentinels: Vec<i64> = tokenizer
-            .additional_special_tokens_ids()
-            .iter()
-            .map(|&s| i64::from(s))
-            .collect();
-        let spans = split_spans(decoded, &sentinels);
+        let spans = split_spans(decoded, &tokenizer.vocab.sentinels);
         let named = spans
             .iter()
             .map(|span| {
@@ -347,12 +349,16 @@ impl T5Decoding {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use megatron_data::tokenizer::BertWordPiece;
 
-    fn tokenizer() -> BertWordPiece {
+    fn tokenizer() -> MaskedTokenizer {
         let vocab = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\ncat\nsat\non\nmat\n.\n";
-        BertWordPiece::from_vocab_text(vocab, true, false)
-            .unwrap()
-            .with_extra_ids(3)
+        MaskedTokenizer::from_wordpiece(
+            BertWordPiece::from_vocab_text(vocab, true, false)
+                .unwrap()
+                .with_extra_ids(3),
+        )
+        .unwrap()
     }
 
     #[test]

@@ -115,22 +115,17 @@ pub struct Masking {
     pub vocab_extra_ids: usize,
 }
 
-/// The data sources and Megatron's dataset flags of a masked-LM family (`family` names it in
-/// errors): `--data-path` (or the per-split paths) with `--split`, the WordPiece tokenizer,
-/// `seq_length` (the encoder's for T5) and the masking.
+/// The data sources and Megatron's dataset flags of a masked-LM family: `--data-path` (or the
+/// per-split paths) with `--split`, the tokenizer, `seq_length` (the encoder's for T5) and the
+/// masking.
 pub fn masked_data_flags(
     data: &DataArgs,
     tokenizer: &TokenizerArgs,
     seed: u32,
     seq_length: usize,
     masking: &Masking,
-    family: &str,
 ) -> Result<(DataSources, MaskedDataFlags)> {
     let (sources, split) = data.paths.sources()?;
-    let vocab_file = tokenizer
-        .vocab_file
-        .as_ref()
-        .with_context(|| format!("{family} data needs --vocab-file (the WordPiece vocabulary)"))?;
     let flags = MaskedDataFlags {
         seed,
         seq_length,
@@ -139,8 +134,7 @@ pub fn masked_data_flags(
         split,
         data_cache_path: data.data_cache_path.clone(),
         mid_level_dataset_surplus: 0.005,
-        tokenizer_type: tokenizer.tokenizer_type.clone(),
-        vocab_file: vocab_file.to_string_lossy().into_owned(),
+        tokenizer: tokenizer.clone(),
         vocab_extra_ids: masking.vocab_extra_ids,
     };
     Ok((sources, flags))
@@ -152,7 +146,6 @@ pub fn masked_data_flags(
 pub fn masked_splits<B, D>(
     args: &PretrainArgs,
     sizes: [u64; 3],
-    family: &str,
     masking: &Masking,
     mock: impl Fn(u64, u64) -> Arc<dyn SampleSource<Batch = B>>,
     build: impl FnOnce(&DataSources, MaskedDataFlags) -> Result<[Option<SplitDataset<D>>; 3]>,
@@ -179,7 +172,6 @@ where
         seed,
         args.model.seq_length as usize,
         masking,
-        family,
     )?;
     let [train, valid, test] = build(&sources, flags)?;
     let keep = |d: Option<SplitDataset<D>>| {

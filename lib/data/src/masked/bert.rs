@@ -22,13 +22,13 @@ const CLASS: &str = "BERTMaskedWordPieceDataset";
 pub struct BertSample {
     /// `[CLS] A [SEP] B [SEP]` after masking, padded with the pad id to the sequence length.
     pub text: Vec<i64>,
-    /// Segment ids: 0 for `[CLS] A [SEP]`, 1 for `B [SEP]`, the pad id on padding.
+    /// Segment ids: 0 for `[CLS] A [SEP]`, 1 for `B [SEP]`, 0 on padding.
     pub types: Vec<i64>,
     /// The original id at masked positions, −1 elsewhere.
     pub labels: Vec<i64>,
     /// A and B were swapped (the sentence-order label).
     pub is_random: bool,
-    /// 1 on real tokens, the pad id (0) on padding.
+    /// 1 on real tokens, 0 on padding.
     pub padding_mask: Vec<i64>,
     /// 1 at masked positions.
     pub loss_mask: Vec<i64>,
@@ -170,9 +170,13 @@ impl BertMaskedWordPieceDataset {
         let real = masked_tokens.tokens.len();
         let mut text = masked_tokens.tokens;
         text.resize(length, vocab.pad);
-        types.resize(length, vocab.pad);
+        // Megatron pads these two with the pad id too. That is 0 for WordPiece, but
+        // SentencePiece's pad id lies past the two segment types and reads as a real token
+        // in the mask, so Megatron's BERT cannot train on SentencePiece data; 0 is what the
+        // model needs, and what Megatron gives for WordPiece.
+        types.resize(length, 0);
         let mut padding_mask = vec![1; real];
-        padding_mask.resize(length, vocab.pad);
+        padding_mask.resize(length, 0);
         let mut labels = vec![-1; length];
         let mut loss_mask = vec![0; length];
         for (&position, &label) in masked_tokens.positions.iter().zip(&masked_tokens.labels) {

@@ -1,7 +1,7 @@
 //! From Megatron's flags to the BERT/T5 datasets of every split (blends and splits through the
 //! shared builder; the split is over documents).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -9,15 +9,15 @@ use anyhow::{bail, Context, Result};
 use crate::blend::{
     build_split_datasets, BlendMember, BuilderSettings, DataSources, SourceCache, SplitDataset,
 };
-use crate::gpt::{Bookend, SentenceSource, Split, SplitMatrix, TokenizerIdentity};
+use crate::gpt::{Bookend, SentenceSource, Split, SplitMatrix};
 use crate::indexed::IndexedDataset;
-use crate::tokenizer::{BertWordPiece, TokenizerType};
+use crate::tokenizer::TokenizerArgs;
 
 use super::bert::BertMaskedWordPieceDataset;
 use super::config::{BertDatasetConfig, MaskedDatasetConfig, T5DatasetConfig};
 use super::masking::MaskingOptions;
 use super::t5::T5MaskedWordPieceDataset;
-use super::vocab::WordPieceVocab;
+use super::tokenizer::MaskedTokenizer;
 
 /// Opens a dataset prefix as sentence data.
 pub type SentenceSourceOpener<'a> = dyn Fn(&str) -> Result<Arc<dyn SentenceSource>> + 'a;
@@ -25,25 +25,6 @@ pub type SentenceSourceOpener<'a> = dyn Fn(&str) -> Result<Arc<dyn SentenceSourc
 /// Opens `PREFIX.bin/.idx` (the production opener).
 pub fn open_indexed(prefix: &str) -> Result<Arc<dyn SentenceSource>> {
     Ok(Arc::new(IndexedDataset::open(prefix)?))
-}
-
-/// The tokenizer of BERT and T5 data: Megatron's legacy WordPiece (`--tokenizer-type`
-/// BertWordPieceLowerCase or BertWordPieceCase) with `[BOS]`/`[EOS]` added and
-/// `--vocab-extra-ids` sentinels, encoding without `[CLS]`/`[SEP]`.
-pub fn masked_tokenizer(
-    tokenizer_type: &str,
-    vocab_file: &Path,
-    vocab_extra_ids: usize,
-) -> Result<BertWordPiece> {
-    let kind: TokenizerType = tokenizer_type.parse().map_err(anyhow::Error::msg)?;
-    if !kind.is_bert() {
-        bail!(
-            "BERT and T5 data need a WordPiece tokenizer (--tokenizer-type \
-             BertWordPieceLowerCase or BertWordPieceCase), got {kind}"
-        );
-    }
-    let lower_case = kind == TokenizerType::BertWordPieceLowerCase;
-    Ok(BertWordPiece::from_file(vocab_file, lower_case, false)?.with_extra_ids(vocab_extra_ids))
 }
 
 /// The data flags `pretrain_bert`/`pretrain_t5` (and `inspect_dataset`) share.
@@ -63,39 +44,24 @@ pub struct MaskedDataFlags {
     pub data_cache_path: Option<PathBuf>,
     /// `--mid-level-dataset-surplus` (0.005).
     pub mid_level_dataset_surplus: f64,
-    /// `--tokenizer-type`: BertWordPieceLowerCase or BertWordPieceCase.
-    pub tokenizer_type: String,
-    /// `--vocab-file`, as given (it is read, and recorded verbatim in cache descriptions).
-    pub vocab_file: String,
+    /// The tokenizer flags (its files' paths are recorded verbatim in cache descriptions).
+    pub tokenizer: TokenizerArgs,
     /// `--vocab-extra-ids` (T5 sentinels; 0 for BERT).
     pub vocab_extra_ids: usize,
 }
 
 impl MaskedDataFlags {
-    /// The WordPiece tokenizer these flags name, with its extra ids.
-    pub fn tokenizer(&self) -> Result<BertWordPiece> {
-        masked_tokenizer(
-            &self.tokenizer_type,
-            self.vocab_file.as_ref(),
-            self.vocab_extra_ids,
-        )
-    }
-
     /// The shared config with the given masking.
     pub fn config(&self, masking: MaskingOptions) -> Result<MaskedDatasetConfig> {
-        let tokenizer = self.tokenizer()?;
+        let tokenizer = MaskedTokenizer::from_flags(&self.tokenizer, self.vocab_extra_ids)?;
         let config = MaskedDatasetConfig {
             random_seed: self.seed,
             sequence_length: self.seq_length,
             split: self.split.clone(),
             split_matrix: self.split.as_deref().map(SplitMatrix::parse).transpose()?,
             path_to_cache: self.data_cache_path.clone(),
-            tokenizer: TokenizerIdentity::bert_wordpiece(
-                &self.vocab_file,
-                self.tokenizer_type == "BertWordPieceLowerCase",
-                self.vocab_extra_ids,
-            ),
-            vocab: WordPieceVocab::from_bert(&tokenizer)?,
+            tokenizer: MaskedTokenizer::identity(&self.tokenizer, self.vocab_extra_ids)?,
+            vocab: tokenizer.vocab,
             masking,
             short_sequence_probability: self.short_seq_prob,
             mid_level_dataset_surplus: self.mid_level_dataset_surplus,

@@ -9,7 +9,7 @@ use crate::cache::PyJson;
 use crate::gpt::{SplitMatrix, TokenizerIdentity};
 
 use super::masking::MaskingOptions;
-use super::vocab::WordPieceVocab;
+use super::vocab::MaskedLmVocab;
 
 /// Settings shared by the BERT and T5 datasets.
 #[derive(Debug, Clone)]
@@ -25,7 +25,7 @@ pub struct MaskedDatasetConfig {
     pub path_to_cache: Option<PathBuf>,
     /// The tokenizer's entry in cache descriptions.
     pub tokenizer: TokenizerIdentity,
-    pub vocab: WordPieceVocab,
+    pub vocab: MaskedLmVocab,
     pub masking: MaskingOptions,
     /// `--short-seq-prob`.
     pub short_sequence_probability: f64,

@@ -4,7 +4,7 @@
 use crate::blend::numpy_sum;
 use crate::random::RandomState;
 
-use super::vocab::WordPieceVocab;
+use super::vocab::MaskedLmVocab;
 
 /// How n-grams are chosen (Megatron's `masking_*` config fields).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -41,7 +41,7 @@ pub fn mask_tokens(
     tokens: &[i64],
     target_sequence_length: usize,
     options: &MaskingOptions,
-    vocab: &WordPieceVocab,
+    vocab: &MaskedLmVocab,
     rng: &mut RandomState,
     token_mask: &mut dyn FnMut(&mut RandomState) -> Option<i64>,
 ) -> MaskedTokens {

@@ -9,16 +9,17 @@ mod dataset;
 mod mapping;
 mod masking;
 mod t5;
+mod tokenizer;
 mod vocab;
 
 pub use bert::{BertMaskedWordPieceDataset, BertSample};
 pub use build::{
-    build_bert_datasets, build_t5_datasets, masked_tokenizer, open_indexed, MaskedDataFlags,
-    SentenceSourceOpener,
+    build_bert_datasets, build_t5_datasets, open_indexed, MaskedDataFlags, SentenceSourceOpener,
 };
 pub use config::{BertDatasetConfig, MaskedDatasetConfig, T5DatasetConfig};
 pub use dataset::{MaskedWordPieceDataset, SampleSentences};
 pub use mapping::{MappingRequest, SampleMapping};
 pub use masking::{mask_tokens, MaskedSpan, MaskedTokens, MaskingOptions};
 pub use t5::{T5MaskedWordPieceDataset, T5Sample};
-pub use vocab::WordPieceVocab;
+pub use tokenizer::MaskedTokenizer;
+pub use vocab::MaskedLmVocab;

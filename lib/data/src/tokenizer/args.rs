@@ -48,6 +48,26 @@ pub struct TokenizerArgs {
 }
 
 impl TokenizerArgs {
+    /// The tokenizer flags of a command line such as `["--tokenizer-type", "NullTokenizer",
+    /// "--vocab-size", "512"]`, with every other flag at its default (tests and tools that
+    /// name a tokenizer as flags).
+    pub fn from_flags<I, T>(flags: I) -> Result<TokenizerArgs, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            tokenizer: TokenizerArgs,
+        }
+        let program = std::iter::once(std::ffi::OsString::from("tokenizer"));
+        let flags = <Flags as clap::Parser>::try_parse_from(
+            program.chain(flags.into_iter().map(Into::into)),
+        )?;
+        Ok(flags.tokenizer)
+    }
+
     pub fn config(&self) -> anyhow::Result<TokenizerConfig> {
         let kind: TokenizerType = self.tokenizer_type.parse().map_err(anyhow::Error::msg)?;
         Ok(TokenizerConfig {

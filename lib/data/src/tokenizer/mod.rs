@@ -17,11 +17,11 @@ mod train;
 
 pub use args::TokenizerArgs;
 pub use bert::BertWordPiece;
-pub use build::{build_tokenizer, build_tokenizer_with_extra_ids, TokenizerConfig, TokenizerType};
+pub use build::{build_tokenizer, TokenizerConfig, TokenizerType};
 pub use gpt2::Gpt2Bpe;
 pub use huggingface::HuggingFace;
 pub use null::NullTokenizer;
-pub use sentencepiece::{SentencePiece, SentencePieceFlavor};
+pub use sentencepiece::{MegatronSpecialIds, SentencePiece, SentencePieceFlavor};
 pub use tiktoken::{pattern_regex, TikToken, TikTokenOptions};
 pub use train::{
     read_texts, train_byte_level_bpe, BpeTrainingOptions, TrainError, TrainedBpe, END_OF_TEXT,

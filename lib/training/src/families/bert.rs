@@ -158,7 +158,7 @@ impl ModelFamily for BertFamily {
                 binary_head: self.config.binary_head,
             }) as Arc<dyn SampleSource<Batch = BertBatch>>
         };
-        masked_splits(args, sizes, "BERT", &masking, mock, |sources, flags| {
+        masked_splits(args, sizes, &masking, mock, |sources, flags| {
             let config = Arc::new(flags.bert(self.config.binary_head)?);
             build_bert_datasets(sources, sizes.map(Some), config, &open_indexed)
         })

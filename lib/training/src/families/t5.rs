@@ -8,8 +8,9 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, Command};
 use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::Split;
-use megatron_data::masked::{build_t5_datasets, open_indexed, T5MaskedWordPieceDataset};
-use megatron_data::tokenizer::build_tokenizer_with_extra_ids;
+use megatron_data::masked::{
+    build_t5_datasets, open_indexed, MaskedTokenizer, T5MaskedWordPieceDataset,
+};
 use tch::Tensor;
 
 use super::family::{LossTotals, ModelFamily, StepOutput};
@@ -151,7 +152,7 @@ impl ModelFamily for T5Family {
                 seed,
             }) as Arc<dyn SampleSource<Batch = T5Batch>>
         };
-        masked_splits(args, sizes, "T5", &masking, mock, |sources, flags| {
+        masked_splits(args, sizes, &masking, mock, |sources, flags| {
             let config = Arc::new(flags.t5(self.decoder_seq_length)?);
             build_t5_datasets(sources, sizes.map(Some), config, &open_indexed)
         })
@@ -166,13 +167,10 @@ pub fn pretrain_t5(args: &T5PretrainArgs, placement: &Placement) -> Result<Train
              (tensor, sequence and data parallelism are supported)"
         );
     }
-    // T5's data is tokenized by Megatron's legacy WordPiece, which adds [BOS] and [EOS] and
-    // wraps nothing in [CLS]/[SEP]: the model's vocabulary is that tokenizer's.
-    let mut tokenizer_config = args.common.tokenizer.config()?;
-    tokenizer_config.include_special_tokens = false;
-    let tokenizer = build_tokenizer_with_extra_ids(&tokenizer_config, args.t5.vocab_extra_ids)?;
+    // The model's vocabulary is that of the data's tokenizer with T5's sentinels.
+    let tokenizer = MaskedTokenizer::from_flags(&args.common.tokenizer, args.t5.vocab_extra_ids)?;
     let family = T5Family {
-        config: args.t5_config(tokenizer.vocab_size() as i64)?,
+        config: args.t5_config(tokenizer.tokenizer.vocab_size() as i64)?,
         decoder_seq_length: args.t5.decoder_seq_length as usize,
         vocab_extra_ids: args.t5.vocab_extra_ids,
         mask_prob: args.t5.mask_prob,
@@ -210,7 +208,6 @@ pub fn t5_split_dataset(request: &T5DataRequest) -> Result<SplitDataset<T5Masked
         seed,
         request.encoder_seq_length,
         &request.masking,
-        "T5",
     )?;
     let config = Arc::new(flags.t5(request.decoder_seq_length)?);
     let sizes = [Some(request.num_samples); 3];

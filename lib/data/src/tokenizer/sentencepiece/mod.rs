@@ -597,6 +597,24 @@ pub struct SentencePiece {
     /// Added tokens (`SentencePieceTokenizer`): text and id, in registration order.
     added: Vec<(String, u32)>,
     eod: Option<u32>,
+    /// The ids of the added tokens by role (`SentencePieceTokenizer` only).
+    specials: Option<MegatronSpecialIds>,
+}
+
+/// The special tokens Megatron's `SentencePieceTokenizer` registers, by role: the masked-LM
+/// datasets read them as the tokenizer's `cls`, `sep`, `mask`, `pad`, `bos`, `eos` and
+/// `additional_special_tokens_ids`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MegatronSpecialIds {
+    pub cls: u32,
+    pub sep: u32,
+    pub eod: u32,
+    pub mask: u32,
+    pub pad: u32,
+    pub bos: u32,
+    pub eos: u32,
+    /// `<extra_id_0>`.. (`--vocab-extra-ids`) in order.
+    pub extra_ids: Vec<u32>,
 }
 
 impl SentencePiece {
@@ -608,11 +626,12 @@ impl SentencePiece {
         let model = SentencePieceModel::from_file(path)?;
         let mut added: Vec<(String, u32)> = Vec::new();
         let mut eod = model.eos_id;
+        let mut specials = None;
         if flavor == SentencePieceFlavor::Megatron {
             // Megatron's `_SentencePieceTokenizer._initalize`: <CLS>, <SEP>, <EOD>, <MASK>, then
             // the model's pad/bos/eos pieces or new ones, then the T5 sentinels.
             let mut next = model.piece_count() as u32;
-            let mut add = |text: String, added: &mut Vec<(String, u32)>| -> u32 {
+            let mut add = |text: String| -> u32 {
                 if let Some((_, id)) = added.iter().find(|(t, _)| *t == text) {
                     return *id;
                 }
@@ -626,32 +645,59 @@ impl SentencePiece {
                 added.push((text, id));
                 id
             };
-            for name in ["<CLS>", "<SEP>"] {
-                add(name.into(), &mut added);
-            }
-            eod = Some(add("<EOD>".into(), &mut added));
-            add("<MASK>".into(), &mut added);
-            for (id, fallback) in [
+            let (cls, sep, eod_id, mask) = (
+                add("<CLS>".into()),
+                add("<SEP>".into()),
+                add("<EOD>".into()),
+                add("<MASK>".into()),
+            );
+            let [pad, bos, eos] = [
                 (model.pad_id, "<PAD>"),
                 (model.bos_id, "<BOS>"),
                 (model.eos_id, "<EOS>"),
-            ] {
-                let text = match id {
+            ]
+            .map(|(id, fallback)| {
+                add(match id {
                     Some(id) => model.pieces[id as usize].0.clone(),
                     None => fallback.to_string(),
-                };
-                add(text, &mut added);
-            }
-            for i in 0..extra_ids {
-                add(format!("<extra_id_{i}>"), &mut added);
-            }
+                })
+            });
+            let extra_ids = (0..extra_ids)
+                .map(|i| add(format!("<extra_id_{i}>")))
+                .collect();
+            eod = Some(eod_id);
+            specials = Some(MegatronSpecialIds {
+                cls,
+                sep,
+                eod: eod_id,
+                mask,
+                pad,
+                bos,
+                eos,
+                extra_ids,
+            });
         }
         Ok(SentencePiece {
             model,
             flavor,
             added,
             eod,
+            specials,
         })
+    }
+
+    /// The special tokens `SentencePieceTokenizer` adds (`None` for the other flavors).
+    pub fn megatron_specials(&self) -> Option<&MegatronSpecialIds> {
+        self.specials.as_ref()
+    }
+
+    /// Megatron's `inv_vocab[id]`: an added token's text or the model's piece.
+    pub fn id_piece(&self, id: u32) -> Option<&str> {
+        self.added
+            .iter()
+            .find(|(_, added)| *added == id)
+            .map(|(text, _)| text.as_str())
+            .or_else(|| self.model.pieces.get(id as usize).map(|p| p.0.as_str()))
     }
 }
 
