@@ -47,6 +47,11 @@ const BINARIES: &[Binary] = &[
         bad_value: ["score", "--num-samples=many"],
     },
     Binary {
+        name: "gpt_dynamic_inference",
+        missing: Some("--load"),
+        bad_value: ["--model-provider", "llama"],
+    },
+    Binary {
         name: "inspect_dataset",
         missing: Some("info"),
         bad_value: ["samples", "--seq-length=long"],

@@ -132,6 +132,42 @@ impl<W: Width> MersenneTwister<W> {
 }
 
 impl Mt19937 {
+    /// Seeds from a key of words (the reference `init_by_array`), which is what Python's
+    /// `random.seed(int)` does with the integer's 32-bit words, least significant first.
+    pub fn from_key(key: &[u32]) -> Self {
+        let mut generator = Mt19937::new(19_650_218);
+        let mt = &mut generator.state;
+        let n = Words32::N;
+        let key = if key.is_empty() { &[0][..] } else { key };
+        let (mut i, mut j) = (1, 0);
+        for _ in 0..n.max(key.len()) {
+            let previous = mt[i - 1] ^ (mt[i - 1] >> 30);
+            mt[i] = (mt[i] ^ previous.wrapping_mul(1_664_525))
+                .wrapping_add(key[j])
+                .wrapping_add(j as u32);
+            i += 1;
+            j += 1;
+            if i >= n {
+                mt[0] = mt[n - 1];
+                i = 1;
+            }
+            if j >= key.len() {
+                j = 0;
+            }
+        }
+        for _ in 0..n - 1 {
+            let previous = mt[i - 1] ^ (mt[i - 1] >> 30);
+            mt[i] = (mt[i] ^ previous.wrapping_mul(1_566_083_941)).wrapping_sub(i as u32);
+            i += 1;
+            if i >= n {
+                mt[0] = mt[n - 1];
+                i = 1;
+            }
+        }
+        mt[0] = 0x8000_0000;
+        generator
+    }
+
     /// The next tempered 32-bit output.
     pub fn next_u32(&mut self) -> u32 {
         self.next_word()
