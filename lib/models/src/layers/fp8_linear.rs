@@ -1,5 +1,6 @@
 //! The linear of a transformer layer under `--fp8-format`: its three GEMMs run through
-//! `torch._scaled_mm` on fp8 operands with per-tensor scales (Transformer Engine's `Linear`).
+//! `torch._scaled_mm` on fp8 operands with per-tensor scales (Transformer Engine's `Linear`;
+//! [`scaled_mm`] says how a CPU runs them).
 //!
 //! Forward `y = x · Wᵀ + b`: `x` and `W` in e4m3, bf16 output, the bias added by the GEMM.
 //! Backward: the input gradient `dx = dy · W` with `dy` in e5m2 (hybrid) or e4m3; the weight
@@ -22,7 +23,7 @@ use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::main_grad_linear::{accumulate_product, ones_row};
-use crate::fp8::{Fp8Recipe, Fp8Tensor, TensorScaling};
+use crate::fp8::{scaled_mm, Fp8Recipe, Fp8Tensor, TensorScaling};
 use crate::param::Param;
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 
@@ -174,12 +175,12 @@ impl CustomFunction for Fp8LinearFunction {
             .as_ref()
             .filter(|b| b.kind() == kind && matches!(kind, Kind::BFloat16 | Kind::Half));
         // Fast accumulation in the forward GEMM only, as Transformer Engine does.
-        let mut y = x_fp8.data.f_internal_scaled_mm(
+        let mut y = scaled_mm(
+            &x_fp8.data,
             &w_fp8.data.tr(),
             &x_fp8.scale_inv,
             &w_fp8.scale_inv,
             epilogue_bias,
-            None::<&Tensor>,
             kind,
             true,
         )?;
@@ -213,12 +214,12 @@ impl CustomFunction for Fp8LinearFunction {
             .weight_t
             .take()
             .context("fp8 linear: backward ran twice")?;
-        let dx = dy_fp8.data.f_internal_scaled_mm(
+        let dx = scaled_mm(
+            &dy_fp8.data,
             &w_t.data.tr(),
             &dy_fp8.scale_inv,
             &w_t.scale_inv,
-            None::<&Tensor>,
-            None::<&Tensor>,
+            None,
             kind,
             false,
         )?;
@@ -231,12 +232,12 @@ impl CustomFunction for Fp8LinearFunction {
                     .data_t
                     .as_ref()
                     .context("fp8 linear: no transposed dy")?;
-                let dw = dy_t.f_internal_scaled_mm(
+                let dw = scaled_mm(
+                    dy_t,
                     &x_t.data.tr(),
                     &dy_fp8.scale_inv,
                     &x_t.scale_inv,
-                    None::<&Tensor>,
-                    None::<&Tensor>,
+                    None,
                     Kind::Float,
                     false,
                 )?;
