@@ -57,6 +57,12 @@ impl MaskedTokenizer {
         }
     }
 
+    /// Whether the tokenizer `flags` name has the tokens masked-LM samples are made of.
+    pub fn supports(flags: &TokenizerArgs) -> Result<bool> {
+        let kind: TokenizerType = flags.tokenizer_type.parse().map_err(anyhow::Error::msg)?;
+        Ok(kind.is_bert() || kind == TokenizerType::SentencePieceTokenizer)
+    }
+
     /// A legacy WordPiece tokenizer (built without `[CLS]`/`[SEP]` wrapping).
     pub fn from_wordpiece(wordpiece: BertWordPiece) -> Result<MaskedTokenizer> {
         let vocab = MaskedLmVocab::from_bert(&wordpiece)?;

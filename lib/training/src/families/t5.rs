@@ -11,6 +11,7 @@ use megatron_data::gpt::Split;
 use megatron_data::masked::{
     build_t5_datasets, open_indexed, MaskedTokenizer, T5MaskedWordPieceDataset,
 };
+use megatron_data::tokenizer::build_tokenizer;
 use tch::Tensor;
 
 use super::family::{LossTotals, ModelFamily, StepOutput};
@@ -167,10 +168,26 @@ pub fn pretrain_t5(args: &T5PretrainArgs, placement: &Placement) -> Result<Train
              (tensor, sequence and data parallelism are supported)"
         );
     }
-    // The model's vocabulary is that of the data's tokenizer with T5's sentinels.
-    let tokenizer = MaskedTokenizer::from_flags(&args.common.tokenizer, args.t5.vocab_extra_ids)?;
+    // The model's vocabulary is that of the data's tokenizer with T5's sentinels. Mock samples
+    // take only a vocabulary size, which any tokenizer gives.
+    let tokenizer = &args.common.tokenizer;
+    let vocab_size = if args.common.data.mock_data && !MaskedTokenizer::supports(tokenizer)? {
+        if args.t5.vocab_extra_ids > 0 {
+            bail!(
+                "--vocab-extra-ids {}: --tokenizer-type {} has no sentinel tokens (WordPiece \
+                 and SentencePieceTokenizer have)",
+                args.t5.vocab_extra_ids,
+                tokenizer.tokenizer_type
+            );
+        }
+        build_tokenizer(&tokenizer.config()?)?.vocab_size()
+    } else {
+        MaskedTokenizer::from_flags(tokenizer, args.t5.vocab_extra_ids)?
+            .tokenizer
+            .vocab_size()
+    };
     let family = T5Family {
-        config: args.t5_config(tokenizer.tokenizer.vocab_size() as i64)?,
+        config: args.t5_config(vocab_size as i64)?,
         decoder_seq_length: args.t5.decoder_seq_length as usize,
         vocab_extra_ids: args.t5.vocab_extra_ids,
         mask_prob: args.t5.mask_prob,
