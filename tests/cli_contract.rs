@@ -210,6 +210,18 @@ fn checks_after_parsing_exit_two_and_failures_of_the_work_one() {
             &["--task", "LAMBADA", "--load", missing],
             "--valid-data",
         ),
+        not_a_usage_error(
+            "generate_samples_gpt",
+            &[
+                "--load",
+                missing,
+                "--prompt",
+                "x",
+                "--tokenizer-type",
+                "Llama2Tokenizer",
+            ],
+            "--tokenizer-model",
+        ),
     ];
     assert_none_fail(problems.into_iter().flatten().collect());
 

@@ -6,6 +6,16 @@ use clap::Args;
 
 use super::{TikTokenOptions, TokenizerConfig, TokenizerType};
 
+/// The tokenizer types that read `--tokenizer-model`: a command line naming one without it is
+/// a usage error.
+const MODEL_FILE_TYPES: [&str; 5] = [
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+];
+
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct TokenizerArgs {
     /// GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer,
@@ -25,10 +35,10 @@ pub struct TokenizerArgs {
     #[arg(long)]
     pub merge_file: Option<PathBuf>,
     /// HuggingFace tokenizer.json or directory, SentencePiece .model, or tiktoken JSON.
-    #[arg(long)]
+    #[arg(long, required_if_eq_any = MODEL_FILE_TYPES.map(|kind| ("tokenizer_type", kind)))]
     pub tokenizer_model: Option<PathBuf>,
     /// Vocabulary size of the NullTokenizer; TikTokenizer's whole vocabulary (default 131072).
-    #[arg(long)]
+    #[arg(long, required_if_eq("tokenizer_type", "NullTokenizer"))]
     pub vocab_size: Option<u32>,
     /// TikTokenizer: pre-tokenization pattern, v1 or v2 (Megatron's PATTERN_TIKTOKEN(_V2))
     /// [default: v2]. Whether it was given enters cache descriptions, as in Megatron.
@@ -86,5 +96,32 @@ impl TokenizerArgs {
             // end of document), the current one wraps texts in [CLS] ... [SEP].
             include_special_tokens: !self.legacy_tokenizer,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tokenizer_type_without_its_file_or_size_is_a_usage_error() {
+        for kind in MODEL_FILE_TYPES {
+            let error = TokenizerArgs::from_flags(["--tokenizer-type", kind]).unwrap_err();
+            assert_eq!(
+                error.kind(),
+                clap::error::ErrorKind::MissingRequiredArgument
+            );
+            assert!(error.to_string().contains("--tokenizer-model"), "{error}");
+        }
+        let error = TokenizerArgs::from_flags(["--tokenizer-type", "NullTokenizer"]).unwrap_err();
+        assert!(error.to_string().contains("--vocab-size"), "{error}");
+        let given = [
+            "--tokenizer-type",
+            "Llama2Tokenizer",
+            "--tokenizer-model",
+            "m.model",
+        ];
+        assert!(TokenizerArgs::from_flags(given).is_ok());
+        assert!(TokenizerArgs::from_flags::<[&str; 0], &str>([]).is_ok());
     }
 }
