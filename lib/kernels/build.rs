@@ -17,6 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/cuda_graph.cpp");
     println!("cargo:rerun-if-changed=csrc/gemm_epilogue.cpp");
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
+    println!("cargo:rerun-if-changed=csrc/store.cpp");
     println!("cargo:rerun-if-changed=csrc/protect.h");
     println!("cargo:rerun-if-changed=csrc/generator.h");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -65,6 +66,7 @@ fn main() {
         .file("csrc/cuda_graph.cpp")
         .file("csrc/gemm_epilogue.cpp")
         .file("csrc/profiler.cpp")
+        .file("csrc/store.cpp")
         .compile("megatron_shim");
 
     println!("cargo:libtorch_lib={}", lib_dir.display());

@@ -186,6 +186,16 @@ int mrs_gemm_epilogues_available(void);
 char* mrs_linear_gelu_aux(const mrs_tensor input, const mrs_tensor weight, const mrs_tensor bias,
                           mrs_tensor* out, mrs_tensor* preactivation_out);
 
+// A client of the c10d TCPStore at host:port (store.cpp): torchrun's agent store. get waits for
+// the key up to the timeout given at connection; its value is malloc'd (mrs_free_array).
+typedef struct mrs_store mrs_store;
+char* mrs_tcp_store_connect(const char* host, uint16_t port, int64_t timeout_ms,
+                            mrs_store** store_out);
+char* mrs_tcp_store_set(mrs_store* store, const char* key, const uint8_t* value, size_t length);
+char* mrs_tcp_store_get(mrs_store* store, const char* key, uint8_t** value_out,
+                        size_t* length_out);
+void mrs_tcp_store_free(mrs_store* store);
+
 #ifdef __cplusplus
 }
 #endif

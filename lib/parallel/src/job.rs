@@ -73,7 +73,7 @@ impl Job {
         let rank = self.env.rank;
         match backend {
             Backend::Gloo => {
-                let host = advertised_host(&self.env)?;
+                let host = self.env.advertised_host()?;
                 let mesh = TcpMesh::connect(rendezvous, &host, self.timeout)?;
                 ParallelState::build(layout, rank, sequence_parallel, |kind, members| {
                     mesh.group(kind.name(), members)
@@ -120,14 +120,4 @@ impl Job {
             None => Ok(()),
         }
     }
-}
-
-/// The address other ranks reach this one at: the interface that routes to the master.
-fn advertised_host(env: &LaunchEnv) -> Result<String> {
-    let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
-    let master = format!("{}:{}", env.master_addr, env.rendezvous_port);
-    probe
-        .connect(&master)
-        .with_context(|| format!("no route to the master at {master}"))?;
-    Ok(probe.local_addr()?.ip().to_string())
 }

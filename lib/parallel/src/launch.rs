@@ -1,6 +1,8 @@
 //! Where a process sits in a multi-process job, read from the launcher's environment: torchrun
-//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) or Slurm (`SLURM_PROCID`,
-//! `SLURM_NTASKS`, `SLURM_LOCALID`, the first host of `SLURM_JOB_NODELIST`).
+//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), Slurm (`SLURM_PROCID`,
+//! `SLURM_NTASKS`, `SLURM_LOCALID`, the first host of `SLURM_JOB_NODELIST`), Open MPI's
+//! `mpirun` (`OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`) or MPICH/Intel MPI's (`PMI_RANK`,
+//! `PMI_SIZE`, `MPI_LOCALRANKID`).
 
 use anyhow::{bail, ensure, Context, Result};
 
@@ -14,9 +16,19 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     pub master_addr: String,
     pub master_port: u16,
-    /// Where rank 0 hosts our rendezvous: `MASTER_PORT`, or the port after it under torchrun,
-    /// whose agent already holds `MASTER_PORT` with its own store.
-    pub rendezvous_port: u16,
+    pub rendezvous: RendezvousPlace,
+}
+
+/// Where the ranks of a job meet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RendezvousPlace {
+    /// Rank 0 hosts the rendezvous on `MASTER_PORT`.
+    MasterPort,
+    /// torchrun's agent serves a c10d TCPStore on `MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE`): rank 0 hosts the rendezvous on a port the system
+    /// picks, so two jobs on one host never want the same one, and publishes its address in
+    /// the agent's store under `key` (one per run and restart).
+    TorchrunStore { key: String },
 }
 
 impl LaunchEnv {
@@ -28,7 +40,7 @@ impl LaunchEnv {
             local_rank: 0,
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
-            rendezvous_port: DEFAULT_MASTER_PORT,
+            rendezvous: RendezvousPlace::MasterPort,
         }
     }
 
@@ -37,7 +49,8 @@ impl LaunchEnv {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
-    /// Reads the launcher variables through `var`; torchrun's take precedence over Slurm's.
+    /// Reads the launcher variables through `var`; torchrun's take precedence over Slurm's,
+    /// Slurm's over MPI's.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let number = |name: &str| -> Result<Option<usize>> {
             var(name)
@@ -55,6 +68,17 @@ impl LaunchEnv {
             let rank =
                 number("SLURM_PROCID")?.context("$SLURM_NTASKS is set but $SLURM_PROCID is not")?;
             (rank, world_size, number("SLURM_LOCALID")?.unwrap_or(0))
+        } else if let Some(world_size) = number("OMPI_COMM_WORLD_SIZE")? {
+            let rank = number("OMPI_COMM_WORLD_RANK")?
+                .context("$OMPI_COMM_WORLD_SIZE is set but $OMPI_COMM_WORLD_RANK is not")?;
+            (
+                rank,
+                world_size,
+                number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
+            )
+        } else if let Some(world_size) = number("PMI_SIZE")? {
+            let rank = number("PMI_RANK")?.context("$PMI_SIZE is set but $PMI_RANK is not")?;
+            (rank, world_size, number("MPI_LOCALRANKID")?.unwrap_or(0))
         } else {
             return Ok(Self::single());
         };
@@ -82,12 +106,16 @@ impl LaunchEnv {
         };
         let under_torchrun =
             var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
-        let rendezvous_port = if under_torchrun {
-            master_port
-                .checked_add(1)
-                .context("$MASTER_PORT is the last port")?
+        let rendezvous = if under_torchrun {
+            RendezvousPlace::TorchrunStore {
+                key: format!(
+                    "megatron_rs/{}/{}/rendezvous",
+                    var("TORCHELASTIC_RUN_ID").unwrap_or_default(),
+                    var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
+                ),
+            }
         } else {
-            master_port
+            RendezvousPlace::MasterPort
         };
         Ok(LaunchEnv {
             rank,
@@ -95,8 +123,18 @@ impl LaunchEnv {
             local_rank,
             master_addr,
             master_port,
-            rendezvous_port,
+            rendezvous,
         })
+    }
+
+    /// The address other ranks reach this one at: the interface that routes to the master.
+    pub fn advertised_host(&self) -> Result<String> {
+        let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        let master = format!("{}:{}", self.master_addr, self.master_port);
+        probe
+            .connect(&master)
+            .with_context(|| format!("no route to the master at {master}"))?;
+        Ok(probe.local_addr()?.ip().to_string())
     }
 }
 
@@ -149,7 +187,7 @@ mod tests {
                 local_rank: 3,
                 master_addr: "node1".into(),
                 master_port: 6000,
-                rendezvous_port: 6000
+                rendezvous: RendezvousPlace::MasterPort,
             }
         );
         let torchrun = env(&[
@@ -158,8 +196,15 @@ mod tests {
             ("MASTER_ADDR", "h"),
             ("MASTER_PORT", "6000"),
             ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
         ]);
-        assert_eq!(torchrun.unwrap().rendezvous_port, 6001);
+        assert_eq!(
+            torchrun.unwrap().rendezvous,
+            RendezvousPlace::TorchrunStore {
+                key: "megatron_rs/job7/2/rendezvous".into()
+            }
+        );
         assert_eq!(env(&[]).unwrap(), LaunchEnv::single());
     }
 
@@ -185,6 +230,31 @@ mod tests {
         assert_eq!(first_host("a1,b2").unwrap(), "a1");
         assert_eq!(first_host("n[7,9-12],x").unwrap(), "n7");
         assert!(first_host("n[]").is_err());
+    }
+
+    #[test]
+    fn mpirun_variables() {
+        let open_mpi = env(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "n0"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (open_mpi.rank, open_mpi.world_size, open_mpi.local_rank),
+            (5, 8, 1)
+        );
+        let mpich = env(&[
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "3"),
+            ("MASTER_ADDR", "n0"),
+        ])
+        .unwrap();
+        assert_eq!((mpich.rank, mpich.world_size, mpich.local_rank), (3, 4, 3));
+        let half = env(&[("OMPI_COMM_WORLD_SIZE", "2")]).unwrap_err();
+        assert!(format!("{half:#}").contains("$OMPI_COMM_WORLD_RANK"));
     }
 
     #[test]

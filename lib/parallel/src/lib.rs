@@ -19,7 +19,7 @@ mod threads;
 
 pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
 pub use job::{Backend, Job};
-pub use launch::{first_host, LaunchEnv, DEFAULT_MASTER_PORT};
+pub use launch::{first_host, LaunchEnv, RendezvousPlace, DEFAULT_MASTER_PORT};
 pub use layout::{Coordinates, GroupKind, ParallelLayout};
 pub use nccl::NcclCommunicator;
 pub use placement::{join_launched_job, JoinOptions, Placement};

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::launch::LaunchEnv;
+use megatron_kernels::runtime::TorchStore;
+
+use super::launch::{LaunchEnv, RendezvousPlace};
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Request {
@@ -232,16 +234,73 @@ pub struct Rendezvous {
     address: String,
 }
 
+/// Rank 0's listener for the rendezvous and the address the other ranks connect to: on
+/// `MASTER_PORT`, or under torchrun on a port the system picks, published in torchrun's store.
+fn listen(env: &LaunchEnv, timeout: Duration) -> Result<(TcpListener, String)> {
+    match &env.rendezvous {
+        RendezvousPlace::MasterPort => {
+            let listener = TcpListener::bind(("0.0.0.0", env.master_port)).with_context(|| {
+                format!(
+                    "rank 0 cannot listen on port {} for the rendezvous ($MASTER_PORT): \
+                     another job may hold it; pick a free port",
+                    env.master_port
+                )
+            })?;
+            Ok((listener, format!("{}:{}", env.master_addr, env.master_port)))
+        }
+        RendezvousPlace::TorchrunStore { key } => {
+            let listener = TcpListener::bind("0.0.0.0:0")
+                .context("rank 0 cannot listen on a TCP port for the rendezvous")?;
+            let address = format!(
+                "{}:{}",
+                env.advertised_host()?,
+                listener.local_addr()?.port()
+            );
+            torchrun_store(env, timeout)?
+                .set(key, address.as_bytes())
+                .with_context(|| {
+                    format!("publishing the rendezvous in torchrun's store ({key})")
+                })?;
+            Ok((listener, address))
+        }
+    }
+}
+
+/// Where rank 0 hosts the rendezvous, as the other ranks learn it.
+fn rank_zero_address(env: &LaunchEnv, timeout: Duration) -> Result<String> {
+    match &env.rendezvous {
+        RendezvousPlace::MasterPort => Ok(format!("{}:{}", env.master_addr, env.master_port)),
+        RendezvousPlace::TorchrunStore { key } => {
+            let address = torchrun_store(env, timeout)?.get(key).with_context(|| {
+                format!(
+                    "rank {}: rank 0 never published the rendezvous in torchrun's store ({key}) \
+                     within {} s",
+                    env.rank,
+                    timeout.as_secs()
+                )
+            })?;
+            String::from_utf8(address).context("a malformed rendezvous address in torchrun's store")
+        }
+    }
+}
+
+/// torchrun's agent store on `MASTER_ADDR:MASTER_PORT`.
+fn torchrun_store(env: &LaunchEnv, timeout: Duration) -> Result<TorchStore> {
+    TorchStore::connect(&env.master_addr, env.master_port, timeout).with_context(|| {
+        format!(
+            "rank {}: cannot reach torchrun's store at {}:{}",
+            env.rank, env.master_addr, env.master_port
+        )
+    })
+}
+
 impl Rendezvous {
     /// Joins the job: rank 0 starts the store, everyone connects (retrying until `timeout`),
     /// and all wait until every rank has joined. From then on a rank that dies makes the
     /// others exit.
     pub fn join(env: &LaunchEnv, timeout: Duration) -> Result<Self> {
-        let address = format!("{}:{}", env.master_addr, env.rendezvous_port);
-        let store = if env.rank == 0 {
-            let listener = TcpListener::bind(("0.0.0.0", env.rendezvous_port)).with_context(|| {
-                format!("rank 0 cannot listen on port {} for the rendezvous ($MASTER_PORT, +1 under torchrun)", env.rendezvous_port)
-            })?;
+        let (store, address) = if env.rank == 0 {
+            let (listener, address) = listen(env, timeout)?;
             let state = Arc::new(StoreState {
                 world_size: env.world_size,
                 values: Mutex::new(HashMap::new()),
@@ -252,9 +311,9 @@ impl Rendezvous {
             });
             let serving = state.clone();
             std::thread::spawn(move || serving.serve(listener));
-            Some(state)
+            (Some(state), address)
         } else {
-            None
+            (None, rank_zero_address(env, timeout)?)
         };
         let client = connect(&address, timeout, env.rank)?;
         let mut watch = connect(&address, timeout, env.rank)?;
@@ -434,7 +493,7 @@ mod tests {
             local_rank: rank,
             master_addr: "127.0.0.1".into(),
             master_port: port,
-            rendezvous_port: port,
+            rendezvous: RendezvousPlace::MasterPort,
         }
     }
 

@@ -55,7 +55,32 @@ pub struct GeneratorHandle {
     _private: [u8; 0],
 }
 
+/// A c10d TCPStore client (csrc/store.cpp).
+#[repr(C)]
+pub struct StoreHandle {
+    _private: [u8; 0],
+}
+
 extern "C" {
+    pub fn mrs_tcp_store_connect(
+        host: *const c_char,
+        port: u16,
+        timeout_ms: i64,
+        store_out: *mut *mut StoreHandle,
+    ) -> *mut c_char;
+    pub fn mrs_tcp_store_set(
+        store: *mut StoreHandle,
+        key: *const c_char,
+        value: *const u8,
+        length: usize,
+    ) -> *mut c_char;
+    pub fn mrs_tcp_store_get(
+        store: *mut StoreHandle,
+        key: *const c_char,
+        value_out: *mut *mut u8,
+        length_out: *mut usize,
+    ) -> *mut c_char;
+    pub fn mrs_tcp_store_free(store: *mut StoreHandle);
     pub fn mrs_cuda_graphs_available() -> c_int;
     pub fn mrs_cuda_graph_capture_begin(
         share_pool_of: *mut CudaGraphHandle,

@@ -5,11 +5,13 @@ mod device;
 pub mod nvrtc;
 mod profiler;
 pub mod self_test;
+mod store;
 mod transfer;
 
 pub use cuda_graph::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
 pub use device::resolve_device;
 pub use profiler::{cuda_profiler_start, cuda_profiler_stop, KinetoTrace};
+pub use store::TorchStore;
 pub use transfer::{copy_from_host, to_device_async, HostCopy};
 
 use std::os::raw::{c_int, c_void};
