@@ -134,8 +134,9 @@ pub struct CheckpointModelArgs {
 
     // Run-time flags: they take effect.
     /// Longest sequence the tool feeds the model (at most the checkpoint's
-    /// --max-position-embeddings) [default: the checkpoint's --max-position-embeddings].
-    #[arg(long, help_heading = "Run time")]
+    /// --max-position-embeddings; text_generation_server's KV cache must hold one sequence
+    /// of it) [default: the checkpoint's --max-position-embeddings].
+    #[arg(long, help_heading = "Run time", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub seq_length: Option<usize>,
     /// Run the model in float16 (GPUs; on a CPU float32 is used).
     #[arg(long, help_heading = "Run time", conflicts_with = "bf16")]

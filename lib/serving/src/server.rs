@@ -109,9 +109,10 @@ impl GenerationServer {
             let generation = scope.spawn(|| -> Result<()> {
                 let outcome = service().and_then(|service| {
                     let _ = shared.workload.set(service.workload());
-                    shared.ready.store(true, Ordering::SeqCst);
-                    println!("{serving}");
-                    service.serve(inbox, &shared.metrics)
+                    service.serve(inbox, &shared.metrics, || {
+                        shared.ready.store(true, Ordering::SeqCst);
+                        println!("{serving}");
+                    })
                 });
                 generation_ended.store(true, Ordering::SeqCst);
                 outcome
@@ -166,6 +167,7 @@ async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    shared.metrics.refused_connection();
                     tokio::spawn(refuse(stream));
                     continue;
                 };

@@ -94,6 +94,9 @@ pub struct PagedKvCache {
     layers: Vec<Tensor>,
     free: Vec<i64>,
     blocks: i64,
+    /// Blocks in more than one row's table, and how many tables beyond the first hold each:
+    /// a released block is free once no table holds it.
+    shared: std::collections::HashMap<i64, u32>,
 }
 
 impl PagedKvCache {
@@ -122,6 +125,7 @@ impl PagedKvCache {
             // Popped from the end: low blocks first.
             free: (1..blocks).rev().collect(),
             blocks,
+            shared: std::collections::HashMap::new(),
         })
     }
 
@@ -153,7 +157,32 @@ impl PagedKvCache {
 
     /// Gives a sequence's blocks back.
     pub fn release(&mut self, blocks: Vec<i64>) {
-        self.free.extend(blocks);
+        for block in blocks {
+            match self.shared.get_mut(&block) {
+                Some(1) => {
+                    self.shared.remove(&block);
+                }
+                Some(others) => *others -= 1,
+                None => self.free.push(block),
+            }
+        }
+    }
+
+    /// Puts `blocks` (allocated, full) in one more row's table: they are freed once every
+    /// table holding them is released.
+    pub fn share(&mut self, blocks: &[i64]) {
+        for &block in blocks {
+            *self.shared.entry(block).or_default() += 1;
+        }
+    }
+
+    /// Copies the keys and values of block `from` into block `to`, in every layer.
+    pub fn copy_block(&mut self, from: i64, to: i64) {
+        for layer in &mut self.layers {
+            layer
+                .narrow(0, to * BLOCK_SIZE, BLOCK_SIZE)
+                .copy_(&layer.narrow(0, from * BLOCK_SIZE, BLOCK_SIZE));
+        }
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> &mut Tensor {
