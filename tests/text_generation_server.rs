@@ -318,8 +318,16 @@ fn serves_megatrons_api() {
         );
         assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
     }
-    let rejected = cli(&server, &["--completion", r#"{"prompt": "x", "n": 3}"#]);
-    assert!(String::from_utf8_lossy(&rejected.stderr).contains("n must be 1"));
+    // Greedy samples of one prompt (n) are each the greedy continuation.
+    let three: Value = serde_json::from_str(&completion(
+        json!({"prompt": "The data", "max_tokens": 12, "temperature": 0.0, "n": 3}),
+    ))
+    .unwrap();
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{three}");
+    assert!(choices.iter().all(|c| c["text"] == greedy_continuation));
+    let rejected = cli(&server, &["--completion", r#"{"prompt": "x", "n": 0}"#]);
+    assert!(String::from_utf8_lossy(&rejected.stderr).contains("n must be between 1 and 128"));
 
     // 64 clients at once: all answered.
     let started = Instant::now();

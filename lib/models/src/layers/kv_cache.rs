@@ -369,3 +369,41 @@ impl PagedStep {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_blocks_are_freed_by_their_last_table_and_copies_are_whole_blocks() {
+        let mut cache = PagedKvCache::new(2, 5, 1, 2, Kind::Float, Device::Cpu).unwrap();
+        let first = cache.allocate(2).unwrap();
+        cache.share(&first[..1]);
+        let second = cache.allocate(1).unwrap();
+        assert_eq!(cache.free_blocks(), 1);
+        // The first table goes: its shared block stays with the second.
+        cache.release(first.clone());
+        assert_eq!(cache.free_blocks(), 2);
+        cache.release(vec![first[0], second[0]]);
+        assert_eq!(cache.free_blocks(), 4);
+
+        for layer in 0..2 {
+            let values = cache.layer_mut(layer);
+            let count = values.numel() as i64;
+            let filled = Tensor::arange(count, (Kind::Float, Device::Cpu)) + 1000 * layer as i64;
+            values.copy_(&filled.view(values.size().as_slice()));
+        }
+        let before = cache.layer_mut(0).copy();
+        cache.copy_block(2, 4);
+        for layer in 0..2 {
+            let values = cache.layer_mut(layer).shallow_clone();
+            let block = |b: i64| values.narrow(0, b * BLOCK_SIZE, BLOCK_SIZE);
+            assert!(block(4).equal(&block(2)), "layer {layer}");
+            assert!(!block(3).equal(&block(2)), "layer {layer}");
+        }
+        // Only block 4 changed.
+        let after = cache.layer_mut(0).shallow_clone();
+        let rest = |t: &Tensor| t.narrow(0, 0, 4 * BLOCK_SIZE);
+        assert!(rest(&after).equal(&rest(&before)));
+    }
+}
