@@ -1551,7 +1551,9 @@ fn a_server_that_cannot_serve_stops_at_start() {
     );
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
-        stderr.contains("--kv-cache-gb 1000 asks for a KV cache of") && !stderr.contains("frame #"),
+        stderr.contains("--kv-cache-gb 1000 asks for a KV cache of")
+            && stderr.contains("but the machine has")
+            && !stderr.contains("frame #"),
         "{stderr}"
     );
     for (flag, value) in [
@@ -1563,7 +1565,10 @@ fn a_server_that_cannot_serve_stops_at_start() {
     ] {
         let (code, stderr) = exit_of(&ckpt, &[flag, value]);
         assert_eq!(code, Some(2), "{flag} {value}: {stderr}");
-        assert!(stderr.contains(flag), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("must be at least 1"),
+            "{flag} {value}: {stderr}"
+        );
     }
 }
 

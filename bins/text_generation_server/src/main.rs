@@ -10,7 +10,7 @@ use clap::Parser;
 use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
-use megatron_inference::CheckpointModelArgs;
+use megatron_inference::{at_least_one, CheckpointModelArgs};
 use megatron_inference::{BatchLimits, DecodeSettings, KvBudget, DEFAULT_PREFILL_CHUNK};
 use megatron_parallel::ParallelState;
 use megatron_serving::chat::ChatTemplate;
@@ -49,11 +49,11 @@ struct Cli {
     max_tokens_to_oom: usize,
     /// Requests that may wait for room in the batch (or, while the model loads, for the
     /// model); more are answered 503 with Retry-After.
-    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED, value_parser = at_least_one())]
+    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED, value_parser = at_least_one)]
     max_queued: usize,
     /// Sequences decoded together at most (1: one request at a time; a request with more
     /// prompts runs alone). Megatron-core's name for it is accepted too.
-    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = at_least_one)]
     max_batch_size: usize,
     /// Memory the KV cache may take, in GiB [default: half the GPU memory free after loading
     /// the model; 2 GiB on a CPU]. A request whose whole length cannot fit is refused.
@@ -62,18 +62,18 @@ struct Cli {
     kv_cache_gb: Option<f64>,
     /// Prompt tokens prefilled per step: a long prompt is processed in chunks between decode
     /// steps, so running requests keep streaming.
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_parser = at_least_one)]
     prefill_chunk_size: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_request_bytes: usize,
     /// Threads that serve the HTTP connections. Each serves many connections (a waiting
     /// connection costs no thread); the number of connections is --max-connections.
-    #[arg(long, default_value_t = 2, value_parser = at_least_one())]
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     http_threads: usize,
     /// Connections open at once; more are answered 503 with Retry-After and closed. Lowered
     /// to what the open-file limit (ulimit -n) allows.
-    #[arg(long, default_value_t = 10_000, value_parser = at_least_one())]
+    #[arg(long, default_value_t = 10_000, value_parser = at_least_one)]
     max_connections: usize,
     /// Seconds a client has to send a request's headers; also the longest a kept-alive
     /// connection may stay idle.
@@ -120,7 +120,7 @@ struct Cli {
     no_decode_overlap: bool,
     /// The longest prompt + generation a request may have (Megatron's bound on its static KV
     /// cache); longer requests are refused [default: the model's positions].
-    #[arg(long, help_heading = "Megatron's server script", value_parser = at_least_one())]
+    #[arg(long, help_heading = "Megatron's server script", value_parser = at_least_one)]
     inference_max_seq_length: Option<usize>,
     /// Accepted: CUDA graphs are on by default here (--no-cuda-graphs turns them off).
     #[arg(
@@ -162,11 +162,6 @@ struct Cli {
     /// Accepted and ignored, as Megatron's server ignores them (prompts come in requests).
     #[arg(long, num_args = 1.., help_heading = "Megatron's server script")]
     prompts: Vec<String>,
-}
-
-/// A count of at least one.
-fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
 }
 
 impl Cli {
@@ -352,4 +347,48 @@ fn chat_template(cli: &Cli, checkpoint: &std::path::Path) -> anyhow::Result<Chat
     }
     directories.push(checkpoint.to_path_buf());
     ChatTemplate::load(cli.chat_template.as_deref(), &directories)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Megatron's server-script flags that change nothing here each get a line saying so;
+    /// --inference-max-seq-length bounds requests.
+    #[test]
+    fn megatrons_script_flags_are_noted_or_honoured() {
+        let cli = Cli::try_parse_from([
+            "text_generation_server",
+            "--load",
+            "ckpt",
+            "--temperature",
+            "0.5",
+            "--top_k",
+            "1",
+            "--return-log-probs",
+            "--prompts",
+            "a",
+            "b",
+            "--enable-cuda-graph",
+            "--exit-on-missing-checkpoint",
+            "--inference-max-seq-length",
+            "48",
+        ])
+        .unwrap();
+        let notes = cli.script_flag_notes();
+        assert_eq!(notes.len(), 6, "{notes:?}");
+        for flag in [
+            "--temperature",
+            "--top_k",
+            "--return-log-probs",
+            "--prompts",
+            "--enable-cuda-graph",
+            "--exit-on-missing-checkpoint",
+        ] {
+            assert!(notes.iter().any(|n| n.contains(flag)), "{flag}: {notes:?}");
+        }
+        assert_eq!(serving_settings(&cli).unwrap().max_sequence, Some(48));
+        let quiet = Cli::try_parse_from(["text_generation_server", "--load", "ckpt"]).unwrap();
+        assert!(quiet.script_flag_notes().is_empty());
+    }
 }

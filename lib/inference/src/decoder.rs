@@ -368,13 +368,16 @@ impl Decoder {
                 );
                 let bytes = blocks as u64 * block;
                 if let Some(room) = room_for_cache(model.device())? {
+                    let place = match model.device() {
+                        Device::Cuda(index) => format!("cuda:{index} has"),
+                        _ => "the machine has".to_string(),
+                    };
                     ensure!(
                         bytes <= room,
-                        "{} asks for a KV cache of {blocks} blocks ({:.2} GiB) but {:?} has \
+                        "{} asks for a KV cache of {blocks} blocks ({:.2} GiB) but {place} \
                          {:.2} GiB free",
                         self.budget,
                         bytes as f64 / GIB,
-                        model.device(),
                         room as f64 / GIB
                     );
                 }

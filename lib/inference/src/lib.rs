@@ -16,7 +16,7 @@ mod t5;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use causal_lm::CausalLm;
-pub use checkpoint_model::CheckpointModelArgs;
+pub use checkpoint_model::{at_least_one, CheckpointModelArgs};
 pub use decoder::{
     bucket, DecodeRow, DecodeSettings, Decoder, KvBudget, PrefillChunk, WINDOW_STEP,
 };

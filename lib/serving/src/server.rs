@@ -189,7 +189,10 @@ async fn serve(
             _ = poll.tick() => {
                 if !shared.draining.load(Ordering::SeqCst) && stop() {
                     shared.draining.store(true, Ordering::SeqCst);
-                    eprintln!("text_generation_server: stopping after the requests in flight");
+                    // A server that never served (its model or cache failed) just ends.
+                    if shared.ready.load(Ordering::SeqCst) {
+                        eprintln!("text_generation_server: stopping after the requests in flight");
+                    }
                 }
                 if shared.draining.load(Ordering::SeqCst)
                     && shared.in_flight.load(Ordering::SeqCst) == 0
