@@ -499,10 +499,10 @@ impl Batcher {
     /// The rows of the step after `flight` when it can be queued before `flight`'s tokens are
     /// read, as (running index, index in `flight`) pairs: nothing joined since (every running
     /// row is in `flight`, so no prompt waits for its prefill), no waiting request fits now,
-    /// and none of the rows bans a token after the one `flight` draws or is penalised for it. It runs them one
-    /// position on, but for those that reach their length at `flight`; rows that stop there
-    /// otherwise (a stop token or sequence) waste their slot of it. `None` also when no row is
-    /// left.
+    /// and none of the rows bans a token after the one `flight` draws or is penalised for it.
+    /// It runs them one position on, but for those that reach their length at `flight`; rows
+    /// that stop there otherwise (a stop token or sequence) waste their slot of it. `None` also
+    /// when no row is left.
     fn continuing(&self, flight: &InFlight, decoder: &mut Decoder) -> Option<Vec<(usize, usize)>> {
         let banning = self.running.iter().any(|row| {
             row.spec.prevent_newline_after_colon.is_some() || row.spec.adjust.penalises()
