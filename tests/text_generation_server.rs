@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, test_python, visible_gpus, workspace_root};
+use megatron_e2e::{bin, run_ok, shared_dir, test_python, visible_gpus, workspace_root};
 use serde_json::{json, Value};
 
 fn tokenizer_flags() -> Vec<String> {
@@ -318,8 +318,16 @@ fn serves_megatrons_api() {
         );
         assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
     }
-    let rejected = cli(&server, &["--completion", r#"{"prompt": "x", "n": 3}"#]);
-    assert!(String::from_utf8_lossy(&rejected.stderr).contains("n must be 1"));
+    // Greedy samples of one prompt (n) are each the greedy continuation.
+    let three: Value = serde_json::from_str(&completion(
+        json!({"prompt": "The data", "max_tokens": 12, "temperature": 0.0, "n": 3}),
+    ))
+    .unwrap();
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{three}");
+    assert!(choices.iter().all(|c| c["text"] == greedy_continuation));
+    let rejected = cli(&server, &["--completion", r#"{"prompt": "x", "n": 0}"#]);
+    assert!(String::from_utf8_lossy(&rejected.stderr).contains("n must be between 1 and 128"));
 
     // 64 clients at once: all answered.
     let started = Instant::now();
@@ -1308,6 +1316,13 @@ fn hostile_clients_leave_others_served() {
         metric(&server, "megatron_running_requests") == 0.0
     });
     assert_eq!(metric(&server, "megatron_cancelled_requests_total"), 2.0);
+    // Counted as a client gone from /api (the streaming client above had its answer's head).
+    wait_for("the /api disconnect to be counted", || {
+        metric(
+            &server,
+            "megatron_client_disconnects_total{endpoint=\"/api\"}",
+        ) == 1.0
+    });
     let steps = metric(&server, "megatron_generation_steps_total") - steps_before;
     assert!(steps < 1000.0, "{steps} steps run for a gone /api client");
     wait_for("its blocks to be freed", || {
@@ -1430,6 +1445,8 @@ fn connection_limits_and_timeouts() {
     wait_for("a free connection slot", || {
         http(&server.address, "GET", "/health", "").0 == 200
     });
+    // The refusal above (and any while waiting for a slot) is counted.
+    assert!(metric(&server, "megatron_refused_connections_total") >= 1.0);
 
     // A body that does not arrive in time.
     let mut slow = std::net::TcpStream::connect(&server.address).unwrap();
@@ -1480,5 +1497,508 @@ fn megatrons_paths_answer_as_ours() {
     let (status, _, wrong_method) = http(address, "GET", "/completions", "");
     assert_eq!(status, 405, "{wrong_method}");
     assert!(wrong_method.contains("POST /completions"), "{wrong_method}");
+    terminate(server.child);
+}
+
+/// Runs the server with `extra` flags until it exits by itself (at most 120 s: a server that
+/// keeps serving fails the test); its exit code and stderr.
+fn exit_of(checkpoint: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    use std::io::Read;
+    let mut child = server_command(checkpoint).args(extra).spawn().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let drain = std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+    let errors = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the server with {extra:?} kept running");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = drain.join();
+    (status.code(), errors.join().unwrap())
+}
+
+/// A server that cannot serve stops at start, naming the flag and the limit, instead of
+/// answering `/health` 200 and every generation 500: a KV cache below one sequence of
+/// `--seq-length`, one larger than the machine's memory (without libtorch's backtrace).
+/// Flags that leave nothing to serve with are usage errors (exit 2).
+#[test]
+fn a_server_that_cannot_serve_stops_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    // 2 layers × 2 (keys, values) × 16 positions × 64 channels × 4 bytes = 16 KiB per block.
+    let (code, stderr) = exit_of(&ckpt, &["--kv-cache-gb", "0.00003", "--seq-length", "64"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--kv-cache-gb 0.00003 holds 0 KV blocks of 16 positions (16384 bytes")
+            && stderr.contains("one sequence of 64 positions needs 4"),
+        "{stderr}"
+    );
+    let (code, stderr) = exit_of(
+        &ckpt,
+        &["--kv-cache-gb", "1000", "--max-batch-size", "100000000"],
+    );
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--kv-cache-gb 1000 asks for a KV cache of")
+            && stderr.contains("but the machine has")
+            && !stderr.contains("frame #"),
+        "{stderr}"
+    );
+    for (flag, value) in [
+        ("--max-connections", "0"),
+        ("--seq-length", "0"),
+        ("--http-threads", "0"),
+        ("--max-queued", "0"),
+        ("--inference-max-seq-length", "0"),
+    ] {
+        let (code, stderr) = exit_of(&ckpt, &[flag, value]);
+        assert_eq!(code, Some(2), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("must be at least 1"),
+            "{flag} {value}: {stderr}"
+        );
+    }
+}
+
+/// What chat and completions cannot honour is refused with 400 naming it, never answered as
+/// if it had not been asked: tools and functions, a response format other than text, a role
+/// other than system, user or assistant, a message without content, a completion's suffix.
+#[test]
+fn openai_fields_the_server_cannot_honour_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let user = json!({"role": "user", "content": "Hi"});
+    let refused = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user, {"role": "wizard", "content": "Hi"}]}),
+            "messages[1].role \"wizard\" is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user"}]}),
+            "messages[0].content is required",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user, {"role": "assistant", "content": null}]}),
+            "messages[1].content is required",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user], "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user], "tool_choice": "auto"}),
+            "tool_choice is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user], "functions": [{"name": "f"}]}),
+            "functions is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user], "function_call": "auto"}),
+            "function_call is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [user], "response_format": {"type": "json_object"}}),
+            "response_format is not supported",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "The data", "suffix": " end"}),
+            "suffix is not supported",
+        ),
+    ];
+    for (path, body, message) in refused {
+        let (status, _, answer) = http(&server.address, "POST", path, &body.to_string());
+        assert_eq!(status, 400, "{body}: {answer}");
+        let answer: Value = serde_json::from_str(&answer).unwrap();
+        let text = answer["error"]["message"].as_str().unwrap();
+        assert!(text.contains(message), "{body}: {text}");
+    }
+    let text_format =
+        json!({"messages": [user], "max_tokens": 2, "response_format": {"type": "text"}});
+    let (status, _, answer) = http(
+        &server.address,
+        "POST",
+        "/v1/chat/completions",
+        &text_format.to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    terminate(server.child);
+}
+
+/// `text_offset` of a completion without echo counts from the start of the prompt, as
+/// Megatron's completions endpoint answers (offsets into prompt and completion together): the
+/// same offsets as the echoed completion's for the generated tokens, the first at the
+/// prompt's length.
+#[test]
+fn text_offsets_without_echo_count_from_the_prompts_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let prompt = "The data héllo";
+    let offsets = |echo: bool| -> (Vec<u64>, u64) {
+        let body = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0,
+                          "echo": echo});
+        let (status, _, answer) = http(
+            &server.address,
+            "POST",
+            "/v1/completions",
+            &body.to_string(),
+        );
+        assert_eq!(status, 200, "{answer}");
+        let answer: Value = serde_json::from_str(&answer).unwrap();
+        let offsets = answer["choices"][0]["logprobs"]["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        (offsets, answer["usage"]["prompt_tokens"].as_u64().unwrap())
+    };
+    let (echoed, prompt_tokens) = offsets(true);
+    let (plain, _) = offsets(false);
+    assert_eq!(plain[..], echoed[prompt_tokens as usize..]);
+    assert_eq!(plain[0], prompt.chars().count() as u64);
+    terminate(server.child);
+}
+
+/// `pretrain_gpt` on mock data for two steps with `architecture` and `tokenizer` flags.
+fn checkpoint_with(dir: &Path, architecture: &[&str], tokenizer: &[String]) {
+    run_ok(
+        bin("pretrain_gpt")
+            .args(architecture)
+            .args([
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "2",
+                "--train-iters",
+                "2",
+                "--lr",
+                "1e-3",
+                "--mock-data",
+                "--eval-iters",
+                "0",
+                "--device",
+                "cpu",
+                "--save",
+            ])
+            .arg(dir)
+            .args(tokenizer),
+    );
+}
+
+/// The tiny CPU versions of Megatron's server scripts (`examples/inference/
+/// run_text_generation_server_345M.sh` and `llama_mistral/run_text_generation_{llama3,
+/// llama3.1,mistral}.sh`, their sizes shrunk, every flag kept) start the server against a
+/// checkpoint of the same architecture and answer `PUT /api`. With them, the flags of
+/// Megatron's `tools/run_text_generation_server.py` are accepted: `--inference-max-seq-length`
+/// bounds prompt + generation, the others change nothing here (Megatron's server does not
+/// read them either, or they are our defaults); `--exit-on-missing-checkpoint` with nothing
+/// to load is an error.
+#[test]
+fn megatrons_inference_scripts_run_unchanged() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf_tokenizer = shared_dir()
+        .join("data")
+        .join("gpt2-tokenizer.json")
+        .display()
+        .to_string();
+    let hf = vec![
+        "--tokenizer-type".to_string(),
+        "HuggingFaceTokenizer".to_string(),
+        "--tokenizer-model".to_string(),
+        hf_tokenizer.clone(),
+    ];
+    let llama = |positions: &'static str, base: &'static str| -> Vec<&'static str> {
+        vec![
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--ffn-hidden-size",
+            "128",
+            "--num-attention-heads",
+            "4",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            positions,
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            base,
+            "--rotary-percent",
+            "1.0",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+        ]
+    };
+    let gpt = vec![
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+    ];
+    let mut llama31 = llama("128", "500000");
+    llama31.push("--use-rope-scaling");
+    let mut mistral = llama("64", "1000000");
+    mistral.push("--apply-layernorm-1p");
+    let checkpoints = [
+        ("345m", gpt, tokenizer_flags()),
+        ("llama3", llama("64", "500000"), hf.clone()),
+        ("llama3.1", llama31, hf.clone()),
+        ("mistral", mistral, hf.clone()),
+    ];
+    for (name, architecture, tokenizer) in &checkpoints {
+        checkpoint_with(&dir.path().join(name), architecture, tokenizer);
+    }
+    let load = |name: &str| dir.path().join(name).display().to_string();
+    let words = |text: &str| -> Vec<String> { text.split_whitespace().map(String::from).collect() };
+    let hf_script = |rest: &str| -> Vec<String> {
+        let mut flags = words(
+            "--use-checkpoint-args --disable-bias-linear --tokenizer-type HuggingFaceTokenizer \
+             --tokenizer-model",
+        );
+        flags.push(hf_tokenizer.clone());
+        flags.extend(words(rest));
+        flags
+    };
+    let mut server_345m = words(
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 2 \
+         --hidden-size 64 --load",
+    );
+    server_345m.push(load("345m"));
+    server_345m.extend(words(
+        "--num-attention-heads 4 --max-position-embeddings 64 --tokenizer-type GPT2BPETokenizer \
+         --fp16 --micro-batch-size 1 --seq-length 64",
+    ));
+    server_345m.extend(tokenizer_flags()[2..].iter().cloned());
+    server_345m.extend(words("--seed 42"));
+    let llama_flags = |base: &str, scaling: &str, positions: &str, name: &str| {
+        let mut flags = hf_script(&format!(
+            "--transformer-impl transformer_engine --normalization RMSNorm \
+             --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion \
+             --attention-softmax-in-fp32 --attention-dropout 0.0 --hidden-dropout 0.0 \
+             --untie-embeddings-and-output-weights --position-embedding-type rope \
+             --rotary-percent 1.0 --rotary-base {base} {scaling} \
+             --use-rotary-position-embeddings --swiglu --tensor-model-parallel-size 1 \
+             --pipeline-model-parallel-size 1 --num-layers 2 --hidden-size 64 \
+             --ffn-hidden-size 128 --load"
+        ));
+        flags.push(load(name));
+        flags.extend(words(&format!(
+            "--num-attention-heads 4 --max-position-embeddings {positions} --bf16 \
+             --micro-batch-size 1 --seq-length 64"
+        )));
+        flags
+    };
+    let mut mistral_flags = words("--tokenizer-type HuggingFaceTokenizer --tokenizer-model");
+    mistral_flags.push(hf_tokenizer.clone());
+    mistral_flags.extend(words(
+        "--use-checkpoint-args --apply-layernorm-1p --transformer-impl transformer_engine \
+         --normalization RMSNorm --group-query-attention --num-query-groups 2 \
+         --no-masked-softmax-fusion --use-flash-attn --untie-embeddings-and-output-weights \
+         --disable-bias-linear --position-embedding-type rope --rotary-percent 1.0 \
+         --rotary-base 1000000 --swiglu --ffn-hidden-size 128 --tensor-model-parallel-size 1 \
+         --pipeline-model-parallel-size 1 --num-layers 2 --hidden-size 64 --load",
+    ));
+    mistral_flags.push(load("mistral"));
+    mistral_flags.extend(words(
+        "--num-attention-heads 4 --max-position-embeddings 64 --bf16 --micro-batch-size 1 \
+         --seq-length 64 --seed 101",
+    ));
+    // Megatron's run_text_generation_server.py flags, with the 345M script's.
+    let mut with_server_flags = server_345m.clone();
+    with_server_flags.extend(words(
+        "--temperature 1.0 --top_k 1 --top_p 0.0 --return-log-probs \
+         --num-tokens-to-generate 30 --inference-max-seq-length 48 \
+         --exit-on-missing-checkpoint --enable-cuda-graph --flash-decode --prompts Hello World",
+    ));
+    let scripts = [
+        ("345m", server_345m),
+        ("llama3", llama_flags("500000", "", "64", "llama3")),
+        (
+            "llama3.1",
+            llama_flags("500000", "--use-rope-scaling", "128", "llama3.1"),
+        ),
+        ("mistral", mistral_flags),
+        ("345m with the server script's flags", with_server_flags),
+    ];
+    for (name, flags) in &scripts {
+        let mut command = bin("text_generation_server");
+        command
+            .args(flags)
+            .args(["--port", "0", "--device", "cpu"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let server = serve(command.spawn().unwrap());
+        let (status, _, answer) = http(
+            &server.address,
+            "PUT",
+            "/api",
+            r#"{"prompts": ["The data"], "tokens_to_generate": 4, "top_k": 1}"#,
+        );
+        assert_eq!(status, 200, "{name}: {answer}");
+        let answer: Value = serde_json::from_str(&answer).unwrap();
+        assert!(
+            answer["text"][0].as_str().unwrap().starts_with("The data"),
+            "{name}: {answer}"
+        );
+        // 2 prompt tokens and 47 new ones: within the model's 64 positions, beyond 48.
+        let (status, _, answer) = http(
+            &server.address,
+            "PUT",
+            "/api",
+            r#"{"prompts": ["The data"], "tokens_to_generate": 47, "top_k": 1}"#,
+        );
+        if name.contains("server script") {
+            assert_eq!(status, 400, "{name}: {answer}");
+            assert!(answer.contains("longer than allowed"), "{name}: {answer}");
+        } else {
+            assert_eq!(status, 200, "{name}: {answer}");
+        }
+        terminate(server.child);
+    }
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (code, stderr) = exit_of(&empty, &["--exit-on-missing-checkpoint"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains(&empty.display().to_string()), "{stderr}");
+}
+
+/// The JSON events of a streamed answer that `text_generation_cli` printed, before `[DONE]`.
+fn events(printed: &str) -> Vec<Value> {
+    printed
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .take_while(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Streamed completions and chat completions that ask for log-probabilities carry, in each
+/// chunk, those of the tokens whose text the chunk carries (the last chunk the tokens no text
+/// carried): together they are the unstreamed answer's tokens, log-probabilities and offsets.
+/// Top alternatives, computed once the completion is done, cannot be streamed (400).
+#[test]
+fn streamed_chunks_carry_their_own_logprobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let ask = |flag: &str, body: Value| -> Result<String, String> {
+        let out = cli(&server, &[flag, &body.to_string()]);
+        if out.status.success() {
+            Ok(String::from_utf8(out.stdout).unwrap())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).to_string())
+        }
+    };
+    let strings = |v: &Value| -> Vec<Value> { v.as_array().unwrap().clone() };
+    let assert_close = |got: &[Value], want: &[Value], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}: {got:?} vs {want:?}");
+        for (g, w) in got.iter().zip(want) {
+            let (g, w) = (g.as_f64().unwrap(), w.as_f64().unwrap());
+            assert!((g - w).abs() < 1e-5, "{what}: {g} vs {w}");
+        }
+    };
+
+    let body = json!({"prompt": "The data", "max_tokens": 10, "temperature": 0, "logprobs": 0});
+    let whole: Value = serde_json::from_str(&ask("--completion", body.clone()).unwrap()).unwrap();
+    let whole = &whole["choices"][0]["logprobs"];
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let chunks = events(&ask("--completion", streaming).unwrap());
+    let (mut tokens, mut values, mut offsets) = (Vec::new(), Vec::new(), Vec::new());
+    for (n, chunk) in chunks.iter().enumerate() {
+        let choice = &chunk["choices"][0];
+        let logprobs = &choice["logprobs"];
+        assert!(
+            logprobs.is_object(),
+            "chunk {n} carries no logprobs: {chunk}"
+        );
+        let carried = strings(&logprobs["tokens"]);
+        if choice["finish_reason"].is_null()
+            && !carried
+                .iter()
+                .any(|t| t.as_str().unwrap().contains('\u{fffd}'))
+        {
+            let spelled: String = carried.iter().map(|t| t.as_str().unwrap()).collect();
+            assert_eq!(spelled, choice["text"].as_str().unwrap(), "chunk {n}");
+        }
+        tokens.extend(carried);
+        values.extend(strings(&logprobs["token_logprobs"]));
+        offsets.extend(strings(&logprobs["text_offset"]));
+    }
+    assert_eq!(tokens, strings(&whole["tokens"]));
+    assert_eq!(offsets, strings(&whole["text_offset"]));
+    assert_close(&values, &strings(&whole["token_logprobs"]), "completion");
+
+    let body = json!({"messages": [{"role": "user", "content": "The data"}], "max_tokens": 10,
+                      "temperature": 0, "logprobs": true});
+    let whole: Value = serde_json::from_str(&ask("--chat", body.clone()).unwrap()).unwrap();
+    let whole = strings(&whole["choices"][0]["logprobs"]["content"]);
+    assert!(!whole.is_empty());
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let mut content = Vec::new();
+    for chunk in events(&ask("--chat", streaming).unwrap()) {
+        if let Some(carried) = chunk["choices"][0]["logprobs"]["content"].as_array() {
+            content.extend(carried.iter().cloned());
+        }
+    }
+    let token =
+        |entries: &[Value]| -> Vec<Value> { entries.iter().map(|e| e["token"].clone()).collect() };
+    let logprob = |entries: &[Value]| -> Vec<Value> {
+        entries.iter().map(|e| e["logprob"].clone()).collect()
+    };
+    assert_eq!(token(&content), token(&whole));
+    assert_close(&logprob(&content), &logprob(&whole), "chat");
+
+    let refused = ask(
+        "--completion",
+        json!({"prompt": "The data", "max_tokens": 3, "logprobs": 2, "stream": true}),
+    )
+    .unwrap_err();
+    assert!(
+        refused.contains("Error 400") && refused.contains("cannot be streamed"),
+        "{refused}"
+    );
     terminate(server.child);
 }

@@ -12,7 +12,8 @@ use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::build_tokenizer;
 use megatron_inference::CheckpointModelArgs;
 use megatron_inference::{
-    generate_tokens, DecodeSettings, Decoder, GenerationRequest, Sampling, StopCondition,
+    generate_tokens, DecodeSettings, Decoder, GenerationRequest, LogitAdjust, Sampling,
+    StopCondition,
 };
 use megatron_kernels::runtime::resolve_device;
 use megatron_parallel::ParallelState;
@@ -141,6 +142,7 @@ fn run(cli: &Cli) -> Result<()> {
             prevent_newline_after_colon: None,
             logprobs: false,
             pad: eod.unwrap_or(0),
+            adjust: LogitAdjust::default(),
         };
         let tokens = generate_tokens(&model, &request, &mut decoder)?
             .tokens

@@ -10,7 +10,7 @@ use clap::Parser;
 use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::{build_tokenizer, Tokenizer};
-use megatron_inference::CheckpointModelArgs;
+use megatron_inference::{at_least_one, CheckpointModelArgs};
 use megatron_inference::{BatchLimits, DecodeSettings, KvBudget, DEFAULT_PREFILL_CHUNK};
 use megatron_parallel::ParallelState;
 use megatron_serving::chat::ChatTemplate;
@@ -49,11 +49,11 @@ struct Cli {
     max_tokens_to_oom: usize,
     /// Requests that may wait for room in the batch (or, while the model loads, for the
     /// model); more are answered 503 with Retry-After.
-    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED)]
+    #[arg(long, default_value_t = DEFAULT_MAX_QUEUED, value_parser = at_least_one)]
     max_queued: usize,
     /// Sequences decoded together at most (1: one request at a time; a request with more
     /// prompts runs alone). Megatron-core's name for it is accepted too.
-    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, visible_alias = "inference-max-requests", default_value_t = DEFAULT_MAX_BATCH_SIZE, value_parser = at_least_one)]
     max_batch_size: usize,
     /// Memory the KV cache may take, in GiB [default: half the GPU memory free after loading
     /// the model; 2 GiB on a CPU]. A request whose whole length cannot fit is refused.
@@ -62,18 +62,18 @@ struct Cli {
     kv_cache_gb: Option<f64>,
     /// Prompt tokens prefilled per step: a long prompt is processed in chunks between decode
     /// steps, so running requests keep streaming.
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_parser = at_least_one)]
     prefill_chunk_size: usize,
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_request_bytes: usize,
     /// Threads that serve the HTTP connections. Each serves many connections (a waiting
     /// connection costs no thread); the number of connections is --max-connections.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     http_threads: usize,
     /// Connections open at once; more are answered 503 with Retry-After and closed. Lowered
     /// to what the open-file limit (ulimit -n) allows.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = at_least_one)]
     max_connections: usize,
     /// Seconds a client has to send a request's headers; also the longest a kept-alive
     /// connection may stay idle.
@@ -118,6 +118,97 @@ struct Cli {
     /// overlap the GPU's work. For comparing the two.
     #[arg(long)]
     no_decode_overlap: bool,
+    /// The longest prompt + generation a request may have (Megatron's bound on its static KV
+    /// cache); longer requests are refused [default: the model's positions].
+    #[arg(long, help_heading = "Megatron's server script", value_parser = at_least_one)]
+    inference_max_seq_length: Option<usize>,
+    /// Accepted: CUDA graphs are on by default here (--no-cuda-graphs turns them off).
+    #[arg(
+        long,
+        help_heading = "Megatron's server script",
+        conflicts_with = "no_cuda_graphs"
+    )]
+    enable_cuda_graph: bool,
+    /// Accepted: decode attention runs through the paged decode kernel by default here
+    /// (--no-paged-attention turns it off).
+    #[arg(
+        long,
+        help_heading = "Megatron's server script",
+        conflicts_with = "no_paged_attention"
+    )]
+    flash_decode: bool,
+    /// Accepted: a --load without a checkpoint is always an error here.
+    #[arg(long, help_heading = "Megatron's server script")]
+    exit_on_missing_checkpoint: bool,
+    /// Accepted and ignored, as Megatron's server ignores it (each request sets its own
+    /// temperature) [Megatron's default: 1.0].
+    #[arg(long, help_heading = "Megatron's server script")]
+    temperature: Option<f64>,
+    /// Accepted and ignored, as Megatron's server ignores it (each request sets its own
+    /// top_k) [Megatron's default: 1].
+    #[arg(long = "top_k", help_heading = "Megatron's server script")]
+    top_k: Option<i64>,
+    /// Accepted and ignored, as Megatron's server ignores it (each request sets its own
+    /// top_p) [Megatron's default: 0.0].
+    #[arg(long = "top_p", help_heading = "Megatron's server script")]
+    top_p: Option<f64>,
+    /// Accepted and ignored, as Megatron's server ignores it (each request asks for logprobs).
+    #[arg(long, help_heading = "Megatron's server script")]
+    return_log_probs: bool,
+    /// Accepted and ignored, as Megatron's server ignores it (each request sets
+    /// tokens_to_generate) [Megatron's default: 30].
+    #[arg(long, help_heading = "Megatron's server script")]
+    num_tokens_to_generate: Option<usize>,
+    /// Accepted and ignored, as Megatron's server ignores them (prompts come in requests).
+    #[arg(long, num_args = 1.., help_heading = "Megatron's server script")]
+    prompts: Vec<String>,
+}
+
+impl Cli {
+    /// One line per given flag of Megatron's server script that changes nothing here.
+    fn script_flag_notes(&self) -> Vec<String> {
+        let request_field = |flag: &str, field: &str| {
+            format!(
+                "note: {flag} is not used by Megatron's server either (each request sets \
+                 {field}); ignored"
+            )
+        };
+        let mut notes = Vec::new();
+        if self.enable_cuda_graph {
+            notes.push("note: --enable-cuda-graph: CUDA graphs are on by default".to_string());
+        }
+        if self.flash_decode {
+            notes.push(
+                "note: --flash-decode: decoding reads the paged KV cache in place by default"
+                    .to_string(),
+            );
+        }
+        if self.exit_on_missing_checkpoint {
+            notes.push(
+                "note: --exit-on-missing-checkpoint: a missing checkpoint is always an error"
+                    .to_string(),
+            );
+        }
+        let given = [
+            ("--temperature", self.temperature.is_some(), "temperature"),
+            ("--top_k", self.top_k.is_some(), "top_k"),
+            ("--top_p", self.top_p.is_some(), "top_p"),
+            ("--return-log-probs", self.return_log_probs, "logprobs"),
+            (
+                "--num-tokens-to-generate",
+                self.num_tokens_to_generate.is_some(),
+                "tokens_to_generate",
+            ),
+            ("--prompts", !self.prompts.is_empty(), "prompts"),
+        ];
+        notes.extend(
+            given
+                .iter()
+                .filter(|(_, on, _)| *on)
+                .map(|(flag, _, field)| request_field(flag, field)),
+        );
+        notes
+    }
 }
 
 fn main() -> ExitCode {
@@ -127,6 +218,9 @@ fn main() -> ExitCode {
         // Refuse wrong flags before binding the port and joining the other ranks.
         cli.model.checked_config()?;
         cli.model.print_ignored_flag_notes("text_generation_server");
+        for note in cli.script_flag_notes() {
+            eprintln!("{note}");
+        }
         let (job, parallel, device) = cli.model.join_job()?;
         let rank = job.env.rank;
         megatron_kernels::rng::manual_seed(device, cli.model.seed)?;
@@ -203,9 +297,7 @@ fn main() -> ExitCode {
 /// How the service batches and decodes, from the flags.
 fn serving_settings(cli: &Cli) -> anyhow::Result<ServingSettings> {
     let kv_budget = match cli.kv_cache_gb {
-        Some(gb) if gb.is_finite() && gb > 0.0 => {
-            KvBudget::Bytes((gb * (1u64 << 30) as f64) as u64)
-        }
+        Some(gb) if gb.is_finite() && gb > 0.0 => KvBudget::Gib(gb),
         Some(gb) => {
             megatron_cli::bail_usage!("--kv-cache-gb must be a positive number of GiB, got {gb}")
         }
@@ -223,8 +315,14 @@ fn serving_settings(cli: &Cli) -> anyhow::Result<ServingSettings> {
             fused_kernels: !cli.no_decode_fusion,
             overlap: !cli.no_decode_overlap,
             kv_budget,
+            // A server must hold one whole sequence of --seq-length; without it, one block.
+            min_sequence: cli
+                .model
+                .seq_length
+                .map_or(DecodeSettings::default().min_sequence, |s| s as i64),
         },
         max_tokens: cli.max_tokens_to_oom,
+        max_sequence: cli.inference_max_seq_length,
     })
 }
 
@@ -249,4 +347,48 @@ fn chat_template(cli: &Cli, checkpoint: &std::path::Path) -> anyhow::Result<Chat
     }
     directories.push(checkpoint.to_path_buf());
     ChatTemplate::load(cli.chat_template.as_deref(), &directories)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Megatron's server-script flags that change nothing here each get a line saying so;
+    /// --inference-max-seq-length bounds requests.
+    #[test]
+    fn megatrons_script_flags_are_noted_or_honoured() {
+        let cli = Cli::try_parse_from([
+            "text_generation_server",
+            "--load",
+            "ckpt",
+            "--temperature",
+            "0.5",
+            "--top_k",
+            "1",
+            "--return-log-probs",
+            "--prompts",
+            "a",
+            "b",
+            "--enable-cuda-graph",
+            "--exit-on-missing-checkpoint",
+            "--inference-max-seq-length",
+            "48",
+        ])
+        .unwrap();
+        let notes = cli.script_flag_notes();
+        assert_eq!(notes.len(), 6, "{notes:?}");
+        for flag in [
+            "--temperature",
+            "--top_k",
+            "--return-log-probs",
+            "--prompts",
+            "--enable-cuda-graph",
+            "--exit-on-missing-checkpoint",
+        ] {
+            assert!(notes.iter().any(|n| n.contains(flag)), "{flag}: {notes:?}");
+        }
+        assert_eq!(serving_settings(&cli).unwrap().max_sequence, Some(48));
+        let quiet = Cli::try_parse_from(["text_generation_server", "--load", "ckpt"]).unwrap();
+        assert!(quiet.script_flag_notes().is_empty());
+    }
 }

@@ -134,8 +134,9 @@ pub struct CheckpointModelArgs {
 
     // Run-time flags: they take effect.
     /// Longest sequence the tool feeds the model (at most the checkpoint's
-    /// --max-position-embeddings) [default: the checkpoint's --max-position-embeddings].
-    #[arg(long, help_heading = "Run time")]
+    /// --max-position-embeddings; text_generation_server's KV cache must hold one sequence
+    /// of it) [default: the checkpoint's --max-position-embeddings].
+    #[arg(long, help_heading = "Run time", value_parser = at_least_one)]
     pub seq_length: Option<usize>,
     /// Run the model in float16 (GPUs; on a CPU float32 is used).
     #[arg(long, help_heading = "Run time", conflicts_with = "bf16")]
@@ -227,6 +228,16 @@ pub struct CheckpointModelArgs {
     /// Accepted (the launch environment names this process's GPU).
     #[arg(long, help_heading = "Accepted and ignored")]
     pub local_rank: Option<usize>,
+}
+
+/// A count flag's value: a whole number of at least 1 (clap's value parser, so that 0 is a
+/// usage error saying so).
+pub fn at_least_one(value: &str) -> Result<usize, String> {
+    match value.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(count) => Ok(count),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn text(value: Option<impl ToString>) -> Option<String> {

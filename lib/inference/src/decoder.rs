@@ -24,14 +24,18 @@ use megatron_models::layers::{PagedKvCache, PagedStep, BLOCK_SIZE};
 
 use super::causal_lm::CausalLm;
 
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// Decode windows, and so decode graphs, come in multiples of this many positions.
 pub const WINDOW_STEP: i64 = 128;
 
 /// How much memory the KV cache may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KvBudget {
-    /// At most this many bytes (`--kv-cache-gb`).
+    /// At most this many bytes.
     Bytes(u64),
+    /// At most this many GiB, as `--kv-cache-gb` gives it (named so in messages).
+    Gib(f64),
     /// This fraction of the GPU memory free when the cache is made (on a CPU, of
     /// [`CPU_DEFAULT_BYTES`]).
     FreeFraction(f64),
@@ -50,20 +54,57 @@ impl KvBudget {
     fn bytes(&self, device: Device) -> Result<u64> {
         Ok(match *self {
             KvBudget::Bytes(bytes) => bytes,
+            KvBudget::Gib(gib) => (gib * (1u64 << 30) as f64) as u64,
             KvBudget::FreeFraction(fraction) => {
-                let free = match device {
-                    Device::Cuda(index) => cuda_free_memory(index).ok_or_else(|| {
-                        anyhow::anyhow!(
-                            "cannot read the free memory of cuda:{index}; give the KV cache \
-                             size (--kv-cache-gb)"
-                        )
-                    })?,
-                    _ => CPU_DEFAULT_BYTES,
-                };
-                (free as f64 * fraction) as u64
+                (free_memory(device)?.unwrap_or(CPU_DEFAULT_BYTES) as f64 * fraction) as u64
             }
         })
     }
+}
+
+impl std::fmt::Display for KvBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KvBudget::Bytes(bytes) => write!(f, "a KV cache budget of {bytes} bytes"),
+            KvBudget::Gib(gib) => write!(f, "--kv-cache-gb {gib}"),
+            KvBudget::FreeFraction(fraction) => {
+                write!(f, "a KV cache of {fraction} of the free memory")
+            }
+        }
+    }
+}
+
+/// Bytes free on a CUDA `device`; `None` on a CPU, whose memory is the system's.
+fn free_memory(device: Device) -> Result<Option<u64>> {
+    match device {
+        Device::Cuda(index) => cuda_free_memory(index).map(Some).ok_or_else(|| {
+            anyhow::anyhow!(
+                "cannot read the free memory of cuda:{index}; give the KV cache size \
+                 (--kv-cache-gb)"
+            )
+        }),
+        _ => Ok(None),
+    }
+}
+
+/// Memory a new KV cache may take on `device`: the GPU's free memory, or the system's
+/// available memory (`MemAvailable` of `/proc/meminfo`) on a CPU; `None` where unknown.
+fn room_for_cache(device: Device) -> Result<Option<u64>> {
+    if let Some(free) = free_memory(device)? {
+        return Ok(Some(free));
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    Ok(meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024))
 }
 
 /// One row of a decode step: the token to run, its position, and the row's cache blocks.
@@ -146,6 +187,9 @@ pub struct DecodeSettings {
     pub overlap: bool,
     /// The memory the KV cache may take.
     pub kv_budget: KvBudget,
+    /// Positions of one sequence the KV cache must hold whole (`--seq-length`), else the
+    /// cache is refused when it is made; by default one block's.
+    pub min_sequence: i64,
 }
 
 impl Default for DecodeSettings {
@@ -156,6 +200,7 @@ impl Default for DecodeSettings {
             fused_kernels: true,
             overlap: true,
             kv_budget: KvBudget::default(),
+            min_sequence: BLOCK_SIZE,
         }
     }
 }
@@ -170,6 +215,7 @@ pub struct Decoder {
     decode_fusion: KernelChoice,
     overlap: bool,
     budget: KvBudget,
+    min_sequence: i64,
     cache: Option<PagedKvCache>,
     graphs: HashMap<(i64, i64), StepGraph>,
     inputs: HashMap<i64, GraphInputs>,
@@ -223,6 +269,7 @@ impl Decoder {
             decode_fusion: KernelChoice::wanted(settings.fused_kernels),
             overlap: settings.overlap,
             budget: settings.kv_budget,
+            min_sequence: settings.min_sequence.max(1),
             cache: None,
             graphs: HashMap::new(),
             inputs: HashMap::new(),
@@ -299,7 +346,10 @@ impl Decoder {
         rows: i64,
         empty: bool,
     ) -> Result<&mut PagedKvCache> {
-        let wanted = rows.max(1) * PagedKvCache::blocks_for(model.max_positions()) + 1;
+        let wanted = rows
+            .max(1)
+            .saturating_mul(PagedKvCache::blocks_for(model.max_positions()))
+            .saturating_add(1);
         let has = |cache: &Option<PagedKvCache>| cache.as_ref().map(|c| c.usable_blocks() + 1);
         let settled = has(&self.cache).is_some_and(|blocks| blocks >= wanted || !empty);
         if !settled {
@@ -307,15 +357,43 @@ impl Decoder {
             let budget = self.budget.bytes(model.device())?;
             let blocks = (budget / block.max(1)).min(wanted as u64) as i64;
             if has(&self.cache).is_none_or(|held| held < blocks) {
+                let needed = PagedKvCache::blocks_for(self.min_sequence);
                 ensure!(
-                    blocks >= 2,
-                    "the KV cache budget of {budget} bytes holds {blocks} blocks of {} \
-                     positions ({block} bytes each); it needs at least 2",
-                    BLOCK_SIZE
+                    blocks > needed,
+                    "{} holds {} KV blocks of {BLOCK_SIZE} positions ({block} bytes each, and \
+                     one more reserved); one sequence of {} positions needs {needed}",
+                    self.budget,
+                    (blocks - 1).max(0),
+                    self.min_sequence
                 );
+                let bytes = blocks as u64 * block;
+                if let Some(room) = room_for_cache(model.device())? {
+                    let place = match model.device() {
+                        Device::Cuda(index) => format!("cuda:{index} has"),
+                        _ => "the machine has".to_string(),
+                    };
+                    ensure!(
+                        bytes <= room,
+                        "{} asks for a KV cache of {blocks} blocks ({:.2} GiB) but {place} \
+                         {:.2} GiB free",
+                        self.budget,
+                        bytes as f64 / GIB,
+                        room as f64 / GIB
+                    );
+                }
                 // The old cache and graphs go first: their memory is needed for the new ones.
                 self.reset();
-                self.cache = Some(model.new_paged_kv_cache(blocks)?);
+                let made = model.new_paged_kv_cache(blocks).map_err(|e| {
+                    // libtorch's message is its first line; a C++ backtrace follows.
+                    let message = format!("{e:#}");
+                    anyhow::anyhow!(
+                        "cannot make a KV cache of {blocks} blocks ({:.2} GiB) for {}: {}",
+                        bytes as f64 / GIB,
+                        self.budget,
+                        message.lines().next().unwrap_or_default()
+                    )
+                })?;
+                self.cache = Some(made);
             }
         }
         Ok(self.cache.as_mut().expect("the cache was made"))
@@ -325,7 +403,10 @@ impl Decoder {
     /// decode graph of every bucket up to `rows` rows and every window, so that no request
     /// waits for a capture. Returns the number of graphs.
     pub fn warm_up<M: CausalLm + ?Sized>(&mut self, model: &M, rows: i64) -> Result<usize> {
-        self.cache(model, rows, true)?;
+        // Each row owns a block at least: no more rows than blocks ever run together.
+        let rows = rows
+            .min(self.cache(model, rows, true)?.usable_blocks())
+            .max(1);
         let index = match model.device() {
             Device::Cuda(index) if self.cuda_graphs => index,
             _ => return Ok(0),

@@ -5,6 +5,7 @@
 //! rows with one length budget.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 use tch::{Device, Kind, Tensor};
@@ -12,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 use super::causal_lm::CausalLm;
 use super::decoder::{DecodeRow, Decoder, PrefillChunk};
 use super::in_flight::{Draw, Drawn, InFlight};
-use super::sampling::{row_seed, RowSampling, Sampling};
+use super::sampling::{row_seed, LogitAdjust, RowSampling, Sampling};
 use megatron_models::layers::{PagedKvCache, BLOCK_SIZE};
 
 /// When a row stops before its length budget.
@@ -42,6 +43,8 @@ pub struct GenerationRequest {
     pub logprobs: bool,
     /// Pads rows beyond their prompt until they are generated.
     pub pad: i64,
+    /// OpenAI's penalties and logit bias.
+    pub adjust: LogitAdjust,
 }
 
 /// What came out: every row's tokens (prompt included) up to its length, and with `logprobs`
@@ -87,8 +90,9 @@ pub fn generate_tokens_observed<M: CausalLm + ?Sized>(
     batcher
         .submit(model, decoder, 0, rows)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut observe =
-        |_: u64, row: usize, token: i64| observer.as_mut().is_some_and(|o| o(row, token));
+    let mut observe = |_: u64, row: usize, token: i64, _: Option<f32>| {
+        observer.as_mut().is_some_and(|o| o(row, token))
+    };
     loop {
         match batcher.step(model, decoder, &mut observe) {
             Ok(mut finished) => {
@@ -110,6 +114,14 @@ impl GenerationRequest {
     /// prompt plus `tokens_to_generate` positions, and its nucleus has decayed once per step
     /// of the loop before its first token. Row `i` draws from `row_seed(seed, i)`.
     pub fn rows(&self, seed: u64) -> Result<Vec<RowSpec>> {
+        self.sampled_rows(seed, 1)
+    }
+
+    /// [`Self::rows`] with `samples` rows per prompt (OpenAI's `n` and `best_of`): row
+    /// `p · samples + j` is sample `j` of prompt `p` and draws from `row_seed(seed, p · samples
+    /// + j)`; samples after the first share the first's prefill and its full KV-cache blocks.
+    pub fn sampled_rows(&self, seed: u64, samples: usize) -> Result<Vec<RowSpec>> {
+        ensure!(samples >= 1, "a prompt needs at least one sample");
         self.sampling.validate()?;
         ensure!(!self.prompts.is_empty(), "no prompts to continue");
         ensure!(
@@ -121,8 +133,9 @@ impl GenerationRequest {
         Ok(self
             .prompts
             .iter()
+            .flat_map(|prompt| std::iter::repeat_n(prompt, samples).enumerate())
             .enumerate()
-            .map(|(row, prompt)| RowSpec {
+            .map(|(row, (sample, prompt))| RowSpec {
                 prompt: prompt.clone(),
                 total: longest + self.tokens_to_generate,
                 sampling: self.sampling,
@@ -131,6 +144,8 @@ impl GenerationRequest {
                 stop: self.stop,
                 prevent_newline_after_colon: self.prevent_newline_after_colon,
                 logprobs: self.logprobs,
+                adjust: self.adjust.clone(),
+                fork_of: (sample > 0).then(|| row - sample),
             })
             .collect())
     }
@@ -154,6 +169,11 @@ pub struct RowSpec {
     pub stop: StopCondition,
     pub prevent_newline_after_colon: Option<(i64, i64)>,
     pub logprobs: bool,
+    /// Added to its logits before each draw.
+    pub adjust: LogitAdjust,
+    /// The row of its request (before it) whose prefill and full prompt blocks it shares: its
+    /// prompt is the same. Its first token is drawn from that row's last prefill logits.
+    pub fork_of: Option<usize>,
 }
 
 /// How much a [`Batcher`] takes on.
@@ -211,6 +231,8 @@ pub struct CacheUse {
     pub steps: u64,
     /// Decode steps queued before the tokens of the step before them were read.
     pub steps_ahead: u64,
+    /// Prompt positions prefilled so far (a prompt's samples share one prefill).
+    pub prefilled_positions: u64,
 }
 
 /// Continuous batching: requests wait in a queue, join the running batch at a step boundary
@@ -251,6 +273,8 @@ struct Row {
     logprobs: Vec<f32>,
     sampling: Sampling,
     draws: u64,
+    /// The id of the row whose prefill it waits for, to share its prompt's keys and values.
+    forks_from: Option<u64>,
 }
 
 /// A request's rows as they finish.
@@ -292,10 +316,16 @@ impl Batcher {
                 row.prompt.len()
             )));
         }
-        let blocks: i64 = rows
-            .iter()
-            .map(|r| PagedKvCache::blocks_for(r.total as i64))
-            .sum();
+        if let Some((index, row)) = rows.iter().enumerate().find(|(i, r)| {
+            r.fork_of
+                .is_some_and(|of| of >= *i || rows[of].prompt != r.prompt)
+        }) {
+            return Err(Refusal::Failed(anyhow::anyhow!(
+                "row {index} forks from {:?}, not an earlier row of the same prompt",
+                row.fork_of
+            )));
+        }
+        let blocks: i64 = rows.iter().map(own_blocks).sum();
         let rows_for = self.limits.max_batch_size.max(rows.len()) as i64;
         let cache = decoder
             .cache(model, rows_for, self.running.is_empty())
@@ -390,10 +420,24 @@ impl Batcher {
         while self.front_fits(decoder) {
             let cache = decoder.existing_cache().expect("a request fits the cache");
             let waiting = self.waiting.pop_front().expect("a front");
+            let first = self.running.len();
             for (index, spec) in waiting.rows.into_iter().enumerate() {
-                let blocks = cache
-                    .allocate(PagedKvCache::blocks_for(spec.total as i64))
-                    .expect("the request's blocks were counted free");
+                let mut blocks = Vec::new();
+                let mut forks_from = None;
+                if let Some(of) = spec.fork_of {
+                    // The prompt's full blocks, which its prefill fills and nothing writes
+                    // again, are the other row's.
+                    let leader = &self.running[first + of];
+                    let shared = &leader.blocks[..full_prompt_blocks(&spec)];
+                    cache.share(shared);
+                    blocks.extend_from_slice(shared);
+                    forks_from = Some(leader.id);
+                }
+                blocks.extend(
+                    cache
+                        .allocate(own_blocks(&spec))
+                        .expect("the request's blocks were counted free"),
+                );
                 let mut sampling = spec.sampling;
                 for _ in 0..spec.decays {
                     sampling = sampling.decayed();
@@ -410,6 +454,7 @@ impl Batcher {
                     logprobs: Vec::new(),
                     sampling,
                     draws: 0,
+                    forks_from,
                 });
             }
         }
@@ -418,13 +463,14 @@ impl Batcher {
     /// One step: reads the decode step queued at the previous one (queuing the next first when
     /// nothing joined, see [`Self::continuing`]); unless it queued the next, admits what fits,
     /// prefills up to a chunk budget of prompt positions and queues a decode step of every row
-    /// past its prompt. Returns the requests that finished. `observer(request, row, token)` sees every new token; `true`
-    /// ends that row there.
+    /// past its prompt. Returns the requests that finished. `observer(request, row, token,
+    /// logprob)` sees every new token (with its log-probability when the row keeps them);
+    /// `true` ends that row there.
     pub fn step<M: CausalLm + ?Sized>(
         &mut self,
         model: &M,
         decoder: &mut Decoder,
-        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
         let mut finished = Vec::new();
         if let Some(flight) = self.in_flight.take() {
@@ -453,15 +499,14 @@ impl Batcher {
     /// The rows of the step after `flight` when it can be queued before `flight`'s tokens are
     /// read, as (running index, index in `flight`) pairs: nothing joined since (every running
     /// row is in `flight`, so no prompt waits for its prefill), no waiting request fits now,
-    /// and none of the rows bans a token after the one `flight` draws. It runs them one
-    /// position on, but for those that reach their length at `flight`; rows that stop there
-    /// otherwise (a stop token or sequence) waste their slot of it. `None` also when no row is
-    /// left.
+    /// and none of the rows bans a token after the one `flight` draws or is penalised for it.
+    /// It runs them one position on, but for those that reach their length at `flight`; rows
+    /// that stop there otherwise (a stop token or sequence) waste their slot of it. `None` also
+    /// when no row is left.
     fn continuing(&self, flight: &InFlight, decoder: &mut Decoder) -> Option<Vec<(usize, usize)>> {
-        let banning = self
-            .running
-            .iter()
-            .any(|row| row.spec.prevent_newline_after_colon.is_some());
+        let banning = self.running.iter().any(|row| {
+            row.spec.prevent_newline_after_colon.is_some() || row.spec.adjust.penalises()
+        });
         if !decoder.overlap() || banning || self.front_fits(decoder) {
             return None;
         }
@@ -492,7 +537,7 @@ impl Batcher {
     fn land(
         &mut self,
         flight: InFlight,
-        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
         ended: &mut Vec<usize>,
     ) -> Result<()> {
         let (tokens, scores) = flight.drawn.read()?;
@@ -520,7 +565,7 @@ impl Batcher {
         &mut self,
         model: &M,
         decoder: &mut Decoder,
-        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
         self.admit(decoder);
         self.use_.steps += 1;
@@ -536,7 +581,9 @@ impl Batcher {
             .collect();
         let mut ended = Vec::new();
         // First tokens are drawn, and streamed, before the decode step is queued.
-        let (prefilled, logits) = tch::no_grad(|| self.prefill_step(model, decoder, chunk))?;
+        let (mut prefilled, mut logits) =
+            tch::no_grad(|| self.prefill_step(model, decoder, chunk))?;
+        self.fork(decoder, &mut prefilled, &mut logits);
         if !prefilled.is_empty() {
             self.take_tokens(&prefilled, &logits, observer, &mut ended)?;
         }
@@ -557,6 +604,41 @@ impl Batcher {
             self.in_flight = Some(InFlight::queue(model, decoder, ids, &rows, draws)?);
         }
         Ok(self.retire(ended, decoder))
+    }
+
+    /// The rows waiting to share the prefill of a row in `prefilled` (running indices, with
+    /// their last prefill `logits`) take it: the keys and values of its prompt's last, partly
+    /// filled block are copied into theirs (its full blocks they already share), and they join
+    /// `prefilled` with the same logits, to draw their first tokens from them.
+    fn fork(
+        &mut self,
+        decoder: &mut Decoder,
+        prefilled: &mut Vec<usize>,
+        logits: &mut Vec<Tensor>,
+    ) {
+        for k in 0..prefilled.len() {
+            let leader = &self.running[prefilled[k]];
+            let (id, length) = (leader.id, leader.spec.prompt.len());
+            let partial = (length as i64 % BLOCK_SIZE != 0)
+                .then(|| leader.blocks[full_prompt_blocks(&leader.spec)]);
+            let prompt_logprobs = leader.logprobs.clone();
+            for j in 0..self.running.len() {
+                if self.running[j].forks_from != Some(id) {
+                    continue;
+                }
+                let row = &mut self.running[j];
+                if let (Some(from), Some(cache)) = (partial, decoder.existing_cache()) {
+                    cache.copy_block(from, row.blocks[full_prompt_blocks(&row.spec)]);
+                }
+                row.forks_from = None;
+                row.cached = length;
+                if row.spec.logprobs {
+                    row.logprobs.clone_from(&prompt_logprobs);
+                }
+                prefilled.push(j);
+                logits.push(logits[k].shallow_clone());
+            }
+        }
     }
 
     /// Removes the rows `ended` (running indices), freeing their blocks, and returns the
@@ -615,7 +697,7 @@ impl Batcher {
         let mut pieces: Vec<(usize, usize)> = Vec::new();
         for (i, row) in self.running.iter().enumerate() {
             let length = row.spec.prompt.len();
-            if budget == 0 || row.cached >= length {
+            if budget == 0 || row.cached >= length || row.forks_from.is_some() {
                 continue;
             }
             let count = (chunk - row.cached % chunk).min(length - row.cached);
@@ -662,6 +744,7 @@ impl Batcher {
                 }
             }
             row.cached += count;
+            self.use_.prefilled_positions += count as u64;
             if row.cached == length {
                 prefilled.push(i);
                 logits.push(
@@ -680,7 +763,7 @@ impl Batcher {
         &mut self,
         drawing: &[usize],
         logits: &[Tensor],
-        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
         ended: &mut Vec<usize>,
     ) -> Result<()> {
         let logits = match logits {
@@ -703,7 +786,7 @@ impl Batcher {
         i: usize,
         token: i64,
         score: Option<f32>,
-        observer: &mut dyn FnMut(u64, usize, i64) -> bool,
+        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
         ended: &mut Vec<usize>,
     ) {
         let row = &mut self.running[i];
@@ -715,7 +798,7 @@ impl Batcher {
             row.logprobs.push(score);
         }
         let stopped = stops(&row.spec.stop, token, before);
-        let told = observer(row.request, row.index, token);
+        let told = observer(row.request, row.index, token, score);
         if stopped || told || row.tokens.len() >= row.spec.total {
             ended.push(i);
         }
@@ -737,6 +820,13 @@ impl Row {
             },
             logprobs: self.spec.logprobs,
             banned,
+            adjust: (!self.spec.adjust.is_none()).then(|| {
+                Arc::new(
+                    self.spec
+                        .adjust
+                        .deltas(&self.tokens[self.spec.prompt.len()..]),
+                )
+            }),
         }
     }
 }
@@ -758,6 +848,20 @@ fn score_request<M: CausalLm + ?Sized>(
         .view([batch, max_len])
         .to_device(device);
     tch::no_grad(|| score_prompts(model, &tokens, &lengths, max_len))
+}
+
+/// The blocks a row's prompt fills whole: those a row forking from it shares.
+fn full_prompt_blocks(spec: &RowSpec) -> usize {
+    spec.prompt.len() / BLOCK_SIZE as usize
+}
+
+/// The blocks a row takes of its own: all it needs, but for those it shares.
+fn own_blocks(spec: &RowSpec) -> i64 {
+    let all = PagedKvCache::blocks_for(spec.total as i64);
+    match spec.fork_of {
+        Some(_) => all - full_prompt_blocks(spec) as i64,
+        None => all,
+    }
 }
 
 /// Whether `token` (after `before`) ends its row.

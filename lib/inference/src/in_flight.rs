@@ -7,6 +7,8 @@
 //! otherwise (a stop token or sequence, a client gone) wastes its slot of the queued one, whose
 //! token for it is dropped.
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
@@ -16,17 +18,20 @@ use super::sampling::{sample, RowSampling};
 use megatron_kernels::runtime::{to_device_async, HostCopy};
 
 /// How a row draws one token: its settings and random stream, whether its log-probability is
-/// kept, and a token it may not draw (the newline right after a colon).
-#[derive(Debug, Clone, Copy)]
+/// kept, a token it may not draw (the newline right after a colon), and what to add to its
+/// logits first (`(token, amount)`: OpenAI's penalties and logit bias).
+#[derive(Debug, Clone)]
 pub struct Draw {
     pub sampling: RowSampling,
     pub logprobs: bool,
     pub banned: Option<i64>,
+    pub adjust: Option<Arc<Vec<(i64, f32)>>>,
 }
 
 impl Draw {
-    /// The row's next draw when nothing bans a token: its nucleus decayed once more.
-    fn next(self) -> Draw {
+    /// The row's next draw when nothing bans a token and its adjustment does not depend on
+    /// the token drawn: its nucleus decayed once more.
+    fn next(&self) -> Draw {
         Draw {
             sampling: RowSampling {
                 sampling: self.sampling.sampling.decayed(),
@@ -35,6 +40,7 @@ impl Draw {
             },
             logprobs: self.logprobs,
             banned: None,
+            adjust: self.adjust.clone(),
         }
     }
 }
@@ -68,6 +74,30 @@ impl Drawn {
                 &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],
                 &to_device_async(&value, logits.device())?,
                 false,
+            );
+        }
+        let added: Vec<(i64, i64, f32)> = draws
+            .iter()
+            .enumerate()
+            .flat_map(|(k, d)| {
+                d.adjust
+                    .iter()
+                    .flat_map(move |deltas| deltas.iter().map(move |&(t, v)| (k as i64, t, v)))
+            })
+            .collect();
+        if !added.is_empty() {
+            let device = logits.device();
+            let rows: Vec<i64> = added.iter().map(|a| a.0).collect();
+            let columns: Vec<i64> = added.iter().map(|a| a.1).collect();
+            let amounts: Vec<f32> = added.iter().map(|a| a.2).collect();
+            let at = to_device_async(&Tensor::from_slice(&[rows, columns].concat()), device)?;
+            let amounts = to_device_async(&Tensor::from_slice(&amounts), device)?;
+            let n = amounts.size()[0];
+            // In float32, written to a copy (a graph's output buffer stays as it is).
+            logits = logits.to_kind(Kind::Float).index_put(
+                &[Some(at.narrow(0, 0, n)), Some(at.narrow(0, n, n))],
+                &amounts,
+                true,
             );
         }
         let settings: Vec<RowSampling> = draws.iter().map(|d| d.sampling).collect();

@@ -16,7 +16,7 @@ mod t5;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use causal_lm::CausalLm;
-pub use checkpoint_model::CheckpointModelArgs;
+pub use checkpoint_model::{at_least_one, CheckpointModelArgs};
 pub use decoder::{
     bucket, DecodeRow, DecodeSettings, Decoder, KvBudget, PrefillChunk, WINDOW_STEP,
 };
@@ -24,7 +24,7 @@ pub use generation::{
     generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
     GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,
 };
-pub use sampling::{row_seed, sample, RowSampling, Sampling};
+pub use sampling::{row_seed, sample, LogitAdjust, RowSampling, Sampling};
 pub use t5::{
     encode_with_sentinels, fill_spans, greedy_decode, score_t5_batch, split_spans, DecodedSpan,
     GreedyOptions, SampleScore, ScoreTotals, T5Decoding,

@@ -64,6 +64,45 @@ impl Sampling {
     }
 }
 
+/// OpenAI's adjustments of a row's logits before it draws: `logit_bias` added to the logits
+/// of its tokens, and for every token generated so far (`c` times) `c · frequency_penalty +
+/// presence_penalty` taken from its logit.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LogitAdjust {
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// `(token, bias)`, each token once.
+    pub bias: Vec<(i64, f32)>,
+}
+
+impl LogitAdjust {
+    /// Whether it changes nothing.
+    pub fn is_none(&self) -> bool {
+        self.presence_penalty == 0.0 && self.frequency_penalty == 0.0 && self.bias.is_empty()
+    }
+
+    /// Whether what it adds depends on the tokens generated.
+    pub fn penalises(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// What to add to the logits after `generated`: `(token, amount)`, each token once.
+    pub fn deltas(&self, generated: &[i64]) -> Vec<(i64, f32)> {
+        let mut deltas: std::collections::BTreeMap<i64, f32> = self.bias.iter().copied().collect();
+        if self.penalises() {
+            let mut counts = std::collections::BTreeMap::<i64, u32>::new();
+            for &token in generated {
+                *counts.entry(token).or_default() += 1;
+            }
+            for (token, count) in counts {
+                *deltas.entry(token).or_default() -=
+                    count as f32 * self.frequency_penalty + self.presence_penalty;
+            }
+        }
+        deltas.into_iter().collect()
+    }
+}
+
 /// How one row of a batch draws its tokens: its settings and its own random stream, so what it
 /// draws does not depend on the rows beside it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -200,6 +239,22 @@ fn gumbel_noise(seeds: &Tensor, draws: &Tensor, vocabulary: i64) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn penalties_count_the_generated_tokens_and_bias_adds() {
+        let adjust = LogitAdjust {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            bias: vec![(7, 3.0), (2, -100.0)],
+        };
+        // Token 5 twice, 7 once: 5 loses 0.5 + 2 · 0.25, 7 gains 3 and loses 0.5 + 0.25.
+        assert_eq!(
+            adjust.deltas(&[5, 7, 5]),
+            vec![(2, -100.0), (5, -1.0), (7, 2.25)]
+        );
+        assert_eq!(adjust.deltas(&[]), vec![(2, -100.0), (7, 3.0)]);
+        assert!(LogitAdjust::default().is_none() && LogitAdjust::default().deltas(&[1]).is_empty());
+    }
 
     fn settings(top_k: i64, top_p: f64) -> Sampling {
         Sampling {

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use clap::Parser;
 use megatron_inference::{
     beam_search, generate_tokens, BeamSearchRequest, CausalLm, DecodeRow, DecodeSettings, Decoder,
-    Generation, GenerationRequest, PrefillChunk, Sampling, StopCondition,
+    Generation, GenerationRequest, LogitAdjust, PrefillChunk, Sampling, StopCondition,
 };
 use megatron_models::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
@@ -149,6 +149,7 @@ fn request(
         prevent_newline_after_colon: None,
         logprobs: true,
         pad: 0,
+        adjust: LogitAdjust::default(),
     }
 }
 

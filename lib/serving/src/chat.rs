@@ -9,12 +9,15 @@ use anyhow::{Context, Result};
 use serde_json::{json, Map, Value};
 
 use super::api::ApiError;
-use super::openai::CompletionRequest;
+use super::openai::{CompletionRequest, StreamedLogprobs};
 
 /// The template of checkpoints without one: each message as `Role: content` and a blank line,
 /// then `Assistant:` for the answer, e.g. `"System: Be brief.\n\nUser: Hi\n\nAssistant:"`.
 pub const PLAIN_TEMPLATE: &str = "{% for message in messages %}{{ message.role | capitalize }}: \
 {{ message.content }}\n\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}";
+
+/// The roles a message may have (no tools are called, so no `tool` messages).
+const ROLES: [&str; 3] = ["system", "user", "assistant"];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatMessage {
@@ -36,7 +39,9 @@ pub struct ChatRequest {
 /// A message's `content`: a string, or a list of parts of which the text ones are joined.
 fn content(message: &Map<String, Value>, index: usize) -> Result<String, ApiError> {
     match message.get("content") {
-        None | Some(Value::Null) => Ok(String::new()),
+        None | Some(Value::Null) => Err(ApiError(format!(
+            "messages[{index}].content is required: a string or a list of text parts"
+        ))),
         Some(Value::String(text)) => Ok(text.clone()),
         Some(Value::Array(parts)) => parts
             .iter()
@@ -80,24 +85,37 @@ impl ChatRequest {
                     .get("role")
                     .and_then(Value::as_str)
                     .ok_or_else(|| ApiError(format!("messages[{index}].role is required")))?;
+                if !ROLES.contains(&role) {
+                    return Err(ApiError(format!(
+                        "messages[{index}].role {role:?} is not supported: {}",
+                        ROLES.join(", ")
+                    )));
+                }
                 Ok(ChatMessage {
                     role: role.to_string(),
                     content: content(message, index)?,
                 })
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        if object
-            .get("logprobs")
-            .is_some_and(|l| l.as_bool() == Some(true))
-        {
-            return Err(ApiError(
-                "logprobs are not served for chat completions; ask /v1/completions with the \
-                 rendered prompt"
-                    .into(),
-            ));
+        let logprobs = match object.get("logprobs") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(on)) => *on,
+            Some(_) => return Err(ApiError("logprobs must be a boolean".into())),
+        };
+        let top_logprobs = match object.get("top_logprobs") {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(
+                value
+                    .as_u64()
+                    .ok_or_else(|| ApiError("top_logprobs must be an integer".into()))?,
+            ),
+        };
+        if top_logprobs.is_some() && !logprobs {
+            return Err(ApiError("top_logprobs needs logprobs: true".into()));
         }
-        // The sampling fields mean what they mean for completions; `max_completion_tokens` is
-        // the newer name of `max_tokens`.
+        // The sampling fields mean what they mean for completions (`logprobs: N` there is
+        // `logprobs: true, top_logprobs: N` here); `max_completion_tokens` is the newer name of
+        // `max_tokens`.
         let mut fields = object.clone();
         for key in [
             "messages",
@@ -108,12 +126,21 @@ impl ChatRequest {
         ] {
             fields.remove(key);
         }
+        if logprobs {
+            fields.insert("logprobs".into(), json!(top_logprobs.unwrap_or(0)));
+        }
         if let Some(limit) = object.get("max_completion_tokens") {
             fields.insert("max_tokens".into(), limit.clone());
         }
         let unbounded = fields.get("max_tokens").is_none_or(Value::is_null);
         fields.insert("prompt".into(), Value::String(String::new()));
+        if object.contains_key("best_of") {
+            return Err(ApiError("best_of is not a chat field".into()));
+        }
         let completion = CompletionRequest::parse(&Value::Object(fields))?;
+        if completion.stream && completion.n > 1 {
+            return Err(ApiError("n > 1 cannot be streamed for chat".into()));
+        }
         let include_usage = object
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
@@ -295,14 +322,16 @@ impl ChatTemplate {
     }
 }
 
-/// A chat completion's body from the completion's: the text becomes the assistant's message.
+/// A chat completion's body from the completion's: the text becomes the assistant's message,
+/// its log-probabilities [`chat_logprobs`].
 pub fn chat_body(completion: &Value, id: &str) -> Value {
     let choices: Vec<Value> = completion["choices"]
         .as_array()
         .into_iter()
         .flatten()
         .map(|choice| {
-            json!({"index": choice["index"], "logprobs": null, "finish_reason": choice["finish_reason"],
+            json!({"index": choice["index"], "logprobs": chat_logprobs(&choice["logprobs"]),
+                   "finish_reason": choice["finish_reason"],
                    "message": {"role": "assistant", "content": choice["text"]}})
         })
         .collect();
@@ -310,10 +339,76 @@ pub fn chat_body(completion: &Value, id: &str) -> Value {
            "model": completion["model"], "choices": choices, "usage": completion["usage"]})
 }
 
-/// A streamed chat chunk: `delta` of choice 0, and why it finished in the last one.
-pub fn chat_chunk(id: &str, created: u64, model: &str, delta: Value, finish: Value) -> Value {
+/// One token of a chat's `logprobs.content`: its text, log-probability and UTF-8 bytes.
+fn chat_token(token: &str, logprob: &Value) -> Map<String, Value> {
+    let mut entry = Map::new();
+    entry.insert("token".into(), json!(token));
+    entry.insert("logprob".into(), logprob.clone());
+    entry.insert("bytes".into(), json!(token.as_bytes()));
+    entry
+}
+
+/// A completion choice's log-probabilities (`tokens`, `token_logprobs`, `top_logprobs`) in the
+/// chat format: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`, the
+/// alternatives most likely first; null when none were asked.
+pub fn chat_logprobs(completion: &Value) -> Value {
+    let Some(tokens) = completion["tokens"].as_array() else {
+        return Value::Null;
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, token)| {
+            let mut entry = chat_token(
+                token.as_str().unwrap_or(""),
+                &completion["token_logprobs"][i],
+            );
+            let mut top: Vec<(&String, &Value)> = completion["top_logprobs"][i]
+                .as_object()
+                .map(|alternatives| alternatives.iter().collect())
+                .unwrap_or_default();
+            top.sort_by(|a, b| {
+                let value = |v: &Value| v.as_f64().unwrap_or(f64::NEG_INFINITY);
+                value(b.1).total_cmp(&value(a.1))
+            });
+            let top: Vec<Value> = top
+                .into_iter()
+                .map(|(text, logprob)| Value::Object(chat_token(text, logprob)))
+                .collect();
+            entry.insert("top_logprobs".into(), Value::Array(top));
+            Value::Object(entry)
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// The tokens a streamed chat chunk carries, in the chat format (no alternatives).
+pub fn chat_streamed_logprobs(carried: &StreamedLogprobs) -> Value {
+    let content: Vec<Value> = carried
+        .tokens
+        .iter()
+        .zip(&carried.token_logprobs)
+        .map(|(token, logprob)| {
+            let mut entry = chat_token(token, &json!(logprob));
+            entry.insert("top_logprobs".into(), json!([]));
+            Value::Object(entry)
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// A streamed chat chunk: `delta` of choice 0 with the tokens it carries, and why it finished
+/// in the last one.
+pub fn chat_chunk(
+    id: &str,
+    created: u64,
+    model: &str,
+    delta: Value,
+    logprobs: Value,
+    finish: Value,
+) -> Value {
     json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 }
 
 #[cfg(test)]
@@ -420,8 +515,40 @@ mod tests {
                 "messages[0].role is required",
             ),
             (
-                json!({"messages": [{"role": "user", "content": "a"}], "n": 2}),
-                "n must be 1",
+                json!({"messages": [{"role": "user", "content": "a"}], "n": 2, "stream": true}),
+                "n > 1 cannot be streamed for chat",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}], "best_of": 2}),
+                "best_of is not a chat field",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]}),
+                "messages[1].role \"wizard\" is not supported",
+            ),
+            (
+                json!({"messages": [{"role": "user"}]}),
+                "messages[0].content is required",
+            ),
+            (
+                json!({"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": null}]}),
+                "messages[1].content is required",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}),
+                "tools is not supported",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}], "tool_choice": "auto"}),
+                "tool_choice is not supported",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]}),
+                "functions is not supported",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}),
+                "response_format is not supported",
             ),
             (
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),

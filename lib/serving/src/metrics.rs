@@ -85,6 +85,8 @@ pub struct Gauges {
     pub steps: u64,
     /// Decode steps queued before the previous step's tokens were read.
     pub steps_ahead: u64,
+    /// Prompt positions prefilled (the samples of one prompt share its prefill).
+    pub prefilled_positions: u64,
     pub open_connections: usize,
     pub draining: bool,
 }
@@ -94,6 +96,10 @@ pub struct ServerMetrics {
     prompt_tokens: AtomicU64,
     generated_tokens: AtomicU64,
     cancelled: AtomicU64,
+    /// Connections beyond `--max-connections`, answered 503 and closed.
+    refused_connections: AtomicU64,
+    /// Requests whose client went away before their answer, by endpoint.
+    disconnected: Mutex<BTreeMap<&'static str, u64>>,
     time_to_first_token: Histogram,
     duration: Histogram,
     /// When recent requests finished and how many tokens each generated.
@@ -107,6 +113,8 @@ impl Default for ServerMetrics {
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
+            disconnected: Mutex::default(),
             time_to_first_token: Histogram::new(TTFT_BUCKETS),
             duration: Histogram::new(DURATION_BUCKETS),
             recent: Mutex::default(),
@@ -140,6 +148,17 @@ impl ServerMetrics {
     /// A generation stopped early because its client went away.
     pub fn cancelled(&self) {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection beyond `--max-connections` was answered 503 and closed.
+    pub fn refused_connection(&self) {
+        self.refused_connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A client of `endpoint` went away before its answer was ready.
+    pub fn disconnected(&self, endpoint: &'static str) {
+        let mut disconnected = self.disconnected.lock().unwrap_or_else(|p| p.into_inner());
+        *disconnected.entry(endpoint).or_default() += 1;
     }
 
     fn forget_old(recent: &mut VecDeque<(Instant, u64)>) {
@@ -182,6 +201,12 @@ impl ServerMetrics {
             "counter",
             "Generations stopped early because their client went away.",
             self.cancelled.load(Ordering::Relaxed).to_string(),
+        );
+        metric(
+            "megatron_refused_connections_total",
+            "counter",
+            "Connections beyond --max-connections, answered 503 and closed.",
+            self.refused_connections.load(Ordering::Relaxed).to_string(),
         );
         metric(
             "megatron_generation_tokens_per_second",
@@ -239,6 +264,12 @@ impl ServerMetrics {
             gauges.steps_ahead.to_string(),
         );
         metric(
+            "megatron_prefill_positions_total",
+            "counter",
+            "Prompt positions prefilled (a prompt's samples, n or best_of, share one prefill).",
+            gauges.prefilled_positions.to_string(),
+        );
+        metric(
             "megatron_open_connections",
             "gauge",
             "Open HTTP connections.",
@@ -250,6 +281,18 @@ impl ServerMetrics {
             "1 while the server finishes its requests before stopping.",
             u8::from(gauges.draining).to_string(),
         );
+        {
+            let disconnected = self.disconnected.lock().unwrap_or_else(|p| p.into_inner());
+            let name = "megatron_client_disconnects_total";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Requests whose client went away before the answer, by endpoint.\n\
+                 # TYPE {name} counter"
+            );
+            for (endpoint, count) in disconnected.iter() {
+                let _ = writeln!(out, "{name}{{endpoint=\"{endpoint}\"}} {count}");
+            }
+        }
         {
             let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
             let _ = writeln!(
@@ -301,6 +344,9 @@ mod tests {
         metrics.first_token(Duration::from_secs(3));
         metrics.generated(7, 20, Duration::from_millis(700));
         metrics.generated(3, 10, Duration::from_secs(400));
+        metrics.refused_connection();
+        metrics.disconnected("/api");
+        metrics.disconnected("/api");
         let text = metrics.render(&Gauges {
             queued: 4,
             running: 1,
@@ -310,6 +356,7 @@ mod tests {
             kv_blocks_peak: 7,
             steps: 11,
             steps_ahead: 6,
+            prefilled_positions: 12,
             open_connections: 9,
             draining: false,
         });
@@ -327,6 +374,14 @@ mod tests {
             ),
             1.0
         );
+        assert_eq!(value(&text, "megatron_refused_connections_total "), 1.0);
+        assert_eq!(
+            value(
+                &text,
+                "megatron_client_disconnects_total{endpoint=\"/api\"}"
+            ),
+            2.0
+        );
         assert_eq!(value(&text, "megatron_prompt_tokens_total "), 10.0);
         assert_eq!(value(&text, "megatron_generation_tokens_total "), 30.0);
         assert_eq!(value(&text, "megatron_generation_tokens_per_second "), 3.0);
@@ -337,6 +392,7 @@ mod tests {
         assert_eq!(value(&text, "megatron_kv_cache_blocks_peak "), 7.0);
         assert_eq!(value(&text, "megatron_generation_steps_total "), 11.0);
         assert_eq!(value(&text, "megatron_generation_steps_ahead_total "), 6.0);
+        assert_eq!(value(&text, "megatron_prefill_positions_total "), 12.0);
         let ttft = "megatron_time_to_first_token_seconds_bucket";
         assert_eq!(value(&text, &format!("{ttft}{{le=\"0.025\"}}")), 0.0);
         assert_eq!(value(&text, &format!("{ttft}{{le=\"0.05\"}}")), 1.0);

@@ -1,5 +1,6 @@
 //! `POST /v1/completions` in OpenAI's format (beyond Megatron): `prompt` (a string or a list),
-//! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `echo`, `logprobs`, `seed`, `n = 1`,
+//! `max_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `echo`, `logprobs`, `seed`, `n`,
+//! `best_of`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
 //! and `stream` for server-sent events, over the same generation loop as `/api`.
 
 use serde_json::{json, Map, Value};
@@ -33,6 +34,69 @@ pub struct CompletionRequest {
     pub top_logprobs: usize,
     pub seed: Option<u64>,
     pub stream: bool,
+    /// Choices per prompt.
+    #[serde(default = "one")]
+    pub n: usize,
+    /// Samples drawn per prompt (at least `n`), of which the `n` of highest cumulative
+    /// log-probability are answered; they share the prompt's prefill and KV-cache blocks.
+    #[serde(default = "one")]
+    pub best_of: usize,
+    /// Taken from the logit of every token generated so far, once.
+    #[serde(default)]
+    pub presence_penalty: f64,
+    /// Taken from the logit of every token generated so far, once per time it was.
+    #[serde(default)]
+    pub frequency_penalty: f64,
+    /// `(token id, amount)` added to the logits, as `logit_bias` gives them.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f64)>,
+}
+
+/// The most samples a prompt may ask for (`n`, `best_of`).
+pub const MAX_SAMPLES: usize = 128;
+
+fn one() -> usize {
+    1
+}
+
+/// The largest `logit_bias` amount either way (OpenAI's).
+pub const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// `logit_bias`: an object of token ids (as strings) to amounts within ±[`MAX_LOGIT_BIAS`].
+fn logit_bias(body: &Map<String, Value>) -> Result<Vec<(u32, f64)>, ApiError> {
+    let object = match body.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(object)) => object,
+        Some(_) => return invalid("logit_bias must be an object of token ids to numbers".into()),
+    };
+    let mut bias = object
+        .iter()
+        .map(|(key, amount)| {
+            let id = key
+                .parse::<u32>()
+                .map_err(|_| ApiError(format!("logit_bias key {key:?} is not a token id")))?;
+            match amount.as_f64() {
+                Some(amount) if (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&amount) => {
+                    Ok((id, amount))
+                }
+                _ => invalid(format!(
+                    "logit_bias[{key:?}] must be a number between -{MAX_LOGIT_BIAS} and \
+                     {MAX_LOGIT_BIAS}"
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    bias.sort_by_key(|&(id, _)| id);
+    Ok(bias)
+}
+
+/// A penalty: a number between -2 and 2 (OpenAI's range), 0 by default.
+fn penalty(body: &Map<String, Value>, key: &str) -> Result<f64, ApiError> {
+    let value = number(body, key, 0.0)?;
+    if !(-2.0..=2.0).contains(&value) {
+        return invalid(format!("{key} must be between -2 and 2"));
+    }
+    Ok(value)
 }
 
 fn invalid<T>(message: String) -> Result<T, ApiError> {
@@ -102,11 +166,51 @@ fn token_ids(prompt: &Value) -> Result<Option<Vec<Vec<u32>>>, ApiError> {
     }
 }
 
+/// OpenAI's fields this server does not honour: a request naming one is refused rather than
+/// answered as if it had not (`null` counts as absent, as do the values that ask for nothing:
+/// no tools, `tool_choice: "none"`, a text `response_format`).
+fn refuse_unhonoured(body: &Map<String, Value>) -> Result<(), ApiError> {
+    for key in [
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "suffix",
+    ] {
+        let asks_nothing = match body.get(key) {
+            None | Some(Value::Null) => true,
+            Some(Value::Array(items)) => items.is_empty() && key != "response_format",
+            Some(Value::String(choice)) => {
+                choice == "none" && matches!(key, "tool_choice" | "function_call")
+            }
+            Some(Value::Object(format)) => {
+                key == "response_format"
+                    && format.len() == 1
+                    && format.get("type").and_then(Value::as_str) == Some("text")
+            }
+            Some(_) => false,
+        };
+        if !asks_nothing {
+            let what = match key {
+                "tools" | "tool_choice" | "functions" | "function_call" => {
+                    "this server does not call tools or functions"
+                }
+                "response_format" => "only {\"type\": \"text\"} is served",
+                _ => "this server does not insert text before a suffix",
+            };
+            return invalid(format!("{key} is not supported: {what}"));
+        }
+    }
+    Ok(())
+}
+
 impl CompletionRequest {
     pub fn parse(body: &Value) -> Result<Self, ApiError> {
         let Some(body) = body.as_object() else {
             return invalid("the request body must be a JSON object".into());
         };
+        refuse_unhonoured(body)?;
         let prompt = body
             .get("prompt")
             .ok_or_else(|| ApiError("prompt is required".into()))?;
@@ -139,10 +243,16 @@ impl CompletionRequest {
         if top_k > 0 && top_p < 1.0 {
             return invalid("cannot set both top_k and top_p".into());
         }
-        for key in ["n", "best_of"] {
-            if integer(body, key)?.is_some_and(|n| n != 1) {
-                return invalid(format!("{key} must be 1"));
-            }
+        let n = integer(body, "n")?.unwrap_or(1);
+        if !(1..=MAX_SAMPLES as i64).contains(&n) {
+            return invalid(format!("n must be between 1 and {MAX_SAMPLES}"));
+        }
+        let best_of = integer(body, "best_of")?.unwrap_or(n);
+        if !(n..=MAX_SAMPLES as i64).contains(&best_of) {
+            return invalid(format!("best_of must be between n ({n}) and {MAX_SAMPLES}"));
+        }
+        if max_tokens == 0 && best_of > 1 {
+            return invalid("n and best_of need max_tokens > 0".into());
         }
         let stop = match body.get("stop") {
             None | Some(Value::Null) => Vec::new(),
@@ -161,6 +271,24 @@ impl CompletionRequest {
         }
         let seed = integer(body, "seed")?.map(|s| s as u64);
         let echo = flag(body, "echo")?;
+        let stream = flag(body, "stream")?;
+        if stream && best_of > n {
+            return invalid("best_of > n cannot be streamed: the best are known at the end".into());
+        }
+        if stream && logprobs.is_some_and(|n| n > 0) {
+            return invalid(
+                "top log-probabilities (logprobs > 0, or a chat's top_logprobs) cannot be \
+                 streamed: they are computed once the completion is done"
+                    .into(),
+            );
+        }
+        if stream && echo && logprobs.is_some() {
+            return invalid(
+                "an echoed prompt's log-probabilities cannot be streamed; ask without echo \
+                 or without stream"
+                    .into(),
+            );
+        }
         Ok(CompletionRequest {
             prompt_token_ids,
             model: body
@@ -178,7 +306,12 @@ impl CompletionRequest {
             logprobs: logprobs.is_some(),
             top_logprobs: logprobs.unwrap_or(0) as usize,
             seed,
-            stream: flag(body, "stream")?,
+            stream,
+            n: n as usize,
+            best_of: best_of as usize,
+            presence_penalty: penalty(body, "presence_penalty")?,
+            frequency_penalty: penalty(body, "frequency_penalty")?,
+            logit_bias: logit_bias(body)?,
         })
     }
 }
@@ -246,10 +379,35 @@ pub fn completion_body(
     body
 }
 
-/// A streamed event: new text of one choice.
-pub fn delta_body(id: &str, created: u64, model: &str, index: usize, text: &str) -> Value {
+/// The tokens a streamed chunk of text carries, when the request asked for log-probabilities:
+/// each token's text, log-probability and offset into prompt and completion (in characters).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamedLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub text_offset: Vec<usize>,
+}
+
+impl StreamedLogprobs {
+    /// In a completion's format.
+    pub fn completion_json(&self) -> Value {
+        json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+               "text_offset": self.text_offset, "top_logprobs": null})
+    }
+}
+
+/// A streamed event: new text of one choice, with the tokens it carries when asked.
+pub fn delta_body(
+    id: &str,
+    created: u64,
+    model: &str,
+    index: usize,
+    text: &str,
+    logprobs: Option<&StreamedLogprobs>,
+) -> Value {
+    let logprobs = logprobs.map_or(Value::Null, StreamedLogprobs::completion_json);
     json!({"id": id, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": null}]})
+           "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null}]})
 }
 
 #[cfg(test)]
@@ -284,7 +442,30 @@ mod tests {
                 json!({"prompt": 3}),
                 "prompt must be a string or a list of strings",
             ),
-            (json!({"prompt": "a", "n": 2}), "n must be 1"),
+            (
+                json!({"prompt": "a", "n": 0}),
+                "n must be between 1 and 128",
+            ),
+            (
+                json!({"prompt": "a", "n": 3, "best_of": 2}),
+                "best_of must be between n (3) and 128",
+            ),
+            (
+                json!({"prompt": "a", "best_of": 2, "stream": true}),
+                "best_of > n cannot be streamed: the best are known at the end",
+            ),
+            (
+                json!({"prompt": "a", "suffix": "b"}),
+                "suffix is not supported: this server does not insert text before a suffix",
+            ),
+            (
+                json!({"prompt": "a", "tools": [{"type": "function"}]}),
+                "tools is not supported: this server does not call tools or functions",
+            ),
+            (
+                json!({"prompt": "a", "response_format": {"type": "json_object"}}),
+                "response_format is not supported: only {\"type\": \"text\"} is served",
+            ),
             (
                 json!({"prompt": "a", "top_k": 5, "top_p": 0.5}),
                 "cannot set both top_k and top_p",
@@ -297,6 +478,23 @@ mod tests {
                 json!({"prompt": "a", "temperature": "x"}),
                 "temperature must be a number",
             ),
+            (
+                json!({"prompt": "a", "stream": true, "logprobs": 2}),
+                "top log-probabilities (logprobs > 0, or a chat's top_logprobs) cannot be \
+                 streamed: they are computed once the completion is done",
+            ),
+            (
+                json!({"prompt": "a", "presence_penalty": 2.5}),
+                "presence_penalty must be between -2 and 2",
+            ),
+            (
+                json!({"prompt": "a", "logit_bias": {"12": 101}}),
+                "logit_bias[\"12\"] must be a number between -100 and 100",
+            ),
+            (
+                json!({"prompt": "a", "logit_bias": {"x7": 1}}),
+                "logit_bias key \"x7\" is not a token id",
+            ),
         ];
         for (body, message) in errors {
             assert_eq!(
@@ -304,6 +502,27 @@ mod tests {
                 message,
                 "{body}"
             );
+        }
+    }
+
+    #[test]
+    fn penalties_and_logit_bias() {
+        let r = CompletionRequest::parse(&json!({"prompt": "a", "presence_penalty": 0.5,
+            "frequency_penalty": -1, "logit_bias": {"7": -100, "12": 2.5}}))
+        .unwrap();
+        assert_eq!((r.presence_penalty, r.frequency_penalty), (0.5, -1.0));
+        assert_eq!(r.logit_bias, vec![(7, -100.0), (12, 2.5)]);
+    }
+
+    #[test]
+    fn fields_asking_for_nothing_are_accepted() {
+        for body in [
+            json!({"prompt": "a", "suffix": null}),
+            json!({"prompt": "a", "tools": [], "tool_choice": "none"}),
+            json!({"prompt": "a", "function_call": "none", "functions": null}),
+            json!({"prompt": "a", "response_format": {"type": "text"}}),
+        ] {
+            assert!(CompletionRequest::parse(&body).is_ok(), "{body}");
         }
     }
 

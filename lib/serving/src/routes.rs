@@ -6,6 +6,7 @@
 //! `Retry-After` when the queue is full or the server is stopping. A client that goes away
 //! cancels its request.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -22,7 +23,9 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc as events, oneshot};
 
 use super::api::ApiRequest;
-use super::chat::{chat_body, chat_chunk, ChatRequest, ChatTemplate};
+use super::chat::{
+    chat_body, chat_chunk, chat_logprobs, chat_streamed_logprobs, ChatRequest, ChatTemplate,
+};
 use super::metrics::{Gauges, ServerMetrics};
 use super::openai::{delta_body, CompletionRequest};
 use super::options::ServerOptions;
@@ -203,6 +206,28 @@ fn endpoint_of(path: &str) -> &'static str {
         .unwrap_or("other")
 }
 
+/// Counts its request's client as gone when dropped before [`Self::answered`]: hyper drops a
+/// handler whose connection closed.
+struct Unanswered<'a> {
+    metrics: &'a ServerMetrics,
+    endpoint: &'static str,
+    answered: bool,
+}
+
+impl Unanswered<'_> {
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.metrics.disconnected(self.endpoint);
+        }
+    }
+}
+
 pub(super) async fn route(
     request: Request<Incoming>,
     shared: Arc<Shared>,
@@ -211,6 +236,11 @@ pub(super) async fn route(
     let path = request.uri().path().to_string();
     let endpoint = endpoint_of(&path);
     let method = request.method().clone();
+    let unanswered = Unanswered {
+        metrics: &shared.metrics,
+        endpoint,
+        answered: false,
+    };
     let response = match (endpoint, method) {
         ("/api", Method::PUT) => megatron_api(request, &shared, peer).await,
         ("/v1/completions", Method::POST) => completions(request, &shared).await,
@@ -233,6 +263,7 @@ pub(super) async fn route(
         ),
         (_, _) => error(Style::Megatron, 405, &format!("use GET {path}")),
     };
+    unanswered.answered();
     shared
         .metrics
         .answered(endpoint, response.status().as_u16());
@@ -359,30 +390,50 @@ fn stream_error(text: String) -> String {
     data(&json!({"error": {"message": text}}))
 }
 
-/// `/v1/completions`: a `text_completion` per text delta, then the choices with their finish
-/// reasons and the usage.
+/// `/v1/completions`: a `text_completion` per text delta (with the tokens it carries when
+/// log-probabilities were asked), then the choices with their finish reasons, the tokens not
+/// yet carried and the usage.
 struct CompletionStream {
     id: String,
     created: u64,
     model: String,
+    /// Per choice, the tokens the deltas carried.
+    carried: HashMap<usize, usize>,
 }
 
 impl StreamFormat for CompletionStream {
     fn format(&mut self, event: Event) -> (String, bool) {
         match event {
-            Event::Delta(index, text) => (
-                data(&delta_body(
+            Event::Delta(index, text, logprobs) => {
+                if let Some(logprobs) = &logprobs {
+                    *self.carried.entry(index).or_default() += logprobs.tokens.len();
+                }
+                let body = delta_body(
                     &self.id,
                     self.created,
                     &self.model,
                     index,
                     &text,
-                )),
-                false,
-            ),
+                    logprobs.as_ref(),
+                );
+                (data(&body), false)
+            }
             Event::Done(Ok(mut body)) => {
-                for choice in body["choices"].as_array_mut().into_iter().flatten() {
+                for (index, choice) in body["choices"]
+                    .as_array_mut()
+                    .into_iter()
+                    .flatten()
+                    .enumerate()
+                {
                     choice["text"] = Value::String(String::new());
+                    let carried = self.carried.get(&index).copied().unwrap_or(0);
+                    if let Some(logprobs) = choice["logprobs"].as_object_mut() {
+                        for key in ["tokens", "token_logprobs", "text_offset"] {
+                            if let Some(Value::Array(items)) = logprobs.get_mut(key) {
+                                items.drain(..carried.min(items.len()));
+                            }
+                        }
+                    }
                 }
                 (data(&body) + DONE, true)
             }
@@ -403,10 +454,12 @@ struct ChatStream {
     model: String,
     include_usage: bool,
     announced: bool,
+    /// The tokens the deltas carried.
+    carried: usize,
 }
 
 impl ChatStream {
-    fn chunk(&mut self, delta: Value, finish: Value) -> String {
+    fn chunk(&mut self, delta: Value, logprobs: Value, finish: Value) -> String {
         let mut out = String::new();
         if !self.announced {
             self.announced = true;
@@ -416,6 +469,7 @@ impl ChatStream {
                 &self.model,
                 json!({"role": "assistant", "content": ""}),
                 Value::Null,
+                Value::Null,
             ));
         }
         out + &data(&chat_chunk(
@@ -423,6 +477,7 @@ impl ChatStream {
             self.created,
             &self.model,
             delta,
+            logprobs,
             finish,
         ))
     }
@@ -431,10 +486,32 @@ impl ChatStream {
 impl StreamFormat for ChatStream {
     fn format(&mut self, event: Event) -> (String, bool) {
         match event {
-            Event::Delta(_, text) => (self.chunk(json!({"content": text}), Value::Null), false),
+            Event::Delta(_, text, logprobs) => {
+                if let Some(logprobs) = &logprobs {
+                    self.carried += logprobs.tokens.len();
+                }
+                let logprobs = logprobs
+                    .as_ref()
+                    .map_or(Value::Null, chat_streamed_logprobs);
+                (
+                    self.chunk(json!({"content": text}), logprobs, Value::Null),
+                    false,
+                )
+            }
             Event::Done(Ok(body)) => {
-                let finish = body["choices"][0]["finish_reason"].clone();
-                let mut out = self.chunk(json!({}), finish);
+                let choice = &body["choices"][0];
+                let finish = choice["finish_reason"].clone();
+                // The tokens no delta carried (those after a stop sequence, say).
+                let logprobs = match chat_logprobs(&choice["logprobs"]) {
+                    Value::Object(mut logprobs) => {
+                        if let Some(Value::Array(content)) = logprobs.get_mut("content") {
+                            content.drain(..self.carried.min(content.len()));
+                        }
+                        Value::Object(logprobs)
+                    }
+                    other => other,
+                };
+                let mut out = self.chunk(json!({}), logprobs, finish);
                 if self.include_usage {
                     out += &data(&json!({"id": self.id, "object": "chat.completion.chunk",
                         "created": self.created, "model": self.model, "choices": [],
@@ -564,6 +641,7 @@ async fn completions(request: Request<Incoming>, shared: &Arc<Shared>) -> Respon
         id: id.clone(),
         created,
         model: parsed.model.clone(),
+        carried: HashMap::new(),
     };
     run_completion(shared, parsed, (id, created), false, format, |body| body).await
 }
@@ -589,6 +667,7 @@ async fn chat(request: Request<Incoming>, shared: &Arc<Shared>) -> Response<Resp
         model: completion.model.clone(),
         include_usage: parsed.include_usage,
         announced: false,
+        carried: 0,
     };
     let answer_id = id.clone();
     run_completion(
@@ -644,6 +723,7 @@ fn metrics(shared: &Shared) -> Response<ResponseBody> {
         kv_blocks_peak: cache.peak_blocks.max(0) as u64,
         steps: cache.steps,
         steps_ahead: cache.steps_ahead,
+        prefilled_positions: cache.prefilled_positions,
         open_connections: shared.connections.load(Ordering::SeqCst),
         draining: shared.draining(),
     };

@@ -109,9 +109,10 @@ impl GenerationServer {
             let generation = scope.spawn(|| -> Result<()> {
                 let outcome = service().and_then(|service| {
                     let _ = shared.workload.set(service.workload());
-                    shared.ready.store(true, Ordering::SeqCst);
-                    println!("{serving}");
-                    service.serve(inbox, &shared.metrics)
+                    service.serve(inbox, &shared.metrics, || {
+                        shared.ready.store(true, Ordering::SeqCst);
+                        println!("{serving}");
+                    })
                 });
                 generation_ended.store(true, Ordering::SeqCst);
                 outcome
@@ -166,6 +167,7 @@ async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    shared.metrics.refused_connection();
                     tokio::spawn(refuse(stream));
                     continue;
                 };
@@ -187,7 +189,10 @@ async fn serve(
             _ = poll.tick() => {
                 if !shared.draining.load(Ordering::SeqCst) && stop() {
                     shared.draining.store(true, Ordering::SeqCst);
-                    eprintln!("text_generation_server: stopping after the requests in flight");
+                    // A server that never served (its model or cache failed) just ends.
+                    if shared.ready.load(Ordering::SeqCst) {
+                        eprintln!("text_generation_server: stopping after the requests in flight");
+                    }
                 }
                 if shared.draining.load(Ordering::SeqCst)
                     && shared.in_flight.load(Ordering::SeqCst) == 0

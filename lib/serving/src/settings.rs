@@ -24,6 +24,9 @@ pub struct ServingSettings {
     /// The most prompts × (longest prompt + new tokens) a request may ask for
     /// (`--max-tokens-to-oom`).
     pub max_tokens: usize,
+    /// The longest prompt + generation a request may have (`--inference-max-seq-length`), at
+    /// most the model's positions; `None`: the model's positions.
+    pub max_sequence: Option<usize>,
 }
 
 impl Default for ServingSettings {
@@ -36,6 +39,7 @@ impl Default for ServingSettings {
             },
             decode: DecodeSettings::default(),
             max_tokens: DEFAULT_MAX_TOKENS,
+            max_sequence: None,
         }
     }
 }

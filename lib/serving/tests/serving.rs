@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use megatron_data::tokenizer::NullTokenizer;
 use megatron_inference::{
-    BatchLimits, Batcher, DecodeSettings, Decoder, GenerationRequest, KvBudget, Sampling,
-    StopCondition,
+    BatchLimits, Batcher, CausalLm, DecodeSettings, Decoder, GenerationRequest, KvBudget,
+    LogitAdjust, Sampling, StopCondition,
 };
 use megatron_models::{GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
@@ -25,7 +25,7 @@ use megatron_serving::{
 };
 use megatron_training::args::ModelArgs;
 use serde_json::{json, Value};
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 #[derive(Parser)]
 struct Flags {
@@ -107,6 +107,7 @@ fn settings(limits: BatchLimits, kv_budget: KvBudget) -> ServingSettings {
             ..DecodeSettings::default()
         },
         max_tokens: 100_000,
+        max_sequence: None,
     }
 }
 
@@ -560,6 +561,7 @@ fn greedy_rows(prompt: usize, new: usize, seed: u64) -> Vec<megatron_inference::
         prevent_newline_after_colon: None,
         logprobs: false,
         pad: 0,
+        adjust: LogitAdjust::default(),
     }
     .rows(seed)
     .unwrap()
@@ -583,7 +585,7 @@ fn run_steps(
         *step += 1;
         let now = *step;
         let finished = batcher
-            .step(model, decoder, &mut |id, _, _| {
+            .step(model, decoder, &mut |id, _, _, _| {
                 first.entry(id).or_insert(now);
                 false
             })
@@ -667,4 +669,188 @@ fn first_tokens_come_in_arrival_order_and_never_wait_for_a_completion() {
         "a first token at step {last_first}, a completion at step {first_done}: {first:?} {done:?}"
     );
     assert_eq!(batcher.cache_use().used_blocks, 0);
+}
+
+/// Greedy tokens after `prompt` as the model's full forward gives them (no KV cache), each
+/// position's logits adjusted by hand as OpenAI defines: `bias` added, and for every token
+/// generated before it `c` times, `c · frequency + presence` taken off. `generated` is what
+/// the server answered; the answer is checked token by token against it.
+fn greedy_by_hand(
+    prompt: &[i64],
+    generated: &[i64],
+    (presence, frequency): (f32, f32),
+    bias: &[(i64, f32)],
+) -> Vec<i64> {
+    let reference = model();
+    let sequence: Vec<i64> = prompt.iter().chain(generated).copied().collect();
+    let length = sequence.len() as i64;
+    let tokens = Tensor::from_slice(&sequence).view([1, length]);
+    let positions = Tensor::arange(length, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+    let logits = tch::no_grad(|| reference.causal_logits(&tokens, &positions))
+        .unwrap()
+        .select(1, 0)
+        .narrow(1, 0, reference.vocab_size())
+        .to_kind(Kind::Float);
+    let rows: Vec<Vec<f32>> = Vec::try_from(logits).unwrap();
+    (0..generated.len())
+        .map(|i| {
+            let mut row = rows[prompt.len() + i - 1].clone();
+            for &(token, amount) in bias {
+                row[token as usize] += amount;
+            }
+            let mut counts = HashMap::<i64, f32>::new();
+            for &token in &generated[..i] {
+                *counts.entry(token).or_default() += 1.0;
+            }
+            for (token, count) in counts {
+                row[token as usize] -= count * frequency + presence;
+            }
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            assert!(
+                row[order[0]] - row[order[1]] > 1e-4,
+                "position {i}: a near tie makes the greedy token float noise"
+            );
+            order[0] as i64
+        })
+        .collect()
+}
+
+/// OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias`: the greedy tokens the
+/// service answers are those of the model's own logits adjusted by hand ([`greedy_by_hand`]),
+/// and differ from the unpenalised ones; a -100 bias on the greedy token replaces it, +100 on
+/// another token makes every token that one; a bias on an id outside the vocabulary is refused
+/// naming it.
+#[test]
+fn penalties_and_logit_bias_adjust_the_logits_as_openai_defines() {
+    let service = service(limits(4, 16, 64), KvBudget::default());
+    let text = prompt(3, 9);
+    let prompt_ids: Vec<i64> = text.split(' ').map(|t| t.parse().unwrap()).collect();
+    let generate = |extra: Value| -> Result<Vec<i64>, ServiceError> {
+        let mut body = json!({"prompt": text, "max_tokens": 24, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let request = CompletionRequest::parse(&body).unwrap();
+        let answer = service.complete(&request, "id", 0, &mut |_, _| {})?;
+        Ok(answer["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .split_whitespace()
+            .map(|t| t.parse().unwrap())
+            .collect())
+    };
+    let plain = generate(json!({})).unwrap();
+    assert_eq!(plain, greedy_by_hand(&prompt_ids, &plain, (0.0, 0.0), &[]));
+    let penalised = generate(json!({"presence_penalty": 0.05, "frequency_penalty": 0.03})).unwrap();
+    assert_eq!(
+        penalised,
+        greedy_by_hand(&prompt_ids, &penalised, (0.05, 0.03), &[])
+    );
+    assert_ne!(penalised, plain, "the penalties changed nothing");
+    let negative = generate(json!({"logit_bias": {plain[0].to_string(): -100}})).unwrap();
+    assert_ne!(negative[0], plain[0]);
+    assert_eq!(
+        negative,
+        greedy_by_hand(&prompt_ids, &negative, (0.0, 0.0), &[(plain[0], -100.0)])
+    );
+    let forced = (plain[0] + 1) % i64::from(VOCAB);
+    let positive = generate(json!({"logit_bias": {forced.to_string(): 100}})).unwrap();
+    assert_eq!(positive, vec![forced; 24]);
+    match generate(json!({"logit_bias": {"300": 1}})) {
+        Err(ServiceError::Rejected(message)) => assert_eq!(
+            message,
+            "logit_bias key \"300\" is not a token id of the vocabulary of 300 tokens"
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// Token ids of a NullTokenizer text.
+fn ids(text: &Value) -> Vec<i64> {
+    text.as_str()
+        .unwrap()
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect()
+}
+
+/// OpenAI's `n` and `best_of`: a prompt's samples share its prefill (its positions are
+/// prefilled once, against three times for `/api` given the prompt thrice) and its full
+/// KV-cache blocks (the last, partial one copied). Greedy samples are the one greedy answer;
+/// seeded samples are `/api`'s rows for the prompt thrice with the same seed (sample `j` draws
+/// from `row_seed(seed, j)`, as `/api`'s row `j`) and differ; `best_of` answers the samples of
+/// highest cumulative log-probability.
+#[test]
+fn samples_of_a_prompt_share_its_prefill() {
+    let service = service(limits(8, 64, 64), KvBudget::default());
+    // 21 positions: one full block and part of another.
+    let text = prompt(5, 21);
+    let complete = |body: Value| -> Value {
+        let request = CompletionRequest::parse(&body).unwrap();
+        service.complete(&request, "id", 0, &mut |_, _| {}).unwrap()
+    };
+    let prefilled = || service.cache_use().prefilled_positions;
+
+    let before = prefilled();
+    let greedy = complete(json!({"prompt": text, "max_tokens": 12, "temperature": 0, "n": 3}));
+    assert_eq!(prefilled() - before, 21);
+    let one = complete(json!({"prompt": text, "max_tokens": 12, "temperature": 0}));
+    let choices = greedy["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (j, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], j);
+        assert_eq!(choice["text"], one["choices"][0]["text"], "sample {j}");
+    }
+
+    let before = prefilled();
+    let sampled = complete(json!({"prompt": text, "max_tokens": 12, "temperature": 1,
+                                  "seed": 7, "n": 3, "logprobs": 0}));
+    assert_eq!(prefilled() - before, 21);
+    let before = prefilled();
+    let thrice = ApiRequest::parse(&json!({"prompts": [text, text, text],
+        "tokens_to_generate": 12, "random_seed": 7, "temperature": 1.0}))
+    .unwrap();
+    let api = service.respond(&thrice).unwrap();
+    assert_eq!(prefilled() - before, 63);
+    let samples: Vec<Vec<i64>> = (0..3)
+        .map(|j| ids(&sampled["choices"][j]["text"]))
+        .collect();
+    for (j, sample) in samples.iter().enumerate() {
+        let row: Vec<i64> = ids(&api["text"][j])[21..]
+            .iter()
+            .copied()
+            .take_while(|&t| t != i64::from(VOCAB))
+            .collect();
+        assert_eq!(sample, &row, "sample {j}");
+    }
+    assert!(
+        samples[0] != samples[1] || samples[1] != samples[2],
+        "{samples:?}"
+    );
+
+    let cumulative = |j: usize| -> f64 {
+        sampled["choices"][j]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .sum()
+    };
+    let mut order: Vec<usize> = (0..3).collect();
+    order.sort_by(|&a, &b| cumulative(b).total_cmp(&cumulative(a)));
+    let best = complete(
+        json!({"prompt": text, "max_tokens": 12, "temperature": 1, "seed": 7,
+                               "n": 2, "best_of": 3}),
+    );
+    let best = best["choices"].as_array().unwrap();
+    assert_eq!(best.len(), 2);
+    for (k, choice) in best.iter().enumerate() {
+        assert_eq!(choice["index"], k);
+        assert_eq!(
+            choice["text"], sampled["choices"][order[k]]["text"],
+            "best {k}"
+        );
+        assert!(choice["logprobs"].is_null());
+    }
 }

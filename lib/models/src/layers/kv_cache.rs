@@ -94,6 +94,9 @@ pub struct PagedKvCache {
     layers: Vec<Tensor>,
     free: Vec<i64>,
     blocks: i64,
+    /// Blocks in more than one row's table, and how many tables beyond the first hold each:
+    /// a released block is free once no table holds it.
+    shared: std::collections::HashMap<i64, u32>,
 }
 
 impl PagedKvCache {
@@ -122,6 +125,7 @@ impl PagedKvCache {
             // Popped from the end: low blocks first.
             free: (1..blocks).rev().collect(),
             blocks,
+            shared: std::collections::HashMap::new(),
         })
     }
 
@@ -153,7 +157,32 @@ impl PagedKvCache {
 
     /// Gives a sequence's blocks back.
     pub fn release(&mut self, blocks: Vec<i64>) {
-        self.free.extend(blocks);
+        for block in blocks {
+            match self.shared.get_mut(&block) {
+                Some(1) => {
+                    self.shared.remove(&block);
+                }
+                Some(others) => *others -= 1,
+                None => self.free.push(block),
+            }
+        }
+    }
+
+    /// Puts `blocks` (allocated, full) in one more row's table: they are freed once every
+    /// table holding them is released.
+    pub fn share(&mut self, blocks: &[i64]) {
+        for &block in blocks {
+            *self.shared.entry(block).or_default() += 1;
+        }
+    }
+
+    /// Copies the keys and values of block `from` into block `to`, in every layer.
+    pub fn copy_block(&mut self, from: i64, to: i64) {
+        for layer in &mut self.layers {
+            layer
+                .narrow(0, to * BLOCK_SIZE, BLOCK_SIZE)
+                .copy_(&layer.narrow(0, from * BLOCK_SIZE, BLOCK_SIZE));
+        }
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> &mut Tensor {
@@ -338,5 +367,43 @@ impl PagedStep {
                 ))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_blocks_are_freed_by_their_last_table_and_copies_are_whole_blocks() {
+        let mut cache = PagedKvCache::new(2, 5, 1, 2, Kind::Float, Device::Cpu).unwrap();
+        let first = cache.allocate(2).unwrap();
+        cache.share(&first[..1]);
+        let second = cache.allocate(1).unwrap();
+        assert_eq!(cache.free_blocks(), 1);
+        // The first table goes: its shared block stays with the second.
+        cache.release(first.clone());
+        assert_eq!(cache.free_blocks(), 2);
+        cache.release(vec![first[0], second[0]]);
+        assert_eq!(cache.free_blocks(), 4);
+
+        for layer in 0..2 {
+            let values = cache.layer_mut(layer);
+            let count = values.numel() as i64;
+            let filled = Tensor::arange(count, (Kind::Float, Device::Cpu)) + 1000 * layer as i64;
+            values.copy_(&filled.view(values.size().as_slice()));
+        }
+        let before = cache.layer_mut(0).copy();
+        cache.copy_block(2, 4);
+        for layer in 0..2 {
+            let values = cache.layer_mut(layer).shallow_clone();
+            let block = |b: i64| values.narrow(0, b * BLOCK_SIZE, BLOCK_SIZE);
+            assert!(block(4).equal(&block(2)), "layer {layer}");
+            assert!(!block(3).equal(&block(2)), "layer {layer}");
+        }
+        // Only block 4 changed.
+        let after = cache.layer_mut(0).shallow_clone();
+        let rest = |t: &Tensor| t.narrow(0, 0, 4 * BLOCK_SIZE);
+        assert!(rest(&after).equal(&rest(&before)));
     }
 }

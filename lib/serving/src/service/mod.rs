@@ -114,14 +114,19 @@ impl<M: CausalLm> TextGenerationService<M> {
     }
 
     /// The server's generation thread (rank 0): makes the KV cache and captures the decode
-    /// graphs, then serves the requests `inbox` receives, reporting to `metrics`, until its
-    /// queue is closed and every request taken is answered; then releases the other
-    /// tensor-parallel ranks.
-    pub(crate) fn serve(&self, inbox: Inbox, metrics: &ServerMetrics) -> Result<()> {
+    /// graphs (their failure returned), calls `ready`, then serves the requests `inbox`
+    /// receives, reporting to `metrics`, until its queue is closed and every request taken is
+    /// answered; then releases the other tensor-parallel ranks.
+    pub(crate) fn serve(
+        &self,
+        inbox: Inbox,
+        metrics: &ServerMetrics,
+        ready: impl FnOnce(),
+    ) -> Result<()> {
         let served = self.take_served().ok_or_else(already_serving)?;
-        Scheduler::new(&served, Some(metrics)).lead(inbox);
+        let served_out = Scheduler::new(&served, Some(metrics)).lead(&inbox, ready);
         self.put_served(served);
-        Ok(())
+        served_out
     }
 
     /// The other tensor-parallel ranks: runs every step rank 0 announces, until it stops.
@@ -203,7 +208,7 @@ impl<M: CausalLm + Send + 'static> TextGenerationService<M> {
         )?;
         loop {
             match received.blocking_recv() {
-                Some(Event::Delta(choice, text)) => {
+                Some(Event::Delta(choice, text, _)) => {
                     if on_delta(choice, &text).is_err() {
                         cancel.cancel();
                     }
@@ -234,7 +239,15 @@ impl<M: CausalLm + Send + 'static> TextGenerationService<M> {
             if let Some(served) = self.take_served() {
                 let handle = std::thread::Builder::new()
                     .name("generation-scheduler".into())
-                    .spawn(move || Scheduler::new(&served, None).lead(inbox))
+                    .spawn(move || {
+                        if let Err(e) = Scheduler::new(&served, None).lead(&inbox, || {}) {
+                            // Nothing can be served: every request is answered why.
+                            let message = format!("{e:#}");
+                            while let Some(submission) = inbox.wait() {
+                                submission.fail(ServiceError::Failed(message.clone()));
+                            }
+                        }
+                    })
                     .expect("the scheduler thread starts");
                 *self.own_scheduler.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
             }

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc as events, oneshot};
 use super::tensor_parallel::SharedJob;
 use super::{CancelFlag, ServiceError};
 use crate::metrics::ServerMetrics;
+use crate::openai::StreamedLogprobs;
 
 /// A request as its caller submits it.
 pub(crate) struct Submission {
@@ -42,6 +43,11 @@ impl Submission {
             arrived: Instant::now(),
         }
     }
+
+    /// Answers it with `error` without serving it.
+    pub fn fail(self, error: ServiceError) {
+        Caller::new(self.reply, self.cancel, self.arrived).answer(Err(error), None);
+    }
 }
 
 /// Where a request's answer goes.
@@ -57,9 +63,10 @@ pub(crate) enum Reply {
     },
 }
 
-/// What a completion's caller receives: text as it is generated, then the whole answer.
+/// What a completion's caller receives: text as it is generated (with the tokens it carries,
+/// when a streamed request asked for log-probabilities), then the whole answer.
 pub(crate) enum Event {
-    Delta(usize, String),
+    Delta(usize, String, Option<StreamedLogprobs>),
     Done(Result<Value, ServiceError>),
 }
 
@@ -189,13 +196,19 @@ impl Caller {
     /// Sends a completion's prompt, echoed before its text.
     pub fn echo(&self, row: usize, prompt: &str) {
         if let Reply::Completion { events, .. } = &self.reply {
-            let _ = events.send(Event::Delta(row, prompt.to_string()));
+            let _ = events.send(Event::Delta(row, prompt.to_string(), None));
         }
     }
 
-    /// Sends generated text of a completion's `row`; the first sent is its time to first
-    /// token.
-    pub fn stream(&mut self, row: usize, text: &str, metrics: Option<&ServerMetrics>) {
+    /// Sends generated text of a completion's `row`, with the tokens it carries when asked;
+    /// the first sent is its time to first token.
+    pub fn stream(
+        &mut self,
+        row: usize,
+        text: &str,
+        logprobs: Option<StreamedLogprobs>,
+        metrics: Option<&ServerMetrics>,
+    ) {
         let Reply::Completion { events, .. } = &self.reply else {
             return;
         };
@@ -205,7 +218,7 @@ impl Caller {
                 metrics.first_token(self.arrived.elapsed());
             }
         }
-        let _ = events.send(Event::Delta(row, text.to_string()));
+        let _ = events.send(Event::Delta(row, text.to_string(), logprobs));
     }
 
     /// Sends the answer, counted in `metrics` with the tokens it took (none when it failed).

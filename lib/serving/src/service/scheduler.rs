@@ -50,14 +50,17 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
         }
     }
 
-    /// Rank 0: takes requests from `inbox` until it is closed, tells the other ranks each
-    /// step's plan, runs it; stops (and stops them) once every request taken is answered.
-    pub fn lead(mut self, inbox: Inbox) {
-        inbox.open();
+    /// Rank 0: makes the KV cache and captures the decode graphs (a failure is returned:
+    /// a server that cannot decode does not serve), calls `ready`, then takes requests from
+    /// `inbox` until it is closed, tells the other ranks each step's plan, runs it; stops (and
+    /// stops them) once every request taken is answered.
+    pub fn lead(mut self, inbox: &Inbox, ready: impl FnOnce()) -> Result<()> {
         if let Device::Cuda(index) = self.served.model.device() {
             let _ = megatron_kernels::runtime::set_cuda_device(index);
         }
-        self.warm_up();
+        self.warm_up()?;
+        ready();
+        inbox.open();
         let mut closed = false;
         loop {
             let mut plan = Plan::default();
@@ -84,7 +87,7 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
                 }
             }
             if self.run(plan, &mut callers) {
-                return;
+                return Ok(());
             }
         }
     }
@@ -124,7 +127,7 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
             .mirror
             .clone()
             .ok_or_else(|| anyhow::anyhow!("following needs tensor parallelism"))?;
-        self.warm_up();
+        self.warm_up()?;
         loop {
             let plan = share_plan(&group, self.served.model.device(), None)?;
             if self.run(plan, &mut HashMap::new()) {
@@ -134,13 +137,16 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
     }
 
     /// Makes the KV cache and captures the decode graphs before the first request (every rank
-    /// does, in the same order); a failure is reported and left to the first request.
-    fn warm_up(&mut self) {
+    /// does, in the same order).
+    fn warm_up(&mut self) -> Result<()> {
         let started = std::time::Instant::now();
         let rows = self.served.settings.limits.max_batch_size as i64;
-        match self.decoder.warm_up(&self.served.model, rows) {
-            Ok(0) => {}
-            Ok(graphs) => eprintln!(
+        let graphs = self
+            .decoder
+            .warm_up(&self.served.model, rows)
+            .map_err(|e| e.context("cannot make the KV cache and decode graphs"))?;
+        if graphs > 0 {
+            eprintln!(
                 "text_generation_server: captured {graphs} decode graphs (batch buckets up to {}, \
                  {} attention, {}) in {:.1} s",
                 megatron_inference::bucket(rows),
@@ -155,9 +161,9 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
                     "unfused layers"
                 },
                 started.elapsed().as_secs_f64()
-            ),
-            Err(e) => eprintln!("text_generation_server: warming up the decoder failed: {e:#}"),
+            );
         }
+        Ok(())
     }
 
     /// Applies `plan` and runs one step; `true` when the plan says stop. `callers` are rank
@@ -258,11 +264,11 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
             batcher.step(
                 &served.model,
                 decoder,
-                &mut |id, row, token| match active.get_mut(&id) {
+                &mut |id, row, token, logprob| match active.get_mut(&id) {
                     Some(Active {
                         job: Prepared::Completion(state),
                         caller,
-                    }) => served.observe(state, caller.as_mut(), row, token, metrics),
+                    }) => served.observe(state, caller.as_mut(), (row, token, logprob), metrics),
                     _ => false,
                 },
             )

@@ -118,8 +118,23 @@ impl<M: CausalLm> ServedModel<M> {
     /// The most tokens a completion of a `prompt_tokens` long prompt may ask for: the
     /// model's positions and the request budget (`--max-tokens-to-oom`) left after it.
     fn room_after(&self, prompt_tokens: usize) -> usize {
-        let longest = (self.model.max_positions() as usize).min(self.settings.max_tokens);
+        let longest = self.longest_sequence().min(self.settings.max_tokens);
         longest.saturating_sub(prompt_tokens)
+    }
+
+    /// The longest prompt + generation of a request: the model's positions, or
+    /// `--inference-max-seq-length` when it is less.
+    pub fn longest_sequence(&self) -> usize {
+        self.sequence_limit().0
+    }
+
+    /// [`Self::longest_sequence`] and what sets it, for messages.
+    pub fn sequence_limit(&self) -> (usize, String) {
+        let positions = self.model.max_positions() as usize;
+        match self.settings.max_sequence {
+            Some(most) if most < positions => (most, format!("--inference-max-seq-length {most}")),
+            _ => (positions, format!("the model's {positions} positions")),
+        }
     }
 
     /// Token ids of `prompts`, each after an end-of-document token with `add_bos`.
@@ -153,6 +168,17 @@ impl<M: CausalLm> ServedModel<M> {
         generation: &GenerationRequest,
         seed: Option<u64>,
     ) -> Result<Start, ServiceError> {
+        self.start_sampled(prepared, generation, seed, 1)
+    }
+
+    /// [`Self::start`] with `samples` rows per prompt, sharing its prefill.
+    pub fn start_sampled(
+        &self,
+        prepared: Prepared,
+        generation: &GenerationRequest,
+        seed: Option<u64>,
+        samples: usize,
+    ) -> Result<Start, ServiceError> {
         if generation.tokens_to_generate == 0 {
             let scored = generate_tokens(&self.model, generation, &mut Decoder::eager())
                 .map_err(|e| ServiceError::Failed(format!("{e:#}")));
@@ -161,7 +187,7 @@ impl<M: CausalLm> ServedModel<M> {
             ));
         }
         let rows = generation
-            .rows(seed.unwrap_or(0))
+            .sampled_rows(seed.unwrap_or(0), samples)
             .map_err(|e| ServiceError::Rejected(format!("{e:#}")))?;
         Ok(Start::Rows(prepared, rows))
     }

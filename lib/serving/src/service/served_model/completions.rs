@@ -3,16 +3,19 @@
 //! character), and the answer with its choices, finish reasons, log-probabilities and usage.
 
 use megatron_data::tokenizer::Tokenizer;
-use megatron_inference::{CausalLm, Generation, GenerationRequest, Sampling, StopCondition};
+use megatron_inference::{
+    CausalLm, Generation, GenerationRequest, LogitAdjust, Sampling, StopCondition,
+};
 use tch::{Device, Kind, Tensor};
 
 use super::{Prepared, ServedModel, Start};
 use crate::metrics::ServerMetrics;
-use crate::openai::{completion_body, text_offsets, Choice, CompletionRequest};
+use crate::openai::{completion_body, text_offsets, Choice, CompletionRequest, StreamedLogprobs};
 use crate::service::queue::{Answer, Caller, Usage};
 use crate::service::ServiceError;
 
-/// A completion while its rows run: the prompts and each choice's stream.
+/// A completion while its rows run (one per sample of each prompt): each row's prompt and
+/// stream.
 pub(crate) struct CompletionState {
     request: CompletionRequest,
     prompts: Vec<Vec<i64>>,
@@ -58,23 +61,39 @@ impl<M: CausalLm> ServedModel<M> {
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         self.check_top_k(request.top_k)?;
-        if longest.saturating_add(request.max_tokens) > self.model.max_positions() as usize {
+        let vocab = self.tokenizer.vocab_size();
+        if let Some((bad, _)) = request
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= vocab)
+        {
             return Err(ServiceError::Rejected(format!(
-                "prompt ({longest} tokens) + max_tokens ({}) exceed the model's {} positions",
-                request.max_tokens,
-                self.model.max_positions()
+                "logit_bias key \"{bad}\" is not a token id of the vocabulary of {vocab} tokens"
             )));
         }
-        if prompts.len() * (longest + request.max_tokens) > self.settings.max_tokens {
+        let (limit, limited_by) = self.sequence_limit();
+        if longest.saturating_add(request.max_tokens) > limit {
+            return Err(ServiceError::Rejected(format!(
+                "prompt ({longest} tokens) + max_tokens ({}) exceed {limited_by}",
+                request.max_tokens,
+            )));
+        }
+        let samples = request.best_of.max(1);
+        if prompts.len() * samples * (longest + request.max_tokens) > self.settings.max_tokens {
             return Err(ServiceError::Rejected(format!(
                 "too many tokens: more than {}",
                 self.settings.max_tokens
             )));
         }
+        // One row per sample of each prompt, in the order of the choices.
+        let (row_prompts, row_texts) = (
+            per_sample(&prompts, samples),
+            per_sample(&prompt_texts, samples),
+        );
         if request.echo {
             // A streamed echo starts with the prompt, as the whole answer does.
             if let Some(caller) = caller {
-                for (row, prompt) in prompt_texts.iter().enumerate() {
+                for (row, prompt) in row_texts.iter().enumerate() {
                     caller.echo(row, prompt);
                 }
             }
@@ -101,48 +120,63 @@ impl<M: CausalLm> ServedModel<M> {
             sampling,
             stop: StopCondition::Token(self.special.eod),
             prevent_newline_after_colon: None,
-            logprobs: request.logprobs,
+            // The best of several samples is the likeliest.
+            logprobs: request.logprobs || request.best_of > request.n,
             pad: self.special.eod,
+            adjust: LogitAdjust {
+                presence_penalty: request.presence_penalty as f32,
+                frequency_penalty: request.frequency_penalty as f32,
+                bias: request
+                    .logit_bias
+                    .iter()
+                    .map(|&(id, amount)| (i64::from(id), amount as f32))
+                    .collect(),
+            },
         };
         let state = CompletionState {
             request: request.clone(),
-            streams: prompts.iter().map(|_| ChoiceStream::default()).collect(),
-            prompts,
-            prompt_texts,
+            streams: row_prompts
+                .iter()
+                .map(|_| ChoiceStream::default())
+                .collect(),
+            prompts: row_prompts,
+            prompt_texts: row_texts,
         };
-        self.start(
+        self.start_sampled(
             Prepared::Completion(Box::new(state)),
             &generation,
             request.seed,
+            samples,
         )
     }
 
-    /// A completion's new token: streams what is certain of its text; `true` ends the row (the
-    /// end-of-document token, a stop sequence or `max_tokens`).
+    /// A completion's new token (with its log-probability when the request keeps them):
+    /// streams what is certain of its text, and with a streamed request's log-probabilities
+    /// the tokens that text completes; `true` ends the row (the end-of-document token, a stop
+    /// sequence or `max_tokens`).
     pub fn observe(
         &self,
         state: &mut CompletionState,
-        mut caller: Option<&mut Caller>,
-        row: usize,
-        token: i64,
+        caller: Option<&mut Caller>,
+        (row, token, logprob): (usize, i64, Option<f32>),
         metrics: Option<&ServerMetrics>,
     ) -> bool {
+        let tokenizer = self.tokenizer.as_ref();
+        let request = &state.request;
         let stream = &mut state.streams[row];
         if token == self.special.eod {
             stream.finish = Some("stop");
             return true;
         }
         stream.tokens.push(token);
-        stream.advance(
-            self.tokenizer.as_ref(),
-            &state.request.stop,
-            state.request.max_tokens,
-            &mut |text| {
-                if let Some(caller) = caller.as_deref_mut() {
-                    caller.stream(row, text, metrics);
-                }
-            },
-        )
+        stream.logprobs.extend(logprob);
+        let (text, ended) = stream.advance(tokenizer, &request.stop, request.max_tokens);
+        if let (Some(text), Some(caller)) = (text, caller) {
+            let carried = (request.stream && request.logprobs)
+                .then(|| stream.release(tokenizer, &state.prompts[row]));
+            caller.stream(row, &text, carried, metrics);
+        }
+        ended
     }
 
     /// The completion's answer from its streams and the generated tokens (`id` and `created`
@@ -157,6 +191,7 @@ impl<M: CausalLm> ServedModel<M> {
         let prompts = &state.prompts;
         let prompt_texts = &state.prompt_texts;
         let mut choices = Vec::with_capacity(prompts.len());
+        let mut scores = Vec::with_capacity(prompts.len());
         let mut completion_tokens = 0;
         for (row, stream) in state.streams.iter_mut().enumerate() {
             if stream.finish.is_none() && stream.tokens.len() < request.max_tokens {
@@ -173,7 +208,15 @@ impl<M: CausalLm> ServedModel<M> {
                 ..Default::default()
             };
             completion_tokens += stream.tokens.len();
-            if let Some(logprobs) = &out.logprobs {
+            // The generated tokens' log-probabilities summed: what ranks best_of's samples.
+            let generated = prompts[row].len() - 1..prompts[row].len() - 1 + stream.tokens.len();
+            scores.push(out.logprobs.as_ref().map_or(0.0, |logprobs| {
+                logprobs[row][generated]
+                    .iter()
+                    .map(|&l| f64::from(l))
+                    .sum::<f64>()
+            }));
+            if let (true, Some(logprobs)) = (request.logprobs, &out.logprobs) {
                 // With echo the prompt's tokens come first, the very first without a
                 // log-probability (nothing precedes it), as OpenAI answers.
                 let first = if request.echo { 0 } else { prompts[row].len() };
@@ -183,10 +226,14 @@ impl<M: CausalLm> ServedModel<M> {
                     .iter()
                     .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
                     .collect();
-                let ids: Vec<u32> = shown.iter().map(|&t| t as u32).collect();
+                // Offsets into the prompt and completion together, as Megatron's (and
+                // OpenAI's) answer: without echo the first generated token starts at the
+                // prompt's length.
+                let ids: Vec<u32> = out.tokens[row][..end].iter().map(|&t| t as u32).collect();
                 choice.text_offset = text_offsets(&ids, |prefix| {
                     self.tokenizer.detokenize(prefix).unwrap_or_default()
-                });
+                })[first..]
+                    .to_vec();
                 choice.token_logprobs = (first..end)
                     .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
                     .collect();
@@ -222,7 +269,10 @@ impl<M: CausalLm> ServedModel<M> {
             }
             choices.push(choice);
         }
-        let prompt_tokens = prompts.iter().map(Vec::len).sum();
+        let samples = request.best_of.max(1);
+        let choices = best_choices(choices, &scores, samples, request.n);
+        // Every sample of a prompt read it once.
+        let prompt_tokens = prompts.iter().step_by(samples).map(Vec::len).sum();
         Ok(Answer {
             body: completion_body(
                 "",
@@ -284,6 +334,10 @@ impl<M: CausalLm> ServedModel<M> {
 #[derive(Default)]
 struct ChoiceStream {
     tokens: Vec<i64>,
+    /// The tokens' log-probabilities, when the request keeps them.
+    logprobs: Vec<f32>,
+    /// Tokens whose log-probabilities have been streamed.
+    released: usize,
     sent: usize,
     finish: Option<&'static str>,
     /// The text of the first `settled` tokens, which did not end inside a character: each
@@ -291,6 +345,30 @@ struct ChoiceStream {
     /// row's streaming costs the same at its 500th token as at its first.
     settled_text: String,
     settled: usize,
+}
+
+/// Of each prompt's `samples` choices (in a row), the `n` of highest `scores`, best first
+/// (all, in order, when `n` is `samples`).
+fn best_choices(choices: Vec<Choice>, scores: &[f64], samples: usize, n: usize) -> Vec<Choice> {
+    if n >= samples {
+        return choices;
+    }
+    let mut rows: Vec<(usize, Choice)> = choices.into_iter().enumerate().collect();
+    let mut best = Vec::new();
+    while !rows.is_empty() {
+        let mut prompt: Vec<(usize, Choice)> = rows.drain(..samples.min(rows.len())).collect();
+        prompt.sort_by(|(a, _), (b, _)| scores[*b].total_cmp(&scores[*a]));
+        best.extend(prompt.into_iter().take(n).map(|(_, choice)| choice));
+    }
+    best
+}
+
+/// Each of `items` `samples` times in a row.
+fn per_sample<T: Clone>(items: &[T], samples: usize) -> Vec<T> {
+    items
+        .iter()
+        .flat_map(|item| std::iter::repeat_n(item, samples).cloned())
+        .collect()
 }
 
 /// Tokens before the new ones detokenized with them: tokenizers that drop a word's leading
@@ -333,14 +411,14 @@ impl ChoiceStream {
         }
     }
 
-    /// Sends what is certain of the text so far; `true` when the completion has ended.
+    /// What is certain of the text so far and not yet sent, and whether the completion has
+    /// ended.
     fn advance(
         &mut self,
         tokenizer: &dyn Tokenizer,
         stop: &[String],
         max_tokens: usize,
-        send: &mut dyn FnMut(&str),
-    ) -> bool {
+    ) -> (Option<String>, bool) {
         let text = self.text_so_far(tokenizer);
         let (mut end, stopped) = Self::cut(&text, stop);
         let ended = stopped || self.tokens.len() >= max_tokens;
@@ -361,14 +439,47 @@ impl ChoiceStream {
                 end -= '\u{FFFD}'.len_utf8();
             }
         }
+        let mut sent = None;
         if end > self.sent && text.is_char_boundary(end) && text.is_char_boundary(self.sent) {
-            send(&text[self.sent..end]);
+            sent = Some(text[self.sent..end].to_string());
             self.sent = end;
         }
         if ended {
             self.finish = Some(if stopped { "stop" } else { "length" });
         }
-        ended
+        (sent, ended)
+    }
+
+    /// The tokens not yet streamed whose text has now been sent whole, with their
+    /// log-probabilities and their offsets into the prompt and completion together (as the
+    /// whole answer counts them, in characters).
+    fn release(&mut self, tokenizer: &dyn Tokenizer, prompt: &[i64]) -> StreamedLogprobs {
+        let mut carried = StreamedLogprobs::default();
+        // The most tokens whose text is whole (no character left unfinished) and sent; a
+        // token holding part of a character goes with the chunk that completes it.
+        let Some(whole) = (self.released + 1..=self.tokens.len()).rev().find(|&k| {
+            let through = detokenize(tokenizer, &self.tokens[..k]);
+            through.len() <= self.sent && !through.ends_with('\u{FFFD}')
+        }) else {
+            return carried;
+        };
+        while self.released < whole {
+            let before: Vec<i64> = prompt
+                .iter()
+                .chain(&self.tokens[..self.released])
+                .copied()
+                .collect();
+            carried
+                .text_offset
+                .push(detokenize(tokenizer, &before).chars().count());
+            carried.tokens.push(detokenize(
+                tokenizer,
+                &self.tokens[self.released..=self.released],
+            ));
+            carried.token_logprobs.push(self.logprobs[self.released]);
+            self.released += 1;
+        }
+        carried
     }
 
     fn final_text(&self, tokenizer: &dyn Tokenizer, stop: &[String]) -> String {
@@ -422,11 +533,47 @@ mod tests {
             assert_eq!(so_far, stream.text(&Bytes), "after {} tokens", n + 1);
             // Only the last few tokens are detokenized again.
             assert!(stream.settled + 4 >= stream.tokens.len());
-            if stream.advance(&Bytes, &stop, usize::MAX, &mut |t| streamed.push_str(t)) {
+            let (sent, ended) = stream.advance(&Bytes, &stop, usize::MAX);
+            streamed.push_str(&sent.unwrap_or_default());
+            if ended {
                 break;
             }
         }
         assert_eq!(streamed, "héllo wörld ✓ — “");
         assert_eq!(stream.final_text(&Bytes, &stop), streamed);
+    }
+
+    #[test]
+    fn streamed_chunks_carry_the_tokens_their_text_completes() {
+        let prompt: Vec<i64> = "ab ".bytes().map(i64::from).collect();
+        let ids: Vec<i64> = "héllo “wörld”".bytes().map(i64::from).collect();
+        let mut stream = ChoiceStream::default();
+        let mut carried = StreamedLogprobs::default();
+        for (n, &id) in ids.iter().enumerate() {
+            stream.tokens.push(id);
+            stream.logprobs.push(-(n as f32));
+            let before = stream.released;
+            let (sent, _) = stream.advance(&Bytes, &[], usize::MAX);
+            let Some(text) = sent else {
+                continue;
+            };
+            let chunk = stream.release(&Bytes, &prompt);
+            // A chunk carries exactly the tokens whose bytes are its text.
+            let bytes: Vec<u8> = ids[before..stream.released]
+                .iter()
+                .map(|&b| b as u8)
+                .collect();
+            assert_eq!(String::from_utf8(bytes).unwrap(), text);
+            carried.tokens.extend(chunk.tokens);
+            carried.token_logprobs.extend(chunk.token_logprobs);
+            carried.text_offset.extend(chunk.text_offset);
+        }
+        assert_eq!(stream.released, ids.len());
+        let all: Vec<f32> = (0..ids.len()).map(|n| -(n as f32)).collect();
+        assert_eq!(carried.token_logprobs, all);
+        // The offsets the whole answer gives its tokens.
+        let sequence: Vec<u32> = prompt.iter().chain(&ids).map(|&t| t as u32).collect();
+        let offsets = text_offsets(&sequence, |prefix| Bytes.detokenize(prefix).unwrap());
+        assert_eq!(carried.text_offset, offsets[prompt.len()..]);
     }
 }

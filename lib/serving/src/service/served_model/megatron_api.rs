@@ -3,7 +3,7 @@
 //! `logprobs` (or `scores`) built from the tokens.
 
 use megatron_inference::{
-    beam_search, BeamSearchRequest, CausalLm, Generation, GenerationRequest, Sampling,
+    beam_search, BeamSearchRequest, CausalLm, Generation, GenerationRequest, LogitAdjust, Sampling,
     StopCondition,
 };
 use serde_json::json;
@@ -23,7 +23,7 @@ impl<M: CausalLm> ServedModel<M> {
             .map_err(failed)?;
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let total = longest.saturating_add(request.tokens_to_generate);
-        if total > self.model.max_positions() as usize {
+        if total > self.longest_sequence() {
             return Err(ServiceError::Rejected(
                 "Length of prompt + tokens_to_generate longer than allowed".into(),
             ));
@@ -85,6 +85,7 @@ impl<M: CausalLm> ServedModel<M> {
             prevent_newline_after_colon: colon_newline,
             logprobs: request.logprobs,
             pad: self.special.eod,
+            adjust: LogitAdjust::default(),
         };
         self.start(
             Prepared::Api { prompt_tokens },
