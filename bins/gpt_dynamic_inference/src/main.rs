@@ -19,7 +19,8 @@ use megatron_data::flags::TokenizerArgs;
 use megatron_data::tokenizer::build_tokenizer;
 use megatron_inference::{
     row_seed, BatchLimits, Batcher, CheckpointModelArgs, DecodeSettings, Decoder,
-    GenerationRequest, KvBudget, Refusal, Sampling, StopCondition, DEFAULT_PREFILL_CHUNK,
+    GenerationRequest, KvBudget, LogitAdjust, Refusal, Sampling, StopCondition,
+    DEFAULT_PREFILL_CHUNK,
 };
 use megatron_kernels::runtime::resolve_device;
 use megatron_models::GptModel;
@@ -268,6 +269,7 @@ impl Serve<'_> {
                     prevent_newline_after_colon: None,
                     logprobs: self.logprobs,
                     pad: self.pad,
+                    adjust: LogitAdjust::default(),
                 }
                 .rows(row_seed(self.seed, next))?;
                 match batcher.submit(model, decoder, next as u64, rows) {
@@ -287,7 +289,7 @@ impl Serve<'_> {
                 std::thread::sleep(arrival.saturating_duration_since(Instant::now()));
                 continue;
             }
-            for (id, generation) in batcher.step(model, decoder, &mut |_, _, _| false)? {
+            for (id, generation) in batcher.step(model, decoder, &mut |_, _, _, _| false)? {
                 let index = id as usize;
                 let prompt_length = self.prompts[index].len();
                 finished[index] = Some(Finished {
