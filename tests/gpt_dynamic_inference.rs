@@ -294,3 +294,48 @@ fn requests_from_a_prompt_file_and_bad_flags() {
         assert!(stderr.contains(names), "{flags:?}: {stderr}");
     }
 }
+
+/// On a GPU, decode steps replayed from CUDA graphs (`--enable-cuda-graph`) give the tokens of
+/// eager decoding for every simulated request.
+#[test]
+fn cuda_graphs_decode_like_eager_steps_on_a_gpu() {
+    if megatron_e2e::visible_gpus() == 0 {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint_dir = dir.path().join("checkpoint");
+    checkpoint(&checkpoint_dir);
+    let run = |graphs: bool| {
+        let output = dir.path().join(format!("graphs-{graphs}.json"));
+        let mut command = bin("gpt_dynamic_inference");
+        command
+            .arg("--load")
+            .arg(&checkpoint_dir)
+            .args(tokenizer_flags())
+            .args(["--device", "cuda", "--num-tokens-to-prompt", "4", "40"])
+            .args([
+                "--num-tokens-to-generate",
+                "20",
+                "--incoming-requests-per-sec",
+                "200",
+            ])
+            .args(["--incoming-requests-duration", "0.2", "--output-path"])
+            .arg(&output);
+        if graphs {
+            command.arg("--enable-cuda-graph");
+        }
+        let stdout = String::from_utf8(run_ok(&mut command).stdout).unwrap();
+        assert!(
+            stdout.contains(if graphs { "| graphs on |" } else { "| -- |" }),
+            "{stdout}"
+        );
+        results(&output)
+            .iter()
+            .map(|r| r["generated_tokens"].clone())
+            .collect::<Vec<_>>()
+    };
+    let eager = run(false);
+    assert!(eager.len() > 10, "{eager:?}");
+    assert_eq!(run(true), eager);
+}

@@ -854,3 +854,58 @@ fn samples_of_a_prompt_share_its_prefill() {
         assert!(choice["logprobs"].is_null());
     }
 }
+
+/// On a GPU, with the paged decode kernel and CUDA graphs: a prompt's greedy samples, sharing
+/// its blocks (the partial last one copied), are its one greedy answer, and the penalties and
+/// logit bias, applied before each draw, give what eager decoding gives.
+#[test]
+fn shared_prompt_blocks_and_adjusted_logits_on_a_gpu() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let graphs = service_of(
+        gpu_model(Kind::Float),
+        settings(limits(8, 64, 64), KvBudget::Bytes(1 << 30)),
+    );
+    let mut eager_settings = settings(limits(8, 64, 64), KvBudget::Bytes(1 << 30));
+    eager_settings.decode.cuda_graphs = false;
+    let eager = service_of(gpu_model(Kind::Float), eager_settings);
+    let text = prompt(5, 21);
+    let complete = |service: &TextGenerationService, extra: Value| -> Value {
+        let mut body = json!({"prompt": text, "max_tokens": 24, "temperature": 0});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let request = CompletionRequest::parse(&body).unwrap();
+        service.complete(&request, "id", 0, &mut |_, _| {}).unwrap()
+    };
+    let one = complete(&graphs, json!({}));
+    let before = graphs.cache_use().prefilled_positions;
+    let three = complete(&graphs, json!({"n": 3}));
+    assert_eq!(graphs.cache_use().prefilled_positions - before, 21);
+    for choice in three["choices"].as_array().unwrap() {
+        assert_eq!(
+            ids(&choice["text"]),
+            ids(&one["choices"][0]["text"]),
+            "{three}"
+        );
+    }
+    let adjusted = json!({
+        "presence_penalty": 0.05,
+        "frequency_penalty": 0.03,
+        "logit_bias": {ids(&one["choices"][0]["text"])[0].to_string(): -100},
+    });
+    let (on_graphs, on_eager) = (
+        complete(&graphs, adjusted.clone()),
+        complete(&eager, adjusted),
+    );
+    assert_eq!(
+        ids(&on_graphs["choices"][0]["text"]),
+        ids(&on_eager["choices"][0]["text"])
+    );
+    assert_ne!(
+        ids(&on_graphs["choices"][0]["text"]),
+        ids(&one["choices"][0]["text"])
+    );
+}
