@@ -17,14 +17,30 @@ struct Corpus {
 
 /// The bundled corpus tokenized with the bundled tokenizer, as the quickstart does.
 fn bundled_corpus() -> Corpus {
-    let data = workspace_root().join("data");
+    corpus_of(
+        &workspace_root().join("data").join("corpus.jsonl"),
+        tempfile::tempdir().unwrap(),
+    )
+}
+
+/// The bundled corpus `times` over, for splits as thin as Megatron's scripts' `949,50,1`.
+fn repeated_corpus(times: usize) -> Corpus {
     let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(workspace_root().join("data").join("corpus.jsonl")).unwrap();
+    let input = dir.path().join("repeated.jsonl");
+    std::fs::write(&input, text.repeat(times)).unwrap();
+    corpus_of(&input, dir)
+}
+
+/// `input` tokenized with the bundled tokenizer into `dir`.
+fn corpus_of(input: &Path, dir: tempfile::TempDir) -> Corpus {
+    let data = workspace_root().join("data");
     let vocab = data.join("quickstart-vocab.json");
     let merges = data.join("quickstart-merges.txt");
     run_ok(
         bin("preprocess_data")
             .args(["--input"])
-            .arg(data.join("corpus.jsonl"))
+            .arg(input)
             .arg("--output-prefix")
             .arg(dir.path().join("corpus"))
             .args([
@@ -850,7 +866,8 @@ fn assert_starts_saves_and_resumes(
 
 #[test]
 fn the_gpt3_175b_script_flag_set_trains_saves_and_resumes() {
-    let corpus = bundled_corpus();
+    // Enough documents that the script's 1/1000 test split holds one.
+    let corpus = repeated_corpus(8);
     // As Megatron (validate_args), the script's literal rampup with --train-iters is refused.
     let dir = tempfile::tempdir().unwrap();
     let literal = gpt3_175b_script(
@@ -967,7 +984,13 @@ fn memory_statistics_are_logged_on_a_gpu_and_noted_on_the_cpu() {
             .filter(|record: &serde_json::Value| record.get("split").is_none())
             .collect()
     };
-    let flags = ["--train-iters", "2", "--log-memory-to-tensorboard"];
+    let flags = [
+        "--train-iters",
+        "2",
+        "--lr-warmup-iters",
+        "0",
+        "--log-memory-to-tensorboard",
+    ];
     let cpu = dir.path().join("cpu.jsonl");
     let out = run_ok(pretrain(&corpus, &flags).args(["--metrics-file", path_str(&cpu)]));
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -1026,6 +1049,8 @@ fn checkpoint_args_replace_the_architecture_flags() {
         path_str(&checkpoint),
         "--load",
         path_str(&checkpoint),
+        "--lr-warmup-iters",
+        "0",
     ];
     let architecture = [
         "--swiglu",
@@ -1038,14 +1063,19 @@ fn checkpoint_args_replace_the_architecture_flags() {
         "--ffn-hidden-size",
         "48",
     ];
-    run_ok(pretrain(
+    run_ok(&mut pretrain(
         &corpus,
-        &[&save[..], &architecture, &["--train-iters", "2"]].concat(),
+        &[
+            &save[..],
+            &architecture,
+            &["--train-iters", "3", "--exit-interval", "2"],
+        ]
+        .concat(),
     ));
     let plain = [&save[..], &["--train-iters", "3", "--log-interval", "1"]].concat();
     let refused = pretrain(&corpus, &plain).output().unwrap();
     assert!(!refused.status.success(), "loaded another architecture");
-    let out = run_ok(pretrain(
+    let out = run_ok(&mut pretrain(
         &corpus,
         &[&plain[..], &["--use-checkpoint-args"]].concat(),
     ));

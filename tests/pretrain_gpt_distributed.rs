@@ -403,9 +403,8 @@ fn short_documents(dir: &Path) -> Vec<String> {
     ];
     let documents: String = (0..400)
         .map(|i| {
-            let text: Vec<&str> = (0..(i * 7) % 13 + 1)
-                .map(|j| words[(i + j) % words.len()])
-                .collect();
+            let length = if i % 5 == 4 { 40 } else { 1 };
+            let text: Vec<&str> = (0..length).map(|j| words[(i + j) % words.len()]).collect();
             format!("{}\n", serde_json::json!({ "text": text.join(" ") }))
         })
         .collect();
@@ -553,9 +552,11 @@ fn per_token_loss_averages_over_the_global_batch() {
     let per_micro_batch = run_one("per-micro-batch", &["--micro-batch-size", "1"]);
     // The first loss is logged before any step, as the global per-token mean in every mode.
     assert!((per_micro_batch[0] - whole_batch[0]).abs() <= 1e-6 * whole_batch[0]);
-    let apart = (per_micro_batch[2] - whole_batch[2]).abs() / whole_batch[2];
+    let apart = (1..3)
+        .map(|i| (per_micro_batch[i] - whole_batch[i]).abs() / whole_batch[i])
+        .fold(0.0, f64::max);
     assert!(
-        apart > 1e-3,
+        apart > 5e-4,
         "averaging per micro-batch trained like the global mean ({per_micro_batch:?} vs {whole_batch:?}): the masks do not differ enough"
     );
 }
