@@ -498,8 +498,9 @@ fn pretrain_short_documents(data: &[String], extra: &[&str]) -> Command {
 }
 
 /// With `--calculate-per-token-loss` the summed token losses are divided by the tokens of the
-/// whole global batch: eight micro-batches of one sample, and two ranks of two micro-batches of
-/// two, train exactly as one micro-batch of all eight samples without the flag (whose loss is
+/// whole global batch: eight micro-batches of one sample, on one rank or on two tensor- or
+/// pipeline-parallel ranks, and two data-parallel ranks of two micro-batches of two, train as
+/// one micro-batch of all eight samples without the flag (whose loss is
 /// that global per-token mean by definition). Without the flag, eight micro-batches of one
 /// sample weigh each micro-batch's mean alike and train differently.
 #[test]
@@ -524,31 +525,50 @@ fn per_token_loss_averages_over_the_global_batch() {
         &per_token,
         "per-token loss over 8 micro-batches",
     );
-    let metrics = dir.path().join("dp2.jsonl");
-    let port = free_port();
-    let ranks: Vec<Child> = (0..2)
-        .map(|rank| {
-            let mut command = pretrain_short_documents(
-                &data,
-                &["--micro-batch-size", "2", "--calculate-per-token-loss"],
+    // Two ranks as two data-parallel ranks of two micro-batches of two samples, or two tensor-
+    // or pipeline-parallel ranks of eight micro-batches of one.
+    let layouts: [(&str, &[&str]); 3] = [
+        ("DP=2", &["--micro-batch-size", "2"]),
+        (
+            "TP=2",
+            &[
+                "--micro-batch-size",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+        ),
+        (
+            "PP=2",
+            &[
+                "--micro-batch-size",
+                "1",
+                "--pipeline-model-parallel-size",
+                "2",
+            ],
+        ),
+    ];
+    for (what, layout) in layouts {
+        let metrics = dir.path().join(format!("{what}.jsonl"));
+        let port = free_port();
+        let ranks: Vec<Child> = (0..2)
+            .map(|rank| {
+                let mut command = pretrain_short_documents(&data, layout);
+                command.args(["--calculate-per-token-loss", "--metrics-file"]);
+                command.arg(&metrics);
+                spawn_rank(command, rank, 2, &port)
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = wait_with_deadline(child, Duration::from_secs(300));
+            assert!(
+                out.status.success(),
+                "{what} rank {rank}: {}",
+                String::from_utf8_lossy(&out.stderr)
             );
-            command.args(["--metrics-file", metrics.to_str().unwrap()]);
-            spawn_rank(command, rank, 2, &port)
-        })
-        .collect();
-    for (rank, child) in ranks.into_iter().enumerate() {
-        let out = wait_with_deadline(child, Duration::from_secs(300));
-        assert!(
-            out.status.success(),
-            "DP=2 rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        }
+        assert_same_losses(&whole_batch, &losses(&metrics), what);
     }
-    assert_same_losses(
-        &whole_batch,
-        &losses(&metrics),
-        "per-token loss over 2 ranks",
-    );
     let per_micro_batch = run_one("per-micro-batch", &["--micro-batch-size", "1"]);
     // The first loss is logged before any step, as the global per-token mean in every mode.
     assert!((per_micro_batch[0] - whole_batch[0]).abs() <= 1e-6 * whole_batch[0]);
