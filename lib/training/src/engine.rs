@@ -935,24 +935,23 @@ impl<F: ModelFamily> Run<'_, F> {
             .map(|(max_lr, min_lr)| self.scheduler.lr_between(max_lr, min_lr))
     }
 
-    /// `--calculate-per-token-loss`'s factor of the summed token losses on the last stage: the
-    /// data-parallel size over the non-masked tokens of the global batch (each rank counts its
-    /// micro-batches, the data-parallel group adds the counts up). Other stages compute no loss.
+    /// `--calculate-per-token-loss`'s factor of the summed token losses: the data-parallel size
+    /// over the non-masked tokens of the global batch (each rank counts its micro-batches, the
+    /// data-parallel group adds the counts up). Only the last stage uses it; every stage counts,
+    /// so that a family without per-token losses is refused on all ranks alike.
     fn per_global_token(&self, batches: &[F::Batch]) -> Result<Tensor> {
         let total = Tensor::zeros([], (Kind::Float, self.device));
-        if self.parallel.is_last_stage() {
-            for batch in batches {
-                let tokens = self.family.loss_tokens(batch).ok_or_else(|| {
-                    usage_error(format!(
-                        "--calculate-per-token-loss: {} pretraining averages its loss per \
-                         micro-batch, not over tokens (only GPT's loss is per token)",
-                        self.family.model_type()
-                    ))
-                })?;
-                let _ = total.shallow_clone().g_add_(&tokens);
-            }
-            self.parallel.data.all_reduce(&total, ReduceOp::Sum)?;
+        for batch in batches {
+            let tokens = self.family.loss_tokens(batch).ok_or_else(|| {
+                usage_error(format!(
+                    "--calculate-per-token-loss: {} pretraining averages its loss per \
+                     micro-batch, not over tokens (only GPT's loss is per token)",
+                    self.family.model_type()
+                ))
+            })?;
+            let _ = total.shallow_clone().g_add_(&tokens);
         }
+        self.parallel.data.all_reduce(&total, ReduceOp::Sum)?;
         Ok(total.clamp_min(1.0).reciprocal() * self.parallel.data.size() as f64)
     }
 
