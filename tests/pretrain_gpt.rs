@@ -17,14 +17,30 @@ struct Corpus {
 
 /// The bundled corpus tokenized with the bundled tokenizer, as the quickstart does.
 fn bundled_corpus() -> Corpus {
-    let data = workspace_root().join("data");
+    corpus_of(
+        &workspace_root().join("data").join("corpus.jsonl"),
+        tempfile::tempdir().unwrap(),
+    )
+}
+
+/// The bundled corpus `times` over, for splits as thin as Megatron's scripts' `949,50,1`.
+fn repeated_corpus(times: usize) -> Corpus {
     let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(workspace_root().join("data").join("corpus.jsonl")).unwrap();
+    let input = dir.path().join("repeated.jsonl");
+    std::fs::write(&input, text.repeat(times)).unwrap();
+    corpus_of(&input, dir)
+}
+
+/// `input` tokenized with the bundled tokenizer into `dir`.
+fn corpus_of(input: &Path, dir: tempfile::TempDir) -> Corpus {
+    let data = workspace_root().join("data");
     let vocab = data.join("quickstart-vocab.json");
     let merges = data.join("quickstart-merges.txt");
     run_ok(
         bin("preprocess_data")
             .args(["--input"])
-            .arg(data.join("corpus.jsonl"))
+            .arg(input)
             .arg("--output-prefix")
             .arg(dir.path().join("corpus"))
             .args([
@@ -547,4 +563,517 @@ fn logging_flags_of_megatron_scripts_are_honoured_or_noted() {
         (printed - recorded).abs() <= 1e-6 * recorded,
         "{printed} vs {recorded}"
     );
+}
+
+/// Megatron core_v0.14.0's `examples/gpt3/train_gpt3_175b_distributed.sh` at tiny CPU scale:
+/// every flag it passes, in its order, with the sizes shrunk (96 layers → 2, 1536 samples per
+/// batch → 8) and the intervals scaled so that a save and an evaluation happen. `schedule`
+/// replaces the script's `--rampup-batch-size 16 16 5859375 --train-iters 500000` and
+/// `--lr-decay-iters 430000`.
+fn gpt3_175b_script(
+    corpus: &Corpus,
+    checkpoint: &Path,
+    tensorboard: &Path,
+    schedule: [&[&str]; 2],
+) -> Command {
+    let [training, decay] = schedule;
+    let mut command = bin("pretrain_gpt");
+    command
+        .args([
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+        ])
+        .args(["--seq-length", "64", "--max-position-embeddings", "64"])
+        .args(["--attention-backend", "auto"])
+        .args(["--micro-batch-size", "1", "--global-batch-size", "8"])
+        .args(training)
+        .args([
+            "--weight-decay",
+            "0.1",
+            "--adam-beta1",
+            "0.9",
+            "--adam-beta2",
+            "0.95",
+        ])
+        .args(["--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16"])
+        .args([
+            "--lr",
+            "6.0e-5",
+            "--lr-decay-style",
+            "cosine",
+            "--min-lr",
+            "6.0e-6",
+        ])
+        .args(["--lr-warmup-fraction", ".001"])
+        .args(decay)
+        .args([
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "1",
+        ])
+        .arg("--data-path")
+        .arg(&corpus.prefix)
+        .arg("--vocab-file")
+        .arg(&corpus.vocab)
+        .arg("--merge-file")
+        .arg(&corpus.merges)
+        .args(["--split", "949,50,1"])
+        .args([
+            "--log-interval",
+            "1",
+            "--save-interval",
+            "2",
+            "--eval-interval",
+            "2",
+        ])
+        .arg("--save")
+        .arg(checkpoint)
+        .arg("--load")
+        .arg(checkpoint)
+        .args(["--eval-iters", "1"])
+        .arg("--tensorboard-dir")
+        .arg(tensorboard)
+        // Not in the script: the run is pinned to the CPU whatever the machine has.
+        .args(["--device", "cpu"]);
+    command
+}
+
+/// Megatron core_v0.14.0's `examples/llama/train_llama3_8b_h100_fp8.sh` at tiny CPU scale, on
+/// its default branch (mock data, NullTokenizer): every flag it passes, in its order, with the
+/// sizes shrunk (32 layers → 2, 8192 tokens → 64, 128 samples per batch → 8, 128256 tokens of
+/// vocabulary → 1024) and the intervals scaled to a 3-iteration run.
+fn llama3_8b_fp8_script(cache: &Path, checkpoint: &Path, tensorboard: &Path) -> Command {
+    let mut command = bin("pretrain_gpt");
+    command
+        .args([
+            "--use-mcore-models",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+        ])
+        .args(["--ffn-hidden-size", "128", "--num-attention-heads", "4"])
+        .args([
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--kv-channels",
+            "16",
+        ])
+        .args(["--seq-length", "64", "--max-position-embeddings", "64"])
+        .args([
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            "1000000",
+        ])
+        .args([
+            "--rotary-percent",
+            "1.0",
+            "--attention-dropout",
+            "0.0",
+            "--hidden-dropout",
+            "0.0",
+        ])
+        .args([
+            "--swiglu",
+            "--init-method-std",
+            "0.0134",
+            "--attention-backend",
+            "fused",
+        ])
+        .args([
+            "--apply-layernorm-1p",
+            "--untie-embeddings-and-output-weights",
+        ])
+        .args(["--disable-bias-linear"])
+        .args([
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "8",
+            "--train-samples",
+            "24",
+        ])
+        .args([
+            "--lr-decay-samples",
+            "20",
+            "--lr-warmup-samples",
+            "4",
+            "--lr",
+            "0.00015",
+        ])
+        .args([
+            "--min-lr",
+            "0.00001",
+            "--decoupled-lr",
+            "5.0e-4",
+            "--decoupled-min-lr",
+            "4.5e-5",
+        ])
+        .args([
+            "--lr-decay-style",
+            "cosine",
+            "--clip-grad",
+            "1.0",
+            "--weight-decay",
+            "0.1",
+        ])
+        .args([
+            "--adam-beta1",
+            "0.9",
+            "--adam-beta2",
+            "0.95",
+            "--bf16",
+            "--grad-reduce-in-bf16",
+        ])
+        .args([
+            "--cross-entropy-loss-fusion",
+            "--calculate-per-token-loss",
+            "--manual-gc",
+        ])
+        .args([
+            "--empty-unused-memory-level",
+            "1",
+            "--exit-duration-in-mins",
+            "235",
+        ])
+        .args([
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+        ])
+        .args(["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"])
+        .args(["--fp8-amax-compute-algo", "max", "--fp8-param-gather"])
+        .args([
+            "--tensor-model-parallel-size",
+            "1",
+            "--context-parallel-size",
+            "1",
+        ])
+        .args(["--sequence-parallel"])
+        .args([
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1024",
+        ])
+        .arg("--data-cache-path")
+        .arg(cache)
+        // The script's array expansion passes the quotes through: the value is `'99,1,0'`.
+        .args(["--tiktoken-pattern", "v2", "--split", "'99,1,0'"])
+        .args([
+            "--no-create-attention-mask-in-dataloader",
+            "--no-mmap-bin-files",
+        ])
+        .args(["--num-workers", "1"])
+        .args([
+            "--log-interval",
+            "1",
+            "--eval-iters",
+            "1",
+            "--eval-interval",
+            "2",
+        ])
+        .args(["--save-interval", "2", "--log-throughput"])
+        .args([
+            "--profile",
+            "--profile-step-start",
+            "1",
+            "--profile-step-end",
+            "2",
+        ])
+        // Not in the script: Megatron's --profile is nsys's capture range on a GPU; on the CPU
+        // the trace comes from libtorch's profiler.
+        .arg("--use-pytorch-profiler")
+        .args([
+            "--ckpt-format",
+            "torch_dist",
+            "--distributed-timeout-minutes",
+            "60",
+        ])
+        .arg("--save")
+        .arg(checkpoint)
+        .arg("--load")
+        .arg(checkpoint)
+        .arg("--tensorboard-dir")
+        .arg(tensorboard)
+        .args(["--device", "cpu"]);
+    command
+}
+
+/// Runs a script's flag set twice as the script would be run twice with the same checkpoint
+/// directory: the first run stops after iteration 2 (`--exit-interval 2`, saving), the second
+/// resumes there and trains to `last_iteration`, saving at the end.
+fn assert_starts_saves_and_resumes(
+    mut script: impl FnMut() -> Command,
+    checkpoint: &Path,
+    last_iteration: u64,
+    what: &str,
+) {
+    let first = run_ok(script().args(["--exit-interval", "2"]));
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert!(
+        stdout.contains("iteration        2/"),
+        "{what}, first run: {stdout}"
+    );
+    let tracker = checkpoint.join("latest_checkpointed_iteration.txt");
+    assert_eq!(
+        std::fs::read_to_string(&tracker).unwrap().trim(),
+        "2",
+        "{what}"
+    );
+    let second = run_ok(&mut script());
+    let stdout = String::from_utf8_lossy(&second.stdout);
+    let loaded = format!(
+        "successfully loaded checkpoint from {} [ t 1/1, p 1/1 ] at iteration 2",
+        checkpoint.display()
+    );
+    assert!(stdout.contains(&loaded), "{what}, second run: {stdout}");
+    assert!(
+        !stdout.contains("iteration        1/"),
+        "{what} trained iteration 1 again: {stdout}"
+    );
+    let last = format!("iteration        {last_iteration}/       {last_iteration} |");
+    assert!(stdout.contains(&last), "{what}, second run: {stdout}");
+    assert_eq!(
+        std::fs::read_to_string(&tracker).unwrap().trim(),
+        last_iteration.to_string(),
+        "{what}"
+    );
+}
+
+#[test]
+fn the_gpt3_175b_script_flag_set_trains_saves_and_resumes() {
+    // Enough documents that the script's 1/1000 test split holds one.
+    let corpus = repeated_corpus(8);
+    // As Megatron (validate_args), the script's literal rampup with --train-iters is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let literal = gpt3_175b_script(
+        &corpus,
+        &dir.path().join("checkpoint"),
+        &dir.path().join("tensorboard"),
+        [
+            &["--rampup-batch-size", "4", "4", "8", "--train-iters", "3"],
+            &["--lr-decay-iters", "3"],
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(literal.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&literal.stderr)
+            .contains("--rampup-batch-size needs sample-based training"),
+        "{}",
+        String::from_utf8_lossy(&literal.stderr)
+    );
+    // Sample-based with the ramp (batches of 4, 4, 8, 8: four iterations), and iteration-based
+    // without it.
+    let variants: [(&str, [&[&str]; 2], u64); 2] = [
+        (
+            "samples with rampup",
+            [
+                &[
+                    "--rampup-batch-size",
+                    "4",
+                    "4",
+                    "8",
+                    "--train-samples",
+                    "24",
+                ],
+                &["--lr-decay-samples", "24"],
+            ],
+            4,
+        ),
+        (
+            "iterations",
+            [&["--train-iters", "3"], &["--lr-decay-iters", "3"]],
+            3,
+        ),
+    ];
+    for (what, schedule, last_iteration) in variants {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = dir.path().join("checkpoint");
+        let tensorboard = dir.path().join("tensorboard");
+        assert_starts_saves_and_resumes(
+            || gpt3_175b_script(&corpus, &checkpoint, &tensorboard, schedule),
+            &checkpoint,
+            last_iteration,
+            what,
+        );
+    }
+}
+
+#[test]
+fn the_llama3_8b_fp8_script_flag_set_trains_saves_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let checkpoint = dir.path().join("checkpoint");
+    let tensorboard = dir.path().join("tensorboard");
+    assert_starts_saves_and_resumes(
+        || llama3_8b_fp8_script(&cache, &checkpoint, &tensorboard),
+        &checkpoint,
+        3,
+        "llama3 8b fp8",
+    );
+    // The rate logged after iteration k is the one for the next step, at 8k samples: warm-up
+    // ends at 4 samples, then cosine from the decoupled peak to its floor over 16 more.
+    let cosine = |samples: f64| {
+        let ratio = ((samples - 4.0) / 16.0_f64).min(1.0);
+        4.5e-5 + 0.5 * ((std::f64::consts::PI * ratio).cos() + 1.0) * (5.0e-4 - 4.5e-5)
+    };
+    let metrics = std::fs::read_to_string(tensorboard.join("metrics.jsonl")).unwrap();
+    let mut logged = 0;
+    for record in metrics
+        .lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .filter(|record| record.get("split").is_none())
+    {
+        let iteration = record["iteration"].as_u64().unwrap();
+        let rate = record["decoupled-learning-rate"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{record}"));
+        let expected = cosine(8.0 * iteration as f64);
+        assert!(
+            (rate - expected).abs() <= 1e-15,
+            "iteration {iteration}: {rate} vs {expected}"
+        );
+        logged += 1;
+    }
+    assert!(logged >= 1, "{metrics}");
+}
+
+/// `--log-memory-to-tensorboard`: on a CPU a note and no memory scalars; on a GPU (when there
+/// is one) the caching allocator's four statistics under Megatron's tags, every iteration.
+#[test]
+fn memory_statistics_are_logged_on_a_gpu_and_noted_on_the_cpu() {
+    let corpus = bundled_corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let tags = [
+        "mem-reserved-bytes",
+        "mem-allocated-bytes",
+        "mem-max-allocated-bytes",
+        "mem-allocated-count",
+    ];
+    let records = |metrics: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(metrics)
+            .unwrap()
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .filter(|record: &serde_json::Value| record.get("split").is_none())
+            .collect()
+    };
+    let flags = [
+        "--train-iters",
+        "2",
+        "--lr-warmup-iters",
+        "0",
+        "--log-memory-to-tensorboard",
+    ];
+    let cpu = dir.path().join("cpu.jsonl");
+    let out = run_ok(pretrain(&corpus, &flags).args(["--metrics-file", path_str(&cpu)]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr
+            .matches("note: --log-memory-to-tensorboard writes nothing on the CPU")
+            .count(),
+        1,
+        "{stderr}"
+    );
+    let cpu_records = records(&cpu);
+    assert_eq!(cpu_records.len(), 2);
+    for record in &cpu_records {
+        assert!(
+            tags.iter().all(|tag| record.get(*tag).is_none()),
+            "{record}"
+        );
+    }
+    if megatron_e2e::visible_gpus() == 0 {
+        return;
+    }
+    let gpu = dir.path().join("gpu.jsonl");
+    run_ok(pretrain(&corpus, &flags).args(["--device", "cuda", "--metrics-file", path_str(&gpu)]));
+    let gpu_records = records(&gpu);
+    assert_eq!(gpu_records.len(), 2);
+    for record in &gpu_records {
+        let value = |tag: &str| {
+            record[tag]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{tag}: {record}"))
+        };
+        for tag in tags {
+            assert!(value(tag) > 0.0, "{tag}: {record}");
+        }
+        assert!(
+            value("mem-max-allocated-bytes") >= value("mem-allocated-bytes"),
+            "{record}"
+        );
+        assert!(
+            value("mem-reserved-bytes") >= value("mem-allocated-bytes"),
+            "{record}"
+        );
+    }
+}
+
+/// `--use-checkpoint-args`: the architecture flags recorded in the checkpoint replace the
+/// command line's, so a resume that leaves them out loads the checkpoint; without the flag the
+/// same command line is refused for building another architecture.
+#[test]
+fn checkpoint_args_replace_the_architecture_flags() {
+    let corpus = bundled_corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint = dir.path().join("checkpoint");
+    let save = [
+        "--save",
+        path_str(&checkpoint),
+        "--load",
+        path_str(&checkpoint),
+        "--lr-warmup-iters",
+        "0",
+    ];
+    let architecture = [
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--untie-embeddings-and-output-weights",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "48",
+    ];
+    run_ok(&mut pretrain(
+        &corpus,
+        &[
+            &save[..],
+            &architecture,
+            &["--train-iters", "3", "--exit-interval", "2"],
+        ]
+        .concat(),
+    ));
+    let plain = [&save[..], &["--train-iters", "3", "--log-interval", "1"]].concat();
+    let refused = pretrain(&corpus, &plain).output().unwrap();
+    assert!(!refused.status.success(), "loaded another architecture");
+    let out = run_ok(&mut pretrain(
+        &corpus,
+        &[&plain[..], &["--use-checkpoint-args"]].concat(),
+    ));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "Setting swiglu to True from checkpoint",
+        "Setting normalization to RMSNorm from checkpoint",
+        "Setting untie_embeddings_and_output_weights to True from checkpoint",
+        "Setting num_query_groups to 2 from checkpoint",
+        "Setting ffn_hidden_size to 48 from checkpoint",
+    ] {
+        assert_eq!(stdout.matches(line).count(), 1, "{line}: {stdout}");
+    }
+    assert!(stdout.contains("at iteration 2"), "{stdout}");
+    assert!(stdout.contains("iteration        3/       3 |"), "{stdout}");
 }

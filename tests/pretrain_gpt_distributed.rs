@@ -393,3 +393,190 @@ fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
         );
     }
 }
+
+/// A corpus of short documents of 1 to 13 words, so that with `--eod-mask-loss` the micro-batches
+/// of a 32-token sequence keep very different numbers of tokens (one end-of-document token
+/// masked per document).
+fn short_documents(dir: &Path) -> Vec<String> {
+    let words = [
+        "the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "away",
+    ];
+    let documents: String = (0..400)
+        .map(|i| {
+            let length = if i % 5 == 4 { 40 } else { 1 };
+            let text: Vec<&str> = (0..length).map(|j| words[(i + j) % words.len()]).collect();
+            format!("{}\n", serde_json::json!({ "text": text.join(" ") }))
+        })
+        .collect();
+    let input = dir.join("short.jsonl");
+    std::fs::write(&input, documents).unwrap();
+    let data = megatron_e2e::workspace_root().join("data");
+    let (vocab, merges) = (
+        data.join("quickstart-vocab.json"),
+        data.join("quickstart-merges.txt"),
+    );
+    let prefix = dir.join("short");
+    run_ok(
+        bin("preprocess_data")
+            .arg("--input")
+            .arg(&input)
+            .arg("--output-prefix")
+            .arg(&prefix)
+            .args([
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--append-eod",
+                "--workers",
+                "1",
+            ])
+            .arg("--vocab-file")
+            .arg(&vocab)
+            .arg("--merge-file")
+            .arg(&merges),
+    );
+    vec![
+        "--data-path".into(),
+        format!("{}_text_document", prefix.display()),
+        "--vocab-file".into(),
+        vocab.display().to_string(),
+        "--merge-file".into(),
+        merges.display().to_string(),
+    ]
+}
+
+/// A 2-layer GPT trained 3 SGD steps on [`short_documents`] with the end-of-document tokens
+/// masked out of the loss.
+fn pretrain_short_documents(data: &[String], extra: &[&str]) -> Command {
+    let mut command = bin("pretrain_gpt");
+    command
+        .args([
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+        ])
+        .args(["--seq-length", "32", "--max-position-embeddings", "32"])
+        .args([
+            "--global-batch-size",
+            "8",
+            "--train-iters",
+            "3",
+            "--eod-mask-loss",
+        ])
+        .args([
+            "--optimizer",
+            "sgd",
+            "--sgd-momentum",
+            "0",
+            "--lr",
+            "0.5",
+            "--clip-grad",
+            "0",
+        ])
+        .args([
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            "--split",
+            "100,0,0",
+        ])
+        .args([
+            "--log-interval",
+            "1",
+            "--eval-iters",
+            "0",
+            "--device",
+            "cpu",
+        ])
+        .args(["--distributed-backend", "gloo"])
+        .args(data)
+        .args(extra);
+    command
+}
+
+/// With `--calculate-per-token-loss` the summed token losses are divided by the tokens of the
+/// whole global batch: eight micro-batches of one sample, on one rank or on two tensor- or
+/// pipeline-parallel ranks, and two data-parallel ranks of two micro-batches of two, train as
+/// one micro-batch of all eight samples without the flag (whose loss is
+/// that global per-token mean by definition). Without the flag, eight micro-batches of one
+/// sample weigh each micro-batch's mean alike and train differently.
+#[test]
+fn per_token_loss_averages_over_the_global_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = short_documents(dir.path());
+    let run_one = |name: &str, flags: &[&str]| {
+        let metrics = dir.path().join(format!("{name}.jsonl"));
+        run_ok(
+            pretrain_short_documents(&data, flags)
+                .args(["--metrics-file", metrics.to_str().unwrap()]),
+        );
+        losses(&metrics)
+    };
+    let whole_batch = run_one("whole", &["--micro-batch-size", "8"]);
+    let per_token = run_one(
+        "per-token",
+        &["--micro-batch-size", "1", "--calculate-per-token-loss"],
+    );
+    assert_same_losses(
+        &whole_batch,
+        &per_token,
+        "per-token loss over 8 micro-batches",
+    );
+    // Two ranks as two data-parallel ranks of two micro-batches of two samples, or two tensor-
+    // or pipeline-parallel ranks of eight micro-batches of one.
+    let layouts: [(&str, &[&str]); 3] = [
+        ("DP=2", &["--micro-batch-size", "2"]),
+        (
+            "TP=2",
+            &[
+                "--micro-batch-size",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+        ),
+        (
+            "PP=2",
+            &[
+                "--micro-batch-size",
+                "1",
+                "--pipeline-model-parallel-size",
+                "2",
+            ],
+        ),
+    ];
+    for (what, layout) in layouts {
+        let metrics = dir.path().join(format!("{what}.jsonl"));
+        let port = free_port();
+        let ranks: Vec<Child> = (0..2)
+            .map(|rank| {
+                let mut command = pretrain_short_documents(&data, layout);
+                command.args(["--calculate-per-token-loss", "--metrics-file"]);
+                command.arg(&metrics);
+                spawn_rank(command, rank, 2, &port)
+            })
+            .collect();
+        for (rank, child) in ranks.into_iter().enumerate() {
+            let out = wait_with_deadline(child, Duration::from_secs(300));
+            assert!(
+                out.status.success(),
+                "{what} rank {rank}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        assert_same_losses(&whole_batch, &losses(&metrics), what);
+    }
+    let per_micro_batch = run_one("per-micro-batch", &["--micro-batch-size", "1"]);
+    // The first loss is logged before any step, as the global per-token mean in every mode.
+    assert!((per_micro_batch[0] - whole_batch[0]).abs() <= 1e-6 * whole_batch[0]);
+    let apart = (1..3)
+        .map(|i| (per_micro_batch[i] - whole_batch[i]).abs() / whole_batch[i])
+        .fold(0.0, f64::max);
+    assert!(
+        apart > 5e-4,
+        "averaging per micro-batch trained like the global mean ({per_micro_batch:?} vs {whole_batch:?}): the masks do not differ enough"
+    );
+}

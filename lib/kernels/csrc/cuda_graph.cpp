@@ -56,6 +56,18 @@ char* mrs_cuda_empty_cache(void) {
   return protect([] { c10::cuda::CUDACachingAllocator::emptyCache(); });
 }
 
+char* mrs_cuda_memory_stats(int device, int64_t* out) {
+  return protect([&] {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
+        static_cast<c10::DeviceIndex>(device));
+    constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = stats.reserved_bytes[all].current;
+    out[1] = stats.allocated_bytes[all].current;
+    out[2] = stats.allocated_bytes[all].peak;
+    out[3] = stats.allocation[all].current;
+  });
+}
+
 }  // extern "C"
 
 #else
@@ -93,6 +105,8 @@ char* mrs_cuda_graph_replay(mrs_cuda_graph*) { return unavailable(); }
 void mrs_cuda_graph_free(mrs_cuda_graph* graph) { delete graph; }
 
 char* mrs_cuda_empty_cache(void) { return unavailable(); }
+
+char* mrs_cuda_memory_stats(int, int64_t*) { return unavailable(); }
 
 }  // extern "C"
 

@@ -154,6 +154,10 @@ char* mrs_cuda_graph_replay(mrs_cuda_graph* graph);
 void mrs_cuda_graph_free(mrs_cuda_graph* graph);
 // Returns the caching allocator's unused blocks to the device (torch.cuda.empty_cache()).
 char* mrs_cuda_empty_cache(void);
+// The caching allocator's statistics of `device` as torch.cuda.memory_stats() names them, into
+// out[0..4]: reserved_bytes.all.current, allocated_bytes.all.current,
+// allocated_bytes.all.peak, allocation.all.current.
+char* mrs_cuda_memory_stats(int device, int64_t* out);
 
 // Multi-tensor kernels (csrc/multi_tensor.cpp). Each list argument is `n` handles.
 // AdamW step with decoupled weight decay over parameters of one device and dtype; increments

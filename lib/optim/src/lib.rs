@@ -9,7 +9,8 @@ mod mixed_precision;
 mod param_gather;
 
 pub use buffer::{BufferLayout, ParamShape};
-pub use groups::{excluded_from_weight_decay, ParamGroup};
+pub use groups::{excluded_from_weight_decay, is_embedding_or_output, ParamGroup};
 pub use mixed_precision::{
-    MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,
+    LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome,
+    DEFAULT_BUCKET_SIZE,
 };

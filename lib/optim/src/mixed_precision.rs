@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::buffer::{BufferLayout, ParamShape, Segment};
 use super::grad_sync::{BucketReducer, OverlappedGradSync};
-use super::groups::ParamGroup;
+use super::groups::{is_embedding_or_output, ParamGroup};
 use super::param_gather::ParamGather;
 use megatron_kernels::ops::optimizer_kernels::{
     self, AdamwBuffers, AdamwSegment, AdamwTable, SquaresTable,
@@ -53,6 +53,28 @@ pub struct OptimizerSettings {
     /// [`MainGradSlot`](megatron_models::param::MainGradSlot)); unused with overlapped reduction,
     /// whose hooks fire on per-parameter gradients.
     pub gradient_accumulation_fusion: bool,
+    /// `--decoupled-lr`: the input word embeddings and the output layer
+    /// ([`is_embedding_or_output`]) step with [`LearningRates::embedding_or_output`].
+    pub decoupled_lr: bool,
+}
+
+/// The learning rates of one step: Megatron's parameter groups with their own `max_lr`/`min_lr`
+/// on one schedule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LearningRates {
+    pub lr: f64,
+    /// With [`OptimizerSettings::decoupled_lr`], the rate of the embeddings and output layer.
+    pub embedding_or_output: f64,
+}
+
+impl LearningRates {
+    /// One rate for every parameter.
+    pub fn uniform(lr: f64) -> Self {
+        LearningRates {
+            lr,
+            embedding_or_output: lr,
+        }
+    }
 }
 
 /// How gradients reach the data-parallel average.
@@ -93,6 +115,8 @@ struct StepViews {
 
 struct AdamViews {
     group: ParamGroup,
+    /// Steps with [`LearningRates::embedding_or_output`].
+    decoupled: bool,
     params: Vec<Tensor>,
     grads: Vec<Tensor>,
     exp_avgs: Vec<Tensor>,
@@ -316,8 +340,10 @@ impl MixedPrecisionOptimizer {
         let Device::Cuda(index) = self.grad_buffer.device() else {
             return Ok(None);
         };
+        // The kernels take one learning rate for every segment.
         if !matches!(self.settings.kind, OptimizerKind::Adam { .. })
             || self.main_is_params
+            || (0..self.layout.slots.len()).any(|slot| self.decoupled(slot))
             || !optimizer_kernels::usable_on(index, kind)
         {
             return Ok(None);
@@ -379,29 +405,43 @@ impl MixedPrecisionOptimizer {
                 exp_avg_sq,
                 steps,
                 ..
-            } => [ParamGroup::Decayed, ParamGroup::NotDecayed]
-                .into_iter()
-                .map(|group| {
-                    let chosen: Vec<usize> = (0..segments.len())
-                        .filter(|&i| self.layout.slots[segments[i].slot].group == group)
-                        .collect();
-                    let shard = |t: &Tensor, i: usize| {
-                        let s = &segments[i].shard;
-                        t.narrow(0, s.start as i64, s.len() as i64)
-                    };
-                    AdamViews {
-                        group,
-                        params: chosen
-                            .iter()
-                            .map(|&i| self.main_view(&segments[i]))
-                            .collect(),
-                        grads: chosen.iter().map(|&i| grads[i].shallow_clone()).collect(),
-                        exp_avgs: chosen.iter().map(|&i| shard(exp_avg, i)).collect(),
-                        exp_avg_sqs: chosen.iter().map(|&i| shard(exp_avg_sq, i)).collect(),
-                        steps: chosen.iter().map(|&i| steps[i].shallow_clone()).collect(),
-                    }
-                })
-                .collect(),
+            } => [
+                (ParamGroup::Decayed, false),
+                (ParamGroup::NotDecayed, false),
+                (ParamGroup::Decayed, true),
+                (ParamGroup::NotDecayed, true),
+            ]
+            .into_iter()
+            .filter_map(|(group, decoupled)| {
+                let chosen: Vec<usize> = (0..segments.len())
+                    .filter(|&i| {
+                        let slot = segments[i].slot;
+                        self.layout.slots[slot].group == group && self.decoupled(slot) == decoupled
+                    })
+                    .collect();
+                // The two groups without a rate of their own are kept even when empty, as
+                // before decoupled rates existed.
+                (!decoupled || !chosen.is_empty()).then_some((group, decoupled, chosen))
+            })
+            .map(|(group, decoupled, chosen)| {
+                let shard = |t: &Tensor, i: usize| {
+                    let s = &segments[i].shard;
+                    t.narrow(0, s.start as i64, s.len() as i64)
+                };
+                AdamViews {
+                    group,
+                    decoupled,
+                    params: chosen
+                        .iter()
+                        .map(|&i| self.main_view(&segments[i]))
+                        .collect(),
+                    grads: chosen.iter().map(|&i| grads[i].shallow_clone()).collect(),
+                    exp_avgs: chosen.iter().map(|&i| shard(exp_avg, i)).collect(),
+                    exp_avg_sqs: chosen.iter().map(|&i| shard(exp_avg_sq, i)).collect(),
+                    steps: chosen.iter().map(|&i| steps[i].shallow_clone()).collect(),
+                }
+            })
+            .collect(),
             Moments::Sgd { .. } => Vec::new(),
         };
         let publish = if self.main_is_params {
@@ -424,6 +464,11 @@ impl MixedPrecisionOptimizer {
             adam,
             publish,
         }
+    }
+
+    /// Whether the parameter of `slot` steps with the decoupled learning rate.
+    fn decoupled(&self, slot: usize) -> bool {
+        self.settings.decoupled_lr && is_embedding_or_output(&self.layout.slots[slot].name)
     }
 
     /// Bytes this rank holds per model parameter for parameters, gradients and optimizer state
@@ -581,7 +626,7 @@ impl MixedPrecisionOptimizer {
     /// clears them. `loss_scale` is the fp16 scaler's current scale (`None` for bf16/fp32).
     pub fn step(
         &mut self,
-        lr: f64,
+        lrs: LearningRates,
         weight_decay: f64,
         loss_scale: Option<f32>,
     ) -> Result<StepOutcome> {
@@ -618,7 +663,13 @@ impl MixedPrecisionOptimizer {
         if let (Some(kernels), OptimizerKind::Adam { beta1, beta2, eps }) =
             (&self.kernels, self.settings.kind)
         {
-            self.kernel_step(kernels, lr, weight_decay, (beta1, beta2, eps), clip_divisor)?;
+            self.kernel_step(
+                kernels,
+                lrs.lr,
+                weight_decay,
+                (beta1, beta2, eps),
+                clip_divisor,
+            )?;
             // Read once the update is queued: the device runs it while the host waits.
             return Ok(StepOutcome {
                 skipped: false,
@@ -635,7 +686,11 @@ impl MixedPrecisionOptimizer {
                         0.0
                     };
                     let hyper = AdamwHyper {
-                        lr,
+                        lr: if views.decoupled {
+                            lrs.embedding_or_output
+                        } else {
+                            lrs.lr
+                        },
                         beta1,
                         beta2,
                         eps,
@@ -659,7 +714,7 @@ impl MixedPrecisionOptimizer {
                     ops::foreach_mul_(&grad_refs, &divisor.reciprocal())?;
                 }
                 let segments = self.layout.segments.clone();
-                self.sgd_step(&segments, lr, weight_decay, momentum)
+                self.sgd_step(&segments, lrs, weight_decay, momentum)
             }
         }
         self.publish_main_params()?;
@@ -725,7 +780,13 @@ impl MixedPrecisionOptimizer {
         Ok(())
     }
 
-    fn sgd_step(&mut self, segments: &[Segment], lr: f64, weight_decay: f64, momentum: f64) {
+    fn sgd_step(
+        &mut self,
+        segments: &[Segment],
+        lrs: LearningRates,
+        weight_decay: f64,
+        momentum: f64,
+    ) {
         let mut buffer = match &mut self.moments {
             Moments::Sgd { momentum: buffer } => buffer.take(),
             Moments::Adam { .. } => None,
@@ -756,6 +817,11 @@ impl MixedPrecisionOptimizer {
                     velocity.shallow_clone().copy_(&updated);
                     direction = updated;
                 }
+                let lr = if self.decoupled(segment.slot) {
+                    lrs.embedding_or_output
+                } else {
+                    lrs.lr
+                };
                 let _ = main.shallow_clone().g_sub_(&(direction * lr));
             }
         });
@@ -936,6 +1002,7 @@ mod tests {
             overlap_grad_reduce: false,
             overlap_param_gather: false,
             gradient_accumulation_fusion: true,
+            decoupled_lr: false,
         };
         let sizes = world
             .run(|rank| {
@@ -953,6 +1020,96 @@ mod tests {
             })
             .unwrap();
         sizes[0]
+    }
+
+    /// One step of `kind` with `--decoupled-lr` on four float32 parameters whose gradients are
+    /// all ones; returns each parameter's change.
+    fn decoupled_step_changes(kind: OptimizerKind, lrs: LearningRates) -> Vec<(String, f64)> {
+        let settings = OptimizerSettings {
+            kind,
+            clip_grad: 0.0,
+            distributed: false,
+            bucket_size: DEFAULT_BUCKET_SIZE,
+            overlap_grad_reduce: false,
+            overlap_param_gather: false,
+            gradient_accumulation_fusion: false,
+            decoupled_lr: true,
+        };
+        let names = [
+            "embedding.word_embeddings.weight",
+            "embedding.position_embeddings.weight",
+            "decoder.layers.0.mlp.linear_fc1.weight",
+            "output_layer.weight",
+        ];
+        let parameters: Vec<NamedParameter> = names
+            .iter()
+            .map(|name| NamedParameter {
+                name: name.to_string(),
+                tensor: Tensor::ones([3, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true),
+                attributes: ParamAttributes::default(),
+                main_grad: None,
+            })
+            .collect();
+        let handles: Vec<Tensor> = parameters
+            .iter()
+            .map(|p| p.tensor.shallow_clone())
+            .collect();
+        let mut optimizer =
+            MixedPrecisionOptimizer::new(parameters, settings, &ParallelState::single()).unwrap();
+        optimizer.begin_step(1);
+        let loss = handles
+            .iter()
+            .map(|p| p.sum(Kind::Float))
+            .reduce(|a, b| a + b)
+            .unwrap();
+        loss.backward();
+        optimizer.accumulate_grads().unwrap();
+        let outcome = optimizer.step(lrs, 0.0, None).unwrap();
+        assert!(!outcome.skipped);
+        names
+            .iter()
+            .zip(&handles)
+            .map(|(name, p)| {
+                (
+                    name.to_string(),
+                    1.0 - p.mean(Kind::Float).double_value(&[]),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decoupled_rate_steps_only_the_word_embeddings_and_output_layer() {
+        let lrs = LearningRates {
+            lr: 0.01,
+            embedding_or_output: 0.25,
+        };
+        // SGD without momentum moves each parameter by its rate times the unit gradient; Adam's
+        // first step moves it by its rate (m̂/√v̂ = 1 up to eps).
+        for (kind, tolerance) in [
+            (OptimizerKind::Sgd { momentum: 0.0 }, 1e-7),
+            (
+                OptimizerKind::Adam {
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    eps: 1e-8,
+                },
+                1e-6,
+            ),
+        ] {
+            for (name, change) in decoupled_step_changes(kind, lrs) {
+                let expected =
+                    if name.starts_with("embedding.word") || name == "output_layer.weight" {
+                        0.25
+                    } else {
+                        0.01
+                    };
+                assert!(
+                    (change - expected).abs() <= tolerance,
+                    "{kind:?} {name}: moved by {change}, expected {expected}"
+                );
+            }
+        }
     }
 
     #[test]

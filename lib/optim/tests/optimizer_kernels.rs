@@ -14,7 +14,7 @@ use megatron_kernels::ops::{foreach_copy_, fused_adamw, AdamwHyper};
 use megatron_kernels::runtime::nvrtc::compile_ptx;
 use megatron_models::{NamedParameter, ParamAttributes};
 use megatron_optim::{
-    MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, DEFAULT_BUCKET_SIZE,
+    LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, DEFAULT_BUCKET_SIZE,
 };
 use megatron_parallel::ParallelState;
 use tch::{Device, Kind, Tensor};
@@ -380,6 +380,7 @@ fn the_optimizer_step_on_the_kernels_equals_the_step_on_atens_on_a_gpu() {
                 overlap_grad_reduce: false,
                 overlap_param_gather: false,
                 gradient_accumulation_fusion: false,
+                decoupled_lr: false,
             };
             let parallel = ParallelState::single();
             let ours_params = parameters(kind, device);
@@ -415,8 +416,10 @@ fn the_optimizer_step_on_the_kernels_equals_the_step_on_atens_on_a_gpu() {
                     optimizer.accumulate_grads().unwrap();
                 }
                 let (a, b) = (
-                    ours.step(1e-3, 0.1, loss_scale).unwrap(),
-                    aten.step(1e-3, 0.1, loss_scale).unwrap(),
+                    ours.step(LearningRates::uniform(1e-3), 0.1, loss_scale)
+                        .unwrap(),
+                    aten.step(LearningRates::uniform(1e-3), 0.1, loss_scale)
+                        .unwrap(),
                 );
                 assert!(!a.skipped && !b.skipped);
                 let (a, b) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());

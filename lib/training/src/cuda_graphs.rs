@@ -33,6 +33,8 @@ pub fn unsupported_reason(
         Some("pipeline stages exchange activations between a micro-batch's forward and backward")
     } else if args.parallel.overlap_grad_reduce {
         Some("--overlap-grad-reduce starts reductions from hooks on the host during the backward")
+    } else if args.training.calculate_per_token_loss {
+        Some("--calculate-per-token-loss scales each step by its token count, which the graph does not read")
     } else if args.recompute.recompute()? != Recompute::None {
         Some("activation recomputation swaps random-generator states on the host in the backward")
     } else {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
 use super::cuda_graphs::{self, MicrobatchGraph};
@@ -28,13 +28,15 @@ use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
 use crate::families::{LossTotals, ModelFamily};
 use crate::metrics::{EvalSplit, TrainingMetrics};
-use megatron_cli::bail_usage;
 use megatron_cli::signals::{exit_requested, install_exit_handler};
+use megatron_cli::{bail_usage, usage_error};
 use megatron_kernels::rng;
+use megatron_kernels::runtime::cuda_memory_stats;
 use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
 use megatron_models::{ModelChunk, ModelOptions, PipelineSplit};
 use megatron_optim::{
-    MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome, DEFAULT_BUCKET_SIZE,
+    LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome,
+    DEFAULT_BUCKET_SIZE,
 };
 use megatron_parallel::Placement;
 use megatron_parallel::{ParallelState, ReduceOp};
@@ -120,6 +122,9 @@ struct Run<'a, F: ModelFamily> {
     spikes: LossSpikeTracker,
     /// `--enable-cuda-graph` when this run can use it.
     graph: Option<MicrobatchGraph<F::Batch>>,
+    /// `--decoupled-lr` and `--decoupled-min-lr`: the peak and floor of the embeddings' and
+    /// output layer's learning rate.
+    decoupled_lr: Option<(f64, f64)>,
 }
 
 /// What a caller adds to the engine's loop: `eval_tasks`' finetuning saves and scores the model
@@ -260,6 +265,12 @@ pub fn train_with_hooks<F: ModelFamily>(
         for note in args.compatibility.notes() {
             eprintln!("{note}");
         }
+    }
+    if args.logging.log_memory_to_tensorboard && !device.is_cuda() && parallel.is_logging_rank() {
+        eprintln!(
+            "note: --log-memory-to-tensorboard writes nothing on the CPU: the statistics are the \
+             CUDA caching allocator's"
+        );
     }
     if args.parallel.sequence_parallel && layout.tensor == 1 {
         eprintln!("warning: --sequence-parallel has no effect without tensor parallelism");
@@ -448,6 +459,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         last_checkpoint: None,
         spikes: LossSpikeTracker::default(),
         graph: microbatch_graph(args, device, &parallel)?,
+        decoupled_lr: decoupled_lr(args)?,
     };
     if let (Some(found), Some(request)) = (loaded, &load_request) {
         let state = TrainingState {
@@ -692,6 +704,9 @@ impl<F: ModelFamily> Run<'_, F> {
                     ("world-size", self.parallel.world_size() as f64),
                     ("iteration-time", iteration_started.elapsed().as_secs_f64()),
                 ];
+                if let Some(rate) = self.decoupled_learning_rate() {
+                    scalars.push(("decoupled-learning-rate", rate));
+                }
                 if !outcome.skipped {
                     scalars.extend(losses.iter().copied());
                 }
@@ -700,6 +715,19 @@ impl<F: ModelFamily> Run<'_, F> {
                 }
                 if let Some(zeros) = outcome.num_zeros {
                     scalars.push(("num-zeros", zeros as f64));
+                }
+                if let (true, true, Device::Cuda(index)) = (
+                    logging.log_memory_to_tensorboard,
+                    self.metrics.is_some(),
+                    self.device,
+                ) {
+                    let memory = cuda_memory_stats(index)?;
+                    scalars.extend([
+                        ("mem-reserved-bytes", memory.reserved_bytes as f64),
+                        ("mem-allocated-bytes", memory.allocated_bytes as f64),
+                        ("mem-max-allocated-bytes", memory.max_allocated_bytes as f64),
+                        ("mem-allocated-count", memory.allocation_count as f64),
+                    ]);
                 }
                 if self.metrics.is_some() && logging.log_params_norm {
                     scalars.push(("params-norm", self.optimizer.params_norm()?));
@@ -837,13 +865,21 @@ impl<F: ModelFamily> Run<'_, F> {
         let batches = self.next_microbatches(loader, microbatches)?;
         let shape = self.schedule_shape(microbatches, false);
         self.optimizer.begin_step(microbatches as usize);
+        let loss_scaling = if self.args.training.calculate_per_token_loss {
+            LossScaling::PerToken {
+                per_global_token: self.per_global_token(&batches)?,
+                loss_scale: self.scaler.scale() as f64,
+            }
+        } else {
+            LossScaling::Host(self.scaler.scale() as f64)
+        };
         let mut stage = FamilyStage {
             family: self.family,
             chunks: &self.chunks,
             batches: &batches,
             parallel: &self.parallel,
             optimizer: Some(&mut self.optimizer),
-            loss_scaling: LossScaling::Host(self.scaler.scale() as f64),
+            loss_scaling,
             totals: LossTotals::new(self.family.loss_names(), self.device),
             scoring: false,
         };
@@ -856,11 +892,15 @@ impl<F: ModelFamily> Run<'_, F> {
         // busy through that wait (the gradient norm's read is the step's one sync).
         let pending_losses = stage.totals.start_reduce(&self.parallel)?;
         let lr = self.scheduler.lr();
+        let lrs = LearningRates {
+            lr,
+            embedding_or_output: self.decoupled_learning_rate().unwrap_or(lr),
+        };
         let weight_decay = self.scheduler.weight_decay();
         let fp16 = self.args.precision.fp16;
         let outcome = self
             .optimizer
-            .step(lr, weight_decay, fp16.then(|| self.scaler.scale()))?;
+            .step(lrs, weight_decay, fp16.then(|| self.scaler.scale()))?;
         let losses = pending_losses.values()?;
         // Every family reports its language-model loss first: the spike rule follows it.
         let lm_loss = losses[0].1;
@@ -886,6 +926,33 @@ impl<F: ModelFamily> Run<'_, F> {
                 .step(self.batches.current_global_batch_size());
         }
         Ok((losses, outcome))
+    }
+
+    /// The learning rate of the embeddings and output layer now, with `--decoupled-lr`: the
+    /// same schedule between their own peak and floor.
+    fn decoupled_learning_rate(&self) -> Option<f64> {
+        self.decoupled_lr
+            .map(|(max_lr, min_lr)| self.scheduler.lr_between(max_lr, min_lr))
+    }
+
+    /// `--calculate-per-token-loss`'s factor of the summed token losses: the data-parallel size
+    /// over the non-masked tokens of the global batch (each rank counts its micro-batches, the
+    /// data-parallel group adds the counts up). Only the last stage uses it; every stage counts,
+    /// so that a family without per-token losses is refused on all ranks alike.
+    fn per_global_token(&self, batches: &[F::Batch]) -> Result<Tensor> {
+        let total = Tensor::zeros([], (Kind::Float, self.device));
+        for batch in batches {
+            let tokens = self.family.loss_tokens(batch).ok_or_else(|| {
+                usage_error(format!(
+                    "--calculate-per-token-loss: {} pretraining averages its loss per \
+                     micro-batch, not over tokens (only GPT's loss is per token)",
+                    self.family.model_type()
+                ))
+            })?;
+            let _ = total.shallow_clone().g_add_(&tokens);
+        }
+        self.parallel.data.all_reduce(&total, ReduceOp::Sum)?;
+        Ok(total.clamp_min(1.0).reciprocal() * self.parallel.data.size() as f64)
     }
 
     fn nan_message(&self, what: &str, value: f64) -> String {
@@ -933,7 +1000,7 @@ impl<F: ModelFamily> Run<'_, F> {
             elapsed_ms_per_iter: per_iteration * 1000.0,
             throughput_tflops: self.args.logging.log_throughput.then_some(tflops),
             learning_rate: self.scheduler.lr(),
-            decoupled_learning_rate: None,
+            decoupled_learning_rate: self.decoupled_learning_rate(),
             global_batch_size: global_batch,
             losses,
             loss_scale: self.scaler.scale() as f64,
@@ -1187,7 +1254,34 @@ fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<
         overlap_grad_reduce: parallel.overlap_grad_reduce,
         overlap_param_gather: parallel.overlap_param_gather,
         gradient_accumulation_fusion: !o.no_gradient_accumulation_fusion,
+        decoupled_lr: o.decoupled_lr.is_some(),
     })
+}
+
+/// `--decoupled-lr` with `--decoupled-min-lr` (by default `--min-lr`, as Megatron), checked as
+/// the scheduler checks `--lr` and `--min-lr`.
+fn decoupled_lr(args: &PretrainArgs) -> Result<Option<(f64, f64)>> {
+    let o = &args.optimizer;
+    let Some(max_lr) = o.decoupled_lr else {
+        if o.decoupled_min_lr.is_some() {
+            eprintln!("warning: --decoupled-min-lr has no effect without --decoupled-lr");
+        }
+        return Ok(None);
+    };
+    let min_lr = o.decoupled_min_lr.unwrap_or(o.min_lr);
+    if !(min_lr >= 0.0 && max_lr >= min_lr) {
+        bail_usage!(
+            "--decoupled-lr ({max_lr}) must be at least --decoupled-min-lr ({min_lr}), which must \
+             be non-negative"
+        );
+    }
+    if max_lr < o.lr_warmup_init {
+        bail_usage!(
+            "--lr-warmup-init ({}) must not exceed --decoupled-lr ({max_lr})",
+            o.lr_warmup_init
+        );
+    }
+    Ok(Some((max_lr, min_lr)))
 }
 
 /// Megatron's requested sample counts: train, `(iters // eval_interval + 1) · eval_iters · gbs`

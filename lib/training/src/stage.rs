@@ -10,8 +10,9 @@ use crate::families::{LossTotals, ModelFamily, StepOutput};
 use megatron_optim::MixedPrecisionOptimizer;
 use megatron_parallel::ParallelState;
 
-/// Megatron divides each micro-batch's loss by the number of micro-batches before backward, and
-/// multiplies it by the fp16 loss scale.
+/// Megatron divides each micro-batch's loss by the number of micro-batches before backward (or
+/// with `--calculate-per-token-loss` divides the summed token losses by the global batch's
+/// tokens), and multiplies it by the fp16 loss scale.
 pub enum LossScaling {
     /// By the micro-batches the stage runs, times this loss scale.
     Host(f64),
@@ -21,6 +22,14 @@ pub enum LossScaling {
     Device {
         inverse_microbatches: Tensor,
         loss_scale: Tensor,
+    },
+    /// `--calculate-per-token-loss`: a micro-batch's summed token losses times
+    /// `per_global_token` (the data-parallel size over the global batch's non-masked tokens:
+    /// the data-parallel gradient reduction averages, and the sum over ranks is wanted) and the
+    /// loss scale.
+    PerToken {
+        per_global_token: Tensor,
+        loss_scale: f64,
     },
 }
 
@@ -32,6 +41,10 @@ impl LossScaling {
                 inverse_microbatches,
                 loss_scale,
             } => loss * inverse_microbatches * loss_scale,
+            LossScaling::PerToken {
+                per_global_token,
+                loss_scale,
+            } => loss * per_global_token * *loss_scale,
         }
     }
 }
@@ -69,6 +82,13 @@ impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
         Ok(match output {
             StepOutput::Hidden(hidden) => hidden,
             StepOutput::Loss(loss) => self.loss_scaling.apply(loss, self.batches.len()),
+            StepOutput::TokenLoss { sum, tokens } => match &self.loss_scaling {
+                LossScaling::PerToken { .. } => self.loss_scaling.apply(sum, 1),
+                // Megatron divides each micro-batch's loss by its token count.
+                _ => self
+                    .loss_scaling
+                    .apply(sum / tokens.clamp_min(1.0), self.batches.len()),
+            },
         })
     }
 

@@ -92,6 +92,7 @@ extern "C" {
     pub fn mrs_cuda_graph_replay(graph: *mut CudaGraphHandle) -> *mut c_char;
     pub fn mrs_cuda_graph_free(graph: *mut CudaGraphHandle);
     pub fn mrs_cuda_empty_cache() -> *mut c_char;
+    pub fn mrs_cuda_memory_stats(device: c_int, out: *mut i64) -> *mut c_char;
     pub fn mrs_set_post_accumulate_grad_hook(
         parameter: TensorHandle,
         vtable: *const HookVtable,

@@ -1,5 +1,6 @@
 //! CUDA graphs: a sequence of kernels captured once and replayed with one launch, for work whose
-//! shapes and addresses stay the same from call to call (a decode step over a static KV cache).
+//! shapes and addresses stay the same from call to call (a decode step over a static KV cache);
+//! and the caching allocator they allocate from (its cache and statistics).
 
 use crate::autograd::ffi::{self, CudaGraphHandle};
 use crate::error::check;
@@ -20,6 +21,35 @@ pub fn cuda_graphs_available() -> bool {
 pub fn cuda_empty_cache() -> Result<(), TorchError> {
     // SAFETY: plain call.
     check(unsafe { ffi::mrs_cuda_empty_cache() })
+}
+
+/// The caching allocator's statistics of one device, as `torch.cuda.memory_stats()` reports
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaMemoryStats {
+    /// `reserved_bytes.all.current`: bytes the allocator holds from the device.
+    pub reserved_bytes: i64,
+    /// `allocated_bytes.all.current`: bytes in tensors now.
+    pub allocated_bytes: i64,
+    /// `allocated_bytes.all.peak`: the most bytes in tensors at any time.
+    pub max_allocated_bytes: i64,
+    /// `allocation.all.current`: live allocations.
+    pub allocation_count: i64,
+}
+
+/// The caching allocator's statistics of CUDA device `device`; an error on a build without the
+/// CUDA runtime headers.
+pub fn cuda_memory_stats(device: usize) -> Result<CudaMemoryStats, TorchError> {
+    let mut out = [0i64; 4];
+    // SAFETY: `out` has the four entries the shim writes.
+    check(unsafe { ffi::mrs_cuda_memory_stats(device as i32, out.as_mut_ptr()) })?;
+    let [reserved_bytes, allocated_bytes, max_allocated_bytes, allocation_count] = out;
+    Ok(CudaMemoryStats {
+        reserved_bytes,
+        allocated_bytes,
+        max_allocated_bytes,
+        allocation_count,
+    })
 }
 
 /// A captured graph. The tensors its capture allocated live in its private memory pool; tensors

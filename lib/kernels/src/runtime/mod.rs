@@ -8,7 +8,9 @@ pub mod self_test;
 mod store;
 mod transfer;
 
-pub use cuda_graph::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
+pub use cuda_graph::{
+    cuda_empty_cache, cuda_graphs_available, cuda_memory_stats, CudaGraph, CudaMemoryStats,
+};
 pub use device::resolve_device;
 pub use profiler::{cuda_profiler_start, cuda_profiler_stop, KinetoTrace};
 pub use store::TorchStore;

@@ -36,6 +36,11 @@ pub struct CheckpointArgs {
     /// Fail instead of starting from scratch when --load has no checkpoint.
     #[arg(long)]
     pub exit_on_missing_checkpoint: bool,
+    /// Take the architecture flags (attention groups, position embeddings, biases, activation,
+    /// norms, dropouts; and FFN size, KV channels and maximum positions where not given) from
+    /// the arguments recorded in the checkpoint under --load, overriding the command line.
+    #[arg(long)]
+    pub use_checkpoint_args: bool,
     /// Neither record per-file checksums in metadata.json at save nor verify them at load
     /// (a CRC-32C read of every file, which catches corrupted bytes on disk).
     #[arg(long)]

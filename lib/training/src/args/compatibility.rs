@@ -48,6 +48,11 @@ pub struct CompatibilityArgs {
     /// Changes nothing here: `world-size` is always written.
     #[arg(long)]
     pub log_world_size_to_tensorboard: bool,
+    /// Changes nothing here: checkpoints are always written (and read by --load) in this
+    /// project's format, safetensors shards in Megatron's layout; `checkpoint_convert` turns
+    /// them into Megatron's torch or torch_dist checkpoints [Megatron's default: torch_dist].
+    #[arg(long, value_parser = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])]
+    pub ckpt_format: Option<String>,
     /// Weights & Biases logging is off here (it needs its service): TensorBoard
     /// (--tensorboard-dir) and metrics.jsonl carry the same scalars.
     #[arg(long)]
@@ -126,6 +131,12 @@ impl CompatibilityArgs {
                 "world-size is always written",
             ),
             (
+                self.ckpt_format.is_some(),
+                "--ckpt-format",
+                "checkpoints are safetensors shards in Megatron's layout; checkpoint_convert \
+                 writes Megatron's torch and torch_dist formats",
+            ),
+            (
                 self.wandb_project.is_some()
                     || self.wandb_exp_name.is_some()
                     || self.wandb_save_dir.is_some(),
@@ -166,11 +177,14 @@ mod tests {
             "p",
             "--wandb-exp-name",
             "e",
+            "--ckpt-format",
+            "torch_dist",
         ])
         .unwrap();
         let notes = flags.compatibility.notes();
-        assert_eq!(notes.len(), 4, "{notes:?}");
+        assert_eq!(notes.len(), 5, "{notes:?}");
         for flag in [
+            "--ckpt-format",
             "--manual-gc ",
             "--manual-gc-interval",
             "--tp-comm-overlap",
@@ -185,5 +199,6 @@ mod tests {
         let none = Flags::try_parse_from(["test", "--empty-unused-memory-level", "0"]).unwrap();
         assert!(none.compatibility.notes().is_empty());
         assert!(Flags::try_parse_from(["test", "--empty-unused-memory-level", "3"]).is_err());
+        assert!(Flags::try_parse_from(["test", "--ckpt-format", "safetensors"]).is_err());
     }
 }

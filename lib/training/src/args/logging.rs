@@ -25,6 +25,11 @@ pub struct LoggingArgs {
     /// line and TensorBoard (`num-zeros`).
     #[arg(long)]
     pub log_num_zeros_in_grad: bool,
+    /// Write the CUDA caching allocator's memory use to TensorBoard every logged iteration
+    /// (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
+    /// `mem-allocated-count`); on a CPU nothing is written and a note says so.
+    #[arg(long)]
+    pub log_memory_to_tensorboard: bool,
     /// JSON-lines file of per-iteration metrics [default: TENSORBOARD_DIR/metrics.jsonl].
     #[arg(long)]
     pub metrics_file: Option<PathBuf>,

@@ -4,6 +4,7 @@
 //! `megatron-models` (`BertArgs`, `T5Args`), and the flags of its pretraining binary in its
 //! training file (`families::bert::BertPretrainArgs`).
 
+mod checkpoint_args;
 mod checkpointing;
 mod compatibility;
 mod finetune;
@@ -13,6 +14,7 @@ mod model;
 mod parallel;
 mod training;
 
+pub use checkpoint_args::apply_checkpoint_args;
 pub use checkpointing::CheckpointArgs;
 pub use compatibility::CompatibilityArgs;
 pub use finetune::{FinetuneArgs, FinetuneTaskArgs};
@@ -53,4 +55,21 @@ pub struct PretrainArgs {
         next_help_heading = "Accepted from Megatron's scripts, changing nothing here"
     )]
     pub compatibility: CompatibilityArgs,
+}
+
+impl PretrainArgs {
+    /// With `--use-checkpoint-args` and a checkpoint under `--load`, these flags with the
+    /// checkpoint's architecture flags in place of the command line's ([`apply_checkpoint_args`]);
+    /// `announce` prints Megatron's line for each flag changed.
+    pub fn with_checkpoint_args(&self, announce: bool) -> anyhow::Result<PretrainArgs> {
+        let mut args = self.clone();
+        if let (true, Some(load)) = (self.checkpoint.use_checkpoint_args, &self.checkpoint.load) {
+            for line in apply_checkpoint_args(&mut args.model, load)? {
+                if announce {
+                    println!("{line}");
+                }
+            }
+        }
+        Ok(args)
+    }
 }

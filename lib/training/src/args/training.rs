@@ -78,6 +78,13 @@ pub struct TrainingArgs {
     /// `--bias-dropout-fusion`); this flag turns the fusion off.
     #[arg(long)]
     pub no_bias_dropout_fusion: bool,
+    /// Divide the summed token losses by the non-masked tokens of the whole global batch (over
+    /// its micro-batches and data-parallel ranks) instead of averaging each micro-batch's loss
+    /// over its own tokens and then over the micro-batches. Changes the gradients when the loss
+    /// mask leaves micro-batches different numbers of tokens; the logged loss is the global
+    /// per-token mean either way.
+    #[arg(long)]
+    pub calculate_per_token_loss: bool,
 }
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
@@ -160,6 +167,14 @@ pub struct OptimizerArgs {
     /// constant, linear or cosine.
     #[arg(long, default_value = "constant", value_parser = ["constant", "linear", "cosine"], hide_possible_values = true)]
     pub weight_decay_incr_style: String,
+    /// Peak learning rate of the input word embeddings and the output layer, on the same
+    /// schedule as --lr (warm-up, decay) [default: --lr].
+    #[arg(long)]
+    pub decoupled_lr: Option<f64>,
+    /// Learning rate at the end of the decay for the input word embeddings and the output
+    /// layer, with --decoupled-lr [default: --min-lr].
+    #[arg(long)]
+    pub decoupled_min_lr: Option<f64>,
     /// On load, take the scheduler settings from the command line.
     #[arg(long = "override-opt_param-scheduler")]
     pub override_opt_param_scheduler: bool,

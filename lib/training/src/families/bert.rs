@@ -167,6 +167,12 @@ impl ModelFamily for BertFamily {
 
 /// Megatron's `pretrain_bert.py` on this rank of the job.
 pub fn pretrain_bert(args: &BertPretrainArgs, placement: &Placement) -> Result<TrainingSummary> {
+    let args = &BertPretrainArgs {
+        common: args
+            .common
+            .with_checkpoint_args(placement.parallel.rank == 0)?,
+        ..args.clone()
+    };
     let tokenizer = build_tokenizer(&args.common.tokenizer.config()?)?;
     let family = BertFamily {
         config: args.bert_config(tokenizer.vocab_size() as i64)?,

@@ -22,6 +22,10 @@ pub enum StepOutput {
     /// The last stage's loss of one micro-batch, before the engine divides it by the number of
     /// micro-batches and multiplies it by the loss scale.
     Loss(Tensor),
+    /// The last stage's token losses of one micro-batch summed over its `tokens` non-masked
+    /// tokens: the engine averages it over those tokens (then as [`Loss`](Self::Loss)), or with
+    /// `--calculate-per-token-loss` over the tokens of the whole global batch.
+    TokenLoss { sum: Tensor, tokens: Tensor },
 }
 
 /// A model family (GPT, BERT, ...) as the engine drives it.
@@ -50,6 +54,13 @@ pub trait ModelFamily: Sync {
         train: bool,
         losses: &mut LossTotals,
     ) -> Result<StepOutput>;
+    /// The non-masked tokens `batch`'s [`StepOutput::TokenLoss`] sums over, counted before any
+    /// forward so that `--calculate-per-token-loss` knows the global batch's tokens; `None` for
+    /// families whose loss is a per-micro-batch mean.
+    fn loss_tokens(&self, _batch: &Self::Batch) -> Option<Tensor> {
+        None
+    }
+
     /// The train, validation and test data, sized as Megatron sizes them (samples per split).
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<Self::Batch>>;
 

@@ -73,8 +73,14 @@ impl ModelFamily for GptFamily {
         )?;
         let tokens = batch.num_tokens();
         losses.add(0, &masked_sum, &tokens);
-        // Megatron divides each micro-batch's loss by its token count.
-        Ok(StepOutput::Loss(masked_sum / tokens.clamp_min(1.0)))
+        Ok(StepOutput::TokenLoss {
+            sum: masked_sum,
+            tokens,
+        })
+    }
+
+    fn loss_tokens(&self, batch: &GptBatch) -> Option<Tensor> {
+        Some(batch.num_tokens())
     }
 
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<GptBatch>> {
@@ -92,6 +98,7 @@ impl ModelFamily for GptFamily {
 
 /// Megatron's `pretrain_gpt.py` on this rank of the job.
 pub fn pretrain_gpt(args: &PretrainArgs, placement: &Placement) -> Result<TrainingSummary> {
+    let args = &args.with_checkpoint_args(placement.parallel.rank == 0)?;
     let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
     let eod = tokenizer
         .eod()

@@ -162,6 +162,12 @@ impl ModelFamily for T5Family {
 
 /// Megatron's `pretrain_t5.py` on this rank of the job.
 pub fn pretrain_t5(args: &T5PretrainArgs, placement: &Placement) -> Result<TrainingSummary> {
+    let args = &T5PretrainArgs {
+        common: args
+            .common
+            .with_checkpoint_args(placement.parallel.rank == 0)?,
+        ..args.clone()
+    };
     if args.common.parallel.pipeline_model_parallel_size > 1 {
         bail!(
             "pretrain_t5 does not support pipeline parallelism: use --pipeline-model-parallel-size 1 \
