@@ -22,7 +22,7 @@ use megatron_inference::{
     GenerationRequest, KvBudget, LogitAdjust, Refusal, Sampling, StopCondition,
     DEFAULT_PREFILL_CHUNK,
 };
-use megatron_kernels::runtime::resolve_device;
+use megatron_kernels::runtime::{cuda_memory_stats, resolve_device};
 use megatron_models::GptModel;
 use megatron_parallel::ParallelState;
 
@@ -219,7 +219,17 @@ fn run(cli: &Cli) -> Result<()> {
     };
     report.print_setup(limits, &mut decoder, &model)?;
     let (finished, elapsed) = run.serve(&model, &mut decoder, limits)?;
-    report.print_results(&finished, elapsed, &*tokenizer, cli.output_path.as_deref())
+    let memory = match device {
+        tch::Device::Cuda(index) => Some(cuda_memory_stats(index)?),
+        _ => None,
+    };
+    report.print_results(
+        &finished,
+        elapsed,
+        &*tokenizer,
+        cli.output_path.as_deref(),
+        memory,
+    )
 }
 
 /// `value` or `default`, which must be at least 1.

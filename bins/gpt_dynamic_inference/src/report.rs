@@ -10,12 +10,15 @@ use anyhow::{Context, Result};
 use megatron_cli::python_format::{format_exp_upper, format_fixed};
 use megatron_data::tokenizer::Tokenizer;
 use megatron_inference::{BatchLimits, CausalLm, Decoder};
+use megatron_kernels::runtime::CudaMemoryStats;
 use megatron_models::layers::BLOCK_SIZE;
 use megatron_models::GptModel;
 use sha2::{Digest, Sha256};
 
 use crate::requests::Request;
 use crate::Cli;
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// A request's output.
 #[derive(Debug, Clone)]
@@ -105,7 +108,7 @@ impl Report {
         let mut parts = self.head.clone();
         parts.push(format!(
             "bf {}, no overflow [r {}, t {}]",
-            format_fixed(bytes / f64::from(1u32 << 30), 0),
+            format_fixed(bytes / GIB, 0),
             limits.max_batch_size,
             blocks * BLOCK_SIZE
         ));
@@ -124,6 +127,7 @@ impl Report {
         elapsed: Duration,
         tokenizer: &dyn Tokenizer,
         output_path: Option<&Path>,
+        memory: Option<CudaMemoryStats>,
     ) -> Result<()> {
         let texts = finished
             .iter()
@@ -157,8 +161,18 @@ impl Report {
         let tokens: usize = finished.iter().map(|f| f.tokens.len()).sum();
         let seconds = elapsed.as_secs_f64();
         println!("~~~");
+        // Megatron's peak allocated and peak reserved; the caching allocator keeps what it
+        // reserved, so the reserved bytes at the end are their peak.
+        let memory = match memory {
+            Some(stats) => format!(
+                "{}/{}",
+                format_fixed(stats.max_allocated_bytes as f64 / GIB, 1),
+                format_fixed(stats.reserved_bytes as f64 / GIB, 1)
+            ),
+            None => "--/--".into(),
+        };
         println!(
-            "{} … mem --/-- GB … total time: {}s … throughput: {} tok/s",
+            "{} … mem {memory} GB … total time: {}s … throughput: {} tok/s",
             self.setup,
             format_fixed(seconds, 3),
             format_fixed(tokens as f64 / seconds, 3)
