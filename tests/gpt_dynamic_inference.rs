@@ -7,20 +7,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use megatron_e2e::{bin, run_ok, test_python, workspace_root};
+use megatron_e2e::{bin, quickstart_tokenizer_flags, run_ok, test_python};
 use serde_json::Value;
-
-fn tokenizer_flags() -> Vec<String> {
-    let data = workspace_root().join("data");
-    vec![
-        "--tokenizer-type".into(),
-        "GPT2BPETokenizer".into(),
-        "--vocab-file".into(),
-        data.join("quickstart-vocab.json").display().to_string(),
-        "--merge-file".into(),
-        data.join("quickstart-merges.txt").display().to_string(),
-    ]
-}
 
 /// The script's model, 2 layers of 64 channels over 64 positions, trained two steps.
 fn checkpoint(dir: &Path) {
@@ -46,7 +34,7 @@ fn checkpoint(dir: &Path) {
                 "--save",
             ])
             .arg(dir)
-            .args(tokenizer_flags()),
+            .args(quickstart_tokenizer_flags()),
     );
 }
 
@@ -62,7 +50,7 @@ fn script(checkpoint: &Path, output: &Path) -> Command {
             "--load",
         ])
         .arg(checkpoint)
-        .args(tokenizer_flags())
+        .args(quickstart_tokenizer_flags())
         .args([
             "--exit-on-missing-checkpoint",
             "--max-position-embeddings",
@@ -200,7 +188,7 @@ fn given_prompts_are_continued_as_generate_samples_gpt_does() {
         bin("gpt_dynamic_inference")
             .arg("--load")
             .arg(&checkpoint_dir)
-            .args(tokenizer_flags())
+            .args(quickstart_tokenizer_flags())
             .args([
                 "--device",
                 "cpu",
@@ -235,7 +223,7 @@ fn given_prompts_are_continued_as_generate_samples_gpt_does() {
         bin("generate_samples_gpt")
             .arg("--load")
             .arg(&checkpoint_dir)
-            .args(tokenizer_flags())
+            .args(quickstart_tokenizer_flags())
             .args(["--device", "cpu", "--greedy", "--out-seq-length", "8"])
             .args(["--prompt", "the first one", "--sample-output-file"])
             .arg(&samples),
@@ -258,7 +246,7 @@ fn requests_from_a_prompt_file_and_bad_flags() {
     let out = bin("gpt_dynamic_inference")
         .arg("--load")
         .arg(&missing)
-        .args(tokenizer_flags())
+        .args(quickstart_tokenizer_flags())
         .arg("--prompt-file")
         .arg(&prompts)
         .output()
@@ -285,7 +273,7 @@ fn requests_from_a_prompt_file_and_bad_flags() {
         let out = bin("gpt_dynamic_inference")
             .arg("--load")
             .arg(&missing)
-            .args(tokenizer_flags())
+            .args(quickstart_tokenizer_flags())
             .args(flags)
             .output()
             .unwrap();
@@ -312,7 +300,7 @@ fn cuda_graphs_decode_like_eager_steps_on_a_gpu() {
         command
             .arg("--load")
             .arg(&checkpoint_dir)
-            .args(tokenizer_flags())
+            .args(quickstart_tokenizer_flags())
             .args(["--device", "cuda", "--num-tokens-to-prompt", "4", "40"])
             .args([
                 "--num-tokens-to-generate",

@@ -6,19 +6,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use megatron_e2e::{bin, run_ok, shared_dir, workspace_root};
-
-fn tokenizer_flags() -> Vec<String> {
-    let data = workspace_root().join("data");
-    vec![
-        "--tokenizer-type".into(),
-        "GPT2BPETokenizer".into(),
-        "--vocab-file".into(),
-        data.join("quickstart-vocab.json").display().to_string(),
-        "--merge-file".into(),
-        data.join("quickstart-merges.txt").display().to_string(),
-    ]
-}
+use megatron_e2e::{bin, quickstart_tokenizer_flags, run_ok, shared_dir};
 
 /// A tiny GPT on mock data with the bundled tokenizer; `extra` adds or overrides flags.
 fn pretrain(extra: &[&str]) -> Command {
@@ -35,7 +23,7 @@ fn pretrain_without_data(extra: &[&str]) -> Command {
         .args(["--max-position-embeddings", "32", "--micro-batch-size", "2"])
         .args(["--global-batch-size", "2", "--lr", "1e-3"])
         .args(["--eval-iters", "0", "--device", "cpu", "--train-iters", "2"])
-        .args(tokenizer_flags())
+        .args(quickstart_tokenizer_flags())
         .args(extra);
     command
 }
@@ -44,7 +32,7 @@ fn generate(checkpoint: &Path, extra: &[&str]) -> Output {
     bin("generate_samples_gpt")
         .arg("--load")
         .arg(checkpoint)
-        .args(tokenizer_flags())
+        .args(quickstart_tokenizer_flags())
         .args([
             "--prompt",
             "The data",
@@ -145,7 +133,7 @@ fn corrupted_bytes_and_nan_weights_are_named() {
         bin("generate_samples_gpt")
             .arg("--load")
             .arg(&ckpt)
-            .args(tokenizer_flags())
+            .args(quickstart_tokenizer_flags())
             .args(["--prompt", "x", "--out-seq-length", "2", "--device", "cpu"])
             .arg("--no-checkpoint-checksums"),
     );

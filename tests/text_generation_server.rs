@@ -13,20 +13,10 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, shared_dir, test_python, visible_gpus, workspace_root};
+use megatron_e2e::{
+    bin, quickstart_tokenizer_flags, run_ok, shared_dir, test_python, visible_gpus, workspace_root,
+};
 use serde_json::{json, Value};
-
-fn tokenizer_flags() -> Vec<String> {
-    let data = workspace_root().join("data");
-    vec![
-        "--tokenizer-type".into(),
-        "GPT2BPETokenizer".into(),
-        "--vocab-file".into(),
-        data.join("quickstart-vocab.json").display().to_string(),
-        "--merge-file".into(),
-        data.join("quickstart-merges.txt").display().to_string(),
-    ]
-}
 
 /// A small GPT trained for two steps on mock data with the bundled tokenizer.
 fn checkpoint(dir: &Path) {
@@ -71,7 +61,7 @@ fn checkpoint_of_shape(dir: &Path, positions: usize, hidden: usize, heads: usize
                 "--save",
             ])
             .arg(dir)
-            .args(tokenizer_flags()),
+            .args(quickstart_tokenizer_flags()),
     );
 }
 
@@ -85,7 +75,7 @@ fn server_command(checkpoint: &Path) -> Command {
     command
         .arg("--load")
         .arg(checkpoint)
-        .args(tokenizer_flags())
+        .args(quickstart_tokenizer_flags())
         .args([
             "--port",
             "0",
@@ -185,7 +175,7 @@ fn serves_megatrons_api() {
     samples
         .arg("--load")
         .arg(&ckpt)
-        .args(tokenizer_flags())
+        .args(quickstart_tokenizer_flags())
         .args([
             "--prompt",
             "The data",
@@ -1780,7 +1770,7 @@ fn megatrons_inference_scripts_run_unchanged() {
     let mut mistral = llama("64", "1000000");
     mistral.push("--apply-layernorm-1p");
     let checkpoints = [
-        ("345m", gpt, tokenizer_flags()),
+        ("345m", gpt, quickstart_tokenizer_flags()),
         ("llama3", llama("64", "500000"), hf.clone()),
         ("llama3.1", llama31, hf.clone()),
         ("mistral", mistral, hf.clone()),
@@ -1808,7 +1798,7 @@ fn megatrons_inference_scripts_run_unchanged() {
         "--num-attention-heads 4 --max-position-embeddings 64 --tokenizer-type GPT2BPETokenizer \
          --fp16 --micro-batch-size 1 --seq-length 64",
     ));
-    server_345m.extend(tokenizer_flags()[2..].iter().cloned());
+    server_345m.extend(quickstart_tokenizer_flags()[2..].iter().cloned());
     server_345m.extend(words("--seed 42"));
     let llama_flags = |base: &str, scaling: &str, positions: &str, name: &str| {
         let mut flags = hf_script(&format!(

@@ -126,3 +126,16 @@ pub fn metrics_losses(metrics: &std::path::Path) -> Vec<(u64, String)> {
         })
         .collect()
 }
+
+/// The flags of the bundled quickstart tokenizer (a GPT-2 BPE of 4096 tokens in `data/`).
+pub fn quickstart_tokenizer_flags() -> Vec<String> {
+    let data = workspace_root().join("data");
+    vec![
+        "--tokenizer-type".into(),
+        "GPT2BPETokenizer".into(),
+        "--vocab-file".into(),
+        data.join("quickstart-vocab.json").display().to_string(),
+        "--merge-file".into(),
+        data.join("quickstart-merges.txt").display().to_string(),
+    ]
+}

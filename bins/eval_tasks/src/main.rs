@@ -190,14 +190,7 @@ fn run(cli: &Cli) -> Result<()> {
     cli.model.print_ignored_flag_notes("eval_tasks");
     let (job, parallel, device) = cli.model.join_job()?;
     let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
-    let model = cli.model.load_model(device, &parallel)?;
-    if tokenizer.vocab_size() as i64 != model.config.vocab_size {
-        bail!(
-            "the tokenizer has {} tokens but the checkpoint was trained with {}",
-            tokenizer.vocab_size(),
-            model.config.vocab_size
-        );
-    }
+    let model = cli.model.load_model_for(&*tokenizer, device, &parallel)?;
     let options = EvalOptions {
         task,
         valid_data,

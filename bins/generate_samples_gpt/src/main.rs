@@ -84,14 +84,9 @@ fn run(cli: &Cli) -> Result<()> {
     cli.model.validate_run_time(1)?;
     let device = resolve_device(&cli.model.device, 0)?;
     let tokenizer = build_tokenizer(&cli.tokenizer.config()?)?;
-    let model = cli.model.load_model(device, &ParallelState::single())?;
-    if tokenizer.vocab_size() as i64 != model.config.vocab_size {
-        bail!(
-            "the tokenizer has {} tokens but the checkpoint was trained with {}",
-            tokenizer.vocab_size(),
-            model.config.vocab_size
-        );
-    }
+    let model = cli
+        .model
+        .load_model_for(&*tokenizer, device, &ParallelState::single())?;
     let sampling = if cli.greedy {
         Sampling::greedy()
     } else {

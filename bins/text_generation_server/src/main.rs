@@ -230,13 +230,7 @@ fn main() -> ExitCode {
         let build = |parallel: &ParallelState,
                      tokenizer: Arc<dyn Tokenizer>|
          -> anyhow::Result<TextGenerationService> {
-            let model = cli.model.load_model(device, parallel)?;
-            anyhow::ensure!(
-                tokenizer.vocab_size() as i64 == model.config.vocab_size,
-                "the tokenizer has {} tokens but the checkpoint was trained with {}",
-                tokenizer.vocab_size(),
-                model.config.vocab_size
-            );
+            let model = cli.model.load_model_for(&*tokenizer, device, parallel)?;
             Ok(TextGenerationService::new(model, tokenizer, settings)?
                 .with_tensor_parallel(parallel.tensor.clone()))
         };

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use megatron_cli::{bail_usage, usage_error};
 use tch::{Device, Kind};
@@ -598,6 +598,24 @@ impl CheckpointModelArgs {
     pub fn load_model(&self, device: Device, parallel: &ParallelState) -> Result<GptModel> {
         self.checked_config()?;
         load_for_inference(self.checkpoint()?, device, self.dtype(device), parallel)
+    }
+
+    /// [`Self::load_model`] for the ids `tokenizer` makes: its vocabulary must be the
+    /// checkpoint's.
+    pub fn load_model_for(
+        &self,
+        tokenizer: &dyn megatron_data::tokenizer::Tokenizer,
+        device: Device,
+        parallel: &ParallelState,
+    ) -> Result<GptModel> {
+        let model = self.load_model(device, parallel)?;
+        ensure!(
+            tokenizer.vocab_size() as i64 == model.config.vocab_size,
+            "the tokenizer has {} tokens but the checkpoint was trained with {}",
+            tokenizer.vocab_size(),
+            model.config.vocab_size
+        );
+        Ok(model)
     }
 
     /// The checkpoint's T5 architecture, once the given flags are checked against it
