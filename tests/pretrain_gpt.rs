@@ -1077,3 +1077,60 @@ fn checkpoint_args_replace_the_architecture_flags() {
     assert!(stdout.contains("at iteration 2"), "{stdout}");
     assert!(stdout.contains("iteration        3/       3 |"), "{stdout}");
 }
+
+/// Megatron main's `--step-batch-size-schedule`: thresholds in tokens (64 tokens of sequences
+/// of 16 are 4 samples) set the global batch by the samples trained on, and the iterations of
+/// `--train-samples` are counted along it; it replaces `--global-batch-size`.
+#[test]
+fn a_step_batch_size_schedule_sets_the_batch_by_the_tokens_trained() {
+    let flags = [
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--train-samples",
+        "20",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "64",
+        "--lr",
+        "1e-3",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+        "--step-batch-size-schedule",
+        "0:4 64:8",
+    ];
+    let out = run_ok(bin("pretrain_gpt").args(flags));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let batches: Vec<&str> = stdout
+        .lines()
+        .filter_map(|line| line.split("global batch size:").nth(1))
+        .map(|rest| rest.split('|').next().unwrap().trim())
+        .collect();
+    // 4 samples at 4, then 8 and 8: 20 samples in 3 iterations.
+    assert_eq!(batches, ["4", "8", "8"], "{stdout}");
+    assert!(stdout.contains("iteration        3/       3"), "{stdout}");
+
+    let out = bin("pretrain_gpt")
+        .args(flags)
+        .args(["--global-batch-size", "8"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--global-batch-size"), "{stderr}");
+}

@@ -21,7 +21,9 @@ use super::lr_schedule::{
     LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy,
     WdIncrStyle, WsdDecayStyle,
 };
-use super::microbatches::{train_iters_from_samples, BatchRampup, MicrobatchCalculator};
+use super::microbatches::{
+    train_iters_from_samples, BatchRampup, BatchSizeSchedule, MicrobatchCalculator, StepSchedule,
+};
 use super::profiling::StepProfiler;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::stage::{FamilyStage, LossScaling};
@@ -318,34 +320,53 @@ pub fn train_with_hooks<F: ModelFamily>(
 
     let micro_batch_size = args.training.micro_batch_size;
     let data_parallel_size = layout.data as u64;
-    let global_batch_size = args
-        .training
-        .global_batch_size
-        .unwrap_or(micro_batch_size * data_parallel_size);
-    let rampup = args
-        .training
-        .rampup_batch_size
-        .as_deref()
-        .map(BatchRampup::from_flag_values)
-        .transpose()?;
+    let schedule = match (
+        &args.training.rampup_batch_size,
+        &args.training.step_batch_size_schedule,
+    ) {
+        (Some(values), _) => Some(BatchSizeSchedule::Rampup(BatchRampup::from_flag_values(
+            values,
+        )?)),
+        (None, Some(text)) => Some(BatchSizeSchedule::Steps(StepSchedule::parse(
+            text,
+            u64::try_from(args.model.seq_length).unwrap_or(0),
+        )?)),
+        (None, None) => None,
+    };
+    // With a step schedule, its largest batch stands for the global batch where one number is
+    // needed (the evaluation samples to build).
+    let global_batch_size = match &schedule {
+        Some(BatchSizeSchedule::Steps(steps)) => steps.largest_global_batch_size(),
+        _ => args
+            .training
+            .global_batch_size
+            .unwrap_or(micro_batch_size * data_parallel_size),
+    };
     let batches = MicrobatchCalculator::new(
         global_batch_size,
         micro_batch_size,
         data_parallel_size,
-        rampup.clone(),
+        schedule.clone(),
         args.training.decrease_batch_size_if_needed,
     )?;
     let train_iters = match (args.training.train_iters, args.training.train_samples) {
         (Some(iters), None) => iters,
         (None, Some(samples)) => {
-            train_iters_from_samples(samples, global_batch_size, rampup.as_ref())?
+            train_iters_from_samples(samples, global_batch_size, schedule.as_ref())?
         }
         (Some(_), Some(_)) => bail_usage!("give only one of --train-iters and --train-samples"),
         (None, None) if args.training.skip_train => 0,
         (None, None) => bail_usage!("give --train-iters or --train-samples"),
     };
-    if rampup.is_some() && args.training.train_samples.is_none() {
-        bail_usage!("--rampup-batch-size needs sample-based training (--train-samples)");
+    if schedule.is_some() && args.training.train_samples.is_none() {
+        bail_usage!(
+            "{} needs sample-based training (--train-samples)",
+            if args.training.rampup_batch_size.is_some() {
+                "--rampup-batch-size"
+            } else {
+                "--step-batch-size-schedule"
+            }
+        );
     }
     let scheduler = OptimizerParamScheduler::new(SchedulerConfig::from_flags(&schedule_flags(
         args,

@@ -18,6 +18,11 @@ pub struct TrainingArgs {
     /// Ramp the global batch: START INCREMENT RAMP_SAMPLES (sample-based training).
     #[arg(long, num_args = 3, value_names = ["START", "INCREMENT", "RAMP_SAMPLES"])]
     pub rampup_batch_size: Option<Vec<u64>>,
+    /// Megatron's step-wise global batch sizes, "THRESHOLD:BATCH THRESHOLD:BATCH ...": from
+    /// THRESHOLD tokens on (K, M, B, T suffixes; the first 0), the global batch is BATCH
+    /// (sample-based training; instead of --global-batch-size).
+    #[arg(long, conflicts_with_all = ["global_batch_size", "rampup_batch_size"])]
+    pub step_batch_size_schedule: Option<String>,
     /// With --rampup-batch-size, shrink the batch instead of failing when it is not divisible.
     #[arg(long)]
     pub decrease_batch_size_if_needed: bool,

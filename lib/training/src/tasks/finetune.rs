@@ -374,8 +374,9 @@ pub fn finetune(
         "finetuning runs without pipeline parallelism (--pipeline-model-parallel-size 1)"
     );
     ensure!(
-        common.training.rampup_batch_size.is_none(),
-        "finetuning allows no --rampup-batch-size (as Megatron's)"
+        common.training.rampup_batch_size.is_none()
+            && common.training.step_batch_size_schedule.is_none(),
+        "finetuning allows no --rampup-batch-size or --step-batch-size-schedule (as Megatron's)"
     );
     let micro_batch_size = common.training.micro_batch_size;
     let global_batch_size = micro_batch_size * placement.parallel.data_parallel_size() as u64;
