@@ -362,7 +362,7 @@ fn a_lost_tracker_resumes_from_the_newest_whole_checkpoint_and_history_is_never_
         ck,
         "--override-opt_param-scheduler",
     ];
-    run_ok(&mut pretrain(&schedule).args(["--load", ck, "--train-iters", "20"]));
+    run_ok(pretrain(&schedule).args(["--load", ck, "--train-iters", "20"]));
     assert_eq!(saved_iterations(&ckpt), [5, 10, 15, 20]);
     let first = ckpt.join("iter_0000005/mp_rank_00/model.safetensors");
     let first_bytes = std::fs::read(&first).unwrap();
@@ -375,7 +375,7 @@ fn a_lost_tracker_resumes_from_the_newest_whole_checkpoint_and_history_is_never_
     let middle = damaged.len() / 2;
     damaged[middle] ^= 1;
     std::fs::write(&newest, &damaged).unwrap();
-    let resumed = run_ok(&mut pretrain(&schedule).args(["--load", ck, "--train-iters", "25"]));
+    let resumed = run_ok(pretrain(&schedule).args(["--load", ck, "--train-iters", "25"]));
     let stdout = String::from_utf8_lossy(&resumed.stdout);
     let stderr = String::from_utf8_lossy(&resumed.stderr);
     assert!(
@@ -514,7 +514,7 @@ fn a_killed_writer_releases_its_directory_and_its_staging_folder_is_removed() {
     std::fs::create_dir_all(staging.join("mp_rank_00")).unwrap();
     std::fs::write(staging.join("mp_rank_00/model.safetensors"), b"cut short").unwrap();
 
-    let out = run_ok(&mut pretrain(&flags).args(["--train-iters", &next.to_string()]));
+    let out = run_ok(pretrain(&flags).args(["--train-iters", &next.to_string()]));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains(&format!("at iteration {tracked}")),

@@ -2,6 +2,7 @@
 //! each source's prefixes with their normalised weights, and the `--split` with each split's
 //! share of the documents.
 
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use super::builder::DataSources;
@@ -46,11 +47,11 @@ pub enum TrainedOn {
 }
 
 impl TrainedOn {
-    /// From the resolved sources and split string ([`super::DataPathFlags::sources`]).
+    /// From the resolved sources and split string, as `DataPathFlags::sources` gives them.
     pub fn of(sources: &DataSources, split: Option<&str>) -> anyhow::Result<TrainedOn> {
         Ok(match sources {
             DataSources::Blend(blend) => {
-                let split = split.unwrap_or(super::DEFAULT_SPLIT);
+                let split = split.context("--data-path needs a --split")?;
                 let matrix = SplitMatrix::parse(split)?;
                 TrainedOn::Blend {
                     data_path: weighted(blend),
