@@ -128,6 +128,16 @@ fn assert_whole_checkpoint(directory: &Path) {
     }
 }
 
+/// A writer a test started, killed and reaped if the test ends before it does.
+struct Writer(Child);
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Waits (bounded, generously) until `ready` holds, failing with `child`'s state if it exits.
 fn wait_for(child: &mut Child, what: &str, ready: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(600);
@@ -436,24 +446,28 @@ fn a_second_writer_into_one_save_directory_is_refused_and_the_first_saves_whole_
     let ckpt = dir.path().join("ckpt");
     let ck = path_str(&ckpt);
     let log = std::fs::File::create(dir.path().join("first.log")).unwrap();
-    let mut first = pretrain(&["--save", ck, "--save-interval", "2"])
-        .args(["--train-iters", "1000000"])
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let pid = first.id();
-    wait_for(&mut first, "the first writer's lock and checkpoint", || {
-        lock_held_by(&ckpt, pid) && ckpt.join(TRACKER).exists()
-    });
+    let mut first = Writer(
+        pretrain(&["--save", ck, "--save-interval", "2"])
+            .args(["--train-iters", "1000000"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let pid = first.0.id();
+    wait_for(
+        &mut first.0,
+        "the first writer's lock and checkpoint",
+        || lock_held_by(&ckpt, pid) && ckpt.join(TRACKER).exists(),
+    );
     // Frozen, it holds the lock for as long as the second writer tries.
-    signal(&first, libc::SIGSTOP);
+    signal(&first.0, libc::SIGSTOP);
     let second = pretrain(&["--save", ck, "--save-interval", "1", "--train-iters", "4"])
         .output()
         .unwrap();
-    signal(&first, libc::SIGCONT);
-    signal(&first, libc::SIGTERM);
-    let status = first.wait().unwrap();
+    signal(&first.0, libc::SIGCONT);
+    signal(&first.0, libc::SIGTERM);
+    let status = first.0.wait().unwrap();
     let first_log = std::fs::read_to_string(dir.path().join("first.log")).unwrap();
     assert!(status.success(), "{status}: {first_log}");
 
@@ -492,18 +506,20 @@ fn a_killed_writer_releases_its_directory_and_its_staging_folder_is_removed() {
         "1",
         "--override-opt_param-scheduler",
     ];
-    let mut killed = pretrain(&flags)
-        .args(["--train-iters", "1000000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let pid = killed.id();
-    wait_for(&mut killed, "the writer's lock and checkpoint", || {
+    let mut killed = Writer(
+        pretrain(&flags)
+            .args(["--train-iters", "1000000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = killed.0.id();
+    wait_for(&mut killed.0, "the writer's lock and checkpoint", || {
         lock_held_by(&ckpt, pid) && ckpt.join(TRACKER).exists()
     });
-    signal(&killed, libc::SIGKILL);
-    killed.wait().unwrap();
+    signal(&killed.0, libc::SIGKILL);
+    killed.0.wait().unwrap();
     let tracked: u64 = std::fs::read_to_string(ckpt.join(TRACKER))
         .unwrap()
         .parse()
