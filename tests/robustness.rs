@@ -476,7 +476,7 @@ fn a_second_writer_into_one_save_directory_is_refused_and_the_first_saves_whole_
         stderr.contains(&format!(
             "error: {ck} is in use by another run saving checkpoints there (pid {pid} on "
         )) && stderr.contains(&format!(
-            "give each run its own --save directory (the lock is {ck}/{LOCK_FILE})"
+            "give each run its own save directory (the lock is {ck}/{LOCK_FILE})"
         )),
         "{stderr}"
     );

@@ -51,7 +51,7 @@ pub fn lock_save_directory(root: &Path) -> Result<()> {
                 let holder = holder.trim();
                 bail!(
                     "{} is in use by another run saving checkpoints there{}; give each run \
-                     its own --save directory (the lock is {})",
+                     its own save directory (the lock is {})",
                     root.display(),
                     if holder.is_empty() {
                         String::new()
