@@ -296,7 +296,7 @@ fn a_run_killed_while_saving_resumes_from_the_previous_checkpoint() {
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with('.'))
+        .filter(|n| n.starts_with(".iter_"))
         .collect();
     assert!(
         leftovers.is_empty(),
@@ -1133,4 +1133,113 @@ fn a_step_batch_size_schedule_sets_the_batch_by_the_tokens_trained() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--global-batch-size"), "{stderr}");
+}
+
+#[test]
+fn a_repeated_data_path_takes_its_last_list_and_checkpoints_record_the_data() {
+    let corpus = bundled_corpus();
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("ckpt");
+    // The helper's own --data-path comes first; the later lists replace it, as in argparse.
+    let prefix = path_str(&corpus.prefix);
+    run_ok(
+        pretrain(&corpus, &["--train-iters", "4", "--save", path_str(&save)]).args([
+            "--data-path",
+            "/nonexistent/a",
+            "/nonexistent/b",
+            "--data-path",
+            "3",
+            prefix,
+            "1",
+            prefix,
+        ]),
+    );
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(save.join("iter_0000004/metadata.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        metadata["data"],
+        serde_json::json!({
+            "mode": "blend",
+            "data_path": [
+                {"prefix": prefix, "weight": 0.75},
+                {"prefix": prefix, "weight": 0.25},
+            ],
+            "split": "98,2,0",
+            "splits": [
+                {"split": "train", "begin": 0.0, "end": 0.98},
+                {"split": "valid", "begin": 0.98, "end": 1.0},
+            ],
+        })
+    );
+}
+
+#[test]
+fn training_flags_outside_their_range_are_usage_errors_naming_flag_and_value() {
+    let corpus = bundled_corpus();
+    for (flag, value, wanted) in [
+        ("--lr", "-1", "must be a finite number ≥ 0, got -1"),
+        ("--lr", "inf", "must be a finite number ≥ 0, got inf"),
+        ("--lr", "-inf", "must be a finite number ≥ 0, got -inf"),
+        (
+            "--min-lr",
+            "-1e-5",
+            "must be a finite number ≥ 0, got -1e-5",
+        ),
+        ("--clip-grad", "nan", "must be a finite number ≥ 0, got nan"),
+        (
+            "--weight-decay",
+            "-0.1",
+            "must be a finite number ≥ 0, got -0.1",
+        ),
+        ("--adam-beta1", "1", "must be a number in [0, 1), got 1"),
+        (
+            "--adam-beta2",
+            "-0.5",
+            "must be a number in [0, 1), got -0.5",
+        ),
+        ("--adam-eps", "0", "must be a finite number > 0, got 0"),
+        (
+            "--init-method-std",
+            "-0.02",
+            "must be a finite number ≥ 0, got -0.02",
+        ),
+        (
+            "--hidden-dropout",
+            "1.5",
+            "must be a number in [0, 1], got 1.5",
+        ),
+        (
+            "--attention-dropout",
+            "-0.1",
+            "must be a number in [0, 1], got -0.1",
+        ),
+        (
+            "--lr-warmup-fraction",
+            "2",
+            "must be a number in [0, 1], got 2",
+        ),
+        ("--loss-scale", "0", "must be a finite number > 0, got 0"),
+        (
+            "--micro-batch-size",
+            "0",
+            "must be a whole number ≥ 1, got 0",
+        ),
+        (
+            "--global-batch-size",
+            "-8",
+            "must be a whole number ≥ 1, got -8",
+        ),
+    ] {
+        let out = pretrain(&corpus, &["--train-iters", "2", flag, value])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains(&format!("invalid value '{value}' for '{flag} <"))
+                && stderr.contains(wanted),
+            "{flag} {value}: {stderr}"
+        );
+    }
 }

@@ -1,10 +1,12 @@
 //! Bad inputs a user may hand the tools, each answered by a clear error that names the file,
 //! document or tensor, never a panic: token ids beyond the vocabulary, corrupted checkpoint
-//! bytes, NaN weights, a run that diverges, a save that runs out of space.
+//! bytes, NaN weights, a run that diverges, a save that runs out of space, a lost tracker file,
+//! two runs saving into one directory.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use megatron_e2e::{bin, quickstart_tokenizer_flags, run_ok, shared_dir};
 
@@ -59,6 +61,92 @@ fn error_of(out: &Output) -> String {
 
 fn path_str(path: &Path) -> &str {
     path.to_str().unwrap()
+}
+
+/// The save directory's lock file (lib/store/src/lock.rs).
+const LOCK_FILE: &str = ".megatron-rs-save.lock";
+const TRACKER: &str = "latest_checkpointed_iteration.txt";
+
+/// The iterations saved under `ckpt`, oldest first.
+fn saved_iterations(ckpt: &Path) -> Vec<u64> {
+    let mut iterations: Vec<u64> = std::fs::read_dir(ckpt)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("iter_")?.parse().ok())
+        .collect();
+    iterations.sort_unstable();
+    iterations
+}
+
+/// Checks that an iteration directory holds exactly the files its metadata lists, each with
+/// the recorded CRC-32C: a whole checkpoint, not one another writer cut short.
+fn assert_whole_checkpoint(directory: &Path) {
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(directory.join("metadata.json")).unwrap()).unwrap();
+    let recorded = metadata["checksums"].as_object().unwrap();
+    let mut present = Vec::new();
+    for rank in std::fs::read_dir(directory).unwrap().flatten() {
+        if rank.path().is_dir() {
+            for file in std::fs::read_dir(rank.path()).unwrap().flatten() {
+                present.push(format!(
+                    "{}/{}",
+                    rank.file_name().to_string_lossy(),
+                    file.file_name().to_string_lossy()
+                ));
+            }
+        }
+    }
+    present.sort();
+    let listed: Vec<&String> = recorded.keys().collect();
+    assert_eq!(
+        present.iter().collect::<Vec<_>>(),
+        listed,
+        "{}",
+        directory.display()
+    );
+    assert!(listed.len() >= 3, "{}: {listed:?}", directory.display());
+    for (relative, sum) in recorded {
+        let bytes = std::fs::read(directory.join(relative)).unwrap();
+        assert_eq!(
+            sum.as_str().unwrap(),
+            format!("crc32c:{:08x}", crc32c::crc32c(&bytes)),
+            "{}/{relative}",
+            directory.display()
+        );
+    }
+}
+
+/// A writer a test started, killed and reaped if the test ends before it does.
+struct Writer(Child);
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Waits (bounded, generously) until `ready` holds, failing with `child`'s state if it exits.
+fn wait_for(child: &mut Child, what: &str, ready: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !ready() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the writer exited ({status}) before {what}");
+        }
+        assert!(Instant::now() < deadline, "never saw {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether the lock file under `ckpt` names `pid` as its holder.
+fn lock_held_by(ckpt: &Path, pid: u32) -> bool {
+    std::fs::read_to_string(ckpt.join(LOCK_FILE))
+        .is_ok_and(|text| text.starts_with(&format!("pid {pid} on ")))
+}
+
+fn signal(child: &Child, signal: i32) {
+    // SAFETY: kill(2) on the pid of a child this test spawned and has not reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
 }
 
 #[test]
@@ -254,6 +342,220 @@ fn a_save_that_runs_out_of_space_says_why_and_leaves_no_staging_directory() {
     let left: Vec<String> = std::fs::read_dir(&ckpt)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name != LOCK_FILE)
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn a_lost_tracker_resumes_from_the_newest_whole_checkpoint_and_history_is_never_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let ck = path_str(&ckpt);
+    // The command line's schedule, so that a longer run may resume a shorter one.
+    let schedule = [
+        "--save-interval",
+        "5",
+        "--save",
+        ck,
+        "--override-opt_param-scheduler",
+    ];
+    run_ok(pretrain(&schedule).args(["--load", ck, "--train-iters", "20"]));
+    assert_eq!(saved_iterations(&ckpt), [5, 10, 15, 20]);
+    let first = ckpt.join("iter_0000005/mp_rank_00/model.safetensors");
+    let first_bytes = std::fs::read(&first).unwrap();
+
+    // The tracker is lost and the newest checkpoint damaged: the run goes back to the newest
+    // whole one and says why.
+    std::fs::remove_file(ckpt.join(TRACKER)).unwrap();
+    let newest = ckpt.join("iter_0000020/mp_rank_00/model.safetensors");
+    let mut damaged = std::fs::read(&newest).unwrap();
+    let middle = damaged.len() / 2;
+    damaged[middle] ^= 1;
+    std::fs::write(&newest, &damaged).unwrap();
+    let resumed = run_ok(pretrain(&schedule).args(["--load", ck, "--train-iters", "25"]));
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    let stderr = String::from_utf8_lossy(&resumed.stderr);
+    assert!(
+        stdout.contains(&format!(
+            "successfully loaded checkpoint from {ck} [ t 1/1, p 1/1 ] at iteration 15"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "warning: {ck} has no {TRACKER}; loading {ck}/iter_0000015, its newest iteration \
+             directory that is complete and whose files match their checksums (newer ones are \
+             not: {ck}/iter_0000020: {ck}/iter_0000020/mp_rank_00/model.safetensors is corrupt"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(saved_iterations(&ckpt), [5, 10, 15, 20, 25]);
+    assert_eq!(std::fs::read_to_string(ckpt.join(TRACKER)).unwrap(), "25");
+    assert_eq!(std::fs::read(&first).unwrap(), first_bytes);
+    assert_whole_checkpoint(&ckpt.join("iter_0000020"));
+
+    // A run that does not resume from them may not replace them.
+    let fresh = pretrain(&["--save-interval", "5", "--save", ck, "--train-iters", "10"])
+        .output()
+        .unwrap();
+    let stderr = error_of(&fresh);
+    assert!(
+        stderr.contains(&format!(
+            "{ck} already holds 5 checkpoint(s) of another run, up to {ck}/iter_0000025, which \
+             this run (starting at iteration 0, not resumed from that directory) would replace"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&first).unwrap(), first_bytes);
+    assert_eq!(std::fs::read_to_string(ckpt.join(TRACKER)).unwrap(), "25");
+
+    // Iteration directories of which none is whole are an error, never a fresh start.
+    std::fs::remove_file(ckpt.join(TRACKER)).unwrap();
+    for iteration in saved_iterations(&ckpt) {
+        std::fs::remove_file(ckpt.join(format!("iter_{iteration:07}/metadata.json"))).unwrap();
+    }
+    let out = pretrain(&["--load", ck, "--train-iters", "30"])
+        .output()
+        .unwrap();
+    let stderr = error_of(&out);
+    assert!(
+        stderr.contains(&format!(
+            "{ck} has no {TRACKER} and none of its iteration directories is a complete \
+             checkpoint: {ck}/iter_0000025: reading {ck}/iter_0000025/metadata.json"
+        )),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_second_writer_into_one_save_directory_is_refused_and_the_first_saves_whole_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let ck = path_str(&ckpt);
+    let log = std::fs::File::create(dir.path().join("first.log")).unwrap();
+    let mut first = Writer(
+        pretrain(&["--save", ck, "--save-interval", "2"])
+            .args(["--train-iters", "1000000"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let pid = first.0.id();
+    wait_for(
+        &mut first.0,
+        "the first writer's lock and checkpoint",
+        || lock_held_by(&ckpt, pid) && ckpt.join(TRACKER).exists(),
+    );
+    // Frozen, it holds the lock for as long as the second writer tries.
+    signal(&first.0, libc::SIGSTOP);
+    let second = pretrain(&["--save", ck, "--save-interval", "1", "--train-iters", "4"])
+        .output()
+        .unwrap();
+    signal(&first.0, libc::SIGCONT);
+    signal(&first.0, libc::SIGTERM);
+    let status = first.0.wait().unwrap();
+    let first_log = std::fs::read_to_string(dir.path().join("first.log")).unwrap();
+    assert!(status.success(), "{status}: {first_log}");
+
+    let stderr = error_of(&second);
+    assert!(
+        stderr.contains(&format!(
+            "error: {ck} is in use by another run saving checkpoints there (pid {pid} on "
+        )) && stderr.contains(&format!(
+            "give each run its own save directory (the lock is {ck}/{LOCK_FILE})"
+        )),
+        "{stderr}"
+    );
+    let saved = saved_iterations(&ckpt);
+    assert!(!saved.is_empty());
+    for iteration in &saved {
+        assert_whole_checkpoint(&ckpt.join(format!("iter_{iteration:07}")));
+    }
+    let tracked: u64 = std::fs::read_to_string(ckpt.join(TRACKER))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(Some(&tracked), saved.last());
+}
+
+#[test]
+fn a_killed_writer_releases_its_directory_and_its_staging_folder_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let ck = path_str(&ckpt);
+    let flags = [
+        "--save",
+        ck,
+        "--load",
+        ck,
+        "--save-interval",
+        "1",
+        "--override-opt_param-scheduler",
+    ];
+    let mut killed = Writer(
+        pretrain(&flags)
+            .args(["--train-iters", "1000000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = killed.0.id();
+    wait_for(&mut killed.0, "the writer's lock and checkpoint", || {
+        lock_held_by(&ckpt, pid) && ckpt.join(TRACKER).exists()
+    });
+    signal(&killed.0, libc::SIGKILL);
+    killed.0.wait().unwrap();
+    let tracked: u64 = std::fs::read_to_string(ckpt.join(TRACKER))
+        .unwrap()
+        .parse()
+        .unwrap();
+    // What a save cut short leaves, whether or not the kill caught one.
+    let next = tracked + 2;
+    let staging = ckpt.join(format!(".iter_{:07}.tmp", next + 1));
+    std::fs::create_dir_all(staging.join("mp_rank_00")).unwrap();
+    std::fs::write(staging.join("mp_rank_00/model.safetensors"), b"cut short").unwrap();
+
+    let out = run_ok(pretrain(&flags).args(["--train-iters", &next.to_string()]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("at iteration {tracked}")),
+        "{stdout}"
+    );
+    assert!(!staging.exists());
+    assert_whole_checkpoint(&ckpt.join(format!("iter_{next:07}")));
+}
+
+#[test]
+fn a_checkpoint_without_checksums_loads_with_one_warning_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    run_ok(&mut pretrain(&["--save", path_str(&ckpt)]));
+    let metadata_path = ckpt.join("iter_0000002/metadata.json");
+    let mut metadata: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&metadata_path).unwrap()).unwrap();
+    metadata
+        .as_object_mut()
+        .unwrap()
+        .remove("checksums")
+        .unwrap();
+    std::fs::write(&metadata_path, metadata.to_string()).unwrap();
+    let warning = format!(
+        "warning: {}/iter_0000002 records no checksums in its metadata.json; its files are \
+         loaded unchecked",
+        path_str(&ckpt)
+    );
+    let out = generate(&ckpt, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stderr.matches(&warning).count(), 1, "{stderr}");
+    // Asked not to check (--no-checkpoint-checksums), it says nothing.
+    let out = generate(&ckpt, &["--no-checkpoint-checksums"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !stderr.contains("records no checksums"),
+        "{stderr}"
+    );
 }

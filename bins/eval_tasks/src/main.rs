@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use indicatif::ProgressBar;
 use megatron_cli::bail_usage;
@@ -37,7 +37,7 @@ struct Cli {
     task: String,
     /// The data file: LAMBADA's JSON lines (key "text"), or WikiText's raw `wiki.*.tokens`
     /// (the detokenizer is picked from the path as Megatron does: ptb, wiki or lambada).
-    #[arg(long, num_args = 0..)]
+    #[arg(long, num_args = 0.., action = clap::ArgAction::Set)]
     valid_data: Vec<PathBuf>,
     /// LAMBADA: predict the whole last word (Megatron's recommended setting), not only its
     /// last BPE token.

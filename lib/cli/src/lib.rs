@@ -11,6 +11,7 @@
 
 pub mod progress;
 pub mod python_format;
+pub mod ranges;
 pub mod signals;
 mod usage;
 

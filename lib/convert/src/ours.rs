@@ -379,6 +379,7 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
         optimizer: state.optimizer.as_ref().map(|_| "adam".to_string()),
         has_rng_state: false,
         args: state.run.args.clone(),
+        data: None,
     };
     finish_save(root, &metadata)?;
     Ok(())

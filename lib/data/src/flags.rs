@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::blend::DataPathFlags;
+use crate::blend::{DataPathFlags, TrainedOn};
 pub use crate::tokenizer::TokenizerArgs;
 use clap::Args;
 
@@ -32,4 +32,18 @@ pub struct DataArgs {
     /// Accepted for compatibility: single (the only sampler).
     #[arg(long, default_value = "single")]
     pub dataloader_type: String,
+}
+
+impl DataArgs {
+    /// What a run with these flags trains on; `None` without data flags (a run that trains
+    /// on data of its own, such as finetuning).
+    pub fn trained_on(&self) -> anyhow::Result<Option<TrainedOn>> {
+        if self.mock_data {
+            Ok(Some(TrainedOn::Mock))
+        } else if self.paths.any() {
+            self.paths.trained_on().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
 }

@@ -30,6 +30,28 @@ pub fn iteration_directory(root: &Path, iteration: u64) -> PathBuf {
     root.join(format!("iter_{iteration:07}"))
 }
 
+/// The iterations of the `iter_NNNNNNN` directories under `root` (whatever they hold), newest
+/// first; none when `root` does not exist.
+pub fn saved_iterations(root: &Path) -> Result<Vec<u64>> {
+    let entries = match fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("listing {}", root.display())),
+    };
+    let mut iterations: Vec<u64> = entries
+        .flatten()
+        .filter(|entry| entry.path().is_dir())
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let digits = name.to_str()?.strip_prefix("iter_")?;
+            let iteration = digits.parse().ok()?;
+            (iteration_directory(root, iteration) == entry.path()).then_some(iteration)
+        })
+        .collect();
+    iterations.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(iterations)
+}
+
 /// `mp_rank_00` without pipeline parallelism, `mp_rank_01_003` with it.
 pub fn rank_directory_name(
     tensor_rank: usize,
@@ -70,7 +92,9 @@ pub fn write_tracker(root: &Path, iteration: u64) -> Result<()> {
     let temporary = root.join(format!(".{TRACKER_FILE}.tmp-{}", std::process::id()));
     fs::write(&temporary, iteration.to_string())
         .with_context(|| format!("writing {}", temporary.display()))?;
-    fs::File::open(&temporary)?.sync_all()?;
+    fs::File::open(&temporary)
+        .and_then(|file| file.sync_all())
+        .with_context(|| format!("syncing {}", temporary.display()))?;
     fs::rename(&temporary, &path)
         .with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
     sync_directory(root)
@@ -107,6 +131,17 @@ mod tests {
             read_tracker(dir.path()).unwrap(),
             Some(TrackedCheckpoint::Release)
         );
+        for name in [
+            "iter_0000005",
+            "iter_0000020",
+            "iter_12",
+            "iter_x",
+            "release",
+        ] {
+            fs::create_dir(dir.path().join(name)).unwrap();
+        }
+        fs::write(dir.path().join("iter_0000030"), "a file").unwrap();
+        assert_eq!(saved_iterations(dir.path()).unwrap(), [20, 5]);
         fs::write(dir.path().join(TRACKER_FILE), "soon").unwrap();
         assert!(read_tracker(dir.path())
             .unwrap_err()

@@ -14,6 +14,7 @@
 mod checksum;
 mod layout;
 mod load;
+mod lock;
 mod merge;
 mod metadata;
 mod store;
@@ -21,10 +22,11 @@ mod tensor_file;
 
 pub use checksum::{checksums_enabled, file_checksum, set_checksums_enabled, FileChecksums};
 pub use layout::{
-    iteration_directory, rank_directory_name, read_tracker, write_tracker, TrackedCheckpoint,
-    TRACKER_FILE,
+    iteration_directory, rank_directory_name, read_tracker, saved_iterations, write_tracker,
+    TrackedCheckpoint, TRACKER_FILE,
 };
 pub use load::{checkpoint_config, load_for_inference};
+pub use lock::{lock_save_directory, LOCK_FILE};
 pub use merge::{
     has_vocab_rows, join_shards, merge_model_parallel_ranks, split_for_tensor_parallel, take_shard,
     tensor_split, TensorSplit,

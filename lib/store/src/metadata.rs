@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use megatron_data::blend::TrainedOn;
 use serde::{Deserialize, Serialize};
 
 pub const CHECKPOINT_FORMAT: &str = "megatron-rs-safetensors";
@@ -46,6 +47,10 @@ pub struct CheckpointMetadata {
     pub has_rng_state: bool,
     /// Every flag of the run that saved it, by Megatron's argument names.
     pub args: serde_json::Value,
+    /// What the run trained on, as resolved from its data flags (absent when it took no data
+    /// flags, and in checkpoints converted from elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<TrainedOn>,
 }
 
 impl CheckpointMetadata {

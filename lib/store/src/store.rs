@@ -3,18 +3,20 @@
 //! only then moves the tracker, so a job killed at any moment leaves the previous checkpoint
 //! loadable.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use tch::{Device, Tensor};
 
 use super::checksum::{checksums_enabled, FileChecksums, CHECKSUMS_KEY};
 use super::layout::{
-    iteration_directory, read_tracker, sync_directory, write_tracker, TrackedCheckpoint,
-    TRACKER_FILE,
+    iteration_directory, read_tracker, saved_iterations, sync_directory, write_tracker,
+    TrackedCheckpoint, TRACKER_FILE,
 };
+use super::lock::lock_save_directory;
 use super::metadata::CheckpointMetadata;
 use super::tensor_file::{read_tensors, write_tensors, write_tensors_streamed, TensorEntry};
 
@@ -42,11 +44,10 @@ pub fn staging_directory(root: &Path, iteration: u64) -> PathBuf {
     root.join(format!(".{name}.tmp"))
 }
 
-/// Run by one rank before the others write: creates the staging directory, clearing what an
-/// interrupted save left behind.
+/// Run by one rank before the others write: takes the save directory's lock (kept until the
+/// process exits), creates the staging directory, clearing what an interrupted save left behind.
 pub fn begin_save(root: &Path, iteration: u64) -> Result<PathBuf> {
-    fs::create_dir_all(root)
-        .with_context(|| format!("creating checkpoint directory {}", root.display()))?;
+    lock_save_directory(root)?;
     remove_abandoned_staging(root)?;
     let staging = staging_directory(root, iteration);
     fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
@@ -95,7 +96,9 @@ pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf
     }
     fs::write(&metadata_path, serde_json::to_string_pretty(&document)?)
         .with_context(|| format!("writing {}", metadata_path.display()))?;
-    fs::File::open(&metadata_path)?.sync_all()?;
+    fs::File::open(&metadata_path)
+        .and_then(|file| file.sync_all())
+        .with_context(|| format!("syncing {}", metadata_path.display()))?;
     sync_directory(&staging)?;
     let target = iteration_directory(root, metadata.iteration);
     if target.exists() {
@@ -103,16 +106,19 @@ pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf
             ".{}.old",
             target.file_name().expect("named").to_string_lossy()
         ));
-        fs::rename(&target, &retired)?;
-        fs::rename(&staging, &target)?;
-        fs::remove_dir_all(&retired)?;
+        rename(&target, &retired)?;
+        rename(&staging, &target)?;
+        fs::remove_dir_all(&retired).with_context(|| format!("removing {}", retired.display()))?;
     } else {
-        fs::rename(&staging, &target)
-            .with_context(|| format!("renaming {} to {}", staging.display(), target.display()))?;
+        rename(&staging, &target)?;
     }
     sync_directory(root)?;
     write_tracker(root, metadata.iteration)?;
     Ok(target)
+}
+
+fn rename(from: &Path, to: &Path) -> Result<()> {
+    fs::rename(from, to).with_context(|| format!("renaming {} to {}", from.display(), to.display()))
 }
 
 /// Removes the staging directory of a save that failed. Best effort: what cannot be removed
@@ -121,10 +127,12 @@ pub fn abandon_save(root: &Path, iteration: u64) {
     let _ = fs::remove_dir_all(staging_directory(root, iteration));
 }
 
-/// Removes the staging directories of saves that never finished (a killed run's leftovers);
-/// they were never named by the tracker, so nothing refers to them.
+/// Removes the staging directories of saves that never finished. The caller holds the save
+/// directory's lock, so their writers are gone (a killed run's leftovers); they were never
+/// named by the tracker, so nothing refers to them.
 fn remove_abandoned_staging(root: &Path) -> Result<()> {
-    for entry in fs::read_dir(root)?.flatten() {
+    let entries = fs::read_dir(root).with_context(|| format!("listing {}", root.display()))?;
+    for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(".iter_") && (name.ends_with(".tmp") || name.ends_with(".old")) {
             fs::remove_dir_all(entry.path())
@@ -134,7 +142,7 @@ fn remove_abandoned_staging(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A committed checkpoint, found through the tracker.
+/// A committed checkpoint, found through the tracker (or, without one, by looking).
 pub struct CheckpointDirectory {
     pub directory: PathBuf,
     pub metadata: CheckpointMetadata,
@@ -144,10 +152,13 @@ pub struct CheckpointDirectory {
     pub checksums: FileChecksums,
 }
 
-/// The checkpoint the tracker under `root` names; `None` when there is none.
+/// The checkpoint the tracker under `root` names; `None` when there is none. Without a tracker
+/// (deleted, or lost with a copy) the newest iteration directory that is complete and whose
+/// files match their checksums is taken, and a warning says which and why; iteration
+/// directories of which none is complete are an error naming them, never a fresh start.
 pub fn find_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
     let Some(tracked) = read_tracker(root)? else {
-        return Ok(None);
+        return newest_complete_checkpoint(root);
     };
     let directory = tracked.directory(root);
     if !directory.is_dir() {
@@ -161,18 +172,101 @@ pub fn find_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
             directory.display()
         );
     }
-    let metadata = CheckpointMetadata::read(&directory.join(METADATA_FILE))?;
+    open_checkpoint(directory, tracked == TrackedCheckpoint::Release).map(Some)
+}
+
+fn open_checkpoint(directory: PathBuf, release: bool) -> Result<CheckpointDirectory> {
+    let metadata_path = directory.join(METADATA_FILE);
+    let metadata = CheckpointMetadata::read(&metadata_path)?;
     let checksums = if checksums_enabled() {
-        FileChecksums::read(&directory.join(METADATA_FILE))?
+        FileChecksums::read(&metadata_path)?
     } else {
         FileChecksums::default()
     };
-    Ok(Some(CheckpointDirectory {
+    if checksums_enabled() && checksums.0.is_empty() {
+        warn_unchecked(&directory);
+    }
+    Ok(CheckpointDirectory {
         directory,
         metadata,
-        release: tracked == TrackedCheckpoint::Release,
+        release,
         checksums,
-    }))
+    })
+}
+
+/// Says once per process and checkpoint that its bytes cannot be checked: its metadata records
+/// no checksums (saved by an older version, with --no-checkpoint-checksums, or edited).
+fn warn_unchecked(directory: &Path) {
+    static WARNED: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+    if WARNED
+        .lock()
+        .expect("warned checkpoints")
+        .insert(directory.to_path_buf())
+    {
+        eprintln!(
+            "warning: {} records no checksums in its {METADATA_FILE}; its files are loaded \
+             unchecked",
+            directory.display()
+        );
+    }
+}
+
+/// For a `root` without a tracker: its newest iteration directory that is a whole checkpoint.
+fn newest_complete_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
+    let iterations = saved_iterations(root)?;
+    if iterations.is_empty() {
+        return Ok(None);
+    }
+    let mut refused = Vec::new();
+    for iteration in iterations {
+        let directory = iteration_directory(root, iteration);
+        match complete_checkpoint(directory.clone(), iteration) {
+            Ok(found) => {
+                let skipped = if refused.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (newer ones are not: {})", refused.join("; "))
+                };
+                eprintln!(
+                    "warning: {} has no {TRACKER_FILE}; loading {}, its newest iteration \
+                     directory that is complete{}{skipped}",
+                    root.display(),
+                    directory.display(),
+                    if found.checksums.0.is_empty() {
+                        " (it records no checksums to check its files against)"
+                    } else {
+                        " and whose files match their checksums"
+                    }
+                );
+                return Ok(Some(found));
+            }
+            Err(error) => refused.push(format!("{}: {error:#}", directory.display())),
+        }
+    }
+    bail!(
+        "{} has no {TRACKER_FILE} and none of its iteration directories is a complete \
+         checkpoint: {}",
+        root.display(),
+        refused.join("; ")
+    )
+}
+
+/// The checkpoint in `directory` when its metadata is readable, names `iteration`, and every
+/// file it records a checksum for is there with those bytes.
+fn complete_checkpoint(directory: PathBuf, iteration: u64) -> Result<CheckpointDirectory> {
+    let found = open_checkpoint(directory, false)?;
+    if found.metadata.iteration != iteration {
+        bail!(
+            "its {METADATA_FILE} says iteration {}",
+            found.metadata.iteration
+        );
+    }
+    for relative in found.checksums.0.keys() {
+        found
+            .checksums
+            .verify(relative, &found.directory.join(relative))?;
+    }
+    Ok(found)
 }
 
 impl CheckpointDirectory {
@@ -187,7 +281,8 @@ impl CheckpointDirectory {
     ) -> Result<Option<HashMap<String, Tensor>>> {
         let directory = self.directory.join(rank_dir);
         if !directory.is_dir() {
-            let mut present: Vec<String> = fs::read_dir(&self.directory)?
+            let mut present: Vec<String> = fs::read_dir(&self.directory)
+                .with_context(|| format!("listing {}", self.directory.display()))?
                 .flatten()
                 .filter(|e| e.path().is_dir())
                 .map(|e| e.file_name().to_string_lossy().into_owned())

@@ -128,8 +128,8 @@ pub fn write_tensors(
     safetensors::tensor::serialize_to_file(views, &Some(metadata), path)
         .map_err(explain)
         .with_context(|| format!("writing {}", path.display()))?;
-    File::open(path)?
-        .sync_all()
+    File::open(path)
+        .and_then(|file| file.sync_all())
         .with_context(|| format!("syncing {}", path.display()))
 }
 

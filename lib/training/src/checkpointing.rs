@@ -8,6 +8,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
+use megatron_data::blend::TrainedOn;
 use megatron_kernels::rng::{
     model_parallel_rng_state, set_model_parallel_rng_state, GeneratorState,
 };
@@ -16,8 +17,8 @@ use megatron_optim::MixedPrecisionOptimizer;
 use megatron_parallel::ParallelState;
 use megatron_store::{
     abandon_save, begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file,
-    rank_directory_name, write_rank_file, CheckpointDirectory, CheckpointMetadata,
-    CHECKPOINT_FORMAT, MODEL_FILE, RNG_FILE,
+    rank_directory_name, saved_iterations, write_rank_file, CheckpointDirectory,
+    CheckpointMetadata, CHECKPOINT_FORMAT, METADATA_FILE, MODEL_FILE, RNG_FILE,
 };
 
 /// The per-rank file of the fp8 scaling state (see [`fp8_tensors`]).
@@ -157,6 +158,7 @@ pub struct SaveRequest<'a, C: ModelChunk> {
     pub scaler: &'a LossScaler,
     pub save_rng: bool,
     pub args: serde_json::Value,
+    pub data: Option<TrainedOn>,
     pub parallel: &'a ParallelState,
 }
 
@@ -260,10 +262,55 @@ fn write_and_commit<C: ModelChunk>(request: SaveRequest<'_, C>, iteration: u64) 
             optimizer: request.optimizer.map(|(_, name)| name.to_string()),
             has_rng_state: request.save_rng,
             args: request.args,
+            data: request.data,
         };
         finish_save(request.root, &metadata)?;
     }
     Ok(())
+}
+
+/// Refuses to start a run whose saves would replace checkpoints of another run: iteration
+/// directories in `save` newer than `start_iteration`, when this run did not resume from
+/// `save` itself. A run resumed from `save` (its tracker, or a tracker moved back to an earlier
+/// iteration) continues that lineage, and replacing its later iterations is what resuming
+/// from an earlier one means.
+pub fn refuse_replacing_another_run(
+    save: &Path,
+    resumed_from_save: bool,
+    start_iteration: u64,
+) -> Result<()> {
+    if resumed_from_save {
+        return Ok(());
+    }
+    let newer: Vec<u64> = saved_iterations(save)?
+        .into_iter()
+        .filter(|&iteration| iteration > start_iteration)
+        .filter(|&iteration| {
+            iteration_directory(save, iteration)
+                .join(METADATA_FILE)
+                .is_file()
+        })
+        .collect();
+    let Some(&newest) = newer.first() else {
+        return Ok(());
+    };
+    bail!(
+        "{} already holds {} checkpoint(s) of another run, up to {}, which this run (starting at \
+         iteration {start_iteration}, not resumed from that directory) would replace; resume \
+         that run with --load {}, or give this one another --save directory",
+        save.display(),
+        newer.len(),
+        iteration_directory(save, newest).display(),
+        save.display()
+    )
+}
+
+/// Whether `a` and `b` name the same existing directory.
+pub fn same_directory(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
 }
 
 /// What resuming restored.

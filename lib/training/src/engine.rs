@@ -381,6 +381,11 @@ pub fn train_with_hooks<F: ModelFamily>(
         hysteresis: args.precision.hysteresis as u32,
     })?;
 
+    // One writer per save directory, locked before anything is written (and before a long
+    // model build) so that a second run into it stops at once.
+    if let (Some(save), 0) = (&args.checkpoint.save, parallel.rank) {
+        megatron_store::lock_save_directory(save)?;
+    }
     let load_request = load_request(args)?;
     let mut loaded = None;
     if let Some(request) = &load_request {
@@ -482,6 +487,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         graph: microbatch_graph(args, device, &parallel)?,
         decoupled_lr: decoupled_lr(args)?,
     };
+    let mut resumed_from_save = false;
     if let (Some(found), Some(request)) = (loaded, &load_request) {
         let state = TrainingState {
             optimizer: &mut run.optimizer,
@@ -501,6 +507,11 @@ pub fn train_with_hooks<F: ModelFamily>(
                 ));
                 run.spikes.record_loaded(&directory);
                 run.progress = progress;
+                resumed_from_save = args
+                    .checkpoint
+                    .save
+                    .as_deref()
+                    .is_some_and(|save| checkpointing::same_directory(request.root, save));
             }
             // Megatron counts a finetune or release load from iteration 0 and says so.
             Resumed::Weights => {
@@ -513,6 +524,13 @@ pub fn train_with_hooks<F: ModelFamily>(
             "loaded pretrained weights from {}",
             directory.display()
         ));
+    }
+    if let Some(save) = &args.checkpoint.save {
+        checkpointing::refuse_replacing_another_run(
+            save,
+            resumed_from_save,
+            run.progress.iteration,
+        )?;
     }
     run.batches
         .update(run.progress.consumed_train_samples, false)?;
@@ -1136,6 +1154,7 @@ impl<F: ModelFamily> Run<'_, F> {
             scaler: &self.scaler,
             save_rng: !self.args.checkpoint.no_save_rng,
             args: self.args_json.clone(),
+            data: self.args.data.trained_on()?,
             parallel: &self.parallel,
         })?;
         self.print_rank0(&format!(

@@ -7,6 +7,7 @@ mod data_path;
 mod dataset;
 mod flags;
 mod indices;
+mod trained_on;
 mod weights;
 
 pub use budget::samples_per_dataset;
@@ -18,4 +19,5 @@ pub use data_path::Blend;
 pub use dataset::{BlendMember, BlendWeights, BlendedDataset};
 pub use flags::{DataPathFlags, DEFAULT_SPLIT};
 pub use indices::{build_blending_indices, build_exhaustive_blending_indices, BlendingIndices};
+pub use trained_on::{SplitShare, TrainedOn, WeightedPrefix};
 pub use weights::{normalize, numpy_sum};

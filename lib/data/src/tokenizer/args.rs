@@ -48,7 +48,7 @@ pub struct TokenizerArgs {
     #[arg(long, default_value_t = 1000)]
     pub tiktoken_num_special_tokens: usize,
     /// TikTokenizer: the special tokens (must include <unk>, <s>, </s>; default exactly those).
-    #[arg(long, num_args = 1..)]
+    #[arg(long, num_args = 1.., action = clap::ArgAction::Set)]
     pub tiktoken_special_tokens: Option<Vec<String>>,
     /// Megatron's legacy tokenizers (up to core_v0.14): index caches named as they name them,
     /// and WordPiece with their [BOS]/[EOS] additions (the vocabulary `preprocess_data`

@@ -14,11 +14,11 @@ pub struct FinetuneTaskArgs {
     pub task: String,
     /// Training data: RACE directories of *.txt files (RACE/train/middle RACE/train/high), or
     /// GLUE .tsv files (MNLI/train.tsv, QQP/train.tsv).
-    #[arg(long, num_args = 1..)]
+    #[arg(long, num_args = 1.., action = clap::ArgAction::Set)]
     pub train_data: Vec<PathBuf>,
     /// Validation data, scored separately after every epoch (RACE/dev/middle,
     /// MNLI/dev_matched.tsv MNLI/dev_mismatched.tsv, ...).
-    #[arg(long, num_args = 0..)]
+    #[arg(long, num_args = 0.., action = clap::ArgAction::Set)]
     pub valid_data: Vec<PathBuf>,
     /// Passes over the training data; 0 only scores --valid-data with the loaded model.
     #[arg(long)]

@@ -52,6 +52,6 @@ pub struct LoggingArgs {
     #[arg(long, default_value_t = 12)]
     pub profile_step_end: u64,
     /// Global ranks that profile.
-    #[arg(long, num_args = 1.., default_values_t = [0])]
+    #[arg(long, num_args = 1.., default_values_t = [0], action = clap::ArgAction::Set)]
     pub profile_ranks: Vec<usize>,
 }

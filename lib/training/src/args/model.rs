@@ -2,6 +2,7 @@
 
 use anyhow::{ensure, Result};
 use clap::Args;
+use megatron_cli::ranges;
 
 use megatron_models::{
     Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
@@ -48,17 +49,17 @@ pub struct ModelArgs {
     #[arg(long)]
     pub use_rotary_position_embeddings: bool,
     /// Fraction of each head's channels rotated by RoPE.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = ranges::probability, allow_hyphen_values = true)]
     pub rotary_percent: f64,
     /// RoPE base period.
-    #[arg(long, default_value_t = 10000.0)]
+    #[arg(long, default_value_t = 10000.0, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub rotary_base: f64,
     /// Llama-3.x RoPE frequency scaling (low/high frequency factors 1 and 4, original context
     /// 8192, as in Megatron).
     #[arg(long)]
     pub use_rope_scaling: bool,
     /// The factor of --use-rope-scaling.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 8.0, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub rope_scaling_factor: f64,
     /// Pad the vocabulary to a multiple of this (times the tensor-parallel size).
     #[arg(long, default_value_t = 128)]
@@ -67,7 +68,7 @@ pub struct ModelArgs {
     #[arg(long, default_value = "LayerNorm", value_parser = ["LayerNorm", "RMSNorm"], hide_possible_values = true)]
     pub normalization: String,
     /// Epsilon of the normalisation layers (alias: --layernorm-epsilon).
-    #[arg(long, alias = "layernorm-epsilon", default_value_t = 1e-5)]
+    #[arg(long, alias = "layernorm-epsilon", default_value_t = 1e-5, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub norm_epsilon: f64,
     /// Store LayerNorm weights zero-centred (gamma = 1 + w).
     #[arg(long)]
@@ -97,13 +98,13 @@ pub struct ModelArgs {
     #[arg(long)]
     pub apply_residual_connection_post_layernorm: bool,
     /// Standard deviation of the normal weight init.
-    #[arg(long, default_value_t = 0.02)]
+    #[arg(long, default_value_t = 0.02, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub init_method_std: f64,
     /// Dropout on embeddings and after attention/MLP.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, value_parser = ranges::probability, allow_hyphen_values = true)]
     pub hidden_dropout: f64,
     /// Dropout on attention probabilities.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, value_parser = ranges::probability, allow_hyphen_values = true)]
     pub attention_dropout: f64,
     /// Accepted for compatibility: attention always runs through libtorch's fused
     /// scaled_dot_product_attention (flash attention on GPUs).

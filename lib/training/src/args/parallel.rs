@@ -1,6 +1,7 @@
 //! Model- and data-parallelism flags (spec §2, §4.6, §8).
 
 use clap::Args;
+use megatron_cli::ranges;
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct ParallelArgs {
@@ -53,7 +54,7 @@ pub struct ParallelArgs {
     #[arg(long, default_value = "nccl")]
     pub distributed_backend: String,
     /// Minutes a rank waits for the others (rendezvous and collectives) before giving up.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub distributed_timeout_minutes: f64,
     /// This process's GPU on its node [default: $LOCAL_RANK].
     #[arg(long)]

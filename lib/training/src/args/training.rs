@@ -3,6 +3,7 @@
 use anyhow::{bail, ensure, Result};
 use clap::Args;
 use megatron_cli::bail_usage;
+use megatron_cli::ranges;
 use tch::Kind;
 
 use megatron_models::{Recompute, RecomputeMethod};
@@ -10,10 +11,10 @@ use megatron_models::{Recompute, RecomputeMethod};
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct TrainingArgs {
     /// Samples per micro-batch on each data-parallel rank.
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::at_least_one, allow_hyphen_values = true)]
     pub micro_batch_size: u64,
     /// Samples per optimizer step over all ranks [default: micro batch × data-parallel size].
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::at_least_one, allow_hyphen_values = true)]
     pub global_batch_size: Option<u64>,
     /// Ramp the global batch: START INCREMENT RAMP_SAMPLES (sample-based training).
     #[arg(long, num_args = 3, value_names = ["START", "INCREMENT", "RAMP_SAMPLES"])]
@@ -36,7 +37,7 @@ pub struct TrainingArgs {
     #[arg(long)]
     pub exit_interval: Option<u64>,
     /// Save (if --save) and exit after this many minutes of training.
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub exit_duration_in_mins: Option<f64>,
     /// Accepted for compatibility: SIGTERM always makes the run save (if --save) and exit
     /// after the current iteration.
@@ -97,16 +98,16 @@ pub struct OptimizerArgs {
     /// adam (AdamW, decoupled weight decay) or sgd.
     #[arg(long, default_value = "adam", value_parser = ["adam", "sgd"], hide_possible_values = true)]
     pub optimizer: String,
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, value_parser = ranges::below_one, allow_hyphen_values = true)]
     pub adam_beta1: f64,
-    #[arg(long, default_value_t = 0.999)]
+    #[arg(long, default_value_t = 0.999, value_parser = ranges::below_one, allow_hyphen_values = true)]
     pub adam_beta2: f64,
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(long, default_value_t = 1e-8, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub adam_eps: f64,
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, value_parser = ranges::below_one, allow_hyphen_values = true)]
     pub sgd_momentum: f64,
     /// Clip the global gradient norm to this (0 disables).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub clip_grad: f64,
     /// Compute the weight gradients of linear layers straight into the float32 gradient
     /// buffer instead of a bf16/fp16 gradient that is then added to it (Megatron's default
@@ -115,10 +116,10 @@ pub struct OptimizerArgs {
     #[arg(long)]
     pub no_gradient_accumulation_fusion: bool,
     /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub lr: Option<f64>,
     /// Learning rate at the end of the decay.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub min_lr: f64,
     /// constant, linear, cosine, inverse-square-root or WSD.
     #[arg(
@@ -135,7 +136,7 @@ pub struct OptimizerArgs {
     #[arg(long)]
     pub lr_decay_samples: Option<u64>,
     /// Warm-up as a fraction of the decay steps.
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::probability, allow_hyphen_values = true)]
     pub lr_warmup_fraction: Option<f64>,
     /// Warm-up iterations.
     #[arg(long, default_value_t = 0)]
@@ -144,7 +145,7 @@ pub struct OptimizerArgs {
     #[arg(long, default_value_t = 0)]
     pub lr_warmup_samples: u64,
     /// Learning rate at the start of warm-up.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub lr_warmup_init: f64,
     /// Annealing shape of WSD: linear, cosine, exponential or minus_sqrt.
     #[arg(
@@ -161,13 +162,13 @@ pub struct OptimizerArgs {
     #[arg(long)]
     pub lr_wsd_decay_samples: Option<u64>,
     /// Decoupled weight decay of matrices (biases and norm weights are never decayed).
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub weight_decay: f64,
     /// Weight decay at the start of training (with --weight-decay-incr-style).
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub start_weight_decay: Option<f64>,
     /// Weight decay at the end of training (with --weight-decay-incr-style).
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub end_weight_decay: Option<f64>,
     /// constant, linear or cosine.
     #[arg(long, default_value = "constant", value_parser = ["constant", "linear", "cosine"], hide_possible_values = true)]
@@ -197,13 +198,13 @@ pub struct MixedPrecisionArgs {
     #[arg(long)]
     pub fp16: bool,
     /// A static loss scale (fp16); without it the scale is dynamic.
-    #[arg(long)]
+    #[arg(long, value_parser = ranges::positive_f32, allow_hyphen_values = true)]
     pub loss_scale: Option<f32>,
     /// Initial dynamic loss scale.
-    #[arg(long, default_value_t = 4294967296.0)]
+    #[arg(long, default_value_t = 4294967296.0, value_parser = ranges::positive_f32, allow_hyphen_values = true)]
     pub initial_loss_scale: f32,
     /// Minimum dynamic loss scale.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = ranges::positive_f32, allow_hyphen_values = true)]
     pub min_loss_scale: f32,
     /// Good iterations before the dynamic scale doubles.
     #[arg(long, default_value_t = 1000)]
