@@ -7,6 +7,7 @@
 
 mod args;
 mod bert;
+mod bpe_merge;
 mod build;
 mod gpt2;
 mod huggingface;
