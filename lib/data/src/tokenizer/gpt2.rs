@@ -201,6 +201,11 @@ impl Tokenizer for Gpt2Bpe {
         Some(self.eod)
     }
 
+    /// GPT-2 begins sequences with the same `<|endoftext|>`.
+    fn bos(&self) -> Option<u32> {
+        Some(self.eod)
+    }
+
     /// Megatron's `decode`: the tokens' characters mapped back to bytes, decoded as UTF-8
     /// with replacement characters.
     fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
