@@ -106,6 +106,13 @@ impl TikToken {
         let entries: Vec<serde_json::Value> = serde_json::from_str(&text)
             .map_err(|e| bad_file(path, format!("not a JSON array of tokens: {e}")))?;
         let inner = options.vocab_size - num_special;
+        if inner < 256 {
+            // Byte-level BPE falls back to single bytes, so every byte needs a rank.
+            return config(format!(
+                "--vocab-size {} with {num_special} special tokens leaves {inner} ranks, fewer than the 256 single bytes",
+                options.vocab_size
+            ));
+        }
         if entries.len() < inner {
             return Err(bad_file(
                 path,
@@ -265,5 +272,14 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(error.contains("vocab.json: holds 259 tokens"), "{error}");
+        let bytes_cut = TikTokenOptions {
+            vocab_size: 5 + 100,
+            ..too_big
+        };
+        let error = TikToken::from_file(&vocabulary(dir.path()), &bytes_cut)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("fewer than the 256 single bytes"), "{error}");
     }
 }
