@@ -15,7 +15,8 @@ use megatron_cli::bail_usage;
 use megatron_convert::{
     load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reporting_progress,
     reshape_t5, save_hf, save_megatron_rs, save_megatron_torch, t5_max_logit_difference,
-    use_one_torch_thread, verify, vocab_file_size, ConversionProgress, LoadOptions, TargetLayout,
+    tokenizer_export, use_one_torch_thread, verify, vocab_file_size, ConversionProgress,
+    LoadOptions, TargetLayout, TokenizerFiles,
 };
 use megatron_store::find_checkpoint;
 use progress::TensorBytesBar;
@@ -132,10 +133,14 @@ struct ConvertArgs {
     /// --true-vocab-size when both are given).
     #[arg(long)]
     vocab_file: Option<PathBuf>,
-    /// GPT-2 merges file (copied into HuggingFace exports).
+    /// GPT-2 merges file (copied into HuggingFace exports) [default: the one the checkpoint
+    /// recorded].
     #[arg(long)]
     merge_file: Option<PathBuf>,
-    /// A HuggingFace tokenizer.json copied into HuggingFace exports.
+    /// The tokenizer HuggingFace exports carry [default: the one the checkpoint recorded]: a
+    /// HuggingFace tokenizer.json or a directory holding one (with tokenizer_config.json and
+    /// special_tokens_map.json, copied where present), or a SentencePiece tokenizer.model. Its
+    /// bos/eos ids go into config.json and generation_config.json.
     #[arg(long)]
     tokenizer_model: Option<PathBuf>,
     /// Accepted for compatibility with convert.py; nothing of Megatron is needed.
@@ -153,7 +158,9 @@ struct ConvertArgs {
     /// Accepted for compatibility with convert.py.
     #[arg(long)]
     saver_transformer_impl: Option<String>,
-    /// Pad the vocabulary of imports to a multiple of this times the target TP size.
+    /// Pad the vocabulary of imports to a multiple of this times the target TP size [default:
+    /// a Megatron checkpoint's own, 128 for HuggingFace]. Needed to pad a Megatron checkpoint
+    /// beyond the embedding rows it holds.
     #[arg(long)]
     make_vocab_size_divisible_by: Option<i64>,
     /// Convert the weights only, leaving the optimizer state behind (HuggingFace exports
@@ -267,17 +274,16 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         Saver::MegatronRs => save_megatron_rs(&state, &staging, target),
         Saver::Core => save_megatron_torch(&state, &staging, target),
         Saver::Hf => {
-            let mut files = Vec::new();
-            if let Some(vocab) = &args.vocab_file {
-                files.push((vocab.as_path(), "vocab.json"));
+            let given = TokenizerFiles {
+                vocab_file: args.vocab_file.clone(),
+                merge_file: args.merge_file.clone(),
+                tokenizer_model: args.tokenizer_model.clone(),
+            };
+            let tokenizer = tokenizer_export(&state.run.args, &given)?;
+            for warning in &tokenizer.warnings {
+                eprintln!("warning: {warning}");
             }
-            if let Some(merges) = &args.merge_file {
-                files.push((merges.as_path(), "merges.txt"));
-            }
-            if let Some(tokenizer) = &args.tokenizer_model {
-                files.push((tokenizer.as_path(), "tokenizer.json"));
-            }
-            save_hf(&state, &staging, &files)
+            save_hf(&state, &staging, &tokenizer)
         }
     });
     commit(&staging, &save_dir, || saved)?;

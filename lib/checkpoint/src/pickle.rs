@@ -260,12 +260,10 @@ pub fn torch_persistent_load(pid: Value) -> Result<Value> {
     };
     let numel = parts[4]
         .as_i64()
-        .with_context(|| format!("unexpected storage size {}", parts[4].describe()))?;
-    Ok(Value::Storage(StorageRef {
-        key,
-        dtype,
-        numel: numel as usize,
-    }))
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|n| n.checked_mul(dtype.size()).is_some())
+        .with_context(|| format!("storage {key}: impossible size {}", parts[4].describe()))?;
+    Ok(Value::Storage(StorageRef { key, dtype, numel }))
 }
 
 /// Unpickles `data` (any protocol 0–5), resolving persistent ids through `persistent_load`.
@@ -937,16 +935,24 @@ fn rebuild_tensor(args: &[Value]) -> Result<Value> {
         shape,
         stride,
     };
-    if tensor.numel() > 0 {
-        let last = tensor.offset
-            + tensor
-                .shape
-                .iter()
-                .zip(&tensor.stride)
-                .map(|(&n, &s)| (n - 1) * s)
-                .sum::<usize>();
+    // Sizes come from the file: computed with overflow checks so that a crafted shape is an
+    // error, not a wrapped product that passes the bounds check below.
+    let numel = tensor
+        .shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|n| n.checked_mul(tensor.storage.dtype.size()).is_some())
+        .with_context(|| format!("tensor of shape {:?}: impossible size", tensor.shape))?;
+    if numel > 0 {
+        let last = tensor
+            .shape
+            .iter()
+            .zip(&tensor.stride)
+            .try_fold(tensor.offset, |at, (&n, &s)| {
+                (n - 1).checked_mul(s).and_then(|step| at.checked_add(step))
+            });
         ensure!(
-            last < tensor.storage.numel,
+            last.is_some_and(|last| last < tensor.storage.numel) && numel <= tensor.storage.numel,
             "tensor {:?} at offset {} reaches beyond its storage {} of {} elements",
             tensor.shape,
             tensor.offset,
@@ -963,6 +969,22 @@ mod tests {
 
     fn load(bytes: &[u8]) -> Value {
         unpickle(bytes, &mut |pid| Ok(pid)).unwrap()
+    }
+
+    /// Tensors whose sizes do not fit in memory, let alone the file, are refused before any
+    /// product of them wraps around.
+    #[test]
+    fn impossible_tensor_sizes_are_refused() {
+        // A float32 storage of 2^62 elements, viewed whole (its bytes overflow 64 bits):
+        // pickle.dumps of torch._utils._rebuild_tensor_v2 over the persistent id
+        // ('storage', torch.FloatStorage, '0', 'cpu', 2**62), protocol 2.
+        let huge_storage = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((X\x07\x00\x00\x00storageq\x01ctorch\nFloatStorage\nq\x02X\x01\x00\x00\x000q\x03X\x03\x00\x00\x00cpuq\x04\x8a\x08\x00\x00\x00\x00\x00\x00\x00@tq\x05QK\x00\x8a\x08\x00\x00\x00\x00\x00\x00\x00@\x85q\x06K\x01\x85q\x07\x89ccollections\nOrderedDict\nq\x08)Rq\ttq\nRq\x0b.";
+        let error = unpickle(huge_storage, &mut torch_persistent_load).unwrap_err();
+        assert!(format!("{error:#}").contains("storage 0: impossible size"), "{error:#}");
+        // A [2^31, 2^31, 2^31] view with zero strides of a 4-element storage (2^93 elements).
+        let huge_view = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((X\x07\x00\x00\x00storageq\x01ctorch\nFloatStorage\nq\x02X\x01\x00\x00\x000q\x03X\x03\x00\x00\x00cpuq\x04K\x04tq\x05QK\x00\x8a\x05\x00\x00\x00\x80\x00\x8a\x05\x00\x00\x00\x80\x00\x8a\x05\x00\x00\x00\x80\x00\x87q\x06K\x00K\x00K\x00\x87q\x07\x89ccollections\nOrderedDict\nq\x08)Rq\ttq\nRq\x0b.";
+        let error = unpickle(huge_view, &mut torch_persistent_load).unwrap_err();
+        assert!(format!("{error:#}").contains("impossible size"), "{error:#}");
     }
 
     #[test]

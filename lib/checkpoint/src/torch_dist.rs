@@ -267,7 +267,11 @@ impl DistCheckpoint {
             );
             shape[0] = range.len();
         }
-        let numel: usize = shape.iter().product();
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|n| n.checked_mul(element).is_some())
+            .with_context(|| format!("{name}: impossible shape {shape:?}"))?;
         let mut out = vec![0u8; numel * element];
         let mut covered = 0usize;
         for chunk in &tensor.chunks {

@@ -13,7 +13,9 @@ use tch::{Kind, Tensor};
 
 use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
 use super::megatron_torch::tensor_of;
+use super::hf_tokenizer::{write_tokenizer, TokenizerExport};
 use super::progress::report_written;
+use super::sizes::{check_layers, layers_found};
 use super::state::{ModelState, RunState, Tensors};
 use megatron_models::gpt::hf::{gpt2_recipes, llama_recipes};
 use megatron_models::gpt::hf_config::{config_from_hf, rope_to_hf};
@@ -123,6 +125,13 @@ pub fn load_hf(
         );
     }
     let tensors = read_hf_tensors(directory)?;
+    let (field, prefixes): (&str, &[&str]) = if architecture == "GPT2LMHeadModel" {
+        ("n_layer", &["transformer.h.", "h."])
+    } else {
+        ("num_hidden_layers", &["model.layers."])
+    };
+    let found = layers_found(tensors.keys().map(String::as_str), prefixes);
+    check_layers(&path.display().to_string(), field, config.num_layers, found)?;
     let dtype = tensors
         .values()
         .map(LazyTensor::kind)
@@ -293,13 +302,9 @@ fn hf_dtype_name(params_dtype: &str) -> &'static str {
     }
 }
 
-/// Writes `state` as a HuggingFace model into `directory` (created), with `tokenizer_files`
-/// copied beside it.
-pub fn save_hf(
-    state: &ModelState,
-    directory: &Path,
-    tokenizer_files: &[(&Path, &str)],
-) -> Result<()> {
+/// Writes `state` as a HuggingFace model into `directory` (created), with `tokenizer`'s files
+/// beside it and its bos/eos ids in `config.json` and `generation_config.json`.
+pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport) -> Result<()> {
     let config = &state.config;
     let vocab = config.vocab_size;
     let kind = super::tensors::kind_named(&state.params_dtype)?;
@@ -393,8 +398,6 @@ pub fn save_hf(
                 "initializer_range": config.init_method_std,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": true,
-                "bos_token_id": vocab - 1,
-                "eos_token_id": vocab - 1,
                 "dtype": hf_dtype_name(&state.params_dtype),
             })
         }
@@ -493,6 +496,11 @@ pub fn save_hf(
             config.activation
         ),
     };
+    let mut hf_config = hf_config;
+    let special = special_token_ids(state, tokenizer)?;
+    for (key, id) in &special {
+        hf_config[key] = json!(id);
+    }
     std::fs::create_dir_all(directory)
         .with_context(|| format!("creating {}", directory.display()))?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
@@ -501,37 +509,41 @@ pub fn save_hf(
         directory.join("config.json"),
         serde_json::to_string_pretty(&hf_config)?,
     )?;
-    for (source, name) in tokenizer_files {
-        std::fs::copy(source, directory.join(name)).with_context(|| {
-            format!("copying {} into {}", source.display(), directory.display())
-        })?;
-    }
-    // AutoTokenizer needs to know which class reads the copied files.
-    let class = if tokenizer_files
-        .iter()
-        .any(|(_, name)| *name == "tokenizer.json")
-    {
-        Some("PreTrainedTokenizerFast")
-    } else if tokenizer_files
-        .iter()
-        .any(|(_, name)| *name == "vocab.json")
-    {
-        Some("GPT2Tokenizer")
-    } else {
-        None
-    };
-    if let Some(class) = class {
-        let mut tokenizer_config =
-            json!({"tokenizer_class": class, "model_max_length": config.max_position_embeddings});
-        if class == "GPT2Tokenizer" {
-            for key in ["bos_token", "eos_token", "unk_token"] {
-                tokenizer_config[key] = json!("<|endoftext|>");
-            }
-        }
+    if !special.is_empty() {
+        let generation: serde_json::Map<String, Json> =
+            special.into_iter().map(|(key, id)| (key.to_string(), json!(id))).collect();
         std::fs::write(
-            directory.join("tokenizer_config.json"),
-            serde_json::to_string_pretty(&tokenizer_config)?,
+            directory.join("generation_config.json"),
+            serde_json::to_string_pretty(&generation)?,
         )?;
     }
+    write_tokenizer(tokenizer, directory, config.max_position_embeddings)?;
     Ok(())
+}
+
+/// `bos_token_id` and `eos_token_id` of the export: the tokenizer's, else for GPT-2 its last
+/// token (`<|endoftext|>`); each must be a row of the exported vocabulary.
+fn special_token_ids(
+    state: &ModelState,
+    tokenizer: &TokenizerExport,
+) -> Result<Vec<(&'static str, i64)>> {
+    let vocab = state.config.vocab_size;
+    let gpt2_end = (state.config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute)
+        .then_some(vocab - 1);
+    let mut ids = Vec::new();
+    for (key, id) in [
+        ("bos_token_id", tokenizer.bos_token_id),
+        ("eos_token_id", tokenizer.eos_token_id),
+    ] {
+        let Some(id) = id.map(i64::from).or(gpt2_end) else {
+            continue;
+        };
+        ensure!(
+            (0..vocab).contains(&id),
+            "{}: the tokenizer's {key} {id} is outside the model's vocabulary of {vocab}",
+            state.source
+        );
+        ids.push((key, id));
+    }
+    Ok(ids)
 }

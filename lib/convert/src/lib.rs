@@ -6,6 +6,7 @@
 //! libtorch-free `megatron-checkpoint` crate; the tensor reshaping uses CPU tensors.
 
 pub mod hf;
+pub mod hf_tokenizer;
 pub mod lazy;
 pub mod load;
 pub mod megatron_args;
@@ -13,12 +14,14 @@ pub mod megatron_save;
 pub mod megatron_torch;
 pub mod ours;
 pub mod progress;
+pub mod sizes;
 pub mod state;
 pub mod t5;
 pub mod tensors;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};
+pub use hf_tokenizer::{tokenizer_export, TokenizerExport, TokenizerFiles};
 pub use lazy::{use_one_torch_thread, LazyTensor};
 pub use load::load_checkpoint;
 pub use megatron_args::vocab_file_size;

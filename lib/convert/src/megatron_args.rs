@@ -1,6 +1,6 @@
 //! Megatron's `args` namespace (as pickled in its checkpoints) → our [`TransformerConfig`].
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::Value;
 
 use megatron_models::{
@@ -11,6 +11,13 @@ fn int(args: &Value, key: &str) -> Result<i64> {
     args.get(key)
         .and_then(Value::as_i64)
         .with_context(|| format!("the checkpoint's args have no integer {key}"))
+}
+
+/// A count or size of the args that must be positive (layers, widths, heads).
+fn positive(args: &Value, key: &str) -> Result<i64> {
+    let value = int(args, key)?;
+    ensure!(value > 0, "the checkpoint's args: {key} {value} must be positive");
+    Ok(value)
 }
 
 fn int_or(args: &Value, key: &str, default: i64) -> i64 {
@@ -44,12 +51,23 @@ pub fn true_vocab_size(args: &Value, padded_rows: i64, given: Option<i64>) -> i6
 
 /// The architecture the args describe, for a vocabulary of `vocab_size` tokens.
 pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
-    let hidden_size = int(args, "hidden_size")?;
-    let heads = int(args, "num_attention_heads")?;
+    let hidden_size = positive(args, "hidden_size")?;
+    let heads = positive(args, "num_attention_heads")?;
     let groups = if flag(args, "group_query_attention") {
-        int(args, "num_query_groups")?
+        positive(args, "num_query_groups")?
     } else {
         heads
+    };
+    ensure!(
+        heads % groups == 0,
+        "the checkpoint's args: num_query_groups {groups} must divide num_attention_heads {heads}"
+    );
+    let kv_channels = match args.get("kv_channels").and_then(Value::as_i64) {
+        Some(width) if width > 0 => width,
+        Some(width) => bail!("the checkpoint's args: kv_channels {width} must be positive"),
+        None => TransformerConfig::derived_head_width(hidden_size, heads).with_context(|| {
+            format!("the checkpoint's args: num_attention_heads {heads} must divide hidden_size {hidden_size}")
+        })?,
     };
     let swiglu = flag(args, "swiglu");
     let ffn_hidden_size = args
@@ -80,14 +98,11 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
         .then(|| RopeScaling::megatron(float_or(args, "rope_scaling_factor", 8.0)));
     let seq_length = int_or(args, "seq_length", 0);
     Ok(TransformerConfig {
-        num_layers: int(args, "num_layers")? as usize,
+        num_layers: positive(args, "num_layers")? as usize,
         hidden_size,
         num_attention_heads: heads,
         num_query_groups: groups,
-        kv_channels: args
-            .get("kv_channels")
-            .and_then(Value::as_i64)
-            .unwrap_or(hidden_size / heads),
+        kv_channels,
         ffn_hidden_size,
         max_position_embeddings: args
             .get("max_position_embeddings")

@@ -11,10 +11,12 @@ use megatron_checkpoint::{DistCheckpoint, TensorRef, TorchFile, Value};
 use tch::Kind;
 
 use super::lazy::{InputFile, LazyTensor};
-use super::megatron_args::{gpt_config, params_dtype, true_vocab_size};
+use super::megatron_args::{gpt_config, params_dtype};
+use super::sizes::{check_layers, layers_found, megatron_vocabulary};
 use super::state::{ModelState, OptimizerState, RunState};
 use super::tensors::tensor_from_bytes;
 use megatron_models::gpt::megatron_names::{core_name, layer_of};
+use megatron_models::TransformerConfig;
 use megatron_optim::excluded_from_weight_decay;
 use megatron_store::{has_vocab_rows, tensor_split};
 
@@ -25,7 +27,8 @@ pub struct LoadOptions {
     pub true_vocab_size: Option<i64>,
     /// Read the optimizer state too, where the checkpoint has one.
     pub optimizer: bool,
-    /// HuggingFace imports pad the vocabulary to a multiple of this (× TP) [default: 128].
+    /// `--make-vocab-size-divisible-by`: imports pad the vocabulary to a multiple of this (× TP)
+    /// [default: Megatron checkpoints' own, 128 for HuggingFace's].
     pub make_vocab_size_divisible_by: Option<i64>,
 }
 
@@ -308,30 +311,26 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
             next += layers;
         }
     }
-    let padded_rows = first
-        .root
-        .get("args")
-        .and_then(|a| a.get("padded_vocab_size"))
-        .and_then(Value::as_i64);
-    let word_rows = per_rank[&(0, 0)][0]
+    let origin = first.path().display().to_string();
+    let embedding = "embedding.word_embeddings.weight";
+    let rows = per_rank[&(0, 0)][0]
         .iter()
-        .find(|(n, _)| n == "embedding.word_embeddings.weight")
-        .map(|(_, t)| t.shape[0] as i64 * tp as i64);
-    let rows = padded_rows
-        .or(word_rows)
-        .context("no word embeddings on the first stage")?;
-    let vocab = true_vocab_size(args, rows, options.true_vocab_size);
-    ensure!(
-        vocab <= rows,
-        "--true-vocab-size {vocab} exceeds the checkpoint's {rows} embedding rows"
-    );
-    let config = gpt_config(args, vocab)?;
-    ensure!(
-        config.num_layers == next,
-        "{}: the args say {} layers, the rank files hold {next}",
-        directory.display(),
-        config.num_layers
-    );
+        .find(|(n, _)| n == embedding)
+        .map(|(_, t)| t.shape[0] as i64 * tp as i64)
+        .with_context(|| format!("{origin}: no {embedding} on the first stage"))?;
+    let (vocab, multiple) = megatron_vocabulary(
+        &origin,
+        args,
+        embedding,
+        rows,
+        options.true_vocab_size,
+        options.make_vocab_size_divisible_by,
+    )?;
+    let config = TransformerConfig {
+        make_vocab_size_divisible_by: multiple,
+        ..gpt_config(args, vocab).with_context(|| origin.clone())?
+    };
+    check_layers(&origin, "args num_layers", config.num_layers, next)?;
     let tied = !config.untie_embeddings_and_output_weights;
     // Global names and shards, in the order of tensor-parallel rank.
     let mut shards: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
@@ -543,17 +542,35 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
     let root = &checkpoint.common.root;
     check_version(root, checkpoint.common.path())?;
     let args = root.get("args").context("common.pt has no args")?;
+    let origin = checkpoint.common.path().display().to_string();
+    let embedding = "embedding.word_embeddings.weight";
     let rows = checkpoint
         .tensors
-        .get("embedding.word_embeddings.weight")
-        .map(|t| t.shape[0] as i64)
-        .context("no embedding.word_embeddings.weight")?;
-    let vocab = true_vocab_size(args, rows, options.true_vocab_size);
-    ensure!(
-        vocab <= rows,
-        "--true-vocab-size {vocab} exceeds the checkpoint's {rows} embedding rows"
-    );
-    let config = gpt_config(args, vocab)?;
+        .get(embedding)
+        .and_then(|t| t.shape.first())
+        .map(|&rows| rows as i64)
+        .with_context(|| format!("{}: no {embedding}", directory.display()))?;
+    let (vocab, multiple) = megatron_vocabulary(
+        &origin,
+        args,
+        embedding,
+        rows,
+        options.true_vocab_size,
+        options.make_vocab_size_divisible_by,
+    )?;
+    let config = TransformerConfig {
+        make_vocab_size_divisible_by: multiple,
+        ..gpt_config(args, vocab).with_context(|| origin.clone())?
+    };
+    let stacked = checkpoint
+        .tensors
+        .iter()
+        .filter(|(name, _)| name.starts_with("decoder.layers.") && layers_found([name.as_str()], &["decoder.layers."]) == 0)
+        .filter_map(|(_, t)| t.shape.first().copied())
+        .max()
+        .unwrap_or(0);
+    let numbered = layers_found(checkpoint.tensors.keys().map(String::as_str), &["decoder.layers."]);
+    check_layers(&origin, "args num_layers", config.num_layers, stacked.max(numbered))?;
     let padded = config.padded_vocab_size(1);
     let mut inputs = HashMap::new();
     let mut weights = BTreeMap::new();

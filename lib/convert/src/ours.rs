@@ -10,6 +10,7 @@ use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::lazy::{safetensors_tensors, LazyTensor};
+use super::sizes::{check_layers, layers_found};
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState, RunState, Tensors};
 use megatron_models::ParamAttributes;
 use megatron_models::{
@@ -734,6 +735,9 @@ impl ModelState {
     /// instead of producing a checkpoint that cannot load.
     pub fn validate(&self) -> Result<()> {
         let config = &self.config;
+        // Before the expected names are listed, so a wrong layer count is not materialised.
+        let found = layers_found(self.weights.keys().map(String::as_str), &["decoder.layers."]);
+        check_layers(&self.source, "num_layers", config.num_layers, found)?;
         let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
         for name in probe_parameter_names(config)? {
             match name.strip_prefix("decoder.layers.0.") {

@@ -8,6 +8,7 @@ use std::process::Command;
 
 use megatron_convert::{
     load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, ModelState, TargetLayout,
+    TokenizerExport,
 };
 use megatron_store::find_checkpoint;
 use tch::Tensor;
@@ -152,11 +153,17 @@ fn round_trip(kind: &str, as_bin: bool) {
         .collect();
     std::fs::write(&vocab, serde_json::to_string(&vocab_entries).unwrap()).unwrap();
     std::fs::write(&merges, "#version: 0.2\nt 0\n").unwrap();
-    let tokenizer_files = [
-        (vocab.as_path(), "vocab.json"),
-        (merges.as_path(), "merges.txt"),
-    ];
-    save_hf(&reloaded, &export, &tokenizer_files).unwrap();
+    let tokenizer = TokenizerExport {
+        files: vec![(vocab, "vocab.json"), (merges, "merges.txt")],
+        tokenizer_config: Some(serde_json::json!({
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>",
+            "unk_token": "<|endoftext|>",
+        })),
+        ..Default::default()
+    };
+    save_hf(&reloaded, &export, &tokenizer).unwrap();
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
             .unwrap();

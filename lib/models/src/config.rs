@@ -166,6 +166,12 @@ impl TransformerConfig {
         }
     }
 
+    /// The width of one attention head when a config gives none: `hidden / heads`, `None`
+    /// unless `heads` is positive and divides `hidden` (Megatron asserts the same).
+    pub fn derived_head_width(hidden: i64, heads: i64) -> Option<i64> {
+        (heads > 0 && hidden > 0 && hidden % heads == 0).then(|| hidden / heads)
+    }
+
     /// Megatron's padded vocabulary: a multiple of `make_vocab_size_divisible_by · t`.
     pub fn padded_vocab_size(&self, tensor_parallel_size: i64) -> i64 {
         let multiple = self.make_vocab_size_divisible_by * tensor_parallel_size;

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 
 use regex::Regex;
 
+use super::bpe_merge::{self, MergeOrder};
 use super::{Tokenizer, TokenizerError};
 
 /// GPT-2's pre-tokenization pattern without its `\s+(?!\S)` look-ahead branch, which the
@@ -170,31 +171,9 @@ impl Gpt2Bpe {
             .bytes()
             .map(|b| self.byte_symbol[b as usize])
             .collect();
-        while word.len() > 1 {
-            let best = word
-                .windows(2)
-                .filter_map(|w| {
-                    self.merges
-                        .get(&(w[0], w[1]))
-                        .map(|&(rank, merged)| (rank, w[0], w[1], merged))
-                })
-                .min_by_key(|&(rank, ..)| rank);
-            let Some((_, left, right, merged)) = best else {
-                break;
-            };
-            let mut next = Vec::with_capacity(word.len());
-            let mut i = 0;
-            while i < word.len() {
-                if i + 1 < word.len() && word[i] == left && word[i + 1] == right {
-                    next.push(merged);
-                    i += 2;
-                } else {
-                    next.push(word[i]);
-                    i += 1;
-                }
-            }
-            word = next;
-        }
+        bpe_merge::merge(&mut word, MergeOrder::EveryOccurrence, |left, right| {
+            self.merges.get(&(left, right)).copied()
+        });
         let ids: Vec<u32> = word
             .iter()
             .map(|&s| self.symbol_token[s as usize])
@@ -219,6 +198,11 @@ impl Tokenizer for Gpt2Bpe {
     }
 
     fn eod(&self) -> Option<u32> {
+        Some(self.eod)
+    }
+
+    /// GPT-2 begins sequences with the same `<|endoftext|>`.
+    fn bos(&self) -> Option<u32> {
         Some(self.eod)
     }
 
@@ -280,15 +264,65 @@ mod tests {
 #[cfg(test)]
 mod vocabulary_tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+
+    fn gpt2() -> &'static Gpt2Bpe {
+        static TOKENIZER: OnceLock<Gpt2Bpe> = OnceLock::new();
+        TOKENIZER.get_or_init(|| {
+            let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
+            Gpt2Bpe::from_files(
+                &shared.join("gpt2-vocab.json"),
+                &shared.join("gpt2-merges.txt"),
+            )
+            .unwrap()
+        })
+    }
+
+    /// The ids of `text` with each pre-token merged by GPT-2's rescanning loop.
+    fn reference_ids(t: &Gpt2Bpe, text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        t.pieces(text, |piece| {
+            let symbols = piece.bytes().map(|b| t.byte_symbol[b as usize]).collect();
+            let merged = super::bpe_merge::tests::every_occurrence_reference(symbols, |l, r| {
+                t.merges.get(&(l, r)).copied()
+            });
+            ids.extend(merged.iter().map(|&s| t.symbol_token[s as usize]));
+        });
+        ids
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn heap_merge_gives_the_reference_ids(text in "[aeinrst th.'é1]{0,80}|[aeilnorst]{0,400}") {
+            let t = gpt2();
+            prop_assert_eq!(t.tokenize(&text).unwrap(), reference_ids(t, &text));
+        }
+    }
+
+    #[test]
+    fn a_megabyte_word_without_whitespace_is_tokenized() {
+        // The rescanning merge took about two minutes on this; the heap merge a fraction of a
+        // second (the pair-lookup count is bounded in bpe_merge's tests).
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let word: String = (0..1 << 20)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                b"etaoinshrdlu"[(state % 12) as usize] as char
+            })
+            .collect();
+        let t = gpt2();
+        let ids = t.tokenize(&word).unwrap();
+        assert!(ids.len() < word.len() / 2, "{} ids", ids.len());
+        assert_eq!(t.detokenize(&ids).unwrap(), word);
+    }
 
     #[test]
     fn megatron_reference_ids() {
-        let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
-        let t = Gpt2Bpe::from_files(
-            &shared.join("gpt2-vocab.json"),
-            &shared.join("gpt2-merges.txt"),
-        )
-        .unwrap();
+        let t = gpt2();
         // The ids Megatron's tokenizer unit test expects for this text.
         assert_eq!(
             t.tokenize("hi how are you?").unwrap(),

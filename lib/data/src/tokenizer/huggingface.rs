@@ -11,6 +11,7 @@ pub struct HuggingFace {
     inner: tokenizers::Tokenizer,
     add_special_tokens: bool,
     eod: Option<u32>,
+    bos: Option<u32>,
 }
 
 impl HuggingFace {
@@ -24,27 +25,39 @@ impl HuggingFace {
             path: file.clone(),
             reason: format!("cannot load HuggingFace tokenizer: {e}"),
         })?;
-        let eos_name = match dir {
-            Some(dir) => configured_eos(&dir)?,
-            None => None,
+        let configured = |key: &str| -> Result<Option<u32>, TokenizerError> {
+            let Some(dir) = &dir else {
+                return Ok(None);
+            };
+            match configured_token(dir, key)? {
+                Some(name) => Ok(Some(inner.token_to_id(&name).ok_or_else(|| {
+                    TokenizerError::File {
+                        path: file.clone(),
+                        reason: format!(
+                            "{key} {name:?} from tokenizer_config.json is not in the vocabulary"
+                        ),
+                    }
+                })?)),
+                None => Ok(None),
+            }
         };
-        let eod = match eos_name {
-            Some(name) => Some(inner.token_to_id(&name).ok_or_else(|| TokenizerError::File {
-                path: file.clone(),
-                reason: format!("eos_token {name:?} from tokenizer_config.json is not in the vocabulary"),
-            })?),
+        let eod = match configured("eos_token")? {
+            Some(id) => Some(id),
             None => KNOWN_EOS.iter().find_map(|t| inner.token_to_id(t)),
         };
+        let bos = configured("bos_token")?;
         Ok(HuggingFace {
             inner,
             add_special_tokens,
             eod,
+            bos,
         })
     }
 }
 
-/// The `eos_token` of `dir/tokenizer_config.json`, a string or `{"content": ...}`.
-fn configured_eos(dir: &Path) -> Result<Option<String>, TokenizerError> {
+/// The special token `key` (`eos_token`, `bos_token`) of `dir/tokenizer_config.json`, a string
+/// or `{"content": ...}`.
+fn configured_token(dir: &Path, key: &str) -> Result<Option<String>, TokenizerError> {
     let path: PathBuf = dir.join("tokenizer_config.json");
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(None);
@@ -54,7 +67,7 @@ fn configured_eos(dir: &Path) -> Result<Option<String>, TokenizerError> {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-    Ok(match config.get("eos_token") {
+    Ok(match config.get(key) {
         Some(serde_json::Value::String(s)) => Some(s.clone()),
         Some(v) => v
             .get("content")
@@ -80,6 +93,10 @@ impl Tokenizer for HuggingFace {
 
     fn eod(&self) -> Option<u32> {
         self.eod
+    }
+
+    fn bos(&self) -> Option<u32> {
+        self.bos
     }
 
     fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {

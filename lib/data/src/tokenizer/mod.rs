@@ -7,6 +7,7 @@
 
 mod args;
 mod bert;
+mod bpe_merge;
 mod build;
 mod gpt2;
 mod huggingface;
@@ -58,6 +59,11 @@ pub trait Tokenizer: Send + Sync {
 
     /// End-of-document id appended by `--append-eod`, if the tokenizer has one.
     fn eod(&self) -> Option<u32>;
+
+    /// Beginning-of-sequence id, if the tokenizer has one (HuggingFace exports record it).
+    fn bos(&self) -> Option<u32> {
+        None
+    }
 
     /// The text of `ids`, as Megatron's `detokenize` gives it (bytes that are not valid
     /// UTF-8 become U+FFFD, like Python's `errors='replace'`). Unknown ids are an error.

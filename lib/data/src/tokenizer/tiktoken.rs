@@ -9,6 +9,7 @@ use std::path::Path;
 
 use fancy_regex::Regex;
 
+use super::bpe_merge::{self, MergeOrder};
 use super::{unknown_id, Tokenizer, TokenizerError};
 
 /// Megatron's `PATTERN_TIKTOKEN` (`--tiktoken-pattern v1`).
@@ -105,6 +106,13 @@ impl TikToken {
         let entries: Vec<serde_json::Value> = serde_json::from_str(&text)
             .map_err(|e| bad_file(path, format!("not a JSON array of tokens: {e}")))?;
         let inner = options.vocab_size - num_special;
+        if inner < 256 {
+            // Byte-level BPE falls back to single bytes, so every byte needs a rank.
+            return config(format!(
+                "--vocab-size {} with {num_special} special tokens leaves {inner} ranks, fewer than the 256 single bytes",
+                options.vocab_size
+            ));
+        }
         if entries.len() < inner {
             return Err(bad_file(
                 path,
@@ -156,31 +164,21 @@ impl TikToken {
 
     /// tiktoken's byte-pair merge of one pre-token: repeatedly join the adjacent pair whose
     /// joined bytes have the lowest rank (the leftmost on ties), then map each part to its rank.
+    /// Every single byte has a rank (checked on loading), so every part has one.
     fn encode_piece(&self, piece: &[u8], out: &mut Vec<u32>) {
         if let Some(&rank) = self.ranks.get(piece) {
             out.push(rank + self.num_special);
             return;
         }
-        let mut bounds: Vec<usize> = (0..=piece.len()).collect();
-        loop {
-            let best = (0..bounds.len().saturating_sub(2))
-                .filter_map(|i| {
-                    self.ranks
-                        .get(&piece[bounds[i]..bounds[i + 2]])
-                        .map(|&rank| (rank, i))
-                })
-                .min();
-            match best {
-                Some((_, i)) => {
-                    bounds.remove(i + 1);
-                }
-                None => break,
-            }
-        }
+        let mut parts: Vec<(usize, usize)> = (0..piece.len()).map(|i| (i, i + 1)).collect();
+        bpe_merge::merge(&mut parts, MergeOrder::OneAtATime, |left, right| {
+            let joined = (left.0, right.1);
+            self.ranks.get(&piece[joined.0..joined.1]).map(|&rank| (rank, joined))
+        });
         out.extend(
-            bounds
-                .windows(2)
-                .map(|w| self.ranks[&piece[w[0]..w[1]]] + self.num_special),
+            parts
+                .iter()
+                .map(|&(start, end)| self.ranks[&piece[start..end]] + self.num_special),
         );
     }
 }
@@ -274,5 +272,14 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(error.contains("vocab.json: holds 259 tokens"), "{error}");
+        let bytes_cut = TikTokenOptions {
+            vocab_size: 5 + 100,
+            ..too_big
+        };
+        let error = TikToken::from_file(&vocabulary(dir.path()), &bytes_cut)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("fewer than the 256 single bytes"), "{error}");
     }
 }

@@ -14,6 +14,23 @@ fn int(config: &Json, key: &str) -> Result<i64> {
         .with_context(|| format!("config.json has no integer {key}"))
 }
 
+/// A count or size of `config.json` that must be positive (layers, widths, the vocabulary).
+fn positive(config: &Json, key: &str) -> Result<i64> {
+    let value = int(config, key)?;
+    ensure!(value > 0, "config.json: {key} {value} must be positive");
+    Ok(value)
+}
+
+/// `hidden / heads`, or an error naming both fields.
+fn head_width(hidden: (&str, i64), heads: (&str, i64)) -> Result<i64> {
+    TransformerConfig::derived_head_width(hidden.1, heads.1).with_context(|| {
+        format!(
+            "config.json: {} {} must be positive and divide {} {}",
+            heads.0, heads.1, hidden.0, hidden.1
+        )
+    })
+}
+
 /// The RoPE scaling of a Llama-family `config.json`: transformers ≥ 5 writes
 /// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45).
 fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
@@ -86,8 +103,9 @@ pub fn config_from_hf(
     let tie = hf["tie_word_embeddings"].as_bool();
     let config = match architecture.as_str() {
         "GPT2LMHeadModel" => {
-            let hidden = int(hf, "n_embd")?;
+            let hidden = positive(hf, "n_embd")?;
             let heads = int(hf, "n_head")?;
+            let kv_channels = head_width(("n_embd", hidden), ("n_head", heads))?;
             let activation = match hf["activation_function"].as_str().unwrap_or("gelu_new") {
                 "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Activation::GeluTanh,
                 "gelu" => Activation::GeluErf,
@@ -95,14 +113,14 @@ pub fn config_from_hf(
             };
             ensure!(tie != Some(false), "config.json: untied GPT-2 output layers are not supported");
             TransformerConfig {
-                num_layers: int(hf, "n_layer")? as usize,
+                num_layers: positive(hf, "n_layer")? as usize,
                 hidden_size: hidden,
                 num_attention_heads: heads,
                 num_query_groups: heads,
-                kv_channels: hidden / heads,
+                kv_channels,
                 ffn_hidden_size: hf["n_inner"].as_i64().unwrap_or(4 * hidden),
                 max_position_embeddings: int(hf, "n_positions")?,
-                vocab_size: int(hf, "vocab_size")?,
+                vocab_size: positive(hf, "vocab_size")?,
                 make_vocab_size_divisible_by,
                 position_embedding_type: PositionEmbeddingType::LearnedAbsolute,
                 rotary_base: 10000.0,
@@ -122,8 +140,18 @@ pub fn config_from_hf(
             }
         }
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
-            let hidden = int(hf, "hidden_size")?;
-            let heads = int(hf, "num_attention_heads")?;
+            let hidden = positive(hf, "hidden_size")?;
+            let heads = positive(hf, "num_attention_heads")?;
+            let groups = hf["num_key_value_heads"].as_i64().unwrap_or(heads);
+            ensure!(
+                groups > 0 && heads % groups == 0,
+                "config.json: num_key_value_heads {groups} must be positive and divide num_attention_heads {heads}"
+            );
+            let kv_channels = match hf["head_dim"].as_i64() {
+                Some(width) if width > 0 => width,
+                Some(width) => bail!("config.json: head_dim {width} must be positive"),
+                None => head_width(("hidden_size", hidden), ("num_attention_heads", heads))?,
+            };
             let rope_scaling = rope_scaling_from_hf(hf)?;
             ensure!(
                 hf["hidden_act"].as_str().unwrap_or("silu") == "silu",
@@ -136,14 +164,14 @@ pub fn config_from_hf(
                 "config.json: mlp_bias is not supported"
             );
             TransformerConfig {
-                num_layers: int(hf, "num_hidden_layers")? as usize,
+                num_layers: positive(hf, "num_hidden_layers")? as usize,
                 hidden_size: hidden,
                 num_attention_heads: heads,
-                num_query_groups: hf["num_key_value_heads"].as_i64().unwrap_or(heads),
-                kv_channels: hf["head_dim"].as_i64().unwrap_or(hidden / heads),
-                ffn_hidden_size: int(hf, "intermediate_size")?,
+                num_query_groups: groups,
+                kv_channels,
+                ffn_hidden_size: positive(hf, "intermediate_size")?,
                 max_position_embeddings: int(hf, "max_position_embeddings")?,
-                vocab_size: int(hf, "vocab_size")?,
+                vocab_size: positive(hf, "vocab_size")?,
                 make_vocab_size_divisible_by,
                 position_embedding_type: PositionEmbeddingType::Rope,
                 rotary_base: hf["rope_parameters"]["rope_theta"]

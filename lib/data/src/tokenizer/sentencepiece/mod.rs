@@ -744,6 +744,10 @@ impl Tokenizer for SentencePiece {
         self.eod
     }
 
+    fn bos(&self) -> Option<u32> {
+        self.model.bos_id
+    }
+
     fn detokenize(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         if self.flavor != SentencePieceFlavor::Megatron {
             return self.model.decode(ids);
