@@ -719,7 +719,9 @@ fn golden_gpt_with_args(dir: &Path, name: &str, changes: &[&str]) -> PathBuf {
     run_ok(
         std::process::Command::new(megatron_e2e::test_python(&["pickletools"]))
             .arg(megatron_e2e::workspace_root().join("tests/fixtures/edit_megatron_args.py"))
-            .arg(golden("gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt"))
+            .arg(golden(
+                "gpt_torch/iter_0000003/mp_rank_00/model_optim_rng.pt",
+            ))
             .arg(rank.join("model_optim_rng.pt"))
             .args(changes),
     );
@@ -733,11 +735,37 @@ fn sizes_in_megatron_args_are_checked_against_the_tensors() {
     let file = "iter_0000003/mp_rank_00/model_optim_rng.pt";
     // The golden run's embedding has 8320 rows (50257 tokens would not fit: a NullTokenizer).
     for (name, change, needles) in [
-        ("rows", "padded_vocab_size=60000", &["padded_vocab_size 60000", "8320 rows of embedding.word_embeddings.weight"][..]),
-        ("huge", "padded_vocab_size=2147483647", &["padded_vocab_size 2147483647"][..]),
-        ("heads", "num_attention_heads=0", &["num_attention_heads 0 must be positive"][..]),
-        ("layers", "num_layers=1000000000", &["num_layers 1000000000 disagrees with the tensors, which hold 2 layers"][..]),
-        ("multiple", "make_vocab_size_divisible_by=2147483647", &["make_vocab_size_divisible_by 2147483647 pads", "--make-vocab-size-divisible-by"][..]),
+        (
+            "rows",
+            "padded_vocab_size=60000",
+            &[
+                "padded_vocab_size 60000",
+                "8320 rows of embedding.word_embeddings.weight",
+            ][..],
+        ),
+        (
+            "huge",
+            "padded_vocab_size=2147483647",
+            &["padded_vocab_size 2147483647"][..],
+        ),
+        (
+            "heads",
+            "num_attention_heads=0",
+            &["num_attention_heads 0 must be positive"][..],
+        ),
+        (
+            "layers",
+            "num_layers=1000000000",
+            &["num_layers 1000000000 disagrees with the tensors, which hold 2 layers"][..],
+        ),
+        (
+            "multiple",
+            "make_vocab_size_divisible_by=2147483647",
+            &[
+                "make_vocab_size_divisible_by 2147483647 pads",
+                "--make-vocab-size-divisible-by",
+            ][..],
+        ),
     ] {
         let load = golden_gpt_with_args(dir.path(), name, &[change]);
         let mut needles = needles.to_vec();
@@ -746,8 +774,16 @@ fn sizes_in_megatron_args_are_checked_against_the_tensors() {
         refused(&mut convert(&load, &out, &[]), &needles, dir.path());
     }
     // A padding multiple given as a flag pads beyond the rows present, as Megatron's converter.
-    let load = golden_gpt_with_args(dir.path(), "flag", &["make_vocab_size_divisible_by=2147483647"]);
-    run_ok(&mut convert(&load, &out, &["--make-vocab-size-divisible-by", "8448"]));
+    let load = golden_gpt_with_args(
+        dir.path(),
+        "flag",
+        &["make_vocab_size_divisible_by=2147483647"],
+    );
+    run_ok(&mut convert(
+        &load,
+        &out,
+        &["--make-vocab-size-divisible-by", "8448"],
+    ));
 }
 
 /// The golden GPT checkpoint exported as a HuggingFace GPT2LMHeadModel into `dir/name`.
@@ -757,7 +793,15 @@ fn golden_gpt_as_hf(dir: &Path, name: &str) -> PathBuf {
     run_ok(&mut convert(&golden("gpt_torch"), &ours, &[]));
     run_ok(
         bin("checkpoint_convert")
-            .args(["--model-type", "GPT", "--loader", "megatron-rs", "--saver", "hf", "--load-dir"])
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "megatron-rs",
+                "--saver",
+                "hf",
+                "--load-dir",
+            ])
             .arg(&ours)
             .arg("--save-dir")
             .arg(&hf),
@@ -776,17 +820,44 @@ fn sizes_in_a_huggingface_config_are_checked_against_the_tensors() {
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
     assert_eq!(original["n_layer"], 2);
     for (field, value, needles) in [
-        ("n_head", serde_json::json!(0), &["config.json: n_head 0 must be positive and divide n_embd"][..]),
-        ("n_layer", serde_json::json!(1_000_000_000), &["config.json: n_layer 1000000000 disagrees with the tensors, which hold 2 layers"][..]),
-        ("n_layer", serde_json::json!(-1), &["config.json: n_layer -1 must be positive"][..]),
-        ("vocab_size", serde_json::json!(60000), &["transformer.wte.weight has shape", "config.json implies [60000,"][..]),
+        (
+            "n_head",
+            serde_json::json!(0),
+            &["config.json: n_head 0 must be positive and divide n_embd"][..],
+        ),
+        (
+            "n_layer",
+            serde_json::json!(1_000_000_000),
+            &["config.json: n_layer 1000000000 disagrees with the tensors, which hold 2 layers"][..],
+        ),
+        (
+            "n_layer",
+            serde_json::json!(-1),
+            &["config.json: n_layer -1 must be positive"][..],
+        ),
+        (
+            "vocab_size",
+            serde_json::json!(60000),
+            &[
+                "transformer.wte.weight has shape",
+                "config.json implies [60000,",
+            ][..],
+        ),
     ] {
         let mut config = original.clone();
         config[field] = value;
         std::fs::write(&config_path, config.to_string()).unwrap();
         refused(
             bin("checkpoint_convert")
-                .args(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron-rs", "--load-dir"])
+                .args([
+                    "--model-type",
+                    "GPT",
+                    "--loader",
+                    "hf",
+                    "--saver",
+                    "megatron-rs",
+                    "--load-dir",
+                ])
                 .arg(&hf)
                 .arg("--save-dir")
                 .arg(&out),
@@ -813,7 +884,15 @@ fn golden_llama_trained_with(dir: &Path, tokenizer_model: &Path) -> PathBuf {
 fn export_hf(load: &Path, save: &Path, extra: &[&str]) -> std::process::Output {
     run_ok(
         bin("checkpoint_convert")
-            .args(["--model-type", "GPT", "--loader", "megatron-rs", "--saver", "hf", "--load-dir"])
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "megatron-rs",
+                "--saver",
+                "hf",
+                "--load-dir",
+            ])
             .arg(load)
             .arg("--save-dir")
             .arg(save)
@@ -827,12 +906,21 @@ fn hf_llama_export_carries_the_tokenizer_and_stops_at_eos() {
     let python = megatron_e2e::test_python(&["transformers", "tokenizers", "torch"]);
     let script = megatron_e2e::workspace_root().join("tests/fixtures/hf_export_tokenizer.py");
     let tokenizer = dir.path().join("tokenizer");
-    run_ok(Command::new(&python).arg(&script).arg("make").arg(&tokenizer));
+    run_ok(
+        Command::new(&python)
+            .arg(&script)
+            .arg("make")
+            .arg(&tokenizer),
+    );
     let ours = golden_llama_trained_with(dir.path(), &tokenizer);
     let export = dir.path().join("hf");
     let out = export_hf(&ours, &export, &[]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("warning"));
-    for name in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"] {
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ] {
         assert_eq!(
             std::fs::read(export.join(name)).unwrap(),
             std::fs::read(tokenizer.join(name)).unwrap(),
@@ -845,7 +933,10 @@ fn hf_llama_export_carries_the_tokenizer_and_stops_at_eos() {
     assert_eq!(checked["tokenizer"], serde_json::json!([3, 4]));
     assert_eq!(checked["config"], checked["tokenizer"]);
     assert_eq!(checked["generation_config"], checked["tokenizer"]);
-    assert_eq!(checked["new_tokens"], 1, "generate stops at the forced </s>");
+    assert_eq!(
+        checked["new_tokens"], 1,
+        "generate stops at the forced </s>"
+    );
 
     // The recorded tokenizer is gone: a warning names the missing file, and
     // --tokenizer-model points at it instead.
@@ -860,8 +951,17 @@ fn hf_llama_export_carries_the_tokenizer_and_stops_at_eos() {
     );
     assert!(!bare.join("tokenizer.json").exists());
     let pointed = dir.path().join("pointed");
-    export_hf(&ours, &pointed, &["--tokenizer-model", tokenizer.to_str().unwrap()]);
-    let checked = run_ok(Command::new(&python).arg(&script).arg("check").arg(&pointed));
+    export_hf(
+        &ours,
+        &pointed,
+        &["--tokenizer-model", tokenizer.to_str().unwrap()],
+    );
+    let checked = run_ok(
+        Command::new(&python)
+            .arg(&script)
+            .arg("check")
+            .arg(&pointed),
+    );
     let checked: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
     assert_eq!(checked["config"], serde_json::json!([3, 4]));
     assert_eq!(checked["new_tokens"], 1);

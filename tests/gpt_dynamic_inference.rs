@@ -301,7 +301,7 @@ fn cuda_graphs_decode_like_eager_steps_on_a_gpu() {
             .arg("--load")
             .arg(&checkpoint_dir)
             .args(quickstart_tokenizer_flags())
-            .args(["--device", "cuda", "--num-tokens-to-prompt", "4", "40"])
+            .args(["--device", "cuda", "--num-tokens-to-prompt", "4", "12"])
             .args([
                 "--num-tokens-to-generate",
                 "20",

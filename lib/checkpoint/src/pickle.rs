@@ -980,11 +980,17 @@ mod tests {
         // ('storage', torch.FloatStorage, '0', 'cpu', 2**62), protocol 2.
         let huge_storage = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((X\x07\x00\x00\x00storageq\x01ctorch\nFloatStorage\nq\x02X\x01\x00\x00\x000q\x03X\x03\x00\x00\x00cpuq\x04\x8a\x08\x00\x00\x00\x00\x00\x00\x00@tq\x05QK\x00\x8a\x08\x00\x00\x00\x00\x00\x00\x00@\x85q\x06K\x01\x85q\x07\x89ccollections\nOrderedDict\nq\x08)Rq\ttq\nRq\x0b.";
         let error = unpickle(huge_storage, &mut torch_persistent_load).unwrap_err();
-        assert!(format!("{error:#}").contains("storage 0: impossible size"), "{error:#}");
+        assert!(
+            format!("{error:#}").contains("storage 0: impossible size"),
+            "{error:#}"
+        );
         // A [2^31, 2^31, 2^31] view with zero strides of a 4-element storage (2^93 elements).
         let huge_view = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((X\x07\x00\x00\x00storageq\x01ctorch\nFloatStorage\nq\x02X\x01\x00\x00\x000q\x03X\x03\x00\x00\x00cpuq\x04K\x04tq\x05QK\x00\x8a\x05\x00\x00\x00\x80\x00\x8a\x05\x00\x00\x00\x80\x00\x8a\x05\x00\x00\x00\x80\x00\x87q\x06K\x00K\x00K\x00\x87q\x07\x89ccollections\nOrderedDict\nq\x08)Rq\ttq\nRq\x0b.";
         let error = unpickle(huge_view, &mut torch_persistent_load).unwrap_err();
-        assert!(format!("{error:#}").contains("impossible size"), "{error:#}");
+        assert!(
+            format!("{error:#}").contains("impossible size"),
+            "{error:#}"
+        );
     }
 
     #[test]

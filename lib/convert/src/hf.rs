@@ -11,9 +11,9 @@ use megatron_checkpoint::TorchFile;
 use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
+use super::hf_tokenizer::{write_tokenizer, TokenizerExport};
 use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
 use super::megatron_torch::tensor_of;
-use super::hf_tokenizer::{write_tokenizer, TokenizerExport};
 use super::progress::report_written;
 use super::sizes::{check_layers, layers_found};
 use super::state::{ModelState, RunState, Tensors};
@@ -510,8 +510,10 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
         serde_json::to_string_pretty(&hf_config)?,
     )?;
     if !special.is_empty() {
-        let generation: serde_json::Map<String, Json> =
-            special.into_iter().map(|(key, id)| (key.to_string(), json!(id))).collect();
+        let generation: serde_json::Map<String, Json> = special
+            .into_iter()
+            .map(|(key, id)| (key.to_string(), json!(id)))
+            .collect();
         std::fs::write(
             directory.join("generation_config.json"),
             serde_json::to_string_pretty(&generation)?,

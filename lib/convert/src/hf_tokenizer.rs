@@ -33,7 +33,11 @@ pub struct TokenizerExport {
 }
 
 /// The files a HuggingFace tokenizer directory may hold, the first required.
-const HF_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"];
+const HF_FILES: [&str; 3] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
 
 fn path_arg(args: &Json, key: &str) -> Option<PathBuf> {
     args.get(key).and_then(Json::as_str).map(PathBuf::from)
@@ -41,8 +45,14 @@ fn path_arg(args: &Json, key: &str) -> Option<PathBuf> {
 
 /// The tokenizer of a checkpoint whose run recorded `args` (Megatron's argument names).
 pub fn tokenizer_export(args: &Json, given: &TokenizerFiles) -> Result<TokenizerExport> {
-    let vocab_file = given.vocab_file.clone().or_else(|| path_arg(args, "vocab_file"));
-    let merge_file = given.merge_file.clone().or_else(|| path_arg(args, "merge_file"));
+    let vocab_file = given
+        .vocab_file
+        .clone()
+        .or_else(|| path_arg(args, "vocab_file"));
+    let merge_file = given
+        .merge_file
+        .clone()
+        .or_else(|| path_arg(args, "merge_file"));
     let tokenizer_model = given
         .tokenizer_model
         .clone()
@@ -50,7 +60,9 @@ pub fn tokenizer_export(args: &Json, given: &TokenizerFiles) -> Result<Tokenizer
     let recorded = args.get("tokenizer_type").and_then(Json::as_str);
     let kind = match recorded {
         Some(name) => name.parse::<TokenizerType>().ok(),
-        None if vocab_file.is_some() && merge_file.is_some() => Some(TokenizerType::Gpt2BpeTokenizer),
+        None if vocab_file.is_some() && merge_file.is_some() => {
+            Some(TokenizerType::Gpt2BpeTokenizer)
+        }
         None if given.tokenizer_model.is_some() => Some(TokenizerType::HuggingFaceTokenizer),
         None => None,
     };
@@ -59,7 +71,9 @@ pub fn tokenizer_export(args: &Json, given: &TokenizerFiles) -> Result<Tokenizer
         export.warnings.push(format!(
             "the checkpoint records {}; the export has no tokenizer files and no bos/eos ids \
              (give --tokenizer-model, or --vocab-file and --merge-file)",
-            recorded.map_or("no tokenizer".to_string(), |name| format!("tokenizer {name}, which has no HuggingFace form"))
+            recorded.map_or("no tokenizer".to_string(), |name| format!(
+                "tokenizer {name}, which has no HuggingFace form"
+            ))
         ));
         return Ok(export);
     };
@@ -132,7 +146,11 @@ pub fn tokenizer_export(args: &Json, given: &TokenizerFiles) -> Result<Tokenizer
     export
         .files
         .extend(optional.into_iter().filter(|(path, _)| path.is_file()));
-    if export.files.iter().any(|(_, name)| *name == "tokenizer_config.json") {
+    if export
+        .files
+        .iter()
+        .any(|(_, name)| *name == "tokenizer_config.json")
+    {
         export.tokenizer_config = None;
     } else if kind == TokenizerType::HuggingFaceTokenizer {
         export.tokenizer_config = Some(json!({"tokenizer_class": "PreTrainedTokenizerFast"}));

@@ -16,7 +16,10 @@ fn int(args: &Value, key: &str) -> Result<i64> {
 /// A count or size of the args that must be positive (layers, widths, heads).
 fn positive(args: &Value, key: &str) -> Result<i64> {
     let value = int(args, key)?;
-    ensure!(value > 0, "the checkpoint's args: {key} {value} must be positive");
+    ensure!(
+        value > 0,
+        "the checkpoint's args: {key} {value} must be positive"
+    );
     Ok(value)
 }
 

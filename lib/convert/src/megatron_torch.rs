@@ -565,12 +565,23 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
     let stacked = checkpoint
         .tensors
         .iter()
-        .filter(|(name, _)| name.starts_with("decoder.layers.") && layers_found([name.as_str()], &["decoder.layers."]) == 0)
+        .filter(|(name, _)| {
+            name.starts_with("decoder.layers.")
+                && layers_found([name.as_str()], &["decoder.layers."]) == 0
+        })
         .filter_map(|(_, t)| t.shape.first().copied())
         .max()
         .unwrap_or(0);
-    let numbered = layers_found(checkpoint.tensors.keys().map(String::as_str), &["decoder.layers."]);
-    check_layers(&origin, "args num_layers", config.num_layers, stacked.max(numbered))?;
+    let numbered = layers_found(
+        checkpoint.tensors.keys().map(String::as_str),
+        &["decoder.layers."],
+    );
+    check_layers(
+        &origin,
+        "args num_layers",
+        config.num_layers,
+        stacked.max(numbered),
+    )?;
     let padded = config.padded_vocab_size(1);
     let mut inputs = HashMap::new();
     let mut weights = BTreeMap::new();

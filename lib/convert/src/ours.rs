@@ -736,7 +736,10 @@ impl ModelState {
     pub fn validate(&self) -> Result<()> {
         let config = &self.config;
         // Before the expected names are listed, so a wrong layer count is not materialised.
-        let found = layers_found(self.weights.keys().map(String::as_str), &["decoder.layers."]);
+        let found = layers_found(
+            self.weights.keys().map(String::as_str),
+            &["decoder.layers."],
+        );
         check_layers(&self.source, "num_layers", config.num_layers, found)?;
         let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
         for name in probe_parameter_names(config)? {

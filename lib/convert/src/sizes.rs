@@ -68,7 +68,9 @@ pub fn megatron_vocabulary(
         .then(|| vocab.checked_add(multiple - 1))
         .flatten()
         .map(|end| end / multiple * multiple)
-        .with_context(|| format!("{origin}: {source} {multiple} is not a usable padding multiple"))?;
+        .with_context(|| {
+            format!("{origin}: {source} {multiple} is not a usable padding multiple")
+        })?;
     ensure!(
         padded <= rows || given_multiple.is_some(),
         "{origin}: {source} {multiple} pads the vocabulary of {vocab} tokens to {padded} rows, \

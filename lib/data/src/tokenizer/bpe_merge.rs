@@ -262,8 +262,20 @@ pub(super) mod tests {
         // Joining the first "a"+"b" makes "ab"+"a", ranked lower: GPT-2 still joins the
         // second "a"+"b" first, tiktoken takes "ab"+"a" in between.
         let rules = [("ab", "a"), ("a", "b")].map(|(l, r)| (l.to_string(), r.to_string()));
-        assert_eq!(run("abab", &rules, MergeOrder::EveryOccurrence), (vec!["ab".into(), "ab".into()], vec!["ab".into(), "ab".into()]));
-        assert_eq!(run("abab", &rules, MergeOrder::OneAtATime), (vec!["aba".into(), "b".into()], vec!["aba".into(), "b".into()]));
+        assert_eq!(
+            run("abab", &rules, MergeOrder::EveryOccurrence),
+            (
+                vec!["ab".into(), "ab".into()],
+                vec!["ab".into(), "ab".into()]
+            )
+        );
+        assert_eq!(
+            run("abab", &rules, MergeOrder::OneAtATime),
+            (
+                vec!["aba".into(), "b".into()],
+                vec!["aba".into(), "b".into()]
+            )
+        );
     }
 
     #[test]

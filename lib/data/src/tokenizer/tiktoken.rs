@@ -173,7 +173,9 @@ impl TikToken {
         let mut parts: Vec<(usize, usize)> = (0..piece.len()).map(|i| (i, i + 1)).collect();
         bpe_merge::merge(&mut parts, MergeOrder::OneAtATime, |left, right| {
             let joined = (left.0, right.1);
-            self.ranks.get(&piece[joined.0..joined.1]).map(|&rank| (rank, joined))
+            self.ranks
+                .get(&piece[joined.0..joined.1])
+                .map(|&rank| (rank, joined))
         });
         out.extend(
             parts
