@@ -7,35 +7,24 @@
 use std::path::Path;
 use std::process::Command;
 
-use megatron_e2e::{bin, quickstart_tokenizer_flags, run_ok, test_python};
+use megatron_e2e::{bin, mock_gpt_checkpoint, quickstart_tokenizer_flags, run_ok, test_python};
 use serde_json::Value;
 
 /// The script's model, 2 layers of 64 channels over 64 positions, trained two steps.
 fn checkpoint(dir: &Path) {
-    run_ok(
-        bin("pretrain_gpt")
-            .args(["--num-layers", "2", "--hidden-size", "64"])
-            .args(["--num-attention-heads", "4", "--seq-length", "64"])
-            .args(["--max-position-embeddings", "64", "--micro-batch-size", "2"])
-            .args([
-                "--global-batch-size",
-                "2",
-                "--train-iters",
-                "2",
-                "--lr",
-                "1e-3",
-            ])
-            .args([
-                "--mock-data",
-                "--eval-iters",
-                "0",
-                "--device",
-                "cpu",
-                "--save",
-            ])
-            .arg(dir)
-            .args(quickstart_tokenizer_flags()),
-    );
+    let architecture = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+    ];
+    mock_gpt_checkpoint(dir, &architecture, &quickstart_tokenizer_flags());
 }
 
 /// The script's flags with its tiny values, `{CHECKPOINT}` and the tokenizer filled in, up to

@@ -14,7 +14,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use megatron_e2e::{
-    bin, quickstart_tokenizer_flags, run_ok, shared_dir, test_python, visible_gpus, workspace_root,
+    bin, mock_gpt_checkpoint, quickstart_tokenizer_flags, run_ok, shared_dir, test_python,
+    visible_gpus, workspace_root,
 };
 use serde_json::{json, Value};
 
@@ -30,39 +31,20 @@ fn checkpoint_with_positions(dir: &Path, positions: usize) {
 
 /// [`checkpoint`] of `hidden` channels in `heads` heads.
 fn checkpoint_of_shape(dir: &Path, positions: usize, hidden: usize, heads: usize) {
-    let positions = positions.to_string();
-    let (hidden, heads) = (hidden.to_string(), heads.to_string());
-    run_ok(
-        bin("pretrain_gpt")
-            .args([
-                "--num-layers",
-                "2",
-                "--hidden-size",
-                &hidden,
-                "--num-attention-heads",
-                &heads,
-                "--seq-length",
-                "64",
-                "--max-position-embeddings",
-                &positions,
-                "--micro-batch-size",
-                "2",
-                "--global-batch-size",
-                "2",
-                "--train-iters",
-                "2",
-                "--lr",
-                "1e-3",
-                "--mock-data",
-                "--eval-iters",
-                "0",
-                "--device",
-                "cpu",
-                "--save",
-            ])
-            .arg(dir)
-            .args(quickstart_tokenizer_flags()),
-    );
+    let (positions, hidden, heads) = (positions.to_string(), hidden.to_string(), heads.to_string());
+    let architecture = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        &hidden,
+        "--num-attention-heads",
+        &heads,
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        &positions,
+    ];
+    mock_gpt_checkpoint(dir, &architecture, &quickstart_tokenizer_flags());
 }
 
 struct Server {
@@ -1675,32 +1657,6 @@ fn text_offsets_without_echo_count_from_the_prompts_start() {
     terminate(server.child);
 }
 
-/// `pretrain_gpt` on mock data for two steps with `architecture` and `tokenizer` flags.
-fn checkpoint_with(dir: &Path, architecture: &[&str], tokenizer: &[String]) {
-    run_ok(
-        bin("pretrain_gpt")
-            .args(architecture)
-            .args([
-                "--micro-batch-size",
-                "2",
-                "--global-batch-size",
-                "2",
-                "--train-iters",
-                "2",
-                "--lr",
-                "1e-3",
-                "--mock-data",
-                "--eval-iters",
-                "0",
-                "--device",
-                "cpu",
-                "--save",
-            ])
-            .arg(dir)
-            .args(tokenizer),
-    );
-}
-
 /// The tiny CPU versions of Megatron's server scripts (`examples/inference/
 /// run_text_generation_server_345M.sh` and `llama_mistral/run_text_generation_{llama3,
 /// llama3.1,mistral}.sh`, their sizes shrunk, every flag kept) start the server against a
@@ -1776,7 +1732,7 @@ fn megatrons_inference_scripts_run_unchanged() {
         ("mistral", mistral, hf.clone()),
     ];
     for (name, architecture, tokenizer) in &checkpoints {
-        checkpoint_with(&dir.path().join(name), architecture, tokenizer);
+        mock_gpt_checkpoint(&dir.path().join(name), architecture, tokenizer);
     }
     let load = |name: &str| dir.path().join(name).display().to_string();
     let words = |text: &str| -> Vec<String> { text.split_whitespace().map(String::from).collect() };

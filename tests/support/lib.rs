@@ -139,3 +139,17 @@ pub fn quickstart_tokenizer_flags() -> Vec<String> {
         data.join("quickstart-merges.txt").display().to_string(),
     ]
 }
+
+/// A GPT trained by `pretrain_gpt` for two steps on mock data on the CPU, saved to `dir`, with
+/// the `architecture` and `tokenizer` flags (for the inference tools to load).
+pub fn mock_gpt_checkpoint(dir: &Path, architecture: &[&str], tokenizer: &[String]) {
+    run_ok(
+        bin("pretrain_gpt")
+            .args(architecture)
+            .args(["--micro-batch-size", "2", "--global-batch-size", "2"])
+            .args(["--train-iters", "2", "--lr", "1e-3", "--mock-data"])
+            .args(["--eval-iters", "0", "--device", "cpu", "--save"])
+            .arg(dir)
+            .args(tokenizer),
+    );
+}
