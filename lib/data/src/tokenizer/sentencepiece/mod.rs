@@ -14,6 +14,8 @@ mod unigram;
 use std::collections::HashMap;
 use std::path::Path;
 
+use aho_corasick::{AhoCorasick, MatchKind};
+
 use normalizer::{Charsmap, Normalizer, UserDefined, SPACE};
 use unigram::{Candidate, Lattice, UNKNOWN_PENALTY};
 
@@ -599,6 +601,9 @@ pub struct SentencePiece {
     eod: Option<u32>,
     /// The ids of the added tokens by role (`SentencePieceTokenizer` only).
     specials: Option<MegatronSpecialIds>,
+    /// Finds the added tokens' texts in one pass, the leftmost first and, where several start
+    /// there, the first registered: the match Megatron's search loop takes.
+    added_matcher: Option<AhoCorasick>,
 }
 
 /// The special tokens Megatron's `SentencePieceTokenizer` registers, by role: the masked-LM
@@ -677,12 +682,21 @@ impl SentencePiece {
                 extra_ids,
             });
         }
+        let added_matcher = (!added.is_empty())
+            .then(|| {
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostFirst)
+                    .build(added.iter().map(|(text, _)| text))
+            })
+            .transpose()
+            .map_err(|e| TokenizerError::Config(format!("the added tokens: {e}")))?;
         Ok(SentencePiece {
             model,
             flavor,
             added,
             eod,
             specials,
+            added_matcher,
         })
     }
 
@@ -711,25 +725,15 @@ impl Tokenizer for SentencePiece {
             }
             SentencePieceFlavor::Megatron => {
                 // The earliest special-token text becomes its id; the text between is encoded.
-                let mut rest = text;
-                loop {
-                    let next = self
-                        .added
-                        .iter()
-                        .filter_map(|(t, id)| rest.find(t.as_str()).map(|at| (at, t, *id)))
-                        .min_by_key(|(at, _, _)| *at);
-                    match next {
-                        Some((at, token, id)) => {
-                            self.model.encode_into(&rest[..at], out);
-                            out.push(id);
-                            rest = &rest[at + token.len()..];
-                        }
-                        None => {
-                            self.model.encode_into(rest, out);
-                            break;
-                        }
+                let mut at = 0;
+                if let Some(matcher) = &self.added_matcher {
+                    for found in matcher.find_iter(text) {
+                        self.model.encode_into(&text[at..found.start()], out);
+                        out.push(self.added[found.pattern().as_usize()].1);
+                        at = found.end();
                     }
                 }
+                self.model.encode_into(&text[at..], out);
             }
         }
         Ok(())
