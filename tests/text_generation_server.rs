@@ -1937,6 +1937,37 @@ fn streamed_chunks_carry_their_own_logprobs() {
     assert_eq!(token(&content), token(&whole));
     assert_close(&logprob(&content), &logprob(&whole), "chat");
 
+    // Two seeded samples of one chat, streamed: each choice's role, deltas and finish come
+    // under its index and add up to that choice unstreamed.
+    let body = json!({"messages": [{"role": "user", "content": "The data"}], "max_tokens": 10,
+                      "temperature": 1.0, "seed": 7, "n": 2});
+    let whole: Value = serde_json::from_str(&ask("--chat", body.clone()).unwrap()).unwrap();
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let (mut texts, mut roles, mut finishes) = (vec![String::new(); 2], [0; 2], [0; 2]);
+    for chunk in events(&ask("--chat", streaming).unwrap()) {
+        let Some(choice) = chunk["choices"].get(0) else {
+            continue;
+        };
+        let index = choice["index"].as_u64().unwrap() as usize;
+        if choice["delta"]["role"] == "assistant" {
+            roles[index] += 1;
+        }
+        texts[index] += choice["delta"]["content"].as_str().unwrap_or("");
+        finishes[index] += usize::from(!choice["finish_reason"].is_null());
+    }
+    assert_eq!((roles, finishes), ([1, 1], [1, 1]));
+    for (index, text) in texts.iter().enumerate() {
+        assert_eq!(
+            text,
+            whole["choices"][index]["message"]["content"]
+                .as_str()
+                .unwrap(),
+            "choice {index}"
+        );
+    }
+    assert_ne!(texts[0], texts[1], "two samples");
+
     let refused = ask(
         "--completion",
         json!({"prompt": "The data", "max_tokens": 3, "logprobs": 2, "stream": true}),

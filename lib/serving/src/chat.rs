@@ -138,9 +138,6 @@ impl ChatRequest {
             return Err(ApiError("best_of is not a chat field".into()));
         }
         let completion = CompletionRequest::parse(&Value::Object(fields))?;
-        if completion.stream && completion.n > 1 {
-            return Err(ApiError("n > 1 cannot be streamed for chat".into()));
-        }
         let include_usage = object
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
@@ -397,18 +394,20 @@ pub fn chat_streamed_logprobs(carried: &StreamedLogprobs) -> Value {
     json!({"content": content})
 }
 
-/// A streamed chat chunk: `delta` of choice 0 with the tokens it carries, and why it finished
-/// in the last one.
+/// A streamed chat chunk: `delta` of choice `index` with the tokens it carries, and why it
+/// finished in its last one.
 pub fn chat_chunk(
     id: &str,
     created: u64,
     model: &str,
+    index: usize,
     delta: Value,
     logprobs: Value,
     finish: Value,
 ) -> Value {
     json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+           "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": finish}]})
 }
 
 #[cfg(test)]
@@ -513,10 +512,6 @@ mod tests {
             (
                 json!({"messages": [{"content": "a"}]}),
                 "messages[0].role is required",
-            ),
-            (
-                json!({"messages": [{"role": "user", "content": "a"}], "n": 2, "stream": true}),
-                "n > 1 cannot be streamed for chat",
             ),
             (
                 json!({"messages": [{"role": "user", "content": "a"}], "best_of": 2}),

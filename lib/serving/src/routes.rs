@@ -6,7 +6,7 @@
 //! `Retry-After` when the queue is full or the server is stopping. A client that goes away
 //! cancels its request.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -446,27 +446,28 @@ impl StreamFormat for CompletionStream {
     }
 }
 
-/// `/v1/chat/completions`: `chat.completion.chunk`s, the assistant's role first, then the
-/// content deltas, a last one with the finish reason and, when asked, one with the usage.
+/// `/v1/chat/completions`: `chat.completion.chunk`s, per choice the assistant's role first,
+/// then the content deltas and a last one with the finish reason; when asked, one with the
+/// usage after all.
 struct ChatStream {
     id: String,
     created: u64,
     model: String,
     include_usage: bool,
-    announced: bool,
-    /// The tokens the deltas carried.
-    carried: usize,
+    /// Per choice, whether its role was sent, and the tokens its deltas carried.
+    announced: HashSet<usize>,
+    carried: HashMap<usize, usize>,
 }
 
 impl ChatStream {
-    fn chunk(&mut self, delta: Value, logprobs: Value, finish: Value) -> String {
+    fn chunk(&mut self, index: usize, delta: Value, logprobs: Value, finish: Value) -> String {
         let mut out = String::new();
-        if !self.announced {
-            self.announced = true;
+        if self.announced.insert(index) {
             out += &data(&chat_chunk(
                 &self.id,
                 self.created,
                 &self.model,
+                index,
                 json!({"role": "assistant", "content": ""}),
                 Value::Null,
                 Value::Null,
@@ -476,6 +477,7 @@ impl ChatStream {
             &self.id,
             self.created,
             &self.model,
+            index,
             delta,
             logprobs,
             finish,
@@ -486,32 +488,36 @@ impl ChatStream {
 impl StreamFormat for ChatStream {
     fn format(&mut self, event: Event) -> (String, bool) {
         match event {
-            Event::Delta(_, text, logprobs) => {
+            Event::Delta(index, text, logprobs) => {
                 if let Some(logprobs) = &logprobs {
-                    self.carried += logprobs.tokens.len();
+                    *self.carried.entry(index).or_default() += logprobs.tokens.len();
                 }
                 let logprobs = logprobs
                     .as_ref()
                     .map_or(Value::Null, chat_streamed_logprobs);
                 (
-                    self.chunk(json!({"content": text}), logprobs, Value::Null),
+                    self.chunk(index, json!({"content": text}), logprobs, Value::Null),
                     false,
                 )
             }
             Event::Done(Ok(body)) => {
-                let choice = &body["choices"][0];
-                let finish = choice["finish_reason"].clone();
-                // The tokens no delta carried (those after a stop sequence, say).
-                let logprobs = match chat_logprobs(&choice["logprobs"]) {
-                    Value::Object(mut logprobs) => {
-                        if let Some(Value::Array(content)) = logprobs.get_mut("content") {
-                            content.drain(..self.carried.min(content.len()));
+                let mut out = String::new();
+                for (index, choice) in body["choices"].as_array().into_iter().flatten().enumerate()
+                {
+                    let finish = choice["finish_reason"].clone();
+                    let carried = self.carried.get(&index).copied().unwrap_or(0);
+                    // The tokens no delta carried (those after a stop sequence, say).
+                    let logprobs = match chat_logprobs(&choice["logprobs"]) {
+                        Value::Object(mut logprobs) => {
+                            if let Some(Value::Array(content)) = logprobs.get_mut("content") {
+                                content.drain(..carried.min(content.len()));
+                            }
+                            Value::Object(logprobs)
                         }
-                        Value::Object(logprobs)
-                    }
-                    other => other,
-                };
-                let mut out = self.chunk(json!({}), logprobs, finish);
+                        other => other,
+                    };
+                    out += &self.chunk(index, json!({}), logprobs, finish);
+                }
                 if self.include_usage {
                     out += &data(&json!({"id": self.id, "object": "chat.completion.chunk",
                         "created": self.created, "model": self.model, "choices": [],
@@ -666,8 +672,8 @@ async fn chat(request: Request<Incoming>, shared: &Arc<Shared>) -> Response<Resp
         created,
         model: completion.model.clone(),
         include_usage: parsed.include_usage,
-        announced: false,
-        carried: 0,
+        announced: HashSet::new(),
+        carried: HashMap::new(),
     };
     let answer_id = id.clone();
     run_completion(
