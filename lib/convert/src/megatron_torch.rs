@@ -318,18 +318,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         .find(|(n, _)| n == embedding)
         .map(|(_, t)| t.shape[0] as i64 * tp as i64)
         .with_context(|| format!("{origin}: no {embedding} on the first stage"))?;
-    let (vocab, multiple) = megatron_vocabulary(
-        &origin,
-        args,
-        embedding,
-        rows,
-        options.true_vocab_size,
-        options.make_vocab_size_divisible_by,
-    )?;
-    let config = TransformerConfig {
-        make_vocab_size_divisible_by: multiple,
-        ..gpt_config(args, vocab).with_context(|| origin.clone())?
-    };
+    let config = checkpoint_config(&origin, args, embedding, rows, options)?;
     check_layers(&origin, "args num_layers", config.num_layers, next)?;
     let tied = !config.untie_embeddings_and_output_weights;
     // Global names and shards, in the order of tensor-parallel rank.
@@ -534,6 +523,29 @@ fn tiled(shape: &[usize], mut chunks: Vec<(Vec<usize>, LazyTensor)>) -> Result<O
     Ok(None)
 }
 
+/// The architecture a Megatron checkpoint's `args` describe, its vocabulary checked against
+/// `rows`, the rows of its word embeddings (`embedding`), and the padding flags in `options`.
+fn checkpoint_config(
+    origin: &str,
+    args: &Value,
+    embedding: &str,
+    rows: i64,
+    options: &LoadOptions,
+) -> Result<TransformerConfig> {
+    let (vocab, multiple) = megatron_vocabulary(
+        origin,
+        args,
+        embedding,
+        rows,
+        options.true_vocab_size,
+        options.make_vocab_size_divisible_by,
+    )?;
+    Ok(TransformerConfig {
+        make_vocab_size_divisible_by: multiple,
+        ..gpt_config(args, vocab).with_context(|| origin.to_string())?
+    })
+}
+
 /// Loads a `torch_dist` iteration directory (weights only: the optimizer state of this format
 /// is not read). Tensors are read lazily from the `.distcp` files where their chunks tile them
 /// by rows or column blocks (how Megatron's tensor and pipeline parallel ranks save them).
@@ -550,18 +562,7 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         .and_then(|t| t.shape.first())
         .map(|&rows| rows as i64)
         .with_context(|| format!("{}: no {embedding}", directory.display()))?;
-    let (vocab, multiple) = megatron_vocabulary(
-        &origin,
-        args,
-        embedding,
-        rows,
-        options.true_vocab_size,
-        options.make_vocab_size_divisible_by,
-    )?;
-    let config = TransformerConfig {
-        make_vocab_size_divisible_by: multiple,
-        ..gpt_config(args, vocab).with_context(|| origin.clone())?
-    };
+    let config = checkpoint_config(&origin, args, embedding, rows, options)?;
     let stacked = checkpoint
         .tensors
         .iter()

@@ -173,6 +173,14 @@ impl Mt19937 {
         self.next_word()
     }
 
+    /// A double in `[0, 1)` from two outputs' 53 bits (the reference `genrand_res53`, which is
+    /// numpy's `random_sample` and Python's `random()`).
+    pub fn next_f64(&mut self) -> f64 {
+        let a = self.next_u32() >> 5;
+        let b = self.next_u32() >> 6;
+        (f64::from(a) * 67_108_864.0 + f64::from(b)) / 9_007_199_254_740_992.0
+    }
+
     /// Two outputs joined, the first one as the high half (numpy's `next_uint64` for MT19937).
     pub fn next_u64(&mut self) -> u64 {
         let high = u64::from(self.next_u32());

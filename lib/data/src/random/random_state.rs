@@ -46,9 +46,7 @@ impl RandomState {
 
     /// `random()`: a double in `[0, 1)` with 53 random bits.
     pub fn random(&mut self) -> f64 {
-        let a = self.generator.next_u32() >> 5;
-        let b = self.generator.next_u32() >> 6;
-        (f64::from(a) * 67_108_864.0 + f64::from(b)) / 9_007_199_254_740_992.0
+        self.generator.next_f64()
     }
 
     /// In-place Fisher–Yates shuffle, drawing exactly as numpy's legacy `shuffle` does.
