@@ -24,7 +24,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
         let common = &cli.args;
-        let summary = run_job(&common.parallel, &common.training.device, |runtime| {
+        let summary = run_job(&common.parallel, &common.training, |runtime| {
             pretrain_gpt(&cli.args, runtime)
         })?;
         if let Some(summary) = summary {

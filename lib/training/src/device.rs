@@ -1,4 +1,4 @@
-//! The training device's cuBLAS set-up and its peak throughput.
+//! The training device's BLAS set-up (cuBLAS, and MKL on the CPU) and its peak throughput.
 
 use tch::Device;
 
@@ -8,6 +8,8 @@ use super::flops::peak_bf16_tflops;
 const CUBLAS_WORKSPACE: &str = "CUBLAS_WORKSPACE_CONFIG";
 /// libtorch's cuBLASLt workspace (KiB), which it caps at the cuBLAS one with a warning.
 const CUBLASLT_WORKSPACE: &str = "CUBLASLT_WORKSPACE_SIZE";
+/// MKL's conditional numerical reproducibility branch.
+const MKL_REPRODUCIBILITY: &str = "MKL_CBWR";
 
 /// Given a workspace, cuBLAS on Hopper runs GEMM kernels that first clear a counter in it: a
 /// 4-byte memset before every GEMM and, inside CUDA graphs, a dependency gap after it. Without
@@ -25,6 +27,19 @@ pub(crate) fn gemms_without_workspace() {
             if std::env::var_os(CUBLASLT_WORKSPACE).is_none() {
                 std::env::set_var(CUBLASLT_WORKSPACE, "0");
             }
+        }
+    });
+}
+
+/// MKL, libtorch's CPU BLAS, splits a GEMM among its threads as their timing falls out, so on
+/// a loaded machine about one run in thirty of the CPU tests' GPT with the fused cross entropy
+/// took different bits at some step. Conditional numerical reproducibility (`MKL_CBWR`, read
+/// when MKL starts, before the first GEMM) fixes the split; the user's own setting wins.
+pub(crate) fn reproducible_cpu_gemms() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os(MKL_REPRODUCIBILITY).is_none() {
+            std::env::set_var(MKL_REPRODUCIBILITY, "AUTO,STRICT");
         }
     });
 }

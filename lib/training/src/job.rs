@@ -4,17 +4,20 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use super::device::gemms_without_workspace;
+use super::device::{gemms_without_workspace, reproducible_cpu_gemms};
 use super::engine::TrainingSummary;
-use crate::args::ParallelArgs;
+use crate::args::{ParallelArgs, TrainingArgs};
 use megatron_parallel::{join_launched_job, Backend, Job, JoinOptions, Placement};
 
 /// Joins the job with the pretraining flags (`--device`, `--local-rank`, the parallel sizes,
 /// `--distributed-backend`, `--distributed-timeout-minutes`); on a GPU, cuBLAS without a
-/// workspace.
-pub fn join_job(parallel: &ParallelArgs, device: &str) -> Result<(Job, Placement)> {
+/// workspace; with `--deterministic-mode`, CPU GEMMs that give the same bits on every run.
+pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job, Placement)> {
+    if training.deterministic_mode {
+        reproducible_cpu_gemms();
+    }
     let (job, placement) = join_launched_job(&JoinOptions {
-        device,
+        device: &training.device,
         local_rank: parallel.local_rank,
         tensor_parallel: parallel.tensor_model_parallel_size,
         pipeline_parallel: parallel.pipeline_model_parallel_size,
@@ -32,10 +35,10 @@ pub fn join_job(parallel: &ParallelArgs, device: &str) -> Result<(Job, Placement
 /// summary comes back on the rank that logs, `None` on the others.
 pub fn run_job(
     parallel: &ParallelArgs,
-    device: &str,
+    training: &TrainingArgs,
     train: impl FnOnce(&Placement) -> Result<TrainingSummary>,
 ) -> Result<Option<TrainingSummary>> {
-    let (job, placement) = join_job(parallel, device)?;
+    let (job, placement) = join_job(parallel, training)?;
     let summary = train(&placement)?;
     job.finish()?;
     Ok(placement.parallel.is_logging_rank().then_some(summary))
