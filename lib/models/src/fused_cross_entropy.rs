@@ -13,7 +13,7 @@ use anyhow::{ensure, Context, Result};
 use tch::{Kind, Tensor};
 
 use super::layers::main_grad_linear::{accumulate_product, product_in_float};
-use super::param::Param;
+use super::param::{MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 use megatron_kernels::ops::softmax_cross_entropy;
 use megatron_parallel::{Communicator, ReduceOp};
@@ -121,7 +121,7 @@ struct FusedOutputCrossEntropy {
     /// One rank on a GPU: the loss and its gradient are one kernel of ours
     /// ([`softmax_cross_entropy`]), writing the gradient over the logits.
     softmax_kernel: bool,
-    weight_main_grad: Option<Tensor>,
+    weight_main_grad: Option<MainGrad>,
     /// What the forward pass computed for the backward pass.
     grads: Option<UnscaledGrads>,
 }
@@ -292,6 +292,7 @@ impl CustomFunction for FusedOutputCrossEntropy {
                 let _ = main_grad
                     .shallow_clone()
                     .f_addcmul_(&grads.weight, &scale)?;
+                main_grad.accumulated();
                 None
             }
             None => Some((grads.weight * &scale).to_kind(self.weight.kind())),

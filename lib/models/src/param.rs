@@ -56,23 +56,69 @@ impl Deref for Param {
 /// it during backward and leave `grad` undefined, saving a low-precision gradient, its
 /// accumulation kernel and its zeroing.
 #[derive(Clone, Default)]
-pub struct MainGradSlot(Arc<Mutex<Option<Tensor>>>);
+pub struct MainGradSlot(Arc<Mutex<Option<MainGrad>>>);
 
 impl MainGradSlot {
     pub fn set(&self, view: Option<Tensor>) {
-        *self.lock() = view;
+        *self.lock() = view.map(|view| MainGrad {
+            view,
+            on_accumulated: None,
+        });
+    }
+
+    /// Sets the view, and what a layer calls each time its backward has added a gradient into
+    /// it: `--overlap-grad-reduce` counts these to start a bucket's reduction once the step's
+    /// last gradient of every parameter in it is in.
+    pub fn set_notifying(&self, view: Tensor, on_accumulated: Arc<dyn Fn() + Send + Sync>) {
+        *self.lock() = Some(MainGrad {
+            view,
+            on_accumulated: Some(on_accumulated),
+        });
     }
 
     /// The view, when the optimizer set one.
-    pub fn get(&self) -> Option<Tensor> {
-        self.lock().as_ref().map(Tensor::shallow_clone)
+    pub fn get(&self) -> Option<MainGrad> {
+        self.lock().clone()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Option<Tensor>> {
+    fn lock(&self) -> MutexGuard<'_, Option<MainGrad>> {
         // A panic while holding this lock cannot leave the slot half-written.
         self.0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A parameter's main-gradient view (it dereferences to the float32 tensor). A layer that adds
+/// into it calls [`MainGrad::accumulated`] once its additions are enqueued.
+pub struct MainGrad {
+    view: Tensor,
+    on_accumulated: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl MainGrad {
+    /// Says that this backward pass's gradient was added (enqueued on the current stream).
+    pub fn accumulated(&self) {
+        if let Some(notify) = &self.on_accumulated {
+            notify();
+        }
+    }
+}
+
+impl Clone for MainGrad {
+    fn clone(&self) -> Self {
+        MainGrad {
+            view: self.view.shallow_clone(),
+            on_accumulated: self.on_accumulated.clone(),
+        }
+    }
+}
+
+impl Deref for MainGrad {
+    type Target = Tensor;
+
+    fn deref(&self) -> &Tensor {
+        &self.view
     }
 }
 

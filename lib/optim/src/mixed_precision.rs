@@ -281,15 +281,21 @@ impl MixedPrecisionOptimizer {
                 GradSync::AfterBackward(reducer)
             }
         };
-        let fuse =
-            settings.gradient_accumulation_fusion && !matches!(grad_sync, GradSync::Overlapped(_));
-        for slot in &layout.slots {
-            if let Some(main_grad) = &by_name[slot.name.as_str()].main_grad {
-                main_grad.set(fuse.then(|| {
-                    grad_buffer
-                        .narrow(0, slot.range.start as i64, slot.range.len() as i64)
-                        .view(slot.shape.as_slice())
-                }));
+        let fuse = settings.gradient_accumulation_fusion;
+        for (index, slot) in layout.slots.iter().enumerate() {
+            let Some(main_grad) = &by_name[slot.name.as_str()].main_grad else {
+                continue;
+            };
+            if !fuse {
+                main_grad.set(None);
+                continue;
+            }
+            let view = grad_buffer
+                .narrow(0, slot.range.start as i64, slot.range.len() as i64)
+                .view(slot.shape.as_slice());
+            match &grad_sync {
+                GradSync::Overlapped(sync) => main_grad.set_notifying(view, sync.notifier(index)),
+                _ => main_grad.set(Some(view)),
             }
         }
         let param_gather = if sharded {

@@ -31,7 +31,7 @@ pub fn unsupported_reason(
         Some("this build has no CUDA graphs (its shim found no CUDA runtime headers)")
     } else if parallel.layout.pipeline > 1 {
         Some("pipeline stages exchange activations between a micro-batch's forward and backward")
-    } else if args.parallel.overlap_grad_reduce {
+    } else if args.parallel.overlap_grad_reduce && parallel.layout.data > 1 {
         Some("--overlap-grad-reduce starts reductions from hooks on the host during the backward")
     } else if args.training.calculate_per_token_loss {
         Some("--calculate-per-token-loss scales each step by its token count, which the graph does not read")

@@ -120,7 +120,7 @@ fn cross_entropy_loss_fusion_equals_the_unfused_loss() {
         ),
         "fused, separate gradients",
     );
-    // Overlapped reduction hooks the autograd gradients (no main-gradient views).
+    // Overlapped reduction counts the layers' additions into the main-gradient views.
     support::assert_equivalent(
         &reference,
         &train(

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
-use crate::param::{Initializer, Param};
+use crate::param::{Initializer, MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 use megatron_parallel::{reduce_from_tensor_parallel_region, Communicator};
 
@@ -77,7 +77,7 @@ fn lookup(weight: &Param, ids: &Tensor) -> Result<Tensor> {
 
 struct EmbeddingIntoMainGrad {
     ids: Tensor,
-    main_grad: Tensor,
+    main_grad: MainGrad,
 }
 
 impl CustomFunction for EmbeddingIntoMainGrad {
@@ -99,7 +99,9 @@ impl CustomFunction for EmbeddingIntoMainGrad {
         // order (deterministic, unlike index_add_'s atomics).
         let _ = self
             .main_grad
+            .shallow_clone()
             .f_index_put_(&[Some(self.ids.reshape([-1]))], &rows, true)?;
+        self.main_grad.accumulated();
         Ok(vec![None])
     }
 }

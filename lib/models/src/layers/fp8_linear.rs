@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::main_grad_linear::{accumulate_product, ones_row};
 use crate::fp8::{scaled_mm, Fp8Recipe, Fp8Tensor, TensorScaling};
-use crate::param::Param;
+use crate::param::{MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 
 /// The scaling state of one fp8 linear: its input, weight and output gradient each keep their
@@ -140,7 +140,7 @@ struct Fp8LinearFunction {
     weight: Tensor,
     bias: Option<Tensor>,
     /// The float32 views the weight's and bias's gradients accumulate into.
-    main_grads: Option<(Tensor, Option<Tensor>)>,
+    main_grads: Option<(MainGrad, Option<MainGrad>)>,
     /// The graph node was given the parameters after the input.
     params_are_inputs: bool,
     inputs: usize,
@@ -244,6 +244,7 @@ impl CustomFunction for Fp8LinearFunction {
                 match main {
                     Some((target, _)) => {
                         let _ = target.shallow_clone().f_add_(&dw)?;
+                        target.accumulated();
                         None
                     }
                     None => Some(dw.to_kind(self.weight.kind())),
@@ -254,6 +255,7 @@ impl CustomFunction for Fp8LinearFunction {
                 match main {
                     Some((target, _)) => {
                         accumulate_product(target, &dy.tr(), &x)?;
+                        target.accumulated();
                         None
                     }
                     None => Some(dy.tr().mm(&x).to_kind(self.weight.kind())),
@@ -265,6 +267,7 @@ impl CustomFunction for Fp8LinearFunction {
             (Some(_), Some((_, Some(target)))) => {
                 let ones = ones_row(dy.size()[0], kind, dy.device());
                 accumulate_product(&target.view([1, out_features]), &ones, &dy)?;
+                target.accumulated();
                 None
             }
             (Some(bias), _) => Some(dy.sum_dim_intlist([0i64].as_slice(), false, bias.kind())),
@@ -359,8 +362,8 @@ mod tests {
         let (weight_grad, bias_grad) = if main_grad {
             assert!(!weight.grad().defined() && !bias.grad().defined());
             (
-                weight.main_grad().get().unwrap(),
-                bias.main_grad().get().unwrap(),
+                weight.main_grad().get().unwrap().shallow_clone(),
+                bias.main_grad().get().unwrap().shallow_clone(),
             )
         } else {
             (weight.grad(), bias.grad())

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::main_grad_linear::accumulate_parameter_grads;
-use crate::param::Param;
+use crate::param::{MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 use megatron_kernels::ops::{bias_grad, gemm_epilogue};
 
@@ -45,8 +45,8 @@ pub fn forward(input: &Tensor, weight: &Param, bias: &Param) -> Result<Option<Te
 struct LinearGelu {
     weight: Tensor,
     bias: Tensor,
-    weight_grad: Tensor,
-    bias_grad: Tensor,
+    weight_grad: MainGrad,
+    bias_grad: MainGrad,
 }
 
 impl CustomFunction for LinearGelu {
@@ -80,6 +80,7 @@ impl CustomFunction for LinearGelu {
                     preactivation,
                     &self.bias_grad,
                 )?;
+                self.bias_grad.accumulated();
                 accumulate_parameter_grads(&grad_preactivation, rows, &self.weight_grad, None)?;
                 grad_preactivation
             } else {

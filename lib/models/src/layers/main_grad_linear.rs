@@ -7,7 +7,7 @@
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use crate::param::Param;
+use crate::param::{MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 use megatron_kernels::ops::bias_grad;
 
@@ -47,8 +47,8 @@ pub fn linear(input: &Tensor, weight: &Param, bias: Option<&Param>) -> Result<Te
 struct MainGradLinear {
     weight: Tensor,
     bias: Option<Tensor>,
-    weight_grad: Tensor,
-    bias_grad: Option<Tensor>,
+    weight_grad: MainGrad,
+    bias_grad: Option<MainGrad>,
     /// How many tensors the graph node was given (the input, perhaps the parameters).
     inputs: usize,
 }
@@ -83,14 +83,15 @@ impl CustomFunction for MainGradLinear {
 
 /// Adds a linear's weight gradient `gradᵀ · input` (and bias gradient, the sum of `grad`'s
 /// rows: our column-sum kernel for narrow layers on a GPU, else a GEMV) for `[rows, out]` output
-/// gradients and `[rows, in]` inputs into float32 main-gradient views.
+/// gradients and `[rows, in]` inputs into float32 main-gradient views, and says so to them.
 pub(crate) fn accumulate_parameter_grads(
     grad: &Tensor,
     input: &Tensor,
-    weight_grad: &Tensor,
-    bias_grad: Option<&Tensor>,
+    weight_grad: &MainGrad,
+    bias_grad: Option<&MainGrad>,
 ) -> Result<()> {
     accumulate_product(weight_grad, &grad.tr(), input)?;
+    weight_grad.accumulated();
     if let Some(bias_grad) = bias_grad {
         let (rows, out_features) = (grad.size()[0], grad.size()[1]);
         if bias_grad::sums_bias_of(grad.device(), grad.kind(), out_features) {
@@ -99,6 +100,7 @@ pub(crate) fn accumulate_parameter_grads(
             let ones = ones_row(rows, grad.kind(), grad.device());
             accumulate_product(&bias_grad.view([1, out_features]), &ones, grad)?;
         }
+        bias_grad.accumulated();
     }
     Ok(())
 }
@@ -211,8 +213,8 @@ mod tests {
         }
         assert!(!fused_weight.grad().defined() && !fused_bias.grad().defined());
         for (main, plain) in [
-            (fused_weight.main_grad().get().unwrap(), plain_weight),
-            (fused_bias.main_grad().get().unwrap(), plain_bias),
+            (fused_weight.main_grad().get().unwrap().shallow_clone(), plain_weight),
+            (fused_bias.main_grad().get().unwrap().shallow_clone(), plain_bias),
         ] {
             let scale = plain.abs().max().double_value(&[]);
             let diff = (main - plain).abs().max().double_value(&[]) / scale;
@@ -247,7 +249,7 @@ mod tests {
             .sum(Kind::Float)
             .backward();
         let expected = Tensor::full([5, 3], 2.0, (Kind::Float, Device::Cpu));
-        assert!(weight.main_grad().get().unwrap().equal(&expected));
+        assert!(weight.main_grad().get().unwrap().shallow_clone().equal(&expected));
         assert!(!weight.grad().defined());
     }
 

@@ -5,7 +5,7 @@ use tch::Tensor;
 
 use super::{NamedTensors, ParamAttributes};
 use crate::config::Normalization;
-use crate::param::{Initializer, Param};
+use crate::param::{Initializer, MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 use megatron_kernels::ops::add_norm;
 use megatron_kernels::ops::decode_gemv::InputNorm;
@@ -136,7 +136,7 @@ struct FusedAddNorm {
     eps: f64,
     one_plus: bool,
     /// The optimizer's float32 gradients of the weight and bias, when it gave them.
-    main_grads: Option<(Tensor, Option<Tensor>)>,
+    main_grads: Option<(MainGrad, Option<MainGrad>)>,
     /// The dropout of `delta` (its seed is kept here until backward).
     dropout: Option<add_norm::Dropout>,
 }
@@ -186,10 +186,14 @@ impl CustomFunction for FusedAddNorm {
         if let Some((weight, bias)) = &self.main_grads {
             let main = add_norm::MainGrads {
                 weight,
-                bias: bias.as_ref(),
+                bias: bias.as_deref(),
             };
             let inputs =
                 add_norm::backward_into(&grad_outputs[1], &grad_outputs[0], &kept, &norm, main)?;
+            weight.accumulated();
+            if let Some(bias) = bias {
+                bias.accumulated();
+            }
             let mut out = vec![Some(inputs.residual), Some(inputs.delta), None];
             if bias.is_some() {
                 out.push(None);

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::main_grad_linear::accumulate_parameter_grads;
-use crate::param::Param;
+use crate::param::{MainGrad, Param};
 use megatron_kernels::autograd::{self, CustomFunction, SavedTensors};
 use megatron_kernels::ops::bias_grad;
 
@@ -78,8 +78,8 @@ impl QkvProjection {
 pub struct QkvProjection {
     weight: Tensor,
     bias: Tensor,
-    weight_grad: Tensor,
-    bias_grad: Tensor,
+    weight_grad: MainGrad,
+    bias_grad: MainGrad,
     layout: QkvLayout,
     /// Whether backward packs the gradient with [`bias_grad::pack_qkv_grad`].
     kernel: bool,
@@ -123,6 +123,7 @@ impl CustomFunction for QkvProjection {
         let (packed, bias_grad) = if self.kernel {
             let packed =
                 bias_grad::pack_qkv_grad(&parts[0], &parts[1], &parts[2], &self.bias_grad)?;
+            self.bias_grad.accumulated();
             (packed, None)
         } else {
             (
@@ -235,12 +236,12 @@ mod tests {
                 "input gradients differ"
             );
         }
-        let weight_grads = [fused_weight, plain_weight].map(|w| w.main_grad().get().unwrap());
+        let weight_grads = [fused_weight, plain_weight].map(|w| w.main_grad().get().unwrap().shallow_clone());
         assert!(
             weight_grads[0].equal(&weight_grads[1]),
             "weight gradients differ"
         );
-        let bias_grads = [fused_bias, plain_bias].map(|b| b.main_grad().get().unwrap());
+        let bias_grads = [fused_bias, plain_bias].map(|b| b.main_grad().get().unwrap().shallow_clone());
         let difference = (&bias_grads[0] - &bias_grads[1])
             .abs()
             .max()

@@ -64,8 +64,9 @@ pub struct TrainingArgs {
     pub device: String,
     /// Replay each micro-batch's forward and backward from a CUDA graph captured after the
     /// warm-up steps: one launch instead of a thousand kernel launches, and no gaps while the
-    /// host queues work. On a GPU without pipeline parallelism, --overlap-grad-reduce or
-    /// activation recomputation; otherwise the run says why and trains without graphs.
+    /// host queues work. On a GPU without pipeline parallelism, activation recomputation, or
+    /// --overlap-grad-reduce over several data-parallel ranks; otherwise the run says why and
+    /// trains without graphs.
     #[arg(long)]
     pub enable_cuda_graph: bool,
     /// Eager iterations before the graph is captured (at least one).
@@ -111,8 +112,7 @@ pub struct OptimizerArgs {
     pub clip_grad: f64,
     /// Compute the weight gradients of linear layers straight into the float32 gradient
     /// buffer instead of a bf16/fp16 gradient that is then added to it (Megatron's default
-    /// `--gradient-accumulation-fusion`); this flag turns it off. Not used with
-    /// `--overlap-grad-reduce`, whose hooks need the per-parameter gradients.
+    /// `--gradient-accumulation-fusion`); this flag turns it off.
     #[arg(long)]
     pub no_gradient_accumulation_fusion: bool,
     /// Peak learning rate.
