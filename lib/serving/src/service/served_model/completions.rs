@@ -556,11 +556,11 @@ mod tests {
                 .map(|&b| b as u8)
                 .collect();
             assert_eq!(String::from_utf8(bytes).unwrap(), text);
+            let top = chunk.top_logprobs.unwrap();
+            assert_eq!(top.len(), chunk.tokens.len());
             carried.tokens.extend(chunk.tokens);
             carried.token_logprobs.extend(chunk.token_logprobs);
             carried.text_offset.extend(chunk.text_offset);
-            let top = chunk.top_logprobs.unwrap();
-            assert_eq!(top.len(), chunk.tokens.len());
             carried
                 .top_logprobs
                 .get_or_insert_with(Vec::new)
