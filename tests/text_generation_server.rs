@@ -1861,7 +1861,6 @@ fn events(printed: &str) -> Vec<Value> {
 /// Streamed completions and chat completions that ask for log-probabilities carry, in each
 /// chunk, those of the tokens whose text the chunk carries (the last chunk the tokens no text
 /// carried): together they are the unstreamed answer's tokens, log-probabilities and offsets.
-/// Top alternatives, computed once the completion is done, cannot be streamed (400).
 #[test]
 fn streamed_chunks_carry_their_own_logprobs() {
     let dir = tempfile::tempdir().unwrap();
@@ -1968,14 +1967,256 @@ fn streamed_chunks_carry_their_own_logprobs() {
     }
     assert_ne!(texts[0], texts[1], "two samples");
 
-    let refused = ask(
-        "--completion",
-        json!({"prompt": "The data", "max_tokens": 3, "logprobs": 2, "stream": true}),
-    )
-    .unwrap_err();
-    assert!(
-        refused.contains("Error 400") && refused.contains("cannot be streamed"),
-        "{refused}"
+    terminate(server.child);
+}
+
+/// A streamed completion's chunks put together per choice (`choices` of them), as the
+/// unstreamed answer holds each: its text and its `logprobs` (`tokens`, `token_logprobs`,
+/// `text_offset`, `top_logprobs`), the last chunk's included.
+fn assembled_completion(chunks: &[Value], choices: usize) -> Vec<Value> {
+    let keys = ["tokens", "token_logprobs", "text_offset", "top_logprobs"];
+    let mut assembled = vec![
+        json!({"text": "", "logprobs": {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}});
+        choices
+    ];
+    for chunk in chunks {
+        for choice in chunk["choices"].as_array().unwrap() {
+            let whole = &mut assembled[choice["index"].as_u64().unwrap() as usize];
+            let text =
+                whole["text"].as_str().unwrap().to_string() + choice["text"].as_str().unwrap();
+            whole["text"] = json!(text);
+            for key in keys {
+                if let Some(items) = choice["logprobs"][key].as_array() {
+                    whole["logprobs"][key]
+                        .as_array_mut()
+                        .unwrap()
+                        .extend(items.iter().cloned());
+                }
+            }
+        }
+    }
+    assembled
+}
+
+/// Two numbers (or two nulls) within 1e-5.
+fn assert_close_values(got: &Value, want: &Value, what: &str) {
+    if want.is_null() {
+        assert!(got.is_null(), "{what}: {got} vs null");
+        return;
+    }
+    let (g, w) = (got.as_f64().unwrap(), want.as_f64().unwrap());
+    assert!((g - w).abs() < 1e-5, "{what}: {g} vs {w}");
+}
+
+/// A streamed choice's legacy `logprobs` against the unstreamed one's: the same tokens,
+/// offsets and alternatives (`n` at each position with a value), values within 1e-5.
+fn assert_same_completion_logprobs(got: &Value, want: &Value, n: usize, what: &str) {
+    assert_eq!(got["tokens"], want["tokens"], "{what}");
+    assert_eq!(got["text_offset"], want["text_offset"], "{what}");
+    let (values, expected) = (
+        got["token_logprobs"].as_array().unwrap(),
+        want["token_logprobs"].as_array().unwrap(),
     );
+    assert_eq!(values.len(), expected.len(), "{what}");
+    for (g, w) in values.iter().zip(expected) {
+        assert_close_values(g, w, what);
+    }
+    let Some(expected) = want["top_logprobs"].as_array() else {
+        assert_eq!(
+            got["top_logprobs"],
+            json!([]),
+            "{what}: alternatives not asked for"
+        );
+        return;
+    };
+    let top = got["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), expected.len(), "{what}");
+    for (position, (g, w)) in top.iter().zip(expected).enumerate() {
+        if w.is_null() {
+            assert!(g.is_null(), "{what}: position {position}");
+            continue;
+        }
+        let (g, w) = (g.as_object().unwrap(), w.as_object().unwrap());
+        assert!(w.len() <= n && !w.is_empty(), "{what}: {w:?}");
+        assert_eq!(
+            g.keys().collect::<Vec<_>>(),
+            w.keys().collect::<Vec<_>>(),
+            "{what}: position {position}"
+        );
+        for (text, value) in w {
+            assert_close_values(&g[text], value, what);
+        }
+    }
+}
+
+/// Streamed requests asking for the most likely tokens at each position (`logprobs: N` of
+/// completions, `top_logprobs: N` of chat) get them in each chunk for the tokens it carries,
+/// per choice with `n = 2`, while another request shares the batch: put together they are the
+/// unstreamed answer's, token by token, values within 1e-5.
+#[test]
+fn streamed_chunks_carry_their_tokens_alternatives() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint_with_positions(&ckpt, 512);
+    let server = start_server(&ckpt);
+    let ask = |flag: &str, body: &Value| -> String {
+        let out = cli(&server, &[flag, &body.to_string()]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // Another client's long completion runs beside them.
+    let beside = start_stream(&server, 480);
+
+    let body = json!({"prompt": "The data", "max_tokens": 10, "temperature": 0, "logprobs": 3,
+                      "n": 2});
+    let whole: Value = serde_json::from_str(&ask("--completion", &body)).unwrap();
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let chunks = events(&ask("--completion", &streaming));
+    for chunk in &chunks[..chunks.len() - 1] {
+        let choice = &chunk["choices"][0];
+        let logprobs = &choice["logprobs"];
+        assert_eq!(
+            logprobs["top_logprobs"].as_array().unwrap().len(),
+            logprobs["tokens"].as_array().unwrap().len(),
+            "{chunk}"
+        );
+    }
+    let assembled = assembled_completion(&chunks, 2);
+    for (index, streamed) in assembled.iter().enumerate() {
+        let want = &whole["choices"][index];
+        assert_eq!(streamed["text"], want["text"], "choice {index}");
+        assert!(!want["logprobs"]["tokens"].as_array().unwrap().is_empty());
+        assert_same_completion_logprobs(
+            &streamed["logprobs"],
+            &want["logprobs"],
+            3,
+            &format!("completion choice {index}"),
+        );
+    }
+
+    let body = json!({"messages": [{"role": "user", "content": "The data"}], "max_tokens": 10,
+                      "temperature": 0, "logprobs": true, "top_logprobs": 3, "n": 2});
+    let whole: Value = serde_json::from_str(&ask("--chat", &body)).unwrap();
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let mut content = vec![Vec::new(); 2];
+    for chunk in events(&ask("--chat", &streaming)) {
+        let Some(choice) = chunk["choices"].get(0) else {
+            continue;
+        };
+        if let Some(carried) = choice["logprobs"]["content"].as_array() {
+            content[choice["index"].as_u64().unwrap() as usize].extend(carried.iter().cloned());
+        }
+    }
+    for (index, streamed) in content.iter().enumerate() {
+        let want = whole["choices"][index]["logprobs"]["content"]
+            .as_array()
+            .unwrap();
+        assert!(!want.is_empty());
+        assert_eq!(streamed.len(), want.len(), "chat choice {index}");
+        for (g, w) in streamed.iter().zip(want) {
+            let what = format!("chat choice {index}: {g} vs {w}");
+            assert_eq!(
+                (&g["token"], &g["bytes"]),
+                (&w["token"], &w["bytes"]),
+                "{what}"
+            );
+            assert_close_values(&g["logprob"], &w["logprob"], &what);
+            let (top, expected) = (
+                g["top_logprobs"].as_array().unwrap(),
+                w["top_logprobs"].as_array().unwrap(),
+            );
+            assert_eq!(top.len(), expected.len(), "{what}");
+            assert!(!expected.is_empty() && expected.len() <= 3, "{what}");
+            for (a, b) in top.iter().zip(expected) {
+                assert_eq!(a["token"], b["token"], "{what}");
+                assert_close_values(&a["logprob"], &b["logprob"], &what);
+            }
+            // Greedy: the chosen token is the likeliest.
+            assert_close_values(&w["logprob"], &expected[0]["logprob"], &what);
+        }
+    }
+    assert!(finish_stream(beside).contains("data: [DONE]"));
+    terminate(server.child);
+}
+
+/// A streamed echo asking for log-probabilities starts with the prompt and its tokens (the
+/// first without a value), as the unstreamed echo gives them; with `max_tokens: 0` the prompt
+/// comes whole in the one chunk.
+#[test]
+fn streamed_echo_carries_the_prompts_logprobs_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let prompt = "héllo wörld, the data";
+    for (max_tokens, logprobs) in [(4, 2), (0, 1), (3, 0)] {
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                          "echo": true, "logprobs": logprobs});
+        let out = cli(&server, &["--completion", &body.to_string()]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let whole: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut streaming = body.clone();
+        streaming["stream"] = json!(true);
+        let out = cli(&server, &["--completion", &streaming.to_string()]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let chunks = events(&String::from_utf8(out.stdout).unwrap());
+        let what = format!("max_tokens {max_tokens}, logprobs {logprobs}");
+        let first = &chunks[0]["choices"][0];
+        assert_eq!(first["text"], prompt, "{what}");
+        let prompt_tokens = whole["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(
+            first["logprobs"]["tokens"].as_array().unwrap().len(),
+            prompt_tokens,
+            "{what}: {first}"
+        );
+        assert!(first["logprobs"]["token_logprobs"][0].is_null(), "{what}");
+        let want = &whole["choices"][0];
+        let streamed = &assembled_completion(&chunks, 1)[0];
+        assert_eq!(streamed["text"], want["text"], "{what}");
+        assert_same_completion_logprobs(&streamed["logprobs"], &want["logprobs"], logprobs, &what);
+    }
+    terminate(server.child);
+}
+
+/// The official `openai` Python client reads streamed completions (`logprobs: 3`, with and
+/// without `echo`) and chat completions (`top_logprobs: 3`), two choices each: put together
+/// per choice, the chunks' tokens, log-probabilities and alternatives equal the unstreamed
+/// answer's (tests/fixtures/openai_stream_logprobs.py).
+#[test]
+fn openai_client_reads_streamed_alternatives() {
+    let python = test_python(&["openai"]);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    checkpoint(&ckpt);
+    let server = start_server(&ckpt);
+    let out = Command::new(&python)
+        .arg(workspace_root().join("tests/fixtures/openai_stream_logprobs.py"))
+        .arg(&server.address)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let compared: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["completion", "echo", "chat"] {
+        assert!(compared[key].as_u64().unwrap() > 0, "{compared}");
+    }
     terminate(server.child);
 }

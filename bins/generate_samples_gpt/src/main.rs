@@ -136,6 +136,7 @@ fn run(cli: &Cli) -> Result<()> {
             stop,
             prevent_newline_after_colon: None,
             logprobs: false,
+            top_logprobs: 0,
             pad: eod.unwrap_or(0),
             adjust: LogitAdjust::default(),
         };

@@ -273,6 +273,7 @@ impl Serve<'_> {
                     stop: self.stop,
                     prevent_newline_after_colon: None,
                     logprobs: self.logprobs,
+                    top_logprobs: 0,
                     pad: self.pad,
                     adjust: LogitAdjust::default(),
                 }
@@ -294,7 +295,7 @@ impl Serve<'_> {
                 std::thread::sleep(arrival.saturating_duration_since(Instant::now()));
                 continue;
             }
-            for (id, generation) in batcher.step(model, decoder, &mut |_, _, _, _| false)? {
+            for (id, generation) in batcher.step(model, decoder, &mut |_| false)? {
                 let index = id as usize;
                 let prompt_length = self.prompts[index].len();
                 finished[index] = Some(Finished {

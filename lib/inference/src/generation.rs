@@ -12,8 +12,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::causal_lm::CausalLm;
 use super::decoder::{DecodeRow, Decoder, PrefillChunk};
-use super::in_flight::{Draw, Drawn, InFlight};
+use super::in_flight::{Draw, Drawn, DrawnTokens, InFlight};
 use super::sampling::{row_seed, LogitAdjust, RowSampling, Sampling};
+use super::top_tokens::{listed, most_likely, TopTokens};
 use megatron_models::layers::{PagedKvCache, BLOCK_SIZE};
 
 /// When a row stops before its length budget.
@@ -41,18 +42,37 @@ pub struct GenerationRequest {
     /// `(colon, newline)` token ids: never sample the newline right after a colon.
     pub prevent_newline_after_colon: Option<(i64, i64)>,
     pub logprobs: bool,
+    /// The most likely tokens (this many) at every position `logprobs` scores, with theirs
+    /// (OpenAI's `top_logprobs`); 0: none.
+    pub top_logprobs: usize,
     /// Pads rows beyond their prompt until they are generated.
     pub pad: i64,
     /// OpenAI's penalties and logit bias.
     pub adjust: LogitAdjust,
 }
 
-/// What came out: every row's tokens (prompt included) up to its length, and with `logprobs`
-/// the log-probability of each token after the first under the model (raw logits).
+/// What came out: every row's tokens (prompt included) up to its length, with `logprobs` the
+/// log-probability of each token after the first under the model (raw logits), and with
+/// `top_logprobs` the most likely tokens at each of those positions.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
     pub tokens: Vec<Vec<i64>>,
     pub logprobs: Option<Vec<Vec<f32>>>,
+    pub top_logprobs: Option<Vec<Vec<TopTokens>>>,
+}
+
+/// A row's new token as an observer sees it, with the row's log-probabilities so far
+/// (prompt included) when it keeps them.
+#[derive(Debug, Clone, Copy)]
+pub struct NewToken<'a> {
+    pub request: u64,
+    /// The row's index in its request.
+    pub row: usize,
+    pub token: i64,
+    /// Of every token after the first, the new one last; empty unless the row keeps them.
+    pub logprobs: &'a [f32],
+    /// The most likely tokens at each of those positions; empty unless the row asks.
+    pub top_logprobs: &'a [TopTokens],
 }
 
 /// Runs the loop on `model`'s device through `decoder`; the rows' random streams are seeded
@@ -90,9 +110,7 @@ pub fn generate_tokens_observed<M: CausalLm + ?Sized>(
     batcher
         .submit(model, decoder, 0, rows)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut observe = |_: u64, row: usize, token: i64, _: Option<f32>| {
-        observer.as_mut().is_some_and(|o| o(row, token))
-    };
+    let mut observe = |new: &NewToken| observer.as_mut().is_some_and(|o| o(new.row, new.token));
     loop {
         match batcher.step(model, decoder, &mut observe) {
             Ok(mut finished) => {
@@ -144,6 +162,7 @@ impl GenerationRequest {
                 stop: self.stop,
                 prevent_newline_after_colon: self.prevent_newline_after_colon,
                 logprobs: self.logprobs,
+                top_logprobs: self.top_logprobs,
                 adjust: self.adjust.clone(),
                 fork_of: (sample > 0).then(|| row - sample),
             })
@@ -169,6 +188,8 @@ pub struct RowSpec {
     pub stop: StopCondition,
     pub prevent_newline_after_colon: Option<(i64, i64)>,
     pub logprobs: bool,
+    /// The most likely tokens (this many) with theirs at every position `logprobs` scores.
+    pub top_logprobs: usize,
     /// Added to its logits before each draw.
     pub adjust: LogitAdjust,
     /// The row of its request (before it) whose prefill and full prompt blocks it shares: its
@@ -271,6 +292,8 @@ struct Row {
     cached: usize,
     blocks: Vec<i64>,
     logprobs: Vec<f32>,
+    /// With `spec.top_logprobs`, the most likely tokens where `logprobs` has a value.
+    top: Vec<TopTokens>,
     sampling: Sampling,
     draws: u64,
     /// The id of the row whose prefill it waits for, to share its prompt's keys and values.
@@ -279,9 +302,18 @@ struct Row {
 
 /// A request's rows as they finish.
 struct Progress {
-    rows: Vec<Option<(Vec<i64>, Vec<f32>)>>,
+    rows: Vec<Option<Finished>>,
     remaining: usize,
     logprobs: bool,
+    top_logprobs: bool,
+}
+
+/// A finished row: its tokens, and their log-probabilities and alternatives when kept.
+#[derive(Clone)]
+struct Finished {
+    tokens: Vec<i64>,
+    logprobs: Vec<f32>,
+    top: Vec<TopTokens>,
 }
 
 impl Batcher {
@@ -344,6 +376,7 @@ impl Batcher {
                 rows: vec![None; rows.len()],
                 remaining: rows.len(),
                 logprobs: rows.iter().any(|r| r.logprobs),
+                top_logprobs: rows.iter().any(|r| r.top_logprobs > 0),
             },
         );
         self.waiting.push_back(Waiting { id, rows, blocks });
@@ -452,6 +485,7 @@ impl Batcher {
                     cached: 0,
                     blocks,
                     logprobs: Vec::new(),
+                    top: Vec::new(),
                     sampling,
                     draws: 0,
                     forks_from,
@@ -463,14 +497,13 @@ impl Batcher {
     /// One step: reads the decode step queued at the previous one (queuing the next first when
     /// nothing joined, see [`Self::continuing`]); unless it queued the next, admits what fits,
     /// prefills up to a chunk budget of prompt positions and queues a decode step of every row
-    /// past its prompt. Returns the requests that finished. `observer(request, row, token,
-    /// logprob)` sees every new token (with its log-probability when the row keeps them);
-    /// `true` ends that row there.
+    /// past its prompt. Returns the requests that finished. `observer` sees every new token
+    /// (with the row's log-probabilities when it keeps them); `true` ends that row there.
     pub fn step<M: CausalLm + ?Sized>(
         &mut self,
         model: &M,
         decoder: &mut Decoder,
-        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
+        observer: &mut dyn FnMut(&NewToken) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
         let mut finished = Vec::new();
         if let Some(flight) = self.in_flight.take() {
@@ -537,10 +570,10 @@ impl Batcher {
     fn land(
         &mut self,
         flight: InFlight,
-        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
+        observer: &mut dyn FnMut(&NewToken) -> bool,
         ended: &mut Vec<usize>,
     ) -> Result<()> {
-        let (tokens, scores) = flight.drawn.read()?;
+        let drawn = flight.drawn.read()?;
         let at: HashMap<u64, usize> = self
             .running
             .iter()
@@ -553,8 +586,7 @@ impl Batcher {
                 continue;
             };
             self.running[i].cached += 1;
-            let score = scores.as_ref().map(|s| s[k]);
-            self.accept(i, tokens[k], score, observer, ended);
+            self.accept(i, &drawn, k, observer, ended);
         }
         Ok(())
     }
@@ -565,7 +597,7 @@ impl Batcher {
         &mut self,
         model: &M,
         decoder: &mut Decoder,
-        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
+        observer: &mut dyn FnMut(&NewToken) -> bool,
     ) -> Result<Vec<(u64, Generation)>> {
         self.admit(decoder);
         self.use_.steps += 1;
@@ -621,7 +653,7 @@ impl Batcher {
             let (id, length) = (leader.id, leader.spec.prompt.len());
             let partial = (length as i64 % BLOCK_SIZE != 0)
                 .then(|| leader.blocks[full_prompt_blocks(&leader.spec)]);
-            let prompt_logprobs = leader.logprobs.clone();
+            let (prompt_logprobs, prompt_top) = (leader.logprobs.clone(), leader.top.clone());
             for j in 0..self.running.len() {
                 if self.running[j].forks_from != Some(id) {
                     continue;
@@ -634,6 +666,9 @@ impl Batcher {
                 row.cached = length;
                 if row.spec.logprobs {
                     row.logprobs.clone_from(&prompt_logprobs);
+                }
+                if row.spec.top_logprobs > 0 {
+                    row.top.clone_from(&prompt_top);
                 }
                 prefilled.push(j);
                 logits.push(logits[k].shallow_clone());
@@ -657,23 +692,34 @@ impl Batcher {
             let Some(progress) = self.requests.get_mut(&row.request) else {
                 continue;
             };
-            let mut logprobs = row.logprobs;
+            let (mut logprobs, mut top) = (row.logprobs, row.top);
             logprobs.truncate(row.tokens.len() - 1);
-            progress.rows[row.index] = Some((row.tokens, logprobs));
+            top.truncate(row.tokens.len() - 1);
+            progress.rows[row.index] = Some(Finished {
+                tokens: row.tokens,
+                logprobs,
+                top,
+            });
             progress.remaining -= 1;
             if progress.remaining == 0 {
                 let progress = self.requests.remove(&row.request).expect("present");
-                let with_logprobs = progress.logprobs;
-                let (tokens, logprobs): (Vec<_>, Vec<_>) = progress
+                let rows: Vec<Finished> = progress
                     .rows
                     .into_iter()
                     .map(|r| r.expect("every row finished"))
-                    .unzip();
+                    .collect();
+                let (mut tokens, mut logprobs, mut top) = (Vec::new(), Vec::new(), Vec::new());
+                for row in rows {
+                    tokens.push(row.tokens);
+                    logprobs.push(row.logprobs);
+                    top.push(row.top);
+                }
                 finished.push((
                     row.request,
                     Generation {
                         tokens,
-                        logprobs: with_logprobs.then_some(logprobs),
+                        logprobs: progress.logprobs.then_some(logprobs),
+                        top_logprobs: progress.top_logprobs.then_some(top),
                     },
                 ));
             }
@@ -726,21 +772,28 @@ impl Batcher {
             let row = &mut self.running[i];
             let length = row.spec.prompt.len();
             let out = out.narrow(1, 0, vocab);
-            if row.spec.logprobs {
+            if row.spec.logprobs || row.spec.top_logprobs > 0 {
                 let targets = (length - 1).min(row.cached + count) - row.cached;
                 if targets > 0 {
                     let next = &row.tokens[row.cached + 1..row.cached + 1 + targets];
                     let next = Tensor::from_slice(next)
                         .to_device(out.device())
                         .unsqueeze(1);
-                    let scores = out
+                    let log_probs = out
                         .narrow(0, 0, targets as i64)
                         .to_kind(Kind::Float)
-                        .log_softmax(1, Kind::Float)
-                        .gather(1, &next, false)
-                        .squeeze_dim(1);
+                        .log_softmax(1, Kind::Float);
+                    let scores = log_probs.gather(1, &next, false).squeeze_dim(1);
                     row.logprobs
                         .extend(Vec::<f32>::try_from(scores.to_device(Device::Cpu))?);
+                    if row.spec.top_logprobs > 0 {
+                        let (values, ids) = most_likely(&log_probs, row.spec.top_logprobs);
+                        row.top.extend(listed(
+                            &values.to_device(Device::Cpu),
+                            &ids.to_device(Device::Cpu),
+                            &vec![row.spec.top_logprobs; targets],
+                        )?);
+                    }
                 }
             }
             row.cached += count;
@@ -763,7 +816,7 @@ impl Batcher {
         &mut self,
         drawing: &[usize],
         logits: &[Tensor],
-        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
+        observer: &mut dyn FnMut(&NewToken) -> bool,
         ended: &mut Vec<usize>,
     ) -> Result<()> {
         let logits = match logits {
@@ -771,34 +824,44 @@ impl Batcher {
             _ => Tensor::cat(logits, 0),
         };
         let draws: Vec<Draw> = drawing.iter().map(|&i| self.running[i].draw()).collect();
-        let (tokens, scores) = tch::no_grad(|| Drawn::new(&logits, &draws))?.read()?;
+        let drawn = tch::no_grad(|| Drawn::new(&logits, &draws))?.read()?;
         for (k, &i) in drawing.iter().enumerate() {
-            let score = scores.as_ref().map(|s| s[k]);
-            self.accept(i, tokens[k], score, observer, ended);
+            self.accept(i, &drawn, k, observer, ended);
         }
         Ok(())
     }
 
-    /// Appends `token` (drawn with log-probability `score`) to running row `i`, shows it to
-    /// `observer`, and adds the row to `ended` when it stops there.
+    /// Appends the `k`th of `drawn`'s tokens (with its log-probability and alternatives when
+    /// the row keeps them) to running row `i`, shows it to `observer`, and adds the row to
+    /// `ended` when it stops there.
     fn accept(
         &mut self,
         i: usize,
-        token: i64,
-        score: Option<f32>,
-        observer: &mut dyn FnMut(u64, usize, i64, Option<f32>) -> bool,
+        drawn: &DrawnTokens,
+        k: usize,
+        observer: &mut dyn FnMut(&NewToken) -> bool,
         ended: &mut Vec<usize>,
     ) {
         let row = &mut self.running[i];
+        let token = drawn.tokens[k];
         let before = *row.tokens.last().expect("rows have tokens");
         row.tokens.push(token);
         row.draws += 1;
         row.sampling = row.sampling.decayed();
-        if let Some(score) = score {
-            row.logprobs.push(score);
+        if let (true, Some(scores)) = (row.spec.logprobs, &drawn.scores) {
+            row.logprobs.push(scores[k]);
+        }
+        if row.spec.top_logprobs > 0 {
+            row.top.push(drawn.top[k].clone());
         }
         let stopped = stops(&row.spec.stop, token, before);
-        let told = observer(row.request, row.index, token, score);
+        let told = observer(&NewToken {
+            request: row.request,
+            row: row.index,
+            token,
+            logprobs: &row.logprobs,
+            top_logprobs: &row.top,
+        });
         if stopped || told || row.tokens.len() >= row.spec.total {
             ended.push(i);
         }
@@ -819,6 +882,7 @@ impl Row {
                 draws: self.draws,
             },
             logprobs: self.spec.logprobs,
+            top_logprobs: self.spec.top_logprobs,
             banned,
             adjust: (!self.spec.adjust.is_none()).then(|| {
                 Arc::new(
@@ -847,7 +911,7 @@ fn score_request<M: CausalLm + ?Sized>(
     let tokens = Tensor::from_slice(&padded)
         .view([batch, max_len])
         .to_device(device);
-    tch::no_grad(|| score_prompts(model, &tokens, &lengths, max_len))
+    tch::no_grad(|| score_prompts(model, &tokens, &lengths, request.top_logprobs))
 }
 
 /// The blocks a row's prompt fills whole: those a row forking from it shares.
@@ -880,48 +944,54 @@ fn stops(stop: &StopCondition, token: i64, before: i64) -> bool {
     }
 }
 
-/// `tokens_to_generate = 0`: one forward over the prompts, scoring every token after the first.
+/// `tokens_to_generate = 0`: one forward over the prompts (`[batch, longest]`, padded), scoring
+/// every token after the first, with its `top_logprobs` most likely tokens when asked.
 fn score_prompts<M: CausalLm + ?Sized>(
     model: &M,
     tokens: &Tensor,
     lengths: &[i64],
-    max_len: i64,
+    top_logprobs: usize,
 ) -> Result<Generation> {
-    let batch = tokens.size()[0];
+    let (batch, max_len) = (tokens.size()[0], tokens.size()[1]);
     let mut cache = model.new_kv_cache(batch, max_len)?;
     let vocab = model.vocab_size();
     let logits = model
-        .forward_cached(&tokens.narrow(1, 0, max_len), &mut cache)?
+        .forward_cached(tokens, &mut cache)?
         .transpose(0, 1)
         .narrow(2, 0, vocab);
     let targets = tokens.narrow(1, 1, max_len - 1).unsqueeze(2);
-    let logprobs = logits
-        .narrow(1, 0, max_len - 1)
-        .log_softmax(2, Kind::Float)
+    let log_probs = logits.narrow(1, 0, max_len - 1).log_softmax(2, Kind::Float);
+    let logprobs = log_probs
         .gather(2, &targets, false)
-        .squeeze_dim(2);
-    finish(tokens, lengths, Some(&logprobs))
-}
-
-fn finish(tokens: &Tensor, lengths: &[i64], logprobs: Option<&Tensor>) -> Result<Generation> {
-    let tokens = tokens.to_device(Device::Cpu);
-    let logprobs = logprobs.map(|l| l.to_device(Device::Cpu));
+        .squeeze_dim(2)
+        .to_device(Device::Cpu);
+    let host = tokens.to_device(Device::Cpu);
     let mut rows = Vec::with_capacity(lengths.len());
     let mut scores = Vec::with_capacity(lengths.len());
+    let mut tops = Vec::with_capacity(lengths.len());
     for (row, &length) in lengths.iter().enumerate() {
-        rows.push(Vec::<i64>::try_from(
-            tokens.get(row as i64).narrow(0, 0, length),
-        )?);
-        if let Some(logprobs) = &logprobs {
-            scores.push(Vec::<f32>::try_from(logprobs.get(row as i64).narrow(
-                0,
-                0,
-                length - 1,
-            ))?);
+        let row = row as i64;
+        rows.push(Vec::<i64>::try_from(host.get(row).narrow(0, 0, length))?);
+        scores.push(Vec::<f32>::try_from(logprobs.get(row).narrow(
+            0,
+            0,
+            length - 1,
+        ))?);
+        if top_logprobs > 0 && length > 1 {
+            let (values, ids) =
+                most_likely(&log_probs.get(row).narrow(0, 0, length - 1), top_logprobs);
+            tops.push(listed(
+                &values.to_device(Device::Cpu),
+                &ids.to_device(Device::Cpu),
+                &vec![top_logprobs; length as usize - 1],
+            )?);
+        } else {
+            tops.push(Vec::new());
         }
     }
     Ok(Generation {
         tokens: rows,
-        logprobs: logprobs.map(|_| scores),
+        logprobs: Some(scores),
+        top_logprobs: (top_logprobs > 0).then_some(tops),
     })
 }

@@ -15,15 +15,18 @@ use tch::{Kind, Tensor};
 use super::causal_lm::CausalLm;
 use super::decoder::{DecodeRow, Decoder};
 use super::sampling::{sample, RowSampling};
+use super::top_tokens::{listed, most_likely, TopTokens};
 use megatron_kernels::runtime::{to_device_async, HostCopy};
 
 /// How a row draws one token: its settings and random stream, whether its log-probability is
-/// kept, a token it may not draw (the newline right after a colon), and what to add to its
-/// logits first (`(token, amount)`: OpenAI's penalties and logit bias).
+/// kept and how many of the most likely tokens with theirs, a token it may not draw (the
+/// newline right after a colon), and what to add to its logits first (`(token, amount)`:
+/// OpenAI's penalties and logit bias).
 #[derive(Debug, Clone)]
 pub struct Draw {
     pub sampling: RowSampling,
     pub logprobs: bool,
+    pub top_logprobs: usize,
     pub banned: Option<i64>,
     pub adjust: Option<Arc<Vec<(i64, f32)>>>,
 }
@@ -39,6 +42,7 @@ impl Draw {
                 draws: self.sampling.draws + 1,
             },
             logprobs: self.logprobs,
+            top_logprobs: self.top_logprobs,
             banned: None,
             adjust: self.adjust.clone(),
         }
@@ -46,10 +50,21 @@ impl Draw {
 }
 
 /// Tokens drawn on the device and, when a row keeps them, their log-probabilities under the
-/// raw logits, on their way to the host.
+/// raw logits (and the most likely tokens with theirs, for the rows that ask), on their way to
+/// the host.
 pub struct Drawn {
     tokens: Tensor,
     landing: HostCopy,
+    /// How many alternatives each row asks for (0: none).
+    top_logprobs: Vec<usize>,
+}
+
+/// A step's tokens on the host, one per row: with their log-probabilities when a row keeps
+/// them, and each row's most likely tokens (none unless it asked).
+pub struct DrawnTokens {
+    pub tokens: Vec<i64>,
+    pub scores: Option<Vec<f32>>,
+    pub top: Vec<TopTokens>,
 }
 
 impl Drawn {
@@ -102,23 +117,65 @@ impl Drawn {
         }
         let settings: Vec<RowSampling> = draws.iter().map(|d| d.sampling).collect();
         let tokens = sample(&logits, &settings)?;
-        let scores = draws.iter().any(|d| d.logprobs).then(|| {
-            logits
-                .log_softmax(1, Kind::Float)
+        let top_logprobs: Vec<usize> = draws.iter().map(|d| d.top_logprobs).collect();
+        let log_probs = draws
+            .iter()
+            .any(|d| d.logprobs || d.top_logprobs > 0)
+            .then(|| logits.log_softmax(1, Kind::Float));
+        let scores = log_probs.as_ref().map(|log_probs| {
+            log_probs
                 .gather(1, &tokens.unsqueeze(1), false)
                 .squeeze_dim(1)
         });
-        let copies: Vec<&Tensor> = std::iter::once(&tokens).chain(scores.as_ref()).collect();
+        // Only the rows that ask pay for their alternatives; a step where none does, nothing.
+        let asking: Vec<i64> = (0..draws.len() as i64)
+            .filter(|&k| top_logprobs[k as usize] > 0)
+            .collect();
+        let top = match &log_probs {
+            Some(log_probs) if !asking.is_empty() => {
+                let rows = if asking.len() == draws.len() {
+                    log_probs.shallow_clone()
+                } else {
+                    let at = to_device_async(&Tensor::from_slice(&asking), log_probs.device())?;
+                    log_probs.index_select(0, &at)
+                };
+                let widest = top_logprobs.iter().copied().max().unwrap_or(0);
+                Some(most_likely(&rows, widest))
+            }
+            _ => None,
+        };
+        let copies: Vec<&Tensor> = std::iter::once(&tokens)
+            .chain(scores.as_ref())
+            .chain(top.iter().flat_map(|(values, ids)| [values, ids]))
+            .collect();
         let landing = HostCopy::start(&copies)?;
-        Ok(Drawn { tokens, landing })
+        Ok(Drawn {
+            tokens,
+            landing,
+            top_logprobs,
+        })
     }
 
-    /// Waits for the tokens and their log-probabilities on the host.
-    pub fn read(self) -> Result<(Vec<i64>, Option<Vec<f32>>)> {
+    /// Waits for the tokens, their log-probabilities and the alternatives on the host.
+    pub fn read(self) -> Result<DrawnTokens> {
         let mut copies = self.landing.read()?.into_iter();
         let tokens = Vec::<i64>::try_from(copies.next().expect("the tokens"))?;
         let scores = copies.next().map(Vec::<f32>::try_from).transpose()?;
-        Ok((tokens, scores))
+        let mut top = vec![TopTokens::new(); tokens.len()];
+        if let (Some(values), Some(ids)) = (copies.next(), copies.next()) {
+            let asking: Vec<usize> = (0..tokens.len())
+                .filter(|&k| self.top_logprobs[k] > 0)
+                .collect();
+            let wanted: Vec<usize> = asking.iter().map(|&k| self.top_logprobs[k]).collect();
+            for (k, alternatives) in asking.into_iter().zip(listed(&values, &ids, &wanted)?) {
+                top[k] = alternatives;
+            }
+        }
+        Ok(DrawnTokens {
+            tokens,
+            scores,
+            top,
+        })
     }
 }
 

@@ -13,6 +13,7 @@ mod generation;
 mod in_flight;
 mod sampling;
 mod t5;
+mod top_tokens;
 
 pub use beam_search::{beam_search, BeamSearchRequest, BeamSearchResult};
 pub use causal_lm::CausalLm;
@@ -22,10 +23,12 @@ pub use decoder::{
 };
 pub use generation::{
     generate_tokens, generate_tokens_observed, BatchLimits, Batcher, CacheUse, Generation,
-    GenerationRequest, Refusal, RowSpec, StopCondition, TokenObserver, DEFAULT_PREFILL_CHUNK,
+    GenerationRequest, NewToken, Refusal, RowSpec, StopCondition, TokenObserver,
+    DEFAULT_PREFILL_CHUNK,
 };
 pub use sampling::{row_seed, sample, LogitAdjust, RowSampling, Sampling};
 pub use t5::{
     encode_with_sentinels, fill_spans, greedy_decode, score_t5_batch, split_spans, DecodedSpan,
     GreedyOptions, SampleScore, ScoreTotals, T5Decoding,
 };
+pub use top_tokens::TopTokens;

@@ -2,14 +2,16 @@
 //! token, log-probabilities equal to the log-softmax of full-forward logits, prompt scoring,
 //! stop tokens and reproducible sampling — for learned-position and RoPE/GQA models; the
 //! paged decode step CUDA graphs replay (rows at different positions) against the cached forward, and on a GPU the
-//! graphed decoder against the eager one.
+//! graphed decoder against the eager one; the most likely tokens at each position (OpenAI's
+//! `top_logprobs`) against the full forward's, alone and in a shared batch.
 
 use std::sync::Mutex;
 
 use clap::Parser;
 use megatron_inference::{
-    beam_search, generate_tokens, BeamSearchRequest, CausalLm, DecodeRow, DecodeSettings, Decoder,
-    Generation, GenerationRequest, LogitAdjust, PrefillChunk, Sampling, StopCondition,
+    beam_search, generate_tokens, BatchLimits, Batcher, BeamSearchRequest, CausalLm, DecodeRow,
+    DecodeSettings, Decoder, Generation, GenerationRequest, LogitAdjust, PrefillChunk, Sampling,
+    StopCondition, TopTokens,
 };
 use megatron_models::{AttentionMask, GptModel, ModelOptions, Recompute};
 use megatron_parallel::ParallelState;
@@ -148,6 +150,7 @@ fn request(
         stop,
         prevent_newline_after_colon: None,
         logprobs: true,
+        top_logprobs: 0,
         pad: 0,
         adjust: LogitAdjust::default(),
     }
@@ -229,6 +232,117 @@ fn zero_tokens_scores_the_prompts() {
     .unwrap();
     assert_eq!(out.tokens, prompts());
     check_logprobs(&model, &out);
+}
+
+/// `out`'s alternatives (`n` per position after the first) are the full forward's `n` most
+/// likely tokens, and a greedy token's log-probability is its first alternative's exactly.
+fn check_alternatives(model: &GptModel, out: &Generation, n: usize, prompt_lengths: &[usize]) {
+    let top = out
+        .top_logprobs
+        .as_ref()
+        .expect("alternatives were asked for");
+    let logprobs = out.logprobs.as_ref().unwrap();
+    for (row, tokens) in out.tokens.iter().enumerate() {
+        assert_eq!(top[row].len(), tokens.len() - 1, "row {row}");
+        let (values, ids) = full_logprobs(model, tokens).topk(n as i64, -1, true, true);
+        let values = Vec::<Vec<f32>>::try_from(values).unwrap();
+        let ids = Vec::<Vec<i64>>::try_from(ids).unwrap();
+        for (i, alternatives) in top[row].iter().enumerate() {
+            let got_ids: Vec<i64> = alternatives.iter().map(|a| a.0).collect();
+            assert_eq!(got_ids, ids[i], "row {row} position {}", i + 1);
+            for (&(_, got), want) in alternatives.iter().zip(&values[i]) {
+                assert!((got - want).abs() < 1e-4, "row {row}: {got} vs {want}");
+            }
+            if i + 1 >= prompt_lengths[row] {
+                // Generated greedily: the likeliest, from the same log-softmax.
+                assert_eq!(alternatives[0], (tokens[i + 1], logprobs[row][i]));
+            }
+        }
+    }
+}
+
+/// With `top_logprobs`, every position's most likely tokens come from the step that scored
+/// it: prefill chunks, decode steps and prompt scoring alike.
+#[test]
+fn alternatives_are_the_full_forwards_most_likely_tokens() {
+    let model = llama_like();
+    let lengths: Vec<usize> = prompts().iter().map(Vec::len).collect();
+    for tokens_to_generate in [12, 0] {
+        let mut asking = request(
+            prompts(),
+            tokens_to_generate,
+            Sampling::greedy(),
+            StopCondition::Never,
+        );
+        asking.top_logprobs = 3;
+        let out = generate(&model, &asking).unwrap();
+        check_alternatives(&model, &out, 3, &lengths);
+        check_logprobs(&model, &out);
+    }
+}
+
+/// Continuous batching: a request asking for alternatives, its two samples sharing one prefill
+/// cut into chunks, next to a request that asks for none: the first gets the full forward's
+/// alternatives at every position, as the observer saw them token by token; the second gets
+/// none and the tokens it gets alone.
+#[test]
+fn alternatives_follow_their_rows_through_a_shared_batch() {
+    let model = model(&[]);
+    let mut decoder = Decoder::eager();
+    let mut batcher = Batcher::new(BatchLimits {
+        max_batch_size: 8,
+        prefill_chunk: 4,
+        max_queued: 4,
+    });
+    let prompt = vec![5, 17, 42, 9, 120, 3, 8, 8, 61];
+    let mut asking = request(
+        vec![prompt.clone()],
+        10,
+        Sampling::greedy(),
+        StopCondition::Never,
+    );
+    asking.top_logprobs = 4;
+    let mut plain = request(
+        vec![vec![250, 1, 7]],
+        14,
+        Sampling::greedy(),
+        StopCondition::Never,
+    );
+    plain.logprobs = false;
+    let alone = generate(&model, &plain).unwrap();
+    batcher
+        .submit(&model, &mut decoder, 0, plain.rows(1).unwrap())
+        .unwrap();
+    batcher
+        .submit(&model, &mut decoder, 1, asking.sampled_rows(2, 2).unwrap())
+        .unwrap();
+    let mut seen: Vec<Vec<TopTokens>> = vec![Vec::new(); 2];
+    let mut finished = Vec::new();
+    while !batcher.is_idle() {
+        let step = batcher
+            .step(&model, &mut decoder, &mut |new| {
+                if new.request == 1 {
+                    assert_eq!(new.top_logprobs.len(), new.logprobs.len());
+                    seen[new.row].push(new.top_logprobs.last().unwrap().clone());
+                } else {
+                    assert!(new.logprobs.is_empty() && new.top_logprobs.is_empty());
+                }
+                false
+            })
+            .unwrap();
+        finished.extend(step);
+    }
+    finished.sort_by_key(|(id, _)| *id);
+    let [(_, plain_out), (_, asked)] = &finished[..] else {
+        panic!("two requests finish");
+    };
+    assert_eq!(plain_out.tokens, alone.tokens);
+    assert_eq!(plain_out.top_logprobs, None);
+    check_alternatives(&model, asked, 4, &[prompt.len(); 2]);
+    for (row, streamed) in seen.iter().enumerate() {
+        let top = &asked.top_logprobs.as_ref().unwrap()[row];
+        assert_eq!(streamed[..], top[prompt.len() - 1..], "row {row}");
+    }
 }
 
 #[test]
@@ -467,6 +581,20 @@ fn cuda_graph_decoding_equals_eager_decoding() {
             let (a, b) = (replayed.logprobs.unwrap(), eager.logprobs.unwrap());
             for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
                 assert!((x - y).abs() < 1e-3, "{x} vs {y}");
+            }
+            // The alternatives of graphed steps, taken from the graph's logits.
+            let mut asking = request.clone();
+            asking.top_logprobs = 5;
+            let eager = generate_with(&model, &asking, &mut gathered).unwrap();
+            let replayed = generate_with(&model, &asking, &mut graphed).unwrap();
+            let (a, b) = (replayed.top_logprobs.unwrap(), eager.top_logprobs.unwrap());
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+                assert_eq!(x.len(), 5);
+                assert_eq!(x[0].0, y[0].0);
+                for ((_, u), (_, v)) in x.iter().zip(y) {
+                    assert!((u - v).abs() < 1e-3, "{u} vs {v}");
+                }
             }
         }
     }

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde_json::{json, Map, Value};
 
 use super::api::ApiError;
-use super::openai::{CompletionRequest, StreamedLogprobs};
+use super::openai::CompletionRequest;
 
 /// The template of checkpoints without one: each message as `Role: content` and a blank line,
 /// then `Assistant:` for the answer, e.g. `"System: Be brief.\n\nUser: Hi\n\nAssistant:"`.
@@ -373,21 +373,6 @@ pub fn chat_logprobs(completion: &Value) -> Value {
                 .map(|(text, logprob)| Value::Object(chat_token(text, logprob)))
                 .collect();
             entry.insert("top_logprobs".into(), Value::Array(top));
-            Value::Object(entry)
-        })
-        .collect();
-    json!({"content": content})
-}
-
-/// The tokens a streamed chat chunk carries, in the chat format (no alternatives).
-pub fn chat_streamed_logprobs(carried: &StreamedLogprobs) -> Value {
-    let content: Vec<Value> = carried
-        .tokens
-        .iter()
-        .zip(&carried.token_logprobs)
-        .map(|(token, logprob)| {
-            let mut entry = chat_token(token, &json!(logprob));
-            entry.insert("top_logprobs".into(), json!([]));
             Value::Object(entry)
         })
         .collect();

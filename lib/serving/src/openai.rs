@@ -275,20 +275,6 @@ impl CompletionRequest {
         if stream && best_of > n {
             return invalid("best_of > n cannot be streamed: the best are known at the end".into());
         }
-        if stream && logprobs.is_some_and(|n| n > 0) {
-            return invalid(
-                "top log-probabilities (logprobs > 0, or a chat's top_logprobs) cannot be \
-                 streamed: they are computed once the completion is done"
-                    .into(),
-            );
-        }
-        if stream && echo && logprobs.is_some() {
-            return invalid(
-                "an echoed prompt's log-probabilities cannot be streamed; ask without echo \
-                 or without stream"
-                    .into(),
-            );
-        }
         Ok(CompletionRequest {
             prompt_token_ids,
             model: body
@@ -316,26 +302,59 @@ impl CompletionRequest {
     }
 }
 
-/// One choice of a completion as it is built: text so far and why it ended.
+/// One choice of a completion as it is built: text so far, its tokens' log-probabilities when
+/// asked, and why it ended.
 #[derive(Debug, Clone, Default)]
 pub struct Choice {
     pub text: String,
-    pub tokens: Vec<String>,
-    /// Where each token starts in `text`, in characters (see [`text_offsets`]).
-    pub text_offset: Vec<usize>,
-    /// `None` for the first token of an echoed prompt, which has no context (as OpenAI).
-    pub token_logprobs: Vec<Option<f32>>,
-    /// With `logprobs: N > 0`, the N most likely tokens (text → log-probability) at each
-    /// position, `None` where `token_logprobs` is.
-    pub top_logprobs: Option<Vec<Option<Vec<(String, f32)>>>>,
+    pub logprobs: TokenLogprobs,
     pub finish_reason: Option<&'static str>,
 }
 
-/// OpenAI's `text_offset`: where each of `ids` starts in their text, counted in characters
-/// (Python string indices), not bytes. A byte-level token may hold part of a character, so the
-/// offsets come from the decoded prefixes, not from the tokens' own (lossy) texts.
-pub fn text_offsets(ids: &[u32], decode: impl Fn(&[u32]) -> String) -> Vec<usize> {
-    (0..ids.len())
+/// Log-probabilities of a run of a choice's tokens (all of them in an answer, those a streamed
+/// chunk carries), in the legacy completions' format.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenLogprobs {
+    pub tokens: Vec<String>,
+    /// Where each token starts in the prompt and completion together, in characters (see
+    /// [`text_offsets`]).
+    pub text_offset: Vec<usize>,
+    /// `None` for the first token of an echoed prompt, which has no context (as OpenAI).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// With `logprobs: N > 0`, the N most likely tokens (text → log-probability, likeliest
+    /// first) at each position, `None` where `token_logprobs` is.
+    pub top_logprobs: Option<Vec<Option<Vec<(String, f32)>>>>,
+}
+
+impl TokenLogprobs {
+    /// `{"tokens", "token_logprobs", "text_offset", "top_logprobs"}`, each position's
+    /// alternatives an object of texts (the likelier kept where two tokens read the same).
+    pub fn to_json(&self) -> Value {
+        let top = self.top_logprobs.as_ref().map(|positions| {
+            positions
+                .iter()
+                .map(|alternatives| {
+                    alternatives.as_ref().map(|alternatives| {
+                        let mut map = Map::new();
+                        for (text, logprob) in alternatives {
+                            map.entry(text.clone()).or_insert(json!(logprob));
+                        }
+                        Value::Object(map)
+                    })
+                })
+                .collect::<Vec<_>>()
+        });
+        json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+               "text_offset": self.text_offset, "top_logprobs": top})
+    }
+}
+
+/// OpenAI's `text_offset`: where each of `ids[from..]` starts in the text of `ids`, counted in
+/// characters (Python string indices), not bytes. A byte-level token may hold part of a
+/// character, so the offsets come from the decoded prefixes, not from the tokens' own (lossy)
+/// texts.
+pub fn text_offsets(ids: &[u32], from: usize, decode: impl Fn(&[u32]) -> String) -> Vec<usize> {
+    (from..ids.len())
         .map(|i| decode(&ids[..i]).chars().count())
         .collect()
 }
@@ -352,23 +371,7 @@ pub fn completion_body(
         .iter()
         .enumerate()
         .map(|(index, c)| {
-            let logprobs = (!c.tokens.is_empty()).then(|| {
-                let top = c.top_logprobs.as_ref().map(|positions| {
-                    positions
-                        .iter()
-                        .map(|alternatives| {
-                            alternatives.as_ref().map(|alternatives| {
-                                let mut map = Map::new();
-                                for (text, logprob) in alternatives {
-                                    map.entry(text.clone()).or_insert(json!(logprob));
-                                }
-                                Value::Object(map)
-                            })
-                        })
-                        .collect::<Vec<_>>()
-                });
-                json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "text_offset": c.text_offset, "top_logprobs": top})
-            });
+            let logprobs = (!c.logprobs.tokens.is_empty()).then(|| c.logprobs.to_json());
             json!({"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         })
         .collect();
@@ -379,23 +382,6 @@ pub fn completion_body(
     body
 }
 
-/// The tokens a streamed chunk of text carries, when the request asked for log-probabilities:
-/// each token's text, log-probability and offset into prompt and completion (in characters).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StreamedLogprobs {
-    pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub text_offset: Vec<usize>,
-}
-
-impl StreamedLogprobs {
-    /// In a completion's format.
-    pub fn completion_json(&self) -> Value {
-        json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-               "text_offset": self.text_offset, "top_logprobs": null})
-    }
-}
-
 /// A streamed event: new text of one choice, with the tokens it carries when asked.
 pub fn delta_body(
     id: &str,
@@ -403,9 +389,9 @@ pub fn delta_body(
     model: &str,
     index: usize,
     text: &str,
-    logprobs: Option<&StreamedLogprobs>,
+    logprobs: Option<&TokenLogprobs>,
 ) -> Value {
-    let logprobs = logprobs.map_or(Value::Null, StreamedLogprobs::completion_json);
+    let logprobs = logprobs.map_or(Value::Null, TokenLogprobs::to_json);
     json!({"id": id, "object": "text_completion", "created": created, "model": model,
            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": null}]})
 }
@@ -479,11 +465,6 @@ mod tests {
                 "temperature must be a number",
             ),
             (
-                json!({"prompt": "a", "stream": true, "logprobs": 2}),
-                "top log-probabilities (logprobs > 0, or a chat's top_logprobs) cannot be \
-                 streamed: they are computed once the completion is done",
-            ),
-            (
                 json!({"prompt": "a", "presence_penalty": 2.5}),
                 "presence_penalty must be between -2 and 2",
             ),
@@ -503,6 +484,18 @@ mod tests {
                 "{body}"
             );
         }
+    }
+
+    #[test]
+    fn streams_may_carry_alternatives_and_an_echoed_prompts_logprobs() {
+        let r = CompletionRequest::parse(
+            &json!({"prompt": "a", "stream": true, "echo": true, "logprobs": 3, "n": 2}),
+        )
+        .unwrap();
+        assert_eq!(
+            (r.stream, r.echo, r.logprobs, r.top_logprobs, r.n),
+            (true, true, true, 3, 2)
+        );
     }
 
     #[test]
@@ -542,15 +535,17 @@ mod tests {
     fn text_offsets_follow_the_tokens() {
         let choice = Choice {
             text: "ab c".into(),
-            tokens: vec!["hé".into(), "llo".into(), " wö".into(), "rld".into()],
-            text_offset: vec![0, 2, 5, 8],
-            token_logprobs: vec![None, Some(-1.0), Some(-2.0), Some(-0.5)],
-            top_logprobs: Some(vec![
-                None,
-                Some(vec![("llo".into(), -1.0)]),
-                Some(vec![(" x".into(), -0.25)]),
-                Some(vec![("rld".into(), -0.5)]),
-            ]),
+            logprobs: TokenLogprobs {
+                tokens: vec!["hé".into(), "llo".into(), " wö".into(), "rld".into()],
+                text_offset: vec![0, 2, 5, 8],
+                token_logprobs: vec![None, Some(-1.0), Some(-2.0), Some(-0.5)],
+                top_logprobs: Some(vec![
+                    None,
+                    Some(vec![("llo".into(), -1.0)]),
+                    Some(vec![(" x".into(), -0.25)]),
+                    Some(vec![("rld".into(), -0.5)]),
+                ]),
+            },
             finish_reason: Some("length"),
         };
         let body = completion_body("x", 0, "m", &[choice], Some((3, 2)));
@@ -577,6 +572,7 @@ mod tests {
         };
         // 'héllo wörld'.index('llo') == 2, .index('rld') == 8, as Python counts; the token
         // ending inside "ö" counts it as one (replacement) character.
-        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], decode), [0, 2, 5, 8, 8]);
+        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], 0, &decode), [0, 2, 5, 8, 8]);
+        assert_eq!(text_offsets(&[0, 1, 2, 3, 4], 3, &decode), [8, 8]);
     }
 }

@@ -23,11 +23,9 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc as events, oneshot};
 
 use super::api::ApiRequest;
-use super::chat::{
-    chat_body, chat_chunk, chat_logprobs, chat_streamed_logprobs, ChatRequest, ChatTemplate,
-};
+use super::chat::{chat_body, chat_chunk, chat_logprobs, ChatRequest, ChatTemplate};
 use super::metrics::{Gauges, ServerMetrics};
-use super::openai::{delta_body, CompletionRequest};
+use super::openai::{delta_body, CompletionRequest, TokenLogprobs};
 use super::options::ServerOptions;
 use super::service::queue::{Event, Refused, Reply, RequestQueue, Submission};
 use super::service::tensor_parallel::SharedJob;
@@ -390,24 +388,49 @@ fn stream_error(text: String) -> String {
     data(&json!({"error": {"message": text}}))
 }
 
+/// What a choice's deltas have carried: bytes of its text, and tokens with their
+/// log-probabilities.
+#[derive(Debug, Clone, Copy, Default)]
+struct Carried {
+    text: usize,
+    tokens: usize,
+}
+
+impl Carried {
+    fn add(
+        carried: &mut HashMap<usize, Carried>,
+        index: usize,
+        text: &str,
+        logprobs: Option<&TokenLogprobs>,
+    ) {
+        let choice = carried.entry(index).or_default();
+        choice.text += text.len();
+        choice.tokens += logprobs.map_or(0, |l| l.tokens.len());
+    }
+
+    /// The end of a choice's `text` no delta carried: what a held back stop-sequence prefix or
+    /// unfinished character turned into when the row ended, or a streamed echo answered at
+    /// once (`max_tokens: 0`).
+    fn rest(&self, text: &str) -> String {
+        text.get(self.text..).unwrap_or_default().to_string()
+    }
+}
+
 /// `/v1/completions`: a `text_completion` per text delta (with the tokens it carries when
-/// log-probabilities were asked), then the choices with their finish reasons, the tokens not
-/// yet carried and the usage.
+/// log-probabilities were asked), then the choices with their finish reasons, the text and
+/// tokens not yet carried, and the usage.
 struct CompletionStream {
     id: String,
     created: u64,
     model: String,
-    /// Per choice, the tokens the deltas carried.
-    carried: HashMap<usize, usize>,
+    carried: HashMap<usize, Carried>,
 }
 
 impl StreamFormat for CompletionStream {
     fn format(&mut self, event: Event) -> (String, bool) {
         match event {
             Event::Delta(index, text, logprobs) => {
-                if let Some(logprobs) = &logprobs {
-                    *self.carried.entry(index).or_default() += logprobs.tokens.len();
-                }
+                Carried::add(&mut self.carried, index, &text, logprobs.as_ref());
                 let body = delta_body(
                     &self.id,
                     self.created,
@@ -425,12 +448,13 @@ impl StreamFormat for CompletionStream {
                     .flatten()
                     .enumerate()
                 {
-                    choice["text"] = Value::String(String::new());
-                    let carried = self.carried.get(&index).copied().unwrap_or(0);
+                    let carried = self.carried.get(&index).copied().unwrap_or_default();
+                    let rest = carried.rest(choice["text"].as_str().unwrap_or(""));
+                    choice["text"] = Value::String(rest);
                     if let Some(logprobs) = choice["logprobs"].as_object_mut() {
-                        for key in ["tokens", "token_logprobs", "text_offset"] {
+                        for key in ["tokens", "token_logprobs", "text_offset", "top_logprobs"] {
                             if let Some(Value::Array(items)) = logprobs.get_mut(key) {
-                                items.drain(..carried.min(items.len()));
+                                items.drain(..carried.tokens.min(items.len()));
                             }
                         }
                     }
@@ -454,9 +478,9 @@ struct ChatStream {
     created: u64,
     model: String,
     include_usage: bool,
-    /// Per choice, whether its role was sent, and the tokens its deltas carried.
+    /// Per choice, whether its role was sent, and what its deltas carried.
     announced: HashSet<usize>,
-    carried: HashMap<usize, usize>,
+    carried: HashMap<usize, Carried>,
 }
 
 impl ChatStream {
@@ -489,12 +513,10 @@ impl StreamFormat for ChatStream {
     fn format(&mut self, event: Event) -> (String, bool) {
         match event {
             Event::Delta(index, text, logprobs) => {
-                if let Some(logprobs) = &logprobs {
-                    *self.carried.entry(index).or_default() += logprobs.tokens.len();
-                }
+                Carried::add(&mut self.carried, index, &text, logprobs.as_ref());
                 let logprobs = logprobs
                     .as_ref()
-                    .map_or(Value::Null, chat_streamed_logprobs);
+                    .map_or(Value::Null, |l| chat_logprobs(&l.to_json()));
                 (
                     self.chunk(index, json!({"content": text}), logprobs, Value::Null),
                     false,
@@ -505,18 +527,24 @@ impl StreamFormat for ChatStream {
                 for (index, choice) in body["choices"].as_array().into_iter().flatten().enumerate()
                 {
                     let finish = choice["finish_reason"].clone();
-                    let carried = self.carried.get(&index).copied().unwrap_or(0);
+                    let carried = self.carried.get(&index).copied().unwrap_or_default();
                     // The tokens no delta carried (those after a stop sequence, say).
                     let logprobs = match chat_logprobs(&choice["logprobs"]) {
                         Value::Object(mut logprobs) => {
                             if let Some(Value::Array(content)) = logprobs.get_mut("content") {
-                                content.drain(..carried.min(content.len()));
+                                content.drain(..carried.tokens.min(content.len()));
                             }
                             Value::Object(logprobs)
                         }
                         other => other,
                     };
-                    out += &self.chunk(index, json!({}), logprobs, finish);
+                    let rest = carried.rest(choice["text"].as_str().unwrap_or(""));
+                    let delta = if rest.is_empty() {
+                        json!({})
+                    } else {
+                        json!({"content": rest})
+                    };
+                    out += &self.chunk(index, delta, logprobs, finish);
                 }
                 if self.include_usage {
                     out += &data(&json!({"id": self.id, "object": "chat.completion.chunk",

@@ -560,6 +560,7 @@ fn greedy_rows(prompt: usize, new: usize, seed: u64) -> Vec<megatron_inference::
         stop: StopCondition::Never,
         prevent_newline_after_colon: None,
         logprobs: false,
+        top_logprobs: 0,
         pad: 0,
         adjust: LogitAdjust::default(),
     }
@@ -585,8 +586,8 @@ fn run_steps(
         *step += 1;
         let now = *step;
         let finished = batcher
-            .step(model, decoder, &mut |id, _, _, _| {
-                first.entry(id).or_insert(now);
+            .step(model, decoder, &mut |new| {
+                first.entry(new.request).or_insert(now);
                 false
             })
             .unwrap();

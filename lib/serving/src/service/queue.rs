@@ -19,7 +19,7 @@ use tokio::sync::{mpsc as events, oneshot};
 use super::tensor_parallel::SharedJob;
 use super::{CancelFlag, ServiceError};
 use crate::metrics::ServerMetrics;
-use crate::openai::StreamedLogprobs;
+use crate::openai::TokenLogprobs;
 
 /// A request as its caller submits it.
 pub(crate) struct Submission {
@@ -66,7 +66,7 @@ pub(crate) enum Reply {
 /// What a completion's caller receives: text as it is generated (with the tokens it carries,
 /// when a streamed request asked for log-probabilities), then the whole answer.
 pub(crate) enum Event {
-    Delta(usize, String, Option<StreamedLogprobs>),
+    Delta(usize, String, Option<TokenLogprobs>),
     Done(Result<Value, ServiceError>),
 }
 
@@ -193,10 +193,11 @@ impl Caller {
             }
     }
 
-    /// Sends a completion's prompt, echoed before its text.
-    pub fn echo(&self, row: usize, prompt: &str) {
+    /// Sends a completion's prompt, echoed before its text, with its tokens when a streamed
+    /// request asked for log-probabilities.
+    pub fn echo(&self, row: usize, prompt: &str, logprobs: Option<TokenLogprobs>) {
         if let Reply::Completion { events, .. } = &self.reply {
-            let _ = events.send(Event::Delta(row, prompt.to_string(), None));
+            let _ = events.send(Event::Delta(row, prompt.to_string(), logprobs));
         }
     }
 
@@ -206,7 +207,7 @@ impl Caller {
         &mut self,
         row: usize,
         text: &str,
-        logprobs: Option<StreamedLogprobs>,
+        logprobs: Option<TokenLogprobs>,
         metrics: Option<&ServerMetrics>,
     ) {
         let Reply::Completion { events, .. } = &self.reply else {

@@ -264,11 +264,11 @@ impl<'a, M: CausalLm> Scheduler<'a, M> {
             batcher.step(
                 &served.model,
                 decoder,
-                &mut |id, row, token, logprob| match active.get_mut(&id) {
+                &mut |new| match active.get_mut(&new.request) {
                     Some(Active {
                         job: Prepared::Completion(state),
                         caller,
-                    }) => served.observe(state, caller.as_mut(), (row, token, logprob), metrics),
+                    }) => served.observe(state, caller.as_mut(), new, metrics),
                     _ => false,
                 },
             )

@@ -4,13 +4,13 @@
 
 use megatron_data::tokenizer::Tokenizer;
 use megatron_inference::{
-    CausalLm, Generation, GenerationRequest, LogitAdjust, Sampling, StopCondition,
+    CausalLm, Generation, GenerationRequest, LogitAdjust, NewToken, Sampling, StopCondition,
+    TopTokens,
 };
-use tch::{Device, Kind, Tensor};
 
 use super::{Prepared, ServedModel, Start};
 use crate::metrics::ServerMetrics;
-use crate::openai::{completion_body, text_offsets, Choice, CompletionRequest, StreamedLogprobs};
+use crate::openai::{completion_body, text_offsets, Choice, CompletionRequest, TokenLogprobs};
 use crate::service::queue::{Answer, Caller, Usage};
 use crate::service::ServiceError;
 
@@ -90,11 +90,12 @@ impl<M: CausalLm> ServedModel<M> {
             per_sample(&prompts, samples),
             per_sample(&prompt_texts, samples),
         );
-        if request.echo {
-            // A streamed echo starts with the prompt, as the whole answer does.
+        if request.echo && !request.logprobs {
+            // A streamed echo starts with the prompt, as the whole answer does (with
+            // log-probabilities, once its prefill has scored it: see `observe`).
             if let Some(caller) = caller {
                 for (row, prompt) in row_texts.iter().enumerate() {
-                    caller.echo(row, prompt);
+                    caller.echo(row, prompt, None);
                 }
             }
         }
@@ -122,6 +123,7 @@ impl<M: CausalLm> ServedModel<M> {
             prevent_newline_after_colon: None,
             // The best of several samples is the likeliest.
             logprobs: request.logprobs || request.best_of > request.n,
+            top_logprobs: request.top_logprobs,
             pad: self.special.eod,
             adjust: LogitAdjust {
                 presence_penalty: request.presence_penalty as f32,
@@ -150,30 +152,44 @@ impl<M: CausalLm> ServedModel<M> {
         )
     }
 
-    /// A completion's new token (with its log-probability when the request keeps them):
-    /// streams what is certain of its text, and with a streamed request's log-probabilities
-    /// the tokens that text completes; `true` ends the row (the end-of-document token, a stop
-    /// sequence or `max_tokens`).
+    /// A completion's new token (with the row's log-probabilities when the request keeps
+    /// them): streams what is certain of its text, and with a streamed request's
+    /// log-probabilities the tokens that text completes (before a row's first, an echoed
+    /// prompt with its own); `true` ends the row (the end-of-document token, a stop sequence
+    /// or `max_tokens`).
     pub fn observe(
         &self,
         state: &mut CompletionState,
         caller: Option<&mut Caller>,
-        (row, token, logprob): (usize, i64, Option<f32>),
+        new: &NewToken,
         metrics: Option<&ServerMetrics>,
     ) -> bool {
         let tokenizer = self.tokenizer.as_ref();
         let request = &state.request;
+        let row = new.row;
         let stream = &mut state.streams[row];
-        if token == self.special.eod {
+        let carries = request.stream && request.logprobs;
+        if carries && request.echo && !stream.echoed {
+            stream.echoed = true;
+            if let Some(caller) = caller.as_deref() {
+                let prompt = &state.prompts[row];
+                let scores = (0..prompt.len())
+                    .map(|i| (i > 0).then(|| (new.logprobs[i - 1], new.top_logprobs.get(i - 1))));
+                let echoed = token_logprobs(tokenizer, prompt, 0, scores, request.top_logprobs > 0);
+                caller.echo(row, &state.prompt_texts[row], Some(echoed));
+            }
+        }
+        if new.token == self.special.eod {
             stream.finish = Some("stop");
             return true;
         }
-        stream.tokens.push(token);
-        stream.logprobs.extend(logprob);
+        stream.tokens.push(new.token);
+        stream.logprobs.extend(new.logprobs.last());
+        stream.top.extend(new.top_logprobs.last().cloned());
         let (text, ended) = stream.advance(tokenizer, &request.stop, request.max_tokens);
         if let (Some(text), Some(caller)) = (text, caller) {
-            let carried = (request.stream && request.logprobs)
-                .then(|| stream.release(tokenizer, &state.prompts[row]));
+            let carried = carries
+                .then(|| stream.release(tokenizer, &state.prompts[row], request.top_logprobs > 0));
             caller.stream(row, &text, carried, metrics);
         }
         ended
@@ -186,7 +202,6 @@ impl<M: CausalLm> ServedModel<M> {
         mut state: CompletionState,
         out: Generation,
     ) -> Result<Answer, ServiceError> {
-        let failed = |e: anyhow::Error| ServiceError::Failed(format!("{e:#}"));
         let request = &state.request;
         let prompts = &state.prompts;
         let prompt_texts = &state.prompt_texts;
@@ -218,54 +233,23 @@ impl<M: CausalLm> ServedModel<M> {
             }));
             if let (true, Some(logprobs)) = (request.logprobs, &out.logprobs) {
                 // With echo the prompt's tokens come first, the very first without a
-                // log-probability (nothing precedes it), as OpenAI answers.
+                // log-probability (nothing precedes it), as OpenAI answers; offsets count
+                // into the prompt and completion together, as Megatron's (and OpenAI's)
+                // answer, so without echo the first generated token starts at the prompt's
+                // length.
                 let first = if request.echo { 0 } else { prompts[row].len() };
                 let end = prompts[row].len() + stream.tokens.len();
-                let shown = &out.tokens[row][first..end];
-                choice.tokens = shown
-                    .iter()
-                    .map(|&t| self.tokenizer.detokenize(&[t as u32]).unwrap_or_default())
-                    .collect();
-                // Offsets into the prompt and completion together, as Megatron's (and
-                // OpenAI's) answer: without echo the first generated token starts at the
-                // prompt's length.
-                let ids: Vec<u32> = out.tokens[row][..end].iter().map(|&t| t as u32).collect();
-                choice.text_offset = text_offsets(&ids, |prefix| {
-                    self.tokenizer.detokenize(prefix).unwrap_or_default()
-                })[first..]
-                    .to_vec();
-                choice.token_logprobs = (first..end)
-                    .map(|i| (i > 0).then(|| logprobs[row][i - 1]))
-                    .collect();
-                if request.top_logprobs > 0 {
-                    let (chosen, alternatives) = self
-                        .top_alternatives(&out.tokens[row][..end], request.top_logprobs)
-                        .map_err(failed)?;
-                    // Both from one forward, so a greedy token's value equals the top one
-                    // exactly (lm-eval compares them with `==`).
-                    choice.token_logprobs = (first..end)
-                        .map(|i| (i > 0).then(|| chosen[i - 1]))
-                        .collect();
-                    choice.top_logprobs = Some(
-                        (first..end)
-                            .map(|i| {
-                                (i > 0).then(|| {
-                                    alternatives[i - 1]
-                                        .iter()
-                                        .map(|&(t, l)| {
-                                            (
-                                                self.tokenizer
-                                                    .detokenize(&[t as u32])
-                                                    .unwrap_or_default(),
-                                                l,
-                                            )
-                                        })
-                                        .collect()
-                                })
-                            })
-                            .collect(),
-                    );
-                }
+                let top = out.top_logprobs.as_ref().map(|top| &top[row]);
+                let scores = (first..end).map(|i| {
+                    (i > 0).then(|| (logprobs[row][i - 1], top.and_then(|top| top.get(i - 1))))
+                });
+                choice.logprobs = token_logprobs(
+                    self.tokenizer.as_ref(),
+                    &out.tokens[row][..end],
+                    first,
+                    scores,
+                    request.top_logprobs > 0,
+                );
             }
             choices.push(choice);
         }
@@ -287,46 +271,6 @@ impl<M: CausalLm> ServedModel<M> {
             },
         })
     }
-
-    /// For every position after the first of `tokens`, its log-probability and the `n` most
-    /// likely tokens there with theirs, over the true vocabulary (one forward over the
-    /// sequence; every tensor-parallel rank runs it).
-    #[allow(clippy::type_complexity)]
-    fn top_alternatives(
-        &self,
-        tokens: &[i64],
-        n: usize,
-    ) -> anyhow::Result<(Vec<f32>, Vec<Vec<(i64, f32)>>)> {
-        let device = self.model.device();
-        let length = tokens.len() as i64;
-        let input = Tensor::from_slice(tokens)
-            .view([1, length])
-            .to_device(device);
-        let positions = Tensor::arange(length, (Kind::Int64, device)).unsqueeze(0);
-        let logits = tch::no_grad(|| self.model.causal_logits(&input, &positions))?;
-        let log_probs = logits
-            .select(1, 0)
-            .narrow(1, 0, self.model.vocab_size())
-            .log_softmax(-1, Kind::Float);
-        let targets = input.select(0, 0).narrow(0, 1, length - 1).unsqueeze(1);
-        let chosen = log_probs
-            .narrow(0, 0, length - 1)
-            .gather(1, &targets, false)
-            .squeeze_dim(1)
-            .to_device(Device::Cpu);
-        let chosen: Vec<f32> = Vec::try_from(chosen)?;
-        let (values, indices) = log_probs.topk(n as i64, -1, true, true);
-        let values = values.narrow(0, 0, length - 1).to_device(Device::Cpu);
-        let indices = indices.narrow(0, 0, length - 1).to_device(Device::Cpu);
-        let values: Vec<Vec<f32>> = Vec::try_from(values)?;
-        let indices: Vec<Vec<i64>> = Vec::try_from(indices)?;
-        let alternatives = indices
-            .into_iter()
-            .zip(values)
-            .map(|(ids, logprobs)| ids.into_iter().zip(logprobs).collect())
-            .collect();
-        Ok((chosen, alternatives))
-    }
 }
 
 /// A choice of a completion being streamed: its tokens, the text already sent, and why it
@@ -336,6 +280,10 @@ struct ChoiceStream {
     tokens: Vec<i64>,
     /// The tokens' log-probabilities, when the request keeps them.
     logprobs: Vec<f32>,
+    /// The most likely tokens at each, when the request asks for them.
+    top: Vec<TopTokens>,
+    /// The echoed prompt (with its log-probabilities) has been sent.
+    echoed: bool,
     /// Tokens whose log-probabilities have been streamed.
     released: usize,
     sent: usize,
@@ -451,34 +399,39 @@ impl ChoiceStream {
     }
 
     /// The tokens not yet streamed whose text has now been sent whole, with their
-    /// log-probabilities and their offsets into the prompt and completion together (as the
-    /// whole answer counts them, in characters).
-    fn release(&mut self, tokenizer: &dyn Tokenizer, prompt: &[i64]) -> StreamedLogprobs {
-        let mut carried = StreamedLogprobs::default();
+    /// log-probabilities (and alternatives, `with_top`) and their offsets into the prompt and
+    /// completion together (as the whole answer counts them, in characters).
+    fn release(
+        &mut self,
+        tokenizer: &dyn Tokenizer,
+        prompt: &[i64],
+        with_top: bool,
+    ) -> TokenLogprobs {
         // The most tokens whose text is whole (no character left unfinished) and sent; a
         // token holding part of a character goes with the chunk that completes it.
         let Some(whole) = (self.released + 1..=self.tokens.len()).rev().find(|&k| {
             let through = detokenize(tokenizer, &self.tokens[..k]);
             through.len() <= self.sent && !through.ends_with('\u{FFFD}')
         }) else {
-            return carried;
+            return TokenLogprobs {
+                top_logprobs: with_top.then(Vec::new),
+                ..Default::default()
+            };
         };
-        while self.released < whole {
-            let before: Vec<i64> = prompt
-                .iter()
-                .chain(&self.tokens[..self.released])
-                .copied()
-                .collect();
-            carried
-                .text_offset
-                .push(detokenize(tokenizer, &before).chars().count());
-            carried.tokens.push(detokenize(
-                tokenizer,
-                &self.tokens[self.released..=self.released],
-            ));
-            carried.token_logprobs.push(self.logprobs[self.released]);
-            self.released += 1;
-        }
+        let sequence: Vec<i64> = prompt
+            .iter()
+            .chain(&self.tokens[..whole])
+            .copied()
+            .collect();
+        let scores = (self.released..whole).map(|k| Some((self.logprobs[k], self.top.get(k))));
+        let carried = token_logprobs(
+            tokenizer,
+            &sequence,
+            prompt.len() + self.released,
+            scores,
+            with_top,
+        );
+        self.released = whole;
         carried
     }
 
@@ -487,6 +440,42 @@ impl ChoiceStream {
         let (end, _) = Self::cut(&text, stop);
         text[..end].to_string()
     }
+}
+
+/// `sequence[from..]` (ids of prompt and completion) in the legacy completions' format, given
+/// each of those tokens' log-probability and most likely tokens (`None` for a sequence's first
+/// token, which has no context); with `with_top`, the alternatives as texts.
+fn token_logprobs<'a>(
+    tokenizer: &dyn Tokenizer,
+    sequence: &[i64],
+    from: usize,
+    scores: impl Iterator<Item = Option<(f32, Option<&'a TopTokens>)>>,
+    with_top: bool,
+) -> TokenLogprobs {
+    let ids: Vec<u32> = sequence.iter().map(|&t| t as u32).collect();
+    let text = |ids: &[u32]| tokenizer.detokenize(ids).unwrap_or_default();
+    let mut run = TokenLogprobs {
+        text_offset: text_offsets(&ids, from, text),
+        top_logprobs: with_top.then(Vec::new),
+        ..Default::default()
+    };
+    for (i, score) in (from..ids.len()).zip(scores) {
+        run.tokens.push(text(&ids[i..=i]));
+        run.token_logprobs.push(score.map(|(logprob, _)| logprob));
+        if let Some(top) = &mut run.top_logprobs {
+            top.push(
+                score
+                    .and_then(|(_, alternatives)| alternatives)
+                    .map(|alternatives| {
+                        alternatives
+                            .iter()
+                            .map(|&(id, logprob)| (text(&[id as u32]), logprob))
+                            .collect()
+                    }),
+            );
+        }
+    }
+    run
 }
 
 fn detokenize(tokenizer: &dyn Tokenizer, tokens: &[i64]) -> String {
@@ -548,32 +537,51 @@ mod tests {
         let prompt: Vec<i64> = "ab ".bytes().map(i64::from).collect();
         let ids: Vec<i64> = "héllo “wörld”".bytes().map(i64::from).collect();
         let mut stream = ChoiceStream::default();
-        let mut carried = StreamedLogprobs::default();
+        let mut carried = TokenLogprobs::default();
         for (n, &id) in ids.iter().enumerate() {
             stream.tokens.push(id);
             stream.logprobs.push(-(n as f32));
+            stream
+                .top
+                .push(vec![(i64::from(b'x'), -0.5), (id, -(n as f32))]);
             let before = stream.released;
             let (sent, _) = stream.advance(&Bytes, &[], usize::MAX);
             let Some(text) = sent else {
                 continue;
             };
-            let chunk = stream.release(&Bytes, &prompt);
+            let chunk = stream.release(&Bytes, &prompt, true);
             // A chunk carries exactly the tokens whose bytes are its text.
             let bytes: Vec<u8> = ids[before..stream.released]
                 .iter()
                 .map(|&b| b as u8)
                 .collect();
             assert_eq!(String::from_utf8(bytes).unwrap(), text);
+            let top = chunk.top_logprobs.unwrap();
+            assert_eq!(top.len(), chunk.tokens.len());
             carried.tokens.extend(chunk.tokens);
             carried.token_logprobs.extend(chunk.token_logprobs);
             carried.text_offset.extend(chunk.text_offset);
+            carried
+                .top_logprobs
+                .get_or_insert_with(Vec::new)
+                .extend(top);
         }
         assert_eq!(stream.released, ids.len());
-        let all: Vec<f32> = (0..ids.len()).map(|n| -(n as f32)).collect();
+        let all: Vec<Option<f32>> = (0..ids.len()).map(|n| Some(-(n as f32))).collect();
         assert_eq!(carried.token_logprobs, all);
+        // Each token's alternatives, as texts, stay with it.
+        for (n, alternatives) in carried.top_logprobs.unwrap().into_iter().enumerate() {
+            let own = Bytes.detokenize(&[ids[n] as u32]).unwrap();
+            assert_eq!(
+                alternatives,
+                Some(vec![("x".into(), -0.5), (own, -(n as f32))])
+            );
+        }
         // The offsets the whole answer gives its tokens.
         let sequence: Vec<u32> = prompt.iter().chain(&ids).map(|&t| t as u32).collect();
-        let offsets = text_offsets(&sequence, |prefix| Bytes.detokenize(prefix).unwrap());
-        assert_eq!(carried.text_offset, offsets[prompt.len()..]);
+        let offsets = text_offsets(&sequence, prompt.len(), |prefix| {
+            Bytes.detokenize(prefix).unwrap()
+        });
+        assert_eq!(carried.text_offset, offsets);
     }
 }

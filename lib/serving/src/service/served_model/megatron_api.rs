@@ -84,6 +84,7 @@ impl<M: CausalLm> ServedModel<M> {
             stop: self.stop_condition(request)?,
             prevent_newline_after_colon: colon_newline,
             logprobs: request.logprobs,
+            top_logprobs: 0,
             pad: self.special.eod,
             adjust: LogitAdjust::default(),
         };
