@@ -3,6 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use megatron_convert::{import_megatron_for_resume, OptimizerShards, TargetLayout};
+use megatron_parallel::Placement;
 use megatron_training::GptPretrainArgs;
 use megatron_training::{pretrain_gpt, run_job};
 
@@ -11,7 +13,8 @@ use megatron_training::{pretrain_gpt, run_job};
 /// SLURM_*), or CPUs.
 ///
 /// Flags keep Megatron's names and defaults, and as with Megatron's argparse a flag given twice
-/// takes its last value; checkpoints use Megatron's directory layout with safetensors shards.
+/// takes its last value; checkpoints use Megatron's directory layout with safetensors shards,
+/// and --load also resumes Megatron's own torch and torch_dist checkpoints (imported on the fly).
 /// SIGTERM or Ctrl-C saves (with --save) and exits after the current iteration.
 #[derive(Parser)]
 #[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
@@ -25,11 +28,44 @@ fn main() -> ExitCode {
     megatron_cli::run(|| {
         let common = &cli.args;
         let summary = run_job(&common.parallel, &common.training, |runtime| {
-            pretrain_gpt(&cli.args, runtime)
+            let mut args = cli.args.clone();
+            // Kept until the run ends: the run reads the imported checkpoint from it.
+            let _imported = import_megatron_load(&mut args, runtime)?;
+            pretrain_gpt(&args, runtime)
         })?;
         if let Some(summary) = summary {
             println!("{}", summary.line("pretrain_gpt", false, "validation loss"));
         }
         Ok(())
     })
+}
+
+/// Points --load at our import of a Megatron torch or torch_dist checkpoint, laid out for this
+/// run (its model-parallel layout, its distributed optimizer's shards), where --load names one.
+fn import_megatron_load(
+    args: &mut GptPretrainArgs,
+    runtime: &Placement,
+) -> anyhow::Result<Option<tempfile::TempDir>> {
+    let Some(load) = args.checkpoint.load.clone() else {
+        return Ok(None);
+    };
+    let layout = TargetLayout {
+        tensor: args.parallel.tensor_model_parallel_size,
+        pipeline: args.parallel.pipeline_model_parallel_size,
+        virtual_stages: args.parallel.virtual_stages(args.model.num_layers)?,
+    };
+    let optimizer = !args.checkpoint.no_load_optim && !args.checkpoint.finetune;
+    let data_parallel = runtime.parallel.data_parallel_size();
+    let shards = args
+        .parallel
+        .use_distributed_optimizer
+        .then(|| OptimizerShards {
+            data_parallel,
+            bucket_size: args.parallel.bucket_size(data_parallel),
+        });
+    let imported = import_megatron_for_resume(&load, layout, optimizer, shards)?;
+    if let Some(dir) = &imported {
+        args.checkpoint.load = Some(dir.path().to_path_buf());
+    }
+    Ok(imported)
 }

@@ -1,9 +1,11 @@
 //! Checkpoint formats without libtorch: a restricted PyTorch unpickler that never runs code
 //! ([`pickle`]), `torch.save` archives read in place ([`torch_file`]) and written
 //! ([`torch_writer`]), Megatron's `torch_dist` checkpoints ([`torch_dist`]), and a summary of
-//! any supported checkpoint directory ([`inspect`]).
+//! any supported checkpoint directory ([`inspect`]); where the distributed optimizer keeps
+//! each parameter's state ([`distrib_optim`]).
 
 pub mod direct_file;
+pub mod distrib_optim;
 pub mod dtype;
 pub mod inspect;
 pub mod layout;

@@ -12,8 +12,7 @@ use serde_json::{json, Value as Json};
 use tch::{Kind, Tensor};
 
 use super::hf_tokenizer::{write_tokenizer, TokenizerExport};
-use super::lazy::{return_freed_memory, safetensors_tensors, InputFile, LazyTensor};
-use super::megatron_torch::tensor_of;
+use super::lazy::{return_freed_memory, safetensors_tensors, tensor_of, InputFile, LazyTensor};
 use super::progress::report_written;
 use super::sizes::{check_layers, layers_found};
 use super::state::{ModelState, RunState, Tensors};

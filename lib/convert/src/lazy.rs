@@ -13,11 +13,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
-use megatron_checkpoint::DType;
+use megatron_checkpoint::{DType, TensorRef, TorchFile};
 use tch::{Device, Kind, Tensor};
 
 use super::progress::report_written;
-use super::tensors::{fit_vocab_rows, kind_of};
+use super::tensors::{fit_vocab_rows, kind_of, tensor_from_bytes};
 use megatron_store::{cpu_bytes, join_shards, take_shard, TensorSplit};
 
 /// Bytes of tensor data a streamed read ([`LazyTensor::for_each_chunk`]) reads, converts and
@@ -721,6 +721,23 @@ pub fn safetensors_tensors(path: &Path) -> Result<BTreeMap<String, LazyTensor>> 
         out.insert(name, tensor);
     }
     Ok(out)
+}
+
+/// A tensor of a rank file, read from `input` (the same file) when a saver asks; strided views
+/// are gathered now.
+pub(crate) fn tensor_of(
+    file: &TorchFile,
+    input: &Arc<InputFile>,
+    tensor: &TensorRef,
+) -> Result<LazyTensor> {
+    let shape: Vec<i64> = tensor.shape.iter().map(|&d| d as i64).collect();
+    match file.tensor_offset(tensor)? {
+        Some(offset) => LazyTensor::in_file(input, offset, tensor.storage.dtype, shape),
+        None => {
+            let bytes = file.tensor_bytes(tensor)?;
+            Ok(tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into())
+        }
+    }
 }
 
 #[cfg(test)]

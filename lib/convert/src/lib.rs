@@ -5,6 +5,8 @@
 //! conversion between them holds about one tensor at a time. File formats are read by the
 //! libtorch-free `megatron-checkpoint` crate; the tensor reshaping uses CPU tensors.
 
+mod dist_tensors;
+mod distrib_optim;
 pub mod hf;
 pub mod hf_tokenizer;
 pub mod lazy;
@@ -12,12 +14,15 @@ pub mod load;
 pub mod megatron_args;
 pub mod megatron_save;
 pub mod megatron_torch;
+pub mod megatron_torch_dist;
 pub mod ours;
 pub mod progress;
+pub mod resume;
 pub mod sizes;
 pub mod state;
 pub mod t5;
 pub mod tensors;
+mod torch_dist_optimizer;
 pub mod verify;
 
 pub use hf::{load_hf, save_hf};
@@ -26,8 +31,12 @@ pub use lazy::{use_one_torch_thread, LazyTensor};
 pub use load::load_checkpoint;
 pub use megatron_args::vocab_file_size;
 pub use megatron_save::save_megatron_torch;
-pub use megatron_torch::{load_megatron_torch, load_torch_dist, LoadOptions};
-pub use ours::{load_megatron_rs, save_megatron_rs, TargetLayout};
+pub use megatron_torch::{load_megatron_torch, LoadOptions};
+pub use megatron_torch_dist::load_torch_dist;
+pub use ours::{
+    load_megatron_rs, save_megatron_rs, save_megatron_rs_sharded, OptimizerShards, TargetLayout,
+};
 pub use progress::{reporting_progress, ConversionProgress};
+pub use resume::import_megatron_for_resume;
 pub use state::{in_memory, ModelState, OptimizerState, RunState, Tensors};
 pub use t5::{reshape_t5, t5_max_logit_difference, T5Reshape};

@@ -6,7 +6,8 @@ use anyhow::{bail, Context, Result};
 use megatron_checkpoint::layout::{detect, Format};
 
 use super::hf::load_hf;
-use super::megatron_torch::{load_megatron_torch, load_torch_dist, LoadOptions};
+use super::megatron_torch::{load_megatron_torch, LoadOptions};
+use super::megatron_torch_dist::load_torch_dist;
 use super::ours::load_megatron_rs;
 use super::state::ModelState;
 use megatron_store::find_checkpoint;

@@ -7,14 +7,14 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::layout::{rank_directories, rank_file};
-use megatron_checkpoint::{DistCheckpoint, TensorRef, TorchFile, Value};
+use megatron_checkpoint::{TensorRef, TorchFile, Value};
 use tch::Kind;
 
-use super::lazy::{InputFile, LazyTensor};
+use super::distrib_optim::{dp_zero_state, param_groups_step, Bucketing, ChunkParams};
+use super::lazy::{tensor_of, InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype};
-use super::sizes::{check_layers, layers_found, megatron_vocabulary};
-use super::state::{ModelState, OptimizerState, RunState};
-use super::tensors::tensor_from_bytes;
+use super::sizes::{check_layers, megatron_vocabulary};
+use super::state::{ModelState, OptimizerState, RankOptimizer, RunState};
 use megatron_models::gpt::megatron_names::{core_name, layer_of};
 use megatron_models::TransformerConfig;
 use megatron_optim::excluded_from_weight_decay;
@@ -30,23 +30,6 @@ pub struct LoadOptions {
     /// `--make-vocab-size-divisible-by`: imports pad the vocabulary to a multiple of this (× TP)
     /// [default: Megatron checkpoints' own, 128 for HuggingFace's].
     pub make_vocab_size_divisible_by: Option<i64>,
-}
-
-/// A tensor of a rank file, read from `input` (the same file) when a saver asks; strided views
-/// are gathered now.
-pub(crate) fn tensor_of(
-    file: &TorchFile,
-    input: &Arc<InputFile>,
-    tensor: &TensorRef,
-) -> Result<LazyTensor> {
-    let shape: Vec<i64> = tensor.shape.iter().map(|&d| d as i64).collect();
-    match file.tensor_offset(tensor)? {
-        Some(offset) => LazyTensor::in_file(input, offset, tensor.storage.dtype, shape),
-        None => {
-            let bytes = file.tensor_bytes(tensor)?;
-            Ok(tensor_from_bytes(tensor.storage.dtype, &tensor.shape, &bytes)?.into())
-        }
-    }
 }
 
 /// Model tensors of one model chunk entry, flattened to dotted names in file order.
@@ -97,7 +80,7 @@ fn model_chunks(root: &Value, path: &Path) -> Result<Vec<Vec<(String, TensorRef)
         .collect())
 }
 
-fn run_state(root: &Value) -> RunState {
+pub(super) fn run_state(root: &Value) -> RunState {
     let args = root.get("args").cloned().unwrap_or(Value::None);
     let get = |key: &str| args.get(key).and_then(Value::as_i64).unwrap_or(0).max(0) as u64;
     RunState {
@@ -125,7 +108,7 @@ fn run_state(root: &Value) -> RunState {
     }
 }
 
-fn check_version(root: &Value, path: &Path) -> Result<()> {
+pub(super) fn check_version(root: &Value, path: &Path) -> Result<()> {
     let version = root
         .get("checkpoint_version")
         .and_then(Value::as_f64)
@@ -157,13 +140,39 @@ pub(super) fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
     groups
 }
 
-/// Adam state of one rank file, by the rank's (global) parameter names.
-#[derive(Default)]
-struct RankOptimizer {
-    step: f64,
-    main: HashMap<String, LazyTensor>,
-    exp_avg: HashMap<String, LazyTensor>,
-    exp_avg_sq: HashMap<String, LazyTensor>,
+/// The distributed optimizer's state of a rank (`distrib_optim.pt` beside its rank file), or
+/// `None` where the rank has no such file.
+fn rank_distributed_optimizer(
+    file: &TorchFile,
+    chunks: &ChunkParams,
+    pipeline_rank: usize,
+) -> Result<Option<RankOptimizer>> {
+    let path = file.path().with_file_name("distrib_optim.pt");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let args = file.root.get("args").cloned().unwrap_or(Value::None);
+    let step = file
+        .root
+        .get("optimizer")
+        .and_then(param_groups_step)
+        .with_context(|| {
+            format!(
+                "{}: the distributed optimizer's parameter groups carry no step",
+                file.path().display()
+            )
+        })?;
+    let state_file = TorchFile::open(&path)?;
+    let input = InputFile::open(&path)?;
+    dp_zero_state(
+        &state_file,
+        &input,
+        &state_file.root,
+        chunks,
+        Bucketing::from_args(&args, pipeline_rank),
+        step,
+    )
+    .map(Some)
 }
 
 fn rank_optimizer(
@@ -184,7 +193,7 @@ fn rank_optimizer(
         inner.get("state"),
         inner.get("param_groups").and_then(Value::items),
     ) else {
-        bail!("{}: optimizer state without state/param_groups (distributed optimizer? its distrib_optim.pt is not read; convert without the optimizer)", path.display());
+        bail!("{}: optimizer state without state/param_groups (a distributed optimizer's, whose distrib_optim.pt is missing beside it?)", path.display());
     };
     let ours = param_groups(params);
     ensure!(
@@ -323,17 +332,18 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     let tied = !config.untie_embeddings_and_output_weights;
     // Global names and shards, in the order of tensor-parallel rank.
     let mut shards: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
-    let mut rank_params: BTreeMap<(usize, usize), Vec<(String, Vec<usize>)>> = BTreeMap::new();
+    let mut rank_params: BTreeMap<(usize, usize), Vec<Vec<(String, Vec<usize>)>>> = BTreeMap::new();
     for ((t, p), chunk_list) in &per_rank {
         let file = &files[&(*t, *p)];
         let mut params = Vec::new();
         for (c, tensors) in chunk_list.iter().enumerate() {
+            let mut chunk_params = Vec::new();
             for (name, tensor) in tensors {
                 let global = match layer_of(name) {
                     Some((i, leaf)) => format!("decoder.layers.{}.{leaf}", i + offsets[&(c, *p)]),
                     None => name.clone(),
                 };
-                params.push((global.clone(), tensor.shape.clone()));
+                chunk_params.push((global.clone(), tensor.shape.clone()));
                 let is_head_copy = tied && global == "output_layer.weight";
                 if is_head_copy {
                     continue;
@@ -342,6 +352,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                     .with_context(|| format!("{}: tensor {name}", file.path().display()))?;
                 shards.entry(global).or_default().push(value);
             }
+            params.push(chunk_params);
         }
         rank_params.insert((*t, *p), params);
     }
@@ -371,27 +382,35 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         let mut complete = true;
         for (key, params) in &rank_params {
             let file = &files[key];
-            // Pure float32 runs keep no separate main parameters: they are the model's own.
-            let mut weights_for_fp32 = HashMap::new();
-            if file
-                .root
-                .get("optimizer")
-                .and_then(|o| o.get("fp32_from_fp16_params"))
-                .is_none()
-            {
-                for (c, chunk) in per_rank[key].iter().enumerate() {
-                    for (name, tensor) in chunk {
-                        let global = match layer_of(name) {
-                            Some((i, leaf)) => {
-                                format!("decoder.layers.{}.{leaf}", i + offsets[&(c, key.1)])
+            let state = match rank_distributed_optimizer(file, params, key.1)? {
+                Some(state) => Some(state),
+                None => {
+                    // Pure float32 runs keep no separate main parameters: they are the model's own.
+                    let mut weights_for_fp32 = HashMap::new();
+                    if file
+                        .root
+                        .get("optimizer")
+                        .and_then(|o| o.get("fp32_from_fp16_params"))
+                        .is_none()
+                    {
+                        for (c, chunk) in per_rank[key].iter().enumerate() {
+                            for (name, tensor) in chunk {
+                                let global = match layer_of(name) {
+                                    Some((i, leaf)) => format!(
+                                        "decoder.layers.{}.{leaf}",
+                                        i + offsets[&(c, key.1)]
+                                    ),
+                                    None => name.clone(),
+                                };
+                                weights_for_fp32
+                                    .insert(global, tensor_of(file, &inputs[key], tensor)?);
                             }
-                            None => name.clone(),
-                        };
-                        weights_for_fp32.insert(global, tensor_of(file, &inputs[key], tensor)?);
+                        }
                     }
+                    rank_optimizer(file, &inputs[key], &params.concat(), &weights_for_fp32)?
                 }
-            }
-            match rank_optimizer(file, &inputs[key], params, &weights_for_fp32)? {
+            };
+            match state {
                 None => {
                     complete = false;
                     break;
@@ -451,81 +470,9 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     })
 }
 
-/// A `torch_dist` global tensor's saved chunks as lazy tensors, with their offsets, each read
-/// from its `.distcp` file when a saver asks.
-fn dist_chunks(
-    checkpoint: &DistCheckpoint,
-    name: &str,
-    inputs: &mut HashMap<String, Arc<InputFile>>,
-) -> Result<Vec<(Vec<usize>, LazyTensor)>> {
-    let tensor = &checkpoint.tensors[name];
-    tensor
-        .chunks
-        .iter()
-        .map(|chunk| {
-            let input = match inputs.get(&chunk.file) {
-                Some(input) => input.clone(),
-                None => {
-                    let input = InputFile::open(&checkpoint.data_path(&chunk.file))?;
-                    inputs.insert(chunk.file.clone(), input.clone());
-                    input
-                }
-            };
-            let (archive, stored) = checkpoint.chunk_archive(name, chunk)?;
-            let mut offsets = chunk.offsets.clone();
-            offsets.resize(tensor.shape.len(), 0);
-            Ok((offsets, tensor_of(&archive, &input, &stored)?))
-        })
-        .collect()
-}
-
-/// The tensor of `shape` that `chunks` (each at its offsets) tile, read lazily where they are
-/// slabs of whole rows or (2-D) equal column blocks; `None` for other tilings.
-fn tiled(shape: &[usize], mut chunks: Vec<(Vec<usize>, LazyTensor)>) -> Result<Option<LazyTensor>> {
-    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    chunks.sort_by(|a, b| a.0.cmp(&b.0));
-    if let [(_, only)] = chunks.as_slice() {
-        return Ok((only.shape() == shape.as_slice()).then(|| only.clone()));
-    }
-    let whole_from = |dim: usize| {
-        chunks.iter().all(|(_, c)| {
-            c.shape().len() == shape.len()
-                && (0..shape.len()).all(|d| d == dim || c.shape()[d] == shape[d])
-        })
-    };
-    if !shape.is_empty() && whole_from(0) {
-        let mut at = 0;
-        for (offsets, c) in &chunks {
-            if offsets[0] as i64 != at {
-                return Ok(None);
-            }
-            at += c.shape()[0];
-        }
-        if at != shape[0] {
-            return Ok(None);
-        }
-        let pieces = chunks
-            .iter()
-            .map(|(_, c)| c.flat_slice(0, c.numel(), vec![c.numel()]))
-            .collect::<Result<Vec<_>>>()?;
-        return LazyTensor::concat(pieces, shape).map(Some);
-    }
-    if shape.len() == 2 && whole_from(1) {
-        let width = chunks[0].1.shape()[1];
-        let tiles = chunks.iter().enumerate().all(|(i, (offsets, c))| {
-            c.shape()[1] == width && offsets[1] as i64 == i as i64 * width
-        });
-        if tiles && width * chunks.len() as i64 == shape[1] {
-            let blocks = chunks.into_iter().map(|(_, c)| c).collect();
-            return LazyTensor::joined(blocks, megatron_store::TensorSplit::Columns).map(Some);
-        }
-    }
-    Ok(None)
-}
-
 /// The architecture a Megatron checkpoint's `args` describe, its vocabulary checked against
 /// `rows`, the rows of its word embeddings (`embedding`), and the padding flags in `options`.
-fn checkpoint_config(
+pub(super) fn checkpoint_config(
     origin: &str,
     args: &Value,
     embedding: &str,
@@ -544,167 +491,4 @@ fn checkpoint_config(
         make_vocab_size_divisible_by: multiple,
         ..gpt_config(args, vocab).with_context(|| origin.to_string())?
     })
-}
-
-/// Loads a `torch_dist` iteration directory (weights only: the optimizer state of this format
-/// is not read). Tensors are read lazily from the `.distcp` files where their chunks tile them
-/// by rows or column blocks (how Megatron's tensor and pipeline parallel ranks save them).
-pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
-    let checkpoint = DistCheckpoint::open(directory)?;
-    let root = &checkpoint.common.root;
-    check_version(root, checkpoint.common.path())?;
-    let args = root.get("args").context("common.pt has no args")?;
-    let origin = checkpoint.common.path().display().to_string();
-    let embedding = "embedding.word_embeddings.weight";
-    let rows = checkpoint
-        .tensors
-        .get(embedding)
-        .and_then(|t| t.shape.first())
-        .map(|&rows| rows as i64)
-        .with_context(|| format!("{}: no {embedding}", directory.display()))?;
-    let config = checkpoint_config(&origin, args, embedding, rows, options)?;
-    let stacked = checkpoint
-        .tensors
-        .iter()
-        .filter(|(name, _)| {
-            name.starts_with("decoder.layers.")
-                && layers_found([name.as_str()], &["decoder.layers."]) == 0
-        })
-        .filter_map(|(_, t)| t.shape.first().copied())
-        .max()
-        .unwrap_or(0);
-    let numbered = layers_found(
-        checkpoint.tensors.keys().map(String::as_str),
-        &["decoder.layers."],
-    );
-    check_layers(
-        &origin,
-        "args num_layers",
-        config.num_layers,
-        stacked.max(numbered),
-    )?;
-    let padded = config.padded_vocab_size(1);
-    let mut inputs = HashMap::new();
-    let mut weights = BTreeMap::new();
-    for (name, tensor) in &checkpoint.tensors {
-        if name.starts_with("optimizer.") || name.contains("_extra_state") {
-            continue;
-        }
-        let context = || format!("{}: tensor {name}", directory.display());
-        let chunks = dist_chunks(&checkpoint, name, &mut inputs).with_context(context)?;
-        // Homogeneous layer stacks are saved with a leading layer axis.
-        if let Some(leaf) = name.strip_prefix("decoder.layers.").filter(|rest| {
-            !rest
-                .split('.')
-                .next()
-                .is_some_and(|i| i.parse::<usize>().is_ok())
-        }) {
-            ensure!(
-                tensor.shape.first() == Some(&config.num_layers),
-                "{}: stacked tensor {name} has shape {:?} for {} layers",
-                directory.display(),
-                tensor.shape,
-                config.num_layers
-            );
-            let layer_shape = &tensor.shape[1..];
-            for layer in 0..config.num_layers {
-                let Some(global) = core_name(&format!("decoder.layers.{layer}.{leaf}")) else {
-                    continue;
-                };
-                let mut pieces = Vec::new();
-                for (offsets, chunk) in &chunks {
-                    let first = offsets[0];
-                    if !(first..first + chunk.shape()[0] as usize).contains(&layer) {
-                        continue;
-                    }
-                    let inner: Vec<i64> = chunk.shape()[1..].to_vec();
-                    let len = inner.iter().product::<i64>();
-                    let piece = chunk.flat_slice((layer - first) as i64 * len, len, inner)?;
-                    pieces.push((offsets[1..].to_vec(), piece));
-                }
-                let value = match tiled(layer_shape, pieces).with_context(context)? {
-                    Some(value) => value,
-                    None => {
-                        let (dtype, shape, bytes) = checkpoint.read_rows(name, layer..layer + 1)?;
-                        tensor_from_bytes(dtype, &shape[1..], &bytes)?.into()
-                    }
-                };
-                weights.insert(global, value);
-            }
-            continue;
-        }
-        let Some(global) = core_name(name) else {
-            continue;
-        };
-        let mut value = match tiled(&tensor.shape, chunks).with_context(context)? {
-            Some(value) => value,
-            None => {
-                let (dtype, shape, bytes) = checkpoint.read(name)?;
-                tensor_from_bytes(dtype, &shape, &bytes)?.into()
-            }
-        };
-        if has_vocab_rows(&global) {
-            value = value.with_rows(padded);
-        }
-        weights.insert(global, value);
-    }
-    Ok(ModelState {
-        config,
-        params_dtype: params_dtype(args),
-        weights,
-        optimizer: None,
-        run: run_state(root),
-        source_parallel: (
-            args.get("tensor_model_parallel_size")
-                .and_then(Value::as_i64)
-                .unwrap_or(1)
-                .max(1) as usize,
-            args.get("pipeline_model_parallel_size")
-                .and_then(Value::as_i64)
-                .unwrap_or(1)
-                .max(1) as usize,
-        ),
-        source: format!("Megatron torch_dist checkpoint {}", directory.display()),
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tch::Tensor;
-
-    /// `torch_dist` chunks tiling a tensor by row slabs (in any order) or by equal column
-    /// blocks read as the tensor; other tilings are left to the eager reader.
-    #[test]
-    fn chunks_tile_by_rows_or_column_blocks() {
-        let whole = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([6, 4]);
-        let piece = |rows: (i64, i64), columns: (i64, i64)| {
-            let offsets = vec![rows.0 as usize, columns.0 as usize];
-            let block = whole
-                .narrow(0, rows.0, rows.1)
-                .narrow(1, columns.0, columns.1)
-                .contiguous();
-            (offsets, LazyTensor::from(block))
-        };
-        let slabs = vec![piece((2, 4), (0, 4)), piece((0, 2), (0, 4))];
-        let read = tiled(&[6, 4], slabs).unwrap().unwrap().read().unwrap();
-        assert!(read.equal(&whole));
-        let blocks = vec![piece((0, 6), (2, 2)), piece((0, 6), (0, 2))];
-        let read = tiled(&[6, 4], blocks).unwrap().unwrap().read().unwrap();
-        assert!(read.equal(&whole));
-        let grid = vec![
-            piece((0, 3), (0, 2)),
-            piece((0, 3), (2, 2)),
-            piece((3, 3), (0, 2)),
-            piece((3, 3), (2, 2)),
-        ];
-        assert!(tiled(&[6, 4], grid).unwrap().is_none());
-        let gap = vec![piece((0, 2), (0, 4)), piece((3, 3), (0, 4))];
-        assert!(tiled(&[6, 4], gap).unwrap().is_none());
-        // One layer of a stacked [layers, rows, columns] tensor, cut from a slab of layers.
-        let stacked = whole.view([3, 2, 4]);
-        let layers = LazyTensor::from(stacked.narrow(0, 1, 2).contiguous());
-        let second = layers.flat_slice(8, 8, vec![2, 4]).unwrap();
-        assert!(second.read().unwrap().equal(&stacked.get(2)));
-    }
 }

@@ -4,6 +4,7 @@
 //! exactly as `MixedPrecisionOptimizer` keeps them.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -17,7 +18,7 @@ use megatron_models::{
     ChunkSpec, FamilyModel, GptModel, ModelOptions, PipelineSplit, Recompute, T5Model,
     TransformerConfig,
 };
-use megatron_optim::{BufferLayout, ParamShape};
+use megatron_optim::{BufferLayout, ParamShape, Slot};
 use megatron_parallel::ParallelState;
 use megatron_store::{
     begin_save, finish_save, has_vocab_rows, optimizer_file, rank_directory_name,
@@ -195,6 +196,37 @@ fn flat_layout(names: &[(String, Vec<i64>)]) -> BufferLayout {
     BufferLayout::new(&shapes, usize::MAX, 0, 1, false)
 }
 
+/// The distributed optimizer's sharding of a saved optimizer state over data-parallel ranks, as
+/// the run that resumes from it lays its buffers out (`--ddp-bucket-size`, or its default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptimizerShards {
+    pub data_parallel: usize,
+    pub bucket_size: usize,
+}
+
+/// A rank's parameters (file names and shapes, with their global names) as the distributed
+/// optimizer's buffer sees them: embeddings tied across pipeline stages get a bucket of their own
+/// (as GptModel marks them).
+fn sharded_param_shapes<'a>(
+    shapes: &'a [(String, Vec<i64>)],
+    params: &[(String, String)],
+    tied_across_stages: bool,
+) -> Vec<ParamShape<'a>> {
+    shapes
+        .iter()
+        .zip(params)
+        .map(|((name, shape), (_, global))| ParamShape {
+            name,
+            shape: shape.clone(),
+            attributes: ParamAttributes {
+                tied_across_stages: tied_across_stages
+                    && global == "embedding.word_embeddings.weight",
+                ..ParamAttributes::default()
+            },
+        })
+        .collect()
+}
+
 /// Which tensor-parallel shard a rank file holds, and in which dtype.
 #[derive(Clone, Copy)]
 pub(crate) struct RankShard<'a> {
@@ -206,9 +238,12 @@ pub(crate) struct RankShard<'a> {
 }
 
 /// Writes one rank's model file and, with `optimizer`, its flat optimizer buffer laid out as
-/// `MixedPrecisionOptimizer` keeps it (one data-parallel rank), one tensor at a time: each
-/// tensor is read from `weights` (unsplit, by global name) and cut for `shard` as it is
-/// written. `params` are the rank's `(file name, global name)` parameters in model order.
+/// `MixedPrecisionOptimizer` keeps it (one data-parallel rank, or with `shards` each
+/// data-parallel rank's shard of the distributed optimizer), one tensor at a time: each tensor
+/// is read from `weights` (unsplit, by global name) and cut for `shard` as it is written.
+/// `params` are the rank's `(file name, global name)` parameters in model order;
+/// `tied_across_stages` says the word embeddings are tied to a later pipeline stage's head.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn write_rank(
     staging: &Path,
     rank_dir: &str,
@@ -216,6 +251,8 @@ pub(crate) fn write_rank(
     weights: &Tensors,
     optimizer: Option<&OptimizerState>,
     shard: RankShard,
+    shards: Option<OptimizerShards>,
+    tied_across_stages: bool,
     source: &str,
 ) -> Result<()> {
     let tensor = |name: &str| {
@@ -251,72 +288,107 @@ pub(crate) fn write_rank(
         .iter()
         .map(|e| (e.name.clone(), e.shape.clone()))
         .collect();
-    let layout = flat_layout(&shapes);
-    // Buffer slots in buffer order, each with its parameter's global name.
     let globals: HashMap<&str, &str> = params
         .iter()
         .map(|(l, g)| (l.as_str(), g.as_str()))
         .collect();
-    let mut slots: Vec<_> = layout
-        .slots
-        .iter()
-        .map(|slot| (slot, globals[slot.name.as_str()]))
-        .collect();
-    slots.sort_by_key(|(slot, _)| slot.range.start);
     let buffers = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq];
-    let mut entries: Vec<TensorEntry> = ["main", "exp_avg", "exp_avg_sq"]
-        .iter()
-        .map(|name| TensorEntry {
-            name: name.to_string(),
+    let ranks = shards.map_or(1, |s| s.data_parallel);
+    for d in 0..ranks {
+        let layout = match shards {
+            Some(shards) if ranks > 1 => BufferLayout::new(
+                &sharded_param_shapes(&shapes, params, tied_across_stages),
+                shards.bucket_size,
+                d,
+                ranks,
+                true,
+            ),
+            _ => flat_layout(&shapes),
+        };
+        // This rank's pieces in its buffer's order: (where in the buffer, slot, elements of
+        // the slot's parameter).
+        let mut pieces: Vec<(Range<usize>, &Slot, Range<usize>)> = if ranks > 1 {
+            layout
+                .segments
+                .iter()
+                .map(|segment| {
+                    let slot = &layout.slots[segment.slot];
+                    let start = segment.buffer.start - slot.range.start;
+                    (
+                        segment.shard.clone(),
+                        slot,
+                        start..start + segment.buffer.len(),
+                    )
+                })
+                .collect()
+        } else {
+            layout
+                .slots
+                .iter()
+                .map(|slot| (slot.range.clone(), slot, 0..slot.range.len()))
+                .collect()
+        };
+        pieces.sort_by_key(|(at, _, _)| at.start);
+        let length = if ranks > 1 {
+            layout.shard_len
+        } else {
+            layout.len
+        };
+        let mut entries: Vec<TensorEntry> = ["main", "exp_avg", "exp_avg_sq"]
+            .iter()
+            .map(|name| TensorEntry {
+                name: name.to_string(),
+                kind: Kind::Float,
+                shape: vec![length as i64],
+            })
+            .collect();
+        entries.push(TensorEntry {
+            name: "step".into(),
             kind: Kind::Float,
-            shape: vec![layout.len as i64],
-        })
-        .collect();
-    entries.push(TensorEntry {
-        name: "step".into(),
-        kind: Kind::Float,
-        shape: vec![],
-    });
-    write_rank_file_streamed(
-        staging,
-        rank_dir,
-        &optimizer_file(None),
-        &entries,
-        |i, emit| {
-            let Some(map) = buffers.get(i) else {
-                return emit(&Tensor::from(optimizer.step as f32));
-            };
-            let mut at = 0;
-            for &(slot, global) in &slots {
-                if slot.range.start > at {
-                    emit(&Tensor::zeros(
-                        [(slot.range.start - at) as i64],
-                        (Kind::Float, Device::Cpu),
-                    ))?;
+            shape: vec![],
+        });
+        let zeros = |n: usize| Tensor::zeros([n as i64], (Kind::Float, Device::Cpu));
+        write_rank_file_streamed(
+            staging,
+            rank_dir,
+            &optimizer_file((ranks > 1).then_some(d)),
+            &entries,
+            |i, emit| {
+                let Some(map) = buffers.get(i) else {
+                    return emit(&Tensor::from(optimizer.step as f32));
+                };
+                let mut at = 0;
+                for (place, slot, elements) in &pieces {
+                    if place.start > at {
+                        emit(&zeros(place.start - at))?;
+                    }
+                    let global = globals[slot.name.as_str()];
+                    let value = map
+                        .get(global)
+                        .with_context(|| format!("{}: no optimizer state for {global}", source))?;
+                    let whole = shard_of(global, value, shard.config, shard.rank, shard.size)?;
+                    ensure!(
+                        whole.numel() as usize == slot.range.len(),
+                        "{}: optimizer state of {global} has {} elements for a parameter of {}",
+                        source,
+                        whole.numel(),
+                        slot.range.len()
+                    );
+                    let piece = whole.flat_slice(
+                        elements.start as i64,
+                        elements.len() as i64,
+                        vec![elements.len() as i64],
+                    )?;
+                    piece.for_each_chunk(|chunk| emit(&chunk.to_kind(Kind::Float)))?;
+                    at = place.end;
                 }
-                let value = map
-                    .get(global)
-                    .with_context(|| format!("{}: no optimizer state for {global}", source))?;
-                let piece = shard_of(global, value, shard.config, shard.rank, shard.size)?;
-                ensure!(
-                    piece.numel() as usize == slot.range.len(),
-                    "{}: optimizer state of {global} has {} elements for a parameter of {}",
-                    source,
-                    piece.numel(),
-                    slot.range.len()
-                );
-                piece.for_each_chunk(|chunk| emit(&chunk.to_kind(Kind::Float)))?;
-                at = slot.range.end;
-            }
-            if layout.len > at {
-                emit(&Tensor::zeros(
-                    [(layout.len - at) as i64],
-                    (Kind::Float, Device::Cpu),
-                ))?;
-            }
-            Ok(())
-        },
-    )?;
+                if length > at {
+                    emit(&zeros(length - at))?;
+                }
+                Ok(())
+            },
+        )?;
+    }
     Ok(())
 }
 
@@ -324,6 +396,18 @@ pub(crate) fn write_rank(
 /// `target`'s layout, one tensor at a time: each rank file's tensors are read from `state`
 /// and cut as they are written.
 pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
+    save_megatron_rs_sharded(state, root, target, None)
+}
+
+/// [`save_megatron_rs`] with the optimizer state sharded over data-parallel ranks as the
+/// distributed optimizer of a run with `shards` keeps it (one file per rank), so that run
+/// resumes from it.
+pub fn save_megatron_rs_sharded(
+    state: &ModelState,
+    root: &Path,
+    target: TargetLayout,
+    shards: Option<OptimizerShards>,
+) -> Result<()> {
     let config = &state.config;
     config.validate(target.tensor as i64)?;
     let split = PipelineSplit {
@@ -354,6 +438,8 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
                     size: target.tensor,
                     kind,
                 },
+                shards,
+                !config.untie_embeddings_and_output_weights && target.pipeline > 1,
                 &state.source,
             )?;
         }
@@ -370,8 +456,8 @@ pub fn save_megatron_rs(state: &ModelState, root: &Path, target: TargetLayout) -
         virtual_pipeline_stages: target.virtual_stages,
         decoder_first_pipeline_num_layers: None,
         decoder_last_pipeline_num_layers: None,
-        data_parallel_size: 1,
-        distributed_optimizer: false,
+        data_parallel_size: shards.map_or(1, |s| s.data_parallel),
+        distributed_optimizer: shards.is_some_and(|s| s.data_parallel > 1),
         consumed_train_samples: state.run.consumed_train_samples,
         consumed_valid_samples: state.run.consumed_valid_samples,
         num_floating_point_operations_so_far: state.run.num_floating_point_operations_so_far,
@@ -589,22 +675,11 @@ pub(crate) fn load_optimizer(
             .iter()
             .map(|(local, _)| (local.clone(), tensors[local].shape().to_vec()))
             .collect();
-        // The distributed optimizer keeps embeddings tied across stages in a bucket of their
-        // own (as GptModel marks them).
-        let param_shapes: Vec<ParamShape> = shapes
-            .iter()
-            .zip(params)
-            .map(|((n, s), (_, global))| ParamShape {
-                name: n,
-                shape: s.clone(),
-                attributes: ParamAttributes {
-                    tied_across_stages: tied
-                        && metadata.pipeline_model_parallel_size > 1
-                        && global == "embedding.word_embeddings.weight",
-                    ..ParamAttributes::default()
-                },
-            })
-            .collect();
+        let param_shapes = sharded_param_shapes(
+            &shapes,
+            params,
+            tied && metadata.pipeline_model_parallel_size > 1,
+        );
         // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size). Our
         // runs record their flags by group, conversions of Megatron's flat.
         let bucket = metadata

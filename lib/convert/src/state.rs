@@ -3,7 +3,7 @@
 //! a time, the optimizer state per parameter, and the counters and schedules a resumed run
 //! needs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{bail, Context, Result};
 use tch::Tensor;
@@ -32,6 +32,15 @@ pub struct OptimizerState {
     pub main: Tensors,
     pub exp_avg: Tensors,
     pub exp_avg_sq: Tensors,
+}
+
+/// Adam state of one rank file, by the rank's (global) parameter names.
+#[derive(Default)]
+pub(crate) struct RankOptimizer {
+    pub step: f64,
+    pub main: HashMap<String, LazyTensor>,
+    pub exp_avg: HashMap<String, LazyTensor>,
+    pub exp_avg_sq: HashMap<String, LazyTensor>,
 }
 
 /// Counters, schedules and flags of the run that saved a checkpoint.

@@ -153,6 +153,8 @@ pub fn reshape_t5(
                 size: tensor,
                 kind,
             },
+            None,
+            false,
             &source,
         )?;
     }

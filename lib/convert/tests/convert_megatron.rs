@@ -83,6 +83,63 @@ fn gpt_torch_weights_and_adam_state_map_to_our_names() {
     }
 }
 
+/// The distributed optimizer's state of both distributed-optimizer goldens lands on every
+/// parameter: its float32 main weights round to the saved bfloat16 weights (a parameter read
+/// from another one's place in the flat buffers would not), its moments are finite and the
+/// second ones non-negative, and the two goldens (the same run saved in two formats) agree.
+#[test]
+fn distributed_optimizer_state_lands_on_every_parameter() {
+    let torch = load_megatron_torch(
+        &goldens().join("distopt_torch/iter_0000005"),
+        &with_optimizer(),
+    )
+    .unwrap();
+    let dist = load_torch_dist(
+        &goldens().join("distopt_torch_dist/iter_0000005"),
+        &with_optimizer(),
+    )
+    .unwrap();
+    for state in [&torch, &dist] {
+        let optimizer = state.optimizer.as_ref().unwrap();
+        assert_eq!(optimizer.step, 5.0, "{}", state.source);
+        assert_eq!(state.run.iteration, 5);
+        assert_eq!(optimizer.main.len(), 28, "{}", state.source);
+        for (name, weight) in &state.weights {
+            let main = optimizer.main[name].read().unwrap();
+            let weight = weight.read().unwrap();
+            assert_eq!(main.size(), weight.size(), "{name}");
+            assert_eq!(main.kind(), Kind::Float, "{name}");
+            assert!(
+                main.to_kind(Kind::BFloat16).equal(&weight),
+                "{}: {name}: main parameters do not round to the weights",
+                state.source
+            );
+            let exp_avg = optimizer.exp_avg[name].read().unwrap();
+            let exp_avg_sq = optimizer.exp_avg_sq[name].read().unwrap();
+            assert_eq!(exp_avg.size(), weight.size(), "{name}");
+            assert!(bool::try_from(exp_avg.isfinite().all()).unwrap(), "{name}");
+            assert!(bool::try_from(exp_avg_sq.ge(0.0).all()).unwrap(), "{name}");
+            assert!(
+                f64::try_from(exp_avg_sq.sum(Kind::Double)).unwrap() > 0.0,
+                "{name}: no second moment"
+            );
+        }
+    }
+    let (a, b) = (
+        torch.optimizer.as_ref().unwrap(),
+        dist.optimizer.as_ref().unwrap(),
+    );
+    for (name, moment) in &a.exp_avg_sq {
+        let (x, y) = (moment.read().unwrap(), b.exp_avg_sq[name].read().unwrap());
+        let relative = f64::try_from((&x - &y).abs().max()).unwrap()
+            / f64::try_from(x.abs().max()).unwrap().max(1e-30);
+        assert!(
+            relative < 0.05,
+            "{name}: the two goldens' second moments differ by {relative}"
+        );
+    }
+}
+
 #[test]
 fn gpt_torch_converts_to_ours_with_the_same_logits() {
     let state =

@@ -8,7 +8,7 @@ mod groups;
 mod mixed_precision;
 mod param_gather;
 
-pub use buffer::{BufferLayout, ParamShape};
+pub use buffer::{BufferLayout, ParamShape, Slot};
 pub use groups::{excluded_from_weight_decay, is_embedding_or_output, ParamGroup};
 pub use mixed_precision::{
     LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome,

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
+use megatron_checkpoint::layout::{rank_directories, rank_file};
 use tch::{Device, Tensor};
 
 use super::checksum::{checksums_enabled, FileChecksums, CHECKSUMS_KEY};
@@ -177,6 +178,17 @@ pub fn find_checkpoint(root: &Path) -> Result<Option<CheckpointDirectory>> {
 
 fn open_checkpoint(directory: PathBuf, release: bool) -> Result<CheckpointDirectory> {
     let metadata_path = directory.join(METADATA_FILE);
+    if !metadata_path.exists() {
+        if let Some(format) = megatron_format(&directory) {
+            // The tools that take Megatron's checkpoints import them before they get here.
+            bail!(
+                "{} holds a {format} checkpoint, which this tool does not load directly: \
+                 pretrain_gpt and the inference tools do, and checkpoint_convert --loader core \
+                 imports a GPT one",
+                directory.display()
+            );
+        }
+    }
     let metadata = CheckpointMetadata::read(&metadata_path)?;
     let checksums = if checksums_enabled() {
         FileChecksums::read(&metadata_path)?
@@ -192,6 +204,18 @@ fn open_checkpoint(directory: PathBuf, release: bool) -> Result<CheckpointDirect
         release,
         checksums,
     })
+}
+
+/// `Megatron torch` or `Megatron torch_dist` where `directory` holds such an iteration.
+fn megatron_format(directory: &Path) -> Option<&'static str> {
+    if directory.join(".metadata").is_file() {
+        return Some("Megatron torch_dist");
+    }
+    let ranks = rank_directories(directory).ok()?;
+    ranks
+        .iter()
+        .any(|rank| rank_file(rank).is_ok())
+        .then_some("Megatron torch")
 }
 
 /// Says once per process and checkpoint that its bytes cannot be checked: its metadata records
@@ -334,4 +358,35 @@ fn ensure_finite(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Megatron iteration given where ours is expected is named as Megatron's, not as a
+    /// checkpoint of ours missing its metadata.
+    #[test]
+    fn a_megatron_checkpoint_is_named_as_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let iteration = dir.path().join("iter_0000005");
+        fs::create_dir_all(iteration.join("mp_rank_00")).unwrap();
+        fs::write(iteration.join("mp_rank_00/model_optim_rng.pt"), b"").unwrap();
+        fs::write(dir.path().join(TRACKER_FILE), "5").unwrap();
+        let error = format!("{:#}", find_checkpoint(dir.path()).err().unwrap());
+        assert!(
+            error.contains("holds a Megatron torch checkpoint"),
+            "{error}"
+        );
+        fs::remove_dir_all(iteration.join("mp_rank_00")).unwrap();
+        fs::write(iteration.join(".metadata"), b"").unwrap();
+        let error = format!("{:#}", find_checkpoint(dir.path()).err().unwrap());
+        assert!(
+            error.contains("holds a Megatron torch_dist checkpoint"),
+            "{error}"
+        );
+        fs::remove_file(iteration.join(".metadata")).unwrap();
+        let error = format!("{:#}", find_checkpoint(dir.path()).err().unwrap());
+        assert!(!error.contains("Megatron"), "{error}");
+    }
 }

@@ -38,7 +38,6 @@ use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPos
 use megatron_models::{ModelChunk, ModelOptions, PipelineSplit};
 use megatron_optim::{
     LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome,
-    DEFAULT_BUCKET_SIZE,
 };
 use megatron_parallel::Placement;
 use megatron_parallel::{ParallelState, ReduceOp};
@@ -1271,10 +1270,7 @@ fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<
         },
         other => bail!("--optimizer {other:?}: expected adam or sgd"),
     };
-    let bucket_size = args
-        .parallel
-        .ddp_bucket_size
-        .unwrap_or_else(|| DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size));
+    let bucket_size = args.parallel.bucket_size(data_parallel_size);
     let parallel = &args.parallel;
     if parallel.overlap_param_gather {
         ensure!(

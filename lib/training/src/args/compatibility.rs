@@ -48,9 +48,10 @@ pub struct CompatibilityArgs {
     /// Changes nothing here: `world-size` is always written.
     #[arg(long)]
     pub log_world_size_to_tensorboard: bool,
-    /// Changes nothing here: checkpoints are always written (and read by --load) in this
-    /// project's format, safetensors shards in Megatron's layout; `checkpoint_convert` turns
-    /// them into Megatron's torch or torch_dist checkpoints [Megatron's default: torch_dist].
+    /// Changes nothing here: checkpoints are always written in this project's format,
+    /// safetensors shards in Megatron's layout (`checkpoint_convert` turns them into Megatron's
+    /// torch or torch_dist checkpoints); pretrain_gpt's --load reads both of Megatron's formats
+    /// as well, whatever this flag says [Megatron's default: torch_dist].
     #[arg(long, value_parser = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])]
     pub ckpt_format: Option<String>,
     /// Weights & Biases logging is off here (it needs its service): TensorBoard
@@ -133,8 +134,8 @@ impl CompatibilityArgs {
             (
                 self.ckpt_format.is_some(),
                 "--ckpt-format",
-                "checkpoints are safetensors shards in Megatron's layout; checkpoint_convert \
-                 writes Megatron's torch and torch_dist formats",
+                "checkpoints are saved as safetensors shards in Megatron's layout (checkpoint_convert \
+                 writes Megatron's torch and torch_dist formats); pretrain_gpt's --load also reads Megatron's",
             ),
             (
                 self.wandb_project.is_some()

@@ -62,6 +62,14 @@ pub struct ParallelArgs {
 }
 
 impl ParallelArgs {
+    /// Elements per gradient bucket for `data_parallel_size` ranks: --ddp-bucket-size or its
+    /// default.
+    pub fn bucket_size(&self, data_parallel_size: usize) -> usize {
+        self.ddp_bucket_size.unwrap_or_else(|| {
+            megatron_optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * data_parallel_size)
+        })
+    }
+
     /// Model chunks per pipeline rank.
     pub fn virtual_stages(&self, num_layers: usize) -> anyhow::Result<usize> {
         let p = self.pipeline_model_parallel_size;
