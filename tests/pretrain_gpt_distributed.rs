@@ -102,9 +102,14 @@ fn wait_with_deadline(child: Child, limit: Duration) -> Output {
 
 /// Runs `pretrain_gpt` with `flags` as ranks 0 and 1 of a two-process job; both must succeed.
 fn run_two_ranks(flags: &[&str], what: &str) -> Vec<Output> {
+    run_ranks(2, flags, what)
+}
+
+/// Runs `pretrain_gpt` with `flags` as the `world` ranks of a job; all must succeed.
+fn run_ranks(world: usize, flags: &[&str], what: &str) -> Vec<Output> {
     let port = free_port();
-    let ranks: Vec<Child> = (0..2)
-        .map(|rank| spawn_rank(pretrain(flags), rank, 2, &port))
+    let ranks: Vec<Child> = (0..world)
+        .map(|rank| spawn_rank(pretrain(flags), rank, world, &port))
         .collect();
     let outputs: Vec<Output> = ranks
         .into_iter()
@@ -324,6 +329,84 @@ fn two_gpus_with_nccl_equal_one() {
         assert_same_losses(&expected, &got, what);
         eprintln!("{what}: losses {got:?} (one GPU: {expected:?})");
     }
+}
+
+/// The 4-rank layouts of the 4-GPU measurements against one rank on `device`: TP=4 with
+/// sequence parallelism, TP=2 × PP=2, and DP=4 with the distributed optimizer and overlapped
+/// reduction and parameter gather (small buckets, so several overlap).
+fn four_ranks_equal_one(device: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single.jsonl");
+    let mut command = pretrain(device);
+    run_ok(command.args([
+        "--train-iters",
+        "3",
+        "--metrics-file",
+        single.to_str().unwrap(),
+    ]));
+    let layouts: [(&str, &[&str]); 3] = [
+        (
+            "TP=4 + SP",
+            &["--tensor-model-parallel-size", "4", "--sequence-parallel"],
+        ),
+        (
+            "TP=2 × PP=2",
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+            ],
+        ),
+        (
+            "DP=4, distributed optimizer, overlapped reduction and parameter gather",
+            &[
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+                "--ddp-bucket-size",
+                "20000",
+            ],
+        ),
+    ];
+    for (index, (what, layout)) in layouts.into_iter().enumerate() {
+        let metrics = dir.path().join(format!("{index}.jsonl"));
+        let flags: Vec<&str> = device
+            .iter()
+            .copied()
+            .chain([
+                "--train-iters",
+                "3",
+                "--metrics-file",
+                metrics.to_str().unwrap(),
+            ])
+            .chain(layout.iter().copied())
+            .collect();
+        let outputs = run_ranks(4, &flags, what);
+        let stdout = String::from_utf8_lossy(&outputs[3].stdout);
+        assert!(
+            stdout.contains("pretrain_gpt: 3 iterations"),
+            "{what}: {stdout}"
+        );
+        let (expected, got) = (losses(&single), losses(&metrics));
+        assert_same_losses(&expected, &got, what);
+        eprintln!("{what}: losses {got:?} (one rank: {expected:?})");
+    }
+}
+
+#[test]
+fn four_cpu_processes_equal_one() {
+    four_ranks_equal_one(&[]);
+}
+
+/// [`four_ranks_equal_one`] on four GPUs with NCCL; runs where there are at least four.
+#[test]
+fn four_gpus_with_nccl_equal_one() {
+    if visible_gpus() < 4 {
+        eprintln!("skipped: needs 4 GPUs");
+        return;
+    }
+    four_ranks_equal_one(&["--device", "cuda", "--distributed-backend", "nccl"]);
 }
 
 /// On two GPUs, TP=2 with sequence parallelism, bf16, hidden and attention dropout, rotary

@@ -5,11 +5,13 @@
 mod buffer;
 mod grad_sync;
 mod groups;
+mod memory;
 mod mixed_precision;
 mod param_gather;
 
 pub use buffer::{BufferLayout, ParamShape, Slot};
 pub use groups::{excluded_from_weight_decay, is_embedding_or_output, ParamGroup};
+pub use memory::StateBytes;
 pub use mixed_precision::{
     LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome,
     DEFAULT_BUCKET_SIZE,

@@ -1,10 +1,14 @@
 //! Where a process sits in a multi-process job, read from the launcher's environment: torchrun
-//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), Slurm (`SLURM_PROCID`,
-//! `SLURM_NTASKS`, `SLURM_LOCALID`, the first host of `SLURM_JOB_NODELIST`), Open MPI's
-//! `mpirun` (`OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`) or MPICH/Intel MPI's (`PMI_RANK`,
-//! `PMI_SIZE`, `MPI_LOCALRANKID`).
+//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `GROUP_WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`,
+//! `SLURM_NODEID`, `SLURM_NNODES`, `SLURM_TASKS_PER_NODE`, the first host of
+//! `SLURM_JOB_NODELIST`), Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`,
+//! `_LOCAL_SIZE`) or MPICH/Intel MPI's (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`,
+//! `MPI_LOCALNRANKS`).
 
 use anyhow::{bail, ensure, Context, Result};
+
+use super::address::{choose_address, interfaces, route_to};
 
 /// torchrun's default rendezvous port.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -14,9 +18,49 @@ pub struct LaunchEnv {
     pub rank: usize,
     pub world_size: usize,
     pub local_rank: usize,
+    pub node: NodePlace,
     pub master_addr: String,
     pub master_port: u16,
     pub rendezvous: RendezvousPlace,
+}
+
+/// The node a process runs on, among the job's nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodePlace {
+    /// This node's index (torchrun's `GROUP_RANK`, `SLURM_NODEID`).
+    pub node_rank: usize,
+    /// How many nodes the job spans (`GROUP_WORLD_SIZE`, `SLURM_NNODES`).
+    pub nodes: usize,
+    /// How many of the job's processes run on this node (`LOCAL_WORLD_SIZE`).
+    pub local_world_size: usize,
+}
+
+impl NodePlace {
+    /// Every process of a `world_size` job on one node: what a launcher that says nothing
+    /// about nodes (`RANK` and `WORLD_SIZE` set by hand) is taken to mean.
+    pub fn one_node(world_size: usize) -> Self {
+        NodePlace {
+            node_rank: 0,
+            nodes: 1,
+            local_world_size: world_size,
+        }
+    }
+
+    /// Whether consecutive groups of `size` ranks (tensor-parallel groups: Megatron numbers
+    /// their ranks consecutively) each stay inside one node.
+    pub fn holds_whole_groups(&self, size: usize) -> bool {
+        self.nodes <= 1 || self.local_world_size % size.max(1) == 0
+    }
+
+    /// `local_world_size` processes on each node, ranks numbered node after node (mpirun's
+    /// default mapping by slot).
+    fn by_slot(rank: usize, world_size: usize, local_world_size: usize) -> Self {
+        NodePlace {
+            node_rank: rank / local_world_size.max(1),
+            nodes: world_size.div_ceil(local_world_size.max(1)),
+            local_world_size,
+        }
+    }
 }
 
 /// Where the ranks of a job meet.
@@ -38,6 +82,7 @@ impl LaunchEnv {
             rank: 0,
             world_size: 1,
             local_rank: 0,
+            node: NodePlace::one_node(1),
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
             rendezvous: RendezvousPlace::MasterPort,
@@ -61,24 +106,69 @@ impl LaunchEnv {
                 })
                 .transpose()
         };
-        let (rank, world_size, local_rank) = if let Some(world_size) = number("WORLD_SIZE")? {
+        let (rank, world_size, local_rank, node) = if let Some(world_size) = number("WORLD_SIZE")? {
             let rank = number("RANK")?.context("$WORLD_SIZE is set but $RANK is not")?;
-            (rank, world_size, number("LOCAL_RANK")?.unwrap_or(0))
+            let node = match number("LOCAL_WORLD_SIZE")? {
+                Some(local_world_size) => NodePlace {
+                    node_rank: number("GROUP_RANK")?.unwrap_or(0),
+                    nodes: number("GROUP_WORLD_SIZE")?.unwrap_or(1),
+                    local_world_size,
+                },
+                None => NodePlace::one_node(world_size),
+            };
+            (rank, world_size, number("LOCAL_RANK")?.unwrap_or(0), node)
         } else if let Some(world_size) = number("SLURM_NTASKS")? {
             let rank =
                 number("SLURM_PROCID")?.context("$SLURM_NTASKS is set but $SLURM_PROCID is not")?;
-            (rank, world_size, number("SLURM_LOCALID")?.unwrap_or(0))
+            let node_rank = number("SLURM_NODEID")?.unwrap_or(0);
+            let nodes = match number("SLURM_NNODES")? {
+                Some(nodes) => nodes,
+                None => number("SLURM_JOB_NUM_NODES")?.unwrap_or(1),
+            };
+            let local_world_size = match var("SLURM_STEP_TASKS_PER_NODE")
+                .map(|v| ("SLURM_STEP_TASKS_PER_NODE", v))
+                .or_else(|| var("SLURM_TASKS_PER_NODE").map(|v| ("SLURM_TASKS_PER_NODE", v)))
+            {
+                Some((name, counts)) => tasks_on_node(&counts, node_rank)
+                    .with_context(|| format!("${name}={counts:?}"))?,
+                None => world_size.div_ceil(nodes.max(1)),
+            };
+            let node = NodePlace {
+                node_rank,
+                nodes,
+                local_world_size,
+            };
+            (
+                rank,
+                world_size,
+                number("SLURM_LOCALID")?.unwrap_or(0),
+                node,
+            )
         } else if let Some(world_size) = number("OMPI_COMM_WORLD_SIZE")? {
             let rank = number("OMPI_COMM_WORLD_RANK")?
                 .context("$OMPI_COMM_WORLD_SIZE is set but $OMPI_COMM_WORLD_RANK is not")?;
+            let node = match number("OMPI_COMM_WORLD_LOCAL_SIZE")? {
+                Some(local) => NodePlace::by_slot(rank, world_size, local),
+                None => NodePlace::one_node(world_size),
+            };
             (
                 rank,
                 world_size,
                 number("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
+                node,
             )
         } else if let Some(world_size) = number("PMI_SIZE")? {
             let rank = number("PMI_RANK")?.context("$PMI_SIZE is set but $PMI_RANK is not")?;
-            (rank, world_size, number("MPI_LOCALRANKID")?.unwrap_or(0))
+            let node = match number("MPI_LOCALNRANKS")? {
+                Some(local) => NodePlace::by_slot(rank, world_size, local),
+                None => NodePlace::one_node(world_size),
+            };
+            (
+                rank,
+                world_size,
+                number("MPI_LOCALRANKID")?.unwrap_or(0),
+                node,
+            )
         } else {
             return Ok(Self::single());
         };
@@ -86,6 +176,22 @@ impl LaunchEnv {
         ensure!(
             rank < world_size,
             "rank {rank} is outside a world of {world_size}"
+        );
+        ensure!(
+            local_rank < node.local_world_size,
+            "local rank {local_rank} is outside the {} process(es) of its node",
+            node.local_world_size
+        );
+        ensure!(
+            node.node_rank < node.nodes,
+            "node {} is outside a job of {} node(s)",
+            node.node_rank,
+            node.nodes
+        );
+        ensure!(
+            node.local_world_size <= world_size,
+            "{} processes per node in a world of {world_size}",
+            node.local_world_size
         );
         let master_addr = match var("MASTER_ADDR") {
             Some(addr) => addr,
@@ -121,21 +227,59 @@ impl LaunchEnv {
             rank,
             world_size,
             local_rank,
+            node,
             master_addr,
             master_port,
             rendezvous,
         })
     }
 
-    /// The address other ranks reach this one at: the interface that routes to the master.
+    /// The address other ranks reach this one at (see [`choose_address`]).
     pub fn advertised_host(&self) -> Result<String> {
-        let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
-        let master = format!("{}:{}", self.master_addr, self.master_port);
-        probe
-            .connect(&master)
-            .with_context(|| format!("no route to the master at {master}"))?;
-        Ok(probe.local_addr()?.ip().to_string())
+        let route = route_to(&format!("{}:{}", self.master_addr, self.master_port))?;
+        let ifname = std::env::var("GLOO_SOCKET_IFNAME").ok();
+        let ifname = ifname.as_deref().filter(|name| !name.is_empty());
+        let needs_interfaces = ifname.is_some() || (route.is_loopback() && self.node.nodes > 1);
+        let interfaces = if needs_interfaces {
+            interfaces()?
+        } else {
+            Vec::new()
+        };
+        let address = choose_address(route, self.node.nodes, ifname, &interfaces)?;
+        Ok(match address {
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+            v4 => v4.to_string(),
+        })
     }
+}
+
+/// The number of tasks on node `node` from a Slurm task count list such as `2(x3),1`.
+pub fn tasks_on_node(counts: &str, node: usize) -> Result<usize> {
+    let mut first_node = 0;
+    for entry in counts.trim().split(',') {
+        let (count, repeat) = match entry.split_once("(x") {
+            Some((count, repeat)) => {
+                let repeat = repeat
+                    .strip_suffix(')')
+                    .with_context(|| format!("malformed entry {entry:?}"))?;
+                (
+                    count,
+                    repeat
+                        .parse::<usize>()
+                        .with_context(|| format!("malformed entry {entry:?}"))?,
+                )
+            }
+            None => (entry, 1),
+        };
+        let count: usize = count
+            .parse()
+            .with_context(|| format!("malformed entry {entry:?}"))?;
+        if node < first_node + repeat {
+            return Ok(count);
+        }
+        first_node += repeat;
+    }
+    bail!("no task count for node {node} (the list covers {first_node} node(s))")
 }
 
 /// The first host of a Slurm node list such as `gpu[003-007,010],login1`.
@@ -185,6 +329,7 @@ mod tests {
                 rank: 3,
                 world_size: 8,
                 local_rank: 3,
+                node: NodePlace::one_node(8),
                 master_addr: "node1".into(),
                 master_port: 6000,
                 rendezvous: RendezvousPlace::MasterPort,
@@ -275,5 +420,168 @@ mod tests {
             env(&[("WORLD_SIZE", "x"), ("RANK", "0")]).unwrap_err()
         )
         .contains("WORLD_SIZE"));
+    }
+
+    #[test]
+    fn torchrun_nodes() {
+        // `torchrun --nnodes 2 --nproc-per-node 2`: the second process of the second node.
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("GROUP_RANK", "1"),
+            ("GROUP_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node1"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.local_rank), (3, 1));
+        assert_eq!(
+            e.node,
+            NodePlace {
+                node_rank: 1,
+                nodes: 2,
+                local_world_size: 2
+            }
+        );
+        let outside = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node1"),
+        ]);
+        let message = format!("{:#}", outside.unwrap_err());
+        assert!(
+            message.contains("local rank 2 is outside the 2 process(es)"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn slurm_two_nodes() {
+        // `srun -N 2 --ntasks-per-node 2` on gpu[01-02]: task 2 is the first of the second
+        // node, and without $MASTER_ADDR the master is the first node.
+        let e = env(&[
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]"),
+            ("MASTER_PORT", "6000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                e.rank,
+                e.world_size,
+                e.local_rank,
+                e.master_addr.as_str(),
+                e.master_port
+            ),
+            (2, 4, 0, "gpu01", 6000)
+        );
+        assert_eq!(
+            e.node,
+            NodePlace {
+                node_rank: 1,
+                nodes: 2,
+                local_world_size: 2
+            }
+        );
+        // Uneven nodes, the step's own count first, and $SLURM_JOB_NUM_NODES.
+        let uneven = env(&[
+            ("SLURM_PROCID", "4"),
+            ("SLURM_NTASKS", "5"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_JOB_NUM_NODES", "3"),
+            ("SLURM_TASKS_PER_NODE", "8(x3)"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x2),1"),
+            ("SLURM_JOB_NODELIST", "a[7,9],b3"),
+        ])
+        .unwrap();
+        assert_eq!(uneven.node.local_world_size, 1);
+        assert_eq!(uneven.node.nodes, 3);
+        assert_eq!(uneven.master_addr, "a7");
+        // Without a task count, the tasks are spread evenly.
+        let even = env(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_NODELIST", "n1,n2"),
+        ])
+        .unwrap();
+        assert_eq!(even.node.local_world_size, 4);
+        let beyond = env(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]"),
+        ]);
+        let message = format!("{:#}", beyond.unwrap_err());
+        assert!(
+            message.contains("SLURM_TASKS_PER_NODE") && message.contains("node 2"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn tensor_parallel_groups_inside_nodes() {
+        let two_by_four = NodePlace {
+            node_rank: 0,
+            nodes: 2,
+            local_world_size: 4,
+        };
+        assert!(two_by_four.holds_whole_groups(2));
+        assert!(two_by_four.holds_whole_groups(4));
+        assert!(!two_by_four.holds_whole_groups(8));
+        assert!(!two_by_four.holds_whole_groups(3));
+        assert!(NodePlace::one_node(6).holds_whole_groups(4));
+    }
+
+    #[test]
+    fn slurm_task_counts() {
+        assert_eq!(tasks_on_node("4", 0).unwrap(), 4);
+        assert_eq!(tasks_on_node("2(x3),1", 2).unwrap(), 2);
+        assert_eq!(tasks_on_node("2(x3),1", 3).unwrap(), 1);
+        assert!(tasks_on_node("2(x3),1", 4).is_err());
+        assert!(format!("{:#}", tasks_on_node("2(x3", 0).unwrap_err()).contains("2(x3"));
+        assert!(tasks_on_node("", 0).is_err());
+    }
+
+    #[test]
+    fn mpirun_nodes_follow_the_slot_mapping() {
+        let open_mpi = env(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("MASTER_ADDR", "n0"),
+        ])
+        .unwrap();
+        assert_eq!(
+            open_mpi.node,
+            NodePlace {
+                node_rank: 1,
+                nodes: 2,
+                local_world_size: 4
+            }
+        );
+        let mpich = env(&[
+            ("PMI_RANK", "3"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+            ("MASTER_ADDR", "n0"),
+        ])
+        .unwrap();
+        assert_eq!((mpich.node.node_rank, mpich.node.nodes), (1, 2));
     }
 }

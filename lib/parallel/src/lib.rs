@@ -5,6 +5,7 @@
 //! identity and the regions vanish, so the single-GPU model is the tensor-parallel model at
 //! `t = 1`, not a separate implementation.
 
+mod address;
 mod communicator;
 mod host;
 mod job;
@@ -17,9 +18,12 @@ mod rendezvous;
 mod tcp;
 mod threads;
 
+pub use address::{choose_address, InterfaceAddress};
 pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
 pub use job::{Backend, Job};
-pub use launch::{first_host, LaunchEnv, RendezvousPlace, DEFAULT_MASTER_PORT};
+pub use launch::{
+    first_host, tasks_on_node, LaunchEnv, NodePlace, RendezvousPlace, DEFAULT_MASTER_PORT,
+};
 pub use layout::{Coordinates, GroupKind, ParallelLayout};
 pub use nccl::NcclCommunicator;
 pub use placement::{join_launched_job, JoinOptions, Placement};

@@ -477,6 +477,7 @@ fn watchdog(watch: TcpStream, finished: Arc<AtomicBool>, rank: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::NodePlace;
 
     fn free_port() -> u16 {
         TcpListener::bind("127.0.0.1:0")
@@ -491,6 +492,7 @@ mod tests {
             rank,
             world_size,
             local_rank: rank,
+            node: NodePlace::one_node(world_size),
             master_addr: "127.0.0.1".into(),
             master_port: port,
             rendezvous: RendezvousPlace::MasterPort,

@@ -21,6 +21,7 @@ use super::lr_schedule::{
     LrDecayStyle, OptimizerParamScheduler, ScheduleFlags, SchedulerConfig, SchedulerLoadPolicy,
     WdIncrStyle, WsdDecayStyle,
 };
+use super::memory_report::{ActivationShape, MemoryReport};
 use super::microbatches::{
     train_iters_from_samples, BatchRampup, BatchSizeSchedule, MicrobatchCalculator, StepSchedule,
 };
@@ -35,9 +36,10 @@ use megatron_cli::{bail_usage, usage_error};
 use megatron_kernels::rng;
 use megatron_kernels::runtime::cuda_memory_stats;
 use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
-use megatron_models::{ModelChunk, ModelOptions, PipelineSplit};
+use megatron_models::{ModelChunk, ModelOptions, NamedParameter, PipelineSplit};
 use megatron_optim::{
-    LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, StepOutcome,
+    LearningRates, MixedPrecisionOptimizer, OptimizerKind, OptimizerSettings, ParamShape,
+    StateBytes, StepOutcome,
 };
 use megatron_parallel::Placement;
 use megatron_parallel::{ParallelState, ReduceOp};
@@ -417,12 +419,10 @@ pub fn train_with_hooks<F: ModelFamily>(
                 p
             })
         })
-        .collect();
-    let mut optimizer = MixedPrecisionOptimizer::new(
-        parameters,
-        optimizer_settings(args, layout.data)?,
-        &parallel,
-    )?;
+        .collect::<Vec<NamedParameter>>();
+    let settings = optimizer_settings(args, layout.data)?;
+    let predicted_state = predicted_state_bytes(&parameters, &settings, &parallel);
+    let mut optimizer = MixedPrecisionOptimizer::new(parameters, settings, &parallel)?;
     if args.logging.log_num_zeros_in_grad {
         optimizer = optimizer.counting_zeros();
     }
@@ -534,6 +534,7 @@ pub fn train_with_hooks<F: ModelFamily>(
     run.batches
         .update(run.progress.consumed_train_samples, false)?;
     run.print_model_summary()?;
+    run.print_memory_report(predicted_state)?;
 
     let datasets =
         family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
@@ -589,6 +590,59 @@ impl<F: ModelFamily> Run<'_, F> {
             "> parameters, gradients and optimizer state: {:.1} bytes per parameter on this rank",
             self.optimizer.bytes_per_parameter()
         ));
+        Ok(())
+    }
+
+    /// Megatron's theoretical memory line and our breakdown, before the first step (Megatron
+    /// prints it with the first log line; before training it is there even when the first step
+    /// runs out of memory).
+    fn print_memory_report(&self, state: StateBytes) -> Result<()> {
+        let stage = self.parallel.coordinates().pipeline;
+        let chunks = self.split.chunks_of(stage)?;
+        let shape = ActivationShape::of(
+            self.family.transformer(),
+            &self.parallel,
+            self.args.model.seq_length as u64,
+            self.args.training.micro_batch_size,
+            self.chunks[0].options().params_dtype.elt_size_in_bytes() as u64,
+            self.chunks[0].options().recompute,
+            chunks.iter().map(|c| c.layers.len() as u64).collect(),
+            (
+                chunks.iter().any(|c| c.pre_process),
+                chunks.iter().any(|c| c.post_process),
+            ),
+            self.batches.num_microbatches(),
+        );
+        let report = MemoryReport {
+            state,
+            activations: shape.estimate(),
+        }
+        .largest_over_ranks(&self.parallel, self.device)?;
+        for line in report.lines() {
+            self.print_rank0(&line);
+        }
+        Ok(())
+    }
+
+    /// Megatron's `report_memory` after the first log line: the CUDA caching allocator's
+    /// figures of every rank of the first data-parallel replica (the peak is what the
+    /// theoretical memory report predicts).
+    fn report_memory(&self, iteration: u64) -> Result<()> {
+        let Device::Cuda(index) = self.device else {
+            return Ok(());
+        };
+        if self.parallel.data.rank() != 0 {
+            return Ok(());
+        }
+        let memory = cuda_memory_stats(index)?;
+        let mb = |bytes: i64| bytes as f64 / (1024.0 * 1024.0);
+        println!(
+            "[Rank {}] (after {iteration} iterations) memory (MB) | allocated: {} | max allocated: {} | reserved: {}",
+            self.parallel.rank,
+            mb(memory.allocated_bytes),
+            mb(memory.max_allocated_bytes),
+            mb(memory.reserved_bytes)
+        );
         Ok(())
     }
 
@@ -698,6 +752,7 @@ impl<F: ModelFamily> Run<'_, F> {
         let checkpoint = &self.args.checkpoint;
         let mut profiler =
             StepProfiler::from_args(logging, self.parallel.rank, self.device.is_cuda())?;
+        let mut memory_reported = false;
         while self.progress.iteration < self.train_iters {
             let global_batch = self.batches.current_global_batch_size();
             if let Some(profiler) = profiler.as_mut() {
@@ -780,6 +835,10 @@ impl<F: ModelFamily> Run<'_, F> {
             }
             if iteration % logging.log_interval.max(1) == 0 {
                 self.print_log_line(&mut interval, global_batch, &outcome)?;
+                if !memory_reported {
+                    self.report_memory(iteration)?;
+                    memory_reported = true;
+                }
             }
             if let Some(loader) = valid.as_deref_mut() {
                 if self.args.training.eval_interval > 0
@@ -1255,6 +1314,24 @@ fn schedule_flags(args: &PretrainArgs, global_batch_size: u64) -> Result<Schedul
         train_samples: args.training.train_samples,
         global_batch_size,
     })
+}
+
+/// What the optimizer will allocate for `parameters` on this rank (see [`StateBytes::predicted`]).
+fn predicted_state_bytes(
+    parameters: &[NamedParameter],
+    settings: &OptimizerSettings,
+    parallel: &ParallelState,
+) -> StateBytes {
+    let shapes: Vec<ParamShape> = parameters
+        .iter()
+        .map(|p| ParamShape {
+            name: &p.name,
+            shape: p.tensor.size(),
+            attributes: p.attributes,
+        })
+        .collect();
+    let dtype = parameters.first().map_or(Kind::Float, |p| p.tensor.kind());
+    settings.predicted_state_bytes(&shapes, dtype, parallel.data.rank(), parallel.data.size())
 }
 
 fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {

@@ -28,7 +28,31 @@ pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job
     if placement.device.is_cuda() {
         gemms_without_workspace();
     }
+    if job.env.world_size > 1 && placement.parallel.is_logging_rank() {
+        report_nodes(&job, &placement);
+    }
     Ok((job, placement))
+}
+
+/// Says how the job spreads over nodes, and warns when tensor-parallel groups cross them: their
+/// collectives, several per layer, would then run over the network.
+fn report_nodes(job: &Job, placement: &Placement) {
+    let node = job.env.node;
+    let layout = placement.parallel.layout;
+    println!(
+        "> {} process(es) on {} node(s), {} per node; {}",
+        job.env.world_size,
+        node.nodes,
+        node.local_world_size,
+        layout.describe()
+    );
+    if !node.holds_whole_groups(layout.tensor) {
+        eprintln!(
+            "warning: tensor-parallel groups of {} ranks span nodes of {} process(es); keep \
+             --tensor-model-parallel-size a divisor of the processes per node",
+            layout.tensor, node.local_world_size
+        );
+    }
 }
 
 /// A pretraining binary's run: joins the job, runs `train` on this rank and leaves the job. The

@@ -16,6 +16,7 @@ pub mod log_line;
 pub mod loss_scale;
 pub mod loss_spikes;
 pub mod lr_schedule;
+pub mod memory_report;
 pub mod metrics;
 pub mod microbatches;
 mod profiling;

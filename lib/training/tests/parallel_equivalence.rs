@@ -1,6 +1,7 @@
 //! Model and data parallelism change where the arithmetic happens, not its result: a small GPT
 //! trained for three steps with TP, SP, PP (1F1B and interleaved), DP and the distributed
-//! optimizer, ranks as threads, gives the losses and (merged) weights of the one-rank run.
+//! optimizer, ranks as threads, gives the losses and (merged) weights of the one-rank run
+//! (within 1e-5: splitting a GEMM's inner dimension or summing over ranks rounds differently).
 
 mod support;
 
@@ -287,6 +288,29 @@ fn overlapped_grad_reduce_equals_one_rank() {
         2,
         &extra,
         "PP=2 interleaved × DP=2, distributed optimizer, overlapped reduction and gather",
+    );
+}
+
+/// The 4-rank layouts of the 4-GPU measurements, ranks as CPU threads: TP=4 (one head per
+/// rank), and DP=4 with everything data parallelism overlaps (one micro-batch per rank per step).
+/// TP=2 × PP=2 is `tensor_and_pipeline_parallel_equal_one_rank`.
+#[test]
+fn four_ranks_equal_one_rank() {
+    check(&BASE, 4, 4, 1, &["--sequence-parallel"], "TP=4 + SP");
+    let overlapped = [
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+        "--ddp-bucket-size",
+        "20000",
+    ];
+    check(
+        &BASE,
+        4,
+        1,
+        1,
+        &overlapped,
+        "DP=4, distributed optimizer, overlapped reduction and gather",
     );
 }
 
