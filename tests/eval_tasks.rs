@@ -136,7 +136,13 @@ fn reference(fixture: &Fixture, task: &str, data: &Path, strict: bool) -> Value 
 }
 
 /// The Python reference's numbers for `checkpoint` (ours, or a HuggingFace directory).
-fn reference_of(checkpoint: &Path, seq_length: &str, task: &str, data: &Path, strict: bool) -> Value {
+fn reference_of(
+    checkpoint: &Path,
+    seq_length: &str,
+    task: &str,
+    data: &Path,
+    strict: bool,
+) -> Value {
     let python = test_python(&["torch", "transformers", "safetensors", "tokenizers"]);
     let out = run_ok(
         Command::new(python)
@@ -355,15 +361,48 @@ fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str
     run_ok(
         bin("pretrain_gpt")
             .args([
-                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
-                "--seq-length", "64", "--max-position-embeddings", "64",
-                "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-                "--untie-embeddings-and-output-weights", "--rotary-base", "10000",
-                "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "10",
-                "--lr", "5e-3", "--split", "100,0,0", "--eval-iters", "0",
-                "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu",
-                "--log-interval", "10",
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--num-attention-heads",
+                "4",
+                "--group-query-attention",
+                "--num-query-groups",
+                "2",
+                "--ffn-hidden-size",
+                "128",
+                "--seq-length",
+                "64",
+                "--max-position-embeddings",
+                "64",
+                "--normalization",
+                "RMSNorm",
+                "--swiglu",
+                "--disable-bias-linear",
+                "--untie-embeddings-and-output-weights",
+                "--rotary-base",
+                "10000",
+                "--micro-batch-size",
+                "4",
+                "--global-batch-size",
+                "4",
+                "--train-iters",
+                "10",
+                "--lr",
+                "5e-3",
+                "--split",
+                "100,0,0",
+                "--eval-iters",
+                "0",
+                "--hidden-dropout",
+                "0",
+                "--attention-dropout",
+                "0",
+                "--device",
+                "cpu",
+                "--log-interval",
+                "10",
             ])
             .args(scaling)
             .arg("--data-path")
@@ -373,10 +412,20 @@ fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str
             .args(tokenizer_flags()),
     );
     let metadata = read_json(&checkpoint.join("iter_0000010/metadata.json"));
-    assert_eq!(metadata["model"]["rope_scaling"]["rope_type"], rope_type, "{metadata}");
+    assert_eq!(
+        metadata["model"]["rope_scaling"]["rope_type"], rope_type,
+        "{metadata}"
+    );
     run_ok(
         bin("checkpoint_convert")
-            .args(["--model-type", "GPT", "--loader", "megatron-rs", "--saver", "hf"])
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "megatron-rs",
+                "--saver",
+                "hf",
+            ])
             .arg("--load-dir")
             .arg(&checkpoint)
             .arg("--save-dir")
@@ -408,8 +457,12 @@ fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str
 fn a_yarn_model_from_pretrain_gpt_evaluates_as_transformers() {
     scaled_rope_model_evaluates_as_transformers(
         &[
-            "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
-            "--yarn-original-max-position-embeddings", "16",
+            "--position-embedding-type",
+            "yarn",
+            "--rotary-scaling-factor",
+            "4",
+            "--yarn-original-max-position-embeddings",
+            "16",
         ],
         "yarn",
     );
@@ -418,7 +471,13 @@ fn a_yarn_model_from_pretrain_gpt_evaluates_as_transformers() {
 #[test]
 fn a_llama3_scaled_model_from_pretrain_gpt_evaluates_as_transformers() {
     scaled_rope_model_evaluates_as_transformers(
-        &["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "4"],
+        &[
+            "--position-embedding-type",
+            "rope",
+            "--use-rope-scaling",
+            "--rope-scaling-factor",
+            "4",
+        ],
         "llama3",
     );
 }
@@ -426,7 +485,12 @@ fn a_llama3_scaled_model_from_pretrain_gpt_evaluates_as_transformers() {
 #[test]
 fn a_linearly_interpolated_model_from_pretrain_gpt_evaluates_as_transformers() {
     scaled_rope_model_evaluates_as_transformers(
-        &["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2"],
+        &[
+            "--position-embedding-type",
+            "rope",
+            "--rotary-seq-len-interpolation-factor",
+            "2",
+        ],
         "linear",
     );
 }

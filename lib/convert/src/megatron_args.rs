@@ -60,7 +60,10 @@ fn rope_flags(args: &Value) -> RopeScalingArgs {
         use_rope_scaling: flag(args, "use_rope_scaling"),
         rope_scaling_factor: float_or(args, "rope_scaling_factor", defaults.rope_scaling_factor),
         rotary_seq_len_interpolation_factor: float("rotary_seq_len_interpolation_factor"),
-        rope_type: args.get("rope_type").and_then(Value::as_str).map(str::to_string),
+        rope_type: args
+            .get("rope_type")
+            .and_then(Value::as_str)
+            .map(str::to_string),
         rotary_scaling_factor: float_or(
             args,
             "rotary_scaling_factor",

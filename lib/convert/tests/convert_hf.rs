@@ -189,7 +189,11 @@ fn round_trip(kind: &str, as_bin: bool) {
                 (Some(a), Some(b)) => a == b,
                 _ => *value == rope[key],
             };
-            assert!(same, "{kind}: rope_parameters.{key} {value} exported as {}", rope[key]);
+            assert!(
+                same,
+                "{kind}: rope_parameters.{key} {value} exported as {}",
+                rope[key]
+            );
         }
         assert_eq!(rope.as_object().unwrap().len(), source_rope.len(), "{rope}");
     }
@@ -254,7 +258,10 @@ fn load_error_with_rope(rope: serde_json::Value) -> String {
 #[test]
 fn rope_scalings_we_cannot_represent_are_refused_by_field() {
     let error = load_error_with_rope(serde_json::json!({"rope_type": "dynamic", "factor": 2.0}));
-    assert!(error.contains("rope_parameters.rope_type dynamic"), "{error}");
+    assert!(
+        error.contains("rope_parameters.rope_type dynamic"),
+        "{error}"
+    );
     let error = load_error_with_rope(serde_json::json!(
         {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}
     ));
@@ -262,11 +269,17 @@ fn rope_scalings_we_cannot_represent_are_refused_by_field() {
     let error = load_error_with_rope(serde_json::json!(
         {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}
     ));
-    assert!(error.contains("rope_parameters.attention_factor 2"), "{error}");
+    assert!(
+        error.contains("rope_parameters.attention_factor 2"),
+        "{error}"
+    );
     let error = load_error_with_rope(serde_json::json!(
         {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}
     ));
-    assert!(error.contains("rope_parameters.partial_rotary_factor"), "{error}");
+    assert!(
+        error.contains("rope_parameters.partial_rotary_factor"),
+        "{error}"
+    );
     let error = load_error_with_rope(serde_json::json!({"rope_type": "linear"}));
     assert!(error.contains("no number factor"), "{error}");
 }

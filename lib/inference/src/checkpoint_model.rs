@@ -87,7 +87,10 @@ pub struct CheckpointModelArgs {
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub rotary_base: Option<f64>,
     /// RoPE scaling, checked against the checkpoint's (its kind and factor).
-    #[command(flatten, next_help_heading = "Architecture (checked against the checkpoint)")]
+    #[command(
+        flatten,
+        next_help_heading = "Architecture (checked against the checkpoint)"
+    )]
     pub rope: RopeScalingArgs,
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
@@ -460,7 +463,9 @@ impl CheckpointModelArgs {
             if let Some(given) = self.rope.scaling(kind).map_err(usage_error)? {
                 let saved = config.rope_scaling;
                 match saved.filter(|saved| discriminant(saved) == discriminant(&given)) {
-                    Some(saved) => close(factor_flag(&given), Some(given.factor()), saved.factor())?,
+                    Some(saved) => {
+                        close(factor_flag(&given), Some(given.factor()), saved.factor())?
+                    }
                     None => {
                         let saved = saved.map_or("no rope scaling".into(), |s| format!("{s:?}"));
                         return Err(mismatch(given.flag(), "is given", saved, dir));

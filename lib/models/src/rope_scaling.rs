@@ -15,7 +15,9 @@ pub enum RopeScaling {
     Llama3(Llama3Scaling),
     /// Positions divided by `factor` (Megatron's `--rotary-seq-len-interpolation-factor`,
     /// HF's `rope_type: "linear"`): every frequency divided by it.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     Yarn(YarnScaling),
 }
 
@@ -87,7 +89,11 @@ impl YarnScaling {
 
     /// transformers' rule: the ratio only when both `mscale` and `mscale_all_dim` are given
     /// and non-zero, else `m(factor, 1)`.
-    pub fn hf_attention_factor(factor: f64, mscale: Option<f64>, mscale_all_dim: Option<f64>) -> f64 {
+    pub fn hf_attention_factor(
+        factor: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+    ) -> f64 {
         match (mscale, mscale_all_dim) {
             (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
                 yarn_mscale(factor, m) / yarn_mscale(factor, all)
@@ -332,14 +338,20 @@ mod tests {
             ..defaults
         };
         assert_eq!(both.attention_factor(), 1.0);
-        assert_eq!(YarnScaling::hf_attention_factor(4.0, Some(0.707), Some(0.707)), 1.0);
+        assert_eq!(
+            YarnScaling::hf_attention_factor(4.0, Some(0.707), Some(0.707)),
+            1.0
+        );
         // mscale alone: Megatron scales by it, transformers ignores it.
         let alone = YarnScaling {
             mscale: 0.5,
             ..defaults
         };
         assert!((alone.attention_factor() - (0.05 * 4.0f64.ln() + 1.0)).abs() < 1e-15);
-        assert_eq!(YarnScaling::hf_attention_factor(4.0, Some(0.5), Some(0.0)), expected);
+        assert_eq!(
+            YarnScaling::hf_attention_factor(4.0, Some(0.5), Some(0.0)),
+            expected
+        );
         // No stretching, no factor.
         assert_eq!(YarnScaling::megatron(1.0).attention_factor(), 1.0);
     }

@@ -62,7 +62,11 @@ fn megatron(dim: i64, base: f64, positions: i64, scaling: Option<RopeScaling>) -
         .args(["-c", MEGATRON_FORMULAS, &input.to_string()])
         .output()
         .expect("running MEGATRON_RS_TEST_PYTHON (torch)");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let reply: Value = serde_json::from_slice(&out.stdout).unwrap();
     let angles: Vec<f32> = reply["angles"]
         .as_array()
@@ -80,19 +84,26 @@ fn check(dim: i64, base: f64, scaling: Option<RopeScaling>) {
     let positions = 100;
     let (expected, expected_factor) = megatron(dim, base, positions, scaling);
     let rope = RotaryEmbedding::new(dim, base, scaling, false);
-    let angles = Tensor::arange(positions, (Kind::Float, Device::Cpu)).outer(&rope.inv_freq(Device::Cpu));
+    let angles =
+        Tensor::arange(positions, (Kind::Float, Device::Cpu)).outer(&rope.inv_freq(Device::Cpu));
     let worst = (&angles - &expected).abs().max().double_value(&[]);
     assert!(worst < 2e-5, "{scaling:?}: max |Δ angle| {worst:e}");
     let factor = match scaling {
         Some(RopeScaling::Yarn(yarn)) => yarn.attention_factor(),
         _ => 1.0,
     };
-    assert!((factor - expected_factor).abs() < 1e-12, "{scaling:?}: {factor} vs {expected_factor}");
+    assert!(
+        (factor - expected_factor).abs() < 1e-12,
+        "{scaling:?}: {factor} vs {expected_factor}"
+    );
     // The scaling shows: unscaled angles are far from these.
     if scaling.is_some() {
         let plain = RotaryEmbedding::new(dim, base, None, false).inv_freq(Device::Cpu);
         let plain = Tensor::arange(positions, (Kind::Float, Device::Cpu)).outer(&plain);
-        assert!((&plain - &expected).abs().max().double_value(&[]) > 1e-2, "{scaling:?}");
+        assert!(
+            (&plain - &expected).abs().max().double_value(&[]) > 1e-2,
+            "{scaling:?}"
+        );
     }
 }
 
@@ -104,7 +115,11 @@ fn base_frequencies_follow_megatron() {
 
 #[test]
 fn llama3_frequencies_follow_megatron() {
-    check(128, 500000.0, Some(RopeScaling::Llama3(Llama3Scaling::megatron(8.0))));
+    check(
+        128,
+        500000.0,
+        Some(RopeScaling::Llama3(Llama3Scaling::megatron(8.0))),
+    );
     let short = Llama3Scaling {
         original_max_position_embeddings: 64,
         high_freq_factor: 8.0,
@@ -121,7 +136,11 @@ fn linear_interpolation_follows_megatron() {
 
 #[test]
 fn yarn_frequencies_and_attention_factor_follow_megatron() {
-    check(64, 10000.0, Some(RopeScaling::Yarn(YarnScaling::megatron(40.0))));
+    check(
+        64,
+        10000.0,
+        Some(RopeScaling::Yarn(YarnScaling::megatron(40.0))),
+    );
     let custom = YarnScaling {
         original_max_position_embeddings: 32,
         beta_fast: 8.0,

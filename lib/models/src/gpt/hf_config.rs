@@ -34,9 +34,12 @@ fn head_width(hidden: (&str, i64), heads: (&str, i64)) -> Result<i64> {
 /// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45). Parameters we
 /// cannot represent are refused by name rather than dropped.
 fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
-    let found = [("rope_parameters", &hf["rope_parameters"]), ("rope_scaling", &hf["rope_scaling"])]
-        .into_iter()
-        .find(|(_, p)| p.is_object());
+    let found = [
+        ("rope_parameters", &hf["rope_parameters"]),
+        ("rope_scaling", &hf["rope_scaling"]),
+    ]
+    .into_iter()
+    .find(|(_, p)| p.is_object());
     let Some((field, parameters)) = found else {
         return Ok(None);
     };
@@ -86,8 +89,7 @@ fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
         }
     };
     let number = |key: &str| -> Result<f64> {
-        optional(key)?
-            .with_context(|| format!("config.json: {kind} {field} has no number {key}"))
+        optional(key)?.with_context(|| format!("config.json: {kind} {field} has no number {key}"))
     };
     let scaling = match kind {
         "default" => return Ok(None),
@@ -145,14 +147,16 @@ fn yarn_from_hf(
         ),
         (defaults.mscale, defaults.mscale_all_dim),
     ];
-    let Some((mscale, mscale_all_dim)) = candidates.into_iter().find(|&(mscale, mscale_all_dim)| {
-        let megatron = YarnScaling {
-            mscale,
-            mscale_all_dim,
-            ..defaults
-        };
-        (megatron.attention_factor() - applied).abs() <= 1e-9 * applied.abs()
-    }) else {
+    let Some((mscale, mscale_all_dim)) =
+        candidates.into_iter().find(|&(mscale, mscale_all_dim)| {
+            let megatron = YarnScaling {
+                mscale,
+                mscale_all_dim,
+                ..defaults
+            };
+            (megatron.attention_factor() - applied).abs() <= 1e-9 * applied.abs()
+        })
+    else {
         bail!(
             "config.json: {field}.attention_factor {applied} is not supported: Megatron derives it from factor, mscale and mscale_all_dim"
         );
@@ -362,8 +366,15 @@ mod tests {
             RopeScaling::Llama3(Llama3Scaling::megatron(8.0)),
             RopeScaling::Linear { factor: 2.5 },
             RopeScaling::Yarn(yarn),
-            RopeScaling::Yarn(YarnScaling { mscale: 0.5, ..yarn }),
-            RopeScaling::Yarn(YarnScaling { mscale: 0.0, mscale_all_dim: 0.7, ..yarn }),
+            RopeScaling::Yarn(YarnScaling {
+                mscale: 0.5,
+                ..yarn
+            }),
+            RopeScaling::Yarn(YarnScaling {
+                mscale: 0.0,
+                mscale_all_dim: 0.7,
+                ..yarn
+            }),
             RopeScaling::Yarn(YarnScaling {
                 mscale: 0.9,
                 mscale_all_dim: 0.7,

@@ -132,9 +132,8 @@ fn llama3_inv_freq(inv_freq: &Tensor, scaling: &Llama3Scaling) -> Tensor {
 /// the device (CUDA graph capture).
 fn yarn_inv_freq(inv_freq: &Tensor, scaling: &YarnScaling, base: f64, dim: i64) -> Tensor {
     let original = scaling.original_max_position_embeddings as f64;
-    let channel_of = |turns: f64| {
-        dim as f64 * (original / (turns * 2.0 * PI)).ln() / (2.0 * base.ln())
-    };
+    let channel_of =
+        |turns: f64| dim as f64 * (original / (turns * 2.0 * PI)).ln() / (2.0 * base.ln());
     let (mut low, mut high) = (channel_of(scaling.beta_fast), channel_of(scaling.beta_slow));
     if scaling.correction_range_round_to_int {
         (low, high) = (low.floor(), high.ceil());

@@ -65,7 +65,11 @@ pub fn apply_checkpoint_args(model: &mut ModelArgs, load: &Path) -> Result<Vec<S
         &mut rope.rotary_seq_len_interpolation_factor,
     )?;
     set("rope_type", false, &mut rope.rope_type)?;
-    set("rotary_scaling_factor", false, &mut rope.rotary_scaling_factor)?;
+    set(
+        "rotary_scaling_factor",
+        false,
+        &mut rope.rotary_scaling_factor,
+    )?;
     set("mscale", false, &mut rope.mscale)?;
     set("mscale_all_dim", false, &mut rope.mscale_all_dim)?;
     set(

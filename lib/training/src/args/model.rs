@@ -314,15 +314,28 @@ mod tests {
             "--no-yarn-correction-range-round-to-int",
         ];
         let selected = config(&[&["--position-embedding-type", "yarn"][..], &yarn_flags].concat());
-        assert_eq!(selected.position_embedding_type, PositionEmbeddingType::Rope);
+        assert_eq!(
+            selected.position_embedding_type,
+            PositionEmbeddingType::Rope
+        );
         assert_eq!(selected.rope_scaling, Some(RopeScaling::Yarn(yarn)));
         assert_eq!(
             scaling(&[&["--rope-type", "yarn"][..], &yarn_flags].concat()),
             Some(RopeScaling::Yarn(yarn))
         );
         let shape = [
-            "pretrain", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--position-embedding-type", "yarn", "--use-rope-scaling",
+            "pretrain",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--position-embedding-type",
+            "yarn",
+            "--use-rope-scaling",
         ];
         let flags = Flags::try_parse_from(shape).unwrap();
         let error = flags.model.gpt_config(1000).unwrap_err().to_string();
