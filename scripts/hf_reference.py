@@ -1,6 +1,8 @@
 """HuggingFace reference for checkpoint_convert's tests.
 
-    hf_reference.py make gpt2|llama|llama3|qwen2 DIR [--bin]   a tiny random model, save_pretrained(DIR)
+    hf_reference.py make KIND DIR [--bin]   a tiny random model, save_pretrained(DIR); KIND is gpt2,
+                                            llama, qwen2 or a scaled-RoPE Llama: llama3, linear,
+                                            yarn, yarn_mscale
     hf_reference.py logits DIR IDS                       from_pretrained(DIR) logits for IDS ("1,2,3;4,5,6")
 
 `logits` prints JSON: {"missing": [...], "unexpected": [...], "logits": [[[...]]], "tokenizer": class or null}.
@@ -12,6 +14,18 @@ import sys
 
 import torch
 import transformers
+
+
+SCALED_ROPE = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    # Non-default betas, no rounding of the ramp, and DeepSeek's mscale pair (both non-zero: the
+    # one case where transformers takes their ratio, as Megatron always does).
+    "yarn_mscale": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                    "beta_fast": 8.0, "beta_slow": 0.5, "truncate": False, "mscale": 1.0, "mscale_all_dim": 0.5},
+}
 
 
 def make(kind, directory, as_bin):
@@ -27,16 +41,14 @@ def make(kind, directory, as_bin):
                                           max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5,
                                           tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
-    elif kind == "llama3":
-        # Llama 3.1's RoPE scaling with the original context shrunk to the tiny model's, so that
-        # every band (kept, blended, stretched) has frequencies; larger weights make attention
-        # (and so the rotation) matter in the logits.
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    elif kind in SCALED_ROPE:
+        # RoPE scalings with the original context shrunk to the tiny model's (16 positions, the
+        # tests read 40), so that every band (kept, blended, stretched) has frequencies; larger
+        # weights make attention (and so the rotation) matter in the logits.
         config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=96,
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=64, rope_parameters=rope, rms_norm_eps=1e-5,
-                                          initializer_range=0.2, tie_word_embeddings=False)
+                                          max_position_embeddings=64, rope_parameters=dict(SCALED_ROPE[kind]),
+                                          rms_norm_eps=1e-5, initializer_range=0.2, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
     elif kind == "qwen2":
         config = transformers.Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=96,

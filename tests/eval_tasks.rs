@@ -132,15 +132,26 @@ fn read_json(path: &Path) -> Value {
 }
 
 fn reference(fixture: &Fixture, task: &str, data: &Path, strict: bool) -> Value {
+    reference_of(&fixture.checkpoint, "128", task, data, strict)
+}
+
+/// The Python reference's numbers for `checkpoint` (ours, or a HuggingFace directory).
+fn reference_of(
+    checkpoint: &Path,
+    seq_length: &str,
+    task: &str,
+    data: &Path,
+    strict: bool,
+) -> Value {
     let python = test_python(&["torch", "transformers", "safetensors", "tokenizers"]);
     let out = run_ok(
         Command::new(python)
             .arg(workspace_root().join("scripts/reference/eval_tasks_reference.py"))
-            .arg(&fixture.checkpoint)
+            .arg(checkpoint)
             .arg(shared_dir().join("data/gpt2-tokenizer.json"))
             .arg(task)
             .arg(data)
-            .args(["128", "32", if strict { "1" } else { "0" }]),
+            .args([seq_length, "32", if strict { "1" } else { "0" }]),
     );
     serde_json::from_slice(&out.stdout).unwrap()
 }
@@ -336,6 +347,155 @@ fn a_huggingface_checkpoint_evaluates_like_its_import() {
     ] {
         assert_eq!(from_hf[key], from_import[key], "{key}");
     }
+}
+
+/// A Llama-shaped GPT trained by `pretrain_gpt` with RoPE scaling `scaling` (Megatron's flags)
+/// on the fixture's passages, 64 positions: `eval_tasks` on the saved checkpoint (which
+/// carries the scaling, tagged `rope_type`) gives transformers' WikiText numbers on its HF
+/// export (`checkpoint_convert --saver hf`).
+fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str) {
+    let fixture = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let (checkpoint, hf) = (dir.path().join("ckpt"), dir.path().join("hf"));
+    let data = fixture.lambada.with_file_name("lambada_text_document");
+    run_ok(
+        bin("pretrain_gpt")
+            .args([
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--num-attention-heads",
+                "4",
+                "--group-query-attention",
+                "--num-query-groups",
+                "2",
+                "--ffn-hidden-size",
+                "128",
+                "--seq-length",
+                "64",
+                "--max-position-embeddings",
+                "64",
+                "--normalization",
+                "RMSNorm",
+                "--swiglu",
+                "--disable-bias-linear",
+                "--untie-embeddings-and-output-weights",
+                "--rotary-base",
+                "10000",
+                "--micro-batch-size",
+                "4",
+                "--global-batch-size",
+                "4",
+                "--train-iters",
+                "10",
+                "--lr",
+                "5e-3",
+                "--split",
+                "100,0,0",
+                "--eval-iters",
+                "0",
+                "--hidden-dropout",
+                "0",
+                "--attention-dropout",
+                "0",
+                "--device",
+                "cpu",
+                "--log-interval",
+                "10",
+                // No padding rows: Megatron's loss normalizes over them, the HF export drops them.
+                "--make-vocab-size-divisible-by",
+                "1",
+            ])
+            .args(scaling)
+            .arg("--data-path")
+            .arg(&data)
+            .arg("--save")
+            .arg(&checkpoint)
+            .args(tokenizer_flags()),
+    );
+    let metadata = read_json(&checkpoint.join("iter_0000010/metadata.json"));
+    assert_eq!(
+        metadata["model"]["rope_scaling"]["rope_type"], rope_type,
+        "{metadata}"
+    );
+    run_ok(
+        bin("checkpoint_convert")
+            .args([
+                "--model-type",
+                "GPT",
+                "--loader",
+                "megatron-rs",
+                "--saver",
+                "hf",
+            ])
+            .arg("--load-dir")
+            .arg(&checkpoint)
+            .arg("--save-dir")
+            .arg(&hf)
+            .args(&tokenizer_flags()[2..]),
+    );
+    let json = dir.path().join("results.json");
+    run_ok(
+        bin("eval_tasks")
+            .arg("--load")
+            .arg(&checkpoint)
+            .args(tokenizer_flags())
+            .args(["--device", "cpu", "--seq-length", "64"])
+            .args(["--task", "WIKITEXT103", "--overlapping-eval", "32"])
+            .arg("--valid-data")
+            .arg(&fixture.wiki)
+            .arg("--results-json")
+            .arg(&json),
+    );
+    let ours = read_json(&json);
+    let expected = reference_of(&hf, "64", "WIKITEXT103", &fixture.wiki, false);
+    assert_eq!(ours["num_windows"], expected["num_windows"]);
+    for key in ["loss_sum", "avg_loss", "ppl"] {
+        assert_close(&ours, &expected, key);
+    }
+}
+
+#[test]
+fn a_yarn_model_from_pretrain_gpt_evaluates_as_transformers() {
+    scaled_rope_model_evaluates_as_transformers(
+        &[
+            "--position-embedding-type",
+            "yarn",
+            "--rotary-scaling-factor",
+            "4",
+            "--yarn-original-max-position-embeddings",
+            "16",
+        ],
+        "yarn",
+    );
+}
+
+#[test]
+fn a_llama3_scaled_model_from_pretrain_gpt_evaluates_as_transformers() {
+    scaled_rope_model_evaluates_as_transformers(
+        &[
+            "--position-embedding-type",
+            "rope",
+            "--use-rope-scaling",
+            "--rope-scaling-factor",
+            "4",
+        ],
+        "llama3",
+    );
+}
+
+#[test]
+fn a_linearly_interpolated_model_from_pretrain_gpt_evaluates_as_transformers() {
+    scaled_rope_model_evaluates_as_transformers(
+        &[
+            "--position-embedding-type",
+            "rope",
+            "--rotary-seq-len-interpolation-factor",
+            "2",
+        ],
+        "linear",
+    );
 }
 
 /// Runs eval_tasks with `args` as two tensor-parallel processes; returns the results JSON.

@@ -1047,6 +1047,12 @@ fn checkpoint_args_replace_the_architecture_flags() {
         "2",
         "--ffn-hidden-size",
         "48",
+        "--position-embedding-type",
+        "yarn",
+        "--rotary-scaling-factor",
+        "4",
+        "--yarn-beta-fast",
+        "8",
     ];
     run_ok(&mut pretrain(
         &corpus,
@@ -1071,6 +1077,9 @@ fn checkpoint_args_replace_the_architecture_flags() {
         "Setting untie_embeddings_and_output_weights to True from checkpoint",
         "Setting num_query_groups to 2 from checkpoint",
         "Setting ffn_hidden_size to 48 from checkpoint",
+        "Setting position_embedding_type to yarn from checkpoint",
+        "Setting rotary_scaling_factor to 4.0 from checkpoint",
+        "Setting yarn_beta_fast to 8.0 from checkpoint",
     ] {
         assert_eq!(stdout.matches(line).count(), 1, "{line}: {stdout}");
     }

@@ -1,6 +1,7 @@
 """Independent reference for eval_tasks' numbers (tests/eval_tasks.rs): the checkpoint as a
-HuggingFace GPT2LMHeadModel (scripts/bench/gpt_to_hf.py), the data built from the spec's
-description (megatron-model.md §7.2-7.3) with HF `tokenizers`, scored one sequence at a time.
+HuggingFace GPT2LMHeadModel (scripts/bench/gpt_to_hf.py), or, given a HuggingFace directory
+(config.json), transformers' own model of it; the data built from the spec's description
+(megatron-model.md §7.2-7.3) with HF `tokenizers`, scored one sequence at a time.
 
 usage: eval_tasks_reference.py CHECKPOINT TOKENIZER_JSON TASK DATA SEQ_LENGTH STRIDE STRICT
 prints one JSON object."""
@@ -49,7 +50,11 @@ def main():
     checkpoint, tokenizer_json, task, data, seq_length, stride, strict = sys.argv[1:8]
     seq_length, stride, strict = int(seq_length), int(stride), strict == "1"
     tokenizer = Tokenizer.from_file(tokenizer_json)
-    model = load(checkpoint).eval()
+    if os.path.exists(os.path.join(checkpoint, "config.json")):
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    else:
+        model = load(checkpoint).eval()
     torch.set_grad_enabled(False)
 
     def encode(text):

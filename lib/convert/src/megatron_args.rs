@@ -4,7 +4,7 @@ use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::Value;
 
 use megatron_models::{
-    Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
+    Activation, Normalization, PositionEmbeddingType, RopeScalingArgs, TransformerConfig,
 };
 
 fn int(args: &Value, key: &str) -> Result<i64> {
@@ -52,6 +52,38 @@ pub fn true_vocab_size(args: &Value, padded_rows: i64, given: Option<i64>) -> i6
     }
 }
 
+/// The RoPE scaling flags as the args recorded them (Megatron's defaults where absent).
+fn rope_flags(args: &Value) -> RopeScalingArgs {
+    let defaults = RopeScalingArgs::default();
+    let float = |key: &str| args.get(key).and_then(Value::as_f64);
+    RopeScalingArgs {
+        use_rope_scaling: flag(args, "use_rope_scaling"),
+        rope_scaling_factor: float_or(args, "rope_scaling_factor", defaults.rope_scaling_factor),
+        rotary_seq_len_interpolation_factor: float("rotary_seq_len_interpolation_factor"),
+        rope_type: args
+            .get("rope_type")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        rotary_scaling_factor: float_or(
+            args,
+            "rotary_scaling_factor",
+            defaults.rotary_scaling_factor,
+        ),
+        mscale: float_or(args, "mscale", defaults.mscale),
+        mscale_all_dim: float_or(args, "mscale_all_dim", defaults.mscale_all_dim),
+        yarn_original_max_position_embeddings: args
+            .get("yarn_original_max_position_embeddings")
+            .and_then(Value::as_i64),
+        yarn_beta_fast: float("yarn_beta_fast"),
+        yarn_beta_slow: float("yarn_beta_slow"),
+        yarn_correction_range_round_to_int: false,
+        no_yarn_correction_range_round_to_int: args
+            .get("yarn_correction_range_round_to_int")
+            .and_then(Value::as_bool)
+            == Some(false),
+    }
+}
+
 /// The architecture the args describe, for a vocabulary of `vocab_size` tokens.
 pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
     let hidden_size = positive(args, "hidden_size")?;
@@ -96,9 +128,9 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
     if flag(args, "qk_layernorm") {
         bail!("checkpoints with --qk-layernorm are not supported");
     }
-    // Megatron applies `--use-rope-scaling` with Llama 3.1's other parameters.
-    let rope_scaling = flag(args, "use_rope_scaling")
-        .then(|| RopeScaling::megatron(float_or(args, "rope_scaling_factor", 8.0)));
+    let rope_scaling = rope_flags(args)
+        .scaling(position)
+        .context("the checkpoint's args")?;
     let seq_length = int_or(args, "seq_length", 0);
     Ok(TransformerConfig {
         num_layers: positive(args, "num_layers")? as usize,

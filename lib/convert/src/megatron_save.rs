@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
@@ -18,7 +18,10 @@ use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState};
 use super::tensors::kind_named;
-use megatron_models::{Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType};
+use megatron_models::{
+    Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType, RopeScaling,
+    YarnScaling,
+};
 use megatron_optim::excluded_from_weight_decay;
 use megatron_store::{iteration_directory, rank_directory_name, write_tracker};
 
@@ -45,8 +48,9 @@ fn json_to_value(json: &Json) -> Option<Value> {
 /// The args namespace: the source run's flags with the architecture and layout of the output.
 fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(String, Saved)>> {
     let config = &state.config;
-    if let Some(scaling) = config.rope_scaling.filter(|s| !s.is_megatron_expressible()) {
-        bail!(
+    if let Some(RopeScaling::Llama3(scaling)) = config.rope_scaling {
+        ensure!(
+            scaling.is_megatron_expressible(),
             "{}: Megatron's --use-rope-scaling fixes low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192; this model has {scaling:?}",
             state.source
         );
@@ -63,7 +67,7 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(Strin
         .unwrap_or_default();
     let dtype = state.params_dtype.as_str();
     let vp = (target.virtual_stages > 1).then_some(target.virtual_stages as i64);
-    let overrides: Vec<(&str, Value)> = vec![
+    let mut overrides: Vec<(&str, Value)> = vec![
         ("num_layers", Value::Int(config.num_layers as i64)),
         ("hidden_size", Value::Int(config.hidden_size)),
         ("ffn_hidden_size", Value::Int(config.ffn_hidden_size)),
@@ -92,24 +96,17 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(Strin
         (
             "position_embedding_type",
             Value::Str(
-                match config.position_embedding_type {
-                    PositionEmbeddingType::LearnedAbsolute => "learned_absolute",
-                    PositionEmbeddingType::Rope => "rope",
-                    PositionEmbeddingType::None => "none",
+                match (config.position_embedding_type, config.rope_scaling) {
+                    (PositionEmbeddingType::LearnedAbsolute, _) => "learned_absolute",
+                    (PositionEmbeddingType::Rope, Some(RopeScaling::Yarn(_))) => "yarn",
+                    (PositionEmbeddingType::Rope, _) => "rope",
+                    (PositionEmbeddingType::None, _) => "none",
                 }
                 .into(),
             ),
         ),
         ("rotary_base", Value::Int(config.rotary_base as i64)),
         ("rotary_percent", Value::Float(config.rotary_percent)),
-        (
-            "use_rope_scaling",
-            Value::Bool(config.rope_scaling.is_some()),
-        ),
-        (
-            "rope_scaling_factor",
-            Value::Float(config.rope_scaling.map_or(8.0, |s| s.factor)),
-        ),
         (
             "normalization",
             Value::Str(
@@ -167,6 +164,7 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(Strin
             Value::Int(state.run.consumed_valid_samples as i64),
         ),
     ];
+    overrides.extend(rope_scaling_args(config.rope_scaling));
     for (key, value) in overrides {
         match args.iter_mut().find(|(k, _)| k == key) {
             Some(entry) => entry.1 = value,
@@ -177,6 +175,49 @@ fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(Strin
         .into_iter()
         .map(|(k, v)| (k, Saved::Value(v)))
         .collect())
+}
+
+/// Megatron's flags for a RoPE scaling (the others at their defaults, so that a source run's
+/// stale ones cannot linger).
+fn rope_scaling_args(scaling: Option<RopeScaling>) -> Vec<(&'static str, Value)> {
+    let (llama3, linear, yarn) = match scaling {
+        Some(RopeScaling::Llama3(s)) => (Some(s), None, None),
+        Some(RopeScaling::Linear { factor }) => (None, Some(factor), None),
+        Some(RopeScaling::Yarn(s)) => (None, None, Some(s)),
+        None => (None, None, None),
+    };
+    let defaults = YarnScaling::megatron(1.0);
+    let yarn_or = |field: fn(&YarnScaling) -> f64| Value::Float(field(&yarn.unwrap_or(defaults)));
+    let yarn_only = |value: fn(&YarnScaling) -> Value| yarn.as_ref().map_or(Value::None, value);
+    vec![
+        ("use_rope_scaling", Value::Bool(llama3.is_some())),
+        (
+            "rope_scaling_factor",
+            Value::Float(llama3.map_or(8.0, |s| s.factor)),
+        ),
+        (
+            "rotary_seq_len_interpolation_factor",
+            // Megatron's flag is an integer; a fractional factor is kept as it is.
+            match linear {
+                Some(f) if f.fract() == 0.0 => Value::Int(f as i64),
+                Some(f) => Value::Float(f),
+                None => Value::None,
+            },
+        ),
+        ("rotary_scaling_factor", yarn_or(|s| s.factor)),
+        ("mscale", yarn_or(|s| s.mscale)),
+        ("mscale_all_dim", yarn_or(|s| s.mscale_all_dim)),
+        (
+            "yarn_original_max_position_embeddings",
+            yarn_only(|s| Value::Int(s.original_max_position_embeddings)),
+        ),
+        ("yarn_beta_fast", yarn_only(|s| Value::Float(s.beta_fast))),
+        ("yarn_beta_slow", yarn_only(|s| Value::Float(s.beta_slow))),
+        (
+            "yarn_correction_range_round_to_int",
+            yarn_only(|s| Value::Bool(s.correction_range_round_to_int)),
+        ),
+    ]
 }
 
 /// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`

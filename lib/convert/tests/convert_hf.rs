@@ -34,20 +34,30 @@ fn python(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-const IDS: &str = "1,17,256,999,3,42,7,500;5,6,7,8,9,10,11,12";
+/// Two rows of 40 tokens: past the 16 positions the scaled-RoPE models were "trained" on.
+fn id_rows() -> Vec<Vec<i64>> {
+    (0..2)
+        .map(|row| (0..40).map(|i| (i * 37 + row * 11 + 1) % 1000).collect())
+        .collect()
+}
+
+fn ids_text() -> String {
+    id_rows()
+        .iter()
+        .map(|row| row.iter().map(i64::to_string).collect::<Vec<_>>().join(","))
+        .collect::<Vec<_>>()
+        .join(";")
+}
 
 fn ids() -> Tensor {
-    let rows: Vec<Vec<i64>> = IDS
-        .split(';')
-        .map(|r| r.split(',').map(|t| t.parse().unwrap()).collect())
-        .collect();
+    let rows = id_rows();
     Tensor::from_slice(&rows.concat()).view([rows.len() as i64, -1])
 }
 
 /// HF's logits for [`IDS`] from `dir`, after checking that every key loaded.
 fn hf_logits(dir: &Path) -> (Tensor, Option<String>) {
     let reply: serde_json::Value =
-        serde_json::from_str(&python(&["logits", dir.to_str().unwrap(), IDS])).unwrap();
+        serde_json::from_str(&python(&["logits", dir.to_str().unwrap(), &ids_text()])).unwrap();
     assert_eq!(reply["missing"], serde_json::json!([]), "missing keys");
     assert_eq!(
         reply["unexpected"],
@@ -168,14 +178,24 @@ fn round_trip(kind: &str, as_bin: bool) {
         serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
             .unwrap();
     assert_eq!(config["vocab_size"], 1000, "padding rows dropped");
-    if let Some(scaling) = reloaded.config.rope_scaling {
+    // The RoPE parameters come back as transformers wrote them (rope_theta and scaling).
+    let source_config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
+            .unwrap();
+    if let Some(source_rope) = source_config["rope_parameters"].as_object() {
         let rope = &config["rope_parameters"];
-        assert_eq!(rope["rope_type"], "llama3");
-        assert_eq!(rope["factor"], scaling.factor);
-        assert_eq!(
-            rope["original_max_position_embeddings"],
-            scaling.original_max_position_embeddings
-        );
+        for (key, value) in source_rope {
+            let same = match (value.as_f64(), rope[key].as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => *value == rope[key],
+            };
+            assert!(
+                same,
+                "{kind}: rope_parameters.{key} {value} exported as {}",
+                rope[key]
+            );
+        }
+        assert_eq!(rope.as_object().unwrap().len(), source_rope.len(), "{rope}");
     }
     let (exported, tokenizer) = hf_logits(&export);
     assert!(tokenizer.is_some(), "AutoTokenizer loads the export");
@@ -206,6 +226,62 @@ fn llama_gqa_untied_rope_theta_round_trip() {
 #[test]
 fn llama3_rope_scaling_round_trip() {
     round_trip("llama3", false);
+}
+
+#[test]
+fn linear_rope_scaling_round_trip() {
+    round_trip("linear", false);
+}
+
+#[test]
+fn yarn_rope_scaling_round_trip() {
+    round_trip("yarn", false);
+}
+
+#[test]
+fn yarn_mscale_betas_untruncated_round_trip() {
+    round_trip("yarn_mscale", false);
+}
+
+/// A Llama `config.json` of the tiny shape with `rope` as its `rope_parameters`.
+fn load_error_with_rope(rope: serde_json::Value) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "max_position_embeddings": 64, "rope_parameters": rope,
+    });
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    format!("{:#}", load_hf(dir.path(), 128, None).unwrap_err())
+}
+
+#[test]
+fn rope_scalings_we_cannot_represent_are_refused_by_field() {
+    let error = load_error_with_rope(serde_json::json!({"rope_type": "dynamic", "factor": 2.0}));
+    assert!(
+        error.contains("rope_parameters.rope_type dynamic"),
+        "{error}"
+    );
+    let error = load_error_with_rope(serde_json::json!(
+        {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0}
+    ));
+    assert!(error.contains("rope_parameters.low_freq_factor"), "{error}");
+    let error = load_error_with_rope(serde_json::json!(
+        {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}
+    ));
+    assert!(
+        error.contains("rope_parameters.attention_factor 2"),
+        "{error}"
+    );
+    let error = load_error_with_rope(serde_json::json!(
+        {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}
+    ));
+    assert!(
+        error.contains("rope_parameters.partial_rotary_factor"),
+        "{error}"
+    );
+    let error = load_error_with_rope(serde_json::json!({"rope_type": "linear"}));
+    assert!(error.contains("no number factor"), "{error}");
 }
 
 #[test]

@@ -292,30 +292,48 @@ fn megatron_torch_tp2_pp2_reads_back_as_the_same_model() {
     }
 }
 
-/// `--use-rope-scaling` and `--rope-scaling-factor` travel through Megatron's args; a scaling
-/// Megatron's flags cannot express is refused by name instead of being saved wrong.
+/// Every RoPE scaling travels through Megatron's args (`--use-rope-scaling`,
+/// `--rotary-seq-len-interpolation-factor`, `--position-embedding-type yarn` with its flags); a
+/// Llama-3 scaling Megatron's flags cannot express is refused by name instead of being saved
+/// wrong.
 #[test]
-fn megatron_torch_carries_llama3_rope_scaling() {
+fn megatron_torch_carries_rope_scaling() {
     use megatron_convert::save_megatron_torch;
-    use megatron_models::RopeScaling;
+    use megatron_models::{Llama3Scaling, RopeScaling, YarnScaling};
     let options = LoadOptions::default();
     let mut state =
         load_megatron_torch(&goldens().join("llama_torch/iter_0000003"), &options).unwrap();
     assert_eq!(state.config.rope_scaling, None);
-    state.config.rope_scaling = Some(RopeScaling::megatron(32.0));
     let layout = TargetLayout {
         tensor: 1,
         pipeline: 1,
         virtual_stages: 1,
     };
-    let out = tempfile::tempdir().unwrap();
-    save_megatron_torch(&state, out.path(), layout).unwrap();
-    let back = load_megatron_torch(&out.path().join("iter_0000003"), &options).unwrap();
-    assert_eq!(back.config.rope_scaling, Some(RopeScaling::megatron(32.0)));
-    state.config.rope_scaling = Some(RopeScaling {
+    let yarn = YarnScaling {
+        original_max_position_embeddings: 64,
+        beta_fast: 16.0,
+        beta_slow: 2.0,
+        mscale: 0.707,
+        mscale_all_dim: 0.707,
+        correction_range_round_to_int: false,
+        ..YarnScaling::megatron(40.0)
+    };
+    for scaling in [
+        RopeScaling::Llama3(Llama3Scaling::megatron(32.0)),
+        RopeScaling::Linear { factor: 4.0 },
+        RopeScaling::Yarn(yarn),
+        RopeScaling::Yarn(YarnScaling::megatron(8.0)),
+    ] {
+        state.config.rope_scaling = Some(scaling);
+        let out = tempfile::tempdir().unwrap();
+        save_megatron_torch(&state, out.path(), layout).unwrap();
+        let back = load_megatron_torch(&out.path().join("iter_0000003"), &options).unwrap();
+        assert_eq!(back.config.rope_scaling, Some(scaling));
+    }
+    state.config.rope_scaling = Some(RopeScaling::Llama3(Llama3Scaling {
         original_max_position_embeddings: 16,
-        ..RopeScaling::megatron(8.0)
-    });
+        ..Llama3Scaling::megatron(8.0)
+    }));
     let refused = tempfile::tempdir().unwrap();
     let error = format!(
         "{:#}",

@@ -5,6 +5,7 @@
 //! run-time flags (precision, batch size, seed, parallel sizes) take effect; flags that have no
 //! meaning here are accepted and ignored with a one-line note.
 
+use std::mem::discriminant;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -16,8 +17,8 @@ use tch::{Device, Kind};
 
 use megatron_checkpoint::layout::Format;
 use megatron_models::{
-    Activation, GptModel, Normalization, PositionEmbeddingType, T5Config, T5Model,
-    TransformerConfig,
+    Activation, GptModel, Normalization, PositionEmbeddingType, RopeScaling, RopeScalingArgs,
+    T5Config, T5Model, TransformerConfig,
 };
 use megatron_parallel::{
     join_launched_job, Backend, Job, JoinOptions, LaunchEnv, ParallelState, Placement,
@@ -73,7 +74,7 @@ pub struct CheckpointModelArgs {
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub max_position_embeddings: Option<i64>,
-    /// Checked against the checkpoint: learned_absolute, rope or none.
+    /// Checked against the checkpoint: learned_absolute, rope, yarn or none.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub position_embedding_type: Option<String>,
     /// Megatron's older spelling of --position-embedding-type rope (checked the same way).
@@ -85,12 +86,12 @@ pub struct CheckpointModelArgs {
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub rotary_base: Option<f64>,
-    /// Checked against the checkpoint (Llama-3 RoPE frequency scaling).
-    #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
-    pub use_rope_scaling: bool,
-    /// Checked against the checkpoint (with --use-rope-scaling).
-    #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
-    pub rope_scaling_factor: Option<f64>,
+    /// RoPE scaling, checked against the checkpoint's (its kind and factor).
+    #[command(
+        flatten,
+        next_help_heading = "Architecture (checked against the checkpoint)"
+    )]
+    pub rope: RopeScalingArgs,
     /// Checked against the checkpoint.
     #[arg(long, help_heading = "Architecture (checked against the checkpoint)")]
     pub make_vocab_size_divisible_by: Option<i64>,
@@ -245,6 +246,15 @@ fn text(value: Option<impl ToString>) -> Option<String> {
 }
 
 /// A flag given on the command line whose value disagrees with the checkpoint.
+/// The flag that gives a scaling's factor.
+fn factor_flag(scaling: &RopeScaling) -> &'static str {
+    match scaling {
+        RopeScaling::Llama3(_) => "--rope-scaling-factor",
+        RopeScaling::Linear { .. } => "--rotary-seq-len-interpolation-factor",
+        RopeScaling::Yarn(_) => "--rotary-scaling-factor",
+    }
+}
+
 fn mismatch(
     flag: &str,
     given: impl std::fmt::Display,
@@ -449,21 +459,18 @@ impl CheckpointModelArgs {
                 config.rotary_percent,
             )?;
             close("--rotary-base", self.rotary_base, config.rotary_base)?;
-            match &config.rope_scaling {
-                Some(scaling) => close(
-                    "--rope-scaling-factor",
-                    self.rope_scaling_factor,
-                    scaling.factor,
-                )?,
-                None if self.use_rope_scaling => {
-                    return Err(mismatch(
-                        "--use-rope-scaling",
-                        "given",
-                        "no rope scaling",
-                        dir,
-                    ))
+            let kind = self.position_embedding_type.as_deref().unwrap_or("rope");
+            if let Some(given) = self.rope.scaling(kind).map_err(usage_error)? {
+                let saved = config.rope_scaling;
+                match saved.filter(|saved| discriminant(saved) == discriminant(&given)) {
+                    Some(saved) => {
+                        close(factor_flag(&given), Some(given.factor()), saved.factor())?
+                    }
+                    None => {
+                        let saved = saved.map_or("no rope scaling".into(), |s| format!("{s:?}"));
+                        return Err(mismatch(given.flag(), "is given", saved, dir));
+                    }
                 }
-                None => {}
             }
         }
         close("--norm-epsilon", self.norm_epsilon, config.norm_epsilon)?;

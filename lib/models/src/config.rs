@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 
 pub use megatron_kernels::ops::Normalization;
 
+use crate::rope_scaling::{self, RopeScaling};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PositionEmbeddingType {
@@ -15,14 +17,15 @@ pub enum PositionEmbeddingType {
 }
 
 impl PositionEmbeddingType {
-    /// Megatron's `--position-embedding-type` values.
+    /// Megatron's `--position-embedding-type` values; `yarn` is RoPE whose scaling the YaRN
+    /// flags describe (`RopeScaling::Yarn`).
     pub fn parse(value: &str) -> Result<Self> {
         Ok(match value {
             "learned_absolute" => Self::LearnedAbsolute,
-            "rope" => Self::Rope,
+            "rope" | "yarn" => Self::Rope,
             "none" => Self::None,
             other => bail!(
-                "--position-embedding-type {other:?}: expected learned_absolute, rope or none"
+                "--position-embedding-type {other:?}: expected learned_absolute, rope, yarn or none"
             ),
         })
     }
@@ -61,46 +64,6 @@ impl Activation {
     }
 }
 
-/// Llama-3.x frequency scaling of RoPE (Megatron's `--use-rope-scaling`, HF's
-/// `rope_type: "llama3"`): wavelengths longer than `original_max_position_embeddings /
-/// low_freq_factor` are stretched by `factor`, shorter than `… / high_freq_factor` kept, and
-/// the band between interpolated smoothly.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct RopeScaling {
-    pub factor: f64,
-    pub low_freq_factor: f64,
-    pub high_freq_factor: f64,
-    pub original_max_position_embeddings: i64,
-}
-
-impl RopeScaling {
-    /// Megatron's `--rope-scaling-factor`: the other parameters are fixed at Llama 3.1's.
-    pub fn megatron(factor: f64) -> Self {
-        RopeScaling {
-            factor,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192,
-        }
-    }
-
-    /// Whether Megatron's flags can express it (only the factor is a flag there).
-    pub fn is_megatron_expressible(&self) -> bool {
-        *self == Self::megatron(self.factor)
-    }
-
-    pub fn validate(&self) -> Result<()> {
-        ensure!(
-            self.factor > 0.0
-                && self.low_freq_factor > 0.0
-                && self.high_freq_factor > self.low_freq_factor
-                && self.original_max_position_embeddings > 0,
-            "rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0 (got {self:?})"
-        );
-        Ok(())
-    }
-}
-
 /// The transformer trunk every model family shares (GPT, BERT and T5 build on it): its shape,
 /// normalization, activation, position embeddings and vocabulary, as Megatron's flags describe it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -119,8 +82,12 @@ pub struct TransformerConfig {
     pub position_embedding_type: PositionEmbeddingType,
     pub rotary_base: f64,
     pub rotary_percent: f64,
-    /// Llama-3 RoPE frequency scaling; absent in metadata written before it existed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// RoPE scaling for long contexts; absent in metadata written before it existed.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "rope_scaling::deserialize_stored"
+    )]
     pub rope_scaling: Option<RopeScaling>,
     pub normalization: Normalization,
     pub norm_epsilon: f64,
@@ -230,7 +197,15 @@ impl TransformerConfig {
         if let Some(scaling) = &self.rope_scaling {
             ensure!(
                 self.position_embedding_type == PositionEmbeddingType::Rope,
-                "--use-rope-scaling needs --position-embedding-type rope"
+                "{} needs --position-embedding-type rope",
+                scaling.flag()
+            );
+            // Megatron's YaRN spans the whole head whatever --rotary-percent says, transformers'
+            // only the rotated part: with both at 1 they agree.
+            ensure!(
+                !matches!(scaling, RopeScaling::Yarn(_)) || self.rotary_percent == 1.0,
+                "yarn rope scaling needs --rotary-percent 1.0 (got {})",
+                self.rotary_percent
             );
             scaling.validate()?;
         }

@@ -16,6 +16,7 @@ pub mod loader;
 pub mod options;
 pub mod param;
 pub mod partition;
+pub mod rope_scaling;
 pub mod stack;
 
 // The families.
@@ -24,14 +25,13 @@ pub mod gpt;
 pub mod t5;
 
 pub use chunk::{ChunkSpec, ModelChunk};
-pub use config::{
-    Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
-};
+pub use config::{Activation, Normalization, PositionEmbeddingType, TransformerConfig};
 pub use cross_entropy::{cross_entropy, mask_extra_vocabulary};
 pub use family::FamilyModel;
 pub use layers::{AttentionMask, NamedParameter, ParamAttributes};
 pub use options::{ModelOptions, Recompute, RecomputeMethod};
 pub use partition::PipelineSplit;
+pub use rope_scaling::{Llama3Scaling, RopeScaling, RopeScalingArgs, YarnScaling};
 pub use stack::{OutputHead, ParamGate};
 
 pub use bert::{BertBatch, BertConfig, BertModel, BertOutput, TaskHead};

@@ -4,9 +4,8 @@
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value as Json};
 
-use crate::config::{
-    Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
-};
+use crate::config::{Activation, Normalization, PositionEmbeddingType, TransformerConfig};
+use crate::rope_scaling::{Llama3Scaling, RopeScaling, YarnScaling};
 
 fn int(config: &Json, key: &str) -> Result<i64> {
     config[key]
@@ -32,40 +31,196 @@ fn head_width(hidden: (&str, i64), heads: (&str, i64)) -> Result<i64> {
 }
 
 /// The RoPE scaling of a Llama-family `config.json`: transformers ≥ 5 writes
-/// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45).
+/// `rope_parameters`, older versions `rope_scaling` (with `type` before 4.45). Parameters we
+/// cannot represent are refused by name rather than dropped.
 fn rope_scaling_from_hf(hf: &Json) -> Result<Option<RopeScaling>> {
-    let parameters = [&hf["rope_parameters"], &hf["rope_scaling"]]
-        .into_iter()
-        .find(|p| p.is_object());
-    let Some(parameters) = parameters else {
+    let found = [
+        ("rope_parameters", &hf["rope_parameters"]),
+        ("rope_scaling", &hf["rope_scaling"]),
+    ]
+    .into_iter()
+    .find(|(_, p)| p.is_object());
+    let Some((field, parameters)) = found else {
         return Ok(None);
     };
     let kind = parameters["rope_type"]
         .as_str()
         .or(parameters["type"].as_str())
         .unwrap_or("default");
-    match kind {
-        "default" => Ok(None),
-        "llama3" => {
-            let number = |key: &str| {
-                parameters[key].as_f64().with_context(|| {
-                    format!("config.json: llama3 rope scaling has no number {key}")
-                })
-            };
-            let scaling = RopeScaling {
-                factor: number("factor")?,
-                low_freq_factor: number("low_freq_factor")?,
-                high_freq_factor: number("high_freq_factor")?,
-                original_max_position_embeddings: number("original_max_position_embeddings")?
-                    as i64,
-            };
-            scaling
-                .validate()
-                .context("config.json: llama3 rope scaling")?;
-            Ok(Some(scaling))
+    let known: &[&str] = match kind {
+        "default" => &[],
+        "linear" => &["factor"],
+        "llama3" => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+        "yarn" => &[
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+            "attention_factor",
+        ],
+        other => bail!(
+            "config.json: {field}.rope_type {other} is not supported (supported: default, linear, llama3, yarn)"
+        ),
+    };
+    let entries = parameters.as_object().expect("checked to be an object");
+    for (key, value) in entries {
+        let common = ["rope_type", "type", "rope_theta"].contains(&key.as_str());
+        let full_rotation = key == "partial_rotary_factor" && value.as_f64() == Some(1.0);
+        ensure!(
+            common || full_rotation || value.is_null() || known.contains(&key.as_str()),
+            "config.json: {field}.{key} ({value}) is not supported with rope_type {kind}"
+        );
+    }
+    let optional = |key: &str| -> Result<Option<f64>> {
+        match &parameters[key] {
+            Json::Null => Ok(None),
+            value => value
+                .as_f64()
+                .map(Some)
+                .with_context(|| format!("config.json: {field}.{key} {value} is not a number")),
         }
-        other => {
-            bail!("config.json: rope scaling {other} is not supported (supported: default, llama3)")
+    };
+    let number = |key: &str| -> Result<f64> {
+        optional(key)?.with_context(|| format!("config.json: {kind} {field} has no number {key}"))
+    };
+    let scaling = match kind {
+        "default" => return Ok(None),
+        "linear" => RopeScaling::Linear {
+            factor: number("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3(Llama3Scaling {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position_embeddings: number("original_max_position_embeddings")? as i64,
+        }),
+        _ => yarn_from_hf(hf, field, parameters, &optional)?,
+    };
+    scaling
+        .validate()
+        .with_context(|| format!("config.json: {field}"))?;
+    Ok(Some(scaling))
+}
+
+/// YaRN's parameters with transformers' defaults: the original context is
+/// `max_position_embeddings`, the factor (when absent) the ratio of the two, betas 32 and 1,
+/// `truncate` true.
+fn yarn_from_hf(
+    hf: &Json,
+    field: &str,
+    parameters: &Json,
+    optional: &dyn Fn(&str) -> Result<Option<f64>>,
+) -> Result<RopeScaling> {
+    let original = match optional("original_max_position_embeddings")? {
+        Some(original) => original as i64,
+        None => int(hf, "max_position_embeddings")?,
+    };
+    let factor = match optional("factor")? {
+        Some(factor) => factor,
+        None => int(hf, "max_position_embeddings")? as f64 / original as f64,
+    };
+    // transformers reads both betas with `or`: a zero means the default too.
+    let beta = |key: &str, default: f64| -> Result<f64> {
+        Ok(optional(key)?.filter(|b| *b != 0.0).unwrap_or(default))
+    };
+    // The factor transformers applies: the explicit one, else its rule on the mscales. We keep
+    // the mscales as given (Megatron's defaults where absent) when Megatron's rule on them
+    // gives that factor, else Megatron's defaults, which give transformers' default.
+    let (mscale, mscale_all_dim) = (optional("mscale")?, optional("mscale_all_dim")?);
+    let applied = match optional("attention_factor")? {
+        Some(given) => given,
+        None => YarnScaling::hf_attention_factor(factor, mscale, mscale_all_dim),
+    };
+    let defaults = YarnScaling::megatron(factor);
+    let candidates = [
+        (
+            mscale.unwrap_or(defaults.mscale),
+            mscale_all_dim.unwrap_or(defaults.mscale_all_dim),
+        ),
+        (defaults.mscale, defaults.mscale_all_dim),
+    ];
+    let Some((mscale, mscale_all_dim)) =
+        candidates.into_iter().find(|&(mscale, mscale_all_dim)| {
+            let megatron = YarnScaling {
+                mscale,
+                mscale_all_dim,
+                ..defaults
+            };
+            (megatron.attention_factor() - applied).abs() <= 1e-9 * applied.abs()
+        })
+    else {
+        bail!(
+            "config.json: {field}.attention_factor {applied} is not supported: Megatron derives it from factor, mscale and mscale_all_dim"
+        );
+    };
+    let truncate = match &parameters["truncate"] {
+        Json::Null => true,
+        value => value
+            .as_bool()
+            .with_context(|| format!("config.json: {field}.truncate {value} is not a boolean"))?,
+    };
+    let yarn = YarnScaling {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        mscale,
+        mscale_all_dim,
+        correction_range_round_to_int: truncate,
+    };
+    Ok(RopeScaling::Yarn(yarn))
+}
+
+/// HF's parameters of a scaling (without `rope_theta`), in transformers' names.
+fn rope_scaling_to_hf(scaling: &RopeScaling) -> Json {
+    match scaling {
+        RopeScaling::Llama3(s) => json!({
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }),
+        RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
+        RopeScaling::Yarn(s) => {
+            let mut hf = json!({
+                "rope_type": "yarn",
+                "factor": s.factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            });
+            // The betas' defaults are the same in transformers and Megatron.
+            let defaults = YarnScaling::megatron(s.factor);
+            if s.beta_fast != defaults.beta_fast {
+                hf["beta_fast"] = json!(s.beta_fast);
+            }
+            if s.beta_slow != defaults.beta_slow {
+                hf["beta_slow"] = json!(s.beta_slow);
+            }
+            if !s.correction_range_round_to_int {
+                hf["truncate"] = json!(false);
+            }
+            if (s.mscale, s.mscale_all_dim) != (1.0, 0.0) {
+                hf["mscale"] = json!(s.mscale);
+                hf["mscale_all_dim"] = json!(s.mscale_all_dim);
+                // Where transformers' rule on these two differs from Megatron's, say the result.
+                let hf_factor = YarnScaling::hf_attention_factor(
+                    s.factor,
+                    Some(s.mscale),
+                    Some(s.mscale_all_dim),
+                );
+                if hf_factor != s.attention_factor() {
+                    hf["attention_factor"] = json!(s.attention_factor());
+                }
+            }
+            hf
         }
     }
 }
@@ -76,13 +231,7 @@ pub fn rope_to_hf(config: &TransformerConfig, hf: &mut Json) {
     let mut parameters = json!({"rope_theta": config.rotary_base, "rope_type": "default"});
     hf["rope_theta"] = json!(config.rotary_base);
     if let Some(scaling) = &config.rope_scaling {
-        let scaling = json!({
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        });
+        let scaling = rope_scaling_to_hf(scaling);
         for (key, value) in scaling.as_object().expect("a JSON object") {
             parameters[key] = value.clone();
         }
@@ -199,4 +348,55 @@ pub fn config_from_hf(
         ),
     };
     Ok((architecture, config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every scaling, Megatron's YaRN attention factors included where transformers' rule
+    /// differs (`mscale` without `mscale_all_dim`), comes back from its own `config.json`.
+    #[test]
+    fn exported_rope_scalings_import_unchanged() {
+        let yarn = YarnScaling {
+            original_max_position_embeddings: 64,
+            ..YarnScaling::megatron(4.0)
+        };
+        let scalings = [
+            RopeScaling::Llama3(Llama3Scaling::megatron(8.0)),
+            RopeScaling::Linear { factor: 2.5 },
+            RopeScaling::Yarn(yarn),
+            RopeScaling::Yarn(YarnScaling {
+                mscale: 0.5,
+                ..yarn
+            }),
+            RopeScaling::Yarn(YarnScaling {
+                mscale: 0.0,
+                mscale_all_dim: 0.7,
+                ..yarn
+            }),
+            RopeScaling::Yarn(YarnScaling {
+                mscale: 0.9,
+                mscale_all_dim: 0.7,
+                beta_fast: 8.0,
+                beta_slow: 0.5,
+                correction_range_round_to_int: false,
+                ..yarn
+            }),
+        ];
+        for scaling in scalings {
+            let mut config = TransformerConfig::gpt_345m();
+            config.rope_scaling = Some(scaling);
+            config.rotary_base = 500000.0;
+            let mut hf = json!({
+                "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "max_position_embeddings": 256,
+            });
+            rope_to_hf(&config, &mut hf);
+            let (_, back) = config_from_hf(&hf, 128).unwrap();
+            assert_eq!(back.rope_scaling, Some(scaling), "{hf}");
+            assert_eq!(back.rotary_base, 500000.0);
+        }
+    }
 }

@@ -54,6 +54,36 @@ pub fn apply_checkpoint_args(model: &mut ModelArgs, load: &Path) -> Result<Vec<S
     )?;
     set("rotary_base", false, &mut model.rotary_base)?;
     set("rotary_percent", false, &mut model.rotary_percent)?;
+    // Beyond Megatron's list (core_v0.14.0 leaves RoPE scaling to the command line): the
+    // scaling is part of the architecture the weights were trained for.
+    let rope = &mut model.rope;
+    set("use_rope_scaling", false, &mut rope.use_rope_scaling)?;
+    set("rope_scaling_factor", false, &mut rope.rope_scaling_factor)?;
+    set(
+        "rotary_seq_len_interpolation_factor",
+        false,
+        &mut rope.rotary_seq_len_interpolation_factor,
+    )?;
+    set("rope_type", false, &mut rope.rope_type)?;
+    set(
+        "rotary_scaling_factor",
+        false,
+        &mut rope.rotary_scaling_factor,
+    )?;
+    set("mscale", false, &mut rope.mscale)?;
+    set("mscale_all_dim", false, &mut rope.mscale_all_dim)?;
+    set(
+        "yarn_original_max_position_embeddings",
+        false,
+        &mut rope.yarn_original_max_position_embeddings,
+    )?;
+    set("yarn_beta_fast", false, &mut rope.yarn_beta_fast)?;
+    set("yarn_beta_slow", false, &mut rope.yarn_beta_slow)?;
+    set(
+        "no_yarn_correction_range_round_to_int",
+        false,
+        &mut rope.no_yarn_correction_range_round_to_int,
+    )?;
     set("disable_bias_linear", false, &mut model.disable_bias_linear)?;
     set("add_qkv_bias", false, &mut model.add_qkv_bias)?;
     set("squared_relu", false, &mut model.squared_relu)?;

@@ -5,7 +5,7 @@ use clap::Args;
 use megatron_cli::ranges;
 
 use megatron_models::{
-    Activation, Normalization, PositionEmbeddingType, RopeScaling, TransformerConfig,
+    Activation, Normalization, PositionEmbeddingType, RopeScalingArgs, TransformerConfig,
 };
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
@@ -37,11 +37,11 @@ pub struct ModelArgs {
     /// Size of the learned position table [default: --seq-length].
     #[arg(long)]
     pub max_position_embeddings: Option<i64>,
-    /// learned_absolute, rope or none.
+    /// learned_absolute, rope, yarn (RoPE with YaRN scaling) or none.
     #[arg(
         long,
         default_value = "learned_absolute",
-        value_parser = ["learned_absolute", "rope", "none"],
+        value_parser = ["learned_absolute", "rope", "yarn", "none"],
         hide_possible_values = true
     )]
     pub position_embedding_type: String,
@@ -54,13 +54,9 @@ pub struct ModelArgs {
     /// RoPE base period.
     #[arg(long, default_value_t = 10000.0, value_parser = ranges::positive, allow_hyphen_values = true)]
     pub rotary_base: f64,
-    /// Llama-3.x RoPE frequency scaling (low/high frequency factors 1 and 4, original context
-    /// 8192, as in Megatron).
-    #[arg(long)]
-    pub use_rope_scaling: bool,
-    /// The factor of --use-rope-scaling.
-    #[arg(long, default_value_t = 8.0, value_parser = ranges::positive, allow_hyphen_values = true)]
-    pub rope_scaling_factor: f64,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub rope: RopeScalingArgs,
     /// Pad the vocabulary to a multiple of this (times the tensor-parallel size).
     #[arg(long, default_value_t = 128)]
     pub make_vocab_size_divisible_by: i64,
@@ -209,9 +205,7 @@ impl ModelArgs {
             position_embedding_type,
             rotary_base: self.rotary_base,
             rotary_percent: self.rotary_percent,
-            rope_scaling: self
-                .use_rope_scaling
-                .then(|| RopeScaling::megatron(self.rope_scaling_factor)),
+            rope_scaling: self.rope.scaling(&self.position_embedding_type)?,
             normalization: Normalization::parse(&self.normalization)?,
             norm_epsilon: self.norm_epsilon,
             apply_layernorm_1p: self.apply_layernorm_1p,
@@ -280,5 +274,77 @@ mod tests {
         ];
         let plain = serde_json::to_value(config(&[])).unwrap();
         assert_eq!(serde_json::to_value(config(&switches)).unwrap(), plain);
+    }
+
+    /// Megatron's RoPE scaling flags become the model's scaling, each with its parameters and
+    /// Megatron's defaults for the rest; two scalings at once are refused.
+    #[test]
+    fn rope_scaling_flags_select_one_scaling() {
+        use megatron_models::{Llama3Scaling, RopeScaling, YarnScaling};
+        let rope = ["--position-embedding-type", "rope"];
+        let scaling = |extra: &[&str]| config(&[&rope[..], extra].concat()).rope_scaling;
+        assert_eq!(scaling(&[]), None);
+        assert_eq!(
+            scaling(&["--use-rope-scaling", "--rope-scaling-factor", "16"]),
+            Some(RopeScaling::Llama3(Llama3Scaling::megatron(16.0)))
+        );
+        assert_eq!(
+            scaling(&["--rotary-seq-len-interpolation-factor", "4"]),
+            Some(RopeScaling::Linear { factor: 4.0 })
+        );
+        let yarn = YarnScaling {
+            original_max_position_embeddings: 16,
+            beta_fast: 8.0,
+            mscale: 0.707,
+            mscale_all_dim: 0.5,
+            correction_range_round_to_int: false,
+            ..YarnScaling::megatron(4.0)
+        };
+        let yarn_flags = [
+            "--rotary-scaling-factor",
+            "4",
+            "--yarn-original-max-position-embeddings",
+            "16",
+            "--yarn-beta-fast",
+            "8",
+            "--mscale",
+            "0.707",
+            "--mscale-all-dim",
+            "0.5",
+            "--no-yarn-correction-range-round-to-int",
+        ];
+        let selected = config(&[&["--position-embedding-type", "yarn"][..], &yarn_flags].concat());
+        assert_eq!(
+            selected.position_embedding_type,
+            PositionEmbeddingType::Rope
+        );
+        assert_eq!(selected.rope_scaling, Some(RopeScaling::Yarn(yarn)));
+        assert_eq!(
+            scaling(&[&["--rope-type", "yarn"][..], &yarn_flags].concat()),
+            Some(RopeScaling::Yarn(yarn))
+        );
+        let shape = [
+            "pretrain",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--position-embedding-type",
+            "yarn",
+            "--use-rope-scaling",
+        ];
+        let flags = Flags::try_parse_from(shape).unwrap();
+        let error = flags.model.gpt_config(1000).unwrap_err().to_string();
+        assert!(
+            error.contains("--use-rope-scaling and --position-embedding-type yarn"),
+            "{error}"
+        );
+        let negative = [&shape[..9], &["--rotary-scaling-factor", "-1"][..]].concat();
+        let error = Flags::try_parse_from(negative).err().unwrap().to_string();
+        assert!(error.contains("--rotary-scaling-factor"), "{error}");
     }
 }
