@@ -385,7 +385,11 @@ mod tests {
         tied_done();
         assert_eq!(reductions(), 2, "the first micro-batch launches nothing");
         tied_done();
-        assert_eq!(reductions(), 2, "the tied weight has one more gradient to come");
+        assert_eq!(
+            reductions(),
+            2,
+            "the tied weight has one more gradient to come"
+        );
         plain_done();
         assert_eq!(reductions(), 3, "the plain bucket is complete");
         tied_done();

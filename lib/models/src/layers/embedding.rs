@@ -97,10 +97,11 @@ impl CustomFunction for EmbeddingIntoMainGrad {
         let rows = grad.reshape([-1, hidden]).to_kind(Kind::Float);
         // On a GPU accumulating index_put_ sorts the ids and sums repeated rows in a fixed
         // order (deterministic, unlike index_add_'s atomics).
-        let _ = self
-            .main_grad
-            .shallow_clone()
-            .f_index_put_(&[Some(self.ids.reshape([-1]))], &rows, true)?;
+        let _ = self.main_grad.shallow_clone().f_index_put_(
+            &[Some(self.ids.reshape([-1]))],
+            &rows,
+            true,
+        )?;
         self.main_grad.accumulated();
         Ok(vec![None])
     }

@@ -213,8 +213,14 @@ mod tests {
         }
         assert!(!fused_weight.grad().defined() && !fused_bias.grad().defined());
         for (main, plain) in [
-            (fused_weight.main_grad().get().unwrap().shallow_clone(), plain_weight),
-            (fused_bias.main_grad().get().unwrap().shallow_clone(), plain_bias),
+            (
+                fused_weight.main_grad().get().unwrap().shallow_clone(),
+                plain_weight,
+            ),
+            (
+                fused_bias.main_grad().get().unwrap().shallow_clone(),
+                plain_bias,
+            ),
         ] {
             let scale = plain.abs().max().double_value(&[]);
             let diff = (main - plain).abs().max().double_value(&[]) / scale;
@@ -249,7 +255,12 @@ mod tests {
             .sum(Kind::Float)
             .backward();
         let expected = Tensor::full([5, 3], 2.0, (Kind::Float, Device::Cpu));
-        assert!(weight.main_grad().get().unwrap().shallow_clone().equal(&expected));
+        assert!(weight
+            .main_grad()
+            .get()
+            .unwrap()
+            .shallow_clone()
+            .equal(&expected));
         assert!(!weight.grad().defined());
     }
 

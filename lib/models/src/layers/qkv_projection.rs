@@ -236,12 +236,14 @@ mod tests {
                 "input gradients differ"
             );
         }
-        let weight_grads = [fused_weight, plain_weight].map(|w| w.main_grad().get().unwrap().shallow_clone());
+        let weight_grads =
+            [fused_weight, plain_weight].map(|w| w.main_grad().get().unwrap().shallow_clone());
         assert!(
             weight_grads[0].equal(&weight_grads[1]),
             "weight gradients differ"
         );
-        let bias_grads = [fused_bias, plain_bias].map(|b| b.main_grad().get().unwrap().shallow_clone());
+        let bias_grads =
+            [fused_bias, plain_bias].map(|b| b.main_grad().get().unwrap().shallow_clone());
         let difference = (&bias_grads[0] - &bias_grads[1])
             .abs()
             .max()
