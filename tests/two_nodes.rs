@@ -124,9 +124,16 @@ fn run_torchrun(
     let endpoint = format!("127.0.0.1:{}", free_port());
     let agents: Vec<Child> = (0..nodes)
         .map(|node| {
-            let mut agent = torchrun(nodes, node, 4 / nodes, &endpoint, &flags);
+            let per_node = 4 / nodes;
+            let mut agent = torchrun(nodes, node, per_node, &endpoint, &flags);
             if device == GPU {
+                // Each "node" sees GPUs of its own, as separate hosts do: local rank 0 of
+                // both would otherwise pick cuda:0, which NCCL refuses as a duplicate.
+                let gpus: Vec<String> = (node * per_node..(node + 1) * per_node)
+                    .map(|gpu| gpu.to_string())
+                    .collect();
                 agent
+                    .env("CUDA_VISIBLE_DEVICES", gpus.join(","))
                     .env("NCCL_P2P_DISABLE", "1")
                     .env("NCCL_SHM_DISABLE", "1");
             }
