@@ -68,8 +68,8 @@ for entry in "${LAYOUTS[@]}"; do
         --micro-batch-size "$MBS" --global-batch-size $((8 * MBS * nproc)) --train-iters 2 \
         --lr 1e-4 --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 \
         --eval-iters 0 --log-interval 1 $flags >"$log" 2>&1 || {
-        echo "run failed: $name; its last lines:" >&2
-        tail -20 "$log" >&2
+        echo "run failed: $name; its errors:" >&2
+        grep -m 5 '^error' "$log" >&2 || tail -20 "$log" >&2
         continue
     }
     predicted="$(grep -m1 'Theoretical memory footprints' "$log")"
