@@ -12,21 +12,14 @@ time is what a step loses against its computation alone.
 """
 
 import argparse
-import json
+
+from profile_summary import gpu_events
 
 
 def intervals(path):
     """(is_nccl, start, end) of every kernel, copy and set in the trace, in microseconds."""
-    with open(path) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        if event.get("cat", "").lower() not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        start = float(event["ts"])
-        yield "nccl" in event["name"].lower(), start, start + float(event["dur"])
+    for _, name, start, duration in gpu_events(path):
+        yield "nccl" in name.lower(), start, start + duration
 
 
 def union(spans):

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use megatron_models::ParamAttributes;
+use megatron_models::{NamedParameter, ParamAttributes};
 
 use super::groups::ParamGroup;
 
@@ -64,6 +64,20 @@ pub struct ParamShape<'a> {
     pub name: &'a str,
     pub shape: Vec<i64>,
     pub attributes: ParamAttributes,
+}
+
+impl<'a> ParamShape<'a> {
+    /// The layout's view of each of `parameters`.
+    pub fn of_all(parameters: &'a [NamedParameter]) -> Vec<ParamShape<'a>> {
+        parameters
+            .iter()
+            .map(|p| ParamShape {
+                name: &p.name,
+                shape: p.tensor.size(),
+                attributes: p.attributes,
+            })
+            .collect()
+    }
 }
 
 impl BufferLayout {

@@ -236,14 +236,7 @@ impl MixedPrecisionOptimizer {
         );
         let data = &parallel.data;
         let sharded = settings.shards_state(data.size());
-        let shapes: Vec<ParamShape> = parameters
-            .iter()
-            .map(|p| ParamShape {
-                name: &p.name,
-                shape: p.tensor.size(),
-                attributes: p.attributes,
-            })
-            .collect();
+        let shapes = ParamShape::of_all(&parameters);
         let layout = BufferLayout::new(
             &shapes,
             settings.bucket_size.max(1),

@@ -1322,14 +1322,7 @@ fn predicted_state_bytes(
     settings: &OptimizerSettings,
     parallel: &ParallelState,
 ) -> StateBytes {
-    let shapes: Vec<ParamShape> = parameters
-        .iter()
-        .map(|p| ParamShape {
-            name: &p.name,
-            shape: p.tensor.size(),
-            attributes: p.attributes,
-        })
-        .collect();
+    let shapes = ParamShape::of_all(parameters);
     let dtype = parameters.first().map_or(Kind::Float, |p| p.tensor.kind());
     settings.predicted_state_bytes(&shapes, dtype, parallel.data.rank(), parallel.data.size())
 }
