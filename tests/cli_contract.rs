@@ -338,6 +338,7 @@ const FOREIGN_FLAGS: &[&str] = &[
     // Megatron's, named where its checkpoints are read.
     "--no-save-model",
     "--qk-layernorm",
+    "--ckpt-fully-parallel-save",
 ];
 
 /// The flags `name --help` lists, with those of its subcommands (and of eval_tasks'
