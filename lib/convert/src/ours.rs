@@ -374,11 +374,17 @@ pub(crate) fn write_rank(
                         whole.numel(),
                         slot.range.len()
                     );
-                    let piece = whole.flat_slice(
-                        elements.start as i64,
-                        elements.len() as i64,
-                        vec![elements.len() as i64],
-                    )?;
+                    // A whole parameter streams as it is: a slice of a tensor-parallel shard
+                    // would be read into memory first.
+                    let piece = if elements.len() == slot.range.len() {
+                        whole
+                    } else {
+                        whole.flat_slice(
+                            elements.start as i64,
+                            elements.len() as i64,
+                            vec![elements.len() as i64],
+                        )?
+                    };
                     piece.for_each_chunk(|chunk| emit(&chunk.to_kind(Kind::Float)))?;
                     at = place.end;
                 }
