@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megatron_e2e::{bin, run_ok, shared_dir};
+use megatron_e2e::{bin, free_port, run_ok, shared_dir};
 
 fn golden(name: &str) -> PathBuf {
     shared_dir().join("golden/megatron_checkpoints").join(name)
@@ -558,12 +558,7 @@ fn small_run(extra: &[&str]) -> Command {
 
 /// Runs `command` as both ranks of a two-process job (torchrun's variables).
 fn two_ranks(make: impl Fn() -> Command) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     let children: Vec<_> = (0..2)
         .map(|rank| {
             make()

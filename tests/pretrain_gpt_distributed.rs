@@ -3,48 +3,18 @@
 //! equals the one-process run, a missing rank is named after the timeout, and a killed rank
 //! makes the others exit instead of hanging.
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, run_ok, visible_gpus};
+use megatron_e2e::{bin, free_port, run_ok, visible_gpus, TINY_MOCK_GPT};
 
 /// A 2-layer GPT on mock data with the flags the parallel runs add.
 fn pretrain(extra: &[&str]) -> Command {
     let mut command = bin("pretrain_gpt");
-    command.args([
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--max-position-embeddings",
-        "32",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "8",
-        "--lr",
-        "1e-3",
+    command.args(TINY_MOCK_GPT).args([
         "--adam-eps",
         "1e-4",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "1000",
-        "--log-interval",
-        "1",
-        "--eval-iters",
-        "0",
         "--device",
         "cpu",
         "--distributed-backend",
@@ -52,15 +22,6 @@ fn pretrain(extra: &[&str]) -> Command {
     ]);
     command.args(extra);
     command
-}
-
-fn free_port() -> String {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
 }
 
 /// Starts rank `rank` of `world` with torchrun's variables.

@@ -14,8 +14,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use megatron_e2e::{
-    bin, mock_gpt_checkpoint, quickstart_tokenizer_flags, run_ok, shared_dir, test_python,
-    visible_gpus, workspace_root,
+    bin, free_port, mock_gpt_checkpoint, quickstart_tokenizer_flags, run_ok, shared_dir,
+    test_python, visible_gpus, workspace_root,
 };
 use serde_json::{json, Value};
 
@@ -390,12 +390,7 @@ fn tensor_parallel_serving_answers_like_one_process() {
 /// Rank 0 (serving) and rank 1 of a server launched like torchrun with
 /// --tensor-model-parallel-size 2 and `extra` flags.
 fn start_tensor_parallel(checkpoint: &Path, extra: &[&str]) -> (Server, Child) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     // Both ranks must be started before waiting for rank 0, which waits for rank 1.
     let ranks: Vec<Child> = (0..2)
         .map(|rank| {

@@ -7,49 +7,19 @@
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 
-use megatron_e2e::{bin, bin_path, free_port, metrics_losses, test_python, visible_gpus};
+use megatron_e2e::{
+    bin, bin_path, free_port, metrics_losses, test_python, visible_gpus, TINY_MOCK_GPT,
+};
 
 /// A 2-layer GPT on mock data for three steps, fp32, reproducible CPU GEMMs, its losses in
 /// `metrics`.
 fn training_flags(metrics: &Path, tensor: usize, device: &[&'static str]) -> Vec<String> {
-    let mut flags: Vec<String> = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--max-position-embeddings",
-        "32",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "8",
-        "--lr",
-        "1e-3",
-        "--hidden-dropout",
-        "0",
-        "--attention-dropout",
-        "0",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "1000",
-        "--train-iters",
-        "3",
-        "--log-interval",
-        "1",
-        "--eval-iters",
-        "0",
-        "--deterministic-mode",
-    ]
-    .iter()
-    .chain(device)
-    .map(|s| s.to_string())
-    .collect();
+    let mut flags: Vec<String> = TINY_MOCK_GPT
+        .iter()
+        .chain(&["--train-iters", "3", "--deterministic-mode"])
+        .chain(device)
+        .map(|s| s.to_string())
+        .collect();
     flags.extend([
         "--tensor-model-parallel-size".into(),
         tensor.to_string(),

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The workspace root (the directory holding the top-level Cargo.toml).
 pub fn workspace_root() -> PathBuf {
@@ -98,15 +99,61 @@ pub fn test_python(modules: &[&str]) -> PathBuf {
     python
 }
 
-/// A free TCP port on loopback (for MASTER_PORT).
+/// A TCP port on loopback for MASTER_PORT or a rendezvous endpoint, free together with the port
+/// after it (torchrun's store and ours). Ports come from below Linux's ephemeral range
+/// (32768–60999), which the kernel hands to port-0 binds and outgoing connections: a port
+/// released there may be given to another test's gloo socket before the job binds it. Each
+/// process walks its own sequence (seeded by its id) and never offers a port twice.
 pub fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("binding loopback")
-        .local_addr()
-        .expect("a bound socket has an address")
-        .port()
-        .to_string()
+    const FIRST: u32 = 12_000;
+    const PAIRS: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(2_654_435_761) % PAIRS;
+    loop {
+        let pair = (seed + NEXT.fetch_add(1, Ordering::Relaxed) * 7_919) % PAIRS;
+        let port = (FIRST + 2 * pair) as u16;
+        let both_free = std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && std::net::TcpListener::bind(("0.0.0.0", port + 1)).is_ok();
+        if both_free {
+            return port.to_string();
+        }
+    }
 }
+
+/// A 2-layer GPT of width 64 on mock data (NullTokenizer, 1000 ids), sequence 32, micro-batch 2
+/// of a global batch of 8, lr 1e-3, no dropout, a log line per iteration and no evaluation: the
+/// model the parallel-equivalence tests train.
+pub const TINY_MOCK_GPT: &[&str] = &[
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1000",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+];
 
 /// `lm loss` of every training iteration in a `--metrics-file`, as exact JSON text (the
 /// evaluation records, which carry a `split`, are left out).
