@@ -313,6 +313,22 @@ mod tests {
         LaunchEnv::from_vars(|name| vars.get(name).cloned())
     }
 
+    /// The error `pairs` are refused with, as printed.
+    fn refusal(pairs: &[(&str, &str)]) -> String {
+        format!("{:#}", env(pairs).unwrap_err())
+    }
+
+    /// Rank, world size, local rank, master address and port.
+    fn ranks_and_master(e: &LaunchEnv) -> (usize, usize, usize, &str, u16) {
+        (
+            e.rank,
+            e.world_size,
+            e.local_rank,
+            e.master_addr.as_str(),
+            e.master_port,
+        )
+    }
+
     #[test]
     fn torchrun_variables() {
         let e = env(&[
@@ -361,17 +377,7 @@ mod tests {
             ("SLURM_LOCALID", "1"),
             ("SLURM_JOB_NODELIST", "gpu[003-004]"),
         ]);
-        let e = e.unwrap();
-        assert_eq!(
-            (
-                e.rank,
-                e.world_size,
-                e.local_rank,
-                e.master_addr.as_str(),
-                e.master_port
-            ),
-            (9, 16, 1, "gpu003", 29500)
-        );
+        assert_eq!(ranks_and_master(&e.unwrap()), (9, 16, 1, "gpu003", 29500));
         assert_eq!(first_host("a1,b2").unwrap(), "a1");
         assert_eq!(first_host("n[7,9-12],x").unwrap(), "n7");
         assert!(first_host("n[]").is_err());
@@ -398,28 +404,15 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((mpich.rank, mpich.world_size, mpich.local_rank), (3, 4, 3));
-        let half = env(&[("OMPI_COMM_WORLD_SIZE", "2")]).unwrap_err();
-        assert!(format!("{half:#}").contains("$OMPI_COMM_WORLD_RANK"));
+        assert!(refusal(&[("OMPI_COMM_WORLD_SIZE", "2")]).contains("$OMPI_COMM_WORLD_RANK"));
     }
 
     #[test]
     fn inconsistent_variables_are_named() {
-        assert!(format!("{:#}", env(&[("WORLD_SIZE", "2")]).unwrap_err()).contains("$RANK"));
-        assert!(format!(
-            "{:#}",
-            env(&[("WORLD_SIZE", "2"), ("RANK", "2")]).unwrap_err()
-        )
-        .contains("outside"));
-        assert!(format!(
-            "{:#}",
-            env(&[("WORLD_SIZE", "2"), ("RANK", "0")]).unwrap_err()
-        )
-        .contains("MASTER_ADDR"));
-        assert!(format!(
-            "{:#}",
-            env(&[("WORLD_SIZE", "x"), ("RANK", "0")]).unwrap_err()
-        )
-        .contains("WORLD_SIZE"));
+        assert!(refusal(&[("WORLD_SIZE", "2")]).contains("$RANK"));
+        assert!(refusal(&[("WORLD_SIZE", "2"), ("RANK", "2")]).contains("outside"));
+        assert!(refusal(&[("WORLD_SIZE", "2"), ("RANK", "0")]).contains("MASTER_ADDR"));
+        assert!(refusal(&[("WORLD_SIZE", "x"), ("RANK", "0")]).contains("WORLD_SIZE"));
     }
 
     #[test]
@@ -444,14 +437,13 @@ mod tests {
                 local_world_size: 2
             }
         );
-        let outside = env(&[
+        let message = refusal(&[
             ("RANK", "3"),
             ("WORLD_SIZE", "4"),
             ("LOCAL_RANK", "2"),
             ("LOCAL_WORLD_SIZE", "2"),
             ("MASTER_ADDR", "node1"),
         ]);
-        let message = format!("{:#}", outside.unwrap_err());
         assert!(
             message.contains("local rank 2 is outside the 2 process(es)"),
             "{message}"
@@ -473,16 +465,7 @@ mod tests {
             ("MASTER_PORT", "6000"),
         ])
         .unwrap();
-        assert_eq!(
-            (
-                e.rank,
-                e.world_size,
-                e.local_rank,
-                e.master_addr.as_str(),
-                e.master_port
-            ),
-            (2, 4, 0, "gpu01", 6000)
-        );
+        assert_eq!(ranks_and_master(&e), (2, 4, 0, "gpu01", 6000));
         assert_eq!(
             e.node,
             NodePlace {
@@ -517,7 +500,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(even.node.local_world_size, 4);
-        let beyond = env(&[
+        let message = refusal(&[
             ("SLURM_PROCID", "3"),
             ("SLURM_NTASKS", "4"),
             ("SLURM_NODEID", "2"),
@@ -525,7 +508,6 @@ mod tests {
             ("SLURM_TASKS_PER_NODE", "2(x2)"),
             ("SLURM_JOB_NODELIST", "gpu[01-02]"),
         ]);
-        let message = format!("{:#}", beyond.unwrap_err());
         assert!(
             message.contains("SLURM_TASKS_PER_NODE") && message.contains("node 2"),
             "{message}"
