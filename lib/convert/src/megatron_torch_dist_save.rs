@@ -190,7 +190,8 @@ pub fn save_megatron_torch_dist(
                         }
                         continue;
                     };
-                    let replica = local != global;
+                    // A last stage's output layer tied to the embedding: saved by the first.
+                    let replica = local == "output_layer.weight" && global != local;
                     let unsplit = state.tensor(global)?;
                     let shard: Vec<usize> = shard_shape(global, unsplit.shape(), config, tp)
                         .iter()
