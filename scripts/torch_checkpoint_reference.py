@@ -5,10 +5,14 @@
 
 Prints JSON: {"tensors": {path: [dtype, shape, md5 of the C-order bytes]}, "scalars": {...},
 "args": {...}, "model_keys": [the model state dict's keys in order], "param_groups": [the optimizer's
-param groups, tensors left out]}. Paths join dict keys and list indices with "/".
+param groups, tensors left out]}. Paths join dict keys and list indices with "/". For a DIST_DIR
+also "dist_metadata": {key: [dtype, size, sorted [offsets, sizes] chunks] or "bytes"} (as
+read_metadata() reads .metadata) and "common_paths": {path: type name} of common.pt's entries
+(args left out).
 """
 import hashlib
 import json
+import os
 import pickle
 import sys
 import types
@@ -65,7 +69,6 @@ def plain(value):
 
 
 def main(path):
-    import os
 
     if os.path.isdir(path):
         import torch.distributed.checkpoint as dcp
@@ -80,6 +83,11 @@ def main(path):
                           pickle_module=stub_pickle)
         tensors = {}
         walk(state, "", tensors)
+        dist_metadata = {
+            k: [str(m.properties.dtype).replace("torch.", ""), list(m.size),
+                sorted([list(c.offsets), list(c.sizes)] for c in m.chunks)]
+            if isinstance(m, TensorStorageMetadata) else "bytes"
+            for k, m in metadata.state_dict_metadata.items()}
     else:
         root = torch.load(path, map_location="cpu", weights_only=False, pickle_module=stub_pickle)
         tensors = {}
@@ -93,8 +101,21 @@ def main(path):
         optimizer = optimizer["optimizer"]
     groups = optimizer.get("param_groups", []) if isinstance(optimizer, dict) else []
     param_groups = [{k: plain(v) for k, v in g.items()} for g in groups]
-    json.dump({"tensors": tensors, "scalars": scalars, "args": args, "model_keys": model_keys,
-               "param_groups": param_groups}, sys.stdout)
+    result = {"tensors": tensors, "scalars": scalars, "args": args, "model_keys": model_keys,
+              "param_groups": param_groups}
+    if os.path.isdir(path):
+        result["dist_metadata"] = dist_metadata
+        result["common_paths"] = paths({k: v for k, v in root.items() if k != "args"}, "")
+    json.dump(result, sys.stdout)
+
+
+def paths(value, path):
+    """Every entry of nested dicts and lists by path, with its type's name."""
+    out = {path: type(value).__name__} if path else {}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else []
+    for k, v in items:
+        out.update(paths(v, f"{path}/{k}" if path else str(k)))
+    return out
 
 
 if __name__ == "__main__":

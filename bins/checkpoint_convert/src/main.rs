@@ -13,10 +13,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use megatron_cli::bail_usage;
 use megatron_convert::{
-    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, reporting_progress,
-    reshape_t5, save_hf, save_megatron_rs, save_megatron_torch, t5_max_logit_difference,
-    tokenizer_export, use_one_torch_thread, verify, vocab_file_size, ConversionProgress,
-    LoadOptions, TargetLayout, TokenizerFiles,
+    load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, load_torch_dist,
+    reporting_progress, reshape_t5, save_hf, save_megatron_rs, save_megatron_torch,
+    save_megatron_torch_dist, t5_max_logit_difference, tokenizer_export, use_one_torch_thread,
+    verify, vocab_file_size, ConversionProgress, LoadOptions, TargetLayout, TokenizerFiles,
 };
 use megatron_store::find_checkpoint;
 use progress::TensorBytesBar;
@@ -106,11 +106,21 @@ struct ConvertArgs {
     /// directory (safetensors or pytorch_model.bin).
     #[arg(long, default_value = "megatron")]
     loader: Loader,
-    /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's torch format
-    /// (model_optim_rng.pt with core names and the optimizer state, no RNG state: resume it
-    /// with --no-load-rng); hf: a HuggingFace model directory with config.json.
+    /// megatron-rs; core (alias mcore, legacy, megatron): Megatron's checkpoint in
+    /// --ckpt-format (core names and the optimizer state, no RNG state: resume it with
+    /// --no-load-rng); hf: a HuggingFace model directory with config.json.
     #[arg(long, default_value = "megatron-rs")]
     saver: Saver,
+    /// The format --saver core writes: torch (mp_rank_XX/model_optim_rng.pt, the plain
+    /// optimizer's state) or torch_dist (Megatron's distributed checkpoint: .metadata,
+    /// __N_0.distcp files, common.pt; the optimizer's state as --use-distributed-optimizer's
+    /// fully_sharded_model_space, so resume it with --use-distributed-optimizer).
+    #[arg(long, default_value = "torch", value_parser = ["torch", "torch_dist"])]
+    ckpt_format: String,
+    /// Data-parallel size whose ranks' parts of the distributed optimizer's state become the
+    /// torch_dist chunks (any size resumes it) [default: the input run's, else 1].
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    target_data_parallel_size: Option<usize>,
     /// Directory to load the checkpoint from.
     #[arg(long, required = true)]
     load_dir: Option<PathBuf>,
@@ -240,6 +250,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     if args.model_type == Some(ModelType::T5) {
         return convert_t5(args);
     }
+    if args.ckpt_format == "torch_dist" && args.saver != Saver::Core {
+        bail_usage!("--ckpt-format torch_dist is a format of --saver core");
+    }
     let save_dir = empty_save_dir(args)?;
     let options = LoadOptions {
         true_vocab_size: true_vocab_size(args)?,
@@ -267,11 +280,27 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             .unwrap_or(state.source_parallel.1),
         virtual_stages: args.target_virtual_pipeline_parallel_size.unwrap_or(1),
     };
+    let run_args = &state.run.args;
+    let data_parallel = args.target_data_parallel_size.unwrap_or_else(|| {
+        run_args
+            .get("data_parallel_size")
+            .or_else(|| {
+                run_args
+                    .as_object()?
+                    .values()
+                    .find_map(|group| group.get("data_parallel_size"))
+            })
+            .and_then(|v| v.as_u64())
+            .map_or(1, |d| d.max(1) as usize)
+    });
     let staging = staging_for(&save_dir)?;
     let bar = TensorBytesBar::new(format!("writing {}", save_dir.display()));
     bar.total(state.bytes() as u64);
     let saved = reporting_progress(bar.clone(), || match args.saver {
         Saver::MegatronRs => save_megatron_rs(&state, &staging, target),
+        Saver::Core if args.ckpt_format == "torch_dist" => {
+            save_megatron_torch_dist(&state, &staging, target, data_parallel)
+        }
         Saver::Core => save_megatron_torch(&state, &staging, target),
         Saver::Hf => {
             let given = TokenizerFiles {
@@ -310,10 +339,12 @@ fn convert(args: &ConvertArgs) -> Result<()> {
                 optimizer: false,
                 make_vocab_size_divisible_by: None,
             };
-            load_megatron_torch(
-                &megatron_checkpoint::layout::iteration_directory(&save_dir)?,
-                &options,
-            )?
+            let directory = megatron_checkpoint::layout::iteration_directory(&save_dir)?;
+            if args.ckpt_format == "torch_dist" {
+                load_torch_dist(&directory, &options)?
+            } else {
+                load_megatron_torch(&directory, &options)?
+            }
         } else {
             let checkpoint = find_checkpoint(&save_dir)?.context("the output has no checkpoint")?;
             load_megatron_rs(&checkpoint, false)?

@@ -73,6 +73,84 @@ pub fn dp_zero_layout(params: &[BufferParam], bucket_size: Option<usize>) -> DpZ
     }
 }
 
+/// The gradient buffer as the distributed optimizer pads it: each parameter's range (in the
+/// order given) and the buckets, each split evenly over the data-parallel ranks
+/// (`_ParamAndGradBuffer` of core_v0.14.0 with `--use-distributed-optimizer`: parameters start
+/// at multiples of 64, buckets end at multiples of lcm(data-parallel size, 128)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardedBuffer {
+    pub ranges: Vec<std::ops::Range<usize>>,
+    /// The bucket of each parameter.
+    pub bucket_of: Vec<usize>,
+    pub buckets: Vec<std::ops::Range<usize>>,
+    pub data_parallel: usize,
+}
+
+impl ShardedBuffer {
+    pub fn new(params: &[BufferParam], bucket_size: Option<usize>, data_parallel: usize) -> Self {
+        let divisor = lcm(data_parallel.max(1), 128);
+        let pad = |index: usize| index.div_ceil(divisor) * divisor;
+        let mut ranges = vec![0..0; params.len()];
+        let mut bucket_of = vec![0; params.len()];
+        let mut buckets = Vec::new();
+        let (mut start, mut bucket_start, mut open) = (0, 0, false);
+        for (index, param) in params.iter().enumerate().rev() {
+            start = align(start);
+            if param.shared_embedding && open {
+                let end = pad(start);
+                buckets.push(bucket_start..end);
+                (bucket_start, start) = (end, end);
+            }
+            let end = start + param.numel;
+            ranges[index] = start..end;
+            bucket_of[index] = buckets.len();
+            open = true;
+            if bucket_size.is_some_and(|size| end - bucket_start >= size) || param.shared_embedding
+            {
+                let padded = pad(end);
+                buckets.push(bucket_start..padded);
+                (bucket_start, start, open) = (padded, padded, false);
+            } else {
+                start = end;
+            }
+        }
+        if open {
+            buckets.push(bucket_start..pad(start));
+        }
+        ShardedBuffer {
+            ranges,
+            bucket_of,
+            buckets,
+            data_parallel: data_parallel.max(1),
+        }
+    }
+
+    /// The part of parameter `index` each data-parallel rank owns: `(rank, range within the
+    /// flattened parameter)`, empty parts left out.
+    pub fn owned_parts(&self, index: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+        let range = &self.ranges[index];
+        let bucket = &self.buckets[self.bucket_of[index]];
+        let width = bucket.len() / self.data_parallel;
+        (0..self.data_parallel)
+            .filter_map(|rank| {
+                let from = range.start.max(bucket.start + rank * width);
+                let to = range.end.min(bucket.start + (rank + 1) * width);
+                (from < to).then(|| (rank, from - range.start..to - range.start))
+            })
+            .collect()
+    }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut x: usize, mut y: usize| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    a / gcd(a, b) * b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +198,23 @@ mod tests {
         let layout = dp_zero_layout(&last_stage, None);
         assert_eq!(layout.offsets, vec![1064, 1000, 0]);
         assert_eq!(layout.numel_unpadded, 1094);
+    }
+
+    /// Two data-parallel ranks over a bucket padded to 128: the parameter registered first
+    /// (laid out last) is cut where the second rank's half begins; each rank's parts tile it.
+    #[test]
+    fn sharded_buffer_splits_buckets_evenly_between_ranks() {
+        let buffer = ShardedBuffer::new(&params(&[100, 64, 10]), None, 2);
+        assert_eq!(buffer.ranges, vec![128..228, 64..128, 0..10]);
+        assert_eq!(buffer.buckets, vec![0..256]);
+        assert_eq!(buffer.owned_parts(0), vec![(1, 0..100)]);
+        assert_eq!(buffer.owned_parts(2), vec![(0, 0..10)]);
+        let buffer = ShardedBuffer::new(&params(&[300, 10]), None, 2);
+        assert_eq!(buffer.buckets, vec![0..384]);
+        assert_eq!(buffer.owned_parts(0), vec![(0, 0..128), (1, 128..300)]);
+        // A data-parallel size of 3 pads buckets to lcm(3, 128) = 384.
+        let buffer = ShardedBuffer::new(&params(&[10]), None, 3);
+        assert_eq!(buffer.buckets, vec![0..384]);
+        assert_eq!(buffer.owned_parts(0), vec![(0, 0..10)]);
     }
 }

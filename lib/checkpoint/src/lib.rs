@@ -1,6 +1,7 @@
 //! Checkpoint formats without libtorch: a restricted PyTorch unpickler that never runs code
 //! ([`pickle`]), `torch.save` archives read in place ([`torch_file`]) and written
-//! ([`torch_writer`]), Megatron's `torch_dist` checkpoints ([`torch_dist`]), and a summary of
+//! ([`torch_writer`]), Megatron's `torch_dist` checkpoints read ([`torch_dist`]) and written
+//! ([`torch_dist_writer`]), and a summary of
 //! any supported checkpoint directory ([`inspect`]); where the distributed optimizer keeps
 //! each parameter's state ([`distrib_optim`]).
 
@@ -12,6 +13,7 @@ pub mod layout;
 pub mod pickle;
 pub mod safetensors_file;
 pub mod torch_dist;
+pub mod torch_dist_writer;
 pub mod torch_file;
 pub mod torch_writer;
 

@@ -3,7 +3,7 @@
 //! tensor at a time, straight from the caller's bytes.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Seek, Write};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -136,7 +136,39 @@ impl Pickler {
                     self.out.push(b's');
                 }
             }
+            Value::Object {
+                module,
+                name,
+                args,
+                state,
+            } => self.object(module, name, args, state.as_deref())?,
             other => bail!("cannot write {} into a torch file", other.describe()),
+        }
+        Ok(())
+    }
+
+    /// An instance: `cls.__new__(cls, *args)` then its state set (BUILD), as pickle saves a
+    /// dataclass; without a state, `cls(*args)` (REDUCE), as `torch.Size` and enums are saved.
+    fn object(
+        &mut self,
+        module: &str,
+        name: &str,
+        args: &[Value],
+        state: Option<&Value>,
+    ) -> Result<()> {
+        self.global(module, name);
+        self.value(&Value::Tuple(args.to_vec()))?;
+        match state {
+            Some(state) => {
+                self.out.push(0x81); // NEWOBJ
+                self.put();
+                self.value(state)?;
+                self.out.push(b'b'); // BUILD
+            }
+            None => {
+                self.out.push(b'R');
+                self.put();
+            }
         }
         Ok(())
     }
@@ -237,24 +269,62 @@ pub fn write_torch_file(
     path: &Path,
     root: &Saved,
     tensors: &[TensorSlot],
-    mut bytes: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+    bytes: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<()> {
+    let archive = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "archive".into());
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let label = path.display().to_string();
+    write_torch_archive(
+        DirectWriter::new(path, file),
+        &archive,
+        &label,
+        root,
+        tensors,
+        bytes,
+    )?
+    .finish()
+    .with_context(|| format!("writing {label}"))?
+    .sync_all()
+    .with_context(|| format!("writing {label}"))
+}
+
+/// The pickle (protocol 2) of `value`, as `pickle.dump` writes it: what `torch.distributed`'s
+/// `.metadata` file holds.
+pub fn pickle_value(value: &Value) -> Result<Vec<u8>> {
+    let mut pickler = Pickler {
+        out: vec![0x80, 2],
+        memo: 0,
+    };
+    pickler.value(value)?;
+    pickler.out.push(b'.');
+    Ok(pickler.out)
+}
+
+/// Writes the `torch.save` archive of `root` (named `archive` inside, as `torch.save` names
+/// the folder of its records) into `sink` from the sink's position 0, and hands the sink back.
+/// `label` names the output in errors.
+pub fn write_torch_archive<W: Write + Seek>(
+    sink: W,
+    archive: &str,
+    label: &str,
+    root: &Saved,
+    tensors: &[TensorSlot],
+    mut bytes: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+) -> Result<W> {
     let mut pickler = Pickler {
         out: vec![0x80, 2],
         memo: 0,
     };
     pickler.saved(root, tensors)?;
     pickler.out.push(b'.');
-    let archive = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "archive".into());
-    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut zip = ZipWriter::new(DirectWriter::new(path, file));
+    let mut zip = ZipWriter::new(sink);
     let options = FileOptions::default()
         .compression_method(CompressionMethod::Stored)
         .large_file(true);
-    let context = || format!("writing {}", path.display());
+    let context = || format!("writing {label}");
     zip.start_file_aligned(format!("{archive}/data.pkl"), options, 64)
         .with_context(context)?;
     zip.write_all(&pickler.out).with_context(context)?;
@@ -272,19 +342,13 @@ pub fn write_torch_file(
         })?;
         anyhow::ensure!(
             written == expected,
-            "{}: tensor {index}: {written} bytes, {expected} expected",
-            path.display()
+            "{label}: tensor {index}: {written} bytes, {expected} expected"
         );
     }
     zip.start_file_aligned(format!("{archive}/version"), options, 64)
         .with_context(context)?;
     zip.write_all(b"3\n").with_context(context)?;
-    zip.finish()
-        .with_context(context)?
-        .finish()
-        .with_context(context)?
-        .sync_all()
-        .with_context(context)
+    zip.finish().with_context(context)
 }
 
 #[cfg(test)]

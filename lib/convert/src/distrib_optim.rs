@@ -33,15 +33,30 @@ impl Bucketing {
     pub fn from_args(args: &Value, pipeline_rank: usize) -> Self {
         let flag = |key: &str| args.get(key).and_then(Value::as_bool).unwrap_or(false);
         let int = |key: &str| args.get(key).and_then(Value::as_i64);
-        let data_parallel = int("data_parallel_size").unwrap_or(1).max(1) as usize;
+        Self::new(
+            |key| flag(key),
+            int("ddp_bucket_size"),
+            int("data_parallel_size").unwrap_or(1).max(1) as usize,
+            int("pipeline_model_parallel_size").unwrap_or(1),
+            pipeline_rank,
+        )
+    }
+
+    /// The bucketing of a run whose boolean flags `flag` reads, at `data_parallel` ranks.
+    pub fn new(
+        flag: impl Fn(&str) -> bool,
+        ddp_bucket_size: Option<i64>,
+        data_parallel: usize,
+        pipeline: i64,
+        pipeline_rank: usize,
+    ) -> Self {
         let first_chunk_bucket = (flag("overlap_grad_reduce")
             && !flag("overlap_param_gather_with_optimizer_step"))
         .then(|| {
-            int("ddp_bucket_size")
+            ddp_bucket_size
                 .map(|size| size.max(1) as usize)
                 .unwrap_or_else(|| 40_000_000.max(1_000_000 * data_parallel))
         });
-        let pipeline = int("pipeline_model_parallel_size").unwrap_or(1);
         Bucketing {
             first_chunk_bucket,
             shared_embeddings: pipeline > 1 && !flag("untie_embeddings_and_output_weights"),
@@ -49,7 +64,7 @@ impl Bucketing {
         }
     }
 
-    fn bucket_size(&self, chunk: usize) -> Option<usize> {
+    pub fn bucket_size(&self, chunk: usize) -> Option<usize> {
         (chunk == 0 && self.pipeline_rank == 0)
             .then_some(self.first_chunk_bucket)
             .flatten()
@@ -68,7 +83,7 @@ pub(super) fn param_groups_step(optimizer: &Value) -> Option<f64> {
         .as_f64()
 }
 
-fn is_embedding_copy(name: &str) -> bool {
+pub(super) fn is_embedding_copy(name: &str) -> bool {
     name == "embedding.word_embeddings.weight" || name == "output_layer.weight"
 }
 

@@ -1,5 +1,5 @@
 //! `checkpoint_convert`'s loaders and savers over one [`ModelState`]: Megatron's torch and
-//! torch_dist checkpoints and HuggingFace models in, ours in and out in any TP/PP layout
+//! torch_dist checkpoints and HuggingFace models in and out, ours in and out in any TP/PP layout
 //! (optimizer state included); our T5 checkpoints reshaped to another TP size (`t5`). Our
 //! checkpoints are read lazily ([`LazyTensor`]) and every saver writes tensor by tensor, so a
 //! conversion between them holds about one tensor at a time. File formats are read by the
@@ -15,6 +15,7 @@ pub mod megatron_args;
 pub mod megatron_save;
 pub mod megatron_torch;
 pub mod megatron_torch_dist;
+pub mod megatron_torch_dist_save;
 pub mod ours;
 pub mod progress;
 pub mod resume;
@@ -33,6 +34,7 @@ pub use megatron_args::vocab_file_size;
 pub use megatron_save::save_megatron_torch;
 pub use megatron_torch::{load_megatron_torch, LoadOptions};
 pub use megatron_torch_dist::load_torch_dist;
+pub use megatron_torch_dist_save::save_megatron_torch_dist;
 pub use ours::{
     load_megatron_rs, save_megatron_rs, save_megatron_rs_sharded, OptimizerShards, TargetLayout,
 };

@@ -25,7 +25,7 @@ use megatron_models::{
 use megatron_optim::excluded_from_weight_decay;
 use megatron_store::{iteration_directory, rank_directory_name, write_tracker};
 
-fn json_to_value(json: &Json) -> Option<Value> {
+pub(super) fn json_to_value(json: &Json) -> Option<Value> {
     Some(match json {
         Json::Null => Value::None,
         Json::Bool(b) => Value::Bool(*b),
@@ -46,7 +46,10 @@ fn json_to_value(json: &Json) -> Option<Value> {
 }
 
 /// The args namespace: the source run's flags with the architecture and layout of the output.
-fn args_namespace(state: &ModelState, target: TargetLayout) -> Result<Vec<(String, Saved)>> {
+pub(super) fn args_namespace(
+    state: &ModelState,
+    target: TargetLayout,
+) -> Result<Vec<(String, Saved)>> {
     let config = &state.config;
     if let Some(RopeScaling::Llama3(scaling)) = config.rope_scaling {
         ensure!(
@@ -222,7 +225,7 @@ fn rope_scaling_args(scaling: Option<RopeScaling>) -> Vec<(&'static str, Value)>
 
 /// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`
 /// as the global name for an `_extra_state` entry.
-fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<String>)> {
+pub(super) fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<String>)> {
     let config = &state.config;
     let has = |name: &str| state.weights.contains_key(name);
     let mut out = Vec::new();
@@ -297,12 +300,56 @@ enum Source {
 
 /// A run flag by Megatron's name: at the top of `args` (Megatron's namespace) or in one of
 /// its groups (our runs record their flags by group).
-fn run_flag(args: &Json, key: &str) -> Option<Json> {
+pub(super) fn run_flag(args: &Json, key: &str) -> Option<Json> {
     args.get(key).cloned().or_else(|| {
         args.as_object()?
             .values()
             .find_map(|group| group.get(key).cloned())
     })
+}
+
+/// The hyperparameters of one of Megatron's parameter groups (torch Adam's and Megatron's
+/// `wd_mult`/`lr_mult` tags), weight-decayed or not, from the run's flags.
+pub(super) fn group_hyperparameters(
+    state: &ModelState,
+    decayed: bool,
+) -> Vec<(&'static str, Value)> {
+    let args = &state.run.args;
+    let number = |key: &str, default: f64| {
+        run_flag(args, key)
+            .and_then(|v| v.as_f64())
+            .unwrap_or(default)
+    };
+    let lr = number("lr", 0.0);
+    let wd_mult = if decayed { 1.0 } else { 0.0 };
+    vec![
+        ("wd_mult", Value::Float(wd_mult)),
+        ("lr_mult", Value::Float(1.0)),
+        ("is_expert_parallel", Value::Bool(false)),
+        ("is_decoupled_lr", Value::Bool(false)),
+        ("max_lr", Value::Float(lr)),
+        ("min_lr", Value::Float(number("min_lr", 0.0))),
+        ("lr", Value::Float(lr)),
+        (
+            "betas",
+            Value::Tuple(vec![
+                Value::Float(number("adam_beta1", 0.9)),
+                Value::Float(number("adam_beta2", 0.999)),
+            ]),
+        ),
+        ("eps", Value::Float(number("adam_eps", 1e-8))),
+        (
+            "weight_decay",
+            Value::Float(number("weight_decay", 0.01) * wd_mult),
+        ),
+        ("amsgrad", Value::Bool(false)),
+        ("maximize", Value::Bool(false)),
+        ("foreach", Value::None),
+        ("capturable", Value::Bool(false)),
+        ("differentiable", Value::Bool(false)),
+        ("fused", Value::None),
+        ("decoupled_weight_decay", Value::Bool(true)),
+    ]
 }
 
 /// Megatron's `optimizer` entry of a rank file: torch Adam's `state_dict()` (per-parameter
@@ -316,14 +363,6 @@ fn optimizer_entry(
     slots: &mut Vec<TensorSlot>,
     sources: &mut Vec<Source>,
 ) -> Result<Saved> {
-    let args = &state.run.args;
-    let number = |key: &str, default: f64| {
-        run_flag(args, key)
-            .and_then(|v| v.as_f64())
-            .unwrap_or(default)
-    };
-    let lr = number("lr", 0.0);
-    let weight_decay = number("weight_decay", 0.01);
     let mut tensor = |source: Source, shape: &[usize]| {
         slots.push(TensorSlot {
             dtype: DType::F32,
@@ -373,33 +412,8 @@ fn optimizer_entry(
             index += 1;
         }
         main.push(Saved::List(group_main));
-        let wd_mult = if decayed { 1.0 } else { 0.0 };
-        let group: Vec<(&str, Value)> = vec![
-            ("wd_mult", Value::Float(wd_mult)),
-            ("lr_mult", Value::Float(1.0)),
-            ("is_expert_parallel", Value::Bool(false)),
-            ("is_decoupled_lr", Value::Bool(false)),
-            ("max_lr", Value::Float(lr)),
-            ("min_lr", Value::Float(number("min_lr", 0.0))),
-            ("lr", Value::Float(lr)),
-            (
-                "betas",
-                Value::Tuple(vec![
-                    Value::Float(number("adam_beta1", 0.9)),
-                    Value::Float(number("adam_beta2", 0.999)),
-                ]),
-            ),
-            ("eps", Value::Float(number("adam_eps", 1e-8))),
-            ("weight_decay", Value::Float(weight_decay * wd_mult)),
-            ("amsgrad", Value::Bool(false)),
-            ("maximize", Value::Bool(false)),
-            ("foreach", Value::None),
-            ("capturable", Value::Bool(false)),
-            ("differentiable", Value::Bool(false)),
-            ("fused", Value::None),
-            ("decoupled_weight_decay", Value::Bool(true)),
-            ("params", Value::List(indices)),
-        ];
+        let mut group = group_hyperparameters(state, decayed);
+        group.push(("params", Value::List(indices)));
         groups.push(Saved::Dict(
             group
                 .into_iter()

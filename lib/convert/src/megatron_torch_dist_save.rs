@@ -1,0 +1,526 @@
+//! Writing Megatron's `--ckpt-format torch_dist` checkpoints (`--saver core --ckpt-format
+//! torch_dist`) as core_v0.14.0's `pretrain_gpt.py` saves them with the local transformer
+//! implementation: every parameter a global tensor under Megatron's sharded key (a layer's
+//! parameters stacked over all layers, `decoder.layers.self_attention.linear_proj.weight`;
+//! the norms under the keys the fused TE layers use, `..linear_qkv.layer_norm_weight`), cut
+//! into the chunks the tensor-parallel ranks and layers save; the linear layers'
+//! `_extra_state` objects; and the distributed optimizer's state in
+//! `fully_sharded_model_space` (`optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>` of
+//! shape `grid ++ [numel]`, each data-parallel rank's range of a parameter one chunk).
+//! No RNG state (`args.no_save_rng` says so, and Megatron then leaves its generators alone).
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use anyhow::{ensure, Context, Result};
+use megatron_checkpoint::distrib_optim::{BufferParam, ShardedBuffer};
+use megatron_checkpoint::torch_dist_writer::{ChunkPlace, DistWriter};
+use megatron_checkpoint::torch_writer::{Saved, TensorSlot};
+use megatron_checkpoint::{DType, Value};
+use megatron_models::{Activation, PipelineSplit};
+use megatron_optim::excluded_from_weight_decay;
+use megatron_store::{iteration_directory, tensor_split, write_tracker, TensorSplit};
+
+use super::distrib_optim::{is_embedding_copy, Bucketing};
+use super::lazy::{with_bytes, LazyTensor};
+use super::megatron_save::{
+    args_namespace, chunk_entries, group_hyperparameters, json_to_value, run_flag,
+};
+use super::megatron_torch::param_groups;
+use super::ours::TargetLayout;
+use super::state::{shard_of, shard_shape, ModelState};
+use super::tensors::kind_named;
+
+/// The optimizer state's kinds: the key part and which of the state's tensors holds it.
+const OPTIMIZER_KINDS: [&str; 3] = ["fp32_param", "exp_avg", "exp_avg_sq"];
+
+/// A parameter's sharded key and, for a layer's parameter, its global layer index.
+fn sharded_key(name: &str) -> (String, Option<usize>) {
+    let Some(rest) = name.strip_prefix("decoder.layers.") else {
+        return (name.to_string(), None);
+    };
+    let (layer, leaf) = rest.split_once('.').expect("a layer's parameter");
+    let leaf = match leaf {
+        "input_layernorm.weight" => "self_attention.linear_qkv.layer_norm_weight",
+        "input_layernorm.bias" => "self_attention.linear_qkv.layer_norm_bias",
+        "pre_mlp_layernorm.weight" => "mlp.linear_fc1.layer_norm_weight",
+        "pre_mlp_layernorm.bias" => "mlp.linear_fc1.layer_norm_bias",
+        other => other,
+    };
+    (
+        format!("decoder.layers.{leaf}"),
+        Some(layer.parse().expect("a layer index")),
+    )
+}
+
+/// One tensor-parallel rank's chunk of a parameter: its offsets and sizes in the parameter's
+/// global (tensor-parallel joined) shape, and which rows of the rank's shard it holds.
+struct TpPiece {
+    offsets: Vec<usize>,
+    sizes: Vec<usize>,
+    shard_rows: std::ops::Range<usize>,
+}
+
+/// Rank `t`'s pieces of a parameter whose shard on each of `size` ranks has shape `shard`:
+/// a SwiGLU `fc1`'s gate and up halves go to the two halves of the global rows, as Megatron's
+/// sharded factory for it saves them.
+fn tp_pieces(split: TensorSplit, shard: &[usize], t: usize, size: usize) -> Vec<TpPiece> {
+    let whole = |offsets: Vec<usize>| TpPiece {
+        offsets,
+        sizes: shard.to_vec(),
+        shard_rows: 0..shard.first().copied().unwrap_or(1),
+    };
+    let mut zeros = vec![0; shard.len()];
+    match split {
+        TensorSplit::Replicated => vec![whole(zeros)],
+        TensorSplit::Columns => {
+            zeros[1] = t * shard[1];
+            vec![whole(zeros)]
+        }
+        TensorSplit::Rows { stride } => {
+            let part = shard[0] / stride as usize;
+            (0..stride as usize)
+                .map(|p| {
+                    let mut offsets = zeros.clone();
+                    offsets[0] = (p * size + t) * part;
+                    let mut sizes = shard.to_vec();
+                    sizes[0] = part;
+                    TpPiece {
+                        offsets,
+                        sizes,
+                        shard_rows: p * part..(p + 1) * part,
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// The global shape of a parameter whose shards have shape `shard`.
+fn joined_shape(split: TensorSplit, shard: &[usize], size: usize) -> Vec<usize> {
+    let mut shape = shard.to_vec();
+    match split {
+        TensorSplit::Replicated => {}
+        TensorSplit::Rows { .. } => shape[0] *= size,
+        TensorSplit::Columns => shape[1] *= size,
+    }
+    shape
+}
+
+/// The rows `rows` of `tensor` (first dimension), as a lazy view.
+fn rows_of(tensor: &LazyTensor, rows: std::ops::Range<usize>) -> Result<LazyTensor> {
+    let shape = tensor.shape().to_vec();
+    if shape.is_empty() || (rows.start == 0 && rows.end as i64 == shape[0]) {
+        return Ok(tensor.clone());
+    }
+    let row: i64 = shape[1..].iter().product();
+    let mut sizes = shape.clone();
+    sizes[0] = rows.len() as i64;
+    tensor.flat_slice(rows.start as i64 * row, rows.len() as i64 * row, sizes)
+}
+
+/// A parameter of one rank's model chunk, as the optimizer's buffers see it.
+struct RankParam {
+    global: String,
+    shard: Vec<usize>,
+    /// A copy saved by another rank under the same key (the tied output layer of a last
+    /// stage): in the buffers, not in the checkpoint.
+    replica: bool,
+}
+
+/// Writes `state` as Megatron's torch_dist under `root` in `target`'s layout, its optimizer
+/// state (if any) as the distributed optimizer's `fully_sharded_model_space` for
+/// `data_parallel` ranks.
+pub fn save_megatron_torch_dist(
+    state: &ModelState,
+    root: &Path,
+    target: TargetLayout,
+    data_parallel: usize,
+) -> Result<()> {
+    let config = &state.config;
+    config.validate(target.tensor as i64)?;
+    let (tp, pp, dp) = (target.tensor, target.pipeline, data_parallel.max(1));
+    if state.optimizer.is_some() {
+        ensure!(
+            config.activation != Activation::Swiglu,
+            "{}: the distributed optimizer's torch_dist state of a SwiGLU model is not written here (its fc1 is saved in halves); convert with --no-optimizer or --ckpt-format torch",
+            state.source
+        );
+    }
+    let split = PipelineSplit {
+        num_layers: config.num_layers,
+        stages: pp,
+        chunks: target.virtual_stages,
+        first_stage_layers: None,
+        last_stage_layers: None,
+    };
+    let kind = kind_named(&state.params_dtype)?;
+    let dtype = DType::from_torch_name(&state.params_dtype).context("params dtype")?;
+    let iteration = state.run.iteration;
+    let mut writer = DistWriter::create(&iteration_directory(root, iteration))?;
+    let mut declared = HashSet::new();
+    let rank_of = |t: usize, d: usize, stage: usize| t + tp * (d + dp * stage);
+    let flag = |key: &str| {
+        run_flag(&state.run.args, key)
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false)
+    };
+    let bucket_size = run_flag(&state.run.args, "ddp_bucket_size").and_then(|v| v.as_i64());
+    // The parameters of data-parallel rank 0 of the first stage and tensor rank 0, whose
+    // `common.pt` Megatron writes: the optimizer's per-parameter entries there.
+    let mut first_rank_params = 0;
+    let mut first_rank_groups: Vec<(String, Vec<usize>)> = Vec::new();
+    for stage in 0..pp {
+        let bucketing = Bucketing::new(flag, bucket_size, dp, pp as i64, stage);
+        for (c, spec) in split.chunks_of(stage)?.iter().enumerate() {
+            let entries = chunk_entries(state, spec);
+            for t in 0..tp {
+                let rank = rank_of(t, 0, stage);
+                let mut params = Vec::new();
+                for (local, global) in &entries {
+                    let Some(global) = global else {
+                        if t == 0 {
+                            write_extra_state(
+                                &mut writer,
+                                local,
+                                spec.layers.start,
+                                config.num_layers,
+                                rank,
+                            )?;
+                        }
+                        continue;
+                    };
+                    // A last stage's output layer tied to the embedding: saved by the first.
+                    let replica = local == "output_layer.weight" && global != local;
+                    let unsplit = state.tensor(global)?;
+                    let shard: Vec<usize> = shard_shape(global, unsplit.shape(), config, tp)
+                        .iter()
+                        .map(|&d| d as usize)
+                        .collect();
+                    params.push(RankParam {
+                        global: global.clone(),
+                        shard: shard.clone(),
+                        replica,
+                    });
+                    if replica {
+                        continue;
+                    }
+                    let tensor_split = tensor_split(global, config);
+                    if tensor_split == TensorSplit::Replicated && t > 0 {
+                        continue;
+                    }
+                    let (key, layer) = sharded_key(global);
+                    let layer_axis = |mut dims: Vec<usize>, value: usize| {
+                        if layer.is_some() {
+                            dims.insert(0, value);
+                        }
+                        dims
+                    };
+                    if declared.insert(key.clone()) {
+                        let shape = joined_shape(tensor_split, &shard, tp);
+                        writer.declare_tensor(&key, dtype, layer_axis(shape, config.num_layers))?;
+                    }
+                    let value = shard_of(global, unsplit, config, t, tp)?;
+                    for piece in tp_pieces(tensor_split, &shard, t, tp) {
+                        let place = ChunkPlace {
+                            offsets: layer_axis(piece.offsets, layer.unwrap_or(0)),
+                            sizes: layer_axis(piece.sizes, 1),
+                        };
+                        let part = rows_of(&value, piece.shard_rows)?;
+                        writer.write_chunk(&key, rank, place, |emit| {
+                            part.for_each_chunk(|chunk| {
+                                with_bytes(&chunk.to_kind(kind), &mut *emit)
+                            })
+                        })?;
+                    }
+                }
+                if state.optimizer.is_some() {
+                    let saved = write_optimizer_chunks(
+                        state,
+                        &mut writer,
+                        &mut declared,
+                        &params,
+                        bucketing.bucket_size(c),
+                        bucketing.shared_embeddings,
+                        t,
+                        tp,
+                        dp,
+                        |d| rank_of(t, d, stage),
+                    )?;
+                    if stage == 0 && t == 0 {
+                        first_rank_params += saved;
+                        first_rank_groups
+                            .extend(params.iter().map(|p| (p.global.clone(), p.shard.clone())));
+                    }
+                }
+            }
+        }
+    }
+    let (common, tensors) = common_state(state, target, dp, first_rank_params, &first_rank_groups)?;
+    let step = state.optimizer.as_ref().map_or(0.0, |o| o.step) as f32;
+    writer.finish(&common, &tensors, |_, emit| {
+        with_bytes(&tch::Tensor::from(step), emit)
+    })?;
+    write_tracker(root, iteration)
+}
+
+/// The `_extra_state` object of a local-spec linear layer (`[None]`, one per layer), keyed as
+/// Megatron's `ShardedObject` over the layers: `decoder.layers.<module>._extra_state/shard_<layer>_<layers>`.
+/// The output layer's is not saved (`GPTModel.sharded_state_dict` drops it).
+fn write_extra_state(
+    writer: &mut DistWriter,
+    local: &str,
+    first_layer: usize,
+    num_layers: usize,
+    rank: usize,
+) -> Result<()> {
+    let Some(rest) = local.strip_prefix("decoder.layers.") else {
+        return Ok(());
+    };
+    let (layer, module) = rest.split_once('.').context("a layer's extra state")?;
+    let layer: usize = layer.parse().context("a layer index")?;
+    let key = format!(
+        "decoder.layers.{module}/shard_{}_{num_layers}",
+        first_layer + layer
+    );
+    writer.write_object(&key, rank, &Saved::List(vec![Saved::Value(Value::None)]))
+}
+
+/// Writes tensor rank `t`'s chunks of the distributed optimizer's state for `params` (one
+/// model chunk's parameters in registration order), each data-parallel rank's part of each
+/// parameter into `rank_of(d)`'s file; returns how many parameters data-parallel rank 0 holds.
+#[allow(clippy::too_many_arguments)]
+fn write_optimizer_chunks(
+    state: &ModelState,
+    writer: &mut DistWriter,
+    declared: &mut HashSet<String>,
+    params: &[RankParam],
+    bucket_size: Option<usize>,
+    shared_embeddings: bool,
+    t: usize,
+    tp: usize,
+    dp: usize,
+    rank_of: impl Fn(usize) -> usize,
+) -> Result<usize> {
+    let optimizer = state.optimizer.as_ref().expect("called with an optimizer");
+    let config = &state.config;
+    let buffer_params: Vec<BufferParam> = params
+        .iter()
+        .map(|p| BufferParam {
+            numel: p.shard.iter().product(),
+            shared_embedding: shared_embeddings && is_embedding_copy(&p.global),
+        })
+        .collect();
+    let buffer = ShardedBuffer::new(&buffer_params, bucket_size, dp);
+    let mut first_rank = 0;
+    for (index, param) in params.iter().enumerate() {
+        let parts = buffer.owned_parts(index);
+        if parts.iter().any(|(d, _)| *d == 0) {
+            first_rank += 1;
+        }
+        let split = tensor_split(&param.global, config);
+        if param.replica || (split == TensorSplit::Replicated && t > 0) {
+            continue;
+        }
+        let (key, layer) = sharded_key(&param.global);
+        let numel: usize = param.shard.iter().product();
+        // The grid of model chunks: the layer, then each dimension's tensor-parallel split.
+        let mut grid: Vec<usize> = layer.map(|_| config.num_layers).into_iter().collect();
+        let mut position: Vec<usize> = layer.into_iter().collect();
+        for d in 0..param.shard.len() {
+            let split_here = matches!(
+                (split, d),
+                (TensorSplit::Rows { .. }, 0) | (TensorSplit::Columns, 1)
+            );
+            grid.push(if split_here { tp } else { 1 });
+            position.push(if split_here { t } else { 0 });
+        }
+        for (k, kind) in OPTIMIZER_KINDS.iter().enumerate() {
+            let name = format!("optimizer.state.{kind}.{key}");
+            if declared.insert(name.clone()) {
+                let mut shape = grid.clone();
+                shape.push(numel);
+                writer.declare_tensor(&name, DType::F32, shape)?;
+            }
+            let source = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq][k];
+            let value = source.get(&param.global).with_context(|| {
+                format!("{}: no optimizer state for {}", state.source, param.global)
+            })?;
+            let shard = shard_of(&param.global, value, config, t, tp)?;
+            for (d, range) in &parts {
+                let mut offsets = position.clone();
+                offsets.push(range.start);
+                let mut sizes = vec![1; position.len()];
+                sizes.push(range.len());
+                let part = shard.flat_slice(
+                    range.start as i64,
+                    range.len() as i64,
+                    vec![range.len() as i64],
+                )?;
+                writer.write_chunk(&name, rank_of(*d), ChunkPlace { offsets, sizes }, |emit| {
+                    part.for_each_chunk(|chunk| {
+                        with_bytes(&chunk.to_kind(tch::Kind::Float), &mut *emit)
+                    })
+                })?;
+            }
+        }
+    }
+    Ok(first_rank)
+}
+
+/// `common.pt`: args, iteration, the distributed optimizer's parameter groups and per-parameter
+/// steps (`params_on_first_rank` of them, as data-parallel rank 0 writes them), the scheduler,
+/// and the content metadata Megatron reads the optimizer's sharding type from. Its tensors
+/// (the steps) all hold the optimizer's step.
+fn common_state(
+    state: &ModelState,
+    target: TargetLayout,
+    data_parallel: usize,
+    params_on_first_rank: usize,
+    first_rank_params: &[(String, Vec<usize>)],
+) -> Result<(Saved, Vec<TensorSlot>)> {
+    let mut args = args_namespace(state, target)?;
+    let has_optimizer = state.optimizer.is_some();
+    let world = target.tensor * target.pipeline * data_parallel;
+    for (key, value) in [
+        ("ckpt_format", Value::Str("torch_dist".into())),
+        ("use_dist_ckpt", Value::Bool(true)),
+        ("use_distributed_optimizer", Value::Bool(has_optimizer)),
+        ("ckpt_fully_parallel_save", Value::Bool(true)),
+        (
+            "no_save_optim",
+            if has_optimizer {
+                Value::None
+            } else {
+                Value::Bool(true)
+            },
+        ),
+        ("no_save_rng", Value::Bool(true)),
+        ("data_parallel_size", Value::Int(data_parallel as i64)),
+        ("world_size", Value::Int(world as i64)),
+    ] {
+        match args.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = Saved::Value(value),
+            None => args.push((key.to_string(), Saved::Value(value))),
+        }
+    }
+    let mut entries = vec![
+        ("args".to_string(), Saved::Namespace(args)),
+        (
+            "checkpoint_version".to_string(),
+            Saved::Value(Value::Float(3.0)),
+        ),
+        (
+            "iteration".to_string(),
+            Saved::Value(Value::Int(state.run.iteration as i64)),
+        ),
+    ];
+    let mut tensors = Vec::new();
+    let mut content = vec![
+        (
+            "chained_optim_avoid_prefix".to_string(),
+            Saved::Value(Value::Bool(true)),
+        ),
+        (
+            "singleton_local_shards".to_string(),
+            Saved::Value(Value::Bool(false)),
+        ),
+    ];
+    if let Some(optimizer) = &state.optimizer {
+        let groups = param_groups(first_rank_params)
+            .into_iter()
+            .map(|members| {
+                let (name, shape) = &first_rank_params[members[0]];
+                let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                let decayed = !excluded_from_weight_decay(name, &shape);
+                let mut group = group_hyperparameters(state, decayed);
+                group.push(("step", Value::Float(optimizer.step)));
+                Saved::Dict(
+                    group
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), Saved::Value(v)))
+                        .collect(),
+                )
+            })
+            .collect();
+        let mut per_param = Vec::new();
+        for index in 0..params_on_first_rank {
+            tensors.push(TensorSlot {
+                dtype: DType::F32,
+                shape: Vec::new(),
+            });
+            per_param.push((
+                index as i64,
+                Saved::Dict(vec![("step".into(), Saved::Tensor(tensors.len() - 1))]),
+            ));
+        }
+        let mut wrapped = vec![(
+            "optimizer".to_string(),
+            Saved::Dict(vec![("param_groups".to_string(), Saved::List(groups))]),
+        )];
+        if state.params_dtype == "float16" {
+            if let Some(scaler) = state.run.grad_scaler.as_ref().and_then(json_to_value) {
+                wrapped.push(("grad_scaler".into(), Saved::Value(scaler)));
+            }
+        }
+        wrapped.push(("param_state".into(), Saved::IndexedDict(per_param)));
+        wrapped.push((
+            "param_state_sharding_type".into(),
+            Saved::Value(Value::Str("fully_sharded_model_space".into())),
+        ));
+        entries.push(("optimizer".into(), Saved::Dict(wrapped)));
+        content.insert(
+            0,
+            (
+                "distrib_optim_sharding_type".to_string(),
+                Saved::Value(Value::Str("fully_sharded_model_space".into())),
+            ),
+        );
+    }
+    if let Some(scheduler) = state
+        .run
+        .opt_param_scheduler
+        .as_ref()
+        .and_then(json_to_value)
+    {
+        entries.push(("opt_param_scheduler".into(), Saved::Value(scheduler)));
+    }
+    entries.push((
+        "num_floating_point_operations_so_far".into(),
+        Saved::Value(Value::Float(state.run.num_floating_point_operations_so_far)),
+    ));
+    entries.push(("content_metadata".into(), Saved::Dict(content)));
+    Ok((Saved::Dict(entries), tensors))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Column-parallel rows, row-parallel columns and SwiGLU's two halves land where Megatron's
+    /// sharded tensors put them.
+    #[test]
+    fn tensor_parallel_pieces_sit_at_megatrons_offsets() {
+        let rows = tp_pieces(TensorSplit::Rows { stride: 1 }, &[4, 3], 1, 2);
+        assert_eq!(
+            (rows[0].offsets.clone(), rows[0].sizes.clone()),
+            (vec![4, 0], vec![4, 3])
+        );
+        let columns = tp_pieces(TensorSplit::Columns, &[4, 3], 1, 2);
+        assert_eq!(columns[0].offsets, vec![0, 3]);
+        let swiglu = tp_pieces(TensorSplit::Rows { stride: 2 }, &[4, 3], 1, 2);
+        let places: Vec<_> = swiglu
+            .iter()
+            .map(|p| (p.offsets[0], p.sizes[0], p.shard_rows.clone()))
+            .collect();
+        assert_eq!(places, vec![(2, 2, 0..2), (6, 2, 2..4)]);
+        assert_eq!(joined_shape(TensorSplit::Columns, &[4, 3], 2), vec![4, 6]);
+        assert_eq!(
+            sharded_key("decoder.layers.3.input_layernorm.weight"),
+            (
+                "decoder.layers.self_attention.linear_qkv.layer_norm_weight".to_string(),
+                Some(3)
+            )
+        );
+    }
+}
