@@ -1,9 +1,8 @@
 //! The router's auxiliary losses (Switch Transformer's load balancing, ST-MoE's z-loss), how
 //! their gradients enter the backward pass, and the per-layer values the iteration log reports.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Result;
 use tch::{Kind, Tensor};
@@ -33,30 +32,35 @@ pub fn z_loss(logits: &Tensor, coeff: f64) -> Tensor {
     logits.logsumexp([-1], false).square().mean(None) * coeff
 }
 
-/// What the gradient of every auxiliary loss is, as f64 bits: the main loss's scale in
-/// backward (the loss scale over the micro-batches, set by the training step), so that an
-/// auxiliary loss weighs on the parameters exactly as if it were added to each micro-batch's
-/// loss. Process-wide like Megatron's `MoEAuxLossAutoScaler`: every rank sets the same value.
-static BACKWARD_SCALE: AtomicU64 = AtomicU64::new(0x3FF0_0000_0000_0000); // 1.0
-
-/// Sets the gradient the auxiliary losses get in backward (see [`BACKWARD_SCALE`]).
-pub fn set_aux_loss_backward_scale(scale: f64) {
-    BACKWARD_SCALE.store(scale.to_bits(), Ordering::Relaxed);
+thread_local! {
+    /// The gradient every auxiliary loss gets in backward: the main loss's scale there (the loss
+    /// scale over the micro-batches, set by the training step), so that an auxiliary loss weighs
+    /// on the parameters exactly as if it were added to each micro-batch's loss. Megatron keeps
+    /// it in a class attribute; here it is per thread, because ranks may be threads of one
+    /// process training different layouts, and read when the loss is attached (a rank's
+    /// forward runs on its own thread; its backward may not).
+    static BACKWARD_SCALE: Cell<f64> = const { Cell::new(1.0) };
 }
 
-fn backward_scale() -> f64 {
-    f64::from_bits(BACKWARD_SCALE.load(Ordering::Relaxed))
+/// Sets the gradient the auxiliary losses attached on this thread from now on get in backward.
+pub fn set_aux_loss_backward_scale(scale: f64) {
+    BACKWARD_SCALE.with(|cell| cell.set(scale));
 }
 
 /// Returns `activation` unchanged, tying `aux_loss` to it: in backward the activation's
-/// gradient passes through and `aux_loss` gets the backward scale as its gradient, whatever
-/// the activation's gradient is (an auxiliary loss enters the backward without entering the
-/// reported loss).
+/// gradient passes through and `aux_loss` gets the backward scale (as set when attached) as
+/// its gradient, whatever the activation's gradient is (an auxiliary loss enters the backward
+/// without entering the reported loss).
 pub fn attach(activation: &Tensor, aux_loss: &Tensor) -> Result<Tensor> {
-    Ok(autograd::apply(AuxLossScaler, &[activation, aux_loss])?.remove(0))
+    let scaler = AuxLossScaler {
+        scale: BACKWARD_SCALE.with(Cell::get),
+    };
+    Ok(autograd::apply(scaler, &[activation, aux_loss])?.remove(0))
 }
 
-struct AuxLossScaler;
+struct AuxLossScaler {
+    scale: f64,
+}
 
 impl CustomFunction for AuxLossScaler {
     fn forward(&mut self, inputs: &[Tensor], saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
@@ -65,7 +69,7 @@ impl CustomFunction for AuxLossScaler {
     }
 
     fn backward(&mut self, grads: &[Tensor], saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let aux_grad = saved[0].ones_like() * backward_scale();
+        let aux_grad = saved[0].ones_like() * self.scale;
         Ok(vec![Some(grads[0].shallow_clone()), Some(aux_grad)])
     }
 }
