@@ -77,9 +77,22 @@ fn named(layer: &MoeLayer) -> Vec<NamedParameter> {
     params
 }
 
+/// How the router's weights are set.
+#[derive(Clone, Copy, PartialEq)]
+enum Routing {
+    Random,
+    /// Every token's first channel large and the router reading only it, with weights 1 and
+    /// 0.8 for experts 0 and 1: top-2 sends every token to those two and none to the others.
+    OnlyExpertsZeroAndOne,
+}
+
 /// Runs the layer and the reference on one case; returns the reference's outputs, and ours
 /// as `ours.y`.
 fn compare(case: &str, config: MoeConfig) -> HashMap<String, Tensor> {
+    compare_routed(case, config, Routing::Random)
+}
+
+fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<String, Tensor> {
     let init = Initializer::new(Kind::Float, Device::Cpu, 0, 1, 1234).scope("mlp");
     let parallel = TensorParallel {
         group: Arc::new(SingleRank),
@@ -92,6 +105,15 @@ fn compare(case: &str, config: MoeConfig) -> HashMap<String, Tensor> {
     }
     tch::manual_seed(99);
     let x = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
+    if routing == Routing::OnlyExpertsZeroAndOne {
+        tch::no_grad(|| {
+            let weight = layer.router.weight.tensor();
+            let _ = weight.shallow_clone().zero_();
+            let _ = weight.get(0).get(0).fill_(1.0);
+            let _ = weight.get(1).get(0).fill_(0.8);
+            let _ = x.select(2, 0).fill_(10.0);
+        });
+    }
     let g = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
     let input = x.copy().set_requires_grad(true);
 
@@ -161,6 +183,19 @@ fn compare(case: &str, config: MoeConfig) -> HashMap<String, Tensor> {
             &reference[&format!("grad.{}", param.name)],
         );
     }
+    if routing == Routing::OnlyExpertsZeroAndOne {
+        for param in params
+            .iter()
+            .filter(|p| p.name.contains("local_experts.2.") || p.name.contains("local_experts.3."))
+        {
+            assert_eq!(
+                param.tensor.grad().abs().sum(Kind::Float).double_value(&[]),
+                0.0,
+                "{case}: {} got a gradient without tokens",
+                param.name
+            );
+        }
+    }
     let losses = ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"];
     for name in losses {
         match (tracked.get(name), reference.get(name)) {
@@ -227,6 +262,18 @@ fn moe_layer_matches_megatrons_definitions_in_value_and_gradient() {
     for (case, config) in cases {
         compare(case, config);
     }
+}
+
+/// Experts that receive no tokens run on an empty batch: the layer still matches the
+/// reference, and their gradients are zero.
+#[test]
+fn experts_without_tokens_work() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let config = MoeConfig {
+        z_loss_coeff: Some(1e-3),
+        ..moe(2)
+    };
+    compare_routed("degenerate routing", config, Routing::OnlyExpertsZeroAndOne);
 }
 
 #[test]
