@@ -128,6 +128,9 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
     if flag(args, "qk_layernorm") {
         bail!("checkpoints with --qk-layernorm are not supported");
     }
+    if let Some(experts) = args.get("num_experts").and_then(Value::as_i64) {
+        bail!("the checkpoint's args: num_experts {experts}: Megatron Mixture-of-Experts checkpoints are not imported yet");
+    }
     let rope_scaling = rope_flags(args)
         .scaling(position)
         .context("the checkpoint's args")?;
@@ -175,6 +178,7 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
         hidden_dropout: float_or(args, "hidden_dropout", 0.1),
         attention_dropout: float_or(args, "attention_dropout", 0.1),
         init_method_std: float_or(args, "init_method_std", 0.02),
+        moe: None,
     })
 }
 

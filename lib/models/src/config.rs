@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 pub use megatron_kernels::ops::Normalization;
 
+pub use crate::layers::moe::config::MoeConfig;
 use crate::rope_scaling::{self, RopeScaling};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,6 +101,10 @@ pub struct TransformerConfig {
     pub hidden_dropout: f64,
     pub attention_dropout: f64,
     pub init_method_std: f64,
+    /// `--num-experts`: the MLPs of the layers `--moe-layer-freq` picks are Mixtures of
+    /// Experts; absent for dense models (and in metadata written before MoE existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl TransformerConfig {
@@ -130,6 +135,7 @@ impl TransformerConfig {
             hidden_dropout: 0.1,
             attention_dropout: 0.1,
             init_method_std: 0.02,
+            moe: None,
         }
     }
 
@@ -208,6 +214,19 @@ impl TransformerConfig {
                 self.rotary_percent
             );
             scaling.validate()?;
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.num_layers)?;
+            ensure!(
+                !self.add_bias_linear,
+                "--num-experts needs --disable-bias-linear: Megatron's experts scale their \
+                 activations by the router's probabilities before fc2, which takes no bias"
+            );
+            ensure!(
+                tensor_parallel_size == 1,
+                "--num-experts with --tensor-model-parallel-size {tensor_parallel_size}: \
+                 Mixture-of-Experts layers run without tensor parallelism for now"
+            );
         }
         ensure!(
             (0.0..1.0).contains(&self.hidden_dropout)

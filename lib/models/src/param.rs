@@ -165,6 +165,16 @@ impl Initializer {
         }
     }
 
+    /// An initializer of parameters every rank holds whole, whatever the tensor parallelism
+    /// (the routed experts, whose tensor parallelism is their own).
+    pub fn whole(&self) -> Initializer {
+        Initializer {
+            tensor_parallel_rank: 0,
+            tensor_parallel_size: 1,
+            ..self.clone()
+        }
+    }
+
     /// N(0, std) over the whole `shape`.
     pub fn normal(&self, name: &str, shape: &[i64], std: f64) -> Param {
         self.place(self.full_normal(name, shape, std))

@@ -127,7 +127,7 @@ impl<'a> TrunkBuilder<'a> {
                         self.parallel.clone(),
                     )
                 } else {
-                    TransformerLayer::new(&init, self.config, self.parallel.clone())
+                    TransformerLayer::new(&init, self.config, self.parallel.clone(), i)
                 };
                 layer.with_bias_dropout_fusion(self.bias_dropout_fusion)
             })

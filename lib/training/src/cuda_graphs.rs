@@ -37,6 +37,8 @@ pub fn unsupported_reason(
         Some("--calculate-per-token-loss scales each step by its token count, which the graph does not read")
     } else if args.recompute.recompute()? != Recompute::None {
         Some("activation recomputation swaps random-generator states on the host in the backward")
+    } else if args.model.moe.num_experts.is_some() {
+        Some("Mixture-of-Experts layers size each expert's batch on the host from the routing")
     } else {
         None
     })

@@ -25,6 +25,7 @@ use super::memory_report::{ActivationShape, MemoryReport};
 use super::microbatches::{
     train_iters_from_samples, BatchRampup, BatchSizeSchedule, MicrobatchCalculator, StepSchedule,
 };
+use super::moe_losses::MoeLossColumns;
 use super::profiling::StepProfiler;
 use super::schedules::{forward_backward, ActivationSpec, ScheduleShape};
 use super::stage::{FamilyStage, LossScaling};
@@ -35,6 +36,7 @@ use megatron_cli::signals::{exit_requested, install_exit_handler};
 use megatron_cli::{bail_usage, usage_error};
 use megatron_kernels::rng;
 use megatron_kernels::runtime::cuda_memory_stats;
+use megatron_models::layers::moe::aux_loss::set_aux_loss_backward_scale;
 use megatron_models::loader::{BatchLoader, DeviceBatch, SampleSource, SamplerPosition, Splits};
 use megatron_models::{ModelChunk, ModelOptions, NamedParameter, PipelineSplit};
 use megatron_optim::{
@@ -94,7 +96,8 @@ impl TrainingSummary {
 /// Interval statistics behind the log line (Megatron's `total_loss_dict`).
 #[derive(Default)]
 struct IntervalStats {
-    /// Per reported loss, its sum over the iterations that stepped.
+    /// The reported losses' names and, per loss, its sum over the iterations that stepped.
+    loss_names: Vec<&'static str>,
     loss_sums: Vec<f64>,
     advanced: u64,
     skipped: u64,
@@ -119,6 +122,8 @@ struct Run<'a, F: ModelFamily> {
     activation: ActivationSpec,
     flops: FlopsModel,
     peak_tflops: Option<f64>,
+    /// The Mixture-of-Experts losses reported after the family's.
+    moe_losses: Option<MoeLossColumns>,
     metrics: Option<TrainingMetrics>,
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
@@ -289,10 +294,12 @@ pub fn train_with_hooks<F: ModelFamily>(
         megatron_kernels::ops::set_deterministic(true)?;
     }
     let config = family.transformer().clone();
+    let recompute = args.recompute.recompute()?;
+    args.model.moe.refuse_full_recompute(recompute)?;
     let options = ModelOptions {
         params_dtype: args.precision.params_dtype(),
         device,
-        recompute: args.recompute.recompute()?,
+        recompute,
         seed: args.training.seed,
         bias_dropout_fusion: !args.training.no_bias_dropout_fusion,
         rope_fusion: !args.model.no_rope_fusion,
@@ -479,6 +486,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         },
         flops: family.flops(args.model.seq_length),
         peak_tflops: peak_tflops_of(device),
+        moe_losses: MoeLossColumns::of(family.transformer()),
         metrics,
         args_json,
         last_checkpoint: None,
@@ -781,6 +789,7 @@ impl<F: ModelFamily> Run<'_, F> {
                     interval.nan += 1;
                 }
             } else {
+                interval.loss_names = losses.iter().map(|(name, _)| *name).collect();
                 interval.loss_sums.resize(losses.len(), 0.0);
                 for (sum, (_, loss)) in interval.loss_sums.iter_mut().zip(&losses) {
                     *sum += loss;
@@ -970,6 +979,11 @@ impl<F: ModelFamily> Run<'_, F> {
         } else {
             LossScaling::Host(self.scaler.scale() as f64)
         };
+        // The auxiliary losses' gradient: the main loss's scale in backward.
+        set_aux_loss_backward_scale(match &loss_scaling {
+            LossScaling::PerToken { loss_scale, .. } => *loss_scale,
+            _ => self.scaler.scale() as f64 / microbatches as f64,
+        });
         let mut stage = FamilyStage {
             family: self.family,
             chunks: &self.chunks,
@@ -998,7 +1012,10 @@ impl<F: ModelFamily> Run<'_, F> {
         let outcome = self
             .optimizer
             .step(lrs, weight_decay, fp16.then(|| self.scaler.scale()))?;
-        let losses = pending_losses.values()?;
+        let mut losses = pending_losses.values()?;
+        if let Some(columns) = &self.moe_losses {
+            losses.extend(columns.take(&self.parallel, microbatches as usize, self.device)?);
+        }
         // Every family reports its language-model loss first: the spike rule follows it.
         let lm_loss = losses[0].1;
         if !fp16 || lm_loss.is_finite() {
@@ -1079,8 +1096,8 @@ impl<F: ModelFamily> Run<'_, F> {
         let tokens_per_second =
             (global_batch * self.args.model.seq_length as u64) as f64 / per_iteration;
         let losses = if interval.advanced > 0 {
-            self.family
-                .loss_names()
+            interval
+                .loss_names
                 .iter()
                 .zip(&interval.loss_sums)
                 .map(|(name, sum)| (name.to_string(), sum / interval.advanced as f64))

@@ -1,5 +1,6 @@
-//! Model FLOPs per global batch (Megatron core_v0.13's `num_floating_point_operations`, dense
-//! transformer without MLA, MoE or MTP) and the tensor-core peak of known GPUs for MFU.
+//! Model FLOPs per global batch (Megatron core_v0.14's `num_floating_point_operations`,
+//! transformer without MLA or MTP; Mixture-of-Experts layers count the experts a token is routed
+//! to, the active parameters) and the tensor-core peak of known GPUs for MFU.
 
 use megatron_models::{Activation, TransformerConfig};
 
@@ -17,6 +18,18 @@ pub struct FlopsModel {
     pub seq_length: u64,
     pub padded_vocab_size: u64,
     pub swiglu: bool,
+    pub moe: Option<MoeFlops>,
+}
+
+/// The Mixture-of-Experts layers' share of the formula.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeFlops {
+    pub num_moe_layers: u64,
+    pub moe_ffn_hidden_size: u64,
+    /// `--moe-router-topk`: the experts each token passes through.
+    pub topk: u64,
+    /// `--moe-shared-expert-intermediate-size`, 0 without a shared expert.
+    pub shared_expert_ffn_hidden_size: u64,
 }
 
 impl FlopsModel {
@@ -32,6 +45,13 @@ impl FlopsModel {
             seq_length: seq_length as u64,
             padded_vocab_size: config.padded_vocab_size(1) as u64,
             swiglu: config.activation == Activation::Swiglu,
+            moe: config.moe.as_ref().map(|moe| MoeFlops {
+                num_moe_layers: moe.num_moe_layers() as u64,
+                moe_ffn_hidden_size: moe.ffn_hidden_size as u64,
+                topk: moe.topk as u64,
+                shared_expert_ffn_hidden_size: moe.shared_expert_intermediate_size.unwrap_or(0)
+                    as u64,
+            }),
         }
     }
 }
@@ -39,7 +59,8 @@ impl FlopsModel {
 /// Training FLOPs (forward and backward) of `batch_size` sequences:
 ///
 /// `B·s·[12·L·h·F + 12·L·h²·Q·(1 + g/n + s/(2h)) + 6·h·V]` with `Q = n·d/h` and `F` the FFN
-/// width, × 1.5 with SwiGLU. The factor 12 is 3 GEMMs per weight (forward, two backward) × 2
+/// width, × 1.5 with SwiGLU. With Mixture-of-Experts layers `F` is the layers' average:
+/// `F·(dense/L) + (F_moe·k + F_shared)·(moe/L)`, each width × 1.5 with SwiGLU. The factor 12 is 3 GEMMs per weight (forward, two backward) × 2
 /// FLOPs per multiply-add × 2 GEMMs per block (up/down projection; QKV/output projection); the
 /// attention matrix counts half, being causal.
 pub fn num_floating_point_operations(model: &FlopsModel, batch_size: u64) -> f64 {
@@ -52,7 +73,19 @@ pub fn num_floating_point_operations(model: &FlopsModel, batch_size: u64) -> f64
     let gemm_factor = 12.0;
     let query_to_hidden = (model.kv_channels * model.num_attention_heads) as f64 / hidden;
     let gated_multiplier = if model.swiglu { 1.5 } else { 1.0 };
-    let mlp = gemm_factor * layers * hidden * (model.ffn_hidden_size as f64 * gated_multiplier);
+    let dense_width = model.ffn_hidden_size as f64 * gated_multiplier;
+    let widths = match model.moe {
+        None => dense_width,
+        Some(moe) => {
+            let moe_layers = moe.num_moe_layers as f64;
+            dense_width * ((layers - moe_layers) / layers)
+                + (moe.moe_ffn_hidden_size as f64 * moe.topk as f64 * gated_multiplier)
+                    * (moe_layers / layers)
+                + (moe.shared_expert_ffn_hidden_size as f64 * gated_multiplier)
+                    * (moe_layers / layers)
+        }
+    };
+    let mlp = gemm_factor * layers * hidden * widths;
     let attention = gemm_factor
         * layers
         * hidden
@@ -116,6 +149,7 @@ mod tests {
         seq_length: 1024,
         padded_vocab_size: 50304,
         swiglu: false,
+        moe: None,
     };
 
     // Expected values: Megatron core_v0.13's expression evaluated by python3 (dense branch, no
@@ -143,8 +177,36 @@ mod tests {
             seq_length: 4096,
             padded_vocab_size: 32000,
             swiglu: true,
+            moe: None,
         };
         assert_eq!(num_floating_point_operations(&model, 4), 623113855303680.0);
+    }
+
+    #[test]
+    fn moe_layers_count_the_experts_tokens_are_routed_to() {
+        // Megatron core_v0.14's expression by python3 for a Mixtral-like shape: 32 layers,
+        // every other one MoE with 8 experts of width 14336, top-2, a shared expert of 4096,
+        // SwiGLU, GQA 8, batch 2 at 4096: 2·4096·(12·32·4096·(14336·1.5·(16/32) +
+        // 14336·2·1.5·(16/32) + 4096·1.5·(16/32)) + attention + 6·4096·32000)
+        // = 553999241576448.0.
+        let model = FlopsModel {
+            num_layers: 32,
+            hidden_size: 4096,
+            ffn_hidden_size: 14336,
+            num_attention_heads: 32,
+            num_query_groups: 8,
+            kv_channels: 128,
+            seq_length: 4096,
+            padded_vocab_size: 32000,
+            swiglu: true,
+            moe: Some(MoeFlops {
+                num_moe_layers: 16,
+                moe_ffn_hidden_size: 14336,
+                topk: 2,
+                shared_expert_ffn_hidden_size: 4096,
+            }),
+        };
+        assert_eq!(num_floating_point_operations(&model, 2), 553999241576448.0);
     }
 
     #[test]

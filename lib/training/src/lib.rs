@@ -19,6 +19,7 @@ pub mod lr_schedule;
 pub mod memory_report;
 pub mod metrics;
 pub mod microbatches;
+mod moe_losses;
 mod profiling;
 pub mod schedules;
 mod stage;

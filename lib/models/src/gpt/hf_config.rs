@@ -286,6 +286,7 @@ pub fn config_from_hf(
                 hidden_dropout: 0.0,
                 attention_dropout: 0.0,
                 init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+                moe: None,
             }
         }
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
@@ -340,6 +341,7 @@ pub fn config_from_hf(
                 hidden_dropout: 0.0,
                 attention_dropout: 0.0,
                 init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+                moe: None,
             }
         }
         "" => bail!("config.json names no architecture"),

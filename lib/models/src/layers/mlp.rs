@@ -70,6 +70,15 @@ impl Mlp {
         self.linear_fc2.forward(&activated)
     }
 
+    /// fc1, the activation, each row scaled by `row_scale` `[rows]`, fc2: a routed expert,
+    /// whose router probability Megatron applies before fc2.
+    pub fn forward_scaled(&self, hidden: &Tensor, row_scale: &Tensor) -> Result<Tensor> {
+        let input = self.linear_fc1.parallel_input(hidden)?;
+        let activated = self.activate(&self.linear_fc1.local(&input)?);
+        let scaled = (&activated * row_scale.unsqueeze(-1)).to_kind(activated.kind());
+        self.linear_fc2.forward(&scaled)
+    }
+
     /// The activation of fc1's output.
     pub fn activate(&self, intermediate: &Tensor) -> Tensor {
         match self.activation {

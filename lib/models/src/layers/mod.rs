@@ -9,6 +9,7 @@ mod linear;
 mod linear_gelu;
 pub(crate) mod main_grad_linear;
 mod mlp;
+pub mod moe;
 mod norm;
 mod qkv_projection;
 mod rope;
@@ -20,10 +21,11 @@ pub use fp8_linear::Fp8Linear;
 pub use kv_cache::{KvCache, LayerCache, PagedKvCache, PagedStep, BLOCK_SIZE};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
+pub use moe::MoeLayer;
 pub use norm::Norm;
 pub use rope::{RotaryEmbedding, RotaryTables};
 pub use transformer_layer::{
-    enable_planned_fp8, scoped_fp8_linears, Memory, Residual, TransformerLayer,
+    enable_planned_fp8, scoped_fp8_linears, FeedForward, Memory, Residual, TransformerLayer,
 };
 
 use std::sync::Arc;

@@ -12,6 +12,7 @@ use super::fp8_linear::Fp8Linear;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::RowParallelLinear;
 use super::mlp::Mlp;
+use super::moe::MoeLayer;
 use super::norm::Norm;
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
@@ -27,7 +28,7 @@ pub struct TransformerLayer {
     /// Decoder layers of an encoder-decoder: the norm and the attention over the encoder output.
     pub cross: Option<(Norm, CrossAttention)>,
     pub pre_mlp_layernorm: Norm,
-    pub mlp: Mlp,
+    pub mlp: FeedForward,
     hidden_dropout: f64,
     /// The hidden dropout waits for the next residual add + norm, whose kernel runs it.
     bias_dropout_fusion: bool,
@@ -35,9 +36,15 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayer {
-    /// `init` is scoped to the layer's global name (`decoder.layers.<global index>`).
-    pub fn new(init: &Initializer, config: &TransformerConfig, parallel: TensorParallel) -> Self {
-        Self::build(init, config, parallel, false)
+    /// `init` is scoped to the layer's global name (`decoder.layers.<index>`, `index` the
+    /// layer's global index, which decides whether its MLP is a Mixture of Experts).
+    pub fn new(
+        init: &Initializer,
+        config: &TransformerConfig,
+        parallel: TensorParallel,
+        index: usize,
+    ) -> Self {
+        Self::build(init, config, parallel, false, Some(index))
     }
 
     /// A decoder layer of an encoder-decoder: self-attention, cross-attention, MLP.
@@ -46,7 +53,7 @@ impl TransformerLayer {
         config: &TransformerConfig,
         parallel: TensorParallel,
     ) -> Self {
-        Self::build(init, config, parallel, true)
+        Self::build(init, config, parallel, true, None)
     }
 
     fn build(
@@ -54,6 +61,7 @@ impl TransformerLayer {
         config: &TransformerConfig,
         parallel: TensorParallel,
         cross_attention: bool,
+        index: Option<usize>,
     ) -> Self {
         // Output projections are scaled by 1/sqrt(2L) (Megatron's "scaled init").
         let output_std = config.init_method_std / (2.0 * config.num_layers as f64).sqrt();
@@ -86,7 +94,17 @@ impl TransformerLayer {
             )
         });
         let pre_mlp_layernorm = norm("pre_mlp_layernorm");
-        let mlp = Mlp::new(&init.scope("mlp"), config, output_std, parallel);
+        let moe = (config.moe.as_ref()).filter(|moe| index.is_some_and(|i| moe.is_moe_layer(i)));
+        let mlp = match moe {
+            Some(moe) => FeedForward::Moe(MoeLayer::new(
+                &init.scope("mlp"),
+                config,
+                moe,
+                output_std,
+                parallel,
+            )),
+            None => FeedForward::Dense(Mlp::new(&init.scope("mlp"), config, output_std, parallel)),
+        };
         TransformerLayer {
             input_layernorm,
             self_attention,
@@ -127,8 +145,11 @@ impl TransformerLayer {
                 .linear_proj
                 .enable_fp8("cross_attention.linear_proj", recipe)?;
         }
-        self.mlp.linear_fc1.enable_fp8("mlp.linear_fc1", recipe)?;
-        self.mlp.linear_fc2.enable_fp8("mlp.linear_fc2", recipe)
+        let FeedForward::Dense(mlp) = &mut self.mlp else {
+            bail!("fp8 does not cover Mixture-of-Experts layers yet");
+        };
+        mlp.linear_fc1.enable_fp8("mlp.linear_fc1", recipe)?;
+        mlp.linear_fc2.enable_fp8("mlp.linear_fc2", recipe)
     }
 
     /// The layer's fp8 linears under their names in the layer, for checkpoints.
@@ -145,10 +166,12 @@ impl TransformerLayer {
                 ("cross_attention.linear_proj", cross.linear_proj.fp8()),
             ]);
         }
-        linears.extend([
-            ("mlp.linear_fc1", self.mlp.linear_fc1.fp8()),
-            ("mlp.linear_fc2", self.mlp.linear_fc2.fp8()),
-        ]);
+        if let FeedForward::Dense(mlp) = &self.mlp {
+            linears.extend([
+                ("mlp.linear_fc1", mlp.linear_fc1.fp8()),
+                ("mlp.linear_fc2", mlp.linear_fc2.fp8()),
+            ]);
+        }
         linears
             .into_iter()
             .filter_map(|(name, fp8)| Some((name, fp8?.clone())))
@@ -220,7 +243,7 @@ impl TransformerLayer {
             (None, Some(_)) => bail!("encoder output given to a layer without cross-attention"),
         };
         self.block(hidden, &self.pre_mlp_layernorm, train, |normed| {
-            self.mlp.forward(normed)
+            self.mlp.forward(normed, train)
         })
     }
 
@@ -254,7 +277,7 @@ impl TransformerLayer {
         })?;
         Ok(self
             .block(hidden, &self.pre_mlp_layernorm, false, |normed| {
-                self.mlp.forward(normed)
+                self.mlp.forward(normed, false)
             })?
             .sum())
     }
@@ -301,7 +324,10 @@ impl TransformerLayer {
     /// the bias and residual: only the norm + QKV and norm + fc1 (+ GeLU) fuse. Activations
     /// other than GeLU (SwiGLU, squared ReLU) run between fc1 and fc2 as libtorch operations.
     pub fn supports_decode_fusion(&self) -> bool {
-        let (attention, mlp) = (&self.self_attention, &self.mlp);
+        let FeedForward::Dense(mlp) = &self.mlp else {
+            return false;
+        };
+        let attention = &self.self_attention;
         let fits = |weight: &Tensor| decode_gemv::fits(1, weight);
         !self.residual_from_norm
             && self.cross.is_none()
@@ -328,7 +354,10 @@ impl TransformerLayer {
         let (s, b, h) = hidden.size3()?;
         let rows = s * b;
         let x = hidden.reshape([rows, h]);
-        let (attention, mlp) = (&self.self_attention, &self.mlp);
+        let FeedForward::Dense(mlp) = &self.mlp else {
+            bail!("a Mixture-of-Experts layer has no fused decode path");
+        };
+        let attention = &self.self_attention;
         let context = attention.decode_attention(
             hidden,
             &self.input_layernorm.as_input_norm(),
@@ -368,7 +397,7 @@ impl TransformerLayer {
         let hidden = self.block(hidden, &self.input_layernorm, train, attend)?;
         Ok(self
             .block(hidden, &self.pre_mlp_layernorm, train, |normed| {
-                self.mlp.forward(normed)
+                self.mlp.forward(normed, train)
             })?
             .sum())
     }
@@ -425,6 +454,31 @@ impl TransformerLayer {
         self.pre_mlp_layernorm
             .named_tensors(&mut out.scope("pre_mlp_layernorm"));
         self.mlp.named_tensors(&mut out.scope("mlp"));
+    }
+}
+
+/// A layer's MLP: dense, or a Mixture of Experts (`--num-experts`, on the layers
+/// `--moe-layer-freq` picks). Both sit under the layer's `mlp.` names.
+#[derive(Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Moe(MoeLayer),
+}
+
+impl FeedForward {
+    /// `train` adds a Mixture of Experts' auxiliary losses.
+    pub fn forward(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward(hidden),
+            FeedForward::Moe(moe) => moe.forward(hidden, train),
+        }
+    }
+
+    pub fn named_tensors(&self, out: &mut NamedTensors) {
+        match self {
+            FeedForward::Dense(mlp) => mlp.named_tensors(out),
+            FeedForward::Moe(moe) => moe.named_tensors(out),
+        }
     }
 }
 

@@ -11,6 +11,7 @@ mod finetune;
 mod fp8;
 mod logging;
 mod model;
+mod moe;
 mod parallel;
 mod training;
 
@@ -22,6 +23,7 @@ pub use fp8::Fp8Args;
 pub use logging::LoggingArgs;
 pub use megatron_data::flags::{DataArgs, TokenizerArgs};
 pub use model::ModelArgs;
+pub use moe::MoeArgs;
 pub use parallel::ParallelArgs;
 pub use training::{MixedPrecisionArgs, OptimizerArgs, RecomputeArgs, TrainingArgs};
 

@@ -4,6 +4,8 @@ use anyhow::{ensure, Result};
 use clap::Args;
 use megatron_cli::ranges;
 
+use super::moe::MoeArgs;
+
 use megatron_models::{
     Activation, Normalization, PositionEmbeddingType, RopeScalingArgs, TransformerConfig,
 };
@@ -155,6 +157,9 @@ pub struct ModelArgs {
     /// overlapped with the weight-gradient GEMMs.
     #[arg(long)]
     pub no_async_tensor_model_parallel_allreduce: bool,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub moe: MoeArgs,
 }
 
 impl ModelArgs {
@@ -223,6 +228,9 @@ impl ModelArgs {
             hidden_dropout: self.hidden_dropout,
             attention_dropout: self.attention_dropout,
             init_method_std: self.init_method_std,
+            moe: self
+                .moe
+                .config(self.num_layers, ffn_hidden_size, add_bias_linear)?,
         })
     }
 }

@@ -38,6 +38,7 @@ impl BertPretrainArgs {
     /// The architecture for a tokenizer of `vocab_size` tokens.
     pub fn bert_config(&self, vocab_size: i64) -> Result<BertConfig> {
         let model = &self.common.model;
+        model.moe.refuse_for("BERT")?;
         Ok(self
             .bert
             .config(model.gpt_config(vocab_size)?, model.openai_gelu))

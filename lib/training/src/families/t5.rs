@@ -58,6 +58,7 @@ pub fn t5_flags(command: Command) -> Command {
 impl T5PretrainArgs {
     /// The architecture for a tokenizer of `vocab_size` tokens (sentinels included).
     pub fn t5_config(&self, vocab_size: i64) -> Result<T5Config> {
+        self.common.model.moe.refuse_for("T5")?;
         self.t5.config(self.common.model.gpt_config(vocab_size)?)
     }
 }

@@ -1,0 +1,174 @@
+//! Megatron's top-k router: a gating linear scores each token against every expert, the k best
+//! experts are chosen, and their probabilities weigh the experts' outputs. In training the
+//! auxiliary losses ride on the probabilities and logits ([`aux_loss::attach`]).
+
+use anyhow::Result;
+use tch::{Device, Kind, Tensor};
+
+use super::aux_loss;
+use super::config::{LoadBalancing, MoeConfig, RouterDtype, ScoreFunction};
+use crate::layers::{NamedTensors, ParamAttributes};
+use crate::param::{Initializer, Param};
+
+/// Which experts each token goes to, and with what weight.
+pub struct Routing {
+    /// `[tokens, experts]`: each token's probability for its chosen experts, 0 elsewhere.
+    pub probs: Tensor,
+    /// `[tokens, experts]`, bool: the chosen experts.
+    pub map: Tensor,
+}
+
+#[derive(Clone)]
+pub struct TopKRouter {
+    /// `[experts, hidden]`, in the parameters' dtype.
+    pub weight: Param,
+    config: MoeConfig,
+}
+
+impl TopKRouter {
+    pub fn new(init: &Initializer, config: &MoeConfig, hidden: i64, std: f64) -> Self {
+        TopKRouter {
+            weight: init.normal("weight", &[config.num_experts, hidden], std),
+            config: config.clone(),
+        }
+    }
+
+    /// Routes `hidden` `[s, b, h]` (`train`: with the auxiliary losses, which also need
+    /// gradients recorded).
+    pub fn forward(&self, hidden: &Tensor, train: bool) -> Result<Routing> {
+        let (seq_length, _, h) = hidden.size3()?;
+        let logits = self.gating(&hidden.reshape([-1, h]));
+        let training = train && grad_enabled();
+        let logits = match self.config.z_loss_coeff {
+            Some(coeff) if training => {
+                let z = aux_loss::z_loss(&logits, coeff);
+                aux_loss::track("z_loss", &(&z / coeff));
+                aux_loss::attach(&logits, &z)?
+            }
+            _ => logits,
+        };
+        let (probs, map) = self.top_k(&logits);
+        let probs = match self.config.load_balancing {
+            LoadBalancing::None => probs,
+            _ if !training || self.config.aux_loss_coeff == 0.0 => probs,
+            balancing => self.with_load_balancing(probs, &logits, balancing, seq_length)?,
+        };
+        Ok(Routing { probs, map })
+    }
+
+    /// The logits `[tokens, experts]`, computed in `--moe-router-dtype` when given.
+    fn gating(&self, tokens: &Tensor) -> Tensor {
+        let kind = match self.config.router_dtype {
+            Some(RouterDtype::Fp32) => Kind::Float,
+            Some(RouterDtype::Fp64) => Kind::Double,
+            None => tokens.kind(),
+        };
+        tokens
+            .to_kind(kind)
+            .linear::<&Tensor>(&self.weight.to_kind(kind), None)
+    }
+
+    /// The chosen experts' probabilities scattered over `[tokens, experts]`, and the map of
+    /// the chosen experts.
+    fn top_k(&self, logits: &Tensor) -> (Tensor, Tensor) {
+        let k = self.config.topk;
+        let (probs, indices) = match self.config.score_function {
+            ScoreFunction::Softmax if self.config.pre_softmax => {
+                let scores = logits.softmax(-1, Kind::Float).to_kind(logits.kind());
+                scores.topk(k, 1, true, true)
+            }
+            ScoreFunction::Softmax => {
+                let (top, indices) = logits.topk(k, 1, true, true);
+                (top.softmax(-1, Kind::Float).to_kind(logits.kind()), indices)
+            }
+            ScoreFunction::Sigmoid => {
+                let scores = logits.to_kind(Kind::Float).sigmoid().to_kind(logits.kind());
+                let (top, indices) = scores.topk(k, 1, true, true);
+                let probs = if k > 1 {
+                    &top / (top.sum_dim_intlist(-1, true, None) + 1e-20)
+                } else {
+                    top
+                };
+                (probs, indices)
+            }
+        };
+        let probs = match self.config.topk_scaling_factor {
+            Some(factor) => probs * factor,
+            None => probs,
+        };
+        let map = logits
+            .zeros_like()
+            .scatter_value(1, &indices, 1.0)
+            .to_kind(Kind::Bool);
+        (logits.zeros_like().scatter(1, &indices, &probs), map)
+    }
+
+    /// Attaches the load-balancing loss (over the micro-batch or per sequence) to `probs`.
+    /// Its scores and the assignment it counts come from all the logits, whatever the
+    /// routing's pre-softmax or scaling.
+    fn with_load_balancing(
+        &self,
+        probs: Tensor,
+        logits: &Tensor,
+        balancing: LoadBalancing,
+        seq_length: i64,
+    ) -> Result<Tensor> {
+        let config = &self.config;
+        let scores = match config.score_function {
+            ScoreFunction::Softmax => logits.softmax(-1, Kind::Float),
+            ScoreFunction::Sigmoid => {
+                let scores = logits.sigmoid();
+                &scores / (scores.sum_dim_intlist(-1, true, None) + 1e-20)
+            }
+        };
+        let (_, chosen) = scores.topk(config.topk, 1, true, true);
+        let map = scores.zeros_like().scatter_value(1, &chosen, 1.0);
+        let coeff = config.aux_loss_coeff;
+        let (name, loss) = match balancing {
+            LoadBalancing::AuxLoss => {
+                let tokens = map.size()[0];
+                let per_expert = map.sum_dim_intlist(0, false, None);
+                let loss = aux_loss::switch_load_balancing_loss(
+                    &scores,
+                    &per_expert,
+                    tokens,
+                    config.num_experts,
+                    config.topk,
+                    coeff,
+                );
+                ("load_balancing_loss", loss)
+            }
+            // Each sequence's experts side by side: `[s, b·E]`, the sum of the sequences'
+            // losses, averaged over the batch.
+            _ => {
+                let batch = map.size()[0] / seq_length;
+                let per_expert = map
+                    .reshape([seq_length, -1])
+                    .sum_dim_intlist(0, false, None);
+                let loss = aux_loss::switch_load_balancing_loss(
+                    &scores.reshape([seq_length, -1]),
+                    &per_expert,
+                    seq_length,
+                    config.num_experts,
+                    config.topk,
+                    coeff,
+                ) / batch as f64;
+                ("seq_load_balancing_loss", loss)
+            }
+        };
+        aux_loss::track(name, &(&loss / coeff));
+        aux_loss::attach(&probs, &loss)
+    }
+
+    pub fn named_tensors(&self, out: &mut NamedTensors) {
+        out.push("weight", &self.weight, ParamAttributes::REPLICATED);
+    }
+}
+
+/// Whether autograd records operations here: not under `no_grad`, as in the first pass of a
+/// recomputed forward, whose auxiliary losses the recomputation adds (tch exposes no query of
+/// the grad mode; an operation on a leaf that requires grad tells it).
+fn grad_enabled() -> bool {
+    let leaf = Tensor::zeros([], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    (&leaf * 1.0).requires_grad()
+}

@@ -1,0 +1,293 @@
+//! The Mixture-of-Experts layer against `scripts/reference/moe_reference.py`, a PyTorch layer
+//! written from Megatron's definitions, on the same weights and input in float32: the output,
+//! the auxiliary losses as the log reports them, and the gradients of the input, the router
+//! and every expert, for top-1 and top-2, softmax (after or before the top-k) and sigmoid
+//! scores, the top-k scaling, per-sequence balancing, the z-loss and the shared expert; and
+//! the output against transformers' `MixtralSparseMoeBlock` where the layer is Mixtral's.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use megatron_models::layers::moe::aux_loss::{set_aux_loss_backward_scale, take_tracked_losses};
+use megatron_models::layers::moe::config::{LoadBalancing, MoeConfig, ScoreFunction};
+use megatron_models::layers::{MoeLayer, NamedParameter, NamedTensors, TensorParallel};
+use megatron_models::param::Initializer;
+use megatron_models::TransformerConfig;
+use megatron_models::{Activation, Normalization};
+use megatron_parallel::SingleRank;
+use serde_json::json;
+use tch::{Device, Kind, Tensor};
+
+const HIDDEN: i64 = 16;
+const SEQ: i64 = 6;
+const BATCH: i64 = 3;
+/// The gradient the auxiliary losses get in backward (the loss scale over the micro-batches
+/// in training); not 1, so that a missing or doubled scale shows.
+const AUX_SCALE: f64 = 0.375;
+
+fn python() -> PathBuf {
+    std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python"))
+}
+
+fn reference_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference/moe_reference.py")
+}
+
+fn trunk() -> TransformerConfig {
+    TransformerConfig {
+        num_layers: 1,
+        hidden_size: HIDDEN,
+        num_attention_heads: 2,
+        num_query_groups: 2,
+        kv_channels: 8,
+        ffn_hidden_size: 24,
+        activation: Activation::Swiglu,
+        normalization: Normalization::RMSNorm,
+        add_bias_linear: false,
+        add_qkv_bias: false,
+        init_method_std: 0.3,
+        ..TransformerConfig::gpt_345m()
+    }
+}
+
+fn moe(topk: i64) -> MoeConfig {
+    MoeConfig {
+        num_experts: 4,
+        ffn_hidden_size: 12,
+        layer_pattern: vec![true],
+        topk,
+        score_function: ScoreFunction::Softmax,
+        pre_softmax: false,
+        topk_scaling_factor: None,
+        router_dtype: None,
+        load_balancing: LoadBalancing::AuxLoss,
+        aux_loss_coeff: 0.01,
+        z_loss_coeff: None,
+        shared_expert_intermediate_size: None,
+    }
+}
+
+fn named(layer: &MoeLayer) -> Vec<NamedParameter> {
+    let mut params = Vec::new();
+    layer.named_tensors(&mut NamedTensors::new(&mut params));
+    params
+}
+
+/// How the router's weights are set.
+#[derive(Clone, Copy, PartialEq)]
+enum Routing {
+    Random,
+    /// Every token's first channel large and the router reading only it, with weights 1 and
+    /// 0.8 for experts 0 and 1: top-2 sends every token to those two and none to the others.
+    OnlyExpertsZeroAndOne,
+}
+
+/// Runs the layer and the reference on one case; returns the reference's outputs, and ours
+/// as `ours.y`.
+fn compare(case: &str, config: MoeConfig) -> HashMap<String, Tensor> {
+    compare_routed(case, config, Routing::Random)
+}
+
+fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<String, Tensor> {
+    let init = Initializer::new(Kind::Float, Device::Cpu, 0, 1, 1234).scope("mlp");
+    let parallel = TensorParallel {
+        group: Arc::new(SingleRank),
+        sequence_parallel: false,
+    };
+    let layer = MoeLayer::new(&init, &trunk(), &config, 0.2, parallel);
+    let params = named(&layer);
+    for param in &params {
+        let _ = param.tensor.shallow_clone().set_requires_grad(true);
+    }
+    tch::manual_seed(99);
+    let x = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
+    if routing == Routing::OnlyExpertsZeroAndOne {
+        tch::no_grad(|| {
+            let weight = layer.router.weight.tensor();
+            let _ = weight.shallow_clone().zero_();
+            let _ = weight.get(0).get(0).fill_(1.0);
+            let _ = weight.get(1).get(0).fill_(0.8);
+            let _ = x.select(2, 0).fill_(10.0);
+        });
+    }
+    let g = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
+    let input = x.copy().set_requires_grad(true);
+
+    take_tracked_losses();
+    let y = layer.forward(&input, true).unwrap();
+    (&y * &g).sum(Kind::Float).backward();
+    let tracked = take_tracked_losses();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut inputs: Vec<(String, Tensor)> = params
+        .iter()
+        .map(|p| (p.name.clone(), p.tensor.detach()))
+        .collect();
+    inputs.push(("x".into(), x));
+    inputs.push(("g".into(), g));
+    Tensor::write_safetensors(&inputs, dir.path().join("inputs.safetensors")).unwrap();
+    let load_balancing = match config.load_balancing {
+        LoadBalancing::AuxLoss => "aux_loss",
+        LoadBalancing::SeqAuxLoss => "seq_aux_loss",
+        LoadBalancing::None => "none",
+    };
+    let settings = json!({
+        "num_experts": config.num_experts,
+        "topk": config.topk,
+        "score_function": match config.score_function {
+            ScoreFunction::Softmax => "softmax",
+            ScoreFunction::Sigmoid => "sigmoid",
+        },
+        "pre_softmax": config.pre_softmax,
+        "topk_scaling_factor": config.topk_scaling_factor,
+        "load_balancing": load_balancing,
+        "aux_loss_coeff": config.aux_loss_coeff,
+        "z_loss_coeff": config.z_loss_coeff,
+        "seq_length": SEQ,
+        "aux_backward_scale": AUX_SCALE,
+    });
+    std::fs::write(dir.path().join("config.json"), settings.to_string()).unwrap();
+    let out = Command::new(python())
+        .arg(reference_script())
+        .arg(dir.path())
+        .output()
+        .expect("running the reference script");
+    assert!(
+        out.status.success(),
+        "{case}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut reference: HashMap<String, Tensor> =
+        Tensor::read_safetensors(dir.path().join("outputs.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+
+    let close = |what: &str, ours: &Tensor, theirs: &Tensor| {
+        assert_eq!(ours.size(), theirs.size(), "{case}: {what} shape");
+        let diff = (ours - theirs).abs().max().double_value(&[]);
+        assert!(diff <= 1e-5, "{case}: {what} differs by {diff}");
+    };
+    close("output", &y.detach(), &reference["y"]);
+    close("input gradient", &input.grad(), &reference["grad.x"]);
+    for param in &params {
+        let grad = param.tensor.grad();
+        assert!(grad.defined(), "{case}: {} has no gradient", param.name);
+        close(
+            &format!("gradient of {}", param.name),
+            &grad,
+            &reference[&format!("grad.{}", param.name)],
+        );
+    }
+    if routing == Routing::OnlyExpertsZeroAndOne {
+        for param in params
+            .iter()
+            .filter(|p| p.name.contains("local_experts.2.") || p.name.contains("local_experts.3."))
+        {
+            assert_eq!(
+                param.tensor.grad().abs().sum(Kind::Float).double_value(&[]),
+                0.0,
+                "{case}: {} got a gradient without tokens",
+                param.name
+            );
+        }
+    }
+    let losses = ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"];
+    for name in losses {
+        match (tracked.get(name), reference.get(name)) {
+            (Some(ours), Some(theirs)) => {
+                let theirs = theirs.double_value(&[0]);
+                assert!(
+                    (ours - theirs).abs() <= 1e-6,
+                    "{case}: {name} {ours} vs {theirs}"
+                );
+            }
+            (None, None) => {}
+            (ours, theirs) => panic!("{case}: {name} ours {ours:?}, reference {theirs:?}"),
+        }
+    }
+    reference.insert("ours.y".into(), y.detach());
+    reference
+}
+
+#[test]
+fn moe_layer_matches_megatrons_definitions_in_value_and_gradient() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let cases = [
+        ("top-1 softmax", moe(1)),
+        ("top-2 softmax", moe(2)),
+        (
+            "top-2 pre-softmax scaled",
+            MoeConfig {
+                pre_softmax: true,
+                topk_scaling_factor: Some(2.5),
+                ..moe(2)
+            },
+        ),
+        (
+            "top-2 sigmoid with z-loss",
+            MoeConfig {
+                score_function: ScoreFunction::Sigmoid,
+                z_loss_coeff: Some(1e-3),
+                ..moe(2)
+            },
+        ),
+        (
+            "top-1 sigmoid",
+            MoeConfig {
+                score_function: ScoreFunction::Sigmoid,
+                ..moe(1)
+            },
+        ),
+        (
+            "top-2 per-sequence balancing, shared expert",
+            MoeConfig {
+                load_balancing: LoadBalancing::SeqAuxLoss,
+                shared_expert_intermediate_size: Some(20),
+                ..moe(2)
+            },
+        ),
+        (
+            "top-3 without balancing",
+            MoeConfig {
+                load_balancing: LoadBalancing::None,
+                ..moe(3)
+            },
+        ),
+    ];
+    for (case, config) in cases {
+        compare(case, config);
+    }
+}
+
+/// Experts that receive no tokens run on an empty batch: the layer still matches the
+/// reference, and their gradients are zero.
+#[test]
+fn experts_without_tokens_work() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let config = MoeConfig {
+        z_loss_coeff: Some(1e-3),
+        ..moe(2)
+    };
+    compare_routed("degenerate routing", config, Routing::OnlyExpertsZeroAndOne);
+}
+
+#[test]
+fn moe_layer_equals_transformers_mixtral_block() {
+    for topk in [1, 2] {
+        let case = format!("mixtral top-{topk}");
+        let config = MoeConfig {
+            load_balancing: LoadBalancing::None,
+            ..moe(topk)
+        };
+        let reference = compare(&case, config);
+        let ours = &reference["ours.y"];
+        let hf = reference.get("y_hf").expect("the reference ran Mixtral");
+        let diff = (ours - hf).abs().max().double_value(&[]);
+        assert!(diff <= 1e-5, "{case}: Mixtral differs by {diff}");
+    }
+}

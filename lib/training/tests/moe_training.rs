@@ -1,0 +1,123 @@
+//! A Llama-style GPT whose MLPs are Mixtures of Experts trains as Megatron's: data and
+//! pipeline parallelism give the one-rank run's losses and weights, the auxiliary losses are
+//! logged under Megatron's names (the same whatever the layout), the checkpoint holds
+//! Megatron's expert names and resuming from it is bitwise the straight run.
+
+mod support;
+
+use std::path::Path;
+use std::sync::LazyLock;
+
+use megatron_training::GptPretrainArgs;
+
+/// 4 layers, layers 0, 2 and 3 with 4 experts of width 48 (top-2), load-balancing and z-loss.
+static MOE: LazyLock<Vec<&str>> = LazyLock::new(|| {
+    support::tiny_training(
+        &[
+            support::TINY_MODEL,
+            &[
+                "--swiglu",
+                "--position-embedding-type",
+                "rope",
+                "--normalization",
+                "RMSNorm",
+                "--untie-embeddings-and-output-weights",
+                "--disable-bias-linear",
+                "--num-experts",
+                "4",
+                "--moe-ffn-hidden-size",
+                "48",
+                "--moe-layer-freq",
+                "[1,0,1,1]",
+                "--moe-router-topk",
+                "2",
+                "--moe-aux-loss-coeff",
+                "1e-2",
+                "--moe-z-loss-coeff",
+                "1e-3",
+            ],
+        ]
+        .concat(),
+    )
+});
+
+fn train(world: usize, pipeline: usize, extra: &[&str]) -> (support::Outcome, Vec<[f64; 2]>) {
+    let dir = tempfile::tempdir().unwrap();
+    let outcome =
+        support::train_in::<GptPretrainArgs>(dir.path(), &MOE, world, 1, pipeline, extra).unwrap();
+    (outcome, moe_losses(&dir.path().join("metrics.jsonl")))
+}
+
+/// `[load_balancing_loss, z_loss]` of every training iteration in the metrics file.
+fn moe_losses(metrics: &Path) -> Vec<[f64; 2]> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let value = |name: &str| record.get(name)?.as_f64();
+            Some([value("load_balancing_loss")?, value("z_loss")?])
+        })
+        .collect()
+}
+
+fn assert_close(reference: &[[f64; 2]], other: &[[f64; 2]], what: &str) {
+    assert_eq!(reference.len(), 3, "{what}: reference logged {reference:?}");
+    assert_eq!(other.len(), 3, "{what}: logged {other:?}");
+    for (a, b) in reference.iter().flatten().zip(other.iter().flatten()) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "{what}: {other:?} against {reference:?}"
+        );
+    }
+}
+
+#[test]
+fn moe_gpt_under_data_and_pipeline_parallelism_equals_one_rank() {
+    let (reference, reference_moe) = train(1, 1, &[]);
+    let lm = reference.lm_losses();
+    assert!(lm[2] < lm[0], "the reference did not learn: {lm:?}");
+    // A balanced router scores about 1 (the loss over its coefficient); the z-loss is the
+    // mean squared log-sum-exp of small logits, about ln(4)² ≈ 1.9.
+    for [balance, z] in &reference_moe {
+        assert!((0.9..1.5).contains(balance), "{reference_moe:?}");
+        assert!((1.0..3.0).contains(z), "{reference_moe:?}");
+    }
+    for name in [
+        "decoder.layers.0.mlp.router.weight",
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight",
+        "decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight",
+        "decoder.layers.1.mlp.linear_fc1.weight",
+    ] {
+        assert!(reference.weights.contains_key(name), "{name} missing");
+    }
+    assert!(!reference
+        .weights
+        .contains_key("decoder.layers.1.mlp.router.weight"));
+
+    let (data, data_moe) = train(2, 1, &[]);
+    support::assert_equivalent(&reference, &data, "DP=2");
+    // Megatron logs the last rank's own value: each rank's micro-batches differ under data
+    // parallelism, so only the pipeline's split keeps the values.
+    assert_eq!(data_moe.len(), 3);
+    let (pipeline, pipeline_moe) = train(2, 2, &[]);
+    support::assert_equivalent(&reference, &pipeline, "PP=2");
+    assert_close(&reference_moe, &pipeline_moe, "PP=2");
+    let (distributed, _) = train(2, 1, &["--use-distributed-optimizer"]);
+    support::assert_equivalent(&reference, &distributed, "DP=2, distributed optimizer");
+}
+
+#[test]
+fn moe_gpt_resumes_bitwise() {
+    let (straight, straight_moe) = train(2, 1, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    let stop_after_two = ["--exit-interval", "2", "--save-interval", "1"];
+    support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &stop_after_two).unwrap();
+    let resumed =
+        support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &["--load", &ckpt])
+            .unwrap();
+    support::assert_bitwise_identical(&straight, &resumed);
+    let resumed_moe = moe_losses(&dir.path().join("metrics.jsonl"));
+    assert_eq!(resumed_moe, straight_moe);
+}
