@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::async_save::{AsyncSaves, Finalized, Flags};
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
 use super::cuda_graphs::{self, MicrobatchGraph};
 use super::device::peak_tflops_of;
@@ -122,6 +123,8 @@ struct Run<'a, F: ModelFamily> {
     metrics: Option<TrainingMetrics>,
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
+    /// `--async-save`: the save in flight.
+    async_saves: AsyncSaves,
     spikes: LossSpikeTracker,
     /// `--enable-cuda-graph` when this run can use it.
     graph: Option<MicrobatchGraph<F::Batch>>,
@@ -482,6 +485,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         metrics,
         args_json,
         last_checkpoint: None,
+        async_saves: AsyncSaves::default(),
         spikes: LossSpikeTracker::default(),
         graph: microbatch_graph(args, device, &parallel)?,
         decoupled_lr: decoupled_lr(args)?,
@@ -849,6 +853,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 }
             }
 
+            self.poll_async_save(false)?;
             let mut saved_now = false;
             if let (Some(_), Some(interval)) = (&checkpoint.save, checkpoint.save_interval) {
                 if interval > 0 && iteration % interval == 0 {
@@ -866,6 +871,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 if checkpoint.save.is_some() && !saved_now {
                     self.save()?;
                 }
+                self.poll_async_save(true)?;
                 if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
                     self.print_profiler_note(done?);
                 }
@@ -879,6 +885,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 self.save()?;
             }
         }
+        self.poll_async_save(true)?;
         if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
             self.print_profiler_note(done?);
         }
@@ -1191,16 +1198,15 @@ impl<F: ModelFamily> Run<'_, F> {
             .args
             .checkpoint
             .save
-            .as_ref()
+            .clone()
             .expect("save is only called with --save");
         let optimizer_name = if self.args.optimizer.optimizer == "sgd" {
             "sgd"
         } else {
             "adam"
         };
-        let started = Instant::now();
-        let directory = checkpointing::save(SaveRequest {
-            root,
+        let request = SaveRequest {
+            root: &root,
             model_type: self.family.model_type(),
             progress: self.progress,
             chunks: &self.chunks,
@@ -1214,17 +1220,92 @@ impl<F: ModelFamily> Run<'_, F> {
             args: self.args_json.clone(),
             data: self.args.data.trained_on()?,
             parallel: &self.parallel,
-        })?;
+        };
+        let iteration = self.progress.iteration;
+        if !self.args.checkpoint.async_save {
+            let started = Instant::now();
+            checkpointing::save(request)?;
+            return self.report_saved(Finalized {
+                iteration,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        }
+        let (parallel, device) = (&self.parallel, self.device);
+        let finished = self.async_saves.schedule(
+            iteration,
+            &mut |flags| agree(parallel, device, flags),
+            || {
+                if parallel.rank == 0 {
+                    println!(
+                        "WARNING: Starting a checkpoint save before previous has finished. \
+                         Consider increasing the checkpoint interval."
+                    );
+                }
+            },
+            || checkpointing::snapshot(request),
+        )?;
+        if let Some(finished) = finished {
+            self.report_saved(finished)?;
+        }
+        self.print_rank0(&format!(
+            "  scheduled an async checkpoint save at iteration {iteration:7} to {}",
+            root.display()
+        ));
+        Ok(())
+    }
+
+    /// `--async-save`: agrees with the other ranks on the save in flight and finalizes it once
+    /// every rank is done (each iteration), or waits until it is (`blocking`, at the exits).
+    fn poll_async_save(&mut self, blocking: bool) -> Result<()> {
+        // Every rank has the same save in flight, so all or none take part in the agreement.
+        if self.async_saves.in_flight().is_none() {
+            return Ok(());
+        }
+        if blocking {
+            self.print_rank0(
+                "Unfinalized async checkpoint saves. Finalizing them synchronously now.",
+            );
+        }
+        let (parallel, device) = (&self.parallel, self.device);
+        let finalized = self
+            .async_saves
+            .poll(blocking, &mut |flags| agree(parallel, device, flags))?;
+        match finalized {
+            Some(finalized) => self.report_saved(finalized),
+            None => Ok(()),
+        }
+    }
+
+    /// A save committed: the tracker names it.
+    fn report_saved(&mut self, saved: Finalized) -> Result<()> {
+        let root = self
+            .args
+            .checkpoint
+            .save
+            .as_ref()
+            .expect("saves are only made with --save");
         self.print_rank0(&format!(
             "  successfully saved checkpoint from iteration {:7} to {} [ {:.1} ms ]",
-            self.progress.iteration,
+            saved.iteration,
             root.display(),
-            started.elapsed().as_secs_f64() * 1000.0
+            saved.seconds * 1000.0
         ));
-        self.spikes.record_save(self.progress.iteration, &directory);
+        let directory = megatron_store::iteration_directory(root, saved.iteration);
+        self.spikes.record_save(saved.iteration, &directory);
         self.last_checkpoint = Some(directory);
         Ok(())
     }
+}
+
+/// The `--async-save` agreement: each flag's maximum over the ranks.
+fn agree(parallel: &ParallelState, device: Device, flags: Flags) -> Result<Flags> {
+    if parallel.world_size() == 1 {
+        return Ok(flags);
+    }
+    let on_device = Tensor::from_slice(&flags).to_device(device);
+    parallel.world.all_reduce(&on_device, ReduceOp::Max)?;
+    let agreed = on_device.to_device(Device::Cpu);
+    Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
 }
 
 /// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or `None` when not
