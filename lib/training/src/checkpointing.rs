@@ -235,6 +235,13 @@ pub fn snapshot<C: ModelChunk>(request: SaveRequest<C>) -> Result<async_save::Wr
     }))
 }
 
+/// Copies this rank's part of a save into pinned host memory and frees it: the blocks stay in
+/// libtorch's caching host allocator, ready for the snapshots of `--async-save`.
+pub fn reserve_host_memory<C: ModelChunk>(request: SaveRequest<C>) -> Result<()> {
+    let device = request.chunks[0].options().device;
+    RankPart::of(request)?.to_host(device).map(drop)
+}
+
 /// The first step of a save on every rank: rank 0 takes the save directory and makes the
 /// staging directory, which the others wait for.
 fn begin(parallel: &ParallelState, root: &Path, iteration: u64) -> Result<()> {

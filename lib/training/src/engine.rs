@@ -539,6 +539,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         .update(run.progress.consumed_train_samples, false)?;
     run.print_model_summary()?;
     run.print_memory_report(predicted_state)?;
+    run.reserve_snapshot_memory()?;
 
     let datasets =
         family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
@@ -1192,21 +1193,15 @@ impl<F: ModelFamily> Run<'_, F> {
         Ok(losses)
     }
 
-    fn save(&mut self) -> Result<()> {
-        self.optimizer.wait_for_params()?;
-        let root = self
-            .args
-            .checkpoint
-            .save
-            .clone()
-            .expect("save is only called with --save");
+    /// What a save of the current state writes to `root`.
+    fn save_request<'s>(&'s self, root: &'s Path) -> Result<SaveRequest<'s, F::Chunk>> {
         let optimizer_name = if self.args.optimizer.optimizer == "sgd" {
             "sgd"
         } else {
             "adam"
         };
-        let request = SaveRequest {
-            root: &root,
+        Ok(SaveRequest {
+            root,
             model_type: self.family.model_type(),
             progress: self.progress,
             chunks: &self.chunks,
@@ -1220,31 +1215,41 @@ impl<F: ModelFamily> Run<'_, F> {
             args: self.args_json.clone(),
             data: self.args.data.trained_on()?,
             parallel: &self.parallel,
-        };
+        })
+    }
+
+    fn save(&mut self) -> Result<()> {
+        self.optimizer.wait_for_params()?;
+        let root = self
+            .args
+            .checkpoint
+            .save
+            .clone()
+            .expect("save is only called with --save");
         let iteration = self.progress.iteration;
         if !self.args.checkpoint.async_save {
             let started = Instant::now();
-            checkpointing::save(request)?;
+            checkpointing::save(self.save_request(&root)?)?;
             return self.report_saved(Finalized {
                 iteration,
                 seconds: started.elapsed().as_secs_f64(),
             });
         }
-        let (parallel, device) = (&self.parallel, self.device);
-        let finished = self.async_saves.schedule(
+        // Out of `self` while the snapshot borrows the rest of it.
+        let mut saves = std::mem::take(&mut self.async_saves);
+        let finished = saves.schedule(
             iteration,
-            &mut |flags| agree(parallel, device, flags),
+            &mut |flags| agree(&self.parallel, self.device, flags),
             || {
-                if parallel.rank == 0 {
-                    println!(
-                        "WARNING: Starting a checkpoint save before previous has finished. \
-                         Consider increasing the checkpoint interval."
-                    );
-                }
+                self.print_rank0(
+                    "WARNING: Starting a checkpoint save before previous has finished. \
+                     Consider increasing the checkpoint interval.",
+                )
             },
-            || checkpointing::snapshot(request),
-        )?;
-        if let Some(finished) = finished {
+            || checkpointing::snapshot(self.save_request(&root)?),
+        );
+        self.async_saves = saves;
+        if let Some(finished) = finished? {
             self.report_saved(finished)?;
         }
         self.print_rank0(&format!(
@@ -1252,6 +1257,18 @@ impl<F: ModelFamily> Run<'_, F> {
             root.display()
         ));
         Ok(())
+    }
+
+    /// `--async-save` on a GPU: pins host memory for a snapshot before training, so that the
+    /// first save does not pay for pinning its bytes in the step it follows (libtorch's caching
+    /// host allocator keeps the blocks for every snapshot after).
+    fn reserve_snapshot_memory(&self) -> Result<()> {
+        match &self.args.checkpoint.save {
+            Some(root) if self.args.checkpoint.async_save && self.device.is_cuda() => {
+                checkpointing::reserve_host_memory(self.save_request(root)?)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// `--async-save`: agrees with the other ranks on the save in flight and finalizes it once
