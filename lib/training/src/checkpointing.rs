@@ -212,7 +212,7 @@ pub fn snapshot<C: ModelChunk>(request: SaveRequest<C>) -> Result<async_save::Wr
     begin(request.parallel, &root, iteration)?;
     let device = request.chunks[0].options().device;
     let part = RankPart::of(request)
-        .and_then(|part| part.to_host(device))
+        .and_then(|part| part.into_host(device))
         .inspect_err(|_| abandon_save(&root, iteration))?;
     let rank = part.rank;
     Ok(Box::new(move || {
@@ -239,7 +239,7 @@ pub fn snapshot<C: ModelChunk>(request: SaveRequest<C>) -> Result<async_save::Wr
 /// libtorch's caching host allocator, ready for the snapshots of `--async-save`.
 pub fn reserve_host_memory<C: ModelChunk>(request: SaveRequest<C>) -> Result<()> {
     let device = request.chunks[0].options().device;
-    RankPart::of(request)?.to_host(device).map(drop)
+    RankPart::of(request)?.into_host(device).map(drop)
 }
 
 /// The first step of a save on every rank: rank 0 takes the save directory and makes the
@@ -325,7 +325,7 @@ impl RankPart {
     /// The same part with every tensor copied into host memory of its own. From a GPU the
     /// copies go to pinned memory (libtorch's caching host allocator keeps it for the next
     /// save) and are waited for.
-    fn to_host(self, device: Device) -> Result<Self> {
+    fn into_host(self, device: Device) -> Result<Self> {
         let gpu = device.is_cuda();
         let files = self
             .files
