@@ -559,3 +559,148 @@ fn a_checkpoint_without_checksums_loads_with_one_warning_naming_it() {
         "{stderr}"
     );
 }
+
+/// `--async-save`'s test hook (docs/checkpoints.md): the background writer of each save, its
+/// files written and nothing committed, creates `held_<iteration>_rank0` in the directory and
+/// waits for `release_<iteration>`.
+const HOLD_ASYNC_SAVE: &str = "MEGATRON_RS_TEST_HOLD_ASYNC_SAVE";
+
+fn release(hold: &Path, iteration: u64) {
+    std::fs::write(hold.join(format!("release_{iteration}")), b"").unwrap();
+}
+
+fn held(hold: &Path, iteration: u64) -> bool {
+    hold.join(format!("held_{iteration}_rank0")).exists()
+}
+
+fn tracked_iteration(ckpt: &Path) -> String {
+    std::fs::read_to_string(ckpt.join(TRACKER)).unwrap()
+}
+
+/// A run killed while its background writer is in the middle of a save (the files of
+/// iteration 2 in the staging folder, nothing committed) leaves the tracker on iteration 1,
+/// whole; a resume from it continues with the same losses as a run never interrupted.
+#[test]
+fn a_run_killed_during_an_async_save_resumes_from_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, hold) = (dir.path().join("ckpt"), dir.path().join("hold"));
+    std::fs::create_dir(&hold).unwrap();
+    let ck = path_str(&ckpt);
+    let straight = dir.path().join("straight.jsonl");
+    run_ok(&mut pretrain(&[
+        "--train-iters",
+        "4",
+        "--metrics-file",
+        path_str(&straight),
+    ]));
+
+    let async_flags = ["--save", ck, "--save-interval", "1", "--async-save"];
+    release(&hold, 1);
+    let mut killed = Writer(
+        pretrain(&async_flags)
+            .args(["--train-iters", "4"])
+            .env(HOLD_ASYNC_SAVE, &hold)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(
+        &mut killed.0,
+        "the writer held in the save of iteration 2",
+        || held(&hold, 2),
+    );
+    signal(&killed.0, libc::SIGKILL);
+    killed.0.wait().unwrap();
+    assert_eq!(tracked_iteration(&ckpt), "1");
+    assert!(ckpt
+        .join(".iter_0000002.tmp/mp_rank_00/model.safetensors")
+        .is_file());
+    assert_eq!(saved_iterations(&ckpt), [1]);
+    assert_whole_checkpoint(&ckpt.join("iter_0000001"));
+
+    let resumed = dir.path().join("resumed.jsonl");
+    let out = run_ok(
+        pretrain(&async_flags)
+            .args(["--load", ck, "--train-iters", "4"])
+            .args(["--metrics-file", path_str(&resumed)]),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "successfully loaded checkpoint from {ck} [ t 1/1, p 1/1 ] at iteration 1"
+        )),
+        "{stdout}"
+    );
+    assert_eq!(
+        megatron_e2e::metrics_losses(&resumed),
+        megatron_e2e::metrics_losses(&straight)[1..]
+    );
+    assert_eq!(tracked_iteration(&ckpt), "4");
+    assert_eq!(saved_iterations(&ckpt), [1, 2, 3, 4]);
+    for iteration in 1..=4 {
+        assert_whole_checkpoint(&ckpt.join(format!("iter_{iteration:07}")));
+    }
+    assert!(!ckpt.join(".iter_0000002.tmp").exists());
+}
+
+/// A run that ends (its last iteration, or --exit-interval) while its last save is still
+/// being written finishes that save before it exits: the process waits for the held writer,
+/// and once it is let go the tracker names the last iteration, whole.
+#[test]
+fn a_run_ending_with_an_async_save_in_flight_finishes_it() {
+    let endings: [(&str, &[&str]); 2] = [
+        ("the last iteration", &["--train-iters", "2"]),
+        (
+            "exit-interval",
+            &["--train-iters", "1000", "--exit-interval", "2"],
+        ),
+    ];
+    for (ending, schedule) in endings {
+        let dir = tempfile::tempdir().unwrap();
+        let (ckpt, hold) = (dir.path().join("ckpt"), dir.path().join("hold"));
+        std::fs::create_dir(&hold).unwrap();
+        let ck = path_str(&ckpt);
+        release(&hold, 1);
+        let log = dir.path().join("stderr.log");
+        let mut run = Writer(
+            pretrain(&["--save", ck, "--save-interval", "1", "--async-save"])
+                .args(schedule)
+                .env(HOLD_ASYNC_SAVE, &hold)
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        wait_for(
+            &mut run.0,
+            "the writer held in the save of iteration 2",
+            || held(&hold, 2),
+        );
+        assert!(
+            run.0.try_wait().unwrap().is_none(),
+            "{ending}: the run exited with its last save in flight"
+        );
+        assert_eq!(tracked_iteration(&ckpt), "1", "{ending}");
+        release(&hold, 2);
+        let mut stdout = String::new();
+        std::io::Read::read_to_string(&mut run.0.stdout.take().unwrap(), &mut stdout).unwrap();
+        let status = run.0.wait().unwrap();
+        assert!(
+            status.success(),
+            "{ending}: {status}: {stdout}{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        let finished = stdout
+            .find("Unfinalized async checkpoint saves. Finalizing them synchronously now.")
+            .unwrap_or_else(|| panic!("{ending}: {stdout}"));
+        let saved = stdout
+            .find(&format!(
+                "  successfully saved checkpoint from iteration       2 to {ck} ["
+            ))
+            .unwrap_or_else(|| panic!("{ending}: {stdout}"));
+        assert!(finished < saved, "{ending}: {stdout}");
+        assert_eq!(tracked_iteration(&ckpt), "2", "{ending}");
+        assert_whole_checkpoint(&ckpt.join("iter_0000002"));
+    }
+}

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::async_save;
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
 use megatron_data::blend::TrainedOn;
@@ -186,12 +187,12 @@ pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
     let parallel = request.parallel;
     let world = &parallel.world;
     let (root, iteration) = (request.root, request.progress.iteration);
-    world.barrier()?;
-    if parallel.rank == 0 {
-        begin_save(root, iteration)?;
-    }
-    world.barrier()?;
-    let written = write_and_commit(request, iteration);
+    begin(parallel, root, iteration)?;
+    let written = RankPart::of(request).and_then(|part| {
+        part.write()?;
+        world.barrier()?;
+        part.commit()
+    });
     if written.is_err() {
         // A save that cannot finish (a full disk) leaves nothing behind; the tracker still
         // names the previous checkpoint.
@@ -202,71 +203,202 @@ pub fn save<C: ModelChunk>(request: SaveRequest<C>) -> Result<PathBuf> {
     Ok(iteration_directory(root, iteration))
 }
 
-/// Every rank's files, then rank 0's metadata and commit.
-fn write_and_commit<C: ModelChunk>(request: SaveRequest<'_, C>, iteration: u64) -> Result<()> {
-    let parallel = request.parallel;
+/// `--async-save`'s part of a save on the training thread; every rank calls it. Copies this
+/// rank's part into host memory (pinned on a GPU, ordered after the optimizer step on the
+/// current stream and waited for, so the next step may change the weights at once) and
+/// returns the job that writes it in the background and hands back rank 0's commit.
+pub fn snapshot<C: ModelChunk>(request: SaveRequest<C>) -> Result<async_save::Write> {
+    let (root, iteration) = (request.root.to_path_buf(), request.progress.iteration);
+    begin(request.parallel, &root, iteration)?;
+    let device = request.chunks[0].options().device;
+    let part = RankPart::of(request)
+        .and_then(|part| part.into_host(device))
+        .inspect_err(|_| abandon_save(&root, iteration))?;
+    let rank = part.rank;
+    Ok(Box::new(move || {
+        let written = part.write();
+        if written.is_err() {
+            abandon_save(&root, iteration);
+        }
+        written?;
+        hold_for_test(iteration, rank)?;
+        let RankPart { metadata, .. } = part;
+        Ok(metadata.map(|metadata| {
+            Box::new(move || {
+                let committed = finish_save(&root, &metadata).map(drop);
+                if committed.is_err() {
+                    abandon_save(&root, iteration);
+                }
+                committed
+            }) as async_save::Commit
+        }))
+    }))
+}
+
+/// Copies this rank's part of a save into pinned host memory and frees it: the blocks stay in
+/// libtorch's caching host allocator, ready for the snapshots of `--async-save`.
+pub fn reserve_host_memory<C: ModelChunk>(request: SaveRequest<C>) -> Result<()> {
+    let device = request.chunks[0].options().device;
+    RankPart::of(request)?.into_host(device).map(drop)
+}
+
+/// The first step of a save on every rank: rank 0 takes the save directory and makes the
+/// staging directory, which the others wait for.
+fn begin(parallel: &ParallelState, root: &Path, iteration: u64) -> Result<()> {
     let world = &parallel.world;
-    let chunk = &request.chunks[0];
-    let device = chunk.options().device;
-    let staging = megatron_store::staging_directory(request.root, iteration);
-    let rank_dir = rank_directory(parallel);
-    let data_rank = parallel.data.rank();
-    if data_rank == 0 {
-        write_rank_file(
-            &staging,
-            &rank_dir,
-            MODEL_FILE,
-            &model_tensors(request.chunks),
-        )?;
-        if request.save_rng {
-            write_rank_file(&staging, &rank_dir, RNG_FILE, &rng_tensors(device)?)?;
-        }
-        let fp8 = fp8_tensors(request.chunks)?;
-        if !fp8.is_empty() {
-            write_rank_file(&staging, &rank_dir, FP8_FILE, &fp8)?;
-        }
-    }
-    if let Some((optimizer, _)) = request.optimizer {
-        let sharded = request.distributed_optimizer && parallel.data_parallel_size() > 1;
-        if sharded || data_rank == 0 {
-            let file = optimizer_file(sharded.then_some(data_rank));
-            write_rank_file(&staging, &rank_dir, &file, &optimizer.state_tensors())?;
-        }
-    }
     world.barrier()?;
     if parallel.rank == 0 {
-        let layout = parallel.layout;
-        let metadata = CheckpointMetadata {
-            format: CHECKPOINT_FORMAT.to_string(),
-            checkpoint_version: CHECKPOINT_VERSION,
-            iteration,
-            model_type: request.model_type.to_string(),
-            model: chunk.config_json()?,
-            params_dtype: dtype_name(chunk.options().params_dtype).to_string(),
-            tensor_model_parallel_size: layout.tensor,
-            pipeline_model_parallel_size: layout.pipeline,
-            virtual_pipeline_stages: request.chunks.len(),
-            decoder_first_pipeline_num_layers: request.split.first_stage_layers,
-            decoder_last_pipeline_num_layers: request.split.last_stage_layers,
-            data_parallel_size: layout.data,
-            distributed_optimizer: request.distributed_optimizer,
-            consumed_train_samples: request.progress.consumed_train_samples,
-            consumed_valid_samples: request.progress.consumed_valid_samples,
-            num_floating_point_operations_so_far: request.progress.floating_point_operations,
-            opt_param_scheduler: Some(serde_json::to_value(request.scheduler.state())?),
-            grad_scaler: request
-                .scaler
-                .state()
-                .map(serde_json::to_value)
-                .transpose()?,
-            optimizer: request.optimizer.map(|(_, name)| name.to_string()),
-            has_rng_state: request.save_rng,
-            args: request.args,
-            data: request.data,
-        };
-        finish_save(request.root, &metadata)?;
+        begin_save(root, iteration)?;
+    }
+    world.barrier()
+}
+
+/// The test hook of `--async-save` (docs/checkpoints.md): with `MEGATRON_RS_TEST_HOLD_ASYNC_SAVE`
+/// naming a directory, a rank's background writer, its files written and nothing committed,
+/// creates `held_<iteration>_rank<rank>` there and waits until `release_<iteration>` appears,
+/// so that a test can act in the middle of a save whatever the timing.
+fn hold_for_test(iteration: u64, rank: usize) -> Result<()> {
+    let Some(directory) = std::env::var_os("MEGATRON_RS_TEST_HOLD_ASYNC_SAVE") else {
+        return Ok(());
+    };
+    let directory = PathBuf::from(directory);
+    let held = directory.join(format!("held_{iteration}_rank{rank}"));
+    std::fs::write(&held, b"").with_context(|| format!("creating {}", held.display()))?;
+    let release = directory.join(format!("release_{iteration}"));
+    while !release.exists() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
     Ok(())
+}
+
+/// One rank's part of a checkpoint: its files (tensor lists) under its rank directory of the
+/// staging directory and, on rank 0, the metadata that commits the checkpoint.
+struct RankPart {
+    root: PathBuf,
+    iteration: u64,
+    rank: usize,
+    rank_dir: String,
+    files: Vec<(String, Vec<(String, Tensor)>)>,
+    metadata: Option<CheckpointMetadata>,
+}
+
+impl RankPart {
+    /// What this rank writes of `request`, its tensors where training holds them.
+    fn of<C: ModelChunk>(request: SaveRequest<'_, C>) -> Result<Self> {
+        let parallel = request.parallel;
+        let chunk = &request.chunks[0];
+        let device = chunk.options().device;
+        let data_rank = parallel.data.rank();
+        let mut files = Vec::new();
+        if data_rank == 0 {
+            files.push((MODEL_FILE.to_string(), model_tensors(request.chunks)));
+            if request.save_rng {
+                files.push((RNG_FILE.to_string(), rng_tensors(device)?));
+            }
+            let fp8 = fp8_tensors(request.chunks)?;
+            if !fp8.is_empty() {
+                files.push((FP8_FILE.to_string(), fp8));
+            }
+        }
+        if let Some((optimizer, _)) = request.optimizer {
+            let sharded = request.distributed_optimizer && parallel.data_parallel_size() > 1;
+            if sharded || data_rank == 0 {
+                let file = optimizer_file(sharded.then_some(data_rank));
+                files.push((file, optimizer.state_tensors()));
+            }
+        }
+        let metadata = if parallel.rank == 0 {
+            Some(metadata(&request)?)
+        } else {
+            None
+        };
+        Ok(RankPart {
+            root: request.root.to_path_buf(),
+            iteration: request.progress.iteration,
+            rank: parallel.rank,
+            rank_dir: rank_directory(parallel),
+            files,
+            metadata,
+        })
+    }
+
+    /// The same part with every tensor copied into host memory of its own. From a GPU the
+    /// copies go to pinned memory (libtorch's caching host allocator keeps it for the next
+    /// save) and are waited for.
+    fn into_host(self, device: Device) -> Result<Self> {
+        let gpu = device.is_cuda();
+        let files = self
+            .files
+            .into_iter()
+            .map(|(file, tensors)| {
+                let copies = tensors
+                    .into_iter()
+                    .map(|(name, tensor)| {
+                        let copy = tensor
+                            .f_to_device_(Device::Cpu, tensor.kind(), gpu, true)
+                            .with_context(|| format!("copying {file} {name} into host memory"))?;
+                        Ok((name, copy))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((file, copies))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if let Device::Cuda(index) = device {
+            tch::Cuda::synchronize(index as i64);
+        }
+        Ok(RankPart { files, ..self })
+    }
+
+    /// This rank's files, durably, in the staging directory.
+    fn write(&self) -> Result<()> {
+        let staging = megatron_store::staging_directory(&self.root, self.iteration);
+        for (file, tensors) in &self.files {
+            write_rank_file(&staging, &self.rank_dir, file, tensors)?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0's metadata and commit, once every rank's files are written.
+    fn commit(&self) -> Result<()> {
+        if let Some(metadata) = &self.metadata {
+            finish_save(&self.root, metadata)?;
+        }
+        Ok(())
+    }
+}
+
+/// The run-wide metadata of the checkpoint `request` saves.
+fn metadata<C: ModelChunk>(request: &SaveRequest<'_, C>) -> Result<CheckpointMetadata> {
+    let chunk = &request.chunks[0];
+    let layout = request.parallel.layout;
+    Ok(CheckpointMetadata {
+        format: CHECKPOINT_FORMAT.to_string(),
+        checkpoint_version: CHECKPOINT_VERSION,
+        iteration: request.progress.iteration,
+        model_type: request.model_type.to_string(),
+        model: chunk.config_json()?,
+        params_dtype: dtype_name(chunk.options().params_dtype).to_string(),
+        tensor_model_parallel_size: layout.tensor,
+        pipeline_model_parallel_size: layout.pipeline,
+        virtual_pipeline_stages: request.chunks.len(),
+        decoder_first_pipeline_num_layers: request.split.first_stage_layers,
+        decoder_last_pipeline_num_layers: request.split.last_stage_layers,
+        data_parallel_size: layout.data,
+        distributed_optimizer: request.distributed_optimizer,
+        consumed_train_samples: request.progress.consumed_train_samples,
+        consumed_valid_samples: request.progress.consumed_valid_samples,
+        num_floating_point_operations_so_far: request.progress.floating_point_operations,
+        opt_param_scheduler: Some(serde_json::to_value(request.scheduler.state())?),
+        grad_scaler: request
+            .scaler
+            .state()
+            .map(serde_json::to_value)
+            .transpose()?,
+        optimizer: request.optimizer.map(|(_, name)| name.to_string()),
+        has_rng_state: request.save_rng,
+        args: request.args.clone(),
+        data: request.data.clone(),
+    })
 }
 
 /// Refuses to start a run whose saves would replace checkpoints of another run: iteration

@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::async_save::{AsyncSaves, Finalized, Flags};
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
 use super::cuda_graphs::{self, MicrobatchGraph};
 use super::device::peak_tflops_of;
@@ -127,6 +128,8 @@ struct Run<'a, F: ModelFamily> {
     metrics: Option<TrainingMetrics>,
     args_json: serde_json::Value,
     last_checkpoint: Option<PathBuf>,
+    /// `--async-save`: the save in flight.
+    async_saves: AsyncSaves,
     spikes: LossSpikeTracker,
     /// `--enable-cuda-graph` when this run can use it.
     graph: Option<MicrobatchGraph<F::Batch>>,
@@ -490,6 +493,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         metrics,
         args_json,
         last_checkpoint: None,
+        async_saves: AsyncSaves::default(),
         spikes: LossSpikeTracker::default(),
         graph: microbatch_graph(args, device, &parallel)?,
         decoupled_lr: decoupled_lr(args)?,
@@ -543,6 +547,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         .update(run.progress.consumed_train_samples, false)?;
     run.print_model_summary()?;
     run.print_memory_report(predicted_state)?;
+    run.reserve_snapshot_memory()?;
 
     let datasets =
         family.build_datasets(args, dataset_sizes(args, train_iters, global_batch_size))?;
@@ -858,6 +863,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 }
             }
 
+            self.poll_async_save(false)?;
             let mut saved_now = false;
             if let (Some(_), Some(interval)) = (&checkpoint.save, checkpoint.save_interval) {
                 if interval > 0 && iteration % interval == 0 {
@@ -875,6 +881,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 if checkpoint.save.is_some() && !saved_now {
                     self.save()?;
                 }
+                self.poll_async_save(true)?;
                 if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
                     self.print_profiler_note(done?);
                 }
@@ -888,6 +895,7 @@ impl<F: ModelFamily> Run<'_, F> {
                 self.save()?;
             }
         }
+        self.poll_async_save(true)?;
         if let Some(done) = profiler.as_mut().map(StepProfiler::finish) {
             self.print_profiler_note(done?);
         }
@@ -1202,21 +1210,14 @@ impl<F: ModelFamily> Run<'_, F> {
         Ok(losses)
     }
 
-    fn save(&mut self) -> Result<()> {
-        self.optimizer.wait_for_params()?;
-        let root = self
-            .args
-            .checkpoint
-            .save
-            .as_ref()
-            .expect("save is only called with --save");
+    /// What a save of the current state writes to `root`.
+    fn save_request<'s>(&'s self, root: &'s Path) -> Result<SaveRequest<'s, F::Chunk>> {
         let optimizer_name = if self.args.optimizer.optimizer == "sgd" {
             "sgd"
         } else {
             "adam"
         };
-        let started = Instant::now();
-        let directory = checkpointing::save(SaveRequest {
+        Ok(SaveRequest {
             root,
             model_type: self.family.model_type(),
             progress: self.progress,
@@ -1231,17 +1232,114 @@ impl<F: ModelFamily> Run<'_, F> {
             args: self.args_json.clone(),
             data: self.args.data.trained_on()?,
             parallel: &self.parallel,
-        })?;
+        })
+    }
+
+    fn save(&mut self) -> Result<()> {
+        self.optimizer.wait_for_params()?;
+        let root = self
+            .args
+            .checkpoint
+            .save
+            .clone()
+            .expect("save is only called with --save");
+        let iteration = self.progress.iteration;
+        if !self.args.checkpoint.async_save {
+            let started = Instant::now();
+            checkpointing::save(self.save_request(&root)?)?;
+            return self.report_saved(Finalized {
+                iteration,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        }
+        // Out of `self` while the snapshot borrows the rest of it.
+        let mut saves = std::mem::take(&mut self.async_saves);
+        let finished = saves.schedule(
+            iteration,
+            &mut |flags| agree(&self.parallel, self.device, flags),
+            || {
+                self.print_rank0(
+                    "WARNING: Starting a checkpoint save before previous has finished. \
+                     Consider increasing the checkpoint interval.",
+                )
+            },
+            || checkpointing::snapshot(self.save_request(&root)?),
+        );
+        self.async_saves = saves;
+        if let Some(finished) = finished? {
+            self.report_saved(finished)?;
+        }
+        self.print_rank0(&format!(
+            "  scheduled an async checkpoint save at iteration {iteration:7} to {}",
+            root.display()
+        ));
+        Ok(())
+    }
+
+    /// `--async-save` on a GPU: pins host memory for a snapshot before training, so that the
+    /// first save does not pay for pinning its bytes in the step it follows (libtorch's caching
+    /// host allocator keeps the blocks for every snapshot after).
+    fn reserve_snapshot_memory(&self) -> Result<()> {
+        match &self.args.checkpoint.save {
+            Some(root) if self.args.checkpoint.async_save && self.device.is_cuda() => {
+                checkpointing::reserve_host_memory(self.save_request(root)?)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// `--async-save`: agrees with the other ranks on the save in flight and finalizes it once
+    /// every rank is done (each iteration), or waits until it is (`blocking`, at the exits).
+    fn poll_async_save(&mut self, blocking: bool) -> Result<()> {
+        // Every rank has the same save in flight, so all or none take part in the agreement.
+        if self.async_saves.in_flight().is_none() {
+            return Ok(());
+        }
+        if blocking {
+            self.print_rank0(
+                "Unfinalized async checkpoint saves. Finalizing them synchronously now.",
+            );
+        }
+        let (parallel, device) = (&self.parallel, self.device);
+        let finalized = self
+            .async_saves
+            .poll(blocking, &mut |flags| agree(parallel, device, flags))?;
+        match finalized {
+            Some(finalized) => self.report_saved(finalized),
+            None => Ok(()),
+        }
+    }
+
+    /// A save committed: the tracker names it.
+    fn report_saved(&mut self, saved: Finalized) -> Result<()> {
+        let root = self
+            .args
+            .checkpoint
+            .save
+            .as_ref()
+            .expect("saves are only made with --save");
         self.print_rank0(&format!(
             "  successfully saved checkpoint from iteration {:7} to {} [ {:.1} ms ]",
-            self.progress.iteration,
+            saved.iteration,
             root.display(),
-            started.elapsed().as_secs_f64() * 1000.0
+            saved.seconds * 1000.0
         ));
-        self.spikes.record_save(self.progress.iteration, &directory);
+        let directory = megatron_store::iteration_directory(root, saved.iteration);
+        self.spikes.record_save(saved.iteration, &directory);
         self.last_checkpoint = Some(directory);
         Ok(())
     }
+}
+
+/// The `--async-save` agreement: each flag's maximum over the ranks.
+fn agree(parallel: &ParallelState, device: Device, flags: Flags) -> Result<Flags> {
+    if parallel.world_size() == 1 {
+        return Ok(flags);
+    }
+    let on_device = Tensor::from_slice(&flags).to_device(device);
+    parallel.world.all_reduce(&on_device, ReduceOp::Max)?;
+    let agreed = on_device.to_device(Device::Cpu);
+    Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
 }
 
 /// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or `None` when not

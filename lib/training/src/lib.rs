@@ -4,6 +4,7 @@
 //! `pretrain_t5`, finetuning) with their data glue.
 
 pub mod args;
+mod async_save;
 mod checkpointing;
 mod cuda_graphs;
 mod datasets;

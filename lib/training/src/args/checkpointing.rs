@@ -15,6 +15,14 @@ pub struct CheckpointArgs {
     /// Save every N iterations.
     #[arg(long)]
     pub save_interval: Option<u64>,
+    /// Write checkpoints in the background while training continues: at a save each rank
+    /// copies its state into host memory (pinned on a GPU) and a thread writes it; the tracker
+    /// moves once every rank's files are complete, checked each iteration. A save waits for
+    /// the one before it (one copy in host memory at most), and the run finishes the last one
+    /// before it exits. Megatron allows it with --ckpt-format torch_dist only; here it writes
+    /// this project's format, whatever --ckpt-format says.
+    #[arg(long)]
+    pub async_save: bool,
     /// Do not save optimizer state.
     #[arg(long)]
     pub no_save_optim: bool,
