@@ -16,16 +16,18 @@
 # Environment (all optional):
 #   PRETRAIN_GPT=path   the binary [default: target/release/pretrain_gpt, built here]
 #   PYTHON=python3      a python with torch 2.11 (CUDA) for the library path
-#   SAVE_AT=10          the iteration whose save is measured
-#   ITERS=30            iterations per run (the writer must finish before ITERS-1)
+#   SAVE_AT=50          the iteration whose save is measured; the save interval too, so a run
+#                       saves there and at its end only
+#   ITERS=99            iterations per run: below 2×SAVE_AT, and long enough for the writer to
+#                       finish before ITERS-1 (about 30 iterations of 1.3B on an H200)
 #   SAVE_DIR=dir        where the checkpoints go [default: a temporary directory]; each mode's
 #                       are removed once measured (two saves: about 36 GB at most)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-SAVE_AT="${SAVE_AT:-10}"
-ITERS="${ITERS:-30}"
+SAVE_AT="${SAVE_AT:-50}"
+ITERS="${ITERS:-99}"
 if [[ -z "${PRETRAIN_GPT:-}" ]]; then
     (cd "$ROOT" && cargo build --release --quiet -p pretrain_gpt)
     PRETRAIN_GPT="${CARGO_TARGET_DIR:-$ROOT/target}/release/pretrain_gpt"
