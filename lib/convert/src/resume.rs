@@ -62,11 +62,7 @@ pub fn import_for_resume(
                     load.display()
                 )
             })?;
-            let description = format!(
-                "imported the {} checkpoint {} into {target}",
-                state.source,
-                load.display()
-            );
+            let description = format!("imported the {} into {target}", state.source);
             (state, description)
         }
         Ok((Format::MegatronRs, _)) => {
