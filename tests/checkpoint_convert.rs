@@ -1327,3 +1327,111 @@ fn hf_llama_export_carries_the_tokenizer_and_stops_at_eos() {
     assert_eq!(checked["config"], serde_json::json!([3, 4]));
     assert_eq!(checked["new_tokens"], 1);
 }
+
+/// The log-probabilities our model gives each token of `prompt` after those before it (PUT /api
+/// with `tokens_to_generate` 0), served by `text_generation_server --load load` (a Megatron
+/// checkpoint imported on the fly), in float32 on the CPU.
+fn served_logprobs(load: &Path, prompt: &str) -> Vec<f64> {
+    use std::io::BufRead;
+    let mut server = bin("text_generation_server")
+        .arg("--load")
+        .arg(load)
+        .args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "8192"])
+        .args(["--port", "0", "--device", "cpu"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let address = loop {
+        let line = lines
+            .next()
+            .expect("the server exited before serving")
+            .unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split('/').next().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let body = serde_json::json!({"prompts": [prompt], "tokens_to_generate": 0, "logprobs": true});
+    let out = bin("text_generation_cli")
+        .arg(&address)
+        .args(["--request", &body.to_string()])
+        .output()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reply: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    reply["logprobs"][0]
+        .as_array()
+        .unwrap_or_else(|| panic!("no logprobs in {reply}"))
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
+}
+
+/// Megatron's distributed-optimizer checkpoints (torch's distrib_optim.pt, torch_dist's
+/// fully_sharded_model_space) export to HuggingFace in one command, --verify included, and
+/// transformers loads the export as GPT2LMHeadModel and gives each token of a sequence the
+/// log-probability our model gives it from the Megatron checkpoint.
+#[test]
+fn distributed_optimizer_goldens_export_to_huggingface_in_one_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let python = megatron_e2e::test_python(&["transformers", "torch"]);
+    let ids: Vec<String> = (0..24)
+        .map(|i| (37 * i * i + 11 * i + 5) % 4096)
+        .map(|i| i.to_string())
+        .collect();
+    for name in ["distopt_torch", "distopt_torch_dist"] {
+        let hf = dir.path().join(name);
+        let out = run_ok(
+            bin("checkpoint_convert")
+                .args(["--model-type", "GPT", "--loader", "core", "--saver", "hf"])
+                .arg("--load-dir")
+                .arg(golden(name))
+                .arg("--save-dir")
+                .arg(&hf)
+                .arg("--verify"),
+        );
+        let summary = String::from_utf8_lossy(&out.stdout);
+        let verified: f64 = summary
+            .split("verify: max |Δ logits| = ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{name}: no verify line in {summary}"))
+            .parse()
+            .unwrap();
+        assert!(verified <= 1e-5, "{name}: {summary}");
+        let reference = run_ok(
+            Command::new(&python)
+                .arg(megatron_e2e::workspace_root().join("tests/fixtures/hf_token_logprobs.py"))
+                .arg(&hf)
+                .args(&ids),
+        );
+        let reference: serde_json::Value = serde_json::from_slice(&reference.stdout).unwrap();
+        assert_eq!(reference["architecture"], "GPT2LMHeadModel", "{name}");
+        let theirs: Vec<f64> = reference["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let ours = served_logprobs(&golden(name), &ids.join(" "));
+        assert_eq!(ours.len(), ids.len() - 1, "{name}: {ours:?}");
+        let largest = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            largest <= 1e-4,
+            "{name}: log-probabilities differ by up to {largest}: ours {ours:?}, transformers' {theirs:?}"
+        );
+        eprintln!("{name}: largest |Δ logprob| {largest:e}, verify {verified:e}");
+    }
+}

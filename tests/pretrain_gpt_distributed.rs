@@ -672,6 +672,22 @@ fn loss_fields(stdout: &[u8]) -> Vec<String> {
         .collect()
 }
 
+/// `(iteration, lm loss, grad norm)` of each training iteration a run logged.
+fn losses_and_grad_norms(metrics: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            Some((
+                record["iteration"].as_u64()?,
+                record["lm loss"].as_f64()?,
+                record["grad-norm"].as_f64()?,
+            ))
+        })
+        .collect()
+}
+
 /// At DP=2 with the distributed optimizer, --async-save writes the same checkpoints, byte for
 /// byte (each rank's optimizer shard included), with the same metadata and checksums, and
 /// trains with the same losses as synchronous saves.
@@ -732,5 +748,140 @@ fn async_saves_equal_synchronous_ones_at_dp2_with_the_distributed_optimizer() {
     for (ckpt, ..) in &runs {
         let tracked = std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt"));
         assert_eq!(tracked.unwrap(), "4");
+    }
+}
+
+/// Runs `pretrain_gpt` (fp32, deterministic, a 15-iteration schedule) on `world` ranks with
+/// `layout`'s flags, from `load` where given, until iteration `until`, where it saves into
+/// `dir/name`; returns what it logged and rank 0's standard output.
+fn resume_in(
+    dir: &Path,
+    name: &str,
+    load: Option<&Path>,
+    world: usize,
+    layout: &[&str],
+    until: &str,
+) -> (Vec<(u64, f64, f64)>, String) {
+    let metrics = dir.join(format!("{name}.jsonl"));
+    let save = dir.join(name);
+    let load: Vec<&str> = load.map_or(vec![], |l| vec!["--load", l.to_str().unwrap()]);
+    let flags: Vec<&str> = [
+        "--deterministic-mode",
+        "--train-iters",
+        "15",
+        "--exit-interval",
+        until,
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        until,
+        "--metrics-file",
+        metrics.to_str().unwrap(),
+    ]
+    .into_iter()
+    .chain(load)
+    .chain(layout.iter().copied())
+    .collect();
+    let outputs = run_ranks(world, &flags, name);
+    let stdout = String::from_utf8_lossy(&outputs[0].stdout).into_owned();
+    (losses_and_grad_norms(&metrics), stdout)
+}
+
+/// The five iterations after a resume under another layout equal those resumed in the saved
+/// layout: losses and gradient norms within 1e-5.
+fn assert_same_iterations(expected: &[(u64, f64, f64)], got: &[(u64, f64, f64)], what: &str) {
+    assert_eq!(
+        expected.len(),
+        5,
+        "the run in the saved layout logged {expected:?}"
+    );
+    assert_eq!(
+        got.iter().map(|r| r.0).collect::<Vec<_>>(),
+        expected.iter().map(|r| r.0).collect::<Vec<_>>(),
+        "{what}: iterations"
+    );
+    for (a, b) in expected.iter().zip(got) {
+        assert!(
+            (a.1 - b.1).abs() <= 1e-5 * a.1.abs() && (a.2 - b.2).abs() <= 1e-5 * a.2.abs(),
+            "{what}: (iteration, loss, grad norm) {got:?} differ from the saved layout's {expected:?}"
+        );
+    }
+}
+
+/// `--load` of one of our checkpoints saved under another layout reshapes it, with its
+/// (distributed) optimizer state, into the run's layout: TP1·PP1·DP2 with the distributed
+/// optimizer resumes at TP2·PP2·DP1 and at TP2·DP1 with the distributed optimizer, and
+/// TP2·PP2 resumes at TP1·DP2 with the distributed optimizer, each as the run resumed in the
+/// saved layout. A different architecture is still refused.
+#[test]
+fn resume_under_another_layout_equals_the_saved_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let distributed = ["--use-distributed-optimizer"];
+    let tp2_pp2 = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+    ];
+    let tp2_distributed = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--use-distributed-optimizer",
+    ];
+    resume_in(dir, "first", None, 2, &distributed, "5");
+    let first = dir.join("first");
+    assert!(first.join("iter_0000005").is_dir());
+
+    let (saved_layout, _) = resume_in(dir, "own", Some(&first), 2, &distributed, "10");
+    let (reshaped, stdout) = resume_in(dir, "tp2_pp2", Some(&first), 4, &tp2_pp2, "10");
+    assert!(
+        stdout.contains("from TP=1 PP=1 DP=2, distributed optimizer to TP=2 PP=2"),
+        "no log line of the reshape: {stdout}"
+    );
+    assert_same_iterations(&saved_layout, &reshaped, "TP1·PP1·DP2 → TP2·PP2·DP1");
+    let (reshaped, _) = resume_in(dir, "tp2_dp1", Some(&first), 2, &tp2_distributed, "10");
+    assert_same_iterations(
+        &saved_layout,
+        &reshaped,
+        "TP1·PP1·DP2 → TP2·DP1, distributed optimizer",
+    );
+
+    let second = dir.join("tp2_pp2");
+    let (saved_layout, _) = resume_in(dir, "own_tp2_pp2", Some(&second), 4, &tp2_pp2, "15");
+    let (reshaped, stdout) = resume_in(dir, "back", Some(&second), 2, &distributed, "15");
+    assert!(
+        stdout.contains("from TP=2 PP=2 DP=1 to TP=1 PP=1, distributed optimizer over DP=2"),
+        "no log line of the reshape: {stdout}"
+    );
+    assert_same_iterations(
+        &saved_layout,
+        &reshaped,
+        "TP2·PP2·DP1 → TP1·DP2, distributed optimizer",
+    );
+
+    let port = free_port();
+    let wider: Vec<Child> = (0..2)
+        .map(|rank| {
+            let mut command = pretrain(&[
+                "--train-iters",
+                "15",
+                "--tensor-model-parallel-size",
+                "2",
+                "--load",
+                first.to_str().unwrap(),
+            ]);
+            command.args(["--hidden-size", "128"]);
+            spawn_rank(command, rank, 2, &port)
+        })
+        .collect();
+    for child in wider {
+        let out = wait_with_deadline(child, Duration::from_secs(300));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "another hidden size was loaded");
+        assert!(
+            stderr.contains("different architecture") && stderr.contains("hidden_size"),
+            "{stderr}"
+        );
     }
 }

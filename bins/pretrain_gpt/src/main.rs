@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use megatron_convert::{import_megatron_for_resume, OptimizerShards, TargetLayout};
+use megatron_convert::{import_for_resume, OptimizerShards, TargetLayout};
 use megatron_parallel::Placement;
 use megatron_training::GptPretrainArgs;
 use megatron_training::{pretrain_gpt, run_job};
@@ -29,8 +29,8 @@ fn main() -> ExitCode {
         let common = &cli.args;
         let summary = run_job(&common.parallel, &common.training, |runtime| {
             let mut args = cli.args.clone();
-            // Kept until the run ends: the run reads the imported checkpoint from it.
-            let _imported = import_megatron_load(&mut args, runtime)?;
+            // Kept until the run ends: the run reads the rewritten checkpoint from it.
+            let _prepared = prepare_load(&mut args, runtime)?;
             pretrain_gpt(&args, runtime)
         })?;
         if let Some(summary) = summary {
@@ -40,9 +40,10 @@ fn main() -> ExitCode {
     })
 }
 
-/// Points --load at our import of a Megatron torch or torch_dist checkpoint, laid out for this
-/// run (its model-parallel layout, its distributed optimizer's shards), where --load names one.
-fn import_megatron_load(
+/// Points --load at a copy laid out for this run (its model-parallel layout, its distributed
+/// optimizer's shards) where --load names a Megatron torch or torch_dist checkpoint, or one of
+/// ours saved under another layout; rank 0 says so.
+fn prepare_load(
     args: &mut GptPretrainArgs,
     runtime: &Placement,
 ) -> anyhow::Result<Option<tempfile::TempDir>> {
@@ -63,9 +64,13 @@ fn import_megatron_load(
             data_parallel,
             bucket_size: args.parallel.bucket_size(data_parallel),
         });
-    let imported = import_megatron_for_resume(&load, layout, optimizer, shards)?;
-    if let Some(dir) = &imported {
-        args.checkpoint.load = Some(dir.path().to_path_buf());
+    let prepared = import_for_resume(&load, layout, optimizer, shards)?;
+    let Some(prepared) = prepared else {
+        return Ok(None);
+    };
+    if runtime.parallel.rank == 0 {
+        println!("{}", prepared.description);
     }
-    Ok(imported)
+    args.checkpoint.load = Some(prepared.directory.path().to_path_buf());
+    Ok(Some(prepared.directory))
 }

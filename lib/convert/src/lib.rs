@@ -39,6 +39,6 @@ pub use ours::{
     load_megatron_rs, save_megatron_rs, save_megatron_rs_sharded, OptimizerShards, TargetLayout,
 };
 pub use progress::{reporting_progress, ConversionProgress};
-pub use resume::import_megatron_for_resume;
+pub use resume::{import_for_resume, PreparedCheckpoint};
 pub use state::{in_memory, ModelState, OptimizerState, RunState, Tensors};
 pub use t5::{reshape_t5, t5_max_logit_difference, T5Reshape};

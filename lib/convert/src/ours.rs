@@ -658,6 +658,32 @@ pub(crate) type RankFile = (
     BTreeMap<String, LazyTensor>,
 );
 
+/// The `--ddp-bucket-size` of the run that saved `metadata` over `ranks` data-parallel ranks:
+/// its flag, or pretrain_gpt's default, max(40M, 1M × data-parallel size). Our runs record
+/// their flags by group, conversions of Megatron's flat.
+fn bucket_size_of(metadata: &CheckpointMetadata, ranks: usize) -> usize {
+    metadata
+        .args
+        .get("parallel")
+        .unwrap_or(&metadata.args)
+        .get("ddp_bucket_size")
+        .and_then(|v| v.as_u64())
+        .map_or(
+            megatron_optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks),
+            |v| v as usize,
+        )
+}
+
+/// How the optimizer state of the checkpoint `metadata` describes is sharded over
+/// data-parallel ranks; `None` where it is whole (one file per model-parallel rank).
+pub(crate) fn saved_optimizer_shards(metadata: &CheckpointMetadata) -> Option<OptimizerShards> {
+    let ranks = metadata.data_parallel_size;
+    (metadata.distributed_optimizer && ranks > 1).then(|| OptimizerShards {
+        data_parallel: ranks,
+        bucket_size: bucket_size_of(metadata, ranks),
+    })
+}
+
 /// The per-parameter optimizer state (unsplit) of `checkpoint`'s rank `files` (any TP/PP
 /// layout, distributed-optimizer shards included); `config` is the trunk's.
 pub(crate) fn load_optimizer(
@@ -686,18 +712,7 @@ pub(crate) fn load_optimizer(
             params,
             tied && metadata.pipeline_model_parallel_size > 1,
         );
-        // pretrain_gpt's --ddp-bucket-size default: max(40M, 1M × data-parallel size). Our
-        // runs record their flags by group, conversions of Megatron's flat.
-        let bucket = metadata
-            .args
-            .get("parallel")
-            .unwrap_or(&metadata.args)
-            .get("ddp_bucket_size")
-            .and_then(|v| v.as_u64())
-            .map_or(
-                megatron_optim::DEFAULT_BUCKET_SIZE.max(1_000_000 * ranks),
-                |v| v as usize,
-            );
+        let bucket = bucket_size_of(metadata, ranks);
         let layout = if sharded {
             BufferLayout::new(&param_shapes, bucket, 0, ranks, true)
         } else {
