@@ -300,6 +300,22 @@ enum Source {
 
 /// A run flag by Megatron's name: at the top of `args` (Megatron's namespace) or in one of
 /// its groups (our runs record their flags by group).
+/// The scheduler's state (where the run saved one) and the FLOPs counter, as Megatron keeps
+/// them beside the model in both of its formats.
+pub(super) fn schedule_entries(state: &ModelState) -> Vec<(String, Saved)> {
+    let scheduler = state
+        .run
+        .opt_param_scheduler
+        .as_ref()
+        .and_then(json_to_value)
+        .map(|scheduler| ("opt_param_scheduler".to_string(), Saved::Value(scheduler)));
+    let flops = (
+        "num_floating_point_operations_so_far".to_string(),
+        Saved::Value(Value::Float(state.run.num_floating_point_operations_so_far)),
+    );
+    scheduler.into_iter().chain([flops]).collect()
+}
+
 pub(super) fn run_flag(args: &Json, key: &str) -> Option<Json> {
     args.get(key).cloned().or_else(|| {
         args.as_object()?
@@ -506,18 +522,7 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
                 let saved = optimizer_entry(state, optimizer, &params, &mut slots, &mut sources)?;
                 root_entries.push(("optimizer".into(), saved));
             }
-            if let Some(scheduler) = state
-                .run
-                .opt_param_scheduler
-                .as_ref()
-                .and_then(json_to_value)
-            {
-                root_entries.push(("opt_param_scheduler".into(), Saved::Value(scheduler)));
-            }
-            root_entries.push((
-                "num_floating_point_operations_so_far".into(),
-                Saved::Value(Value::Float(state.run.num_floating_point_operations_so_far)),
-            ));
+            root_entries.extend(schedule_entries(state));
             let rank_dir = directory.join(rank_directory_name(t, stage, target.pipeline));
             std::fs::create_dir_all(&rank_dir)
                 .with_context(|| format!("creating {}", rank_dir.display()))?;

@@ -24,7 +24,7 @@ use megatron_store::{iteration_directory, tensor_split, write_tracker, TensorSpl
 use super::distrib_optim::{is_embedding_copy, Bucketing};
 use super::lazy::{with_bytes, LazyTensor};
 use super::megatron_save::{
-    args_namespace, chunk_entries, group_hyperparameters, json_to_value, run_flag,
+    args_namespace, chunk_entries, group_hyperparameters, json_to_value, run_flag, schedule_entries,
 };
 use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
@@ -477,18 +477,7 @@ fn common_state(
             ),
         );
     }
-    if let Some(scheduler) = state
-        .run
-        .opt_param_scheduler
-        .as_ref()
-        .and_then(json_to_value)
-    {
-        entries.push(("opt_param_scheduler".into(), Saved::Value(scheduler)));
-    }
-    entries.push((
-        "num_floating_point_operations_so_far".into(),
-        Saved::Value(Value::Float(state.run.num_floating_point_operations_so_far)),
-    ));
+    entries.extend(schedule_entries(state));
     entries.push(("content_metadata".into(), Saved::Dict(content)));
     Ok((Saved::Dict(entries), tensors))
 }
