@@ -44,6 +44,14 @@ pub(crate) fn reproducible_cpu_gemms() {
     });
 }
 
+/// `MKL_CBWR` is read once, when MKL starts, and libtorch may start it before a run sets the
+/// variable: a clean-clone test run still saw one resumed run of the CPU tests' GPT end one
+/// step in different bits. One intra-op thread (libtorch's setting, which MKL follows at any
+/// time) leaves nothing to split, so a deterministic CPU run is reproducible whatever MKL read.
+pub(crate) fn single_threaded_cpu_ops() {
+    tch::set_num_threads(1);
+}
+
 /// Dense bf16 peak of the device in TFLOP/s, for MFU; the name comes from `nvidia-smi`.
 pub fn peak_tflops_of(device: Device) -> Option<f64> {
     let Device::Cuda(index) = device else {

@@ -4,14 +4,15 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use super::device::{gemms_without_workspace, reproducible_cpu_gemms};
+use super::device::{gemms_without_workspace, reproducible_cpu_gemms, single_threaded_cpu_ops};
 use super::engine::TrainingSummary;
 use crate::args::{ParallelArgs, TrainingArgs};
 use megatron_parallel::{join_launched_job, Backend, Job, JoinOptions, Placement};
 
 /// Joins the job with the pretraining flags (`--device`, `--local-rank`, the parallel sizes,
 /// `--distributed-backend`, `--distributed-timeout-minutes`); on a GPU, cuBLAS without a
-/// workspace; with `--deterministic-mode`, CPU GEMMs that give the same bits on every run.
+/// workspace; with `--deterministic-mode`, CPU GEMMs that give the same bits on every run
+/// (reproducible MKL branches, one intra-op thread on a CPU device).
 pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job, Placement)> {
     if training.deterministic_mode {
         reproducible_cpu_gemms();
@@ -27,6 +28,8 @@ pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job
     })?;
     if placement.device.is_cuda() {
         gemms_without_workspace();
+    } else if training.deterministic_mode {
+        single_threaded_cpu_ops();
     }
     if job.env.world_size > 1 && placement.parallel.is_logging_rank() {
         report_nodes(&job, &placement);
