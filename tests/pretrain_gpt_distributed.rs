@@ -377,6 +377,27 @@ fn four_gpus_with_nccl_equal_one() {
 /// training without them. Runs where there are at least two GPUs.
 #[test]
 fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
+    graphs_train_bitwise_like_eager(
+        &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        2,
+    );
+}
+
+/// The same at DP=2 with the distributed optimizer and both overlap flags, which a graphed run
+/// sets aside (its gradients are reduced after the micro-batches): the same losses and weights,
+/// bit for bit, as the eager run that overlaps them. Runs where there are at least two GPUs.
+#[test]
+fn two_gpus_data_parallel_with_cuda_graphs_train_bitwise_like_eager_overlap() {
+    graphs_train_bitwise_like_eager(
+        &["--use-distributed-optimizer", "--overlap-param-gather"],
+        1,
+    );
+}
+
+/// Trains 6 iterations on two GPUs under `layout`, with and without `--enable-cuda-graph`, and
+/// compares the logged losses and the weights the `model_parallel_ranks` save, bit for bit. Both
+/// runs ask for `--overlap-grad-reduce`.
+fn graphs_train_bitwise_like_eager(layout: &[&str], model_parallel_ranks: usize) {
     if visible_gpus() < 2 {
         eprintln!("skipped: needs 2 GPUs");
         return;
@@ -390,9 +411,6 @@ fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
             "cuda",
             "--distributed-backend",
             "nccl",
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
             "--bf16",
             "--hidden-dropout",
             "0.1",
@@ -411,6 +429,7 @@ fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
             metrics.to_str().unwrap(),
         ]
         .into_iter()
+        .chain(layout.iter().copied())
         .chain(extra.iter().copied())
         .collect();
         let outputs = run_two_ranks(&flags, name);
@@ -418,7 +437,7 @@ fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert!(!stderr.contains("without CUDA graphs"), "{name}: {stderr}");
         }
-        let weights: Vec<Vec<u8>> = (0..2)
+        let weights: Vec<Vec<u8>> = (0..model_parallel_ranks)
             .map(|rank| {
                 let file = save.join(format!("iter_0000006/mp_rank_0{rank}/model.safetensors"));
                 std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
@@ -426,8 +445,9 @@ fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
             .collect();
         (losses(&metrics), weights)
     };
-    let (eager_losses, eager_weights) = run("eager", &[]);
-    // With one data-parallel rank --overlap-grad-reduce has nothing to reduce: graphs stay on.
+    let (eager_losses, eager_weights) = run("eager", &["--overlap-grad-reduce", "--no-cuda-graph"]);
+    // With one data-parallel rank --overlap-grad-reduce has nothing to reduce; with more, the
+    // graphed run reduces after the micro-batches. Either way graphs stay on.
     let (graphed_losses, graphed_weights) = run(
         "graphed",
         &[
@@ -440,7 +460,7 @@ fn two_gpus_with_cuda_graphs_train_bitwise_like_eager() {
     eprintln!("losses with graphs {graphed_losses:?}, without {eager_losses:?}");
     assert_eq!(eager_losses.len(), 6);
     assert_eq!(graphed_losses, eager_losses);
-    for rank in 0..2 {
+    for rank in 0..model_parallel_ranks {
         assert!(
             graphed_weights[rank] == eager_weights[rank],
             "rank {rank}'s saved weights differ with graphs"

@@ -39,6 +39,10 @@ DEFAULT_LAYOUTS="2|TP=4 + SP|--tensor-model-parallel-size 4 $SP"
 DEFAULT_LAYOUTS+=";2|TP=4 + SP, CUDA graphs|--tensor-model-parallel-size 4 $SP $GRAPHS"
 DEFAULT_LAYOUTS+=";2|TP=2 + SP × PP=2|--tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2"
 DEFAULT_LAYOUTS+=";2|TP=2 + SP × DP=2, distributed optimizer|--tensor-model-parallel-size 2 $SP $DISTOPT"
+DEFAULT_LAYOUTS+=";2|TP=2 + SP × DP=2, distopt, CUDA graphs|--tensor-model-parallel-size 2 $SP $DISTOPT $GRAPHS"
+DEFAULT_LAYOUTS+=";2|PP=2 × DP=2, distributed optimizer|--pipeline-model-parallel-size 2 $DISTOPT"
+DEFAULT_LAYOUTS+=";2|DP=4, distributed optimizer|$DISTOPT"
+DEFAULT_LAYOUTS+=";2|DP=4, distributed optimizer, CUDA graphs|$DISTOPT $GRAPHS"
 IFS=';' read -r -a LAYOUTS <<<"${LAYOUTS:-$DEFAULT_LAYOUTS}"
 
 model_flags() {

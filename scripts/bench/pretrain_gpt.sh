@@ -16,7 +16,11 @@
 #   REFERENCE=eager       none runs ours and its variants alone, for models the reference lacks
 #                         (e.g. EXTRA_FLAGS="--position-embedding-type rope" with
 #                         OURS_VARIANTS="--no-rope-fusion": the fused RoPE's A/B)
-#   GLOBAL_BATCH=64       global batch size (micro batch 8)
+#   GLOBAL_BATCH=64       global batch size
+#   MICRO_BATCH=8         micro batch size
+#   SEQ_LENGTH=1024       sequence length
+#   PRECISION=bf16        bf16 or fp16 (Megatron's dynamic loss scaling; GradScaler in the
+#                         references)
 #   HIDDEN_SIZE=1024      hidden size (2048 with NUM_HEADS=32 is GPT-1.3B)
 #   NUM_HEADS=16          attention heads
 #   OURS_VARIANTS=""      ;-separated flag sets for extra rows of ours, e.g.
@@ -47,8 +51,14 @@ trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXI
 
 "$PYTHON" "$ROOT/scripts/bench/mock_gpt2_vocab.py" "$SCRATCH"
 
-SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-heads "${NUM_HEADS:-16}" --seq-length 1024
-       --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size "${GLOBAL_BATCH:-64}" --bf16)
+case "${PRECISION:-bf16}" in
+    bf16 | fp16) ;;
+    *) echo "pretrain_gpt.sh: PRECISION takes bf16 or fp16, not $PRECISION" >&2; exit 2 ;;
+esac
+SHAPE=(--num-layers 24 --hidden-size "${HIDDEN_SIZE:-1024}" --num-attention-heads "${NUM_HEADS:-16}"
+       --seq-length "${SEQ_LENGTH:-1024}" --max-position-embeddings "${SEQ_LENGTH:-1024}"
+       --micro-batch-size "${MICRO_BATCH:-8}" --global-batch-size "${GLOBAL_BATCH:-64}"
+       "--${PRECISION:-bf16}")
 # shellcheck disable=SC2206
 EXTRA=(${EXTRA_FLAGS:-})
 

@@ -69,7 +69,14 @@ def parse_args(argv=None):
     train.add_argument("--adam-beta2", type=float, default=0.999)
     train.add_argument("--adam-eps", type=float, default=1e-8)
     train.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    train.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 parameters")
+    precision = train.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 parameters")
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 autocast over fp32 parameters with dynamic loss scaling (torch.amp.GradScaler, "
+        "started at 2^32 as Megatron's --initial-loss-scale)",
+    )
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=1)
 
@@ -256,9 +263,13 @@ def train(args):
     num_parameters = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, args)
     forward_model = torch.compile(model) if args.torch_compile else model
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else nullcontext()
-    )
+    if args.bf16 or args.fp16:
+        autocast = torch.autocast(
+            device.type, dtype=torch.bfloat16 if args.bf16 else torch.float16
+        )
+    else:
+        autocast = nullcontext()
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**32, enabled=args.fp16)
     data = torch.Generator(device=device).manual_seed(args.seed)
     model.train()
     print(
@@ -297,14 +308,16 @@ def train(args):
             )
             with autocast:
                 loss = language_model_loss(forward_model, tokens) / args.num_microbatches
-            loss.backward()
+            scaler.scale(loss).backward()
             loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
         grad_norm = (
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             if args.clip_grad > 0
             else None
         )
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             synchronize(device)
@@ -332,7 +345,9 @@ def train(args):
         "impl": "pytorch-compile" if args.torch_compile else "pytorch-eager",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "precision": "bf16-autocast" if args.bf16 else "fp32",
+        "precision": "bf16-autocast"
+        if args.bf16
+        else "fp16-autocast" if args.fp16 else "fp32",
         "num_layers": args.num_layers,
         "hidden_size": args.hidden_size,
         "num_attention_heads": args.num_attention_heads,

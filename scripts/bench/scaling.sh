@@ -19,6 +19,9 @@
 #                       0 neither (gradients reduced after backward, parameters gathered
 #                       after the step)
 #   LAYOUTS_ONLY="1 1;1 1 dp" only these layouts ("TP PP", "1 1 dp" = data parallel on all GPUs)
+#   EXTRA_FLAGS="..."   flags added to every run, e.g. "--enable-cuda-graph
+#                       --cross-entropy-loss-fusion"; `--sequence-parallel` is added to the
+#                       runs with TP > 1 when SP=1
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -62,15 +65,17 @@ model_flags() {
 run() {
     local model="$1" nproc="$2" tp="$3" pp="$4"
     local dp=$((nproc / (tp * pp)))
+    local sp=()
+    [[ "${SP:-0}" == 1 && "$tp" -gt 1 ]] && sp=(--sequence-parallel)
     local log="$SCRATCH/$model-$nproc-$tp-$pp.log"
-    # shellcheck disable=SC2046
+    # shellcheck disable=SC2046,SC2086
     "$PYTHON" -m torch.distributed.run --no-python --standalone --nproc-per-node "$nproc" \
         "$PRETRAIN_GPT" $(model_flags "$model") --seq-length 1024 --max-position-embeddings 1024 \
         --micro-batch-size 4 --global-batch-size $((32 * dp)) --train-iters "$ITERS" --lr 1e-4 --bf16 \
         --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --eval-iters 0 \
         --log-interval 10 --log-throughput \
         --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp" \
-        --use-distributed-optimizer "${OVERLAP_FLAG[@]}" >"$log" 2>&1 || {
+        --use-distributed-optimizer "${OVERLAP_FLAG[@]}" "${sp[@]}" ${EXTRA_FLAGS:-} >"$log" 2>&1 || {
         echo "run failed: $model on $nproc GPU(s), TP=$tp PP=$pp; its errors:" >&2
         grep -v '^\s' "$log" | grep -i -m 10 'error' >&2 || tail -30 "$log" >&2
         return 1

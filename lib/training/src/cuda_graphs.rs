@@ -14,7 +14,9 @@ use super::stage::{FamilyStage, LossScaling};
 use crate::args::PretrainArgs;
 use crate::families::{LossTotals, ModelFamily};
 use megatron_kernels::rng::{self, CudaGenerator};
-use megatron_kernels::runtime::{cuda_empty_cache, cuda_graphs_available, CudaGraph};
+use megatron_kernels::runtime::{
+    cuda_empty_cache, cuda_free_memory, cuda_graphs_available, cuda_memory_stats, CudaGraph,
+};
 use megatron_models::loader::DeviceBatch;
 use megatron_models::Recompute;
 use megatron_parallel::ParallelState;
@@ -31,8 +33,6 @@ pub fn unsupported_reason(
         Some("this build has no CUDA graphs (its shim found no CUDA runtime headers)")
     } else if parallel.layout.pipeline > 1 {
         Some("pipeline stages exchange activations between a micro-batch's forward and backward")
-    } else if args.parallel.overlap_grad_reduce && parallel.layout.data > 1 {
-        Some("--overlap-grad-reduce starts reductions from hooks on the host during the backward")
     } else if args.training.calculate_per_token_loss {
         Some("--calculate-per-token-loss scales each step by its token count, which the graph does not read")
     } else if args.recompute.recompute()? != Recompute::None {
@@ -44,10 +44,23 @@ pub fn unsupported_reason(
     })
 }
 
+/// Whether the run asked for graphs (`--enable-cuda-graph`) or has them by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraphChoice {
+    /// Asked for: a micro-batch the graph cannot take is an error.
+    Asked,
+    /// By default: the run stays eager where the graph cannot take a micro-batch, and when the
+    /// capture would leave too little memory.
+    Default,
+}
+
 /// The warm-up count and, once captured, the graph of one micro-batch's forward and backward.
 pub struct MicrobatchGraph<B> {
     device: usize,
+    choice: GraphChoice,
     warmup_left: u64,
+    /// A default graph given up for lack of memory: the run stays eager.
+    given_up: bool,
     captured: Option<Captured<B>>,
 }
 
@@ -65,10 +78,12 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
     /// At least one step runs eagerly, whatever `warmup_steps` says: the first compiles our
     /// kernels and runs their self-checks, which read results back to the host (not allowed
     /// while a graph captures).
-    pub fn new(device: usize, warmup_steps: u64) -> Self {
+    pub fn new(device: usize, choice: GraphChoice, warmup_steps: u64) -> Self {
         MicrobatchGraph {
             device,
+            choice,
             warmup_left: warmup_steps.max(1),
+            given_up: false,
             captured: None,
         }
     }
@@ -80,50 +95,82 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
             self.warmup_left -= 1;
             false
         } else {
-            true
+            !self.given_up
         }
     }
 
     /// The forward and backward of every micro-batch of `stage` (no pipelining), through the
     /// graph, captured first on the first call; the losses go to `stage.totals` as the eager
-    /// schedule would add them.
+    /// schedule would add them. `false` when a default graph leaves the step to the eager
+    /// schedule: its micro-batches differ from the captured one, or there is too little memory
+    /// to capture (`log` says that once).
     pub fn run<F: ModelFamily<Batch = B>>(
         &mut self,
         stage: &mut FamilyStage<'_, F>,
         loss_scale: f64,
-    ) -> Result<()> {
+        log: bool,
+    ) -> Result<bool> {
         let batches = stage.batches;
         let Some(first) = batches.first() else {
-            return Ok(());
+            return Ok(true);
         };
         if self.captured.is_none() {
-            self.captured = Some(
-                self.capture(stage, first)
-                    .context("--enable-cuda-graph: capturing a micro-batch's forward and backward failed; run without the flag")?,
-            );
+            if self.choice == GraphChoice::Default && !self.memory_allows_capture()? {
+                self.given_up = true;
+                if log {
+                    eprintln!(
+                        "note: too little GPU memory is free to capture a CUDA graph; training \
+                         without graphs (--enable-cuda-graph asks for them anyway)"
+                    );
+                }
+                return Ok(false);
+            }
+            self.captured = Some(self.capture(stage, first).context(
+                "capturing a micro-batch's forward and backward into a CUDA graph failed; \
+                 run with --no-cuda-graph",
+            )?);
         }
         let captured = self.captured.as_mut().expect("captured above");
+        let fits = |batch: &B| {
+            let (targets, sources) = (captured.inputs.tensors(), batch.tensors());
+            targets.len() == sources.len()
+                && targets
+                    .iter()
+                    .zip(&sources)
+                    .all(|(t, s)| t.size() == s.size())
+        };
+        if !batches.iter().all(fits) {
+            ensure!(
+                self.choice == GraphChoice::Default,
+                "--enable-cuda-graph: a micro-batch's tensors differ from those the graph was \
+                 captured with"
+            );
+            return Ok(false);
+        }
         let inverse = f64::from(1.0 / batches.len() as f32);
         let _ = captured.inverse_microbatches.fill_(inverse);
         let _ = captured.loss_scale.fill_(loss_scale);
         for batch in batches {
-            let (targets, sources) = (captured.inputs.tensors(), batch.tensors());
-            ensure!(
-                targets.len() == sources.len()
-                    && targets
-                        .iter()
-                        .zip(&sources)
-                        .all(|(t, s)| t.size() == s.size()),
-                "--enable-cuda-graph: a micro-batch's tensors differ from those the graph was \
-                 captured with"
-            );
-            for (target, source) in targets.into_iter().zip(sources) {
+            for (target, source) in captured.inputs.tensors().into_iter().zip(batch.tensors()) {
                 target.shallow_clone().copy_(source);
             }
             captured.graph.replay()?;
             stage.totals.absorb(&captured.totals);
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// Whether the device has room for the graph's private pool beside what training holds:
+    /// about one micro-batch's activations and gradients, which the eager steps' peak over what
+    /// stays allocated between steps measures, with a quarter and 1 GiB to spare.
+    fn memory_allows_capture(&self) -> Result<bool> {
+        let stats = cuda_memory_stats(self.device)?;
+        cuda_empty_cache()?;
+        let Some(free) = cuda_free_memory(self.device) else {
+            return Ok(false);
+        };
+        let transient = (stats.max_allocated_bytes - stats.allocated_bytes).max(0) as f64;
+        Ok(free as f64 >= 1.25 * transient + f64::from(1u32 << 30))
     }
 
     fn capture<F: ModelFamily<Batch = B>>(

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::async_save::{AsyncSaves, Finalized, Flags};
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
-use super::cuda_graphs::{self, MicrobatchGraph};
+use super::cuda_graphs::{self, GraphChoice, MicrobatchGraph};
 use super::device::peak_tflops_of;
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
@@ -131,7 +131,7 @@ struct Run<'a, F: ModelFamily> {
     /// `--async-save`: the save in flight.
     async_saves: AsyncSaves,
     spikes: LossSpikeTracker,
-    /// `--enable-cuda-graph` when this run can use it.
+    /// The micro-batches' CUDA graph, asked for or by default, when this run can use it.
     graph: Option<MicrobatchGraph<F::Batch>>,
     /// `--decoupled-lr` and `--decoupled-min-lr`: the peak and floor of the embeddings' and
     /// output layer's learning rate.
@@ -430,7 +430,17 @@ pub fn train_with_hooks<F: ModelFamily>(
             })
         })
         .collect::<Vec<NamedParameter>>();
-    let settings = optimizer_settings(args, layout.data)?;
+    let graph = microbatch_graph(args, family.model_type(), device, &parallel)?;
+    let settings = optimizer_settings(args, layout.data, graph.is_some())?;
+    if graph.is_some() && layout.data > 1 && args.parallel.overlap_grad_reduce && parallel.rank == 0
+    {
+        eprintln!(
+            "note: --enable-cuda-graph with {} data-parallel ranks: gradients are reduced after \
+             each step's micro-batches, not overlapped with their backward (--overlap-grad-reduce \
+             and --overlap-param-gather are set aside)",
+            layout.data
+        );
+    }
     let predicted_state = predicted_state_bytes(&parameters, &settings, &parallel);
     let mut optimizer = MixedPrecisionOptimizer::new(parameters, settings, &parallel)?;
     if args.logging.log_num_zeros_in_grad {
@@ -495,7 +505,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         last_checkpoint: None,
         async_saves: AsyncSaves::default(),
         spikes: LossSpikeTracker::default(),
-        graph: microbatch_graph(args, device, &parallel)?,
+        graph,
         decoupled_lr: decoupled_lr(args)?,
     };
     let mut resumed_from_save = false;
@@ -1003,9 +1013,16 @@ impl<F: ModelFamily> Run<'_, F> {
             scoring: false,
         };
         let replay = self.graph.as_mut().is_some_and(|g| g.replays_this_step());
-        match self.graph.as_mut().filter(|_| replay) {
-            Some(graph) => graph.run(&mut stage, self.scaler.scale() as f64)?,
-            None => forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?,
+        let replayed = match self.graph.as_mut().filter(|_| replay) {
+            Some(graph) => graph.run(
+                &mut stage,
+                self.scaler.scale() as f64,
+                self.parallel.rank == 0,
+            )?,
+            None => false,
+        };
+        if !replayed {
+            forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
         }
         // Reading the losses waits for the device; queueing the optimizer first keeps the GPU
         // busy through that wait (the gradient norm's read is the step's one sync).
@@ -1342,19 +1359,30 @@ fn agree(parallel: &ParallelState, device: Device, flags: Flags) -> Result<Flags
     Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
 }
 
-/// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or `None` when not
-/// asked for or when this run cannot use one (rank 0 says why).
+/// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or of the default, or
+/// `None` when this run does not replay graphs. A run that asked for graphs and cannot use them
+/// hears why from rank 0; a default run stays eager without a word when it cannot use them, or
+/// when it asked for overlapped reductions over several data-parallel ranks (which a graphed
+/// run sets aside), and says once that it replays graphs when it does.
 fn microbatch_graph<B: DeviceBatch>(
     args: &PretrainArgs,
+    model_type: &str,
     device: Device,
     parallel: &ParallelState,
 ) -> Result<Option<MicrobatchGraph<B>>> {
     let training = &args.training;
-    if !(training.enable_cuda_graph || training.external_cuda_graph) {
+    let choice = if training.enable_cuda_graph || training.external_cuda_graph {
+        GraphChoice::Asked
+    } else if training.no_cuda_graph
+        || !matches!(model_type, "GPT" | "BERT")
+        || (args.parallel.overlap_grad_reduce && parallel.layout.data > 1)
+    {
         return Ok(None);
-    }
+    } else {
+        GraphChoice::Default
+    };
     if let Some(reason) = cuda_graphs::unsupported_reason(args, device, parallel)? {
-        if parallel.rank == 0 {
+        if parallel.rank == 0 && choice == GraphChoice::Asked {
             eprintln!("warning: --enable-cuda-graph: {reason}; training without CUDA graphs");
         }
         return Ok(None);
@@ -1362,8 +1390,16 @@ fn microbatch_graph<B: DeviceBatch>(
     let Device::Cuda(index) = device else {
         unreachable!("unsupported_reason rules out the CPU")
     };
+    if parallel.rank == 0 && choice == GraphChoice::Default {
+        eprintln!(
+            "note: after {} warm-up steps each micro-batch replays from a CUDA graph, which \
+             computes the eager step's bits with one launch (--no-cuda-graph turns this off)",
+            training.cuda_graph_warmup_steps.max(1)
+        );
+    }
     Ok(Some(MicrobatchGraph::new(
         index,
+        choice,
         training.cuda_graph_warmup_steps,
     )))
 }
@@ -1442,7 +1478,17 @@ fn predicted_state_bytes(
     settings.predicted_state_bytes(&shapes, dtype, parallel.data.rank(), parallel.data.size())
 }
 
-fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {
+/// The optimizer's settings from the flags. With micro-batches replayed from CUDA graphs
+/// (`graphed`), `--overlap-grad-reduce` and `--overlap-param-gather` are set aside: their
+/// reductions and gathers are started by hooks on the host during the backward and the forward,
+/// which a replayed graph does not run. The gradients are then reduced after the step's last
+/// micro-batch, and the parameters gathered after the optimizer step; on runs bound by the host,
+/// which graphs are for, that costs far less than the launches the graph saves.
+fn optimizer_settings(
+    args: &PretrainArgs,
+    data_parallel_size: usize,
+    graphed: bool,
+) -> Result<OptimizerSettings> {
     let o = &args.optimizer;
     let kind = match o.optimizer.as_str() {
         "adam" => OptimizerKind::Adam {
@@ -1467,13 +1513,14 @@ fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<
             "--overlap-grad-reduce should be turned on when using --overlap-param-gather"
         );
     }
+    let overlap = !(graphed && data_parallel_size > 1);
     Ok(OptimizerSettings {
         kind,
         clip_grad: o.clip_grad,
         distributed: parallel.use_distributed_optimizer,
         bucket_size,
-        overlap_grad_reduce: parallel.overlap_grad_reduce,
-        overlap_param_gather: parallel.overlap_param_gather,
+        overlap_grad_reduce: overlap && parallel.overlap_grad_reduce,
+        overlap_param_gather: overlap && parallel.overlap_param_gather,
         gradient_accumulation_fusion: !o.no_gradient_accumulation_fusion,
         decoupled_lr: o.decoupled_lr.is_some(),
     })

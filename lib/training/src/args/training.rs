@@ -64,11 +64,18 @@ pub struct TrainingArgs {
     pub device: String,
     /// Replay each micro-batch's forward and backward from a CUDA graph captured after the
     /// warm-up steps: one launch instead of a thousand kernel launches, and no gaps while the
-    /// host queues work. On a GPU without pipeline parallelism, activation recomputation, or
-    /// --overlap-grad-reduce over several data-parallel ranks; otherwise the run says why and
-    /// trains without graphs.
-    #[arg(long)]
+    /// host queues work. On a GPU without pipeline parallelism or activation recomputation;
+    /// otherwise the run says why and trains without graphs. With several data-parallel ranks
+    /// it sets --overlap-grad-reduce and --overlap-param-gather aside. GPT and BERT runs that
+    /// can use graphs use them without this flag (a replay computes the eager step's bits),
+    /// unless they ask for --overlap-grad-reduce over several data-parallel ranks or memory is
+    /// short; --no-cuda-graph turns that off.
+    #[arg(long, conflicts_with = "no_cuda_graph")]
     pub enable_cuda_graph: bool,
+    /// Never replay micro-batches from CUDA graphs (megatron-rs's own flag: GPT and BERT runs
+    /// that can use them do by default).
+    #[arg(long)]
+    pub no_cuda_graph: bool,
     /// Eager iterations before the graph is captured (at least one).
     #[arg(long, default_value_t = 3)]
     pub cuda_graph_warmup_steps: u64,
@@ -78,7 +85,7 @@ pub struct TrainingArgs {
     pub cuda_graph_scope: String,
     /// Megatron's training-script capture through Transformer Engine: here the same as
     /// --enable-cuda-graph.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "no_cuda_graph")]
     pub external_cuda_graph: bool,
     /// Run libtorch's dropout on each attention and MLP output before its residual add, instead
     /// of dropping it out inside the fused residual add + norm kernel on GPUs (Megatron's default
