@@ -5,7 +5,8 @@
 # of the same model. Weak scaling: every data-parallel rank runs 8 micro-batches of 4 per step,
 # so the global batch grows with the data-parallel size.
 #
-# Layouts: with 2 GPUs DP=2, TP=2, PP=2; with 4 GPUs DP=4, TP=2×DP=2, TP=4, PP=2×DP=2.
+# Layouts: with 2 GPUs DP=2, TP=2, PP=2; with 4 GPUs DP=4, TP=2×DP=2, TP=4, PP=2×DP=2; with 8
+# GPUs DP=8, TP=2×DP=4, TP=4×DP=2, TP=8, PP=2×DP=4, TP=2×PP=2×DP=2, PP=4×DP=2.
 # Models: GPT 345M (24 layers, hidden 1024, 16 heads) and 1.3B (24 layers, hidden 2048, 16
 # heads), seq 1024, bf16, mock data with a GPT-2-sized vocabulary.
 #
@@ -47,7 +48,8 @@ trap 'rm -rf "$SCRATCH"' EXIT
 case "$GPUS" in
     2) LAYOUTS=("1 1" "1 1 dp" "2 1" "1 2") ;;
     4) LAYOUTS=("1 1" "1 1 dp" "2 1" "4 1" "1 2") ;;
-    *) echo "scaling.sh: needs 2 or 4 GPUs, found $GPUS" >&2; exit 2 ;;
+    8) LAYOUTS=("1 1" "1 1 dp" "2 1" "4 1" "8 1" "1 2" "2 2" "1 4") ;;
+    *) echo "scaling.sh: needs 2, 4 or 8 GPUs, found $GPUS" >&2; exit 2 ;;
 esac
 if [[ -n "${LAYOUTS_ONLY:-}" ]]; then
     IFS=';' read -r -a LAYOUTS <<<"$LAYOUTS_ONLY"
