@@ -272,6 +272,20 @@ pub fn train_with_hooks<F: ModelFamily>(
         args.parallel.tensor_model_parallel_size,
         args.parallel.pipeline_model_parallel_size
     );
+    ensure!(
+        layout.context == args.parallel.context_parallel_size,
+        "the job's layout {} does not match the flags' --context-parallel-size {}",
+        layout.describe(),
+        args.parallel.context_parallel_size
+    );
+    if layout.context > 1 && !family.context_parallel() {
+        megatron_cli::bail_usage!(
+            "--context-parallel-size {}: {} pretraining does not support context parallelism \
+             (only GPT's does)",
+            layout.context,
+            family.model_type()
+        );
+    }
     if parallel.is_logging_rank() {
         for note in args.compatibility.notes() {
             eprintln!("{note}");
@@ -430,7 +444,7 @@ pub fn train_with_hooks<F: ModelFamily>(
             })
         })
         .collect::<Vec<NamedParameter>>();
-    let settings = optimizer_settings(args, layout.data)?;
+    let settings = optimizer_settings(args, layout.data * layout.context)?;
     let predicted_state = predicted_state_bytes(&parameters, &settings, &parallel);
     let mut optimizer = MixedPrecisionOptimizer::new(parameters, settings, &parallel)?;
     if args.logging.log_num_zeros_in_grad {
@@ -463,7 +477,9 @@ pub fn train_with_hooks<F: ModelFamily>(
             )
         })
         .transpose()?;
+    // Each context-parallel rank holds 2 of the sequence's 2 × CP chunks.
     let sequence = args.model.seq_length
+        / layout.context as i64
         / if parallel.sequence_parallel {
             layout.tensor as i64
         } else {
@@ -1073,8 +1089,11 @@ impl<F: ModelFamily> Run<'_, F> {
             })?;
             let _ = total.shallow_clone().g_add_(&tokens);
         }
-        self.parallel.data.all_reduce(&total, ReduceOp::Sum)?;
-        Ok(total.clamp_min(1.0).reciprocal() * self.parallel.data.size() as f64)
+        // The gradients are averaged over data × context, each context-parallel rank's tokens
+        // a part of its sequences'.
+        let group = &self.parallel.data_with_context;
+        group.all_reduce(&total, ReduceOp::Sum)?;
+        Ok(total.clamp_min(1.0).reciprocal() * group.size() as f64)
     }
 
     fn nan_message(&self, what: &str, value: f64) -> String {
@@ -1439,7 +1458,8 @@ fn predicted_state_bytes(
 ) -> StateBytes {
     let shapes = ParamShape::of_all(parameters);
     let dtype = parameters.first().map_or(Kind::Float, |p| p.tensor.kind());
-    settings.predicted_state_bytes(&shapes, dtype, parallel.data.rank(), parallel.data.size())
+    let data = &parallel.data_with_context;
+    settings.predicted_state_bytes(&shapes, dtype, data.rank(), data.size())
 }
 
 fn optimizer_settings(args: &PretrainArgs, data_parallel_size: usize) -> Result<OptimizerSettings> {
