@@ -21,13 +21,13 @@ struct Inputs {
 
 /// The same inputs on every thread (tensors cannot be shared between them): values in
 /// (−2, 2) from a fixed sequence of each tensor's own.
-fn inputs() -> Inputs {
+fn inputs(device: Device) -> Inputs {
     let numel: i64 = SHAPE.iter().product();
     let tensor = |seed: f32| {
         let values: Vec<f32> = (0..numel)
             .map(|i| 2.0 * ((i as f32 * 0.618_034 + seed).sin() * 43_758.547).fract())
             .collect();
-        Tensor::from_slice(&values).view(SHAPE)
+        Tensor::from_slice(&values).view(SHAPE).to_device(device)
     };
     Inputs {
         query: tensor(0.1),
@@ -53,7 +53,11 @@ fn attend_and_grads(
 }
 
 fn check(exchange: ContextExchange, size: usize) {
-    let reference = attend_and_grads(&inputs(), Tensor::shallow_clone, |q, k, v| {
+    check_on(exchange, size, Device::Cpu);
+}
+
+fn check_on(exchange: ContextExchange, size: usize, device: Device) {
+    let reference = attend_and_grads(&inputs(device), Tensor::shallow_clone, |q, k, v| {
         Ok(Tensor::scaled_dot_product_attention::<&Tensor>(
             q, k, v, None, 0.0, true, None, false,
         ))
@@ -68,11 +72,11 @@ fn check(exchange: ContextExchange, size: usize) {
                 exchange,
             };
             let local = attend_and_grads(
-                &inputs(),
+                &inputs(device),
                 |t| context.keep_local_chunks(t, 2).unwrap(),
                 |q, k, v| context.attend(q, k, v, 0.0),
             )?;
-            let positions = context.positions(SHAPE[2] / size as i64, Device::Cpu);
+            let positions = context.positions(SHAPE[2] / size as i64, device);
             Ok((local, positions))
         })
         .unwrap();
@@ -107,6 +111,24 @@ fn gathered_attention_equals_the_unsplit_attention() {
 fn all_to_all_attention_equals_the_unsplit_attention() {
     check(ContextExchange::AllToAll, 2);
     check(ContextExchange::AllToAll, 4);
+}
+
+/// On a GPU (with the ranks as threads sharing it): the fused attention of `allgather` and
+/// `a2a` under a mask, and the float32 blocks of `p2p`, against the fused causal kernel.
+#[test]
+fn every_exchange_on_a_gpu_equals_the_unsplit_attention() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    for exchange in [
+        ContextExchange::Ring,
+        ContextExchange::AllGather,
+        ContextExchange::AllToAll,
+    ] {
+        check_on(exchange, 2, Device::Cuda(0));
+        check_on(exchange, 4, Device::Cuda(0));
+    }
 }
 
 #[test]

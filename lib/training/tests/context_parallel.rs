@@ -211,6 +211,11 @@ fn what_context_parallelism_cannot_run_is_refused_by_name() {
     );
     let packed = parse_error(&["--context-parallel-size", "2", "--reset-attention-mask"]);
     assert!(packed.contains("--reset-attention-mask"), "{packed}");
+    let graphs = parse_error(&["--context-parallel-size", "2", "--enable-cuda-graph"]);
+    assert!(
+        graphs.contains("--enable-cuda-graph is not supported"),
+        "{graphs}"
+    );
     let hierarchical = parse_error(&["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"]);
     assert!(hierarchical.contains("a2a+p2p"), "{hierarchical}");
     let heads = parse_error(&[

@@ -167,6 +167,12 @@ fn context_parallel(
              whole sequence"
         );
     }
+    if args.training.enable_cuda_graph {
+        megatron_cli::bail_usage!(
+            "--context-parallel-size {size} with --enable-cuda-graph is not supported: the \
+             chunks' positions are copied to the device at every step"
+        );
+    }
     if exchange == ContextExchange::AllToAll {
         let heads = args.model.num_attention_heads;
         let tensor = args.parallel.tensor_model_parallel_size as i64;
