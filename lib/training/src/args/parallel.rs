@@ -28,10 +28,10 @@ pub struct ParallelArgs {
     /// gradients reduce-scattered) or a2a (Ulysses: heads exchanged for sequence, so the
     /// attention heads per tensor-parallel rank must divide by the context-parallel size). One
     /// type for every layer; a2a+p2p is refused.
-    #[arg(long, num_args = 1.., default_values_t = [CpCommType::P2p], value_enum)]
+    #[arg(long, num_args = 1.., default_values_t = [CpCommType::P2p], value_enum, value_name = "TYPE")]
     pub cp_comm_type: Vec<CpCommType>,
     /// Sizes of the levels of a2a+p2p context parallelism (not supported: refused when given).
-    #[arg(long, num_args = 1..)]
+    #[arg(long, num_args = 1.., value_name = "N")]
     pub hierarchical_context_parallel_sizes: Option<Vec<usize>>,
     /// Layers per virtual pipeline stage (interleaved 1F1B schedule).
     #[arg(long)]
