@@ -305,7 +305,7 @@ fn four_ranks_equal_one(device: &[&str]) {
         "--metrics-file",
         single.to_str().unwrap(),
     ]));
-    let layouts: [(&str, &[&str]); 3] = [
+    let layouts: [(&str, &[&str]); 6] = [
         (
             "TP=4 + SP",
             &["--tensor-model-parallel-size", "4", "--sequence-parallel"],
@@ -328,6 +328,31 @@ fn four_ranks_equal_one(device: &[&str]) {
                 "--ddp-bucket-size",
                 "20000",
             ],
+        ),
+        (
+            "TP=2 × CP=2 + SP, ring attention",
+            &[
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--context-parallel-size",
+                "2",
+                "--cp-comm-type",
+                "p2p",
+            ],
+        ),
+        (
+            "CP=2 × DP=2, all-gathered attention",
+            &[
+                "--context-parallel-size",
+                "2",
+                "--cp-comm-type",
+                "allgather",
+            ],
+        ),
+        (
+            "CP=4, Ulysses attention",
+            &["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
         ),
     ];
     for (index, (what, layout)) in layouts.into_iter().enumerate() {

@@ -56,7 +56,8 @@ fn prepare_load(
         virtual_stages: args.parallel.virtual_stages(args.model.num_layers)?,
     };
     let optimizer = !args.checkpoint.no_load_optim && !args.checkpoint.finetune;
-    let data_parallel = runtime.parallel.data_parallel_size();
+    // The distributed optimizer is sharded over data × context.
+    let data_parallel = runtime.parallel.data_with_context.size();
     let shards = args
         .parallel
         .use_distributed_optimizer

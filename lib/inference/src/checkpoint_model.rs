@@ -584,6 +584,7 @@ impl CheckpointModelArgs {
             device: &self.device,
             local_rank: None,
             tensor_parallel: self.tensor_model_parallel_size,
+            context_parallel: 1,
             pipeline_parallel: 1,
             sequence_parallel: false,
             backend: Backend::Nccl,

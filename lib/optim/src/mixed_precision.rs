@@ -234,6 +234,9 @@ impl MixedPrecisionOptimizer {
                 .all(|p| p.tensor.kind() == dtype && p.tensor.device() == device),
             "all parameters must share one dtype and device"
         );
+        // Context-parallel ranks hold parts of the same samples' gradients: they reduce, and
+        // the distributed optimizer shards, over data × context.
+        let parallel = &parallel.for_gradients();
         let data = &parallel.data;
         let sharded = settings.shards_state(data.size());
         let shapes = ParamShape::of_all(&parameters);

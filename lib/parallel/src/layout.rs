@@ -1,6 +1,7 @@
-//! Where each rank sits in the tensor × data × pipeline grid, and which ranks form each group,
-//! in Megatron's default `tp-cp-ep-dp-pp` order (spec §8): the tensor-parallel rank varies
-//! fastest, then the data-parallel rank, then the pipeline stage.
+//! Where each rank sits in the tensor × context × data × pipeline grid, and which ranks form
+//! each group, in Megatron's default `tp-cp-ep-dp-pp` order (spec §8): the tensor-parallel rank
+//! varies fastest, then the context-parallel rank, then the data-parallel rank, then the
+//! pipeline stage.
 
 use anyhow::{ensure, Result};
 use serde::{Deserialize, Serialize};
@@ -10,14 +11,22 @@ use serde::{Deserialize, Serialize};
 pub struct ParallelLayout {
     pub world_size: usize,
     pub tensor: usize,
+    /// `--context-parallel-size`: the ranks that split each sequence between them.
+    #[serde(default = "one")]
+    pub context: usize,
     pub pipeline: usize,
     pub data: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// One rank's coordinates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Coordinates {
     pub tensor: usize,
+    pub context: usize,
     pub data: usize,
     pub pipeline: usize,
 }
@@ -26,7 +35,13 @@ pub struct Coordinates {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GroupKind {
     Tensor,
+    /// The ranks holding the pieces of the same sequences (same tensor, data and pipeline
+    /// rank).
+    Context,
     Data,
+    /// Data × context: the ranks whose gradients are summed (Megatron's data-parallel group
+    /// with context parallelism).
+    DataWithContext,
     Pipeline,
     /// Tensor × pipeline: the ranks that together hold one replica of the model.
     Model,
@@ -40,7 +55,9 @@ impl GroupKind {
     pub fn name(self) -> &'static str {
         match self {
             GroupKind::Tensor => "tensor",
+            GroupKind::Context => "context",
             GroupKind::Data => "data",
+            GroupKind::DataWithContext => "data-context",
             GroupKind::Pipeline => "pipeline",
             GroupKind::Model => "model",
             GroupKind::Embedding => "embedding",
@@ -53,19 +70,31 @@ impl ParallelLayout {
     /// `--tensor-model-parallel-size t --pipeline-model-parallel-size p` over `world_size` ranks;
     /// the data-parallel size is what remains.
     pub fn new(world_size: usize, tensor: usize, pipeline: usize) -> Result<Self> {
+        Self::with_context(world_size, tensor, 1, pipeline)
+    }
+
+    /// [`new`](Self::new) with `--context-parallel-size context`: the data-parallel size is
+    /// what remains of the world after tensor × context × pipeline.
+    pub fn with_context(
+        world_size: usize,
+        tensor: usize,
+        context: usize,
+        pipeline: usize,
+    ) -> Result<Self> {
         ensure!(
-            tensor > 0 && pipeline > 0,
+            tensor > 0 && context > 0 && pipeline > 0,
             "parallel sizes must be positive"
         );
-        let model = tensor * pipeline;
+        let model = tensor * context * pipeline;
         ensure!(
             world_size % model == 0,
             "world size {world_size} is not divisible by --tensor-model-parallel-size {tensor} × \
-             --pipeline-model-parallel-size {pipeline}"
+             --context-parallel-size {context} × --pipeline-model-parallel-size {pipeline}"
         );
         Ok(ParallelLayout {
             world_size,
             tensor,
+            context,
             pipeline,
             data: world_size / model,
         })
@@ -75,6 +104,7 @@ impl ParallelLayout {
         ParallelLayout {
             world_size: 1,
             tensor: 1,
+            context: 1,
             pipeline: 1,
             data: 1,
         }
@@ -83,13 +113,14 @@ impl ParallelLayout {
     pub fn coordinates(&self, rank: usize) -> Coordinates {
         Coordinates {
             tensor: rank % self.tensor,
-            data: rank / self.tensor % self.data,
-            pipeline: rank / (self.tensor * self.data),
+            context: rank / self.tensor % self.context,
+            data: rank / (self.tensor * self.context) % self.data,
+            pipeline: rank / (self.tensor * self.context * self.data),
         }
     }
 
     pub fn rank_of(&self, c: Coordinates) -> usize {
-        c.tensor + self.tensor * (c.data + self.data * c.pipeline)
+        c.tensor + self.tensor * (c.context + self.context * (c.data + self.data * c.pipeline))
     }
 
     /// The ranks of `rank`'s group of `kind`, in group-rank order.
@@ -99,12 +130,23 @@ impl ParallelLayout {
             GroupKind::Tensor => (0..self.tensor)
                 .map(|tensor| self.rank_of(Coordinates { tensor, ..c }))
                 .collect(),
+            GroupKind::Context => (0..self.context)
+                .map(|context| self.rank_of(Coordinates { context, ..c }))
+                .collect(),
             GroupKind::Data => (0..self.data)
                 .map(|data| self.rank_of(Coordinates { data, ..c }))
+                .collect(),
+            GroupKind::DataWithContext => (0..self.data)
+                .flat_map(|data| {
+                    (0..self.context).map(move |context| Coordinates { context, data, ..c })
+                })
+                .map(|c| self.rank_of(c))
                 .collect(),
             GroupKind::Pipeline => (0..self.pipeline)
                 .map(|pipeline| self.rank_of(Coordinates { pipeline, ..c }))
                 .collect(),
+            // Megatron's model-parallel group leaves the context-parallel ranks out: each holds
+            // a whole replica's parameters.
             GroupKind::Model => (0..self.pipeline)
                 .flat_map(|pipeline| {
                     (0..self.tensor).map(move |tensor| Coordinates {
@@ -141,9 +183,17 @@ impl ParallelLayout {
         groups
     }
 
-    /// `t2-p2-d2`, for messages and file names.
+    /// `TP=2 PP=2 DP=2` (with `CP=` when the sequences are split), for messages.
     pub fn describe(&self) -> String {
-        format!("TP={} PP={} DP={}", self.tensor, self.pipeline, self.data)
+        let context = if self.context > 1 {
+            format!(" CP={}", self.context)
+        } else {
+            String::new()
+        };
+        format!(
+            "TP={}{context} PP={} DP={}",
+            self.tensor, self.pipeline, self.data
+        )
     }
 }
 
@@ -180,6 +230,7 @@ mod tests {
             layout.coordinates(6),
             Coordinates {
                 tensor: 0,
+                context: 0,
                 data: 1,
                 pipeline: 1
             }
@@ -187,6 +238,50 @@ mod tests {
         for rank in 0..8 {
             assert_eq!(layout.rank_of(layout.coordinates(rank)), rank);
         }
+    }
+
+    #[test]
+    fn context_parallel_ranks_sit_between_tensor_and_data() {
+        // Megatron's `tp-cp-ep-dp-pp` order, world 16, t=2, cp=2, p=2, dp=2.
+        let layout = ParallelLayout::with_context(16, 2, 2, 2).unwrap();
+        assert_eq!(layout.data, 2);
+        assert_eq!(
+            layout.all_groups(GroupKind::Tensor)[..3],
+            [[0, 1], [2, 3], [4, 5]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Context)[..4],
+            [[0, 2], [1, 3], [4, 6], [5, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Data)[..4],
+            [[0, 4], [1, 5], [2, 6], [3, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::DataWithContext),
+            [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Pipeline)[..2],
+            [[0, 8], [1, 9]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::Model)[..2],
+            [[0, 1, 8, 9], [2, 3, 10, 11]]
+        );
+        assert_eq!(
+            layout.coordinates(6),
+            Coordinates {
+                tensor: 0,
+                context: 1,
+                data: 1,
+                pipeline: 0
+            }
+        );
+        for rank in 0..16 {
+            assert_eq!(layout.rank_of(layout.coordinates(rank)), rank);
+        }
+        assert_eq!(layout.describe(), "TP=2 CP=2 PP=2 DP=2");
     }
 
     #[test]

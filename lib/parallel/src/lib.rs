@@ -48,7 +48,12 @@ pub struct ParallelState {
     pub rank: usize,
     pub tensor: Arc<dyn Communicator>,
     pub pipeline: Arc<dyn Communicator>,
+    /// The ranks reading different samples.
     pub data: Arc<dyn Communicator>,
+    /// The ranks splitting the same samples' sequences (`--context-parallel-size`).
+    pub context: Arc<dyn Communicator>,
+    /// Data × context: gradients are averaged and the distributed optimizer sharded over it.
+    pub data_with_context: Arc<dyn Communicator>,
     /// Tensor × pipeline: reductions over one model replica (gradient norm, overflow flag).
     pub model: Arc<dyn Communicator>,
     /// First and last pipeline stage, for the tied word embeddings.
@@ -68,6 +73,8 @@ impl ParallelState {
             tensor: single.clone(),
             pipeline: single.clone(),
             data: single.clone(),
+            context: single.clone(),
+            data_with_context: single.clone(),
             model: single.clone(),
             embedding: single.clone(),
             world: single,
@@ -98,6 +105,8 @@ impl ParallelState {
             tensor: make(GroupKind::Tensor)?,
             pipeline: make(GroupKind::Pipeline)?,
             data: make(GroupKind::Data)?,
+            context: make(GroupKind::Context)?,
+            data_with_context: make(GroupKind::DataWithContext)?,
             model: make(GroupKind::Model)?,
             embedding: make(GroupKind::Embedding)?,
             world: make(GroupKind::World)?,
@@ -147,6 +156,15 @@ impl ParallelState {
 
     pub fn data_parallel_size(&self) -> usize {
         self.data.size()
+    }
+
+    /// This state as the gradients see it: its data-parallel group is data × context, since
+    /// every context-parallel rank holds a part of each sample's gradient.
+    pub fn for_gradients(&self) -> ParallelState {
+        ParallelState {
+            data: self.data_with_context.clone(),
+            ..self.clone()
+        }
     }
 
     pub fn world_size(&self) -> usize {

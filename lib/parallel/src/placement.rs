@@ -23,6 +23,8 @@ pub struct JoinOptions<'a> {
     /// `--local-rank` when given; otherwise the launcher's `LOCAL_RANK`.
     pub local_rank: Option<usize>,
     pub tensor_parallel: usize,
+    /// `--context-parallel-size` (1 where a binary has no such flag).
+    pub context_parallel: usize,
     pub pipeline_parallel: usize,
     pub sequence_parallel: bool,
     /// The backend asked for; on CPUs gloo is used whatever it says, since NCCL cannot run there.
@@ -32,13 +34,14 @@ pub struct JoinOptions<'a> {
 }
 
 /// Joins the job, picks this rank's device from `options.device` and its local rank, and builds
-/// the groups of tensor × pipeline × the data-parallel rest.
+/// the groups of tensor × context × pipeline × the data-parallel rest.
 pub fn join_launched_job(options: &JoinOptions) -> Result<(Job, Placement)> {
     let env = LaunchEnv::from_env()?;
     let device = resolve_device(options.device, options.local_rank.unwrap_or(env.local_rank))?;
-    let layout = ParallelLayout::new(
+    let layout = ParallelLayout::with_context(
         env.world_size,
         options.tensor_parallel,
+        options.context_parallel,
         options.pipeline_parallel,
     )?;
     let backend = if device.is_cuda() {

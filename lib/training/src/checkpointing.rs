@@ -285,7 +285,9 @@ struct RankPart {
 impl RankPart {
     /// What this rank writes of `request`, its tensors where training holds them.
     fn of<C: ModelChunk>(request: SaveRequest<'_, C>) -> Result<Self> {
-        let parallel = request.parallel;
+        // One replica of data × context writes the model; the distributed optimizer's shards
+        // are over data × context.
+        let parallel = &request.parallel.for_gradients();
         let chunk = &request.chunks[0];
         let device = chunk.options().device;
         let data_rank = parallel.data.rank();
@@ -383,7 +385,7 @@ fn metadata<C: ModelChunk>(request: &SaveRequest<'_, C>) -> Result<CheckpointMet
         virtual_pipeline_stages: request.chunks.len(),
         decoder_first_pipeline_num_layers: request.split.first_stage_layers,
         decoder_last_pipeline_num_layers: request.split.last_stage_layers,
-        data_parallel_size: layout.data,
+        data_parallel_size: request.parallel.data_with_context.size(),
         distributed_optimizer: request.distributed_optimizer,
         consumed_train_samples: request.progress.consumed_train_samples,
         consumed_valid_samples: request.progress.consumed_valid_samples,
@@ -577,6 +579,7 @@ pub fn restore_training_state(
         state.scaler.load_state(&saved)?;
     }
     let rank_dir = rank_directory(parallel);
+    let parallel = &parallel.for_gradients();
     if request.load_optimizer {
         let sharded = state.distributed_optimizer && parallel.data_parallel_size() > 1;
         let saved_sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;

@@ -272,6 +272,20 @@ pub fn train_with_hooks<F: ModelFamily>(
         args.parallel.tensor_model_parallel_size,
         args.parallel.pipeline_model_parallel_size
     );
+    ensure!(
+        layout.context == args.parallel.context_parallel_size,
+        "the job's layout {} does not match the flags' --context-parallel-size {}",
+        layout.describe(),
+        args.parallel.context_parallel_size
+    );
+    if layout.context > 1 && !family.context_parallel() {
+        megatron_cli::bail_usage!(
+            "--context-parallel-size {}: {} pretraining does not support context parallelism \
+             (only GPT's does)",
+            layout.context,
+            family.model_type()
+        );
+    }
     if parallel.is_logging_rank() {
         for note in args.compatibility.notes() {
             eprintln!("{note}");
@@ -431,14 +445,17 @@ pub fn train_with_hooks<F: ModelFamily>(
         })
         .collect::<Vec<NamedParameter>>();
     let graph = microbatch_graph(args, family.model_type(), device, &parallel)?;
-    let settings = optimizer_settings(args, layout.data, graph.is_some())?;
-    if graph.is_some() && layout.data > 1 && args.parallel.overlap_grad_reduce && parallel.rank == 0
+    let gradient_ranks = layout.data * layout.context;
+    let settings = optimizer_settings(args, gradient_ranks, graph.is_some())?;
+    if graph.is_some()
+        && gradient_ranks > 1
+        && args.parallel.overlap_grad_reduce
+        && parallel.rank == 0
     {
         eprintln!(
-            "note: --enable-cuda-graph with {} data-parallel ranks: gradients are reduced after \
-             each step's micro-batches, not overlapped with their backward (--overlap-grad-reduce \
-             and --overlap-param-gather are set aside)",
-            layout.data
+            "note: --enable-cuda-graph with {gradient_ranks} data-parallel ranks: gradients are \
+             reduced after each step's micro-batches, not overlapped with their backward \
+             (--overlap-grad-reduce and --overlap-param-gather are set aside)"
         );
     }
     let predicted_state = predicted_state_bytes(&parameters, &settings, &parallel);
@@ -473,7 +490,9 @@ pub fn train_with_hooks<F: ModelFamily>(
             )
         })
         .transpose()?;
+    // Each context-parallel rank holds 2 of the sequence's 2 × CP chunks.
     let sequence = args.model.seq_length
+        / layout.context as i64
         / if parallel.sequence_parallel {
             layout.tensor as i64
         } else {
@@ -1090,8 +1109,11 @@ impl<F: ModelFamily> Run<'_, F> {
             })?;
             let _ = total.shallow_clone().g_add_(&tokens);
         }
-        self.parallel.data.all_reduce(&total, ReduceOp::Sum)?;
-        Ok(total.clamp_min(1.0).reciprocal() * self.parallel.data.size() as f64)
+        // The gradients are averaged over data × context, each context-parallel rank's tokens
+        // a part of its sequences'.
+        let group = &self.parallel.data_with_context;
+        group.all_reduce(&total, ReduceOp::Sum)?;
+        Ok(total.clamp_min(1.0).reciprocal() * group.size() as f64)
     }
 
     fn nan_message(&self, what: &str, value: f64) -> String {
@@ -1375,7 +1397,7 @@ fn microbatch_graph<B: DeviceBatch>(
         GraphChoice::Asked
     } else if training.no_cuda_graph
         || !matches!(model_type, "GPT" | "BERT")
-        || (args.parallel.overlap_grad_reduce && parallel.layout.data > 1)
+        || (args.parallel.overlap_grad_reduce && parallel.layout.data * parallel.layout.context > 1)
     {
         return Ok(None);
     } else {
@@ -1475,7 +1497,8 @@ fn predicted_state_bytes(
 ) -> StateBytes {
     let shapes = ParamShape::of_all(parameters);
     let dtype = parameters.first().map_or(Kind::Float, |p| p.tensor.kind());
-    settings.predicted_state_bytes(&shapes, dtype, parallel.data.rank(), parallel.data.size())
+    let data = &parallel.data_with_context;
+    settings.predicted_state_bytes(&shapes, dtype, data.rank(), data.size())
 }
 
 /// The optimizer's settings from the flags. With micro-batches replayed from CUDA graphs

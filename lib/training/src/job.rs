@@ -21,6 +21,7 @@ pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job
         device: &training.device,
         local_rank: parallel.local_rank,
         tensor_parallel: parallel.tensor_model_parallel_size,
+        context_parallel: parallel.context_parallel_size,
         pipeline_parallel: parallel.pipeline_model_parallel_size,
         sequence_parallel: parallel.sequence_parallel,
         backend: Backend::parse(&parallel.distributed_backend)?,

@@ -63,6 +63,21 @@ pub struct FamilyStage<'a, F: ModelFamily> {
     pub scoring: bool,
 }
 
+impl<F: ModelFamily> FamilyStage<'_, F> {
+    /// A micro-batch's summed token losses over its tokens. Under context parallelism each
+    /// rank holds part of the tokens: the count is the group's, and the mean is multiplied by
+    /// the group's size because the gradient reduction averages over data × context.
+    fn token_mean(&self, sum: &Tensor, tokens: &Tensor) -> Result<Tensor> {
+        let context = &self.parallel.context;
+        if context.size() == 1 {
+            return Ok(sum / tokens.clamp_min(1.0));
+        }
+        let total = tokens.copy();
+        context.all_reduce(&total, megatron_parallel::ReduceOp::Sum)?;
+        Ok(sum * context.size() as f64 / total.clamp_min(1.0))
+    }
+}
+
 impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
     fn forward(
         &mut self,
@@ -85,9 +100,10 @@ impl<F: ModelFamily> PipelineStage for FamilyStage<'_, F> {
             StepOutput::TokenLoss { sum, tokens } => match &self.loss_scaling {
                 LossScaling::PerToken { .. } => self.loss_scaling.apply(sum, 1),
                 // Megatron divides each micro-batch's loss by its token count.
-                _ => self
-                    .loss_scaling
-                    .apply(sum / tokens.clamp_min(1.0), self.batches.len()),
+                _ => {
+                    let mean = self.token_mean(&sum, &tokens)?;
+                    self.loss_scaling.apply(mean, self.batches.len())
+                }
             },
         })
     }

@@ -195,10 +195,13 @@ impl GptModel {
             } else {
                 1
             };
-        let rotary = self
-            .rotary
-            .as_ref()
-            .map(|r| r.tables(0, sequence, hidden.device()));
+        // Under context parallelism the rank's positions are its two chunks' originals.
+        let rotary = self.rotary.as_ref().map(|r| match mask {
+            AttentionMask::ContextParallel(context) => {
+                r.tables_at(&context.positions(sequence, hidden.device()))
+            }
+            _ => r.tables(0, sequence, hidden.device()),
+        });
         let hidden = self.stack().forward(hidden, mask, rotary.as_ref(), train)?;
         match &self.final_layernorm {
             Some(norm) => {

@@ -4,6 +4,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
+use super::context_parallel::ContextParallel;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::qkv_projection::{self, QkvLayout};
@@ -31,6 +32,9 @@ pub enum AttentionMask {
     /// may be attended to. Megatron also masks the query rows of padding positions; their
     /// outputs never reach a loss, and masking only keys keeps those rows finite.
     Padding(Tensor),
+    /// Causal over the whole sequence, of which this rank holds two chunks of a
+    /// context-parallel group's (`--context-parallel-size`).
+    ContextParallel(ContextParallel),
 }
 
 impl AttentionMask {
@@ -47,6 +51,7 @@ impl Clone for AttentionMask {
             AttentionMask::Causal => AttentionMask::Causal,
             AttentionMask::Explicit(mask) => AttentionMask::Explicit(mask.shallow_clone()),
             AttentionMask::Padding(keep) => AttentionMask::Padding(keep.shallow_clone()),
+            AttentionMask::ContextParallel(group) => AttentionMask::ContextParallel(group.clone()),
         }
     }
 }
@@ -487,12 +492,14 @@ fn core_attention(
     dropout: f64,
     fork_rng: bool,
 ) -> Result<Tensor> {
+    let attend = || match mask {
+        AttentionMask::ContextParallel(context) => context.attend(query, key, value, dropout),
+        _ => Ok(sdpa(query, key, value, mask, dropout)),
+    };
     if fork_rng {
-        return Ok(with_model_parallel_rng(query.device(), || {
-            sdpa(query, key, value, mask, dropout)
-        })?);
+        return with_model_parallel_rng(query.device(), attend)?;
     }
-    Ok(sdpa(query, key, value, mask, dropout))
+    attend()
 }
 
 fn sdpa(
@@ -530,5 +537,8 @@ fn sdpa(
             None,
             false,
         ),
+        AttentionMask::ContextParallel(_) => {
+            unreachable!("core_attention hands context-parallel attention to its group")
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! embeddings hold their tensor-parallel shard and call the regions of `megatron_parallel`.
 
 mod attention;
+mod context_parallel;
 mod embedding;
 mod fp8_linear;
 mod kv_cache;
@@ -16,6 +17,7 @@ mod rope;
 mod transformer_layer;
 
 pub use attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
+pub use context_parallel::{ContextExchange, ContextParallel};
 pub use embedding::VocabParallelEmbedding;
 pub use fp8_linear::Fp8Linear;
 pub use kv_cache::{KvCache, LayerCache, PagedKvCache, PagedStep, BLOCK_SIZE};

@@ -1,7 +1,9 @@
 //! Model- and data-parallelism flags (spec §2, §4.6, §8).
 
+use anyhow::Result;
 use clap::Args;
 use megatron_cli::ranges;
+use megatron_models::layers::ContextExchange;
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct ParallelArgs {
@@ -16,9 +18,21 @@ pub struct ParallelArgs {
     /// parallelism).
     #[arg(long)]
     pub sequence_parallel: bool,
-    /// Context-parallel size: only 1 (no context parallelism) is supported so far.
+    /// Context-parallel size: each sequence is cut into 2 × this many chunks and every rank of
+    /// a context-parallel group keeps two of them (chunks r and 2·CP−1−r), attending to the
+    /// others' keys and values as --cp-comm-type says.
     #[arg(long, default_value_t = 1, value_parser = context_parallel_size)]
     pub context_parallel_size: usize,
+    /// How context-parallel ranks share keys and values: p2p (a ring passing them on, partial
+    /// results merged by their log-sum-exp), allgather (keys and values gathered, their
+    /// gradients reduce-scattered) or a2a (Ulysses: heads exchanged for sequence, so the
+    /// attention heads per tensor-parallel rank must divide by the context-parallel size). One
+    /// type for every layer; a2a+p2p is refused.
+    #[arg(long, num_args = 1.., default_values_t = [CpCommType::P2p], value_enum, value_name = "TYPE")]
+    pub cp_comm_type: Vec<CpCommType>,
+    /// Sizes of the levels of a2a+p2p context parallelism (not supported: refused when given).
+    #[arg(long, num_args = 1.., value_name = "N")]
+    pub hierarchical_context_parallel_sizes: Option<Vec<usize>>,
     /// Layers per virtual pipeline stage (interleaved 1F1B schedule).
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
@@ -91,12 +105,57 @@ impl ParallelArgs {
     }
 }
 
-/// `--context-parallel-size`: scripts pass 1 explicitly; larger sizes are refused by name.
-fn context_parallel_size(value: &str) -> Result<usize, String> {
+/// `--context-parallel-size`: at least 1.
+fn context_parallel_size(value: &str) -> std::result::Result<usize, String> {
     match value.parse::<usize>() {
-        Ok(1) => Ok(1),
         Ok(0) => Err("must be at least 1".into()),
-        Ok(_) => Err("context parallelism is not supported yet: only 1 is".into()),
+        Ok(size) => Ok(size),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--cp-comm-type`'s values, Megatron's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum CpCommType {
+    #[value(name = "p2p")]
+    #[serde(rename = "p2p")]
+    P2p,
+    #[value(name = "allgather")]
+    #[serde(rename = "allgather")]
+    Allgather,
+    #[value(name = "a2a")]
+    #[serde(rename = "a2a")]
+    A2a,
+    #[value(name = "a2a+p2p")]
+    #[serde(rename = "a2a+p2p")]
+    A2aP2p,
+}
+
+impl ParallelArgs {
+    /// The one `--cp-comm-type` of every layer, refusing what is not supported by name.
+    pub fn context_parallel_exchange(&self) -> Result<ContextExchange> {
+        if self.hierarchical_context_parallel_sizes.is_some() {
+            megatron_cli::bail_usage!(
+                "--hierarchical-context-parallel-sizes: hierarchical (a2a+p2p) context \
+                 parallelism is not supported; use --cp-comm-type p2p, allgather or a2a"
+            );
+        }
+        let first = self.cp_comm_type[0];
+        if self.cp_comm_type.iter().any(|&t| t != first) {
+            megatron_cli::bail_usage!(
+                "--cp-comm-type: one type per layer ({:?}) is not supported; give one type for \
+                 every layer",
+                self.cp_comm_type
+            );
+        }
+        Ok(match first {
+            CpCommType::P2p => ContextExchange::Ring,
+            CpCommType::Allgather => ContextExchange::AllGather,
+            CpCommType::A2a => ContextExchange::AllToAll,
+            CpCommType::A2aP2p => megatron_cli::bail_usage!(
+                "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported; use \
+                 p2p, allgather or a2a"
+            ),
+        })
     }
 }

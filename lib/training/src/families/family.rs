@@ -61,6 +61,12 @@ pub trait ModelFamily: Sync {
         None
     }
 
+    /// Whether the family's forward step splits sequences over the context-parallel group
+    /// (`--context-parallel-size`); a family that does not refuses a group of more than one.
+    fn context_parallel(&self) -> bool {
+        false
+    }
+
     /// The train, validation and test data, sized as Megatron sizes them (samples per split).
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<Self::Batch>>;
 
@@ -118,8 +124,8 @@ pub trait ModelFamily: Sync {
 }
 
 /// Per reported loss, a sum and a count over the micro-batches this rank saw (non-zero only on
-/// the last stage); the reported value is Σ sums / Σ counts over the pipeline and data-parallel
-/// group. GPT adds (Σ masked token losses, tokens); a per-micro-batch mean adds (mean, 1).
+/// the last stage); the reported value is Σ sums / Σ counts over the pipeline and data- and
+/// context-parallel group. GPT adds (Σ masked token losses, tokens); a per-micro-batch mean adds (mean, 1).
 pub struct LossTotals {
     names: &'static [&'static str],
     sums: Vec<Tensor>,
@@ -178,7 +184,10 @@ impl LossTotals {
             .collect();
         let both = Tensor::stack(&parts, 0);
         parallel.pipeline.all_reduce(&both, ReduceOp::Sum)?;
-        parallel.data.all_reduce(&both, ReduceOp::Sum)?;
+        // Context-parallel ranks each hold part of every sequence's tokens.
+        parallel
+            .data_with_context
+            .all_reduce(&both, ReduceOp::Sum)?;
         Ok(ReducedLosses {
             names: self.names,
             both,

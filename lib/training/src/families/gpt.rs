@@ -10,7 +10,8 @@ use crate::args::PretrainArgs;
 use crate::datasets::{build_datasets, DatasetRequest};
 use crate::engine::{pretrain, TrainingSummary};
 use megatron_models::gpt::{ChunkInput, ChunkOutput, GptBatch, GptModel};
-use megatron_models::loader::Splits;
+use megatron_models::layers::{AttentionMask, ContextExchange, ContextParallel};
+use megatron_models::loader::{DeviceBatch, Splits};
 use megatron_models::{ChunkSpec, ModelOptions, TransformerConfig};
 use megatron_parallel::ParallelState;
 use megatron_parallel::Placement;
@@ -24,6 +25,28 @@ pub struct GptFamily {
     pub eod: i64,
     /// `--cross-entropy-loss-fusion`.
     pub cross_entropy_loss_fusion: bool,
+    /// `--context-parallel-size` > 1: this rank's group, which splits every sequence.
+    pub context: Option<ContextParallel>,
+}
+
+impl GptFamily {
+    /// The part of `batch` this rank computes: under context parallelism its two chunks of
+    /// every sequence (tokens, labels, loss mask and original positions), attending across
+    /// the group.
+    fn local(&self, batch: &GptBatch) -> Result<(GptBatch, AttentionMask)> {
+        let Some(context) = &self.context else {
+            return Ok((batch.map_tensors(&mut Tensor::shallow_clone), batch.mask()));
+        };
+        let keep = |t: &Tensor| context.keep_local_chunks(t, 1);
+        let local = GptBatch {
+            tokens: keep(&batch.tokens)?,
+            labels: keep(&batch.labels)?,
+            loss_mask: keep(&batch.loss_mask)?,
+            position_ids: keep(&batch.position_ids)?,
+            attention_mask: None,
+        };
+        Ok((local, AttentionMask::ContextParallel(context.clone())))
+    }
 }
 
 impl ModelFamily for GptFamily {
@@ -55,6 +78,8 @@ impl ModelFamily for GptFamily {
         train: bool,
         losses: &mut LossTotals,
     ) -> Result<StepOutput> {
+        let (batch, mask) = self.local(batch)?;
+        let batch = &batch;
         let input = match input {
             Some(hidden) => ChunkInput::Hidden(hidden),
             None => ChunkInput::Tokens {
@@ -62,7 +87,7 @@ impl ModelFamily for GptFamily {
                 position_ids: &batch.position_ids,
             },
         };
-        let head = match chunk.forward_to_head(input, &batch.mask(), train)? {
+        let head = match chunk.forward_to_head(input, &mask, train)? {
             ChunkOutput::Hidden(hidden) => return Ok(StepOutput::Hidden(hidden)),
             ChunkOutput::Head(head) => head,
         };
@@ -80,7 +105,12 @@ impl ModelFamily for GptFamily {
     }
 
     fn loss_tokens(&self, batch: &GptBatch) -> Option<Tensor> {
-        Some(batch.num_tokens())
+        let (local, _) = self.local(batch).ok()?;
+        Some(local.num_tokens())
+    }
+
+    fn context_parallel(&self) -> bool {
+        self.context.is_some()
     }
 
     fn build_datasets(&self, args: &PretrainArgs, sizes: [u64; 3]) -> Result<Splits<GptBatch>> {
@@ -107,6 +137,56 @@ pub fn pretrain_gpt(args: &PretrainArgs, placement: &Placement) -> Result<Traini
         config: args.model.gpt_config(tokenizer.vocab_size() as i64)?,
         eod: eod as i64,
         cross_entropy_loss_fusion: args.model.cross_entropy_loss_fusion,
+        context: context_parallel(args, &placement.parallel)?,
     };
     pretrain(args, serde_json::to_value(args)?, &family, placement)
+}
+
+/// This rank's context-parallel group with `--cp-comm-type`, when `--context-parallel-size` is
+/// above 1; what it cannot run with is refused by name.
+fn context_parallel(
+    args: &PretrainArgs,
+    parallel: &ParallelState,
+) -> Result<Option<ContextParallel>> {
+    let exchange = args.parallel.context_parallel_exchange()?;
+    let size = args.parallel.context_parallel_size;
+    if size == 1 {
+        return Ok(None);
+    }
+    let seq_length = args.model.seq_length;
+    if seq_length % (2 * size as i64) != 0 {
+        megatron_cli::bail_usage!(
+            "--seq-length {seq_length} is not divisible by 2 × --context-parallel-size {size}: \
+             context parallelism cuts each sequence into 2 × {size} equal chunks"
+        );
+    }
+    if args.data.reset_attention_mask || args.data.reset_position_ids {
+        megatron_cli::bail_usage!(
+            "--context-parallel-size {size} with --reset-attention-mask or --reset-position-ids \
+             (packed sequences) is not supported: context-parallel attention is causal over the \
+             whole sequence"
+        );
+    }
+    if args.training.enable_cuda_graph {
+        megatron_cli::bail_usage!(
+            "--context-parallel-size {size} with --enable-cuda-graph is not supported: the \
+             chunks' positions are copied to the device at every step"
+        );
+    }
+    if exchange == ContextExchange::AllToAll {
+        let heads = args.model.num_attention_heads;
+        let tensor = args.parallel.tensor_model_parallel_size as i64;
+        if (heads / tensor) % size as i64 != 0 {
+            megatron_cli::bail_usage!(
+                "--cp-comm-type a2a: --num-attention-heads {heads} / \
+                 --tensor-model-parallel-size {tensor} = {} heads per rank are not divisible \
+                 by --context-parallel-size {size}",
+                heads / tensor
+            );
+        }
+    }
+    Ok(Some(ContextParallel {
+        group: parallel.context.clone(),
+        exchange,
+    }))
 }

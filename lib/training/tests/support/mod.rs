@@ -49,6 +49,10 @@ pub trait Pretrain: Sized + Sync {
     /// Parses `argv` (program name first) as the binary would.
     fn parse(argv: Vec<String>) -> Self;
     fn sequence_parallel(&self) -> bool;
+    /// `--context-parallel-size`, for the layout of the ranks.
+    fn context_parallel(&self) -> usize {
+        1
+    }
     fn run(&self, placement: &Placement) -> anyhow::Result<TrainingSummary>;
 }
 
@@ -59,6 +63,10 @@ impl Pretrain for GptPretrainArgs {
 
     fn sequence_parallel(&self) -> bool {
         self.parallel.sequence_parallel
+    }
+
+    fn context_parallel(&self) -> usize {
+        self.parallel.context_parallel_size
     }
 
     fn run(&self, placement: &Placement) -> anyhow::Result<TrainingSummary> {
@@ -187,7 +195,7 @@ fn logged_losses(metrics: &Path) -> Vec<Vec<(String, f64)>> {
         .collect()
 }
 
-/// Trains with `world` thread ranks in a TP × PP layout, saving under `dir/ckpt` and appending
+/// Trains with `world` thread ranks in a TP × CP × PP layout (CP from `extra` or `flags`), saving under `dir/ckpt` and appending
 /// to `dir/metrics.jsonl`; returns the logged losses and the merged weights of the last
 /// checkpoint.
 pub fn train_in<P: Pretrain>(
@@ -233,7 +241,8 @@ fn train_on<P: Pretrain>(
         .chain(extra.iter().map(|s| s.to_string()))
         .collect();
     let args = P::parse(argv);
-    let layout = ParallelLayout::new(world, tensor, pipeline).unwrap();
+    let layout =
+        ParallelLayout::with_context(world, tensor, args.context_parallel(), pipeline).unwrap();
     let threads = ThreadWorld::new(world, Duration::from_secs(120));
     threads.run(|rank| {
         let parallel = ParallelState::threads(&threads, layout, rank, args.sequence_parallel())?;
