@@ -1,6 +1,6 @@
 //! HuggingFace checkpoints in and out: `GPT2LMHeadModel` and the Llama family
 //! (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`: GQA, untied output,
-//! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
+//! `rope_theta`, qkv bias; `MixtralForCausalLM`'s experts), from `*.safetensors` or `pytorch_model*.bin`, and back as
 //! safetensors with a `config.json` that `transformers` loads without edits.
 
 use std::collections::HashMap;

@@ -942,7 +942,8 @@ mod tests {
     use super::*;
     use megatron_models::{Activation, Normalization, PositionEmbeddingType};
 
-    /// The shape rules and the tiny probe's names agree with a real model of each structure.
+    /// The shape rules and the tiny probe's names agree with a real model of each structure
+    /// (an MoE layer's router, routed and shared experts included).
     #[test]
     fn shape_rules_match_the_model() {
         let base = TransformerConfig::gpt_345m();
@@ -968,7 +969,25 @@ mod tests {
             untie_embeddings_and_output_weights: true,
             ..small.clone()
         };
-        for config in [small, llama] {
+        let mixtral = TransformerConfig {
+            add_qkv_bias: false,
+            moe: Some(MoeConfig {
+                num_experts: 3,
+                ffn_hidden_size: 40,
+                layer_pattern: vec![true; 2],
+                topk: 2,
+                score_function: megatron_models::layers::moe::config::ScoreFunction::Softmax,
+                pre_softmax: false,
+                topk_scaling_factor: None,
+                router_dtype: None,
+                load_balancing: megatron_models::layers::moe::config::LoadBalancing::AuxLoss,
+                aux_loss_coeff: 0.0,
+                z_loss_coeff: None,
+                shared_expert_intermediate_size: Some(24),
+            }),
+            ..llama.clone()
+        };
+        for config in [small, llama, mixtral] {
             let options = ModelOptions {
                 params_dtype: Kind::Float,
                 device: Device::Cpu,
@@ -977,9 +996,14 @@ mod tests {
                 bias_dropout_fusion: true,
                 rope_fusion: false,
             };
+            let moe_layer = config.moe.is_some();
             let model = GptModel::new_chunk(
                 TransformerConfig {
                     num_layers: 1,
+                    moe: config.moe.clone().map(|moe| MoeConfig {
+                        layer_pattern: vec![true],
+                        ..moe
+                    }),
                     ..config.clone()
                 },
                 options,
@@ -992,7 +1016,7 @@ mod tests {
                 .into_iter()
                 .map(|p| (p.name, p.tensor.size()))
                 .collect();
-            let names = probe_parameter_names(&config, false).unwrap();
+            let names = probe_parameter_names(&config, moe_layer).unwrap();
             assert_eq!(
                 names,
                 real.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()
