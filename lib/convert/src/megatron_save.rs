@@ -616,111 +616,119 @@ pub fn save_megatron_torch_experts(
             None => args.push((key, value)),
         }
     }
-    for (t, stage, e) in (0..target.tensor).flat_map(|t| {
-        (0..target.pipeline).flat_map(move |p| (0..expert_parallel).map(move |e| (t, p, e)))
-    }) {
-        {
-            let experts = e * local_experts..(e + 1) * local_experts;
-            let chunks = split.chunks_of(stage)?;
-            let mut slots = Vec::new();
-            let mut sources = Vec::new();
-            // The rank's parameters (global names) in Megatron's order, for the optimizer.
-            let mut params: Vec<(String, Vec<usize>)> = Vec::new();
-            let mut root_entries = vec![
-                ("args".to_string(), Saved::Namespace(args.clone())),
-                (
-                    "checkpoint_version".to_string(),
-                    Saved::Value(Value::Float(3.0)),
-                ),
-                (
-                    "iteration".to_string(),
-                    Saved::Value(Value::Int(iteration as i64)),
-                ),
-            ];
-            for (c, spec) in chunks.iter().enumerate() {
-                let mut model = Vec::new();
-                for (local, global) in rank_chunk_entries(state, spec, experts.clone()) {
-                    match global {
-                        None => model.push((local, Saved::Value(Value::None))),
-                        Some(global) => {
-                            let shape = shard_shape(
-                                &global,
-                                state.tensor(&global)?.shape(),
-                                config,
-                                target.tensor,
-                            );
-                            slots.push(TensorSlot {
-                                dtype,
-                                shape: shape.iter().map(|&d| d as usize).collect(),
-                            });
-                            params.push((
-                                global.clone(),
-                                slots.last().expect("pushed").shape.clone(),
-                            ));
-                            sources.push(Source::Weight(global));
-                            model.push((local, Saved::Tensor(slots.len() - 1)));
+    for t in 0..target.tensor {
+        for stage in 0..target.pipeline {
+            for e in 0..expert_parallel {
+                let experts = e * local_experts..(e + 1) * local_experts;
+                let chunks = split.chunks_of(stage)?;
+                let mut slots = Vec::new();
+                let mut sources = Vec::new();
+                // The rank's parameters (global names) in Megatron's order, for the optimizer.
+                let mut params: Vec<(String, Vec<usize>)> = Vec::new();
+                let mut root_entries = vec![
+                    ("args".to_string(), Saved::Namespace(args.clone())),
+                    (
+                        "checkpoint_version".to_string(),
+                        Saved::Value(Value::Float(3.0)),
+                    ),
+                    (
+                        "iteration".to_string(),
+                        Saved::Value(Value::Int(iteration as i64)),
+                    ),
+                ];
+                for (c, spec) in chunks.iter().enumerate() {
+                    let mut model = Vec::new();
+                    for (local, global) in rank_chunk_entries(state, spec, experts.clone()) {
+                        match global {
+                            None => model.push((local, Saved::Value(Value::None))),
+                            Some(global) => {
+                                let shape = shard_shape(
+                                    &global,
+                                    state.tensor(&global)?.shape(),
+                                    config,
+                                    target.tensor,
+                                );
+                                slots.push(TensorSlot {
+                                    dtype,
+                                    shape: shape.iter().map(|&d| d as usize).collect(),
+                                });
+                                params.push((
+                                    global.clone(),
+                                    slots.last().expect("pushed").shape.clone(),
+                                ));
+                                sources.push(Source::Weight(global));
+                                model.push((local, Saved::Tensor(slots.len() - 1)));
+                            }
                         }
                     }
+                    let key = if chunks.len() == 1 {
+                        "model".to_string()
+                    } else {
+                        format!("model{c}")
+                    };
+                    root_entries.push((key, Saved::OrderedDict(model)));
                 }
-                let key = if chunks.len() == 1 {
-                    "model".to_string()
-                } else {
-                    format!("model{c}")
-                };
-                root_entries.push((key, Saved::OrderedDict(model)));
-            }
-            if let Some(optimizer) = &state.optimizer {
-                let saved = if expert_parallel > 1 {
-                    let (experts, dense): (Vec<_>, Vec<_>) = params
-                        .iter()
-                        .cloned()
-                        .partition(|(name, _)| expert_of(name).is_some());
-                    let mut entry = |params: &[(String, Vec<usize>)], experts: bool| {
-                        optimizer_entry(state, optimizer, params, experts, &mut slots, &mut sources)
-                    };
-                    Saved::List(vec![entry(&dense, false)?, entry(&experts, true)?])
-                } else {
-                    optimizer_entry(state, optimizer, &params, false, &mut slots, &mut sources)?
-                };
-                root_entries.push(("optimizer".into(), saved));
-            }
-            root_entries.extend(schedule_entries(state));
-            let mut rank_name = rank_directory_name(t, stage, target.pipeline);
-            if expert_parallel > 1 {
-                rank_name.push_str(&format!("_{e:03}"));
-            }
-            let rank_dir = directory.join(rank_name);
-            std::fs::create_dir_all(&rank_dir)
-                .with_context(|| format!("creating {}", rank_dir.display()))?;
-            write_torch_file(
-                &rank_dir.join("model_optim_rng.pt"),
-                &Saved::Dict(root_entries),
-                &slots,
-                |i, emit| {
-                    let (tensor, kind) = match &sources[i] {
-                        Source::Weight(global) => (
-                            shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
-                            kind,
-                        ),
-                        Source::Optimizer(buffer, global) => {
-                            let optimizer = state.optimizer.as_ref().expect("listed above");
-                            let map = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
-                                [*buffer];
-                            let value = map.get(global).with_context(|| {
-                                format!("{}: no optimizer state for {global}", state.source)
-                            })?;
-                            (
-                                shard_of(global, value, config, t, target.tensor)?,
-                                tch::Kind::Float,
+                if let Some(optimizer) = &state.optimizer {
+                    let saved = if expert_parallel > 1 {
+                        let (experts, dense): (Vec<_>, Vec<_>) = params
+                            .iter()
+                            .cloned()
+                            .partition(|(name, _)| expert_of(name).is_some());
+                        let mut entry = |params: &[(String, Vec<usize>)], experts: bool| {
+                            optimizer_entry(
+                                state,
+                                optimizer,
+                                params,
+                                experts,
+                                &mut slots,
+                                &mut sources,
                             )
-                        }
-                        Source::Step(step) => {
-                            return with_bytes(&tch::Tensor::from(*step as f32), emit)
-                        }
+                        };
+                        Saved::List(vec![entry(&dense, false)?, entry(&experts, true)?])
+                    } else {
+                        optimizer_entry(state, optimizer, &params, false, &mut slots, &mut sources)?
                     };
-                    tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
-                },
-            )?;
+                    root_entries.push(("optimizer".into(), saved));
+                }
+                root_entries.extend(schedule_entries(state));
+                let mut rank_name = rank_directory_name(t, stage, target.pipeline);
+                if expert_parallel > 1 {
+                    rank_name.push_str(&format!("_{e:03}"));
+                }
+                let rank_dir = directory.join(rank_name);
+                std::fs::create_dir_all(&rank_dir)
+                    .with_context(|| format!("creating {}", rank_dir.display()))?;
+                write_torch_file(
+                    &rank_dir.join("model_optim_rng.pt"),
+                    &Saved::Dict(root_entries),
+                    &slots,
+                    |i, emit| {
+                        let (tensor, kind) = match &sources[i] {
+                            Source::Weight(global) => (
+                                shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
+                                kind,
+                            ),
+                            Source::Optimizer(buffer, global) => {
+                                let optimizer = state.optimizer.as_ref().expect("listed above");
+                                let map =
+                                    [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
+                                        [*buffer];
+                                let value = map.get(global).with_context(|| {
+                                    format!("{}: no optimizer state for {global}", state.source)
+                                })?;
+                                (
+                                    shard_of(global, value, config, t, target.tensor)?,
+                                    tch::Kind::Float,
+                                )
+                            }
+                            Source::Step(step) => {
+                                return with_bytes(&tch::Tensor::from(*step as f32), emit)
+                            }
+                        };
+                        tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
+                    },
+                )?;
+            }
         }
     }
     write_tracker(root, iteration)
