@@ -14,8 +14,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use megatron_cli::bail_usage;
 use megatron_convert::{
     load_checkpoint, load_hf, load_megatron_rs, load_megatron_torch, load_torch_dist,
-    reporting_progress, reshape_t5, save_hf, save_megatron_rs, save_megatron_torch,
-    save_megatron_torch_dist, t5_max_logit_difference, tokenizer_export, use_one_torch_thread,
+    reporting_progress, reshape_t5, save_hf, save_megatron_rs, save_megatron_torch_dist,
+    save_megatron_torch_experts, t5_max_logit_difference, tokenizer_export, use_one_torch_thread,
     verify, vocab_file_size, ConversionProgress, LoadOptions, TargetLayout, TokenizerFiles,
 };
 use megatron_store::find_checkpoint;
@@ -133,6 +133,11 @@ struct ConvertArgs {
     /// Pipeline-parallel size of the output [default: the input's].
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_pipeline_parallel_size: Option<usize>,
+    /// Expert-parallel size of a Megatron torch output (`--saver core`): the routed experts of a
+    /// Mixture-of-Experts model split over `mp_rank_*_EEE` folders [default: 1, as Megatron's
+    /// saver_core].
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    target_expert_parallel_size: Option<usize>,
     /// Model chunks per pipeline stage of the output (interleaved schedule) [default: 1].
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_virtual_pipeline_parallel_size: Option<usize>,
@@ -293,6 +298,13 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             .and_then(|v| v.as_u64())
             .map_or(1, |d| d.max(1) as usize)
     });
+    if let Some(experts) = args.target_expert_parallel_size.filter(|&e| e != 1) {
+        if !matches!(args.saver, Saver::Core) || args.ckpt_format == "torch_dist" {
+            bail_usage!(
+                "--target-expert-parallel-size {experts}: only Megatron's torch format (--saver core --ckpt-format torch) is written with expert-parallel folders; the other outputs hold every expert"
+            );
+        }
+    }
     let staging = staging_for(&save_dir)?;
     let bar = TensorBytesBar::new(format!("writing {}", save_dir.display()));
     bar.total(state.bytes() as u64);
@@ -301,7 +313,12 @@ fn convert(args: &ConvertArgs) -> Result<()> {
         Saver::Core if args.ckpt_format == "torch_dist" => {
             save_megatron_torch_dist(&state, &staging, target, data_parallel)
         }
-        Saver::Core => save_megatron_torch(&state, &staging, target),
+        Saver::Core => save_megatron_torch_experts(
+            &state,
+            &staging,
+            target,
+            args.target_expert_parallel_size.unwrap_or(1),
+        ),
         Saver::Hf => {
             let given = TokenizerFiles {
                 vocab_file: args.vocab_file.clone(),

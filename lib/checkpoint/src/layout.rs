@@ -93,10 +93,24 @@ pub fn detect(root: &Path) -> Result<(Format, PathBuf)> {
 pub struct RankDirectory {
     pub tensor_rank: usize,
     pub pipeline_rank: usize,
+    pub expert_rank: usize,
     pub path: PathBuf,
 }
 
-/// `mp_rank_XX` and `mp_rank_XX_YYY` directories, sorted by (tensor, pipeline) rank.
+impl RankDirectory {
+    /// Megatron names a rank `mp_rank_TT_EEE` where expert parallelism alone adds a number
+    /// (pipeline parallel size 1), and `mp_rank_TT_PPP` where pipeline parallelism alone does:
+    /// only the run's args tell them apart. This reads a two-number name as the former.
+    pub fn second_number_as_expert_rank(&mut self) {
+        if self.expert_rank == 0 {
+            self.expert_rank = std::mem::take(&mut self.pipeline_rank);
+        }
+    }
+}
+
+/// `mp_rank_TT`, `mp_rank_TT_PPP` (or `mp_rank_TT_EEE`: see
+/// [`RankDirectory::second_number_as_expert_rank`]) and `mp_rank_TT_PPP_EEE` directories,
+/// sorted by (tensor, pipeline, expert) rank.
 pub fn rank_directories(directory: &Path) -> Result<Vec<RankDirectory>> {
     let mut out = Vec::new();
     let entries =
@@ -112,17 +126,21 @@ pub fn rank_directories(directory: &Path) -> Result<Vec<RankDirectory>> {
             Some([tp]) => out.push(RankDirectory {
                 tensor_rank: *tp,
                 pipeline_rank: 0,
+                expert_rank: 0,
                 path: entry.path(),
             }),
             Some([tp, pp]) => out.push(RankDirectory {
                 tensor_rank: *tp,
                 pipeline_rank: *pp,
+                expert_rank: 0,
                 path: entry.path(),
             }),
-            Some([_, _, _]) => bail!(
-                "{}: expert-parallel checkpoints are not supported",
-                entry.path().display()
-            ),
+            Some([tp, pp, ep]) => out.push(RankDirectory {
+                tensor_rank: *tp,
+                pipeline_rank: *pp,
+                expert_rank: *ep,
+                path: entry.path(),
+            }),
             _ => {}
         }
     }

@@ -87,6 +87,10 @@ fn tiled(shape: &[usize], mut chunks: Vec<(Vec<usize>, LazyTensor)>) -> Result<O
     Ok(None)
 }
 
+/// The leaf of a layer stack's routed experts in `torch_dist` (Megatron's `SequentialMLP` and
+/// grouped experts save them under `…mlp.experts.experts.*` with an expert axis).
+const STACKED_EXPERTS: &str = "mlp.experts.experts.";
+
 /// Turns a checkpoint's global tensors into unsplit tensors by Megatron-core name.
 pub(super) struct Placement<'a> {
     pub directory: &'a Path,
@@ -121,30 +125,77 @@ impl Placement<'_> {
                 self.directory.display(),
                 config.num_layers
             );
-            let layer_shape = &shape[1..];
-            for layer in 0..config.num_layers {
-                let Some(global) = core_name(&format!("decoder.layers.{layer}.{leaf}")) else {
-                    continue;
-                };
-                let mut pieces = Vec::new();
-                for (offsets, chunk) in &chunks {
-                    let first = offsets[0];
-                    if !(first..first + chunk.shape()[0] as usize).contains(&layer) {
-                        continue;
-                    }
-                    let inner: Vec<i64> = chunk.shape()[1..].to_vec();
-                    let len = inner.iter().product::<i64>();
-                    let piece = chunk.flat_slice((layer - first) as i64 * len, len, inner)?;
-                    pieces.push((offsets[1..].to_vec(), piece));
+            // Routed experts are saved with an expert axis after the layer axis.
+            let experts = match leaf.strip_prefix(STACKED_EXPERTS) {
+                Some(_) => {
+                    let moe = config.moe.as_ref().with_context(|| {
+                        format!("{}: tensor {name} holds routed experts, but the args describe a dense model", self.directory.display())
+                    })?;
+                    ensure!(
+                        shape.get(1) == Some(&(moe.num_experts as usize)),
+                        "{}: tensor {name} has shape {shape:?}: {} experts, the args' num_experts is {}",
+                        self.directory.display(),
+                        shape.get(1).copied().unwrap_or(0),
+                        moe.num_experts
+                    );
+                    Some(moe.num_experts as usize)
                 }
-                let value = match tiled(layer_shape, pieces).with_context(context)? {
-                    Some(value) => value,
-                    None => eager(layer..layer + 1)
-                        .with_context(context)?
-                        .squeeze_dim(0)
-                        .into(),
-                };
-                out.insert(global, value);
+                None => None,
+            };
+            let stacked_axes = 1 + usize::from(experts.is_some());
+            let item_shape = &shape[stacked_axes..];
+            for layer in 0..config.num_layers {
+                for expert in 0..experts.unwrap_or(1) {
+                    let index: Vec<usize> = match experts {
+                        Some(_) => vec![layer, expert],
+                        None => vec![layer],
+                    };
+                    let item = match (experts, leaf.strip_prefix(STACKED_EXPERTS)) {
+                        (Some(_), Some(rest)) => {
+                            format!(
+                                "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{rest}"
+                            )
+                        }
+                        _ => format!("decoder.layers.{layer}.{leaf}"),
+                    };
+                    let Some(global) = core_name(&item) else {
+                        continue;
+                    };
+                    let mut pieces = Vec::new();
+                    for (offsets, chunk) in &chunks {
+                        let sizes = chunk.shape();
+                        let inside = (0..stacked_axes).all(|d| {
+                            (offsets[d]..offsets[d] + sizes[d] as usize).contains(&index[d])
+                        });
+                        if !inside {
+                            continue;
+                        }
+                        let inner: Vec<i64> = sizes[stacked_axes..].to_vec();
+                        let len = inner.iter().product::<i64>();
+                        let position = match experts {
+                            Some(_) => {
+                                (index[0] - offsets[0]) * sizes[1] as usize + index[1] - offsets[1]
+                            }
+                            None => index[0] - offsets[0],
+                        };
+                        let piece = chunk.flat_slice(position as i64 * len, len, inner)?;
+                        pieces.push((offsets[stacked_axes..].to_vec(), piece));
+                    }
+                    let value = match tiled(item_shape, pieces).with_context(context)? {
+                        Some(value) => value,
+                        None => {
+                            let layers = eager(layer..layer + 1)
+                                .with_context(context)?
+                                .squeeze_dim(0);
+                            match experts {
+                                Some(_) => layers.get(expert as i64),
+                                None => layers,
+                            }
+                            .into()
+                        }
+                    };
+                    out.insert(global, value);
+                }
             }
             return Ok(());
         }

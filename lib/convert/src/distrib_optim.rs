@@ -72,8 +72,17 @@ impl Bucketing {
 }
 
 /// The Adam step count Megatron's distributed optimizer keeps in its parameter groups (its
-/// `state_dict`'s `optimizer.param_groups[*].step`), given that `state_dict`.
+/// `state_dict`'s `optimizer.param_groups[*].step`), given that `state_dict`, or what a chained
+/// optimizer saves (dense and expert-parallel parameters, stepped together): a list of them in
+/// `torch` checkpoints, a dictionary by index in `torch_dist`'s.
 pub(super) fn param_groups_step(optimizer: &Value) -> Option<f64> {
+    match optimizer {
+        Value::List(optimizers) => return param_groups_step(optimizers.first()?),
+        Value::Dict(entries) if optimizer.get("optimizer").is_none() => {
+            return param_groups_step(&entries.first()?.1)
+        }
+        _ => {}
+    }
     optimizer
         .get("optimizer")?
         .get("param_groups")?

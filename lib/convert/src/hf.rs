@@ -1,6 +1,6 @@
 //! HuggingFace checkpoints in and out: `GPT2LMHeadModel` and the Llama family
 //! (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`: GQA, untied output,
-//! `rope_theta`, qkv bias), from `*.safetensors` or `pytorch_model*.bin`, and back as
+//! `rope_theta`, qkv bias; `MixtralForCausalLM`'s experts), from `*.safetensors` or `pytorch_model*.bin`, and back as
 //! safetensors with a `config.json` that `transformers` loads without edits.
 
 use std::collections::HashMap;
@@ -19,6 +19,7 @@ use super::state::{ModelState, RunState, Tensors};
 use megatron_models::gpt::hf::{gpt2_recipes, llama_recipes};
 use megatron_models::gpt::hf_config::{config_from_hf, rope_to_hf};
 use megatron_models::hf::Recipe;
+use megatron_models::layers::moe::config::{MoeConfig, ScoreFunction};
 use megatron_models::{Activation, Normalization, PositionEmbeddingType};
 use megatron_store::{write_tensors_streamed, TensorEntry};
 
@@ -442,25 +443,58 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
                     &t("self_attn.o_proj.weight"),
                     &m("self_attention.linear_proj.weight"),
                 )?;
-                let ffn = config.ffn_hidden_size;
-                for (half, proj) in ["gate_proj", "up_proj"].into_iter().enumerate() {
-                    out.rows(
-                        t(&format!("mlp.{proj}.weight")),
-                        &m("mlp.linear_fc1.weight"),
-                        &[(half as i64 * ffn, ffn)],
-                    )?;
+                let mut mlps = vec![(
+                    "mlp.gate_proj",
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                    "mlp".to_string(),
+                    config.ffn_hidden_size,
+                )];
+                if let Some(moe) = &config.moe {
+                    // Mixtral's sparse MLP: w1 the gate, w3 the up projection, w2 the down one.
+                    out.copy(&t("block_sparse_moe.gate.weight"), &m("mlp.router.weight"))?;
+                    mlps = (0..moe.num_experts)
+                        .map(|e| {
+                            (
+                                "w1",
+                                "w3",
+                                "w2",
+                                format!("mlp.experts.local_experts.{e}"),
+                                moe.ffn_hidden_size,
+                            )
+                        })
+                        .collect();
                 }
-                out.copy(&t("mlp.down_proj.weight"), &m("mlp.linear_fc2.weight"))?;
+                for (gate, up, down, ours, ffn) in mlps {
+                    let theirs = |proj: &str| match config.moe {
+                        Some(_) => {
+                            let e = ours.rsplit('.').next().unwrap_or_default();
+                            t(&format!("block_sparse_moe.experts.{e}.{proj}.weight"))
+                        }
+                        None => t(&format!("{proj}.weight")),
+                    };
+                    for (half, proj) in [gate, up].into_iter().enumerate() {
+                        out.rows(
+                            theirs(proj),
+                            &m(&format!("{ours}.linear_fc1.weight")),
+                            &[(half as i64 * ffn, ffn)],
+                        )?;
+                    }
+                    out.copy(&theirs(down), &m(&format!("{ours}.linear_fc2.weight")))?;
+                }
             }
             out.copy("model.norm.weight", "decoder.final_layernorm.weight")?;
             let tied = !config.untie_embeddings_and_output_weights;
             if !tied {
                 out.vocabulary("lm_head.weight", "output_layer.weight", vocab)?;
             }
-            let (architecture, model_type) = if config.add_qkv_bias {
-                ("Qwen2ForCausalLM", "qwen2")
-            } else {
-                ("LlamaForCausalLM", "llama")
+            let (architecture, model_type) = match (&config.moe, config.add_qkv_bias) {
+                (Some(moe), _) => {
+                    mixtral_shaped(state, moe)?;
+                    ("MixtralForCausalLM", "mixtral")
+                }
+                (None, true) => ("Qwen2ForCausalLM", "qwen2"),
+                (None, false) => ("LlamaForCausalLM", "llama"),
             };
             let mut hf = json!({
                 "architectures": [architecture],
@@ -481,6 +515,13 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
                 "dtype": hf_dtype_name(&state.params_dtype),
             });
             rope_to_hf(config, &mut hf);
+            if let Some(moe) = &config.moe {
+                hf["intermediate_size"] = json!(moe.ffn_hidden_size);
+                hf["num_local_experts"] = json!(moe.num_experts);
+                hf["num_experts_per_tok"] = json!(moe.topk);
+                hf["router_aux_loss_coef"] = json!(moe.aux_loss_coeff);
+                hf["router_jitter_noise"] = json!(0.0);
+            }
             if model_type == "llama" {
                 hf["attention_bias"] = json!(false);
                 hf["mlp_bias"] = json!(false);
@@ -519,6 +560,23 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
         )?;
     }
     write_tokenizer(tokenizer, directory, config.max_position_embeddings)?;
+    Ok(())
+}
+
+/// Checks that `moe` routes as Mixtral does (every layer sparse, softmax scores renormalised
+/// over the top k, no shared expert, no attention biases), the one MoE family exported so far.
+fn mixtral_shaped(state: &ModelState, moe: &MoeConfig) -> Result<()> {
+    let config = &state.config;
+    ensure!(
+        moe.layer_pattern.iter().all(|&sparse| sparse)
+            && moe.score_function == ScoreFunction::Softmax
+            && !moe.pre_softmax
+            && moe.topk_scaling_factor.is_none()
+            && moe.shared_expert_intermediate_size.is_none()
+            && !config.add_qkv_bias,
+        "{}: only Mixtral-shaped Mixture-of-Experts models (every layer sparse, softmax over the top-k, no shared expert, no QKV bias) export to HuggingFace (MixtralForCausalLM)",
+        state.source
+    );
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 use anyhow::{bail, ensure, Context, Result};
 use megatron_checkpoint::Value;
 
+use super::megatron_moe_args::moe_config;
 use megatron_models::{
     Activation, Normalization, PositionEmbeddingType, RopeScalingArgs, TransformerConfig,
 };
@@ -128,15 +129,13 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
     if flag(args, "qk_layernorm") {
         bail!("checkpoints with --qk-layernorm are not supported");
     }
-    if let Some(experts) = args.get("num_experts").and_then(Value::as_i64) {
-        bail!("the checkpoint's args: num_experts {experts}: Megatron Mixture-of-Experts checkpoints are not imported yet");
-    }
     let rope_scaling = rope_flags(args)
         .scaling(position)
         .context("the checkpoint's args")?;
     let seq_length = int_or(args, "seq_length", 0);
+    let num_layers = positive(args, "num_layers")? as usize;
     Ok(TransformerConfig {
-        num_layers: positive(args, "num_layers")? as usize,
+        num_layers,
         hidden_size,
         num_attention_heads: heads,
         num_query_groups: groups,
@@ -178,7 +177,7 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
         hidden_dropout: float_or(args, "hidden_dropout", 0.1),
         attention_dropout: float_or(args, "attention_dropout", 0.1),
         init_method_std: float_or(args, "init_method_std", 0.02),
-        moe: None,
+        moe: moe_config(args, num_layers, ffn_hidden_size)?,
     })
 }
 

@@ -18,6 +18,7 @@ use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState};
 use super::tensors::kind_named;
+use megatron_models::gpt::megatron_names::expert_of;
 use megatron_models::{
     Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType, RopeScaling,
     YarnScaling,
@@ -180,6 +181,32 @@ pub(super) fn args_namespace(
         .collect())
 }
 
+/// Megatron's Mixture-of-Experts flags of `state`'s model, its experts over `expert_parallel`
+/// ranks (none for a dense model).
+fn moe_args(state: &ModelState, expert_parallel: usize) -> Vec<(String, Saved)> {
+    let Some(moe) = &state.config.moe else {
+        return Vec::new();
+    };
+    let optional = |value: Option<i64>| value.map_or(Value::None, Value::Int);
+    let entries = [
+        ("num_experts", Value::Int(moe.num_experts)),
+        ("moe_ffn_hidden_size", Value::Int(moe.ffn_hidden_size)),
+        ("moe_router_topk", Value::Int(moe.topk)),
+        (
+            "moe_shared_expert_intermediate_size",
+            optional(moe.shared_expert_intermediate_size),
+        ),
+        (
+            "expert_model_parallel_size",
+            Value::Int(expert_parallel as i64),
+        ),
+    ];
+    entries
+        .into_iter()
+        .map(|(key, value)| (key.to_string(), Saved::Value(value)))
+        .collect()
+}
+
 /// Megatron's flags for a RoPE scaling (the others at their defaults, so that a source run's
 /// stale ones cannot linger).
 fn rope_scaling_args(scaling: Option<RopeScaling>) -> Vec<(&'static str, Value)> {
@@ -226,6 +253,21 @@ fn rope_scaling_args(scaling: Option<RopeScaling>) -> Vec<(&'static str, Value)>
 /// Megatron-core's state-dict order of one chunk: `(chunk-local name, global name)`, `None`
 /// as the global name for an `_extra_state` entry.
 pub(super) fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String, Option<String>)> {
+    let experts = state
+        .config
+        .moe
+        .as_ref()
+        .map_or(0, |m| m.num_experts as usize);
+    rank_chunk_entries(state, spec, 0..experts)
+}
+
+/// [`chunk_entries`] of an expert-parallel rank holding the routed experts `experts` (the
+/// model's numbers), which its file numbers from 0.
+fn rank_chunk_entries(
+    state: &ModelState,
+    spec: &ChunkSpec,
+    experts: std::ops::Range<usize>,
+) -> Vec<(String, Option<String>)> {
     let config = &state.config;
     let has = |name: &str| state.weights.contains_key(name);
     let mut out = Vec::new();
@@ -249,7 +291,14 @@ pub(super) fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String
             ("mlp.linear_fc1", true),
             ("mlp.linear_fc2", true),
         ];
+        let moe_layer = config.moe.as_ref().is_some_and(|m| m.is_moe_layer(global));
         for (module, linear) in module_order {
+            if moe_layer && module.starts_with("mlp.") {
+                if module == "mlp.linear_fc1" {
+                    moe_entries(&has, local, global, experts.clone(), &mut push);
+                }
+                continue;
+            }
             for parameter in ["weight", "bias"] {
                 let name = format!("decoder.layers.{global}.{module}.{parameter}");
                 if has(&name) {
@@ -288,6 +337,56 @@ pub(super) fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String
         push("output_layer._extra_state".into(), None);
     }
     out
+}
+
+/// An MoE layer's entries in `SequentialMLP`'s order: the router, each routed expert of
+/// `experts` (numbered from 0 in the file), then the shared expert.
+fn moe_entries(
+    has: &dyn Fn(&str) -> bool,
+    local: usize,
+    global: usize,
+    experts: std::ops::Range<usize>,
+    push: &mut dyn FnMut(String, Option<String>),
+) {
+    let router = "mlp.router.weight";
+    push(
+        format!("decoder.layers.{local}.{router}"),
+        Some(format!("decoder.layers.{global}.{router}")),
+    );
+    let modules = experts
+        .clone()
+        .enumerate()
+        .map(|(file, model)| {
+            (
+                format!("mlp.experts.local_experts.{file}"),
+                format!("mlp.experts.local_experts.{model}"),
+            )
+        })
+        .chain([(
+            "mlp.shared_experts".to_string(),
+            "mlp.shared_experts".to_string(),
+        )]);
+    for (file, model) in modules {
+        let mut present = false;
+        for linear in ["linear_fc1", "linear_fc2"] {
+            for parameter in ["weight", "bias"] {
+                let name = format!("decoder.layers.{global}.{model}.{linear}.{parameter}");
+                if has(&name) {
+                    present = true;
+                    push(
+                        format!("decoder.layers.{local}.{file}.{linear}.{parameter}"),
+                        Some(name),
+                    );
+                }
+            }
+            if present {
+                push(
+                    format!("decoder.layers.{local}.{file}.{linear}._extra_state"),
+                    None,
+                );
+            }
+        }
+    }
 }
 
 /// What the `i`th tensor of a rank file holds.
@@ -376,6 +475,7 @@ fn optimizer_entry(
     state: &ModelState,
     optimizer: &OptimizerState,
     params: &[(String, Vec<usize>)],
+    expert_parallel: bool,
     slots: &mut Vec<TensorSlot>,
     sources: &mut Vec<Source>,
 ) -> Result<Saved> {
@@ -429,6 +529,11 @@ fn optimizer_entry(
         }
         main.push(Saved::List(group_main));
         let mut group = group_hyperparameters(state, decayed);
+        for (key, value) in &mut group {
+            if *key == "is_expert_parallel" {
+                *value = Value::Bool(expert_parallel);
+            }
+        }
         group.push(("params", Value::List(indices)));
         groups.push(Saved::Dict(
             group
@@ -454,8 +559,45 @@ fn optimizer_entry(
 
 /// Writes `state` in Megatron's torch format under `root` in `target`'s layout.
 pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
+    save_megatron_torch_experts(state, root, target, 1)
+}
+
+/// [`save_megatron_torch`] with the routed experts over `expert_parallel` ranks
+/// (`--target-expert-parallel-size`): one `mp_rank_TT[_PPP]_EEE` folder per expert rank holding
+/// its `num_experts / expert_parallel` experts numbered from 0 and a copy of the rest; the
+/// optimizer state there as Megatron's chained optimizer saves it, a list of the dense
+/// parameters' state and the routed experts'.
+pub fn save_megatron_torch_experts(
+    state: &ModelState,
+    root: &Path,
+    target: TargetLayout,
+    expert_parallel: usize,
+) -> Result<()> {
     let config = &state.config;
     config.validate(target.tensor as i64)?;
+    let local_experts = match &config.moe {
+        Some(moe) => {
+            ensure!(
+                moe.num_experts as usize % expert_parallel == 0,
+                "--target-expert-parallel-size {expert_parallel} does not divide the model's {} experts",
+                moe.num_experts
+            );
+            ensure!(
+                expert_parallel == 1 || target.tensor == 1,
+                "--target-expert-parallel-size {expert_parallel} with --target-tensor-parallel-size {} is not written yet",
+                target.tensor
+            );
+            moe.num_experts as usize / expert_parallel
+        }
+        None => {
+            ensure!(
+                expert_parallel == 1,
+                "--target-expert-parallel-size {expert_parallel}: {} has no Mixture-of-Experts layers",
+                state.source
+            );
+            0
+        }
+    };
     let split = PipelineSplit {
         num_layers: config.num_layers,
         stages: target.pipeline,
@@ -467,94 +609,126 @@ pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout
     let dtype = DType::from_torch_name(&state.params_dtype).context("params dtype")?;
     let iteration = state.run.iteration;
     let directory = iteration_directory(root, iteration);
-    let args = args_namespace(state, target)?;
+    let mut args = args_namespace(state, target)?;
+    for (key, value) in moe_args(state, expert_parallel) {
+        match args.iter_mut().find(|(k, _)| *k == key) {
+            Some(entry) => entry.1 = value,
+            None => args.push((key, value)),
+        }
+    }
     for t in 0..target.tensor {
         for stage in 0..target.pipeline {
-            let chunks = split.chunks_of(stage)?;
-            let mut slots = Vec::new();
-            let mut sources = Vec::new();
-            // The rank's parameters (global names) in Megatron's order, for the optimizer.
-            let mut params: Vec<(String, Vec<usize>)> = Vec::new();
-            let mut root_entries = vec![
-                ("args".to_string(), Saved::Namespace(args.clone())),
-                (
-                    "checkpoint_version".to_string(),
-                    Saved::Value(Value::Float(3.0)),
-                ),
-                (
-                    "iteration".to_string(),
-                    Saved::Value(Value::Int(iteration as i64)),
-                ),
-            ];
-            for (c, spec) in chunks.iter().enumerate() {
-                let mut model = Vec::new();
-                for (local, global) in chunk_entries(state, spec) {
-                    match global {
-                        None => model.push((local, Saved::Value(Value::None))),
-                        Some(global) => {
-                            let shape = shard_shape(
-                                &global,
-                                state.tensor(&global)?.shape(),
-                                config,
-                                target.tensor,
-                            );
-                            slots.push(TensorSlot {
-                                dtype,
-                                shape: shape.iter().map(|&d| d as usize).collect(),
-                            });
-                            params.push((
-                                global.clone(),
-                                slots.last().expect("pushed").shape.clone(),
-                            ));
-                            sources.push(Source::Weight(global));
-                            model.push((local, Saved::Tensor(slots.len() - 1)));
+            for e in 0..expert_parallel {
+                let experts = e * local_experts..(e + 1) * local_experts;
+                let chunks = split.chunks_of(stage)?;
+                let mut slots = Vec::new();
+                let mut sources = Vec::new();
+                // The rank's parameters (global names) in Megatron's order, for the optimizer.
+                let mut params: Vec<(String, Vec<usize>)> = Vec::new();
+                let mut root_entries = vec![
+                    ("args".to_string(), Saved::Namespace(args.clone())),
+                    (
+                        "checkpoint_version".to_string(),
+                        Saved::Value(Value::Float(3.0)),
+                    ),
+                    (
+                        "iteration".to_string(),
+                        Saved::Value(Value::Int(iteration as i64)),
+                    ),
+                ];
+                for (c, spec) in chunks.iter().enumerate() {
+                    let mut model = Vec::new();
+                    for (local, global) in rank_chunk_entries(state, spec, experts.clone()) {
+                        match global {
+                            None => model.push((local, Saved::Value(Value::None))),
+                            Some(global) => {
+                                let shape = shard_shape(
+                                    &global,
+                                    state.tensor(&global)?.shape(),
+                                    config,
+                                    target.tensor,
+                                );
+                                slots.push(TensorSlot {
+                                    dtype,
+                                    shape: shape.iter().map(|&d| d as usize).collect(),
+                                });
+                                params.push((
+                                    global.clone(),
+                                    slots.last().expect("pushed").shape.clone(),
+                                ));
+                                sources.push(Source::Weight(global));
+                                model.push((local, Saved::Tensor(slots.len() - 1)));
+                            }
                         }
                     }
-                }
-                let key = if chunks.len() == 1 {
-                    "model".to_string()
-                } else {
-                    format!("model{c}")
-                };
-                root_entries.push((key, Saved::OrderedDict(model)));
-            }
-            if let Some(optimizer) = &state.optimizer {
-                let saved = optimizer_entry(state, optimizer, &params, &mut slots, &mut sources)?;
-                root_entries.push(("optimizer".into(), saved));
-            }
-            root_entries.extend(schedule_entries(state));
-            let rank_dir = directory.join(rank_directory_name(t, stage, target.pipeline));
-            std::fs::create_dir_all(&rank_dir)
-                .with_context(|| format!("creating {}", rank_dir.display()))?;
-            write_torch_file(
-                &rank_dir.join("model_optim_rng.pt"),
-                &Saved::Dict(root_entries),
-                &slots,
-                |i, emit| {
-                    let (tensor, kind) = match &sources[i] {
-                        Source::Weight(global) => (
-                            shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
-                            kind,
-                        ),
-                        Source::Optimizer(buffer, global) => {
-                            let optimizer = state.optimizer.as_ref().expect("listed above");
-                            let map = [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
-                                [*buffer];
-                            let value = map.get(global).with_context(|| {
-                                format!("{}: no optimizer state for {global}", state.source)
-                            })?;
-                            (
-                                shard_of(global, value, config, t, target.tensor)?,
-                                tch::Kind::Float,
-                            )
-                        }
-                        Source::Step(step) => {
-                            return with_bytes(&tch::Tensor::from(*step as f32), emit)
-                        }
+                    let key = if chunks.len() == 1 {
+                        "model".to_string()
+                    } else {
+                        format!("model{c}")
                     };
-                    tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
-                },
-            )?;
+                    root_entries.push((key, Saved::OrderedDict(model)));
+                }
+                if let Some(optimizer) = &state.optimizer {
+                    let saved = if expert_parallel > 1 {
+                        let (experts, dense): (Vec<_>, Vec<_>) = params
+                            .iter()
+                            .cloned()
+                            .partition(|(name, _)| expert_of(name).is_some());
+                        let mut entry = |params: &[(String, Vec<usize>)], experts: bool| {
+                            optimizer_entry(
+                                state,
+                                optimizer,
+                                params,
+                                experts,
+                                &mut slots,
+                                &mut sources,
+                            )
+                        };
+                        Saved::List(vec![entry(&dense, false)?, entry(&experts, true)?])
+                    } else {
+                        optimizer_entry(state, optimizer, &params, false, &mut slots, &mut sources)?
+                    };
+                    root_entries.push(("optimizer".into(), saved));
+                }
+                root_entries.extend(schedule_entries(state));
+                let mut rank_name = rank_directory_name(t, stage, target.pipeline);
+                if expert_parallel > 1 {
+                    rank_name.push_str(&format!("_{e:03}"));
+                }
+                let rank_dir = directory.join(rank_name);
+                std::fs::create_dir_all(&rank_dir)
+                    .with_context(|| format!("creating {}", rank_dir.display()))?;
+                write_torch_file(
+                    &rank_dir.join("model_optim_rng.pt"),
+                    &Saved::Dict(root_entries),
+                    &slots,
+                    |i, emit| {
+                        let (tensor, kind) = match &sources[i] {
+                            Source::Weight(global) => (
+                                shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
+                                kind,
+                            ),
+                            Source::Optimizer(buffer, global) => {
+                                let optimizer = state.optimizer.as_ref().expect("listed above");
+                                let map =
+                                    [&optimizer.main, &optimizer.exp_avg, &optimizer.exp_avg_sq]
+                                        [*buffer];
+                                let value = map.get(global).with_context(|| {
+                                    format!("{}: no optimizer state for {global}", state.source)
+                                })?;
+                                (
+                                    shard_of(global, value, config, t, target.tensor)?,
+                                    tch::Kind::Float,
+                                )
+                            }
+                            Source::Step(step) => {
+                                return with_bytes(&tch::Tensor::from(*step as f32), emit)
+                            }
+                        };
+                        tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
+                    },
+                )?;
+            }
         }
     }
     write_tracker(root, iteration)

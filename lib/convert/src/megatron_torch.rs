@@ -15,7 +15,7 @@ use super::lazy::{tensor_of, InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype};
 use super::sizes::{check_layers, megatron_vocabulary};
 use super::state::{ModelState, OptimizerState, RankOptimizer, RunState};
-use megatron_models::gpt::megatron_names::{core_name, layer_of};
+use megatron_models::gpt::megatron_names::{core_name, expert_moved, expert_of, layer_of};
 use megatron_models::TransformerConfig;
 use megatron_optim::excluded_from_weight_decay;
 use megatron_store::{has_vocab_rows, tensor_split};
@@ -141,11 +141,13 @@ pub(super) fn param_groups(names: &[(String, Vec<usize>)]) -> Vec<Vec<usize>> {
 }
 
 /// The distributed optimizer's state of a rank (`distrib_optim.pt` beside its rank file), or
-/// `None` where the rank has no such file.
+/// `None` where the rank has no such file. An expert-parallel run's chained optimizer saves a
+/// list: the dense parameters' buffers (held by expert-parallel rank 0 only: the other ranks'
+/// copies are the same), then the routed experts' own buffers.
 fn rank_distributed_optimizer(
     file: &TorchFile,
     chunks: &ChunkParams,
-    pipeline_rank: usize,
+    key: RankKey,
 ) -> Result<Option<RankOptimizer>> {
     let path = file.path().with_file_name("distrib_optim.pt");
     if !path.is_file() {
@@ -164,27 +166,117 @@ fn rank_distributed_optimizer(
         })?;
     let state_file = TorchFile::open(&path)?;
     let input = InputFile::open(&path)?;
-    dp_zero_state(
-        &state_file,
-        &input,
-        &state_file.root,
-        chunks,
-        Bucketing::from_args(&args, pipeline_rank),
-        step,
-    )
-    .map(Some)
+    let bucketing = Bucketing::from_args(&args, key.1);
+    let read = |state: &Value, chunks: &ChunkParams, bucketing: Bucketing| {
+        dp_zero_state(&state_file, &input, state, chunks, bucketing, step)
+    };
+    let (dense, experts) = match &state_file.root {
+        Value::List(states) if states.len() == 2 => (&states[0], Some(&states[1])),
+        Value::List(states) if states.len() == 1 => (&states[0], None),
+        Value::List(states) => bail!(
+            "{}: {} optimizer states, one or two (dense, experts) expected",
+            path.display(),
+            states.len()
+        ),
+        state => (state, None),
+    };
+    let Some(experts) = experts else {
+        return read(dense, chunks, bucketing).map(Some);
+    };
+    let part = |experts: bool| -> ChunkParamsOwned {
+        chunks
+            .iter()
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .filter(|(name, _)| expert_of(name).is_some() == experts)
+                    .cloned()
+                    .collect()
+            })
+            .collect()
+    };
+    let expert_data_parallel = (int_arg(&args, "data_parallel_size")
+        / int_arg(&args, "expert_model_parallel_size"))
+    .max(1) as usize;
+    let flag = |key: &str| args.get(key).and_then(Value::as_bool).unwrap_or(false);
+    let expert_bucketing = Bucketing::new(
+        flag,
+        args.get("ddp_bucket_size").and_then(Value::as_i64),
+        expert_data_parallel,
+        int_arg(&args, "pipeline_model_parallel_size"),
+        key.1,
+    );
+    let mut state = read(experts, &part(true), expert_bucketing)
+        .with_context(|| format!("{}: the routed experts' buffers", path.display()))?;
+    if key.2 == 0 {
+        let dense = read(dense, &part(false), bucketing)
+            .with_context(|| format!("{}: the dense parameters' buffers", path.display()))?;
+        state.main.extend(dense.main);
+        state.exp_avg.extend(dense.exp_avg);
+        state.exp_avg_sq.extend(dense.exp_avg_sq);
+    }
+    Ok(Some(state))
 }
 
+fn int_arg(args: &Value, key: &str) -> i64 {
+    args.get(key).and_then(Value::as_i64).unwrap_or(1).max(1)
+}
+
+/// The plain (non-distributed) optimizer's state of a rank file; `params` are the rank's
+/// parameters (global names) in model order. An expert-parallel run's chained optimizer saves a
+/// list: the dense parameters' state (read from expert rank 0, `key.2`), then the routed
+/// experts'.
 fn rank_optimizer(
     file: &TorchFile,
     input: &Arc<InputFile>,
     params: &[(String, Vec<usize>)],
     weights: &HashMap<String, LazyTensor>,
+    key: RankKey,
 ) -> Result<Option<RankOptimizer>> {
-    let path = file.path();
-    let Some(optimizer) = file.root.get("optimizer") else {
-        return Ok(None);
+    let optimizers = match file.root.get("optimizer") {
+        None => return Ok(None),
+        Some(Value::List(optimizers)) if optimizers.len() == 1 => {
+            vec![(&optimizers[0], params.to_vec())]
+        }
+        Some(Value::List(optimizers)) if optimizers.len() == 2 => {
+            let (experts, dense): (Vec<_>, Vec<_>) = params
+                .iter()
+                .cloned()
+                .partition(|(name, _)| expert_of(name).is_some());
+            let mut parts = vec![(&optimizers[1], experts)];
+            if key.2 == 0 {
+                parts.push((&optimizers[0], dense));
+            }
+            parts
+        }
+        Some(Value::List(optimizers)) => bail!(
+            "{}: {} optimizer states, one or two (dense, experts) expected",
+            file.path().display(),
+            optimizers.len()
+        ),
+        Some(optimizer) => vec![(optimizer, params.to_vec())],
     };
+    let mut out = RankOptimizer::default();
+    for (optimizer, params) in optimizers {
+        let part = adam_state(file, input, optimizer, &params, weights)?;
+        out.step = part.step;
+        out.main.extend(part.main);
+        out.exp_avg.extend(part.exp_avg);
+        out.exp_avg_sq.extend(part.exp_avg_sq);
+    }
+    Ok(Some(out))
+}
+
+/// One optimizer's `state_dict` (torch Adam's, wrapped with `fp32_from_fp16_params` in half
+/// precision) over `params`.
+fn adam_state(
+    file: &TorchFile,
+    input: &Arc<InputFile>,
+    optimizer: &Value,
+    params: &[(String, Vec<usize>)],
+    weights: &HashMap<String, LazyTensor>,
+) -> Result<RankOptimizer> {
+    let path = file.path();
     let (inner, fp32) = match optimizer.get("optimizer") {
         Some(inner) => (inner, optimizer.get("fp32_from_fp16_params")),
         None => (optimizer, None),
@@ -261,56 +353,104 @@ fn rank_optimizer(
             out.main.insert(name.clone(), main);
         }
     }
-    Ok(Some(out))
+    Ok(out)
 }
 
-/// Loads a `--ckpt-format torch` iteration directory.
-pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
-    let ranks = rank_directories(directory)?;
+/// A rank file's place: (tensor, pipeline, expert) parallel rank.
+type RankKey = (usize, usize, usize);
+
+type ChunkParamsOwned = Vec<Vec<(String, Vec<usize>)>>;
+
+/// The rank directories of a torch checkpoint opened, keyed by their place; a two-number
+/// `mp_rank_TT_NNN` read as an expert-parallel rank where the args say so.
+fn open_ranks(directory: &Path) -> Result<BTreeMap<RankKey, (TorchFile, Arc<InputFile>)>> {
+    let mut ranks = rank_directories(directory)?;
     ensure!(
         !ranks.is_empty(),
         "{}: no mp_rank_* directories",
         directory.display()
     );
-    let tp = ranks.iter().map(|r| r.tensor_rank).max().unwrap() + 1;
-    let pp = ranks.iter().map(|r| r.pipeline_rank).max().unwrap() + 1;
-    let mut files: BTreeMap<(usize, usize), TorchFile> = BTreeMap::new();
-    let mut inputs: BTreeMap<(usize, usize), Arc<InputFile>> = BTreeMap::new();
+    let mut files = BTreeMap::new();
+    for rank in &ranks {
+        let path = rank_file(rank)?;
+        files.insert(
+            (rank.tensor_rank, rank.pipeline_rank, rank.expert_rank),
+            (TorchFile::open(&path)?, InputFile::open(&path)?),
+        );
+    }
+    let first = &files.values().next().unwrap().0;
+    let args = first.root.get("args").cloned().unwrap_or(Value::None);
+    let experts = int_arg(&args, "expert_model_parallel_size") as usize;
+    if experts > 1 && int_arg(&args, "pipeline_model_parallel_size") == 1 {
+        let mut keyed = BTreeMap::new();
+        for (rank, (_, file)) in ranks.iter_mut().zip(std::mem::take(&mut files)) {
+            rank.second_number_as_expert_rank();
+            keyed.insert(
+                (rank.tensor_rank, rank.pipeline_rank, rank.expert_rank),
+                file,
+            );
+        }
+        files = keyed;
+    }
+    let found = files.keys().map(|k| k.2).max().unwrap() + 1;
+    ensure!(
+        found == experts,
+        "{}: {found} expert-parallel rank(s) of mp_rank_* directories, the args' expert_model_parallel_size is {experts}",
+        directory.display()
+    );
+    let tp = files.keys().map(|k| k.0).max().unwrap() + 1;
+    let pp = files.keys().map(|k| k.1).max().unwrap() + 1;
     for t in 0..tp {
         for p in 0..pp {
-            let rank = ranks
-                .iter()
-                .find(|r| r.tensor_rank == t && r.pipeline_rank == p)
-                .with_context(|| {
-                    format!(
-                        "{}: missing shard {} of a TP={tp} PP={pp} checkpoint",
-                        directory.display(),
-                        megatron_store::rank_directory_name(t, p, pp)
-                    )
-                })?;
-            let path = rank_file(rank)?;
-            files.insert((t, p), TorchFile::open(&path)?);
-            inputs.insert((t, p), InputFile::open(&path)?);
+            for e in 0..experts {
+                ensure!(
+                    files.contains_key(&(t, p, e)),
+                    "{}: missing shard {}{} of a TP={tp} PP={pp} EP={experts} checkpoint",
+                    directory.display(),
+                    megatron_store::rank_directory_name(t, p, pp),
+                    if experts > 1 {
+                        format!("_{e:03}")
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
     }
-    let first = &files[&(0, 0)];
+    Ok(files)
+}
+
+/// Loads a `--ckpt-format torch` iteration directory (expert-parallel ones included: each
+/// `mp_rank_*_EEE` holds its own routed experts, numbered from 0, and a copy of the rest).
+pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<ModelState> {
+    let opened = open_ranks(directory)?;
+    let tp = opened.keys().map(|k| k.0).max().unwrap() + 1;
+    let pp = opened.keys().map(|k| k.1).max().unwrap() + 1;
+    let ep = opened.keys().map(|k| k.2).max().unwrap() + 1;
+    let mut files: BTreeMap<RankKey, TorchFile> = BTreeMap::new();
+    let mut inputs: BTreeMap<RankKey, Arc<InputFile>> = BTreeMap::new();
+    for (key, (file, input)) in opened {
+        files.insert(key, file);
+        inputs.insert(key, input);
+    }
+    let first = &files[&(0, 0, 0)];
     check_version(&first.root, first.path())?;
     let args = first
         .root
         .get("args")
         .with_context(|| format!("{}: no args", first.path().display()))?;
     // Chunk c of stage p: its local layers, in Megatron's global order (chunk-major).
-    let mut per_rank: BTreeMap<(usize, usize), Vec<Vec<(String, TensorRef)>>> = BTreeMap::new();
+    let mut per_rank: BTreeMap<RankKey, Vec<Vec<(String, TensorRef)>>> = BTreeMap::new();
     for (&key, file) in &files {
         per_rank.insert(key, model_chunks(&file.root, file.path())?);
     }
-    let chunks = per_rank[&(0, 0)].len();
+    let chunks = per_rank[&(0, 0, 0)].len();
     let mut offsets: BTreeMap<(usize, usize), usize> = BTreeMap::new();
     let mut next = 0;
     for c in 0..chunks {
         for p in 0..pp {
             offsets.insert((c, p), next);
-            let layers = per_rank[&(0, p)]
+            let layers = per_rank[&(0, p, 0)]
                 .get(c)
                 .with_context(|| format!("pipeline stage {p} has fewer model chunks than stage 0"))?
                 .iter()
@@ -322,40 +462,69 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     }
     let origin = first.path().display().to_string();
     let embedding = "embedding.word_embeddings.weight";
-    let rows = per_rank[&(0, 0)][0]
+    let rows = per_rank[&(0, 0, 0)][0]
         .iter()
         .find(|(n, _)| n == embedding)
         .map(|(_, t)| t.shape[0] as i64 * tp as i64)
         .with_context(|| format!("{origin}: no {embedding} on the first stage"))?;
     let config = checkpoint_config(&origin, args, embedding, rows, options)?;
     check_layers(&origin, "args num_layers", config.num_layers, next)?;
+    let local_experts = match &config.moe {
+        Some(moe) => {
+            ensure!(
+                tp == 1 || ep == 1,
+                "{}: Mixture-of-Experts checkpoints with both tensor (TP={tp}) and expert (EP={ep}) parallelism are not imported yet",
+                directory.display()
+            );
+            ensure!(
+                moe.num_experts % ep as i64 == 0,
+                "{origin}: the args' num_experts {} is not divisible by the {ep} expert-parallel ranks",
+                moe.num_experts
+            );
+            moe.num_experts as usize / ep
+        }
+        None => 0,
+    };
     let tied = !config.untie_embeddings_and_output_weights;
+    // The global name of a rank's tensor: its layer counted over the pipeline stages and model
+    // chunks, its routed expert over the expert-parallel ranks. Tensors other than routed
+    // experts are the same on every expert-parallel rank: rank 0's are read.
+    let global_name = |key: RankKey, chunk: usize, name: &str| -> Option<String> {
+        let layered = match layer_of(name) {
+            Some((i, leaf)) => format!("decoder.layers.{}.{leaf}", i + offsets[&(chunk, key.1)]),
+            None => name.to_string(),
+        };
+        match expert_of(&layered) {
+            Some(_) => Some(expert_moved(&layered, key.2 * local_experts)),
+            None => (key.2 == 0).then_some(layered),
+        }
+    };
     // Global names and shards, in the order of tensor-parallel rank.
     let mut shards: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
-    let mut rank_params: BTreeMap<(usize, usize), Vec<Vec<(String, Vec<usize>)>>> = BTreeMap::new();
-    for ((t, p), chunk_list) in &per_rank {
-        let file = &files[&(*t, *p)];
+    let mut rank_params: BTreeMap<RankKey, ChunkParamsOwned> = BTreeMap::new();
+    for (key, chunk_list) in &per_rank {
+        let file = &files[key];
         let mut params = Vec::new();
         for (c, tensors) in chunk_list.iter().enumerate() {
             let mut chunk_params = Vec::new();
             for (name, tensor) in tensors {
-                let global = match layer_of(name) {
-                    Some((i, leaf)) => format!("decoder.layers.{}.{leaf}", i + offsets[&(c, *p)]),
-                    None => name.clone(),
+                let Some(global) = global_name(*key, c, name) else {
+                    continue;
                 };
                 chunk_params.push((global.clone(), tensor.shape.clone()));
                 let is_head_copy = tied && global == "output_layer.weight";
                 if is_head_copy {
                     continue;
                 }
-                let value = tensor_of(file, &inputs[&(*t, *p)], tensor)
+                let value = tensor_of(file, &inputs[key], tensor)
                     .with_context(|| format!("{}: tensor {name}", file.path().display()))?;
                 shards.entry(global).or_default().push(value);
             }
             params.push(chunk_params);
         }
-        rank_params.insert((*t, *p), params);
+        rank_params.insert(*key, params);
     }
+    check_experts(&origin, &config, shards.keys().map(String::as_str))?;
     let padded = config.padded_vocab_size(1);
     let mut weights = BTreeMap::new();
     let join = |name: &str, parts: &[LazyTensor]| -> Result<LazyTensor> {
@@ -382,7 +551,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         let mut complete = true;
         for (key, params) in &rank_params {
             let file = &files[key];
-            let state = match rank_distributed_optimizer(file, params, key.1)? {
+            let state = match rank_distributed_optimizer(file, params, *key)? {
                 Some(state) => Some(state),
                 None => {
                     // Pure float32 runs keep no separate main parameters: they are the model's own.
@@ -395,19 +564,20 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                     {
                         for (c, chunk) in per_rank[key].iter().enumerate() {
                             for (name, tensor) in chunk {
-                                let global = match layer_of(name) {
-                                    Some((i, leaf)) => format!(
-                                        "decoder.layers.{}.{leaf}",
-                                        i + offsets[&(c, key.1)]
-                                    ),
-                                    None => name.clone(),
-                                };
-                                weights_for_fp32
-                                    .insert(global, tensor_of(file, &inputs[key], tensor)?);
+                                if let Some(global) = global_name(*key, c, name) {
+                                    weights_for_fp32
+                                        .insert(global, tensor_of(file, &inputs[key], tensor)?);
+                                }
                             }
                         }
                     }
-                    rank_optimizer(file, &inputs[key], &params.concat(), &weights_for_fp32)?
+                    rank_optimizer(
+                        file,
+                        &inputs[key],
+                        &params.concat(),
+                        &weights_for_fp32,
+                        *key,
+                    )?
                 }
             };
             match state {
@@ -468,6 +638,44 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         source_parallel: (tp, pp),
         source: format!("Megatron torch checkpoint {}", directory.display()),
     })
+}
+
+/// Checks that every MoE layer of `config` has exactly its `num_experts` routed experts among
+/// the tensor `names` of a checkpoint (`origin`), and no other layer any.
+pub(super) fn check_experts<'a>(
+    origin: &str,
+    config: &TransformerConfig,
+    names: impl IntoIterator<Item = &'a str>,
+) -> Result<()> {
+    let mut found: BTreeMap<usize, std::collections::BTreeSet<usize>> = BTreeMap::new();
+    for name in names {
+        let Some((expert, _, _)) = expert_of(name) else {
+            continue;
+        };
+        let layer = layer_of(name).map(|(i, _)| i).unwrap_or(0);
+        match &config.moe {
+            Some(moe) if moe.is_moe_layer(layer) => ensure!(
+                (expert as i64) < moe.num_experts,
+                "{origin}: tensor {name} is expert {expert}, but the args' num_experts is {}",
+                moe.num_experts
+            ),
+            _ => bail!(
+                "{origin}: tensor {name} is a routed expert, but the args make layer {layer} a dense one"
+            ),
+        }
+        found.entry(layer).or_default().insert(expert);
+    }
+    if let Some(moe) = &config.moe {
+        for layer in (0..config.num_layers).filter(|&i| moe.is_moe_layer(i)) {
+            let count = found.get(&layer).map_or(0, |e| e.len());
+            ensure!(
+                count as i64 == moe.num_experts,
+                "{origin}: layer {layer} has {count} routed experts (decoder.layers.{layer}.mlp.experts.local_experts.*), the args' num_experts is {}",
+                moe.num_experts
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The architecture a Megatron checkpoint's `args` describe, its vocabulary checked against

@@ -10,7 +10,9 @@ use megatron_checkpoint::{DistCheckpoint, Value};
 
 use super::dist_tensors::{dist_chunks, Placement};
 use super::megatron_args::params_dtype;
-use super::megatron_torch::{check_version, checkpoint_config, run_state, LoadOptions};
+use super::megatron_torch::{
+    check_experts, check_version, checkpoint_config, run_state, LoadOptions,
+};
 use super::sizes::{check_layers, layers_found};
 use super::state::ModelState;
 use super::tensors::tensor_from_bytes;
@@ -72,6 +74,7 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         };
         placement.place(&mut weights, name, &tensor.shape, chunks, &eager)?;
     }
+    check_experts(&origin, &config, weights.keys().map(String::as_str))?;
     let optimizer = if options.optimizer {
         optimizer_state(&checkpoint, root, &placement, &mut inputs)?
     } else {

@@ -140,6 +140,11 @@ pub fn save_megatron_torch_dist(
     let config = &state.config;
     config.validate(target.tensor as i64)?;
     let (tp, pp, dp) = (target.tensor, target.pipeline, data_parallel.max(1));
+    ensure!(
+        config.moe.is_none(),
+        "{}: Mixture-of-Experts models are not written as torch_dist yet; write Megatron's torch format (--ckpt-format torch, with --target-expert-parallel-size for expert-parallel folders)",
+        state.source
+    );
     if state.optimizer.is_some() {
         ensure!(
             config.activation != Activation::Swiglu,

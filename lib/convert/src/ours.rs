@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 use super::lazy::{safetensors_tensors, LazyTensor};
 use super::sizes::{check_layers, layers_found};
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState, RunState, Tensors};
+use megatron_models::layers::moe::config::MoeConfig;
 use megatron_models::ParamAttributes;
 use megatron_models::{
     ChunkSpec, FamilyModel, GptModel, ModelOptions, PipelineSplit, Recompute, T5Model,
@@ -35,11 +36,11 @@ pub struct TargetLayout {
     pub virtual_stages: usize,
 }
 
-/// The names of a whole model of `config`'s structure (one layer), in
-/// `GptModel::named_parameters` order, read from a model of the same structure but tiny sizes
-/// (names and order follow the model's code; a full-size probe would hold a layer and the
-/// embeddings of a possibly huge model).
-fn probe_parameter_names(config: &TransformerConfig) -> Result<Vec<String>> {
+/// The names of a whole model of `config`'s structure (one layer, an MoE layer where
+/// `moe_layer` and the model has them), in `GptModel::named_parameters` order, read from a model
+/// of the same structure but tiny sizes (names and order follow the model's code; a full-size
+/// probe would hold a layer and the embeddings of a possibly huge model).
+fn probe_parameter_names(config: &TransformerConfig, moe_layer: bool) -> Result<Vec<String>> {
     let heads = config.num_attention_heads;
     let probe = TransformerConfig {
         num_layers: 1,
@@ -52,6 +53,12 @@ fn probe_parameter_names(config: &TransformerConfig) -> Result<Vec<String>> {
         vocab_size: 1,
         make_vocab_size_divisible_by: 1,
         rotary_percent: 1.0,
+        moe: config.moe.clone().map(|moe| MoeConfig {
+            ffn_hidden_size: 2,
+            layer_pattern: vec![moe_layer],
+            shared_expert_intermediate_size: moe.shared_expert_intermediate_size.map(|_| 2),
+            ..moe
+        }),
         ..config.clone()
     };
     let options = ModelOptions {
@@ -75,12 +82,38 @@ fn probe_parameter_names(config: &TransformerConfig) -> Result<Vec<String>> {
         .collect())
 }
 
-/// The order of one transformer layer's parameters in `GptModel::named_parameters`.
-fn layer_parameter_order(config: &TransformerConfig) -> Result<Vec<String>> {
-    Ok(probe_parameter_names(config)?
-        .into_iter()
-        .filter_map(|name| name.strip_prefix("decoder.layers.0.").map(str::to_string))
-        .collect())
+/// The order of a transformer layer's parameters in `GptModel::named_parameters`: a dense
+/// layer's, and an MoE layer's where the model has them.
+struct LayerOrders {
+    dense: Vec<String>,
+    moe: Vec<String>,
+}
+
+impl LayerOrders {
+    fn of(config: &TransformerConfig) -> Result<LayerOrders> {
+        let order = |moe_layer| -> Result<Vec<String>> {
+            Ok(probe_parameter_names(config, moe_layer)?
+                .into_iter()
+                .filter_map(|name| name.strip_prefix("decoder.layers.0.").map(str::to_string))
+                .collect())
+        };
+        Ok(LayerOrders {
+            dense: order(false)?,
+            moe: if config.moe.is_some() {
+                order(true)?
+            } else {
+                Vec::new()
+            },
+        })
+    }
+
+    /// Layer `layer`'s (global index) parameters.
+    fn layer(&self, config: &TransformerConfig, layer: usize) -> &[String] {
+        match &config.moe {
+            Some(moe) if moe.is_moe_layer(layer) => &self.moe,
+            _ => &self.dense,
+        }
+    }
 }
 
 /// The unsplit shape (the vocabulary padded for one rank) of the parameter `name` of a model
@@ -106,15 +139,45 @@ fn parameter_shape(config: &TransformerConfig, name: &str) -> Result<Vec<i64>> {
         "mlp.linear_fc2.weight" => vec![h, config.ffn_hidden_size],
         "self_attention.linear_proj.bias" | "mlp.linear_fc2.bias" => vec![h],
         norm if norm.contains("layernorm.") => vec![h],
+        "mlp.router.weight" => vec![moe_of(config, name)?.num_experts, h],
+        expert
+            if expert.starts_with("mlp.experts.local_experts.")
+                || expert.starts_with("mlp.shared_experts.") =>
+        {
+            let moe = moe_of(config, name)?;
+            let width = match expert.starts_with("mlp.shared_experts.") {
+                true => moe
+                    .shared_expert_intermediate_size
+                    .with_context(|| format!("{name}: the model has no shared expert"))?,
+                false => moe.ffn_hidden_size,
+            };
+            let gated = if config.activation == megatron_models::Activation::Swiglu {
+                2
+            } else {
+                1
+            };
+            match expert.rsplit_once('.').map_or("", |(module, _)| module) {
+                module if module.ends_with("linear_fc1") => vec![gated * width, h],
+                module if module.ends_with("linear_fc2") => vec![h, width],
+                _ => bail!("no shape known for parameter {name}"),
+            }
+        }
         _ => bail!("no shape known for parameter {name}"),
     })
+}
+
+fn moe_of<'a>(config: &'a TransformerConfig, name: &str) -> Result<&'a MoeConfig> {
+    config
+        .moe
+        .as_ref()
+        .with_context(|| format!("{name}: the model has no Mixture-of-Experts layers"))
 }
 
 /// `(chunk-local name, global name)` of every parameter of chunk `spec`, in parameter order.
 fn chunk_parameters(
     config: &TransformerConfig,
     spec: &ChunkSpec,
-    layer_order: &[String],
+    layer_order: &LayerOrders,
 ) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let same = |name: &str| (name.to_string(), name.to_string());
@@ -126,7 +189,7 @@ fn chunk_parameters(
         }
     }
     for (local, global) in spec.layers.clone().enumerate() {
-        for leaf in layer_order {
+        for leaf in layer_order.layer(config, global) {
             out.push((
                 format!("decoder.layers.{local}.{leaf}"),
                 format!("decoder.layers.{global}.{leaf}"),
@@ -135,6 +198,7 @@ fn chunk_parameters(
     }
     if spec.post_process {
         for leaf in layer_order
+            .dense
             .iter()
             .filter_map(|l| l.strip_prefix("input_layernorm."))
         {
@@ -167,7 +231,7 @@ fn rank_parameters(
     config: &TransformerConfig,
     split: &PipelineSplit,
     stage: usize,
-    layer_order: &[String],
+    layer_order: &LayerOrders,
 ) -> Result<Vec<(String, String)>> {
     let chunks = split.chunks_of(stage)?;
     let count = chunks.len();
@@ -423,7 +487,7 @@ pub fn save_megatron_rs_sharded(
         first_stage_layers: None,
         last_stage_layers: None,
     };
-    let layer_order = layer_parameter_order(config)?;
+    let layer_order = LayerOrders::of(config)?;
     let kind = super::tensors::kind_named(&state.params_dtype)?;
     let iteration = state.run.iteration;
     begin_save(root, iteration)?;
@@ -561,7 +625,7 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
     let config: TransformerConfig = serde_json::from_value(metadata.model.clone())
         .with_context(|| format!("{}: model metadata", checkpoint.directory.display()))?;
     let split = saved_split(metadata, &config);
-    let layer_order = layer_parameter_order(&config)?;
+    let layer_order = LayerOrders::of(&config)?;
     let (weights, files) = read_model_files(checkpoint, &config, &|stage| {
         rank_parameters(&config, &split, stage, &layer_order)
     })?;
@@ -838,18 +902,17 @@ impl ModelState {
         );
         check_layers(&self.source, "num_layers", config.num_layers, found)?;
         let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-        for name in probe_parameter_names(config)? {
-            match name.strip_prefix("decoder.layers.0.") {
-                Some(leaf) => {
-                    for layer in 0..config.num_layers {
-                        let name = format!("decoder.layers.{layer}.{leaf}");
-                        expected.insert(name.clone(), parameter_shape(config, &name)?);
-                    }
-                }
-                None => {
-                    let shape = parameter_shape(config, &name)?;
-                    expected.insert(name, shape);
-                }
+        for name in probe_parameter_names(config, false)? {
+            if !name.starts_with("decoder.layers.0.") {
+                let shape = parameter_shape(config, &name)?;
+                expected.insert(name, shape);
+            }
+        }
+        let orders = LayerOrders::of(config)?;
+        for layer in 0..config.num_layers {
+            for leaf in orders.layer(config, layer) {
+                let name = format!("decoder.layers.{layer}.{leaf}");
+                expected.insert(name.clone(), parameter_shape(config, &name)?);
             }
         }
         for (name, shape) in &expected {
@@ -879,7 +942,8 @@ mod tests {
     use super::*;
     use megatron_models::{Activation, Normalization, PositionEmbeddingType};
 
-    /// The shape rules and the tiny probe's names agree with a real model of each structure.
+    /// The shape rules and the tiny probe's names agree with a real model of each structure
+    /// (an MoE layer's router, routed and shared experts included).
     #[test]
     fn shape_rules_match_the_model() {
         let base = TransformerConfig::gpt_345m();
@@ -905,7 +969,25 @@ mod tests {
             untie_embeddings_and_output_weights: true,
             ..small.clone()
         };
-        for config in [small, llama] {
+        let mixtral = TransformerConfig {
+            add_qkv_bias: false,
+            moe: Some(MoeConfig {
+                num_experts: 3,
+                ffn_hidden_size: 40,
+                layer_pattern: vec![true; 2],
+                topk: 2,
+                score_function: megatron_models::layers::moe::config::ScoreFunction::Softmax,
+                pre_softmax: false,
+                topk_scaling_factor: None,
+                router_dtype: None,
+                load_balancing: megatron_models::layers::moe::config::LoadBalancing::AuxLoss,
+                aux_loss_coeff: 0.0,
+                z_loss_coeff: None,
+                shared_expert_intermediate_size: Some(24),
+            }),
+            ..llama.clone()
+        };
+        for config in [small, llama, mixtral] {
             let options = ModelOptions {
                 params_dtype: Kind::Float,
                 device: Device::Cpu,
@@ -914,9 +996,14 @@ mod tests {
                 bias_dropout_fusion: true,
                 rope_fusion: false,
             };
+            let moe_layer = config.moe.is_some();
             let model = GptModel::new_chunk(
                 TransformerConfig {
                     num_layers: 1,
+                    moe: config.moe.clone().map(|moe| MoeConfig {
+                        layer_pattern: vec![true],
+                        ..moe
+                    }),
                     ..config.clone()
                 },
                 options,
@@ -929,7 +1016,7 @@ mod tests {
                 .into_iter()
                 .map(|p| (p.name, p.tensor.size()))
                 .collect();
-            let names = probe_parameter_names(&config).unwrap();
+            let names = probe_parameter_names(&config, moe_layer).unwrap();
             assert_eq!(
                 names,
                 real.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>()

@@ -457,6 +457,17 @@ pub enum Resumed {
     },
 }
 
+/// A model's architecture JSON without its dropout rates: a training choice that Megatron lets
+/// a resumed run change (its `check_checkpoint_args` leaves them out).
+fn without_dropout(model: &serde_json::Value) -> serde_json::Value {
+    let mut model = model.clone();
+    if let Some(fields) = model.as_object_mut() {
+        fields.remove("hidden_dropout");
+        fields.remove("attention_dropout");
+    }
+    model
+}
+
 pub struct LoadRequest<'a> {
     pub root: &'a Path,
     pub finetune: bool,
@@ -486,7 +497,7 @@ pub fn load_weights<C: ModelChunk>(
         );
     }
     let ours = model.config_json()?;
-    if found.metadata.model != ours {
+    if without_dropout(&found.metadata.model) != without_dropout(&ours) {
         bail!(
             "{} was saved with a different architecture: {}",
             found.directory.display(),

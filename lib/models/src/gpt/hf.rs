@@ -115,6 +115,17 @@ fn qkv_rows_of_groups(heads: i64, groups: i64, head_dim: i64) -> Vec<(usize, i64
         .collect()
 }
 
+/// A SwiGLU `linear_fc1` of `ffn` rows per half: HF's gate projection, then its up projection.
+fn swiglu_fc1(ours: String, gate: String, up: String, ffn: i64, h: i64) -> Recipe {
+    Recipe::new(
+        ours,
+        vec![2 * ffn, h],
+        vec![(gate, vec![ffn, h]), (up, vec![ffn, h])],
+        |t| Tensor::cat(t, 0),
+    )
+    .stacking(vec![(0, 0, ffn), (1, 0, ffn)])
+}
+
 pub fn llama_recipes(config: &TransformerConfig) -> Vec<Recipe> {
     let (n, g, d, h) = (
         config.num_attention_heads,
@@ -183,23 +194,50 @@ pub fn llama_recipes(config: &TransformerConfig) -> Vec<Recipe> {
             theirs("self_attn.o_proj.weight"),
             vec![h, n * d],
         ));
-        out.push(
-            Recipe::new(
-                ours("mlp.linear_fc1.weight"),
-                vec![2 * ffn, h],
-                vec![
-                    (theirs("mlp.gate_proj.weight"), vec![ffn, h]),
-                    (theirs("mlp.up_proj.weight"), vec![ffn, h]),
-                ],
-                |t| Tensor::cat(t, 0),
-            )
-            .stacking(vec![(0, 0, ffn), (1, 0, ffn)]),
-        );
-        out.push(Recipe::copy(
-            ours("mlp.linear_fc2.weight"),
-            theirs("mlp.down_proj.weight"),
-            vec![h, ffn],
-        ));
+        match &config.moe {
+            Some(moe) if moe.is_moe_layer(i) => {
+                // Mixtral's sparse MLP: w1 the gate, w3 the up projection, w2 the down one.
+                let ffn = moe.ffn_hidden_size;
+                out.push(Recipe::copy(
+                    ours("mlp.router.weight"),
+                    theirs("block_sparse_moe.gate.weight"),
+                    vec![moe.num_experts, h],
+                ));
+                for e in 0..moe.num_experts {
+                    let expert =
+                        |w: &str| theirs(&format!("block_sparse_moe.experts.{e}.{w}.weight"));
+                    let local = |linear: &str| {
+                        ours(&format!("mlp.experts.local_experts.{e}.{linear}.weight"))
+                    };
+                    out.push(swiglu_fc1(
+                        local("linear_fc1"),
+                        expert("w1"),
+                        expert("w3"),
+                        ffn,
+                        h,
+                    ));
+                    out.push(Recipe::copy(
+                        local("linear_fc2"),
+                        expert("w2"),
+                        vec![h, ffn],
+                    ));
+                }
+            }
+            _ => {
+                out.push(swiglu_fc1(
+                    ours("mlp.linear_fc1.weight"),
+                    theirs("mlp.gate_proj.weight"),
+                    theirs("mlp.up_proj.weight"),
+                    ffn,
+                    h,
+                ));
+                out.push(Recipe::copy(
+                    ours("mlp.linear_fc2.weight"),
+                    theirs("mlp.down_proj.weight"),
+                    vec![h, ffn],
+                ));
+            }
+        }
     }
     out.push(Recipe::copy(
         "decoder.final_layernorm.weight",

@@ -1,10 +1,12 @@
 //! GPT's HuggingFace `config.json` (`GPT2LMHeadModel` and the Llama family: `LlamaForCausalLM`,
-//! `MistralForCausalLM`, `Qwen2ForCausalLM`) ↔ the trunk's architecture.
+//! `MistralForCausalLM`, `Qwen2ForCausalLM`, and Mixtral's experts, `MixtralForCausalLM`) ↔ the
+//! trunk's architecture.
 
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value as Json};
 
 use crate::config::{Activation, Normalization, PositionEmbeddingType, TransformerConfig};
+use crate::layers::moe::config::{LoadBalancing, MoeConfig, ScoreFunction};
 use crate::rope_scaling::{Llama3Scaling, RopeScaling, YarnScaling};
 
 fn int(config: &Json, key: &str) -> Result<i64> {
@@ -240,6 +242,33 @@ pub fn rope_to_hf(config: &TransformerConfig, hf: &mut Json) {
     hf["rope_parameters"] = parameters;
 }
 
+/// Mixtral's sparse MLP in every layer: `num_local_experts` experts of `intermediate_size`, the
+/// `num_experts_per_tok` best taken with the softmax over all experts renormalised over them,
+/// which is the softmax over the chosen logits (Megatron's default router).
+fn mixtral_moe(hf: &Json, num_layers: usize) -> Result<MoeConfig> {
+    ensure!(
+        hf["router_jitter_noise"].as_f64().unwrap_or(0.0) == 0.0,
+        "config.json: router_jitter_noise {} is not supported",
+        hf["router_jitter_noise"]
+    );
+    let moe = MoeConfig {
+        num_experts: positive(hf, "num_local_experts")?,
+        ffn_hidden_size: positive(hf, "intermediate_size")?,
+        layer_pattern: vec![true; num_layers],
+        topk: positive(hf, "num_experts_per_tok")?,
+        score_function: ScoreFunction::Softmax,
+        pre_softmax: false,
+        topk_scaling_factor: None,
+        router_dtype: None,
+        load_balancing: LoadBalancing::AuxLoss,
+        aux_loss_coeff: hf["router_aux_loss_coef"].as_f64().unwrap_or(0.0),
+        z_loss_coeff: None,
+        shared_expert_intermediate_size: None,
+    };
+    moe.validate(num_layers).context("config.json")?;
+    Ok(moe)
+}
+
 /// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
 pub fn config_from_hf(
     hf: &Json,
@@ -289,7 +318,7 @@ pub fn config_from_hf(
                 moe: None,
             }
         }
-        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "MixtralForCausalLM" => {
             let hidden = positive(hf, "hidden_size")?;
             let heads = positive(hf, "num_attention_heads")?;
             let groups = hf["num_key_value_heads"].as_i64().unwrap_or(heads);
@@ -313,8 +342,13 @@ pub fn config_from_hf(
                 hf["mlp_bias"].as_bool() != Some(true),
                 "config.json: mlp_bias is not supported"
             );
+            let num_layers = positive(hf, "num_hidden_layers")? as usize;
+            let moe = match architecture.as_str() {
+                "MixtralForCausalLM" => Some(mixtral_moe(hf, num_layers)?),
+                _ => None,
+            };
             TransformerConfig {
-                num_layers: positive(hf, "num_hidden_layers")? as usize,
+                num_layers,
                 hidden_size: hidden,
                 num_attention_heads: heads,
                 num_query_groups: groups,
@@ -341,12 +375,12 @@ pub fn config_from_hf(
                 hidden_dropout: 0.0,
                 attention_dropout: 0.0,
                 init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
-                moe: None,
+                moe,
             }
         }
         "" => bail!("config.json names no architecture"),
         other => bail!(
-            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
+            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM)"
         ),
     };
     Ok((architecture, config))

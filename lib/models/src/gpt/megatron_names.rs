@@ -32,6 +32,9 @@ pub fn core_name(name: &str) -> Option<String> {
         "mlp.linear_fc1.layer_norm_bias" => "pre_mlp_layernorm.bias".to_string(),
         other => {
             let (module, parameter) = other.rsplit_once('.')?;
+            if let Some(expert) = grouped_expert(module, parameter) {
+                return Some(format!("{stack}.layers.{index}.{expert}"));
+            }
             let module = match module {
                 "input_norm" | "input_layernorm" => "input_layernorm",
                 "post_attention_norm" | "post_attention_layernorm" | "pre_mlp_layernorm" => {
@@ -49,6 +52,42 @@ pub fn core_name(name: &str) -> Option<String> {
         }
     };
     Some(format!("{stack}.layers.{index}.{leaf}"))
+}
+
+/// Transformer Engine's grouped experts (`mlp.experts.linear_fc1.weight3`, one parameter per
+/// local expert in one module) under `SequentialMLP`'s names
+/// (`mlp.experts.local_experts.3.linear_fc1.weight`).
+fn grouped_expert(module: &str, parameter: &str) -> Option<String> {
+    let linear = module.strip_prefix("mlp.experts.")?;
+    if !matches!(linear, "linear_fc1" | "linear_fc2") {
+        return None;
+    }
+    let (kind, expert) = match parameter.strip_prefix("weight") {
+        Some(expert) => ("weight", expert),
+        None => ("bias", parameter.strip_prefix("bias")?),
+    };
+    let expert: usize = expert.parse().ok()?;
+    Some(format!(
+        "mlp.experts.local_experts.{expert}.{linear}.{kind}"
+    ))
+}
+
+/// Where a routed expert's tensor sits: `decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight`
+/// → `(3, "decoder.layers.1.mlp.experts.local_experts.", "linear_fc1.weight")`.
+pub fn expert_of(name: &str) -> Option<(usize, &str, &str)> {
+    const EXPERTS: &str = ".mlp.experts.local_experts.";
+    let at = name.find(EXPERTS)? + EXPERTS.len();
+    let (index, leaf) = name[at..].split_once('.')?;
+    Some((index.parse().ok()?, &name[..at], leaf))
+}
+
+/// `name` with its routed expert's number moved by `offset` (an expert-parallel rank's local
+/// experts → the model's); other names as they are.
+pub fn expert_moved(name: &str, offset: usize) -> String {
+    match expert_of(name) {
+        Some((expert, prefix, leaf)) => format!("{prefix}{}.{leaf}", expert + offset),
+        None => name.to_string(),
+    }
 }
 
 /// `decoder.layers.3.mlp...` → `(3, "mlp...")`.
@@ -111,11 +150,42 @@ mod tests {
                 "decoder.layers.0.mlp.linear_fc2.weight",
                 "decoder.layers.0.mlp.linear_fc2.weight",
             ),
+            (
+                "decoder.layers.1.mlp.experts.linear_fc1.weight3",
+                "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+            ),
+            (
+                "decoder.layers.0.mlp.experts.linear_fc2.weight12",
+                "decoder.layers.0.mlp.experts.local_experts.12.linear_fc2.weight",
+            ),
+            (
+                "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+                "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+            ),
         ] {
             assert_eq!(core_name(old).as_deref(), Some(new), "{old}");
         }
         assert_eq!(
             core_name("decoder.layers.0.mlp.linear_fc1._extra_state"),
+            None
+        );
+    }
+
+    #[test]
+    fn local_experts_move_to_the_models_numbers() {
+        assert_eq!(
+            expert_moved(
+                "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight",
+                2
+            ),
+            "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+        );
+        assert_eq!(
+            expert_moved("decoder.layers.1.mlp.router.weight", 2),
+            "decoder.layers.1.mlp.router.weight"
+        );
+        assert_eq!(
+            expert_of("decoder.layers.0.mlp.shared_experts.linear_fc1.weight"),
             None
         );
     }
