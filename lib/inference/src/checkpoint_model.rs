@@ -585,6 +585,7 @@ impl CheckpointModelArgs {
             local_rank: None,
             tensor_parallel: self.tensor_model_parallel_size,
             pipeline_parallel: 1,
+            expert_parallel: None,
             sequence_parallel: false,
             backend: Backend::Nccl,
             timeout: Duration::from_secs_f64(self.distributed_timeout_minutes * 60.0),

@@ -24,6 +24,9 @@ pub struct JoinOptions<'a> {
     pub local_rank: Option<usize>,
     pub tensor_parallel: usize,
     pub pipeline_parallel: usize,
+    /// `--expert-model-parallel-size` for a model with Mixture-of-Experts layers; `None`
+    /// builds no expert groups.
+    pub expert_parallel: Option<usize>,
     pub sequence_parallel: bool,
     /// The backend asked for; on CPUs gloo is used whatever it says, since NCCL cannot run there.
     pub backend: Backend,
@@ -36,11 +39,14 @@ pub struct JoinOptions<'a> {
 pub fn join_launched_job(options: &JoinOptions) -> Result<(Job, Placement)> {
     let env = LaunchEnv::from_env()?;
     let device = resolve_device(options.device, options.local_rank.unwrap_or(env.local_rank))?;
-    let layout = ParallelLayout::new(
+    let mut layout = ParallelLayout::new(
         env.world_size,
         options.tensor_parallel,
         options.pipeline_parallel,
     )?;
+    if let Some(expert) = options.expert_parallel {
+        layout = layout.with_expert_parallel(expert)?;
+    }
     let backend = if device.is_cuda() {
         options.backend
     } else {
