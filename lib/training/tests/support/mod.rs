@@ -49,6 +49,10 @@ pub trait Pretrain: Sized + Sync {
     /// Parses `argv` (program name first) as the binary would.
     fn parse(argv: Vec<String>) -> Self;
     fn sequence_parallel(&self) -> bool;
+    /// `--expert-model-parallel-size` of a model with Mixture-of-Experts layers.
+    fn expert_parallel(&self) -> Option<usize> {
+        None
+    }
     fn run(&self, placement: &Placement) -> anyhow::Result<TrainingSummary>;
 }
 
@@ -59,6 +63,10 @@ impl Pretrain for GptPretrainArgs {
 
     fn sequence_parallel(&self) -> bool {
         self.parallel.sequence_parallel
+    }
+
+    fn expert_parallel(&self) -> Option<usize> {
+        self.model.moe.expert_parallel()
     }
 
     fn run(&self, placement: &Placement) -> anyhow::Result<TrainingSummary> {
@@ -233,7 +241,10 @@ fn train_on<P: Pretrain>(
         .chain(extra.iter().map(|s| s.to_string()))
         .collect();
     let args = P::parse(argv);
-    let layout = ParallelLayout::new(world, tensor, pipeline).unwrap();
+    let mut layout = ParallelLayout::new(world, tensor, pipeline).unwrap();
+    if let Some(experts) = args.expert_parallel() {
+        layout = layout.with_expert_parallel(experts)?;
+    }
     let threads = ThreadWorld::new(world, Duration::from_secs(120));
     threads.run(|rank| {
         let parallel = ParallelState::threads(&threads, layout, rank, args.sequence_parallel())?;
