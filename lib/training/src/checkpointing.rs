@@ -674,7 +674,7 @@ pub fn restore_training_state(
         let sharded = optimizer_state_per_rank(state.distributed_optimizer, parallel);
         let saved_experts = metadata
             .args
-            .pointer("/model/moe/expert_model_parallel_size")
+            .pointer("/model/expert_model_parallel_size")
             .and_then(serde_json::Value::as_u64)
             .unwrap_or(1) as usize;
         let saved_sharded = (metadata.distributed_optimizer || saved_experts > 1)

@@ -251,4 +251,18 @@ fn moe_gpt_under_expert_parallelism_resumes_bitwise() {
         let name = format!("decoder.layers.2.mlp.experts.local_experts.{e}.linear_fc1.weight");
         assert!(straight.weights.contains_key(&name), "{name} missing");
     }
+    // Without expert parallelism the weights load (each rank takes every expert), but not
+    // the per-rank optimizer state.
+    let Err(error) =
+        support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &["--load", &ckpt])
+    else {
+        panic!("resumed EP=2 optimizer state without expert parallelism");
+    };
+    let error = format!("{error:#}");
+    assert!(
+        error.contains("saved with --expert-model-parallel-size 2 but this run uses 1"),
+        "{error}"
+    );
+    let weights_only = ["--load", &ckpt, "--no-load-optim"];
+    support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &weights_only).unwrap();
 }
