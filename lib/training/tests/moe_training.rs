@@ -201,9 +201,19 @@ fn expert_parallelism_equals_data_parallelism() {
 fn expert_parallelism_beside_tensor_parallelism_equals_tensor_parallelism() {
     let tensor = ["--sequence-parallel", "--expert-tensor-parallel-size", "1"];
     let (reference, reference_moe, reference_norms) = train_tp(4, 2, 1, &tensor);
-    // Mixture-of-Experts layers under tensor and sequence parallelism train as one rank.
-    let (one_rank, _) = train(1, 1, &[]);
+    // Mixture-of-Experts layers under tensor and sequence parallelism train as one rank, and
+    // with the same micro-batches (no data parallelism) log its load-balancing loss: each
+    // rank's share of its half of the sequence, summed over the two.
+    let (one_rank, one_rank_moe) = train(1, 1, &[]);
     support::assert_equivalent(&one_rank, &reference, "TP=2 with sequence parallelism");
+    let (tensor_only, tensor_only_moe, _) = train_tp(2, 2, 1, &tensor);
+    support::assert_equivalent(&one_rank, &tensor_only, "TP=2 on two ranks");
+    let balance = |losses: &[[f64; 2]]| losses.iter().map(|[b, _]| [*b, 0.0]).collect::<Vec<_>>();
+    assert_close(
+        &balance(&one_rank_moe),
+        &balance(&tensor_only_moe),
+        "TP=2 on two ranks",
+    );
     for dispatcher in ["allgather", "alltoall"] {
         let what = format!("TP=2 × EP=2 {dispatcher}");
         let extra = [
