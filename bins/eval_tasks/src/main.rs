@@ -153,7 +153,7 @@ fn main() -> ExitCode {
 
 fn run_finetune(args: &FinetuneArgs) -> Result<()> {
     let common = &args.model.common;
-    let (job, placement) = join_job(&common.parallel, &common.training)?;
+    let (job, placement) = join_job(&common.parallel, &common.training, None)?;
     let mut console = Console {
         print: placement.parallel.is_logging_rank(),
         bar: None,

@@ -25,7 +25,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
         let common = &cli.args.common;
-        let summary = run_job(&common.parallel, &common.training, |runtime| {
+        let summary = run_job(&common.parallel, &common.training, None, |runtime| {
             pretrain_bert(&cli.args, runtime)
         })?;
         if let Some(summary) = summary {

@@ -27,12 +27,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     megatron_cli::run(|| {
         let common = &cli.args;
-        let summary = run_job(&common.parallel, &common.training, |runtime| {
-            let mut args = cli.args.clone();
-            // Kept until the run ends: the run reads the rewritten checkpoint from it.
-            let _prepared = prepare_load(&mut args, runtime)?;
-            pretrain_gpt(&args, runtime)
-        })?;
+        let summary = run_job(
+            &common.parallel,
+            &common.training,
+            common.model.moe.expert_parallel(),
+            |runtime| {
+                let mut args = cli.args.clone();
+                // Kept until the run ends: the run reads the rewritten checkpoint from it.
+                let _prepared = prepare_load(&mut args, runtime)?;
+                pretrain_gpt(&args, runtime)
+            },
+        )?;
         if let Some(summary) = summary {
             println!("{}", summary.line("pretrain_gpt", false, "validation loss"));
         }

@@ -27,7 +27,7 @@ fn main() -> ExitCode {
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     megatron_cli::run(|| {
         let common = &cli.args.common;
-        let summary = run_job(&common.parallel, &common.training, |runtime| {
+        let summary = run_job(&common.parallel, &common.training, None, |runtime| {
             pretrain_t5(&cli.args, runtime)
         })?;
         if let Some(summary) = summary {

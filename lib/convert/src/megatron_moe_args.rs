@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use megatron_checkpoint::Value;
 use megatron_models::layers::moe::config::{
-    parse_layer_freq, LoadBalancing, MoeConfig, RouterDtype, ScoreFunction,
+    parse_layer_freq, LoadBalancing, MoeConfig, RouterDtype, ScoreFunction, TokenDispatcher,
 };
 
 /// The MoE architecture of the args (`None` for a dense model) for `num_layers` layers whose
@@ -113,6 +113,7 @@ pub fn moe_config(
         shared_expert_intermediate_size: args
             .get("moe_shared_expert_intermediate_size")
             .and_then(Value::as_i64),
+        token_dispatcher: TokenDispatcher::default(),
     };
     config
         .validate(num_layers)

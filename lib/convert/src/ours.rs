@@ -984,6 +984,7 @@ mod tests {
                 aux_loss_coeff: 0.0,
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: Some(24),
+                token_dispatcher: Default::default(),
             }),
             ..llama.clone()
         };

@@ -586,6 +586,7 @@ impl CheckpointModelArgs {
             tensor_parallel: self.tensor_model_parallel_size,
             context_parallel: 1,
             pipeline_parallel: 1,
+            expert_parallel: None,
             sequence_parallel: false,
             backend: Backend::Nccl,
             timeout: Duration::from_secs_f64(self.distributed_timeout_minutes * 60.0),

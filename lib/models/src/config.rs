@@ -222,11 +222,6 @@ impl TransformerConfig {
                 "--num-experts needs --disable-bias-linear: Megatron's experts scale their \
                  activations by the router's probabilities before fc2, which takes no bias"
             );
-            ensure!(
-                tensor_parallel_size == 1,
-                "--num-experts with --tensor-model-parallel-size {tensor_parallel_size}: \
-                 Mixture-of-Experts layers run without tensor parallelism for now"
-            );
         }
         ensure!(
             (0.0..1.0).contains(&self.hidden_dropout)

@@ -64,6 +64,8 @@ impl GateSlot {
 pub(crate) struct TrunkBuilder<'a> {
     pub init: Initializer,
     pub parallel: TensorParallel,
+    /// The expert-parallel group Mixture-of-Experts layers split their experts over.
+    pub experts: Arc<dyn megatron_parallel::Communicator>,
     pub config: &'a TransformerConfig,
     pub padded_vocab: i64,
     bias_dropout_fusion: bool,
@@ -88,6 +90,7 @@ impl<'a> TrunkBuilder<'a> {
                 group: parallel.tensor.clone(),
                 sequence_parallel: parallel.sequence_parallel,
             },
+            experts: parallel.expert.clone(),
             config,
             padded_vocab: config.padded_vocab_size(tp),
             bias_dropout_fusion: options.bias_dropout_fusion,
@@ -127,7 +130,13 @@ impl<'a> TrunkBuilder<'a> {
                         self.parallel.clone(),
                     )
                 } else {
-                    TransformerLayer::new(&init, self.config, self.parallel.clone(), i)
+                    TransformerLayer::new(
+                        &init,
+                        self.config,
+                        self.parallel.clone(),
+                        i,
+                        &self.experts,
+                    )
                 };
                 layer.with_bias_dropout_fusion(self.bias_dropout_fusion)
             })

@@ -11,7 +11,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use megatron_models::layers::moe::aux_loss::{set_aux_loss_backward_scale, take_tracked_losses};
-use megatron_models::layers::moe::config::{LoadBalancing, MoeConfig, ScoreFunction};
+use megatron_models::layers::moe::config::{
+    LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
+};
 use megatron_models::layers::{MoeLayer, NamedParameter, NamedTensors, TensorParallel};
 use megatron_models::param::Initializer;
 use megatron_models::TransformerConfig;
@@ -68,6 +70,7 @@ fn moe(topk: i64) -> MoeConfig {
         aux_loss_coeff: 0.01,
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
+        token_dispatcher: TokenDispatcher::Allgather,
     }
 }
 
@@ -98,7 +101,14 @@ fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<St
         group: Arc::new(SingleRank),
         sequence_parallel: false,
     };
-    let layer = MoeLayer::new(&init, &trunk(), &config, 0.2, parallel);
+    let layer = MoeLayer::new(
+        &init,
+        &trunk(),
+        &config,
+        0.2,
+        parallel,
+        Arc::new(SingleRank),
+    );
     let params = named(&layer);
     for param in &params {
         let _ = param.tensor.shallow_clone().set_requires_grad(true);

@@ -3,6 +3,8 @@
 //! reverse order (the order backward produces their gradients), grouped into buckets that each
 //! start at a parameter boundary and are padded to a multiple of the data-parallel size, so
 //! each data-parallel rank owns an equal contiguous slice (its shard) of every bucket.
+//! Routed experts' parameters (Mixture-of-Experts layers) lie in buckets of their own, reduced
+//! and sharded over the expert-data-parallel group instead (Megatron's expert buffers).
 
 use std::ops::Range;
 
@@ -45,6 +47,8 @@ pub struct Segment {
 #[derive(Debug, Clone)]
 pub struct Bucket {
     pub range: Range<usize>,
+    /// Holds routed experts' parameters: its group is the expert-data-parallel one.
+    pub expert: bool,
     /// This rank's slice of the bucket.
     pub shard: Range<usize>,
 }
@@ -80,6 +84,13 @@ impl<'a> ParamShape<'a> {
     }
 }
 
+/// A rank's place in the group a bucket is reduced and sharded over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardGroup {
+    pub rank: usize,
+    pub size: usize,
+}
+
 impl BufferLayout {
     /// Lays out `params` (in model order) for data-parallel rank `rank` of `size`; buckets hold
     /// at least `bucket_size` elements (the last may hold fewer). With `sharded` false every
@@ -91,31 +102,59 @@ impl BufferLayout {
         size: usize,
         sharded: bool,
     ) -> Self {
+        let group = ShardGroup { rank, size };
+        Self::with_experts(params, bucket_size, group, group, sharded)
+    }
+
+    /// [`new`](Self::new) with the routed experts' parameters in buckets of their own, sharded
+    /// over `experts` (this rank's place in the expert-data-parallel group) rather than `data`.
+    pub fn with_experts(
+        params: &[ParamShape],
+        bucket_size: usize,
+        data: ShardGroup,
+        experts: ShardGroup,
+        sharded: bool,
+    ) -> Self {
+        let group_of = |expert: bool| if expert { experts } else { data };
         let mut slots = Vec::with_capacity(params.len());
         let mut buckets = Vec::new();
         let mut offset = 0;
         let mut bucket_start = 0;
-        let pad = |len: usize| {
-            let multiple = if sharded { size * SHARD_ALIGNMENT } else { 1 };
+        let mut expert_bucket = false;
+        let pad = |len: usize, expert: bool| {
+            let multiple = if sharded {
+                group_of(expert).size * SHARD_ALIGNMENT
+            } else {
+                1
+            };
             len.div_ceil(multiple) * multiple
         };
-        let close = |offset: &mut usize, bucket_start: &mut usize, buckets: &mut Vec<Bucket>| {
-            let end = *bucket_start + pad(*offset - *bucket_start);
+        let close = |offset: &mut usize,
+                     bucket_start: &mut usize,
+                     expert: bool,
+                     buckets: &mut Vec<Bucket>| {
+            let end = *bucket_start + pad(*offset - *bucket_start, expert);
             buckets.push(Bucket {
                 range: *bucket_start..end,
+                expert,
                 shard: 0..0,
             });
             *offset = end;
             *bucket_start = end;
         };
         for (i, param) in params.iter().enumerate().rev() {
+            let expert = param.attributes.expert;
+            if expert != expert_bucket && offset > bucket_start {
+                close(&mut offset, &mut bucket_start, expert_bucket, &mut buckets);
+            }
+            expert_bucket = expert;
             let numel = param.shape.iter().product::<i64>() as usize;
             // The two stages' copies of tied embeddings are summed after the data-parallel
             // reduction; in a bucket of their own both copies are sharded alike (Megatron
             // does the same with the distributed optimizer).
             let alone = sharded && param.attributes.tied_across_stages;
             if alone && offset > bucket_start {
-                close(&mut offset, &mut bucket_start, &mut buckets);
+                close(&mut offset, &mut bucket_start, expert, &mut buckets);
             }
             offset = offset.next_multiple_of(PARAM_ALIGNMENT);
             slots.push(Slot {
@@ -128,16 +167,17 @@ impl BufferLayout {
             });
             offset += numel;
             if alone || offset - bucket_start >= bucket_size || i == 0 {
-                close(&mut offset, &mut bucket_start, &mut buckets);
+                close(&mut offset, &mut bucket_start, expert, &mut buckets);
             }
         }
         for bucket in &mut buckets {
+            let group = group_of(bucket.expert);
             let width = if sharded {
-                bucket.range.len() / size
+                bucket.range.len() / group.size
             } else {
                 bucket.range.len()
             };
-            let start = bucket.range.start + if sharded { rank * width } else { 0 };
+            let start = bucket.range.start + if sharded { group.rank * width } else { 0 };
             bucket.shard = start..start + width;
         }
         let mut segments = Vec::new();
@@ -252,6 +292,34 @@ mod tests {
                 slot.name
             );
         }
+    }
+
+    /// Experts' parameters (here b and c, between ordinary ones) lie in buckets of their own,
+    /// sharded over the expert-data-parallel group, the others over the data-parallel group.
+    #[test]
+    fn expert_parameters_get_buckets_sharded_over_their_own_group() {
+        let mut params = params();
+        params[2].attributes.expert = true;
+        params[3].attributes.expert = true;
+        let data = ShardGroup { rank: 1, size: 4 };
+        let experts = ShardGroup { rank: 0, size: 2 };
+        let layout = BufferLayout::with_experts(&params, 10_000, data, experts, true);
+        let kinds: Vec<bool> = layout.buckets.iter().map(|b| b.expert).collect();
+        assert_eq!(kinds, [true, false]);
+        for slot in &layout.slots {
+            assert_eq!(
+                layout.buckets[slot.bucket].expert, slot.attributes.expert,
+                "{}",
+                slot.name
+            );
+        }
+        let (expert, dense) = (&layout.buckets[0], &layout.buckets[1]);
+        assert_eq!(expert.range.len() % (2 * SHARD_ALIGNMENT), 0);
+        assert_eq!(expert.shard.len() * 2, expert.range.len());
+        assert_eq!(expert.shard.start, expert.range.start);
+        assert_eq!(dense.range.len() % (4 * SHARD_ALIGNMENT), 0);
+        assert_eq!(dense.shard.len() * 4, dense.range.len());
+        assert_eq!(dense.shard.start, dense.range.start + dense.shard.len());
     }
 
     #[test]

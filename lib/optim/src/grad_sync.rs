@@ -16,9 +16,13 @@ use megatron_kernels::runtime::CudaStream;
 use megatron_parallel::{Communicator, ReduceOp};
 
 /// Averages the float32 gradient buffer over the data-parallel group: all-reduced, or with the
-/// distributed optimizer reduce-scattered into each rank's shard.
+/// distributed optimizer reduce-scattered into each rank's shard. Experts' buckets are summed
+/// over the expert-data-parallel group instead, divided by the data-parallel size as well
+/// (Megatron's `expert_gradient_scaling_factor`): an expert's gradient already holds the
+/// tokens of every expert-parallel rank.
 pub(crate) struct BucketReducer {
     pub data: Arc<dyn Communicator>,
+    pub expert_data: Arc<dyn Communicator>,
     pub sharded: bool,
     pub grad_buffer: Tensor,
     pub buckets: Vec<Bucket>,
@@ -36,14 +40,18 @@ impl BucketReducer {
         let _ = view
             .shallow_clone()
             .g_mul_scalar_(1.0 / self.data.size() as f64);
+        let group = if bucket.expert {
+            &self.expert_data
+        } else {
+            &self.data
+        };
         if self.sharded {
-            let reduced = self
-                .data
+            let reduced = group
                 .reduce_scatter(&view, 0)
                 .context("reduce-scatter of gradients")?;
             self.view(&bucket.shard).copy_(&reduced);
         } else {
-            self.data
+            group
                 .all_reduce(&view, ReduceOp::Sum)
                 .context("all-reduce of gradients")?;
         }
@@ -360,6 +368,7 @@ mod tests {
         let rank = Arc::new(CountingRank::default());
         let reducer = BucketReducer {
             data: rank.clone(),
+            expert_data: rank.clone(),
             sharded: false,
             grad_buffer: Tensor::zeros([layout.len as i64], (tch::Kind::Float, Device::Cpu)),
             buckets: layout.buckets.clone(),

@@ -9,7 +9,7 @@ mod memory;
 mod mixed_precision;
 mod param_gather;
 
-pub use buffer::{BufferLayout, ParamShape, Slot};
+pub use buffer::{BufferLayout, ParamShape, ShardGroup, Slot};
 pub use groups::{excluded_from_weight_decay, is_embedding_or_output, ParamGroup};
 pub use memory::StateBytes;
 pub use mixed_precision::{

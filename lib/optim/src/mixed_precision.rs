@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::buffer::{BufferLayout, ParamShape, Segment};
+use super::buffer::{BufferLayout, ParamShape, Segment, ShardGroup};
 use super::grad_sync::{BucketReducer, OverlappedGradSync};
 use super::groups::{is_embedding_or_output, ParamGroup};
 use super::memory::{main_is_params, StateBuffers, StateBytes};
@@ -138,8 +138,10 @@ pub struct StepOutcome {
 struct StepViews {
     /// Each segment's gradient, in segment order.
     grads: Vec<Tensor>,
-    /// The gradients that count in the norm.
+    /// The gradients that count in the norm: the routed experts' apart from the others, since
+    /// their parts are summed over different groups.
     counted: Vec<Tensor>,
+    expert_counted: Vec<Tensor>,
     /// Per parameter group (decayed, not decayed) with Adam: main shards, gradients, moments
     /// and step counters.
     adam: Vec<AdamViews>,
@@ -210,8 +212,10 @@ pub struct MixedPrecisionOptimizer {
 /// The tables of [`optimizer_kernels`] for this rank's layout: Adam(W) with half-precision model
 /// parameters and float32 main parameters on a CUDA device.
 struct StepKernels {
-    /// The gradients that count in the norm.
+    /// The gradients that count in the norm, apart from the routed experts'.
     squares: SquaresTable,
+    /// The routed experts' gradients, when there are any.
+    expert_squares: Option<SquaresTable>,
     /// Every segment of the shards.
     adamw: AdamwTable,
 }
@@ -240,11 +244,15 @@ impl MixedPrecisionOptimizer {
         let data = &parallel.data;
         let sharded = settings.shards_state(data.size());
         let shapes = ParamShape::of_all(&parameters);
-        let layout = BufferLayout::new(
+        let group = |comm: &Arc<dyn Communicator>| ShardGroup {
+            rank: comm.rank(),
+            size: comm.size(),
+        };
+        let layout = BufferLayout::with_experts(
             &shapes,
             settings.bucket_size.max(1),
-            data.rank(),
-            data.size(),
+            group(data),
+            group(&parallel.expert_data),
             sharded,
         );
         let by_name: HashMap<&str, &NamedParameter> =
@@ -294,11 +302,12 @@ impl MixedPrecisionOptimizer {
             .filter(|(_, s)| s.attributes.tied_across_stages)
             .map(|(i, _)| i)
             .collect();
-        let grad_sync = if data.size() == 1 {
+        let grad_sync = if data.size() == 1 && parallel.expert_data.size() == 1 {
             GradSync::Local
         } else {
             let reducer = BucketReducer {
                 data: data.clone(),
+                expert_data: parallel.expert_data.clone(),
                 sharded,
                 grad_buffer: grad_buffer.shallow_clone(),
                 buckets: layout.buckets.clone(),
@@ -337,6 +346,7 @@ impl MixedPrecisionOptimizer {
             };
             Some(Arc::new(ParamGather::new(
                 data.clone(),
+                parallel.expert_data.clone(),
                 param_buffer.shallow_clone(),
                 layout.clone(),
                 side,
@@ -386,11 +396,14 @@ impl MixedPrecisionOptimizer {
         }
         let segments = &self.layout.segments;
         let device = self.grad_buffer.device();
-        let counted: Vec<std::ops::Range<usize>> = segments
-            .iter()
-            .filter(|s| self.counted(s))
-            .map(|s| s.buffer.clone())
-            .collect();
+        let counted = |expert: bool| -> Vec<std::ops::Range<usize>> {
+            segments
+                .iter()
+                .filter(|s| self.counted(s) && self.is_expert(s) == expert)
+                .map(|s| s.buffer.clone())
+                .collect()
+        };
+        let expert_counted = counted(true);
         let adamw: Vec<AdamwSegment> = segments
             .iter()
             .map(|s| AdamwSegment {
@@ -401,7 +414,9 @@ impl MixedPrecisionOptimizer {
             })
             .collect();
         Ok(Some(StepKernels {
-            squares: SquaresTable::new(&counted, device),
+            squares: SquaresTable::new(&counted(false), device),
+            expert_squares: (!expert_counted.is_empty())
+                .then(|| SquaresTable::new(&expert_counted, device)),
             adamw: AdamwTable::new(&adamw, device)?,
         }))
     }
@@ -429,12 +444,15 @@ impl MixedPrecisionOptimizer {
     fn step_views(&self) -> StepViews {
         let segments = &self.layout.segments;
         let grads: Vec<Tensor> = segments.iter().map(|s| self.grad_view(&s.buffer)).collect();
-        let counted = segments
-            .iter()
-            .zip(&grads)
-            .filter(|(s, _)| self.counted(s))
-            .map(|(_, g)| g.shallow_clone())
-            .collect();
+        let counted = |expert: bool| -> Vec<Tensor> {
+            segments
+                .iter()
+                .zip(&grads)
+                .filter(|(s, _)| self.counted(s) && self.is_expert(s) == expert)
+                .map(|(_, g)| g.shallow_clone())
+                .collect()
+        };
+        let (counted, expert_counted) = (counted(false), counted(true));
         let adam = match &self.moments {
             Moments::Adam {
                 exp_avg,
@@ -497,6 +515,7 @@ impl MixedPrecisionOptimizer {
         StepViews {
             grads,
             counted,
+            expert_counted,
             adam,
             publish,
         }
@@ -625,47 +644,91 @@ impl MixedPrecisionOptimizer {
         Ok(())
     }
 
+    /// Groups that hold pieces of the routed experts' gradients: the expert-parallel and
+    /// pipeline ranks, and with the distributed optimizer the expert-data-parallel ones.
+    fn reduce_over_expert_replica(&self, value: &Tensor, op: ReduceOp) -> Result<()> {
+        self.parallel.expert_model.all_reduce(value, op)?;
+        if self.sharded {
+            self.parallel.expert_data.all_reduce(value, op)?;
+        }
+        Ok(())
+    }
+
     /// Whether a segment's elements count once in norms: replicated parameters are counted on
-    /// tensor-parallel rank 0 only, and the last stage's copy of the embeddings never.
+    /// tensor-parallel rank 0 only, and the last stage's copy of the embeddings never. A
+    /// routed expert is whole on its rank and counted there, in the experts' part.
     fn counted(&self, segment: &Segment) -> bool {
         let attributes = self.layout.slots[segment.slot].attributes;
-        !attributes.shared_embedding
-            && (attributes.tensor_parallel || self.parallel.tensor_parallel_rank() == 0)
+        attributes.expert
+            || !attributes.shared_embedding
+                && (attributes.tensor_parallel || self.parallel.tensor_parallel_rank() == 0)
     }
 
-    /// Sum of squares of `views` over the whole replica, as a square root.
-    fn global_norm(&self, views: &[Tensor]) -> Result<Tensor> {
-        let refs: Vec<&Tensor> = views.iter().collect();
+    fn is_expert(&self, segment: &Segment) -> bool {
+        self.layout.slots[segment.slot].attributes.expert
+    }
+
+    /// The norm of `views` and `expert_views` (the routed experts') over the whole model.
+    fn global_norm(&self, views: &[Tensor], expert_views: &[Tensor]) -> Result<Tensor> {
         let device = self.grad_buffer.device();
-        self.replica_norm(ops::total_norm(&refs)?.to_device(device).square())
+        let squares = |views: &[Tensor]| -> Result<Tensor> {
+            let refs: Vec<&Tensor> = views.iter().collect();
+            Ok(ops::total_norm(&refs)?.to_device(device).square())
+        };
+        let experts = if expert_views.is_empty() {
+            None
+        } else {
+            Some(squares(expert_views)?)
+        };
+        self.replica_norm(squares(views)?, experts)
     }
 
-    /// The square root of this rank's sum of squares `squared` summed over the replica.
-    fn replica_norm(&self, squared: Tensor) -> Result<Tensor> {
+    /// The square root of this rank's sums of squares, `squared` summed over the replica and
+    /// the routed experts' `expert_squared` over theirs (Megatron's chained optimizer adds
+    /// the squared norms of its dense and expert parts).
+    fn replica_norm(&self, squared: Tensor, expert_squared: Option<Tensor>) -> Result<Tensor> {
         self.reduce_over_replica(&squared, ReduceOp::Sum)?;
-        Ok(squared.sqrt())
+        Ok(match expert_squared {
+            Some(experts) => {
+                self.reduce_over_expert_replica(&experts, ReduceOp::Sum)?;
+                (squared + experts).sqrt()
+            }
+            None => squared.sqrt(),
+        })
     }
 
     /// The zeros in the gradients that count, over the whole replica (Megatron's
     /// `--log-num-zeros-in-grad`).
     fn grad_zeros(&self) -> Result<u64> {
         let device = self.grad_buffer.device();
-        let mut zeros = Tensor::zeros([], (Kind::Double, device));
-        for view in &self.views.counted {
-            zeros += view.eq(0.0).sum(Kind::Double);
-        }
+        let count = |views: &[Tensor]| {
+            let mut zeros = Tensor::zeros([], (Kind::Double, device));
+            for view in views {
+                zeros += view.eq(0.0).sum(Kind::Double);
+            }
+            zeros
+        };
+        let (zeros, expert_zeros) = (
+            count(&self.views.counted),
+            count(&self.views.expert_counted),
+        );
         self.reduce_over_replica(&zeros, ReduceOp::Sum)?;
-        Ok(zeros.double_value(&[]) as u64)
+        self.reduce_over_expert_replica(&expert_zeros, ReduceOp::Sum)?;
+        Ok((zeros + expert_zeros).double_value(&[]) as u64)
     }
 
     /// The global norm of the gradients that count.
     fn grad_norm(&self) -> Result<Tensor> {
         match &self.kernels {
-            Some(kernels) => self.replica_norm(optimizer_kernels::sum_of_squares(
-                &self.grad_buffer,
-                &kernels.squares,
-            )?),
-            None => self.global_norm(&self.views.counted),
+            Some(kernels) => self.replica_norm(
+                optimizer_kernels::sum_of_squares(&self.grad_buffer, &kernels.squares)?,
+                kernels
+                    .expert_squares
+                    .as_ref()
+                    .map(|table| optimizer_kernels::sum_of_squares(&self.grad_buffer, table))
+                    .transpose()?,
+            ),
+            None => self.global_norm(&self.views.counted, &self.views.expert_counted),
         }
     }
 
@@ -924,14 +987,17 @@ impl MixedPrecisionOptimizer {
 
     /// The L2 norm of the parameters over the whole model (`--log-params-norm`).
     pub fn params_norm(&self) -> Result<f64> {
-        let views: Vec<Tensor> = self
-            .layout
-            .segments
-            .iter()
-            .filter(|s| self.counted(s))
-            .map(|s| self.main_view(s))
-            .collect();
-        Ok(self.global_norm(&views)?.double_value(&[]))
+        let views = |expert: bool| -> Vec<Tensor> {
+            self.layout
+                .segments
+                .iter()
+                .filter(|s| self.counted(s) && self.is_expert(s) == expert)
+                .map(|s| self.main_view(s))
+                .collect()
+        };
+        Ok(self
+            .global_norm(&views(false), &views(true))?
+            .double_value(&[]))
     }
 
     /// This rank's optimizer state for checkpoints: the float32 main parameters and moments of

@@ -17,6 +17,8 @@ use megatron_parallel::Communicator;
 
 pub struct ParamGather {
     data: Arc<dyn Communicator>,
+    /// The experts' buckets' group.
+    expert_data: Arc<dyn Communicator>,
     layout: BufferLayout,
     /// The stream of overlapped gathers; none gathers in place.
     side: Option<CudaStream>,
@@ -32,6 +34,7 @@ struct State {
 impl ParamGather {
     pub fn new(
         data: Arc<dyn Communicator>,
+        expert_data: Arc<dyn Communicator>,
         param_buffer: Tensor,
         layout: BufferLayout,
         side: Option<CudaStream>,
@@ -39,6 +42,7 @@ impl ParamGather {
         let pending = layout.buckets.iter().map(|_| None).collect();
         ParamGather {
             data,
+            expert_data,
             layout,
             side,
             state: Mutex::new(State {
@@ -81,8 +85,12 @@ impl ParamGather {
         let view = |range: &std::ops::Range<usize>| {
             param_buffer.narrow(0, range.start as i64, range.len() as i64)
         };
-        let gathered = self
-            .data
+        let group = if bucket.expert {
+            &self.expert_data
+        } else {
+            &self.data
+        };
+        let gathered = group
             .all_gather(&view(&bucket.shard), 0)
             .context("all-gather of parameters")?;
         tch::no_grad(|| view(&bucket.range).copy_(&gathered));

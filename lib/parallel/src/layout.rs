@@ -2,6 +2,11 @@
 //! each group, in Megatron's default `tp-cp-ep-dp-pp` order (spec §8): the tensor-parallel rank
 //! varies fastest, then the context-parallel rank, then the data-parallel rank, then the
 //! pipeline stage.
+//!
+//! The experts of Mixture-of-Experts layers see a grid of their own over the same ranks
+//! (Megatron's decoupled expert rank generator, with expert tensor parallelism 1): within a
+//! pipeline stage the expert-parallel rank varies fastest, then the expert-data-parallel
+//! rank, so the tensor × context × data ranks of a stage are refolded as expert × expert-data.
 
 use anyhow::{ensure, Result};
 use serde::{Deserialize, Serialize};
@@ -16,6 +21,10 @@ pub struct ParallelLayout {
     pub context: usize,
     pub pipeline: usize,
     pub data: usize,
+    /// `--expert-model-parallel-size`: the ranks each Mixture-of-Experts layer's experts are
+    /// split over; `None` for a model without such layers, which needs no expert groups.
+    #[serde(default)]
+    pub expert: Option<usize>,
 }
 
 fn one() -> usize {
@@ -49,6 +58,13 @@ pub enum GroupKind {
     /// tied word embeddings.
     Embedding,
     World,
+    /// The ranks that split one layer's experts between them (Megatron's `ep` group).
+    Expert,
+    /// The ranks holding the same experts, over which their gradients are reduced.
+    ExpertData,
+    /// Expert × pipeline: the ranks that together hold one replica of the experts (the
+    /// experts' share of the gradient norm).
+    ExpertModel,
 }
 
 impl GroupKind {
@@ -62,6 +78,9 @@ impl GroupKind {
             GroupKind::Model => "model",
             GroupKind::Embedding => "embedding",
             GroupKind::World => "world",
+            GroupKind::Expert => "expert",
+            GroupKind::ExpertData => "expert-data",
+            GroupKind::ExpertModel => "expert-model",
         }
     }
 }
@@ -97,7 +116,51 @@ impl ParallelLayout {
             context,
             pipeline,
             data: world_size / model,
+            expert: None,
         })
+    }
+
+    /// The same grid for a model with Mixture-of-Experts layers, whose experts are split over
+    /// `expert` ranks (`--expert-model-parallel-size`; the experts' tensor parallelism is 1).
+    pub fn with_expert_parallel(self, expert: usize) -> Result<Self> {
+        let stage = self.stage_size();
+        ensure!(
+            expert > 0 && stage % expert == 0,
+            "--expert-model-parallel-size {expert} does not divide the {stage} ranks of a \
+             pipeline stage (world size {} / --pipeline-model-parallel-size {})",
+            self.world_size,
+            self.pipeline
+        );
+        Ok(ParallelLayout {
+            expert: Some(expert),
+            ..self
+        })
+    }
+
+    /// The ranks of one pipeline stage: tensor × context × data.
+    fn stage_size(&self) -> usize {
+        self.tensor * self.context * self.data
+    }
+
+    /// The expert-parallel size (1 without Mixture-of-Experts layers).
+    pub fn expert_size(&self) -> usize {
+        self.expert.unwrap_or(1)
+    }
+
+    /// The expert-data-parallel size: the ranks of a stage holding the same experts.
+    pub fn expert_data(&self) -> usize {
+        self.stage_size() / self.expert_size()
+    }
+
+    /// `rank`'s expert-parallel and expert-data-parallel indices in the expert grid.
+    pub fn expert_coordinates(&self, rank: usize) -> (usize, usize) {
+        let within_stage = rank % self.stage_size();
+        let size = self.expert_size();
+        (within_stage % size, within_stage / size)
+    }
+
+    fn expert_rank_of(&self, expert: usize, expert_data: usize, pipeline: usize) -> usize {
+        expert + self.expert_size() * (expert_data + self.expert_data() * pipeline)
     }
 
     pub fn single() -> Self {
@@ -107,6 +170,7 @@ impl ParallelLayout {
             context: 1,
             pipeline: 1,
             data: 1,
+            expert: None,
         }
     }
 
@@ -167,6 +231,25 @@ impl ParallelLayout {
                 }
             }
             GroupKind::World => (0..self.world_size).collect(),
+            GroupKind::Expert => {
+                let (_, expert_data) = self.expert_coordinates(rank);
+                (0..self.expert_size())
+                    .map(|e| self.expert_rank_of(e, expert_data, c.pipeline))
+                    .collect()
+            }
+            GroupKind::ExpertData => {
+                let (expert, _) = self.expert_coordinates(rank);
+                (0..self.expert_data())
+                    .map(|d| self.expert_rank_of(expert, d, c.pipeline))
+                    .collect()
+            }
+            GroupKind::ExpertModel => {
+                let (_, expert_data) = self.expert_coordinates(rank);
+                (0..self.pipeline)
+                    .flat_map(|p| (0..self.expert_size()).map(move |e| (e, p)))
+                    .map(|(e, p)| self.expert_rank_of(e, expert_data, p))
+                    .collect()
+            }
         }
     }
 
@@ -183,17 +266,18 @@ impl ParallelLayout {
         groups
     }
 
-    /// `TP=2 PP=2 DP=2` (with `CP=` when the sequences are split), for messages.
+    /// `TP=2 PP=2 DP=2` (with `CP=` when the sequences are split and `EP=` with expert
+    /// parallelism), for messages.
     pub fn describe(&self) -> String {
-        let context = if self.context > 1 {
-            format!(" CP={}", self.context)
-        } else {
-            String::new()
-        };
-        format!(
-            "TP={}{context} PP={} DP={}",
-            self.tensor, self.pipeline, self.data
-        )
+        let mut out = format!("TP={}", self.tensor);
+        if self.context > 1 {
+            out += &format!(" CP={}", self.context);
+        }
+        out += &format!(" PP={} DP={}", self.pipeline, self.data);
+        if self.expert_size() > 1 {
+            out += &format!(" EP={}", self.expert_size());
+        }
+        out
     }
 }
 
@@ -238,6 +322,58 @@ mod tests {
         for rank in 0..8 {
             assert_eq!(layout.rank_of(layout.coordinates(rank)), rank);
         }
+    }
+
+    /// Megatron's expert rank generator (core_v0.14.0 `RankGenerator(tp=1, ep, dp=world /
+    /// (ep·pp), pp)` in the `tp-cp-ep-dp-pp` order): world 8, TP=2, PP=2, EP=2.
+    #[test]
+    fn expert_groups_follow_megatrons_expert_rank_generator() {
+        let layout = ParallelLayout::new(8, 2, 2)
+            .unwrap()
+            .with_expert_parallel(2)
+            .unwrap();
+        assert_eq!(layout.expert_data(), 2);
+        assert_eq!(
+            layout.all_groups(GroupKind::Expert),
+            [[0, 1], [2, 3], [4, 5], [6, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::ExpertData),
+            [[0, 2], [1, 3], [4, 6], [5, 7]]
+        );
+        assert_eq!(
+            layout.all_groups(GroupKind::ExpertModel),
+            [[0, 1, 4, 5], [2, 3, 6, 7]]
+        );
+        // World 8, TP=2, PP=1, EP=4: a stage of 8 refolded as 4 experts × 2.
+        let wide = ParallelLayout::new(8, 2, 1)
+            .unwrap()
+            .with_expert_parallel(4)
+            .unwrap();
+        assert_eq!(
+            wide.all_groups(GroupKind::Expert),
+            [[0, 1, 2, 3], [4, 5, 6, 7]]
+        );
+        assert_eq!(
+            wide.all_groups(GroupKind::ExpertData),
+            [[0, 4], [1, 5], [2, 6], [3, 7]]
+        );
+        // EP=1: every rank of a stage holds every expert.
+        let dense = ParallelLayout::new(4, 2, 1)
+            .unwrap()
+            .with_expert_parallel(1)
+            .unwrap();
+        assert_eq!(dense.all_groups(GroupKind::ExpertData), [[0, 1, 2, 3]]);
+        assert_eq!(dense.all_groups(GroupKind::Expert), [[0], [1], [2], [3]]);
+        let error = ParallelLayout::new(6, 1, 2)
+            .unwrap()
+            .with_expert_parallel(2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--expert-model-parallel-size 2 does not divide the 3 ranks"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub use layout::{Coordinates, GroupKind, ParallelLayout};
 pub use nccl::NcclCommunicator;
 pub use placement::{join_launched_job, JoinOptions, Placement};
 pub use regions::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    all_to_all_region, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
@@ -58,6 +58,12 @@ pub struct ParallelState {
     pub model: Arc<dyn Communicator>,
     /// First and last pipeline stage, for the tied word embeddings.
     pub embedding: Arc<dyn Communicator>,
+    /// The ranks splitting the experts of Mixture-of-Experts layers (`--expert-model-parallel-size`).
+    pub expert: Arc<dyn Communicator>,
+    /// The ranks holding the same experts: their gradients' data-parallel group.
+    pub expert_data: Arc<dyn Communicator>,
+    /// Expert × pipeline: one replica of the experts (their share of the gradient norm).
+    pub expert_model: Arc<dyn Communicator>,
     pub world: Arc<dyn Communicator>,
     /// `--sequence-parallel` (only meaningful with tensor parallelism).
     pub sequence_parallel: bool,
@@ -77,6 +83,9 @@ impl ParallelState {
             data_with_context: single.clone(),
             model: single.clone(),
             embedding: single.clone(),
+            expert: single.clone(),
+            expert_data: single.clone(),
+            expert_model: single.clone(),
             world: single,
             sequence_parallel: false,
         }
@@ -91,10 +100,15 @@ impl ParallelState {
         sequence_parallel: bool,
         mut group: impl FnMut(GroupKind, &[usize]) -> Result<Arc<dyn Communicator>>,
     ) -> Result<Self> {
-        // A group of one needs no backend: every collective is the identity.
+        // A group of one needs no backend: every collective is the identity. A model without
+        // Mixture-of-Experts layers has no expert groups.
         let mut make = |kind: GroupKind| -> Result<Arc<dyn Communicator>> {
             let members = layout.group(kind, rank);
-            if members.len() == 1 {
+            let expert = matches!(
+                kind,
+                GroupKind::Expert | GroupKind::ExpertData | GroupKind::ExpertModel
+            );
+            if members.len() == 1 || (expert && layout.expert.is_none()) {
                 return Ok(Arc::new(SingleRank));
             }
             group(kind, &members)
@@ -109,6 +123,9 @@ impl ParallelState {
             data_with_context: make(GroupKind::DataWithContext)?,
             model: make(GroupKind::Model)?,
             embedding: make(GroupKind::Embedding)?,
+            expert: make(GroupKind::Expert)?,
+            expert_data: make(GroupKind::ExpertData)?,
+            expert_model: make(GroupKind::ExpertModel)?,
             world: make(GroupKind::World)?,
             sequence_parallel: sequence_parallel && layout.tensor > 1,
         })

@@ -26,6 +26,9 @@ pub struct JoinOptions<'a> {
     /// `--context-parallel-size` (1 where a binary has no such flag).
     pub context_parallel: usize,
     pub pipeline_parallel: usize,
+    /// `--expert-model-parallel-size` for a model with Mixture-of-Experts layers; `None`
+    /// builds no expert groups.
+    pub expert_parallel: Option<usize>,
     pub sequence_parallel: bool,
     /// The backend asked for; on CPUs gloo is used whatever it says, since NCCL cannot run there.
     pub backend: Backend,
@@ -38,12 +41,15 @@ pub struct JoinOptions<'a> {
 pub fn join_launched_job(options: &JoinOptions) -> Result<(Job, Placement)> {
     let env = LaunchEnv::from_env()?;
     let device = resolve_device(options.device, options.local_rank.unwrap_or(env.local_rank))?;
-    let layout = ParallelLayout::with_context(
+    let mut layout = ParallelLayout::with_context(
         env.world_size,
         options.tensor_parallel,
         options.context_parallel,
         options.pipeline_parallel,
     )?;
+    if let Some(expert) = options.expert_parallel {
+        layout = layout.with_expert_parallel(expert)?;
+    }
     let backend = if device.is_cuda() {
         options.backend
     } else {

@@ -198,3 +198,49 @@ impl CustomFunction for GatherFromRegion {
         )])
     }
 }
+
+/// All-to-all with variable splits forward (see [`Communicator::all_to_all`]), the reverse
+/// all-to-all of the gradient backward: how Mixture-of-Experts tokens reach the ranks holding
+/// their experts and come back.
+pub fn all_to_all_region(
+    input: &Tensor,
+    group: &Arc<dyn Communicator>,
+    send_splits: &[i64],
+    recv_splits: &[i64],
+) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(input.shallow_clone());
+    }
+    Ok(single(apply(
+        AllToAll {
+            group: group.clone(),
+            send_splits: send_splits.to_vec(),
+            recv_splits: recv_splits.to_vec(),
+        },
+        &[input],
+    )?))
+}
+
+struct AllToAll {
+    group: Arc<dyn Communicator>,
+    send_splits: Vec<i64>,
+    recv_splits: Vec<i64>,
+}
+
+impl CustomFunction for AllToAll {
+    fn forward(&mut self, inputs: &[Tensor], _saved: &mut SavedTensors) -> Result<Vec<Tensor>> {
+        Ok(vec![self.group.all_to_all(
+            &inputs[0].contiguous(),
+            &self.send_splits,
+            &self.recv_splits,
+        )?])
+    }
+
+    fn backward(&mut self, grads: &[Tensor], _saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![Some(self.group.all_to_all(
+            &grads[0].contiguous(),
+            &self.recv_splits,
+            &self.send_splits,
+        )?)])
+    }
+}

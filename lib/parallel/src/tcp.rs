@@ -337,3 +337,50 @@ impl HostTransport for TcpGroup {
             .tensor)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::launch::{LaunchEnv, NodePlace, RendezvousPlace};
+
+    /// Three ranks over real sockets on this host (the gloo backend of CPU jobs).
+    #[test]
+    fn all_to_all_with_uneven_and_empty_splits() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let timeout = Duration::from_secs(30);
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..3)
+                .map(|rank| {
+                    scope.spawn(move || -> Result<()> {
+                        let env = LaunchEnv {
+                            rank,
+                            world_size: 3,
+                            local_rank: rank,
+                            node: NodePlace::one_node(3),
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            rendezvous: RendezvousPlace::MasterPort,
+                        };
+                        let rendezvous = Rendezvous::join(&env, timeout)?;
+                        let mesh = TcpMesh::connect(&rendezvous, "127.0.0.1", timeout)?;
+                        let group = mesh.group("expert", &[0, 1, 2])?;
+                        crate::communicator::check_all_to_all(group.as_ref())?;
+                        rendezvous.finish()
+                    })
+                })
+                .collect();
+            for (rank, handle) in ranks.into_iter().enumerate() {
+                handle
+                    .join()
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e:#}"));
+            }
+        });
+    }
+}

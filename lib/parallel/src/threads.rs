@@ -391,6 +391,17 @@ mod tests {
     }
 
     #[test]
+    fn all_to_all_with_uneven_and_empty_splits() {
+        let world = world(3);
+        world
+            .run(|rank| {
+                let group = world.group("expert", &[0, 1, 2], rank)?;
+                crate::communicator::check_all_to_all(group.as_ref())
+            })
+            .unwrap();
+    }
+
+    #[test]
     fn a_failing_rank_releases_the_others() {
         let world = ThreadWorld::new(2, Duration::from_secs(60));
         let started = Instant::now();

@@ -94,6 +94,14 @@ fn exercise(comm: &dyn Communicator, device: Device) -> Result<Vec<(String, Tens
         comm.exchange(&ops)?;
         results.push((format!("exchange from rank {sender}"), message));
     }
+    // All-to-all with uneven splits, one empty: rank r sends r + 1 rows to rank 0 and 1 - r
+    // to rank 1.
+    let send_of = |r: i64| [r + 1, 1 - r];
+    let me = rank as i64;
+    let rows = on(input(rank, &[send_of(me).iter().sum(), 3], Kind::Float, 8));
+    let recv = [send_of(0)[rank], send_of(1)[rank]];
+    let exchanged = comm.all_to_all(&rows, &send_of(me), &recv)?;
+    results.push(("all_to_all uneven".into(), exchanged));
     comm.barrier()?;
     Ok(results
         .into_iter()

@@ -145,6 +145,20 @@ fn load_model_tensors<C: ModelChunk>(
     Ok(())
 }
 
+/// `tensors` without the routed experts this rank's chunks do not hold (a checkpoint holds
+/// every expert; with expert parallelism a rank holds some).
+fn only_held_experts<C: ModelChunk>(
+    chunks: &[C],
+    mut tensors: HashMap<String, Tensor>,
+) -> HashMap<String, Tensor> {
+    let held: std::collections::HashSet<String> = model_tensors(chunks)
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    tensors.retain(|name, _| !name.contains(".mlp.experts.local_experts.") || held.contains(name));
+    tensors
+}
+
 pub struct SaveRequest<'a, C: ModelChunk> {
     pub root: &'a Path,
     /// `GPT`, `BERT`.
@@ -292,8 +306,11 @@ impl RankPart {
         let device = chunk.options().device;
         let data_rank = parallel.data.rank();
         let mut files = Vec::new();
+        // Every rank joins the gathering of the experts, so it comes before the choice of who
+        // writes.
+        let model = with_every_expert(model_tensors(request.chunks), &parallel.expert)?;
         if data_rank == 0 {
-            files.push((MODEL_FILE.to_string(), model_tensors(request.chunks)));
+            files.push((MODEL_FILE.to_string(), model));
             if request.save_rng {
                 files.push((RNG_FILE.to_string(), rng_tensors(device)?));
             }
@@ -303,9 +320,9 @@ impl RankPart {
             }
         }
         if let Some((optimizer, _)) = request.optimizer {
-            let sharded = request.distributed_optimizer && parallel.data_parallel_size() > 1;
-            if sharded || data_rank == 0 {
-                let file = optimizer_file(sharded.then_some(data_rank));
+            let per_rank = optimizer_state_per_rank(request.distributed_optimizer, parallel);
+            if per_rank || data_rank == 0 {
+                let file = optimizer_file(per_rank.then_some(data_rank));
                 files.push((file, optimizer.state_tensors()));
             }
         }
@@ -530,7 +547,7 @@ pub fn load_weights<C: ModelChunk>(
                 found.directory.display()
             )
         })?;
-    load_model_tensors(chunks, tensors)
+    load_model_tensors(chunks, only_held_experts(chunks, tensors))
         .with_context(|| format!("loading {}", found.directory.display()))?;
     if let Some(fp8) = found.read(&rank_dir, FP8_FILE, Device::Cpu)? {
         load_fp8_tensors(chunks, &fp8)
@@ -564,6 +581,82 @@ pub struct TrainingState<'a> {
 }
 
 /// Restores counters, optimizer, scheduler, loss scaler and generators from a checkpoint.
+/// Whether each data-parallel rank writes an optimizer state file of its own: with the
+/// distributed optimizer (each holds a shard), and with expert parallelism (each holds other
+/// experts).
+fn optimizer_state_per_rank(distributed_optimizer: bool, parallel: &ParallelState) -> bool {
+    (distributed_optimizer || parallel.layout.expert_size() > 1)
+        && parallel.data_parallel_size() > 1
+}
+
+/// `tensors` with the routed experts of every rank of the expert-parallel `group` (gathered
+/// from them), so a checkpoint holds each layer's every expert whatever the expert
+/// parallelism; unchanged without it. Experts are named by global index
+/// (`….mlp.experts.local_experts.<e>.…`), each rank holding a run of them; every rank calls
+/// this, and gathers its experts' tensors in the same order.
+fn with_every_expert(
+    mut tensors: Vec<(String, Tensor)>,
+    group: &std::sync::Arc<dyn megatron_parallel::Communicator>,
+) -> Result<Vec<(String, Tensor)>> {
+    const EXPERTS: &str = ".mlp.experts.local_experts.";
+    if group.size() == 1 {
+        return Ok(tensors);
+    }
+    // (layer prefix, global index, the rest of the name) of each expert tensor.
+    let mut experts: Vec<(String, i64, String, Tensor)> = Vec::new();
+    tensors.retain(|(name, tensor)| {
+        let Some(at) = name.find(EXPERTS) else {
+            return true;
+        };
+        let (prefix, tail) = name.split_at(at + EXPERTS.len());
+        let Some((index, rest)) = tail.split_once('.') else {
+            return true;
+        };
+        let Ok(index) = index.parse::<i64>() else {
+            return true;
+        };
+        experts.push((
+            prefix.to_string(),
+            index,
+            rest.to_string(),
+            tensor.shallow_clone(),
+        ));
+        false
+    });
+    let mut first: HashMap<String, i64> = HashMap::new();
+    for (prefix, index, _, _) in &experts {
+        let entry = first.entry(prefix.clone()).or_insert(*index);
+        *entry = (*entry).min(*index);
+    }
+    let mut locals: Vec<(String, i64, String, Tensor)> = experts
+        .into_iter()
+        .map(|(prefix, index, rest, tensor)| {
+            let local = index - first[&prefix];
+            (prefix, local, rest, tensor)
+        })
+        .collect();
+    locals.sort_by(|a, b| (&a.0, a.1, &a.2).cmp(&(&b.0, b.1, &b.2)));
+    let per_rank: HashMap<&String, i64> = locals.iter().fold(HashMap::new(), |mut m, e| {
+        let count = m.entry(&e.0).or_insert(0);
+        *count = (*count).max(e.1 + 1);
+        m
+    });
+    let mut gathered = Vec::with_capacity(locals.len() * group.size());
+    for (prefix, local, rest, tensor) in &locals {
+        let all = group
+            .all_gather(&tensor.unsqueeze(0).contiguous(), 0)
+            .with_context(|| {
+                format!("gathering {prefix}{local}.{rest} from the expert-parallel ranks")
+            })?;
+        for rank in 0..group.size() as i64 {
+            let index = rank * per_rank[prefix] + local;
+            gathered.push((format!("{prefix}{index}.{rest}"), all.get(rank)));
+        }
+    }
+    tensors.extend(gathered);
+    Ok(tensors)
+}
+
 pub fn restore_training_state(
     found: CheckpointDirectory,
     request: &LoadRequest,
@@ -592,8 +685,23 @@ pub fn restore_training_state(
     let rank_dir = rank_directory(parallel);
     let parallel = &parallel.for_gradients();
     if request.load_optimizer {
-        let sharded = state.distributed_optimizer && parallel.data_parallel_size() > 1;
-        let saved_sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
+        let sharded = optimizer_state_per_rank(state.distributed_optimizer, parallel);
+        let saved_experts = metadata
+            .args
+            .pointer("/model/expert_model_parallel_size")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(1) as usize;
+        let saved_sharded = (metadata.distributed_optimizer || saved_experts > 1)
+            && metadata.data_parallel_size > 1;
+        if metadata.optimizer.is_some() && saved_experts != parallel.layout.expert_size() {
+            bail!(
+                "{}: the optimizer state was saved with --expert-model-parallel-size \
+                 {saved_experts} but this run uses {}; pass --no-load-optim to start the \
+                 optimizer afresh",
+                directory.display(),
+                parallel.layout.expert_size()
+            );
+        }
         if metadata.optimizer.is_some()
             && (sharded, sharded.then_some(metadata.data_parallel_size))
                 != (

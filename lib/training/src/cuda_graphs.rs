@@ -32,7 +32,7 @@ pub fn unsupported_reason(
     } else if !cuda_graphs_available() {
         Some("this build has no CUDA graphs (its shim found no CUDA runtime headers)")
     } else if parallel.layout.context > 1 {
-        Some("context parallelism's attention has not been made safe to capture")
+        Some("context parallelism copies the chunks' positions to the device at every step")
     } else if parallel.layout.pipeline > 1 {
         Some("pipeline stages exchange activations between a micro-batch's forward and backward")
     } else if args.training.calculate_per_token_loss {

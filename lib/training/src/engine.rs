@@ -313,6 +313,13 @@ pub fn train_with_hooks<F: ModelFamily>(
     let config = family.transformer().clone();
     let recompute = args.recompute.recompute()?;
     args.model.moe.refuse_full_recompute(recompute)?;
+    args.model.moe.check_parallel(&args.parallel)?;
+    ensure!(
+        layout.expert_size() == args.model.moe.expert_model_parallel_size,
+        "the job's groups were built for {} but --expert-model-parallel-size is {}",
+        layout.describe(),
+        args.model.moe.expert_model_parallel_size
+    );
     let options = ModelOptions {
         params_dtype: args.precision.params_dtype(),
         device,

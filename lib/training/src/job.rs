@@ -10,10 +10,15 @@ use crate::args::{ParallelArgs, TrainingArgs};
 use megatron_parallel::{join_launched_job, Backend, Job, JoinOptions, Placement};
 
 /// Joins the job with the pretraining flags (`--device`, `--local-rank`, the parallel sizes,
-/// `--distributed-backend`, `--distributed-timeout-minutes`); on a GPU, cuBLAS without a
+/// `--distributed-backend`, `--distributed-timeout-minutes`, and `experts`, the
+/// `--expert-model-parallel-size` of a model with Mixture-of-Experts layers); on a GPU, cuBLAS without a
 /// workspace; with `--deterministic-mode`, CPU GEMMs that give the same bits on every run
 /// (reproducible MKL branches, one intra-op thread on a CPU device).
-pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job, Placement)> {
+pub fn join_job(
+    parallel: &ParallelArgs,
+    training: &TrainingArgs,
+    experts: Option<usize>,
+) -> Result<(Job, Placement)> {
     if training.deterministic_mode {
         reproducible_cpu_gemms();
     }
@@ -23,6 +28,7 @@ pub fn join_job(parallel: &ParallelArgs, training: &TrainingArgs) -> Result<(Job
         tensor_parallel: parallel.tensor_model_parallel_size,
         context_parallel: parallel.context_parallel_size,
         pipeline_parallel: parallel.pipeline_model_parallel_size,
+        expert_parallel: experts,
         sequence_parallel: parallel.sequence_parallel,
         backend: Backend::parse(&parallel.distributed_backend)?,
         timeout: Duration::from_secs_f64(parallel.distributed_timeout_minutes * 60.0),
@@ -64,9 +70,10 @@ fn report_nodes(job: &Job, placement: &Placement) {
 pub fn run_job(
     parallel: &ParallelArgs,
     training: &TrainingArgs,
+    experts: Option<usize>,
     train: impl FnOnce(&Placement) -> Result<TrainingSummary>,
 ) -> Result<Option<TrainingSummary>> {
-    let (job, placement) = join_job(parallel, training)?;
+    let (job, placement) = join_job(parallel, training, experts)?;
     let summary = train(&placement)?;
     job.finish()?;
     Ok(placement.parallel.is_logging_rank().then_some(summary))

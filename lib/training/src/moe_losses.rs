@@ -63,6 +63,18 @@ impl MoeLossColumns {
             .to_kind(Kind::Float)
             .to_device(device);
         parallel.pipeline.all_reduce(&totals, ReduceOp::Sum)?;
+        let totals = if parallel.sequence_parallel {
+            // Each rank of the sequence's group holds the load-balancing losses' share of its
+            // tokens, summed over the group (Megatron's `reduce_group`); the z-loss is each
+            // rank's own mean.
+            let shared: Vec<bool> = self.names.iter().map(|name| *name != "z_loss").collect();
+            let shared = Tensor::from_slice(&shared).to_device(device);
+            let summed = totals.copy();
+            parallel.tensor.all_reduce(&summed, ReduceOp::Sum)?;
+            summed.where_self(&shared, &totals)
+        } else {
+            totals
+        };
         let totals = Vec::<f64>::try_from(&totals.to_kind(Kind::Double))?;
         let per = (microbatches * self.num_moe_layers) as f64;
         Ok(self

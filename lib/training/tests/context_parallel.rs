@@ -211,6 +211,17 @@ fn what_context_parallelism_cannot_run_is_refused_by_name() {
     );
     let packed = parse_error(&["--context-parallel-size", "2", "--reset-attention-mask"]);
     assert!(packed.contains("--reset-attention-mask"), "{packed}");
+    let experts = parse_error(&[
+        "--context-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--disable-bias-linear",
+    ]);
+    assert!(
+        experts.contains("--num-experts is not supported yet"),
+        "{experts}"
+    );
     let graphs = parse_error(&["--context-parallel-size", "2", "--enable-cuda-graph"]);
     assert!(
         graphs.contains("--enable-cuda-graph is not supported"),

@@ -1,7 +1,10 @@
 //! A Llama-style GPT whose MLPs are Mixtures of Experts trains as Megatron's: data and
 //! pipeline parallelism give the one-rank run's losses and weights, the auxiliary losses are
 //! logged under Megatron's names (the same whatever the layout), the checkpoint holds
-//! Megatron's expert names and resuming from it is bitwise the straight run.
+//! Megatron's expert names and resuming from it is bitwise the straight run. Expert
+//! parallelism (both dispatchers, with and without the distributed optimizer, and beside
+//! tensor and sequence parallelism) gives the losses, gradient norms and weights of the same
+//! data-parallel run without it, and saves and resumes.
 
 mod support;
 
@@ -42,10 +45,46 @@ static MOE: LazyLock<Vec<&str>> = LazyLock::new(|| {
 });
 
 fn train(world: usize, pipeline: usize, extra: &[&str]) -> (support::Outcome, Vec<[f64; 2]>) {
+    let (outcome, moe, _) = train_tp(world, 1, pipeline, extra);
+    (outcome, moe)
+}
+
+/// [`train`] with `tensor`-way tensor parallelism; also every iteration's gradient norm.
+fn train_tp(
+    world: usize,
+    tensor: usize,
+    pipeline: usize,
+    extra: &[&str],
+) -> (support::Outcome, Vec<[f64; 2]>, Vec<f64>) {
     let dir = tempfile::tempdir().unwrap();
     let outcome =
-        support::train_in::<GptPretrainArgs>(dir.path(), &MOE, world, 1, pipeline, extra).unwrap();
-    (outcome, moe_losses(&dir.path().join("metrics.jsonl")))
+        support::train_in::<GptPretrainArgs>(dir.path(), &MOE, world, tensor, pipeline, extra)
+            .unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    (outcome, moe_losses(&metrics), grad_norms(&metrics))
+}
+
+/// The gradient norm of every training iteration in the metrics file.
+fn grad_norms(metrics: &Path) -> Vec<f64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            record.get("grad-norm")?.as_f64()
+        })
+        .collect()
+}
+
+fn assert_norms_close(reference: &[f64], other: &[f64], what: &str) {
+    assert_eq!(reference.len(), 3, "{what}: reference logged {reference:?}");
+    assert_eq!(other.len(), 3, "{what}: logged {other:?}");
+    for (a, b) in reference.iter().zip(other) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "{what}: grad norms {other:?} against {reference:?}"
+        );
+    }
 }
 
 /// `[load_balancing_loss, z_loss]` of every training iteration in the metrics file.
@@ -120,4 +159,120 @@ fn moe_gpt_resumes_bitwise() {
     support::assert_bitwise_identical(&straight, &resumed);
     let resumed_moe = moe_losses(&dir.path().join("metrics.jsonl"));
     assert_eq!(resumed_moe, straight_moe);
+}
+
+/// Two ranks: each holds two of the four experts (EP=2) and its own micro-batches (DP=2), and
+/// trains as two data-parallel ranks holding all four, with either dispatcher, with and
+/// without the distributed optimizer (expert gradients then reduced and sharded over the
+/// expert-data-parallel group, here one rank).
+#[test]
+fn expert_parallelism_equals_data_parallelism() {
+    for distributed in [false, true] {
+        let optimizer: &[&str] = if distributed {
+            &["--use-distributed-optimizer"]
+        } else {
+            &[]
+        };
+        let (reference, reference_moe, reference_norms) = train_tp(2, 1, 1, optimizer);
+        for dispatcher in ["allgather", "alltoall"] {
+            let what = format!("EP=2 {dispatcher}, distributed optimizer {distributed}");
+            let extra = [
+                optimizer,
+                &[
+                    "--expert-model-parallel-size",
+                    "2",
+                    "--moe-token-dispatcher-type",
+                    dispatcher,
+                ],
+            ]
+            .concat();
+            let (experts, experts_moe, experts_norms) = train_tp(2, 1, 1, &extra);
+            support::assert_equivalent(&reference, &experts, &what);
+            assert_close(&reference_moe, &experts_moe, &what);
+            assert_norms_close(&reference_norms, &experts_norms, &what);
+        }
+    }
+}
+
+/// Four ranks: tensor and sequence parallelism 2 with the experts split over the two
+/// tensor-parallel ranks of each replica (EP=2, expert tensor parallelism 1) trains as the
+/// same layout with every expert on every rank.
+#[test]
+fn expert_parallelism_beside_tensor_parallelism_equals_tensor_parallelism() {
+    let tensor = ["--sequence-parallel", "--expert-tensor-parallel-size", "1"];
+    let (reference, reference_moe, reference_norms) = train_tp(4, 2, 1, &tensor);
+    // Mixture-of-Experts layers under tensor and sequence parallelism train as one rank, and
+    // with the same micro-batches (no data parallelism) log its load-balancing loss: each
+    // rank's share of its half of the sequence, summed over the two.
+    let (one_rank, one_rank_moe) = train(1, 1, &[]);
+    support::assert_equivalent(&one_rank, &reference, "TP=2 with sequence parallelism");
+    let (tensor_only, tensor_only_moe, _) = train_tp(2, 2, 1, &tensor);
+    support::assert_equivalent(&one_rank, &tensor_only, "TP=2 on two ranks");
+    let balance = |losses: &[[f64; 2]]| losses.iter().map(|[b, _]| [*b, 0.0]).collect::<Vec<_>>();
+    assert_close(
+        &balance(&one_rank_moe),
+        &balance(&tensor_only_moe),
+        "TP=2 on two ranks",
+    );
+    for dispatcher in ["allgather", "alltoall"] {
+        let what = format!("TP=2 × EP=2 {dispatcher}");
+        let extra = [
+            &tensor[..],
+            &[
+                "--expert-model-parallel-size",
+                "2",
+                "--moe-token-dispatcher-type",
+                dispatcher,
+            ],
+        ]
+        .concat();
+        let (experts, experts_moe, experts_norms) = train_tp(4, 2, 1, &extra);
+        support::assert_equivalent(&reference, &experts, &what);
+        assert_close(&reference_moe, &experts_moe, &what);
+        assert_norms_close(&reference_norms, &experts_norms, &what);
+    }
+}
+
+/// A run under EP=2 saved after two steps and resumed gives the straight run's losses.
+#[test]
+fn moe_gpt_under_expert_parallelism_resumes_bitwise() {
+    let experts = [
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ];
+    let (straight, straight_moe) = train(2, 1, &experts);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    let stop_after_two = [
+        &experts[..],
+        &["--exit-interval", "2", "--save-interval", "1"],
+    ]
+    .concat();
+    support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &stop_after_two).unwrap();
+    let resume = [&experts[..], &["--load", &ckpt]].concat();
+    let resumed = support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &resume).unwrap();
+    support::assert_bitwise_identical(&straight, &resumed);
+    let resumed_moe = moe_losses(&dir.path().join("metrics.jsonl"));
+    assert_eq!(resumed_moe, straight_moe);
+    // The checkpoint holds all four experts of every MoE layer, whichever rank held them.
+    for e in 0..4 {
+        let name = format!("decoder.layers.2.mlp.experts.local_experts.{e}.linear_fc1.weight");
+        assert!(straight.weights.contains_key(&name), "{name} missing");
+    }
+    // Without expert parallelism the weights load (each rank takes every expert), but not
+    // the per-rank optimizer state.
+    let Err(error) =
+        support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &["--load", &ckpt])
+    else {
+        panic!("resumed EP=2 optimizer state without expert parallelism");
+    };
+    let error = format!("{error:#}");
+    assert!(
+        error.contains("saved with --expert-model-parallel-size 2 but this run uses 1"),
+        "{error}"
+    );
+    let weights_only = ["--load", &ckpt, "--no-load-optim"];
+    support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &weights_only).unwrap();
 }

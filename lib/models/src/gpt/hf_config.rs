@@ -6,7 +6,7 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value as Json};
 
 use crate::config::{Activation, Normalization, PositionEmbeddingType, TransformerConfig};
-use crate::layers::moe::config::{LoadBalancing, MoeConfig, ScoreFunction};
+use crate::layers::moe::config::{LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher};
 use crate::rope_scaling::{Llama3Scaling, RopeScaling, YarnScaling};
 
 fn int(config: &Json, key: &str) -> Result<i64> {
@@ -264,6 +264,7 @@ fn mixtral_moe(hf: &Json, num_layers: usize) -> Result<MoeConfig> {
         aux_loss_coeff: hf["router_aux_loss_coef"].as_f64().unwrap_or(0.0),
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
+        token_dispatcher: TokenDispatcher::default(),
     };
     moe.validate(num_layers).context("config.json")?;
     Ok(moe)

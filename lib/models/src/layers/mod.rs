@@ -60,6 +60,10 @@ pub struct ParamAttributes {
     /// The tied word embeddings held by both the first and the last pipeline stage: their
     /// gradients are summed over the embedding group.
     pub tied_across_stages: bool,
+    /// A routed expert of a Mixture-of-Experts layer, whole on its rank: its gradient is
+    /// reduced over the expert-data-parallel group, and it counts in the experts' share of
+    /// the gradient norm.
+    pub expert: bool,
 }
 
 impl ParamAttributes {
@@ -69,6 +73,7 @@ impl ParamAttributes {
         sequence_parallel: false,
         shared_embedding: false,
         tied_across_stages: false,
+        expert: false,
     };
 }
 
@@ -114,6 +119,19 @@ impl<'a> NamedTensors<'a> {
             attributes,
             main_grad: Some(param.main_grad().clone()),
         });
+    }
+
+    /// Collects what `push` names under `prefix.` as routed experts' parameters (see
+    /// [`ParamAttributes::expert`]).
+    pub fn experts(&mut self, prefix: &str, push: impl FnOnce(&mut NamedTensors)) {
+        let start = self.out.len();
+        push(&mut self.scope(prefix));
+        for param in &mut self.out[start..] {
+            param.attributes = ParamAttributes {
+                expert: true,
+                ..ParamAttributes::REPLICATED
+            };
+        }
     }
 
     /// A collector whose names start with `prefix.`.

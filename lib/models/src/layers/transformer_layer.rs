@@ -20,6 +20,7 @@ use crate::config::TransformerConfig;
 use crate::fp8::{Fp8Plan, Fp8Recipe};
 use crate::param::Initializer;
 use megatron_kernels::ops::decode_gemv::{self, decode_linear, Epilogue};
+use megatron_parallel::Communicator;
 
 #[derive(Clone)]
 pub struct TransformerLayer {
@@ -38,13 +39,16 @@ pub struct TransformerLayer {
 impl TransformerLayer {
     /// `init` is scoped to the layer's global name (`decoder.layers.<index>`, `index` the
     /// layer's global index, which decides whether its MLP is a Mixture of Experts).
+    /// `experts` is the expert-parallel group its Mixture of Experts, if any, splits the
+    /// experts over.
     pub fn new(
         init: &Initializer,
         config: &TransformerConfig,
         parallel: TensorParallel,
         index: usize,
+        experts: &Arc<dyn Communicator>,
     ) -> Self {
-        Self::build(init, config, parallel, false, Some(index))
+        Self::build(init, config, parallel, false, Some((index, experts)))
     }
 
     /// A decoder layer of an encoder-decoder: self-attention, cross-attention, MLP.
@@ -61,7 +65,7 @@ impl TransformerLayer {
         config: &TransformerConfig,
         parallel: TensorParallel,
         cross_attention: bool,
-        index: Option<usize>,
+        index: Option<(usize, &Arc<dyn Communicator>)>,
     ) -> Self {
         // Output projections are scaled by 1/sqrt(2L) (Megatron's "scaled init").
         let output_std = config.init_method_std / (2.0 * config.num_layers as f64).sqrt();
@@ -94,14 +98,19 @@ impl TransformerLayer {
             )
         });
         let pre_mlp_layernorm = norm("pre_mlp_layernorm");
-        let moe = (config.moe.as_ref()).filter(|moe| index.is_some_and(|i| moe.is_moe_layer(i)));
+        let moe = config.moe.as_ref().and_then(|moe| {
+            index
+                .filter(|(i, _)| moe.is_moe_layer(*i))
+                .map(|(_, experts)| (moe, experts))
+        });
         let mlp = match moe {
-            Some(moe) => FeedForward::Moe(MoeLayer::new(
+            Some((moe, experts)) => FeedForward::Moe(MoeLayer::new(
                 &init.scope("mlp"),
                 config,
                 moe,
                 output_std,
                 parallel,
+                experts.clone(),
             )),
             None => FeedForward::Dense(Mlp::new(&init.scope("mlp"), config, output_std, parallel)),
         };

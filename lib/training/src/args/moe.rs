@@ -5,9 +5,11 @@ use clap::Args;
 use megatron_cli::{bail_usage, ranges, usage_error};
 
 use megatron_models::layers::moe::config::{
-    parse_layer_freq, LoadBalancing, MoeConfig, RouterDtype, ScoreFunction,
+    parse_layer_freq, LoadBalancing, MoeConfig, RouterDtype, ScoreFunction, TokenDispatcher,
 };
 use megatron_models::Recompute;
+
+use super::ParallelArgs;
 
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct MoeArgs {
@@ -51,18 +53,22 @@ pub struct MoeArgs {
     /// Coefficient of the router's z-loss [default: none] (1e-3 is a usual start).
     #[arg(long, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub moe_z_loss_coeff: Option<f64>,
-    /// allgather or alltoall: how tokens reach the experts of other ranks; the same on one
-    /// rank. flex (DeepEP) is not supported.
+    /// allgather (every expert-parallel rank gathers all the group's tokens) or alltoall (each
+    /// token goes only to the ranks of its experts): how tokens reach the experts of other
+    /// ranks; the same results, and the same on one rank. flex (DeepEP) is not supported.
     #[arg(long, default_value = "allgather", value_parser = token_dispatcher_type)]
     pub moe_token_dispatcher_type: String,
     /// Run the experts as one grouped GEMM; the experts run one after the other here, with the
     /// same results.
     #[arg(long)]
     pub moe_grouped_gemm: bool,
-    /// Experts are split over this many ranks: only 1 is supported so far.
-    #[arg(long, default_value_t = 1, value_parser = expert_model_parallel_size)]
+    /// Expert parallelism: each MoE layer's experts are split over this many ranks, folded into
+    /// the data-parallel ranks (times the tensor-parallel ones) as Megatron does; must divide
+    /// --num-experts.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     pub expert_model_parallel_size: usize,
-    /// Tensor parallelism inside each expert: only 1 is supported.
+    /// Tensor parallelism inside each expert [default: --tensor-model-parallel-size]: only 1 is
+    /// supported, so with tensor parallelism give --expert-tensor-parallel-size 1.
     #[arg(long, value_parser = expert_tensor_parallel_size)]
     pub expert_tensor_parallel_size: Option<usize>,
     /// Not supported: the DeepEP dispatcher (refused when given).
@@ -75,6 +81,49 @@ pub struct MoeArgs {
 }
 
 impl MoeArgs {
+    /// The expert-parallel size the job's groups are built with; `None` for a dense model.
+    pub fn expert_parallel(&self) -> Option<usize> {
+        self.num_experts.map(|_| self.expert_model_parallel_size)
+    }
+
+    /// The checks Megatron makes of the MoE flags against the parallel sizes: experts split
+    /// evenly over the expert-parallel ranks, whole experts on each (expert tensor
+    /// parallelism 1), and sequence parallelism with tensor parallelism.
+    pub fn check_parallel(&self, parallel: &ParallelArgs) -> Result<()> {
+        let Some(num_experts) = self.num_experts else {
+            if self.expert_model_parallel_size > 1 {
+                bail_usage!("--expert-model-parallel-size needs --num-experts");
+            }
+            return Ok(());
+        };
+        let ep = self.expert_model_parallel_size as i64;
+        if num_experts % ep != 0 {
+            bail_usage!(
+                "--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}"
+            );
+        }
+        let tp = parallel.tensor_model_parallel_size;
+        let etp = self.expert_tensor_parallel_size.unwrap_or(tp);
+        if etp != 1 {
+            bail_usage!(
+                "--expert-tensor-parallel-size {etp}{}: only 1 is supported (experts whole on \
+                 each rank); give --expert-tensor-parallel-size 1",
+                if self.expert_tensor_parallel_size.is_none() {
+                    " (its default, --tensor-model-parallel-size)"
+                } else {
+                    ""
+                }
+            );
+        }
+        if tp > 1 && !parallel.sequence_parallel {
+            bail_usage!(
+                "--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel \
+                 (as Megatron requires in training)"
+            );
+        }
+        Ok(())
+    }
+
     /// Refuses full activation recomputation with Mixture-of-Experts layers: the recomputed
     /// router would attach its auxiliary losses on the autograd engine's thread, which does not
     /// know the step's loss scale.
@@ -150,6 +199,10 @@ impl MoeArgs {
             aux_loss_coeff: self.moe_aux_loss_coeff,
             z_loss_coeff: self.moe_z_loss_coeff,
             shared_expert_intermediate_size: self.moe_shared_expert_intermediate_size,
+            token_dispatcher: match self.moe_token_dispatcher_type.as_str() {
+                "alltoall" => TokenDispatcher::Alltoall,
+                _ => TokenDispatcher::Allgather,
+            },
         };
         config.validate(num_layers).map_err(usage_error)?;
         Ok(Some(config))
@@ -172,11 +225,10 @@ fn token_dispatcher_type(value: &str) -> Result<String, String> {
     }
 }
 
-fn expert_model_parallel_size(value: &str) -> Result<usize, String> {
+fn at_least_one(value: &str) -> Result<usize, String> {
     match value.parse::<usize>() {
-        Ok(1) => Ok(1),
         Ok(0) => Err("must be at least 1".into()),
-        Ok(_) => Err("expert parallelism is not supported yet: only 1 is".into()),
+        Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
     }
 }
@@ -244,6 +296,7 @@ mod tests {
                 aux_loss_coeff: 0.0,
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: None,
+                token_dispatcher: TokenDispatcher::Allgather,
             }
         );
         let moe = config(&[
@@ -276,6 +329,72 @@ mod tests {
         assert_eq!(moe.router_dtype, Some(RouterDtype::Fp32));
         assert_eq!(moe.load_balancing, LoadBalancing::SeqAuxLoss);
         assert_eq!(moe.aux_loss_coeff, 0.01);
+        assert_eq!(moe.token_dispatcher, TokenDispatcher::Alltoall);
+    }
+
+    fn check_parallel(extra: &[&str], parallel: &[&str]) -> Result<()> {
+        #[derive(Parser)]
+        struct WithParallel {
+            #[command(flatten)]
+            model: ModelArgs,
+            #[command(flatten)]
+            parallel: ParallelArgs,
+        }
+        let flags =
+            WithParallel::try_parse_from(SHAPE.iter().chain(extra).chain(parallel)).unwrap();
+        flags.model.moe.check_parallel(&flags.parallel)
+    }
+
+    /// Expert parallelism is accepted where Megatron accepts it; what does not fit is a usage
+    /// error naming the flags.
+    #[test]
+    fn expert_parallel_flags_are_checked_against_the_parallel_sizes() {
+        let experts = ["--num-experts", "4"];
+        check_parallel(&experts, &["--expert-model-parallel-size", "2"]).unwrap();
+        check_parallel(
+            &experts,
+            &[
+                "--expert-model-parallel-size",
+                "4",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--expert-tensor-parallel-size",
+                "1",
+            ],
+        )
+        .unwrap();
+        for (extra, parallel, needle) in [
+            (
+                &experts[..],
+                &["--expert-model-parallel-size", "3"][..],
+                "--num-experts 4 is not divisible by --expert-model-parallel-size 3",
+            ),
+            (
+                &experts,
+                &["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                "--expert-tensor-parallel-size 2 (its default, --tensor-model-parallel-size)",
+            ),
+            (
+                &experts,
+                &[
+                    "--tensor-model-parallel-size",
+                    "2",
+                    "--expert-tensor-parallel-size",
+                    "1",
+                ],
+                "needs --sequence-parallel",
+            ),
+            (
+                &[],
+                &["--expert-model-parallel-size", "2"],
+                "--expert-model-parallel-size needs --num-experts",
+            ),
+        ] {
+            let error = check_parallel(extra, parallel).unwrap_err();
+            assert!(is_usage_error(&error), "{error}");
+            assert!(error.to_string().contains(needle), "{error}");
+        }
     }
 
     /// Flags that do not fit are usage errors naming the flag; Megatron flags not implemented
@@ -315,7 +434,7 @@ mod tests {
         );
         for (extra, needle) in [
             (&["--moe-token-dispatcher-type", "flex"][..], "flex"),
-            (&["--expert-model-parallel-size", "2"], "expert parallelism"),
+            (&["--expert-model-parallel-size", "0"], "at least 1"),
             (&["--expert-tensor-parallel-size", "2"], "inside experts"),
             (
                 &["--moe-router-load-balancing-type", "sinkhorn"],

@@ -167,6 +167,12 @@ fn context_parallel(
              whole sequence"
         );
     }
+    if args.model.moe.num_experts.is_some() {
+        megatron_cli::bail_usage!(
+            "--context-parallel-size {size} with --num-experts is not supported yet: the \
+             load-balancing loss would count each context-parallel rank's tokens alone"
+        );
+    }
     if args.training.enable_cuda_graph {
         megatron_cli::bail_usage!(
             "--context-parallel-size {size} with --enable-cuda-graph is not supported: the \

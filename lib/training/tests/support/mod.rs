@@ -53,6 +53,10 @@ pub trait Pretrain: Sized + Sync {
     fn context_parallel(&self) -> usize {
         1
     }
+    /// `--expert-model-parallel-size` of a model with Mixture-of-Experts layers.
+    fn expert_parallel(&self) -> Option<usize> {
+        None
+    }
     fn run(&self, placement: &Placement) -> anyhow::Result<TrainingSummary>;
 }
 
@@ -67,6 +71,10 @@ impl Pretrain for GptPretrainArgs {
 
     fn context_parallel(&self) -> usize {
         self.parallel.context_parallel_size
+    }
+
+    fn expert_parallel(&self) -> Option<usize> {
+        self.model.moe.expert_parallel()
     }
 
     fn run(&self, placement: &Placement) -> anyhow::Result<TrainingSummary> {
@@ -241,8 +249,11 @@ fn train_on<P: Pretrain>(
         .chain(extra.iter().map(|s| s.to_string()))
         .collect();
     let args = P::parse(argv);
-    let layout =
+    let mut layout =
         ParallelLayout::with_context(world, tensor, args.context_parallel(), pipeline).unwrap();
+    if let Some(experts) = args.expert_parallel() {
+        layout = layout.with_expert_parallel(experts)?;
+    }
     let threads = ThreadWorld::new(world, Duration::from_secs(120));
     threads.run(|rank| {
         let parallel = ParallelState::threads(&threads, layout, rank, args.sequence_parallel())?;

@@ -33,6 +33,20 @@ pub enum RouterDtype {
     Fp64,
 }
 
+/// `--moe-token-dispatcher-type`: how tokens reach the experts of other expert-parallel ranks
+/// (the same on one rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenDispatcher {
+    /// Every rank gathers the group's tokens, runs its experts over those routed to them, and
+    /// the outputs are reduce-scattered back.
+    #[default]
+    Allgather,
+    /// The token counts, then the tokens themselves, go by all-to-all to the ranks of their
+    /// experts and come back the same way.
+    Alltoall,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
     pub num_experts: i64,
@@ -51,6 +65,10 @@ pub struct MoeConfig {
     pub z_loss_coeff: Option<f64>,
     /// The hidden size of the shared expert every token also passes through.
     pub shared_expert_intermediate_size: Option<i64>,
+    /// How tokens travel, not what the model is: left out of the architecture a checkpoint
+    /// records.
+    #[serde(skip)]
+    pub token_dispatcher: TokenDispatcher,
 }
 
 impl MoeConfig {

@@ -1,26 +1,30 @@
-//! The routed experts, each an MLP of `--moe-ffn-hidden-size` run over the tokens routed to it
-//! in turn (Megatron's `SequentialMLP`, whose state names they keep:
-//! `experts.local_experts.<e>.linear_fc1.weight`).
+//! The routed experts of this rank, each an MLP of `--moe-ffn-hidden-size` run over the tokens
+//! routed to it in turn (Megatron's `SequentialMLP`). With expert parallelism a rank holds the
+//! experts `first..first + count` of the layer; each keeps its global index in its state name
+//! (`experts.local_experts.<global e>.linear_fc1.weight`), so every layout of a model names an
+//! expert alike (Megatron's per-rank `torch` files number them from 0 on each rank).
 
 use anyhow::Result;
 use tch::Tensor;
 
-use super::dispatch::Permutation;
 use crate::layers::mlp::Mlp;
 use crate::layers::NamedTensors;
 
 #[derive(Clone)]
 pub struct SequentialExperts {
+    /// The global index of the first local expert.
+    pub first: i64,
     pub local_experts: Vec<Mlp>,
 }
 
 impl SequentialExperts {
-    /// Each expert's output over its tokens, in the permutation's order; an expert without
-    /// tokens runs on an empty batch, so that its parameters still join the graph.
-    pub fn forward(&self, permutation: &Permutation) -> Result<Tensor> {
-        let counts = &permutation.tokens_per_expert;
-        let tokens = permutation.tokens.split_with_sizes(counts, 0);
-        let probs = permutation.probs.split_with_sizes(counts, 0);
+    /// Each expert's output over its tokens: `tokens` `[assignments, h]` and their router
+    /// probabilities `probs` `[assignments]` grouped expert by expert, `counts` per local
+    /// expert. An expert without tokens runs on an empty batch, so that its parameters still
+    /// join the graph.
+    pub fn forward(&self, tokens: &Tensor, probs: &Tensor, counts: &[i64]) -> Result<Tensor> {
+        let tokens = tokens.split_with_sizes(counts, 0);
+        let probs = probs.split_with_sizes(counts, 0);
         let outputs = self
             .local_experts
             .iter()
@@ -33,7 +37,7 @@ impl SequentialExperts {
     pub fn named_tensors(&self, out: &mut NamedTensors) {
         let mut local = out.scope("local_experts");
         for (e, expert) in self.local_experts.iter().enumerate() {
-            expert.named_tensors(&mut local.scope(&e.to_string()));
+            expert.named_tensors(&mut local.scope(&(self.first + e as i64).to_string()));
         }
     }
 }

@@ -2,11 +2,14 @@
 //! `--moe-router-topk` of `--num-experts` expert MLPs for each token, the tokens are regrouped
 //! by expert, each expert runs over its tokens, and the outputs, weighted by the router's
 //! probabilities, are summed back per token; a shared expert may see every token besides.
-//! Dropless: every expert takes all the tokens routed to it.
+//! Dropless: every expert takes all the tokens routed to it. With expert parallelism each rank
+//! of the expert-parallel group holds `--num-experts / --expert-model-parallel-size` of the
+//! experts and the tokens travel to them ([`exchange`]).
 
 pub mod aux_loss;
 pub mod config;
 mod dispatch;
+mod exchange;
 mod experts;
 mod router;
 
@@ -19,10 +22,10 @@ use super::mlp::Mlp;
 use super::{NamedTensors, TensorParallel};
 use crate::config::TransformerConfig;
 use crate::param::Initializer;
-use config::MoeConfig;
+use config::{MoeConfig, TokenDispatcher};
 use dispatch::Permutation;
 pub use experts::SequentialExperts;
-use megatron_parallel::SingleRank;
+use megatron_parallel::{Communicator, SingleRank};
 pub use router::{Routing, TopKRouter};
 
 #[derive(Clone)]
@@ -31,16 +34,22 @@ pub struct MoeLayer {
     pub experts: SequentialExperts,
     /// `--moe-shared-expert-intermediate-size`: an MLP every token passes through.
     pub shared_experts: Option<Mlp>,
+    /// The expert-parallel group the experts are split over.
+    expert_group: Arc<dyn Communicator>,
+    dispatcher: TokenDispatcher,
 }
 
 impl MoeLayer {
-    /// `init` is scoped to the layer's `mlp`.
+    /// `init` is scoped to the layer's `mlp`; this rank holds its share of the experts of
+    /// `expert_group` (whose size divides `--num-experts`). Each expert is drawn under its
+    /// global index, so every layout holds the same experts.
     pub fn new(
         init: &Initializer,
         config: &TransformerConfig,
         moe: &MoeConfig,
         output_std: f64,
         parallel: TensorParallel,
+        expert_group: Arc<dyn Communicator>,
     ) -> Self {
         let sized = |ffn_hidden_size| TransformerConfig {
             ffn_hidden_size,
@@ -53,7 +62,9 @@ impl MoeLayer {
         };
         let expert_init = init.scope("experts.local_experts").whole();
         let expert_config = sized(moe.ffn_hidden_size);
-        let local_experts = (0..moe.num_experts)
+        let local = moe.num_experts / expert_group.size() as i64;
+        let first = expert_group.rank() as i64 * local;
+        let local_experts = (first..first + local)
             .map(|e| {
                 Mlp::new(
                     &expert_init.scope(&e.to_string()),
@@ -63,6 +74,13 @@ impl MoeLayer {
                 )
             })
             .collect();
+        let router = TopKRouter::new(
+            &init.scope("router"),
+            moe,
+            config.hidden_size,
+            config.init_method_std,
+            &parallel,
+        );
         let shared_experts = moe.shared_expert_intermediate_size.map(|size| {
             Mlp::new(
                 &init.scope("shared_experts"),
@@ -72,26 +90,42 @@ impl MoeLayer {
             )
         });
         MoeLayer {
-            router: TopKRouter::new(
-                &init.scope("router"),
-                moe,
-                config.hidden_size,
-                config.init_method_std,
-            ),
-            experts: SequentialExperts { local_experts },
+            router,
+            experts: SequentialExperts {
+                first,
+                local_experts,
+            },
             shared_experts,
+            expert_group,
+            dispatcher: moe.token_dispatcher,
         }
     }
 
-    /// The layer over `hidden` `[s, b, h]`; `train` adds the router's auxiliary losses.
+    /// The layer over `hidden` `[s, b, h]` (with sequence parallelism, this rank's part of
+    /// the sequence); `train` adds the router's auxiliary losses.
     pub fn forward(&self, hidden: &Tensor, train: bool) -> Result<Tensor> {
         let shape = hidden.size();
-        let h = shape[2];
+        let tokens = hidden.reshape([-1, shape[2]]);
         let routing = self.router.forward(hidden, train)?;
-        let permutation = Permutation::new(&hidden.reshape([-1, h]), &routing)?;
-        let routed = permutation
-            .unpermute(&self.experts.forward(&permutation)?)
-            .view(shape.as_slice());
+        let group = &self.expert_group;
+        let routed = match self.dispatcher {
+            _ if group.size() == 1 => {
+                let permutation = Permutation::new(&tokens, &routing)?;
+                let outputs = self.experts.forward(
+                    &permutation.tokens,
+                    &permutation.probs,
+                    &permutation.tokens_per_expert,
+                )?;
+                permutation.unpermute(&outputs)
+            }
+            TokenDispatcher::Alltoall => {
+                exchange::all_to_all(&tokens, &routing, &self.experts, group)?
+            }
+            TokenDispatcher::Allgather => {
+                exchange::all_gather(&tokens, &routing, &self.experts, group)?
+            }
+        }
+        .view(shape.as_slice());
         Ok(match &self.shared_experts {
             Some(shared) => routed + shared.forward(hidden)?,
             None => routed,
@@ -100,7 +134,7 @@ impl MoeLayer {
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
         self.router.named_tensors(&mut out.scope("router"));
-        self.experts.named_tensors(&mut out.scope("experts"));
+        out.experts("experts", |experts| self.experts.named_tensors(experts));
         if let Some(shared) = &self.shared_experts {
             shared.named_tensors(&mut out.scope("shared_experts"));
         }

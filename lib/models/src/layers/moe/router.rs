@@ -2,13 +2,16 @@
 //! experts are chosen, and their probabilities weigh the experts' outputs. In training the
 //! auxiliary losses ride on the probabilities and logits ([`aux_loss::attach`]).
 
+use std::sync::Arc;
+
 use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::aux_loss;
 use super::config::{LoadBalancing, MoeConfig, RouterDtype, ScoreFunction};
-use crate::layers::{NamedTensors, ParamAttributes};
+use crate::layers::{NamedTensors, ParamAttributes, TensorParallel};
 use crate::param::{Initializer, Param};
+use megatron_parallel::{Communicator, ReduceOp};
 
 /// Which experts each token goes to, and with what weight.
 pub struct Routing {
@@ -23,14 +26,38 @@ pub struct TopKRouter {
     /// `[experts, hidden]`, in the parameters' dtype.
     pub weight: Param,
     config: MoeConfig,
+    /// With sequence parallelism, the tensor-parallel group whose ranks route the parts of
+    /// one sequence (Megatron's `tp_cp` group): the load-balancing loss counts its tokens.
+    sequence_group: Option<Arc<dyn Communicator>>,
 }
 
 impl TopKRouter {
-    pub fn new(init: &Initializer, config: &MoeConfig, hidden: i64, std: f64) -> Self {
+    pub fn new(
+        init: &Initializer,
+        config: &MoeConfig,
+        hidden: i64,
+        std: f64,
+        parallel: &TensorParallel,
+    ) -> Self {
         TopKRouter {
             weight: init.normal("weight", &[config.num_experts, hidden], std),
             config: config.clone(),
+            sequence_group: (parallel.sequence_parallel && parallel.group.size() > 1)
+                .then(|| parallel.group.clone()),
         }
+    }
+
+    /// The ranks sharing one sequence's tokens (1 without sequence parallelism).
+    fn sequence_ranks(&self) -> i64 {
+        self.sequence_group.as_ref().map_or(1, |g| g.size() as i64)
+    }
+
+    /// Tokens per expert counted over the ranks sharing the sequence.
+    fn counted_over_sequence(&self, per_expert: Tensor) -> Result<Tensor> {
+        if let Some(group) = &self.sequence_group {
+            group.all_reduce(&per_expert, ReduceOp::Sum)?;
+        }
+        Ok(per_expert)
     }
 
     /// Routes `hidden` `[s, b, h]` (`train`: with the auxiliary losses, which also need
@@ -41,6 +68,9 @@ impl TopKRouter {
         let training = train && grad_enabled();
         let logits = match self.config.z_loss_coeff {
             Some(coeff) if training => {
+                // Each rank's mean over its part of the sequence, whose gradients the ranks
+                // sum: Megatron divides the coefficient among them.
+                let coeff = coeff / self.sequence_ranks() as f64;
                 let z = aux_loss::z_loss(&logits, coeff);
                 aux_loss::track("z_loss", &(&z / coeff));
                 aux_loss::attach(&logits, &z)?
@@ -126,8 +156,8 @@ impl TopKRouter {
         let coeff = config.aux_loss_coeff;
         let (name, loss) = match balancing {
             LoadBalancing::AuxLoss => {
-                let tokens = map.size()[0];
-                let per_expert = map.sum_dim_intlist(0, false, None);
+                let tokens = map.size()[0] * self.sequence_ranks();
+                let per_expert = self.counted_over_sequence(map.sum_dim_intlist(0, false, None))?;
                 let loss = aux_loss::switch_load_balancing_loss(
                     &scores,
                     &per_expert,
@@ -142,13 +172,14 @@ impl TopKRouter {
             // losses, averaged over the batch.
             _ => {
                 let batch = map.size()[0] / seq_length;
-                let per_expert = map
-                    .reshape([seq_length, -1])
-                    .sum_dim_intlist(0, false, None);
+                let per_expert = self.counted_over_sequence(
+                    map.reshape([seq_length, -1])
+                        .sum_dim_intlist(0, false, None),
+                )?;
                 let loss = aux_loss::switch_load_balancing_loss(
                     &scores.reshape([seq_length, -1]),
                     &per_expert,
-                    seq_length,
+                    seq_length * self.sequence_ranks(),
                     config.num_experts,
                     config.topk,
                     coeff,
@@ -161,7 +192,13 @@ impl TopKRouter {
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {
-        out.push("weight", &self.weight, ParamAttributes::REPLICATED);
+        // Each rank of the sequence's group routes its own tokens: the gradients are summed
+        // over the group.
+        let attributes = ParamAttributes {
+            sequence_parallel: self.sequence_group.is_some(),
+            ..ParamAttributes::REPLICATED
+        };
+        out.push("weight", &self.weight, attributes);
     }
 }
 
