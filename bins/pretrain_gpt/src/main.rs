@@ -1,12 +1,19 @@
 //! `pretrain_gpt`: Megatron's `pretrain_gpt.py` — same flags, same data order, same log lines.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::Parser;
-use megatron_convert::{import_for_resume, OptimizerShards, TargetLayout};
-use megatron_parallel::Placement;
-use megatron_training::GptPretrainArgs;
-use megatron_training::{pretrain_gpt, run_job};
+use megatron_cli::bail_usage;
+use megatron_convert::{
+    export_saved_checkpoint, import_for_job, MegatronFormat, NodeCheckpoint, OptimizerShards,
+    TargetLayout,
+};
+use megatron_parallel::{LaunchEnv, Placement};
+use megatron_training::{
+    pretrain_gpt_with_hooks, run_job, CheckpointExport, ExportingHooks, GptPretrainArgs,
+};
 
 /// Pretrain a GPT model on Megatron indexed datasets (or --mock-data), on one GPU, many GPUs
 /// (launched by torchrun or srun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT or
@@ -14,7 +21,8 @@ use megatron_training::{pretrain_gpt, run_job};
 ///
 /// Flags keep Megatron's names and defaults, and as with Megatron's argparse a flag given twice
 /// takes its last value; checkpoints use Megatron's directory layout with safetensors shards,
-/// and --load also resumes Megatron's own torch and torch_dist checkpoints (imported on the fly).
+/// and --load also resumes Megatron's own torch and torch_dist checkpoints (imported on the fly);
+/// --ckpt-format torch_dist or torch saves Megatron's.
 /// SIGTERM or Ctrl-C saves (with --save) and exits after the current iteration.
 #[derive(Parser)]
 #[command(version, about, long_about = None, args_override_self = true, max_term_width = 100)]
@@ -29,9 +37,11 @@ fn main() -> ExitCode {
         let common = &cli.args;
         let summary = run_job(&common.parallel, &common.training, |runtime| {
             let mut args = cli.args.clone();
+            let export = megatron_format(&args)?
+                .map(|format| Arc::new(Export(format)) as Arc<dyn CheckpointExport>);
             // Kept until the run ends: the run reads the rewritten checkpoint from it.
             let _prepared = prepare_load(&mut args, runtime)?;
-            pretrain_gpt(&args, runtime)
+            pretrain_gpt_with_hooks(&args, runtime, &mut ExportingHooks(export))
         })?;
         if let Some(summary) = summary {
             println!("{}", summary.line("pretrain_gpt", false, "validation loss"));
@@ -40,13 +50,54 @@ fn main() -> ExitCode {
     })
 }
 
+/// The Megatron format `--ckpt-format` names for `--save`; a usage error, before anything is
+/// built, for a model its writer does not take.
+fn megatron_format(args: &GptPretrainArgs) -> anyhow::Result<Option<MegatronFormat>> {
+    let format = args
+        .checkpoint
+        .ckpt_format
+        .as_deref()
+        .and_then(MegatronFormat::named);
+    let (Some(format), Some(_)) = (format, &args.checkpoint.save) else {
+        return Ok(None);
+    };
+    let name = format.name();
+    if args.model.moe.num_experts.is_some() {
+        bail_usage!(
+            "--ckpt-format {name}: Mixture-of-Experts models are saved in --ckpt-format \
+             safetensors only here"
+        );
+    }
+    if format == MegatronFormat::TorchDist && args.model.swiglu && !args.checkpoint.no_save_optim {
+        bail_usage!(
+            "--ckpt-format torch_dist: the optimizer state of a --swiglu model is not written \
+             here (Megatron saves its fc1 state in halves); pass --no-save-optim, or save \
+             --ckpt-format torch or safetensors"
+        );
+    }
+    Ok(Some(format))
+}
+
+/// `--ckpt-format torch_dist` or `torch`: each save rewritten by `checkpoint_convert`'s writer.
+struct Export(MegatronFormat);
+
+impl CheckpointExport for Export {
+    fn format(&self) -> &'static str {
+        self.0.name()
+    }
+
+    fn export(&self, ours: &Path, save: &Path) -> anyhow::Result<PathBuf> {
+        export_saved_checkpoint(ours, save, self.0)
+    }
+}
+
 /// Points --load at a copy laid out for this run (its model-parallel layout, its distributed
 /// optimizer's shards) where --load names a Megatron torch or torch_dist checkpoint, or one of
-/// ours saved under another layout; rank 0 says so.
+/// ours saved under another layout: written once per node, by its local rank 0, which says so.
 fn prepare_load(
     args: &mut GptPretrainArgs,
     runtime: &Placement,
-) -> anyhow::Result<Option<tempfile::TempDir>> {
+) -> anyhow::Result<Option<NodeCheckpoint>> {
     let Some(load) = args.checkpoint.load.clone() else {
         return Ok(None);
     };
@@ -64,13 +115,14 @@ fn prepare_load(
             data_parallel,
             bucket_size: args.parallel.bucket_size(data_parallel),
         });
-    let prepared = import_for_resume(&load, layout, optimizer, shards)?;
+    let launch = LaunchEnv::from_env()?;
+    let prepared = import_for_job(&load, layout, optimizer, shards, runtime, &launch)?;
     let Some(prepared) = prepared else {
         return Ok(None);
     };
-    if runtime.parallel.rank == 0 {
-        println!("{}", prepared.description);
+    if let Some(description) = &prepared.description {
+        println!("{description}");
     }
-    args.checkpoint.load = Some(prepared.directory.path().to_path_buf());
-    Ok(Some(prepared.directory))
+    args.checkpoint.load = Some(prepared.directory.clone());
+    Ok(Some(prepared))
 }
