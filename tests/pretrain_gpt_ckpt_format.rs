@@ -221,6 +221,61 @@ fn torch_dist_saves_of_a_plain_optimizer_run_resume_exactly() {
     assert_eq!(saved["args"]["use_distributed_optimizer"], false);
 }
 
+/// With `--async-save` the rewrite runs in rank 0's commit thread, and the tracker moves once
+/// Megatron's checkpoint is in place: the same files, resumed the same.
+#[test]
+fn torch_dist_async_saves_resume_exactly() {
+    let (saved, _dir) = torch_dist_save_resumes_exactly(
+        &["--use-distributed-optimizer", "--async-save"],
+        &["__0_0.distcp", "__1_0.distcp"],
+    );
+    assert_eq!(saved["args"]["use_distributed_optimizer"], true);
+}
+
+/// `--ckpt-format torch` saves Megatron's `mp_rank_00/model_optim_rng.pt` (the model and the
+/// non-distributed optimizer's state), which torch loads and this project resumes exactly.
+#[test]
+fn torch_saves_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (saved, full, resumed) = (
+        dir.path().join("saved"),
+        dir.path().join("full.jsonl"),
+        dir.path().join("resumed.jsonl"),
+    );
+    two_ranks(|| {
+        let mut c = run(&[]);
+        c.args(["--metrics-file", &path(&full)]);
+        c
+    });
+    two_ranks(|| {
+        let mut c = run(&["--save-interval", "5", "--exit-interval", "5"]);
+        c.args(["--ckpt-format", "torch", "--save", &path(&saved)]);
+        c
+    });
+    assert_eq!(entries(&saved.join("iter_0000005")), ["mp_rank_00"]);
+    let file = saved.join("iter_0000005/mp_rank_00/model_optim_rng.pt");
+    let reference = torch_reference(&file);
+    assert_eq!(reference["args"]["ckpt_format"], "torch");
+    assert!(
+        reference["tensors"]
+            .as_object()
+            .unwrap()
+            .contains_key("model/embedding.word_embeddings.weight"),
+        "{}",
+        reference["tensors"]
+    );
+    two_ranks(|| {
+        let mut c = run(&[]);
+        c.args(["--load", &path(&saved), "--metrics-file", &path(&resumed)]);
+        c
+    });
+    let expected: Vec<_> = metrics_losses(&full)
+        .into_iter()
+        .filter(|(i, _)| *i > 5)
+        .collect();
+    assert_eq!(metrics_losses(&resumed), expected);
+}
+
 /// `scripts/torch_checkpoint_reference.py`'s view of a checkpoint: every tensor's digest.
 fn torch_reference(checkpoint: &Path) -> serde_json::Value {
     let python: PathBuf = test_python(&["torch"]);
