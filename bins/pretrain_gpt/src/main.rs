@@ -5,7 +5,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use megatron_cli::bail_usage;
 use megatron_convert::{
     export_saved_checkpoint, import_for_job, MegatronFormat, NodeCheckpoint, OptimizerShards,
     TargetLayout,
@@ -37,7 +36,7 @@ fn main() -> ExitCode {
         let common = &cli.args;
         let summary = run_job(&common.parallel, &common.training, |runtime| {
             let mut args = cli.args.clone();
-            let export = megatron_format(&args)?
+            let export = megatron_format(&mut args, runtime.parallel.rank)
                 .map(|format| Arc::new(Export(format)) as Arc<dyn CheckpointExport>);
             // Kept until the run ends: the run reads the rewritten checkpoint from it.
             let _prepared = prepare_load(&mut args, runtime)?;
@@ -50,32 +49,43 @@ fn main() -> ExitCode {
     })
 }
 
-/// The Megatron format `--ckpt-format` names for `--save`; a usage error, before anything is
-/// built, for a model its writer does not take.
-fn megatron_format(args: &GptPretrainArgs) -> anyhow::Result<Option<MegatronFormat>> {
+/// The Megatron format `--ckpt-format` names for `--save`. Models its writer does not take are
+/// saved in ours (the flag set to it), which `--load` reads as well, with a warning saying why:
+/// Megatron's scripts that pass the flag still run.
+fn megatron_format(args: &mut GptPretrainArgs, rank: usize) -> Option<MegatronFormat> {
     let format = args
         .checkpoint
         .ckpt_format
         .as_deref()
         .and_then(MegatronFormat::named);
     let (Some(format), Some(_)) = (format, &args.checkpoint.save) else {
-        return Ok(None);
+        return None;
     };
-    let name = format.name();
-    if args.model.moe.num_experts.is_some() {
-        bail_usage!(
-            "--ckpt-format {name}: Mixture-of-Experts models are saved in --ckpt-format \
-             safetensors only here"
-        );
+    let unwritten = if args.model.moe.num_experts.is_some() {
+        Some("Mixture-of-Experts layers are not written in Megatron's formats here")
+    } else if args.fp8.fp8_format.is_some() {
+        Some("the fp8 scaling state is not written in Megatron's formats here")
+    } else if format == MegatronFormat::TorchDist
+        && args.model.swiglu
+        && !args.checkpoint.no_save_optim
+    {
+        Some("the optimizer state of a --swiglu model is not written in torch_dist here (Megatron saves its fc1 state in halves)")
+    } else {
+        None
+    };
+    match unwritten {
+        Some(why) => {
+            if rank == 0 {
+                eprintln!(
+                    "warning: --ckpt-format {}: {why}; saving --ckpt-format safetensors instead",
+                    format.name()
+                );
+            }
+            args.checkpoint.ckpt_format = Some("safetensors".into());
+            None
+        }
+        None => Some(format),
     }
-    if format == MegatronFormat::TorchDist && args.model.swiglu && !args.checkpoint.no_save_optim {
-        bail_usage!(
-            "--ckpt-format torch_dist: the optimizer state of a --swiglu model is not written \
-             here (Megatron saves its fc1 state in halves); pass --no-save-optim, or save \
-             --ckpt-format torch or safetensors"
-        );
-    }
-    Ok(Some(format))
 }
 
 /// `--ckpt-format torch_dist` or `torch`: each save rewritten by `checkpoint_convert`'s writer.
