@@ -311,7 +311,7 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     let saved = reporting_progress(bar.clone(), || match args.saver {
         Saver::MegatronRs => save_megatron_rs(&state, &staging, target),
         Saver::Core if args.ckpt_format == "torch_dist" => {
-            save_megatron_torch_dist(&state, &staging, target, data_parallel)
+            save_megatron_torch_dist(&state, &staging, target, data_parallel, true)
         }
         Saver::Core => save_megatron_torch_experts(
             &state,

@@ -20,6 +20,7 @@ pub mod megatron_torch_dist_save;
 pub mod ours;
 pub mod progress;
 pub mod resume;
+pub mod run_export;
 pub mod sizes;
 pub mod state;
 pub mod t5;
@@ -40,6 +41,7 @@ pub use ours::{
     load_megatron_rs, save_megatron_rs, save_megatron_rs_sharded, OptimizerShards, TargetLayout,
 };
 pub use progress::{reporting_progress, ConversionProgress};
-pub use resume::{import_for_resume, PreparedCheckpoint};
+pub use resume::{import_for_job, NodeCheckpoint};
+pub use run_export::{export_saved_checkpoint, MegatronFormat};
 pub use state::{in_memory, ModelState, OptimizerState, RunState, Tensors};
 pub use t5::{reshape_t5, t5_max_logit_difference, T5Reshape};

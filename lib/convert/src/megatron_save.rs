@@ -59,16 +59,21 @@ pub(super) fn args_namespace(
             state.source
         );
     }
-    let mut args: Vec<(String, Value)> = state
-        .run
-        .args
-        .as_object()
-        .map(|map| {
-            map.iter()
-                .filter_map(|(k, v)| Some((k.clone(), json_to_value(v)?)))
-                .collect()
-        })
-        .unwrap_or_default();
+    // Our checkpoints keep the flags in groups (`{"model": {...}, "tokenizer": {...}}`);
+    // Megatron's namespace is flat.
+    let mut flat: Vec<(&String, &Json)> = Vec::new();
+    for (key, value) in state.run.args.as_object().into_iter().flatten() {
+        match value.as_object() {
+            Some(group) => flat.extend(group.iter()),
+            None => flat.push((key, value)),
+        }
+    }
+    let mut args: Vec<(String, Value)> = Vec::new();
+    for (key, value) in flat {
+        if let (false, Some(value)) = (args.iter().any(|(k, _)| k == key), json_to_value(value)) {
+            args.push((key.clone(), value));
+        }
+    }
     let dtype = state.params_dtype.as_str();
     let vp = (target.virtual_stages > 1).then_some(target.virtual_stages as i64);
     let mut overrides: Vec<(&str, Value)> = vec![
@@ -122,6 +127,8 @@ pub(super) fn args_namespace(
             ),
         ),
         ("norm_epsilon", Value::Float(config.norm_epsilon)),
+        ("hidden_dropout", Value::Float(config.hidden_dropout)),
+        ("attention_dropout", Value::Float(config.attention_dropout)),
         ("apply_layernorm_1p", Value::Bool(config.apply_layernorm_1p)),
         (
             "swiglu",

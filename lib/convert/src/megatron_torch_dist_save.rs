@@ -6,7 +6,8 @@
 //! into the chunks the tensor-parallel ranks and layers save; the linear layers'
 //! `_extra_state` objects; and the distributed optimizer's state in
 //! `fully_sharded_model_space` (`optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>` of
-//! shape `grid ++ [numel]`, each data-parallel rank's range of a parameter one chunk).
+//! shape `grid ++ [numel]`, each data-parallel rank's range of a parameter one chunk), or the
+//! plain optimizer's, each tensor of its parameter's shape and chunks.
 //! No RNG state (`args.no_save_rng` says so, and Megatron then leaves its generators alone).
 
 use std::collections::HashSet;
@@ -128,14 +129,15 @@ struct RankParam {
     replica: bool,
 }
 
-/// Writes `state` as Megatron's torch_dist under `root` in `target`'s layout, its optimizer
-/// state (if any) as the distributed optimizer's `fully_sharded_model_space` for
-/// `data_parallel` ranks.
+/// Writes `state` as Megatron's torch_dist under `root` in `target`'s layout for `data_parallel`
+/// ranks, its optimizer state (if any) as the distributed optimizer's
+/// `fully_sharded_model_space` where `distributed_optimizer`, else as the plain optimizer's.
 pub fn save_megatron_torch_dist(
     state: &ModelState,
     root: &Path,
     target: TargetLayout,
     data_parallel: usize,
+    distributed_optimizer: bool,
 ) -> Result<()> {
     let config = &state.config;
     config.validate(target.tensor as i64)?;
@@ -148,7 +150,7 @@ pub fn save_megatron_torch_dist(
     if state.optimizer.is_some() {
         ensure!(
             config.activation != Activation::Swiglu,
-            "{}: the distributed optimizer's torch_dist state of a SwiGLU model is not written here (its fc1 is saved in halves); convert with --no-optimizer or --ckpt-format torch",
+            "{}: the optimizer's torch_dist state of a SwiGLU model is not written here (its fc1 is saved in halves); convert with --no-optimizer or --ckpt-format torch",
             state.source
         );
     }
@@ -225,21 +227,56 @@ pub fn save_megatron_torch_dist(
                         let shape = joined_shape(tensor_split, &shard, tp);
                         writer.declare_tensor(&key, dtype, layer_axis(shape, config.num_layers))?;
                     }
-                    let value = shard_of(global, unsplit, config, t, tp)?;
-                    for piece in tp_pieces(tensor_split, &shard, t, tp) {
-                        let place = ChunkPlace {
-                            offsets: layer_axis(piece.offsets, layer.unwrap_or(0)),
-                            sizes: layer_axis(piece.sizes, 1),
-                        };
-                        let part = rows_of(&value, piece.shard_rows)?;
-                        writer.write_chunk(&key, rank, place, |emit| {
-                            part.for_each_chunk(|chunk| {
-                                with_bytes(&chunk.to_kind(kind), &mut *emit)
-                            })
-                        })?;
+                    // The parameter, and beside it the plain optimizer's state of it, chunked alike.
+                    let mut written =
+                        vec![(key.clone(), kind, shard_of(global, unsplit, config, t, tp)?)];
+                    if let (Some(optimizer), false) = (&state.optimizer, distributed_optimizer) {
+                        for (kind_name, source) in OPTIMIZER_KINDS.iter().zip([
+                            &optimizer.main,
+                            &optimizer.exp_avg,
+                            &optimizer.exp_avg_sq,
+                        ]) {
+                            let name = format!("optimizer.state.{kind_name}.{key}");
+                            let value = source.get(global).with_context(|| {
+                                format!("{}: no optimizer state for {global}", state.source)
+                            })?;
+                            if declared.insert(name.clone()) {
+                                let shape = joined_shape(tensor_split, &shard, tp);
+                                writer.declare_tensor(
+                                    &name,
+                                    DType::F32,
+                                    layer_axis(shape, config.num_layers),
+                                )?;
+                            }
+                            written.push((
+                                name,
+                                tch::Kind::Float,
+                                shard_of(global, value, config, t, tp)?,
+                            ));
+                        }
+                    }
+                    for (name, kind, value) in &written {
+                        for piece in tp_pieces(tensor_split, &shard, t, tp) {
+                            let place = ChunkPlace {
+                                offsets: layer_axis(piece.offsets, layer.unwrap_or(0)),
+                                sizes: layer_axis(piece.sizes, 1),
+                            };
+                            let part = rows_of(value, piece.shard_rows)?;
+                            writer.write_chunk(name, rank, place, |emit| {
+                                part.for_each_chunk(|chunk| {
+                                    with_bytes(&chunk.to_kind(*kind), &mut *emit)
+                                })
+                            })?;
+                        }
                     }
                 }
-                if state.optimizer.is_some() {
+                if state.optimizer.is_some() && !distributed_optimizer {
+                    if stage == 0 && t == 0 {
+                        first_rank_params += params.len();
+                        first_rank_groups
+                            .extend(params.iter().map(|p| (p.global.clone(), p.shard.clone())));
+                    }
+                } else if state.optimizer.is_some() {
                     let saved = write_optimizer_chunks(
                         state,
                         &mut writer,
@@ -261,7 +298,14 @@ pub fn save_megatron_torch_dist(
             }
         }
     }
-    let (common, tensors) = common_state(state, target, dp, first_rank_params, &first_rank_groups)?;
+    let (common, tensors) = common_state(
+        state,
+        target,
+        dp,
+        distributed_optimizer,
+        first_rank_params,
+        &first_rank_groups,
+    )?;
     let step = state.optimizer.as_ref().map_or(0.0, |o| o.step) as f32;
     writer.finish(&common, &tensors, |_, emit| {
         with_bytes(&tch::Tensor::from(step), emit)
@@ -373,14 +417,15 @@ fn write_optimizer_chunks(
     Ok(first_rank)
 }
 
-/// `common.pt`: args, iteration, the distributed optimizer's parameter groups and per-parameter
-/// steps (`params_on_first_rank` of them, as data-parallel rank 0 writes them), the scheduler,
-/// and the content metadata Megatron reads the optimizer's sharding type from. Its tensors
-/// (the steps) all hold the optimizer's step.
+/// `common.pt`: args, iteration, the optimizer's parameter groups (with the step, as apex's
+/// Adam keeps it) and per-parameter steps (`params_on_first_rank` of them, as rank 0 writes
+/// them), the scheduler, and the content metadata Megatron reads the distributed optimizer's
+/// sharding type from. Its tensors (the steps) all hold the optimizer's step.
 fn common_state(
     state: &ModelState,
     target: TargetLayout,
     data_parallel: usize,
+    distributed_optimizer: bool,
     params_on_first_rank: usize,
     first_rank_params: &[(String, Vec<usize>)],
 ) -> Result<(Saved, Vec<TensorSlot>)> {
@@ -390,7 +435,10 @@ fn common_state(
     for (key, value) in [
         ("ckpt_format", Value::Str("torch_dist".into())),
         ("use_dist_ckpt", Value::Bool(true)),
-        ("use_distributed_optimizer", Value::Bool(has_optimizer)),
+        (
+            "use_distributed_optimizer",
+            Value::Bool(has_optimizer && distributed_optimizer),
+        ),
         ("ckpt_fully_parallel_save", Value::Bool(true)),
         (
             "no_save_optim",
@@ -447,7 +495,7 @@ fn common_state(
                         .collect(),
                 )
             })
-            .collect();
+            .collect::<Vec<_>>();
         let mut per_param = Vec::new();
         for index in 0..params_on_first_rank {
             tensors.push(TensorSlot {
@@ -458,6 +506,50 @@ fn common_state(
                 index as i64,
                 Saved::Dict(vec![("step".into(), Saved::Tensor(tensors.len() - 1))]),
             ));
+        }
+        if !distributed_optimizer {
+            // The plain optimizer's own state dictionary: its per-parameter state (the moments
+            // are sharded tensors, saved beside the model's), its groups with their members,
+            // and, for 16-bit models, the fp32 copies (sharded too).
+            let mut first = 0;
+            let groups = groups
+                .into_iter()
+                .zip(param_groups(first_rank_params))
+                .map(|(group, members)| {
+                    let Saved::Dict(mut entries) = group else {
+                        unreachable!("groups are dictionaries")
+                    };
+                    let ids = (first..first + members.len())
+                        .map(|i| Value::Int(i as i64))
+                        .collect();
+                    first += members.len();
+                    entries.push(("params".into(), Saved::Value(Value::List(ids))));
+                    Saved::Dict(entries)
+                })
+                .collect::<Vec<_>>();
+            let group_count = groups.len();
+            let mut wrapped = vec![(
+                "optimizer".to_string(),
+                Saved::Dict(vec![
+                    ("state".to_string(), Saved::IndexedDict(per_param)),
+                    ("param_groups".to_string(), Saved::List(groups)),
+                ]),
+            )];
+            if state.params_dtype != "float32" {
+                wrapped.push((
+                    "fp32_from_fp16_params".into(),
+                    Saved::List(vec![Saved::List(Vec::new()); group_count]),
+                ));
+            }
+            if state.params_dtype == "float16" {
+                if let Some(scaler) = state.run.grad_scaler.as_ref().and_then(json_to_value) {
+                    wrapped.push(("grad_scaler".into(), Saved::Value(scaler)));
+                }
+            }
+            entries.push(("optimizer".into(), Saved::Dict(wrapped)));
+            entries.extend(schedule_entries(state));
+            entries.push(("content_metadata".into(), Saved::Dict(content)));
+            return Ok((Saved::Dict(entries), tensors));
         }
         let mut wrapped = vec![(
             "optimizer".to_string(),

@@ -4,13 +4,15 @@
 //! sharding over data-parallel ranks). Either is written, with its optimizer state (plain or
 //! distributed), scheduler and counters, as one of ours laid out for the run in a temporary
 //! directory, which the run then resumes from. This is `checkpoint_convert`'s reshape: it
-//! streams tensor by tensor.
+//! streams tensor by tensor. In a job of many processes one per node writes it
+//! ([`import_for_job`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use megatron_checkpoint::layout::{detect, Format};
 use megatron_models::{FamilyModel, GptModel};
+use megatron_parallel::{LaunchEnv, Placement, ReduceOp};
 use megatron_store::{find_checkpoint, CheckpointDirectory};
 
 use super::load::load_checkpoint;
@@ -21,32 +23,24 @@ use super::ours::{
 };
 use super::state::ModelState;
 
-/// A checkpoint rewritten for the run that resumes from it.
-pub struct PreparedCheckpoint {
-    /// Holds the rewritten checkpoint; removed when dropped.
-    pub directory: tempfile::TempDir,
-    /// What was rewritten, from which layout to which, for the run's log.
-    pub description: String,
-}
-
-/// The checkpoint under `load` written into a temporary directory in `layout`, with the
-/// optimizer state where `optimizer` (sharded as `shards` where the run uses the distributed
-/// optimizer over several data-parallel ranks), when the run cannot read it as it is: a
-/// Megatron checkpoint, or a GPT checkpoint of ours saved under another layout. `None` where
-/// the run reads `load` itself (one of ours in its layout, a `release` checkpoint, another
-/// model type, or no checkpoint yet).
-pub fn import_for_resume(
+/// The checkpoint under `load`, read lazily, that the run cannot read as it is (a Megatron
+/// checkpoint, or a GPT checkpoint of ours saved under another layout), and what rewriting it
+/// into `layout`, with the optimizer state where `optimizer` (sharded as `shards` where the run
+/// uses the distributed optimizer over several data-parallel ranks), does. `None` where the
+/// run reads `load` itself (one of ours in its layout, a `release` checkpoint, another model
+/// type, or no checkpoint yet).
+fn rewrite_source(
     load: &Path,
     layout: TargetLayout,
     optimizer: bool,
     shards: Option<OptimizerShards>,
-) -> Result<Option<PreparedCheckpoint>> {
+) -> Result<Option<(ModelState, String)>> {
     if !load.is_dir() {
         return Ok(None);
     }
     let shards = shards.filter(|s| s.data_parallel > 1);
     let target = describe_target(layout, shards);
-    let (state, description) = match detect(load) {
+    Ok(Some(match detect(load) {
         Ok((Format::MegatronTorch | Format::TorchDist, _)) => {
             let state = load_checkpoint(
                 load,
@@ -82,22 +76,156 @@ pub fn import_for_resume(
             (state, description)
         }
         _ => return Ok(None),
-    };
-    let directory = tempfile::Builder::new()
-        .prefix("megatron-rs-resume")
-        .tempdir()
-        .context("creating a temporary directory for the rewritten checkpoint")?;
-    save_megatron_rs_sharded(&state, directory.path(), layout, shards).with_context(|| {
+    }))
+}
+
+/// Writes `state` (read from `load`) into `directory` in the run's layout.
+fn write_rewritten(
+    state: &ModelState,
+    load: &Path,
+    directory: &Path,
+    layout: TargetLayout,
+    shards: Option<OptimizerShards>,
+) -> Result<()> {
+    let shards = shards.filter(|s| s.data_parallel > 1);
+    save_megatron_rs_sharded(state, directory, layout, shards).with_context(|| {
         format!(
             "--load {}: writing the checkpoint for this run's layout to {}",
             load.display(),
-            directory.path().display()
+            directory.display()
+        )
+    })
+}
+
+/// The checkpoint a process of a job resumes from, rewritten on its node.
+pub struct NodeCheckpoint {
+    /// The rewritten checkpoint, in the node's temporary directory.
+    pub directory: PathBuf,
+    /// On the process that wrote it (the node's local rank 0): what was rewritten, for the
+    /// run's log.
+    pub description: Option<String>,
+    /// Held by the writer: removes the directory when the run ends.
+    _owner: Option<RemovedWhenDropped>,
+}
+
+/// A directory removed when this is dropped.
+struct RemovedWhenDropped(PathBuf);
+
+impl Drop for RemovedWhenDropped {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `load` rewritten for the run (see [`rewrite_source`]) where it cannot read it as it is, for
+/// every process of the job at `launch`, whose own part is `placement`: the node's local rank 0
+/// writes the rewritten checkpoint once, into
+/// `$TMPDIR/megatron-rs-resume-<master address>-<port>-node<N>` (replacing what a job of the
+/// same name left there; a process alone takes a directory of a fresh name), while the node's
+/// other processes wait for it over the job's communicator, then read that copy. Each node names
+/// its own, so there is one copy per node whether or not the nodes share `$TMPDIR`. A failure
+/// on any node stops every process.
+pub fn import_for_job(
+    load: &Path,
+    layout: TargetLayout,
+    optimizer: bool,
+    shards: Option<OptimizerShards>,
+    placement: &Placement,
+    launch: &LaunchEnv,
+) -> Result<Option<NodeCheckpoint>> {
+    let shared = (placement.parallel.world_size() > 1).then(|| {
+        std::env::temp_dir().join(format!(
+            "megatron-rs-resume-{}-{}-node{}",
+            launch.master_addr, launch.master_port, launch.node.node_rank
+        ))
+    });
+    let written = if launch.local_rank == 0 {
+        write_for_node(load, layout, optimizer, shards, shared.as_deref())
+    } else {
+        Ok(None)
+    };
+    let agreed = agree(
+        placement,
+        [
+            f64::from(u8::from(written.is_err())),
+            f64::from(u8::from(matches!(written, Ok(Some(_))))),
+        ],
+    )?;
+    let written = written?;
+    if agreed[0] > 0.0 {
+        bail!(
+            "--load {}: rewriting the checkpoint for this run failed on another node",
+            load.display()
+        );
+    }
+    if agreed[1] == 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(match written {
+        Some((description, owner)) => NodeCheckpoint {
+            directory: owner.0.clone(),
+            description: Some(description),
+            _owner: Some(owner),
+        },
+        None => NodeCheckpoint {
+            directory: shared.context("a process alone writes its own copy")?,
+            description: None,
+            _owner: None,
+        },
+    }))
+}
+
+/// The node's copy, written under a temporary name and renamed to `shared` once complete (what
+/// a job of the same name left there removed first), or kept under its temporary name.
+fn write_for_node(
+    load: &Path,
+    layout: TargetLayout,
+    optimizer: bool,
+    shards: Option<OptimizerShards>,
+    shared: Option<&Path>,
+) -> Result<Option<(String, RemovedWhenDropped)>> {
+    let Some((state, description)) = rewrite_source(load, layout, optimizer, shards)? else {
+        return Ok(None);
+    };
+    let staging = tempfile::Builder::new()
+        .prefix("megatron-rs-resume")
+        .tempdir()
+        .context("creating a temporary directory for the rewritten checkpoint")?;
+    write_rewritten(&state, load, staging.path(), layout, shards)?;
+    let Some(directory) = shared else {
+        return Ok(Some((description, RemovedWhenDropped(staging.keep()))));
+    };
+    if directory.exists() {
+        std::fs::remove_dir_all(directory)
+            .with_context(|| format!("removing the leftover {}", directory.display()))?;
+    }
+    std::fs::rename(staging.path(), directory).with_context(|| {
+        format!(
+            "renaming {} to {}",
+            staging.path().display(),
+            directory.display()
         )
     })?;
-    Ok(Some(PreparedCheckpoint {
-        directory,
-        description,
-    }))
+    let _ = staging.keep();
+    Ok(Some((
+        format!(
+            "{description} (written once for this node's processes, to {})",
+            directory.display()
+        ),
+        RemovedWhenDropped(directory.to_path_buf()),
+    )))
+}
+
+/// Every process's `flags`, combined by maximum over the job.
+fn agree(placement: &Placement, flags: [f64; 2]) -> Result<[f64; 2]> {
+    let parallel = &placement.parallel;
+    if parallel.world_size() == 1 {
+        return Ok(flags);
+    }
+    let tensor = tch::Tensor::from_slice(&flags).to_device(placement.device);
+    parallel.world.all_reduce(&tensor, ReduceOp::Max)?;
+    let agreed = tensor.to_device(tch::Device::Cpu);
+    Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
 }
 
 /// Whether the run (in `layout`, its optimizer state sharded as `shards`) cannot read our

@@ -101,20 +101,27 @@ pub fn finish_save(root: &Path, metadata: &CheckpointMetadata) -> Result<PathBuf
         .and_then(|file| file.sync_all())
         .with_context(|| format!("syncing {}", metadata_path.display()))?;
     sync_directory(&staging)?;
-    let target = iteration_directory(root, metadata.iteration);
+    commit_iteration(root, &staging, metadata.iteration)
+}
+
+/// Renames the complete checkpoint directory `staging` into place as `root`'s iteration
+/// `iteration` (replacing an older save of the same iteration) and points the tracker at it:
+/// the last step of every save, whatever the format written into `staging`.
+pub fn commit_iteration(root: &Path, staging: &Path, iteration: u64) -> Result<PathBuf> {
+    let target = iteration_directory(root, iteration);
     if target.exists() {
         let retired = root.join(format!(
             ".{}.old",
             target.file_name().expect("named").to_string_lossy()
         ));
         rename(&target, &retired)?;
-        rename(&staging, &target)?;
+        rename(staging, &target)?;
         fs::remove_dir_all(&retired).with_context(|| format!("removing {}", retired.display()))?;
     } else {
-        rename(&staging, &target)?;
+        rename(staging, &target)?;
     }
     sync_directory(root)?;
-    write_tracker(root, metadata.iteration)?;
+    write_tracker(root, iteration)?;
     Ok(target)
 }
 

@@ -14,6 +14,7 @@ use super::async_save::{AsyncSaves, Finalized, Flags};
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
 use super::cuda_graphs::{self, GraphChoice, MicrobatchGraph};
 use super::device::peak_tflops_of;
+use super::export::{self, CheckpointExport};
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
 use super::loss_scale::{LossScaleFlags, LossScaler};
@@ -130,6 +131,8 @@ struct Run<'a, F: ModelFamily> {
     last_checkpoint: Option<PathBuf>,
     /// `--async-save`: the save in flight.
     async_saves: AsyncSaves,
+    /// `--ckpt-format` one of Megatron's: what rewrites each save.
+    export: Option<Arc<dyn CheckpointExport>>,
     spikes: LossSpikeTracker,
     /// The micro-batches' CUDA graph, asked for or by default, when this run can use it.
     graph: Option<MicrobatchGraph<F::Batch>>,
@@ -155,6 +158,20 @@ pub trait TrainingHooks<F: ModelFamily> {
     /// Runs once, in place of the loop, when the run has no iterations to train.
     fn without_training(&mut self, _model: &Scorer<'_, F>) -> Result<()> {
         Ok(())
+    }
+
+    /// What writes the saves in the format `--ckpt-format` names, where that is not ours.
+    fn checkpoint_export(&self) -> Option<Arc<dyn CheckpointExport>> {
+        None
+    }
+}
+
+/// Pretraining whose saves are written by `export` (`--ckpt-format` one of Megatron's).
+pub struct ExportingHooks(pub Option<Arc<dyn CheckpointExport>>);
+
+impl<F: ModelFamily> TrainingHooks<F> for ExportingHooks {
+    fn checkpoint_export(&self) -> Option<Arc<dyn CheckpointExport>> {
+        self.0.clone()
     }
 }
 
@@ -530,6 +547,7 @@ pub fn train_with_hooks<F: ModelFamily>(
         args_json,
         last_checkpoint: None,
         async_saves: AsyncSaves::default(),
+        export: checkpoint_export(args, &*hooks)?,
         spikes: LossSpikeTracker::default(),
         graph,
         decoupled_lr: decoupled_lr(args)?,
@@ -1290,9 +1308,14 @@ impl<F: ModelFamily> Run<'_, F> {
             .clone()
             .expect("save is only called with --save");
         let iteration = self.progress.iteration;
+        let source = match &self.export {
+            Some(_) => export::source_root(&root),
+            None => root.clone(),
+        };
         if !self.args.checkpoint.async_save {
             let started = Instant::now();
-            checkpointing::save(self.save_request(&root)?)?;
+            checkpointing::save(self.save_request(&source)?)?;
+            self.export_saved(&root, iteration)?;
             return self.report_saved(Finalized {
                 iteration,
                 seconds: started.elapsed().as_secs_f64(),
@@ -1309,7 +1332,13 @@ impl<F: ModelFamily> Run<'_, F> {
                      Consider increasing the checkpoint interval.",
                 )
             },
-            || checkpointing::snapshot(self.save_request(&root)?),
+            || {
+                let write = checkpointing::snapshot(self.save_request(&source)?)?;
+                Ok(match &self.export {
+                    Some(export) => export::exporting_write(write, export.clone(), root.clone()),
+                    None => write,
+                })
+            },
         );
         self.async_saves = saves;
         if let Some(finished) = finished? {
@@ -1319,6 +1348,32 @@ impl<F: ModelFamily> Run<'_, F> {
             "  scheduled an async checkpoint save at iteration {iteration:7} to {}",
             root.display()
         ));
+        Ok(())
+    }
+
+    /// With `--ckpt-format` one of Megatron's: rank 0 rewrites the save of `iteration` just
+    /// made in our format, and every rank learns whether that worked.
+    fn export_saved(&self, root: &Path, iteration: u64) -> Result<()> {
+        let Some(export) = &self.export else {
+            return Ok(());
+        };
+        let exported = if self.parallel.rank == 0 {
+            export::export_and_clean(export.as_ref(), root)
+        } else {
+            Ok(())
+        };
+        let failed = agree(
+            &self.parallel,
+            self.device,
+            [f64::from(u8::from(exported.is_err())), 0.0],
+        )?[0]
+            > 0.0;
+        exported?;
+        ensure!(
+            !failed,
+            "saving iteration {iteration} in --ckpt-format {} failed on rank 0",
+            export.format()
+        );
         Ok(())
     }
 
@@ -1386,6 +1441,31 @@ fn agree(parallel: &ParallelState, device: Device, flags: Flags) -> Result<Flags
     parallel.world.all_reduce(&on_device, ReduceOp::Max)?;
     let agreed = on_device.to_device(Device::Cpu);
     Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
+}
+
+/// What writes this run's saves when `--ckpt-format` names one of Megatron's formats: the
+/// caller's export, or a usage error naming the flag where the caller has none for it.
+fn checkpoint_export<F: ModelFamily>(
+    args: &PretrainArgs,
+    hooks: &dyn TrainingHooks<F>,
+) -> Result<Option<Arc<dyn CheckpointExport>>> {
+    let format = args
+        .checkpoint
+        .ckpt_format
+        .as_deref()
+        .unwrap_or(export::OURS);
+    if format == export::OURS || args.checkpoint.save.is_none() {
+        return Ok(None);
+    }
+    match hooks.checkpoint_export() {
+        Some(export) if export.format() == format => Ok(Some(export)),
+        _ => bail_usage!(
+            "--ckpt-format {format} is not written by this program; it saves --ckpt-format {} \
+             (pretrain_gpt saves torch_dist and torch too, and checkpoint_convert turns a saved \
+             checkpoint into Megatron's formats)",
+            export::OURS
+        ),
+    }
 }
 
 /// The CUDA graph of `--enable-cuda-graph` (or `--external-cuda-graph`), or of the default, or

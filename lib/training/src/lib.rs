@@ -10,6 +10,7 @@ mod cuda_graphs;
 mod datasets;
 mod device;
 mod engine;
+mod export;
 pub mod families;
 pub mod flops;
 mod job;
@@ -28,11 +29,14 @@ pub mod tasks;
 
 pub use checkpointing::{model_tensors, Progress};
 pub use datasets::Masking;
-pub use engine::{pretrain, train_with_hooks, NoHooks, Scorer, TrainingHooks, TrainingSummary};
+pub use engine::{
+    pretrain, train_with_hooks, ExportingHooks, NoHooks, Scorer, TrainingHooks, TrainingSummary,
+};
+pub use export::CheckpointExport;
 pub use families::{
-    pretrain_bert, pretrain_gpt, pretrain_t5, t5_flags, t5_split_dataset, BertFamily,
-    BertPretrainArgs, FinetuneFamily, GptFamily, GptPretrainArgs, LossTotals, ModelFamily,
-    StepOutput, T5DataRequest, T5Family, T5PretrainArgs,
+    pretrain_bert, pretrain_gpt, pretrain_gpt_with_hooks, pretrain_t5, t5_flags, t5_split_dataset,
+    BertFamily, BertPretrainArgs, FinetuneFamily, GptFamily, GptPretrainArgs, LossTotals,
+    ModelFamily, StepOutput, T5DataRequest, T5Family, T5PretrainArgs,
 };
 pub use job::{join_job, run_job};
 pub use profiling::StepProfiler;

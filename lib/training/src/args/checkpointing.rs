@@ -19,10 +19,18 @@ pub struct CheckpointArgs {
     /// copies its state into host memory (pinned on a GPU) and a thread writes it; the tracker
     /// moves once every rank's files are complete, checked each iteration. A save waits for
     /// the one before it (one copy in host memory at most), and the run finishes the last one
-    /// before it exits. Megatron allows it with --ckpt-format torch_dist only; here it writes
-    /// this project's format, whatever --ckpt-format says.
+    /// before it exits. Megatron allows it with --ckpt-format torch_dist only; here it works
+    /// with every --ckpt-format (Megatron's formats are exported by rank 0 in the background).
     #[arg(long)]
     pub async_save: bool,
+    /// The format of the checkpoints --save writes: safetensors (this project's: safetensors
+    /// shards in Megatron's directory layout, with checksums and the model's architecture;
+    /// every tool here reads it), or Megatron's torch_dist or torch, written by rank 0 from a
+    /// save in ours (pretrain_gpt only). --load reads all three, whatever this says. Megatron's
+    /// zarr, torch_dcp and fsdp_dtensor are refused [default: safetensors; Megatron's:
+    /// torch_dist].
+    #[arg(long, value_parser = ["safetensors", "torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])]
+    pub ckpt_format: Option<String>,
     /// Do not save optimizer state.
     #[arg(long)]
     pub no_save_optim: bool,

@@ -48,12 +48,6 @@ pub struct CompatibilityArgs {
     /// Changes nothing here: `world-size` is always written.
     #[arg(long)]
     pub log_world_size_to_tensorboard: bool,
-    /// Changes nothing here: checkpoints are always written in this project's format,
-    /// safetensors shards in Megatron's layout (`checkpoint_convert` turns them into Megatron's
-    /// torch or torch_dist checkpoints); pretrain_gpt's --load reads both of Megatron's formats
-    /// as well, whatever this flag says [Megatron's default: torch_dist].
-    #[arg(long, value_parser = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])]
-    pub ckpt_format: Option<String>,
     /// Weights & Biases logging is off here (it needs its service): TensorBoard
     /// (--tensorboard-dir) and metrics.jsonl carry the same scalars.
     #[arg(long)]
@@ -132,12 +126,6 @@ impl CompatibilityArgs {
                 "world-size is always written",
             ),
             (
-                self.ckpt_format.is_some(),
-                "--ckpt-format",
-                "checkpoints are saved as safetensors shards in Megatron's layout (checkpoint_convert \
-                 writes Megatron's torch and torch_dist formats); pretrain_gpt's --load also reads Megatron's",
-            ),
-            (
                 self.wandb_project.is_some()
                     || self.wandb_exp_name.is_some()
                     || self.wandb_save_dir.is_some(),
@@ -178,14 +166,11 @@ mod tests {
             "p",
             "--wandb-exp-name",
             "e",
-            "--ckpt-format",
-            "torch_dist",
         ])
         .unwrap();
         let notes = flags.compatibility.notes();
-        assert_eq!(notes.len(), 5, "{notes:?}");
+        assert_eq!(notes.len(), 4, "{notes:?}");
         for flag in [
-            "--ckpt-format",
             "--manual-gc ",
             "--manual-gc-interval",
             "--tp-comm-overlap",
@@ -200,6 +185,5 @@ mod tests {
         let none = Flags::try_parse_from(["test", "--empty-unused-memory-level", "0"]).unwrap();
         assert!(none.compatibility.notes().is_empty());
         assert!(Flags::try_parse_from(["test", "--empty-unused-memory-level", "3"]).is_err());
-        assert!(Flags::try_parse_from(["test", "--ckpt-format", "safetensors"]).is_err());
     }
 }

@@ -8,7 +8,7 @@ use tch::Tensor;
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use crate::args::PretrainArgs;
 use crate::datasets::{build_datasets, DatasetRequest};
-use crate::engine::{pretrain, TrainingSummary};
+use crate::engine::{train_with_hooks, NoHooks, TrainingHooks, TrainingSummary};
 use megatron_models::gpt::{ChunkInput, ChunkOutput, GptBatch, GptModel};
 use megatron_models::layers::{AttentionMask, ContextExchange, ContextParallel};
 use megatron_models::loader::{DeviceBatch, Splits};
@@ -128,6 +128,15 @@ impl ModelFamily for GptFamily {
 
 /// Megatron's `pretrain_gpt.py` on this rank of the job.
 pub fn pretrain_gpt(args: &PretrainArgs, placement: &Placement) -> Result<TrainingSummary> {
+    pretrain_gpt_with_hooks(args, placement, &mut NoHooks)
+}
+
+/// [`pretrain_gpt`] with `hooks` added to the loop (the binary's `--ckpt-format` export).
+pub fn pretrain_gpt_with_hooks(
+    args: &PretrainArgs,
+    placement: &Placement,
+    hooks: &mut dyn TrainingHooks<GptFamily>,
+) -> Result<TrainingSummary> {
     let args = &args.with_checkpoint_args(placement.parallel.rank == 0)?;
     let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
     let eod = tokenizer
@@ -139,7 +148,7 @@ pub fn pretrain_gpt(args: &PretrainArgs, placement: &Placement) -> Result<Traini
         cross_entropy_loss_fusion: args.model.cross_entropy_loss_fusion,
         context: context_parallel(args, &placement.parallel)?,
     };
-    pretrain(args, serde_json::to_value(args)?, &family, placement)
+    train_with_hooks(args, serde_json::to_value(args)?, &family, placement, hooks)
 }
 
 /// This rank's context-parallel group with `--cp-comm-type`, when `--context-parallel-size` is

@@ -12,5 +12,5 @@ mod t5;
 pub use bert::{pretrain_bert, BertFamily, BertPretrainArgs};
 pub use family::{LossTotals, ModelFamily, ReducedLosses, StepOutput};
 pub use finetune::FinetuneFamily;
-pub use gpt::{pretrain_gpt, GptFamily, GptPretrainArgs};
+pub use gpt::{pretrain_gpt, pretrain_gpt_with_hooks, GptFamily, GptPretrainArgs};
 pub use t5::{pretrain_t5, t5_flags, t5_split_dataset, T5DataRequest, T5Family, T5PretrainArgs};

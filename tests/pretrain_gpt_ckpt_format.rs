@@ -1,0 +1,410 @@
+//! `pretrain_gpt --ckpt-format torch_dist` and `torch`: a run's saves in Megatron's formats,
+//! read back by torch (`torch.distributed.checkpoint`) and resumed here as if never stopped;
+//! and a checkpoint rewritten at `--load` once per node.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use megatron_e2e::{bin, free_port, metrics_losses, run_ok, test_python, TINY_MOCK_GPT};
+
+/// A two-process CPU run of the tiny GPT, eight iterations, with `extra`.
+fn run(extra: &[&str]) -> Command {
+    let mut command = bin("pretrain_gpt");
+    command
+        .args(TINY_MOCK_GPT)
+        .args(["--train-iters", "8", "--device", "cpu"])
+        .args(["--distributed-backend", "gloo"])
+        .args(extra);
+    command
+}
+
+/// Runs `make()` as both ranks of a two-process job; returns rank 0's stdout.
+fn two_ranks(make: impl Fn() -> Command) -> String {
+    let port = free_port();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            make()
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut stdout = String::new();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if rank == 0 {
+            stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        }
+    }
+    stdout
+}
+
+fn path(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+/// The entries of `dir`, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Reads Megatron's torch_dist checkpoint `dist` with `torch.distributed.checkpoint` and
+/// compares every model tensor with our safetensors save of the same run (`ours`, one
+/// tensor-parallel rank): a layer's parameter stacked over the layers under Megatron's key,
+/// the norms under the fused layers' keys. Prints how many tensors matched.
+const COMPARE_WITH_OURS: &str = r#"
+import sys, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from safetensors.torch import load_file
+dist, ours = sys.argv[1], load_file(sys.argv[2])
+reader = dcp.FileSystemReader(dist)
+metadata = reader.read_metadata()
+state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+         for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+dcp.load(state, storage_reader=reader, no_dist=True)
+norms = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+         "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+         "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+         "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+compared = set()
+for key, value in state.items():
+    if key.startswith("optimizer."):
+        continue
+    if key.startswith("decoder.layers."):
+        leaf = key[len("decoder.layers."):]
+        leaf = norms.get(leaf, leaf)
+        for layer in range(value.shape[0]):
+            name = f"decoder.layers.{layer}.{leaf}"
+            assert torch.equal(value[layer], ours[name]), name
+            compared.add(name)
+    else:
+        assert torch.equal(value, ours[key]), key
+        compared.add(key)
+assert compared == set(ours), sorted(set(ours) ^ compared)
+print(len(compared))
+"#;
+
+/// A DP=2 run saving torch_dist at iteration 5 writes Megatron's files (and nothing of ours is
+/// left beside them); torch reads every model tensor equal to the same run's save in our
+/// format; resumed here, iterations 6-8 log the uninterrupted run's losses exactly. Returns
+/// torch's view of the saved iteration and the directory holding the run's two saves.
+/// `data_files` are the `.distcp` files expected: one per rank that saves a chunk.
+fn torch_dist_save_resumes_exactly(
+    run_flags: &[&str],
+    data_files: &[&str],
+) -> (serde_json::Value, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let (dist, ours) = (dir.path().join("dist"), dir.path().join("ours"));
+    let full = dir.path().join("full.jsonl");
+    two_ranks(|| {
+        let mut c = run(run_flags);
+        c.args(["--metrics-file", &path(&full)]);
+        c
+    });
+    for (save, format) in [(&dist, "torch_dist"), (&ours, "safetensors")] {
+        let stdout = two_ranks(|| {
+            let mut c = run(run_flags);
+            c.args(["--save-interval", "5", "--exit-interval", "5"])
+                .args(["--ckpt-format", format, "--save", &path(save)]);
+            c
+        });
+        assert!(
+            stdout.contains("successfully saved checkpoint from iteration       5"),
+            "{stdout}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(dist.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "5"
+    );
+    let iteration = dist.join("iter_0000005");
+    let mut expected = vec![".metadata"];
+    expected.extend(data_files);
+    expected.extend(["common.pt", "metadata.json"]);
+    assert_eq!(entries(&iteration), expected);
+    assert_eq!(
+        entries(&dist),
+        [
+            ".megatron-rs-save.lock",
+            "iter_0000005",
+            "latest_checkpointed_iteration.txt"
+        ]
+    );
+    let python = test_python(&["torch", "safetensors"]);
+    let compared = run_ok(
+        Command::new(&python)
+            .arg("-c")
+            .arg(COMPARE_WITH_OURS)
+            .arg(&iteration)
+            .arg(ours.join("iter_0000005/mp_rank_00/model.safetensors")),
+    );
+    assert_eq!(String::from_utf8_lossy(&compared.stdout).trim(), "28");
+    let resumed = dir.path().join("resumed.jsonl");
+    two_ranks(|| {
+        let mut c = run(run_flags);
+        c.args(["--load", &path(&dist), "--metrics-file", &path(&resumed)]);
+        c
+    });
+    let expected: Vec<_> = metrics_losses(&full)
+        .into_iter()
+        .filter(|(i, _)| *i > 5)
+        .collect();
+    assert_eq!(expected.len(), 3);
+    assert_eq!(metrics_losses(&resumed), expected);
+    (torch_reference(&iteration), dir)
+}
+
+/// With `--use-distributed-optimizer` the optimizer state is saved in
+/// `fully_sharded_model_space`, every tensor as `checkpoint_convert` exports the same run's
+/// save in our format (and so as Megatron's own save lays it out).
+#[test]
+fn torch_dist_saves_of_a_distributed_optimizer_run_resume_exactly() {
+    let (saved, dir) = torch_dist_save_resumes_exactly(
+        &["--use-distributed-optimizer", "--ddp-bucket-size", "5000"],
+        &["__0_0.distcp", "__1_0.distcp"],
+    );
+    let exported = dir.path().join("exported");
+    run_ok(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "megatron-rs"])
+            .args(["--saver", "core", "--ckpt-format", "torch_dist"])
+            .args(["--target-data-parallel-size", "2"])
+            .args(["--load-dir", &path(&dir.path().join("ours"))])
+            .args(["--save-dir", &path(&exported)]),
+    );
+    let converted = torch_reference(&exported.join("iter_0000005"));
+    assert_eq!(saved["dist_metadata"], converted["dist_metadata"]);
+    assert_eq!(saved["tensors"], converted["tensors"]);
+    assert_eq!(
+        saved["dist_metadata"]["optimizer.state.exp_avg.embedding.word_embeddings.weight"][1],
+        serde_json::json!([1, 1, 65536])
+    );
+    assert_eq!(saved["args"]["use_distributed_optimizer"], true);
+}
+
+/// Without the distributed optimizer each optimizer tensor has its parameter's shape and
+/// chunks, as Megatron's non-distributed optimizer saves it; data-parallel rank 0 saves them
+/// all, as it does the model.
+#[test]
+fn torch_dist_saves_of_a_plain_optimizer_run_resume_exactly() {
+    let (saved, _dir) = torch_dist_save_resumes_exactly(&[], &["__0_0.distcp"]);
+    let metadata = &saved["dist_metadata"];
+    for key in [
+        "embedding.word_embeddings.weight",
+        "decoder.layers.mlp.linear_fc1.weight",
+    ] {
+        for kind in ["fp32_param", "exp_avg", "exp_avg_sq"] {
+            let optimizer = &metadata[format!("optimizer.state.{kind}.{key}")];
+            assert_eq!(optimizer[0], "float32", "{kind} {key}");
+            assert_eq!(optimizer[1], metadata[key][1], "{kind} {key}");
+            assert_eq!(optimizer[2], metadata[key][2], "{kind} {key}");
+        }
+    }
+    assert_eq!(saved["args"]["use_distributed_optimizer"], false);
+}
+
+/// With `--async-save` the rewrite runs in rank 0's commit thread, and the tracker moves once
+/// Megatron's checkpoint is in place: the same files, resumed the same.
+#[test]
+fn torch_dist_async_saves_resume_exactly() {
+    let (saved, _dir) = torch_dist_save_resumes_exactly(
+        &["--use-distributed-optimizer", "--async-save"],
+        &["__0_0.distcp", "__1_0.distcp"],
+    );
+    assert_eq!(saved["args"]["use_distributed_optimizer"], true);
+}
+
+/// `--ckpt-format torch` saves Megatron's `mp_rank_00/model_optim_rng.pt` (the model and the
+/// non-distributed optimizer's state), which torch loads and this project resumes exactly.
+#[test]
+fn torch_saves_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (saved, full, resumed) = (
+        dir.path().join("saved"),
+        dir.path().join("full.jsonl"),
+        dir.path().join("resumed.jsonl"),
+    );
+    two_ranks(|| {
+        let mut c = run(&[]);
+        c.args(["--metrics-file", &path(&full)]);
+        c
+    });
+    two_ranks(|| {
+        let mut c = run(&["--save-interval", "5", "--exit-interval", "5"]);
+        c.args(["--ckpt-format", "torch", "--save", &path(&saved)]);
+        c
+    });
+    assert_eq!(entries(&saved.join("iter_0000005")), ["mp_rank_00"]);
+    let file = saved.join("iter_0000005/mp_rank_00/model_optim_rng.pt");
+    let reference = torch_reference(&file);
+    assert_eq!(reference["args"]["ckpt_format"], "torch");
+    assert!(
+        reference["tensors"]
+            .as_object()
+            .unwrap()
+            .contains_key("model/embedding.word_embeddings.weight"),
+        "{}",
+        reference["tensors"]
+    );
+    two_ranks(|| {
+        let mut c = run(&[]);
+        c.args(["--load", &path(&saved), "--metrics-file", &path(&resumed)]);
+        c
+    });
+    let expected: Vec<_> = metrics_losses(&full)
+        .into_iter()
+        .filter(|(i, _)| *i > 5)
+        .collect();
+    assert_eq!(metrics_losses(&resumed), expected);
+}
+
+/// `scripts/torch_checkpoint_reference.py`'s view of a checkpoint: every tensor's digest.
+fn torch_reference(checkpoint: &Path) -> serde_json::Value {
+    let python: PathBuf = test_python(&["torch"]);
+    let out = run_ok(
+        Command::new(python)
+            .arg(megatron_e2e::workspace_root().join("scripts/torch_checkpoint_reference.py"))
+            .arg(checkpoint),
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `--load` of a checkpoint saved under another layout, by a job of four processes on two nodes
+/// (Slurm's variables, one host) sharing `$TMPDIR`: each node's first process writes the
+/// reshaped copy once, for its node, and says so; the others read it; every copy is gone when
+/// the run ends.
+#[test]
+fn a_reshape_at_load_is_written_once_per_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let (saved, tmp) = (dir.path().join("saved"), dir.path().join("tmp"));
+    std::fs::create_dir(&tmp).unwrap();
+    two_ranks(|| {
+        let mut c = run(&["--save-interval", "4", "--exit-interval", "4"]);
+        c.args(["--save", &path(&saved)]);
+        c
+    });
+    let port = free_port();
+    let tasks: Vec<_> = (0..4)
+        .map(|rank| {
+            run(&["--tensor-model-parallel-size", "2", "--load", &path(&saved)])
+                .env("TMPDIR", &tmp)
+                .env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_NTASKS", "4")
+                .env("SLURM_LOCALID", (rank % 2).to_string())
+                .env("SLURM_NODEID", (rank / 2).to_string())
+                .env("SLURM_NNODES", "2")
+                .env("SLURM_TASKS_PER_NODE", "2(x2)")
+                .env("SLURM_JOB_NODELIST", "127.0.0.[1-2]")
+                .env("MASTER_PORT", &port)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut written = Vec::new();
+    for (rank, task) in tasks.into_iter().enumerate() {
+        let out = task.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        written.extend(
+            stdout
+                .lines()
+                .filter(|l| l.starts_with("reshaped the checkpoint"))
+                .map(|l| (rank, l.to_string())),
+        );
+    }
+    assert_eq!(written.len(), 2, "{written:?}");
+    for ((rank, line), node) in written.iter().zip([0, 2]) {
+        assert_eq!(*rank, node, "{written:?}");
+        let copy = tmp.join(format!(
+            "megatron-rs-resume-127.0.0.1-{port}-node{}",
+            node / 2
+        ));
+        assert!(
+            line.contains(" to TP=2 PP=1 (written once")
+                && line.ends_with(&format!(
+                    "(written once for this node's processes, to {})",
+                    copy.display()
+                )),
+            "{line}"
+        );
+    }
+    assert_eq!(entries(&tmp), Vec::<String>::new());
+}
+
+/// Formats a program does not write are usage errors (exit 2) naming the flag and the value,
+/// before anything is saved: Megatron's zarr everywhere, Megatron's torch_dist in pretrain_bert.
+#[test]
+fn formats_not_written_are_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("save");
+    let gpt = bin("pretrain_gpt")
+        .args(TINY_MOCK_GPT)
+        .args([
+            "--train-iters",
+            "2",
+            "--device",
+            "cpu",
+            "--ckpt-format",
+            "zarr",
+        ])
+        .arg("--save")
+        .arg(&save)
+        .output()
+        .unwrap();
+    let bert = bin("pretrain_bert")
+        .args(["--num-layers", "2", "--hidden-size", "32"])
+        .args(["--num-attention-heads", "4", "--seq-length", "32"])
+        .args(["--max-position-embeddings", "32", "--micro-batch-size", "4"])
+        .args([
+            "--global-batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--train-iters",
+            "2",
+        ])
+        .args(["--eval-iters", "0", "--device", "cpu", "--mock-data"])
+        .args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "255"])
+        .args(["--ckpt-format", "torch_dist", "--save"])
+        .arg(&save)
+        .output()
+        .unwrap();
+    for (out, value) in [(gpt, "zarr"), (bert, "torch_dist")] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "--ckpt-format {value} is not written by this program"
+            )),
+            "{stderr}"
+        );
+        assert!(
+            !save.join("latest_checkpointed_iteration.txt").exists(),
+            "{stderr}"
+        );
+    }
+}
