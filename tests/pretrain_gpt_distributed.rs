@@ -920,13 +920,20 @@ fn resume_under_another_layout_equals_the_saved_layout() {
             spawn_rank(command, rank, 2, &port)
         })
         .collect();
-    for child in wider {
+    // Rank 0 rewrites the checkpoint for the node and names the difference; rank 1 reads that
+    // copy, and names the difference too unless rank 0 has already failed and removed it.
+    for (rank, child) in wider.into_iter().enumerate() {
         let out = wait_with_deadline(child, Duration::from_secs(300));
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "another hidden size was loaded");
         assert!(
-            stderr.contains("different architecture") && stderr.contains("hidden_size"),
-            "{stderr}"
+            !out.status.success(),
+            "rank {rank}: another hidden size was loaded"
+        );
+        let architecture =
+            stderr.contains("different architecture") && stderr.contains("hidden_size");
+        assert!(
+            architecture || (rank > 0 && stderr.contains("no checkpoint under")),
+            "rank {rank}: {stderr}"
         );
     }
 }

@@ -140,5 +140,8 @@ fn prepare_load(
         println!("{description}");
     }
     args.checkpoint.load = Some(prepared.directory.clone());
+    // The copy is another process's when this one did not write it: if that process failed and
+    // removed it, this one must fail too rather than train from scratch.
+    args.checkpoint.exit_on_missing_checkpoint = true;
     Ok(Some(prepared))
 }

@@ -285,6 +285,8 @@ fn sharded_param_shapes<'a>(
             attributes: ParamAttributes {
                 tied_across_stages: tied_across_stages
                     && global == "embedding.word_embeddings.weight",
+                // Routed experts sit in buckets of their own, as the engine lays them out.
+                expert: global.contains(".mlp.experts."),
                 ..ParamAttributes::default()
             },
         })

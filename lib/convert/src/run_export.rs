@@ -59,7 +59,8 @@ pub fn export_saved_checkpoint(
     {
         bail!(
             "{}: Megatron's formats are written here for pipeline stages of equal layers only \
-             (--decoder-first/last-pipeline-num-layers were given); save with --ckpt-format \
+             (--decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers was \
+             given); save with --ckpt-format \
              safetensors",
             found.directory.display()
         );
