@@ -293,9 +293,11 @@ fn two_gpus_with_nccl_equal_one() {
 }
 
 /// The 4-rank layouts of the 4-GPU measurements against one rank on `device`: TP=4 with
-/// sequence parallelism, TP=2 × PP=2, and DP=4 with the distributed optimizer and overlapped
-/// reduction and parameter gather (small buckets, so several overlap).
-fn four_ranks_equal_one(device: &[&str]) {
+/// sequence parallelism, TP=2 × PP=2, DP=4 with the distributed optimizer and overlapped
+/// reduction and parameter gather (small buckets, so several overlap), and TP=2 × CP=2 with the
+/// ring; with `every_context_exchange` also the all-gathered and Ulysses attentions across
+/// processes (`lib/training/tests/context_parallel.rs` compares every exchange in one process).
+fn four_ranks_equal_one(device: &[&str], every_context_exchange: bool) {
     let dir = tempfile::tempdir().unwrap();
     let single = dir.path().join("single.jsonl");
     let mut command = pretrain(device);
@@ -355,7 +357,12 @@ fn four_ranks_equal_one(device: &[&str]) {
             &["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
         ),
     ];
-    for (index, (what, layout)) in layouts.into_iter().enumerate() {
+    let count = if every_context_exchange {
+        layouts.len()
+    } else {
+        4
+    };
+    for (index, (what, layout)) in layouts.into_iter().take(count).enumerate() {
         let metrics = dir.path().join(format!("{index}.jsonl"));
         let flags: Vec<&str> = device
             .iter()
@@ -382,7 +389,7 @@ fn four_ranks_equal_one(device: &[&str]) {
 
 #[test]
 fn four_cpu_processes_equal_one() {
-    four_ranks_equal_one(&[]);
+    four_ranks_equal_one(&[], false);
 }
 
 /// [`four_ranks_equal_one`] on four GPUs with NCCL; runs where there are at least four.
@@ -392,7 +399,7 @@ fn four_gpus_with_nccl_equal_one() {
         eprintln!("skipped: needs 4 GPUs");
         return;
     }
-    four_ranks_equal_one(&["--device", "cuda", "--distributed-backend", "nccl"]);
+    four_ranks_equal_one(&["--device", "cuda", "--distributed-backend", "nccl"], true);
 }
 
 /// On two GPUs, TP=2 with sequence parallelism, bf16, hidden and attention dropout, rotary
