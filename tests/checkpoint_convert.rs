@@ -6,7 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megatron_e2e::{bin, free_port, run_ok, shared_dir, TINY_MOCK_GPT};
+use megatron_e2e::{
+    bin, distances, megatron_log, resume_pretrain_gpt, run_job, run_ok, shared_dir, Logged, Step,
+    TINY_MOCK_GPT,
+};
 
 fn golden(name: &str) -> PathBuf {
     shared_dir().join("golden/megatron_checkpoints").join(name)
@@ -177,32 +180,6 @@ fn pretrain_gpt_continues_megatrons_run_with_its_optimizer() {
     }
 }
 
-/// Megatron's logged (lm loss, grad norm) by iteration, from the golden's `<name>.train.txt`.
-fn megatron_log(name: &str) -> Vec<(u64, f64, f64)> {
-    let text = std::fs::read_to_string(golden(&format!("{name}.train.txt"))).unwrap();
-    let field = |line: &str, key: &str| -> f64 {
-        let rest = &line[line.find(key).unwrap() + key.len()..];
-        rest.split('|').next().unwrap().trim().parse().unwrap()
-    };
-    text.lines()
-        .filter(|line| line.contains("lm loss:"))
-        .map(|line| {
-            let iteration = line[line.find("iteration").unwrap() + 9..]
-                .split('/')
-                .next()
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap();
-            (
-                iteration,
-                field(line, "lm loss:"),
-                field(line, "grad norm:"),
-            )
-        })
-        .collect()
-}
-
 /// The distributed-optimizer goldens' flags (their README) on two CPU ranks.
 fn distopt_run_flags() -> Vec<&'static str> {
     let mut flags = golden_run_flags();
@@ -223,86 +200,24 @@ fn distopt_run_flags() -> Vec<&'static str> {
     flags
 }
 
-/// (iteration, lm loss, grad norm) of every training iteration in a `--metrics-file`.
-fn logged_steps(metrics: &Path) -> Vec<(u64, f64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("lm loss").is_some())
-        .map(|r| {
-            (
-                r["iteration"].as_u64().unwrap(),
-                r["lm loss"].as_f64().unwrap(),
-                r["grad-norm"].as_f64().unwrap(),
-            )
-        })
-        .collect()
-}
+/// What the distributed-optimizer goldens' logs are compared by.
+const LOGGED: [Logged; 2] = [Logged::LmLoss, Logged::GradNorm];
 
 /// pretrain_gpt with the goldens' flags and `extra`, resumed from `load` by `ranks` processes:
-/// its logged iterations.
-fn resume_distributed_run(
-    load: &Path,
-    ranks: usize,
-    extra: &[&str],
-    dir: &Path,
-) -> Vec<(u64, f64, f64)> {
-    let metrics = tempfile::Builder::new()
-        .suffix(".jsonl")
-        .tempfile_in(dir)
-        .unwrap()
-        .into_temp_path();
-    let command = || {
-        let mut command = bin("pretrain_gpt");
-        command
-            .args(distopt_run_flags())
-            .args(extra)
-            .arg("--load")
-            .arg(load)
-            .arg("--metrics-file")
-            .arg(&metrics);
-        command
-    };
-    if ranks == 2 {
-        two_ranks(command);
-    } else {
-        run_ok(&mut command());
-    }
-    let steps = logged_steps(&metrics);
-    assert_eq!(
-        steps.iter().map(|r| r.0).collect::<Vec<_>>(),
-        vec![6, 7, 8, 9, 10],
-        "{}: training resumes after Megatron's iteration 5: {steps:?}",
-        load.display()
-    );
-    steps
+/// its logged iterations, which continue Megatron's after iteration 5.
+fn resume_distributed_run(load: &Path, ranks: usize, extra: &[&str], dir: &Path) -> Vec<Step> {
+    let flags = [distopt_run_flags().as_slice(), extra].concat();
+    resume_pretrain_gpt(load, ranks, &flags, &LOGGED, 6..=10, dir)
 }
 
-/// How far `ours` is from what Megatron logged for `name`'s run after iteration 5: the largest
-/// and the mean distance of the lm losses, and the largest relative distance of the gradient
-/// norms.
-fn distance_from_megatron(name: &str, ours: &[(u64, f64, f64)]) -> (f64, f64, f64) {
-    let logged: Vec<_> = megatron_log(name).into_iter().filter(|l| l.0 > 5).collect();
-    assert_eq!(
-        ours.iter().map(|r| r.0).collect::<Vec<_>>(),
-        logged.iter().map(|r| r.0).collect::<Vec<_>>()
-    );
-    let losses: Vec<f64> = ours
-        .iter()
-        .zip(&logged)
-        .map(|(a, b)| (a.1 - b.1).abs())
-        .collect();
-    let norms = ours
-        .iter()
-        .zip(&logged)
-        .map(|(a, b)| (a.2 - b.2).abs() / b.2)
-        .fold(0.0, f64::max);
-    (
-        losses.iter().cloned().fold(0.0, f64::max),
-        losses.iter().sum::<f64>() / losses.len() as f64,
-        norms,
-    )
+/// How far `ours` is from what Megatron logged for `name`'s run: the largest and the mean
+/// distance of the lm losses, and the largest relative distance of the gradient norms.
+fn distance_from_megatron(name: &str, ours: &[Step]) -> (f64, f64, f64) {
+    let logged = megatron_log(&golden(&format!("{name}.train.txt")), &LOGGED);
+    let [lm, norm] = &distances(ours, &logged)[..] else {
+        unreachable!("two values are logged")
+    };
+    (lm.largest, lm.mean, norm.largest_relative)
 }
 
 /// Megatron's distributed-optimizer runs (torch's distrib_optim.pt, torch_dist's
@@ -530,29 +445,7 @@ fn small_run(extra: &[&str]) -> Command {
 
 /// Runs `command` as both ranks of a two-process job (torchrun's variables).
 fn two_ranks(make: impl Fn() -> Command) {
-    let port = free_port();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            make()
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_job(2, "", |_| make());
 }
 
 fn lm_losses(metrics: &Path) -> Vec<(u64, f64)> {

@@ -7,9 +7,9 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 
-use megatron_e2e::{bin, free_port, run_ok};
+use megatron_e2e::{bin, run_job, run_ok};
 
 /// A 2+1-layer T5 on mock span corruption over `vocabulary` tokens.
 fn pretrain(vocabulary: &str, extra: &[&str]) -> Command {
@@ -31,33 +31,7 @@ fn pretrain(vocabulary: &str, extra: &[&str]) -> Command {
 
 /// Runs `command` as two processes of a torchrun-style launch; returns the last rank's output.
 fn two_processes(command: impl Fn() -> Command) -> Output {
-    let port = free_port();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            command()
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outputs: Vec<Output> = children
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
-    for (rank, out) in outputs.iter().enumerate() {
-        assert!(
-            out.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    outputs.into_iter().last().unwrap()
+    run_job(2, "", |_| command()).pop().unwrap()
 }
 
 fn convert(from: &Path, to: &Path, extra: &[&str]) -> Output {

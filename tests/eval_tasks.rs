@@ -5,11 +5,10 @@
 //! one-process numbers; Megatron's flags are accepted and checked; bad input gets clear errors.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, free_port, run_ok, shared_dir, test_python, workspace_root};
+use megatron_e2e::{bin, run_job, run_ok, shared_dir, test_python, workspace_root};
 use serde_json::Value;
 
 const PASSAGES: usize = 24;
@@ -280,18 +279,6 @@ fn lambada_counts_equal_the_hf_reference() {
     }
 }
 
-fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("a rank did not exit within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
-}
-
 /// `--load-hf` evaluates a HuggingFace checkpoint through checkpoint_convert's loader: the
 /// fixture exported to HF and evaluated with `--load-hf` gives exactly what the same export
 /// imported by `checkpoint_convert` and evaluated with `--load` gives.
@@ -500,31 +487,13 @@ fn a_linearly_interpolated_model_from_pretrain_gpt_evaluates_as_transformers() {
 
 /// Runs eval_tasks with `args` as two tensor-parallel processes; returns the results JSON.
 fn two_ranks(fixture: &Fixture, args: &[&str], json: &Path) -> Value {
-    let port = free_port();
-    let ranks: Vec<Child> = (0..2)
-        .map(|rank| {
-            eval_tasks(fixture, args)
-                .args(["--tensor-model-parallel-size", "2", "--results-json"])
-                .arg(json)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (rank, child) in ranks.into_iter().enumerate() {
-        let out = wait_with_deadline(child, Duration::from_secs(300));
-        assert!(
-            out.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_job(2, "", |_| {
+        let mut command = eval_tasks(fixture, args);
+        command
+            .args(["--tensor-model-parallel-size", "2", "--results-json"])
+            .arg(json);
+        command
+    });
     read_json(json)
 }
 

@@ -7,11 +7,10 @@
 //! checkpoints get errors naming the file and line or the tensor.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
-use megatron_e2e::{bin, free_port, run_ok, shared_dir};
+use megatron_e2e::{bin, run_job, run_ok, shared_dir};
 
 fn vocab() -> PathBuf {
     shared_dir().join("data/bert-large-uncased-vocab.txt")
@@ -577,18 +576,6 @@ fn bad_task_files_and_checkpoints_are_named_in_errors() {
 }
 
 /// Waits for `child` at most `limit` (killing it past that) and returns its output.
-fn wait_within(mut child: std::process::Child, limit: Duration) -> Output {
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > limit {
-            child.kill().unwrap();
-            panic!("a rank ran longer than {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    child.wait_with_output().unwrap()
-}
-
 #[test]
 fn two_tensor_parallel_processes_equal_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -612,30 +599,11 @@ fn two_tensor_parallel_processes_equal_one() {
     let one_json = dir.path().join("one.json");
     run_ok(&mut command(&one_json));
     let two_json = dir.path().join("two.json");
-    let port = free_port();
-    let ranks: Vec<_> = (0..2)
-        .map(|rank| {
-            command(&two_json)
-                .args(["--tensor-model-parallel-size", "2"])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (rank, child) in ranks.into_iter().enumerate() {
-        let out = wait_within(child, Duration::from_secs(300));
-        assert!(
-            out.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_job(2, "", |_| {
+        let mut command = command(&two_json);
+        command.args(["--tensor-model-parallel-size", "2"]);
+        command
+    });
     let read = |path: &Path| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     };

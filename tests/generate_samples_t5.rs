@@ -5,10 +5,10 @@
 //! clear error.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 
-use megatron_e2e::{bin, free_port, run_ok, shared_dir};
+use megatron_e2e::{bin, run_job, run_ok, shared_dir};
 
 fn vocab() -> PathBuf {
     shared_dir().join("data/bert-large-uncased-vocab.txt")
@@ -169,34 +169,13 @@ fn scores_equal_the_validation_loss_training_reported() {
 #[test]
 fn two_tensor_parallel_processes_score_as_one() {
     let fixture = fixture();
-    let port = free_port();
-    let ranks: Vec<_> = (0..2)
-        .map(|rank| {
-            tool("score", fixture)
-                .args(["--num-samples", "8", "--tensor-model-parallel-size", "2"])
-                .args(["--distributed-timeout-minutes", "2"])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outputs: Vec<Output> = ranks
-        .into_iter()
-        .map(|child| child.wait_with_output().unwrap())
-        .collect();
-    for (rank, out) in outputs.iter().enumerate() {
-        assert!(
-            out.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let outputs = run_job(2, "", |_| {
+        let mut command = tool("score", fixture);
+        command
+            .args(["--num-samples", "8", "--tensor-model-parallel-size", "2"])
+            .args(["--distributed-timeout-minutes", "2"]);
+        command
+    });
     // The last rank prints, as Megatron's tools do.
     let stdout = String::from_utf8_lossy(&outputs[1].stdout);
     let scored = summary_value(&stdout, "lm loss");

@@ -6,7 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megatron_e2e::{bin, free_port, run_ok, test_python, workspace_root};
+use megatron_e2e::{
+    bin, distances, megatron_log, resume_pretrain_gpt, run_ok, test_python, workspace_root, Logged,
+    Step,
+};
 
 fn golden(name: &str) -> PathBuf {
     megatron_e2e::shared_dir()
@@ -87,129 +90,19 @@ fn moe_run_flags() -> Vec<&'static str> {
     ]
 }
 
-/// (iteration, lm loss, load_balancing_loss, grad norm) of Megatron's log of the golden `name`.
-fn megatron_log(name: &str) -> Vec<(u64, f64, f64, f64)> {
-    let text = std::fs::read_to_string(golden(&format!("{name}.train.txt"))).unwrap();
-    let field = |line: &str, key: &str| -> f64 {
-        let rest = &line[line.find(key).unwrap() + key.len()..];
-        rest.split('|').next().unwrap().trim().parse().unwrap()
-    };
-    text.lines()
-        .filter(|line| line.contains("lm loss:"))
-        .map(|line| {
-            let iteration = line[line.find("iteration").unwrap() + 9..]
-                .split('/')
-                .next()
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap();
-            (
-                iteration,
-                field(line, "lm loss:"),
-                field(line, "load_balancing_loss:"),
-                field(line, "grad norm:"),
-            )
-        })
-        .collect()
-}
+/// What the MoE goldens' logs are compared by.
+const LOGGED: [Logged; 3] = [Logged::LmLoss, Logged::LoadBalancingLoss, Logged::GradNorm];
 
-/// (iteration, lm loss, load_balancing_loss, grad norm) of every training iteration in a
-/// `--metrics-file`.
-fn logged_steps(metrics: &Path) -> Vec<(u64, f64, f64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("lm loss").is_some())
-        .map(|r| {
-            (
-                r["iteration"].as_u64().unwrap(),
-                r["lm loss"].as_f64().unwrap(),
-                r["load_balancing_loss"].as_f64().unwrap(),
-                r["grad-norm"].as_f64().unwrap(),
-            )
-        })
-        .collect()
-}
-
-/// Runs `make()` as every rank of a `ranks`-process job (torchrun's variables).
-fn run_ranks(ranks: usize, make: impl Fn() -> Command) {
-    let port = free_port();
-    let children: Vec<_> = (0..ranks)
-        .map(|rank| {
-            make()
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", ranks.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+/// Megatron's log of the golden `name`.
+fn golden_log(name: &str) -> Vec<Step> {
+    megatron_log(&golden(&format!("{name}.train.txt")), &LOGGED)
 }
 
 /// pretrain_gpt with the goldens' flags and `extra`, resumed from `load` by `ranks` data-parallel
-/// CPU processes: its logged iterations.
-fn resume(load: &Path, ranks: usize, extra: &[&str], dir: &Path) -> Vec<(u64, f64, f64, f64)> {
-    let metrics = tempfile::Builder::new()
-        .suffix(".jsonl")
-        .tempfile_in(dir)
-        .unwrap()
-        .into_temp_path();
-    let command = || {
-        let mut command = bin("pretrain_gpt");
-        command
-            .args(moe_run_flags())
-            .args(extra)
-            .arg("--load")
-            .arg(load)
-            .arg("--metrics-file")
-            .arg(&metrics);
-        command
-    };
-    run_ranks(ranks, command);
-    let steps = logged_steps(&metrics);
-    assert_eq!(
-        steps.iter().map(|r| r.0).collect::<Vec<_>>(),
-        vec![6, 7, 8, 9, 10],
-        "{}: training resumes after Megatron's iteration 5: {steps:?}",
-        load.display()
-    );
-    steps
-}
-
-/// How far `ours` is from Megatron's log of `name` after iteration 5: the largest and the mean
-/// distance of the lm losses, and the largest of the load-balancing losses.
-fn distance_from_megatron(name: &str, ours: &[(u64, f64, f64, f64)]) -> (f64, f64, f64) {
-    let logged: Vec<_> = megatron_log(name).into_iter().filter(|l| l.0 > 5).collect();
-    assert_eq!(logged.len(), ours.len());
-    let lm: Vec<f64> = ours
-        .iter()
-        .zip(&logged)
-        .map(|(a, b)| (a.1 - b.1).abs())
-        .collect();
-    let balance = ours
-        .iter()
-        .zip(&logged)
-        .map(|(a, b)| (a.2 - b.2).abs())
-        .fold(0.0, f64::max);
-    (
-        lm.iter().cloned().fold(0.0, f64::max),
-        lm.iter().sum::<f64>() / lm.len() as f64,
-        balance,
-    )
+/// CPU processes: its logged iterations, which continue Megatron's after iteration 5.
+fn resume(load: &Path, ranks: usize, extra: &[&str], dir: &Path) -> Vec<Step> {
+    let flags = [moe_run_flags().as_slice(), extra].concat();
+    resume_pretrain_gpt(load, ranks, &flags, &LOGGED, 6..=10, dir)
 }
 
 /// Megatron's MoE runs (torch: one `mp_rank_00_EEE` folder per expert-parallel rank with its
@@ -227,10 +120,10 @@ fn distance_from_megatron(name: &str, ours: &[(u64, f64, f64, f64)]) -> (f64, f6
 #[test]
 fn pretrain_gpt_continues_megatrons_moe_runs() {
     let dir = tempfile::tempdir().unwrap();
-    let logged: Vec<_> = megatron_log("moe_torch");
+    let logged = golden_log("moe_torch");
     assert_eq!(
         logged,
-        megatron_log("moe_torch_dist"),
+        golden_log("moe_torch_dist"),
         "one run in two formats"
     );
     for name in ["moe_torch", "moe_torch_dist"] {
@@ -240,8 +133,10 @@ fn pretrain_gpt_continues_megatrons_moe_runs() {
             &["--hidden-dropout", "0", "--attention-dropout", "0"],
             dir.path(),
         );
-        let first = (ours[0].1 - logged[5].1).abs();
-        let norm = (ours[0].3 - logged[5].3).abs() / logged[5].3;
+        let [lm, _, norm] = &distances(&ours[..1], &logged)[..] else {
+            unreachable!("three values are logged")
+        };
+        let (first, norm) = (lm.largest, norm.largest_relative);
         eprintln!(
             "{name} without dropout: iteration 6 lm loss {first} from Megatron's, grad norm {norm}"
         );
@@ -250,7 +145,10 @@ fn pretrain_gpt_continues_megatrons_moe_runs() {
             "{name}: iteration 6 lm loss {first} and grad norm {norm} (relative) from Megatron's: {ours:?}"
         );
         let ours = resume(&golden(name), 4, &[], dir.path());
-        let (lm, mean, balance) = distance_from_megatron(name, &ours);
+        let [lm, balance, _] = &distances(&ours, &logged)[..] else {
+            unreachable!("three values are logged")
+        };
+        let (mean, lm, balance) = (lm.mean, lm.largest, balance.largest);
         eprintln!(
             "{name}: lm loss within {lm} (mean {mean}), load_balancing_loss within {balance}"
         );
@@ -260,7 +158,8 @@ fn pretrain_gpt_continues_megatrons_moe_runs() {
         );
     }
     let fresh = resume(&golden("moe_torch"), 4, &["--no-load-optim"], dir.path());
-    let (lm, mean, _) = distance_from_megatron("moe_torch", &fresh);
+    let lm = &distances(&fresh, &logged)[0];
+    let (lm, mean) = (lm.largest, lm.mean);
     eprintln!("fresh optimizer: lm loss within {lm} (mean {mean})");
     assert!(
         mean > 7e-3,

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use megatron_e2e::{bin, free_port, metrics_losses, run_ok, test_python, TINY_MOCK_GPT};
+use megatron_e2e::{bin, free_port, metrics_losses, run_job, run_ok, test_python, TINY_MOCK_GPT};
 
 /// A two-process CPU run of the tiny GPT, eight iterations, with `extra`.
 fn run(extra: &[&str]) -> Command {
@@ -20,34 +20,8 @@ fn run(extra: &[&str]) -> Command {
 
 /// Runs `make()` as both ranks of a two-process job; returns rank 0's stdout.
 fn two_ranks(make: impl Fn() -> Command) -> String {
-    let port = free_port();
-    let children: Vec<_> = (0..2)
-        .map(|rank| {
-            make()
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut stdout = String::new();
-    for (rank, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        if rank == 0 {
-            stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        }
-    }
-    stdout
+    let outputs = run_job(2, "", |_| make());
+    String::from_utf8_lossy(&outputs[0].stdout).into_owned()
 }
 
 fn path(p: &Path) -> String {

@@ -4,10 +4,9 @@
 //! EP=4 on four GPUs.
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use megatron_e2e::{bin, free_port, visible_gpus, TINY_MOCK_GPT};
+use megatron_e2e::{bin, run_job, visible_gpus, TINY_MOCK_GPT};
 
 /// The tiny GPT with four experts (top-2, load balancing) in each layer.
 fn pretrain(device: &[&str], extra: &[&str]) -> Command {
@@ -32,51 +31,14 @@ fn pretrain(device: &[&str], extra: &[&str]) -> Command {
     command
 }
 
-fn spawn_rank(mut command: Command, rank: usize, world: usize, port: &str) -> Child {
-    command
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("a rank did not exit within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
-}
-
 /// Runs `world` ranks with `flags`, all of which must succeed; returns the `lm loss` and
 /// `load_balancing_loss` of each iteration the last rank logged.
 fn run(world: usize, device: &[&str], flags: &[&str], metrics: &Path, what: &str) -> Vec<[f64; 2]> {
-    let port = free_port();
-    let metrics_flag = ["--metrics-file", metrics.to_str().unwrap()];
-    let ranks: Vec<Child> = (0..world)
-        .map(|rank| {
-            let mut command = pretrain(device, flags);
-            command.args(metrics_flag);
-            spawn_rank(command, rank, world, &port)
-        })
-        .collect();
-    for (rank, child) in ranks.into_iter().enumerate() {
-        let out = wait_with_deadline(child, Duration::from_secs(300));
-        assert!(
-            out.status.success(),
-            "{what} rank {rank}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_job(world, what, |_| {
+        let mut command = pretrain(device, flags);
+        command.args(["--metrics-file", metrics.to_str().unwrap()]);
+        command
+    });
     std::fs::read_to_string(metrics)
         .unwrap()
         .lines()

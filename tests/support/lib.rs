@@ -1,9 +1,19 @@
 //! Helpers for end-to-end tests: locate the workspace's built binaries and the shared
 //! reference material, and run binaries the way a user would.
 
+use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+
+mod megatron_logs;
+mod ranks;
+pub use megatron_logs::{
+    distances, megatron_log, metrics_steps, resume_pretrain_gpt, Distance, Logged, Step,
+};
+pub use ranks::{run_job, spawn_rank, wait_for_ranks, RANK_DEADLINE};
 
 /// The workspace root (the directory holding the top-level Cargo.toml).
 pub fn workspace_root() -> PathBuf {
@@ -103,7 +113,8 @@ pub fn test_python(modules: &[&str]) -> PathBuf {
 /// after it (torchrun's store and ours). Ports come from below Linux's ephemeral range
 /// (32768–60999), which the kernel hands to port-0 binds and outgoing connections: a port
 /// released there may be given to another test's gloo socket before the job binds it. Each
-/// process walks its own sequence (seeded by its id) and never offers a port twice.
+/// process walks its own sequence (seeded by its id), never offers a port twice, and holds a lock
+/// on each port it offers until it exits, so test binaries running side by side never share one.
 pub fn free_port() -> String {
     const FIRST: u32 = 12_000;
     const PAIRS: u32 = 10_000;
@@ -114,10 +125,25 @@ pub fn free_port() -> String {
         let port = (FIRST + 2 * pair) as u16;
         let both_free = std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
             && std::net::TcpListener::bind(("0.0.0.0", port + 1)).is_ok();
-        if both_free {
+        if both_free && reserve_port(port) {
             return port.to_string();
         }
     }
+}
+
+/// Takes `port` for this process: an exclusive lock on a file named after it, which the kernel
+/// releases when the process exits; false where another process holds it.
+fn reserve_port(port: u16) -> bool {
+    static HELD: Mutex<Vec<File>> = Mutex::new(Vec::new());
+    let directory = std::env::temp_dir().join("megatron-rs-test-ports");
+    std::fs::create_dir_all(&directory).unwrap();
+    let file = File::create(directory.join(port.to_string())).unwrap();
+    // SAFETY: flock(2) on a descriptor this function owns.
+    let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    if locked {
+        HELD.lock().unwrap().push(file);
+    }
+    locked
 }
 
 /// A 2-layer GPT of width 64 on mock data (NullTokenizer, 1000 ids), sequence 32, micro-batch 2

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use megatron_checkpoint::layout::{detect, Format};
 use megatron_models::{FamilyModel, GptModel};
-use megatron_parallel::{LaunchEnv, Placement, ReduceOp};
+use megatron_parallel::{max_over_ranks, LaunchEnv, Placement};
 use megatron_store::{find_checkpoint, CheckpointDirectory};
 
 use super::load::load_checkpoint;
@@ -144,8 +144,9 @@ pub fn import_for_job(
     } else {
         Ok(None)
     };
-    let agreed = agree(
-        placement,
+    let agreed = max_over_ranks(
+        placement.parallel.world.as_ref(),
+        placement.device,
         [
             f64::from(u8::from(written.is_err())),
             f64::from(u8::from(matches!(written, Ok(Some(_))))),
@@ -214,18 +215,6 @@ fn write_for_node(
         ),
         RemovedWhenDropped(directory.to_path_buf()),
     )))
-}
-
-/// Every process's `flags`, combined by maximum over the job.
-fn agree(placement: &Placement, flags: [f64; 2]) -> Result<[f64; 2]> {
-    let parallel = &placement.parallel;
-    if parallel.world_size() == 1 {
-        return Ok(flags);
-    }
-    let tensor = tch::Tensor::from_slice(&flags).to_device(placement.device);
-    parallel.world.all_reduce(&tensor, ReduceOp::Max)?;
-    let agreed = tensor.to_device(tch::Device::Cpu);
-    Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
 }
 
 /// Whether the run (in `layout`, its optimizer state sharded as `shards`) cannot read our

@@ -2,7 +2,7 @@
 //! NCCL, over ranks-as-threads in CPU tests, or over a single rank.
 
 use anyhow::{ensure, Result};
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
@@ -172,4 +172,21 @@ pub(crate) fn check_all_to_all(group: &dyn Communicator) -> Result<()> {
         "rank {me}: {wrong}"
     );
     Ok(())
+}
+
+/// Each of `flags` combined by maximum over the ranks of `group`: how ranks agree on whether any
+/// of them failed or wants something before they act on it. The reduction runs on `device`, the
+/// one the group's backend reduces on; a group of one returns `flags` as they are.
+pub fn max_over_ranks<const N: usize>(
+    group: &dyn Communicator,
+    device: Device,
+    flags: [f64; N],
+) -> Result<[f64; N]> {
+    if group.size() == 1 {
+        return Ok(flags);
+    }
+    let on_device = Tensor::from_slice(&flags).to_device(device);
+    group.all_reduce(&on_device, ReduceOp::Max)?;
+    let agreed = Vec::<f64>::try_from(&on_device.to_device(Device::Cpu))?;
+    Ok(std::array::from_fn(|i| agreed[i]))
 }

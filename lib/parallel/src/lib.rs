@@ -19,7 +19,7 @@ mod tcp;
 mod threads;
 
 pub use address::{choose_address, InterfaceAddress};
-pub use communicator::{Communicator, P2pOp, ReduceOp, SingleRank};
+pub use communicator::{max_over_ranks, Communicator, P2pOp, ReduceOp, SingleRank};
 pub use job::{Backend, Job};
 pub use launch::{
     first_host, tasks_on_node, LaunchEnv, NodePlace, RendezvousPlace, DEFAULT_MASTER_PORT,

@@ -496,15 +496,63 @@ pub struct LoadRequest<'a> {
 /// Loads this rank's model weights from the checkpoint under `request.root` into `chunks`,
 /// after checking that the checkpoint has the same architecture and model-parallel layout.
 /// Returns the checkpoint for [`restore_training_state`] once the optimizer exists.
+///
+/// The ranks agree on the checks before any goes on: a rank that fails leaves the job only once
+/// every rank has read what it checks, so a copy of the checkpoint that the failing rank owns
+/// and removes as it exits (`--load` rewritten for the node) is never read half-removed.
 pub fn load_weights<C: ModelChunk>(
     request: &LoadRequest,
     model_type: &str,
     chunks: &[C],
     parallel: &ParallelState,
 ) -> Result<Option<CheckpointDirectory>> {
-    let Some(found) = find_checkpoint(request.root)? else {
+    let model = &chunks[0];
+    let checked = find_checkpoint(request.root).and_then(|found| {
+        if let Some(found) = &found {
+            check_loadable(found, model_type, chunks, parallel)?;
+        }
+        Ok(found)
+    });
+    let [failed] = megatron_parallel::max_over_ranks(
+        parallel.world.as_ref(),
+        model.options().device,
+        [f64::from(u8::from(checked.is_err()))],
+    )?;
+    let Some(found) = checked? else {
         return Ok(None);
     };
+    if failed > 0.0 {
+        bail!(
+            "{}: another rank cannot load this checkpoint (its error says why)",
+            found.directory.display()
+        );
+    }
+    let rank_dir = rank_directory(parallel);
+    let tensors = found
+        .read(&rank_dir, MODEL_FILE, model.options().device)?
+        .with_context(|| {
+            format!(
+                "{} has no {rank_dir}/{MODEL_FILE}",
+                found.directory.display()
+            )
+        })?;
+    load_model_tensors(chunks, only_held_experts(chunks, tensors))
+        .with_context(|| format!("loading {}", found.directory.display()))?;
+    if let Some(fp8) = found.read(&rank_dir, FP8_FILE, Device::Cpu)? {
+        load_fp8_tensors(chunks, &fp8)
+            .with_context(|| format!("fp8 state of {}", found.directory.display()))?;
+    }
+    Ok(Some(found))
+}
+
+/// Whether `found` holds a `model_type` model of `chunks`' architecture in this run's
+/// model-parallel layout.
+fn check_loadable<C: ModelChunk>(
+    found: &CheckpointDirectory,
+    model_type: &str,
+    chunks: &[C],
+    parallel: &ParallelState,
+) -> Result<()> {
     let model = &chunks[0];
     if found.metadata.model_type != model_type {
         bail!(
@@ -538,22 +586,7 @@ pub fn load_weights<C: ModelChunk>(
             if chunks.len() > 1 { format!(" ({} virtual stages)", chunks.len()) } else { String::new() }
         );
     }
-    let rank_dir = rank_directory(parallel);
-    let tensors = found
-        .read(&rank_dir, MODEL_FILE, model.options().device)?
-        .with_context(|| {
-            format!(
-                "{} has no {rank_dir}/{MODEL_FILE}",
-                found.directory.display()
-            )
-        })?;
-    load_model_tensors(chunks, only_held_experts(chunks, tensors))
-        .with_context(|| format!("loading {}", found.directory.display()))?;
-    if let Some(fp8) = found.read(&rank_dir, FP8_FILE, Device::Cpu)? {
-        load_fp8_tensors(chunks, &fp8)
-            .with_context(|| format!("fp8 state of {}", found.directory.display()))?;
-    }
-    Ok(Some(found))
+    Ok(())
 }
 
 pub(super) fn config_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> String {

@@ -117,6 +117,10 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
             return Ok(true);
         };
         if self.captured.is_none() {
+            // The activations of the eager steps stay cached in the allocator's general pool,
+            // where nothing will use them once steps replay: returned before the free memory is
+            // measured and the graph's pool comes on top.
+            cuda_empty_cache()?;
             if self.choice == GraphChoice::Default && !self.memory_allows_capture()? {
                 self.given_up = true;
                 if log {
@@ -167,7 +171,6 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
     /// stays allocated between steps measures, with a quarter and 1 GiB to spare.
     fn memory_allows_capture(&self) -> Result<bool> {
         let stats = cuda_memory_stats(self.device)?;
-        cuda_empty_cache()?;
         let Some(free) = cuda_free_memory(self.device) else {
             return Ok(false);
         };
@@ -185,9 +188,6 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
         let scalar = || Tensor::ones([], (Kind::Float, device));
         let (inverse_microbatches, loss_scale) = (scalar(), scalar());
         let names = stage.family.loss_names();
-        // The activations of the eager steps stay cached in the allocator's general pool, where
-        // nothing will use them once steps replay; the graph's pool would come on top.
-        cuda_empty_cache()?;
         // Attention dropout forks to the model-parallel stream, whose state the graph advances.
         let stream = rng::model_parallel_generator();
         let generators: Vec<&CudaGenerator> = stream.as_deref().into_iter().collect();

@@ -1434,13 +1434,7 @@ impl<F: ModelFamily> Run<'_, F> {
 
 /// The `--async-save` agreement: each flag's maximum over the ranks.
 fn agree(parallel: &ParallelState, device: Device, flags: Flags) -> Result<Flags> {
-    if parallel.world_size() == 1 {
-        return Ok(flags);
-    }
-    let on_device = Tensor::from_slice(&flags).to_device(device);
-    parallel.world.all_reduce(&on_device, ReduceOp::Max)?;
-    let agreed = on_device.to_device(Device::Cpu);
-    Ok([agreed.double_value(&[0]), agreed.double_value(&[1])])
+    megatron_parallel::max_over_ranks(parallel.world.as_ref(), device, flags)
 }
 
 /// What writes this run's saves when `--ckpt-format` names one of Megatron's formats: the
