@@ -33,11 +33,13 @@ struct FlatTensor {
 }
 
 /// Writes `distrib_optim.pt` at `path` for tensor rank `t` of `tp`: one dictionary for a single
-/// optimizer, a list of them for the chained one.
+/// optimizer, a list of them for the chained one; `grad_dtype` is the torch name of the dtype
+/// the run reduced gradients in.
 pub(super) fn write_distrib_optim(
     path: &Path,
     state: &ModelState,
     optimizers: &[OptimizerBuffers],
+    grad_dtype: &str,
     t: usize,
     tp: usize,
 ) -> Result<()> {
@@ -49,7 +51,7 @@ pub(super) fn write_distrib_optim(
     let mut flats = Vec::new();
     let mut dictionaries: Vec<Saved> = optimizers
         .iter()
-        .map(|buffers| dp_zero_dictionary(state, buffers, &mut slots, &mut flats))
+        .map(|buffers| dp_zero_dictionary(state, buffers, grad_dtype, &mut slots, &mut flats))
         .collect();
     let root = match dictionaries.len() {
         1 => dictionaries.pop().expect("one optimizer"),
@@ -79,22 +81,13 @@ pub(super) fn write_distrib_optim(
 fn dp_zero_dictionary(
     state: &ModelState,
     buffers: &OptimizerBuffers,
+    grad_dtype: &str,
     slots: &mut Vec<TensorSlot>,
     flats: &mut Vec<FlatTensor>,
 ) -> Saved {
     let torch_dtype = |name: &str| Value::Global {
         module: "torch".into(),
         name: name.into(),
-    };
-    // Gradients are reduced in float32 unless a float16 run keeps them in its own dtype.
-    let grad_dtype = if state.params_dtype == "float16"
-        && !super::megatron_save::run_flag(&state.run.args, "accumulate_allreduce_grads_in_fp32")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false)
-    {
-        "float16"
-    } else {
-        "float32"
     };
     let dtypes = Value::Tuple(vec![
         torch_dtype(state.params_dtype.as_str()),

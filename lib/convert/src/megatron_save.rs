@@ -709,10 +709,16 @@ pub fn save_megatron_torch_experts(
                             Err(groups) => Saved::List(groups),
                         },
                     ));
+                    // Gradients are reduced in float32 unless a float16 run keeps its own dtype.
+                    let fp32_grads = state.params_dtype != "float16"
+                        || run_flag(&state.run.args, "accumulate_allreduce_grads_in_fp32")
+                            .and_then(|v| v.as_bool())
+                            .unwrap_or(false);
                     write_distrib_optim(
                         &rank_dir.join("distrib_optim.pt"),
                         state,
                         &optimizers,
+                        if fp32_grads { "float32" } else { "float16" },
                         t,
                         target.tensor,
                     )?;
