@@ -62,7 +62,15 @@ compared = set()
 for key, value in state.items():
     if key.startswith("optimizer."):
         continue
-    if key.startswith("decoder.layers."):
+    experts = "decoder.layers.mlp.experts.experts."
+    if key.startswith(experts):
+        for layer in range(value.shape[0]):
+            for expert in range(value.shape[1]):
+                name = (f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}."
+                        + key[len(experts):])
+                assert torch.equal(value[layer, expert], ours[name]), name
+                compared.add(name)
+    elif key.startswith("decoder.layers."):
         leaf = key[len("decoder.layers."):]
         leaf = norms.get(leaf, leaf)
         for layer in range(value.shape[0]):
@@ -84,6 +92,7 @@ print(len(compared))
 fn torch_dist_save_resumes_exactly(
     run_flags: &[&str],
     data_files: &[&str],
+    model_tensors: usize,
 ) -> (serde_json::Value, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let (dist, ours) = (dir.path().join("dist"), dir.path().join("ours"));
@@ -130,7 +139,10 @@ fn torch_dist_save_resumes_exactly(
             .arg(&iteration)
             .arg(ours.join("iter_0000005/mp_rank_00/model.safetensors")),
     );
-    assert_eq!(String::from_utf8_lossy(&compared.stdout).trim(), "28");
+    assert_eq!(
+        String::from_utf8_lossy(&compared.stdout).trim(),
+        model_tensors.to_string()
+    );
     let resumed = dir.path().join("resumed.jsonl");
     two_ranks(|| {
         let mut c = run(run_flags);
@@ -154,6 +166,7 @@ fn torch_dist_saves_of_a_distributed_optimizer_run_resume_exactly() {
     let (saved, dir) = torch_dist_save_resumes_exactly(
         &["--use-distributed-optimizer", "--ddp-bucket-size", "5000"],
         &["__0_0.distcp", "__1_0.distcp"],
+        28,
     );
     let exported = dir.path().join("exported");
     run_ok(
@@ -174,12 +187,218 @@ fn torch_dist_saves_of_a_distributed_optimizer_run_resume_exactly() {
     assert_eq!(saved["args"]["use_distributed_optimizer"], true);
 }
 
+/// Reads a torch_dist checkpoint with `torch.distributed.checkpoint` and checks that every
+/// `optimizer.state.fp32_param.K` is model tensor `K` (float32 runs: the main parameters are
+/// the parameters), laid out as Megatron's N-D flattened tensors are: of `K`'s shape, or of
+/// shape `grid + [n]`, cell `i` of the grid the block of `K` at `i * K.shape / grid`,
+/// flattened. Prints the keys of the flattened ones with their grids.
+const FP32_PARAMS_ARE_THE_MODEL: &str = r#"
+import sys, itertools, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+reader = dcp.FileSystemReader(sys.argv[1])
+metadata = reader.read_metadata()
+state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+         for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+dcp.load(state, storage_reader=reader, no_dist=True)
+prefix = "optimizer.state.fp32_param."
+checked = 0
+for key, main in sorted(state.items()):
+    if not key.startswith(prefix):
+        continue
+    model = state[key[len(prefix):]]
+    checked += 1
+    if main.shape == model.shape:
+        assert torch.equal(main, model), key
+        continue
+    grid = main.shape[:-1]
+    cell = [whole // parts for whole, parts in zip(model.shape, grid)]
+    for index in itertools.product(*(range(g) for g in grid)):
+        block = model
+        for axis, (i, size) in enumerate(zip(index, cell)):
+            block = block.narrow(axis, i * size, size)
+        assert torch.equal(main[index], block.reshape(-1)), (key, index)
+    if any(g > 1 for g in grid[1:]):
+        print(key[len(prefix):], list(grid))
+assert checked > 0
+"#;
+
+/// A Llama-style model (SwiGLU, RMSNorm, RoPE, grouped-query attention, untied output layer, no
+/// biases) with the distributed optimizer: its `fc1` is saved as Megatron's swiglu sharded
+/// factory saves it, the gate and the up rows two chunks of the row axis, and so is its
+/// optimizer state (grid `[layers, 2, 1]`, each half flattened, the data-parallel ranges cut
+/// where the halves meet); torch reads the main parameters back as the model, this project
+/// resumes it exactly, and `checkpoint_convert` writes the same files from the same run.
+#[test]
+fn torch_dist_saves_of_a_swiglu_distributed_optimizer_run_resume_exactly() {
+    let llama = [
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--position-embedding-type",
+        "rope",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--use-distributed-optimizer",
+    ];
+    let (saved, dir) =
+        torch_dist_save_resumes_exactly(&llama, &["__0_0.distcp", "__1_0.distcp"], 15);
+    let iteration = dir.path().join("dist/iter_0000005");
+    let python = test_python(&["torch"]);
+    let out = run_ok(
+        Command::new(&python)
+            .arg("-c")
+            .arg(FP32_PARAMS_ARE_THE_MODEL)
+            .arg(&iteration),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "decoder.layers.mlp.linear_fc1.weight [2, 2, 1]"
+    );
+    let exported = dir.path().join("exported");
+    run_ok(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "megatron-rs"])
+            .args(["--saver", "core", "--ckpt-format", "torch_dist"])
+            .args(["--target-data-parallel-size", "2"])
+            .args(["--load-dir", &path(&dir.path().join("ours"))])
+            .args(["--save-dir", &path(&exported)]),
+    );
+    let converted = torch_reference(&exported.join("iter_0000005"));
+    assert_eq!(saved["dist_metadata"], converted["dist_metadata"]);
+    assert_eq!(saved["tensors"], converted["tensors"]);
+}
+
+/// Compares the layout of our torch_dist checkpoint (argv[1]) with Megatron's golden save of a
+/// Mixture-of-Experts run of the same architecture (argv[2]): the same tensor and object keys
+/// (the golden's RNG state aside: ours has none), the same shapes of the routed experts' and
+/// the router's tensors and of their optimizer state, the chained optimizer's two parts in
+/// `common.pt` (dense, then the experts', `is_expert_parallel`). Prints the expert keys' shapes.
+const MOE_LAYOUT_AS_MEGATRONS: &str = r#"
+import pickle, sys, types, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def metadata(path):
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+ours, golden = metadata(sys.argv[1]), metadata(sys.argv[2])
+golden = {k: v for k, v in golden.items() if not k.startswith("rng_state")}
+assert set(ours) == set(golden), sorted(set(ours) ^ set(golden))
+shown = []
+for key, theirs in sorted(golden.items()):
+    if ("experts" in key or "router" in key) and isinstance(theirs, TensorStorageMetadata):
+        assert ours[key].size == theirs.size, (key, ours[key].size, theirs.size)
+        assert ours[key].properties.dtype == theirs.properties.dtype or not key.startswith("optimizer"), key
+        if key.startswith("decoder") or key.startswith("optimizer.state.fp32_param"):
+            shown.append(f"{key} {list(theirs.size)}")
+class Stubs(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("megatron"):
+            return type(name, (), {"__init__": lambda self, *a, **k: None,
+                                   "__setstate__": lambda self, state: None})
+        return super().find_class(module, name)
+stubs = types.ModuleType("stubs"); stubs.Unpickler = Stubs; stubs.load = pickle.load
+def optimizer(path):
+    common = torch.load(f"{path}/common.pt", map_location="cpu", weights_only=False,
+                        pickle_module=stubs)
+    return {index: ([g["is_expert_parallel"] for g in part["optimizer"]["param_groups"]],
+                    part["param_state_sharding_type"])
+            for index, part in common["optimizer"].items()}
+assert optimizer(sys.argv[1]) == optimizer(sys.argv[2]), (optimizer(sys.argv[1]), optimizer(sys.argv[2]))
+print("\n".join(shown))
+"#;
+
+/// A Mixture-of-Experts model (four routed experts of ffn 128, top-2, as Megatron's
+/// `moe_torch_dist` golden) with the distributed optimizer: the experts saved as core_v0.14.0's
+/// `SequentialMLP` saves them (`decoder.layers.mlp.experts.experts.*`, stacked over the layers
+/// and the experts; the optimizer state in grid `[layers, experts, 1, 1]`); torch reads every
+/// tensor and the main parameters as the model, and this project resumes it exactly.
+/// `checkpoint_convert` writes the same run for expert parallelism 2 as the golden's run
+/// (EP=2 × DP=2 here): the same keys and expert shapes as the golden, the chained optimizer's
+/// two parts in `common.pt`; resumed here, it too continues the run exactly.
+#[test]
+fn torch_dist_saves_of_a_moe_distributed_optimizer_run_resume_exactly() {
+    let moe = [
+        "--disable-bias-linear",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        "128",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "--use-distributed-optimizer",
+    ];
+    let (saved, dir) = torch_dist_save_resumes_exactly(&moe, &["__0_0.distcp", "__1_0.distcp"], 34);
+    assert_eq!(saved["args"]["num_experts"], 4);
+    let iteration = dir.path().join("dist/iter_0000005");
+    let python = test_python(&["torch"]);
+    let checked = run_ok(
+        Command::new(&python)
+            .arg("-c")
+            .arg(FP32_PARAMS_ARE_THE_MODEL)
+            .arg(&iteration),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&checked.stdout).trim(),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight [2, 4, 1, 1]\n\
+         decoder.layers.mlp.experts.experts.linear_fc2.weight [2, 4, 1, 1]"
+    );
+    let exported = dir.path().join("exported");
+    run_ok(
+        bin("checkpoint_convert")
+            .args(["--model-type", "GPT", "--loader", "megatron-rs"])
+            .args(["--saver", "core", "--ckpt-format", "torch_dist"])
+            .args(["--target-data-parallel-size", "2"])
+            .args(["--target-expert-parallel-size", "2"])
+            .args(["--load-dir", &path(&dir.path().join("ours"))])
+            .args(["--save-dir", &path(&exported)]),
+    );
+    let golden =
+        megatron_e2e::shared_dir().join("golden/megatron_checkpoints/moe_torch_dist/iter_0000005");
+    let layout = run_ok(
+        Command::new(&python)
+            .arg("-c")
+            .arg(MOE_LAYOUT_AS_MEGATRONS)
+            .arg(exported.join("iter_0000005"))
+            .arg(&golden),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&layout.stdout).trim(),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight [2, 4, 128, 64]\n\
+         decoder.layers.mlp.experts.experts.linear_fc2.weight [2, 4, 64, 128]\n\
+         decoder.layers.mlp.router.weight [2, 4, 64]\n\
+         optimizer.state.fp32_param.decoder.layers.mlp.experts.experts.linear_fc1.weight [2, 4, 1, 1, 8192]\n\
+         optimizer.state.fp32_param.decoder.layers.mlp.experts.experts.linear_fc2.weight [2, 4, 1, 1, 8192]\n\
+         optimizer.state.fp32_param.decoder.layers.mlp.router.weight [2, 1, 1, 256]"
+    );
+    let resumed = dir.path().join("resumed_from_ep2.jsonl");
+    two_ranks(|| {
+        let mut c = run(&moe);
+        c.args([
+            "--load",
+            &path(&exported),
+            "--metrics-file",
+            &path(&resumed),
+        ]);
+        c
+    });
+    let expected: Vec<_> = metrics_losses(&dir.path().join("full.jsonl"))
+        .into_iter()
+        .filter(|(i, _)| *i > 5)
+        .collect();
+    assert_eq!(metrics_losses(&resumed), expected);
+}
+
 /// Without the distributed optimizer each optimizer tensor has its parameter's shape and
 /// chunks, as Megatron's non-distributed optimizer saves it; data-parallel rank 0 saves them
 /// all, as it does the model.
 #[test]
 fn torch_dist_saves_of_a_plain_optimizer_run_resume_exactly() {
-    let (saved, _dir) = torch_dist_save_resumes_exactly(&[], &["__0_0.distcp"]);
+    let (saved, _dir) = torch_dist_save_resumes_exactly(&[], &["__0_0.distcp"], 28);
     let metadata = &saved["dist_metadata"];
     for key in [
         "embedding.word_embeddings.weight",
@@ -202,6 +421,7 @@ fn torch_dist_async_saves_resume_exactly() {
     let (saved, _dir) = torch_dist_save_resumes_exactly(
         &["--use-distributed-optimizer", "--async-save"],
         &["__0_0.distcp", "__1_0.distcp"],
+        28,
     );
     assert_eq!(saved["args"]["use_distributed_optimizer"], true);
 }
@@ -247,6 +467,113 @@ fn torch_saves_resume_exactly() {
         .into_iter()
         .filter(|(i, _)| *i > 5)
         .collect();
+    assert_eq!(metrics_losses(&resumed), expected);
+}
+
+/// Checks the distributed optimizer's `distrib_optim.pt` of a float32 `--ckpt-format torch`
+/// rank folder (argv[1]) against the rank file beside it and against Megatron's golden
+/// `moe_torch` folder (argv[2], whose dense buffers are its first list entry): laid out as
+/// `_ParamAndGradBuffer` lays out one bucket (the parameters in reverse order of the rank
+/// file's model, each at a multiple of 64), every parameter's `param` slice is the model's
+/// weight (float32 runs: the main parameters are the parameters), the dictionary has the
+/// golden's entries, and the rank file's `optimizer` the golden's parameter-group fields.
+/// Prints the buffer's length.
+const DISTRIB_OPTIM_AS_MEGATRONS: &str = r#"
+import pickle, sys, types, torch
+class Stubs(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("megatron"):
+            return type(name, (), {"__init__": lambda self, *a, **k: None,
+                                   "__setstate__": lambda self, state: None})
+        return super().find_class(module, name)
+stubs = types.ModuleType("stubs"); stubs.Unpickler = Stubs; stubs.load = pickle.load
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=stubs)
+ours, golden = sys.argv[1], sys.argv[2]
+buffers, reference = load(f"{ours}/distrib_optim.pt"), load(f"{golden}/distrib_optim.pt")[0]
+rank_file = load(f"{ours}/model_optim_rng.pt")
+model = {k: v for k, v in rank_file["model"].items() if not k.endswith("_extra_state")}
+assert [type(k) for k in buffers] == [type(k) for k in reference], (list(buffers), list(reference))
+assert buffers["buckets_coalesced"] is True
+(dtypes, flat), = buffers[0].items()
+(their_dtypes, their_flat), = reference[0].items()
+assert dtypes == (torch.float32, torch.float32) and len(their_dtypes) == 2, dtypes
+assert sorted(flat) == sorted(their_flat), (sorted(flat), sorted(their_flat))
+at = 0
+for name in reversed(list(model)):
+    at = (at + 63) // 64 * 64
+    n = model[name].numel()
+    assert torch.equal(flat["param"][at:at + n], model[name].reshape(-1)), name
+    at += n
+assert at == flat["numel_unpadded"], (at, flat["numel_unpadded"])
+for kind in ("param", "exp_avg", "exp_avg_sq"):
+    assert flat[kind].dtype == torch.float32 and flat[kind].shape == (at,), kind
+theirs = load(f"{golden}/model_optim_rng.pt")["optimizer"][0]["optimizer"]["param_groups"]
+groups = rank_file["optimizer"]["optimizer"]["param_groups"]
+assert [sorted(g) for g in groups] == [sorted(g) for g in theirs], (groups, theirs)
+assert [g["is_expert_parallel"] for g in groups] == [False, False]
+print(at)
+"#;
+
+/// `--ckpt-format torch` of a Mixture-of-Experts run with the distributed optimizer (DP=2,
+/// experts not expert-parallel, so in the dense buffers as Megatron keeps them): `mp_rank_00`
+/// holds `model_optim_rng.pt` and the distributed optimizer's `distrib_optim.pt`, laid out as
+/// Megatron's `get_parameter_state_dp_zero` saves it (checked against the rank file's weights
+/// and the `moe_torch` golden's entries and parameter groups); this project resumes it exactly.
+#[test]
+fn torch_saves_of_a_moe_distributed_optimizer_run_resume_exactly() {
+    let moe = [
+        "--disable-bias-linear",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        "128",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "--use-distributed-optimizer",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let (saved, full, resumed) = (
+        dir.path().join("saved"),
+        dir.path().join("full.jsonl"),
+        dir.path().join("resumed.jsonl"),
+    );
+    two_ranks(|| {
+        let mut c = run(&moe);
+        c.args(["--metrics-file", &path(&full)]);
+        c
+    });
+    two_ranks(|| {
+        let mut c = run(&moe);
+        c.args(["--save-interval", "5", "--exit-interval", "5"])
+            .args(["--ckpt-format", "torch", "--save", &path(&saved)]);
+        c
+    });
+    let rank = saved.join("iter_0000005/mp_rank_00");
+    assert_eq!(entries(&rank), ["distrib_optim.pt", "model_optim_rng.pt"]);
+    let golden = megatron_e2e::shared_dir()
+        .join("golden/megatron_checkpoints/moe_torch/iter_0000005/mp_rank_00_000");
+    let python = test_python(&["torch"]);
+    let checked = run_ok(
+        Command::new(&python)
+            .arg("-c")
+            .arg(DISTRIB_OPTIM_AS_MEGATRONS)
+            .arg(&rank)
+            .arg(&golden),
+    );
+    assert_eq!(String::from_utf8_lossy(&checked.stdout).trim(), "232576");
+    two_ranks(|| {
+        let mut c = run(&moe);
+        c.args(["--load", &path(&saved), "--metrics-file", &path(&resumed)]);
+        c
+    });
+    let expected: Vec<_> = metrics_losses(&full)
+        .into_iter()
+        .filter(|(i, _)| *i > 5)
+        .collect();
+    assert_eq!(expected.len(), 3);
     assert_eq!(metrics_losses(&resumed), expected);
 }
 

@@ -1,36 +1,51 @@
 #!/usr/bin/env bash
 # Megatron-LM's own pretrain_gpt.py resumes a torch_dist checkpoint megatron-rs wrote, with the
-# distributed optimizer at DP=2 (issue 36, point 2). Megatron's golden distributed-optimizer run
-# saved in torch format (../shared/golden/megatron_checkpoints/distopt_torch, iteration 5 of 10:
-# distrib_optim.pt) is exported by `checkpoint_convert --saver core --ckpt-format torch_dist`;
-# Megatron continues the export to iteration 10 with --ckpt-format torch_dist
-# --use-distributed-optimizer on two GPUs, and, as the reference, continues its own torch_dist
-# save of the same run (distopt_torch_dist) with the same flags. Both skip the RNG state (the
-# export has none), so they draw the same dropout masks: their iteration 6-10 losses must agree
-# (|Δ| <= 2e-3, the bound of bf16 GPU reductions); Megatron's original log lines (which did
-# carry the RNG over) are printed beside them.
+# distributed optimizer (issue 36, point 2). CASE picks the model:
 #
-# Needs 2 GPUs, python3 with torch and numpy, a C++ compiler and pybind11 (Megatron compiles its
-# dataset helpers at start-up), and Megatron-LM's source at core_v0.14.0. Neither einops (only
-# imported inside try blocks, used by hierarchical context parallelism and flash decoding) nor
-# Transformer Engine nor apex is needed with --transformer-impl local. No network is used.
+# * distopt (default, 2 GPUs): Megatron's golden distributed-optimizer run saved in torch format
+#   (../shared/golden/megatron_checkpoints/distopt_torch, iteration 5 of 10: distrib_optim.pt) is
+#   exported by `checkpoint_convert --saver core --ckpt-format torch_dist`; Megatron continues
+#   the export to iteration 10 with --ckpt-format torch_dist --use-distributed-optimizer at DP=2,
+#   and, as the reference, continues its own torch_dist save of the same run
+#   (distopt_torch_dist) with the same flags.
+# * moe (4 GPUs): the same with the Mixture-of-Experts goldens (moe_torch exported with
+#   --target-expert-parallel-size 2 --target-data-parallel-size 4: experts under
+#   `mlp.experts.experts.*`, the chained optimizer's two parts), EP=2 x DP=4, next to Megatron's
+#   own moe_torch_dist.
+# * llama (2 GPUs): a Llama-style model (SwiGLU, RMSNorm, RoPE, grouped-query attention, untied
+#   output layer, no biases; no golden of it has the distributed optimizer) trained by our
+#   pretrain_gpt with the goldens' flags, saved with --ckpt-format torch_dist at iteration 5
+#   (fc1 and its optimizer state in the gate and up halves of Megatron's swiglu sharded
+#   factory); Megatron continues it to iteration 10 next to our own uninterrupted run.
 #
-#   MEGATRON_PATH=~/Megatron-LM BIN=target/release scripts/reference/megatron_resume_torch_dist.sh
+# Both continuations skip the RNG state (the exports have none), so they draw the same dropout
+# masks: their iteration 6-10 losses must agree (|delta| <= 2e-3, the bound of bf16 GPU
+# reductions); Megatron's original log lines (which did carry the RNG over) are printed beside
+# them where there is a golden.
 #
-# Measured on 2× H200 (torch 2.11.0+cu130, no Apex, no Transformer Engine, 2026-11-28): Megatron
-# loads neither the export nor its own distopt_torch_dist. The first failure, a fresh torch Adam
-# without `step` (below), is worked around here; the second, in dist_checkpointing's
-# reformulation check (`'Metadata' object has no attribute 'mcore_data'`), is not: it is raised
-# for Megatron's own save as for ours.
+# Needs the GPUs, python3 with torch and numpy, a C++ compiler and pybind11 (Megatron compiles
+# its dataset helpers at start-up), and Megatron-LM's source at core_v0.14.0. Neither einops
+# (only imported inside try blocks, used by hierarchical context parallelism and flash
+# decoding) nor Transformer Engine nor apex is needed with --transformer-impl local. No network
+# is used.
+#
+#   MEGATRON_PATH=~/Megatron-LM BIN=target/release CASE=moe scripts/reference/megatron_resume_torch_dist.sh
+#
+# Measured on 2x H200 (torch 2.11.0+cu130, no Apex, no Transformer Engine, 2026-11-28), CASE
+# distopt: Megatron loads neither the export nor its own distopt_torch_dist. The first failure,
+# a fresh torch Adam without `step` (below), is worked around here; the second, in
+# dist_checkpointing's reformulation check (`'Metadata' object has no attribute 'mcore_data'`),
+# is not: it is raised for Megatron's own save as for ours.
 #
 # Environment: MEGATRON_PATH (required), BIN [target/release], GOLDENS [../shared/golden/
-# megatron_checkpoints].
+# megatron_checkpoints], CASE [distopt].
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${MEGATRON_PATH:?set MEGATRON_PATH to a Megatron-LM checkout at core_v0.14.0}"
 BIN="${BIN:-$ROOT/target/release}"
 GOLDENS="${GOLDENS:-$ROOT/../shared/golden/megatron_checkpoints}"
+CASE="${CASE:-distopt}"
 SCRATCH="$(mktemp -d -t megatron-resume-dist.XXXXXX)"
 trap 'rm -rf "$SCRATCH"' EXIT
 
@@ -76,25 +91,79 @@ class PatchDistributedOptimizer(importlib.abc.MetaPathFinder, importlib.abc.Load
         module.DistributedOptimizer.state_dict = patched
 
 sys.meta_path.insert(0, PatchDistributedOptimizer())
+
+# core_v0.14.0 without Transformer Engine reads an undefined `te_general_gemm` in
+# moe_utils.router_gating_linear (the MoE goldens' runs patched that condition the same way):
+# defined as None, the router takes its own fp32 matmul, as Megatron does without TE.
+class DefineTeGeneralGemm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    NAME = "megatron.core.transformer.moe.moe_utils"
+    def find_spec(self, name, path, target=None):
+        if name != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        self.spec = importlib.machinery.PathFinder.find_spec(name, path)
+        self.original = self.spec.loader
+        self.spec.loader = self
+        return self.spec
+    def create_module(self, spec):
+        return self.original.create_module(spec)
+    def exec_module(self, module):
+        self.original.exec_module(module)
+        if not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
+
+sys.meta_path.insert(0, DefineTeGeneralGemm())
 EOF
 
 # The distributed-optimizer goldens' flags (their README).
 MODEL=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
        --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 10
        --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --mock-data
-       --tokenizer-type NullTokenizer --vocab-size 8192 --bf16 --transformer-impl local
-       --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
-       --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --eval-iters 0
-       --log-interval 1 --seed 1234 --attention-backend unfused --distributed-backend nccl
-       --use-distributed-optimizer --ckpt-format torch_dist --no-load-rng)
-
-"$BIN/checkpoint_convert" --model-type GPT --loader core --saver core --ckpt-format torch_dist \
-    --load-dir "$GOLDENS/distopt_torch" --save-dir "$SCRATCH/export" >&2
+       --tokenizer-type NullTokenizer --vocab-size 8192 --bf16 --eval-iters 0 --log-interval 1
+       --seed 1234 --use-distributed-optimizer)
+# Megatron's implementation choices of the goldens' runs (ours has one implementation).
+MEGATRON_ONLY=(--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+       --no-persist-layer-norm --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion
+       --attention-backend unfused --distributed-backend nccl --ckpt-format torch_dist --no-load-rng)
+case "$CASE" in
+distopt)
+    GPUS=2 GOLDEN=distopt_torch_dist
+    "$BIN/checkpoint_convert" --model-type GPT --loader core --saver core --ckpt-format torch_dist \
+        --load-dir "$GOLDENS/distopt_torch" --save-dir "$SCRATCH/export" >&2
+    ;;
+moe)
+    GPUS=4 GOLDEN=moe_torch_dist
+    MODEL+=(--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128
+            --moe-aux-loss-coeff 1e-2 --moe-router-load-balancing-type aux_loss
+            --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
+    "$BIN/checkpoint_convert" --model-type GPT --loader core --saver core --ckpt-format torch_dist \
+        --target-expert-parallel-size 2 --target-data-parallel-size 4 \
+        --load-dir "$GOLDENS/moe_torch" --save-dir "$SCRATCH/export" >&2
+    ;;
+llama)
+    GPUS=2 GOLDEN=
+    MODEL+=(--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention
+            --num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear)
+    ours() { # <log> <flags...>: our pretrain_gpt on the GPUs, launched as torchrun launches it
+        local log="$1"
+        shift
+        torchrun --nproc-per-node "$GPUS" --no-python "$BIN/pretrain_gpt" "${MODEL[@]}" "$@" \
+            >"$log" 2>&1 || { tail -25 "$log" >&2; return 1; }
+    }
+    ours "$SCRATCH/ours_full.log"
+    ours "$SCRATCH/ours_save.log" --save "$SCRATCH/export" --save-interval 5 --exit-interval 5 \
+        --ckpt-format torch_dist
+    ;;
+*)
+    echo "CASE must be distopt, moe or llama, not $CASE" >&2
+    exit 2
+    ;;
+esac
 
 megatron_resumes() { # <checkpoint> <log>
     (cd "$MEGATRON_PATH" && PYTHONPATH="$SCRATCH/pyshim${PYTHONPATH:+:$PYTHONPATH}" \
-        CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 2 pretrain_gpt.py "${MODEL[@]}" \
-        --load "$1") >"$2" 2>&1 || {
+        CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
+        "${MODEL[@]}" "${MEGATRON_ONLY[@]}" --load "$1") >"$2" 2>&1 || {
         echo "Megatron failed on $1; rank 0's last words (the whole log: $2):" >&2
         grep -E "^\[rank0\]" "$2" | tail -25 >&2
         return 1
@@ -103,21 +172,29 @@ megatron_resumes() { # <checkpoint> <log>
     grep -E "iteration +([6-9]|10)/" "$2"
 }
 
-echo "== Megatron-LM continues megatron-rs's torch_dist export"
+echo "== Megatron-LM continues megatron-rs's torch_dist export ($CASE)"
 failed=0
 megatron_resumes "$SCRATCH/export" "$SCRATCH/export.log" || failed=1
-echo "== Megatron-LM continues its own torch_dist save of the same run"
-megatron_resumes "$GOLDENS/distopt_torch_dist" "$SCRATCH/golden.log" || failed=1
-echo "== Megatron-LM's original run (RNG state carried over)"
-grep -E "iteration +([6-9]|10)/" "$GOLDENS/distopt_torch_dist.train.txt"
+if [[ -n "$GOLDEN" ]]; then
+    echo "== Megatron-LM continues its own torch_dist save of the same run"
+    megatron_resumes "$GOLDENS/$GOLDEN" "$SCRATCH/reference.log" || failed=1
+    echo "== Megatron-LM's original run (RNG state carried over)"
+    grep -E "iteration +([6-9]|10)/" "$GOLDENS/$GOLDEN.train.txt"
+else
+    echo "== megatron-rs's uninterrupted run"
+    grep -E "iteration +([6-9]|10)/" "$SCRATCH/ours_full.log"
+    cp "$SCRATCH/ours_full.log" "$SCRATCH/reference.log"
+fi
 (( failed == 0 )) || exit 1
 
-python3 - "$SCRATCH/export.log" "$SCRATCH/golden.log" <<'EOF'
+python3 - "$SCRATCH/export.log" "$SCRATCH/reference.log" <<'EOF'
 import re, sys
 def losses(path):
-    return [float(m.group(1)) for m in re.finditer(r"lm loss: ([0-9.E+-]+)", open(path).read())]
+    found = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r"iteration +([0-9]+)/.*?lm loss: ([0-9.E+-]+)", open(path).read())}
+    return [found.get(i) for i in range(6, 11)]
 ours, theirs = losses(sys.argv[1]), losses(sys.argv[2])
-assert len(ours) == len(theirs) == 5, (ours, theirs)
+assert None not in ours and None not in theirs, (ours, theirs)
 worst = max(abs(a - b) for a, b in zip(ours, theirs))
 print(f"largest |lm loss difference| over iterations 6-10: {worst:.3e}")
 sys.exit(0 if worst <= 2e-3 else 1)

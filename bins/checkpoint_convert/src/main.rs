@@ -133,9 +133,10 @@ struct ConvertArgs {
     /// Pipeline-parallel size of the output [default: the input's].
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_pipeline_parallel_size: Option<usize>,
-    /// Expert-parallel size of a Megatron torch output (`--saver core`): the routed experts of a
-    /// Mixture-of-Experts model split over `mp_rank_*_EEE` folders [default: 1, as Megatron's
-    /// saver_core].
+    /// Expert-parallel size of a Megatron output (`--saver core`): the routed experts of a
+    /// Mixture-of-Experts model split over `mp_rank_*_EEE` folders (torch), or their optimizer
+    /// state that of an expert-parallel run's chained optimizer (torch_dist) [default: 1, as
+    /// Megatron's saver_core].
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     target_expert_parallel_size: Option<usize>,
     /// Model chunks per pipeline stage of the output (interleaved schedule) [default: 1].
@@ -299,9 +300,9 @@ fn convert(args: &ConvertArgs) -> Result<()> {
             .map_or(1, |d| d.max(1) as usize)
     });
     if let Some(experts) = args.target_expert_parallel_size.filter(|&e| e != 1) {
-        if !matches!(args.saver, Saver::Core) || args.ckpt_format == "torch_dist" {
+        if !matches!(args.saver, Saver::Core) {
             bail_usage!(
-                "--target-expert-parallel-size {experts}: only Megatron's torch format (--saver core --ckpt-format torch) is written with expert-parallel folders; the other outputs hold every expert"
+                "--target-expert-parallel-size {experts}: only Megatron's formats (--saver core) are written for expert-parallel runs; the other outputs hold every expert"
             );
         }
     }
@@ -310,14 +311,20 @@ fn convert(args: &ConvertArgs) -> Result<()> {
     bar.total(state.bytes() as u64);
     let saved = reporting_progress(bar.clone(), || match args.saver {
         Saver::MegatronRs => save_megatron_rs(&state, &staging, target),
-        Saver::Core if args.ckpt_format == "torch_dist" => {
-            save_megatron_torch_dist(&state, &staging, target, data_parallel, true)
-        }
+        Saver::Core if args.ckpt_format == "torch_dist" => save_megatron_torch_dist(
+            &state,
+            &staging,
+            target,
+            data_parallel,
+            true,
+            args.target_expert_parallel_size.unwrap_or(1),
+        ),
         Saver::Core => save_megatron_torch_experts(
             &state,
             &staging,
             target,
             args.target_expert_parallel_size.unwrap_or(1),
+            false,
         ),
         Saver::Hf => {
             let given = TokenizerFiles {

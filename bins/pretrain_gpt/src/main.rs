@@ -66,15 +66,17 @@ fn megatron_format(args: &mut GptPretrainArgs, rank: usize) -> Option<MegatronFo
     let (Some(format), Some(_)) = (format, &args.checkpoint.save) else {
         return None;
     };
-    let unwritten = if args.model.moe.num_experts.is_some() {
-        Some("Mixture-of-Experts layers are not written in Megatron's formats here")
-    } else if args.fp8.fp8_format.is_some() {
-        Some("the fp8 scaling state is not written in Megatron's formats here")
-    } else if format == MegatronFormat::TorchDist
-        && args.model.swiglu
+    let moe = args.model.moe.num_experts.is_some();
+    let unwritten = if moe && args.parallel.tensor_model_parallel_size > 1 {
+        Some("Mixture-of-Experts runs with tensor parallelism are not written in Megatron's formats here")
+    } else if moe
+        && format == MegatronFormat::TorchDist
+        && !args.parallel.use_distributed_optimizer
         && !args.checkpoint.no_save_optim
     {
-        Some("the optimizer state of a --swiglu model is not written in torch_dist here (Megatron saves its fc1 state in halves)")
+        Some("the plain optimizer's torch_dist state of a Mixture-of-Experts run is not written here (the distributed optimizer's is)")
+    } else if args.fp8.fp8_format.is_some() {
+        Some("the fp8 scaling state is not written in Megatron's formats here")
     } else {
         None
     };

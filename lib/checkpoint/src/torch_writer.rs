@@ -30,6 +30,9 @@ pub enum Saved {
     Dict(Vec<(String, Saved)>),
     /// A `dict` keyed by integers (an optimizer's per-parameter `state`).
     IndexedDict(Vec<(i64, Saved)>),
+    /// A `dict` keyed by other values (the distributed optimizer's `(param dtype, grad dtype)`
+    /// tuples beside its strings and buffer indices).
+    KeyedDict(Vec<(Value, Saved)>),
     List(Vec<Saved>),
     /// `argparse.Namespace` with these attributes.
     Namespace(Vec<(String, Saved)>),
@@ -195,6 +198,15 @@ impl Pickler {
                 self.put();
                 for (key, value) in entries {
                     self.int(*key);
+                    self.saved(value, tensors)?;
+                    self.out.push(b's');
+                }
+            }
+            Saved::KeyedDict(entries) => {
+                self.out.push(b'}');
+                self.put();
+                for (key, value) in entries {
+                    self.value(key)?;
                     self.saved(value, tensors)?;
                     self.out.push(b's');
                 }

@@ -7,6 +7,7 @@
 
 mod dist_tensors;
 mod distrib_optim;
+mod distrib_optim_save;
 pub mod hf;
 pub mod hf_tokenizer;
 pub mod lazy;

@@ -3,8 +3,9 @@
 //! (local-spec `_extra_state` entries included, as Megatron's strict `load_state_dict` expects),
 //! `args` as an `argparse.Namespace`, `checkpoint_version` 3.0, `iteration` and the scheduler.
 //! With the optimizer state when the input has one (Adam's moments and the float32 main
-//! parameters, as Megatron's non-distributed optimizer saves them); without RNG states, so
-//! Megatron resumes it with `--no-load-rng`.
+//! parameters, as Megatron's non-distributed optimizer saves them, or the distributed
+//! optimizer's parameter groups with its state in `distrib_optim.pt`: `distrib_optim_save`);
+//! without RNG states, so Megatron resumes it with `--no-load-rng`.
 
 use std::path::Path;
 
@@ -13,6 +14,8 @@ use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
 
+use super::distrib_optim::Bucketing;
+use super::distrib_optim_save::{write_distrib_optim, OptimizerBuffers};
 use super::lazy::with_bytes;
 use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
@@ -190,7 +193,7 @@ pub(super) fn args_namespace(
 
 /// Megatron's Mixture-of-Experts flags of `state`'s model, its experts over `expert_parallel`
 /// ranks (none for a dense model).
-fn moe_args(state: &ModelState, expert_parallel: usize) -> Vec<(String, Saved)> {
+pub(super) fn moe_args(state: &ModelState, expert_parallel: usize) -> Vec<(String, Saved)> {
     let Some(moe) = &state.config.moe else {
         return Vec::new();
     };
@@ -566,19 +569,22 @@ fn optimizer_entry(
 
 /// Writes `state` in Megatron's torch format under `root` in `target`'s layout.
 pub fn save_megatron_torch(state: &ModelState, root: &Path, target: TargetLayout) -> Result<()> {
-    save_megatron_torch_experts(state, root, target, 1)
+    save_megatron_torch_experts(state, root, target, 1, false)
 }
 
 /// [`save_megatron_torch`] with the routed experts over `expert_parallel` ranks
 /// (`--target-expert-parallel-size`): one `mp_rank_TT[_PPP]_EEE` folder per expert rank holding
 /// its `num_experts / expert_parallel` experts numbered from 0 and a copy of the rest; the
 /// optimizer state there as Megatron's chained optimizer saves it, a list of the dense
-/// parameters' state and the routed experts'.
+/// parameters' state and the routed experts'. With `distributed_optimizer` the optimizer state
+/// is the distributed optimizer's: its parameter groups in the rank file and the state in
+/// `distrib_optim.pt` beside it.
 pub fn save_megatron_torch_experts(
     state: &ModelState,
     root: &Path,
     target: TargetLayout,
     expert_parallel: usize,
+    distributed_optimizer: bool,
 ) -> Result<()> {
     let config = &state.config;
     config.validate(target.tensor as i64)?;
@@ -632,6 +638,7 @@ pub fn save_megatron_torch_experts(
                 let mut sources = Vec::new();
                 // The rank's parameters (global names) in Megatron's order, for the optimizer.
                 let mut params: Vec<(String, Vec<usize>)> = Vec::new();
+                let mut chunk_params: Vec<Vec<(String, Vec<usize>)>> = Vec::new();
                 let mut root_entries = vec![
                     ("args".to_string(), Saved::Namespace(args.clone())),
                     (
@@ -644,6 +651,7 @@ pub fn save_megatron_torch_experts(
                     ),
                 ];
                 for (c, spec) in chunks.iter().enumerate() {
+                    let chunk_start = params.len();
                     let mut model = Vec::new();
                     for (local, global) in rank_chunk_entries(state, spec, experts.clone()) {
                         match global {
@@ -674,8 +682,47 @@ pub fn save_megatron_torch_experts(
                         format!("model{c}")
                     };
                     root_entries.push((key, Saved::OrderedDict(model)));
+                    chunk_params.push(params[chunk_start..].to_vec());
                 }
-                if let Some(optimizer) = &state.optimizer {
+                let mut rank_name = rank_directory_name(t, stage, target.pipeline);
+                if expert_parallel > 1 {
+                    rank_name.push_str(&format!("_{e:03}"));
+                }
+                let rank_dir = directory.join(rank_name);
+                std::fs::create_dir_all(&rank_dir)
+                    .with_context(|| format!("creating {}", rank_dir.display()))?;
+                if let (Some(optimizer), true) = (&state.optimizer, distributed_optimizer) {
+                    let optimizers =
+                        distributed_buffers(state, &chunk_params, stage, expert_parallel);
+                    let groups = optimizers
+                        .iter()
+                        .enumerate()
+                        .map(|(part, buffers)| {
+                            let params: Vec<_> = buffers.chunks.concat();
+                            distributed_state_dict(state, optimizer.step, &params, part > 0)
+                        })
+                        .collect::<Vec<_>>();
+                    root_entries.push((
+                        "optimizer".into(),
+                        match <[Saved; 1]>::try_from(groups) {
+                            Ok([single]) => single,
+                            Err(groups) => Saved::List(groups),
+                        },
+                    ));
+                    // Gradients are reduced in float32 unless a float16 run keeps its own dtype.
+                    let fp32_grads = state.params_dtype != "float16"
+                        || run_flag(&state.run.args, "accumulate_allreduce_grads_in_fp32")
+                            .and_then(|v| v.as_bool())
+                            .unwrap_or(false);
+                    write_distrib_optim(
+                        &rank_dir.join("distrib_optim.pt"),
+                        state,
+                        &optimizers,
+                        if fp32_grads { "float32" } else { "float16" },
+                        t,
+                        target.tensor,
+                    )?;
+                } else if let Some(optimizer) = &state.optimizer {
                     let saved = if expert_parallel > 1 {
                         let (experts, dense): (Vec<_>, Vec<_>) = params
                             .iter()
@@ -698,13 +745,6 @@ pub fn save_megatron_torch_experts(
                     root_entries.push(("optimizer".into(), saved));
                 }
                 root_entries.extend(schedule_entries(state));
-                let mut rank_name = rank_directory_name(t, stage, target.pipeline);
-                if expert_parallel > 1 {
-                    rank_name.push_str(&format!("_{e:03}"));
-                }
-                let rank_dir = directory.join(rank_name);
-                std::fs::create_dir_all(&rank_dir)
-                    .with_context(|| format!("creating {}", rank_dir.display()))?;
                 write_torch_file(
                     &rank_dir.join("model_optim_rng.pt"),
                     &Saved::Dict(root_entries),
@@ -739,4 +779,104 @@ pub fn save_megatron_torch_experts(
         }
     }
     write_tracker(root, iteration)
+}
+
+/// The distributed optimizer's gradient buffers of a rank's `chunks`: one optimizer, or for an
+/// expert-parallel Mixture-of-Experts model the chained optimizer's two, the dense parameters' and the routed
+/// experts' (reduced over the expert-data-parallel ranks).
+fn distributed_buffers(
+    state: &ModelState,
+    chunks: &[Vec<(String, Vec<usize>)>],
+    stage: usize,
+    expert_parallel: usize,
+) -> Vec<OptimizerBuffers> {
+    let args = &state.run.args;
+    let flag = |key: &str| {
+        run_flag(args, key)
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false)
+    };
+    let int = |key: &str| run_flag(args, key).and_then(|v| v.as_i64());
+    let data_parallel = int("data_parallel_size").unwrap_or(1).max(1) as usize;
+    let pipeline = int("pipeline_model_parallel_size").unwrap_or(1);
+    let bucket_size = int("ddp_bucket_size");
+    let dense = Bucketing::new(flag, bucket_size, data_parallel, pipeline, stage);
+    // Routed experts are the dense optimizer's too unless they are over expert-parallel ranks
+    // (Megatron marks them `allreduce` then).
+    if state.config.moe.is_none() || expert_parallel == 1 {
+        return vec![OptimizerBuffers {
+            chunks: chunks.to_vec(),
+            bucketing: dense,
+        }];
+    }
+    let part = |experts: bool| -> Vec<Vec<(String, Vec<usize>)>> {
+        chunks
+            .iter()
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .filter(|(name, _)| expert_of(name).is_some() == experts)
+                    .cloned()
+                    .collect()
+            })
+            .collect()
+    };
+    let experts = Bucketing::new(
+        flag,
+        bucket_size,
+        (data_parallel / expert_parallel).max(1),
+        pipeline,
+        stage,
+    );
+    vec![
+        OptimizerBuffers {
+            chunks: part(false),
+            bucketing: dense,
+        },
+        OptimizerBuffers {
+            chunks: part(true),
+            bucketing: experts,
+        },
+    ]
+}
+
+/// `DistributedOptimizer.state_dict()` as a rank file keeps it: the parameter groups of `params`
+/// (with the step, without their members: the state is in `distrib_optim.pt`), the routed
+/// experts' marked `is_expert_parallel` where `experts`, and a float16 run's grad scaler.
+fn distributed_state_dict(
+    state: &ModelState,
+    step: f64,
+    params: &[(String, Vec<usize>)],
+    experts: bool,
+) -> Saved {
+    let groups = param_groups(params)
+        .into_iter()
+        .map(|members| {
+            let (name, shape) = &params[members[0]];
+            let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+            let mut group = group_hyperparameters(state, !excluded_from_weight_decay(name, &shape));
+            for (key, value) in &mut group {
+                if *key == "is_expert_parallel" {
+                    *value = Value::Bool(experts);
+                }
+            }
+            group.push(("step", Value::Float(step)));
+            Saved::Dict(
+                group
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), Saved::Value(v)))
+                    .collect(),
+            )
+        })
+        .collect();
+    let mut wrapped = vec![(
+        "optimizer".to_string(),
+        Saved::Dict(vec![("param_groups".to_string(), Saved::List(groups))]),
+    )];
+    if state.params_dtype == "float16" {
+        if let Some(scaler) = state.run.grad_scaler.as_ref().and_then(json_to_value) {
+            wrapped.push(("grad_scaler".into(), Saved::Value(scaler)));
+        }
+    }
+    Saved::Dict(wrapped)
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use megatron_store::{commit_iteration, find_checkpoint, iteration_directory};
 
-use super::megatron_save::save_megatron_torch;
+use super::megatron_save::{run_flag, save_megatron_torch_experts};
 use super::megatron_torch_dist_save::save_megatron_torch_dist;
 use super::ours::{load_megatron_rs, TargetLayout};
 
@@ -81,6 +81,9 @@ pub fn export_saved_checkpoint(
         std::fs::remove_dir_all(&staging)
             .with_context(|| format!("removing the abandoned {}", staging.display()))?;
     }
+    let expert_parallel = run_flag(&state.run.args, "expert_model_parallel_size")
+        .and_then(|v| v.as_u64())
+        .map_or(1, |e| e.max(1) as usize);
     let written = match format {
         MegatronFormat::TorchDist => save_megatron_torch_dist(
             &state,
@@ -88,8 +91,15 @@ pub fn export_saved_checkpoint(
             target,
             metadata.data_parallel_size,
             metadata.distributed_optimizer,
+            expert_parallel,
         ),
-        MegatronFormat::Torch => save_megatron_torch(&state, &staging, target),
+        MegatronFormat::Torch => save_megatron_torch_experts(
+            &state,
+            &staging,
+            target,
+            expert_parallel,
+            metadata.distributed_optimizer,
+        ),
     }
     .and_then(|()| commit_iteration(save, &iteration_directory(&staging, iteration), iteration));
     let _ = std::fs::remove_dir_all(&staging);
