@@ -987,6 +987,7 @@ mod tests {
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: Some(24),
                 token_dispatcher: Default::default(),
+                grouped_gemm: false,
             }),
             ..llama.clone()
         };

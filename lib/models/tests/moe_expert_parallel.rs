@@ -56,6 +56,7 @@ fn moe(dispatcher: TokenDispatcher) -> MoeConfig {
         z_loss_coeff: Some(1e-3),
         shared_expert_intermediate_size: None,
         token_dispatcher: dispatcher,
+        grouped_gemm: false,
     }
 }
 

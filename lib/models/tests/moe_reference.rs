@@ -71,6 +71,7 @@ fn moe(topk: i64) -> MoeConfig {
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
         token_dispatcher: TokenDispatcher::Allgather,
+        grouped_gemm: false,
     }
 }
 
@@ -126,6 +127,11 @@ fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<St
     }
     let g = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
     let input = x.copy().set_requires_grad(true);
+    assert_eq!(
+        layer.experts.runs_grouped(&input),
+        config.grouped_gemm,
+        "{case}: whether the experts run as a grouped GEMM"
+    );
 
     take_tracked_losses();
     let y = layer.forward(&input, true).unwrap();
@@ -284,6 +290,31 @@ fn experts_without_tokens_work() {
         ..moe(2)
     };
     compare_routed("degenerate routing", config, Routing::OnlyExpertsZeroAndOne);
+}
+
+/// `--moe-grouped-gemm` (libtorch's grouped GEMM, which runs on the CPU in float32 too)
+/// matches the same definitions, experts without tokens included.
+#[test]
+fn grouped_gemm_experts_match_megatrons_definitions() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let grouped = |config: MoeConfig| MoeConfig {
+        grouped_gemm: true,
+        ..config
+    };
+    compare("grouped top-1 softmax", grouped(moe(1)));
+    compare(
+        "grouped top-2 sigmoid with z-loss",
+        grouped(MoeConfig {
+            score_function: ScoreFunction::Sigmoid,
+            z_loss_coeff: Some(1e-3),
+            ..moe(2)
+        }),
+    );
+    compare_routed(
+        "grouped, degenerate routing",
+        grouped(moe(2)),
+        Routing::OnlyExpertsZeroAndOne,
+    );
 }
 
 #[test]

@@ -194,6 +194,34 @@ fn expert_parallelism_equals_data_parallelism() {
     }
 }
 
+/// `--moe-grouped-gemm` (libtorch's grouped GEMM, on the CPU in float32 here) trains as the
+/// per-expert loop: on one rank, and under expert parallelism with the alltoall dispatcher
+/// and the distributed optimizer.
+#[test]
+fn grouped_gemm_trains_as_the_per_expert_loop() {
+    let grouped = ["--moe-grouped-gemm", "--moe-permute-fusion"];
+    let (reference, reference_moe, reference_norms) = train_tp(1, 1, 1, &[]);
+    let (experts, experts_moe, experts_norms) = train_tp(1, 1, 1, &grouped);
+    support::assert_equivalent(&reference, &experts, "grouped GEMM");
+    assert_close(&reference_moe, &experts_moe, "grouped GEMM");
+    assert_norms_close(&reference_norms, &experts_norms, "grouped GEMM");
+
+    let parallel = [
+        "--use-distributed-optimizer",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ];
+    let (reference, reference_moe, reference_norms) = train_tp(2, 1, 1, &parallel);
+    let (experts, experts_moe, experts_norms) =
+        train_tp(2, 1, 1, &[&parallel[..], &grouped].concat());
+    let what = "grouped GEMM, EP=2 alltoall";
+    support::assert_equivalent(&reference, &experts, what);
+    assert_close(&reference_moe, &experts_moe, what);
+    assert_norms_close(&reference_norms, &experts_norms, what);
+}
+
 /// Four ranks: tensor and sequence parallelism 2 with the experts split over the two
 /// tensor-parallel ranks of each replica (EP=2, expert tensor parallelism 1) trains as the
 /// same layout with every expert on every rank.

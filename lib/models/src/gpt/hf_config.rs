@@ -265,6 +265,7 @@ fn mixtral_moe(hf: &Json, num_layers: usize) -> Result<MoeConfig> {
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
         token_dispatcher: TokenDispatcher::default(),
+        grouped_gemm: false,
     };
     moe.validate(num_layers).context("config.json")?;
     Ok(moe)

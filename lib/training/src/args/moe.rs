@@ -58,10 +58,20 @@ pub struct MoeArgs {
     /// ranks; the same results, and the same on one rank. flex (DeepEP) is not supported.
     #[arg(long, default_value = "allgather", value_parser = token_dispatcher_type)]
     pub moe_token_dispatcher_type: String,
-    /// Run the experts as one grouped GEMM; the experts run one after the other here, with the
-    /// same results.
+    /// Run each linear of the local experts as one grouped GEMM over all of them (libtorch's
+    /// grouped matmul) instead of one GEMM per expert: on GPUs in bf16 (Hopper's kernel; older
+    /// cards get libtorch's fallback), on the CPU in fp32/bf16/fp16, with expert widths and
+    /// hidden size whose rows are multiples of 16 bytes. Elsewhere (fp32 or fp16 on a GPU, fp8,
+    /// odd widths) the experts run one after the other, with the same results; the parameters
+    /// and checkpoints are the same either way.
     #[arg(long)]
     pub moe_grouped_gemm: bool,
+    /// Megatron's fused token permutation. Here the tokens of one rank are always permuted by a
+    /// sort of their experts on the device, without waiting for it, and the grouped GEMM takes
+    /// the per-expert offsets on the device, so this flag changes nothing (accepted for
+    /// Megatron's scripts).
+    #[arg(long)]
+    pub moe_permute_fusion: bool,
     /// Expert parallelism: each MoE layer's experts are split over this many ranks, folded into
     /// the data-parallel ranks (times the tensor-parallel ones) as Megatron does; must divide
     /// --num-experts.
@@ -203,6 +213,7 @@ impl MoeArgs {
                 "alltoall" => TokenDispatcher::Alltoall,
                 _ => TokenDispatcher::Allgather,
             },
+            grouped_gemm: self.moe_grouped_gemm,
         };
         config.validate(num_layers).map_err(usage_error)?;
         Ok(Some(config))
@@ -297,6 +308,7 @@ mod tests {
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: None,
                 token_dispatcher: TokenDispatcher::Allgather,
+                grouped_gemm: false,
             }
         );
         let moe = config(&[
@@ -320,9 +332,12 @@ mod tests {
             "1",
             "--expert-tensor-parallel-size",
             "1",
+            "--moe-grouped-gemm",
+            "--moe-permute-fusion",
         ])
         .unwrap()
         .unwrap();
+        assert!(moe.grouped_gemm);
         assert_eq!(moe.layer_pattern, vec![false, true, false, true]);
         assert_eq!(moe.ffn_hidden_size, 32);
         assert_eq!(moe.score_function, ScoreFunction::Sigmoid);

@@ -69,6 +69,10 @@ pub struct MoeConfig {
     /// records.
     #[serde(skip)]
     pub token_dispatcher: TokenDispatcher,
+    /// `--moe-grouped-gemm`: the experts run as grouped GEMMs where the kernel takes them; how
+    /// they run, not what they are, so left out of the architecture too.
+    #[serde(skip)]
+    pub grouped_gemm: bool,
 }
 
 impl MoeConfig {

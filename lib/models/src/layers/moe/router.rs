@@ -19,6 +19,8 @@ pub struct Routing {
     pub probs: Tensor,
     /// `[tokens, experts]`, bool: the chosen experts.
     pub map: Tensor,
+    /// `[tokens, topk]`, int64: the chosen experts of each token.
+    pub indices: Tensor,
 }
 
 #[derive(Clone)]
@@ -77,13 +79,17 @@ impl TopKRouter {
             }
             _ => logits,
         };
-        let (probs, map) = self.top_k(&logits);
+        let (probs, map, indices) = self.top_k(&logits);
         let probs = match self.config.load_balancing {
             LoadBalancing::None => probs,
             _ if !training || self.config.aux_loss_coeff == 0.0 => probs,
             balancing => self.with_load_balancing(probs, &logits, balancing, seq_length)?,
         };
-        Ok(Routing { probs, map })
+        Ok(Routing {
+            probs,
+            map,
+            indices,
+        })
     }
 
     /// The logits `[tokens, experts]`, computed in `--moe-router-dtype` when given.
@@ -98,9 +104,9 @@ impl TopKRouter {
             .linear::<&Tensor>(&self.weight.to_kind(kind), None)
     }
 
-    /// The chosen experts' probabilities scattered over `[tokens, experts]`, and the map of
-    /// the chosen experts.
-    fn top_k(&self, logits: &Tensor) -> (Tensor, Tensor) {
+    /// The chosen experts' probabilities scattered over `[tokens, experts]`, the map of the
+    /// chosen experts, and their indices `[tokens, topk]`.
+    fn top_k(&self, logits: &Tensor) -> (Tensor, Tensor, Tensor) {
         let k = self.config.topk;
         let (probs, indices) = match self.config.score_function {
             ScoreFunction::Softmax if self.config.pre_softmax => {
@@ -130,7 +136,8 @@ impl TopKRouter {
             .zeros_like()
             .scatter_value(1, &indices, 1.0)
             .to_kind(Kind::Bool);
-        (logits.zeros_like().scatter(1, &indices, &probs), map)
+        let probs = logits.zeros_like().scatter(1, &indices, &probs);
+        (probs, map, indices)
     }
 
     /// Attaches the load-balancing loss (over the micro-batch or per sequence) to `probs`.
