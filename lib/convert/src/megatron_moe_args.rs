@@ -115,6 +115,8 @@ pub fn moe_config(
             .and_then(Value::as_i64),
         token_dispatcher: TokenDispatcher::default(),
         grouped_gemm: false,
+        capacity: None,
+        expert_bias_update_rate: None,
     };
     config
         .validate(num_layers)

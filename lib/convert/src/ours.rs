@@ -988,6 +988,8 @@ mod tests {
                 shared_expert_intermediate_size: Some(24),
                 token_dispatcher: Default::default(),
                 grouped_gemm: false,
+                capacity: None,
+                expert_bias_update_rate: None,
             }),
             ..llama.clone()
         };

@@ -57,6 +57,8 @@ fn moe(dispatcher: TokenDispatcher) -> MoeConfig {
         shared_expert_intermediate_size: None,
         token_dispatcher: dispatcher,
         grouped_gemm: false,
+        capacity: None,
+        expert_bias_update_rate: None,
     }
 }
 

@@ -47,6 +47,8 @@ fn moe(experts: i64, ffn: i64, topk: i64, grouped_gemm: bool) -> MoeConfig {
         aux_loss_coeff: 0.01,
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
+        capacity: None,
+        expert_bias_update_rate: None,
         token_dispatcher: TokenDispatcher::Allgather,
         grouped_gemm,
     }

@@ -6,7 +6,7 @@ use std::cell::OnceCell;
 use anyhow::Result;
 use tch::{Kind, Tensor};
 
-use super::router::Routing;
+use super::router::{Assignments, Routing};
 
 /// How many assignments each expert has (zero allowed): counted on the device, read to the
 /// host only by what needs host numbers (the per-expert loop, the all-to-all's splits), since
@@ -63,13 +63,22 @@ pub struct Permutation {
 }
 
 impl Permutation {
-    /// Groups `tokens` `[t, h]` by the experts `routing` chose for them, with no wait for the
-    /// device: every token has exactly `topk` assignments, so the sizes are known here, and a
-    /// stable sort of the assignments' experts orders them expert by expert and, within an
-    /// expert, in token order.
+    /// Groups `tokens` `[t, h]` by the experts `routing` chose for them; dropless or padded
+    /// to the expert capacity, with no wait for the device.
     pub fn new(tokens: &Tensor, routing: &Routing) -> Result<Self> {
-        let (num_tokens, topk) = routing.indices.size2()?;
-        let experts = routing.indices.reshape([-1]);
+        match &routing.assignments {
+            Assignments::TopK(indices) => Self::sorted(tokens, routing, indices),
+            Assignments::Padded(capacity) => Self::padded(tokens, routing, *capacity),
+            Assignments::Dropped => Self::of_map(tokens, &routing.probs, &routing.map),
+        }
+    }
+
+    /// Every token has exactly `topk` assignments, `indices` `[t, topk]`, so the sizes are
+    /// known here, and a stable sort of the assignments' experts orders them expert by expert
+    /// and, within an expert, in token order.
+    fn sorted(tokens: &Tensor, routing: &Routing, indices: &Tensor) -> Result<Self> {
+        let (num_tokens, topk) = indices.size2()?;
+        let experts = indices.reshape([-1]);
         let order = experts.argsort_stable(true, 0, false);
         let token_indices = order.floor_divide_scalar(topk);
         let num_experts = routing.map.size()[1];
@@ -80,6 +89,35 @@ impl Permutation {
             tokens: tokens.index_select(0, &token_indices),
             probs,
             tokens_per_expert: TokensPerExpert::on_device(counts),
+            token_indices,
+            num_tokens,
+        })
+    }
+
+    /// Every expert has exactly `capacity` tokens in the map: a stable sort of each expert's
+    /// column puts its tokens first, in token order.
+    fn padded(tokens: &Tensor, routing: &Routing, capacity: i64) -> Result<Self> {
+        let (num_tokens, num_experts) = routing.map.size2()?;
+        let by_expert = routing
+            .map
+            .transpose(0, 1)
+            .logical_not()
+            .to_kind(Kind::Int)
+            .argsort_stable(true, 1, false)
+            .narrow(1, 0, capacity);
+        let token_indices = by_expert.reshape([-1]);
+        let experts = Tensor::arange(num_experts, (Kind::Int64, tokens.device()))
+            .unsqueeze(1)
+            .expand([num_experts, capacity], false)
+            .reshape([-1]);
+        let flat = &token_indices * num_experts + experts;
+        Ok(Permutation {
+            tokens: tokens.index_select(0, &token_indices),
+            probs: routing.probs.reshape([-1]).index_select(0, &flat),
+            tokens_per_expert: TokensPerExpert::on_host(
+                vec![capacity; num_experts as usize],
+                tokens.device(),
+            ),
             token_indices,
             num_tokens,
         })
@@ -133,7 +171,9 @@ mod tests {
         let hidden = Tensor::randn([tokens, 4], (Kind::Float, Device::Cpu));
         let logits = Tensor::randn([tokens, experts], (Kind::Float, Device::Cpu));
         let (top, indices) = logits.topk(topk, 1, true, true);
-        let probs = logits.zeros_like().scatter(1, &indices, &top.softmax(-1, None));
+        let probs = logits
+            .zeros_like()
+            .scatter(1, &indices, &top.softmax(-1, None));
         let map = logits
             .zeros_like()
             .scatter_value(1, &indices, 1.0)
@@ -141,7 +181,7 @@ mod tests {
         let routing = Routing {
             probs: probs.shallow_clone(),
             map: map.shallow_clone(),
-            indices,
+            assignments: Assignments::TopK(indices),
         };
         let sorted = Permutation::new(&hidden, &routing).unwrap();
         let listed = Permutation::of_map(&hidden, &probs, &map).unwrap();
@@ -163,5 +203,42 @@ mod tests {
         let outputs = sorted.tokens.shallow_clone() * 2.0;
         let back = sorted.unpermute(&outputs);
         assert!(back.allclose(&(&hidden * 2.0 * topk as f64), 1e-6, 1e-6, false));
+    }
+
+    /// A map padded to the capacity (every expert exactly `capacity` tokens) is permuted by
+    /// sorting each expert's column as listing the map's entries does.
+    #[test]
+    fn a_padded_map_is_sorted_as_it_is_listed() {
+        use crate::layers::moe::capacity::{Capacity, DropPolicy};
+        tch::manual_seed(4);
+        let (tokens, experts, topk) = (10, 4, 2);
+        let hidden = Tensor::randn([tokens, 3], (Kind::Float, Device::Cpu));
+        let logits = Tensor::randn([tokens, experts], (Kind::Float, Device::Cpu));
+        let (top, indices) = logits.topk(topk, 1, true, true);
+        let probs = logits
+            .zeros_like()
+            .scatter(1, &indices, &top.softmax(-1, None));
+        let map = probs.gt(0.0);
+        let capacity = Capacity {
+            factor: 0.8,
+            drop_policy: DropPolicy::Position,
+            pad_to_capacity: true,
+        };
+        let (probs, map) = capacity.apply(&probs, &map, topk);
+        let per_expert = capacity.per_expert(tokens, topk, experts);
+        let routing = Routing {
+            probs: probs.shallow_clone(),
+            map: map.shallow_clone(),
+            assignments: Assignments::Padded(per_expert),
+        };
+        let sorted = Permutation::new(&hidden, &routing).unwrap();
+        let listed = Permutation::of_map(&hidden, &probs, &map).unwrap();
+        assert!(sorted.token_indices.equal(&listed.token_indices));
+        assert!(sorted.probs.equal(&listed.probs));
+        assert_eq!(
+            sorted.tokens_per_expert.host().unwrap(),
+            listed.tokens_per_expert.host().unwrap()
+        );
+        assert_eq!(sorted.tokens_per_expert.host().unwrap(), [per_expert; 4]);
     }
 }

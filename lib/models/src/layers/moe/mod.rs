@@ -7,9 +7,11 @@
 //! experts and the tokens travel to them ([`exchange`]).
 
 pub mod aux_loss;
+pub mod capacity;
 pub mod config;
 mod dispatch;
 mod exchange;
+pub mod expert_bias;
 mod experts;
 mod grouped_gemm;
 mod router;
@@ -27,7 +29,7 @@ use config::{MoeConfig, TokenDispatcher};
 use dispatch::Permutation;
 pub use experts::RoutedExperts;
 use megatron_parallel::{Communicator, SingleRank};
-pub use router::{Routing, TopKRouter};
+pub use router::{Assignments, Routing, TopKRouter};
 
 #[derive(Clone)]
 pub struct MoeLayer {
