@@ -5,7 +5,9 @@ usage: moe_reference.py DIR
 
 DIR/config.json gives the layer (num_experts, topk, score_function, pre_softmax,
 topk_scaling_factor, load_balancing "aux_loss"/"seq_aux_loss"/"none", aux_loss_coeff,
-z_loss_coeff, seq_length, aux_backward_scale) and DIR/inputs.safetensors its weights under
+z_loss_coeff, seq_length, aux_backward_scale; optionally expert_bias, a list added to the sigmoid
+scores for the top-k choice, and capacity_factor with drop_policy "probs"/"position" and
+pad_to_capacity) and DIR/inputs.safetensors its weights under
 Megatron's names inside the layer's `mlp.` (router.weight, experts.local_experts.E.linear_fc1.weight
 as [gate; up] for SwiGLU, ...fc2.weight, shared_experts.linear_fc1/2.weight), the input `x`
 [s, b, h] and the output gradient `g`.
@@ -20,13 +22,15 @@ per sequence and averaged over the batch for seq_aux_loss) and the z-loss
 mean(logsumexp(logits)^2) * coeff, each entering backward as if added to the loss times
 aux_backward_scale.
 
-Writes DIR/outputs.safetensors: `y`, the gradients `grad.x` and `grad.<weight name>` of
+Writes DIR/outputs.safetensors: `y`, the assignments each expert took (`tokens_per_expert`,
+padding included), the gradients `grad.x` and `grad.<weight name>` of
 sum(y * g) + scale * (aux losses), and the losses divided by their coefficients
 (`load_balancing_loss`, `seq_load_balancing_loss`, `z_loss`). Also `y_hf`: the same weights in
 transformers' MixtralSparseMoeBlock, when the layer is Mixtral's (softmax after top-k, no
 scaling, no shared expert).
 """
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -48,12 +52,38 @@ def routing(logits, cfg):
         top, chosen = logits.topk(k, dim=1)
         probs = torch.softmax(top, dim=-1)
     else:
-        probs, chosen = torch.sigmoid(logits).topk(k, dim=1)
+        scores = torch.sigmoid(logits)
+        if cfg.get("expert_bias") is not None:
+            # The bias steers the choice only; the probabilities are the scores.
+            chosen = (scores + torch.tensor(cfg["expert_bias"])).topk(k, dim=1).indices
+            probs = scores.gather(1, chosen)
+        else:
+            probs, chosen = scores.topk(k, dim=1)
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     if cfg["topk_scaling_factor"] is not None:
         probs = probs * cfg["topk_scaling_factor"]
     return probs, chosen
+
+
+def drop_tokens(probs, routed, cfg):
+    """Megatron's apply_router_token_dropping: each expert keeps at most
+    ceil(tokens * topk / experts * factor) tokens, its highest probabilities ("probs") or its
+    earliest tokens ("position", which Megatron words as dropping the tokens at the end of the
+    batch); with padding it takes exactly that many, filled with tokens of probability zero."""
+    tokens, experts = probs.shape
+    capacity = min(math.ceil(tokens * cfg["topk"] / experts * cfg["capacity_factor"]), tokens)
+    pad = cfg["pad_to_capacity"]
+    if cfg["drop_policy"] == "probs":
+        rows = probs.topk(capacity, dim=0, sorted=False).indices
+        mask = torch.zeros_like(routed).scatter(0, rows, True)
+    else:
+        mask = routed & (routed.cumsum(0) <= capacity)
+        if pad:
+            free = ~routed
+            mask = mask | (free & (free.cumsum(0) <= capacity - mask.sum(0, keepdim=True)))
+    routed = mask if pad else routed & mask
+    return probs * routed, routed
 
 
 def balancing_loss(logits, cfg):
@@ -86,9 +116,13 @@ def main():
 
     logits = tokens @ weights["router.weight"].T
     probs, chosen = routing(logits, cfg)
+    probs = torch.zeros_like(logits).scatter(1, chosen, probs)
+    routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+    if cfg.get("capacity_factor") is not None:
+        probs, routed = drop_tokens(probs, routed, cfg)
     y = torch.zeros_like(tokens)
     for e in range(cfg["num_experts"]):
-        rows, slot = torch.where(chosen == e)
+        rows = torch.where(routed[:, e])[0]
         prefix = f"experts.local_experts.{e}."
         y = y.index_add(
             0,
@@ -97,7 +131,7 @@ def main():
                 tokens[rows],
                 weights[prefix + "linear_fc1.weight"],
                 weights[prefix + "linear_fc2.weight"],
-                probs[rows, slot],
+                probs[rows, e],
             ),
         )
     if "shared_experts.linear_fc1.weight" in weights:
@@ -111,7 +145,7 @@ def main():
     y = y.view(s, b, h)
 
     objective = (y * g).sum()
-    results = {"y": y.detach()}
+    results = {"y": y.detach(), "tokens_per_expert": routed.sum(0).float()}
     scale = cfg["aux_backward_scale"]
     if cfg["load_balancing"] != "none" and cfg["aux_loss_coeff"] > 0:
         loss = balancing_loss(logits, cfg) * cfg["aux_loss_coeff"]
@@ -132,6 +166,7 @@ def main():
         and not cfg["pre_softmax"]
         and cfg["topk_scaling_factor"] is None
         and "shared_experts.linear_fc1.weight" not in weights
+        and cfg.get("capacity_factor") is None
     )
     if mixtral:
         results["y_hf"] = mixtral_block(tensors, x.detach(), cfg)

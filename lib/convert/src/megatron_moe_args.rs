@@ -114,6 +114,9 @@ pub fn moe_config(
             .get("moe_shared_expert_intermediate_size")
             .and_then(Value::as_i64),
         token_dispatcher: TokenDispatcher::default(),
+        grouped_gemm: false,
+        capacity: None,
+        expert_bias_update_rate: None,
     };
     config
         .validate(num_layers)

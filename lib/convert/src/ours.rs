@@ -987,6 +987,9 @@ mod tests {
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: Some(24),
                 token_dispatcher: Default::default(),
+                grouped_gemm: false,
+                capacity: None,
+                expert_bias_update_rate: None,
             }),
             ..llama.clone()
         };

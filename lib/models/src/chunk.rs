@@ -83,6 +83,9 @@ pub trait ModelChunk: Send {
     fn enable_fp8(&mut self, plan: &Fp8Plan) -> Result<()>;
     /// The fp8 linears under their checkpoint names (empty without fp8).
     fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)>;
+    /// The MoE routers' expert biases under their checkpoint names (empty without
+    /// `--moe-router-enable-expert-bias`).
+    fn expert_biases(&self) -> Vec<(String, crate::layers::moe::expert_bias::ExpertBias)>;
     /// The architecture, as checkpoint metadata records it.
     fn config_json(&self) -> Result<serde_json::Value>;
 
@@ -168,6 +171,10 @@ macro_rules! impl_model_chunk {
 
             fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<$crate::layers::Fp8Linear>)> {
                 <$model>::fp8_linears(self)
+            }
+
+            fn expert_biases(&self) -> Vec<(String, $crate::layers::moe::expert_bias::ExpertBias)> {
+                <$model>::expert_biases(self)
             }
 
             fn config_json(&self) -> anyhow::Result<serde_json::Value> {

@@ -56,6 +56,9 @@ fn moe(dispatcher: TokenDispatcher) -> MoeConfig {
         z_loss_coeff: Some(1e-3),
         shared_expert_intermediate_size: None,
         token_dispatcher: dispatcher,
+        grouped_gemm: false,
+        capacity: None,
+        expert_bias_update_rate: None,
     }
 }
 

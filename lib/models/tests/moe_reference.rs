@@ -2,7 +2,9 @@
 //! written from Megatron's definitions, on the same weights and input in float32: the output,
 //! the auxiliary losses as the log reports them, and the gradients of the input, the router
 //! and every expert, for top-1 and top-2, softmax (after or before the top-k) and sigmoid
-//! scores, the top-k scaling, per-sequence balancing, the z-loss and the shared expert; and
+//! scores, the top-k scaling, per-sequence balancing, the z-loss and the shared expert, the
+//! expert bias (with the tokens it counts) and the expert capacity's drop policies and padding;
+//! and
 //! the output against transformers' `MixtralSparseMoeBlock` where the layer is Mixtral's.
 
 use std::collections::HashMap;
@@ -12,7 +14,7 @@ use std::sync::Arc;
 
 use megatron_models::layers::moe::aux_loss::{set_aux_loss_backward_scale, take_tracked_losses};
 use megatron_models::layers::moe::config::{
-    LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
+    Capacity, DropPolicy, LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
 };
 use megatron_models::layers::{MoeLayer, NamedParameter, NamedTensors, TensorParallel};
 use megatron_models::param::Initializer;
@@ -70,7 +72,10 @@ fn moe(topk: i64) -> MoeConfig {
         aux_loss_coeff: 0.01,
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
+        capacity: None,
+        expert_bias_update_rate: None,
         token_dispatcher: TokenDispatcher::Allgather,
+        grouped_gemm: false,
     }
 }
 
@@ -114,6 +119,12 @@ fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<St
         let _ = param.tensor.shallow_clone().set_requires_grad(true);
     }
     tch::manual_seed(99);
+    // A bias large enough to change some tokens' choice.
+    let expert_bias = layer.router.expert_bias.as_ref().map(|bias| {
+        let values = Tensor::randn([config.num_experts], (Kind::Float, Device::Cpu)) * 0.2;
+        tch::no_grad(|| bias.bias.shallow_clone().copy_(&values));
+        Vec::<f32>::try_from(&values).unwrap()
+    });
     let x = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
     if routing == Routing::OnlyExpertsZeroAndOne {
         tch::no_grad(|| {
@@ -126,6 +137,11 @@ fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<St
     }
     let g = Tensor::randn([SEQ, BATCH, HIDDEN], (Kind::Float, Device::Cpu));
     let input = x.copy().set_requires_grad(true);
+    assert_eq!(
+        layer.experts.runs_grouped(&input),
+        config.grouped_gemm,
+        "{case}: whether the experts run as a grouped GEMM"
+    );
 
     take_tracked_losses();
     let y = layer.forward(&input, true).unwrap();
@@ -159,6 +175,13 @@ fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<St
         "z_loss_coeff": config.z_loss_coeff,
         "seq_length": SEQ,
         "aux_backward_scale": AUX_SCALE,
+        "expert_bias": expert_bias,
+        "capacity_factor": config.capacity.map(|c| c.factor),
+        "drop_policy": config.capacity.map(|c| match c.drop_policy {
+            DropPolicy::Probs => "probs",
+            DropPolicy::Position => "position",
+        }),
+        "pad_to_capacity": config.capacity.is_some_and(|c| c.pad_to_capacity),
     });
     std::fs::write(dir.path().join("config.json"), settings.to_string()).unwrap();
     let out = Command::new(python())
@@ -183,6 +206,13 @@ fn compare_routed(case: &str, config: MoeConfig, routing: Routing) -> HashMap<St
         assert!(diff <= 1e-5, "{case}: {what} differs by {diff}");
     };
     close("output", &y.detach(), &reference["y"]);
+    if let Some(bias) = &layer.router.expert_bias {
+        close(
+            "tokens counted per expert",
+            &bias.tokens,
+            &reference["tokens_per_expert"],
+        );
+    }
     close("input gradient", &input.grad(), &reference["grad.x"]);
     for param in &params {
         let grad = param.tensor.grad();
@@ -284,6 +314,87 @@ fn experts_without_tokens_work() {
         ..moe(2)
     };
     compare_routed("degenerate routing", config, Routing::OnlyExpertsZeroAndOne);
+}
+
+/// `--moe-grouped-gemm` (libtorch's grouped GEMM, which runs on the CPU in float32 too)
+/// matches the same definitions, experts without tokens included.
+#[test]
+fn grouped_gemm_experts_match_megatrons_definitions() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let grouped = |config: MoeConfig| MoeConfig {
+        grouped_gemm: true,
+        ..config
+    };
+    compare("grouped top-1 softmax", grouped(moe(1)));
+    compare(
+        "grouped top-2 sigmoid with z-loss",
+        grouped(MoeConfig {
+            score_function: ScoreFunction::Sigmoid,
+            z_loss_coeff: Some(1e-3),
+            ..moe(2)
+        }),
+    );
+    compare_routed(
+        "grouped, degenerate routing",
+        grouped(moe(2)),
+        Routing::OnlyExpertsZeroAndOne,
+    );
+}
+
+/// `--moe-router-enable-expert-bias`: the bias picks the experts, the probabilities stay the
+/// sigmoid scores, and the router counts the tokens it sent to each expert.
+#[test]
+fn expert_bias_steers_the_choice_only() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let biased = |topk| MoeConfig {
+        score_function: ScoreFunction::Sigmoid,
+        expert_bias_update_rate: Some(1e-3),
+        ..moe(topk)
+    };
+    compare("sigmoid top-2 with expert bias", biased(2));
+    compare("sigmoid top-1 with expert bias", biased(1));
+}
+
+/// `--moe-expert-capacity-factor`: Megatron's capacity with either drop policy, with and
+/// without padding (the padded case counted through the expert bias, which sees every expert
+/// at its capacity), and beside the grouped GEMM.
+#[test]
+fn expert_capacity_drops_and_pads_as_megatron() {
+    set_aux_loss_backward_scale(AUX_SCALE);
+    let with_capacity = |factor, drop_policy, pad_to_capacity| MoeConfig {
+        capacity: Some(Capacity {
+            factor,
+            drop_policy,
+            pad_to_capacity,
+        }),
+        ..moe(2)
+    };
+    compare(
+        "capacity 0.75, drop by probability",
+        with_capacity(0.75, DropPolicy::Probs, false),
+    );
+    compare(
+        "capacity 0.75, drop by position",
+        with_capacity(0.75, DropPolicy::Position, false),
+    );
+    compare(
+        "capacity 1.0, by probability, padded, grouped GEMM",
+        MoeConfig {
+            grouped_gemm: true,
+            ..with_capacity(1.0, DropPolicy::Probs, true)
+        },
+    );
+    let reference = compare(
+        "capacity 0.5, by position, padded, expert bias",
+        MoeConfig {
+            score_function: ScoreFunction::Sigmoid,
+            expert_bias_update_rate: Some(1e-3),
+            ..with_capacity(0.5, DropPolicy::Position, true)
+        },
+    );
+    // 18 tokens top-2 over 4 experts at 0.5: ceil(18 · 2 / 4 · 0.5) = 5 each.
+    let counted = Vec::<f32>::try_from(&reference["tokens_per_expert"]).unwrap();
+    assert_eq!(counted, [5.0; 4]);
 }
 
 #[test]

@@ -7,6 +7,7 @@ use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::async_save;
+use super::expert_bias::{expert_bias_tensors, load_expert_biases, EXPERT_BIAS_FILE};
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
 use megatron_data::blend::TrainedOn;
@@ -318,6 +319,11 @@ impl RankPart {
             if !fp8.is_empty() {
                 files.push((FP8_FILE.to_string(), fp8));
             }
+            let chunks = request.chunks.len();
+            let biases = expert_bias_tensors(request.chunks, |c| chunk_prefix(c, chunks));
+            if !biases.is_empty() {
+                files.push((EXPERT_BIAS_FILE.to_string(), biases));
+            }
         }
         if let Some((optimizer, _)) = request.optimizer {
             let per_rank = optimizer_state_per_rank(request.distributed_optimizer, parallel);
@@ -542,6 +548,9 @@ pub fn load_weights<C: ModelChunk>(
         load_fp8_tensors(chunks, &fp8)
             .with_context(|| format!("fp8 state of {}", found.directory.display()))?;
     }
+    let biases = found.read(&rank_dir, EXPERT_BIAS_FILE, model.options().device)?;
+    load_expert_biases(chunks, |c| chunk_prefix(c, chunks.len()), biases.as_ref())
+        .with_context(|| format!("expert biases of {}", found.directory.display()))?;
     Ok(Some(found))
 }
 

@@ -14,6 +14,7 @@ use super::async_save::{AsyncSaves, Finalized, Flags};
 use super::checkpointing::{self, LoadRequest, Progress, Resumed, SaveRequest, TrainingState};
 use super::cuda_graphs::{self, GraphChoice, MicrobatchGraph};
 use super::device::peak_tflops_of;
+use super::expert_bias::update_expert_biases;
 use super::export::{self, CheckpointExport};
 use super::flops::{num_floating_point_operations, FlopsModel};
 use super::log_line::{format_eval_block, format_iteration_line, local_timestamp, IterationLog};
@@ -1068,6 +1069,7 @@ impl<F: ModelFamily> Run<'_, F> {
         if !replayed {
             forward_backward(&mut stage, &self.parallel.pipeline, &self.activation, shape)?;
         }
+        update_expert_biases(&self.chunks, &self.parallel)?;
         // Reading the losses waits for the device; queueing the optimizer first keeps the GPU
         // busy through that wait (the gradient norm's read is the step's one sync).
         let pending_losses = stage.totals.start_reduce(&self.parallel)?;

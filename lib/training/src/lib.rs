@@ -10,6 +10,7 @@ mod cuda_graphs;
 mod datasets;
 mod device;
 mod engine;
+mod expert_bias;
 mod export;
 pub mod families;
 pub mod flops;

@@ -194,6 +194,118 @@ fn expert_parallelism_equals_data_parallelism() {
     }
 }
 
+/// `--moe-grouped-gemm` (libtorch's grouped GEMM, on the CPU in float32 here) trains as the
+/// per-expert loop: on one rank, and under expert parallelism with the alltoall dispatcher
+/// and the distributed optimizer.
+#[test]
+fn grouped_gemm_trains_as_the_per_expert_loop() {
+    let grouped = ["--moe-grouped-gemm", "--moe-permute-fusion"];
+    let (reference, reference_moe, reference_norms) = train_tp(1, 1, 1, &[]);
+    let (experts, experts_moe, experts_norms) = train_tp(1, 1, 1, &grouped);
+    support::assert_equivalent(&reference, &experts, "grouped GEMM");
+    assert_close(&reference_moe, &experts_moe, "grouped GEMM");
+    assert_norms_close(&reference_norms, &experts_norms, "grouped GEMM");
+
+    let parallel = [
+        "--use-distributed-optimizer",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ];
+    let (reference, reference_moe, reference_norms) = train_tp(2, 1, 1, &parallel);
+    let (experts, experts_moe, experts_norms) =
+        train_tp(2, 1, 1, &[&parallel[..], &grouped].concat());
+    let what = "grouped GEMM, EP=2 alltoall";
+    support::assert_equivalent(&reference, &experts, what);
+    assert_close(&reference_moe, &experts_moe, what);
+    assert_norms_close(&reference_norms, &experts_norms, what);
+}
+
+/// The routers' expert biases of the last checkpoint under `dir/ckpt` (rank 0's file), by name.
+fn saved_expert_biases(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    fn files(dir: &Path, found: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                files(&path, found);
+            } else if path.file_name().unwrap() == "expert_bias.safetensors" {
+                found.push(path);
+            }
+        }
+    }
+    let mut found = Vec::new();
+    files(&dir.join("ckpt"), &mut found);
+    found.sort();
+    let last = found.last().expect("a checkpoint with expert biases");
+    let mut biases: Vec<(String, Vec<f32>)> = tch::Tensor::read_safetensors(last)
+        .unwrap()
+        .into_iter()
+        .map(|(name, bias)| (name, Vec::<f32>::try_from(&bias).unwrap()))
+        .collect();
+    biases.sort_by(|a, b| a.0.cmp(&b.0));
+    biases
+}
+
+/// `--moe-router-enable-expert-bias`: each MoE router's bias moves by the rate after every
+/// step (three steps: multiples of the rate, at most three of them, not all zero); the step's
+/// tokens are counted over the data-parallel ranks, so two ranks train as one; a run resumed
+/// from a checkpoint gets the biases back and is bitwise the straight run.
+#[test]
+fn expert_bias_moves_counts_over_ranks_and_resumes() {
+    let rate = 0.05;
+    let bias = [
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "0.05",
+    ];
+    let one_dir = tempfile::tempdir().unwrap();
+    let one = support::train_in::<GptPretrainArgs>(one_dir.path(), &MOE, 1, 1, 1, &bias).unwrap();
+    let biases = saved_expert_biases(one_dir.path());
+    let names: Vec<&str> = biases.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "decoder.layers.0.mlp.router.expert_bias",
+            "decoder.layers.2.mlp.router.expert_bias",
+            "decoder.layers.3.mlp.router.expert_bias"
+        ]
+    );
+    for (name, values) in &biases {
+        assert!(values.iter().any(|v| *v != 0.0), "{name}: {values:?}");
+        for v in values {
+            let steps = v / rate as f32;
+            assert!(
+                (steps - steps.round()).abs() < 1e-4 && steps.abs() <= 3.0,
+                "{name}: {values:?}"
+            );
+        }
+    }
+
+    let two_dir = tempfile::tempdir().unwrap();
+    let two = support::train_in::<GptPretrainArgs>(two_dir.path(), &MOE, 2, 1, 1, &bias).unwrap();
+    support::assert_equivalent(&one, &two, "expert bias, DP=2");
+    assert_eq!(biases, saved_expert_biases(two_dir.path()), "DP=2 biases");
+
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    let stop_after_two = [&bias[..], &["--exit-interval", "2", "--save-interval", "1"]].concat();
+    support::train_in::<GptPretrainArgs>(dir.path(), &MOE, 2, 1, 1, &stop_after_two).unwrap();
+    let resumed = support::train_in::<GptPretrainArgs>(
+        dir.path(),
+        &MOE,
+        2,
+        1,
+        1,
+        &[&bias[..], &["--load", &ckpt]].concat(),
+    )
+    .unwrap();
+    support::assert_bitwise_identical(&two, &resumed);
+    assert_eq!(biases, saved_expert_biases(dir.path()), "resumed biases");
+}
+
 /// Four ranks: tensor and sequence parallelism 2 with the experts split over the two
 /// tensor-parallel ranks of each replica (EP=2, expert tensor parallelism 1) trains as the
 /// same layout with every expert on every rank.

@@ -342,6 +342,11 @@ impl BertModel {
         crate::layers::scoped_fp8_linears(&self.layers, "encoder.layers")
     }
 
+    /// The MoE routers' expert biases under their checkpoint names (none: BERT has no MoE).
+    pub fn expert_biases(&self) -> Vec<(String, crate::layers::moe::expert_bias::ExpertBias)> {
+        crate::layers::scoped_expert_biases(&self.layers, "encoder.layers")
+    }
+
     /// Every parameter of this chunk under its Megatron-core name, in construction order.
     pub fn named_parameters(&self) -> Vec<NamedParameter> {
         let mut out = Vec::new();

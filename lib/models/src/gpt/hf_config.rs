@@ -265,6 +265,9 @@ fn mixtral_moe(hf: &Json, num_layers: usize) -> Result<MoeConfig> {
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
         token_dispatcher: TokenDispatcher::default(),
+        grouped_gemm: false,
+        capacity: None,
+        expert_bias_update_rate: None,
     };
     moe.validate(num_layers).context("config.json")?;
     Ok(moe)

@@ -13,6 +13,7 @@ use crate::chunk::{impl_model_chunk, load_named, ChunkSpec};
 use crate::config::{PositionEmbeddingType, TransformerConfig};
 use crate::family::FamilyModel;
 use crate::fp8::Fp8Plan;
+use crate::layers::moe::expert_bias::ExpertBias;
 use crate::layers::scoped_fp8_linears;
 use crate::layers::{
     AttentionMask, Fp8Linear, KvCache, LayerCache, NamedParameter, NamedTensors, Norm,
@@ -499,6 +500,11 @@ impl GptModel {
     /// The fp8 linears under their checkpoint names.
     pub fn fp8_linears(&self) -> Vec<(String, Arc<Fp8Linear>)> {
         scoped_fp8_linears(&self.layers, "decoder.layers")
+    }
+
+    /// The MoE routers' expert biases under their checkpoint names.
+    pub fn expert_biases(&self) -> Vec<(String, ExpertBias)> {
+        crate::layers::scoped_expert_biases(&self.layers, "decoder.layers")
     }
 
     /// Every parameter of this chunk under its Megatron-core name (layer indices local to the

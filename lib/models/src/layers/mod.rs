@@ -27,7 +27,8 @@ pub use moe::MoeLayer;
 pub use norm::Norm;
 pub use rope::{RotaryEmbedding, RotaryTables};
 pub use transformer_layer::{
-    enable_planned_fp8, scoped_fp8_linears, FeedForward, Memory, Residual, TransformerLayer,
+    enable_planned_fp8, scoped_expert_biases, scoped_fp8_linears, FeedForward, Memory, Residual,
+    TransformerLayer,
 };
 
 use std::sync::Arc;

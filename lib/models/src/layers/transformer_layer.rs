@@ -12,6 +12,7 @@ use super::fp8_linear::Fp8Linear;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::RowParallelLinear;
 use super::mlp::Mlp;
+use super::moe::expert_bias::ExpertBias;
 use super::moe::MoeLayer;
 use super::norm::Norm;
 use super::rope::RotaryTables;
@@ -570,6 +571,24 @@ pub fn enable_planned_fp8(
         }
     }
     Ok(())
+}
+
+/// The expert biases of the MoE routers of `layers` (`--moe-router-enable-expert-bias`) under
+/// their checkpoint names, `<scope>.<i>.mlp.router.expert_bias` with `i` counted from 0 within
+/// the chunk.
+pub fn scoped_expert_biases(layers: &[TransformerLayer], scope: &str) -> Vec<(String, ExpertBias)> {
+    layers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, layer)| match &layer.mlp {
+            FeedForward::Moe(moe) => moe
+                .router
+                .expert_bias
+                .clone()
+                .map(|bias| (format!("{scope}.{i}.mlp.router.expert_bias"), bias)),
+            FeedForward::Dense(_) => None,
+        })
+        .collect()
 }
 
 /// The fp8 linears of `layers` under their checkpoint names, `<scope>.<i>.<linear>` with `i`

@@ -302,6 +302,17 @@ impl T5Model {
         crate::layers::enable_planned_fp8(plan, &mut self.decoder_layers, 0..decoder, decoder)
     }
 
+    /// The MoE routers' expert biases under their checkpoint names (none: T5 has no MoE).
+    pub fn expert_biases(&self) -> Vec<(String, crate::layers::moe::expert_bias::ExpertBias)> {
+        let mut biases =
+            crate::layers::scoped_expert_biases(&self.encoder_layers, "encoder.layers");
+        biases.extend(crate::layers::scoped_expert_biases(
+            &self.decoder_layers,
+            "decoder.layers",
+        ));
+        biases
+    }
+
     /// The fp8 linears under their checkpoint names.
     pub fn fp8_linears(&self) -> Vec<(String, std::sync::Arc<crate::layers::Fp8Linear>)> {
         let mut linears = crate::layers::scoped_fp8_linears(&self.encoder_layers, "encoder.layers");

@@ -5,7 +5,8 @@ use clap::Args;
 use megatron_cli::{bail_usage, ranges, usage_error};
 
 use megatron_models::layers::moe::config::{
-    parse_layer_freq, LoadBalancing, MoeConfig, RouterDtype, ScoreFunction, TokenDispatcher,
+    parse_layer_freq, Capacity, DropPolicy, LoadBalancing, MoeConfig, RouterDtype, ScoreFunction,
+    TokenDispatcher,
 };
 use megatron_models::Recompute;
 
@@ -50,6 +51,16 @@ pub struct MoeArgs {
     /// Coefficient of the load-balancing loss (1e-2 is a usual start).
     #[arg(long, default_value_t = 0.0, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub moe_aux_loss_coeff: f64,
+    /// Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router's
+    /// sigmoid scores for the top-k choice only (not to the probabilities), moved after each
+    /// step by --moe-router-bias-update-rate toward the experts that got fewer of the step's
+    /// tokens (counted over all ranks). Needs --moe-router-score-function sigmoid; saved in
+    /// checkpoints.
+    #[arg(long)]
+    pub moe_router_enable_expert_bias: bool,
+    /// How far the expert bias moves per step (--moe-router-enable-expert-bias).
+    #[arg(long, default_value_t = 1e-3, value_parser = ranges::non_negative, allow_hyphen_values = true)]
+    pub moe_router_bias_update_rate: f64,
     /// Coefficient of the router's z-loss [default: none] (1e-3 is a usual start).
     #[arg(long, value_parser = ranges::non_negative, allow_hyphen_values = true)]
     pub moe_z_loss_coeff: Option<f64>,
@@ -58,10 +69,20 @@ pub struct MoeArgs {
     /// ranks; the same results, and the same on one rank. flex (DeepEP) is not supported.
     #[arg(long, default_value = "allgather", value_parser = token_dispatcher_type)]
     pub moe_token_dispatcher_type: String,
-    /// Run the experts as one grouped GEMM; the experts run one after the other here, with the
-    /// same results.
+    /// Run each linear of the local experts as one grouped GEMM over all of them (libtorch's
+    /// grouped matmul) instead of one GEMM per expert: on GPUs in bf16 (Hopper's kernel; older
+    /// cards get libtorch's fallback), on the CPU in fp32/bf16/fp16, with expert widths and
+    /// hidden size whose rows are multiples of 16 bytes. Elsewhere (fp32 or fp16 on a GPU, fp8,
+    /// odd widths) the experts run one after the other, with the same results; the parameters
+    /// and checkpoints are the same either way.
     #[arg(long)]
     pub moe_grouped_gemm: bool,
+    /// Megatron's fused token permutation. Here the tokens of one rank are always permuted by a
+    /// sort of their experts on the device, without waiting for it, and the grouped GEMM takes
+    /// the per-expert offsets on the device, so this flag changes nothing (accepted for
+    /// Megatron's scripts).
+    #[arg(long)]
+    pub moe_permute_fusion: bool,
     /// Expert parallelism: each MoE layer's experts are split over this many ranks, folded into
     /// the data-parallel ranks (times the tensor-parallel ones) as Megatron does; must divide
     /// --num-experts.
@@ -74,10 +95,20 @@ pub struct MoeArgs {
     /// Not supported: the DeepEP dispatcher (refused when given).
     #[arg(long)]
     pub moe_enable_deepep: bool,
-    /// Not supported: expert capacity with token dropping (refused when given; MoE layers
-    /// here are dropless).
-    #[arg(long)]
+    /// Expert capacity: each expert takes at most ceil(tokens × topk / experts × factor) of a
+    /// micro-batch's tokens and drops the others routed to it (--moe-token-drop-policy)
+    /// [default: none, dropless; a negative factor is dropless too, as in Megatron].
+    #[arg(long, allow_hyphen_values = true)]
     pub moe_expert_capacity_factor: Option<f64>,
+    /// probs (drop an expert's tokens of the lowest probabilities) or position (drop the tokens
+    /// at the end of the micro-batch), with --moe-expert-capacity-factor.
+    #[arg(long, default_value = "probs", value_parser = ["probs", "position"])]
+    pub moe_token_drop_policy: String,
+    /// Fill every expert's batch up to its capacity with tokens of probability zero (the same
+    /// outputs; batch sizes known without reading the routing), with
+    /// --moe-expert-capacity-factor.
+    #[arg(long)]
+    pub moe_pad_expert_input_to_capacity: bool,
 }
 
 impl MoeArgs {
@@ -159,11 +190,6 @@ impl MoeArgs {
                 "--moe-enable-deepep is not supported: DeepEP's flex dispatcher is not implemented"
             );
         }
-        if self.moe_expert_capacity_factor.is_some() {
-            bail_usage!(
-                "--moe-expert-capacity-factor is not supported: Mixture-of-Experts layers are dropless here"
-            );
-        }
         let Some(num_experts) = self.num_experts else {
             return Ok(None);
         };
@@ -171,6 +197,23 @@ impl MoeArgs {
             bail_usage!(
                 "--num-experts needs --disable-bias-linear: Megatron's experts scale their \
                  activations by the router's probabilities before fc2, which takes no bias"
+            );
+        }
+        let capacity = self
+            .moe_expert_capacity_factor
+            .filter(|factor| *factor >= 0.0)
+            .map(|factor| Capacity {
+                factor,
+                drop_policy: match self.moe_token_drop_policy.as_str() {
+                    "position" => DropPolicy::Position,
+                    _ => DropPolicy::Probs,
+                },
+                pad_to_capacity: self.moe_pad_expert_input_to_capacity,
+            });
+        if self.moe_pad_expert_input_to_capacity && capacity.is_none() {
+            bail_usage!(
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as \
+                 Megatron requires)"
             );
         }
         let load_balancing = match self.moe_router_load_balancing_type.as_str() {
@@ -199,10 +242,15 @@ impl MoeArgs {
             aux_loss_coeff: self.moe_aux_loss_coeff,
             z_loss_coeff: self.moe_z_loss_coeff,
             shared_expert_intermediate_size: self.moe_shared_expert_intermediate_size,
+            capacity,
+            expert_bias_update_rate: self
+                .moe_router_enable_expert_bias
+                .then_some(self.moe_router_bias_update_rate),
             token_dispatcher: match self.moe_token_dispatcher_type.as_str() {
                 "alltoall" => TokenDispatcher::Alltoall,
                 _ => TokenDispatcher::Allgather,
             },
+            grouped_gemm: self.moe_grouped_gemm,
         };
         config.validate(num_layers).map_err(usage_error)?;
         Ok(Some(config))
@@ -296,7 +344,10 @@ mod tests {
                 aux_loss_coeff: 0.0,
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: None,
+                capacity: None,
+                expert_bias_update_rate: None,
                 token_dispatcher: TokenDispatcher::Allgather,
+                grouped_gemm: false,
             }
         );
         let moe = config(&[
@@ -320,9 +371,39 @@ mod tests {
             "1",
             "--expert-tensor-parallel-size",
             "1",
+            "--moe-grouped-gemm",
+            "--moe-permute-fusion",
         ])
         .unwrap()
         .unwrap();
+        assert!(moe.grouped_gemm);
+        let biased = config(&[
+            "--num-experts",
+            "8",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-expert-capacity-factor",
+            "1.25",
+            "--moe-token-drop-policy",
+            "position",
+            "--moe-pad-expert-input-to-capacity",
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(biased.expert_bias_update_rate, Some(1e-3));
+        assert_eq!(
+            biased.capacity,
+            Some(Capacity {
+                factor: 1.25,
+                drop_policy: DropPolicy::Position,
+                pad_to_capacity: true
+            })
+        );
+        let dropless = config(&["--num-experts", "8", "--moe-expert-capacity-factor", "-1"])
+            .unwrap()
+            .unwrap();
+        assert_eq!(dropless.capacity, None);
         assert_eq!(moe.layer_pattern, vec![false, true, false, true]);
         assert_eq!(moe.ffn_hidden_size, 32);
         assert_eq!(moe.score_function, ScoreFunction::Sigmoid);
@@ -415,8 +496,12 @@ mod tests {
                 "--moe-enable-deepep",
             ),
             (
-                &["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
-                "--moe-expert-capacity-factor",
+                &["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+            ),
+            (
+                &["--num-experts", "4", "--moe-router-enable-expert-bias"],
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid",
             ),
             (&["--num-experts", "0"], "--num-experts must be positive"),
         ] {

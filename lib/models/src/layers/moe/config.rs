@@ -5,6 +5,8 @@
 use anyhow::{bail, ensure, Result};
 use serde::{Deserialize, Serialize};
 
+pub use super::capacity::{Capacity, DropPolicy};
+
 /// `--moe-router-score-function`: how the router's logits become scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -65,10 +67,21 @@ pub struct MoeConfig {
     pub z_loss_coeff: Option<f64>,
     /// The hidden size of the shared expert every token also passes through.
     pub shared_expert_intermediate_size: Option<i64>,
+    /// `--moe-expert-capacity-factor` and its policies; `None`: dropless.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<Capacity>,
+    /// `--moe-router-bias-update-rate` with `--moe-router-enable-expert-bias`: the router keeps
+    /// a per-expert bias for its choice ([`ExpertBias`](super::expert_bias::ExpertBias)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_bias_update_rate: Option<f64>,
     /// How tokens travel, not what the model is: left out of the architecture a checkpoint
     /// records.
     #[serde(skip)]
     pub token_dispatcher: TokenDispatcher,
+    /// `--moe-grouped-gemm`: the experts run as grouped GEMMs where the kernel takes them; how
+    /// they run, not what they are, so left out of the architecture too.
+    #[serde(skip)]
+    pub grouped_gemm: bool,
 }
 
 impl MoeConfig {
@@ -111,6 +124,11 @@ impl MoeConfig {
                 "--moe-shared-expert-intermediate-size must be positive (got {size})"
             );
         }
+        ensure!(
+            self.expert_bias_update_rate.is_none() || self.score_function == ScoreFunction::Sigmoid,
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as \
+             Megatron requires)"
+        );
         ensure!(
             self.aux_loss_coeff >= 0.0,
             "--moe-aux-loss-coeff must not be negative (got {})",

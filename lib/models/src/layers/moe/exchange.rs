@@ -8,8 +8,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
-use super::dispatch::Permutation;
-use super::experts::SequentialExperts;
+use super::dispatch::{Permutation, TokensPerExpert};
+use super::experts::RoutedExperts;
 use super::router::Routing;
 use megatron_parallel::{
     all_to_all_region, gather_from_sequence_parallel_region,
@@ -22,14 +22,14 @@ use megatron_parallel::{
 pub fn all_to_all(
     tokens: &Tensor,
     routing: &Routing,
-    experts: &SequentialExperts,
+    experts: &RoutedExperts,
     group: &Arc<dyn Communicator>,
 ) -> Result<Tensor> {
     let permutation = Permutation::new(tokens, routing)?;
     let ranks = group.size();
     let local = experts.local_experts.len();
     // What this rank sends each rank, per expert of that rank: `[ranks, local]`.
-    let sent_counts = &permutation.tokens_per_expert;
+    let sent_counts = permutation.tokens_per_expert.host()?;
     let send_splits: Vec<i64> = sent_counts.chunks(local).map(|c| c.iter().sum()).collect();
     let counts = Tensor::from_slice(sent_counts)
         .view([ranks as i64, local as i64])
@@ -51,7 +51,7 @@ pub fn all_to_all(
     let outputs = experts.forward(
         &arrived.index_select(0, &order),
         &arrived_probs.index_select(0, &order),
-        &per_expert,
+        &TokensPerExpert::on_host(per_expert, tokens.device()),
     )?;
     let back_in_arrival_order = outputs.index_select(0, &order.argsort(0, false));
     let returned = all_to_all_region(&back_in_arrival_order, group, &recv_splits, &send_splits)
@@ -87,7 +87,7 @@ fn expert_major_order(counts: &[i64], ranks: usize, local: usize) -> (Vec<i64>, 
 pub fn all_gather(
     tokens: &Tensor,
     routing: &Routing,
-    experts: &SequentialExperts,
+    experts: &RoutedExperts,
     group: &Arc<dyn Communicator>,
 ) -> Result<Tensor> {
     // The gradients of gathered inputs are partial on every rank (each ran only its experts):
@@ -96,11 +96,11 @@ pub fn all_gather(
     let all_probs = gather_from_sequence_parallel_region(&routing.probs, group, true)?;
     let all_map = group.all_gather(&routing.map.to_kind(Kind::Uint8), 0)?;
     let local = experts.local_experts.len() as i64;
-    let mine = Routing {
-        probs: all_probs.narrow(1, experts.first, local),
-        map: all_map.narrow(1, experts.first, local).to_kind(Kind::Bool),
-    };
-    let permutation = Permutation::new(&all_tokens, &mine)?;
+    let permutation = Permutation::of_map(
+        &all_tokens,
+        &all_probs.narrow(1, experts.first, local),
+        &all_map.narrow(1, experts.first, local).to_kind(Kind::Bool),
+    )?;
     let outputs = experts.forward(
         &permutation.tokens,
         &permutation.probs,

@@ -1,28 +1,45 @@
-//! The routed experts of this rank, each an MLP of `--moe-ffn-hidden-size` run over the tokens
-//! routed to it in turn (Megatron's `SequentialMLP`). With expert parallelism a rank holds the
-//! experts `first..first + count` of the layer; each keeps its global index in its state name
+//! The routed experts of this rank, each an MLP of `--moe-ffn-hidden-size`, run over the tokens
+//! routed to them: one after the other (Megatron's `SequentialMLP`), or with
+//! `--moe-grouped-gemm` as one grouped GEMM per linear over all of them ([`grouped_gemm`]).
+//! With expert parallelism a rank holds the experts `first..first + count` of the layer; each
+//! keeps its global index in its state name
 //! (`experts.local_experts.<global e>.linear_fc1.weight`), so every layout of a model names an
-//! expert alike (Megatron's per-rank `torch` files number them from 0 on each rank).
+//! expert alike (Megatron's per-rank `torch` files number them from 0 on each rank), and both
+//! ways of running them keep the same parameters under the same names.
 
 use anyhow::Result;
 use tch::Tensor;
 
+use super::dispatch::TokensPerExpert;
+use super::grouped_gemm;
 use crate::layers::mlp::Mlp;
 use crate::layers::NamedTensors;
 
 #[derive(Clone)]
-pub struct SequentialExperts {
+pub struct RoutedExperts {
     /// The global index of the first local expert.
     pub first: i64,
     pub local_experts: Vec<Mlp>,
+    /// `--moe-grouped-gemm`: run the experts as grouped GEMMs where libtorch's kernel takes
+    /// their operands.
+    pub grouped_gemm: bool,
 }
 
-impl SequentialExperts {
+impl RoutedExperts {
     /// Each expert's output over its tokens: `tokens` `[assignments, h]` and their router
     /// probabilities `probs` `[assignments]` grouped expert by expert, `counts` per local
     /// expert. An expert without tokens runs on an empty batch, so that its parameters still
     /// join the graph.
-    pub fn forward(&self, tokens: &Tensor, probs: &Tensor, counts: &[i64]) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        probs: &Tensor,
+        counts: &TokensPerExpert,
+    ) -> Result<Tensor> {
+        if self.runs_grouped(tokens) {
+            return grouped_gemm::forward(&self.local_experts, tokens, probs, &counts.ends());
+        }
+        let counts = counts.host()?;
         let tokens = tokens.split_with_sizes(counts, 0);
         let probs = probs.split_with_sizes(counts, 0);
         let outputs = self
@@ -32,6 +49,12 @@ impl SequentialExperts {
             .map(|(expert, (tokens, probs))| expert.forward_scaled(tokens, probs))
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&outputs, 0))
+    }
+
+    /// Whether the experts run as grouped GEMMs over `tokens` (`--moe-grouped-gemm`, where
+    /// libtorch's kernel takes them).
+    pub fn runs_grouped(&self, tokens: &Tensor) -> bool {
+        self.grouped_gemm && grouped_gemm::takes(&self.local_experts, tokens)
     }
 
     pub fn named_tensors(&self, out: &mut NamedTensors) {

@@ -7,10 +7,13 @@
 //! experts and the tokens travel to them ([`exchange`]).
 
 pub mod aux_loss;
+pub mod capacity;
 pub mod config;
 mod dispatch;
 mod exchange;
+pub mod expert_bias;
 mod experts;
+mod grouped_gemm;
 mod router;
 
 use std::sync::Arc;
@@ -24,14 +27,14 @@ use crate::config::TransformerConfig;
 use crate::param::Initializer;
 use config::{MoeConfig, TokenDispatcher};
 use dispatch::Permutation;
-pub use experts::SequentialExperts;
+pub use experts::RoutedExperts;
 use megatron_parallel::{Communicator, SingleRank};
-pub use router::{Routing, TopKRouter};
+pub use router::{Assignments, Routing, TopKRouter};
 
 #[derive(Clone)]
 pub struct MoeLayer {
     pub router: TopKRouter,
-    pub experts: SequentialExperts,
+    pub experts: RoutedExperts,
     /// `--moe-shared-expert-intermediate-size`: an MLP every token passes through.
     pub shared_experts: Option<Mlp>,
     /// The expert-parallel group the experts are split over.
@@ -91,9 +94,10 @@ impl MoeLayer {
         });
         MoeLayer {
             router,
-            experts: SequentialExperts {
+            experts: RoutedExperts {
                 first,
                 local_experts,
+                grouped_gemm: moe.grouped_gemm,
             },
             shared_experts,
             expert_group,

@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::aux_loss;
 use super::config::{LoadBalancing, MoeConfig, RouterDtype, ScoreFunction};
+use super::expert_bias::ExpertBias;
 use crate::layers::{NamedTensors, ParamAttributes, TensorParallel};
 use crate::param::{Initializer, Param};
 use megatron_parallel::{Communicator, ReduceOp};
@@ -19,6 +20,17 @@ pub struct Routing {
     pub probs: Tensor,
     /// `[tokens, experts]`, bool: the chosen experts.
     pub map: Tensor,
+    pub assignments: Assignments,
+}
+
+/// How the assignments of `map` lie, which tells the permutation what it may assume.
+pub enum Assignments {
+    /// Dropless: every token has exactly `topk`, these experts `[tokens, topk]` (int64).
+    TopK(Tensor),
+    /// Some dropped by the expert capacity: any number per token.
+    Dropped,
+    /// Padded to the expert capacity: every expert exactly this many tokens.
+    Padded(i64),
 }
 
 #[derive(Clone)]
@@ -29,6 +41,8 @@ pub struct TopKRouter {
     /// With sequence parallelism, the tensor-parallel group whose ranks route the parts of
     /// one sequence (Megatron's `tp_cp` group): the load-balancing loss counts its tokens.
     sequence_group: Option<Arc<dyn Communicator>>,
+    /// `--moe-router-enable-expert-bias`.
+    pub expert_bias: Option<ExpertBias>,
 }
 
 impl TopKRouter {
@@ -44,6 +58,9 @@ impl TopKRouter {
             config: config.clone(),
             sequence_group: (parallel.sequence_parallel && parallel.group.size() > 1)
                 .then(|| parallel.group.clone()),
+            expert_bias: config
+                .expert_bias_update_rate
+                .map(|rate| ExpertBias::new(config.num_experts, rate, init.device)),
         }
     }
 
@@ -77,13 +94,35 @@ impl TopKRouter {
             }
             _ => logits,
         };
-        let (probs, map) = self.top_k(&logits);
+        let (probs, map, indices) = self.top_k(&logits);
+        let (probs, map, assignments) = match &self.config.capacity {
+            Some(capacity) => {
+                let (probs, map) = capacity.apply(&probs, &map, self.config.topk);
+                let assignments = if capacity.pad_to_capacity {
+                    let (tokens, experts) = map.size2()?;
+                    Assignments::Padded(capacity.per_expert(tokens, self.config.topk, experts))
+                } else {
+                    Assignments::Dropped
+                };
+                (probs, map, assignments)
+            }
+            None => (probs, map, Assignments::TopK(indices)),
+        };
+        // Megatron counts what is routed with gradients recorded (not in evaluation, nor in
+        // the first pass of a recomputed forward).
+        if let Some(bias) = self.expert_bias.as_ref().filter(|_| training) {
+            bias.count(&map);
+        }
         let probs = match self.config.load_balancing {
             LoadBalancing::None => probs,
             _ if !training || self.config.aux_loss_coeff == 0.0 => probs,
             balancing => self.with_load_balancing(probs, &logits, balancing, seq_length)?,
         };
-        Ok(Routing { probs, map })
+        Ok(Routing {
+            probs,
+            map,
+            assignments,
+        })
     }
 
     /// The logits `[tokens, experts]`, computed in `--moe-router-dtype` when given.
@@ -98,9 +137,9 @@ impl TopKRouter {
             .linear::<&Tensor>(&self.weight.to_kind(kind), None)
     }
 
-    /// The chosen experts' probabilities scattered over `[tokens, experts]`, and the map of
-    /// the chosen experts.
-    fn top_k(&self, logits: &Tensor) -> (Tensor, Tensor) {
+    /// The chosen experts' probabilities scattered over `[tokens, experts]`, the map of the
+    /// chosen experts, and their indices `[tokens, topk]`.
+    fn top_k(&self, logits: &Tensor) -> (Tensor, Tensor, Tensor) {
         let k = self.config.topk;
         let (probs, indices) = match self.config.score_function {
             ScoreFunction::Softmax if self.config.pre_softmax => {
@@ -113,7 +152,13 @@ impl TopKRouter {
             }
             ScoreFunction::Sigmoid => {
                 let scores = logits.to_kind(Kind::Float).sigmoid().to_kind(logits.kind());
-                let (top, indices) = scores.topk(k, 1, true, true);
+                let (top, indices) = match &self.expert_bias {
+                    Some(bias) => {
+                        let indices = bias.choose(&scores, k);
+                        (scores.gather(1, &indices, false), indices)
+                    }
+                    None => scores.topk(k, 1, true, true),
+                };
                 let probs = if k > 1 {
                     &top / (top.sum_dim_intlist(-1, true, None) + 1e-20)
                 } else {
@@ -130,7 +175,8 @@ impl TopKRouter {
             .zeros_like()
             .scatter_value(1, &indices, 1.0)
             .to_kind(Kind::Bool);
-        (logits.zeros_like().scatter(1, &indices, &probs), map)
+        let probs = logits.zeros_like().scatter(1, &indices, &probs);
+        (probs, map, indices)
     }
 
     /// Attaches the load-balancing loss (over the micro-batch or per sequence) to `probs`.

@@ -1,0 +1,68 @@
+//! `--moe-grouped-gemm`: the local experts' fc1, and then their fc2, as one grouped GEMM each
+//! over all the routed tokens (libtorch's `_grouped_mm`, CUTLASS on Hopper), in place of one
+//! GEMM per expert. The experts keep their own parameters (the names and checkpoints of the
+//! per-expert loop); each forward stacks them `[experts, out, in]` for the kernel, and the
+//! stack's backward hands each expert its weight gradient.
+
+use anyhow::Result;
+use tch::{Device, Kind, Tensor};
+
+use crate::layers::mlp::Mlp;
+
+/// Whether libtorch's grouped GEMM takes these experts over `tokens`: bias-free experts
+/// outside fp8, bf16 on a GPU (float32, bf16 or fp16 on the CPU), and rows of every operand a
+/// multiple of 16 bytes. Elsewhere the experts run one after the other, with the same results.
+pub fn takes(experts: &[Mlp], tokens: &Tensor) -> bool {
+    let Some(first) = experts.first() else {
+        return false;
+    };
+    let kind = tokens.kind();
+    let kind_runs = match tokens.device() {
+        Device::Cpu => matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half),
+        Device::Cuda(_) => kind == Kind::BFloat16,
+        _ => false,
+    };
+    let plain = experts.iter().all(|expert| {
+        let (fc1, fc2) = (&expert.linear_fc1, &expert.linear_fc2);
+        fc1.bias.is_none()
+            && fc2.bias.is_none()
+            && fc1.fp8().is_none()
+            && fc2.fp8().is_none()
+            && fc1.weight.kind() == kind
+            && fc2.weight.kind() == kind
+    });
+    let fc1 = first.linear_fc1.weight.size();
+    let bytes = kind.elt_size_in_bytes() as i64;
+    let aligned = [fc1[0], fc1[1], first.linear_fc2.weight.size()[1]]
+        .iter()
+        .all(|width| width * bytes % 16 == 0);
+    kind_runs && plain && aligned
+}
+
+/// The experts over `tokens` `[assignments, h]` grouped expert by expert, expert e's rows
+/// ending at `ends[e]` (int32, cumulative): fc1, the activation, each row scaled by its router
+/// probability `probs` `[assignments]`, fc2, as the per-expert loop computes them.
+pub fn forward(experts: &[Mlp], tokens: &Tensor, probs: &Tensor, ends: &Tensor) -> Result<Tensor> {
+    let fc1 = stacked(experts.iter().map(|expert| &*expert.linear_fc1.weight));
+    let intermediate = grouped_linear(tokens, &fc1, ends)?;
+    let activated = experts[0].activate(&intermediate);
+    let scaled = (&activated * probs.unsqueeze(-1)).to_kind(activated.kind());
+    let fc2 = stacked(experts.iter().map(|expert| &*expert.linear_fc2.weight));
+    grouped_linear(&scaled, &fc2, ends)
+}
+
+/// The experts' weights `[out, in]` as one `[experts, out, in]` tensor.
+fn stacked<'a>(weights: impl Iterator<Item = &'a Tensor>) -> Tensor {
+    Tensor::stack(&weights.collect::<Vec<_>>(), 0)
+}
+
+/// Each group of rows of `input` `[rows, in]` times its weight of `weights` `[groups, out, in]`,
+/// transposed: `[rows, out]`.
+fn grouped_linear(input: &Tensor, weights: &Tensor, ends: &Tensor) -> Result<Tensor> {
+    Ok(input.contiguous().f_internal_grouped_mm(
+        &weights.transpose(1, 2),
+        Some(ends),
+        None,
+        None,
+    )?)
+}
