@@ -20,7 +20,8 @@ pub struct DataArgs {
     /// Restart position ids after every end-of-document token.
     #[arg(long)]
     pub reset_position_ids: bool,
-    /// Do not attend across end-of-document tokens.
+    /// Do not attend across end-of-document tokens: each document of a sequence attends only
+    /// within itself (packed sequences, computed per document without an [s, s] mask).
     #[arg(long)]
     pub reset_attention_mask: bool,
     /// No loss on the token after an end-of-document token.

@@ -38,9 +38,9 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
         reset_position_ids: data.reset_position_ids,
         reset_attention_mask: data.reset_attention_mask,
         eod_mask_loss: data.eod_mask_loss,
-        // Causal masks are built by the attention kernel; explicit ones only when documents
-        // must not see each other.
-        create_attention_mask: data.reset_attention_mask,
+        // Causal masks are built by the attention kernel; with --reset-attention-mask the
+        // batches carry the documents' offsets (packed sequences), never [s, s] masks.
+        create_attention_mask: false,
     };
     let tokenizer = TokenizerIdentity::from_flags(request.tokenizer, 0)?;
     let sizes = request.sizes.map(Some);
