@@ -161,8 +161,8 @@ fn packed_equals_each_document_alone(extra: &[&str]) {
             };
             let alone = GptBatch::collate(&[alone]).unwrap();
             assert!(matches!(alone.mask(), AttentionMask::Causal));
-            let alone_loss = (token_losses(&model, &alone, &alone.mask()) * &alone.loss_mask)
-                .sum(Kind::Float);
+            let alone_loss =
+                (token_losses(&model, &alone, &alone.mask()) * &alone.loss_mask).sum(Kind::Float);
             let packed_loss = losses
                 .get(row as i64)
                 .narrow(0, start as i64, length as i64)
@@ -209,7 +209,11 @@ fn packed_documents_equal_the_dense_reset_mask() {
     assert_close(&packed, &reference, "per-token losses");
     let packed_gradients = gradients(&model, &packed.sum(Kind::Float));
     let reference_gradients = gradients(&model, &reference.sum(Kind::Float));
-    for (i, (a, b)) in packed_gradients.iter().zip(&reference_gradients).enumerate() {
+    for (i, (a, b)) in packed_gradients
+        .iter()
+        .zip(&reference_gradients)
+        .enumerate()
+    {
         assert_close(a, b, &format!("gradient of parameter {i}"));
     }
 }
@@ -237,9 +241,7 @@ fn gpu_varlen_flash_equals_attention_per_document() {
         .unwrap()
         .map_tensors(&mut |t| t.to_device(device));
     tch::manual_seed(7);
-    let make = || {
-        Tensor::randn([b, n, s, d], (Kind::BFloat16, device)).set_requires_grad(true)
-    };
+    let make = || Tensor::randn([b, n, s, d], (Kind::BFloat16, device)).set_requires_grad(true);
     let (q, k, v) = (make(), make(), make());
     let out_grad = Tensor::randn([b, n, s, d], (Kind::BFloat16, device));
 
@@ -272,8 +274,7 @@ fn gpu_varlen_flash_equals_attention_per_document() {
     }
     let reference = Tensor::stack(&rows, 0);
     let weighted_reference = (&reference * &out_grad).sum(Kind::Float);
-    let reference_grads =
-        Tensor::run_backward(&[&weighted_reference], &[&q, &k, &v], false, false);
+    let reference_grads = Tensor::run_backward(&[&weighted_reference], &[&q, &k, &v], false, false);
 
     let close = |a: &Tensor, e: &Tensor, what: &str| {
         let (a, e) = (a.to_kind(Kind::Float), e.to_kind(Kind::Float));

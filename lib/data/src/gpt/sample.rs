@@ -163,7 +163,11 @@ mod tests {
         for row in 0..s {
             for column in 0..s {
                 let visible = column <= row && document_of[row] == document_of[column];
-                assert_eq!(!mask[row * s + column], visible, "row {row}, column {column}");
+                assert_eq!(
+                    !mask[row * s + column],
+                    visible,
+                    "row {row}, column {column}"
+                );
             }
         }
     }

@@ -64,7 +64,9 @@ impl CustomFunction for VarlenFlashAttention {
         })?;
         // SAFETY: handles the shim allocated for us.
         let [out, logsumexp, rng_state, unused] = handles.map(|h| unsafe { Tensor::from_ptr(h) });
-        for tensor in [&inputs[0], &inputs[1], &inputs[2], &out, &logsumexp, &rng_state, &unused] {
+        for tensor in [
+            &inputs[0], &inputs[1], &inputs[2], &out, &logsumexp, &rng_state, &unused,
+        ] {
             saved.save(tensor);
         }
         Ok(vec![out])
@@ -72,7 +74,10 @@ impl CustomFunction for VarlenFlashAttention {
 
     fn backward(&mut self, grads: &[Tensor], saved: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let [query, key, value, out, logsumexp, rng_state, unused] = saved else {
-            anyhow::bail!("varlen flash attention saved {} tensors, not 7", saved.len());
+            anyhow::bail!(
+                "varlen flash attention saved {} tensors, not 7",
+                saved.len()
+            );
         };
         let mut handles = [std::ptr::null_mut(); 3];
         let [dq, dk, dv] = &mut handles;
@@ -98,8 +103,6 @@ impl CustomFunction for VarlenFlashAttention {
         })
         .context("the backward of varlen flash attention")?;
         // SAFETY: handles the shim allocated for us.
-        Ok(handles
-            .map(|h| Some(unsafe { Tensor::from_ptr(h) }))
-            .into())
+        Ok(handles.map(|h| Some(unsafe { Tensor::from_ptr(h) })).into())
     }
 }

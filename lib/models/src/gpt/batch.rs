@@ -5,6 +5,7 @@ use std::ops::Range;
 use anyhow::{Context, Result};
 use megatron_data::blend::SplitDataset;
 use megatron_data::gpt::GptSample;
+use megatron_data::sft::SftSplit;
 use tch::{Kind, Tensor};
 
 use crate::layers::{AttentionMask, PackedSequences};
@@ -125,6 +126,21 @@ impl SampleSource for SplitDataset {
 
     fn collate(&self, indices: Range<u64>) -> Result<GptBatch> {
         let samples: Vec<GptSample> = indices.map(|i| self.get(i as usize).1).collect();
+        GptBatch::collate(&samples)
+    }
+}
+
+impl SampleSource for SftSplit {
+    type Batch = GptBatch;
+
+    fn len(&self) -> u64 {
+        self.samples as u64
+    }
+
+    fn collate(&self, indices: Range<u64>) -> Result<GptBatch> {
+        let samples = indices
+            .map(|i| self.get(i as usize))
+            .collect::<Result<Vec<GptSample>>>()?;
         GptBatch::collate(&samples)
     }
 }
