@@ -185,3 +185,74 @@ fn bad_input_fails_with_a_clear_error() {
     let usage = bin("inspect_dataset").args(["samples"]).output().unwrap();
     assert_eq!(usage.status.code(), Some(2));
 }
+
+/// `inspect_dataset samples --sft` prints what `pretrain_gpt --sft` trains on: one conversation
+/// per sample through a HuggingFace tokenizer, the loss mask on the assistant's turn (and the end
+/// of document) only.
+#[test]
+fn sft_samples_show_the_loss_mask_of_the_assistant_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let specials = [
+        "</s>",
+        "<SPECIAL_10>",
+        "<SPECIAL_11>",
+        "<SPECIAL_233>",
+        "<unk>",
+    ];
+    let words = ["User", "Assistant", "hi", "hello", "there"];
+    let vocab: serde_json::Map<String, serde_json::Value> = specials
+        .iter()
+        .chain(&words)
+        .enumerate()
+        .map(|(id, token)| (token.to_string(), id.into()))
+        .collect();
+    let added: Vec<serde_json::Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(id, token)| {
+            serde_json::json!({"id": id, "content": token, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let data = dir.path().join("chat.jsonl");
+    std::fs::write(
+        &data,
+        r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}"#,
+    )
+    .unwrap();
+    let out = run_ok(
+        bin("inspect_dataset")
+            .args([
+                "samples",
+                "--sft",
+                "--seq-length",
+                "10",
+                "--split",
+                "100,0,0",
+            ])
+            .arg("--data-path")
+            .arg(&data)
+            .args(["--tokenizer-type", "SFTTokenizer", "--tokenizer-model"])
+            .arg(dir.path()),
+    );
+    let line = String::from_utf8(out.stdout).unwrap();
+    let sample: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    let ids = |key: &str| -> Vec<i64> {
+        sample[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap())
+            .collect()
+    };
+    // <SPECIAL_11> User hi <SPECIAL_11> Assistant | hello there | </s> | pad pad
+    assert_eq!(ids("tokens"), [2, 5, 7, 2, 6, 8, 9, 0, 3, 3]);
+    assert_eq!(ids("labels"), [0, 0, 0, 0, 8, 9, 0, 3, 3, 3]);
+    assert_eq!(ids("loss_mask"), [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]);
+}

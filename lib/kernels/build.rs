@@ -18,6 +18,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/gemm_epilogue.cpp");
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/store.cpp");
+    println!("cargo:rerun-if-changed=csrc/flash_varlen.cpp");
     println!("cargo:rerun-if-changed=csrc/protect.h");
     println!("cargo:rerun-if-changed=csrc/generator.h");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
@@ -67,6 +68,7 @@ fn main() {
         .file("csrc/gemm_epilogue.cpp")
         .file("csrc/profiler.cpp")
         .file("csrc/store.cpp")
+        .file("csrc/flash_varlen.cpp")
         .compile("megatron_shim");
 
     println!("cargo:libtorch_lib={}", lib_dir.display());

@@ -131,6 +131,8 @@ impl DataFlags {
             reset_position_ids: false,
             reset_attention_mask: false,
             eod_mask_loss: false,
+            sft: false,
+            sft_tokenizer_prompt_format: "nemotron-h-aligned".into(),
             num_workers: 0,
             dataloader_type: "single".into(),
         }

@@ -19,6 +19,8 @@ use megatron_data::masked::{
     build_bert_datasets, build_t5_datasets, open_indexed, BertMaskedWordPieceDataset, BertSample,
     MaskedDataFlags, MaskedWordPieceDataset, T5MaskedWordPieceDataset, T5Sample,
 };
+use megatron_data::sft::{build_sft_splits, PromptFormat, SftRequest};
+use megatron_data::tokenizer::build_tokenizer;
 
 /// The model family whose training samples are printed.
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -80,6 +82,14 @@ pub struct SamplesArgs {
     /// Extra fraction of samples built for each member of a weighted blend.
     #[arg(long, default_value_t = 0.005)]
     mid_level_dataset_surplus: f64,
+    /// GPT: the supervised fine-tuning samples of a conversations file (--data-path
+    /// FILE.jsonl), as `pretrain_gpt --sft` reads them: tokens, labels and the loss mask (1 on
+    /// the assistant's turns).
+    #[arg(long)]
+    sft: bool,
+    /// How --sft renders conversations: nemotron-h-aligned.
+    #[arg(long, default_value = "nemotron-h-aligned")]
+    sft_tokenizer_prompt_format: String,
 }
 
 pub fn run(args: &SamplesArgs) -> Result<()> {
@@ -90,6 +100,9 @@ pub fn run(args: &SamplesArgs) -> Result<()> {
 }
 
 fn run_gpt(args: &SamplesArgs) -> Result<()> {
+    if args.sft {
+        return run_sft(args);
+    }
     let split = Split::from_name(&args.split_name)?;
     let (sources, split_string) = args.paths.sources()?;
     let Some(seq_length) = args.seq_length else {
@@ -150,6 +163,56 @@ fn run_gpt(args: &SamplesArgs) -> Result<()> {
     }
     out.flush().context("writing samples to stdout")?;
     eprintln!("{}", summary(split, &dataset, count));
+    Ok(())
+}
+
+/// `--sft`: each sample's tokens, labels and loss mask, one JSON object a line.
+fn run_sft(args: &SamplesArgs) -> Result<()> {
+    let split = Split::from_name(&args.split_name)?;
+    let (sources, split_string) = args.paths.sources()?;
+    let Some(seq_length) = args.seq_length else {
+        bail_usage!("--seq-length is required");
+    };
+    let tokenizer = build_tokenizer(&args.tokenizer.config()?)?;
+    let mut splits = build_sft_splits(&SftRequest {
+        sources: &sources,
+        split: split_string.as_deref(),
+        sizes: parse_sizes(args.num_samples.as_deref())?,
+        tokenizer: Arc::from(tokenizer),
+        format: PromptFormat::parse(&args.sft_tokenizer_prompt_format)?,
+        seq_length,
+    })?;
+    let Some(dataset) = splits[split.index()].take() else {
+        bail!(
+            "the {} split holds no conversation with this --split",
+            split.name()
+        );
+    };
+    let count = args.first.unwrap_or(usize::MAX).min(dataset.samples);
+    let stdout = std::io::stdout();
+    let mut out = BufWriter::new(stdout.lock());
+    for idx in 0..count {
+        let sample = dataset.get(idx)?;
+        let loss_mask: Vec<u8> = sample
+            .loss_mask
+            .iter()
+            .map(|&m| u8::from(m > 0.0))
+            .collect();
+        writeln!(
+            out,
+            "{{\"idx\": {idx}, \"tokens\": {}, \"labels\": {}, \"loss_mask\": {}}}",
+            serde_json::to_string(&sample.tokens)?,
+            serde_json::to_string(&sample.labels)?,
+            serde_json::to_string(&loss_mask)?
+        )?;
+    }
+    out.flush().context("writing samples to stdout")?;
+    eprintln!(
+        "{}: printed {count} of {} samples ({} conversations)",
+        split.name(),
+        dataset.samples,
+        dataset.conversations.len()
+    );
     Ok(())
 }
 

@@ -20,7 +20,8 @@ pub struct DataArgs {
     /// Restart position ids after every end-of-document token.
     #[arg(long)]
     pub reset_position_ids: bool,
-    /// Do not attend across end-of-document tokens.
+    /// Do not attend across end-of-document tokens: each document of a sequence attends only
+    /// within itself (packed sequences, computed per document without an [s, s] mask).
     #[arg(long)]
     pub reset_attention_mask: bool,
     /// No loss on the token after an end-of-document token.
@@ -29,6 +30,14 @@ pub struct DataArgs {
     /// Batches prepared ahead by the background loader.
     #[arg(long, default_value_t = 2)]
     pub num_workers: usize,
+    /// Supervised fine-tuning (Megatron's SFT): --data-path is a JSONL file of conversations,
+    /// {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} a line, one
+    /// conversation per sequence, the loss only on the assistant's turns.
+    #[arg(long)]
+    pub sft: bool,
+    /// How --sft renders conversations: nemotron-h-aligned (Megatron's only one).
+    #[arg(long, default_value = "nemotron-h-aligned")]
+    pub sft_tokenizer_prompt_format: String,
     /// Accepted for compatibility: single (the only sampler).
     #[arg(long, default_value = "single")]
     pub dataloader_type: String,

@@ -10,5 +10,6 @@ pub mod openwebtext;
 pub mod preprocess;
 pub mod random;
 pub mod sentence;
+pub mod sft;
 pub mod tasks;
 pub mod tokenizer;

@@ -190,6 +190,22 @@ int mrs_gemm_epilogues_available(void);
 char* mrs_linear_gelu_aux(const mrs_tensor input, const mrs_tensor weight, const mrs_tensor bias,
                           mrs_tensor* out, mrs_tensor* preactivation_out);
 
+// Flash attention over packed variable-length sequences (flash_varlen.cpp): query, key and
+// value [tokens, heads, head_dim] in bf16/fp16, documents delimited by cu_seqlens (int32
+// offsets, the same for queries and keys). Forward returns what backward needs again.
+char* mrs_flash_varlen_forward(const mrs_tensor query, const mrs_tensor key,
+                               const mrs_tensor value, const mrs_tensor cu_seqlens,
+                               int64_t max_seqlen, double dropout, int causal, mrs_tensor* out,
+                               mrs_tensor* logsumexp_out, mrs_tensor* rng_state_out,
+                               mrs_tensor* unused_out);
+char* mrs_flash_varlen_backward(const mrs_tensor grad_out, const mrs_tensor query,
+                                const mrs_tensor key, const mrs_tensor value,
+                                const mrs_tensor out, const mrs_tensor logsumexp,
+                                const mrs_tensor cu_seqlens, int64_t max_seqlen, double dropout,
+                                int causal, const mrs_tensor rng_state, const mrs_tensor unused,
+                                mrs_tensor* grad_query, mrs_tensor* grad_key,
+                                mrs_tensor* grad_value);
+
 // A client of the c10d TCPStore at host:port (store.cpp): torchrun's agent store. get waits for
 // the key up to the timeout given at connection; its value is malloc'd (mrs_free_array).
 typedef struct mrs_store mrs_store;

@@ -35,6 +35,8 @@ pub fn unsupported_reason(
         Some("context parallelism copies the chunks' positions to the device at every step")
     } else if parallel.layout.pipeline > 1 {
         Some("pipeline stages exchange activations between a micro-batch's forward and backward")
+    } else if args.data.reset_attention_mask {
+        Some("packed sequences' documents change from one micro-batch to the next")
     } else if args.training.calculate_per_token_loss {
         Some("--calculate-per-token-loss scales each step by its token count, which the graph does not read")
     } else if args.recompute.recompute()? != Recompute::None {

@@ -11,6 +11,8 @@ use megatron_data::gpt::{
 };
 use megatron_data::indexed::IndexedDataset;
 use megatron_data::masked::MaskedDataFlags;
+use megatron_data::sft::{build_sft_splits, PromptFormat, SftRequest};
+use megatron_data::tokenizer::build_tokenizer;
 
 use crate::args::{DataArgs, PretrainArgs, TokenizerArgs};
 use megatron_models::loader::{SampleSource, Splits};
@@ -32,15 +34,18 @@ pub struct DatasetRequest<'a> {
 
 pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
     let data = request.data;
+    if data.sft {
+        return build_sft_datasets(request);
+    }
     let sample = SampleOptions {
         eod_token: request.eod,
         pad_token: -1,
         reset_position_ids: data.reset_position_ids,
         reset_attention_mask: data.reset_attention_mask,
         eod_mask_loss: data.eod_mask_loss,
-        // Causal masks are built by the attention kernel; explicit ones only when documents
-        // must not see each other.
-        create_attention_mask: data.reset_attention_mask,
+        // Causal masks are built by the attention kernel; with --reset-attention-mask the
+        // batches carry the documents' offsets (packed sequences), never [s, s] masks.
+        create_attention_mask: false,
     };
     let tokenizer = TokenizerIdentity::from_flags(request.tokenizer, 0)?;
     let sizes = request.sizes.map(Some);
@@ -106,6 +111,32 @@ pub fn build_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
         valid: keep(valid),
         test: keep(test),
     })
+}
+
+/// `--sft`: the splits of a conversations file, one conversation per sample (Megatron's
+/// `SFTDataset`).
+fn build_sft_datasets(request: &DatasetRequest) -> Result<Splits<GptBatch>> {
+    let data = request.data;
+    if data.reset_attention_mask || data.reset_position_ids {
+        megatron_cli::bail_usage!(
+            "--sft with --reset-attention-mask or --reset-position-ids: SFT samples hold one \
+             conversation each, as in Megatron, which refuses them too"
+        );
+    }
+    let (sources, split) = data.paths.sources()?;
+    let format = PromptFormat::parse(&data.sft_tokenizer_prompt_format)?;
+    let tokenizer = build_tokenizer(&request.tokenizer.config()?)?;
+    let built = build_sft_splits(&SftRequest {
+        sources: &sources,
+        split: split.as_deref(),
+        sizes: request.sizes.map(Some),
+        tokenizer: Arc::from(tokenizer),
+        format,
+        seq_length: request.seq_length,
+    })?;
+    let [train, valid, test] =
+        built.map(|d| d.map(|d| Arc::new(d) as Arc<dyn SampleSource<Batch = GptBatch>>));
+    Ok(Splits { train, valid, test })
 }
 
 /// The masking flags a masked-LM family (BERT, T5) passes to its datasets.

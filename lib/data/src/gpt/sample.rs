@@ -12,6 +12,10 @@ pub struct GptSample {
     pub position_ids: Vec<i64>,
     /// Row-major `[S, S]`, `true` = masked out; `None` when attention masks are not created.
     pub attention_mask: Option<Vec<bool>>,
+    /// With `reset_attention_mask`, the lengths of the documents the sequence packs (each
+    /// ends with an end-of-document token, the last at the sequence's end): attention stays
+    /// within each, as the dense mask says, without building it.
+    pub document_lengths: Option<Vec<i64>>,
 }
 
 impl GptSample {
@@ -60,6 +64,9 @@ impl GptSample {
             }
         }
 
+        let document_lengths = options
+            .reset_attention_mask
+            .then(|| document_lengths(&tokens, options.eod_token));
         for ((mask, token), label) in loss_mask.iter_mut().zip(&mut tokens).zip(&mut labels) {
             if *label == options.pad_token {
                 *mask = 0.0;
@@ -75,6 +82,7 @@ impl GptSample {
             loss_mask,
             position_ids,
             attention_mask: visible.map(|v| v.into_iter().map(|seen| !seen).collect()),
+            document_lengths,
         }
     }
 
@@ -83,6 +91,20 @@ impl GptSample {
         self.loss_mask.fill(0.0);
         self
     }
+}
+
+/// The lengths of the documents of `tokens`, cut after each `eod` (Megatron's mask reset).
+fn document_lengths(tokens: &[i64], eod: i64) -> Vec<i64> {
+    let mut lengths = Vec::new();
+    let mut start = 0;
+    for i in (0..tokens.len()).filter(|&i| tokens[i] == eod) {
+        lengths.push((i + 1 - start) as i64);
+        start = i + 1;
+    }
+    if start < tokens.len() {
+        lengths.push((tokens.len() - start) as i64);
+    }
+    lengths
 }
 
 #[cfg(test)]
@@ -123,6 +145,31 @@ mod tests {
         assert_eq!(row(1), [false, false, true, true]);
         assert_eq!(row(2), [true, true, false, true]);
         assert_eq!(row(3), [true, true, false, false]);
+        assert_eq!(sample.document_lengths, Some(vec![2, 2]));
+    }
+
+    #[test]
+    fn document_lengths_agree_with_the_dense_mask() {
+        let text = [EOD, 1, 2, EOD, EOD, 3, 4, 5, EOD, 6, 7];
+        let sample = GptSample::from_text(&text, true, &options(false, true, false));
+        let lengths = sample.document_lengths.clone().unwrap();
+        assert_eq!(lengths, [1, 3, 1, 4, 1]);
+        let mask = sample.attention_mask.unwrap();
+        let s = sample.tokens.len();
+        let mut document_of = Vec::new();
+        for (document, &n) in lengths.iter().enumerate() {
+            document_of.extend(std::iter::repeat_n(document, n as usize));
+        }
+        for row in 0..s {
+            for column in 0..s {
+                let visible = column <= row && document_of[row] == document_of[column];
+                assert_eq!(
+                    !mask[row * s + column],
+                    visible,
+                    "row {row}, column {column}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -198,12 +198,18 @@ impl TokenizerIdentity {
                     &python_str_list_repr(&sentinels),
                 )
             }
-            (TokenizerType::HuggingFaceTokenizer, TokenizerGeneration::Legacy) => legacy(
+            (
+                TokenizerType::HuggingFaceTokenizer | TokenizerType::SftTokenizer,
+                TokenizerGeneration::Legacy,
+            ) => legacy(
                 "_HuggingFaceTokenizer",
                 vec![PyJson::str(needs(&model, "--tokenizer-model")?)],
                 vec![],
             ),
-            (TokenizerType::HuggingFaceTokenizer, TokenizerGeneration::Current) => {
+            (
+                TokenizerType::HuggingFaceTokenizer | TokenizerType::SftTokenizer,
+                TokenizerGeneration::Current,
+            ) => {
                 let mut options = vec![
                     ("chat_template", PyJson::str("None")),
                     ("vocab_file", str_or_none(vocab_file.as_deref())),

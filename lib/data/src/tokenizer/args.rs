@@ -8,8 +8,9 @@ use super::{TikTokenOptions, TokenizerConfig, TokenizerType};
 
 /// The tokenizer types that read `--tokenizer-model`: a command line naming one without it is
 /// a usage error.
-const MODEL_FILE_TYPES: [&str; 5] = [
+const MODEL_FILE_TYPES: [&str; 6] = [
     "HuggingFaceTokenizer",
+    "SFTTokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
@@ -19,8 +20,8 @@ const MODEL_FILE_TYPES: [&str; 5] = [
 #[derive(Debug, Clone, Args, serde::Serialize)]
 pub struct TokenizerArgs {
     /// GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer,
-    /// SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or
-    /// NullTokenizer.
+    /// SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer,
+    /// NullTokenizer or SFTTokenizer (a HuggingFace tokenizer for --sft).
     #[arg(
         long,
         default_value = "GPT2BPETokenizer",

@@ -17,10 +17,13 @@ pub enum TokenizerType {
     GptSentencePieceTokenizer,
     Llama2Tokenizer,
     TikTokenizer,
+    /// Megatron's `SFTTokenizer`: a HuggingFace tokenizer for `--sft`, encoding without the
+    /// model's automatic special tokens (the prompt format places them).
+    SftTokenizer,
 }
 
 impl TokenizerType {
-    pub const NAMES: [&'static str; 9] = [
+    pub const NAMES: [&'static str; 10] = [
         "GPT2BPETokenizer",
         "BertWordPieceLowerCase",
         "BertWordPieceCase",
@@ -30,6 +33,7 @@ impl TokenizerType {
         "GPTSentencePieceTokenizer",
         "Llama2Tokenizer",
         "TikTokenizer",
+        "SFTTokenizer",
     ];
 
     pub fn name(self) -> &'static str {
@@ -60,6 +64,7 @@ impl std::str::FromStr for TokenizerType {
             GptSentencePieceTokenizer,
             Llama2Tokenizer,
             TikTokenizer,
+            SftTokenizer,
         ];
         all.into_iter().find(|t| t.name() == s).ok_or_else(|| {
             format!(
@@ -120,6 +125,10 @@ pub fn build_tokenizer(config: &TokenizerConfig) -> Result<Box<dyn Tokenizer>, T
         TokenizerType::HuggingFaceTokenizer => Box::new(HuggingFace::from_path(
             &required(&config.tokenizer_model, "--tokenizer-model", kind)?,
             true,
+        )?),
+        TokenizerType::SftTokenizer => Box::new(HuggingFace::from_path(
+            &required(&config.tokenizer_model, "--tokenizer-model", kind)?,
+            false,
         )?),
         TokenizerType::NullTokenizer => {
             Box::new(NullTokenizer::new(config.vocab_size.ok_or_else(|| {

@@ -232,6 +232,36 @@ extern "C" {
         out: *mut TensorHandle,
         preactivation_out: *mut TensorHandle,
     ) -> *mut c_char;
+    pub fn mrs_flash_varlen_forward(
+        query: TensorHandle,
+        key: TensorHandle,
+        value: TensorHandle,
+        cu_seqlens: TensorHandle,
+        max_seqlen: i64,
+        dropout: f64,
+        causal: c_int,
+        out: *mut TensorHandle,
+        logsumexp_out: *mut TensorHandle,
+        rng_state_out: *mut TensorHandle,
+        unused_out: *mut TensorHandle,
+    ) -> *mut c_char;
+    pub fn mrs_flash_varlen_backward(
+        grad_out: TensorHandle,
+        query: TensorHandle,
+        key: TensorHandle,
+        value: TensorHandle,
+        out: TensorHandle,
+        logsumexp: TensorHandle,
+        cu_seqlens: TensorHandle,
+        max_seqlen: i64,
+        dropout: f64,
+        causal: c_int,
+        rng_state: TensorHandle,
+        unused: TensorHandle,
+        grad_query: *mut TensorHandle,
+        grad_key: *mut TensorHandle,
+        grad_value: *mut TensorHandle,
+    ) -> *mut c_char;
 }
 
 /// A borrowed tch tensor as a shim handle (the shim copies it by reference count).

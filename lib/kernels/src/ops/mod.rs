@@ -142,6 +142,7 @@ pub mod bias_grad;
 pub mod decode_attention;
 pub mod decode_embedding;
 pub mod decode_gemv;
+pub mod flash_varlen;
 pub mod fp8_cast;
 pub mod gemm_epilogue;
 pub mod multi_tensor;

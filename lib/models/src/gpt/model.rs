@@ -201,6 +201,8 @@ impl GptModel {
             AttentionMask::ContextParallel(context) => {
                 r.tables_at(&context.positions(sequence, hidden.device()))
             }
+            // Packed documents each start their rotary positions at 0.
+            AttentionMask::Packed(packed) => r.tables_per_row(&packed.positions),
             _ => r.tables(0, sequence, hidden.device()),
         });
         let hidden = self.stack().forward(hidden, mask, rotary.as_ref(), train)?;

@@ -7,6 +7,7 @@ use tch::Tensor;
 use super::context_parallel::ContextParallel;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::packed::PackedSequences;
 use super::qkv_projection::{self, QkvLayout};
 use super::rope::RotaryTables;
 use super::{NamedTensors, TensorParallel};
@@ -25,9 +26,11 @@ use megatron_kernels::rng::with_model_parallel_rng;
 pub enum AttentionMask {
     /// Lower-triangular: the common case, served by the fused causal kernels.
     Causal,
-    /// `[b or 1, 1, s, s]` booleans, `true` = masked out (Megatron's convention), e.g. with
-    /// `--reset-attention-mask`.
+    /// `[b or 1, 1, s, s]` booleans, `true` = masked out (Megatron's convention).
     Explicit(Tensor),
+    /// Causal within each document of packed sequences (`--reset-attention-mask`), from the
+    /// documents' offsets.
+    Packed(PackedSequences),
     /// Bidirectional attention to every real token: `[b, 1, 1, s]` booleans, `true` = the key
     /// may be attended to. Megatron also masks the query rows of padding positions; their
     /// outputs never reach a loss, and masking only keys keeps those rows finite.
@@ -50,6 +53,7 @@ impl Clone for AttentionMask {
         match self {
             AttentionMask::Causal => AttentionMask::Causal,
             AttentionMask::Explicit(mask) => AttentionMask::Explicit(mask.shallow_clone()),
+            AttentionMask::Packed(packed) => AttentionMask::Packed(packed.clone()),
             AttentionMask::Padding(keep) => AttentionMask::Padding(keep.shallow_clone()),
             AttentionMask::ContextParallel(group) => AttentionMask::ContextParallel(group.clone()),
         }
@@ -494,6 +498,7 @@ fn core_attention(
 ) -> Result<Tensor> {
     let attend = || match mask {
         AttentionMask::ContextParallel(context) => context.attend(query, key, value, dropout),
+        AttentionMask::Packed(packed) => packed.attend(query, key, value, dropout),
         _ => Ok(sdpa(query, key, value, mask, dropout)),
     };
     if fork_rng {
@@ -537,8 +542,8 @@ fn sdpa(
             None,
             false,
         ),
-        AttentionMask::ContextParallel(_) => {
-            unreachable!("core_attention hands context-parallel attention to its group")
+        AttentionMask::ContextParallel(_) | AttentionMask::Packed(_) => {
+            unreachable!("core_attention hands these to their own attention")
         }
     }
 }

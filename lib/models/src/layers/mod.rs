@@ -12,6 +12,7 @@ pub(crate) mod main_grad_linear;
 mod mlp;
 pub mod moe;
 mod norm;
+mod packed;
 mod qkv_projection;
 mod rope;
 mod transformer_layer;
@@ -25,6 +26,7 @@ pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::Mlp;
 pub use moe::MoeLayer;
 pub use norm::Norm;
+pub use packed::PackedSequences;
 pub use rope::{RotaryEmbedding, RotaryTables};
 pub use transformer_layer::{
     enable_planned_fp8, scoped_expert_biases, scoped_fp8_linears, FeedForward, Memory, Residual,

@@ -44,6 +44,7 @@ impl GptFamily {
             loss_mask: keep(&batch.loss_mask)?,
             position_ids: keep(&batch.position_ids)?,
             attention_mask: None,
+            packed: None,
         };
         Ok((local, AttentionMask::ContextParallel(context.clone())))
     }
