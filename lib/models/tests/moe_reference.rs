@@ -70,6 +70,7 @@ fn moe(topk: i64) -> MoeConfig {
         aux_loss_coeff: 0.01,
         z_loss_coeff: None,
         shared_expert_intermediate_size: None,
+        shared_expert_gate: false,
         token_dispatcher: TokenDispatcher::Allgather,
     }
 }

@@ -26,6 +26,10 @@ pub struct MoeArgs {
     /// Hidden size of the shared expert every token also passes through [default: none].
     #[arg(long)]
     pub moe_shared_expert_intermediate_size: Option<i64>,
+    /// Scales the shared expert's output per token by a sigmoid gate of the token
+    /// (`mlp.shared_experts.gate_weight`, Qwen2-MoE's shared_expert_gate).
+    #[arg(long)]
+    pub moe_shared_expert_gate: bool,
     /// Number of experts each token is routed to.
     #[arg(long, default_value_t = 2)]
     pub moe_router_topk: i64,
@@ -199,6 +203,7 @@ impl MoeArgs {
             aux_loss_coeff: self.moe_aux_loss_coeff,
             z_loss_coeff: self.moe_z_loss_coeff,
             shared_expert_intermediate_size: self.moe_shared_expert_intermediate_size,
+            shared_expert_gate: self.moe_shared_expert_gate,
             token_dispatcher: match self.moe_token_dispatcher_type.as_str() {
                 "alltoall" => TokenDispatcher::Alltoall,
                 _ => TokenDispatcher::Allgather,
@@ -296,6 +301,7 @@ mod tests {
                 aux_loss_coeff: 0.0,
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: None,
+                shared_expert_gate: false,
                 token_dispatcher: TokenDispatcher::Allgather,
             }
         );

@@ -65,6 +65,10 @@ pub struct MoeConfig {
     pub z_loss_coeff: Option<f64>,
     /// The hidden size of the shared expert every token also passes through.
     pub shared_expert_intermediate_size: Option<i64>,
+    /// `--moe-shared-expert-gate`: the shared expert's output scaled per token by a sigmoid
+    /// gate (Qwen2-MoE); absent in metadata written before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared_expert_gate: bool,
     /// How tokens travel, not what the model is: left out of the architecture a checkpoint
     /// records.
     #[serde(skip)]
@@ -111,6 +115,10 @@ impl MoeConfig {
                 "--moe-shared-expert-intermediate-size must be positive (got {size})"
             );
         }
+        ensure!(
+            !self.shared_expert_gate || self.shared_expert_intermediate_size.is_some(),
+            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"
+        );
         ensure!(
             self.aux_loss_coeff >= 0.0,
             "--moe-aux-loss-coeff must not be negative (got {})",
