@@ -2231,12 +2231,9 @@ fn hf_model(kind: &str, dir: &Path) {
 /// tokens, from the model in `dir`; and the model's class.
 fn hf_greedy(dir: &Path, new: usize, prompts: &[Vec<i64>]) -> (String, Vec<Vec<i64>>) {
     let python = test_python(&["torch", "transformers"]);
-    let prompts = prompts.iter().map(|p| {
-        p.iter()
-            .map(i64::to_string)
-            .collect::<Vec<_>>()
-            .join(",")
-    });
+    let prompts = prompts
+        .iter()
+        .map(|p| p.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
     let out = run_ok(
         Command::new(python)
             .arg(workspace_root().join("tests/fixtures/hf_greedy.py"))

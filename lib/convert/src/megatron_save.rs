@@ -204,7 +204,10 @@ fn moe_args(state: &ModelState, expert_parallel: usize) -> Vec<(String, Saved)> 
             "moe_shared_expert_intermediate_size",
             optional(moe.shared_expert_intermediate_size),
         ),
-        ("moe_shared_expert_gate", Value::Bool(moe.shared_expert_gate)),
+        (
+            "moe_shared_expert_gate",
+            Value::Bool(moe.shared_expert_gate),
+        ),
         ("moe_router_pre_softmax", Value::Bool(moe.pre_softmax)),
         (
             "expert_model_parallel_size",
@@ -383,7 +386,10 @@ fn moe_entries(
         // state dict.
         let gate = format!("decoder.layers.{global}.{model}.gate_weight");
         if has(&gate) {
-            push(format!("decoder.layers.{local}.{file}.gate_weight"), Some(gate));
+            push(
+                format!("decoder.layers.{local}.{file}.gate_weight"),
+                Some(gate),
+            );
         }
         let mut present = false;
         for linear in ["linear_fc1", "linear_fc2"] {

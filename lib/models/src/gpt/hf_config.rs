@@ -333,10 +333,12 @@ impl LlamaFamily {
     /// Routed expert `e`'s gate, up and down projections, under the layer's name.
     pub fn expert(self, e: i64) -> [String; 3] {
         match self {
-            LlamaFamily::Mixtral => ["w1", "w3", "w2"]
-                .map(|w| format!("block_sparse_moe.experts.{e}.{w}.weight")),
-            _ => ["gate_proj", "up_proj", "down_proj"]
-                .map(|p| format!("mlp.experts.{e}.{p}.weight")),
+            LlamaFamily::Mixtral => {
+                ["w1", "w3", "w2"].map(|w| format!("block_sparse_moe.experts.{e}.{w}.weight"))
+            }
+            _ => {
+                ["gate_proj", "up_proj", "down_proj"].map(|p| format!("mlp.experts.{e}.{p}.weight"))
+            }
         }
     }
 }
@@ -376,13 +378,18 @@ fn hf_moe(hf: &Json, family: LlamaFamily, num_layers: usize) -> Result<Option<Mo
     let qwen = family != LlamaFamily::Mixtral;
     let (ffn_hidden_size, layer_pattern, pre_softmax) = if qwen {
         let step = hf["decoder_sparse_step"].as_i64().unwrap_or(1);
-        ensure!(step > 0, "config.json: decoder_sparse_step {step} must be positive");
+        ensure!(
+            step > 0,
+            "config.json: decoder_sparse_step {step} must be positive"
+        );
         let dense: Vec<i64> = match &hf["mlp_only_layers"] {
             Json::Null => Vec::new(),
             list => list
                 .as_array()
                 .and_then(|l| l.iter().map(Json::as_i64).collect())
-                .with_context(|| format!("config.json: mlp_only_layers {list} is not a list of layer numbers"))?,
+                .with_context(|| {
+                    format!("config.json: mlp_only_layers {list} is not a list of layer numbers")
+                })?,
         };
         let pattern = (0..num_layers as i64)
             .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
@@ -390,7 +397,11 @@ fn hf_moe(hf: &Json, family: LlamaFamily, num_layers: usize) -> Result<Option<Mo
         let normalised = hf["norm_topk_prob"].as_bool().unwrap_or(false);
         (positive(hf, "moe_intermediate_size")?, pattern, !normalised)
     } else {
-        (positive(hf, "intermediate_size")?, vec![true; num_layers], false)
+        (
+            positive(hf, "intermediate_size")?,
+            vec![true; num_layers],
+            false,
+        )
     };
     let shared_expert_intermediate_size = match family {
         LlamaFamily::Qwen2Moe => Some(positive(hf, "shared_expert_intermediate_size")?),
