@@ -471,6 +471,8 @@ fn llama_model_evaluates_as_transformers(flags: &[&str]) -> (Value, Value) {
 #[test]
 fn a_qwen2_moe_model_from_pretrain_gpt_evaluates_as_transformers() {
     let (metadata, exported) = llama_model_evaluates_as_transformers(&[
+        "--position-embedding-type",
+        "rope",
         "--num-experts",
         "4",
         "--moe-router-topk",
@@ -499,6 +501,8 @@ fn a_qwen2_moe_model_from_pretrain_gpt_evaluates_as_transformers() {
 #[test]
 fn a_qwen3_moe_model_from_pretrain_gpt_evaluates_as_transformers() {
     let (metadata, exported) = llama_model_evaluates_as_transformers(&[
+        "--position-embedding-type",
+        "rope",
         "--qk-layernorm",
         "--num-experts",
         "4",
