@@ -1,9 +1,11 @@
 """HuggingFace reference for checkpoint_convert's tests.
 
     hf_reference.py make KIND DIR [--bin]   a tiny random model, save_pretrained(DIR); KIND is gpt2,
-                                            llama, qwen2, mixtral or a scaled-RoPE Llama: llama3, linear,
-                                            yarn, yarn_mscale
+                                            llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe or a
+                                            scaled-RoPE Llama: llama3, linear, yarn, yarn_mscale
     hf_reference.py logits DIR IDS                       from_pretrained(DIR) logits for IDS ("1,2,3;4,5,6")
+    hf_reference.py differences DIR DIR                  the tensors of two safetensors models that are not
+                                                         identical (JSON: {"tensors": n, "differences": [...]})
 
 `logits` prints JSON: {"missing": [...], "unexpected": [...], "logits": [[[...]]], "tokenizer": class or null
 (null also where AutoTokenizer cannot load the files: the reason goes to stderr)}.
@@ -66,6 +68,33 @@ def make(kind, directory, as_bin):
                                             max_position_embeddings=64, rope_theta=1000000.0, rms_norm_eps=1e-5,
                                             initializer_range=0.1, tie_word_embeddings=False)
         model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen3":
+        # Per-head query and key norms; a head width other than hidden / heads.
+        config = transformers.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=96,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=24, max_position_embeddings=64, rope_theta=1000000.0,
+                                          rms_norm_eps=1e-6, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(config)
+    elif kind == "qwen2_moe":
+        # A gated shared expert, experts narrower than the dense layer between them (layer 1),
+        # top-2 of the softmax over all four experts, not renormalised (norm_topk_prob false).
+        config = transformers.Qwen2MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=96,
+                                             moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                             decoder_sparse_step=1, mlp_only_layers=[1],
+                                             max_position_embeddings=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                             initializer_range=0.1, tie_word_embeddings=False)
+        model = transformers.Qwen2MoeForCausalLM(config)
+    elif kind == "qwen3_moe":
+        # Per-head query and key norms, top-2 renormalised over the two (norm_topk_prob).
+        config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=96,
+                                             moe_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=24, num_experts=4,
+                                             num_experts_per_tok=2, norm_topk_prob=True,
+                                             max_position_embeddings=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                             initializer_range=0.1, tie_word_embeddings=False)
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         raise SystemExit(f"unknown kind {kind}")
     # Random norms and biases too, so a dropped or misplaced one shows in the logits.
@@ -95,8 +124,31 @@ def logits(directory, ids):
                "logits": out.tolist(), "tokenizer": tokenizer}, sys.stdout)
 
 
+def differences(first, second):
+    """The tensors of two safetensors model directories that are not identical: names in one
+    only, and names whose shapes or values differ."""
+    from safetensors.torch import load_file
+
+    def tensors(directory):
+        out = {}
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(directory, name)))
+        return out
+
+    a, b = tensors(first), tensors(second)
+    found = [f"only in {first}: {n}" for n in sorted(a.keys() - b.keys())]
+    found += [f"only in {second}: {n}" for n in sorted(b.keys() - a.keys())]
+    for name in sorted(a.keys() & b.keys()):
+        if a[name].shape != b[name].shape or a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name]):
+            found.append(f"{name} differs")
+    json.dump({"tensors": len(a), "differences": found}, sys.stdout)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2], sys.argv[3], "--bin" in sys.argv[4:])
+    elif sys.argv[1] == "differences":
+        differences(sys.argv[2], sys.argv[3])
     else:
         logits(sys.argv[2], sys.argv[3])

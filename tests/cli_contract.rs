@@ -337,7 +337,6 @@ const FOREIGN_FLAGS: &[&str] = &[
     "--std",
     // Megatron's, named where its checkpoints are read.
     "--no-save-model",
-    "--qk-layernorm",
     "--ckpt-fully-parallel-save",
 ];
 

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
 use megatron_e2e::{bin, run_job, run_ok, shared_dir, test_python, workspace_root};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const PASSAGES: usize = 24;
 
@@ -341,6 +341,18 @@ fn a_huggingface_checkpoint_evaluates_like_its_import() {
 /// carries the scaling, tagged `rope_type`) gives transformers' WikiText numbers on its HF
 /// export (`checkpoint_convert --saver hf`).
 fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str) {
+    let (metadata, _) = llama_model_evaluates_as_transformers(scaling);
+    assert_eq!(
+        metadata["model"]["rope_scaling"]["rope_type"], rope_type,
+        "{metadata}"
+    );
+}
+
+/// A Llama-shaped GPT with the extra pretraining flags `flags`, trained by `pretrain_gpt` on
+/// the fixture's passages, 64 positions: `eval_tasks` on the saved checkpoint gives
+/// transformers' WikiText numbers on its HF export (`checkpoint_convert --saver hf`). Returns
+/// the checkpoint's metadata and the export's `config.json`.
+fn llama_model_evaluates_as_transformers(flags: &[&str]) -> (Value, Value) {
     let fixture = fixture();
     let dir = tempfile::tempdir().unwrap();
     let (checkpoint, hf) = (dir.path().join("ckpt"), dir.path().join("hf"));
@@ -394,7 +406,7 @@ fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str
                 "--make-vocab-size-divisible-by",
                 "1",
             ])
-            .args(scaling)
+            .args(flags)
             .arg("--data-path")
             .arg(&data)
             .arg("--save")
@@ -402,10 +414,6 @@ fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str
             .args(tokenizer_flags()),
     );
     let metadata = read_json(&checkpoint.join("iter_0000010/metadata.json"));
-    assert_eq!(
-        metadata["model"]["rope_scaling"]["rope_type"], rope_type,
-        "{metadata}"
-    );
     run_ok(
         bin("checkpoint_convert")
             .args([
@@ -441,6 +449,57 @@ fn scaled_rope_model_evaluates_as_transformers(scaling: &[&str], rope_type: &str
     for key in ["loss_sum", "avg_loss", "ppl"] {
         assert_close(&ours, &expected, key);
     }
+    (metadata, read_json(&hf.join("config.json")))
+}
+
+/// Qwen2-MoE-shaped: MoE layers (4 experts, top-2 of the softmax over all, not renormalised,
+/// with a load-balancing loss) around a dense one, a shared expert with its sigmoid gate, QKV
+/// biases: trained, evaluated and exported as `Qwen2MoeForCausalLM`.
+#[test]
+fn a_qwen2_moe_model_from_pretrain_gpt_evaluates_as_transformers() {
+    let (metadata, exported) = llama_model_evaluates_as_transformers(&[
+        "--position-embedding-type",
+        "rope",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        "48",
+        "--moe-layer-freq",
+        "[1,0]",
+        "--moe-shared-expert-intermediate-size",
+        "80",
+        "--moe-shared-expert-gate",
+        "--moe-router-pre-softmax",
+        "--moe-aux-loss-coeff",
+        "1e-2",
+        "--add-qkv-bias",
+    ]);
+    assert_eq!(exported["architectures"], json!(["Qwen2MoeForCausalLM"]));
+    assert_eq!(exported["mlp_only_layers"], json!([1]));
+    let moe = &metadata["model"]["moe"];
+    assert_eq!(moe["shared_expert_gate"], true, "{metadata}");
+    assert_eq!(moe["layer_pattern"], json!([true, false]), "{metadata}");
+}
+
+/// Qwen3-MoE-shaped: per-head query and key norms (`--qk-layernorm`), every layer an MoE of
+/// 4 experts, top-2: trained, evaluated and exported as `Qwen3MoeForCausalLM`.
+#[test]
+fn a_qwen3_moe_model_from_pretrain_gpt_evaluates_as_transformers() {
+    let (metadata, exported) = llama_model_evaluates_as_transformers(&[
+        "--position-embedding-type",
+        "rope",
+        "--qk-layernorm",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-ffn-hidden-size",
+        "48",
+    ]);
+    assert_eq!(exported["architectures"], json!(["Qwen3MoeForCausalLM"]));
+    assert_eq!(metadata["model"]["qk_layernorm"], true, "{metadata}");
 }
 
 #[test]

@@ -2215,3 +2215,118 @@ fn openai_client_reads_streamed_alternatives() {
     }
     terminate(server.child);
 }
+
+/// A tiny random HuggingFace model of `kind` (scripts/hf_reference.py) in `dir`.
+fn hf_model(kind: &str, dir: &Path) {
+    let python = test_python(&["torch", "transformers"]);
+    run_ok(
+        Command::new(python)
+            .arg(workspace_root().join("scripts/hf_reference.py"))
+            .args(["make", kind])
+            .arg(dir),
+    );
+}
+
+/// transformers' greedy continuation (`generate(do_sample=False)`) of each prompt, `new`
+/// tokens, from the model in `dir`; and the model's class.
+fn hf_greedy(dir: &Path, new: usize, prompts: &[Vec<i64>]) -> (String, Vec<Vec<i64>>) {
+    let python = test_python(&["torch", "transformers"]);
+    let prompts = prompts
+        .iter()
+        .map(|p| p.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
+    let out = run_ok(
+        Command::new(python)
+            .arg(workspace_root().join("tests/fixtures/hf_greedy.py"))
+            .arg(dir)
+            .arg(new.to_string())
+            .args(prompts),
+    );
+    let reply: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids = |list: &Value| -> Vec<i64> {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_i64().unwrap())
+            .collect()
+    };
+    let generated = reply["generated"].as_array().unwrap().iter().map(ids);
+    (
+        reply["architecture"].as_str().unwrap().to_string(),
+        generated.collect(),
+    )
+}
+
+/// Mixture-of-Experts models are served as transformers runs them: tiny random Mixtral,
+/// Qwen2-MoE (gated shared expert, a dense layer between sparse ones, QKV biases) and Qwen3-MoE
+/// (per-head query and key norms) given to `--load-hf`, and the Qwen2-MoE also imported by
+/// `checkpoint_convert` and given to `--load`, answer concurrent greedy requests (continuous
+/// batching over the paged KV cache: decode steps of one token per sequence, in which most
+/// experts receive no token) with transformers' `generate(do_sample=False)` tokens, in float32
+/// on the CPU. With the NullTokenizer the texts are the ids; its end-of-document id (999) is
+/// the models' last row, where a generation may stop early.
+#[test]
+fn moe_models_serve_greedy_like_transformers() {
+    const NEW: usize = 10;
+    let prompts: Vec<Vec<i64>> = vec![
+        vec![5, 17, 300, 42],
+        vec![1, 2],
+        vec![900, 800, 7, 7, 7, 7, 7, 7, 7],
+        vec![123],
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    for (kind, architecture) in [
+        ("mixtral", "MixtralForCausalLM"),
+        ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    ] {
+        let hf = dir.path().join(kind);
+        hf_model(kind, &hf);
+        let (class, expected) = hf_greedy(&hf, NEW, &prompts);
+        assert_eq!(class, architecture);
+        let mut sources = vec![vec!["--load-hf".to_string(), hf.display().to_string()]];
+        if kind == "qwen2_moe" {
+            let imported = dir.path().join("imported");
+            run_ok(
+                bin("checkpoint_convert")
+                    .args(["--model-type", "GPT", "--loader", "hf"])
+                    .args(["--saver", "megatron-rs", "--load-dir"])
+                    .arg(&hf)
+                    .arg("--save-dir")
+                    .arg(&imported),
+            );
+            sources.push(vec!["--load".into(), imported.display().to_string()]);
+        }
+        for source in sources {
+            let mut command = bin("text_generation_server");
+            command
+                .args(&source)
+                .args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "999"])
+                .args(["--port", "0", "--device", "cpu"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit());
+            let server = serve(command.spawn().unwrap());
+            let bodies: Vec<String> = prompts
+                .iter()
+                .map(|prompt| {
+                    let text: Vec<String> = prompt.iter().map(i64::to_string).collect();
+                    json!({"prompts": [text.join(" ")], "tokens_to_generate": NEW, "top_k": 1})
+                        .to_string()
+                })
+                .collect();
+            let answers = all_at_once(&server, &bodies);
+            terminate(server.child);
+            for ((answer, prompt), want) in answers.iter().zip(&prompts).zip(&expected) {
+                let text = answer["text"][0].as_str().unwrap();
+                let ids: Vec<i64> = text.split(' ').map(|t| t.parse().unwrap()).collect();
+                let got = &ids[prompt.len()..];
+                let what = format!("{kind} from {source:?}, prompt {prompt:?}");
+                assert_eq!(&ids[..prompt.len()], prompt.as_slice(), "{what}");
+                assert!(
+                    got.len() == NEW || got.last() == Some(&999),
+                    "{what}: {got:?}"
+                );
+                assert_eq!(got, &want[..got.len()], "{what}: transformers {want:?}");
+            }
+        }
+    }
+}

@@ -1,7 +1,9 @@
 //! HuggingFace checkpoints in and out: `GPT2LMHeadModel` and the Llama family
-//! (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`: GQA, untied output,
-//! `rope_theta`, qkv bias; `MixtralForCausalLM`'s experts), from `*.safetensors` or `pytorch_model*.bin`, and back as
-//! safetensors with a `config.json` that `transformers` loads without edits.
+//! (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`: GQA,
+//! untied output, `rope_theta`, qkv bias, per-head q/k norms; the experts of
+//! `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM`), from
+//! `*.safetensors` or `pytorch_model*.bin`, and back as safetensors with a `config.json` that
+//! `transformers` loads without edits.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -17,9 +19,10 @@ use super::progress::report_written;
 use super::sizes::{check_layers, layers_found};
 use super::state::{ModelState, RunState, Tensors};
 use megatron_models::gpt::hf::{gpt2_recipes, llama_recipes};
-use megatron_models::gpt::hf_config::{config_from_hf, rope_to_hf};
+use megatron_models::gpt::hf_config::{
+    config_from_hf, moe_to_hf, rope_to_hf, LlamaFamily, SHARED_EXPERT, SHARED_EXPERT_GATE,
+};
 use megatron_models::hf::Recipe;
-use megatron_models::layers::moe::config::{MoeConfig, ScoreFunction};
 use megatron_models::{Activation, Normalization, PositionEmbeddingType};
 use megatron_store::{write_tensors_streamed, TensorEntry};
 
@@ -160,7 +163,7 @@ pub fn load_hf(
                 directory.display()
             );
         }
-        imported(llama_recipes(&config), &tensors)
+        imported(llama_recipes(&config)?, &tensors)
     }
     .with_context(|| directory.display().to_string())?;
     let params_dtype = match dtype {
@@ -407,6 +410,15 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
                 "{}: only Llama-shaped models (no linear biases, full rotary) export as Llama/Qwen2",
                 state.source
             );
+            let family = LlamaFamily::of(config).with_context(|| state.source.clone())?;
+            // transformers' attention_bias also gives o_proj a bias, which ours have not.
+            ensure!(
+                !config.add_qkv_bias
+                    || matches!(family, LlamaFamily::Qwen2 | LlamaFamily::Qwen2Moe),
+                "{}: QKV biases export as Qwen2 or Qwen2-MoE only ({} has none)",
+                state.source,
+                family.architecture()
+            );
             out.vocabulary(
                 "model.embed_tokens.weight",
                 "embedding.word_embeddings.weight",
@@ -443,44 +455,48 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
                     &t("self_attn.o_proj.weight"),
                     &m("self_attention.linear_proj.weight"),
                 )?;
+                if config.qk_layernorm {
+                    for (norm, hf_norm) in [("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")] {
+                        out.copy(
+                            &t(&format!("self_attn.{hf_norm}.weight")),
+                            &m(&format!("self_attention.{norm}.weight")),
+                        )?;
+                    }
+                }
+                // (our module, HF's gate, up and down projections, width) of each MLP.
                 let mut mlps = vec![(
-                    "mlp.gate_proj",
-                    "mlp.up_proj",
-                    "mlp.down_proj",
                     "mlp".to_string(),
+                    ["gate_proj", "up_proj", "down_proj"].map(|p| format!("mlp.{p}.weight")),
                     config.ffn_hidden_size,
                 )];
-                if let Some(moe) = &config.moe {
-                    // Mixtral's sparse MLP: w1 the gate, w3 the up projection, w2 the down one.
-                    out.copy(&t("block_sparse_moe.gate.weight"), &m("mlp.router.weight"))?;
+                if let Some(moe) = config.moe.as_ref().filter(|moe| moe.is_moe_layer(i)) {
+                    out.copy(&t(family.router()), &m("mlp.router.weight"))?;
                     mlps = (0..moe.num_experts)
                         .map(|e| {
-                            (
-                                "w1",
-                                "w3",
-                                "w2",
-                                format!("mlp.experts.local_experts.{e}"),
-                                moe.ffn_hidden_size,
-                            )
+                            let ours = format!("mlp.experts.local_experts.{e}");
+                            (ours, family.expert(e), moe.ffn_hidden_size)
                         })
                         .collect();
+                    if let Some(size) = moe.shared_expert_intermediate_size {
+                        mlps.push((
+                            "mlp.shared_experts".to_string(),
+                            SHARED_EXPERT.map(str::to_string),
+                            size,
+                        ));
+                    }
+                    if moe.shared_expert_gate {
+                        out.copy(&t(SHARED_EXPERT_GATE), &m("mlp.shared_experts.gate_weight"))?;
+                    }
                 }
-                for (gate, up, down, ours, ffn) in mlps {
-                    let theirs = |proj: &str| match config.moe {
-                        Some(_) => {
-                            let e = ours.rsplit('.').next().unwrap_or_default();
-                            t(&format!("block_sparse_moe.experts.{e}.{proj}.weight"))
-                        }
-                        None => t(&format!("{proj}.weight")),
-                    };
+                for (ours, [gate, up, down], ffn) in mlps {
                     for (half, proj) in [gate, up].into_iter().enumerate() {
                         out.rows(
-                            theirs(proj),
+                            t(&proj),
                             &m(&format!("{ours}.linear_fc1.weight")),
                             &[(half as i64 * ffn, ffn)],
                         )?;
                     }
-                    out.copy(&theirs(down), &m(&format!("{ours}.linear_fc2.weight")))?;
+                    out.copy(&t(&down), &m(&format!("{ours}.linear_fc2.weight")))?;
                 }
             }
             out.copy("model.norm.weight", "decoder.final_layernorm.weight")?;
@@ -488,17 +504,9 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
             if !tied {
                 out.vocabulary("lm_head.weight", "output_layer.weight", vocab)?;
             }
-            let (architecture, model_type) = match (&config.moe, config.add_qkv_bias) {
-                (Some(moe), _) => {
-                    mixtral_shaped(state, moe)?;
-                    ("MixtralForCausalLM", "mixtral")
-                }
-                (None, true) => ("Qwen2ForCausalLM", "qwen2"),
-                (None, false) => ("LlamaForCausalLM", "llama"),
-            };
             let mut hf = json!({
-                "architectures": [architecture],
-                "model_type": model_type,
+                "architectures": [family.architecture()],
+                "model_type": family.model_type(),
                 "vocab_size": vocab,
                 "hidden_size": h,
                 "intermediate_size": config.ffn_hidden_size,
@@ -516,15 +524,16 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
             });
             rope_to_hf(config, &mut hf);
             if let Some(moe) = &config.moe {
-                hf["intermediate_size"] = json!(moe.ffn_hidden_size);
-                hf["num_local_experts"] = json!(moe.num_experts);
-                hf["num_experts_per_tok"] = json!(moe.topk);
-                hf["router_aux_loss_coef"] = json!(moe.aux_loss_coeff);
-                hf["router_jitter_noise"] = json!(0.0);
+                moe_to_hf(family, moe, &mut hf);
             }
-            if model_type == "llama" {
-                hf["attention_bias"] = json!(false);
-                hf["mlp_bias"] = json!(false);
+            match family {
+                LlamaFamily::Llama => {
+                    hf["attention_bias"] = json!(false);
+                    hf["mlp_bias"] = json!(false);
+                }
+                LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe => hf["attention_bias"] = json!(false),
+                LlamaFamily::Qwen2Moe => hf["qkv_bias"] = json!(config.add_qkv_bias),
+                LlamaFamily::Qwen2 | LlamaFamily::Mixtral => {}
             }
             hf
         }
@@ -560,23 +569,6 @@ pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport
         )?;
     }
     write_tokenizer(tokenizer, directory, config.max_position_embeddings)?;
-    Ok(())
-}
-
-/// Checks that `moe` routes as Mixtral does (every layer sparse, softmax scores renormalised
-/// over the top k, no shared expert, no attention biases), the one MoE family exported so far.
-fn mixtral_shaped(state: &ModelState, moe: &MoeConfig) -> Result<()> {
-    let config = &state.config;
-    ensure!(
-        moe.layer_pattern.iter().all(|&sparse| sparse)
-            && moe.score_function == ScoreFunction::Softmax
-            && !moe.pre_softmax
-            && moe.topk_scaling_factor.is_none()
-            && moe.shared_expert_intermediate_size.is_none()
-            && !config.add_qkv_bias,
-        "{}: only Mixtral-shaped Mixture-of-Experts models (every layer sparse, softmax over the top-k, no shared expert, no QKV bias) export to HuggingFace (MixtralForCausalLM)",
-        state.source
-    );
     Ok(())
 }
 

@@ -126,9 +126,6 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
         .get("normalization")
         .and_then(Value::as_str)
         .unwrap_or("LayerNorm");
-    if flag(args, "qk_layernorm") {
-        bail!("checkpoints with --qk-layernorm are not supported");
-    }
     let rope_scaling = rope_flags(args)
         .scaling(position)
         .context("the checkpoint's args")?;
@@ -177,6 +174,7 @@ pub fn gpt_config(args: &Value, vocab_size: i64) -> Result<TransformerConfig> {
         hidden_dropout: float_or(args, "hidden_dropout", 0.1),
         attention_dropout: float_or(args, "attention_dropout", 0.1),
         init_method_std: float_or(args, "init_method_std", 0.02),
+        qk_layernorm: flag(args, "qk_layernorm"),
         moe: moe_config(args, num_layers, ffn_hidden_size)?,
     })
 }

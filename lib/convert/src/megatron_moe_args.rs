@@ -113,6 +113,10 @@ pub fn moe_config(
         shared_expert_intermediate_size: args
             .get("moe_shared_expert_intermediate_size")
             .and_then(Value::as_i64),
+        shared_expert_gate: args
+            .get("moe_shared_expert_gate")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         token_dispatcher: TokenDispatcher::default(),
         grouped_gemm: false,
         capacity: None,

@@ -133,6 +133,7 @@ pub(super) fn args_namespace(
         ("hidden_dropout", Value::Float(config.hidden_dropout)),
         ("attention_dropout", Value::Float(config.attention_dropout)),
         ("apply_layernorm_1p", Value::Bool(config.apply_layernorm_1p)),
+        ("qk_layernorm", Value::Bool(config.qk_layernorm)),
         (
             "swiglu",
             Value::Bool(config.activation == Activation::Swiglu),
@@ -206,6 +207,11 @@ pub(super) fn moe_args(state: &ModelState, expert_parallel: usize) -> Vec<(Strin
             "moe_shared_expert_intermediate_size",
             optional(moe.shared_expert_intermediate_size),
         ),
+        (
+            "moe_shared_expert_gate",
+            Value::Bool(moe.shared_expert_gate),
+        ),
+        ("moe_router_pre_softmax", Value::Bool(moe.pre_softmax)),
         (
             "expert_model_parallel_size",
             Value::Int(expert_parallel as i64),
@@ -293,10 +299,12 @@ fn rank_chunk_entries(
         }
     }
     for (local, global) in spec.layers.clone().enumerate() {
-        let module_order: [(&str, bool); 6] = [
+        let module_order: [(&str, bool); 8] = [
             ("input_layernorm", false),
             ("self_attention.linear_proj", true),
             ("self_attention.linear_qkv", true),
+            ("self_attention.q_layernorm", false),
+            ("self_attention.k_layernorm", false),
             ("pre_mlp_layernorm", false),
             ("mlp.linear_fc1", true),
             ("mlp.linear_fc2", true),
@@ -377,6 +385,15 @@ fn moe_entries(
             "mlp.shared_experts".to_string(),
         )]);
     for (file, model) in modules {
+        // The gate is the shared expert's own parameter, before its submodules' in Megatron's
+        // state dict.
+        let gate = format!("decoder.layers.{global}.{model}.gate_weight");
+        if has(&gate) {
+            push(
+                format!("decoder.layers.{local}.{file}.gate_weight"),
+                Some(gate),
+            );
+        }
         let mut present = false;
         for linear in ["linear_fc1", "linear_fc2"] {
             for parameter in ["weight", "bias"] {

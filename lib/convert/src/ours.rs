@@ -138,7 +138,12 @@ fn parameter_shape(config: &TransformerConfig, name: &str) -> Result<Vec<i64>> {
         "mlp.linear_fc1.bias" => vec![config.fc1_width()],
         "mlp.linear_fc2.weight" => vec![h, config.ffn_hidden_size],
         "self_attention.linear_proj.bias" | "mlp.linear_fc2.bias" => vec![h],
+        "self_attention.q_layernorm.weight"
+        | "self_attention.q_layernorm.bias"
+        | "self_attention.k_layernorm.weight"
+        | "self_attention.k_layernorm.bias" => vec![config.kv_channels],
         norm if norm.contains("layernorm.") => vec![h],
+        "mlp.shared_experts.gate_weight" => vec![1, h],
         "mlp.router.weight" => vec![moe_of(config, name)?.num_experts, h],
         expert
             if expert.starts_with("mlp.experts.local_experts.")
@@ -973,6 +978,7 @@ mod tests {
         };
         let mixtral = TransformerConfig {
             add_qkv_bias: false,
+            qk_layernorm: true,
             moe: Some(MoeConfig {
                 num_experts: 3,
                 ffn_hidden_size: 40,
@@ -986,6 +992,7 @@ mod tests {
                 aux_loss_coeff: 0.0,
                 z_loss_coeff: None,
                 shared_expert_intermediate_size: Some(24),
+                shared_expert_gate: true,
                 token_dispatcher: Default::default(),
                 grouped_gemm: false,
                 capacity: None,

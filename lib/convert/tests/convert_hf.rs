@@ -89,6 +89,12 @@ fn max_difference(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 fn round_trip(kind: &str, as_bin: bool) {
+    round_trip_checking(kind, as_bin, false);
+}
+
+/// [`round_trip`], and with `identical_tensors` the export's tensors are the source's, bit
+/// for bit, under the same names.
+fn round_trip_checking(kind: &str, as_bin: bool, identical_tensors: bool) {
     let dir = tempfile::tempdir().unwrap();
     let source = dir.path().join("hf");
     let mut make = vec!["make", kind, source.to_str().unwrap()];
@@ -212,6 +218,17 @@ fn round_trip(kind: &str, as_bin: bool) {
         "{kind}: export max |Δ logits| = {difference:e}"
     );
     assert!(max_difference(&exported, &reference) < 1e-4);
+    if identical_tensors {
+        // HF → ours → HF in float32 moves tensors without arithmetic: the same bits come back.
+        let reply: serde_json::Value = serde_json::from_str(&python(&[
+            "differences",
+            source.to_str().unwrap(),
+            export.to_str().unwrap(),
+        ]))
+        .unwrap();
+        assert_eq!(reply["differences"], serde_json::json!([]), "{kind}");
+        assert!(reply["tensors"].as_i64().unwrap() > 0, "{reply}");
+    }
 }
 
 #[test]
@@ -299,7 +316,28 @@ fn qwen2_qkv_bias_tied_round_trip() {
 /// imported weights gives transformers' logits, and so does transformers on the export.
 #[test]
 fn mixtral_experts_round_trip() {
-    round_trip("mixtral", false);
+    round_trip_checking("mixtral", false, true);
+}
+
+/// Qwen3's per-head query and key norms (`--qk-layernorm`) with a head width other than
+/// hidden / heads, through our format at TP=2 (the norms replicated) and back.
+#[test]
+fn qwen3_qk_layernorm_round_trip() {
+    round_trip_checking("qwen3", false, true);
+}
+
+/// Qwen2-MoE: the gated shared expert, experts of `moe_intermediate_size`, a dense layer
+/// between sparse ones (`mlp_only_layers`), top-2 of the softmax over all experts without
+/// renormalisation (`norm_topk_prob` false: `--moe-router-pre-softmax`), QKV biases.
+#[test]
+fn qwen2_moe_shared_expert_round_trip() {
+    round_trip_checking("qwen2_moe", false, true);
+}
+
+/// Qwen3-MoE: per-head query and key norms, top-2 renormalised (`norm_topk_prob`).
+#[test]
+fn qwen3_moe_qk_layernorm_round_trip() {
+    round_trip_checking("qwen3_moe", false, true);
 }
 
 #[test]

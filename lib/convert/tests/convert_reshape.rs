@@ -46,6 +46,7 @@ fn llama_like(tied: bool) -> TransformerConfig {
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         init_method_std: 0.02,
+        qk_layernorm: false,
         moe: None,
     }
 }

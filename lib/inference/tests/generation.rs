@@ -83,6 +83,24 @@ fn llama_like() -> GptModel {
     model(&LLAMA_FLAGS)
 }
 
+/// Llama-like with per-head query and key norms and Mixture-of-Experts layers around a dense
+/// one (4 experts, top-2, a gated shared expert): Qwen-MoE-shaped.
+fn qwen_moe_flags() -> Vec<&'static str> {
+    let moe = [
+        "--qk-layernorm",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--moe-layer-freq",
+        "[1,0,1]",
+        "--moe-shared-expert-intermediate-size",
+        "32",
+        "--moe-shared-expert-gate",
+    ];
+    LLAMA_FLAGS.iter().chain(&moe).copied().collect()
+}
+
 /// Generation with a fresh eager decoder.
 /// Generation draws each request's seed from libtorch's default CPU generator, which the tests
 /// of this binary share across their threads: generating holds this lock, and a test that seeds
@@ -182,7 +200,7 @@ fn check_logprobs(model: &GptModel, out: &Generation) {
 
 #[test]
 fn cached_greedy_equals_full_forward_decoding() {
-    for model in [model(&[]), llama_like()] {
+    for model in [model(&[]), llama_like(), model(&qwen_moe_flags())] {
         let out = generate(
             &model,
             &request(prompts(), 12, Sampling::greedy(), StopCondition::Never),
@@ -410,7 +428,9 @@ fn beam_search_scores_are_normalised_full_forward_logprobs() {
 
 /// Rows at different positions in one paged decode step (what the batcher runs, and what CUDA
 /// graphs replay padded to a bucket), after prompts prefilled in two padded batches of chunks,
-/// give each row's cached-forward logits, on the CPU.
+/// give each row's cached-forward logits, on the CPU; for GPT, Llama-like and Qwen-MoE-shaped
+/// models (per-head query and key norms; the decode steps' experts each run over every row,
+/// the cached forward's only over the tokens routed to them).
 #[test]
 fn paged_steps_of_rows_at_different_positions_equal_the_cached_forward() {
     paged_steps_equal_the_cached_forward(Device::Cpu, 1e-5);
@@ -432,6 +452,7 @@ fn paged_steps_equal_the_cached_forward(device: Device, tolerance: f64) {
     let models = [
         build_sized(&[], 64, device, hidden),
         build_sized(&LLAMA_FLAGS, 64, device, hidden),
+        build_sized(&qwen_moe_flags(), 64, device, hidden),
     ];
     for model in models {
         let prompts = [
@@ -564,7 +585,8 @@ fn cuda_graph_decoding_equals_eager_decoding() {
         "this build has no CUDA graphs (see build.rs's warning)"
     );
     let learned: [&str; 0] = [];
-    for flags in [&learned[..], &LLAMA_FLAGS[..]] {
+    let qwen_moe = qwen_moe_flags();
+    for flags in [&learned[..], &LLAMA_FLAGS[..], &qwen_moe[..]] {
         let model = build_sized(flags, 320, Device::Cuda(0), 256);
         let mut graphed = Decoder::new(DecodeSettings::default());
         for prompts in [prompts(), vec![vec![1, 2, 3], vec![4; 40], vec![250; 7]]] {

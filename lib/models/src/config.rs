@@ -101,6 +101,11 @@ pub struct TransformerConfig {
     pub hidden_dropout: f64,
     pub attention_dropout: f64,
     pub init_method_std: f64,
+    /// `--qk-layernorm`: each query and key head is normalised (the model's normalization over
+    /// the head's channels, `self_attention.{q,k}_layernorm.weight`) after the projection and
+    /// before the rotary embedding, as in Qwen3; absent in metadata written before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_layernorm: bool,
     /// `--num-experts`: the MLPs of the layers `--moe-layer-freq` picks are Mixtures of
     /// Experts; absent for dense models (and in metadata written before MoE existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -135,6 +140,7 @@ impl TransformerConfig {
             hidden_dropout: 0.1,
             attention_dropout: 0.1,
             init_method_std: 0.02,
+            qk_layernorm: false,
             moe: None,
         }
     }

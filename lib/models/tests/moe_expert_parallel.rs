@@ -55,6 +55,7 @@ fn moe(dispatcher: TokenDispatcher) -> MoeConfig {
         aux_loss_coeff: 0.01,
         z_loss_coeff: Some(1e-3),
         shared_expert_intermediate_size: None,
+        shared_expert_gate: false,
         token_dispatcher: dispatcher,
         grouped_gemm: false,
         capacity: None,

@@ -49,6 +49,7 @@ fn moe(experts: i64, ffn: i64, topk: i64, grouped_gemm: bool) -> MoeConfig {
         shared_expert_intermediate_size: None,
         capacity: None,
         expert_bias_update_rate: None,
+        shared_expert_gate: false,
         token_dispatcher: TokenDispatcher::Allgather,
         grouped_gemm,
     }

@@ -74,6 +74,7 @@ fn moe(topk: i64) -> MoeConfig {
         shared_expert_intermediate_size: None,
         capacity: None,
         expert_bias_update_rate: None,
+        shared_expert_gate: false,
         token_dispatcher: TokenDispatcher::Allgather,
         grouped_gemm: false,
     }

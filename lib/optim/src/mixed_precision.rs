@@ -620,15 +620,18 @@ impl MixedPrecisionOptimizer {
             .collect();
         all_reduce_coalesced(&self.parallel.embedding, &embedding)
             .context("all-reduce of tied embedding gradients")?;
-        if self.parallel.sequence_parallel {
-            let replicated: Vec<Tensor> = self
-                .layout
-                .slots
-                .iter()
-                .filter(|s| s.attributes.sequence_parallel)
-                .map(|s| self.grad_view(&s.range))
-                .collect();
-            all_reduce_coalesced(&self.parallel.tensor, &replicated)
+        // Replicated parameters whose gradient each tensor-parallel rank holds a part of: the
+        // norms under sequence parallelism, and `--qk-layernorm`'s per-head norms always (as
+        // Megatron's `_allreduce_layernorm_grads`). Every rank of the group has the same slots.
+        let partial: Vec<Tensor> = self
+            .layout
+            .slots
+            .iter()
+            .filter(|s| s.attributes.sequence_parallel)
+            .map(|s| self.grad_view(&s.range))
+            .collect();
+        if !partial.is_empty() {
+            all_reduce_coalesced(&self.parallel.tensor, &partial)
                 .context("all-reduce of sequence-parallel gradients")?;
         }
         Ok(())

@@ -1,9 +1,11 @@
 //! GPT's HuggingFace weights in Megatron-core names and layouts (spec §5.6): `GPT2LMHeadModel`
-//! and Llama-style `LlamaForCausalLM` (RoPE, RMSNorm, SwiGLU, GQA, untied output).
+//! and the Llama-style families (RoPE, RMSNorm, SwiGLU, GQA, untied output; Qwen's QKV biases
+//! and per-head norms; the experts of Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 use anyhow::Result;
 use tch::Tensor;
 
+use super::hf_config::{LlamaFamily, SHARED_EXPERT, SHARED_EXPERT_GATE};
 use crate::config::TransformerConfig;
 use crate::hf::{apply, grouped_qkv_weight, Recipe, StateDict};
 
@@ -126,7 +128,10 @@ fn swiglu_fc1(ours: String, gate: String, up: String, ffn: i64, h: i64) -> Recip
     .stacking(vec![(0, 0, ffn), (1, 0, ffn)])
 }
 
-pub fn llama_recipes(config: &TransformerConfig) -> Vec<Recipe> {
+/// The recipes of a Llama-style model, its sparse layers named as its family
+/// ([`LlamaFamily::of`]) names them.
+pub fn llama_recipes(config: &TransformerConfig) -> Result<Vec<Recipe>> {
+    let family = LlamaFamily::of(config)?;
     let (n, g, d, h) = (
         config.num_attention_heads,
         config.num_query_groups,
@@ -194,31 +199,54 @@ pub fn llama_recipes(config: &TransformerConfig) -> Vec<Recipe> {
             theirs("self_attn.o_proj.weight"),
             vec![h, n * d],
         ));
+        if config.qk_layernorm {
+            for (norm, hf_norm) in [("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")] {
+                out.push(Recipe::copy(
+                    ours(&format!("self_attention.{norm}.weight")),
+                    theirs(&format!("self_attn.{hf_norm}.weight")),
+                    vec![d],
+                ));
+            }
+        }
         match &config.moe {
             Some(moe) if moe.is_moe_layer(i) => {
-                // Mixtral's sparse MLP: w1 the gate, w3 the up projection, w2 the down one.
                 let ffn = moe.ffn_hidden_size;
                 out.push(Recipe::copy(
                     ours("mlp.router.weight"),
-                    theirs("block_sparse_moe.gate.weight"),
+                    theirs(family.router()),
                     vec![moe.num_experts, h],
                 ));
-                for e in 0..moe.num_experts {
-                    let expert =
-                        |w: &str| theirs(&format!("block_sparse_moe.experts.{e}.{w}.weight"));
-                    let local = |linear: &str| {
-                        ours(&format!("mlp.experts.local_experts.{e}.{linear}.weight"))
-                    };
+                let mut mlps: Vec<(String, [String; 3], i64)> = (0..moe.num_experts)
+                    .map(|e| {
+                        let local = format!("mlp.experts.local_experts.{e}");
+                        (local, family.expert(e), ffn)
+                    })
+                    .collect();
+                if let Some(size) = moe.shared_expert_intermediate_size {
+                    mlps.push((
+                        "mlp.shared_experts".into(),
+                        SHARED_EXPERT.map(str::to_string),
+                        size,
+                    ));
+                }
+                if moe.shared_expert_gate {
+                    out.push(Recipe::copy(
+                        ours("mlp.shared_experts.gate_weight"),
+                        theirs(SHARED_EXPERT_GATE),
+                        vec![1, h],
+                    ));
+                }
+                for (local, [gate, up, down], ffn) in mlps {
                     out.push(swiglu_fc1(
-                        local("linear_fc1"),
-                        expert("w1"),
-                        expert("w3"),
+                        ours(&format!("{local}.linear_fc1.weight")),
+                        theirs(&gate),
+                        theirs(&up),
                         ffn,
                         h,
                     ));
                     out.push(Recipe::copy(
-                        local("linear_fc2"),
-                        expert("w2"),
+                        ours(&format!("{local}.linear_fc2.weight")),
+                        theirs(&down),
                         vec![h, ffn],
                     ));
                 }
@@ -251,9 +279,9 @@ pub fn llama_recipes(config: &TransformerConfig) -> Vec<Recipe> {
             config,
         ));
     }
-    out
+    Ok(out)
 }
 
 pub fn llama_to_megatron(hf: &StateDict, config: &TransformerConfig) -> Result<StateDict> {
-    apply(llama_recipes(config), hf)
+    apply(llama_recipes(config)?, hf)
 }

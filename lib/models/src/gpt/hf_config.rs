@@ -1,6 +1,7 @@
 //! GPT's HuggingFace `config.json` (`GPT2LMHeadModel` and the Llama family: `LlamaForCausalLM`,
-//! `MistralForCausalLM`, `Qwen2ForCausalLM`, and Mixtral's experts, `MixtralForCausalLM`) ↔ the
-//! trunk's architecture.
+//! `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, and the Mixtures of Experts
+//! `MixtralForCausalLM`, `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`) ↔ the trunk's
+//! architecture.
 
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value as Json};
@@ -242,35 +243,215 @@ pub fn rope_to_hf(config: &TransformerConfig, hf: &mut Json) {
     hf["rope_parameters"] = parameters;
 }
 
-/// Mixtral's sparse MLP in every layer: `num_local_experts` experts of `intermediate_size`, the
-/// `num_experts_per_tok` best taken with the softmax over all experts renormalised over them,
-/// which is the softmax over the chosen logits (Megatron's default router).
-fn mixtral_moe(hf: &Json, num_layers: usize) -> Result<MoeConfig> {
+/// The HuggingFace architecture of a Llama-style model (RoPE, RMSNorm, SwiGLU), told apart by
+/// its structure, so that import and export name its tensors alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LlamaFamily {
+    Llama,
+    /// QKV biases.
+    Qwen2,
+    /// Per-head query and key norms (`--qk-layernorm`).
+    Qwen3,
+    /// Every layer sparse, softmax over the chosen experts, nothing else.
+    Mixtral,
+    /// A gated shared expert, QKV biases, dense layers where `mlp_only_layers` says.
+    Qwen2Moe,
+    /// Per-head query and key norms, no shared expert.
+    Qwen3Moe,
+}
+
+impl LlamaFamily {
+    /// The family of a Llama-style `config`; an MoE model no HuggingFace family describes is
+    /// refused, naming what is in the way.
+    pub fn of(config: &TransformerConfig) -> Result<Self> {
+        let Some(moe) = &config.moe else {
+            return Ok(match (config.qk_layernorm, config.add_qkv_bias) {
+                (true, _) => LlamaFamily::Qwen3,
+                (false, true) => LlamaFamily::Qwen2,
+                (false, false) => LlamaFamily::Llama,
+            });
+        };
+        ensure!(
+            moe.score_function == ScoreFunction::Softmax && moe.topk_scaling_factor.is_none(),
+            "only softmax routers without --moe-router-topk-scaling-factor export to HuggingFace"
+        );
+        let shared = moe.shared_expert_intermediate_size.is_some();
+        if config.qk_layernorm {
+            ensure!(
+                !shared,
+                "a Mixture of Experts with --qk-layernorm exports as Qwen3-MoE, which has no shared expert"
+            );
+            return Ok(LlamaFamily::Qwen3Moe);
+        }
+        let mixtral = moe.layer_pattern.iter().all(|&sparse| sparse)
+            && !moe.pre_softmax
+            && !shared
+            && !config.add_qkv_bias;
+        if mixtral {
+            return Ok(LlamaFamily::Mixtral);
+        }
+        ensure!(
+            shared && moe.shared_expert_gate,
+            "a Mixture of Experts that is not Mixtral-shaped (every layer sparse, softmax over the \
+             top k, no shared expert, no QKV bias) exports as Qwen2-MoE, which needs a shared \
+             expert with --moe-shared-expert-gate"
+        );
+        Ok(LlamaFamily::Qwen2Moe)
+    }
+
+    /// The architecture `config.json` names.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            LlamaFamily::Llama => "LlamaForCausalLM",
+            LlamaFamily::Qwen2 => "Qwen2ForCausalLM",
+            LlamaFamily::Qwen3 => "Qwen3ForCausalLM",
+            LlamaFamily::Mixtral => "MixtralForCausalLM",
+            LlamaFamily::Qwen2Moe => "Qwen2MoeForCausalLM",
+            LlamaFamily::Qwen3Moe => "Qwen3MoeForCausalLM",
+        }
+    }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            LlamaFamily::Llama => "llama",
+            LlamaFamily::Qwen2 => "qwen2",
+            LlamaFamily::Qwen3 => "qwen3",
+            LlamaFamily::Mixtral => "mixtral",
+            LlamaFamily::Qwen2Moe => "qwen2_moe",
+            LlamaFamily::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    /// The router's weight, under the layer's `model.layers.<i>.`.
+    pub fn router(self) -> &'static str {
+        match self {
+            LlamaFamily::Mixtral => "block_sparse_moe.gate.weight",
+            _ => "mlp.gate.weight",
+        }
+    }
+
+    /// Routed expert `e`'s gate, up and down projections, under the layer's name.
+    pub fn expert(self, e: i64) -> [String; 3] {
+        match self {
+            LlamaFamily::Mixtral => {
+                ["w1", "w3", "w2"].map(|w| format!("block_sparse_moe.experts.{e}.{w}.weight"))
+            }
+            _ => {
+                ["gate_proj", "up_proj", "down_proj"].map(|p| format!("mlp.experts.{e}.{p}.weight"))
+            }
+        }
+    }
+}
+
+/// Qwen2-MoE's shared expert: its gate, up and down projections, under the layer's name.
+pub const SHARED_EXPERT: [&str; 3] = [
+    "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared_expert.up_proj.weight",
+    "mlp.shared_expert.down_proj.weight",
+];
+
+/// Qwen2-MoE's sigmoid gate of the shared expert, `[1, hidden]`.
+pub const SHARED_EXPERT_GATE: &str = "mlp.shared_expert_gate.weight";
+
+/// The sparse MLPs of Mixtral, Qwen2-MoE and Qwen3-MoE. Mixtral's is in every layer,
+/// `num_local_experts` experts of `intermediate_size`, the `num_experts_per_tok` best taken
+/// with the softmax over all experts renormalised over them, which is the softmax over the
+/// chosen logits (Megatron's default router). The Qwens' experts are of
+/// `moe_intermediate_size`, renormalised over the k only with `norm_topk_prob` (else the
+/// softmax over all experts, Megatron's `--moe-router-pre-softmax`), in the layers
+/// `decoder_sparse_step` and `mlp_only_layers` leave sparse (`--moe-layer-freq`); Qwen2-MoE's
+/// shared expert of `shared_expert_intermediate_size` is gated by a sigmoid.
+fn hf_moe(hf: &Json, family: LlamaFamily, num_layers: usize) -> Result<Option<MoeConfig>> {
     ensure!(
         hf["router_jitter_noise"].as_f64().unwrap_or(0.0) == 0.0,
         "config.json: router_jitter_noise {} is not supported",
         hf["router_jitter_noise"]
     );
+    let experts_key = match family {
+        LlamaFamily::Mixtral => "num_local_experts",
+        LlamaFamily::Qwen2Moe | LlamaFamily::Qwen3Moe if hf["num_experts"].is_i64() => {
+            "num_experts"
+        }
+        LlamaFamily::Qwen2Moe | LlamaFamily::Qwen3Moe => "num_local_experts",
+        _ => return Ok(None),
+    };
+    let qwen = family != LlamaFamily::Mixtral;
+    let (ffn_hidden_size, layer_pattern, pre_softmax) = if qwen {
+        let step = hf["decoder_sparse_step"].as_i64().unwrap_or(1);
+        ensure!(
+            step > 0,
+            "config.json: decoder_sparse_step {step} must be positive"
+        );
+        let dense: Vec<i64> = match &hf["mlp_only_layers"] {
+            Json::Null => Vec::new(),
+            list => list
+                .as_array()
+                .and_then(|l| l.iter().map(Json::as_i64).collect())
+                .with_context(|| {
+                    format!("config.json: mlp_only_layers {list} is not a list of layer numbers")
+                })?,
+        };
+        let pattern = (0..num_layers as i64)
+            .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+            .collect();
+        let normalised = hf["norm_topk_prob"].as_bool().unwrap_or(false);
+        (positive(hf, "moe_intermediate_size")?, pattern, !normalised)
+    } else {
+        (
+            positive(hf, "intermediate_size")?,
+            vec![true; num_layers],
+            false,
+        )
+    };
+    let shared_expert_intermediate_size = match family {
+        LlamaFamily::Qwen2Moe => Some(positive(hf, "shared_expert_intermediate_size")?),
+        _ => None,
+    };
     let moe = MoeConfig {
-        num_experts: positive(hf, "num_local_experts")?,
-        ffn_hidden_size: positive(hf, "intermediate_size")?,
-        layer_pattern: vec![true; num_layers],
+        num_experts: positive(hf, experts_key)?,
+        ffn_hidden_size,
+        layer_pattern,
         topk: positive(hf, "num_experts_per_tok")?,
         score_function: ScoreFunction::Softmax,
-        pre_softmax: false,
+        pre_softmax,
         topk_scaling_factor: None,
         router_dtype: None,
         load_balancing: LoadBalancing::AuxLoss,
         aux_loss_coeff: hf["router_aux_loss_coef"].as_f64().unwrap_or(0.0),
         z_loss_coeff: None,
-        shared_expert_intermediate_size: None,
+        shared_expert_gate: shared_expert_intermediate_size.is_some(),
+        shared_expert_intermediate_size,
         token_dispatcher: TokenDispatcher::default(),
         grouped_gemm: false,
         capacity: None,
         expert_bias_update_rate: None,
     };
     moe.validate(num_layers).context("config.json")?;
-    Ok(moe)
+    Ok(Some(moe))
+}
+
+/// MoE entries of `config.json` for `family` (the dense layers' `intermediate_size` is set
+/// already).
+pub fn moe_to_hf(family: LlamaFamily, moe: &MoeConfig, hf: &mut Json) {
+    hf["num_experts_per_tok"] = json!(moe.topk);
+    hf["router_aux_loss_coef"] = json!(moe.aux_loss_coeff);
+    if family == LlamaFamily::Mixtral {
+        hf["intermediate_size"] = json!(moe.ffn_hidden_size);
+        hf["num_local_experts"] = json!(moe.num_experts);
+        hf["router_jitter_noise"] = json!(0.0);
+        return;
+    }
+    let dense: Vec<usize> = (0..moe.layer_pattern.len())
+        .filter(|&i| !moe.is_moe_layer(i))
+        .collect();
+    hf["num_experts"] = json!(moe.num_experts);
+    hf["moe_intermediate_size"] = json!(moe.ffn_hidden_size);
+    hf["norm_topk_prob"] = json!(!moe.pre_softmax);
+    hf["decoder_sparse_step"] = json!(1);
+    hf["mlp_only_layers"] = json!(dense);
+    if let Some(size) = moe.shared_expert_intermediate_size {
+        hf["shared_expert_intermediate_size"] = json!(size);
+    }
 }
 
 /// The architecture of a HuggingFace `config.json`, the vocabulary padded as Megatron pads it.
@@ -319,10 +500,20 @@ pub fn config_from_hf(
                 hidden_dropout: 0.0,
                 attention_dropout: 0.0,
                 init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+                qk_layernorm: false,
                 moe: None,
             }
         }
-        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "MixtralForCausalLM" => {
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM"
+        | "MixtralForCausalLM" | "Qwen2MoeForCausalLM" | "Qwen3MoeForCausalLM" => {
+            let family = match architecture.as_str() {
+                "Qwen2ForCausalLM" => LlamaFamily::Qwen2,
+                "Qwen3ForCausalLM" => LlamaFamily::Qwen3,
+                "MixtralForCausalLM" => LlamaFamily::Mixtral,
+                "Qwen2MoeForCausalLM" => LlamaFamily::Qwen2Moe,
+                "Qwen3MoeForCausalLM" => LlamaFamily::Qwen3Moe,
+                _ => LlamaFamily::Llama,
+            };
             let hidden = positive(hf, "hidden_size")?;
             let heads = positive(hf, "num_attention_heads")?;
             let groups = hf["num_key_value_heads"].as_i64().unwrap_or(heads);
@@ -341,16 +532,19 @@ pub fn config_from_hf(
                 "config.json: hidden_act {} is not supported (SwiGLU needs silu)",
                 hf["hidden_act"]
             );
-            let qkv_bias = architecture == "Qwen2ForCausalLM" || hf["attention_bias"].as_bool() == Some(true);
+            // Qwen2 and Qwen2-MoE have QKV biases (transformers 5 writes Qwen2-MoE's
+            // `qkv_bias`), the others where `attention_bias` says.
+            let qkv_bias = match family {
+                LlamaFamily::Qwen2 => true,
+                LlamaFamily::Qwen2Moe => hf["qkv_bias"].as_bool().unwrap_or(true),
+                _ => hf["attention_bias"].as_bool() == Some(true),
+            };
             ensure!(
                 hf["mlp_bias"].as_bool() != Some(true),
                 "config.json: mlp_bias is not supported"
             );
             let num_layers = positive(hf, "num_hidden_layers")? as usize;
-            let moe = match architecture.as_str() {
-                "MixtralForCausalLM" => Some(mixtral_moe(hf, num_layers)?),
-                _ => None,
-            };
+            let moe = hf_moe(hf, family, num_layers)?;
             TransformerConfig {
                 num_layers,
                 hidden_size: hidden,
@@ -379,12 +573,13 @@ pub fn config_from_hf(
                 hidden_dropout: 0.0,
                 attention_dropout: 0.0,
                 init_method_std: hf["initializer_range"].as_f64().unwrap_or(0.02),
+                qk_layernorm: matches!(family, LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe),
                 moe,
             }
         }
         "" => bail!("config.json names no architecture"),
         other => bail!(
-            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM)"
+            "config.json: unknown architecture {other} (supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)"
         ),
     };
     Ok((architecture, config))

@@ -7,6 +7,7 @@ use tch::Tensor;
 use super::context_parallel::ContextParallel;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
+use super::norm::Norm;
 use super::packed::PackedSequences;
 use super::qkv_projection::{self, QkvLayout};
 use super::rope::RotaryTables;
@@ -64,6 +65,8 @@ impl Clone for AttentionMask {
 pub struct SelfAttention {
     pub linear_qkv: ColumnParallelLinear,
     pub linear_proj: RowParallelLinear,
+    /// `--qk-layernorm`: the norms of each query head and each key head, over its channels.
+    pub head_norms: Option<HeadNorms>,
     local_heads: i64,
     local_groups: i64,
     head_dim: i64,
@@ -86,7 +89,11 @@ impl SelfAttention {
         let projection = config.num_attention_heads * config.kv_channels;
         let qkv_bias = config.add_bias_linear || config.add_qkv_bias;
         let fork_dropout_rng = !parallel.sequence_parallel;
+        let head_norms = config
+            .qk_layernorm
+            .then(|| HeadNorms::new(init, config, t > 1));
         SelfAttention {
+            head_norms,
             linear_qkv: ColumnParallelLinear::new(
                 &init.scope("linear_qkv"),
                 h,
@@ -130,6 +137,10 @@ impl SelfAttention {
         let (s, b) = (parts[0].size()[0], parts[0].size()[1]);
         let mut query = parts[0].reshape([s, b, n, d]);
         let mut key = parts[1].shallow_clone();
+        if let Some(norms) = &self.head_norms {
+            query = norms.query.forward(&query);
+            key = norms.key.forward(&key);
+        }
         if let Some(tables) = rotary {
             query = tables.apply(&query)?;
             key = tables.apply(&key)?;
@@ -191,9 +202,16 @@ impl SelfAttention {
         let qkv = qkv.view([s, b, g, (per_group + 2) * d]);
         let mut query = qkv.narrow(-1, 0, per_group * d).reshape([s, b, n, d]);
         let mut kv = qkv.narrow(-1, per_group * d, 2 * d);
-        if let Some(tables) = rotary {
-            query = tables.apply(&query)?;
-            let key = tables.apply(&kv.narrow(-1, 0, d))?;
+        if self.head_norms.is_some() || rotary.is_some() {
+            let mut key = kv.narrow(-1, 0, d);
+            if let Some(norms) = &self.head_norms {
+                query = norms.query.forward(&query);
+                key = norms.key.forward(&key);
+            }
+            if let Some(tables) = rotary {
+                query = tables.apply(&query)?;
+                key = tables.apply(&key)?;
+            }
             kv = Tensor::cat(&[&key, &kv.narrow(-1, d, d)], -1);
         }
         Ok((query.permute([1, 2, 0, 3]), kv.permute([1, 2, 0, 3])))
@@ -344,7 +362,10 @@ impl SelfAttention {
         };
         let weight = &self.linear_qkv.weight;
         let bias = self.linear_qkv.bias.as_deref();
-        if let (None, Some((tables, positions)), 1) = (rotary, step.in_place(), s) {
+        let plain_heads = self.head_norms.is_none();
+        if let (None, Some((tables, positions)), 1, true) =
+            (rotary, step.in_place(), s, plain_heads)
+        {
             if decode_attention::usable(x.device(), x.kind(), &shape) {
                 let cache = CacheStep {
                     pool,
@@ -371,6 +392,39 @@ impl SelfAttention {
         self.linear_qkv.named_tensors(&mut out.scope("linear_qkv"));
         self.linear_proj
             .named_tensors(&mut out.scope("linear_proj"));
+        if let Some(norms) = &self.head_norms {
+            norms.query.named_tensors(&mut out.scope("q_layernorm"));
+            norms.key.named_tensors(&mut out.scope("k_layernorm"));
+        }
+    }
+}
+
+/// `--qk-layernorm`'s norms (Megatron's `q_layernorm` and `k_layernorm`): the model's
+/// normalization over one head's channels, shared by every head. Each tensor-parallel rank
+/// normalises its own heads with the same weights, so their gradients are partial sums over
+/// the tensor-parallel group, as sequence-parallel norms' are.
+#[derive(Clone)]
+pub struct HeadNorms {
+    pub query: Norm,
+    pub key: Norm,
+}
+
+impl HeadNorms {
+    fn new(init: &Initializer, config: &TransformerConfig, partial_grads: bool) -> Self {
+        let norm = |name: &str| {
+            Norm::new(
+                &init.scope(name),
+                config.normalization,
+                config.kv_channels,
+                config.norm_epsilon,
+                config.apply_layernorm_1p,
+                partial_grads,
+            )
+        };
+        HeadNorms {
+            query: norm("q_layernorm"),
+            key: norm("k_layernorm"),
+        }
     }
 }
 

@@ -17,7 +17,7 @@ mod qkv_projection;
 mod rope;
 mod transformer_layer;
 
-pub use attention::{AttentionMask, CrossAttention, MemoryKeysValues, SelfAttention};
+pub use attention::{AttentionMask, CrossAttention, HeadNorms, MemoryKeysValues, SelfAttention};
 pub use context_parallel::{ContextExchange, ContextParallel};
 pub use embedding::VocabParallelEmbedding;
 pub use fp8_linear::Fp8Linear;

@@ -299,9 +299,12 @@ impl TransformerLayer {
         rotary: Option<&RotaryTables>,
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
-        self.forward_with(hidden, false, |normed| {
-            self.self_attention.forward_cached(normed, rotary, cache)
-        })
+        self.forward_with(
+            hidden,
+            false,
+            |normed| self.self_attention.forward_cached(normed, rotary, cache),
+            |normed| self.mlp.forward(normed, false),
+        )
     }
 
     /// Inference of new positions of several sequences through a paged KV cache; steps that
@@ -321,10 +324,18 @@ impl TransformerLayer {
         {
             return self.forward_paged_fused(hidden, rotary, pool, step);
         }
-        self.forward_with(hidden, false, |normed| {
+        let attend = |normed: &Tensor| {
             self.self_attention
                 .forward_paged(normed, rotary, pool, step)
-        })
+        };
+        match s {
+            1 => self.forward_with(hidden, false, attend, |normed| {
+                self.mlp.forward_decode(normed)
+            }),
+            _ => self.forward_with(hidden, false, attend, |normed| {
+                self.mlp.forward(normed, false)
+            }),
+        }
     }
 
     /// Whether decode steps can run this layer through the fused decode kernels
@@ -396,19 +407,19 @@ impl TransformerLayer {
         Ok(out.view([s, b, h]))
     }
 
-    /// The layer around its self-attention: norm, attention, residual, norm, MLP, residual.
+    /// The layer around its self-attention and MLP: norm, `attend`, residual, norm,
+    /// `feed_forward`, residual.
     fn forward_with(
         &self,
         hidden: &Tensor,
         train: bool,
         attend: impl FnOnce(&Tensor) -> Result<Tensor>,
+        feed_forward: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let hidden = Residual::Summed(hidden.shallow_clone());
         let hidden = self.block(hidden, &self.input_layernorm, train, attend)?;
         Ok(self
-            .block(hidden, &self.pre_mlp_layernorm, train, |normed| {
-                self.mlp.forward(normed, train)
-            })?
+            .block(hidden, &self.pre_mlp_layernorm, train, feed_forward)?
             .sum())
     }
 
@@ -481,6 +492,16 @@ impl FeedForward {
         match self {
             FeedForward::Dense(mlp) => mlp.forward(hidden),
             FeedForward::Moe(moe) => moe.forward(hidden, train),
+        }
+    }
+
+    /// Inference of a decode step (one new position per row): a Mixture of Experts runs
+    /// every expert over the few tokens ([`MoeLayer::forward_every_expert`]), reading no
+    /// counts back from the device, so that the step can be replayed from a CUDA graph.
+    pub fn forward_decode(&self, hidden: &Tensor) -> Result<Tensor> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward(hidden),
+            FeedForward::Moe(moe) => moe.forward_every_expert(hidden),
         }
     }
 

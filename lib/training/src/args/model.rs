@@ -71,6 +71,10 @@ pub struct ModelArgs {
     /// Store LayerNorm weights zero-centred (gamma = 1 + w).
     #[arg(long)]
     pub apply_layernorm_1p: bool,
+    /// Normalise each query and key head (with --normalization, over the head's channels)
+    /// after the QKV projection and before the rotary embedding, as Qwen3 does.
+    #[arg(long)]
+    pub qk_layernorm: bool,
     /// Gated SiLU MLP (fc1 doubled).
     #[arg(long)]
     pub swiglu: bool,
@@ -228,6 +232,7 @@ impl ModelArgs {
             hidden_dropout: self.hidden_dropout,
             attention_dropout: self.attention_dropout,
             init_method_std: self.init_method_std,
+            qk_layernorm: self.qk_layernorm,
             moe: self
                 .moe
                 .config(self.num_layers, ffn_hidden_size, add_bias_linear)?,

@@ -27,6 +27,10 @@ pub struct MoeArgs {
     /// Hidden size of the shared expert every token also passes through [default: none].
     #[arg(long)]
     pub moe_shared_expert_intermediate_size: Option<i64>,
+    /// Scales the shared expert's output per token by a sigmoid gate of the token
+    /// (`mlp.shared_experts.gate_weight`, Qwen2-MoE's shared_expert_gate).
+    #[arg(long)]
+    pub moe_shared_expert_gate: bool,
     /// Number of experts each token is routed to.
     #[arg(long, default_value_t = 2)]
     pub moe_router_topk: i64,
@@ -246,6 +250,7 @@ impl MoeArgs {
             expert_bias_update_rate: self
                 .moe_router_enable_expert_bias
                 .then_some(self.moe_router_bias_update_rate),
+            shared_expert_gate: self.moe_shared_expert_gate,
             token_dispatcher: match self.moe_token_dispatcher_type.as_str() {
                 "alltoall" => TokenDispatcher::Alltoall,
                 _ => TokenDispatcher::Allgather,
@@ -346,6 +351,7 @@ mod tests {
                 shared_expert_intermediate_size: None,
                 capacity: None,
                 expert_bias_update_rate: None,
+                shared_expert_gate: false,
                 token_dispatcher: TokenDispatcher::Allgather,
                 grouped_gemm: false,
             }

@@ -74,6 +74,10 @@ pub struct MoeConfig {
     /// a per-expert bias for its choice ([`ExpertBias`](super::expert_bias::ExpertBias)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_bias_update_rate: Option<f64>,
+    /// `--moe-shared-expert-gate`: the shared expert's output scaled per token by a sigmoid
+    /// gate (Qwen2-MoE); absent in metadata written before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared_expert_gate: bool,
     /// How tokens travel, not what the model is: left out of the architecture a checkpoint
     /// records.
     #[serde(skip)]
@@ -128,6 +132,10 @@ impl MoeConfig {
             self.expert_bias_update_rate.is_none() || self.score_function == ScoreFunction::Sigmoid,
             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as \
              Megatron requires)"
+        );
+        ensure!(
+            !self.shared_expert_gate || self.shared_expert_intermediate_size.is_some(),
+            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"
         );
         ensure!(
             self.aux_loss_coeff >= 0.0,

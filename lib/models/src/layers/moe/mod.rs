@@ -15,6 +15,7 @@ pub mod expert_bias;
 mod experts;
 mod grouped_gemm;
 mod router;
+mod shared_expert;
 
 use std::sync::Arc;
 
@@ -30,13 +31,14 @@ use dispatch::Permutation;
 pub use experts::RoutedExperts;
 use megatron_parallel::{Communicator, SingleRank};
 pub use router::{Assignments, Routing, TopKRouter};
+pub use shared_expert::SharedExpert;
 
 #[derive(Clone)]
 pub struct MoeLayer {
     pub router: TopKRouter,
     pub experts: RoutedExperts,
     /// `--moe-shared-expert-intermediate-size`: an MLP every token passes through.
-    pub shared_experts: Option<Mlp>,
+    pub shared_experts: Option<SharedExpert>,
     /// The expert-parallel group the experts are split over.
     expert_group: Arc<dyn Communicator>,
     dispatcher: TokenDispatcher,
@@ -85,9 +87,10 @@ impl MoeLayer {
             &parallel,
         );
         let shared_experts = moe.shared_expert_intermediate_size.map(|size| {
-            Mlp::new(
+            SharedExpert::new(
                 &init.scope("shared_experts"),
                 &sized(size),
+                moe.shared_expert_gate,
                 output_std,
                 parallel,
             )
@@ -130,6 +133,32 @@ impl MoeLayer {
             }
         }
         .view(shape.as_slice());
+        self.plus_shared_expert(routed, hidden)
+    }
+
+    /// Inference of few tokens (a decode step, `hidden` `[1, b, h]`): every local expert runs
+    /// over every token and each token's outputs are weighted by its routing probabilities,
+    /// zero for the experts not chosen, so nothing waits for token counts from the device and
+    /// the step can be captured in a CUDA graph; for that few tokens, reading every expert's
+    /// weights is what routing costs too once the tokens spread over the experts. The same
+    /// values as [`forward`](Self::forward) (an unchosen expert adds exact zeros). Experts
+    /// split over expert-parallel ranks take the routed path.
+    pub fn forward_every_expert(&self, hidden: &Tensor) -> Result<Tensor> {
+        if self.expert_group.size() > 1 {
+            return self.forward(hidden, false);
+        }
+        let shape = hidden.size();
+        let tokens = hidden.reshape([-1, shape[2]]);
+        let routing = self.router.forward(hidden, false)?;
+        let mut routed = tokens.zeros_like();
+        for (e, expert) in self.experts.local_experts.iter().enumerate() {
+            let probs = routing.probs.select(1, self.experts.first + e as i64);
+            routed += expert.forward_scaled(&tokens, &probs)?;
+        }
+        self.plus_shared_expert(routed.view(shape.as_slice()), hidden)
+    }
+
+    fn plus_shared_expert(&self, routed: Tensor, hidden: &Tensor) -> Result<Tensor> {
         Ok(match &self.shared_experts {
             Some(shared) => routed + shared.forward(hidden)?,
             None => routed,
