@@ -11,10 +11,27 @@ use megatron_checkpoint::{TorchFile, Value};
 
 use super::lazy::{tensor_of, InputFile, LazyTensor};
 use super::state::RankOptimizer;
+use megatron_models::gpt::megatron_names::expert_of;
 
 /// A rank's model chunks: each chunk's parameters (global Megatron-core names and shapes) in
 /// registration order.
 pub(super) type ChunkParams = [Vec<(String, Vec<usize>)>];
+
+/// The parameters of each model chunk that are routed experts (`experts`) or the others, in
+/// their order: Megatron's distributed optimizer keeps the two in buffers of their own once
+/// experts are split over expert-parallel ranks.
+pub(super) fn expert_params(chunks: &ChunkParams, experts: bool) -> Vec<Vec<(String, Vec<usize>)>> {
+    chunks
+        .iter()
+        .map(|chunk| {
+            chunk
+                .iter()
+                .filter(|(name, _)| expert_of(name).is_some() == experts)
+                .cloned()
+                .collect()
+        })
+        .collect()
+}
 
 /// How the run that saved a checkpoint bucketed its gradient buffers (its `args`).
 #[derive(Debug, Clone, Copy)]

@@ -14,7 +14,7 @@ use megatron_checkpoint::torch_writer::{write_torch_file, Saved, TensorSlot};
 use megatron_checkpoint::{DType, Value};
 use serde_json::Value as Json;
 
-use super::distrib_optim::Bucketing;
+use super::distrib_optim::{expert_params, Bucketing};
 use super::distrib_optim_save::{write_distrib_optim, OptimizerBuffers};
 use super::lazy::with_bytes;
 use super::megatron_torch::param_groups;
@@ -826,18 +826,6 @@ fn distributed_buffers(
             bucketing: dense,
         }];
     }
-    let part = |experts: bool| -> Vec<Vec<(String, Vec<usize>)>> {
-        chunks
-            .iter()
-            .map(|chunk| {
-                chunk
-                    .iter()
-                    .filter(|(name, _)| expert_of(name).is_some() == experts)
-                    .cloned()
-                    .collect()
-            })
-            .collect()
-    };
     let experts = Bucketing::new(
         flag,
         bucket_size,
@@ -847,11 +835,11 @@ fn distributed_buffers(
     );
     vec![
         OptimizerBuffers {
-            chunks: part(false),
+            chunks: expert_params(chunks, false),
             bucketing: dense,
         },
         OptimizerBuffers {
-            chunks: part(true),
+            chunks: expert_params(chunks, true),
             bucketing: experts,
         },
     ]

@@ -10,7 +10,9 @@ use megatron_checkpoint::layout::{rank_directories, rank_file};
 use megatron_checkpoint::{TensorRef, TorchFile, Value};
 use tch::Kind;
 
-use super::distrib_optim::{dp_zero_state, param_groups_step, Bucketing, ChunkParams};
+use super::distrib_optim::{
+    dp_zero_state, expert_params, param_groups_step, Bucketing, ChunkParams,
+};
 use super::lazy::{tensor_of, InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype};
 use super::sizes::{check_layers, megatron_vocabulary};
@@ -183,18 +185,6 @@ fn rank_distributed_optimizer(
     let Some(experts) = experts else {
         return read(dense, chunks, bucketing).map(Some);
     };
-    let part = |experts: bool| -> ChunkParamsOwned {
-        chunks
-            .iter()
-            .map(|chunk| {
-                chunk
-                    .iter()
-                    .filter(|(name, _)| expert_of(name).is_some() == experts)
-                    .cloned()
-                    .collect()
-            })
-            .collect()
-    };
     let expert_data_parallel = (int_arg(&args, "data_parallel_size")
         / int_arg(&args, "expert_model_parallel_size"))
     .max(1) as usize;
@@ -206,10 +196,10 @@ fn rank_distributed_optimizer(
         int_arg(&args, "pipeline_model_parallel_size"),
         key.1,
     );
-    let mut state = read(experts, &part(true), expert_bucketing)
+    let mut state = read(experts, &expert_params(chunks, true), expert_bucketing)
         .with_context(|| format!("{}: the routed experts' buffers", path.display()))?;
     if key.2 == 0 {
-        let dense = read(dense, &part(false), bucketing)
+        let dense = read(dense, &expert_params(chunks, false), bucketing)
             .with_context(|| format!("{}: the dense parameters' buffers", path.display()))?;
         state.main.extend(dense.main);
         state.exp_avg.extend(dense.exp_avg);
