@@ -198,7 +198,34 @@ fn checks_after_parsing_exit_two_and_failures_of_the_work_one() {
         "--pipeline-model-parallel-size",
         "2",
     ];
+    // --sft builds GPT conversation samples: the masked-LM families refuse it.
+    let sft = [
+        "--sft",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--max-position-embeddings",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "64",
+        "--device",
+        "cpu",
+    ];
     let problems = [
+        not_a_usage_error("pretrain_bert", &sft, "--sft"),
+        not_a_usage_error("pretrain_t5", &sft, "--sft"),
         not_a_usage_error("checkpoint_convert", &t5_to_hf, "--saver hf"),
         not_a_usage_error(
             "generate_samples_gpt",

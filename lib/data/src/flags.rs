@@ -30,9 +30,9 @@ pub struct DataArgs {
     /// Batches prepared ahead by the background loader.
     #[arg(long, default_value_t = 2)]
     pub num_workers: usize,
-    /// Supervised fine-tuning (Megatron's SFT): --data-path is a JSONL file of conversations,
-    /// {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} a line, one
-    /// conversation per sequence, the loss only on the assistant's turns.
+    /// Supervised fine-tuning (Megatron's SFT; pretrain_gpt only): --data-path is a JSONL file
+    /// of conversations, {"messages": [{"role": "system"|"user"|"assistant", "content": ...},
+    /// ...]} a line, one conversation per sequence, the loss only on the assistant's turns.
     #[arg(long)]
     pub sft: bool,
     /// How --sft renders conversations: nemotron-h-aligned (Megatron's only one).

@@ -171,6 +171,18 @@ pub fn masked_data_flags(
     Ok((sources, flags))
 }
 
+/// `--sft` reads conversations into GPT samples; the masked-LM families have no use for them,
+/// so `binary` refuses the flag rather than train on something else than asked.
+pub fn refuse_sft(data: &DataArgs, binary: &str) -> Result<()> {
+    if data.sft {
+        megatron_cli::bail_usage!(
+            "--sft: supervised fine-tuning data is for pretrain_gpt; {binary} trains on \
+             masked-LM data (--data-path or --mock-data)"
+        );
+    }
+    Ok(())
+}
+
 /// The train, validation and test data of a masked-LM family, sized as Megatron sizes them:
 /// with `--mock-data`, the sources `mock(samples, seed)` makes (each split seeded by its offset
 /// from `--seed`); else Megatron's datasets that `build` makes from the data flags.

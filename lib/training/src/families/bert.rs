@@ -12,7 +12,7 @@ use tch::{Kind, Reduction, Tensor};
 
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use crate::args::PretrainArgs;
-use crate::datasets::{masked_splits, Masking};
+use crate::datasets::{masked_splits, refuse_sft, Masking};
 use crate::engine::{pretrain, TrainingSummary};
 use megatron_models::bert::{
     BertArgs, BertBatch, BertChunkOutput, BertConfig, BertInput, BertModel, BertOutput,
@@ -168,6 +168,7 @@ impl ModelFamily for BertFamily {
 
 /// Megatron's `pretrain_bert.py` on this rank of the job.
 pub fn pretrain_bert(args: &BertPretrainArgs, placement: &Placement) -> Result<TrainingSummary> {
+    refuse_sft(&args.common.data, "pretrain_bert")?;
     let args = &BertPretrainArgs {
         common: args
             .common

@@ -16,7 +16,7 @@ use tch::Tensor;
 
 use super::family::{LossTotals, ModelFamily, StepOutput};
 use crate::args::{DataArgs, PretrainArgs, TokenizerArgs};
-use crate::datasets::{masked_data_flags, masked_splits, Masking};
+use crate::datasets::{masked_data_flags, masked_splits, refuse_sft, Masking};
 use crate::engine::{pretrain, TrainingSummary};
 use crate::flops::FlopsModel;
 use megatron_models::loader::{SampleSource, Splits};
@@ -163,6 +163,7 @@ impl ModelFamily for T5Family {
 
 /// Megatron's `pretrain_t5.py` on this rank of the job.
 pub fn pretrain_t5(args: &T5PretrainArgs, placement: &Placement) -> Result<TrainingSummary> {
+    refuse_sft(&args.common.data, "pretrain_t5")?;
     let args = &T5PretrainArgs {
         common: args
             .common
