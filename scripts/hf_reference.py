@@ -10,10 +10,18 @@
 `logits` prints JSON: {"missing": [...], "unexpected": [...], "logits": [[[...]]], "tokenizer": class or null
 (null also where AutoTokenizer cannot load the files: the reason goes to stderr)}.
 Everything in float32 on the CPU.
+
+    hf_reference.py serve                                the commands above, one JSON list of arguments a
+                                                         line on stdin, each answered by a line
+                                                         {"out": what it prints} or {"error": traceback};
+                                                         for tests that ask many times (torch imports once)
 """
+import contextlib
+import io
 import json
 import os
 import sys
+import traceback
 
 import torch
 import transformers
@@ -145,10 +153,30 @@ def differences(first, second):
     json.dump({"tensors": len(a), "differences": found}, sys.stdout)
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "make":
-        make(sys.argv[2], sys.argv[3], "--bin" in sys.argv[4:])
-    elif sys.argv[1] == "differences":
-        differences(sys.argv[2], sys.argv[3])
+def run(args):
+    if args[0] == "make":
+        make(args[1], args[2], "--bin" in args[3:])
+    elif args[0] == "differences":
+        differences(args[1], args[2])
     else:
-        logits(sys.argv[2], sys.argv[3])
+        logits(args[1], args[2])
+
+
+def serve():
+    for line in sys.stdin:
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                run(json.loads(line))
+            reply = {"out": printed.getvalue()}
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve()
+    else:
+        run(sys.argv[1:])

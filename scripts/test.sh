@@ -23,6 +23,11 @@ if ! cmp -s scripts/test-requirements.txt "$stamp"; then
   cp scripts/test-requirements.txt "$stamp"
 fi
 export MEGATRON_RS_TEST_PYTHON=$PWD/.venv/bin/python
+# Tests run side by side, many as jobs of several ranks, so every process shares the cores with
+# others: libtorch's OpenMP threads (one per core in each process) would wait on each other
+# (a tiny CPU step took 1.6 s instead of 16 ms on two busy cores). One each, as torchrun gives
+# the ranks it starts.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 # The layering: crates depend on lower floors only, no libtorch on the data side, no HTTP in
 # the training binaries.

@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 mod megatron_logs;
 mod ranks;
@@ -92,20 +92,33 @@ pub fn run_ok(cmd: &mut Command) -> Output {
 /// `$MEGATRON_RS_TEST_PYTHON`, else the project's `.venv`; the test fails with the way to set
 /// it up when it cannot import `modules` (scripts/test-requirements.txt lists them).
 pub fn test_python(modules: &[&str]) -> PathBuf {
+    // Importing torch takes seconds: each module list is checked once per test process.
+    static CHECKED: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+    let wanted = modules.join(", ");
+    if CHECKED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains(&wanted)
+    {
+        return python;
+    }
     let imports = Command::new(&python)
-        .args(["-c", &format!("import {}", modules.join(", "))])
+        .args(["-c", &format!("import {wanted}")])
         .output()
         .is_ok_and(|out| out.status.success());
     assert!(
         imports,
-        "{} cannot import {}: run scripts/test.sh, which installs scripts/test-requirements.txt \
+        "{} cannot import {wanted}: run scripts/test.sh, which installs scripts/test-requirements.txt \
          into .venv (or point MEGATRON_RS_TEST_PYTHON at a python that has them)",
         python.display(),
-        modules.join(", ")
     );
+    CHECKED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(wanted);
     python
 }
 

@@ -3,8 +3,10 @@
 //! float32), taken through our checkpoint format in another layout, and exported again
 //! (`from_pretrained` reports no missing or unexpected keys, and its logits equal ours).
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Mutex, PoisonError};
 
 use megatron_convert::{
     load_hf, load_megatron_rs, save_hf, save_megatron_rs, verify, ModelState, TargetLayout,
@@ -17,21 +19,63 @@ fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// `scripts/hf_reference.py serve`: one python process answers every test of this file, as
+/// importing torch and transformers takes seconds and a request about these tiny models
+/// milliseconds.
+struct Reference {
+    _child: Child,
+    requests: ChildStdin,
+    replies: BufReader<ChildStdout>,
+}
+
+impl Reference {
+    fn start() -> Reference {
+        let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+        let mut child = Command::new(python)
+            .arg(workspace_root().join("scripts/hf_reference.py"))
+            .arg("serve")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("running scripts/hf_reference.py (MEGATRON_RS_TEST_PYTHON with transformers)");
+        Reference {
+            requests: child.stdin.take().unwrap(),
+            replies: BufReader::new(child.stdout.take().unwrap()),
+            _child: child,
+        }
+    }
+
+    fn ask(&mut self, args: &[&str]) -> std::io::Result<serde_json::Value> {
+        writeln!(self.requests, "{}", serde_json::json!(args))?;
+        let mut line = String::new();
+        if self.replies.read_line(&mut line)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(serde_json::from_str(&line)?)
+    }
+}
+
+static REFERENCE: Mutex<Option<Reference>> = Mutex::new(None);
+
+/// What `hf_reference.py args` prints, asked of the shared reference process (started again
+/// if an earlier request took it down).
 fn python(args: &[&str]) -> String {
-    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
-    let out = Command::new(python)
-        .arg(workspace_root().join("scripts/hf_reference.py"))
-        .args(args)
-        .output()
-        .expect("running scripts/hf_reference.py (MEGATRON_RS_TEST_PYTHON with transformers)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    let reply = {
+        let mut reference = REFERENCE.lock().unwrap_or_else(PoisonError::into_inner);
+        let reply = reference.get_or_insert_with(Reference::start).ask(args);
+        if reply.is_err() {
+            *reference = None;
+        }
+        reply.unwrap_or_else(|e| panic!("hf_reference.py serve, asked {args:?}: {e}"))
+    };
+    match (reply["out"].as_str(), reply["error"].as_str()) {
+        (Some(out), _) => out.to_string(),
+        (_, Some(error)) => panic!("hf_reference.py {args:?}:\n{error}"),
+        _ => panic!("hf_reference.py {args:?}: the reply {reply} has no out or error"),
+    }
 }
 
 /// Two rows of 40 tokens: past the 16 positions the scaled-RoPE models were "trained" on.
