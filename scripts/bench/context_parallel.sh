@@ -12,7 +12,9 @@
 #   GPUS=4              context-parallel size [default: all that nvidia-smi lists]
 #   MODELS="1.3b 7b"    which models
 #   SEQ=32768           the long sequence
-#   COMMS="p2p allgather a2a"
+#   COMMS="p2p allgather a2a"  (a2a+p2p too: a2a within pairs of GPUs, p2p across them)
+#   EXTRA_FLAGS=""      more pretrain_gpt flags for every run, e.g. packed sequences:
+#                       "--reset-position-ids --reset-attention-mask --eod-mask-loss"
 #   ITERS=20            iterations per run; the figures are those of the last log line
 set -euo pipefail
 
@@ -46,13 +48,17 @@ model_flags() {
 run() {
     local model="$1" nproc="$2" seq="$3" comm="$4"
     local log="$SCRATCH/$model-$nproc-$seq-$comm.log"
+    local levels=""
+    if [[ "$comm" == "a2a+p2p" ]]; then
+        levels="--hierarchical-context-parallel-sizes 2 $((nproc / 2))"
+    fi
     # shellcheck disable=SC2046
     "$PYTHON" -m torch.distributed.run --no-python --standalone --nproc-per-node "$nproc" \
         "$PRETRAIN_GPT" $(model_flags "$model") --seq-length "$seq" --max-position-embeddings "$seq" \
         --micro-batch-size 1 --global-batch-size 8 --train-iters "$ITERS" --lr 1e-4 --bf16 \
         --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --eval-iters 0 \
         --log-interval 10 --log-throughput --recompute-activations \
-        --context-parallel-size "$nproc" --cp-comm-type "$comm" \
+        --context-parallel-size "$nproc" --cp-comm-type "$comm" $levels ${EXTRA_FLAGS:-} \
         --use-distributed-optimizer >"$log" 2>&1 || {
         echo "run failed: $model, CP=$nproc, seq $seq, $comm; its errors:" >&2
         grep -v '^\s' "$log" | grep -i -m 10 'error' >&2 || tail -30 "$log" >&2

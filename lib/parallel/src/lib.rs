@@ -15,6 +15,7 @@ mod nccl;
 mod placement;
 mod regions;
 mod rendezvous;
+mod subgroup;
 mod tcp;
 mod threads;
 
@@ -33,6 +34,7 @@ pub use regions::{
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 pub use rendezvous::Rendezvous;
+pub use subgroup::SubGroup;
 pub use tcp::TcpMesh;
 pub use threads::ThreadWorld;
 

@@ -105,7 +105,18 @@ fn context(size: &'static str, comm: &'static str) -> Vec<&'static str> {
     vec!["--context-parallel-size", size, "--cp-comm-type", comm]
 }
 
-/// CP = 2 and CP = 4 with each exchange equal the one-rank run.
+/// `a2a+p2p` over 4 ranks: a2a within pairs, p2p across them.
+const HIERARCHICAL: [&str; 7] = [
+    "--context-parallel-size",
+    "4",
+    "--cp-comm-type",
+    "a2a+p2p",
+    "--hierarchical-context-parallel-sizes",
+    "2",
+    "2",
+];
+
+/// CP = 2 and CP = 4 with each exchange, and `a2a+p2p` at CP = 2 × 2, equal the one-rank run.
 fn check_every_exchange(flags: &[&str], model: &str) {
     let reference = run(flags, 1, 1, 1, &[]);
     let lm = reference.outcome.lm_losses();
@@ -120,6 +131,12 @@ fn check_every_exchange(flags: &[&str], model: &str) {
             assert_same(&reference, &parallel, &format!("{model}, CP={size} {comm}"));
         }
     }
+    let hierarchical = run(flags, 4, 1, 1, &HIERARCHICAL);
+    assert_same(
+        &reference,
+        &hierarchical,
+        &format!("{model}, CP=2×2 a2a+p2p"),
+    );
 }
 
 #[test]
@@ -209,8 +226,6 @@ fn what_context_parallelism_cannot_run_is_refused_by_name() {
         uneven.contains("--seq-length 30 is not divisible by 2 × --context-parallel-size 2"),
         "{uneven}"
     );
-    let packed = parse_error(&["--context-parallel-size", "2", "--reset-attention-mask"]);
-    assert!(packed.contains("--reset-attention-mask"), "{packed}");
     let experts = parse_error(&[
         "--context-parallel-size",
         "2",
@@ -228,7 +243,21 @@ fn what_context_parallelism_cannot_run_is_refused_by_name() {
         "{graphs}"
     );
     let hierarchical = parse_error(&["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"]);
-    assert!(hierarchical.contains("a2a+p2p"), "{hierarchical}");
+    assert!(
+        hierarchical.contains("a2a+p2p needs --hierarchical-context-parallel-sizes"),
+        "{hierarchical}"
+    );
+    let levels = parse_error(&[
+        "--context-parallel-size",
+        "2",
+        "--hierarchical-context-parallel-sizes",
+        "2",
+        "2",
+    ]);
+    assert!(
+        levels.contains("their product is not --context-parallel-size 2"),
+        "{levels}"
+    );
     let heads = parse_error(&[
         "--context-parallel-size",
         "2",
@@ -238,7 +267,7 @@ fn what_context_parallelism_cannot_run_is_refused_by_name() {
         "1",
     ]);
     assert!(
-        heads.contains("1 heads per rank are not divisible by --context-parallel-size 2"),
+        heads.contains("1 heads per rank are not divisible by the 2 ranks that trade heads"),
         "{heads}"
     );
 }

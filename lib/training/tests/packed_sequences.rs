@@ -2,15 +2,19 @@
 //! runs per document from the documents' offsets. In float32 on the CPU, each document's loss
 //! and the gradients of a packed micro-batch equal those of each document run alone, and, with
 //! learned absolute positions, those of the dense `[s, s]` mask Megatron builds (and this
-//! project built before packing). On a GPU, libtorch's varlen flash attention equals causal
-//! attention run per document.
+//! project built before packing). Under context parallelism (CPU ranks as threads, every
+//! exchange) the ranks' losses and gradients add up to the one-rank packed step's. On a GPU,
+//! libtorch's varlen flash attention equals causal attention run per document.
+
+use std::time::Duration;
 
 use clap::Parser;
 use megatron_data::gpt::{GptSample, SampleOptions};
-use megatron_models::layers::PackedSequences;
+use megatron_models::layers::{ContextExchange, ContextParallel, PackedSequences};
 use megatron_models::{AttentionMask, GptBatch, GptModel, ModelOptions, Recompute};
-use megatron_parallel::ParallelState;
+use megatron_parallel::{ParallelState, ThreadWorld};
 use megatron_training::args::ModelArgs;
+use megatron_training::families::{GptFamily, LossTotals, ModelFamily, StepOutput};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Parser)]
@@ -23,7 +27,7 @@ const EOD: i64 = 0;
 const VOCAB: i64 = 64;
 const SEQ: usize = 24;
 
-fn model(extra: &[&str]) -> GptModel {
+fn config(extra: &[&str]) -> megatron_models::TransformerConfig {
     let argv: Vec<&str> = [
         &[
             "test",
@@ -42,7 +46,11 @@ fn model(extra: &[&str]) -> GptModel {
     ]
     .concat();
     let flags = Flags::try_parse_from(&argv).unwrap();
-    let config = flags.model.gpt_config(VOCAB).unwrap();
+    flags.model.gpt_config(VOCAB).unwrap()
+}
+
+fn model(extra: &[&str]) -> GptModel {
+    let config = config(extra);
     let options = ModelOptions {
         params_dtype: Kind::Float,
         device: Device::Cpu,
@@ -216,6 +224,89 @@ fn packed_documents_equal_the_dense_reset_mask() {
     {
         assert_close(a, b, &format!("gradient of parameter {i}"));
     }
+}
+
+/// The GPT family's step on `batch` with `context` (this rank's chunks then), without
+/// dropout: the summed token losses, their token count and the parameters' gradients.
+fn family_step(
+    extra: &[&str],
+    context: Option<ContextParallel>,
+    batch: &GptBatch,
+) -> anyhow::Result<(f64, f64, Vec<Tensor>)> {
+    let family = GptFamily {
+        config: config(extra),
+        eod: EOD,
+        cross_entropy_loss_fusion: false,
+        context,
+    };
+    let model = model(extra);
+    let mut losses = LossTotals::new(family.loss_names(), Device::Cpu);
+    let StepOutput::TokenLoss { sum, tokens } =
+        family.forward_step(&model, batch, None, false, &mut losses)?
+    else {
+        anyhow::bail!("GPT's step gives token losses");
+    };
+    let gradients = gradients(&model, &sum);
+    Ok((sum.double_value(&[]), tokens.double_value(&[]), gradients))
+}
+
+/// Packed sequences under context parallelism (`--reset-attention-mask` with
+/// `--context-parallel-size`): over CP = 2 and 4 ranks with every exchange, the ranks' summed
+/// token losses, token counts and gradients add up to the one-rank packed step's (the
+/// fixture's documents cross the chunks' boundaries; one is a single token).
+fn packed_under_context_parallelism_equals_one_rank(extra: &[&str]) {
+    let batch = GptBatch::collate(&samples()).unwrap();
+    let (loss, tokens, reference) = family_step(extra, None, &batch).unwrap();
+    let cases = [
+        (ContextExchange::Ring, 2),
+        (ContextExchange::Ring, 4),
+        (ContextExchange::AllGather, 2),
+        (ContextExchange::AllGather, 4),
+        (ContextExchange::AllToAll, 2),
+        (ContextExchange::AllToAll, 4),
+        (ContextExchange::AllToAllThenRing { a2a_size: 2 }, 4),
+    ];
+    for (exchange, size) in cases {
+        let world = ThreadWorld::new(size, Duration::from_secs(60));
+        let members: Vec<usize> = (0..size).collect();
+        let ranks = world
+            .run(|rank| {
+                let context =
+                    ContextParallel::new(world.group("context", &members, rank)?, exchange);
+                family_step(extra, Some(context), &GptBatch::collate(&samples())?)
+            })
+            .unwrap();
+        let what = format!("{exchange:?} CP={size}");
+        let rank_loss: f64 = ranks.iter().map(|r| r.0).sum();
+        assert!(
+            (rank_loss - loss).abs() <= 1e-5 * loss.abs(),
+            "{what}: the ranks' losses sum to {rank_loss}, one rank's is {loss}"
+        );
+        let rank_tokens: f64 = ranks.iter().map(|r| r.1).sum();
+        assert_eq!(rank_tokens, tokens, "{what}: tokens");
+        for (i, expected) in reference.iter().enumerate() {
+            let summed = ranks
+                .iter()
+                .map(|r| r.2[i].shallow_clone())
+                .reduce(|a, b| a + b)
+                .unwrap();
+            assert_close(
+                &summed,
+                expected,
+                &format!("{what}: gradient of parameter {i}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn packed_under_context_parallelism_equals_one_rank_gpt() {
+    packed_under_context_parallelism_equals_one_rank(&[]);
+}
+
+#[test]
+fn packed_under_context_parallelism_equals_one_rank_llama() {
+    packed_under_context_parallelism_equals_one_rank(LLAMA);
 }
 
 /// Documents that do not make up the sequence are refused by name.

@@ -196,11 +196,13 @@ impl GptModel {
             } else {
                 1
             };
-        // Under context parallelism the rank's positions are its two chunks' originals.
+        // Under context parallelism the rank's positions are its two chunks' originals, or
+        // with packed sequences their positions within their documents.
         let rotary = self.rotary.as_ref().map(|r| match mask {
-            AttentionMask::ContextParallel(context) => {
-                r.tables_at(&context.positions(sequence, hidden.device()))
-            }
+            AttentionMask::ContextParallel(context) => match context.document_positions() {
+                Some(positions) => r.tables_per_row(positions),
+                None => r.tables_at(&context.context().positions(sequence, hidden.device())),
+            },
             // Packed documents each start their rotary positions at 0.
             AttentionMask::Packed(packed) => r.tables_per_row(&packed.positions),
             _ => r.tables(0, sequence, hidden.device()),

@@ -4,7 +4,7 @@
 use anyhow::Result;
 use tch::Tensor;
 
-use super::context_parallel::ContextParallel;
+use super::context_parallel::ContextChunks;
 use super::kv_cache::{LayerCache, PagedStep};
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use super::norm::Norm;
@@ -36,9 +36,9 @@ pub enum AttentionMask {
     /// may be attended to. Megatron also masks the query rows of padding positions; their
     /// outputs never reach a loss, and masking only keys keeps those rows finite.
     Padding(Tensor),
-    /// Causal over the whole sequence, of which this rank holds two chunks of a
-    /// context-parallel group's (`--context-parallel-size`).
-    ContextParallel(ContextParallel),
+    /// Causal over the whole sequence (within each document when packed), of which this rank
+    /// holds two chunks of a context-parallel group's (`--context-parallel-size`).
+    ContextParallel(ContextChunks),
 }
 
 impl AttentionMask {

@@ -18,7 +18,7 @@ mod rope;
 mod transformer_layer;
 
 pub use attention::{AttentionMask, CrossAttention, HeadNorms, MemoryKeysValues, SelfAttention};
-pub use context_parallel::{ContextExchange, ContextParallel};
+pub use context_parallel::{ContextChunks, ContextExchange, ContextParallel};
 pub use embedding::VocabParallelEmbedding;
 pub use fp8_linear::Fp8Linear;
 pub use kv_cache::{KvCache, LayerCache, PagedKvCache, PagedStep, BLOCK_SIZE};

@@ -26,11 +26,14 @@ pub struct ParallelArgs {
     /// How context-parallel ranks share keys and values: p2p (a ring passing them on, partial
     /// results merged by their log-sum-exp), allgather (keys and values gathered, their
     /// gradients reduce-scattered) or a2a (Ulysses: heads exchanged for sequence, so the
-    /// attention heads per tensor-parallel rank must divide by the context-parallel size). One
-    /// type for every layer; a2a+p2p is refused.
+    /// attention heads per tensor-parallel rank must divide by the context-parallel size) or
+    /// a2a+p2p (a2a within groups of adjacent ranks, p2p across them, sized by
+    /// --hierarchical-context-parallel-sizes). One type for every layer.
     #[arg(long, num_args = 1.., default_values_t = [CpCommType::P2p], value_enum, value_name = "TYPE")]
     pub cp_comm_type: Vec<CpCommType>,
-    /// Sizes of the levels of a2a+p2p context parallelism (not supported: refused when given).
+    /// Sizes of the two levels of a2a+p2p context parallelism, whose product is the
+    /// context-parallel size: `A B` runs a2a within each A adjacent context-parallel ranks and
+    /// p2p over the B ranks at the same place of every such group.
     #[arg(long, num_args = 1.., value_name = "N")]
     pub hierarchical_context_parallel_sizes: Option<Vec<usize>>,
     /// Layers per virtual pipeline stage (interleaved 1F1B schedule).
@@ -134,11 +137,15 @@ pub enum CpCommType {
 impl ParallelArgs {
     /// The one `--cp-comm-type` of every layer, refusing what is not supported by name.
     pub fn context_parallel_exchange(&self) -> Result<ContextExchange> {
-        if self.hierarchical_context_parallel_sizes.is_some() {
-            megatron_cli::bail_usage!(
-                "--hierarchical-context-parallel-sizes: hierarchical (a2a+p2p) context \
-                 parallelism is not supported; use --cp-comm-type p2p, allgather or a2a"
-            );
+        let size = self.context_parallel_size;
+        let levels = self.hierarchical_context_parallel_sizes.as_deref();
+        if let Some(sizes) = levels {
+            if sizes.iter().product::<usize>() != size {
+                megatron_cli::bail_usage!(
+                    "--hierarchical-context-parallel-sizes {sizes:?}: their product is not \
+                     --context-parallel-size {size}"
+                );
+            }
         }
         let first = self.cp_comm_type[0];
         if self.cp_comm_type.iter().any(|&t| t != first) {
@@ -152,10 +159,17 @@ impl ParallelArgs {
             CpCommType::P2p => ContextExchange::Ring,
             CpCommType::Allgather => ContextExchange::AllGather,
             CpCommType::A2a => ContextExchange::AllToAll,
-            CpCommType::A2aP2p => megatron_cli::bail_usage!(
-                "--cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported; use \
-                 p2p, allgather or a2a"
-            ),
+            CpCommType::A2aP2p => match levels {
+                Some(&[a2a_size, _]) => ContextExchange::AllToAllThenRing { a2a_size },
+                Some(sizes) => megatron_cli::bail_usage!(
+                    "--cp-comm-type a2a+p2p: --hierarchical-context-parallel-sizes {sizes:?} \
+                     must be two sizes, the a2a level's and the p2p level's"
+                ),
+                None => megatron_cli::bail_usage!(
+                    "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (the \
+                     a2a level's size and the p2p level's)"
+                ),
+            },
         })
     }
 }

@@ -31,8 +31,8 @@ pub struct GptFamily {
 
 impl GptFamily {
     /// The part of `batch` this rank computes: under context parallelism its two chunks of
-    /// every sequence (tokens, labels, loss mask and original positions), attending across
-    /// the group.
+    /// every sequence (tokens, labels, loss mask and position ids), attending across the
+    /// group, within each document when the sequences are packed.
     fn local(&self, batch: &GptBatch) -> Result<(GptBatch, AttentionMask)> {
         let Some(context) = &self.context else {
             return Ok((batch.map_tensors(&mut Tensor::shallow_clone), batch.mask()));
@@ -46,7 +46,11 @@ impl GptFamily {
             attention_mask: None,
             packed: None,
         };
-        Ok((local, AttentionMask::ContextParallel(context.clone())))
+        let chunks = match &batch.packed {
+            Some(packed) => context.with_documents(packed)?,
+            None => context.chunks(),
+        };
+        Ok((local, AttentionMask::ContextParallel(chunks)))
     }
 }
 
@@ -170,13 +174,6 @@ fn context_parallel(
              context parallelism cuts each sequence into 2 × {size} equal chunks"
         );
     }
-    if args.data.reset_attention_mask || args.data.reset_position_ids {
-        megatron_cli::bail_usage!(
-            "--context-parallel-size {size} with --reset-attention-mask or --reset-position-ids \
-             (packed sequences) is not supported: context-parallel attention is causal over the \
-             whole sequence"
-        );
-    }
     if args.model.moe.num_experts.is_some() {
         megatron_cli::bail_usage!(
             "--context-parallel-size {size} with --num-experts is not supported yet: the \
@@ -189,20 +186,25 @@ fn context_parallel(
              chunks' positions are copied to the device at every step"
         );
     }
-    if exchange == ContextExchange::AllToAll {
+    let traded_over = match exchange {
+        ContextExchange::AllToAll => Some(("a2a", size)),
+        ContextExchange::AllToAllThenRing { a2a_size } => Some(("a2a+p2p", a2a_size)),
+        ContextExchange::Ring | ContextExchange::AllGather => None,
+    };
+    if let Some((comm, over)) = traded_over {
         let heads = args.model.num_attention_heads;
         let tensor = args.parallel.tensor_model_parallel_size as i64;
-        if (heads / tensor) % size as i64 != 0 {
+        if (heads / tensor) % over as i64 != 0 {
             megatron_cli::bail_usage!(
-                "--cp-comm-type a2a: --num-attention-heads {heads} / \
+                "--cp-comm-type {comm}: --num-attention-heads {heads} / \
                  --tensor-model-parallel-size {tensor} = {} heads per rank are not divisible \
-                 by --context-parallel-size {size}",
+                 by the {over} ranks that trade heads for sequence",
                 heads / tensor
             );
         }
     }
-    Ok(Some(ContextParallel {
-        group: parallel.context.clone(),
+    Ok(Some(ContextParallel::new(
+        parallel.context.clone(),
         exchange,
-    }))
+    )))
 }
