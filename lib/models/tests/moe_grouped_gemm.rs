@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use megatron_models::layers::moe::aux_loss::set_aux_loss_backward_scale;
 use megatron_models::layers::moe::config::{
-    LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
+    Capacity, DropPolicy, LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
 };
+use megatron_models::layers::moe::host_wait_reason;
 use megatron_models::layers::{MoeLayer, NamedParameter, NamedTensors, TensorParallel};
 use megatron_models::param::Initializer;
 use megatron_models::{Activation, Normalization, TransformerConfig};
@@ -223,6 +224,89 @@ fn unaligned_experts_fall_back_to_the_loop() {
     assert!(!layer.experts.runs_grouped(&x));
     let y = layer.forward(&x, false).unwrap();
     assert_eq!(y.size(), [4, 2, 16]);
+}
+
+/// A CUDA graph may hold the MoE layers `host_wait_reason` clears: dropless routing on one
+/// expert-parallel rank with the experts as grouped GEMMs in a dtype and shape the kernel
+/// takes. On the CPU, where the kernel also runs in float32, the verdict is the layer's own
+/// choice of the grouped path.
+#[test]
+fn only_dropless_grouped_experts_on_one_rank_keep_their_counts_on_the_device() {
+    let model = |moe: MoeConfig| TransformerConfig {
+        moe: Some(moe),
+        ..trunk(64, Activation::Swiglu)
+    };
+    let gpu = Device::Cuda(0);
+    let grouped = model(moe(4, 48, 2, true));
+    assert_eq!(host_wait_reason(&grouped, Kind::BFloat16, gpu, 1), None);
+    assert_eq!(
+        host_wait_reason(&trunk(64, Activation::Swiglu), Kind::Half, gpu, 2),
+        None,
+        "a dense model"
+    );
+    let waits = [
+        ("fp16", grouped.clone(), Kind::Half, 1),
+        ("float32 on a GPU", grouped.clone(), Kind::Float, 1),
+        ("expert parallelism", grouped.clone(), Kind::BFloat16, 2),
+        (
+            "the per-expert loop",
+            model(moe(4, 48, 2, false)),
+            Kind::BFloat16,
+            1,
+        ),
+        // 44 bf16 elements are 88 bytes, not a multiple of 16.
+        (
+            "unaligned experts",
+            model(moe(4, 44, 2, true)),
+            Kind::BFloat16,
+            1,
+        ),
+        (
+            "an expert capacity",
+            model(MoeConfig {
+                capacity: Some(Capacity {
+                    factor: 1.0,
+                    drop_policy: DropPolicy::Probs,
+                    pad_to_capacity: true,
+                }),
+                ..moe(4, 48, 2, true)
+            }),
+            Kind::BFloat16,
+            1,
+        ),
+    ];
+    for (what, config, kind, expert_parallel) in waits {
+        assert!(
+            host_wait_reason(&config, kind, gpu, expert_parallel).is_some(),
+            "{what}"
+        );
+    }
+    for (kind, ffn, grouped_gemm) in [
+        (Kind::Float, 48, true),
+        (Kind::BFloat16, 48, true),
+        (Kind::BFloat16, 44, true),
+        (Kind::Float, 42, true),
+        (Kind::Float, 48, false),
+    ] {
+        let config = moe(4, ffn, 2, grouped_gemm);
+        let layer = MoeLayer::new(
+            &Initializer::new(kind, Device::Cpu, 0, 1, 5).scope("mlp"),
+            &trunk(64, Activation::Swiglu),
+            &config,
+            0.2,
+            TensorParallel {
+                group: Arc::new(SingleRank),
+                sequence_parallel: false,
+            },
+            Arc::new(SingleRank),
+        );
+        let tokens = Tensor::zeros([6, 64], (kind, Device::Cpu));
+        assert_eq!(
+            host_wait_reason(&model(config), kind, Device::Cpu, 1).is_none(),
+            layer.experts.runs_grouped(&tokens),
+            "{kind:?}, experts of width {ffn}, grouped GEMM {grouped_gemm}"
+        );
+    }
 }
 
 /// On a GPU in bf16, Hopper's grouped kernel: a Mixtral-like layer of 8 experts (top-2) over

@@ -17,11 +17,6 @@ pub fn takes(experts: &[Mlp], tokens: &Tensor) -> bool {
         return false;
     };
     let kind = tokens.kind();
-    let kind_runs = match tokens.device() {
-        Device::Cpu => matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half),
-        Device::Cuda(_) => kind == Kind::BFloat16,
-        _ => false,
-    };
     let plain = experts.iter().all(|expert| {
         let (fc1, fc2) = (&expert.linear_fc1, &expert.linear_fc2);
         fc1.bias.is_none()
@@ -32,11 +27,21 @@ pub fn takes(experts: &[Mlp], tokens: &Tensor) -> bool {
             && fc2.weight.kind() == kind
     });
     let fc1 = first.linear_fc1.weight.size();
+    let widths = [fc1[0], fc1[1], first.linear_fc2.weight.size()[1]];
+    plain && kernel_takes(kind, tokens.device(), &widths)
+}
+
+/// Whether libtorch's grouped GEMM runs in `kind` on `device` over operands whose rows are
+/// `widths` elements wide: bf16 on a GPU (float32, bf16 or fp16 on the CPU), every row a
+/// multiple of 16 bytes.
+pub fn kernel_takes(kind: Kind, device: Device, widths: &[i64]) -> bool {
+    let kind_runs = match device {
+        Device::Cpu => matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half),
+        Device::Cuda(_) => kind == Kind::BFloat16,
+        _ => false,
+    };
     let bytes = kind.elt_size_in_bytes() as i64;
-    let aligned = [fc1[0], fc1[1], first.linear_fc2.weight.size()[1]]
-        .iter()
-        .all(|width| width * bytes % 16 == 0);
-    kind_runs && plain && aligned
+    kind_runs && widths.iter().all(|width| width * bytes % 16 == 0)
 }
 
 /// The experts over `tokens` `[assignments, h]` grouped expert by expert, expert e's rows

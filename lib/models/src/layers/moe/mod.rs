@@ -14,6 +14,7 @@ mod exchange;
 pub mod expert_bias;
 mod experts;
 mod grouped_gemm;
+mod host_sync;
 mod router;
 mod shared_expert;
 
@@ -29,6 +30,7 @@ use crate::param::Initializer;
 use config::{MoeConfig, TokenDispatcher};
 use dispatch::Permutation;
 pub use experts::RoutedExperts;
+pub use host_sync::host_wait_reason;
 use megatron_parallel::{Communicator, SingleRank};
 pub use router::{Assignments, Routing, TopKRouter};
 pub use shared_expert::SharedExpert;
