@@ -15,10 +15,12 @@
 #   PYTHON=python3      a python with torch 2.11 (CUDA)
 #   ITERS=30            iterations per run (ours reports the mean of its last log interval)
 #   LAYERS=8 HIDDEN=1024 HEADS=16 FFN=2816 EXPERTS=8 TOPK=2 SEQ=2048 MICRO=4 GLOBAL=32
-#   OURS_VARIANTS="--moe-grouped-gemm --moe-permute-fusion"
-#                       ;-separated flag sets for extra rows of ours; the default adds the row of
-#                       the experts as grouped GEMMs beside the first row's per-expert loop
-#                       (OURS_VARIANTS= leaves it out)
+#   OURS_VARIANTS="--moe-grouped-gemm --moe-permute-fusion;--moe-grouped-gemm --moe-permute-fusion --no-cuda-graph"
+#                       ;-separated flag sets for extra rows of ours; the default adds the rows of
+#                       the experts as grouped GEMMs (whose micro-batches replay from CUDA graphs
+#                       by default) and the same without graphs, beside the first row's per-expert
+#                       loop (eager: its batch sizes come through the host); OURS_VARIANTS= leaves
+#                       them out
 #   REFERENCE_EXPERTS=grouped   grouped or loop: how the reference runs its experts
 set -euo pipefail
 
@@ -37,7 +39,8 @@ source "$ROOT/scripts/bench/gpu_memory.sh"
 # shellcheck source=ours_variants.sh
 source "$ROOT/scripts/bench/ours_variants.sh"
 LOG_INTERVAL="$(log_interval "$ITERS")"
-OURS_VARIANTS="${OURS_VARIANTS---moe-grouped-gemm --moe-permute-fusion}"
+GROUPED="--moe-grouped-gemm --moe-permute-fusion"
+OURS_VARIANTS="${OURS_VARIANTS-$GROUPED;$GROUPED --no-cuda-graph}"
 trap '[[ -n "$SAMPLER" ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 
 LAYERS="${LAYERS:-8}" HIDDEN="${HIDDEN:-1024}" HEADS="${HEADS:-16}" FFN="${FFN:-2816}"

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use megatron_models::layers::moe::aux_loss::set_aux_loss_backward_scale;
 use megatron_models::layers::moe::config::{
-    LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
+    Capacity, DropPolicy, LoadBalancing, MoeConfig, ScoreFunction, TokenDispatcher,
 };
+use megatron_models::layers::moe::{host_wait_reason, GroupOrder};
 use megatron_models::layers::{MoeLayer, NamedParameter, NamedTensors, TensorParallel};
 use megatron_models::param::Initializer;
 use megatron_models::{Activation, Normalization, TransformerConfig};
@@ -73,6 +74,32 @@ struct Case {
     activation: Activation,
     /// Every token sent to experts 0 and 1 only, the others getting none.
     only_two_experts: bool,
+    /// The parameters moved into one buffer as the optimizer lays them out (Megatron's
+    /// reversed order, aligned offsets), where the grouped GEMMs read the experts' weights in
+    /// descending order.
+    optimizer_layout: bool,
+}
+
+/// Moves `params` into one flat buffer as the optimizer does: in reverse, each at an offset of
+/// a multiple of 64 elements, each parameter becoming a view of the buffer.
+fn lay_out_as_the_optimizer(params: &[NamedParameter]) {
+    let aligned = |n: i64| (n + 63) / 64 * 64;
+    let total: i64 = params
+        .iter()
+        .map(|p| aligned(p.tensor.numel() as i64))
+        .sum();
+    let first = &params[0].tensor;
+    let buffer = Tensor::zeros([total], (first.kind(), first.device()));
+    let mut offset = 0;
+    for param in params.iter().rev() {
+        let numel = param.tensor.numel() as i64;
+        let place = buffer
+            .narrow(0, offset, numel)
+            .view(param.tensor.size().as_slice());
+        tch::no_grad(|| place.shallow_clone().copy_(&param.tensor));
+        param.tensor.shallow_clone().set_data(&place);
+        offset += aligned(numel);
+    }
 }
 
 fn run(case: &Case, grouped_gemm: bool, kind: Kind, device: Device) -> Pass {
@@ -92,6 +119,9 @@ fn run(case: &Case, grouped_gemm: bool, kind: Kind, device: Device) -> Pass {
     );
     let mut params: Vec<NamedParameter> = Vec::new();
     layer.named_tensors(&mut NamedTensors::new(&mut params));
+    if case.optimizer_layout {
+        lay_out_as_the_optimizer(&params);
+    }
     tch::manual_seed(99);
     let shape = [case.tokens[0], case.tokens[1], case.hidden];
     let x = Tensor::randn(shape, (Kind::Float, device));
@@ -110,6 +140,15 @@ fn run(case: &Case, grouped_gemm: bool, kind: Kind, device: Device) -> Pass {
         layer.experts.runs_grouped(&input),
         grouped_gemm,
         "whether the grouped kernel runs"
+    );
+    // The experts' weights are read where they lie, in their order there (no copy).
+    let order = match case.optimizer_layout {
+        true => GroupOrder::Descending,
+        false => GroupOrder::Ascending,
+    };
+    assert_eq!(
+        layer.experts.grouped_order(&input).unwrap(),
+        grouped_gemm.then_some(order)
     );
     let y = layer.forward(&input, true).unwrap();
     (y.to_kind(Kind::Float) * &g).sum(Kind::Float).backward();
@@ -159,9 +198,25 @@ fn grouped_gemm_equals_the_per_expert_loop_in_float32() {
         tokens: [6, 3],
         activation: Activation::Swiglu,
         only_two_experts: false,
+        optimizer_layout: false,
     };
     let cases = [
         ("SwiGLU top-2", base),
+        (
+            "SwiGLU top-2, in the optimizer's buffer",
+            Case {
+                optimizer_layout: true,
+                ..base
+            },
+        ),
+        (
+            "experts without tokens, in the optimizer's buffer",
+            Case {
+                only_two_experts: true,
+                optimizer_layout: true,
+                ..base
+            },
+        ),
         (
             "GeLU top-1",
             Case {
@@ -206,6 +261,7 @@ fn unaligned_experts_fall_back_to_the_loop() {
         tokens: [4, 2],
         activation: Activation::GeluTanh,
         only_two_experts: false,
+        optimizer_layout: false,
     };
     let init = Initializer::new(Kind::Float, Device::Cpu, 0, 1, 1).scope("mlp");
     let layer = MoeLayer::new(
@@ -225,6 +281,89 @@ fn unaligned_experts_fall_back_to_the_loop() {
     assert_eq!(y.size(), [4, 2, 16]);
 }
 
+/// A CUDA graph may hold the MoE layers `host_wait_reason` clears: dropless routing on one
+/// expert-parallel rank with the experts as grouped GEMMs in a dtype and shape the kernel
+/// takes. On the CPU, where the kernel also runs in float32, the verdict is the layer's own
+/// choice of the grouped path.
+#[test]
+fn only_dropless_grouped_experts_on_one_rank_keep_their_counts_on_the_device() {
+    let model = |moe: MoeConfig| TransformerConfig {
+        moe: Some(moe),
+        ..trunk(64, Activation::Swiglu)
+    };
+    let gpu = Device::Cuda(0);
+    let grouped = model(moe(4, 48, 2, true));
+    assert_eq!(host_wait_reason(&grouped, Kind::BFloat16, gpu, 1), None);
+    assert_eq!(
+        host_wait_reason(&trunk(64, Activation::Swiglu), Kind::Half, gpu, 2),
+        None,
+        "a dense model"
+    );
+    let waits = [
+        ("fp16", grouped.clone(), Kind::Half, 1),
+        ("float32 on a GPU", grouped.clone(), Kind::Float, 1),
+        ("expert parallelism", grouped.clone(), Kind::BFloat16, 2),
+        (
+            "the per-expert loop",
+            model(moe(4, 48, 2, false)),
+            Kind::BFloat16,
+            1,
+        ),
+        // 44 bf16 elements are 88 bytes, not a multiple of 16.
+        (
+            "unaligned experts",
+            model(moe(4, 44, 2, true)),
+            Kind::BFloat16,
+            1,
+        ),
+        (
+            "an expert capacity",
+            model(MoeConfig {
+                capacity: Some(Capacity {
+                    factor: 1.0,
+                    drop_policy: DropPolicy::Probs,
+                    pad_to_capacity: true,
+                }),
+                ..moe(4, 48, 2, true)
+            }),
+            Kind::BFloat16,
+            1,
+        ),
+    ];
+    for (what, config, kind, expert_parallel) in waits {
+        assert!(
+            host_wait_reason(&config, kind, gpu, expert_parallel).is_some(),
+            "{what}"
+        );
+    }
+    for (kind, ffn, grouped_gemm) in [
+        (Kind::Float, 48, true),
+        (Kind::BFloat16, 48, true),
+        (Kind::BFloat16, 44, true),
+        (Kind::Float, 42, true),
+        (Kind::Float, 48, false),
+    ] {
+        let config = moe(4, ffn, 2, grouped_gemm);
+        let layer = MoeLayer::new(
+            &Initializer::new(kind, Device::Cpu, 0, 1, 5).scope("mlp"),
+            &trunk(64, Activation::Swiglu),
+            &config,
+            0.2,
+            TensorParallel {
+                group: Arc::new(SingleRank),
+                sequence_parallel: false,
+            },
+            Arc::new(SingleRank),
+        );
+        let tokens = Tensor::zeros([6, 64], (kind, Device::Cpu));
+        assert_eq!(
+            host_wait_reason(&model(config), kind, Device::Cpu, 1).is_none(),
+            layer.experts.runs_grouped(&tokens),
+            "{kind:?}, experts of width {ffn}, grouped GEMM {grouped_gemm}"
+        );
+    }
+}
+
 /// On a GPU in bf16, Hopper's grouped kernel: a Mixtral-like layer of 8 experts (top-2) over
 /// 2048 tokens, with experts that receive no tokens too.
 #[test]
@@ -242,6 +381,7 @@ fn grouped_gemm_equals_the_per_expert_loop_in_bf16_on_a_gpu() {
         tokens: [512, 4],
         activation: Activation::Swiglu,
         only_two_experts: false,
+        optimizer_layout: false,
     };
     for (what, case) in [
         ("bf16 SwiGLU top-2", base),
@@ -249,6 +389,13 @@ fn grouped_gemm_equals_the_per_expert_loop_in_bf16_on_a_gpu() {
             "bf16, experts without tokens",
             Case {
                 only_two_experts: true,
+                ..base
+            },
+        ),
+        (
+            "bf16, in the optimizer's buffer",
+            Case {
+                optimizer_layout: true,
                 ..base
             },
         ),

@@ -4,7 +4,10 @@
 //! Every later micro-batch copies its tensors into the graph's static inputs and replays it: one
 //! launch instead of about a thousand, and no gap while the host queues kernels. The optimizer
 //! step stays outside the graph: its learning rate and step count change every iteration, and
-//! it is a handful of launches.
+//! it is a handful of launches. Mixture-of-Experts layers are held when they keep their token
+//! counts on the device ([`host_wait_reason`]); the auxiliary losses they track are the graph's
+//! static outputs, tracked again after each replay, and their backward reads the step's scale
+//! from a device scalar as the main loss does.
 
 use anyhow::{ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
@@ -17,16 +20,30 @@ use megatron_kernels::rng::{self, CudaGenerator};
 use megatron_kernels::runtime::{
     cuda_empty_cache, cuda_free_memory, cuda_graphs_available, cuda_memory_stats, CudaGraph,
 };
+use megatron_models::layers::moe::aux_loss::{
+    take_tracked_values, with_aux_loss_backward_scale_on_device, TrackedValues,
+};
+use megatron_models::layers::moe::host_wait_reason;
 use megatron_models::loader::DeviceBatch;
-use megatron_models::Recompute;
+use megatron_models::{Recompute, TransformerConfig};
 use megatron_parallel::ParallelState;
 
-/// Why this run cannot replay its micro-batches from a CUDA graph, or `None` when it can.
+/// Why this run (of a model of `transformer`'s architecture) cannot replay its micro-batches
+/// from a CUDA graph, or `None` when it can.
 pub fn unsupported_reason(
     args: &PretrainArgs,
+    transformer: &TransformerConfig,
     device: Device,
     parallel: &ParallelState,
 ) -> Result<Option<&'static str>> {
+    let moe_wait = || {
+        host_wait_reason(
+            transformer,
+            args.precision.params_dtype(),
+            device,
+            parallel.layout.expert_size(),
+        )
+    };
     Ok(if !device.is_cuda() {
         Some("training runs on the CPU")
     } else if !cuda_graphs_available() {
@@ -41,10 +58,8 @@ pub fn unsupported_reason(
         Some("--calculate-per-token-loss scales each step by its token count, which the graph does not read")
     } else if args.recompute.recompute()? != Recompute::None {
         Some("activation recomputation swaps random-generator states on the host in the backward")
-    } else if args.model.moe.num_experts.is_some() {
-        Some("Mixture-of-Experts layers size each expert's batch on the host from the routing")
     } else {
-        None
+        moe_wait()
     })
 }
 
@@ -74,8 +89,12 @@ struct Captured<B> {
     inputs: B,
     inverse_microbatches: Tensor,
     loss_scale: Tensor,
+    /// The auxiliary losses' gradient in backward (the loss scale over the micro-batches).
+    aux_loss_scale: Tensor,
     /// The replayed micro-batch's losses (the graph zeroes them first).
     totals: LossTotals,
+    /// The auxiliary losses the MoE layers track, as the graph writes them.
+    aux_losses: TrackedValues,
 }
 
 impl<B: DeviceBatch> MicrobatchGraph<B> {
@@ -158,12 +177,17 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
         let inverse = f64::from(1.0 / batches.len() as f32);
         let _ = captured.inverse_microbatches.fill_(inverse);
         let _ = captured.loss_scale.fill_(loss_scale);
+        // The eager step's host value (the engine's), so that both give the same bits.
+        let _ = captured
+            .aux_loss_scale
+            .fill_(loss_scale / batches.len() as f64);
         for batch in batches {
             for (target, source) in captured.inputs.tensors().into_iter().zip(batch.tensors()) {
                 target.shallow_clone().copy_(source);
             }
             captured.graph.replay()?;
             stage.totals.absorb(&captured.totals);
+            captured.aux_losses.track_copies();
         }
         Ok(true)
     }
@@ -188,35 +212,45 @@ impl<B: DeviceBatch> MicrobatchGraph<B> {
         let device = Device::Cuda(self.device);
         let inputs = first.map_tensors(&mut |t| t.copy());
         let scalar = || Tensor::ones([], (Kind::Float, device));
-        let (inverse_microbatches, loss_scale) = (scalar(), scalar());
+        let (inverse_microbatches, loss_scale, aux_loss_scale) = (scalar(), scalar(), scalar());
         let names = stage.family.loss_names();
         // Attention dropout forks to the model-parallel stream, whose state the graph advances.
         let stream = rng::model_parallel_generator();
         let generators: Vec<&CudaGenerator> = stream.as_deref().into_iter().collect();
-        let (graph, totals) = CudaGraph::capture(self.device, None, &generators, || {
-            let mut captured = FamilyStage {
-                family: stage.family,
-                chunks: stage.chunks,
-                batches: std::slice::from_ref(&inputs),
-                parallel: stage.parallel,
-                optimizer: stage.optimizer.as_deref_mut(),
-                loss_scaling: LossScaling::Device {
-                    inverse_microbatches: inverse_microbatches.shallow_clone(),
-                    loss_scale: loss_scale.shallow_clone(),
-                },
-                totals: LossTotals::new(names, device),
-                scoring: stage.scoring,
-            };
-            let loss = captured.forward(0, 0, None)?;
-            backward_step(&mut captured, None, loss, None)?;
-            Ok(captured.totals)
-        })?;
+        // What the MoE layers track while the graph captures are its outputs, not values:
+        // kept apart from what this step tracked before.
+        let before = take_tracked_values();
+        let capture = with_aux_loss_backward_scale_on_device(&aux_loss_scale, || {
+            CudaGraph::capture(self.device, None, &generators, || {
+                let mut captured = FamilyStage {
+                    family: stage.family,
+                    chunks: stage.chunks,
+                    batches: std::slice::from_ref(&inputs),
+                    parallel: stage.parallel,
+                    optimizer: stage.optimizer.as_deref_mut(),
+                    loss_scaling: LossScaling::Device {
+                        inverse_microbatches: inverse_microbatches.shallow_clone(),
+                        loss_scale: loss_scale.shallow_clone(),
+                    },
+                    totals: LossTotals::new(names, device),
+                    scoring: stage.scoring,
+                };
+                let loss = captured.forward(0, 0, None)?;
+                backward_step(&mut captured, None, loss, None)?;
+                Ok(captured.totals)
+            })
+        });
+        let aux_losses = take_tracked_values();
+        before.restore();
+        let (graph, totals) = capture?;
         Ok(Captured {
             graph,
             inputs,
             inverse_microbatches,
             loss_scale,
+            aux_loss_scale,
             totals,
+            aux_losses,
         })
     }
 }

@@ -469,7 +469,7 @@ pub fn train_with_hooks<F: ModelFamily>(
             })
         })
         .collect::<Vec<NamedParameter>>();
-    let graph = microbatch_graph(args, family.model_type(), device, &parallel)?;
+    let graph = microbatch_graph(args, family, device, &parallel)?;
     let gradient_ranks = layout.data * layout.context;
     let settings = optimizer_settings(args, gradient_ranks, graph.is_some())?;
     if graph.is_some()
@@ -1469,12 +1469,13 @@ fn checkpoint_export<F: ModelFamily>(
 /// hears why from rank 0; a default run stays eager without a word when it cannot use them, or
 /// when it asked for overlapped reductions over several data-parallel ranks (which a graphed
 /// run sets aside), and says once that it replays graphs when it does.
-fn microbatch_graph<B: DeviceBatch>(
+fn microbatch_graph<F: ModelFamily>(
     args: &PretrainArgs,
-    model_type: &str,
+    family: &F,
     device: Device,
     parallel: &ParallelState,
-) -> Result<Option<MicrobatchGraph<B>>> {
+) -> Result<Option<MicrobatchGraph<F::Batch>>> {
+    let model_type = family.model_type();
     let training = &args.training;
     let choice = if training.enable_cuda_graph || training.external_cuda_graph {
         GraphChoice::Asked
@@ -1486,7 +1487,9 @@ fn microbatch_graph<B: DeviceBatch>(
     } else {
         GraphChoice::Default
     };
-    if let Some(reason) = cuda_graphs::unsupported_reason(args, device, parallel)? {
+    if let Some(reason) =
+        cuda_graphs::unsupported_reason(args, family.transformer(), device, parallel)?
+    {
         if parallel.rank == 0 && choice == GraphChoice::Asked {
             eprintln!("warning: --enable-cuda-graph: {reason}; training without CUDA graphs");
         }

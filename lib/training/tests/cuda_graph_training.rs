@@ -3,11 +3,15 @@
 //! inputs, so a run with graphs must give the losses and weights of the same run without them,
 //! bit for bit: with gradient accumulation over micro-batches, the fused loss, dropout (the graph
 //! draws the same random numbers as the eager step, attention dropout from the model-parallel
-//! stream), fp16 loss scaling, fp8 and for BERT. The same holds for the graphs GPT and BERT
-//! runs replay by default, against `--no-cuda-graph`. Settings the graph cannot hold (activation
-//! recomputation) train without graphs, and Megatron's graph flags are accepted everywhere.
+//! stream), fp16 loss scaling, fp8, for BERT, and for Mixture-of-Experts layers whose experts run
+//! as grouped GEMMs (their logged auxiliary losses and expert biases included). The same holds
+//! for the graphs GPT and BERT runs replay by default, against `--no-cuda-graph`. Settings the
+//! graph cannot hold (activation recomputation) train without graphs, and Megatron's graph flags
+//! are accepted everywhere.
 
 mod support;
+
+use std::path::Path;
 
 use megatron_training::{BertPretrainArgs, GptPretrainArgs};
 use support::{assert_bitwise_identical, Outcome, Pretrain};
@@ -73,6 +77,91 @@ fn on_a_gpu_graphs_train_bitwise_like_eager() {
     }
     let (eager, graphed) = with_and_without_graphs::<BertPretrainArgs>(&["--bf16"]);
     assert_bitwise_identical(&eager, &graphed);
+}
+
+/// A Llama-style MoE of 4 layers, 3 of them with 4 experts of width 48 (top-2) as grouped
+/// GEMMs, with the load-balancing loss and the z-loss.
+const MOE: &[&str] = &[
+    "--bf16",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--num-experts",
+    "4",
+    "--moe-ffn-hidden-size",
+    "48",
+    "--moe-layer-freq",
+    "[1,0,1,1]",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+    "--moe-grouped-gemm",
+];
+
+/// The MoE columns of every iteration in the metrics file, as logged.
+fn moe_columns(metrics: &Path) -> Vec<Vec<(String, f64)>> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .filter_map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let columns: Vec<(String, f64)> = ["load_balancing_loss", "z_loss"]
+                .iter()
+                .filter_map(|name| Some((name.to_string(), record.get(*name)?.as_f64()?)))
+                .collect();
+            (!columns.is_empty()).then_some(columns)
+        })
+        .collect()
+}
+
+/// MoE layers whose experts run as grouped GEMMs keep every count on the device, so their
+/// micro-batches replay from graphs: the losses, the logged auxiliary losses (tracked inside
+/// the graph) and the weights equal the eager run's bit for bit, with softmax routing and with
+/// sigmoid routing steered by expert biases (updated after each step, outside the graph).
+#[test]
+fn on_a_gpu_moe_graphs_train_bitwise_like_eager() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device");
+        return;
+    }
+    let expert_bias = [
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "1e-2",
+    ];
+    for extra in [&[][..], &expert_bias] {
+        let runs: Vec<(support::Outcome, Vec<Vec<(String, f64)>>)> =
+            [&["--no-cuda-graph"][..], &[][..], GRAPHS]
+                .into_iter()
+                .map(|graphs| {
+                    let dir = tempfile::tempdir().unwrap();
+                    let outcome = support::gpu_train_in::<GptPretrainArgs>(
+                        dir.path(),
+                        &[flags(MOE).as_slice(), extra, graphs].concat(),
+                    );
+                    (outcome, moe_columns(&dir.path().join("metrics.jsonl")))
+                })
+                .collect();
+        let (eager, eager_moe) = &runs[0];
+        let lm = eager.lm_losses();
+        assert_eq!(lm.len(), 8, "{extra:?}: {lm:?}");
+        assert!(lm[7] < lm[0], "{extra:?}: the run did not learn: {lm:?}");
+        assert_eq!(eager_moe.len(), 8, "{extra:?}: {eager_moe:?}");
+        for (outcome, moe) in &runs[1..] {
+            eprintln!("{extra:?}: {:?}\n{moe:?}", outcome.lm_losses());
+            assert_bitwise_identical(eager, outcome);
+            assert_eq!(eager_moe, moe, "{extra:?}: the auxiliary losses");
+        }
+    }
 }
 
 /// Activation recomputation swaps generator states on the host in the backward, which a graph

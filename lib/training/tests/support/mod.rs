@@ -282,7 +282,12 @@ pub fn train<P: Pretrain>(
 /// end: the losses it logged and its weights.
 pub fn gpu_train<P: Pretrain>(flags: &[&str]) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
-    train_on::<P>(dir.path(), flags, 1, 1, 1, &[], Device::Cuda(0)).unwrap()
+    gpu_train_in::<P>(dir.path(), flags)
+}
+
+/// [`gpu_train`] saving under `dir/ckpt` and logging to `dir/metrics.jsonl`.
+pub fn gpu_train_in<P: Pretrain>(dir: &Path, flags: &[&str]) -> Outcome {
+    train_on::<P>(dir, flags, 1, 1, 1, &[], Device::Cuda(0)).unwrap()
 }
 
 /// The `lm loss` of every iteration of [`gpu_train`] with `flags`, once with the kernel that

@@ -3,9 +3,10 @@
 
 use std::cell::OnceCell;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
+use super::expert_stack::GroupOrder;
 use super::router::{Assignments, Routing};
 
 /// How many assignments each expert has (zero allowed): counted on the device, read to the
@@ -63,28 +64,45 @@ pub struct Permutation {
 }
 
 impl Permutation {
-    /// Groups `tokens` `[t, h]` by the experts `routing` chose for them; dropless or padded
-    /// to the expert capacity, with no wait for the device.
-    pub fn new(tokens: &Tensor, routing: &Routing) -> Result<Self> {
-        match &routing.assignments {
-            Assignments::TopK(indices) => Self::sorted(tokens, routing, indices),
-            Assignments::Padded(capacity) => Self::padded(tokens, routing, *capacity),
-            Assignments::Dropped => Self::of_map(tokens, &routing.probs, &routing.map),
+    /// Groups `tokens` `[t, h]` by the experts `routing` chose for them, the experts in
+    /// `order` (descending only for dropless routing); dropless or padded to the expert
+    /// capacity, with no wait for the device.
+    pub fn new(tokens: &Tensor, routing: &Routing, order: GroupOrder) -> Result<Self> {
+        match (&routing.assignments, order) {
+            (Assignments::TopK(indices), _) => Self::sorted(tokens, routing, indices, order),
+            (_, GroupOrder::Descending) => {
+                bail!("only dropless routing groups the experts in descending order")
+            }
+            (Assignments::Padded(capacity), _) => Self::padded(tokens, routing, *capacity),
+            (Assignments::Dropped, _) => Self::of_map(tokens, &routing.probs, &routing.map),
         }
     }
 
     /// Every token has exactly `topk` assignments, `indices` `[t, topk]`, so the sizes are
     /// known here, and a stable sort of the assignments' experts orders them expert by expert
-    /// and, within an expert, in token order.
-    fn sorted(tokens: &Tensor, routing: &Routing, indices: &Tensor) -> Result<Self> {
+    /// (in `order`) and, within an expert, in token order.
+    fn sorted(
+        tokens: &Tensor,
+        routing: &Routing,
+        indices: &Tensor,
+        order: GroupOrder,
+    ) -> Result<Self> {
         let (num_tokens, topk) = indices.size2()?;
-        let experts = indices.reshape([-1]);
-        let order = experts.argsort_stable(true, 0, false);
-        let token_indices = order.floor_divide_scalar(topk);
         let num_experts = routing.map.size()[1];
-        let flat = &token_indices * num_experts + experts.index_select(0, &order);
+        let experts = indices.reshape([-1]);
+        let keys = match order {
+            GroupOrder::Ascending => experts.shallow_clone(),
+            GroupOrder::Descending => experts.neg() + (num_experts - 1),
+        };
+        let sorted = keys.argsort_stable(true, 0, false);
+        let token_indices = sorted.floor_divide_scalar(topk);
+        let flat = &token_indices * num_experts + experts.index_select(0, &sorted);
         let probs = routing.probs.reshape([-1]).index_select(0, &flat);
         let counts = routing.map.sum_dim_intlist(0, false, Kind::Int64);
+        let counts = match order {
+            GroupOrder::Ascending => counts,
+            GroupOrder::Descending => counts.flip([0]),
+        };
         Ok(Permutation {
             tokens: tokens.index_select(0, &token_indices),
             probs,
@@ -183,7 +201,7 @@ mod tests {
             map: map.shallow_clone(),
             assignments: Assignments::TopK(indices),
         };
-        let sorted = Permutation::new(&hidden, &routing).unwrap();
+        let sorted = Permutation::new(&hidden, &routing, GroupOrder::Ascending).unwrap();
         let listed = Permutation::of_map(&hidden, &probs, &map).unwrap();
         assert!(sorted.token_indices.equal(&listed.token_indices));
         assert!(sorted.tokens.equal(&listed.tokens));
@@ -203,6 +221,52 @@ mod tests {
         let outputs = sorted.tokens.shallow_clone() * 2.0;
         let back = sorted.unpermute(&outputs);
         assert!(back.allclose(&(&hidden * 2.0 * topk as f64), 1e-6, 1e-6, false));
+    }
+
+    /// In descending order the groups are the ascending ones reversed, each expert's tokens
+    /// still in token order, and the outputs come back to the same tokens.
+    #[test]
+    fn descending_groups_are_the_ascending_ones_reversed() {
+        tch::manual_seed(5);
+        let (tokens, experts, topk) = (11, 4, 2);
+        let hidden = Tensor::randn([tokens, 3], (Kind::Float, Device::Cpu));
+        let logits = Tensor::randn([tokens, experts], (Kind::Float, Device::Cpu));
+        let (top, indices) = logits.topk(topk, 1, true, true);
+        let routing = Routing {
+            probs: logits
+                .zeros_like()
+                .scatter(1, &indices, &top.softmax(-1, None)),
+            map: logits
+                .zeros_like()
+                .scatter_value(1, &indices, 1.0)
+                .to_kind(Kind::Bool),
+            assignments: Assignments::TopK(indices),
+        };
+        let up = Permutation::new(&hidden, &routing, GroupOrder::Ascending).unwrap();
+        let down = Permutation::new(&hidden, &routing, GroupOrder::Descending).unwrap();
+        let up_counts = up.tokens_per_expert.host().unwrap().to_vec();
+        let down_counts = down.tokens_per_expert.host().unwrap().to_vec();
+        assert_eq!(
+            down_counts,
+            up_counts.iter().rev().copied().collect::<Vec<_>>()
+        );
+        let groups = |p: &Permutation, counts: &[i64]| -> Vec<(Tensor, Tensor)> {
+            p.token_indices
+                .split_with_sizes(counts, 0)
+                .into_iter()
+                .zip(p.probs.split_with_sizes(counts, 0))
+                .collect()
+        };
+        let mut reversed = groups(&down, &down_counts);
+        reversed.reverse();
+        for ((a_tokens, a_probs), (b_tokens, b_probs)) in
+            groups(&up, &up_counts).iter().zip(&reversed)
+        {
+            assert!(a_tokens.equal(b_tokens));
+            assert!(a_probs.equal(b_probs));
+        }
+        let scaled = |p: &Permutation| p.unpermute(&(&p.tokens * &p.probs.unsqueeze(1)));
+        assert!(scaled(&up).allclose(&scaled(&down), 1e-6, 1e-6, false));
     }
 
     /// A map padded to the capacity (every expert exactly `capacity` tokens) is permuted by
@@ -231,7 +295,7 @@ mod tests {
             map: map.shallow_clone(),
             assignments: Assignments::Padded(per_expert),
         };
-        let sorted = Permutation::new(&hidden, &routing).unwrap();
+        let sorted = Permutation::new(&hidden, &routing, GroupOrder::Ascending).unwrap();
         let listed = Permutation::of_map(&hidden, &probs, &map).unwrap();
         assert!(sorted.token_indices.equal(&listed.token_indices));
         assert!(sorted.probs.equal(&listed.probs));

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
 use super::dispatch::{Permutation, TokensPerExpert};
+use super::expert_stack::GroupOrder;
 use super::experts::RoutedExperts;
 use super::router::Routing;
 use megatron_parallel::{
@@ -25,7 +26,7 @@ pub fn all_to_all(
     experts: &RoutedExperts,
     group: &Arc<dyn Communicator>,
 ) -> Result<Tensor> {
-    let permutation = Permutation::new(tokens, routing)?;
+    let permutation = Permutation::new(tokens, routing, GroupOrder::Ascending)?;
     let ranks = group.size();
     let local = experts.local_experts.len();
     // What this rank sends each rank, per expert of that rank: `[ranks, local]`.

@@ -12,8 +12,10 @@ pub mod config;
 mod dispatch;
 mod exchange;
 pub mod expert_bias;
+mod expert_stack;
 mod experts;
 mod grouped_gemm;
+mod host_sync;
 mod router;
 mod shared_expert;
 
@@ -28,7 +30,9 @@ use crate::config::TransformerConfig;
 use crate::param::Initializer;
 use config::{MoeConfig, TokenDispatcher};
 use dispatch::Permutation;
+pub use expert_stack::GroupOrder;
 pub use experts::RoutedExperts;
+pub use host_sync::host_wait_reason;
 use megatron_parallel::{Communicator, SingleRank};
 pub use router::{Assignments, Routing, TopKRouter};
 pub use shared_expert::SharedExpert;
@@ -69,7 +73,7 @@ impl MoeLayer {
         let expert_config = sized(moe.ffn_hidden_size);
         let local = moe.num_experts / expert_group.size() as i64;
         let first = expert_group.rank() as i64 * local;
-        let local_experts = (first..first + local)
+        let mut local_experts: Vec<Mlp> = (first..first + local)
             .map(|e| {
                 Mlp::new(
                     &expert_init.scope(&e.to_string()),
@@ -79,6 +83,18 @@ impl MoeLayer {
                 )
             })
             .collect();
+        expert_stack::share_one_storage(
+            &mut local_experts
+                .iter_mut()
+                .map(|expert| &mut expert.linear_fc1.weight)
+                .collect::<Vec<_>>(),
+        );
+        expert_stack::share_one_storage(
+            &mut local_experts
+                .iter_mut()
+                .map(|expert| &mut expert.linear_fc2.weight)
+                .collect::<Vec<_>>(),
+        );
         let router = TopKRouter::new(
             &init.scope("router"),
             moe,
@@ -117,8 +133,14 @@ impl MoeLayer {
         let group = &self.expert_group;
         let routed = match self.dispatcher {
             _ if group.size() == 1 => {
-                let permutation = Permutation::new(&tokens, &routing)?;
-                let outputs = self.experts.forward(
+                // Grouped GEMMs take the experts in their weights' order in memory, which the
+                // sorted permutation of dropless routing follows.
+                let any_order = matches!(routing.assignments, Assignments::TopK(_));
+                let grouped = self.experts.grouped_weights(&tokens, any_order)?;
+                let order = grouped.as_ref().map_or(GroupOrder::Ascending, |w| w.order);
+                let permutation = Permutation::new(&tokens, &routing, order)?;
+                let outputs = self.experts.forward_with(
+                    grouped.as_ref(),
                     &permutation.tokens,
                     &permutation.probs,
                     &permutation.tokens_per_expert,
