@@ -515,25 +515,25 @@ assert [g["is_expert_parallel"] for g in groups] == [False, False]
 print(at)
 "#;
 
-/// `--ckpt-format torch` of a Mixture-of-Experts run with the distributed optimizer (DP=2,
-/// experts not expert-parallel, so in the dense buffers as Megatron keeps them): `mp_rank_00`
-/// holds `model_optim_rng.pt` and the distributed optimizer's `distrib_optim.pt`, laid out as
-/// Megatron's `get_parameter_state_dp_zero` saves it (checked against the rank file's weights
-/// and the `moe_torch` golden's entries and parameter groups); this project resumes it exactly.
-#[test]
-fn torch_saves_of_a_moe_distributed_optimizer_run_resume_exactly() {
-    let moe = [
-        "--disable-bias-linear",
-        "--num-experts",
-        "4",
-        "--moe-router-topk",
-        "2",
-        "--moe-ffn-hidden-size",
-        "128",
-        "--moe-aux-loss-coeff",
-        "1e-2",
-        "--use-distributed-optimizer",
-    ];
+/// The routed-experts flags of the MoE runs below: four experts of ffn 128, top-2, with the
+/// distributed optimizer.
+const MOE: [&str; 10] = [
+    "--disable-bias-linear",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "128",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--use-distributed-optimizer",
+];
+
+/// A two-rank MoE run with `flags` saved as `--ckpt-format torch` at iteration 5 and resumed
+/// here: iterations 6-8 log the uninterrupted run's losses exactly. Returns the saved iteration
+/// directory (in the returned temporary directory).
+fn moe_torch_save_resumes_exactly(flags: &[&str]) -> (PathBuf, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let (saved, full, resumed) = (
         dir.path().join("saved"),
@@ -541,31 +541,18 @@ fn torch_saves_of_a_moe_distributed_optimizer_run_resume_exactly() {
         dir.path().join("resumed.jsonl"),
     );
     two_ranks(|| {
-        let mut c = run(&moe);
+        let mut c = run(flags);
         c.args(["--metrics-file", &path(&full)]);
         c
     });
     two_ranks(|| {
-        let mut c = run(&moe);
+        let mut c = run(flags);
         c.args(["--save-interval", "5", "--exit-interval", "5"])
             .args(["--ckpt-format", "torch", "--save", &path(&saved)]);
         c
     });
-    let rank = saved.join("iter_0000005/mp_rank_00");
-    assert_eq!(entries(&rank), ["distrib_optim.pt", "model_optim_rng.pt"]);
-    let golden = megatron_e2e::shared_dir()
-        .join("golden/megatron_checkpoints/moe_torch/iter_0000005/mp_rank_00_000");
-    let python = test_python(&["torch"]);
-    let checked = run_ok(
-        Command::new(&python)
-            .arg("-c")
-            .arg(DISTRIB_OPTIM_AS_MEGATRONS)
-            .arg(&rank)
-            .arg(&golden),
-    );
-    assert_eq!(String::from_utf8_lossy(&checked.stdout).trim(), "232576");
     two_ranks(|| {
-        let mut c = run(&moe);
+        let mut c = run(flags);
         c.args(["--load", &path(&saved), "--metrics-file", &path(&resumed)]);
         c
     });
@@ -575,6 +562,166 @@ fn torch_saves_of_a_moe_distributed_optimizer_run_resume_exactly() {
         .collect();
     assert_eq!(expected.len(), 3);
     assert_eq!(metrics_losses(&resumed), expected);
+    (saved.join("iter_0000005"), dir)
+}
+
+/// `--ckpt-format torch` of a Mixture-of-Experts run with the distributed optimizer (DP=2,
+/// experts not expert-parallel, so in the dense buffers as Megatron keeps them): `mp_rank_00`
+/// holds `model_optim_rng.pt` and the distributed optimizer's `distrib_optim.pt`, laid out as
+/// Megatron's `get_parameter_state_dp_zero` saves it (checked against the rank file's weights
+/// and the `moe_torch` golden's entries and parameter groups); this project resumes it exactly.
+#[test]
+fn torch_saves_of_a_moe_distributed_optimizer_run_resume_exactly() {
+    let (iteration, _dir) = moe_torch_save_resumes_exactly(&MOE);
+    let rank = iteration.join("mp_rank_00");
+    assert_eq!(entries(&rank), ["distrib_optim.pt", "model_optim_rng.pt"]);
+    let golden = megatron_e2e::shared_dir()
+        .join("golden/megatron_checkpoints/moe_torch/iter_0000005/mp_rank_00_000");
+    let checked = run_ok(
+        Command::new(test_python(&["torch"]))
+            .arg("-c")
+            .arg(DISTRIB_OPTIM_AS_MEGATRONS)
+            .arg(&rank)
+            .arg(&golden),
+    );
+    assert_eq!(String::from_utf8_lossy(&checked.stdout).trim(), "232576");
+}
+
+/// The `*.safetensors` files of the checkpoint under `root`, by path under it, with their bytes.
+fn safetensors_files(root: &Path) -> Vec<(String, Vec<u8>)> {
+    let iteration = std::fs::read_dir(root)
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with("iter_"))
+        .unwrap()
+        .path();
+    let mut files = Vec::new();
+    for rank in entries(&iteration) {
+        let directory = iteration.join(&rank);
+        if !directory.is_dir() {
+            continue;
+        }
+        for file in entries(&directory) {
+            if file.ends_with(".safetensors") {
+                let bytes = std::fs::read(directory.join(&file)).unwrap();
+                files.push((format!("{rank}/{file}"), bytes));
+            }
+        }
+    }
+    files
+}
+
+/// Checks each `mp_rank_00_EEE` folder of a float32 expert-parallel `--ckpt-format torch` save
+/// (argv[1], the iteration directory): its `distrib_optim.pt` lists the dense parameters' buffer
+/// and the routed experts', each laid out as `_ParamAndGradBuffer` lays out one bucket of
+/// its parameters (in reverse order of the rank file's model, each at a multiple of 64), and
+/// every parameter's `param` slice is the rank file's weight (float32: the main parameters
+/// are the parameters), so no expert's state sits in another's place. Prints the count.
+const EXPERT_RANKS_DISTRIB_OPTIM: &str = r#"
+import os, pickle, sys, types, torch
+class Stubs(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("megatron"):
+            return type(name, (), {"__init__": lambda self, *a, **k: None,
+                                   "__setstate__": lambda self, state: None})
+        return super().find_class(module, name)
+stubs = types.ModuleType("stubs"); stubs.Unpickler = Stubs; stubs.load = pickle.load
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=stubs)
+iteration, checked = sys.argv[1], 0
+for folder in sorted(os.listdir(iteration)):
+    buffers = load(f"{iteration}/{folder}/distrib_optim.pt")
+    model = {k: v for k, v in load(f"{iteration}/{folder}/model_optim_rng.pt")["model"].items()
+             if isinstance(v, torch.Tensor) and not k.endswith(".expert_bias")}
+    parts = [[k for k in model if ".local_experts." not in k],
+             [k for k in model if ".local_experts." in k]]
+    assert len(buffers) == 2, folder
+    for buffer, names in zip(buffers, parts):
+        (flat,) = buffer[0].values()
+        at = 0
+        for name in reversed(names):
+            at = (at + 63) // 64 * 64
+            n = model[name].numel()
+            assert torch.equal(flat["param"][at:at + n], model[name].reshape(-1)), (folder, name)
+            at += n
+            checked += 1
+        assert at == flat["numel_unpadded"], (folder, at, flat["numel_unpadded"])
+print(checked)
+"#;
+
+/// An expert-parallel MoE run (EP=2 × DP=2: each rank's routed experts its own, their
+/// optimizer state unsharded, the dense parameters' sharded over both ranks) with the routers'
+/// expert biases (`--moe-router-enable-expert-bias`), saved at iteration 5 as `--ckpt-format
+/// torch` and, by a second run, in our format: the torch save has one `mp_rank_00_EEE` folder
+/// per expert-parallel rank whose rank files hold the routers' `expert_bias` buffers and whose
+/// `distrib_optim.pt` holds every parameter's state in its place (checked in Python against
+/// the weights), and `checkpoint_convert` reads it into the same weights, optimizer state and
+/// biases, bit for bit, as it reads the run's own save.
+#[test]
+fn torch_saves_of_an_expert_parallel_moe_run_with_expert_biases_import_as_its_own_save() {
+    let flags = [
+        &MOE[..],
+        &[
+            "--expert-model-parallel-size",
+            "2",
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+        ],
+    ]
+    .concat();
+    let dir = tempfile::tempdir().unwrap();
+    let mut imported = Vec::new();
+    for (format, loader) in [("torch", "core"), ("safetensors", "megatron-rs")] {
+        let saved = dir.path().join(format);
+        two_ranks(|| {
+            let mut c = run(&flags);
+            c.args(["--save-interval", "5", "--exit-interval", "5"])
+                .args(["--ckpt-format", format, "--save", &path(&saved)]);
+            c
+        });
+        let converted = dir.path().join(format!("{format}-imported"));
+        run_ok(
+            bin("checkpoint_convert")
+                .args(["--model-type", "GPT", "--loader", loader])
+                .args(["--saver", "megatron-rs"])
+                .args(["--load-dir", &path(&saved)])
+                .args(["--save-dir", &path(&converted)]),
+        );
+        imported.push(safetensors_files(&converted));
+    }
+    let iteration = dir.path().join("torch/iter_0000005");
+    assert_eq!(entries(&iteration), ["mp_rank_00_000", "mp_rank_00_001"]);
+    let reference = torch_reference(&iteration.join("mp_rank_00_001/model_optim_rng.pt"));
+    for layer in 0..2 {
+        let bias =
+            &reference["tensors"][format!("model/decoder.layers.{layer}.mlp.router.expert_bias")];
+        assert_eq!(bias[0], "float32", "{}", reference["tensors"]);
+        assert_eq!(bias[1], serde_json::json!([4]), "{bias}");
+    }
+    let checked = run_ok(
+        Command::new(test_python(&["torch"]))
+            .arg("-c")
+            .arg(EXPERT_RANKS_DISTRIB_OPTIM)
+            .arg(&iteration),
+    );
+    assert_eq!(String::from_utf8_lossy(&checked.stdout).trim(), "52");
+    let names = |files: &[(String, Vec<u8>)]| files.iter().map(|f| f.0.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        names(&imported[0]),
+        [
+            "mp_rank_00/expert_bias.safetensors",
+            "mp_rank_00/model.safetensors",
+            "mp_rank_00/optimizer.safetensors"
+        ]
+    );
+    assert_eq!(names(&imported[0]), names(&imported[1]));
+    for ((name, a), (_, b)) in imported[0].iter().zip(&imported[1]) {
+        assert!(
+            a == b,
+            "{name} differs between the torch save and the run's own"
+        );
+    }
 }
 
 /// `scripts/torch_checkpoint_reference.py`'s view of a checkpoint: every tensor's digest.

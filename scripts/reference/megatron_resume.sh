@@ -43,11 +43,12 @@ echo "== megatron-rs continues its checkpoint (iteration 5)"
     --load "$SCRATCH/ours5" 2>&1 | grep -E "iteration +[67]/"
 
 echo "== Megatron-LM's pretrain_gpt.py continues the exported checkpoint"
-# Like the outputs of Megatron's own convert.py, the export carries no RNG states: --no-load-rng.
+# The export carries rng_state as Megatron's start seeds it (docs/checkpoints.md, RNG state), so
+# Megatron loads it without --no-load-rng.
 (cd "$MEGATRON_PATH" && CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 1 pretrain_gpt.py \
     "${MODEL[@]}" --train-iters 7 --transformer-impl local --no-gradient-accumulation-fusion \
     --no-masked-softmax-fusion --no-persist-layer-norm --no-bias-dropout-fusion --no-rope-fusion \
-    --attention-backend unfused --ckpt-format torch --load "$SCRATCH/for_megatron" --no-load-rng \
+    --attention-backend unfused --ckpt-format torch --load "$SCRATCH/for_megatron" \
     --override-opt_param-scheduler) >"$SCRATCH/megatron.log" 2>&1 \
     || { tail -30 "$SCRATCH/megatron.log" >&2; exit 1; }
 grep -E "successfully loaded checkpoint|iteration +[67]/" "$SCRATCH/megatron.log"

@@ -18,6 +18,15 @@
 #   (fc1 and its optimizer state in the gate and up halves of Megatron's swiglu sharded
 #   factory); Megatron continues it to iteration 10 next to our own uninterrupted run.
 #
+# GPUS sets the processes (one per GPU, torchrun's --nproc-per-node) of every run; by default
+# each case's layout above. With fewer GPUs the export is written for them (data-parallel size
+# GPUS, expert-parallel size 2 where GPUS allows, else 1) and Megatron's own save, made at the
+# case's layout, is resharded at load (its distributed-optimizer state is
+# fully_sharded_model_space, which any data-parallel size reads): GPUS=1 resumes every case at
+# TP1·PP1·DP1·EP1 on one GPU. A reference Megatron cannot load at that layout (an
+# expert-parallel save's chained optimizer read by one optimizer) is reported and skipped; the
+# export is then compared with Megatron's original log lines.
+#
 # Both continuations skip the RNG state (the exports have none), so they draw the same dropout
 # masks: their iteration 6-10 losses must agree (|delta| <= 2e-3, the bound of bf16 GPU
 # reductions); Megatron's original log lines (which did carry the RNG over) are printed beside
@@ -38,7 +47,7 @@
 # is not: it is raised for Megatron's own save as for ours.
 #
 # Environment: MEGATRON_PATH (required), BIN [target/release], GOLDENS [../shared/golden/
-# megatron_checkpoints], CASE [distopt].
+# megatron_checkpoints], CASE [distopt], GPUS [2 for distopt and llama, 4 for moe].
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -113,6 +122,41 @@ class DefineTeGeneralGemm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.te_general_gemm = None
 
 sys.meta_path.insert(0, DefineTeGeneralGemm())
+
+# core_v0.14.0 reads the original shape of each N-D flattened tensor (the distributed
+# optimizer's fully_sharded_model_space state) from `mcore_data`, which its save planner adds to
+# torch's Metadata; with torch 2.11 the saved .metadata has none (Megatron's own saves included),
+# and every load stops with "'Metadata' object has no attribute 'mcore_data'". Without it the
+# state is taken as saved in the loading run's own tensor and pipeline layout (the case here:
+# TP1·PP1 both ways), which is what a missing reformulation means.
+class AssumeSameLayoutWithoutMcoreData(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    NAME = "megatron.core.dist_checkpointing.strategies.torch"
+    def find_spec(self, name, path, target=None):
+        if name != self.NAME:
+            return None
+        sys.meta_path.remove(self)
+        self.spec = importlib.machinery.PathFinder.find_spec(name, path)
+        self.original = self.spec.loader
+        self.spec.loader = self
+        return self.spec
+    def create_module(self, spec):
+        return self.original.create_module(spec)
+    def exec_module(self, module):
+        self.original.exec_module(module)
+        original = module.get_reformulation_metadata
+        def reformulation_metadata(sharded_state_dict, checkpoint_dir):
+            metadata = module._get_filesystem_reader(checkpoint_dir).read_metadata()
+            if hasattr(metadata, "mcore_data"):
+                return original(sharded_state_dict, checkpoint_dir)
+            found = {}
+            for sh_ten in module.nested_values(sharded_state_dict):
+                if module.is_nd_flattened_tensor(sh_ten):
+                    found[sh_ten.key] = module.TensorReformulationMetadata(
+                        sh_ten.global_shape, metadata.state_dict_metadata[sh_ten.key].size)
+            return found
+        module.get_reformulation_metadata = reformulation_metadata
+
+sys.meta_path.insert(0, AssumeSameLayoutWithoutMcoreData())
 EOF
 
 # The distributed-optimizer goldens' flags (their README).
@@ -127,21 +171,23 @@ MEGATRON_ONLY=(--transformer-impl local --no-gradient-accumulation-fusion --no-m
        --attention-backend unfused --distributed-backend nccl --ckpt-format torch_dist --no-load-rng)
 case "$CASE" in
 distopt)
-    GPUS=2 GOLDEN=distopt_torch_dist
+    GPUS="${GPUS:-2}" GOLDEN=distopt_torch_dist
     "$BIN/checkpoint_convert" --model-type GPT --loader core --saver core --ckpt-format torch_dist \
+        --target-data-parallel-size "$GPUS" \
         --load-dir "$GOLDENS/distopt_torch" --save-dir "$SCRATCH/export" >&2
     ;;
 moe)
-    GPUS=4 GOLDEN=moe_torch_dist
+    GPUS="${GPUS:-4}" GOLDEN=moe_torch_dist
+    EP=$(( GPUS % 2 == 0 ? 2 : 1 ))
     MODEL+=(--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128
             --moe-aux-loss-coeff 1e-2 --moe-router-load-balancing-type aux_loss
-            --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
+            --expert-model-parallel-size "$EP" --moe-token-dispatcher-type alltoall)
     "$BIN/checkpoint_convert" --model-type GPT --loader core --saver core --ckpt-format torch_dist \
-        --target-expert-parallel-size 2 --target-data-parallel-size 4 \
+        --target-expert-parallel-size "$EP" --target-data-parallel-size "$GPUS" \
         --load-dir "$GOLDENS/moe_torch" --save-dir "$SCRATCH/export" >&2
     ;;
 llama)
-    GPUS=2 GOLDEN=
+    GPUS="${GPUS:-2}" GOLDEN=
     MODEL+=(--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention
             --num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear)
     ours() { # <log> <flags...>: our pretrain_gpt on the GPUs, launched as torchrun launches it
@@ -172,12 +218,16 @@ megatron_resumes() { # <checkpoint> <log>
     grep -E "iteration +([6-9]|10)/" "$2"
 }
 
-echo "== Megatron-LM continues megatron-rs's torch_dist export ($CASE)"
+echo "== Megatron-LM continues megatron-rs's torch_dist export ($CASE, $GPUS GPUs)"
 failed=0
 megatron_resumes "$SCRATCH/export" "$SCRATCH/export.log" || failed=1
 if [[ -n "$GOLDEN" ]]; then
     echo "== Megatron-LM continues its own torch_dist save of the same run"
-    megatron_resumes "$GOLDENS/$GOLDEN" "$SCRATCH/reference.log" || failed=1
+    if ! megatron_resumes "$GOLDENS/$GOLDEN" "$SCRATCH/reference.log"; then
+        echo "(Megatron does not resume its own save on $GPUS GPUs: compared with its original run, whose RNG state differs)" >&2
+        cp "$GOLDENS/$GOLDEN.train.txt" "$SCRATCH/reference.log"
+        TOLERANCE=1.5e-2
+    fi
     echo "== Megatron-LM's original run (RNG state carried over)"
     grep -E "iteration +([6-9]|10)/" "$GOLDENS/$GOLDEN.train.txt"
 else
@@ -187,7 +237,7 @@ else
 fi
 (( failed == 0 )) || exit 1
 
-python3 - "$SCRATCH/export.log" "$SCRATCH/reference.log" <<'EOF'
+python3 - "$SCRATCH/export.log" "$SCRATCH/reference.log" "${TOLERANCE:-2e-3}" <<'EOF'
 import re, sys
 def losses(path):
     found = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
@@ -196,6 +246,7 @@ def losses(path):
 ours, theirs = losses(sys.argv[1]), losses(sys.argv[2])
 assert None not in ours and None not in theirs, (ours, theirs)
 worst = max(abs(a - b) for a, b in zip(ours, theirs))
-print(f"largest |lm loss difference| over iterations 6-10: {worst:.3e}")
-sys.exit(0 if worst <= 2e-3 else 1)
+bound = float(sys.argv[3])
+print(f"largest |lm loss difference| over iterations 6-10: {worst:.3e} (bound {bound:g})")
+sys.exit(0 if worst <= bound else 1)
 EOF

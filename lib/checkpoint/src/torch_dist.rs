@@ -40,6 +40,8 @@ pub struct DistCheckpoint {
     pub tensors: BTreeMap<String, DistTensor>,
     /// Byte items (`_extra_state`, RNG states) by key: not model weights.
     pub byte_items: Vec<String>,
+    /// Where each byte item is stored: (data file, byte offset, byte length).
+    objects: HashMap<String, (String, usize, usize)>,
     /// `common.pt`: args, iteration, checkpoint_version, scheduler state.
     pub common: TorchFile,
     maps: std::sync::Mutex<HashMap<String, Arc<Mmap>>>,
@@ -119,6 +121,7 @@ impl DistCheckpoint {
         }
         let mut tensors = BTreeMap::new();
         let mut byte_items = Vec::new();
+        let mut objects = HashMap::new();
         for (key, entry) in state {
             let name = key.as_str().context("non-string tensor key")?.to_string();
             let Value::Object { name: class, .. } = entry else {
@@ -129,6 +132,9 @@ impl DistCheckpoint {
                 );
             };
             if class == "BytesStorageMetadata" {
+                if let Some(location) = locations.get(&(name.clone(), Vec::new())) {
+                    objects.insert(name.clone(), location.clone());
+                }
                 byte_items.push(name);
                 continue;
             }
@@ -185,6 +191,7 @@ impl DistCheckpoint {
             directory: directory.to_path_buf(),
             tensors,
             byte_items,
+            objects,
             common,
             maps: Default::default(),
         })
@@ -233,6 +240,18 @@ impl DistCheckpoint {
         );
         let stored = stored.clone();
         Ok((archive, stored))
+    }
+
+    /// The byte item `key` (a `torch.save` archive: Megatron's `ShardedObject`s, saved as the
+    /// list of their data) and the data file holding it.
+    pub fn object(&self, key: &str) -> Result<(TorchFile, String)> {
+        let (file, offset, length) = self.objects.get(key).with_context(|| {
+            format!("{}: no object {key} in .metadata", self.directory.display())
+        })?;
+        let archive =
+            TorchFile::open_within(&self.data_path(file), self.map(file)?, *offset, *length)
+                .with_context(|| format!("object {key}"))?;
+        Ok((archive, file.clone()))
     }
 
     /// The whole tensor `name` (C order, little-endian bytes) and its shape.

@@ -173,6 +173,7 @@ pub fn load_hf(
     };
     Ok(ModelState {
         weights,
+        expert_biases: Default::default(),
         config,
         params_dtype: params_dtype.to_string(),
         optimizer: None,
@@ -309,6 +310,11 @@ fn hf_dtype_name(params_dtype: &str) -> &'static str {
 /// beside it and its bos/eos ids in `config.json` and `generation_config.json`.
 pub fn save_hf(state: &ModelState, directory: &Path, tokenizer: &TokenizerExport) -> Result<()> {
     let config = &state.config;
+    ensure!(
+        state.expert_biases.is_empty(),
+        "{}: its MoE routers have expert biases (--moe-router-enable-expert-bias), which the HuggingFace Mixtral and Qwen MoE models have no place for",
+        state.source
+    );
     let vocab = config.vocab_size;
     let kind = super::tensors::kind_named(&state.params_dtype)?;
     let (n, g, d, h) = (

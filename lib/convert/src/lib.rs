@@ -14,6 +14,7 @@ pub mod lazy;
 pub mod load;
 pub mod megatron_args;
 mod megatron_moe_args;
+mod megatron_rng;
 pub mod megatron_save;
 pub mod megatron_torch;
 pub mod megatron_torch_dist;

@@ -20,7 +20,6 @@ pub fn moe_config(
     let text = |key: &str| args.get(key).and_then(Value::as_str);
     let set = |key: &str| !matches!(args.get(key), None | Some(Value::None | Value::Bool(false)));
     for refused in [
-        "moe_router_enable_expert_bias",
         "moe_router_num_groups",
         "moe_router_group_topk",
         "moe_input_jitter_eps",
@@ -120,7 +119,11 @@ pub fn moe_config(
         token_dispatcher: TokenDispatcher::default(),
         grouped_gemm: false,
         capacity: None,
-        expert_bias_update_rate: None,
+        expert_bias_update_rate: set("moe_router_enable_expert_bias").then(|| {
+            args.get("moe_router_bias_update_rate")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-3)
+        }),
     };
     config
         .validate(num_layers)

@@ -17,11 +17,13 @@ use serde_json::Value as Json;
 use super::distrib_optim::{expert_params, Bucketing};
 use super::distrib_optim_save::{write_distrib_optim, OptimizerBuffers};
 use super::lazy::with_bytes;
+use super::megatron_rng::{rng_state_entry, RankSeeds};
 use super::megatron_torch::param_groups;
 use super::ours::TargetLayout;
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState};
 use super::tensors::kind_named;
 use megatron_models::gpt::megatron_names::expert_of;
+use megatron_models::layers::moe::config::{LoadBalancing, ScoreFunction};
 use megatron_models::{
     Activation, ChunkSpec, Normalization, PipelineSplit, PositionEmbeddingType, RopeScaling,
     YarnScaling,
@@ -213,6 +215,44 @@ pub(super) fn moe_args(state: &ModelState, expert_parallel: usize) -> Vec<(Strin
         ),
         ("moe_router_pre_softmax", Value::Bool(moe.pre_softmax)),
         (
+            "moe_router_score_function",
+            Value::Str(
+                match moe.score_function {
+                    ScoreFunction::Softmax => "softmax",
+                    ScoreFunction::Sigmoid => "sigmoid",
+                }
+                .into(),
+            ),
+        ),
+        (
+            "moe_router_topk_scaling_factor",
+            moe.topk_scaling_factor.map_or(Value::None, Value::Float),
+        ),
+        (
+            "moe_router_load_balancing_type",
+            Value::Str(
+                match moe.load_balancing {
+                    LoadBalancing::AuxLoss => "aux_loss",
+                    LoadBalancing::SeqAuxLoss => "seq_aux_loss",
+                    LoadBalancing::None => "none",
+                }
+                .into(),
+            ),
+        ),
+        ("moe_aux_loss_coeff", Value::Float(moe.aux_loss_coeff)),
+        (
+            "moe_z_loss_coeff",
+            moe.z_loss_coeff.map_or(Value::None, Value::Float),
+        ),
+        (
+            "moe_router_enable_expert_bias",
+            Value::Bool(moe.expert_bias_update_rate.is_some()),
+        ),
+        (
+            "moe_router_bias_update_rate",
+            Value::Float(moe.expert_bias_update_rate.unwrap_or(1e-3)),
+        ),
+        (
             "expert_model_parallel_size",
             Value::Int(expert_parallel as i64),
         ),
@@ -275,6 +315,33 @@ pub(super) fn chunk_entries(state: &ModelState, spec: &ChunkSpec) -> Vec<(String
         .as_ref()
         .map_or(0, |m| m.num_experts as usize);
     rank_chunk_entries(state, spec, 0..experts)
+}
+
+/// The parameters of pipeline stage `stage`'s model chunks on a rank of `tp` tensor-parallel
+/// ranks holding the routed experts `experts`, as Megatron registers them: per chunk each
+/// parameter's global name and shard shape, in the rank file's order.
+pub(super) fn rank_chunk_params(
+    state: &ModelState,
+    split: &PipelineSplit,
+    stage: usize,
+    tp: usize,
+    experts: std::ops::Range<usize>,
+) -> Result<Vec<Vec<(String, Vec<usize>)>>> {
+    split
+        .chunks_of(stage)?
+        .iter()
+        .map(|spec| {
+            rank_chunk_entries(state, spec, experts.clone())
+                .into_iter()
+                .filter_map(|(_, global)| global)
+                .map(|global| {
+                    let shape =
+                        shard_shape(&global, state.tensor(&global)?.shape(), &state.config, tp);
+                    Ok((global, shape.iter().map(|&d| d as usize).collect()))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// [`chunk_entries`] of an expert-parallel rank holding the routed experts `experts` (the
@@ -419,9 +486,13 @@ fn moe_entries(
 /// What the `i`th tensor of a rank file holds.
 enum Source {
     Weight(String),
+    /// A router's expert bias, a float32 buffer every tensor rank holds whole.
+    ExpertBias(String),
     /// Optimizer buffer (main, exp_avg, exp_avg_sq) of a parameter.
     Optimizer(usize, String),
     Step(f64),
+    /// A generator state's bytes.
+    Bytes(Vec<u8>),
 }
 
 /// A run flag by Megatron's name: at the top of `args` (Megatron's namespace) or in one of
@@ -654,8 +725,9 @@ pub fn save_megatron_torch_experts(
                 let mut slots = Vec::new();
                 let mut sources = Vec::new();
                 // The rank's parameters (global names) in Megatron's order, for the optimizer.
-                let mut params: Vec<(String, Vec<usize>)> = Vec::new();
-                let mut chunk_params: Vec<Vec<(String, Vec<usize>)>> = Vec::new();
+                let chunk_params =
+                    rank_chunk_params(state, &split, stage, target.tensor, experts.clone())?;
+                let params: Vec<(String, Vec<usize>)> = chunk_params.concat();
                 let mut root_entries = vec![
                     ("args".to_string(), Saved::Namespace(args.clone())),
                     (
@@ -667,29 +739,38 @@ pub fn save_megatron_torch_experts(
                         Saved::Value(Value::Int(iteration as i64)),
                     ),
                 ];
-                for (c, spec) in chunks.iter().enumerate() {
-                    let chunk_start = params.len();
+                for (c, (spec, shapes)) in chunks.iter().zip(&chunk_params).enumerate() {
+                    let mut shapes = shapes.iter();
                     let mut model = Vec::new();
                     for (local, global) in rank_chunk_entries(state, spec, experts.clone()) {
                         match global {
                             None => model.push((local, Saved::Value(Value::None))),
                             Some(global) => {
-                                let shape = shard_shape(
-                                    &global,
-                                    state.tensor(&global)?.shape(),
-                                    config,
-                                    target.tensor,
-                                );
+                                let (_, shape) = shapes.next().expect("one shape per parameter");
                                 slots.push(TensorSlot {
                                     dtype,
-                                    shape: shape.iter().map(|&d| d as usize).collect(),
+                                    shape: shape.clone(),
                                 });
-                                params.push((
-                                    global.clone(),
-                                    slots.last().expect("pushed").shape.clone(),
-                                ));
+                                let bias =
+                                    global.replace(".mlp.router.weight", ".mlp.router.expert_bias");
                                 sources.push(Source::Weight(global));
-                                model.push((local, Saved::Tensor(slots.len() - 1)));
+                                model.push((local.clone(), Saved::Tensor(slots.len() - 1)));
+                                // The router's buffer follows its weight, as torch saves a
+                                // module's parameters, then its buffers.
+                                if let Some(value) = state.expert_biases.get(&bias) {
+                                    slots.push(TensorSlot {
+                                        dtype: DType::F32,
+                                        shape: value.shape().iter().map(|&d| d as usize).collect(),
+                                    });
+                                    sources.push(Source::ExpertBias(bias));
+                                    model.push((
+                                        local.replace(
+                                            ".mlp.router.weight",
+                                            ".mlp.router.expert_bias",
+                                        ),
+                                        Saved::Tensor(slots.len() - 1),
+                                    ));
+                                }
                             }
                         }
                     }
@@ -699,7 +780,6 @@ pub fn save_megatron_torch_experts(
                         format!("model{c}")
                     };
                     root_entries.push((key, Saved::OrderedDict(model)));
-                    chunk_params.push(params[chunk_start..].to_vec());
                 }
                 let mut rank_name = rank_directory_name(t, stage, target.pipeline);
                 if expert_parallel > 1 {
@@ -762,6 +842,23 @@ pub fn save_megatron_torch_experts(
                     root_entries.push(("optimizer".into(), saved));
                 }
                 root_entries.extend(schedule_entries(state));
+                let seeds = RankSeeds {
+                    seed: run_flag(&state.run.args, "seed")
+                        .and_then(|v| v.as_i64())
+                        .unwrap_or(1234),
+                    tensor_rank: t,
+                    pipeline_rank: stage,
+                    expert_rank: e,
+                };
+                let mut generators = Vec::new();
+                root_entries.push((
+                    "rng_state".into(),
+                    rng_state_entry(seeds, slots.len(), &mut generators),
+                ));
+                for generator in generators {
+                    slots.push(generator.slot);
+                    sources.push(Source::Bytes(generator.bytes));
+                }
                 write_torch_file(
                     &rank_dir.join("model_optim_rng.pt"),
                     &Saved::Dict(root_entries),
@@ -772,6 +869,9 @@ pub fn save_megatron_torch_experts(
                                 shard_of(global, state.tensor(global)?, config, t, target.tensor)?,
                                 kind,
                             ),
+                            Source::ExpertBias(name) => {
+                                (state.expert_biases[name].clone(), tch::Kind::Float)
+                            }
                             Source::Optimizer(buffer, global) => {
                                 let optimizer = state.optimizer.as_ref().expect("listed above");
                                 let map =
@@ -788,6 +888,7 @@ pub fn save_megatron_torch_experts(
                             Source::Step(step) => {
                                 return with_bytes(&tch::Tensor::from(*step as f32), emit)
                             }
+                            Source::Bytes(bytes) => return emit(bytes),
                         };
                         tensor.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(kind), &mut *emit))
                     },

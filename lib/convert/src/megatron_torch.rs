@@ -16,7 +16,7 @@ use super::distrib_optim::{
 use super::lazy::{tensor_of, InputFile, LazyTensor};
 use super::megatron_args::{gpt_config, params_dtype};
 use super::sizes::{check_layers, megatron_vocabulary};
-use super::state::{ModelState, OptimizerState, RankOptimizer, RunState};
+use super::state::{is_expert_bias, ModelState, OptimizerState, RankOptimizer, RunState};
 use megatron_models::gpt::megatron_names::{core_name, expert_moved, expert_of, layer_of};
 use megatron_models::TransformerConfig;
 use megatron_optim::excluded_from_weight_decay;
@@ -491,6 +491,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
     };
     // Global names and shards, in the order of tensor-parallel rank.
     let mut shards: BTreeMap<String, Vec<LazyTensor>> = BTreeMap::new();
+    let mut expert_biases = BTreeMap::new();
     let mut rank_params: BTreeMap<RankKey, ChunkParamsOwned> = BTreeMap::new();
     for (key, chunk_list) in &per_rank {
         let file = &files[key];
@@ -501,6 +502,15 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
                 let Some(global) = global_name(*key, c, name) else {
                     continue;
                 };
+                // A buffer, not a parameter: every tensor rank holds the whole of it.
+                if is_expert_bias(&global) {
+                    if key.0 == 0 {
+                        let value = tensor_of(file, &inputs[key], tensor)
+                            .with_context(|| format!("{}: tensor {name}", file.path().display()))?;
+                        expert_biases.insert(global, value);
+                    }
+                    continue;
+                }
                 chunk_params.push((global.clone(), tensor.shape.clone()));
                 let is_head_copy = tied && global == "output_layer.weight";
                 if is_head_copy {
@@ -623,6 +633,7 @@ pub fn load_megatron_torch(directory: &Path, options: &LoadOptions) -> Result<Mo
         config,
         params_dtype: params_dtype(args),
         weights,
+        expert_biases,
         optimizer,
         run: run_state(&first.root),
         source_parallel: (tp, pp),

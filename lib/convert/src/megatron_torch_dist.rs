@@ -1,6 +1,6 @@
 //! Loading Megatron's `--ckpt-format torch_dist` checkpoints: the model's global tensors read
 //! lazily from their `.distcp` chunks, and the distributed optimizer's state saved in
-//! `fully_sharded_model_space` ([`super::torch_dist_optimizer`]).
+//! `fully_sharded_model_space` or `dp_zero_gather_scatter` ([`super::torch_dist_optimizer`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -14,9 +14,11 @@ use super::megatron_torch::{
     check_experts, check_version, checkpoint_config, run_state, LoadOptions,
 };
 use super::sizes::{check_layers, layers_found};
-use super::state::ModelState;
+use super::state::{is_expert_bias, ModelState};
 use super::tensors::tensor_from_bytes;
-use super::torch_dist_optimizer::optimizer_state;
+use super::torch_dist_optimizer::{
+    dp_zero_gather_scatter_state, optimizer_state, sharding_type, DP_ZERO_GATHER_SCATTER,
+};
 
 /// Loads a `torch_dist` iteration directory, with the distributed optimizer's state where
 /// `options` ask for it. Tensors are read lazily from the `.distcp` files where their chunks
@@ -74,16 +76,22 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
         };
         placement.place(&mut weights, name, &tensor.shape, chunks, &eager)?;
     }
+    // The routers' expert biases are buffers, stacked over the layers like the parameters.
+    let (expert_biases, weights): (BTreeMap<_, _>, BTreeMap<_, _>) = weights
+        .into_iter()
+        .partition(|(name, _): &(String, _)| is_expert_bias(name));
     check_experts(&origin, &config, weights.keys().map(String::as_str))?;
-    let optimizer = if options.optimizer {
+    let dp_zero = options.optimizer && sharding_type(root) == Some(DP_ZERO_GATHER_SCATTER);
+    let optimizer = if options.optimizer && !dp_zero {
         optimizer_state(&checkpoint, root, &placement, &mut inputs)?
     } else {
         None
     };
-    Ok(ModelState {
+    let mut state = ModelState {
         config,
         params_dtype: params_dtype(args),
         weights,
+        expert_biases,
         optimizer,
         run: run_state(root),
         source_parallel: (
@@ -97,5 +105,15 @@ pub fn load_torch_dist(directory: &Path, options: &LoadOptions) -> Result<ModelS
                 .max(1) as usize,
         ),
         source: format!("Megatron torch_dist checkpoint {}", directory.display()),
-    })
+    };
+    if dp_zero {
+        // Its buffers are laid out by the model's parameters, which the state now describes.
+        state.optimizer = Some(dp_zero_gather_scatter_state(
+            &checkpoint,
+            directory,
+            root,
+            &state,
+        )?);
+    }
+    Ok(state)
 }

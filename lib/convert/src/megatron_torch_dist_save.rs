@@ -312,6 +312,10 @@ pub fn save_megatron_torch_dist(
                             })?;
                         }
                     }
+                    let bias = global.replace(".mlp.router.weight", ".mlp.router.expert_bias");
+                    if let Some(value) = state.expert_biases.get(&bias) {
+                        write_expert_bias(&mut writer, &mut declared, &bias, value, config, rank)?;
+                    }
                 }
                 if state.optimizer.is_none() {
                     continue;
@@ -364,6 +368,31 @@ pub fn save_megatron_torch_dist(
         with_bytes(&tch::Tensor::from(step), emit)
     })?;
     write_tracker(root, iteration)
+}
+
+/// A router's expert bias (float32 `[experts]`, a buffer Megatron saves like a parameter),
+/// stacked over the layers as `decoder.layers.mlp.router.expert_bias`, one chunk per layer
+/// saved by `rank`.
+fn write_expert_bias(
+    writer: &mut DistWriter,
+    declared: &mut HashSet<String>,
+    name: &str,
+    value: &LazyTensor,
+    config: &TransformerConfig,
+    rank: usize,
+) -> Result<()> {
+    let (key, axes) = sharded_key(name, config.num_layers, num_experts(config));
+    let shape: Vec<usize> = value.shape().iter().map(|&d| d as usize).collect();
+    if declared.insert(key.clone()) {
+        writer.declare_tensor(&key, DType::F32, prepended(&axes, |a| a.1, shape.clone()))?;
+    }
+    let place = ChunkPlace {
+        offsets: prepended(&axes, |a| a.0, vec![0; shape.len()]),
+        sizes: prepended(&axes, |_| 1, shape),
+    };
+    writer.write_chunk(&key, rank, place, |emit| {
+        value.for_each_chunk(|chunk| with_bytes(&chunk.to_kind(tch::Kind::Float), &mut *emit))
+    })
 }
 
 /// The `_extra_state` object of a local-spec linear layer (`[None]`, one per layer), keyed as

@@ -13,18 +13,19 @@ use tch::{Device, Kind, Tensor};
 use super::lazy::{safetensors_tensors, LazyTensor};
 use super::sizes::{check_layers, layers_found};
 use super::state::{shard_of, shard_shape, ModelState, OptimizerState, RunState, Tensors};
+use megatron_models::gpt::megatron_names::expert_of;
 use megatron_models::layers::moe::config::MoeConfig;
 use megatron_models::ParamAttributes;
 use megatron_models::{
     ChunkSpec, FamilyModel, GptModel, ModelOptions, PipelineSplit, Recompute, T5Model,
     TransformerConfig,
 };
-use megatron_optim::{BufferLayout, ParamShape, Slot};
+use megatron_optim::{BufferLayout, ParamShape, ShardGroup, Slot};
 use megatron_parallel::ParallelState;
 use megatron_store::{
     begin_save, finish_save, has_vocab_rows, optimizer_file, rank_directory_name,
     staging_directory, tensor_split, write_rank_file_streamed, CheckpointDirectory,
-    CheckpointMetadata, TensorEntry, CHECKPOINT_FORMAT, MODEL_FILE,
+    CheckpointMetadata, TensorEntry, CHECKPOINT_FORMAT, EXPERT_BIAS_FILE, MODEL_FILE,
 };
 
 /// The model-parallel layout to write.
@@ -229,6 +230,118 @@ fn chunk_prefix(chunk: usize, chunks: usize) -> String {
     } else {
         format!("model{chunk}.")
     }
+}
+
+/// `(rank file name, global name)` of the routers' expert biases of pipeline stage `stage`
+/// (layers counted within each chunk, as the parameters are); none without
+/// `--moe-router-enable-expert-bias`.
+fn rank_expert_biases(
+    config: &TransformerConfig,
+    split: &PipelineSplit,
+    stage: usize,
+) -> Result<Vec<(String, String)>> {
+    let Some(moe) = config
+        .moe
+        .as_ref()
+        .filter(|moe| moe.expert_bias_update_rate.is_some())
+    else {
+        return Ok(Vec::new());
+    };
+    let chunks = split.chunks_of(stage)?;
+    let count = chunks.len();
+    Ok(chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(c, spec)| {
+            let prefix = chunk_prefix(c, count);
+            spec.layers
+                .clone()
+                .enumerate()
+                .filter(|(_, global)| moe.is_moe_layer(*global))
+                .map(move |(local, global)| {
+                    (
+                        format!("{prefix}decoder.layers.{local}.mlp.router.expert_bias"),
+                        format!("decoder.layers.{global}.mlp.router.expert_bias"),
+                    )
+                })
+        })
+        .collect())
+}
+
+/// Reads the routers' expert biases of `checkpoint` (every pipeline stage's file, tensor rank
+/// 0's), by global name; a checkpoint saved without them (before the flag was given) gives
+/// zeros, as training starts them, and a note.
+fn read_expert_biases(
+    checkpoint: &CheckpointDirectory,
+    config: &TransformerConfig,
+    split: &PipelineSplit,
+) -> Result<Tensors> {
+    let mut out = Tensors::new();
+    for stage in 0..split.stages {
+        let names = rank_expert_biases(config, split, stage)?;
+        if names.is_empty() {
+            continue;
+        }
+        let rank_dir = rank_directory_name(0, stage, split.stages);
+        let saved = rank_file(checkpoint, &rank_dir, EXPERT_BIAS_FILE)?;
+        if saved.is_none() {
+            eprintln!(
+                "note: {}/{rank_dir} has no {EXPERT_BIAS_FILE}; its routers' expert biases start at zero",
+                checkpoint.directory.display()
+            );
+        }
+        for (local, global) in names {
+            let bias = match &saved {
+                Some(saved) => saved.get(&local).cloned().with_context(|| {
+                    format!(
+                        "{}/{rank_dir}/{EXPERT_BIAS_FILE}: no tensor {local}",
+                        checkpoint.directory.display()
+                    )
+                })?,
+                None => LazyTensor::from(Tensor::zeros(
+                    [config.moe.as_ref().map_or(0, |m| m.num_experts)],
+                    (Kind::Float, Device::Cpu),
+                )),
+            };
+            out.insert(global, bias);
+        }
+    }
+    Ok(out)
+}
+
+/// Writes the expert biases of `state` that pipeline stage `stage` holds into `rank_dir`.
+fn write_expert_biases(
+    staging: &Path,
+    rank_dir: &str,
+    state: &ModelState,
+    split: &PipelineSplit,
+    stage: usize,
+) -> Result<()> {
+    let names = rank_expert_biases(&state.config, split, stage)?;
+    if names.is_empty() {
+        return Ok(());
+    }
+    let biases = names
+        .iter()
+        .map(|(_, global)| {
+            state
+                .expert_biases
+                .get(global)
+                .with_context(|| format!("{}: no expert bias {global}", state.source))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let entries: Vec<TensorEntry> = names
+        .iter()
+        .zip(&biases)
+        .map(|((local, _), bias)| TensorEntry {
+            name: local.clone(),
+            kind: Kind::Float,
+            shape: bias.shape().to_vec(),
+        })
+        .collect();
+    write_rank_file_streamed(staging, rank_dir, EXPERT_BIAS_FILE, &entries, |i, emit| {
+        emit(&biases[i].read()?.to_kind(Kind::Float))
+    })
 }
 
 /// Every rank's `(rank file name, global name)` parameters in optimizer order.
@@ -503,6 +616,7 @@ pub fn save_megatron_rs_sharded(
         for stage in 0..target.pipeline {
             let params = rank_parameters(config, &split, stage, &layer_order)?;
             let rank_dir = rank_directory_name(t, stage, target.pipeline);
+            write_expert_biases(&staging, &rank_dir, state, &split, stage)?;
             write_rank(
                 &staging,
                 &rank_dir,
@@ -586,7 +700,7 @@ fn saved_split(metadata: &CheckpointMetadata, config: &TransformerConfig) -> Pip
 
 /// Tensor-parallel parts (rank order) of each unsplit tensor joined lazily, the vocabulary
 /// padded for one rank.
-fn join_parts(
+pub(super) fn join_parts(
     parts: BTreeMap<String, Vec<LazyTensor>>,
     config: &TransformerConfig,
     tp: usize,
@@ -640,10 +754,12 @@ pub fn load_megatron_rs(checkpoint: &CheckpointDirectory, optimizer: bool) -> Re
         (true, Some("adam")) => Some(load_optimizer(checkpoint, &config, &files)?),
         _ => None,
     };
+    let expert_biases = read_expert_biases(checkpoint, &config, &split)?;
     Ok(ModelState {
         config,
         params_dtype: metadata.params_dtype.clone(),
         weights,
+        expert_biases,
         optimizer,
         run: RunState {
             iteration: metadata.iteration,
@@ -755,126 +871,152 @@ pub(crate) fn saved_optimizer_shards(metadata: &CheckpointMetadata) -> Option<Op
     })
 }
 
+/// How a saved run split its routed experts: each data-parallel rank holds the state of its
+/// expert-parallel rank's experts (the run's `--expert-model-parallel-size`), sharded over the
+/// expert-data-parallel ranks holding the same experts, as the engine lays its buffers out.
+#[derive(Debug, Clone, Copy)]
+struct SavedExperts {
+    parallel: usize,
+    per_rank: usize,
+}
+
+impl SavedExperts {
+    fn of(metadata: &CheckpointMetadata, config: &TransformerConfig) -> Self {
+        let parallel = metadata
+            .args
+            .pointer("/model/expert_model_parallel_size")
+            .and_then(|v| v.as_u64())
+            .map_or(1, |e| e.max(1) as usize);
+        let experts = config
+            .moe
+            .as_ref()
+            .map_or(0, |moe| moe.num_experts as usize);
+        SavedExperts {
+            parallel,
+            per_rank: experts / parallel,
+        }
+    }
+
+    /// Whether data-parallel rank `data_rank` (tensor parallelism 1: its place in its stage)
+    /// holds the parameter `global`: every rank holds the dense parameters.
+    fn holds(&self, data_rank: usize, global: &str) -> bool {
+        expert_of(global)
+            .is_none_or(|(expert, _, _)| expert / self.per_rank.max(1) == data_rank % self.parallel)
+    }
+}
+
 /// The per-parameter optimizer state (unsplit) of `checkpoint`'s rank `files` (any TP/PP
-/// layout, distributed-optimizer shards included); `config` is the trunk's.
+/// layout, distributed-optimizer shards and expert-parallel ranks included); `config` is the
+/// trunk's. Each data-parallel rank's file is read through the layout its run gave its buffers
+/// (its experts, its shards), and each parameter joined from the pieces that cover it.
 pub(crate) fn load_optimizer(
     checkpoint: &CheckpointDirectory,
     config: &TransformerConfig,
     files: &[RankFile],
 ) -> Result<OptimizerState> {
     let metadata = &checkpoint.metadata;
-    let sharded = metadata.distributed_optimizer && metadata.data_parallel_size > 1;
+    let data_parallel = metadata.data_parallel_size.max(1);
+    let sharded = metadata.distributed_optimizer && data_parallel > 1;
+    let experts = SavedExperts::of(metadata, config);
+    ensure!(
+        experts.parallel == 1 || metadata.tensor_model_parallel_size == 1,
+        "{}: the optimizer state of a run with --expert-model-parallel-size {} and \
+         --tensor-model-parallel-size {} is not read yet; convert it with --no-optimizer",
+        checkpoint.directory.display(),
+        experts.parallel,
+        metadata.tensor_model_parallel_size
+    );
+    // As the training run decides whether each data-parallel rank writes a file of its own.
+    let per_rank_files = (sharded || experts.parallel > 1) && data_parallel > 1;
     let tied = !config.untie_embeddings_and_output_weights;
-    let ranks = if sharded {
-        metadata.data_parallel_size
-    } else {
-        1
-    };
+    let bucket = bucket_size_of(metadata, data_parallel);
     let mut parts: [BTreeMap<String, Vec<LazyTensor>>; 3] = Default::default();
     let mut step = 0.0;
     for (_, _, rank_dir, params, tensors) in files {
         let where_ = |file: &str| format!("{}/{rank_dir}/{file}", checkpoint.directory.display());
-        let shapes: Vec<(String, Vec<i64>)> = params
-            .iter()
-            .map(|(local, _)| (local.clone(), tensors[local].shape().to_vec()))
-            .collect();
-        let param_shapes = sharded_param_shapes(
-            &shapes,
-            params,
-            tied && metadata.pipeline_model_parallel_size > 1,
-        );
-        let bucket = bucket_size_of(metadata, ranks);
-        let layout = if sharded {
-            BufferLayout::new(&param_shapes, bucket, 0, ranks, true)
-        } else {
-            flat_layout(&shapes)
-        };
-        // Per buffer and slot: (start in the full buffer, the piece).
-        let mut pieces: [Vec<Vec<(usize, LazyTensor)>>; 3] =
-            std::array::from_fn(|_| vec![Vec::new(); layout.slots.len()]);
-        for d in 0..ranks {
-            let file = optimizer_file(sharded.then_some(d));
+        // Per buffer kind and global name: the pieces found, by their first element.
+        let mut pieces: [HashMap<String, BTreeMap<usize, LazyTensor>>; 3] = Default::default();
+        for d in 0..if per_rank_files { data_parallel } else { 1 } {
+            let held: Vec<(String, String)> = params
+                .iter()
+                .filter(|(_, global)| experts.holds(d, global))
+                .cloned()
+                .collect();
+            let shapes: Vec<(String, Vec<i64>)> = held
+                .iter()
+                .map(|(local, _)| (local.clone(), tensors[local].shape().to_vec()))
+                .collect();
+            let param_shapes = sharded_param_shapes(
+                &shapes,
+                &held,
+                tied && metadata.pipeline_model_parallel_size > 1,
+            );
+            let group = |rank, size| ShardGroup { rank, size };
+            let layout = BufferLayout::with_experts(
+                &param_shapes,
+                bucket,
+                group(d, data_parallel),
+                group(d / experts.parallel, data_parallel / experts.parallel),
+                sharded,
+            );
+            let file = optimizer_file(per_rank_files.then_some(d));
             let state = rank_file(checkpoint, rank_dir, &file)?.with_context(|| {
                 format!("{}: missing (saved with --no-save-optim?)", where_(&file))
             })?;
             if let Some(s) = state.get("step") {
                 step = s.read()?.double_value(&[]);
             }
-            let rank_layout =
-                sharded.then(|| BufferLayout::new(&param_shapes, bucket, d, ranks, true));
             for (i, key) in ["main", "exp_avg", "exp_avg_sq"].iter().enumerate() {
                 let part = state
                     .get(*key)
                     .with_context(|| format!("{}: no tensor {key}", where_(&file)))?;
-                match &rank_layout {
-                    None => {
-                        ensure!(
-                            part.numel() as usize >= layout.len,
-                            "{}: the optimizer buffer {key} holds {} elements, the model needs {}",
-                            where_(&file),
-                            part.numel(),
-                            layout.len
-                        );
-                        for (s, slot) in layout.slots.iter().enumerate() {
-                            let piece = part.flat_slice(
-                                slot.range.start as i64,
-                                slot.range.len() as i64,
-                                vec![slot.range.len() as i64],
-                            )?;
-                            pieces[i][s].push((slot.range.start, piece));
-                        }
-                    }
-                    Some(rank_layout) => {
-                        ensure!(
-                            part.numel() as usize == rank_layout.shard_len,
-                            "{}: {key} holds {} elements, the layout {}",
-                            where_(&file),
-                            part.numel(),
-                            rank_layout.shard_len
-                        );
-                        for segment in &rank_layout.segments {
-                            let piece = part.flat_slice(
-                                segment.shard.start as i64,
-                                segment.shard.len() as i64,
-                                vec![segment.shard.len() as i64],
-                            )?;
-                            pieces[i][segment.slot].push((segment.buffer.start, piece));
-                        }
-                    }
+                let length = part.numel() as usize;
+                ensure!(
+                    length == layout.shard_len || (!sharded && length >= layout.shard_len),
+                    "{}: the optimizer buffer {key} holds {length} elements, the model's layout {}",
+                    where_(&file),
+                    layout.shard_len
+                );
+                for segment in &layout.segments {
+                    let slot = &layout.slots[segment.slot];
+                    let global = &held[param_index(&held, &slot.name)].1;
+                    let piece = part.flat_slice(
+                        segment.shard.start as i64,
+                        segment.shard.len() as i64,
+                        vec![segment.shard.len() as i64],
+                    )?;
+                    // A parameter every rank holds whole (no sharding) is read once.
+                    pieces[i]
+                        .entry(global.clone())
+                        .or_default()
+                        .entry(segment.buffer.start - slot.range.start)
+                        .or_insert(piece);
                 }
             }
         }
-        for (i, buffer) in pieces.into_iter().enumerate() {
-            for (slot, mut slot_pieces) in layout.slots.iter().zip(buffer) {
-                let global = &params
-                    .iter()
-                    .find(|(local, _)| *local == slot.name)
-                    .expect("listed")
-                    .1;
-                if is_tied_copy(&slot.name, global) {
+        for (i, mut found) in pieces.into_iter().enumerate() {
+            for (local, global) in params {
+                if is_tied_copy(local, global) {
                     continue;
                 }
-                slot_pieces.sort_by_key(|(start, _)| *start);
-                let mut at = slot.range.start;
+                let shape = tensors[local].shape().to_vec();
+                let numel = shape.iter().product::<i64>() as usize;
+                let slot_pieces = found.remove(global).unwrap_or_default();
+                let mut at = 0;
                 for (start, piece) in &slot_pieces {
                     ensure!(
                         *start == at,
-                        "{}/{rank_dir}: the optimizer shards do not cover {}",
+                        "{}/{rank_dir}: the optimizer shards do not cover {local}",
                         checkpoint.directory.display(),
-                        slot.name
                     );
                     at += piece.numel() as usize;
                 }
                 ensure!(
-                    at == slot.range.end,
-                    "{}/{rank_dir}: the optimizer shards do not cover {}",
+                    at == numel,
+                    "{}/{rank_dir}: the optimizer shards do not cover {local}",
                     checkpoint.directory.display(),
-                    slot.name
                 );
-                let value = LazyTensor::concat(
-                    slot_pieces.into_iter().map(|(_, p)| p).collect(),
-                    slot.shape.clone(),
-                )?;
+                let value = LazyTensor::concat(slot_pieces.into_values().collect(), shape)?;
                 parts[i].entry(global.clone()).or_default().push(value);
             }
         }
@@ -894,6 +1036,14 @@ pub(crate) fn load_optimizer(
         exp_avg: join(exp_avg)?,
         exp_avg_sq: join(exp_avg_sq)?,
     })
+}
+
+/// Where the parameter a buffer slot names (its rank-file name) is in `params`.
+fn param_index(params: &[(String, String)], local: &str) -> usize {
+    params
+        .iter()
+        .position(|(name, _)| name == local)
+        .expect("every slot is one of the parameters laid out")
 }
 
 impl ModelState {
@@ -937,6 +1087,39 @@ impl ModelState {
         if let Some(name) = self.weights.keys().find(|k| !expected.contains_key(*k)) {
             bail!(
                 "{}: unexpected tensor {name} for this architecture",
+                self.source
+            );
+        }
+        let whole = PipelineSplit {
+            num_layers: config.num_layers,
+            stages: 1,
+            chunks: 1,
+            first_stage_layers: None,
+            last_stage_layers: None,
+        };
+        let biases = rank_expert_biases(config, &whole, 0)?;
+        for (name, _) in &biases {
+            let experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
+            let bias = self.expert_biases.get(name).with_context(|| {
+                format!(
+                    "{}: missing expert bias {name} (the model has --moe-router-enable-expert-bias)",
+                    self.source
+                )
+            })?;
+            ensure!(
+                bias.shape() == [experts],
+                "{}: expert bias {name} has shape {:?}, the model has {experts} experts",
+                self.source,
+                bias.shape()
+            );
+        }
+        if let Some(name) = self
+            .expert_biases
+            .keys()
+            .find(|k| !biases.iter().any(|(name, _)| name == *k))
+        {
+            bail!(
+                "{}: unexpected expert bias {name}: the model has no --moe-router-enable-expert-bias router there",
                 self.source
             );
         }

@@ -63,12 +63,21 @@ pub struct ModelState {
     /// `float32`, `bfloat16` or `float16`.
     pub params_dtype: String,
     pub weights: Tensors,
+    /// Model state outside the parameters: the MoE routers' `expert_bias` buffers
+    /// (`--moe-router-enable-expert-bias`), float32 `[experts]`, by Megatron-core name
+    /// (`decoder.layers.<i>.mlp.router.expert_bias`); empty without them.
+    pub expert_biases: Tensors,
     pub optimizer: Option<OptimizerState>,
     pub run: RunState,
     /// The source's (tensor, pipeline) parallel sizes: the output's default.
     pub source_parallel: (usize, usize),
     /// Where the state came from (`Megatron torch`, `HuggingFace LlamaForCausalLM`, ...).
     pub source: String,
+}
+
+/// Is `name` a router's expert bias (`….mlp.router.expert_bias`), a buffer beside its weight?
+pub fn is_expert_bias(name: &str) -> bool {
+    name.ends_with(".mlp.router.expert_bias")
 }
 
 /// The shape of tensor-parallel rank's shard of `name` (unsplit `shape`) for `size` ranks, the

@@ -3,7 +3,10 @@
 //! model tensor's shape; the distributed optimizer's `fully_sharded_model_space` (core_v0.14.0's
 //! default with `--ckpt-fully-parallel-save`) in shape `F ++ [n]`: `F` the grid of the model
 //! tensor's chunks (the layer axis of a stacked tensor, tensor-parallel splits), each chunk
-//! flattened into `n` elements and saved in the data-parallel ranks' ranges of it.
+//! flattened into `n` elements and saved in the data-parallel ranks' ranges of it. Its
+//! `dp_zero_gather_scatter` (core_v0.14.0 without `--ckpt-fully-parallel-save`) saves each
+//! model-parallel rank's `get_parameter_state_dp_zero` dictionary as one object, the layout of
+//! `distrib_optim.pt` ([`super::distrib_optim`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -13,9 +16,24 @@ use megatron_checkpoint::{DistCheckpoint, Value};
 use tch::{Device, Kind, Tensor};
 
 use super::dist_tensors::{dist_chunks, Placement};
-use super::distrib_optim::param_groups_step;
+use super::distrib_optim::{dp_zero_state, param_groups_step, Bucketing};
 use super::lazy::{InputFile, LazyTensor};
-use super::state::OptimizerState;
+use super::megatron_save::rank_chunk_params;
+use super::ours::join_parts;
+use super::state::{ModelState, OptimizerState};
+use megatron_models::PipelineSplit;
+
+/// How a torch_dist checkpoint (its `common.pt` is `root`) saved the distributed optimizer's
+/// state: Megatron's `distrib_optim_sharding_type`, `None` without one.
+pub(super) fn sharding_type(root: &Value) -> Option<&str> {
+    root.get("content_metadata")
+        .and_then(|m| m.get("distrib_optim_sharding_type"))
+        .or_else(|| root.get("optimizer")?.get("param_state_sharding_type"))
+        .and_then(Value::as_str)
+}
+
+/// Megatron's `dp_zero_gather_scatter` sharding.
+pub(super) const DP_ZERO_GATHER_SCATTER: &str = "dp_zero_gather_scatter";
 
 /// `optimizer.state.<kind>` names and where their tensors go.
 const KINDS: [&str; 3] = ["fp32_param", "exp_avg", "exp_avg_sq"];
@@ -32,15 +50,10 @@ pub(super) fn optimizer_state(
     let Some(optimizer) = root.get("optimizer") else {
         return Ok(None);
     };
-    let sharding = root
-        .get("content_metadata")
-        .and_then(|m| m.get("distrib_optim_sharding_type"))
-        .or_else(|| optimizer.get("param_state_sharding_type"))
-        .and_then(Value::as_str);
-    match sharding {
+    match sharding_type(root) {
         None | Some("fully_sharded_model_space") => {}
         Some(other) => bail!(
-            "{common}: distributed optimizer state saved as {other} is not read (fully_sharded_model_space is; Megatron saves it with --ckpt-fully-parallel-save)"
+            "{common}: distributed optimizer state saved as {other} is not read (fully_sharded_model_space and {DP_ZERO_GATHER_SCATTER} are)"
         ),
     }
     let step = param_groups_step(optimizer)
@@ -93,6 +106,101 @@ pub(super) fn optimizer_state(
         );
     }
     Ok(Some(state))
+}
+
+/// The distributed optimizer's state saved as `dp_zero_gather_scatter` in `checkpoint` (its
+/// `common.pt` is `root`) for the model `state` read from it: per model-parallel rank (tensor
+/// rank fastest, as Megatron numbers the data-parallel groups) the object
+/// `optimizer.distributed.dp_group_idx_<rank>.param_state` holding the rank's flat buffers,
+/// gathered over the data-parallel ranks, and `….optimizer` its parameter groups (the step).
+pub(super) fn dp_zero_gather_scatter_state(
+    checkpoint: &DistCheckpoint,
+    directory: &std::path::Path,
+    root: &Value,
+    state: &ModelState,
+) -> Result<OptimizerState> {
+    let where_ = directory.display();
+    let args = root.get("args").context("common.pt has no args")?;
+    let int = |key: &str| args.get(key).and_then(Value::as_i64).unwrap_or(1).max(1) as usize;
+    let (tp, pp) = (
+        int("tensor_model_parallel_size"),
+        int("pipeline_model_parallel_size"),
+    );
+    ensure!(
+        int("expert_model_parallel_size") == 1,
+        "{where_}: the {DP_ZERO_GATHER_SCATTER} optimizer state of an expert-parallel run (Megatron's chained optimizer) is not read; save it with --ckpt-fully-parallel-save (fully_sharded_model_space)"
+    );
+    let split = PipelineSplit {
+        num_layers: state.config.num_layers,
+        stages: pp,
+        chunks: int("virtual_pipeline_model_parallel_size"),
+        first_stage_layers: None,
+        last_stage_layers: None,
+    };
+    let experts = state
+        .config
+        .moe
+        .as_ref()
+        .map_or(0, |m| m.num_experts as usize);
+    let tied = !state.config.untie_embeddings_and_output_weights;
+    let mut parts: [BTreeMap<String, Vec<LazyTensor>>; 3] = Default::default();
+    let mut step = 0.0;
+    for stage in 0..pp {
+        for t in 0..tp {
+            let prefix = format!("optimizer.distributed.dp_group_idx_{}", t + tp * stage);
+            let object = |name: &str| -> Result<(megatron_checkpoint::TorchFile, String, Value)> {
+                let key = format!("{prefix}.{name}/shard_0_1");
+                let (archive, file) = checkpoint.object(&key)?;
+                let data = match &archive.root {
+                    Value::List(items) if items.len() == 1 => items[0].clone(),
+                    other => bail!(
+                        "{where_}: object {key} holds {}, a list of one dictionary expected",
+                        other.describe()
+                    ),
+                };
+                Ok((archive, file, data))
+            };
+            let (_, _, groups) = object("optimizer")?;
+            let wrapped = Value::Dict(vec![(Value::Str("optimizer".into()), groups)]);
+            step = param_groups_step(&wrapped).with_context(|| {
+                format!("{where_}: {prefix}.optimizer: the parameter groups carry no step")
+            })?;
+            let (archive, file, param_state) = object("param_state")?;
+            let input = InputFile::open(&checkpoint.data_path(&file))?;
+            let chunks = rank_chunk_params(state, &split, stage, tp, 0..experts)?;
+            let rank = dp_zero_state(
+                &archive,
+                &input,
+                &param_state,
+                &chunks,
+                Bucketing::from_args(args, stage),
+                step,
+            )
+            .with_context(|| format!("{where_}: {prefix}.param_state"))?;
+            for (target, map) in parts
+                .iter_mut()
+                .zip([rank.main, rank.exp_avg, rank.exp_avg_sq])
+            {
+                for (name, tensor) in map {
+                    // The head's copy of tied embeddings is the embedding's state.
+                    if tied && name == "output_layer.weight" {
+                        continue;
+                    }
+                    target.entry(name).or_default().push(tensor);
+                }
+            }
+        }
+    }
+    let [main, exp_avg, exp_avg_sq] = parts.map(|part| {
+        join_parts(part, &state.config, tp, "optimizer state of")
+            .with_context(|| where_.to_string())
+    });
+    Ok(OptimizerState {
+        step,
+        main: main?,
+        exp_avg: exp_avg?,
+        exp_avg_sq: exp_avg_sq?,
+    })
 }
 
 /// The saved chunks of an optimizer tensor of shape `saved` as chunks of the model tensor's

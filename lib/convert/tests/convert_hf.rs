@@ -168,6 +168,7 @@ fn round_trip_checking(kind: &str, as_bin: bool, identical_tensors: bool) {
         let plain = ModelState {
             config: unscaled,
             weights: state.weights.clone(),
+            expert_biases: state.expert_biases.clone(),
             params_dtype: state.params_dtype.clone(),
             optimizer: None,
             run: Default::default(),

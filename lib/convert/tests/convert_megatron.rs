@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use megatron_convert::{
-    load_megatron_rs, load_megatron_torch, load_torch_dist, save_megatron_rs, verify, LazyTensor,
-    LoadOptions, TargetLayout,
+    load_megatron_rs, load_megatron_torch, load_torch_dist, save_megatron_rs, save_megatron_torch,
+    verify, LazyTensor, LoadOptions, TargetLayout,
 };
 use megatron_models::{Activation, Normalization, PositionEmbeddingType};
 use megatron_store::find_checkpoint;
@@ -136,6 +136,142 @@ fn distributed_optimizer_state_lands_on_every_parameter() {
         assert!(
             relative < 0.05,
             "{name}: the two goldens' second moments differ by {relative}"
+        );
+    }
+}
+
+/// core_v0.14.0's torch_dist `dp_zero_gather_scatter` optimizer state (one object per
+/// model-parallel rank holding `get_parameter_state_dp_zero`'s buffers and one its parameter
+/// groups), made by `tests/fixtures/dp_zero_gather_scatter.py` from the `distopt_torch` golden's
+/// `distrib_optim.pt`, reads as that golden does: the same step and every parameter's main
+/// weights and moments bit for bit, though here the parameters' order in the buffers comes from
+/// the model's architecture rather than a rank file's.
+#[test]
+fn dp_zero_gather_scatter_state_reads_as_distrib_optim_pt() {
+    let out = tempfile::tempdir().unwrap();
+    let iteration = out.path().join("iter_0000005");
+    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python"));
+    let made = std::process::Command::new(python)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/dp_zero_gather_scatter.py"),
+        )
+        .arg(goldens().join("distopt_torch/iter_0000005"))
+        .arg(goldens().join("distopt_torch_dist/iter_0000005"))
+        .arg(&iteration)
+        .output()
+        .expect(
+            "running tests/fixtures/dp_zero_gather_scatter.py (MEGATRON_RS_TEST_PYTHON with torch)",
+        );
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let dp_zero = load_torch_dist(&iteration, &with_optimizer()).unwrap();
+    let torch = load_megatron_torch(
+        &goldens().join("distopt_torch/iter_0000005"),
+        &with_optimizer(),
+    )
+    .unwrap();
+    let (a, b) = (
+        dp_zero.optimizer.as_ref().unwrap(),
+        torch.optimizer.as_ref().unwrap(),
+    );
+    assert_eq!(a.step, 5.0);
+    assert_eq!(a.step, b.step);
+    for (mine, theirs) in [
+        (&a.main, &b.main),
+        (&a.exp_avg, &b.exp_avg),
+        (&a.exp_avg_sq, &b.exp_avg_sq),
+    ] {
+        assert_eq!(mine.len(), 28);
+        let mut names: Vec<_> = mine.keys().collect();
+        names.sort();
+        let mut expected: Vec<_> = theirs.keys().collect();
+        expected.sort();
+        assert_eq!(names, expected);
+        for (name, value) in mine {
+            assert!(
+                value.read().unwrap().equal(&theirs[name].read().unwrap()),
+                "{name} differs from distrib_optim.pt's"
+            );
+        }
+    }
+}
+
+/// What a seeded Python, numpy and torch give, checked against the `rng_state` of the rank
+/// file argv[1] (seed argv[2], tensor rank argv[3]): Megatron's load sets each generator from
+/// it (`random.setstate`, `np.random.set_state`, `torch.set_rng_state`), which must accept
+/// them, and they must be the states Megatron's own start leaves.
+const RNG_STATE_AS_MEGATRONS: &str = r#"
+import pickle, random, sys, types
+import numpy as np, torch
+class Stubs(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith("megatron"):
+            return type(name, (), {"__init__": lambda self, *a, **k: None,
+                                   "__setstate__": lambda self, state: None})
+        return super().find_class(module, name)
+stubs = types.ModuleType("stubs"); stubs.Unpickler = Stubs; stubs.load = pickle.load
+saved = torch.load(sys.argv[1], map_location="cpu", weights_only=False, pickle_module=stubs)
+seed, tensor_rank = int(sys.argv[2]), int(sys.argv[3])
+(state,) = saved["rng_state"]
+random.setstate(state["random_rng_state"])
+np.random.set_state(state["np_rng_state"])
+torch.set_rng_state(state["torch_rng_state"])
+drawn = (random.random(), np.random.rand(), torch.rand(1).item())
+random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
+assert drawn == (random.random(), np.random.rand(), torch.rand(1).item()), drawn
+def cuda(s):
+    return torch.tensor(list(s.to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
+assert torch.equal(state["cuda_rng_state"], cuda(seed))
+tracker = state["rng_tracker_states"]
+assert sorted(tracker) == ["data-parallel-rng", "expert-parallel-rng", "model-parallel-rng"]
+assert torch.equal(tracker["model-parallel-rng"], cuda(seed + 2718 + tensor_rank))
+print("ok")
+"#;
+
+/// `--ckpt-format torch` exports carry `rng_state` (per rank, a list of one state), so
+/// Megatron's `pretrain_gpt.py` loads them without `--no-load-rng`: the generators as its own
+/// start seeds them for the rank (`--seed` 1234 of the golden run), which Python, numpy and
+/// torch accept and draw from as from their own seeding.
+#[test]
+fn torch_exports_carry_the_rng_state_megatron_loads() {
+    let state =
+        load_megatron_torch(&goldens().join("gpt_torch/iter_0000003"), &with_optimizer()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    save_megatron_torch(
+        &state,
+        out.path(),
+        TargetLayout {
+            tensor: 2,
+            pipeline: 1,
+            virtual_stages: 1,
+        },
+    )
+    .unwrap();
+    let python = std::env::var_os("MEGATRON_RS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python"));
+    for rank in [0, 1] {
+        let checked = std::process::Command::new(&python)
+            .arg("-c")
+            .arg(RNG_STATE_AS_MEGATRONS)
+            .arg(
+                out.path()
+                    .join(format!("iter_0000003/mp_rank_{rank:02}/model_optim_rng.pt")),
+            )
+            .args(["1234", &rank.to_string()])
+            .output()
+            .expect("running python (MEGATRON_RS_TEST_PYTHON with torch and numpy)");
+        assert_eq!(
+            String::from_utf8_lossy(&checked.stdout).trim(),
+            "ok",
+            "{}",
+            String::from_utf8_lossy(&checked.stderr)
         );
     }
 }

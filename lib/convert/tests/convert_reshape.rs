@@ -1,16 +1,21 @@
 //! Reshaping our checkpoints: TP2·PP2 (also interleaved) → TP1·PP1 → TP2·PP2 gives back the
 //! same files bit for bit — weights and the optimizer's float32 main parameters and Adam
-//! moments — for SwiGLU, GQA, untied embeddings and a vocabulary whose padding changes with TP.
+//! moments — for SwiGLU, GQA, untied embeddings and a vocabulary whose padding changes with TP;
+//! and a Mixture-of-Experts model's routers' expert biases kept through our format and
+//! Megatron's two.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::rc::Rc;
 
+use megatron_checkpoint::{DType, DistCheckpoint, TorchFile};
 use megatron_convert::{
-    in_memory, load_megatron_rs, reporting_progress, save_megatron_rs, ConversionProgress,
-    ModelState, OptimizerState, RunState, TargetLayout,
+    in_memory, load_megatron_rs, load_megatron_torch, load_torch_dist, reporting_progress,
+    save_megatron_rs, save_megatron_torch_dist, save_megatron_torch_experts, ConversionProgress,
+    LoadOptions, ModelState, OptimizerState, RunState, TargetLayout,
 };
+use megatron_models::layers::moe::config::{LoadBalancing, MoeConfig, ScoreFunction};
 use megatron_models::{
     Activation, GptModel, ModelOptions, Normalization, PositionEmbeddingType, Recompute,
     TransformerConfig,
@@ -83,6 +88,7 @@ fn random_state(config: TransformerConfig) -> ModelState {
         config,
         params_dtype: "float32".into(),
         weights: in_memory(weights),
+        expert_biases: Default::default(),
         optimizer: Some(optimizer),
         run: RunState {
             iteration: 5,
@@ -226,4 +232,101 @@ fn a_save_reports_its_tensor_bytes_as_it_writes_them() {
     // Outside `reporting_progress` nothing is reported.
     save_megatron_rs(&state, &dir.path().join("again"), single).unwrap();
     assert_eq!(reports.0.borrow().len(), written.len());
+}
+
+/// A model of two MoE layers (four experts, top-2, sigmoid scores) whose routers keep expert
+/// biases (`--moe-router-enable-expert-bias`), random as the router's updates leave them.
+fn with_expert_biases() -> ModelState {
+    let mut config = llama_like(false);
+    config.num_layers = 2;
+    config.moe = Some(MoeConfig {
+        num_experts: 4,
+        ffn_hidden_size: 16,
+        layer_pattern: vec![true, true],
+        topk: 2,
+        score_function: ScoreFunction::Sigmoid,
+        pre_softmax: false,
+        topk_scaling_factor: None,
+        router_dtype: None,
+        load_balancing: LoadBalancing::None,
+        aux_loss_coeff: 0.0,
+        z_loss_coeff: None,
+        shared_expert_intermediate_size: None,
+        capacity: None,
+        expert_bias_update_rate: Some(1e-3),
+        shared_expert_gate: false,
+        token_dispatcher: Default::default(),
+        grouped_gemm: false,
+    });
+    let mut state = random_state(config);
+    state.expert_biases = in_memory((0..2).map(|layer| {
+        (
+            format!("decoder.layers.{layer}.mlp.router.expert_bias"),
+            Tensor::randn([4], (Kind::Float, Device::Cpu)) * 1e-2,
+        )
+    }));
+    state.validate().unwrap();
+    state
+}
+
+/// The routers' expert biases survive our format (at two pipeline stages, in each stage's
+/// `expert_bias.safetensors`) and Megatron's (`--ckpt-format torch`: the buffer
+/// `decoder.layers.<i>.mlp.router.expert_bias` right after the router's weight in the rank
+/// file; `torch_dist`: `decoder.layers.mlp.router.expert_bias` stacked over the layers, as
+/// core_v0.14.0's `TopKRouter` registers and saves it), in float32, bit for bit.
+#[test]
+fn expert_biases_round_trip_through_every_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = with_expert_biases();
+    let layout = |pipeline| TargetLayout {
+        tensor: 1,
+        pipeline,
+        virtual_stages: 1,
+    };
+    let same = |read: &ModelState, what: &str| {
+        assert_eq!(read.expert_biases.len(), 2, "{what}");
+        for (name, bias) in &state.expert_biases {
+            let back = read.expert_biases[name].read().unwrap();
+            assert_eq!(back.kind(), Kind::Float, "{what}: {name}");
+            assert!(back.equal(&bias.read().unwrap()), "{what}: {name}");
+        }
+    };
+    let ours = dir.path().join("ours");
+    save_megatron_rs(&state, &ours, layout(2)).unwrap();
+    let read = load_megatron_rs(&find_checkpoint(&ours).unwrap().unwrap(), true).unwrap();
+    same(&read, "ours");
+    let options = LoadOptions {
+        true_vocab_size: None,
+        optimizer: true,
+        make_vocab_size_divisible_by: None,
+    };
+    let torch = dir.path().join("torch");
+    save_megatron_torch_experts(&read, &torch, layout(1), 2, true).unwrap();
+    let rank_file =
+        TorchFile::open(&torch.join("iter_0000005/mp_rank_00_001/model_optim_rng.pt")).unwrap();
+    let model: Vec<String> = rank_file
+        .root
+        .get("model")
+        .unwrap()
+        .entries()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| k.as_str().unwrap().to_string())
+        .collect();
+    let router = model
+        .iter()
+        .position(|k| k == "decoder.layers.1.mlp.router.weight")
+        .unwrap();
+    assert_eq!(model[router + 1], "decoder.layers.1.mlp.router.expert_bias");
+    let read = load_megatron_torch(&torch.join("iter_0000005"), &options).unwrap();
+    same(&read, "torch");
+    let dist = dir.path().join("dist");
+    save_megatron_torch_dist(&read, &dist, layout(1), 2, true, 2).unwrap();
+    let saved = DistCheckpoint::open(&dist.join("iter_0000005")).unwrap();
+    let bias = &saved.tensors["decoder.layers.mlp.router.expert_bias"];
+    assert_eq!((bias.dtype, bias.shape.clone()), (DType::F32, vec![2, 4]));
+    same(
+        &load_torch_dist(&dist.join("iter_0000005"), &options).unwrap(),
+        "torch_dist",
+    );
 }

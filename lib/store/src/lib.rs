@@ -35,7 +35,7 @@ pub use metadata::{CheckpointMetadata, CHECKPOINT_FORMAT};
 pub use store::{
     abandon_save, begin_save, commit_iteration, find_checkpoint, finish_save, optimizer_file,
     staging_directory, write_rank_file, write_rank_file_streamed, CheckpointDirectory,
-    METADATA_FILE, MODEL_FILE, RNG_FILE,
+    EXPERT_BIAS_FILE, METADATA_FILE, MODEL_FILE, RNG_FILE,
 };
 pub use tensor_file::cpu_bytes;
 pub use tensor_file::{read_tensors, write_tensors, write_tensors_streamed, TensorEntry};

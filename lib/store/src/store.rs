@@ -24,6 +24,10 @@ use super::tensor_file::{read_tensors, write_tensors, write_tensors_streamed, Te
 pub const METADATA_FILE: &str = "metadata.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const RNG_FILE: &str = "rng.safetensors";
+/// The MoE routers' expert biases (`--moe-router-enable-expert-bias`), model state outside
+/// the parameters, under their chunk-prefixed names (`decoder.layers.0.mlp.router.expert_bias`,
+/// Megatron's buffer name, layers counted within the chunk).
+pub const EXPERT_BIAS_FILE: &str = "expert_bias.safetensors";
 
 /// `optimizer.safetensors`, or with the distributed optimizer one file per data-parallel rank
 /// (`optimizer_dp001.safetensors`).

@@ -7,7 +7,7 @@ use anyhow::{bail, ensure, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::async_save;
-use super::expert_bias::{expert_bias_tensors, load_expert_biases, EXPERT_BIAS_FILE};
+use super::expert_bias::{expert_bias_tensors, load_expert_biases};
 use super::loss_scale::{LossScaler, LossScalerState};
 use super::lr_schedule::{OptimizerParamScheduler, SchedulerLoadPolicy, SchedulerState};
 use megatron_data::blend::TrainedOn;
@@ -20,7 +20,7 @@ use megatron_parallel::ParallelState;
 use megatron_store::{
     abandon_save, begin_save, find_checkpoint, finish_save, iteration_directory, optimizer_file,
     rank_directory_name, saved_iterations, write_rank_file, CheckpointDirectory,
-    CheckpointMetadata, CHECKPOINT_FORMAT, METADATA_FILE, MODEL_FILE, RNG_FILE,
+    CheckpointMetadata, CHECKPOINT_FORMAT, EXPERT_BIAS_FILE, METADATA_FILE, MODEL_FILE, RNG_FILE,
 };
 
 /// The per-rank file of the fp8 scaling state (see [`fp8_tensors`]).

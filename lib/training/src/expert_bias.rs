@@ -11,10 +11,6 @@ use tch::Tensor;
 use megatron_models::ModelChunk;
 use megatron_parallel::{ParallelState, ReduceOp};
 
-/// The per-rank checkpoint file of the routers' expert biases, under their parameter-like
-/// names (`decoder.layers.0.mlp.router.expert_bias`, Megatron's buffer name).
-pub const EXPERT_BIAS_FILE: &str = "expert_bias.safetensors";
-
 /// Updates every router's bias from its count of the step, summed over tensor × data ×
 /// context parallelism (Megatron's `tensor_and_data_parallel` group with context; expert
 /// parallelism is folded into the data-parallel ranks). Nothing without expert biases.

@@ -168,6 +168,12 @@ impl Mt19937 {
         generator
     }
 
+    /// The state words and the position of the next one used, as Python's `random.getstate()`
+    /// and numpy's `get_state()` report them.
+    pub fn words(&self) -> (&[u32], usize) {
+        (&self.state, self.position)
+    }
+
     /// The next tempered 32-bit output.
     pub fn next_u32(&mut self) -> u32 {
         self.next_word()
