@@ -40,11 +40,12 @@
 #
 #   MEGATRON_PATH=~/Megatron-LM BIN=target/release CASE=moe scripts/reference/megatron_resume_torch_dist.sh
 #
-# Measured on 2x H200 (torch 2.11.0+cu130, no Apex, no Transformer Engine, 2026-11-28), CASE
-# distopt: Megatron loads neither the export nor its own distopt_torch_dist. The first failure,
-# a fresh torch Adam without `step` (below), is worked around here; the second, in
-# dist_checkpointing's reformulation check (`'Metadata' object has no attribute 'mcore_data'`),
-# is not: it is raised for Megatron's own save as for ours.
+# Without Apex or Transformer Engine (torch 2.11.0+cu130), core_v0.14.0 loads no torch_dist
+# distributed-optimizer checkpoint, its own included, for three reasons the shim below works
+# around: a fresh torch Adam without `step`, the `step` then expected among the checkpoint's
+# tensors, and no `mcore_data` in torch 2.11's metadata. With it, on one H200 (GPUS=1,
+# 2026-11-29), Megatron resumed the distopt, llama and moe exports; distopt's losses equal those
+# of Megatron resuming its own save (docs/checkpoints.md has the figures).
 #
 # Environment: MEGATRON_PATH (required), BIN [target/release], GOLDENS [../shared/golden/
 # megatron_checkpoints], CASE [distopt], GPUS [2 for distopt and llama, 4 for moe].
@@ -98,6 +99,19 @@ class PatchDistributedOptimizer(importlib.abc.MetaPathFinder, importlib.abc.Load
             zero_adam_state(optimizer.optimizer)
             return state_dict(optimizer)
         module.DistributedOptimizer.state_dict = patched
+        # Loading then sets each parameter's torch Adam `step` from the parameter groups and
+        # copies every state entry from the checkpoint's tensors, which have no `step`
+        # (load_parameter_state_from_fs_model_space leaves it out): the step stays as set.
+        set_states = module.DistributedOptimizer._set_main_param_and_optimizer_states
+        def keep_step(optimizer, model_param, tensors):
+            if "step" not in tensors:
+                group_index, group_order = optimizer.model_param_group_index_map[model_param]
+                main_param = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+                step = optimizer.optimizer.state[main_param].get("step")
+                if step is not None:
+                    tensors = {**tensors, "step": step}
+            return set_states(optimizer, model_param, tensors)
+        module.DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
 
 sys.meta_path.insert(0, PatchDistributedOptimizer())
 

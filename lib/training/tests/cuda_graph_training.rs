@@ -79,31 +79,10 @@ fn on_a_gpu_graphs_train_bitwise_like_eager() {
     assert_bitwise_identical(&eager, &graphed);
 }
 
-/// A Llama-style MoE of 4 layers, 3 of them with 4 experts of width 48 (top-2) as grouped
-/// GEMMs, with the load-balancing loss and the z-loss.
-const MOE: &[&str] = &[
-    "--bf16",
-    "--swiglu",
-    "--position-embedding-type",
-    "rope",
-    "--normalization",
-    "RMSNorm",
-    "--untie-embeddings-and-output-weights",
-    "--disable-bias-linear",
-    "--num-experts",
-    "4",
-    "--moe-ffn-hidden-size",
-    "48",
-    "--moe-layer-freq",
-    "[1,0,1,1]",
-    "--moe-router-topk",
-    "2",
-    "--moe-aux-loss-coeff",
-    "1e-2",
-    "--moe-z-loss-coeff",
-    "1e-3",
-    "--moe-grouped-gemm",
-];
+/// The tiny MoE (`support::TINY_MOE`) in bf16, its experts as grouped GEMMs.
+fn moe() -> Vec<&'static str> {
+    [support::TINY_MOE, &["--bf16", "--moe-grouped-gemm"]].concat()
+}
 
 /// The MoE columns of every iteration in the metrics file, as logged.
 fn moe_columns(metrics: &Path) -> Vec<Vec<(String, f64)>> {
@@ -146,7 +125,7 @@ fn on_a_gpu_moe_graphs_train_bitwise_like_eager() {
                     let dir = tempfile::tempdir().unwrap();
                     let outcome = support::gpu_train_in::<GptPretrainArgs>(
                         dir.path(),
-                        &[flags(MOE).as_slice(), extra, graphs].concat(),
+                        &[flags(&moe()).as_slice(), extra, graphs].concat(),
                     );
                     (outcome, moe_columns(&dir.path().join("metrics.jsonl")))
                 })

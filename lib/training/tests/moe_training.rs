@@ -13,36 +13,9 @@ use std::sync::LazyLock;
 
 use megatron_training::GptPretrainArgs;
 
-/// 4 layers, layers 0, 2 and 3 with 4 experts of width 48 (top-2), load-balancing and z-loss.
-static MOE: LazyLock<Vec<&str>> = LazyLock::new(|| {
-    support::tiny_training(
-        &[
-            support::TINY_MODEL,
-            &[
-                "--swiglu",
-                "--position-embedding-type",
-                "rope",
-                "--normalization",
-                "RMSNorm",
-                "--untie-embeddings-and-output-weights",
-                "--disable-bias-linear",
-                "--num-experts",
-                "4",
-                "--moe-ffn-hidden-size",
-                "48",
-                "--moe-layer-freq",
-                "[1,0,1,1]",
-                "--moe-router-topk",
-                "2",
-                "--moe-aux-loss-coeff",
-                "1e-2",
-                "--moe-z-loss-coeff",
-                "1e-3",
-            ],
-        ]
-        .concat(),
-    )
-});
+/// The tiny MoE of `support::TINY_MOE`, as the equivalence tests train it.
+static MOE: LazyLock<Vec<&str>> =
+    LazyLock::new(|| support::tiny_training(&[support::TINY_MODEL, support::TINY_MOE].concat()));
 
 fn train(world: usize, pipeline: usize, extra: &[&str]) -> (support::Outcome, Vec<[f64; 2]>) {
     let (outcome, moe, _) = train_tp(world, 1, pipeline, extra);

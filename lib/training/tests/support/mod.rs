@@ -141,6 +141,30 @@ const MOCK_PRETRAINING: &[&str] = &[
     "3",
 ];
 
+/// [`TINY_MODEL`] made a Llama-style MoE: layers 0, 2 and 3 with 4 experts of width 48 (top-2),
+/// the load-balancing loss and the z-loss.
+pub const TINY_MOE: &[&str] = &[
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--num-experts",
+    "4",
+    "--moe-ffn-hidden-size",
+    "48",
+    "--moe-layer-freq",
+    "[1,0,1,1]",
+    "--moe-router-topk",
+    "2",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+];
+
 /// The model of most equivalence tests: 4 layers of width 64 with 4 heads, sequences of 32.
 pub const TINY_MODEL: &[&str] = &[
     "--num-layers",
