@@ -202,8 +202,10 @@ moe)
     ;;
 llama)
     GPUS="${GPUS:-2}" GOLDEN=
+    # Without dropout: each program draws its own masks, which would hide what is compared.
     MODEL+=(--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention
-            --num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear)
+            --num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear
+            --hidden-dropout 0 --attention-dropout 0)
     ours() { # <log> <flags...>: our pretrain_gpt on the GPUs, launched as torchrun launches it
         local log="$1"
         shift
