@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Output;
 
-use megatron_e2e::{bin, workspace_root};
+use megatron_e2e::{bin, workspace_root, TINY_MOCK_GPT};
 
 /// How a binary's command line can go wrong.
 struct Binary {
@@ -200,29 +200,10 @@ fn checks_after_parsing_exit_two_and_failures_of_the_work_one() {
     ];
     // --sft builds GPT conversation samples: the masked-LM families refuse it.
     let sft = [
-        "--sft",
-        "--num-layers",
-        "1",
-        "--hidden-size",
-        "16",
-        "--num-attention-heads",
-        "2",
-        "--seq-length",
-        "8",
-        "--max-position-embeddings",
-        "8",
-        "--micro-batch-size",
-        "1",
-        "--train-iters",
-        "1",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "64",
-        "--device",
-        "cpu",
-    ];
+        &["--sft", "--train-iters", "1", "--device", "cpu"],
+        TINY_MOCK_GPT,
+    ]
+    .concat();
     let problems = [
         not_a_usage_error("pretrain_bert", &sft, "--sft"),
         not_a_usage_error("pretrain_t5", &sft, "--sft"),
