@@ -80,10 +80,12 @@ def zero_adam_state(optimizer):
                 optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
                 optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
-class PatchDistributedOptimizer(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    NAME = "megatron.core.optimizer.distrib_optimizer"
+class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `patch(module)` once the module `name` has been imported."""
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
     def find_spec(self, name, path, target=None):
-        if name != self.NAME:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         self.spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -94,48 +96,40 @@ class PatchDistributedOptimizer(importlib.abc.MetaPathFinder, importlib.abc.Load
         return self.original.create_module(spec)
     def exec_module(self, module):
         self.original.exec_module(module)
-        state_dict = module.DistributedOptimizer.state_dict
-        def patched(optimizer):
-            zero_adam_state(optimizer.optimizer)
-            return state_dict(optimizer)
-        module.DistributedOptimizer.state_dict = patched
-        # Loading then sets each parameter's torch Adam `step` from the parameter groups and
-        # copies every state entry from the checkpoint's tensors, which have no `step`
-        # (load_parameter_state_from_fs_model_space leaves it out): the step stays as set.
-        set_states = module.DistributedOptimizer._set_main_param_and_optimizer_states
-        def keep_step(optimizer, model_param, tensors):
-            if "step" not in tensors:
-                group_index, group_order = optimizer.model_param_group_index_map[model_param]
-                main_param = optimizer.optimizer.param_groups[group_index]["params"][group_order]
-                step = optimizer.optimizer.state[main_param].get("step")
-                if step is not None:
-                    tensors = {**tensors, "step": step}
-            return set_states(optimizer, model_param, tensors)
-        module.DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+        self.patch(module)
 
-sys.meta_path.insert(0, PatchDistributedOptimizer())
+def patch_distributed_optimizer(module):
+    state_dict = module.DistributedOptimizer.state_dict
+    def patched(optimizer):
+        zero_adam_state(optimizer.optimizer)
+        return state_dict(optimizer)
+    module.DistributedOptimizer.state_dict = patched
+    # Loading then sets each parameter's torch Adam `step` from the parameter groups and copies
+    # every state entry from the checkpoint's tensors, which have no `step`
+    # (load_parameter_state_from_fs_model_space leaves it out): the step stays as set.
+    set_states = module.DistributedOptimizer._set_main_param_and_optimizer_states
+    def keep_step(optimizer, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = optimizer.model_param_group_index_map[model_param]
+            main_param = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+            step = optimizer.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return set_states(optimizer, model_param, tensors)
+    module.DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+
+sys.meta_path.insert(0, PatchOnImport("megatron.core.optimizer.distrib_optimizer",
+                                      patch_distributed_optimizer))
 
 # core_v0.14.0 without Transformer Engine reads an undefined `te_general_gemm` in
 # moe_utils.router_gating_linear (the MoE goldens' runs patched that condition the same way):
 # defined as None, the router takes its own fp32 matmul, as Megatron does without TE.
-class DefineTeGeneralGemm(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    NAME = "megatron.core.transformer.moe.moe_utils"
-    def find_spec(self, name, path, target=None):
-        if name != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        self.spec = importlib.machinery.PathFinder.find_spec(name, path)
-        self.original = self.spec.loader
-        self.spec.loader = self
-        return self.spec
-    def create_module(self, spec):
-        return self.original.create_module(spec)
-    def exec_module(self, module):
-        self.original.exec_module(module)
-        if not hasattr(module, "te_general_gemm"):
-            module.te_general_gemm = None
+def define_te_general_gemm(module):
+    if not hasattr(module, "te_general_gemm"):
+        module.te_general_gemm = None
 
-sys.meta_path.insert(0, DefineTeGeneralGemm())
+sys.meta_path.insert(0, PatchOnImport("megatron.core.transformer.moe.moe_utils",
+                                      define_te_general_gemm))
 
 # core_v0.14.0 reads the original shape of each N-D flattened tensor (the distributed
 # optimizer's fully_sharded_model_space state) from `mcore_data`, which its save planner adds to
@@ -143,34 +137,22 @@ sys.meta_path.insert(0, DefineTeGeneralGemm())
 # and every load stops with "'Metadata' object has no attribute 'mcore_data'". Without it the
 # state is taken as saved in the loading run's own tensor and pipeline layout (the case here:
 # TP1·PP1 both ways), which is what a missing reformulation means.
-class AssumeSameLayoutWithoutMcoreData(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    NAME = "megatron.core.dist_checkpointing.strategies.torch"
-    def find_spec(self, name, path, target=None):
-        if name != self.NAME:
-            return None
-        sys.meta_path.remove(self)
-        self.spec = importlib.machinery.PathFinder.find_spec(name, path)
-        self.original = self.spec.loader
-        self.spec.loader = self
-        return self.spec
-    def create_module(self, spec):
-        return self.original.create_module(spec)
-    def exec_module(self, module):
-        self.original.exec_module(module)
-        original = module.get_reformulation_metadata
-        def reformulation_metadata(sharded_state_dict, checkpoint_dir):
-            metadata = module._get_filesystem_reader(checkpoint_dir).read_metadata()
-            if hasattr(metadata, "mcore_data"):
-                return original(sharded_state_dict, checkpoint_dir)
-            found = {}
-            for sh_ten in module.nested_values(sharded_state_dict):
-                if module.is_nd_flattened_tensor(sh_ten):
-                    found[sh_ten.key] = module.TensorReformulationMetadata(
-                        sh_ten.global_shape, metadata.state_dict_metadata[sh_ten.key].size)
-            return found
-        module.get_reformulation_metadata = reformulation_metadata
+def assume_same_layout_without_mcore_data(module):
+    original = module.get_reformulation_metadata
+    def reformulation_metadata(sharded_state_dict, checkpoint_dir):
+        metadata = module._get_filesystem_reader(checkpoint_dir).read_metadata()
+        if hasattr(metadata, "mcore_data"):
+            return original(sharded_state_dict, checkpoint_dir)
+        found = {}
+        for sh_ten in module.nested_values(sharded_state_dict):
+            if module.is_nd_flattened_tensor(sh_ten):
+                found[sh_ten.key] = module.TensorReformulationMetadata(
+                    sh_ten.global_shape, metadata.state_dict_metadata[sh_ten.key].size)
+        return found
+    module.get_reformulation_metadata = reformulation_metadata
 
-sys.meta_path.insert(0, AssumeSameLayoutWithoutMcoreData())
+sys.meta_path.insert(0, PatchOnImport("megatron.core.dist_checkpointing.strategies.torch",
+                                      assume_same_layout_without_mcore_data))
 EOF
 
 # The distributed-optimizer goldens' flags (their README).
